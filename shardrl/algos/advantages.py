@@ -1,0 +1,140 @@
+"""Advantage estimators: pure functions of tensors, looked up by name in ADVANTAGE_ESTIMATORS.
+
+Every estimator returns `(advantages, returns)`, both `(B, T)` over response tokens, 0 on padding.
+Outcome estimators (GRPO, RLOO, REINFORCE++-baseline) take one scalar score per sample `(B,)` and an
+`index` `(B,)` of group ids (samples of one prompt share an id; groups need not be contiguous); their
+returns equal their advantages. Token-level estimators (GAE, REINFORCE++) take `token_rewards`
+`(B, T)`; `scores_to_token_rewards` makes those from scores.
+
+Whitening here is over this call's batch; the engine keeps a GRPO group on one rank, so group
+statistics are exact, but batch-wide whitening (GAE, REINFORCE++) is per rank.
+"""
+
+import torch
+
+from shardrl.algos.masked import masked_whiten
+
+
+def _broadcast(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Put a per-sample value `(B,)` on every real token `(B, T)`; padding gets 0."""
+    zero = torch.zeros((), dtype=per_sample.dtype, device=per_sample.device)
+    return torch.where(mask.bool(), per_sample.unsqueeze(-1), zero)  # (B, T)
+
+
+def _group_stats(scores: torch.Tensor, index: torch.Tensor):
+    """Per-sample group size, group sum and unbiased group std (like torch.std), each `(B,)`."""
+    ids, group = torch.unique(index, return_inverse=True)  # (G,), (B,) ids 0..G-1
+    num_groups = ids.numel()
+    counts = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
+    counts.index_add_(0, group, torch.ones_like(scores))  # (G,)
+    sums = torch.zeros_like(counts).index_add_(0, group, scores)  # (G,)
+    means = sums / counts  # (G,)
+    sq_dev = (scores - means[group]) ** 2  # (B,)
+    sq_dev_sums = torch.zeros_like(counts).index_add_(0, group, sq_dev)  # (G,)
+    stds = torch.sqrt(sq_dev_sums / (counts - 1).clamp(min=1))  # (G,)
+    return counts[group], sums[group], stds[group]
+
+
+def scores_to_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place each sample's score `(B,)` on its last real token; everything else 0 -> `(B, T)`."""
+    positions = torch.arange(mask.shape[-1], device=mask.device)  # (T,)
+    last = torch.where(mask.bool(), positions, 0).max(dim=-1).values  # (B,)
+    rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)  # (B, T)
+    rewards.scatter_(1, last.unsqueeze(-1), scores.unsqueeze(-1))
+    return torch.where(mask.bool(), rewards, 0.0)  # a row with no real token gets nothing
+
+
+def compute_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    whiten: bool = True,
+):
+    """Generalized advantage estimation over real tokens.
+
+    The reverse scan steps over padding (and over masked holes, e.g. tool-output tokens in a
+    multi-turn response) without changing its carried state, so the next value after the last real
+    token is 0 and a hole is skipped as if absent. returns = advantages + values (before whitening).
+    """
+    valid = mask.bool()  # (B, T)
+    next_value = torch.zeros_like(values[:, 0])  # (B,)
+    last_gae = torch.zeros_like(values[:, 0])  # (B,)
+    advantages = torch.zeros_like(values)  # (B, T)
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
+        gae_t = delta + gamma * lam * last_gae  # (B,)
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        last_gae = torch.where(valid[:, t], gae_t, last_gae)
+        advantages[:, t] = last_gae
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    returns = torch.where(valid, advantages + values, zero)  # (B, T)
+    advantages = masked_whiten(advantages, mask) if whiten else torch.where(valid, advantages, zero)
+    return advantages, returns
+
+
+def compute_grpo(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    index: torch.Tensor,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+):
+    """GRPO: (s - group mean) / (group std + eps); `norm_by_std=False` drops the division (Dr.GRPO).
+
+    As in verl, a group of one sample uses mean 0 and std 1, so its advantage is its score / (1 + eps).
+    """
+    counts, sums, stds = _group_stats(scores, index)  # (B,) each
+    single = counts == 1  # (B,)
+    means = torch.where(single, 0.0, sums / counts)  # (B,)
+    stds = torch.where(single, 1.0, stds)  # (B,)
+    adv = scores - means  # (B,)
+    if norm_by_std:
+        adv = adv / (stds + eps)
+    adv = _broadcast(adv, mask)  # (B, T)
+    return adv, adv
+
+
+def compute_rloo(scores: torch.Tensor, mask: torch.Tensor, index: torch.Tensor):
+    """REINFORCE leave-one-out: s_i minus the mean of the other samples of its group.
+
+    A group of one has no others: its advantage is its score.
+    """
+    counts, sums, _ = _group_stats(scores, index)  # (B,) each
+    others_mean = (sums - scores) / (counts - 1).clamp(min=1)  # (B,)
+    adv = torch.where(counts == 1, scores, scores - others_mean)  # (B,)
+    adv = _broadcast(adv, mask)  # (B, T)
+    return adv, adv
+
+
+def compute_reinforce_plus_plus(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float):
+    """REINFORCE++: discounted return-to-go per token, whitened over all real tokens of the batch.
+
+    The return restarts at every padding token, so nothing flows backwards across padding.
+    """
+    valid = mask.bool()  # (B, T)
+    running = torch.zeros_like(token_rewards[:, 0])  # (B,)
+    returns = torch.zeros_like(token_rewards)  # (B, T)
+    for t in reversed(range(token_rewards.shape[1])):
+        running = torch.where(valid[:, t], token_rewards[:, t] + gamma * running, 0.0)
+        returns[:, t] = running
+    return masked_whiten(returns, mask), returns
+
+
+def compute_reinforce_plus_plus_baseline(scores: torch.Tensor, mask: torch.Tensor, index: torch.Tensor):
+    """REINFORCE++-baseline: subtract the group mean (0 for a group of one), broadcast over tokens,
+    then whiten over all real tokens of the batch."""
+    counts, sums, _ = _group_stats(scores, index)  # (B,) each
+    adv = torch.where(counts == 1, scores, scores - sums / counts)  # (B,)
+    adv = masked_whiten(_broadcast(adv, mask), mask)  # (B, T)
+    return adv, adv
+
+
+ADVANTAGE_ESTIMATORS = {
+    "gae": compute_gae,
+    "grpo": compute_grpo,
+    "rloo": compute_rloo,
+    "reinforce_plus_plus": compute_reinforce_plus_plus,
+    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline,
+}

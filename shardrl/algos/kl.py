@@ -1,0 +1,114 @@
+"""KL between the policy and the reference model: per-token estimators and the penalty coefficient.
+
+The estimators follow http://joschu.net/blog/kl-approx.html with the samples drawn from the policy:
+k1 = log p - log ref (unbiased, high variance), k2 = (log p - log ref)^2 / 2, k3 = r - log r - 1 with
+r = ref / p (unbiased, never negative). "low_var_kl" is k3 clamped to [-10, 10], as in verl.
+"""
+
+import math
+
+import torch
+
+from shardrl.algos.aggregate import agg_loss
+from shardrl.algos.masked import masked_mean
+
+
+def _k1(logprob, ref_logprob):
+    return logprob - ref_logprob  # (B, T)
+
+
+def _k2(logprob, ref_logprob):
+    return 0.5 * (logprob - ref_logprob) ** 2  # (B, T)
+
+
+def _k3(logprob, ref_logprob):
+    log_ratio = ref_logprob - logprob  # (B, T)
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def _low_var_kl(logprob, ref_logprob):
+    # Clamp the log-ratio first so exp cannot overflow, then the estimate itself.
+    log_ratio = torch.clamp(ref_logprob - logprob, min=-20.0, max=20.0)  # (B, T)
+    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
+
+
+KL_ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3, "low_var_kl": _low_var_kl}
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """Per-token KL estimate `(B, T)` of the policy from the reference, by estimator name."""
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {tuple(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[kind](logprob, ref_logprob)
+
+
+def apply_kl_in_reward(
+    token_rewards: torch.Tensor,
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    kind: str = "k1",
+):
+    """Subtract coef * KL from every real token's reward. Returns (new token rewards `(B, T)`,
+    masked token mean of the KL as a 0-dim tensor, for the adaptive controller and metrics)."""
+    kl = torch.where(mask.bool(), kl_penalty(logprob, ref_logprob, kind), 0.0)  # (B, T)
+    return token_rewards - coef * kl, masked_mean(kl, mask)
+
+
+def kl_loss(
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str = "low_var_kl",
+    agg_mode: str = "token-mean",
+    num_global_tokens=None,
+    num_global_seqs=None,
+) -> torch.Tensor:
+    """KL as a loss term (GRPO style) rather than in the reward: the aggregated per-token estimate."""
+    kl = kl_penalty(logprob, ref_logprob, kind)  # (B, T)
+    return agg_loss(kl, mask, agg_mode, num_global_tokens, num_global_seqs)
+
+
+class FixedKLController:
+    """A KL coefficient that never changes."""
+
+    def __init__(self, init_coef: float):
+        self.value = float(init_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Proportional controller of the KL coefficient (Ziegler et al. 2019, "Fine-tuning language
+    models from human preferences", sec. 2.2): moves the coefficient so the KL tracks `target`."""
+
+    def __init__(self, init_coef: float, target: float, horizon: float):
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got {target=} {horizon=}")
+        self.value = float(init_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """`current_kl`: the KL measured this step; `n_steps`: samples (or steps) since the last update."""
+        current_kl = float(current_kl)
+        if not math.isfinite(current_kl):
+            raise ValueError(f"KL controller got a non-finite KL {current_kl}; the coefficient is left as is")
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+        self.target = float(state.get("target", self.target))
+        self.horizon = float(state.get("horizon", self.horizon))

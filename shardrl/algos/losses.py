@@ -1,0 +1,103 @@
+"""Actor and critic losses: pure functions of per-token tensors `(B, T)` and scalars.
+
+Each returns the scalar to backpropagate, aggregated by `agg_loss` (pass the global token / sequence
+counts when the batch is one micro-batch of a larger mini-batch), and, where useful, a dict of
+detached 0-dim metric tensors. Metrics are masked means over this batch only.
+"""
+
+import torch
+
+from shardrl.algos.aggregate import agg_loss
+from shardrl.algos.masked import masked_mean
+
+
+def policy_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c=None,
+    agg_mode: str = "token-mean",
+    num_global_tokens=None,
+    num_global_seqs=None,
+):
+    """PPO clipped surrogate with asymmetric bounds (clip-higher, DAPO) and optional dual-clip.
+
+    ratio = exp(logprob - old_logprob), clipped to [1 - clip_ratio_low, 1 + clip_ratio_high];
+    per token pg = max(-A * ratio, -A * clipped ratio). With `clip_ratio_c` (> 1, dual-clip,
+    Ye et al. 2020) a token with A < 0 is further bounded: pg = min(pg, -A * clip_ratio_c), so a huge
+    ratio on a bad action cannot blow the loss up.
+
+    Metrics: "pg_clipfrac" (tokens where the clipped term is the larger), "pg_clipfrac_lower" (tokens
+    where the dual-clip bound is active), "ppo_kl" (mean of old - new log-prob).
+    """
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"dual-clip clip_ratio_c must be > 1, got {clip_ratio_c}")
+    # Clamp so a stale or padded log-prob cannot overflow exp.
+    log_ratio = torch.clamp(logprob - old_logprob, min=-20.0, max=20.0)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    clipped_ratio = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # (B, T)
+    pg_unclipped = -advantages * ratio  # (B, T)
+    pg_clipped = -advantages * clipped_ratio  # (B, T)
+    pg = torch.maximum(pg_unclipped, pg_clipped)  # (B, T)
+    clipfrac = masked_mean((pg_clipped > pg_unclipped).float(), mask)
+
+    if clip_ratio_c is not None:
+        pg_dual = -advantages * clip_ratio_c  # (B, T)
+        negative = advantages < 0  # (B, T)
+        clipfrac_lower = masked_mean(((pg > pg_dual) & negative).float(), mask)
+        pg = torch.where(negative, torch.minimum(pg, pg_dual), pg)  # (B, T)
+    else:
+        clipfrac_lower = torch.zeros((), device=logprob.device)
+
+    loss = agg_loss(pg, mask, agg_mode, num_global_tokens, num_global_seqs)
+    metrics = {
+        "pg_clipfrac": clipfrac.detach(),
+        "pg_clipfrac_lower": clipfrac_lower.detach(),
+        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+    }
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value=None,
+    agg_mode: str = "token-mean",
+    num_global_tokens=None,
+    num_global_seqs=None,
+):
+    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, old - c, old + c) - R)^2), aggregated.
+
+    `cliprange_value=None` turns clipping off (plain 0.5 * (v - R)^2). Metric "vf_clipfrac": tokens
+    where the clipped term is the larger.
+    """
+    unclipped = (values - returns) ** 2  # (B, T)
+    if cliprange_value is None:
+        per_token, clipfrac = unclipped, torch.zeros((), device=values.device)
+    else:
+        low, high = old_values - cliprange_value, old_values + cliprange_value  # (B, T)
+        values_clipped = torch.clamp(values, low, high)  # (B, T)
+        clipped = (values_clipped - returns) ** 2  # (B, T)
+        per_token = torch.maximum(unclipped, clipped)  # (B, T)
+        clipfrac = masked_mean((clipped > unclipped).float(), mask)
+    loss = 0.5 * agg_loss(per_token, mask, agg_mode, num_global_tokens, num_global_seqs)
+    return loss, {"vf_clipfrac": clipfrac.detach()}
+
+
+def entropy_loss(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    agg_mode: str = "token-mean",
+    num_global_tokens=None,
+    num_global_seqs=None,
+) -> torch.Tensor:
+    """The aggregated per-token entropy `(B, T)`; the caller subtracts coef * this to reward entropy."""
+    return agg_loss(entropy, mask, agg_mode, num_global_tokens, num_global_seqs)
+
+
+POLICY_LOSSES = {"vanilla": policy_loss}

@@ -1,0 +1,390 @@
+"""The config schema: typed dataclasses, one per part of a run; the loader lives in `shardrl.configload`.
+
+    cfg = load_config("run.yaml", ["actor.optim.lr=1e-5", "rollout.n=8"])
+
+Batch sizes follow DESIGN.md: `data.train_batch_size` and `*.ppo_mini_batch_size` count prompts and
+are global; per-rank sizes are derived from them and the world size elsewhere. Each section's
+`validate(prefix)` rejects values that cannot work whatever the world size; checks that need the
+world size run when the run is laid out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, TypeVar
+
+from shardrl.configload import (
+    ConfigError,
+    apply_override,
+    config_keys,
+    config_to_dict,
+    from_dict,
+    load,
+    require,
+    save_config,
+    validate_config,
+)
+
+__all__ = [
+    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
+    "EngineConfig", "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig",
+    "TrainerConfig", "apply_override", "config_keys", "config_to_dict", "from_dict", "load_config",
+    "save_config", "validate_config",
+]
+
+T = TypeVar("T")
+Dtype = Literal["float32", "bfloat16", "float16"]
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    """Local Hugging Face model folder (config, weights, usually the tokenizer)."""
+    tiny: dict | None = None
+    """HF config kwargs for a random-init model when `path` is unset, e.g. {"model_type": "qwen2", "hidden_size": 64}."""
+    tokenizer_path: str | None = None
+    """Tokenizer folder; None uses `path`."""
+    trust_remote_code: bool = False
+    """Allow model/tokenizer code shipped inside the model folder to run."""
+    attn_implementation: str = "sdpa"
+    """HF attention kernel: "sdpa", "eager", "flash_attention_2", ..."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them."""
+    use_remove_padding: bool = True
+    """Pack a micro-batch's sequences into one padding-free row (position_ids) for the forward."""
+    dtype: Dtype = "float32"
+    """Dtype of the master weights (and optimizer state)."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "tiny", self.path is None or self.tiny is None,
+                "set only one of model.path (a model folder) and model.tiny (a random-init config)")
+        require(self, prefix, "tiny", self.tiny is None or "model_type" in self.tiny,
+                'needs a "model_type" entry, e.g. {"model_type": "qwen2", ...}')
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    warmup_steps: int = 0
+    """Linear warm-up steps; 0 uses `warmup_ratio`."""
+    warmup_ratio: float = 0.0
+    """Warm-up as a fraction of `total_steps`, used when `warmup_steps` is 0."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """Schedule after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of `lr`."""
+    total_steps: int | None = None
+    """Optimizer steps the schedule spans; None takes it from the trainer."""
+    clip_grad: float = 1.0
+    """Max global grad norm; <= 0 disables clipping (the norm is still reported)."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "lr", self.lr > 0 and math.isfinite(self.lr), "must be a finite number > 0")
+        require(self, prefix, "betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+        require(self, prefix, "eps", self.eps > 0, "must be > 0")
+        require(self, prefix, "weight_decay", self.weight_decay >= 0, "must be >= 0")
+        require(self, prefix, "warmup_steps", self.warmup_steps >= 0, "must be >= 0")
+        require(self, prefix, "warmup_ratio", 0 <= self.warmup_ratio < 1, "must be in [0, 1)")
+        require(self, prefix, "warmup_ratio", self.warmup_steps == 0 or self.warmup_ratio == 0,
+                "set only one of warmup_steps and warmup_ratio")
+        require(self, prefix, "min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
+        require(self, prefix, "total_steps", self.total_steps is None or self.total_steps >= 1, "must be >= 1 or null")
+
+
+@dataclass
+class EngineConfig:
+    strategy: Literal["fsdp2", "fsdp"] = "fsdp2"
+    """Sharding backend: FSDP2 (`fully_shard`, CPU or GPU) or legacy FSDP1 (CUDA only)."""
+    fsdp_size: int = -1
+    """Ranks one copy of the model is sharded over; -1 (or >= world) shards over all, smaller gives HSDP."""
+    reshard_after_forward: bool = True
+    """Free gathered params after forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
+    param_dtype: Dtype = "bfloat16"
+    """Dtype of the gathered params the forward/backward compute in."""
+    reduce_dtype: Dtype = "float32"
+    """Dtype gradients are reduce-scattered in."""
+    offload_params: bool = False
+    """Keep params (and grads) on CPU between phases."""
+    offload_optimizer: bool = False
+    """Keep optimizer state on CPU between updates."""
+    forward_prefetch: bool = False
+    """Issue the next layer's all-gather before the current layer's forward runs."""
+    micro_batch_size_per_gpu: int = 1
+    """Samples per micro-batch when `use_dynamic_bsz` is off."""
+    use_dynamic_bsz: bool = False
+    """Cut micro-batches by token budget (`max_token_len_per_gpu`) instead of sample count."""
+    max_token_len_per_gpu: int = 16384
+    """Token budget of one dynamic micro-batch."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ranks one sequence is split over (Ulysses); data-parallel size is world // this."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk when computing log-probs from hidden states, so logits never fill tokens x vocab."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses are reduced to one number."""
+    seed: int = 0
+    """Seed of model init and dropout."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "fsdp_size", self.fsdp_size == -1 or self.fsdp_size >= 1,
+                "must be -1 (shard over all ranks) or >= 1")
+        require(self, prefix, "micro_batch_size_per_gpu", self.micro_batch_size_per_gpu >= 1, "must be >= 1")
+        require(self, prefix, "max_token_len_per_gpu", not self.use_dynamic_bsz or self.max_token_len_per_gpu >= 1,
+                "must be >= 1 when use_dynamic_bsz is on")
+        require(self, prefix, "ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size >= 1, "must be >= 1")
+        require(self, prefix, "logprob_chunk_size", self.logprob_chunk_size >= 1, "must be >= 1")
+
+
+def _validate_ppo_loop(section: Any, prefix: str) -> None:
+    require(section, prefix, "ppo_mini_batch_size", section.ppo_mini_batch_size >= 1, "must be >= 1 (prompts)")
+    require(section, prefix, "ppo_epochs", section.ppo_epochs >= 1, "must be >= 1")
+
+
+@dataclass
+class ActorConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Sharding and batching of the policy."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer of the policy."""
+    ppo_mini_batch_size: int = 4
+    """Prompts per optimizer step (global); a step's batch gives train_batch_size / this updates per epoch."""
+    ppo_epochs: int = 1
+    """Passes over each step's batch."""
+    shuffle: bool = True
+    """Shuffle samples before cutting mini-batches."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: the ratio is kept above 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: the ratio is kept below 1 + clip_ratio_high (larger = "clip-higher")."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound on the loss for negative advantages; must be > 1."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus."""
+    use_kl_loss: bool = False
+    """Add KL(policy || ref) to the actor loss (GRPO style)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: KLEstimator = "low_var_kl"
+    """KL estimator of the KL loss."""
+
+    def validate(self, prefix: str) -> None:
+        _validate_ppo_loop(self, prefix)
+        require(self, prefix, "clip_ratio_low", 0 <= self.clip_ratio_low < 1, "must be in [0, 1)")
+        require(self, prefix, "clip_ratio_high", self.clip_ratio_high >= 0, "must be >= 0")
+        require(self, prefix, "clip_ratio_c", self.clip_ratio_c > 1, "must be > 1 (dual-clip bound)")
+        require(self, prefix, "kl_loss_coef", self.kl_loss_coef >= 0, "must be >= 0")
+
+
+@dataclass
+class RefConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Sharding and batching of the frozen reference policy (used for KL)."""
+
+
+@dataclass
+class CriticConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Sharding and batching of the value model (used by GAE)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer of the value model."""
+    ppo_mini_batch_size: int = 4
+    """Prompts per critic optimizer step (global)."""
+    ppo_epochs: int = 1
+    """Passes over each step's batch."""
+    cliprange_value: float = 0.5
+    """Value clip: new values stay within this of the old ones."""
+    model_path: str | None = None
+    """Model folder of the critic; None starts from the actor's model."""
+
+    def validate(self, prefix: str) -> None:
+        _validate_ppo_loop(self, prefix)
+        require(self, prefix, "cliprange_value", self.cliprange_value > 0, "must be > 0")
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["hf", "fast"] = "hf"
+    """Generation engine: HF `generate`, or the static-KV-cache fast engine."""
+    n: int = 4
+    """Responses sampled per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 is off."""
+    top_k: int = 0
+    """Top-k sampling; 0 is off."""
+    max_new_tokens: int = 32
+    """Response length limit in tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a response (besides EOS)."""
+    seed: int = 0
+    """Seed of sampling."""
+    micro_batch_size: int = 64
+    """Prompts per generate call."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "n", self.n >= 1, "must be >= 1")
+        require(self, prefix, "temperature", self.temperature >= 0, "must be >= 0")
+        require(self, prefix, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
+        require(self, prefix, "top_k", self.top_k >= 0, "must be >= 0 (0 = off)")
+        require(self, prefix, "max_new_tokens", self.max_new_tokens >= 1, "must be >= 1")
+        require(self, prefix, "micro_batch_size", self.micro_batch_size >= 1, "must be >= 1")
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Prompt files (parquet / jsonl) to train on."""
+    val_files: list[str] = field(default_factory=list)
+    """Prompt files to validate on."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt (a string or a chat message list)."""
+    max_prompt_length: int = 256
+    """Prompt length limit in tokens."""
+    truncation: Literal["error", "drop", "left", "right"] = "drop"
+    """Over-long prompts: raise, drop the row, or cut tokens from the left / right."""
+    skip_bad_rows: bool = False
+    """Skip (and count) rows without a usable prompt instead of raising."""
+    train_batch_size: int = 8
+    """Prompts per training step (global)."""
+    val_batch_size: int | None = None
+    """Prompts per validation batch; None takes the whole validation set."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch."""
+    seed: int = 0
+    """Seed of the shuffle."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "max_prompt_length", self.max_prompt_length >= 1, "must be >= 1")
+        require(self, prefix, "train_batch_size", self.train_batch_size >= 1, "must be >= 1 (prompts)")
+        require(self, prefix, "val_batch_size", self.val_batch_size is None or self.val_batch_size >= 1,
+                "must be >= 1 or null")
+
+
+@dataclass
+class RewardConfig:
+    function_path: str | None = None
+    """Python file defining the reward function; None uses the built-in rule-based scorers."""
+    function_name: str = "compute_score"
+    """Name of the reward function in `function_path`."""
+    model_path: str | None = None
+    """Reward model folder (sequence-classification head), instead of a function."""
+    on_error_score: float = 0.0
+    """Score given when the reward function raises on a sample."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
+    """How advantages are estimated; "gae" needs the critic."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's reward std (False is Dr. GRPO)."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    use_kl_in_reward: bool = False
+    """Subtract a KL(policy || ref) penalty from the token rewards."""
+    kl_penalty: KLEstimator = "k1"
+    """KL estimator of the in-reward penalty."""
+    kl_coef: float = 0.001
+    """Weight of the in-reward KL penalty (initial value when adaptive)."""
+    kl_target: float | None = None
+    """Target KL of the adaptive controller; None keeps `kl_coef` fixed."""
+    kl_horizon: int = 10000
+    """Horizon of the adaptive KL controller, in samples."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "gamma", 0 <= self.gamma <= 1, "must be in [0, 1]")
+        require(self, prefix, "lam", 0 <= self.lam <= 1, "must be in [0, 1]")
+        require(self, prefix, "kl_coef", self.kl_coef >= 0, "must be >= 0")
+        require(self, prefix, "kl_target", self.kl_target is None or self.kl_target > 0, "must be > 0 or null")
+        require(self, prefix, "kl_horizon", self.kl_horizon >= 1, "must be >= 1")
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 20
+    """Training steps (one rollout batch and its updates each)."""
+    output_dir: str | None = None
+    """Run folder (config, metrics, checkpoints); None is ./outputs/<timestamp>."""
+    save_freq: int = 0
+    """Checkpoint every this many steps; 0 never."""
+    keep_last: int = 2
+    """Checkpoints kept on disk; 0 keeps all."""
+    resume: Literal["auto", "never"] | str = "never"
+    """Where to start: "auto" (latest checkpoint in output_dir, if any), "never" (fresh), or a checkpoint path."""
+    val_freq: int = 0
+    """Validate every this many steps; 0 never."""
+    logger: list[LoggerName] = field(default_factory=lambda: ["console", "jsonl"])
+    """Metric sinks."""
+    project_name: str = "shardrl"
+    """Project name for loggers that group runs."""
+    experiment_name: str = "run"
+    """Name of this run in the loggers."""
+    nnodes: int = 1
+    """Nodes the run spans (torchrun --nnodes)."""
+    nproc_per_node: int = 1
+    """Processes (GPUs) per node (torchrun --nproc-per-node)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to run; "auto" picks CUDA when present."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "total_steps", self.total_steps >= 1, "must be >= 1")
+        require(self, prefix, "save_freq", self.save_freq >= 0, "must be >= 0 (0 = never)")
+        require(self, prefix, "keep_last", self.keep_last >= 0, "must be >= 0 (0 = keep all)")
+        require(self, prefix, "resume", bool(self.resume), 'must be "auto", "never" or a checkpoint path')
+        require(self, prefix, "val_freq", self.val_freq >= 0, "must be >= 0 (0 = never)")
+        require(self, prefix, "nnodes", self.nnodes >= 1, "must be >= 1")
+        require(self, prefix, "nproc_per_node", self.nproc_per_node >= 1, "must be >= 1")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model (and tokenizer)."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The policy being trained."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """The frozen reference policy."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (GAE only)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Response generation."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt datasets and batch size."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function or model."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator and in-reward KL."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Run length, checkpoints, logging, launch."""
+
+    def validate(self, prefix: str) -> None:
+        batch = self.data.train_batch_size
+        for section in ("actor", "critic") if self.algorithm.adv_estimator == "gae" else ("actor",):
+            mini = getattr(self, section).ppo_mini_batch_size
+            require(self, prefix, f"{section}.ppo_mini_batch_size", mini <= batch and batch % mini == 0,
+                    f"must divide data.train_batch_size={batch} (both count prompts)")
+        group_baseline = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+        require(self, prefix, "rollout.n", self.algorithm.adv_estimator not in group_baseline or self.rollout.n >= 2,
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares responses within a prompt's "
+                "group, so it needs rollout.n >= 2")
+
+
+def load_config(path: str | None = None, overrides: Iterable[str] = (), cls: type[T] = Config) -> T:
+    """Defaults of `cls`, then the YAML file at `path`, then `key=value` overrides; validated.
+
+    Raises `ConfigError` (a `ValueError`) naming the dotted key for any bad key, value or file.
+    """
+    return load(cls, path, overrides)

@@ -1,0 +1,124 @@
+"""Process group start-up and the device mesh every engine shards on.
+
+Layout rules (see DESIGN.md):
+- `fsdp_size` -1 or >= world: a 1-D `("fsdp",)` mesh, parameters fully sharded over all ranks.
+- `fsdp_size` < world: a 2-D `("ddp", "fsdp")` mesh (HSDP): sharded within groups of `fsdp_size`,
+  replicated across the `world // fsdp_size` groups.
+- Ulysses sequence parallel of size `sp` adds a `("dp", "sp")` view; the data-parallel size is
+  `world // sp` (ranks of one sp group hold pieces of the same sequences).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+    """Starts the default process group from torchrun's environment (a world of 1 without it)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+@dataclass
+class MeshLayout:
+    """The meshes of one engine and the sizes derived from them."""
+
+    fsdp_mesh: DeviceMesh
+    """1-D ("fsdp",) or 2-D ("ddp", "fsdp"): what parameters are sharded/replicated on."""
+    dp_sp_mesh: DeviceMesh
+    """2-D ("dp", "sp"): which ranks see the same data (sp) and which see different data (dp)."""
+    world_size: int
+    sp_size: int
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_sp_mesh.get_local_rank("dp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.dp_sp_mesh.get_group("dp")
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup:
+        return self.dp_sp_mesh.get_group("sp")
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.fsdp_mesh.ndim == 2
+
+    def describe(self) -> str:
+        names = self.fsdp_mesh.mesh_dim_names
+        shape = tuple(self.fsdp_mesh.shape)
+        kind = "HSDP" if self.is_hsdp else "FSDP"
+        return f"{kind} mesh {dict(zip(names, shape))}, dp={self.dp_size}, sp={self.sp_size}"
+
+
+def check_layout(world_size: int, fsdp_size: int, sp_size: int) -> None:
+    """Raises ValueError, naming the numbers and a fix, for a layout the world cannot hold."""
+    if sp_size < 1 or world_size % sp_size != 0:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"ulysses_sequence_parallel_size={sp_size} does not divide the world size {world_size}; "
+            f"choose one of {divisors}"
+        )
+    if fsdp_size == 0 or fsdp_size < -1:
+        raise ValueError(f"fsdp_size={fsdp_size} is invalid; use -1 (shard over all ranks) or a positive size")
+    if 0 < fsdp_size < world_size and world_size % fsdp_size != 0:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"fsdp_size={fsdp_size} does not divide the world size {world_size} (HSDP needs "
+            f"world = replicas x fsdp_size); choose one of {divisors}, or -1 for full sharding"
+        )
+
+
+def build_device_mesh(fsdp_size: int = -1, sp_size: int = 1, world_size: int | None = None) -> MeshLayout:
+    world_size = world_size or dist.get_world_size()
+    check_layout(world_size, fsdp_size, sp_size)
+    dev = device_type()
+    if fsdp_size == -1 or fsdp_size >= world_size:
+        fsdp_mesh = init_device_mesh(dev, (world_size,), mesh_dim_names=("fsdp",))
+    else:
+        fsdp_mesh = init_device_mesh(dev, (world_size // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
+    dp_sp_mesh = init_device_mesh(dev, (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    return MeshLayout(fsdp_mesh=fsdp_mesh, dp_sp_mesh=dp_sp_mesh, world_size=world_size, sp_size=sp_size)
+
+
+def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum over `group`; returns a new tensor on the caller's device."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return values.clone()
+    coll_dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    out = values.detach().to(coll_dev, dtype=torch.float64 if values.is_floating_point() else values.dtype)
+    dist.all_reduce(out, group=group)
+    return out.to(values.device, values.dtype)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,5 @@
+"""The sharded training engine: one contract (`Engine`), backends registered by name."""
+
+from shardrl.engine.base import Engine, LossFn, build_engine, register_engine
+
+__all__ = ["Engine", "LossFn", "build_engine", "register_engine"]

@@ -1,0 +1,216 @@
+"""The engine contract: one class that builds, shards and runs a model; backends fill in the sharding.
+
+A backend (`fsdp2`, `fsdp`) implements `_wrap`, `_clip_grad_norm` and the state functions; the
+micro-batch loop, loss normalization, optimizer, schedule and metrics live here once.
+
+Loss normalization: a loss function gets the token and sequence counts of the whole mini-batch summed
+over the data-parallel ranks, and returns its micro-batch's share of the mini-batch loss. The shares
+add up to the mini-batch loss whatever the cut, and FSDP's gradient averaging over the `world` ranks is
+undone by scaling each share by `world`, so the update equals that of one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import math
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardrl.batch import Batch
+from shardrl.distributed import MeshLayout, all_reduce_sum, build_device_mesh, device_type
+from shardrl.engine.microbatch import restore_order, split_micro_batches
+from shardrl.engine.model import DTYPES, PolicyModel, build_causal_lm, load_hf_config, strip_prefix
+from shardrl.engine.optim import build_lr_scheduler, build_optimizer
+
+log = logging.getLogger(__name__)
+
+# loss_fn(outputs, micro_batch, num_global_tokens, num_global_seqs) -> (loss share, metrics)
+LossFn = Callable[[dict, Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
+
+_ENGINES: dict[str, type["Engine"]] = {}
+
+
+def register_engine(name: str):
+    def deco(cls):
+        _ENGINES[name] = cls
+        cls.strategy = name
+        return cls
+
+    return deco
+
+
+def build_engine(model_cfg, engine_cfg, optim_cfg=None, value_head: bool = False, total_steps: int | None = None,
+                 mesh: MeshLayout | None = None) -> "Engine":
+    """The engine named by `engine_cfg.strategy`; `optim_cfg=None` makes a forward-only engine."""
+    import shardrl.engine.fsdp1  # noqa: F401  (registers "fsdp")
+    import shardrl.engine.fsdp2  # noqa: F401  (registers "fsdp2")
+
+    if engine_cfg.strategy not in _ENGINES:
+        raise ValueError(f"unknown strategy {engine_cfg.strategy!r}; choose one of {sorted(_ENGINES)}")
+    return _ENGINES[engine_cfg.strategy](model_cfg, engine_cfg, optim_cfg, value_head, total_steps, mesh)
+
+
+class Engine(abc.ABC):
+    strategy: str = ""
+
+    def __init__(self, model_cfg, engine_cfg, optim_cfg=None, value_head: bool = False,
+                 total_steps: int | None = None, mesh: MeshLayout | None = None):
+        self.model_cfg, self.cfg, self.optim_cfg = model_cfg, engine_cfg, optim_cfg
+        self.device = torch.device(device_type(), torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.mesh = mesh or build_device_mesh(engine_cfg.fsdp_size, engine_cfg.ulysses_sequence_parallel_size)
+        self.rank = dist.get_rank()
+        self.hf_config = load_hf_config(model_cfg.path, model_cfg.tiny, model_cfg.trust_remote_code)
+        self.module = self._build_module(value_head)
+        self.optimizer = self.lr_scheduler = None
+        if optim_cfg is not None:
+            o = optim_cfg
+            self.optimizer = build_optimizer(self.module.parameters(), o.lr, o.betas, o.eps, o.weight_decay)
+            steps = o.total_steps or total_steps
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, o.warmup_steps, o.warmup_ratio, steps,
+                                                   o.lr_schedule, o.min_lr_ratio)
+        self.global_step = 0
+
+    # ---- building -------------------------------------------------------------------------------
+    def _build_module(self, value_head: bool) -> nn.Module:
+        mc = self.model_cfg
+        master_dtype = DTYPES[mc.dtype]
+        # rank 0 reads the weights once; the others start on meta and receive their shards
+        full = None
+        if self.rank == 0:
+            lm = build_causal_lm(self.hf_config, mc.path, "cpu", master_dtype, self.cfg.seed,
+                                 mc.attn_implementation, mc.trust_remote_code)
+            full = PolicyModel(lm, value_head, self.cfg.logprob_chunk_size)
+            if value_head:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(self.cfg.seed + 1)
+                    nn.init.normal_(full.value_head.weight, std=1.0 / math.sqrt(self.hf_config.hidden_size))
+                    nn.init.zeros_(full.value_head.bias)
+        lm_meta = build_causal_lm(self.hf_config, None, "meta", master_dtype,
+                                  attn_implementation=mc.attn_implementation, trust_remote_code=mc.trust_remote_code)
+        module = PolicyModel(lm_meta, value_head, self.cfg.logprob_chunk_size)
+        if mc.gradient_checkpointing:
+            module.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        module.lm.config.use_cache = False
+        return self._wrap(module, full)
+
+    @abc.abstractmethod
+    def _wrap(self, module: PolicyModel, full: PolicyModel | None) -> nn.Module:
+        """Shards `module` (on meta) on `self.mesh` and fills it with `full`'s weights (rank 0 only)."""
+
+    @abc.abstractmethod
+    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The total gradient norm over all shards; clips to `max_norm` when it is > 0."""
+
+    @abc.abstractmethod
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, full tensor) one parameter at a time; every rank must iterate (collectives)."""
+
+    def num_fsdp_units(self) -> int:
+        return 0
+
+    # ---- running --------------------------------------------------------------------------------
+    @property
+    def dp_group(self):
+        return self.mesh.dp_group
+
+    def _micro_batches(self, batch: Batch):
+        if self.cfg.use_dynamic_bsz:
+            return split_micro_batches(batch, max_token_len=self.cfg.max_token_len_per_gpu, dp_group=self.dp_group)
+        return split_micro_batches(batch, micro_batch_size=self.cfg.micro_batch_size_per_gpu)
+
+    def _forward(self, mb: Batch, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+        return self.module(
+            mb["input_ids"], mb["attention_mask"], remove_padding=self.model_cfg.use_remove_padding,
+            temperature=temperature, with_entropy=with_entropy,
+        )
+
+    def _placeholder(self, like: Batch) -> Batch:
+        """A one-token micro-batch with no loss tokens, run by a rank that has run out of samples."""
+        ones = torch.ones(1, 1, dtype=torch.long, device=self.device)
+        tensors = {k: torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=self.device) for k, v in like.tensors.items()}
+        tensors.update(input_ids=ones * 0, attention_mask=ones, loss_mask=ones * 0)
+        tensors = {k: v[:, :1] if v.dim() > 1 else v for k, v in tensors.items()}
+        return Batch(tensors, {k: [None] for k in like.fields}, dict(like.meta))
+
+    def train_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0,
+                    with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step on a per-rank mini-batch; `batch["loss_mask"]` marks the tokens that count."""
+        if self.optimizer is None:
+            raise RuntimeError("this engine was built without an optimizer (forward-only)")
+        self.module.train()
+        batch = batch.to(self.device)
+        num_tokens = all_reduce_sum(batch["loss_mask"].sum().double(), self.dp_group)
+        num_seqs = all_reduce_sum(torch.tensor(float(len(batch)), dtype=torch.float64), self.dp_group)
+        micro_batches, _ = self._micro_batches(batch)
+        grad_scale = self.mesh.world_size  # FSDP averages gradients over every rank of the mesh
+
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        extra: dict[str, float] = {}
+        for mb in micro_batches:
+            real = len(mb) > 0
+            mb = mb if real else self._placeholder(batch)
+            outputs = self._forward(mb, temperature, with_entropy)
+            loss, metrics = loss_fn(outputs, mb, num_tokens.to(self.device), num_seqs.to(self.device))
+            if not real:
+                loss = loss * 0.0
+            # ties every output to the graph so each rank runs the same backward collectives
+            anchor = sum(v.sum() for v in outputs.values()) * 0.0
+            ((loss + anchor) * grad_scale).backward()
+            loss_sum += loss.detach().double().cpu()
+            for k, v in metrics.items():
+                extra[k] = extra.get(k, 0.0) + float(v) / len(micro_batches)
+
+        grad_norm = self._clip_grad_norm(self.optim_cfg.clip_grad)
+        finite = bool(torch.isfinite(grad_norm))
+        lr = self.optimizer.param_groups[0]["lr"]
+        if finite:
+            self.optimizer.step()
+            self.lr_scheduler.step()
+            self.global_step += 1
+        else:
+            log.warning("step skipped: gradient norm is %s", float(grad_norm))
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = {
+            "loss": float(all_reduce_sum(loss_sum, self.dp_group)),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "num_tokens": float(num_tokens),
+            "num_micro_batches": float(len(micro_batches)),
+            "skipped_step": float(not finite),
+        }
+        for k, v in extra.items():
+            metrics[k] = float(all_reduce_sum(torch.tensor(v, dtype=torch.float64), self.dp_group)) / self.mesh.dp_size
+        return metrics
+
+    @torch.no_grad()
+    def infer_batch(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:
+        """Forward only: per-token `log_probs` (and `entropy`), or `values` for a critic, `(B, T)`,
+        in the order of `batch`."""
+        self.module.eval()
+        batch = batch.to(self.device)
+        micro_batches, perm = self._micro_batches(batch)
+        results = []
+        for mb in micro_batches:
+            real = len(mb) > 0
+            outputs = self._forward(mb if real else self._placeholder(batch), temperature, with_entropy)
+            results.append(Batch({k: v.float() for k, v in outputs.items()}) if real else Batch())
+        return restore_order([r for r in results if len(r.keys())], perm)
+
+    # ---- helpers shared by backends ---------------------------------------------------------------
+    def hf_name(self, name: str) -> str:
+        return strip_prefix(name)
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        was = self.module.training
+        self.module.eval()
+        try:
+            yield
+        finally:
+            self.module.train(was)

@@ -1,0 +1,99 @@
+"""FSDP2 backend: `fully_shard` on every decoder block, then on the root (the PolicyModel).
+
+Parameters become DTensors sharded on dim 0 over the `fsdp` mesh axis (and replicated over `ddp` for
+HSDP). `reshard_after_forward=False` keeps gathered parameters until backward: ZeRO-2.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from shardrl.engine.base import Engine, register_engine
+from shardrl.engine.model import DTYPES, PolicyModel, decoder_blocks
+
+
+def non_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Buffers a state dict does not hold (e.g. rotary `inv_freq`), which meta init leaves empty."""
+    for mod_name, mod in module.named_modules():
+        for buf_name in sorted(mod._non_persistent_buffers_set):
+            buf = mod._buffers.get(buf_name)
+            if buf is not None:
+                yield (f"{mod_name}.{buf_name}" if mod_name else buf_name), buf
+
+
+def broadcast_non_persistent_buffers(module: nn.Module, full: nn.Module | None, device: torch.device) -> None:
+    for name, buf in non_persistent_buffers(module):
+        if full is not None:
+            buf.copy_(full.get_buffer(name).to(buf.device))
+        if dist.get_world_size() > 1:
+            tmp = buf.to(device)
+            dist.broadcast(tmp, src=0)
+            buf.copy_(tmp)
+
+
+@register_engine("fsdp2")
+class FSDP2Engine(Engine):
+    def _wrap(self, module: PolicyModel, full: PolicyModel | None) -> nn.Module:
+        cfg = self.cfg
+        master = DTYPES[self.model_cfg.dtype]
+        param_dtype = DTYPES[cfg.param_dtype]
+        mp = MixedPrecisionPolicy(
+            param_dtype=None if param_dtype == master else param_dtype,
+            reduce_dtype=DTYPES[cfg.reduce_dtype],
+        )
+        offload = CPUOffloadPolicy() if cfg.offload_params else OffloadPolicy()
+        kwargs = dict(mesh=self.mesh.fsdp_mesh, reshard_after_forward=cfg.reshard_after_forward,
+                      mp_policy=mp, offload_policy=offload)
+        blocks = decoder_blocks(module.lm)
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(module, **kwargs)
+        self._num_units = len(blocks) + 1
+        if cfg.forward_prefetch:
+            for block, nxt in zip(blocks, blocks[1:]):
+                block.set_modules_to_forward_prefetch([nxt])
+            for block, prev in zip(blocks[1:], blocks):
+                block.set_modules_to_backward_prefetch([prev])
+
+        module.to_empty(device="cpu" if cfg.offload_params else self.device)
+        for mod in module.modules():  # buffers are not offloaded: they meet activations on the device
+            for name, buf in mod._buffers.items():
+                if buf is not None:
+                    mod._buffers[name] = buf.to(self.device)
+        set_model_state_dict(
+            module, full.state_dict() if full is not None else {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        broadcast_non_persistent_buffers(module, full, self.device)
+        return module
+
+    def num_fsdp_units(self) -> int:
+        return self._num_units
+
+    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=None)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()  # sums the squared shard norms over the mesh
+        if max_norm > 0 and torch.isfinite(total):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
+        return total.detach().float().cpu()
+
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.module.named_parameters():
+            tensor = param.detach()
+            if isinstance(tensor, DTensor):
+                if tensor.device.type != self.device.type:  # offloaded shard: gather on the device
+                    tensor = DTensor.from_local(tensor.to_local().to(self.device), tensor.device_mesh,
+                                                tensor.placements, run_check=False, shape=tensor.shape,
+                                                stride=tensor.stride())
+                tensor = tensor.full_tensor()
+            yield self.hf_name(name), tensor.to(dtype) if dtype is not None else tensor

@@ -1,0 +1,112 @@
+"""Per-token log-probs and entropy without holding `tokens x vocab` fp32 logits at once, and the
+packing (padding removal) of a micro-batch into one row that HF models read through `position_ids`.
+
+Convention: `log_probs[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`, so a log-prob sits on the
+token it scores and a response mask applies to it directly; the first token of a sequence has 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_logprob(hidden, weight, bias, targets, temperature: float, with_entropy: bool):
+    logits = F.linear(hidden, weight, bias).float()  # (n, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)  # (n,)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz  # (n,)
+    if not with_entropy:
+        return logp, None
+    probs = torch.softmax(logits, dim=-1)
+    entropy = logz - (probs * logits).sum(-1)  # (n,)
+    return logp, entropy
+
+
+def chunked_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(targets) (and entropy) of `hidden @ weight.T`, `chunk_size` tokens at a time.
+
+    hidden (N, H), targets (N,). Under autograd each chunk is checkpointed, so only one chunk's
+    logits exist at a time in the backward pass too.
+    """
+    logps, ents = [], []
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    for start in range(0, hidden.shape[0], chunk_size):
+        args = (hidden[start : start + chunk_size], weight, bias, targets[start : start + chunk_size])
+        if recompute:
+            lp, ent = checkpoint(_chunk_logprob, *args, temperature, with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprob(*args, temperature, with_entropy)
+        logps.append(lp)
+        ents.append(ent)
+    logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
+    entropy = torch.cat(ents) if with_entropy and ents else None
+    return logp, entropy
+
+
+@dataclass
+class Packed:
+    """A micro-batch with padding removed: all real tokens in one row."""
+
+    input_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N), restarting at 0 for every sequence
+    flat_index: torch.Tensor  # (N,) where each packed token sits in the flattened (B*T) batch
+    shape: tuple[int, int]  # (B, T) of the padded batch
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
+    mask = attention_mask.bool()
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+    flat_index = mask.flatten().nonzero().squeeze(-1)  # (N,)
+    return Packed(
+        input_ids=input_ids.flatten()[flat_index].unsqueeze(0),
+        position_ids=position_ids.flatten()[flat_index].unsqueeze(0),
+        flat_index=flat_index,
+        shape=tuple(input_ids.shape),
+    )
+
+
+def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """(N,) per packed token -> (B, T) with zeros at padding."""
+    rows = packed.flat_index // packed.shape[1]
+    cols = packed.flat_index % packed.shape[1]
+    # out-of-place, and not a view: FSDP2's pre-backward hook sits on the module's output
+    return values.new_zeros(packed.shape).index_put((rows, cols), values)
+
+
+def next_token_log_probs(
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_start: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs aligned to the scored token for one row of tokens.
+
+    hidden (N, H), input_ids (N,), seq_start (N,) bool: True where a sequence begins (nothing scores
+    that token). Returns log_probs (N,) and entropy (N,) (entropy of the distribution that produced
+    the token), both 0 at sequence starts.
+    """
+    lp, ent = chunked_log_probs(
+        hidden[:-1], weight, bias, input_ids[1:], temperature, chunk_size, with_entropy
+    )
+    keep = ~seq_start
+    lp = F.pad(lp, (1, 0)) * keep
+    if ent is not None:
+        ent = F.pad(ent, (1, 0)) * keep
+    return lp, ent

@@ -1,0 +1,99 @@
+"""Cutting a per-rank mini-batch into the micro-batches that meet the device.
+
+Fixed: `micro_batch_size` samples each, in order. Dynamic: at most `max_token_len` real tokens each,
+balanced so micro-batches carry similar token counts; the samples are reordered to do so and
+`restore_order` puts per-sample results back. Every data-parallel rank must run the same number of
+micro-batches (each forward/backward is a round of FSDP collectives), so the dynamic count is agreed
+with an all-reduce(max) over the data-parallel group.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import torch
+import torch.distributed as dist
+
+from shardrl.batch import Batch, inverse_permutation
+
+
+def seq_lengths(batch: Batch) -> torch.Tensor:
+    return batch["attention_mask"].sum(-1).long()  # (B,)
+
+
+def balanced_partition(lengths: list[int], num_parts: int) -> list[list[int]]:
+    """Greedy longest-first assignment of items to the currently lightest part.
+
+    Every part gets at least one item when there are at least `num_parts` items. Within a part,
+    indices are sorted so the original order is kept as far as possible.
+    """
+    if num_parts < 1:
+        raise ValueError(f"num_parts must be >= 1, got {num_parts}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    # (load, count, part): the count term makes empty parts take items first when loads tie at 0
+    heap = [(0, 0, p) for p in range(num_parts)]
+    for i in order:
+        load, count, p = heapq.heappop(heap)
+        parts[p].append(i)
+        heapq.heappush(heap, (load + lengths[i], count + 1, p))
+    return [sorted(p) for p in parts]
+
+
+def num_dynamic_micro_batches(lengths: list[int], max_token_len: int) -> int:
+    """The fewest micro-batches under the budget that longest-first balancing reaches."""
+    longest = max(lengths, default=0)
+    if longest > max_token_len:
+        raise ValueError(
+            f"a sequence of {longest} tokens exceeds max_token_len_per_gpu={max_token_len}; "
+            f"raise max_token_len_per_gpu to at least {longest} (or shorten prompts/responses)"
+        )
+    k = max(1, math.ceil(sum(lengths) / max_token_len))
+    while k < len(lengths):
+        parts = balanced_partition(lengths, k)
+        if max(sum(lengths[i] for i in p) for p in parts) <= max_token_len:
+            break
+        k += 1
+    return min(k, max(1, len(lengths)))
+
+
+def split_micro_batches(
+    batch: Batch,
+    micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+) -> tuple[list[Batch], torch.Tensor | None]:
+    """Returns the micro-batches and, for dynamic batching, the permutation that was applied.
+
+    With dynamic batching a micro-batch may be empty (a rank with fewer samples than the agreed count);
+    the engine still runs it so collectives stay matched.
+    """
+    if (micro_batch_size is None) == (max_token_len is None):
+        raise ValueError("give exactly one of micro_batch_size and max_token_len")
+    if micro_batch_size is not None:
+        return batch.split(micro_batch_size), None
+
+    lengths = seq_lengths(batch).tolist()
+    k = num_dynamic_micro_batches(lengths, max_token_len)
+    if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        k_t = torch.tensor([k], dtype=torch.long, device=_collective_device(dp_group))
+        dist.all_reduce(k_t, op=dist.ReduceOp.MAX, group=dp_group)
+        k = int(k_t.item())
+    parts = balanced_partition(lengths, k)
+    perm = torch.tensor([i for p in parts for i in p], dtype=torch.long)
+    micro_batches = [batch.index(p) for p in parts]
+    return micro_batches, perm
+
+
+def restore_order(results: list[Batch], perm: torch.Tensor | None) -> Batch:
+    """Concatenates per-micro-batch results and undoes the permutation `split_micro_batches` made."""
+    merged = Batch.concat([r for r in results if len(r) > 0] or results[:1])
+    return merged if perm is None else merged.reorder(inverse_permutation(perm))
+
+
+def _collective_device(group: dist.ProcessGroup) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

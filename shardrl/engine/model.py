@@ -1,0 +1,132 @@
+"""Building the Hugging Face causal LM an engine trains, and the thin module that turns it into an
+RL policy (per-token log-probs) or a critic (per-token values).
+
+Weights are read once, by global rank 0 (on CPU); every other rank builds the model on the meta device
+and receives its shard from rank 0 when the engine loads the state dict with `broadcast_from_rank0`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import transformers
+
+from shardrl.engine.logprob import next_token_log_probs, pack, unpack
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool = False):
+    """The HF config of a local model folder, or one built from `tiny` (kwargs incl. `model_type`)."""
+    if path is None:
+        if not tiny:
+            raise ValueError("model.path is not set; give a local Hugging Face model folder (or model.tiny for a test model)")
+        kwargs = dict(tiny)
+        model_type = kwargs.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("model.tiny needs a 'model_type' (e.g. 'qwen2' or 'llama')")
+        return transformers.AutoConfig.for_model(model_type, **kwargs)
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"model.path={path!r} is not a folder; give a local Hugging Face model folder")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model.path={path!r} has no config.json; is it a Hugging Face model folder?")
+    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    archs = getattr(config, "architectures", None) or []
+    if archs and not any(a.endswith("ForCausalLM") for a in archs):
+        raise ValueError(
+            f"model.path={path!r} holds a {', '.join(archs)}, not a causal LM (*ForCausalLM); "
+            "shardrl trains causal language models"
+        )
+    return config
+
+
+def build_causal_lm(config, path: str | None, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
+                    attn_implementation: str = "sdpa", trust_remote_code: bool = False) -> nn.Module:
+    """The model with real weights (from `path`, or a seeded random init) on `device` ('meta' for none)."""
+    kwargs = dict(attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    if str(device) == "meta":
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+        return model
+    if path is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **kwargs)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    return model.to(device)
+
+
+def decoder_block_classes(model: nn.Module) -> set[type]:
+    """The classes of the repeated decoder blocks (what FSDP wraps one by one)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} (no _no_split_modules match)")
+    return classes
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    classes = decoder_block_classes(model)
+    return [m for m in model.modules() if type(m) in classes]
+
+
+class PolicyModel(nn.Module):
+    """An HF causal LM (or its decoder plus a value head) that returns per-token outputs.
+
+    This module, not the HF model, is the FSDP root: its forward runs the decoder and then the output
+    projection in chunks, so the root's parameters (embeddings, final norm, lm_head) are gathered by FSDP's
+    own hooks. Its state dict keys are the HF names behind a `lm.` (or `value_head.`) prefix.
+    """
+
+    def __init__(self, lm: nn.Module, value_head: bool = False, chunk_size: int = 1024):
+        super().__init__()
+        self.lm = lm
+        self.chunk_size = chunk_size
+        self.value_head = nn.Linear(lm.config.hidden_size, 1, bias=True) if value_head else None
+
+    def forward(self, input_ids, attention_mask, remove_padding: bool = True,
+                temperature: float = 1.0, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        decoder = self.lm.get_decoder()
+        if remove_padding:
+            packed = pack(input_ids, attention_mask)
+            hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids).last_hidden_state[0]
+            seq_start = packed.position_ids[0] == 0  # (N,)
+            ids = packed.input_ids[0]
+            restore = lambda x: unpack(x, packed)  # noqa: E731
+        else:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+            out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+            hidden = out.last_hidden_state.flatten(0, 1)  # (B*T, H)
+            seq_start = position_ids.flatten() == 0
+            ids = input_ids.flatten()
+            shape, keep = input_ids.shape, attention_mask.to(hidden.dtype if hidden.is_floating_point() else torch.float32)
+            restore = lambda x: x.view(shape) * keep.to(x.dtype)  # noqa: E731
+
+        if self.value_head is not None:
+            # the value of token t is read at t-1, the state from which token t was chosen
+            values = self.value_head(hidden).squeeze(-1).float()  # (N,)
+            values = torch.nn.functional.pad(values[:-1], (1, 0)) * (~seq_start)
+            return {"values": restore(values)}
+        head = self.lm.get_output_embeddings()
+        logp, entropy = next_token_log_probs(
+            hidden, ids, head.weight, head.bias, seq_start, temperature, self.chunk_size, with_entropy
+        )
+        outputs = {"log_probs": restore(logp)}
+        if entropy is not None:
+            outputs["entropy"] = restore(entropy)
+        return outputs
+
+
+def strip_prefix(name: str) -> str:
+    """The HF name of a PolicyModel parameter (drops `lm.` and FSDP1 wrapper names)."""
+    name = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+    return name[len("lm."):] if name.startswith("lm.") else name
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))

@@ -1,0 +1,37 @@
+"""AdamW and the learning-rate schedule (linear warmup, then constant or cosine decay)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_optimizer(params, lr: float, betas, eps: float, weight_decay: float) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]
+    # foreach over DTensors on gloo/CPU is fine; fused needs CUDA tensors of one device
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+
+
+def lr_lambda(step: int, warmup_steps: int, total_steps: int | None, schedule: str, min_lr_ratio: float) -> float:
+    """Multiplier of the base LR after `step` optimizer steps."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or not total_steps:
+        return 1.0
+    if schedule == "cosine":
+        decay_steps = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / decay_steps)
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr_schedule {schedule!r}; choose 'constant' or 'cosine'")
+
+
+def build_lr_scheduler(optimizer, warmup_steps: int, warmup_ratio: float, total_steps: int | None,
+                       schedule: str, min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    if warmup_ratio > 0:
+        if not total_steps:
+            raise ValueError("optim.warmup_ratio needs optim.total_steps (or trainer.total_steps) to be set")
+        warmup_steps = int(warmup_ratio * total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, warmup_steps, total_steps, schedule, min_lr_ratio)
+    )

@@ -1,0 +1,187 @@
+"""Rule rewards, user reward files, and the manager that scores a batch of responses without dying.
+
+Every reward function has one signature:
+    fn(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None) -> float | dict
+A dict result must hold "score"; its other numeric keys become metrics `reward/<key>` (batch means).
+Built-ins are looked up by data_source in REWARD_FUNCTIONS; a user file replaces them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import math
+import os
+import re
+import sys
+import traceback
+from decimal import Decimal, InvalidOperation
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# End-of-sequence markers of common chat models, in case a response was decoded with its special tokens.
+EOS_MARKERS = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>")
+
+
+def _cut_at_eos(text: str) -> str:
+    for marker in EOS_MARKERS:
+        text = text.split(marker, 1)[0]
+    return text
+
+
+def arith_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None) -> float:
+    """1.0 if the response's first line (before any EOS marker), stripped, is exactly the ground truth."""
+    answer = _cut_at_eos(solution_str).split("\n", 1)[0].strip()
+    return 1.0 if answer == str(ground_truth).strip() else 0.0
+
+
+_STRICT_ANSWER = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
+_ANY_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
+
+
+def _normalize_number(text: str) -> str:
+    """'1,234.' -> '1234'; '18.00' -> '18'; '-0.50' -> '-0.5'. Non-numbers come back stripped."""
+    text = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        return text
+    if value == value.to_integral_value():
+        return str(value.quantize(Decimal(1)))
+    return str(value.normalize())
+
+
+def extract_gsm8k_answer(solution_str: str, method: str = "strict") -> str | None:
+    """The final answer of a GSM8K-style response, normalized, or None when there is none.
+
+    strict: the number after the last "####". flexible: the last number anywhere in the response.
+    """
+    if method == "strict":
+        matches = _STRICT_ANSWER.findall(solution_str)
+    elif method == "flexible":
+        matches = _ANY_NUMBER.findall(solution_str)
+    else:
+        raise ValueError(f"gsm8k method must be 'strict' or 'flexible', got {method!r}")
+    return _normalize_number(matches[-1]) if matches else None
+
+
+def gsm8k_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None,
+                method: str = "strict") -> float:
+    """1.0 if the extracted answer equals the ground truth (which may itself be a full '#### 42' solution)."""
+    answer = extract_gsm8k_answer(_cut_at_eos(solution_str), method)
+    if answer is None:
+        return 0.0
+    truth = str(ground_truth)
+    if "####" in truth:
+        truth = truth.rsplit("####", 1)[1]
+    return 1.0 if answer == _normalize_number(truth) else 0.0
+
+
+def gsm8k_flexible_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None) -> float:
+    return gsm8k_score(data_source, solution_str, ground_truth, extra_info, method="flexible")
+
+
+REWARD_FUNCTIONS = {
+    "arith": arith_score,
+    "gsm8k": gsm8k_score,
+    "openai/gsm8k": gsm8k_score,  # the data_source verl's gsm8k preprocessing writes
+    "gsm8k_flexible": gsm8k_flexible_score,
+}
+
+
+def load_reward_function(path: str, name: str = "compute_score"):
+    """Import the user's reward file at `path` and return its function `name`."""
+    if not os.path.isfile(path):
+        raise ValueError(f"reward function file not found: {path!r}")
+    # A stable name per file, the same in every process, so the module can be found again by name.
+    module_name = "shardrl_user_reward_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import {path!r} as a Python module; give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # so pickling and dataclasses inside the file work
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(module_name, None)
+        raise ValueError(f"reward function file {path!r} failed to import: {type(e).__name__}: {e}") from e
+    if not hasattr(module, name):
+        defined = sorted(
+            attr for attr, value in vars(module).items()
+            if callable(value) and not attr.startswith("_") and getattr(value, "__module__", None) == module_name
+        )
+        raise ValueError(
+            f"reward function file {path!r} defines no {name!r}; callables it defines: {defined or 'none'}"
+        )
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise ValueError(f"{name!r} in {path!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+class RewardManager:
+    """Scores a batch of responses with a user function or the built-in for each row's data_source.
+
+    One sample whose reward function raises (or returns something unusable) gets `on_error_score` and is
+    counted in `reward/num_errors`; the first such error is logged with its traceback, once.
+    """
+
+    def __init__(self, fn=None, on_error_score: float = 0.0):
+        self.fn = fn
+        self.on_error_score = float(on_error_score)
+        self._logged_error = False
+
+    def _function_for(self, data_source: str):
+        if self.fn is not None:
+            return self.fn
+        if data_source not in REWARD_FUNCTIONS:
+            raise ValueError(
+                f"no built-in reward function for data_source {data_source!r}; known: {sorted(REWARD_FUNCTIONS)}. "
+                "Give a reward function file, or set the rows' data_source to one of these"
+            )
+        return REWARD_FUNCTIONS[data_source]
+
+    def _score_one(self, fn, item: dict) -> tuple[float, dict]:
+        extra = item.get("extra") or {}
+        ground_truth = item["ground_truth"] if "ground_truth" in item else extra.get("ground_truth")
+        result = fn(item["data_source"], item["response_text"], ground_truth, extra)
+        metrics = {}
+        if isinstance(result, dict):
+            if "score" not in result:
+                raise ValueError(f"reward function returned a dict without 'score': keys {sorted(result)}")
+            metrics = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, (int, float, bool))}
+            result = result["score"]
+        score = float(result)
+        if not math.isfinite(score):
+            raise ValueError(f"reward function returned a non-finite score {score}")
+        return score, metrics
+
+    def score(self, items: list[dict]) -> tuple[torch.Tensor, dict]:
+        """(scores (B,) float32, metrics) for items holding data_source, response_text, ground_truth, extra."""
+        fns = [self._function_for(item["data_source"]) for item in items]  # config errors raise here
+        scores, extra_values, num_errors = [], {}, 0
+        for fn, item in zip(fns, items):
+            try:
+                score, metrics = self._score_one(fn, item)
+            except Exception as e:
+                num_errors += 1
+                if not self._logged_error:
+                    self._logged_error = True
+                    logger.warning(
+                        "reward function failed on a sample (data_source=%r), scoring it %s; later failures are "
+                        "only counted in reward/num_errors. %s: %s\n%s",
+                        item.get("data_source"), self.on_error_score, type(e).__name__, e, traceback.format_exc(),
+                    )
+                score, metrics = self.on_error_score, {}
+            scores.append(score)
+            for key, value in metrics.items():
+                extra_values.setdefault(key, []).append(value)
+        out = {"reward/num_errors": num_errors}
+        if scores:
+            out["reward/score"] = sum(scores) / len(scores)
+        for key, values in extra_values.items():
+            out[f"reward/{key}"] = sum(values) / len(values)
+        return torch.tensor(scores, dtype=torch.float32), out

@@ -1,0 +1,75 @@
+"""Helpers shared by tests and benchmarks: tiny model configs, batches, and running a function on
+several local processes (gloo on CPU, NCCL on GPUs)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from shardrl.batch import Batch
+
+TINY_MODELS = {
+    # Qwen2: biases on q/k/v, untied head
+    "qwen2": dict(model_type="qwen2", vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False),
+    # Llama with the head tied to the embedding
+    "llama": dict(model_type="llama", vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=True),
+}
+
+
+def random_batch(num_seqs: int, max_len: int, vocab_size: int, seed: int = 0, min_len: int = 3,
+                 prompt_len: int = 2) -> Batch:
+    """Left-padded sequences of random lengths; the tokens after the first `prompt_len` are scored, each
+    with a random weight (`advantages`) so a policy-gradient loss has a non-trivial gradient."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (num_seqs,), generator=g)
+    input_ids = torch.randint(1, vocab_size, (num_seqs, max_len), generator=g)
+    attention_mask = torch.zeros(num_seqs, max_len, dtype=torch.long)
+    loss_mask = torch.zeros(num_seqs, max_len, dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        attention_mask[i, max_len - n:] = 1
+        loss_mask[i, max_len - n + prompt_len:] = 1
+    input_ids = input_ids * attention_mask
+    advantages = torch.randn(num_seqs, max_len, generator=g) * loss_mask
+    return Batch({"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+                  "advantages": advantages})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_path: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    from shardrl.distributed import init_distributed
+    import torch.distributed as dist
+
+    init_distributed()
+    try:
+        result = fn(*args)
+        if rank == 0:
+            torch.save(result, out_path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args) -> Any:
+    """Runs `fn(*args)` on `world_size` local processes; returns what rank 0's call returned."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = str(Path(tmp) / "result.pt")
+        mp.spawn(_worker, args=(world_size, _free_port(), fn, args, out_path), nprocs=world_size, join=True)
+        return torch.load(out_path, weights_only=False)

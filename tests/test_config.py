@@ -1,0 +1,191 @@
+import ast
+import dataclasses
+import inspect
+
+import pytest
+import yaml
+
+from shardrl import config as config_module
+from shardrl.config import (
+    Config,
+    ConfigError,
+    EngineConfig,
+    OptimConfig,
+    config_keys,
+    config_to_dict,
+    from_dict,
+    load_config,
+    save_config,
+    validate_config,
+)
+
+
+def write_yaml(path, data):
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_yaml_then_overrides_fill_nested_fields_with_field_types(tmp_path):
+    path = write_yaml(tmp_path / "run.yaml", {
+        "model": {"tiny": {"model_type": "qwen2", "hidden_size": 64}},
+        "actor": {"engine": {"fsdp_size": 4, "use_dynamic_bsz": True}, "optim": {"lr": "1e-5"}},
+        "rollout": {"n": 8, "stop": ["</answer>"]},
+    })
+    cfg = load_config(path, [
+        "actor.engine.fsdp_size=2",        # overrides beat the file
+        "actor.clip_ratio_c=4",            # int -> float
+        "critic.optim.lr=3e-6",            # PyYAML reads this as a string -> float
+        "actor.engine.max_token_len_per_gpu=2e4",  # an integral float -> int
+        "model.tiny.num_hidden_layers=2",  # reaches inside a plain dict field
+        "data.train_files=[a.parquet, b.parquet]",
+        "reward.model_path=null",
+        "trainer.experiment_name=42",      # a str field keeps the text as typed
+        "trainer.logger=[console]",
+        "algorithm.kl_target=0.1",
+    ])
+    assert cfg.actor.engine.fsdp_size == 2 and cfg.actor.engine.use_dynamic_bsz is True
+    assert cfg.actor.optim.lr == 1e-5 and type(cfg.actor.optim.lr) is float
+    assert cfg.actor.clip_ratio_c == 4.0 and type(cfg.actor.clip_ratio_c) is float
+    assert cfg.critic.optim.lr == 3e-6
+    assert cfg.actor.engine.max_token_len_per_gpu == 20000 and type(cfg.actor.engine.max_token_len_per_gpu) is int
+    assert cfg.model.tiny == {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2}
+    assert cfg.rollout.n == 8 and cfg.rollout.stop == ["</answer>"]
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.reward.model_path is None
+    assert cfg.trainer.experiment_name == "42"
+    assert cfg.trainer.logger == ["console"]
+    assert cfg.algorithm.kl_target == 0.1
+    # untouched fields keep their defaults
+    assert cfg.ref.engine == EngineConfig()
+    assert cfg.data.train_batch_size == 8
+
+
+def test_partial_section_keeps_parent_defaults(tmp_path):
+    # the critic's own optimizer default (lr 1e-5) survives a file that sets only weight decay
+    path = write_yaml(tmp_path / "run.yaml", {"critic": {"optim": {"weight_decay": 0}}, "ref": None})
+    cfg = load_config(path, ["actor.optim={weight_decay: 0.1}"])
+    assert cfg.critic.optim.lr == 1e-5 and cfg.critic.optim.weight_decay == 0.0
+    assert cfg.actor.optim.lr == 1e-6 and cfg.actor.optim.weight_decay == 0.1
+
+
+def test_no_file_gives_defaults_and_other_top_level_classes_load():
+    assert load_config() == Config()
+    engine = load_config(None, ["fsdp_size=2", "reshard_after_forward=false"], cls=EngineConfig)
+    assert isinstance(engine, EngineConfig)
+    assert engine.fsdp_size == 2 and engine.reshard_after_forward is False
+    assert from_dict(OptimConfig, {"lr": 2e-5, "betas": [0.9, 0.95]}) == OptimConfig(lr=2e-5, betas=[0.9, 0.95])
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("actor.engine.fsdp_sise=2",
+     "unknown config key 'actor.engine.fsdp_sise'; did you mean 'actor.engine.fsdp_size'?"),
+    ("actor.engin.fsdp_size=2",
+     "unknown config key 'actor.engin.fsdp_size'; did you mean 'actor.engine.fsdp_size'?"),
+    ("lr=1e-5", "did you mean 'actor.optim.lr' or 'critic.optim.lr'?"),
+    ("actor.engine.fsdp_size=abc", "config key 'actor.engine.fsdp_size' expects int, got 'abc' (str)"),
+    ("actor.engine.fsdp_size=1.5", "config key 'actor.engine.fsdp_size' expects int, got 1.5 (float)"),
+    ("actor.shuffle=1", "config key 'actor.shuffle' expects bool, got 1 (int)"),
+    ("rollout.stop=3", "config key 'rollout.stop' expects list[str], got 3 (int)"),
+    ("actor.engine.strategy=fsdp3",
+     "config key 'actor.engine.strategy' must be one of 'fsdp2', 'fsdp'; got 'fsdp3'"),
+    ("trainer.logger=[console, mlflow]",
+     "config key 'trainer.logger[1]' must be one of 'console', 'jsonl', 'tensorboard', 'wandb'; got 'mlflow'"),
+    ("algorithm.gamma=null", "config key 'algorithm.gamma' expects float, got None"),
+    ("actor.engine.fsdp_size", "bad override 'actor.engine.fsdp_size': expected key=value"),
+    ("=2", "bad override '=2': expected key=value"),
+    ("actor.ppo_epochs.x=1", "'actor.ppo_epochs' holds a value of type int, not a section"),
+    ("actor=3", "config key 'actor' is a section (ActorConfig)"),
+    # validation: impossible values name the dotted key
+    ("actor.optim.lr=0", "invalid config value actor.optim.lr=0.0: must be a finite number > 0"),
+    ("critic.engine.fsdp_size=0", "invalid config value critic.engine.fsdp_size=0: must be -1"),
+    ("actor.clip_ratio_low=1.5", "invalid config value actor.clip_ratio_low=1.5: must be in [0, 1)"),
+    ("actor.clip_ratio_c=1", "invalid config value actor.clip_ratio_c=1.0: must be > 1"),
+    ("rollout.top_p=0", "invalid config value rollout.top_p=0.0"),
+    ("data.train_batch_size=6",
+     "invalid config value actor.ppo_mini_batch_size=4: must divide data.train_batch_size=6"),
+    ("rollout.n=1", "invalid config value rollout.n=1: algorithm.adv_estimator='grpo'"),
+])
+def test_bad_override_message(override, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert expected in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_validation_depends_on_other_fields():
+    load_config(None, ["max_token_len_per_gpu=0"], cls=EngineConfig)  # unused without dynamic batching
+    with pytest.raises(ConfigError, match=r"max_token_len_per_gpu=0: must be >= 1 when use_dynamic_bsz is on"):
+        load_config(None, ["max_token_len_per_gpu=0", "use_dynamic_bsz=true"], cls=EngineConfig)
+    with pytest.raises(ConfigError, match=r"actor\.engine\.max_token_len_per_gpu=0"):
+        load_config(None, ["actor.engine.max_token_len_per_gpu=0", "actor.engine.use_dynamic_bsz=true"])
+    # the critic's mini-batch only has to divide the batch when the critic is used
+    load_config(None, ["data.train_batch_size=6", "actor.ppo_mini_batch_size=3", "critic.ppo_mini_batch_size=4"])
+    with pytest.raises(ConfigError, match=r"critic\.ppo_mini_batch_size=4: must divide"):
+        load_config(None, ["data.train_batch_size=6", "actor.ppo_mini_batch_size=3",
+                           "critic.ppo_mini_batch_size=4", "algorithm.adv_estimator=gae"])
+
+
+def test_bad_yaml_files(tmp_path):
+    missing = str(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=f"config file not found: '{missing}'"):
+        load_config(missing)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of keys at the top level, got list") as info:
+        load_config(str(listing))
+    assert str(listing) in str(info.value)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("actor: [1,\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(str(broken))
+    typo = write_yaml(tmp_path / "typo.yaml", {"actor": {"optim": {"lrr": 1e-5}}})
+    with pytest.raises(ConfigError, match=r"unknown config key 'actor\.optim\.lrr'; did you mean 'actor\.optim\.lr'\?"):
+        load_config(typo)
+    wrong = write_yaml(tmp_path / "wrong.yaml", {"rollout": {"n": "four"}})
+    with pytest.raises(ConfigError, match=r"config key 'rollout\.n' expects int, got 'four' \(str\)"):
+        load_config(wrong)
+
+
+def test_save_then_load_gives_an_equal_config(tmp_path):
+    cfg = load_config(None, [
+        "model.tiny={model_type: qwen2, hidden_size: 64, rope_scaling: {type: linear, factor: 2.0}}",
+        "actor.optim.lr=1e-5", "actor.optim.betas=[0.9, 0.95]", "actor.engine.use_dynamic_bsz=true",
+        'rollout.stop=["\\n\\n", "</answer>"]', "algorithm.kl_target=0.05", "trainer.resume=/ckpt/step_10",
+        "trainer.logger=[console, tensorboard]", "data.val_batch_size=16",
+    ])
+    path = str(tmp_path / "run" / "config.yaml")
+    save_config(cfg, path)
+    again = load_config(path)
+    assert again == cfg
+    assert config_to_dict(again) == config_to_dict(cfg)
+    assert again.rollout.stop == ["\n\n", "</answer>"]
+    assert load_config(path, ["trainer.resume=auto"]).trainer.resume == "auto"
+
+
+def test_validate_config_checks_programmatic_configs():
+    cfg = Config()
+    cfg.actor.optim.lr = 1  # an int where a float belongs is normalised
+    cfg.actor.optim.betas = (0.9, 0.95)
+    validate_config(cfg)
+    assert type(cfg.actor.optim.lr) is float and cfg.actor.optim.betas == [0.9, 0.95]
+    cfg.rollout.n = "8"
+    cfg.actor.engine.param_dtype = "fp16"
+    with pytest.raises(ConfigError, match=r"'actor\.engine\.param_dtype' must be one of 'float32', 'bfloat16', 'float16'"):
+        validate_config(cfg)
+
+
+def test_every_schema_field_has_a_docstring():
+    sections = [c for c in vars(config_module).values()
+                if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == config_module.__name__]
+    assert len(sections) == 12
+    for cls in sections:
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+        documented = {
+            stmt.target.id
+            for stmt, after in zip(body, body[1:])
+            if isinstance(stmt, ast.AnnAssign)
+            and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
+        }
+        missing = {f.name for f in dataclasses.fields(cls)} - documented
+        assert not missing, f"{cls.__name__}: fields without a docstring: {sorted(missing)}"
+    assert "actor.engine.fsdp_size" in config_keys(Config)

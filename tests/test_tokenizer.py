@@ -1,0 +1,89 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shardrl.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer, tiny_model_config
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+def test_special_tokens_and_ids(tokenizer):
+    assert (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token) == ("<pad>", "<bos>", "<eos>")
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    assert tokenizer.padding_side == "left"
+    assert len(tokenizer) == 4 + len(DEFAULT_ALPHABET)  # pad, bos, eos, unk + one id per character
+    assert tokenizer.encode("0") == [4]  # first alphabet char follows the four specials
+
+
+@pytest.mark.parametrize("text", ["12+7=19", "what is (3*4)?\nanswer: 12.", "a, b: c  -  d", "#### 42\n\n", ""])
+def test_round_trip(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert len(ids) == len(text)  # one token per character, no added specials
+    assert tokenizer.decode(ids) == text
+
+
+def test_unknown_chars_and_skip_special(tokenizer):
+    assert tokenizer.encode("A") == [tokenizer.unk_token_id]
+    ids = [tokenizer.bos_token_id] + tokenizer.encode("19") + [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "19"
+    assert tokenizer.decode(ids) == "<bos>19<eos><pad>"
+
+
+def test_custom_alphabet():
+    tok = build_char_tokenizer("ab")
+    assert len(tok) == 6
+    assert tok.encode("ba") == [5, 4]
+    with pytest.raises(ValueError, match="empty"):
+        build_char_tokenizer("")
+
+
+def test_chat_template(tokenizer):
+    messages = [{"role": "system", "content": "add"}, {"role": "user", "content": "12+7="}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "system: add\nuser: 12+7=\nassistant: "
+    no_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    assert no_prompt == "system: add\nuser: 12+7=\n"
+
+
+def test_left_padding(tokenizer):
+    batch = tokenizer(["1", "123"], padding=True, return_tensors="pt")
+    assert batch["input_ids"].tolist() == [[0, 0, 5], [5, 6, 7]]
+    assert batch["attention_mask"].tolist() == [[0, 0, 1], [1, 1, 1]]
+
+
+def test_save_and_reload_offline(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    text = "user: 3+4=\nassistant: 7"
+    assert loaded.encode(text) == tokenizer.encode(text)
+    assert loaded.decode(loaded.encode(text)) == text
+    assert loaded.padding_side == "left"
+    assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (0, 1, 2)
+    messages = [{"role": "user", "content": "1+1="}]
+    assert loaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == "user: 1+1=\nassistant: "
+
+
+@pytest.mark.parametrize("kind,model_type", [("qwen2", "qwen2"), ("llama", "llama")])
+def test_tiny_model_config(tokenizer, kind, model_type):
+    config = tiny_model_config(kind, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    assert config.model_type == model_type
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (64, 2, 4)
+    assert (config.num_key_value_heads, config.intermediate_size, config.max_position_embeddings) == (2, 128, 512)
+    assert config.tie_word_embeddings is False
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (0, 1, 2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    logits = model(input_ids=torch.tensor([tokenizer.encode("12+7=")])).logits
+    assert logits.shape == (1, 5, len(tokenizer))
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+
+
+def test_tiny_model_config_overrides_and_errors():
+    config = tiny_model_config("llama", vocab_size=100, tie_word_embeddings=True, num_hidden_layers=3)
+    assert config.tie_word_embeddings is True and config.num_hidden_layers == 3 and config.vocab_size == 100
+    with pytest.raises(ValueError, match="unknown model kind 'gpt2'.*llama.*qwen2"):
+        tiny_model_config("gpt2", vocab_size=100)
