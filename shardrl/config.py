@@ -49,8 +49,8 @@ class ModelConfig:
     """Tokenizer folder; None uses `path`."""
     trust_remote_code: bool = False
     """Allow model/tokenizer code shipped inside the model folder to run."""
-    attn_implementation: str = "sdpa"
-    """HF attention kernel: "sdpa", "eager", "flash_attention_2", ..."""
+    attn_implementation: str = "auto"
+    """HF attention implementation; "auto" = packed varlen FlashAttention on CUDA, SDPA elsewhere."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them."""
     use_remove_padding: bool = True
@@ -134,6 +134,8 @@ class EngineConfig:
     """How per-token losses are reduced to one number."""
     seed: int = 0
     """Seed of model init and dropout."""
+    compile: bool = False
+    """`torch.compile` each decoder block before sharding (FSDP2; fixed shapes recompile least)."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "fsdp_size", self.fsdp_size == -1 or self.fsdp_size >= 1,

@@ -39,15 +39,15 @@ def pg_loss_fn(mode: str):
     return loss_fn
 
 
-def reference_step(kind: str, mode: str = "token-mean"):
+def reference_step(kind: str, mode: str = "token-mean", device: str = "cpu"):
     """The plain loop: the HF model on the padded batch, full logits, AdamW, clip."""
     config = load_hf_config(None, TINY_MODELS[kind])
-    model = build_causal_lm(config, None, "cpu", torch.float32, seed=0)
-    batch = make_batch(kind)
+    model = build_causal_lm(config, None, "cpu", torch.float32, seed=0).to(device)
+    batch = make_batch(kind).to(device)
     ids, am = batch["input_ids"], batch["attention_mask"]
     pos = (am.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits.float()  # (B, T, V)
-    logp = torch.zeros(ids.shape)
+    logp = torch.zeros(ids.shape, device=device)
     logp[:, 1:] = F.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     loss = agg_loss(-logp * batch["advantages"], batch["loss_mask"], mode)
     opt = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"],
@@ -55,23 +55,24 @@ def reference_step(kind: str, mode: str = "token-mean"):
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["clip_grad"])
     opt.step()
-    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()},
-            "loss": loss.item(), "grad_norm": float(grad_norm), "log_probs": logp.detach() * (pos > 0)}  # nothing scores a first token
+    return {"params": {k: v.detach().cpu().clone() for k, v in model.named_parameters()},
+            "loss": loss.item(), "grad_norm": float(grad_norm), "log_probs": (logp.detach() * (pos > 0)).cpu()}  # nothing scores a first token
 
 
 def engine_step(kind: str, engine_kwargs: dict, mode: str = "token-mean", model_kwargs: dict | None = None):
     """Runs on every rank: one train_batch on this rank's share; returns full params and metrics."""
     model_cfg = ModelConfig(tiny=TINY_MODELS[kind], **(model_kwargs or {}))
-    engine_cfg = EngineConfig(param_dtype="float32", logprob_chunk_size=7, loss_agg_mode=mode, **engine_kwargs)
+    engine_kwargs = {"param_dtype": "float32", **engine_kwargs}
+    engine_cfg = EngineConfig(logprob_chunk_size=7, loss_agg_mode=mode, **engine_kwargs)
     engine = build_engine(model_cfg, engine_cfg, OptimConfig(**OPTIM))
     batch = make_batch(kind).chunk(engine.mesh.dp_size)[engine.mesh.dp_rank]
     infer = engine.infer_batch(batch)["log_probs"]
     infer_all = [torch.zeros_like(infer) for _ in range(engine.mesh.dp_size)]
     dist.all_gather(infer_all, infer, group=engine.dp_group)
     metrics = engine.train_batch(batch, pg_loss_fn(mode))
-    params = dict(engine.export_weights())
+    params = {k: v.cpu() for k, v in engine.export_weights()}
     return {"params": params, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-            "num_micro_batches": metrics["num_micro_batches"], "log_probs": torch.cat(infer_all)}
+            "num_micro_batches": metrics["num_micro_batches"], "log_probs": torch.cat(infer_all).cpu()}
 
 
 VARIANTS_2 = {
@@ -120,8 +121,10 @@ def world4():
 
 @pytest.fixture(scope="module")
 def world1():
+    # "varlen": packed attention through the registered varlen function (its per-sequence path on CPU)
+    extra = {"varlen": (dict(micro_batch_size_per_gpu=4), "token-mean", dict(attn_implementation="shardrl_varlen"))}
     return run_distributed(many_steps, 1, "qwen2", {"mb1": dict(micro_batch_size_per_gpu=1),
-                                                      "mb8": dict(micro_batch_size_per_gpu=8)})
+                                                      "mb8": dict(micro_batch_size_per_gpu=8)}, extra)
 
 
 def assert_same_params(got: dict, want: dict, atol: float = ATOL):
@@ -176,7 +179,7 @@ def test_world4_and_hsdp_match_plain_loop(world4, reference, variant):
     assert_same_params(got["params"], want["params"])
 
 
-@pytest.mark.parametrize("variant", ["mb1", "mb8"])
+@pytest.mark.parametrize("variant", ["mb1", "mb8", "varlen"])
 def test_world1_matches_plain_loop(world1, reference, variant):
     assert_same_params(world1[variant]["params"], reference["qwen2", "token-mean"]["params"])
 

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from shardrl.batch import Batch
 from shardrl.distributed import MeshLayout, all_reduce_sum, build_device_mesh, device_type
+from shardrl.engine.attention import resolve_attn_implementation
 from shardrl.engine.microbatch import restore_order, split_micro_batches
 from shardrl.engine.model import DTYPES, PolicyModel, build_causal_lm, load_hf_config, strip_prefix
 from shardrl.engine.optim import build_lr_scheduler, build_optimizer
@@ -69,7 +70,8 @@ class Engine(abc.ABC):
         self.optimizer = self.lr_scheduler = None
         if optim_cfg is not None:
             o = optim_cfg
-            self.optimizer = build_optimizer(self.module.parameters(), o.lr, o.betas, o.eps, o.weight_decay)
+            fused = self.device.type == "cuda" and not engine_cfg.offload_params
+            self.optimizer = build_optimizer(self.module.parameters(), o.lr, o.betas, o.eps, o.weight_decay, fused)
             steps = o.total_steps or total_steps
             self.lr_scheduler = build_lr_scheduler(self.optimizer, o.warmup_steps, o.warmup_ratio, steps,
                                                    o.lr_schedule, o.min_lr_ratio)
@@ -79,11 +81,12 @@ class Engine(abc.ABC):
     def _build_module(self, value_head: bool) -> nn.Module:
         mc = self.model_cfg
         master_dtype = DTYPES[mc.dtype]
+        attn = resolve_attn_implementation(mc.attn_implementation, mc.use_remove_padding)
         # rank 0 reads the weights once; the others start on meta and receive their shards
         full = None
         if self.rank == 0:
             lm = build_causal_lm(self.hf_config, mc.path, "cpu", master_dtype, self.cfg.seed,
-                                 mc.attn_implementation, mc.trust_remote_code)
+                                 attn, mc.trust_remote_code)
             full = PolicyModel(lm, value_head, self.cfg.logprob_chunk_size)
             if value_head:
                 with torch.random.fork_rng(devices=[]):
@@ -91,7 +94,7 @@ class Engine(abc.ABC):
                     nn.init.normal_(full.value_head.weight, std=1.0 / math.sqrt(self.hf_config.hidden_size))
                     nn.init.zeros_(full.value_head.bias)
         lm_meta = build_causal_lm(self.hf_config, None, "meta", master_dtype,
-                                  attn_implementation=mc.attn_implementation, trust_remote_code=mc.trust_remote_code)
+                                  attn_implementation=attn, trust_remote_code=mc.trust_remote_code)
         module = PolicyModel(lm_meta, value_head, self.cfg.logprob_chunk_size)
         if mc.gradient_checkpointing:
             module.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

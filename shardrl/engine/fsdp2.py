@@ -53,6 +53,8 @@ class FSDP2Engine(Engine):
                       mp_policy=mp, offload_policy=offload)
         blocks = decoder_blocks(module.lm)
         for block in blocks:
+            if cfg.compile:
+                block.compile()
             fully_shard(block, **kwargs)
         fully_shard(module, **kwargs)
         self._num_units = len(blocks) + 1

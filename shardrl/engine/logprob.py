@@ -15,7 +15,9 @@ from torch.utils.checkpoint import checkpoint
 
 
 def _chunk_logprob(hidden, weight, bias, targets, temperature: float, with_entropy: bool):
-    logits = F.linear(hidden, weight, bias).float()  # (n, V)
+    logits = F.linear(hidden, weight, bias)  # (n, V)
+    # at least fp32 (bf16/fp16 go up); fp64 stays fp64 rather than being cut down by .float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)  # (n,)
@@ -43,7 +45,9 @@ def chunked_log_probs(
     """
     logps, ents = [], []
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    for start in range(0, hidden.shape[0], chunk_size):
+    # an empty input still runs one (empty) chunk: the result keeps its dtype, its entropy and its place in
+    # the autograd graph, which a rank's one-token placeholder micro-batch relies on
+    for start in range(0, max(hidden.shape[0], 1), chunk_size):
         args = (hidden[start : start + chunk_size], weight, bias, targets[start : start + chunk_size])
         if recompute:
             lp, ent = checkpoint(_chunk_logprob, *args, temperature, with_entropy, use_reentrant=False)
@@ -51,8 +55,8 @@ def chunked_log_probs(
             lp, ent = _chunk_logprob(*args, temperature, with_entropy)
         logps.append(lp)
         ents.append(ent)
-    logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
-    entropy = torch.cat(ents) if with_entropy and ents else None
+    logp = torch.cat(logps)
+    entropy = torch.cat(ents) if with_entropy else None
     return logp, entropy
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import transformers
 
+from shardrl.engine.attention import ATTN_NAME, cu_seq_lens_from_position_ids
 from shardrl.engine.logprob import next_token_log_probs, pack, unpack
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,7 +95,12 @@ class PolicyModel(nn.Module):
         decoder = self.lm.get_decoder()
         if remove_padding:
             packed = pack(input_ids, attention_mask)
-            hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids).last_hidden_state[0]
+            attn_kwargs = {}
+            if self.lm.config._attn_implementation == ATTN_NAME:
+                cu, max_len = cu_seq_lens_from_position_ids(packed.position_ids)
+                attn_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+            hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                             **attn_kwargs).last_hidden_state[0]
             seq_start = packed.position_ids[0] == 0  # (N,)
             ids = packed.input_ids[0]
             restore = lambda x: unpack(x, packed)  # noqa: E731

@@ -7,10 +7,12 @@ import math
 import torch
 
 
-def build_optimizer(params, lr: float, betas, eps: float, weight_decay: float) -> torch.optim.Optimizer:
+def build_optimizer(params, lr: float, betas, eps: float, weight_decay: float,
+                    fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW; `fused` (one kernel for all parameters) when they live on a CUDA device."""
     params = [p for p in params if p.requires_grad]
-    # foreach over DTensors on gloo/CPU is fine; fused needs CUDA tensors of one device
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                             fused=fused or None)
 
 
 def lr_lambda(step: int, warmup_steps: int, total_steps: int | None, schedule: str, min_lr_ratio: float) -> float:

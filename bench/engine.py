@@ -1,0 +1,185 @@
+"""Training-engine throughput and memory on GPUs, against a plain FSDP2 loop in the same run.
+
+Model: Qwen2-1.5B-shaped, random init (hidden 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960,
+vocab 151936), sequences of 2048 tokens, bf16 compute, fp32 master weights and AdamW.
+
+Baseline ("plain"): the HF model, `fully_shard` per decoder layer and root, `model(ids, labels=ids).loss`,
+`torch.optim.AdamW`, one micro-batch per step. Engine rows: `shardrl` FSDP2/FSDP1 `train_batch` with a
+token-mean NLL loss over the same tokens.
+
+    python bench/engine.py --world 1 --rows plain_4,fsdp2_4 [--out results.jsonl]
+
+Prints one JSON line per row: tokens/s, model TFLOP/s (6·N·tokens + causal attention), MFU against the
+788 TFLOP/s bf16 matrix rate measured on these H200s, peak allocated memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+QWEN2_1P5B = dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                  num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                  max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6)
+SEQ_LEN = 2048
+PEAK_TFLOPS = 788.0
+
+# name -> (kind, sequences per step, micro-batch size, gradient checkpointing, extra engine kwargs)
+ROWS = {
+    "plain_4": ("plain", 4, 4, False, {}),
+    "plain_16_ckpt": ("plain", 16, 16, True, {}),
+    "fsdp2_4": ("fsdp2", 4, 4, False, {}),
+    "fsdp2_8": ("fsdp2", 8, 4, False, {}),
+    "fsdp2_16": ("fsdp2", 16, 4, False, {}),
+    "fsdp2_16_ckpt": ("fsdp2", 16, 16, True, {}),
+    "fsdp2_32_ckpt": ("fsdp2", 32, 16, True, {}),
+    "fsdp2_16_compile": ("fsdp2", 16, 4, False, {"compile": True}),
+    "fsdp2_32_ckpt_compile": ("fsdp2", 32, 16, True, {"compile": True}),
+    "fsdp1_4": ("fsdp", 4, 4, False, {}),
+    "fsdp1_16": ("fsdp", 16, 4, False, {}),
+}
+
+
+def model_flops_per_token(cfg: dict, seq_len: int) -> float:
+    h, layers, v, ffn = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["intermediate_size"]
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    matmul_params = layers * (h * h * 2 + h * kv * 2 + 3 * h * ffn) + h * v  # embedding lookup is free
+    attention = layers * 2 * 2 * h * seq_len / 2  # QK^T and AV, causal half
+    return 6 * matmul_params + 3 * attention
+
+
+def plain_step_fn(world: int, seqs: int, micro: int, ckpt: bool):
+    import transformers
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    config = transformers.AutoConfig.for_model(**QWEN2_1P5B)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model.to_empty(device="cuda")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+        model.model.rotary_emb.inv_freq.copy_(model.model.rotary_emb.original_inv_freq.to("cuda")
+                                               if hasattr(model.model.rotary_emb, "original_inv_freq") else
+                                               model.model.rotary_emb.inv_freq)
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def step():
+        ids = torch.randint(0, QWEN2_1P5B["vocab_size"], (seqs, SEQ_LEN), device="cuda", generator=g)
+        for mb in ids.split(micro):
+            loss = model(input_ids=mb, labels=mb).loss * (mb.shape[0] / seqs)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def engine_step_fn(strategy: str, world: int, seqs: int, micro: int, ckpt: bool, extra: dict):
+    from shardrl.batch import Batch
+    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.engine import build_engine
+
+    model_cfg = ModelConfig(tiny=QWEN2_1P5B, gradient_checkpointing=ckpt)
+    engine_cfg = EngineConfig(strategy=strategy, param_dtype="bfloat16", micro_batch_size_per_gpu=micro, **extra)
+    engine = build_engine(model_cfg, engine_cfg, OptimConfig(lr=1e-5))
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def loss_fn(outputs, mb, num_tokens, num_seqs):
+        return -(outputs["log_probs"] * mb["loss_mask"]).sum() / num_tokens, {}
+
+    def step():
+        ids = torch.randint(0, QWEN2_1P5B["vocab_size"], (seqs, SEQ_LEN), device="cuda", generator=g)
+        ones = torch.ones_like(ids)
+        loss_mask = ones.clone()
+        loss_mask[:, 0] = 0
+        engine.train_batch(Batch({"input_ids": ids, "attention_mask": ones, "loss_mask": loss_mask}), loss_fn)
+
+    return step
+
+
+def run_row(name: str, world: int, warmup: int, steps: int):
+    import torch.distributed as dist
+
+    kind, seqs, micro, ckpt, extra = ROWS[name]
+    per_rank = seqs  # sequences per rank per step (each rank gets its own batch)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    t_build = time.perf_counter()
+    step = plain_step_fn(world, per_rank, micro, ckpt) if kind == "plain" else engine_step_fn(
+        kind, world, per_rank, micro, ckpt, extra)
+    build_s = time.perf_counter() - t_build
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    tokens = per_rank * SEQ_LEN * steps * world
+    tok_s = tokens / elapsed
+    tflops = tok_s * model_flops_per_token(QWEN2_1P5B, SEQ_LEN) / 1e12 / world
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak_t = torch.tensor([peak], device="cuda")
+    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+    return dict(row=name, kind=kind, world=world, seqs_per_rank=per_rank, micro=micro, ckpt=ckpt, **extra,
+                tokens_per_s=round(tok_s), tflops_per_gpu=round(tflops, 1), mfu=round(tflops / PEAK_TFLOPS, 3),
+                peak_gib=round(float(peak_t), 1), step_s=round(elapsed / steps, 3), build_s=round(build_s, 1))
+
+
+def run_rows(names: list[str], world: int, warmup: int, steps: int):
+    import gc
+
+    results = []
+    for name in names:
+        try:
+            res = run_row(name, world, warmup, steps)
+        except torch.OutOfMemoryError as e:
+            res = dict(row=name, world=world, error=f"OOM: {str(e)[:120]}")
+        except Exception as e:  # a row that fails is reported, the others still run
+            res = dict(row=name, world=world, error=f"{type(e).__name__}: {str(e)[:300]}")
+        gc.collect()
+        torch.cuda.empty_cache()
+        if torch.distributed.get_rank() == 0:
+            print(json.dumps(res), flush=True)
+        results.append(res)
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--rows", default="plain_4,fsdp2_4")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", default=None, help="append the JSON lines to this file")
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from shardrl.testing import run_distributed
+
+    results = run_distributed(run_rows, args.world, args.rows.split(","), args.world, args.warmup, args.steps)
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The `shardrl` command: `plan` (a config's per-rank layout and memory, before any GPU is touched),
+`doctor` (what this machine can run), `train` and `plot`.
+
+    shardrl plan run.yaml rollout.n=8 --nnodes 2 --nproc-per-node 8
+    shardrl doctor
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+from importlib import metadata
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
+                   help="an optional YAML config file, then dotted key=value overrides")
+    p.add_argument("--nnodes", type=int, default=None, help="nodes (default: trainer.nnodes)")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="processes per node (default: trainer.nproc_per_node)")
+
+
+def _split_config_args(args: argparse.Namespace) -> None:
+    """Sets `args.config` (the first positional when it is not key=value) and `args.overrides`."""
+    rest = list(args.args)
+    args.config = rest.pop(0) if rest and "=" not in rest[0] else None
+    args.overrides = rest
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardrl", description="RL post-training for LLMs on FSDP2")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="print the per-rank batch layout and memory ledger of a config")
+    _add_config_args(plan)
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    sub.add_parser("doctor", help="report what this machine can run")
+
+    train = sub.add_parser("train", help="train (launches torchrun itself with --nproc-per-node > 1)")
+    _add_config_args(train)
+
+    plot = sub.add_parser("plot", help="plot the metrics of a run folder")
+    plot.add_argument("run_dir", metavar="RUN_DIR")
+    plot.add_argument("--out", metavar="PNG", default=None, help="image path (default: inside RUN_DIR)")
+    return parser
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    from shardrl.config import load_config
+    from shardrl.layout import derive_layout, format_layout, format_memory_ledger, memory_ledger
+
+    cfg = load_config(args.config, args.overrides)
+    nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc_per_node
+    layout = derive_layout(cfg, nnodes, nproc)
+    ledger, skipped = None, None
+    try:
+        from shardrl.engine.model import load_hf_config
+
+        hf_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code)
+        ledger = memory_ledger(cfg, layout, hf_config)
+    except ValueError as e:  # no usable model config: the layout still stands on its own
+        skipped = str(e)
+    if args.json:
+        print(json.dumps({**layout.to_dict(), "memory": ledger, "memory_skipped": skipped}))
+    else:
+        print(format_layout(layout))
+        print()
+        print(format_memory_ledger(ledger) if ledger else f"memory ledger: skipped ({skipped})")
+    return 0
+
+
+def _version(dist_name: str) -> str:
+    try:
+        return f"ok ({metadata.version(dist_name)})"
+    except metadata.PackageNotFoundError:
+        return "missing"
+
+
+def doctor_lines() -> list[tuple[str, str]]:
+    lines = [("python", f"ok ({platform.python_version()}, {sys.executable})")]
+    try:
+        import torch
+    except ImportError:
+        return lines + [("torch", "missing")]
+    import torch.distributed as dist
+
+    lines.append(("torch", f"ok ({torch.__version__}, CUDA build {torch.version.cuda or 'none'})"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        devices = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+        names = ", ".join(f"{d.name} {d.total_memory / 1024**3:.0f} GiB" for d in devices)
+        lines.append(("cuda", f"ok ({len(devices)} device(s): {names})"))
+    else:
+        why = "no CUDA device visible" if torch.version.cuda else "this torch is a CPU-only build"
+        lines.append(("cuda", f"not usable here: {why}"))
+    if not dist.is_available():
+        lines += [("nccl", "missing (torch.distributed not built)"), ("gloo", "missing (torch.distributed not built)")]
+    else:
+        if not dist.is_nccl_available():
+            lines.append(("nccl", "missing"))
+        else:
+            lines.append(("nccl", "ok" if cuda else "not usable here: built in, but no CUDA device"))
+        lines.append(("gloo", "ok" if dist.is_gloo_available() else "missing"))
+    lines.append(("transformers", _version("transformers")))
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        lines.append(("fsdp2", "ok (fully_shard; gloo on CPU, NCCL on GPU)"))
+    except ImportError as e:
+        lines.append(("fsdp2", f"missing ({e})"))
+    lines.append(("fsdp1", "ok" if cuda else "not usable here: FSDP1 needs CUDA"))
+    for name in ("datasets", "pyarrow", "safetensors"):
+        lines.append((name, _version(name)))
+    free = shutil.disk_usage(os.getcwd()).free / 1024**3
+    lines.append(("disk", f"ok ({free:.1f} GiB free in {os.getcwd()})"))
+    return lines
+
+
+def doctor_main(args: argparse.Namespace) -> int:
+    lines = doctor_lines()
+    width = max(len(name) for name, _ in lines)
+    for name, status in lines:
+        print(f"{name:<{width}}  {status}")
+    return 0
+
+
+def train_main(args: argparse.Namespace) -> int:
+    from shardrl.trainer.main import train_main as run
+
+    return run(args) or 0
+
+
+def plot_main(args: argparse.Namespace) -> int:
+    from shardrl.plot import plot_main as run
+
+    return run(args) or 0
+
+
+COMMANDS = {"plan": plan_main, "doctor": doctor_main, "train": train_main, "plot": plot_main}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # overrides may follow options (`plan run.yaml --nnodes 2 rollout.n=8`); argparse leaves those unknown
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and (not hasattr(args, "args") or any("=" not in u or u.startswith("-") for u in unknown)):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if hasattr(args, "args"):
+        args.args += unknown
+        _split_config_args(args)
+    try:
+        return COMMANDS[args.command](args)
+    except ValueError as e:  # the user's mistake (ConfigError included): say it, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Variable-length (packed) causal attention, plugged into HF models through their own extension
+point, `AttentionInterface.register` (plus a mask function that builds no mask).
+
+With padding removed, a micro-batch is one row of several sequences. HF's `sdpa` then needs a dense
+block-diagonal (N, N) mask and computes every block, masked or not; the varlen kernel (FlashAttention
+through `torch.nn.attention.varlen`) reads the sequence boundaries (`cu_seq_lens`) and computes only the
+causal blocks of each sequence. On CPU, or where the kernel is missing, the same function runs SDPA per
+sequence (slow, exact; it exists so the plumbing is tested everywhere).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "shardrl_varlen"
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters)
+except ImportError:  # torch < 2.10
+    _varlen_attn, _VARLEN_PARAMS = None, set()
+
+
+def varlen_available() -> bool:
+    return _varlen_attn is not None and torch.cuda.is_available()
+
+
+def cu_seq_lens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """position_ids (1, N) restarting at 0 per sequence -> cumulative lengths (S+1,) int32, max length."""
+    pos = position_ids.flatten()
+    starts = (pos == 0).nonzero().flatten()
+    cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    return cu, max_len
+
+
+def _causal_varlen(q, k, v, cu, max_len, scale):
+    """q (N, Hq, D), k/v (N, Hkv, D) -> (N, Hq, D)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if q.is_cuda and _varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16):
+        kwargs = {"scale": scale}
+        if hq != hkv:
+            if "enable_gqa" in _VARLEN_PARAMS:
+                kwargs["enable_gqa"] = True
+            else:
+                k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+        if "is_causal" in _VARLEN_PARAMS:
+            kwargs["is_causal"] = True
+        else:
+            kwargs["window_size"] = (-1, 0)
+        return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    # reference path: SDPA on each sequence
+    outs = []
+    bounds = cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H, n, D)
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                   enable_gqa=hq != hkv)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """HF attention-function signature: query (1, Hq, N, D), key/value (1, Hkv, N, D) ->
+    (attn_output (1, N, Hq, D), None)."""
+    cu = kwargs.get("cu_seq_lens_q")
+    max_len = kwargs.get("max_length_q")
+    if cu is None:
+        cu, max_len = cu_seq_lens_from_position_ids(kwargs["position_ids"])
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, H, D)
+    out = _causal_varlen(q, k, v, cu, max_len, scaling)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+def register_varlen_attention() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, varlen_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    return ATTN_NAME
+
+
+def resolve_attn_implementation(name: str, remove_padding: bool) -> str:
+    """'auto' -> the varlen kernel on CUDA with padding removed, else 'sdpa'; other names pass through."""
+    if name == ATTN_NAME or (name == "auto" and remove_padding and varlen_available()):
+        return register_varlen_attention()
+    return "sdpa" if name == "auto" else name

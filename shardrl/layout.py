@@ -1,0 +1,339 @@
+"""The batch-size arithmetic of one step, done once, up front, before anything is built.
+
+Global sizes in the config count prompts (DESIGN.md "Data-parallel layout per step"); `derive_layout`
+turns them into per-rank sample counts for a world of `nnodes x nproc_per_node` ranks and checks every
+divisibility rule, raising a `ValueError` that shows the numbers and the nearest valid values.
+`memory_ledger` estimates the actor's per-GPU memory for that layout (DESIGN.md "Memory ledger").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from shardrl.config import Config, EngineConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 1024**3
+
+
+@dataclass
+class RoleLayout:
+    """How one model (actor, critic or ref) is sharded and how its per-rank batch is cut."""
+    role: str
+    fsdp_size: int
+    sharding: str
+    """"FSDP over N" or "HSDP R x S" (R replicas, each sharded over S ranks)."""
+    shard_size: int
+    num_replicas: int
+    micro_batch_size_per_gpu: int | None
+    """Samples per micro-batch; None with dynamic batching."""
+    max_token_len_per_gpu: int | None
+    """Token budget of a dynamic micro-batch; None with fixed micro-batches."""
+    micro_batches: str
+    """Micro-batches per mini-batch (per forward pass for ref), in words."""
+    num_infer_micro_batches: int | None
+    """Micro-batches of a forward pass over the rank's whole step batch; None when dynamic."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per optimizer step (global); None for the forward-only ref."""
+    mini_batch_samples_per_rank: int | None = None
+    num_mini_batches: int | None = None
+    ppo_epochs: int | None = None
+    num_updates: int | None = None
+    """Optimizer steps per training step: num_mini_batches x ppo_epochs."""
+    num_micro_batches: int | None = None
+    """Micro-batches per mini-batch; None when dynamic."""
+
+
+@dataclass
+class Layout:
+    nnodes: int
+    nproc_per_node: int
+    world_size: int
+    sp: int
+    dp: int
+    train_batch_size: int
+    """Prompts per step (global)."""
+    n: int
+    prompts_per_rank: int
+    samples_per_rank: int
+    max_prompt_length: int
+    max_new_tokens: int
+    max_seq_len: int
+    seq_tokens_per_rank: int
+    """Tokens of one max-length sequence on one rank: ceil(max_seq_len / sp)."""
+    actor: RoleLayout
+    critic: RoleLayout | None
+    """Only with algorithm.adv_estimator == "gae"."""
+    ref: RoleLayout | None
+    """Only when a KL term needs the reference policy."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest(value: int, valid: list[int]) -> str:
+    below = max((v for v in valid if v < value), default=None)
+    above = min((v for v in valid if v > value), default=None)
+    return " or ".join(str(v) for v in (below, above) if v is not None)
+
+
+def _nearest_multiples(value: int, step: int) -> str:
+    below = value // step * step
+    return _nearest(value, [v for v in (below, below + step) if v > 0])
+
+
+def _role_engines(cfg: Config) -> dict[str, EngineConfig]:
+    roles = {"actor": cfg.actor.engine}
+    if cfg.algorithm.adv_estimator == "gae":
+        roles["critic"] = cfg.critic.engine
+    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        roles["ref"] = cfg.ref.engine
+    return roles
+
+
+def _sharding(role: str, engine: EngineConfig, world: int) -> tuple[int, str, int, int]:
+    size = engine.fsdp_size
+    if size == -1 or size >= world:
+        return size, f"FSDP over {world}", world, 1
+    if size < 1 or world % size != 0:
+        raise ValueError(
+            f"{role}.engine.fsdp_size={size} does not divide the world size {world} (HSDP needs world = "
+            f"replicas x fsdp_size); valid: -1 (shard over all {world}) or one of {_divisors(world)}"
+        )
+    return size, f"HSDP {world // size} x {size}", size, world // size
+
+
+def _check_fits(role: str, engine: EngineConfig, max_seq_len: int, sp: int, why: str) -> None:
+    if engine.max_token_len_per_gpu * sp < max_seq_len:
+        need = math.ceil(max_seq_len / sp)
+        raise ValueError(
+            f"{role}.engine.max_token_len_per_gpu={engine.max_token_len_per_gpu} cannot hold one sequence of up "
+            f"to {max_seq_len} tokens ({why}) split over sp={sp}; use at least {need}"
+        )
+
+
+def _train_role(cfg: Config, role: str, engine: EngineConfig, dp: int, n: int, samples_per_rank: int,
+                sharding: tuple[int, str, int, int]) -> RoleLayout:
+    section = getattr(cfg, role)
+    batch, mini = cfg.data.train_batch_size, section.ppo_mini_batch_size
+    if mini < 1 or batch % mini != 0:
+        raise ValueError(
+            f"{role}.ppo_mini_batch_size={mini} prompts does not divide data.train_batch_size={batch} prompts; "
+            f"nearest valid: {_nearest(mini, _divisors(batch))}"
+        )
+    if (mini * n) % dp != 0:
+        valid = [m for m in _divisors(batch) if (m * n) % dp == 0]
+        raise ValueError(
+            f"{role}.ppo_mini_batch_size={mini} prompts x rollout.n={n} = {mini * n} samples cannot be split over "
+            f"dp={dp} data-parallel ranks; nearest valid {role}.ppo_mini_batch_size: {_nearest(mini, valid)}"
+        )
+    mini_samples = mini * n // dp
+    num_mini = batch // mini
+    layout = RoleLayout(role, *sharding, None, None, "", None, mini, mini_samples, num_mini,
+                        section.ppo_epochs, num_mini * section.ppo_epochs)
+    if engine.use_dynamic_bsz:
+        layout.max_token_len_per_gpu = engine.max_token_len_per_gpu
+        layout.micro_batches = f"dynamic, <= {engine.max_token_len_per_gpu} tokens each"
+        return layout
+    micro = engine.micro_batch_size_per_gpu
+    formula = f"(ppo_mini_batch_size {mini} x n {n} / dp {dp})"
+    if micro > mini_samples:
+        raise ValueError(
+            f"{role}.engine.micro_batch_size_per_gpu={micro} exceeds the per-rank mini-batch of {mini_samples} "
+            f"samples {formula}; use at most {mini_samples} (valid: {_divisors(mini_samples)})"
+        )
+    if mini_samples % micro != 0:
+        raise ValueError(
+            f"{role}.engine.micro_batch_size_per_gpu={micro} does not divide the per-rank mini-batch of "
+            f"{mini_samples} samples {formula}; nearest valid: {_nearest(micro, _divisors(mini_samples))}"
+        )
+    layout.micro_batch_size_per_gpu = micro
+    layout.num_micro_batches = mini_samples // micro
+    layout.num_infer_micro_batches = math.ceil(samples_per_rank / micro)
+    layout.micro_batches = f"{mini_samples // micro} of {micro} samples"
+    return layout
+
+
+def derive_layout(cfg: Config, nnodes: int, nproc_per_node: int) -> Layout:
+    """Per-rank sizes of one step on `nnodes x nproc_per_node` ranks; `ValueError` for a layout that cannot work."""
+    if nnodes < 1 or nproc_per_node < 1:
+        raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must both be >= 1")
+    world = nnodes * nproc_per_node
+    roles = _role_engines(cfg)
+    sp = cfg.actor.engine.ulysses_sequence_parallel_size
+    if sp < 1 or world % sp != 0:
+        raise ValueError(
+            f"actor.engine.ulysses_sequence_parallel_size={sp} does not divide the world size {world} "
+            f"({nnodes} nodes x {nproc_per_node} procs); valid sp: {_divisors(world)}"
+        )
+    for role, engine in roles.items():
+        if engine.ulysses_sequence_parallel_size != sp:
+            # every role works on the same dp shard of the step's batch, so they must cut the world alike
+            raise ValueError(
+                f"{role}.engine.ulysses_sequence_parallel_size={engine.ulysses_sequence_parallel_size} differs "
+                f"from actor.engine.ulysses_sequence_parallel_size={sp}; set both to {sp}"
+            )
+    dp = world // sp
+    batch, n = cfg.data.train_batch_size, cfg.rollout.n
+    if batch % dp != 0:
+        raise ValueError(
+            f"data.train_batch_size={batch} prompts cannot be split over dp={dp} data-parallel ranks "
+            f"(world {world} / sp {sp}); nearest valid: {_nearest_multiples(batch, dp)}"
+        )
+    prompts_per_rank = batch // dp
+    samples_per_rank = prompts_per_rank * n
+    max_seq_len = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    why = f"data.max_prompt_length {cfg.data.max_prompt_length} + rollout.max_new_tokens {cfg.rollout.max_new_tokens}"
+
+    layouts: dict[str, RoleLayout] = {}
+    for role, engine in roles.items():
+        sharding = _sharding(role, engine, world)
+        if engine.use_dynamic_bsz:
+            _check_fits(role, engine, max_seq_len, sp, why)
+        if role == "ref":
+            dynamic = engine.use_dynamic_bsz
+            micro = engine.micro_batch_size_per_gpu
+            layouts[role] = RoleLayout(
+                role, *sharding,
+                micro_batch_size_per_gpu=None if dynamic else micro,
+                max_token_len_per_gpu=engine.max_token_len_per_gpu if dynamic else None,
+                micro_batches=(f"dynamic, <= {engine.max_token_len_per_gpu} tokens each" if dynamic
+                               else f"{math.ceil(samples_per_rank / micro)} of <= {micro} samples"),
+                num_infer_micro_batches=None if dynamic else math.ceil(samples_per_rank / micro),
+            )
+        else:
+            layouts[role] = _train_role(cfg, role, engine, dp, n, samples_per_rank, sharding)
+
+    return Layout(
+        nnodes=nnodes, nproc_per_node=nproc_per_node, world_size=world, sp=sp, dp=dp,
+        train_batch_size=batch, n=n, prompts_per_rank=prompts_per_rank, samples_per_rank=samples_per_rank,
+        max_prompt_length=cfg.data.max_prompt_length, max_new_tokens=cfg.rollout.max_new_tokens,
+        max_seq_len=max_seq_len, seq_tokens_per_rank=math.ceil(max_seq_len / sp),
+        actor=layouts["actor"], critic=layouts.get("critic"), ref=layouts.get("ref"),
+    )
+
+
+def _role_lines(r: RoleLayout, layout: Layout) -> list[tuple[str, str, object]]:
+    lines: list[tuple[str, str, object]] = [(
+        f"{r.role} sharding", f"fsdp_size {r.fsdp_size} on world {layout.world_size}",
+        f"{r.sharding} ({r.num_replicas} replica(s), each sharded over {r.shard_size})")]
+    if r.ppo_mini_batch_size is not None:
+        lines += [
+            (f"{r.role} mini-batch per rank", f"{r.ppo_mini_batch_size} prompts x {layout.n} (n) / {layout.dp} (dp)",
+             f"{r.mini_batch_samples_per_rank} samples"),
+            (f"{r.role} mini-batches per step", f"{layout.train_batch_size} (train_batch_size) / "
+             f"{r.ppo_mini_batch_size} (ppo_mini_batch_size)", r.num_mini_batches),
+            (f"{r.role} updates per step", f"{r.num_mini_batches} mini-batches x {r.ppo_epochs} (ppo_epochs)",
+             r.num_updates),
+        ]
+        if r.num_micro_batches is not None:
+            lines.append((f"{r.role} micro-batches per mini-batch", f"{r.mini_batch_samples_per_rank} samples / "
+                          f"{r.micro_batch_size_per_gpu} (micro_batch_size_per_gpu)", r.num_micro_batches))
+    if r.num_infer_micro_batches is not None:
+        lines.append((f"{r.role} forward micro-batches per step", f"ceil({layout.samples_per_rank} samples / "
+                      f"{r.micro_batch_size_per_gpu} (micro_batch_size_per_gpu))", r.num_infer_micro_batches))
+    else:
+        per = "mini-batch" if r.ppo_mini_batch_size is not None else "forward"
+        lines.append((f"{r.role} micro-batches per {per}", "dynamic (use_dynamic_bsz), balanced by tokens",
+                      f"<= {r.max_token_len_per_gpu} tokens each (max_token_len_per_gpu)"))
+    return lines
+
+
+def format_layout(layout: Layout) -> str:
+    """The derivation, one "name = formula = value" line per number."""
+    L = layout
+    lines: list[tuple[str, str, object]] = [
+        ("world size", f"{L.nnodes} nodes x {L.nproc_per_node} procs", L.world_size),
+        ("sp", "actor.engine.ulysses_sequence_parallel_size", L.sp),
+        ("dp", f"{L.world_size} (world) / {L.sp} (sp)", L.dp),
+        ("prompts per rank", f"{L.train_batch_size} (train_batch_size) / {L.dp} (dp)", L.prompts_per_rank),
+        ("samples per rank", f"{L.train_batch_size} prompts x {L.n} (n) / {L.dp} (dp)", L.samples_per_rank),
+        ("max sequence length", f"{L.max_prompt_length} (max_prompt_length) + {L.max_new_tokens} (max_new_tokens)",
+         L.max_seq_len),
+    ]
+    if L.sp > 1:
+        lines.append(("tokens of one sequence per rank", f"ceil({L.max_seq_len} / {L.sp} (sp))", L.seq_tokens_per_rank))
+    for role in (L.actor, L.critic, L.ref):
+        if role is not None:
+            lines += _role_lines(role, L)
+    width = max(len(name) for name, _, _ in lines)
+    return "\n".join(f"{name:<{width}} = {formula} = {value}" for name, formula, value in lines)
+
+
+def memory_ledger(cfg: Config, layout: Layout, hf_config) -> dict:
+    """Rough per-GPU memory of the actor in GiB, each item with the assumption behind it.
+
+    Not counted: rollout weights and KV cache, ref / critic models, CUDA context and allocator slack.
+    """
+    import torch
+    import transformers
+
+    from shardrl.engine.model import decoder_blocks
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.model.trust_remote_code)
+    num_params = sum(p.numel() for p in model.parameters())
+    block_params = [sum(p.numel() for p in b.parameters()) for b in decoder_blocks(model)]
+    root_params = num_params - sum(block_params)
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    hidden, num_layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
+
+    engine, shard = cfg.actor.engine, layout.actor.shard_size
+    master, compute = DTYPE_BYTES[cfg.model.dtype], DTYPE_BYTES[engine.param_dtype]
+    sharded = num_params * master / shard
+    items: list[tuple[str, float, str]] = []
+    per = f"{_count(num_params)} params x {master} B ({cfg.model.dtype}) / {shard} (shard size)"
+    offload_p = "0: on CPU between phases (offload_params); on GPU during its own phase"
+    items.append(("params", 0.0 if engine.offload_params else sharded, offload_p if engine.offload_params else per))
+    items.append(("grads", 0.0 if engine.offload_params else sharded,
+                  "0: follow the offloaded params" if engine.offload_params else per + ", master dtype"))
+    items.append(("optimizer state", 0.0 if engine.offload_optimizer else 2 * sharded,
+                  "0: on CPU (offload_optimizer)" if engine.offload_optimizer
+                  else f"AdamW: 2 states x {per}"))
+    if engine.reshard_after_forward:
+        unit = max(max(block_params, default=0), root_params)
+        items.append(("all-gather buffers", 2 * unit * compute,
+                      f"largest FSDP unit ({_count(unit)} params) x {compute} B ({engine.param_dtype}), "
+                      "x2 for the prefetched next unit"))
+    else:
+        items.append(("all-gather buffers", num_params * compute,
+                      f"reshard_after_forward=False (ZeRO-2): whole model gathered, {compute} B ({engine.param_dtype})"))
+    if engine.use_dynamic_bsz:
+        tokens, how = engine.max_token_len_per_gpu, "max_token_len_per_gpu"
+    else:
+        tokens = engine.micro_batch_size_per_gpu * layout.seq_tokens_per_rank
+        how = f"{engine.micro_batch_size_per_gpu} samples x {layout.seq_tokens_per_rank} tokens"
+    act_bytes = 34 * compute / 2  # ~34 B per token x hidden x layer in bf16 (Korthikanti et al.), flash/sdpa attention
+    if cfg.model.gradient_checkpointing:
+        act = tokens * hidden * (num_layers * compute + act_bytes)
+        act_note = f"checkpointing: {tokens} tokens ({how}) x {hidden} x {num_layers} layers x {compute} B + one layer"
+    else:
+        act = tokens * hidden * num_layers * act_bytes
+        act_note = f"{tokens} tokens ({how}) x {hidden} hidden x {num_layers} layers x ~{act_bytes:.0f} B"
+    items.append(("activations (one micro-batch)", act, act_note))
+    items.append(("logits chunk", engine.logprob_chunk_size * vocab * 4 * 3,
+                  f"{engine.logprob_chunk_size} tokens (logprob_chunk_size) x {vocab} vocab x 4 B x ~3 "
+                  "(logits, log-softmax, grad)"))
+    rows = [{"name": name, "gib": value / GIB, "assumption": note} for name, value, note in items]
+    return {"role": "actor", "num_params": num_params, "shard_size": shard, "items": rows,
+            "total_gib": sum(r["gib"] for r in rows),
+            "not_counted": "rollout weights + KV cache, ref/critic models, CUDA context, allocator slack"}
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def format_memory_ledger(ledger: dict) -> str:
+    width = max(len(r["name"]) for r in ledger["items"])
+    lines = [f"memory per GPU ({ledger['role']}, {_count(ledger['num_params'])} params, "
+             f"shard size {ledger['shard_size']}):"]
+    lines += [f"  {r['name']:<{width}} {r['gib']:9.3f} GiB  # {r['assumption']}" for r in ledger["items"]]
+    lines.append(f"  {'total':<{width}} {ledger['total_gib']:9.3f} GiB  # not counted: {ledger['not_counted']}")
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""The rollout contract: what a generation engine takes (prompts, `SamplingParams`), what it returns
+(`RolloutOutput`), and how the trainer keeps it in step with the actor (`load_weights`, `release`/`resume`).
+
+Layout of a `RolloutOutput` with B prompts, n samples each, prompt width P and response width R:
+
+    row        b*n + j  is sample j of prompt b            (prompt-major; prompt_index[row] == b)
+    prompt_ids      (B*n, P)  left-padded, as given
+    response_ids    (B*n, R)  right-padded with the pad id; R is the longest response
+    response_mask   (B*n, R)  1 on response tokens (the EOS token too, when one ended the response)
+    sampled_log_probs (B*n, R)  log softmax(logits / T) of each sampled token, 0 where the mask is 0
+
+Log-probs are those of the temperature-scaled distribution without top-k/top-p truncation, i.e. what the
+training engine recomputes with the same temperature (1 for greedy decoding), so that the two can be
+compared as a health metric of the weight sync and the numerics.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from shardrl.batch import Batch
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    """Responses sampled per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 is off."""
+    top_k: int = 0
+    """Top-k sampling; 0 is off."""
+    max_new_tokens: int = 32
+    """Response length limit in tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a response (besides EOS); the response text is cut before them."""
+    seed: int | None = 0
+    """Seed of sampling; None draws from (and advances) the global RNG."""
+    greedy: bool = False
+    """Take the argmax at every step (also implied by temperature == 0)."""
+
+    def __post_init__(self):
+        checks = [
+            (self.n >= 1, "n", "must be >= 1"),
+            (self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 = off)"),
+            (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} {why}")
+        self.stop = list(self.stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the sampled log-probs (and the engine's recomputation) use: 1 when greedy."""
+        return 1.0 if self.is_greedy else self.temperature
+
+    @classmethod
+    def from_config(cls, rollout_cfg, **overrides) -> SamplingParams:
+        """From a `RolloutConfig`; `overrides` replace fields, e.g. `n=1, greedy=True` for validation."""
+        params = cls(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
+                     top_k=rollout_cfg.top_k, max_new_tokens=rollout_cfg.max_new_tokens,
+                     stop=list(rollout_cfg.stop), seed=rollout_cfg.seed)
+        return dataclasses.replace(params, **overrides) if overrides else params
+
+
+@dataclass
+class RolloutOutput:
+    prompt_ids: torch.Tensor  # (N, P) left-padded, N = B*n
+    prompt_mask: torch.Tensor  # (N, P) attention mask of the prompts
+    response_ids: torch.Tensor  # (N, R) right-padded with the pad id
+    response_mask: torch.Tensor  # (N, R)
+    sampled_log_probs: torch.Tensor  # (N, R) float32
+    response_text: list[str]  # N decoded responses, stop string cut off
+    prompt_index: torch.Tensor  # (N,) which prompt each row came from
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def to_batch(self) -> Batch:
+        """A training batch: the per-token tensors are full width (P+R) and aligned with `input_ids`,
+        except `response_mask`, which stays (N, R). `loss_mask` is `response_mask` placed after the
+        prompt; `sampled_log_probs` sits on the token it scores, as the engine's `log_probs` do."""
+        prompt_zeros = torch.zeros_like(self.prompt_mask)
+        response_mask = self.response_mask.to(self.prompt_mask.dtype)
+        log_probs = torch.cat([torch.zeros_like(self.prompt_ids, dtype=torch.float32), self.sampled_log_probs], dim=1)
+        tensors = {
+            "input_ids": torch.cat([self.prompt_ids, self.response_ids], dim=1),  # (N, P+R)
+            "attention_mask": torch.cat([self.prompt_mask, response_mask], dim=1),  # (N, P+R)
+            "loss_mask": torch.cat([prompt_zeros, response_mask], dim=1),  # (N, P+R)
+            "response_mask": response_mask,  # (N, R)
+            "sampled_log_probs": log_probs,  # (N, P+R)
+            "prompt_index": self.prompt_index,  # (N,)
+        }
+        return Batch(tensors, {"response_text": list(self.response_text)})
+
+
+class Rollout(abc.ABC):
+    """A generation engine holding its own copy of the policy weights."""
+
+    @abc.abstractmethod
+    def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 sampling: SamplingParams) -> RolloutOutput:
+        """`sampling.n` responses to each of the B left-padded prompts `(B, P)`, prompt-major."""
+
+    @abc.abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies `(hf_name, full tensor)` pairs into the model in place, one at a time (e.g. straight
+        from `Engine.export_weights()`); an unknown name raises."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Frees the device memory the rollout holds (weights, caches) while training runs."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Takes the device memory back before the next `generate`."""
+
+
+def build_rollout(name: str, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,
+                  **kwargs) -> Rollout:
+    """The rollout backend `name` (see `ROLLOUTS`); `kwargs` go to its constructor (e.g. `micro_batch_size`)."""
+    from shardrl.rollout import ROLLOUTS
+
+    if name not in ROLLOUTS:
+        raise ValueError(f"unknown rollout backend {name!r}; choose one of {sorted(ROLLOUTS)}")
+    return ROLLOUTS[name](hf_config, tokenizer, device, dtype, **kwargs)

@@ -1,0 +1,267 @@
+"""The reference rollout: Hugging Face `model.generate` on the rollout's own copy of the policy.
+
+Simple and slow (dynamic KV cache, Python loop per token); it defines the behaviour a fast backend must match.
+
+Sampled log-probs are recorded by a logits processor that runs before HF's temperature/top-k/top-p
+warpers, so it sees the raw logits. Asking `generate` for `output_logits=True` would give the same numbers
+but keep `steps x rows x vocab` fp32 logits alive (about 150 GB for 1k steps of 256 rows of a 150k
+vocab); the processor keeps one step's log-probs and scores each token one step later, when it appears
+as the last column of `input_ids`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterable
+
+import torch
+import transformers
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class _LogProbRecorder(LogitsProcessor):
+    """Records log softmax(raw logits / T) of each sampled token, one step behind the sampler."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.last: torch.Tensor | None = None  # (rows, V) log-probs of the latest step
+        self.scored: list[torch.Tensor] = []  # one (rows,) per generated token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:  # input_ids[:, -1] was sampled from self.last
+            self.scored.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """(rows, L) log-probs of `response_ids`; `generate` may have run (and undone) extra steps."""
+        num_tokens = response_ids.shape[1]
+        if len(self.scored) < num_tokens:  # the last token was never seen by a later call
+            step = len(self.scored)
+            self.scored.append(self.last.gather(-1, response_ids[:, step : step + 1]).squeeze(-1))
+        if not self.scored:
+            return response_ids.new_zeros(response_ids.shape, dtype=torch.float32)
+        return torch.stack(self.scored[:num_tokens], dim=1)
+
+
+class _StopStringCriteria(StoppingCriteria):
+    """Ends a row once its decoded response contains a stop string (an early exit only: the response
+    mask is cut afterwards from the full decode, by `_stop_length`)."""
+
+    def __init__(self, tokenizer, stop: list[str], prompt_width: int):
+        self.tokenizer, self.stop, self.prompt_width = tokenizer, stop, prompt_width
+        # a stop string first appears ending at the newest token; this many tokens hold it (>= 1 char each)
+        self.window = max(len(s) for s in stop) + 8
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        response = input_ids[:, self.prompt_width :]
+        tails = self.tokenizer.batch_decode(response[:, -self.window :], skip_special_tokens=True)
+        done = [
+            _contains_stop(tail, self.stop) and _contains_stop(self.tokenizer.decode(row, skip_special_tokens=True), self.stop)
+            for tail, row in zip(tails, response)
+        ]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def _contains_stop(text: str, stop: list[str]) -> bool:
+    return any(s in text for s in stop)
+
+
+def _stop_length(tokenizer, ids: list[int], stop: list[str]) -> int | None:
+    """The fewest leading tokens of `ids` whose decoded text contains a stop string, or None."""
+
+    def hit(k: int) -> bool:
+        return _contains_stop(tokenizer.decode(ids[:k], skip_special_tokens=True), stop)
+
+    if not ids or not hit(len(ids)):
+        return None
+    lo, hi = 1, len(ids)  # containment only grows with the prefix: binary search
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if hit(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _cut_at_stop(text: str, stop: list[str]) -> str:
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[: min(cuts)] if cuts else text
+
+
+class HFRollout(Rollout):
+    """Generation with `transformers`' `generate` on a model built from `hf_config` (weights arrive by
+    `load_weights`). `micro_batch_size` prompts (times n samples) go into one `generate` call."""
+
+    def __init__(self, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,
+                 micro_batch_size: int = 64, attn_implementation: str = "sdpa", seed: int = 0):
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.micro_batch_size = micro_batch_size
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        if self.pad_id is None:
+            raise ValueError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
+        with torch.random.fork_rng(devices=[]), torch.device(self.device):
+            torch.manual_seed(seed)  # random init, overwritten by load_weights; seeded so tests are stable
+            self.model = transformers.AutoModelForCausalLM.from_config(
+                hf_config, dtype=dtype, attn_implementation=attn_implementation)
+        self.model.eval().requires_grad_(False)
+        self.model.config.use_cache = True
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=self.eos_id, pad_token_id=self.pad_id, bos_token_id=tokenizer.bos_token_id)
+        self._released = False
+
+    # ---- weights and memory ---------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # remove_duplicate=False: a tied head answers to both its names (the engine exports only one)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        loaded: set[int] = set()
+        for name, tensor in weights:
+            param = params.get(name)
+            if param is None:
+                raise KeyError(f"the rollout model has no parameter {name!r} (it has e.g. {list(params)[:4]}); "
+                               "are the actor and rollout built from the same model config?")
+            if param.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the rollout model expects "
+                                 f"{tuple(param.shape)}")
+            param.copy_(tensor)  # casts and moves; the caller may free `tensor` right after
+            loaded.add(id(param))
+        missing = [n for n, p in params.items() if id(p) not in loaded]
+        if missing:
+            log.warning("load_weights left %d parameters untouched, e.g. %s", len(missing), missing[:4])
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self.model.to("cpu")
+        self._released = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume(self) -> None:
+        if not self._released:
+            return
+        self.model.to(self.device)
+        self._released = False
+
+    # ---- generation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 sampling: SamplingParams) -> RolloutOutput:
+        if self._released:
+            raise RuntimeError("the rollout is released (its model sits on the CPU); call resume() before generate()")
+        _check_prompts(prompt_ids, attention_mask)
+        num_prompts, n = prompt_ids.shape[0], sampling.n
+        with self._seeded(sampling.seed):
+            chunks = [
+                self._generate_chunk(prompt_ids[s : s + self.micro_batch_size],
+                                     attention_mask[s : s + self.micro_batch_size], sampling)
+                for s in range(0, num_prompts, self.micro_batch_size)
+            ]
+
+        width = max(max(c[1]) for c in chunks)  # R: the longest response
+        num_rows = num_prompts * n
+        response_ids = torch.full((num_rows, width), self.pad_id, dtype=torch.long)
+        response_mask = torch.zeros(num_rows, width, dtype=torch.long)
+        log_probs = torch.zeros(num_rows, width, dtype=torch.float32)
+        texts: list[str] = []
+        row = 0
+        for ids, lengths, logp, chunk_texts in chunks:
+            for i, length in enumerate(lengths):
+                response_ids[row, :length] = ids[i, :length]
+                response_mask[row, :length] = 1
+                log_probs[row, :length] = logp[i, :length]
+                row += 1
+            texts += chunk_texts
+        out_device = prompt_ids.device
+        return RolloutOutput(
+            prompt_ids=prompt_ids.repeat_interleave(n, dim=0),
+            prompt_mask=attention_mask.repeat_interleave(n, dim=0),
+            response_ids=response_ids.to(out_device),
+            response_mask=response_mask.to(out_device),
+            sampled_log_probs=log_probs.to(out_device),
+            response_text=texts,
+            prompt_index=torch.arange(num_prompts, device=out_device).repeat_interleave(n),
+        )
+
+    def _generate_chunk(self, prompt_ids, attention_mask, sampling: SamplingParams):
+        """One `generate` call; returns (ids (rows, L) on CPU, lengths, log-probs (rows, L), texts)."""
+        first = int(attention_mask.any(0).nonzero()[0])  # drop columns that are padding in every row
+        ids = prompt_ids[:, first:].to(self.device).repeat_interleave(sampling.n, dim=0)  # (rows, P')
+        mask = attention_mask[:, first:].to(self.device).repeat_interleave(sampling.n, dim=0)
+        recorder = _LogProbRecorder(sampling.logprob_temperature)
+        stopping = StoppingCriteriaList(
+            [_StopStringCriteria(self.tokenizer, sampling.stop, ids.shape[1])] if sampling.stop else [])
+        sequences = self.model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=self._generation_config(sampling),
+            logits_processor=LogitsProcessorList([recorder]), stopping_criteria=stopping,
+        )
+        generated = sequences[:, ids.shape[1] :]  # (rows, L)
+        logp = recorder.finish(generated).cpu()
+        generated = generated.cpu()
+        lengths, texts = self._cut_responses(generated, sampling.stop)
+        return generated, lengths, logp, texts
+
+    def _cut_responses(self, generated: torch.Tensor, stop: list[str]) -> tuple[list[int], list[str]]:
+        """Each row's response length (through EOS, or through the token completing a stop string)
+        and its text (special tokens skipped, cut before the stop string)."""
+        lengths, texts = [], []
+        for row in generated.tolist():
+            body = row[: row.index(self.eos_id)] if self.eos_id in row else row  # before EOS
+            length = len(body) + 1 if len(body) < len(row) else len(row)  # EOS counts as a response token
+            if stop:
+                stop_at = _stop_length(self.tokenizer, body, stop)
+                if stop_at is not None:
+                    length = stop_at
+            text = self.tokenizer.decode(row[:length], skip_special_tokens=True)
+            lengths.append(length)
+            texts.append(_cut_at_stop(text, stop) if stop else text)
+        return lengths, texts
+
+    def _generation_config(self, sampling: SamplingParams) -> GenerationConfig:
+        sample = not sampling.is_greedy
+        return GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            do_sample=sample,
+            temperature=sampling.temperature if sample else None,
+            top_p=sampling.top_p if sample else None,
+            top_k=(sampling.top_k or None) if sample else None,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+            bos_token_id=self.tokenizer.bos_token_id,
+            use_cache=True,
+        )
+
+    @contextlib.contextmanager
+    def _seeded(self, seed: int | None):
+        """Seeds sampling without touching the caller's RNG state (CPU and this rollout's GPU)."""
+        if seed is None:
+            yield
+            return
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.random.default_generator.manual_seed(seed)
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):
+                    torch.cuda.manual_seed(seed)
+            yield
+
+
+def _check_prompts(prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    if prompt_ids.dim() != 2 or prompt_ids.shape != attention_mask.shape:
+        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+                         "must both be (B, P)")
+    if prompt_ids.shape[0] == 0:
+        raise ValueError("generate needs at least one prompt")
+    if not bool(attention_mask[:, -1].all()):
+        raise ValueError("prompts must be left-padded: the last column of attention_mask must be 1 in every row")

@@ -1,0 +1,156 @@
+import re
+
+import pytest
+import transformers
+
+from shardrl.config import Config, load_config
+from shardrl.layout import GIB, derive_layout, format_layout, format_memory_ledger, memory_ledger
+
+TINY = ("model.tiny={model_type: qwen2, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
+        "num_key_value_heads: 2, intermediate_size: 128, vocab_size: 1000, tie_word_embeddings: false}")
+
+
+def cfg(*overrides):
+    return load_config(None, list(overrides))
+
+
+def raw_cfg(**fields):
+    """A Config that skips `validate_config`, to reach the layout's own checks of what config validation also catches."""
+    c = Config()
+    for key, value in fields.items():
+        section, name = key.split("__")
+        setattr(getattr(c, section), name, value)
+    return c
+
+
+def test_one_gpu_defaults():
+    L = derive_layout(cfg(), 1, 1)
+    assert (L.world_size, L.sp, L.dp) == (1, 1, 1)
+    assert (L.train_batch_size, L.n, L.prompts_per_rank, L.samples_per_rank) == (8, 4, 8, 32)
+    a = L.actor
+    assert a.sharding == "FSDP over 1" and a.shard_size == 1 and a.num_replicas == 1
+    assert (a.mini_batch_samples_per_rank, a.num_mini_batches, a.num_updates) == (16, 2, 2)
+    assert (a.num_micro_batches, a.num_infer_micro_batches) == (16, 32)
+    assert L.max_seq_len == 256 + 32 and L.seq_tokens_per_rank == 288
+    assert L.critic is None and L.ref is None  # grpo without KL needs neither
+
+
+def test_two_nodes_of_four():
+    L = derive_layout(cfg("data.train_batch_size=64", "rollout.n=8", "actor.ppo_mini_batch_size=16",
+                          "actor.ppo_epochs=2", "actor.engine.micro_batch_size_per_gpu=4"), 2, 4)
+    assert (L.world_size, L.dp, L.prompts_per_rank, L.samples_per_rank) == (8, 8, 8, 64)
+    a = L.actor
+    assert a.sharding == "FSDP over 8"
+    assert (a.mini_batch_samples_per_rank, a.num_mini_batches, a.ppo_epochs, a.num_updates) == (16, 4, 2, 8)
+    assert (a.micro_batch_size_per_gpu, a.num_micro_batches, a.num_infer_micro_batches) == (4, 4, 16)
+
+
+def test_sequence_parallel_halves_dp_and_sequence():
+    L = derive_layout(cfg("actor.engine.ulysses_sequence_parallel_size=2", "data.max_prompt_length=100",
+                          "rollout.max_new_tokens=51", "actor.engine.use_dynamic_bsz=true",
+                          "actor.engine.max_token_len_per_gpu=76"), 1, 4)
+    assert (L.sp, L.dp, L.prompts_per_rank, L.samples_per_rank) == (2, 2, 4, 16)
+    assert L.max_seq_len == 151 and L.seq_tokens_per_rank == 76
+    assert L.actor.mini_batch_samples_per_rank == 8
+    assert L.actor.num_micro_batches is None and L.actor.max_token_len_per_gpu == 76
+    assert "dynamic, <= 76 tokens each" in L.actor.micro_batches
+    text = re.sub(r" +", " ", format_layout(L))
+    assert "tokens of one sequence per rank = ceil(151 / 2 (sp)) = 76" in text
+    assert "samples per rank = 8 prompts x 4 (n) / 2 (dp) = 16" in text
+
+
+def test_hsdp_and_fsdp_size_at_least_world():
+    L = derive_layout(cfg("actor.engine.fsdp_size=4"), 2, 4)
+    assert L.actor.sharding == "HSDP 2 x 4" and (L.actor.shard_size, L.actor.num_replicas) == (4, 2)
+    L = derive_layout(cfg("actor.engine.fsdp_size=16"), 2, 4)  # >= world shards over all, as the mesh does
+    assert L.actor.sharding == "FSDP over 8" and L.actor.shard_size == 8
+
+
+def test_critic_with_gae_and_ref_with_kl():
+    L = derive_layout(cfg("algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "data.train_batch_size=6",
+                          "rollout.n=2", "actor.ppo_mini_batch_size=3", "critic.ppo_mini_batch_size=6",
+                          "critic.engine.micro_batch_size_per_gpu=2", "ref.engine.micro_batch_size_per_gpu=4",
+                          "critic.engine.fsdp_size=1"), 1, 3)
+    assert (L.dp, L.samples_per_rank) == (3, 4)
+    assert (L.actor.mini_batch_samples_per_rank, L.actor.num_mini_batches) == (2, 2)
+    c = L.critic
+    assert (c.mini_batch_samples_per_rank, c.num_mini_batches, c.num_micro_batches) == (4, 1, 2)
+    assert c.sharding == "HSDP 3 x 1"
+    assert L.ref.num_infer_micro_batches == 1 and L.ref.ppo_mini_batch_size is None
+    text = format_layout(L)
+    assert "critic updates per step" in text and "ref forward micro-batches per step" in text
+    assert L.to_dict()["critic"]["num_micro_batches"] == 2
+
+
+@pytest.mark.parametrize("overrides, nnodes, nproc, expected", [
+    (["data.train_batch_size=10", "actor.ppo_mini_batch_size=5"], 1, 4,
+     ["data.train_batch_size=10 prompts cannot be split over dp=4 data-parallel ranks (world 4 / sp 1); "
+      "nearest valid: 8 or 12"]),
+    (["actor.engine.ulysses_sequence_parallel_size=3"], 2, 4,
+     ["ulysses_sequence_parallel_size=3", "world size 8", "valid sp: [1, 2, 4, 8]"]),
+    (["actor.use_kl_loss=true", "ref.engine.ulysses_sequence_parallel_size=2"], 1, 2,
+     ["ref.engine.ulysses_sequence_parallel_size=2", "actor.engine.ulysses_sequence_parallel_size=1"]),
+    (["actor.ppo_mini_batch_size=1", "rollout.n=2"], 1, 4,
+     ["ppo_mini_batch_size=1 prompts x rollout.n=2 = 2 samples", "dp=4", "nearest valid actor.ppo_mini_batch_size: 2"]),
+    (["actor.engine.micro_batch_size_per_gpu=3"], 1, 1,
+     ["micro_batch_size_per_gpu=3", "per-rank mini-batch of 16 samples", "nearest valid: 2 or 4"]),
+    (["actor.engine.micro_batch_size_per_gpu=32"], 1, 2,
+     ["micro_batch_size_per_gpu=32 exceeds the per-rank mini-batch of 8 samples", "use at most 8", "[1, 2, 4, 8]"]),
+    (["actor.engine.fsdp_size=3"], 2, 4,
+     ["actor.engine.fsdp_size=3 does not divide the world size 8", "-1 (shard over all 8)", "[1, 2, 4, 8]"]),
+    (["algorithm.adv_estimator=gae", "critic.engine.fsdp_size=3"], 1, 4, ["critic.engine.fsdp_size=3"]),
+    (["algorithm.adv_estimator=gae", "critic.engine.micro_batch_size_per_gpu=3"], 1, 1,
+     ["critic.engine.micro_batch_size_per_gpu=3", "nearest valid: 2 or 4"]),
+    (["actor.engine.use_dynamic_bsz=true", "actor.engine.max_token_len_per_gpu=200"], 1, 1,
+     ["max_token_len_per_gpu=200", "288 tokens", "sp=1", "at least 288"]),
+    (["actor.engine.use_dynamic_bsz=true", "actor.engine.max_token_len_per_gpu=143",
+      "actor.engine.ulysses_sequence_parallel_size=2"], 1, 2, ["sp=2", "at least 144"]),
+    ([], 0, 1, ["nnodes=0"]),
+])
+def test_invalid_layouts_name_the_numbers_and_the_fix(overrides, nnodes, nproc, expected):
+    with pytest.raises(ValueError) as e:
+        derive_layout(cfg(*overrides), nnodes, nproc)
+    for text in expected:
+        assert text in str(e.value)
+
+
+def test_mini_batch_that_does_not_divide_the_batch():
+    # config validation rejects this too; the layout checks it for configs built in code
+    with pytest.raises(ValueError, match=r"actor.ppo_mini_batch_size=5 prompts .* data.train_batch_size=12 .*nearest valid: 4 or 6"):
+        derive_layout(raw_cfg(data__train_batch_size=12, actor__ppo_mini_batch_size=5), 1, 1)
+
+
+def tiny_hf_config():
+    from shardrl.engine.model import load_hf_config
+
+    c = cfg(TINY)
+    return c, load_hf_config(c.model.path, c.model.tiny)
+
+
+def test_memory_ledger_counts_exact_params_and_shards_them():
+    c, hf = tiny_hf_config()
+    num_params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf).parameters())
+    ledger = memory_ledger(c, derive_layout(c, 1, 4), hf)
+    items = {r["name"]: r["gib"] for r in ledger["items"]}
+    assert ledger["num_params"] == num_params and ledger["shard_size"] == 4
+    assert items["params"] == pytest.approx(num_params * 4 / 4 / GIB)
+    assert items["optimizer state"] == pytest.approx(2 * items["params"])
+    assert items["logits chunk"] == pytest.approx(1024 * 1000 * 4 * 3 / GIB)
+    # 1 sample x 288 tokens x 64 hidden x 2 layers x 34 B (bf16 compute)
+    assert items["activations (one micro-batch)"] == pytest.approx(288 * 64 * 2 * 34 / GIB)
+    assert ledger["total_gib"] == pytest.approx(sum(items.values()))
+    assert "total" in format_memory_ledger(ledger)
+
+
+def test_memory_ledger_offload_and_checkpointing():
+    c, hf = tiny_hf_config()
+    base = memory_ledger(c, derive_layout(c, 1, 1), hf)
+    c2 = cfg(TINY, "actor.engine.offload_params=true", "actor.engine.offload_optimizer=true",
+             "model.gradient_checkpointing=true")
+    ledger = memory_ledger(c2, derive_layout(c2, 1, 1), hf)
+    items = {r["name"]: r for r in ledger["items"]}
+    assert items["params"]["gib"] == items["grads"]["gib"] == items["optimizer state"]["gib"] == 0
+    assert "offload" in items["params"]["assumption"]
+    act = items["activations (one micro-batch)"]["gib"]
+    assert act == pytest.approx(288 * 64 * (2 * 2 + 34) / GIB)  # 2 B per layer input kept, one layer recomputed
+    assert act < {r["name"]: r["gib"] for r in base["items"]}["activations (one micro-batch)"]
