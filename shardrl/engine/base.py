@@ -217,3 +217,63 @@ class Engine(abc.ABC):
             yield
         finally:
             self.module.train(was)
+
+    # ---- state: offload, export, checkpoints ------------------------------------------------------
+    def _move_params(self, device: torch.device) -> None:
+        """Moves this rank's parameter shards (with grads and buffers) to `device`, keeping the parameter
+        objects the optimizer holds."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move its parameters")
+
+    def offload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Moves parameters (with grads) and optimizer state to the CPU and releases the accelerator memory
+        they held, e.g. for a colocated rollout. Parameters under `offload_params` live on the CPU already."""
+        from shardrl.engine.state import CPU, move_optimizer_state, release_accelerator_memory
+
+        if params and not self.cfg.offload_params:
+            self._move_params(CPU)
+        if optimizer and self.optimizer is not None:
+            move_optimizer_state(self.optimizer, CPU)
+        release_accelerator_memory()
+
+    def onload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Brings back what `offload` moved: parameters to the device, optimizer state next to them."""
+        from shardrl.engine.state import move_optimizer_state
+
+        if params and not self.cfg.offload_params:
+            self._move_params(self.device)
+        if optimizer and self.optimizer is not None:
+            move_optimizer_state(self.optimizer, None)
+
+    @contextlib.contextmanager
+    def phase(self, optimizer: bool = True):
+        """A phase that computes with this engine: onloads its parameters (and optimizer state when
+        `optimizer`); on leaving, moves the optimizer state back to the CPU when `offload_optimizer` is
+        set. (Under `offload_params`, FSDP's CPU offload keeps the parameters there by itself.)"""
+        self.onload(params=True, optimizer=optimizer)
+        try:
+            yield self
+        finally:
+            if self.cfg.offload_optimizer:
+                self.offload(params=False, optimizer=True)
+
+    def training(self):
+        """`with engine.training(): engine.train_batch(...)`: the phase of updates."""
+        return self.phase(optimizer=self.optimizer is not None)
+
+    def save_hf(self, path, tokenizer=None, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30):
+        """Writes a Hugging Face model folder (see `shardrl.engine.state.save_hf`); every rank calls it."""
+        from shardrl.engine.state import save_hf
+
+        return save_hf(self, path, tokenizer, dtype, max_shard_bytes)
+
+    def save(self, path) -> None:
+        """This engine's model, optimizer, LR schedule and step as a DCP checkpoint folder (all ranks call it)."""
+        from shardrl.checkpoint import save_engine_state
+
+        save_engine_state(self, path)
+
+    def load(self, path) -> None:
+        """Loads `save`'s folder, written at any world size; a checkpoint of another model is a ValueError."""
+        from shardrl.checkpoint import load_engine_state
+
+        load_engine_state(self, path)

@@ -69,3 +69,15 @@ class FSDP1Engine(Engine):
                                      offload_to_cpu=False):
             for name, param in self.module.named_parameters():
                 yield self.hf_name(name), param.detach().to(dtype) if dtype is not None else param.detach().clone()
+
+    # ---- state: offload, export, checkpoints ------------------------------------------------------
+    def _move_params(self, device: torch.device) -> None:
+        from shardrl.engine.state import move_fsdp1_params
+
+        move_fsdp1_params(self.module, device)
+
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:  # noqa: F811
+        # supersedes the definition above (which gathers every unit at once): one unit at a time
+        from shardrl.engine.state import export_fsdp1_weights
+
+        yield from export_fsdp1_weights(self.module, self.hf_name, dtype)

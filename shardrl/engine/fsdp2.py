@@ -99,3 +99,9 @@ class FSDP2Engine(Engine):
                                                 stride=tensor.stride())
                 tensor = tensor.full_tensor()
             yield self.hf_name(name), tensor.to(dtype) if dtype is not None else tensor
+
+    # ---- state: offload, export, checkpoints ------------------------------------------------------
+    def _move_params(self, device: torch.device) -> None:
+        from shardrl.engine.state import move_fsdp2_params
+
+        move_fsdp2_params(self.module, device)

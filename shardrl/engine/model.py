@@ -99,14 +99,15 @@ class PolicyModel(nn.Module):
             if self.lm.config._attn_implementation == ATTN_NAME:
                 cu, max_len = cu_seq_lens_from_position_ids(packed.position_ids)
                 attn_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
-            hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids,
+            hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
                              **attn_kwargs).last_hidden_state[0]
             seq_start = packed.position_ids[0] == 0  # (N,)
             ids = packed.input_ids[0]
             restore = lambda x: unpack(x, packed)  # noqa: E731
         else:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
-            out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+            out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False)
             hidden = out.last_hidden_state.flatten(0, 1)  # (B*T, H)
             seq_start = position_ids.flatten() == 0
             ids = input_ids.flatten()

@@ -1,0 +1,297 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): sharded per rank, loadable at another world size.
+
+Layout of one checkpoint, `root/step_000010/`:
+    actor/, critic/, ...    one DCP folder per engine: model and optimizer (sharded state dicts, the
+                            optimizer flattened to per-parameter keys), lr_scheduler, global_step
+    rng/rank_00000.pt       python, numpy, torch and CUDA RNG states of each rank
+    extra.pt                the trainer's state (dataloader position, step, ...), from rank 0
+    trainer_state.json      step, world size and engine names, for people
+    COMPLETE                written last
+
+Atomicity: everything is written into `root/.tmp_step_000010/`; after a barrier rank 0 writes COMPLETE
+and renames the folder to `step_000010` (one rename, atomic within a file system). A save killed part
+way leaves a `.tmp_*` folder that loading never looks at and the next save deletes. Old checkpoints
+are renamed to `.trash_*` before they are deleted, so a half-deleted one is never taken for complete.
+
+DCP reshards on load: each rank reads the pieces of the global tensors its current shards cover, so a
+checkpoint saved on N ranks loads on M (FSDP2, HSDP or FSDP1) with no conversion step. Before loading,
+the checkpoint's keys and shapes are compared with the engine's and any difference is a ValueError.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+if TYPE_CHECKING:
+    from shardrl.engine.base import Engine
+
+log = logging.getLogger(__name__)
+
+STEP_RE = re.compile(r"^step_(\d+)$")
+COMPLETE = "COMPLETE"
+# flattened optimizer state: per-parameter keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") that
+# do not depend on how parameters are grouped or sharded
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+# ---- one engine -------------------------------------------------------------------------------------
+def engine_state_dict(engine: "Engine") -> dict[str, Any]:
+    """The engine's sharded state: DTensors (or FSDP1 sharded tensors) of this rank's shards."""
+    state: dict[str, Any] = {"model": get_model_state_dict(engine.module, options=_OPTIONS)}
+    if engine.optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(engine.module, engine.optimizer, options=_OPTIONS)
+        state["lr_scheduler"] = engine.lr_scheduler.state_dict()
+    state["global_step"] = engine.global_step
+    return state
+
+
+def save_engine_state(engine: "Engine", path: str | os.PathLike) -> None:
+    """Writes the engine's state as a DCP checkpoint at `path` (a folder); every rank must call it."""
+    dcp.save(engine_state_dict(engine), checkpoint_id=str(path))
+
+
+def load_engine_state(engine: "Engine", path: str | os.PathLike) -> None:
+    """Loads a DCP checkpoint written by `save_engine_state`, at any world size and layout."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"{path} is not a DCP checkpoint (no .metadata); expected a folder save_engine_state wrote")
+    state = engine_state_dict(engine)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    check_matches(state, saved, path)
+    if "lr_scheduler" in state:  # entries another torch version's scheduler does not have keep their value
+        state["lr_scheduler"] = {k: v for k, v in state["lr_scheduler"].items() if f"lr_scheduler.{k}" in saved}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(engine.module, state["model"], options=_OPTIONS)
+    if engine.optimizer is not None:
+        set_optimizer_state_dict(engine.module, engine.optimizer, state["optimizer"], options=_OPTIONS)
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    engine.global_step = int(state["global_step"])
+
+
+def flat_keys(state: Mapping, prefix: str = "") -> dict[str, Any]:
+    """The keys DCP stores `state` under: nested mappings joined by dots (lists of plain values are leaves)."""
+    out = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flat_keys(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def check_matches(state: Mapping, saved: Mapping[str, Any], path: Path) -> None:
+    """Raises ValueError when the checkpoint's model/optimizer keys or tensor shapes differ from `state`'s."""
+    want = {k: v for k, v in flat_keys(state).items() if k.split(".", 1)[0] in ("model", "optimizer")}
+    have = {k for k in saved if k.split(".", 1)[0] in ("model", "optimizer")}
+    missing = sorted(set(want) - have)
+    unexpected = sorted(k for k in have - set(want) if k.startswith("model."))
+    if not any(k.startswith("model.") for k in have):
+        raise ValueError(f"checkpoint {path} holds no model weights")
+    if "optimizer" in state and not any(k.startswith("optimizer.") for k in have):
+        raise ValueError(f"checkpoint {path} holds no optimizer state, but this engine trains; "
+                         "it was saved by a forward-only engine")
+    shapes = []
+    for key in sorted(set(want) & have):
+        meta, value = saved[key], want[key]
+        if isinstance(meta, TensorStorageMetadata) and isinstance(value, torch.Tensor):
+            if tuple(meta.size) != tuple(value.shape):
+                shapes.append(f"{key}: checkpoint {tuple(meta.size)}, model {tuple(value.shape)}")
+    if missing or unexpected or shapes:
+        parts = []
+        for label, items in (("missing from the checkpoint", missing), ("not in this model", unexpected),
+                             ("of another shape", shapes)):
+            if items:
+                more = f" (and {len(items) - 5} more)" if len(items) > 5 else ""
+                parts.append(f"{len(items)} {label}: {', '.join(items[:5])}{more}")
+        raise ValueError(f"checkpoint {path} does not match this model (another architecture or size?); "
+                         + "; ".join(parts))
+
+
+# ---- RNG ----------------------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ---- a run's checkpoints ------------------------------------------------------------------------------
+@dataclass
+class Checkpoint:
+    step: int
+    path: Path
+    extra: dict
+    """What the trainer passed to `save` (dataloader state, ...)."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class CheckpointManager:
+    """Saves `root/step_XXXXXX/` checkpoints atomically, keeps the newest `keep_last`, and resumes from
+    the newest complete one. Every method that reads or writes engines must be called on every rank."""
+
+    def __init__(self, root_dir: str | os.PathLike, keep_last: int = 1):
+        if keep_last < 1:
+            raise ValueError(f"keep_last={keep_last}: keep at least one checkpoint")
+        self.root = Path(root_dir)
+        self.keep_last = keep_last
+
+    @staticmethod
+    def step_dir_name(step: int) -> str:
+        return f"step_{step:06d}"
+
+    def complete_checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, folder) of the complete checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            m = STEP_RE.match(entry.name)
+            if m and entry.is_dir() and (entry / COMPLETE).is_file():
+                found.append((int(m.group(1)), entry))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        found = self.complete_checkpoints()
+        return found[-1][1] if found else None
+
+    def save(self, step: int, engines: Mapping[str, "Engine"], extra: dict | None = None) -> Path:
+        """Writes `engines` (name -> engine) and `extra` as the checkpoint of `step`; returns its folder."""
+        for name in engines:
+            if not re.fullmatch(r"[A-Za-z0-9_\-]+", name) or name == "rng":
+                raise ValueError(f"engine name {name!r}: use letters, digits, '_' or '-' (and not 'rng')")
+        rank = _rank()
+        final = self.root / self.step_dir_name(step)
+        tmp = self.root / f".tmp_{final.name}"
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".tmp_step_*"):  # left by a save that was killed
+                shutil.rmtree(stale, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+        _barrier()
+        for name, engine in engines.items():
+            save_engine_state(engine, tmp / name)
+        torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        if rank == 0:
+            torch.save(dict(extra or {}), tmp / "extra.pt")
+            summary = {"step": step, "world_size": _world(), "engines": sorted(engines), "time": time.time()}
+            (tmp / "trainer_state.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _barrier()  # every rank's files are written
+        if rank == 0:
+            _write_file(tmp / COMPLETE, f"{step}\n".encode())
+            _fsync_dir(tmp)
+            if final.exists():  # saving a step again: the new one replaces it
+                self._delete(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            for _, old in self.complete_checkpoints()[:-self.keep_last]:
+                self._delete(old)
+            log.info("saved checkpoint %s", final)
+        _barrier()
+        return final
+
+    def _delete(self, folder: Path) -> None:
+        trash = folder.with_name(f".trash_{folder.name}")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(folder, trash)
+        shutil.rmtree(trash)
+
+    def load(self, path: str | os.PathLike, engines: Mapping[str, "Engine"], restore_rng: bool = True) -> Checkpoint:
+        """Loads the checkpoint folder `path` into `engines` (name -> engine, at any world size)."""
+        path = Path(path)
+        if not (path / COMPLETE).is_file():
+            raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+        for name in engines:
+            if not (path / name).is_dir():
+                saved = sorted(p.name for p in path.iterdir() if (p / ".metadata").is_file())
+                raise ValueError(f"checkpoint {path} has no engine {name!r}; it holds {saved}")
+        for name, engine in engines.items():
+            load_engine_state(engine, path / name)
+        if restore_rng:
+            rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+            if rng_file.is_file():
+                set_rng_state(torch.load(rng_file, weights_only=False))
+            else:  # saved on fewer ranks: this rank keeps its own seeding
+                log.warning("checkpoint %s has no RNG state for rank %d (saved at a smaller world size)",
+                            path, _rank())
+        extra = torch.load(path / "extra.pt", weights_only=False)
+        m = STEP_RE.match(path.name)
+        step = int(m.group(1)) if m else int(json.loads((path / "trainer_state.json").read_text())["step"])
+        _barrier()
+        return Checkpoint(step=step, path=path, extra=extra)
+
+    def load_latest(self, engines: Mapping[str, "Engine"], restore_rng: bool = True) -> Checkpoint | None:
+        """Loads the newest complete checkpoint; None when there is none (a fresh start)."""
+        latest = self.latest()
+        if dist.is_initialized() and _world() > 1:  # one decision for all ranks, whatever each one sees
+            chosen = [latest]
+            dist.broadcast_object_list(chosen, src=0)
+            latest = chosen[0]
+        if latest is None:
+            return None
+        return self.load(latest, engines, restore_rng)
