@@ -1,0 +1,104 @@
+"""The built-in demo of `shardrl train` (no config): GRPO teaches a tiny model single-digit addition.
+
+Everything is made locally, no download: a character tokenizer, a tiny Qwen2-shaped model, and prompts
+like "3+4=" whose reward is 1 when the response is "7". A short supervised warm-up teaches the model
+the answer *format* only (a number, then EOS) on randomly wrong answers, so it starts near chance
+(about 1 in 19); the reward it reaches after that is learned by RL.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEMO_MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+
+
+def demo_overrides(assets: Path) -> list[str]:
+    """The demo's settings, as overrides a user's own `key=value`s come after (and win over)."""
+    return [
+        f"model.path={assets / 'model'}",
+        f"data.train_files=[{assets / 'train.jsonl'}]",
+        f"data.val_files=[{assets / 'val.jsonl'}]",
+        "data.max_prompt_length=16",
+        "data.train_batch_size=32",
+        "rollout.n=8",
+        "rollout.max_new_tokens=4",
+        "rollout.temperature=1.0",
+        "rollout.micro_batch_size=64",
+        "actor.ppo_mini_batch_size=16",
+        "actor.optim.lr=2e-4",
+        "actor.optim.weight_decay=0.0",
+        "actor.engine.param_dtype=float32",
+        "actor.engine.use_dynamic_bsz=true",
+        "actor.engine.max_token_len_per_gpu=4096",
+        "algorithm.adv_estimator=grpo",
+        "trainer.total_steps=40",
+        "trainer.val_freq=5",
+        "trainer.experiment_name=demo",
+    ]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def prepare_demo_assets(root: Path, warmup_steps: int = 150, seed: int = 0) -> Path:
+    """Tokenizer, warmed-up model and data under `root` (reused when already there)."""
+    import transformers
+
+    from shardrl.tokenizer import build_char_tokenizer
+
+    model_dir = root / "model"
+    if (model_dir / "model.safetensors").is_file() and (root / "val.jsonl").is_file():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    tok = build_char_tokenizer()
+    problems = [(a, b) for a in range(10) for b in range(10)]
+    rows = [{"prompt": f"{a}+{b}=", "data_source": "arith", "ground_truth": str(a + b)} for a, b in problems]
+    _write_jsonl(root / "train.jsonl", rows)
+    _write_jsonl(root / "val.jsonl", rows)
+
+    config = transformers.AutoConfig.for_model(
+        "qwen2", vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **DEMO_MODEL)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _format_warmup(model, tok, problems, warmup_steps, seed)
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    return root
+
+
+def _format_warmup(model, tok, problems, steps: int, seed: int) -> None:
+    """Supervised steps on "a+b=" -> a random number in 0..18, EOS: the format, not the sum."""
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        texts, prompt_lens = [], []
+        for a, b in rng.sample(problems, 32):
+            wrong = rng.choice([s for s in range(19) if s != a + b])
+            prompt = tok.encode(f"{a}+{b}=")
+            texts.append(prompt + tok.encode(str(wrong)) + [tok.eos_token_id])
+            prompt_lens.append(len(prompt))
+        width = max(map(len, texts))
+        ids = torch.full((len(texts), width), tok.pad_token_id)
+        labels = torch.full((len(texts), width), -100)
+        for i, (t, p) in enumerate(zip(texts, prompt_lens)):
+            ids[i, : len(t)] = torch.tensor(t)
+            labels[i, p: len(t)] = torch.tensor(t[p:])
+        loss = model(input_ids=ids, attention_mask=(labels != -100) | (torch.arange(width) < torch.tensor(
+            [len(t) for t in texts])[:, None]), labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()

@@ -1,0 +1,90 @@
+"""`shardrl train [CONFIG] [key=value ...] [--nproc-per-node N] [--nnodes N]`, and the per-rank entry
+point `python -m shardrl.trainer.main` that torchrun starts (also usable directly on clusters)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def resolve_overrides(config: str | None, overrides: list[str]) -> list[str]:
+    """With no config file, the built-in demo's settings come first (the user's overrides win)."""
+    if config is not None:
+        return list(overrides)
+    from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
+
+    assets = prepare_demo_assets(Path("outputs") / "demo_assets")
+    return demo_overrides(assets.resolve()) + list(overrides)
+
+
+def run(config: str | None, overrides: list[str]) -> Path:
+    """Runs training on this rank (the process group is started from torchrun's environment)."""
+    import torch.distributed as dist
+
+    from shardrl.config import load_config
+    from shardrl.distributed import init_distributed
+    from shardrl.layout import derive_layout
+    from shardrl.trainer.rl import RLTrainer, prepare_run_dir, write_summary
+
+    cfg = load_config(config, overrides)
+    if cfg.trainer.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    init_distributed()
+    try:
+        derive_layout(cfg, cfg.trainer.nnodes, dist.get_world_size() // cfg.trainer.nnodes)
+        run_dir = prepare_run_dir(cfg)
+        trainer = RLTrainer(cfg, run_dir)
+        trainer.fit()
+        if dist.get_rank() == 0:
+            from shardrl.plot import plot_rewards
+
+            summary = write_summary(run_dir)
+            png = plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward_curve.png")
+            logging.getLogger("shardrl").info("run folder %s; reward curve %s; %s", run_dir, png, summary)
+        return run_dir
+    finally:
+        dist.destroy_process_group()
+
+
+def train_main(args) -> int:
+    """The `shardrl train` subcommand: launches torchrun itself when more than one process is asked for."""
+    _setup_logging()
+    overrides = resolve_overrides(args.config, list(args.overrides))
+    from shardrl.config import load_config
+
+    cfg = load_config(args.config, overrides)  # bad config: a clear error before anything starts
+    nproc = args.nproc_per_node or cfg.trainer.nproc_per_node
+    nnodes = args.nnodes or cfg.trainer.nnodes
+    overrides += [f"trainer.nproc_per_node={nproc}", f"trainer.nnodes={nnodes}"]
+    if (nproc > 1 or nnodes > 1) and "RANK" not in os.environ:
+        from torch.distributed.run import main as torchrun
+
+        argv = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
+        if nnodes == 1:
+            argv.append("--standalone")
+        argv += ["-m", "shardrl.trainer.main"] + ([args.config] if args.config else ["--no-config"]) + overrides
+        torchrun(argv)
+        return 0
+    run(args.config, overrides)
+    return 0
+
+
+def _rank_main(argv: list[str]) -> None:
+    _setup_logging()
+    config = None if argv and argv[0] == "--no-config" else (argv[0] if argv and "=" not in argv[0] else None)
+    overrides = [a for a in argv if "=" in a]
+    run(config, overrides)
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1:])

@@ -1,0 +1,278 @@
+"""`RLTrainer`: one SPMD program per rank running the step loop of DESIGN.md.
+
+    prompts (this rank's share) -> rollout.generate (n per prompt, weights synced from the actor)
+    -> rewards -> old/ref log-probs, values -> advantages -> critic update -> actor update
+    -> weight sync -> metrics -> checkpoint every k steps -> validation every k steps
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardrl.algos import AdaptiveKLController, FixedKLController, masked_mean
+from shardrl.batch import Batch
+from shardrl.checkpoint import CheckpointManager
+from shardrl.config import Config, config_to_dict, save_config
+from shardrl.data import PromptLoader, collate_prompts, load_prompt_dataset
+from shardrl.engine import build_engine
+from shardrl.engine.model import DTYPES
+from shardrl.layout import derive_layout, format_layout
+from shardrl.rewards import RewardManager, load_reward_function
+from shardrl.rollout import SamplingParams, build_rollout
+from shardrl.trainer.metrics import MetricsLogger, mean_over_ranks
+from shardrl.trainer.updates import actor_loss_fn, compute_advantages, critic_loss_fn, run_updates
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(cfg: Config):
+    import transformers
+
+    path = cfg.model.tokenizer_path or cfg.model.path
+    if path is None:
+        raise ValueError("no tokenizer: set model.path (a local HF model folder) or model.tokenizer_path")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+class RLTrainer:
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.layout = derive_layout(cfg, cfg.trainer.nnodes, self.world // cfg.trainer.nnodes)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.tokenizer = load_tokenizer(cfg)
+        self._say(format_layout(self.layout))
+
+        # engines: actor trains; ref only when a KL needs it; critic only for GAE
+        total = cfg.trainer.total_steps * self.layout.actor.num_updates
+        self.actor = build_engine(cfg.model, cfg.actor.engine, cfg.actor.optim, total_steps=total)
+        self.mesh = self.actor.mesh
+        self.ref = None
+        if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            self.ref = build_engine(cfg.model, cfg.ref.engine, None)
+        self.critic = None
+        if cfg.algorithm.adv_estimator == "gae":
+            critic_model = cfg.model if cfg.critic.model_path is None else type(cfg.model)(
+                **{**config_to_dict(cfg.model), "path": cfg.critic.model_path, "tiny": None})
+            self.critic = build_engine(critic_model, cfg.critic.engine, cfg.critic.optim, value_head=True,
+                                       total_steps=cfg.trainer.total_steps * self.layout.critic.num_updates)
+        self._say(f"mesh: {self.mesh.describe()}; actor FSDP units: {self.actor.num_fsdp_units()}; "
+                  f"per-rank prompts {self.layout.prompts_per_rank}, samples {self.layout.samples_per_rank}")
+
+        # data, rollout, rewards
+        self.train_set = load_prompt_dataset(cfg.data.train_files, self.tokenizer, cfg.data.prompt_key,
+                                             cfg.data.max_prompt_length, cfg.data.truncation, cfg.data.skip_bad_rows)
+        self.loader = PromptLoader(self.train_set, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed,
+                                   dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
+        self.val_set = None
+        if cfg.data.val_files:
+            self.val_set = load_prompt_dataset(cfg.data.val_files, self.tokenizer, cfg.data.prompt_key,
+                                               cfg.data.max_prompt_length, cfg.data.truncation, cfg.data.skip_bad_rows)
+        rollout_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.rollout = build_rollout(cfg.rollout.backend, self.actor.hf_config, self.tokenizer, self.device,
+                                     rollout_dtype, micro_batch_size=cfg.rollout.micro_batch_size)
+        self.sampling = SamplingParams.from_config(cfg.rollout)
+        fn = load_reward_function(cfg.reward.function_path, cfg.reward.function_name) if cfg.reward.function_path else None
+        self.rewards = RewardManager(fn, cfg.reward.on_error_score)
+        algo = cfg.algorithm
+        self.kl_ctrl = (AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon) if algo.kl_target
+                        else FixedKLController(algo.kl_coef))
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.data.seed + 1000 * self.mesh.dp_rank)
+        self.checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_last)
+        self.step = 0
+        self._weights_stale = True
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _say(self, text: str) -> None:
+        if self.rank == 0:
+            for line in text.splitlines():
+                log.info(line)
+
+    def _engines(self) -> dict:
+        return {k: v for k, v in (("actor", self.actor), ("critic", self.critic)) if v is not None}
+
+    def _sync_weights(self) -> None:
+        """Actor -> rollout, one tensor at a time (every rank iterates: the gather is collective)."""
+        if not self._weights_stale:
+            return
+        self.rollout.resume()
+        dtype = DTYPES["bfloat16"] if self.device.type == "cuda" else None
+        self.rollout.load_weights(self.actor.export_weights(dtype))
+        self._weights_stale = False
+
+    def _generate(self, items: list[dict], sampling: SamplingParams) -> Batch:
+        prompts = collate_prompts(items, self.tokenizer.pad_token_id)
+        self._sync_weights()
+        out = self.rollout.generate(prompts["input_ids"].to(self.device), prompts["attention_mask"].to(self.device),
+                                    sampling)
+        batch = out.to_batch().to("cpu")
+        rows = out.prompt_index.tolist()
+        batch["data_source"] = [items[i]["data_source"] for i in rows]
+        batch["extra"] = [items[i]["extra"] for i in rows]
+        return batch
+
+    def _score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        items = [{"data_source": ds, "response_text": text, "extra": extra}
+                 for ds, text, extra in zip(batch["data_source"], batch["response_text"], batch["extra"])]
+        return self.rewards.score(items)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        cfg, t0 = self.cfg, time.perf_counter()
+        items = next(self.loader)
+        batch = self._generate(items, self.sampling)
+        t_gen = time.perf_counter()
+        scores, reward_metrics = self._score(batch)
+        mask = batch["loss_mask"].float()
+        temp = self.sampling.logprob_temperature
+
+        batch["old_log_probs"] = self.actor.infer_batch(batch, temperature=temp)["log_probs"].cpu()
+        metrics = {"rollout/logprob_abs_diff": float(masked_mean((batch["old_log_probs"] - batch["sampled_log_probs"]).abs(), mask))}
+        if self.ref is not None:
+            batch["ref_log_probs"] = self.ref.infer_batch(batch, temperature=temp)["log_probs"].cpu()
+            metrics["kl/actor_ref"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
+        if self.critic is not None:
+            batch["old_values"] = self.critic.infer_batch(batch)["values"].cpu()
+        metrics.update(compute_advantages(batch, scores, cfg.algorithm, self.kl_ctrl.value))
+        t_prep = time.perf_counter()
+
+        agg = cfg.actor.engine.loss_agg_mode
+        if self.critic is not None:
+            metrics.update(run_updates(self.critic, batch, critic_loss_fn(cfg.critic, cfg.critic.engine.loss_agg_mode),
+                                       self.layout.critic.mini_batch_samples_per_rank, cfg.critic.ppo_epochs,
+                                       True, self.shuffle_gen, "critic"))
+        metrics.update(run_updates(self.actor, batch, actor_loss_fn(cfg.actor, agg),
+                                   self.layout.actor.mini_batch_samples_per_rank, cfg.actor.ppo_epochs,
+                                   cfg.actor.shuffle, self.shuffle_gen, "actor", temperature=temp,
+                                   with_entropy=bool(cfg.actor.entropy_coeff)))
+        self._weights_stale = True
+        if cfg.algorithm.use_kl_in_reward:
+            self.kl_ctrl.update(metrics.get("kl/in_reward", 0.0), len(batch))
+        t_end = time.perf_counter()
+
+        lengths = batch["response_mask"].sum(-1).float()
+        metrics.update({
+            "reward/mean": float(scores.mean()),
+            "reward/max": float(scores.max()),
+            "reward/min": float(scores.min()),
+            **{k: float(v) for k, v in reward_metrics.items() if k != "reward/score"},
+            "response/length_mean": float(lengths.mean()),
+            "response/clip_frac": float((lengths >= self.sampling.max_new_tokens).float().mean()),
+            "timing/gen_s": t_gen - t0,
+            "timing/prep_s": t_prep - t_gen,
+            "timing/update_s": t_end - t_prep,
+            "timing/step_s": t_end - t0,
+        })
+        return mean_over_ranks(metrics, self.mesh.dp_group)  # max/min become means of per-rank extremes
+
+    def validate(self) -> dict[str, float]:
+        """Greedy responses to every validation prompt; the mean reward, averaged over ranks."""
+        sampling = SamplingParams.from_config(self.cfg.rollout, n=1, greedy=True)
+        dp, r = self.mesh.dp_size, self.mesh.dp_rank
+        items = [self.val_set[i] for i in range(r, len(self.val_set), dp)]
+        scores = []
+        for start in range(0, len(items), self.cfg.rollout.micro_batch_size):
+            chunk = items[start:start + self.cfg.rollout.micro_batch_size]
+            s, _ = self._score(self._generate(chunk, sampling))
+            scores.append(s)
+        local = torch.cat(scores) if scores else torch.zeros(0)
+        totals = mean_over_ranks({"sum": float(local.sum()), "count": float(len(local))}, self.mesh.dp_group)
+        return {"val/reward_mean": totals["sum"] / max(totals["count"], 1e-9)}
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def save(self) -> None:
+        extra = {"step": self.step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                 "shuffle_gen": self.shuffle_gen.get_state()}
+        path = self.checkpoints.save(self.step, self._engines(), extra)
+        self._say(f"saved checkpoint {path}")
+
+    def maybe_resume(self) -> None:
+        resume = self.cfg.trainer.resume
+        if resume == "never":
+            return
+        ckpt = (self.checkpoints.load_latest(self._engines()) if resume == "auto"
+                else self.checkpoints.load(resume, self._engines()))
+        if ckpt is None:
+            self._say("resume=auto: no complete checkpoint yet, starting fresh")
+            return
+        extra = ckpt.extra
+        self.step = int(extra["step"])
+        self.loader.load_state_dict(extra["loader"])
+        self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
+        self.shuffle_gen.set_state(extra["shuffle_gen"])
+        self._say(f"resumed from {ckpt.path} at step {self.step}")
+
+    def fit(self) -> Path:
+        cfg = self.cfg
+        self.maybe_resume()
+        logger = MetricsLogger(self.run_dir, cfg.trainer.logger, cfg.trainer.total_steps, self.step,
+                               cfg.trainer.project_name, cfg.trainer.experiment_name, config_to_dict(cfg))
+        try:
+            while self.step < cfg.trainer.total_steps:
+                metrics = self.train_step()
+                self.step += 1
+                if self.val_set is not None and cfg.trainer.val_freq and (
+                        self.step % cfg.trainer.val_freq == 0 or self.step == cfg.trainer.total_steps):
+                    metrics.update(self.validate())
+                logger.log(self.step, metrics)
+                if cfg.trainer.save_freq and (self.step % cfg.trainer.save_freq == 0
+                                              or self.step == cfg.trainer.total_steps):
+                    self.save()
+        finally:
+            logger.close()
+        return self.run_dir
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    """The run folder: trainer.output_dir, or with resume=auto the newest run of this experiment that
+    has a checkpoint, else a new `./outputs/<experiment>/<timestamp>`; the same on every rank."""
+    if cfg.trainer.output_dir:
+        run_dir = Path(cfg.trainer.output_dir)
+    else:
+        base = Path("outputs") / cfg.trainer.experiment_name
+        candidates = sorted(p for p in base.glob("*") if (p / "checkpoints").is_dir()) if base.is_dir() else []
+        if cfg.trainer.resume == "auto" and candidates:
+            run_dir = candidates[-1]
+        else:
+            run_dir = base / time.strftime("%Y%m%d-%H%M%S")
+    obj = [str(run_dir)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(obj, src=0)
+    run_dir = Path(obj[0])
+    if dist.get_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, str(run_dir / "config.yaml"))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return run_dir
+
+
+def summarize(run_dir: Path) -> dict:
+    from shardrl.trainer.metrics import read_metrics
+
+    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    if not records:
+        return {}
+    rewards = [r["reward/mean"] for r in records if r.get("reward/mean") is not None]
+    k = max(1, min(5, len(rewards) // 4))
+    return {"steps": records[-1]["step"], "reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k,
+            **({"val_last": records[-1]["val/reward_mean"]} if records[-1].get("val/reward_mean") is not None else {})}
+
+
+def write_summary(run_dir: Path) -> dict:
+    summary = summarize(run_dir)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,96 @@
+"""What happens to a rollout batch after rewards: advantages, then actor and critic updates.
+
+Each function takes tensors, plain numbers and an engine; the config sections are read here, once, and
+turned into the scalars the pure algorithm functions in `shardrl.algos` take.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardrl.algos import (
+    ADVANTAGE_ESTIMATORS,
+    apply_kl_in_reward,
+    entropy_loss,
+    kl_loss,
+    masked_mean,
+    policy_loss,
+    scores_to_token_rewards,
+    value_loss,
+)
+from shardrl.batch import Batch
+
+
+def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: float) -> dict[str, float]:
+    """Adds `advantages` and `returns` (B, T) to `batch`; returns metrics."""
+    mask = batch["loss_mask"].float()
+    metrics = {}
+    token_rewards = scores_to_token_rewards(scores, mask)  # (B, T)
+    if algo_cfg.use_kl_in_reward:
+        token_rewards, mean_kl = apply_kl_in_reward(token_rewards, batch["old_log_probs"], batch["ref_log_probs"],
+                                                    mask, kl_coef, algo_cfg.kl_penalty)
+        metrics.update({"kl/in_reward": float(mean_kl), "kl/coef": kl_coef})
+    name = algo_cfg.adv_estimator
+    index = batch["prompt_index"]
+    fn = ADVANTAGE_ESTIMATORS[name]
+    if name == "gae":
+        adv, ret = fn(token_rewards, batch["old_values"], mask, algo_cfg.gamma, algo_cfg.lam)
+    elif name == "grpo":
+        adv, ret = fn(token_rewards.sum(-1), mask, index, norm_by_std=algo_cfg.norm_adv_by_std_in_grpo)
+    elif name == "reinforce_plus_plus":
+        adv, ret = fn(token_rewards, mask, algo_cfg.gamma)
+    else:  # rloo, reinforce_plus_plus_baseline: per-sample scores and groups
+        adv, ret = fn(token_rewards.sum(-1), mask, index)
+    batch["advantages"], batch["returns"] = adv, ret
+    metrics["adv/mean"] = float(masked_mean(adv, mask))
+    metrics["adv/abs_mean"] = float(masked_mean(adv.abs(), mask))
+    return metrics
+
+
+def actor_loss_fn(actor_cfg, agg_mode: str):
+    def loss_fn(outputs, mb, num_tokens, num_seqs):
+        mask = mb["loss_mask"]
+        loss, metrics = policy_loss(outputs["log_probs"], mb["old_log_probs"], mb["advantages"], mask,
+                                    actor_cfg.clip_ratio_low, actor_cfg.clip_ratio_high, actor_cfg.clip_ratio_c,
+                                    agg_mode, num_tokens, num_seqs)
+        metrics = {f"actor/{k}": float(v) for k, v in metrics.items()}
+        metrics["actor/pg_loss"] = float(loss)
+        if actor_cfg.entropy_coeff:
+            ent = entropy_loss(outputs["entropy"], mask, agg_mode, num_tokens, num_seqs)
+            loss = loss - actor_cfg.entropy_coeff * ent
+            metrics["actor/entropy"] = float(ent)
+        if actor_cfg.use_kl_loss:
+            kl = kl_loss(outputs["log_probs"], mb["ref_log_probs"], mask, actor_cfg.kl_loss_type, agg_mode,
+                         num_tokens, num_seqs)
+            loss = loss + actor_cfg.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = float(kl)
+        return loss, metrics
+
+    return loss_fn
+
+
+def critic_loss_fn(critic_cfg, agg_mode: str):
+    def loss_fn(outputs, mb, num_tokens, num_seqs):
+        loss, metrics = value_loss(outputs["values"], mb["old_values"], mb["returns"], mb["loss_mask"],
+                                   critic_cfg.cliprange_value, agg_mode, num_tokens, num_seqs)
+        return loss, {f"critic/{k}": float(v) for k, v in metrics.items()}
+
+    return loss_fn
+
+
+def run_updates(engine, batch: Batch, loss_fn, mini_batch_samples: int, epochs: int, shuffle: bool,
+                generator: torch.Generator, prefix: str, temperature: float = 1.0,
+                with_entropy: bool = False) -> dict[str, float]:
+    """`epochs` passes over `batch` in mini-batches of `mini_batch_samples` (per rank), one optimizer step
+    each; metrics are averaged over the steps."""
+    totals: dict[str, float] = {}
+    num_steps = 0
+    for _ in range(epochs):
+        order = torch.randperm(len(batch), generator=generator) if shuffle else torch.arange(len(batch))
+        for mb in batch.reorder(order).split(mini_batch_samples):
+            metrics = engine.train_batch(mb, loss_fn, temperature=temperature, with_entropy=with_entropy)
+            for k, v in metrics.items():
+                key = k if "/" in k else f"{prefix}/{k}"
+                totals[key] = totals.get(key, 0.0) + v
+            num_steps += 1
+    return {k: v / max(num_steps, 1) for k, v in totals.items()}
