@@ -1,9 +1,11 @@
 """The built-in demo of `shardrl train` (no config): GRPO teaches a tiny model single-digit addition.
 
 Everything is made locally, no download: a character tokenizer, a tiny Qwen2-shaped model, and prompts
-like "3+4=" whose reward is 1 when the response is "7". A short supervised warm-up teaches the model
-the answer *format* only (a number, then EOS) on randomly wrong answers, so it starts near chance
-(about 1 in 19); the reward it reaches after that is learned by RL.
+like "3+4=" whose reward is 1 when the response is "7". A supervised warm-up of only 30 small steps
+teaches the answer format (a number, then EOS) and barely starts on the sums: the model begins at about
+0.1 mean reward, and what it reaches after that is learned by RL. (Without it, from pure chance, GRPO on
+this task collapses onto the most frequent sum, 9, for every prompt: a model that ignores the prompt
+gets 0.1, and a group that always answers 9 has no variance left to learn from.)
 """
 
 from __future__ import annotations
@@ -27,20 +29,20 @@ def demo_overrides(assets: Path) -> list[str]:
         f"data.train_files=[{assets / 'train.jsonl'}]",
         f"data.val_files=[{assets / 'val.jsonl'}]",
         "data.max_prompt_length=16",
-        "data.train_batch_size=32",
-        "rollout.n=8",
+        "data.train_batch_size=16",
+        "rollout.n=16",
         "rollout.max_new_tokens=4",
         "rollout.temperature=1.0",
         "rollout.micro_batch_size=64",
-        "actor.ppo_mini_batch_size=16",
+        "actor.ppo_mini_batch_size=8",
         "actor.optim.lr=2e-4",
         "actor.optim.weight_decay=0.0",
         "actor.engine.param_dtype=float32",
         "actor.engine.use_dynamic_bsz=true",
         "actor.engine.max_token_len_per_gpu=4096",
         "algorithm.adv_estimator=grpo",
-        "trainer.total_steps=40",
-        "trainer.val_freq=5",
+        "trainer.total_steps=400",
+        "trainer.val_freq=50",
         "trainer.experiment_name=demo",
     ]
 
@@ -51,7 +53,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def prepare_demo_assets(root: Path, warmup_steps: int = 150, seed: int = 0) -> Path:
+def prepare_demo_assets(root: Path, warmup_steps: int = 20, seed: int = 0) -> Path:
     """Tokenizer, warmed-up model and data under `root` (reused when already there)."""
     import transformers
 
@@ -62,7 +64,9 @@ def prepare_demo_assets(root: Path, warmup_steps: int = 150, seed: int = 0) -> P
         return root
     root.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer()
-    problems = [(a, b) for a in range(10) for b in range(10)]
+    # sums stay single digits: one answer token each (with two-digit sums, wrong "1x" answers push the
+    # shared first token "1" down for every prompt and the policy unlearns two-digit answers altogether)
+    problems = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
     rows = [{"prompt": f"{a}+{b}=", "data_source": "arith", "ground_truth": str(a + b)} for a, b in problems]
     _write_jsonl(root / "train.jsonl", rows)
     _write_jsonl(root / "val.jsonl", rows)
@@ -79,16 +83,16 @@ def prepare_demo_assets(root: Path, warmup_steps: int = 150, seed: int = 0) -> P
 
 
 def _format_warmup(model, tok, problems, steps: int, seed: int) -> None:
-    """Supervised steps on "a+b=" -> a random number in 0..18, EOS: the format, not the sum."""
+    """Supervised steps on "a+b=" -> the sum, EOS."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
         texts, prompt_lens = [], []
         for a, b in rng.sample(problems, 32):
-            wrong = rng.choice([s for s in range(19) if s != a + b])
+            answer = a + b
             prompt = tok.encode(f"{a}+{b}=")
-            texts.append(prompt + tok.encode(str(wrong)) + [tok.eos_token_id])
+            texts.append(prompt + tok.encode(str(answer)) + [tok.eos_token_id])
             prompt_lens.append(len(prompt))
         width = max(map(len, texts))
         ids = torch.full((len(texts), width), tok.pad_token_id)
