@@ -40,6 +40,8 @@ ROWS = {
     "fsdp2_32_ckpt": ("fsdp2", 32, 16, True, {}),
     "fsdp2_16_compile": ("fsdp2", 16, 4, False, {"compile": True}),
     "fsdp2_32_ckpt_compile": ("fsdp2", 32, 16, True, {"compile": True}),
+    "fsdp2_4_padded": ("fsdp2", 4, 4, False, {"model.use_remove_padding": False}),
+    "fsdp2_16_padded_compile": ("fsdp2", 16, 4, False, {"model.use_remove_padding": False, "compile": True}),
     "fsdp1_4": ("fsdp", 4, 4, False, {}),
     "fsdp1_16": ("fsdp", 16, 4, False, {}),
 }
@@ -94,8 +96,10 @@ def engine_step_fn(strategy: str, world: int, seqs: int, micro: int, ckpt: bool,
     from shardrl.config import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
 
-    model_cfg = ModelConfig(tiny=QWEN2_1P5B, gradient_checkpointing=ckpt)
-    engine_cfg = EngineConfig(strategy=strategy, param_dtype="bfloat16", micro_batch_size_per_gpu=micro, **extra)
+    model_kw = {k.split(".", 1)[1]: v for k, v in extra.items() if k.startswith("model.")}
+    engine_kw = {k: v for k, v in extra.items() if not k.startswith("model.")}
+    model_cfg = ModelConfig(tiny=QWEN2_1P5B, gradient_checkpointing=ckpt, **model_kw)
+    engine_cfg = EngineConfig(strategy=strategy, param_dtype="bfloat16", micro_batch_size_per_gpu=micro, **engine_kw)
     engine = build_engine(model_cfg, engine_cfg, OptimConfig(lr=1e-5))
     g = torch.Generator(device="cuda").manual_seed(0)
 
