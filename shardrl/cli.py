@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         _split_config_args(args)
     try:
         return COMMANDS[args.command](args)
-    except ValueError as e:  # the user's mistake (ConfigError included): say it, no traceback
+    except (ValueError, FileNotFoundError) as e:  # the user's mistake (ConfigError included): no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 

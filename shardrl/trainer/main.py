@@ -39,6 +39,7 @@ def run(config: str | None, overrides: list[str]) -> Path:
     cfg = load_config(config, overrides)
     if cfg.trainer.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    owns_group = not dist.is_initialized()  # a test (or a caller) may have started it already
     init_distributed()
     try:
         derive_layout(cfg, cfg.trainer.nnodes, dist.get_world_size() // cfg.trainer.nnodes)
@@ -53,7 +54,8 @@ def run(config: str | None, overrides: list[str]) -> Path:
             logging.getLogger("shardrl").info("run folder %s; reward curve %s; %s", run_dir, png, summary)
         return run_dir
     finally:
-        dist.destroy_process_group()
+        if owns_group:
+            dist.destroy_process_group()
 
 
 def train_main(args) -> int:

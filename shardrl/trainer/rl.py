@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -133,7 +134,9 @@ class RLTrainer:
     def train_step(self) -> dict[str, float]:
         cfg, t0 = self.cfg, time.perf_counter()
         items = next(self.loader)
-        batch = self._generate(items, self.sampling)
+        # a fresh, reproducible sampling stream per step and rank (a resumed run draws the same)
+        seed = self.cfg.rollout.seed + 100_003 * self.step + self.mesh.dp_rank
+        batch = self._generate(items, dataclasses.replace(self.sampling, seed=seed))
         t_gen = time.perf_counter()
         scores, reward_metrics = self._score(batch)
         mask = batch["loss_mask"].float()

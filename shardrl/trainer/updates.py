@@ -54,16 +54,16 @@ def actor_loss_fn(actor_cfg, agg_mode: str):
                                     actor_cfg.clip_ratio_low, actor_cfg.clip_ratio_high, actor_cfg.clip_ratio_c,
                                     agg_mode, num_tokens, num_seqs)
         metrics = {f"actor/{k}": float(v) for k, v in metrics.items()}
-        metrics["actor/pg_loss"] = float(loss)
+        metrics["actor/pg_loss"] = float(loss.detach())
         if actor_cfg.entropy_coeff:
             ent = entropy_loss(outputs["entropy"], mask, agg_mode, num_tokens, num_seqs)
             loss = loss - actor_cfg.entropy_coeff * ent
-            metrics["actor/entropy"] = float(ent)
+            metrics["actor/entropy"] = float(ent.detach())
         if actor_cfg.use_kl_loss:
             kl = kl_loss(outputs["log_probs"], mb["ref_log_probs"], mask, actor_cfg.kl_loss_type, agg_mode,
                          num_tokens, num_seqs)
             loss = loss + actor_cfg.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = float(kl)
+            metrics["actor/kl_loss"] = float(kl.detach())
         return loss, metrics
 
     return loss_fn
