@@ -105,6 +105,8 @@ def resume_run(root: str, layouts: dict):
         res = {"step": loaded.step, "extra": loaded.extra, "rng": draw_rng(), "global_step": engine.global_step,
                "weights_2": cpu_weights(engine), "metrics": {s: train_step(engine, s) for s in (3, 4)}}
         res["weights_4"] = cpu_weights(engine)
+        if name == "hsdp":  # saved from HSDP (shards replicated over "ddp"), loaded at world 1 below
+            CheckpointManager(Path(root).parent / "from_hsdp").save(4, {"actor": engine})
         out[name] = res
     return out
 
@@ -130,6 +132,9 @@ def mismatch_run(root: str, other_root: str):
     except ValueError as e:
         errors["no_such_engine"] = str(e)
     out["errors"] = errors
+    engine = make_engine()
+    CheckpointManager(Path(root).parent / "from_hsdp").load_latest({"actor": engine})
+    out["from_hsdp_weights"] = cpu_weights(engine)
     return out
 
 
@@ -184,7 +189,7 @@ def resumed(saved, roots):
 
 
 @pytest.fixture(scope="module")
-def mismatch(saved, roots):
+def mismatch(resumed, roots):
     return run_distributed(mismatch_run, 1, str(roots[0]), str(roots[1]))
 
 
@@ -219,6 +224,11 @@ def test_resume_at_other_world_sizes_continues_the_same_run(saved, resumed, worl
 def test_resume_restores_rank_rng(saved, resumed):
     got, want = resumed[1]["full"]["rng"], saved["rng_after_save_2"]
     assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
+
+
+def test_hsdp_checkpoint_loads_at_world_1(resumed, mismatch):
+    for name, w in resumed[4]["hsdp"]["weights_4"].items():
+        assert torch.equal(mismatch["from_hsdp_weights"][name], w), name
 
 
 def test_load_latest_picks_newest_complete(mismatch):
