@@ -280,9 +280,16 @@ class RewardConfig:
     function_name: str = "compute_score"
     """Name of the reward function in `function_path`."""
     model_path: str | None = None
-    """Reward model folder (sequence-classification head), instead of a function."""
+    """Reward model folder (a *ForSequenceClassification with one label, same tokenizer as the policy),
+    scored through a forward-only engine, instead of a function."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Engine of the reward model (forward only)."""
     on_error_score: float = 0.0
     """Score given when the reward function raises on a sample."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "model_path", not (self.model_path and self.function_path),
+                "cannot be set together with reward.function_path; choose a reward model or a function")
 
 
 @dataclass

@@ -54,7 +54,8 @@ def train_step(engine, step: int) -> dict:
 
 
 def cpu_weights(engine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in engine.export_weights()}  # at world 1 a view of the parameter
+    # at world 1 an exported tensor can be the parameter itself: copy it
+    return {k: v.detach().to("cpu", copy=True) for k, v in engine.export_weights()}
 
 
 def draw_rng() -> tuple:

@@ -58,7 +58,8 @@ def gathered_log_probs(engine, vocab_size: int) -> torch.Tensor:
 
 
 def cpu_weights(engine, dtype=None) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in engine.export_weights(dtype)}  # at world 1 a view of the parameter
+    # at world 1 an exported tensor can be the parameter itself: copy it
+    return {k: v.detach().to("cpu", copy=True) for k, v in engine.export_weights(dtype)}
 
 
 # ---- workers (run on every rank; rank 0's return value comes back) ----------------------------------
@@ -276,6 +277,8 @@ def test_gpu_offload_releases_memory(strategy):
 
 
 def gpu_fsdp1_export_worker(tmp: str):
+    # llama ties its head to the embedding: at world 2 this also checks that FSDP1 built the same tied
+    # model on every rank (ranks > 0 materialize from meta; an untied copy there hangs the first gather)
     engine = make_engine("llama", strategy="fsdp")
     init = cpu_weights(engine)
     engine.save_hf(Path(tmp) / "hf", dtype=torch.float32)

@@ -25,7 +25,7 @@ from shardrl.batch import Batch
 from shardrl.distributed import MeshLayout, all_reduce_sum, build_device_mesh, device_type
 from shardrl.engine.attention import resolve_attn_implementation
 from shardrl.engine.microbatch import restore_order, split_micro_batches
-from shardrl.engine.model import DTYPES, PolicyModel, build_causal_lm, load_hf_config, strip_prefix
+from shardrl.engine.model import DTYPES, HEADS, PolicyModel, build_causal_lm, load_hf_config, strip_prefix
 from shardrl.engine.optim import build_lr_scheduler, build_optimizer
 
 log = logging.getLogger(__name__)
@@ -45,28 +45,35 @@ def register_engine(name: str):
     return deco
 
 
-def build_engine(model_cfg, engine_cfg, optim_cfg=None, value_head: bool = False, total_steps: int | None = None,
+def build_engine(model_cfg, engine_cfg, optim_cfg=None, head: str = "lm", total_steps: int | None = None,
                  mesh: MeshLayout | None = None) -> "Engine":
-    """The engine named by `engine_cfg.strategy`; `optim_cfg=None` makes a forward-only engine."""
+    """The engine named by `engine_cfg.strategy`; `optim_cfg=None` makes a forward-only engine.
+
+    `head`: "lm" (a policy: per-token log-probs), "value" (a critic: a new value head on the decoder) or
+    "score" (a reward model: a sequence-classification model's score at each sequence's last token)."""
     import shardrl.engine.fsdp1  # noqa: F401  (registers "fsdp")
     import shardrl.engine.fsdp2  # noqa: F401  (registers "fsdp2")
 
     if engine_cfg.strategy not in _ENGINES:
         raise ValueError(f"unknown strategy {engine_cfg.strategy!r}; choose one of {sorted(_ENGINES)}")
-    return _ENGINES[engine_cfg.strategy](model_cfg, engine_cfg, optim_cfg, value_head, total_steps, mesh)
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; choose one of {HEADS}")
+    return _ENGINES[engine_cfg.strategy](model_cfg, engine_cfg, optim_cfg, head, total_steps, mesh)
 
 
 class Engine(abc.ABC):
     strategy: str = ""
 
-    def __init__(self, model_cfg, engine_cfg, optim_cfg=None, value_head: bool = False,
+    def __init__(self, model_cfg, engine_cfg, optim_cfg=None, head: str = "lm",
                  total_steps: int | None = None, mesh: MeshLayout | None = None):
         self.model_cfg, self.cfg, self.optim_cfg = model_cfg, engine_cfg, optim_cfg
         self.device = torch.device(device_type(), torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.mesh = mesh or build_device_mesh(engine_cfg.fsdp_size, engine_cfg.ulysses_sequence_parallel_size)
         self.rank = dist.get_rank()
-        self.hf_config = load_hf_config(model_cfg.path, model_cfg.tiny, model_cfg.trust_remote_code)
-        self.module = self._build_module(value_head)
+        self.head = head
+        self.hf_config = load_hf_config(model_cfg.path, model_cfg.tiny, model_cfg.trust_remote_code,
+                                        task="seq_cls" if head == "score" else "causal_lm")
+        self.module = self._build_module(head)
         self.optimizer = self.lr_scheduler = None
         if optim_cfg is not None:
             o = optim_cfg
@@ -78,7 +85,7 @@ class Engine(abc.ABC):
         self.global_step = 0
 
     # ---- building -------------------------------------------------------------------------------
-    def _build_module(self, value_head: bool) -> nn.Module:
+    def _build_module(self, head: str) -> nn.Module:
         mc = self.model_cfg
         master_dtype = DTYPES[mc.dtype]
         attn = resolve_attn_implementation(mc.attn_implementation, mc.use_remove_padding)
@@ -86,16 +93,16 @@ class Engine(abc.ABC):
         full = None
         if self.rank == 0:
             lm = build_causal_lm(self.hf_config, mc.path, "cpu", master_dtype, self.cfg.seed,
-                                 attn, mc.trust_remote_code)
-            full = PolicyModel(lm, value_head, self.cfg.logprob_chunk_size)
-            if value_head:
+                                 attn, mc.trust_remote_code, head == "score")
+            full = PolicyModel(lm, head, self.cfg.logprob_chunk_size)
+            if head == "value":
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(self.cfg.seed + 1)
                     nn.init.normal_(full.value_head.weight, std=1.0 / math.sqrt(self.hf_config.hidden_size))
                     nn.init.zeros_(full.value_head.bias)
-        lm_meta = build_causal_lm(self.hf_config, None, "meta", master_dtype,
-                                  attn_implementation=attn, trust_remote_code=mc.trust_remote_code)
-        module = PolicyModel(lm_meta, value_head, self.cfg.logprob_chunk_size)
+        lm_meta = build_causal_lm(self.hf_config, None, "meta", master_dtype, attn_implementation=attn,
+                                  trust_remote_code=mc.trust_remote_code, sequence_classification=head == "score")
+        module = PolicyModel(lm_meta, head, self.cfg.logprob_chunk_size)
         if mc.gradient_checkpointing:
             module.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         module.lm.config.use_cache = False

@@ -20,8 +20,11 @@ from shardrl.engine.logprob import next_token_log_probs, pack, unpack
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool = False):
-    """The HF config of a local model folder, or one built from `tiny` (kwargs incl. `model_type`)."""
+def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool = False, task: str = "causal_lm"):
+    """The HF config of a local model folder, or one built from `tiny` (kwargs incl. `model_type`).
+
+    `task` "causal_lm" (policies, critics) accepts *ForCausalLM folders; "seq_cls" (reward models)
+    accepts *ForSequenceClassification ones with one label."""
     if path is None:
         if not tiny:
             raise ValueError("model.path is not set; give a local Hugging Face model folder (or model.tiny for a test model)")
@@ -37,28 +40,35 @@ def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool 
         raise ValueError(f"model.path={path!r} has no config.json; is it a Hugging Face model folder?")
     config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     archs = getattr(config, "architectures", None) or []
-    if archs and not any(a.endswith("ForCausalLM") for a in archs):
+    suffix, what = ("ForSequenceClassification", "a sequence classifier") if task == "seq_cls" else (
+        "ForCausalLM", "a causal LM")
+    if archs and not any(a.endswith(suffix) for a in archs):
         raise ValueError(
-            f"model.path={path!r} holds a {', '.join(archs)}, not a causal LM (*ForCausalLM); "
-            "shardrl trains causal language models"
+            f"model folder {path!r} holds a {', '.join(archs)}, not {what} (*{suffix}); "
+            + ("a reward model must be a sequence-classification model with one label" if task == "seq_cls"
+               else "shardrl trains causal language models")
         )
+    if task == "seq_cls" and getattr(config, "num_labels", 1) != 1:
+        raise ValueError(f"reward model {path!r} has {config.num_labels} labels; a reward model has one")
     return config
 
 
 def build_causal_lm(config, path: str | None, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
-                    attn_implementation: str = "sdpa", trust_remote_code: bool = False) -> nn.Module:
+                    attn_implementation: str = "sdpa", trust_remote_code: bool = False,
+                    sequence_classification: bool = False) -> nn.Module:
     """The model with real weights (from `path`, or a seeded random init) on `device` ('meta' for none)."""
     kwargs = dict(attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    auto = transformers.AutoModelForSequenceClassification if sequence_classification else transformers.AutoModelForCausalLM
     if str(device) == "meta":
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+            model = auto.from_config(config, dtype=dtype, **kwargs)
         return model
     if path is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **kwargs)
+        model = auto.from_pretrained(path, config=config, dtype=dtype, **kwargs)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+            model = auto.from_config(config, dtype=dtype, **kwargs)
     return model.to(device)
 
 
@@ -76,23 +86,29 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m) in classes]
 
 
+HEADS = ("lm", "value", "score")
+
+
 class PolicyModel(nn.Module):
-    """An HF causal LM (or its decoder plus a value head) that returns per-token outputs.
+    """An HF model with one of three heads (`HEADS`), returning per-token or per-sequence outputs:
+    "lm" -> `log_probs` (B, T) (and `entropy`), "value" -> `values` (B, T) from a new linear head,
+    "score" -> `scores` (B,) from a sequence classifier's head at each sequence's last token.
 
     This module, not the HF model, is the FSDP root: its forward runs the decoder and then the output
     projection in chunks, so the root's parameters (embeddings, final norm, lm_head) are gathered by FSDP's
     own hooks. Its state dict keys are the HF names behind a `lm.` (or `value_head.`) prefix.
     """
 
-    def __init__(self, lm: nn.Module, value_head: bool = False, chunk_size: int = 1024):
+    def __init__(self, lm: nn.Module, head: str = "lm", chunk_size: int = 1024):
         super().__init__()
         self.lm = lm
+        self.head = head
         self.chunk_size = chunk_size
-        self.value_head = nn.Linear(lm.config.hidden_size, 1, bias=True) if value_head else None
+        self.value_head = nn.Linear(lm.config.hidden_size, 1, bias=True) if head == "value" else None
 
     def forward(self, input_ids, attention_mask, remove_padding: bool = True,
                 temperature: float = 1.0, with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        decoder = self.lm.get_decoder()
+        decoder = self.lm.base_model if self.head == "score" else self.lm.get_decoder()
         if remove_padding:
             packed = pack(input_ids, attention_mask)
             attn_kwargs = {}
@@ -114,6 +130,12 @@ class PolicyModel(nn.Module):
             shape, keep = input_ids.shape, attention_mask.to(hidden.dtype if hidden.is_floating_point() else torch.float32)
             restore = lambda x: x.view(shape) * keep.to(x.dtype)  # noqa: E731
 
+        if self.head == "score":
+            if remove_padding:  # the last token of a sequence: the next one starts another, or the row ends
+                ends = torch.cat([seq_start[1:], seq_start.new_ones(1)]).nonzero().squeeze(-1)  # (B,)
+            else:
+                ends = _row_ends(attention_mask)  # (B,)
+            return {"scores": self.lm.score(hidden[ends]).squeeze(-1).float()}  # (B,)
         if self.value_head is not None:
             # the value of token t is read at t-1, the state from which token t was chosen
             values = self.value_head(hidden).squeeze(-1).float()  # (N,)
@@ -127,6 +149,13 @@ class PolicyModel(nn.Module):
         if entropy is not None:
             outputs["entropy"] = restore(entropy)
         return outputs
+
+
+def _row_ends(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Flat (B*T) index of each row's last real token."""
+    t = attention_mask.shape[1]
+    last = t - 1 - attention_mask.flip(-1).long().argmax(-1)  # (B,)
+    return torch.arange(attention_mask.shape[0], device=attention_mask.device) * t + last
 
 
 def strip_prefix(name: str) -> str:

@@ -222,7 +222,7 @@ def save_hf(engine: "Engine", path: str | os.PathLike, tokenizer=None, dtype: to
         config.use_cache = True  # the engine turns the KV cache off for training; generation wants it
         config.dtype = dtype
         lm = engine.module.lm
-        if getattr(engine.module, "value_head", None) is None:
+        if engine.head == "lm":
             config.architectures = [type(lm).__name__.removeprefix("FSDP")]
         config.save_pretrained(tmp)
         if getattr(lm, "generation_config", None) is not None:

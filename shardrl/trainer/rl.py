@@ -68,7 +68,7 @@ class RLTrainer:
         if cfg.algorithm.adv_estimator == "gae":
             critic_model = cfg.model if cfg.critic.model_path is None else type(cfg.model)(
                 **{**config_to_dict(cfg.model), "path": cfg.critic.model_path, "tiny": None})
-            self.critic = build_engine(critic_model, cfg.critic.engine, cfg.critic.optim, value_head=True,
+            self.critic = build_engine(critic_model, cfg.critic.engine, cfg.critic.optim, head="value",
                                        total_steps=cfg.trainer.total_steps * self.layout.critic.num_updates)
         self._say(f"mesh: {self.mesh.describe()}; actor FSDP units: {self.actor.num_fsdp_units()}; "
                   f"per-rank prompts {self.layout.prompts_per_rank}, samples {self.layout.samples_per_rank}")
@@ -88,6 +88,14 @@ class RLTrainer:
         self.sampling = SamplingParams.from_config(cfg.rollout)
         fn = load_reward_function(cfg.reward.function_path, cfg.reward.function_name) if cfg.reward.function_path else None
         self.rewards = RewardManager(fn, cfg.reward.on_error_score)
+        self.reward_model = None
+        if cfg.reward.model_path:
+            rm_cfg = dataclasses.replace(cfg.model, path=cfg.reward.model_path, tiny=None)
+            self.reward_model = build_engine(rm_cfg, cfg.reward.engine, None, head="score")
+            if self.reward_model.hf_config.vocab_size < len(self.tokenizer):
+                raise ValueError(
+                    f"reward model {cfg.reward.model_path!r} has a vocabulary of {self.reward_model.hf_config.vocab_size} "
+                    f"tokens, the policy's tokenizer {len(self.tokenizer)}; the reward model must share the tokenizer")
         algo = cfg.algorithm
         self.kl_ctrl = (AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon) if algo.kl_target
                         else FixedKLController(algo.kl_coef))
@@ -107,9 +115,9 @@ class RLTrainer:
 
     def _sync_weights(self) -> None:
         """Actor -> rollout, one tensor at a time (every rank iterates: the gather is collective)."""
+        self.rollout.resume()
         if not self._weights_stale:
             return
-        self.rollout.resume()
         dtype = DTYPES["bfloat16"] if self.device.type == "cuda" else None
         self.rollout.load_weights(self.actor.export_weights(dtype))
         self._weights_stale = False
@@ -119,6 +127,8 @@ class RLTrainer:
         self._sync_weights()
         out = self.rollout.generate(prompts["input_ids"].to(self.device), prompts["attention_mask"].to(self.device),
                                     sampling)
+        if self.device.type == "cuda":
+            self.rollout.release()  # colocated: training takes the memory generation held
         batch = out.to_batch().to("cpu")
         rows = out.prompt_index.tolist()
         batch["data_source"] = [items[i]["data_source"] for i in rows]
@@ -126,6 +136,9 @@ class RLTrainer:
         return batch
 
     def _score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        if self.reward_model is not None:
+            scores = self.reward_model.infer_batch(batch.select(["input_ids", "attention_mask"]))["scores"].cpu()
+            return scores, {}
         items = [{"data_source": ds, "response_text": text, "extra": extra}
                  for ds, text, extra in zip(batch["data_source"], batch["response_text"], batch["extra"])]
         return self.rewards.score(items)
