@@ -25,6 +25,24 @@ def sharding_strategy(hsdp: bool, reshard_after_forward: bool) -> ShardingStrate
     return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
 
 
+def materialize_on(device: torch.device):
+    """FSDP1's `param_init_fn` for meta modules that keeps tied parameters tied: a parameter shared by two
+    modules (a head tied to the embedding) becomes one tensor, where `to_empty` per module makes two."""
+    made: dict[int, nn.Parameter] = {}
+
+    def init(module: nn.Module) -> None:
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty_like(b, device=device)
+
+    return init
+
+
 @register_engine("fsdp")
 class FSDP1Engine(Engine):
     def _wrap(self, module: PolicyModel, full: PolicyModel | None) -> nn.Module:
@@ -50,7 +68,7 @@ class FSDP1Engine(Engine):
             use_orig_params=True,
             device_id=self.device,
             sync_module_states=True,
-            param_init_fn=(lambda m: m.to_empty(device=self.device, recurse=False)) if full is None else None,
+            param_init_fn=materialize_on(self.device) if full is None else None,
             forward_prefetch=cfg.forward_prefetch,
             limit_all_gathers=True,
         )
@@ -63,21 +81,14 @@ class FSDP1Engine(Engine):
         total = self.module.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))
         return total.detach().float().cpu()
 
-    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        # one FSDP unit at a time: gather its flat parameter, copy out its tensors, reshard
-        with FSDP.summon_full_params(self.module, writeback=False, rank0_only=False, recurse=True,
-                                     offload_to_cpu=False):
-            for name, param in self.module.named_parameters():
-                yield self.hf_name(name), param.detach().to(dtype) if dtype is not None else param.detach().clone()
-
     # ---- state: offload, export, checkpoints ------------------------------------------------------
     def _move_params(self, device: torch.device) -> None:
         from shardrl.engine.state import move_fsdp1_params
 
         move_fsdp1_params(self.module, device)
 
-    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:  # noqa: F811
-        # supersedes the definition above (which gathers every unit at once): one unit at a time
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        # one FSDP unit at a time: gather its flat parameter, copy out its tensors, reshard
         from shardrl.engine.state import export_fsdp1_weights
 
         yield from export_fsdp1_weights(self.module, self.hf_name, dtype)

@@ -97,7 +97,10 @@ class FSDP2Engine(Engine):
                     tensor = DTensor.from_local(tensor.to_local().to(self.device), tensor.device_mesh,
                                                 tensor.placements, run_check=False, shape=tensor.shape,
                                                 stride=tensor.stride())
+                local = tensor.to_local()
                 tensor = tensor.full_tensor()
+                if tensor.data_ptr() == local.data_ptr():  # a world of 1 hands back the shard itself
+                    tensor = tensor.clone()
             yield self.hf_name(name), tensor.to(dtype) if dtype is not None else tensor
 
     # ---- state: offload, export, checkpoints ------------------------------------------------------
