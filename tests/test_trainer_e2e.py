@@ -4,6 +4,11 @@ continues exactly like an uninterrupted one, and the clear errors `shardrl train
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,18 +64,29 @@ def test_ppo_gae_with_critic_two_processes(assets, tmp_path):
     assert all("actor/kl_loss" in r for r in records)
 
 
-def test_resume_auto_continues_like_an_uninterrupted_run(assets, tmp_path):
-    args = ("trainer.save_freq=2", "trainer.keep_last=1")
-    full = run_distributed(run_training, 2, small(assets, tmp_path / "full", "trainer.total_steps=4", *args))
-    # the first run ends right after its step-2 checkpoint, as a crash there would
-    first = run_distributed(run_training, 2, small(assets, tmp_path / "cut", "trainer.total_steps=2", *args))
-    resumed = run_distributed(run_training, 2, small(assets, tmp_path / "cut", "trainer.total_steps=4",
-                                                     "trainer.resume=auto", *args))
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # steps 1-2 kept from the first run
-    for got, want in zip(first + resumed[2:], full):
+def _train_subprocess(overrides: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "shardrl.cli", "train", *overrides, "--nproc-per-node", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def test_killed_run_resumes_like_an_uninterrupted_one(assets, tmp_path):
+    args = ("trainer.total_steps=6", "trainer.save_freq=2", "trainer.keep_last=1")
+    full = run_distributed(run_training, 2, small(assets, tmp_path / "full", *args))
+    # SIGKILL the whole job (torchrun and its workers) once a first checkpoint is complete
+    cut = tmp_path / "cut"
+    proc = _train_subprocess(small(assets, cut, *args))
+    deadline = time.time() + 300
+    while not any((p / "COMPLETE").exists() for p in (cut / "checkpoints").glob("step_*")):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = run_distributed(run_training, 2, small(assets, cut, "trainer.resume=auto", *args))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for got, want in zip(resumed, full):
         for key in COMPARED:
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
-    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()) == ["step_000004"]
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step_000006"]
 
 
 def _train_cli(*args: str) -> int:

@@ -1,0 +1,239 @@
+"""The Llama / Qwen2 decoder in plain PyTorch, for generation against a static KV cache.
+
+Parameters are named exactly as in Hugging Face's `LlamaForCausalLM` / `Qwen2ForCausalLM`
+(`model.layers.{i}.self_attn.q_proj.weight`, ...), so `(hf_name, tensor)` pairs from
+`Engine.export_weights()` copy straight in. The math follows HF's step for step (RMSNorm in fp32, rotary
+angles in fp32 cast to the compute dtype, GQA, SiLU MLP), so greedy decoding matches HF's in fp32.
+
+KV cache layout, one tensor for the whole model:
+
+    kv  (num_layers, 2, num_slots, num_kv_heads, max_seq, head_dim)     [:, 0] keys, [:, 1] values
+
+Slot s holds one sequence from position 0 (no padding); its length lives with the caller. Positions past
+a slot's length hold stale values that attention masks out and the next write replaces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+def rope_theta(config) -> float:
+    """The rotary base of `config`; raises for rope types other than the default (no scaling)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported by the fast rollout (only 'default' rotary "
+                         "embeddings); use rollout.backend=hf for this model")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("the model config has no rope_theta")
+    return float(theta)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_supported(config) -> None:
+    """Raises a ValueError naming the problem when `config` is not a model this decoder computes."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"the fast rollout supports {SUPPORTED_MODEL_TYPES} models, not {config.model_type!r}; "
+                         "use rollout.backend=hf")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={config.hidden_act!r} is not supported by the fast rollout (only 'silu')")
+    if getattr(config, "use_sliding_window", False) or any(
+            t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+        raise ValueError("sliding-window attention is not supported by the fast rollout; use rollout.backend=hf")
+    rope_theta(config)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin (*positions.shape, head_dim) in `dtype`; angles in fp32 as HF computes them."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config, bias: dict[str, bool]):
+        super().__init__()
+        hidden, d = config.hidden_size, head_dim_of(config)
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=bias["q_proj"])
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias["k_proj"])
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias["v_proj"])
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias["o_proj"])
+
+    def prefill(self, x, cos, sin, kv_layer, slots, source):
+        """x (U, L, hidden) right-padded prompts at positions 0..L-1; writes their K/V into `slots`
+        (sequence i of the chunk goes to slot slots[j] for every j with source[j] == i)."""
+        u, length, _ = x.shape
+        q = self.q_proj(x).view(u, length, self.num_heads, self.head_dim).transpose(1, 2)  # (U, H, L, D)
+        k = self.k_proj(x).view(u, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (U, Hkv, L, D)
+        v = self.v_proj(x).view(u, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        kv_layer[0][slots, :, :length] = k[source]
+        kv_layer[1][slots, :, :length] = v[source]
+        # causal suffices: padding sits after each prompt, so no real query sees it
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (U, H, L, D)
+        return self.o_proj(out.transpose(1, 2).reshape(u, length, -1))
+
+    def decode(self, x, cos, sin, kv_layer, slots, positions, mask):
+        """x (B, hidden), one token per slot at `positions` (B,); slots = arange(B); mask (B, 1, 1, S) of
+        the visible cache entries."""
+        b = x.shape[0]
+        q = self.q_proj(x).view(b, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        kv_layer[0][slots, :, positions] = k  # (B, Hkv, D) into (B, Hkv, S, D)
+        kv_layer[1][slots, :, positions] = v
+        seq = mask.shape[-1]
+        keys, values = kv_layer[0][:, :, :seq], kv_layer[1][:, :, :seq]  # (B, Hkv, S, D)
+        # GQA without copying the cache: the query heads sharing a KV head become its "query positions"
+        group = self.num_heads // self.num_kv_heads
+        q = q.view(b, self.num_kv_heads, group, self.head_dim)  # (B, Hkv, G, D)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, G, D)
+        return self.o_proj(out.reshape(b, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config, bias: dict[str, bool]):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias["gate_proj"])
+        self.up_proj = nn.Linear(hidden, inter, bias=bias["up_proj"])
+        self.down_proj = nn.Linear(inter, hidden, bias=bias["down_proj"])
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, bias: dict[str, bool]):
+        super().__init__()
+        self.self_attn = Attention(config, bias)
+        self.mlp = MLP(config, bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, attend):
+        """`attend` is the attention call of this step (prefill or decode), given the normed input."""
+        x = x + attend(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config, bias: dict[str, bool]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, bias) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class FastCausalLM(nn.Module):
+    """`model.*` and `lm_head` as in HF; `prefill` and `decode` read and write a KV cache laid out as in
+    the module docstring. Build it with `build_fast_lm`, which checks the names against HF's model."""
+
+    def __init__(self, config, bias: dict[str, bool]):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config, bias)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", _inv_freq(config), persistent=False)
+
+    def kv_shape(self, num_slots: int, max_seq: int) -> tuple[int, ...]:
+        c = self.config
+        return (c.num_hidden_layers, 2, num_slots, c.num_key_value_heads, max_seq, head_dim_of(c))
+
+    def prefill(self, ids, lengths, kv, slots, source) -> torch.Tensor:
+        """ids (U, L) right-padded prompts with `lengths` (U,); writes K/V to kv[:, :, slots] (see
+        `Attention.prefill`) and returns the logits after each prompt's last token, (U, V)."""
+        x = self.model.embed_tokens(ids)  # (U, L, hidden)
+        cos, sin = rotary_cos_sin(self.inv_freq, torch.arange(ids.shape[1], device=ids.device), x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, lambda h, i=i, layer=layer: layer.self_attn.prefill(h, cos, sin, kv[i], slots, source))
+        last = x[torch.arange(x.shape[0], device=x.device), lengths - 1]  # (U, hidden)
+        return self.lm_head(self.model.norm(last))
+
+    def decode(self, tokens, positions, kv, seq_len: int) -> torch.Tensor:
+        """One token per slot: tokens, positions (B,) over all B slots of `kv`; attends to cache entries
+        [0, positions] within the first `seq_len`. Returns logits (B, V)."""
+        x = self.model.embed_tokens(tokens)  # (B, hidden)
+        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)  # (B, D)
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        visible = torch.arange(seq_len, device=tokens.device) <= positions[:, None]  # (B, S)
+        mask = visible[:, None, None, :]
+        slots = torch.arange(tokens.shape[0], device=tokens.device)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, lambda h, i=i, layer=layer: layer.self_attn.decode(h, cos, sin, kv[i], slots, positions, mask))
+        return self.lm_head(self.model.norm(x))
+
+
+def build_fast_lm(config, device: torch.device, dtype: torch.dtype, seed: int = 0) -> FastCausalLM:
+    """The decoder for `config` on `device`, randomly initialised (weights arrive by `load_weights`).
+    Its parameter names and shapes are checked against HF's model for the same config."""
+    import transformers
+
+    check_supported(config)
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(config)
+    hf_params = {n: tuple(p.shape) for n, p in reference.named_parameters(remove_duplicate=False)}
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    block = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+    bias = {n: f"model.layers.0.{block.get(n, 'mlp')}.{n}.bias" in hf_params for n in names}
+    with torch.device("meta"):
+        model = FastCausalLM(config, bias)
+    ours = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    if ours != hf_params:
+        diff = sorted(set(ours.items()) ^ set(hf_params.items()))[:6]
+        raise ValueError(f"the fast rollout's {config.model_type} decoder does not mirror HF's parameters "
+                         f"(differences, e.g.: {diff}); use rollout.backend=hf")
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    gen = torch.Generator(device=device).manual_seed(seed)
+    std = getattr(config, "initializer_range", 0.02)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+    model = model.to(dtype).eval().requires_grad_(False)
+    model.inv_freq = _inv_freq(config).to(device)  # fp32 whatever the weights' dtype
+    return model
+
+
+def _inv_freq(config) -> torch.Tensor:
+    """Rotary inverse frequencies, (head_dim / 2,) fp32, computed on the CPU as HF does (same bits)."""
+    d = head_dim_of(config)
+    return 1.0 / (rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.float) / d))
