@@ -82,11 +82,15 @@ VARIANTS_2 = {
     "zero2": dict(micro_batch_size_per_gpu=2, reshard_after_forward=False),
     "dynamic": dict(use_dynamic_bsz=True, max_token_len_per_gpu=24),
     "prefetch": dict(micro_batch_size_per_gpu=2, forward_prefetch=True),
+    "ulysses_sp2": dict(micro_batch_size_per_gpu=2, ulysses_sequence_parallel_size=2),  # dp=1
 }
 VARIANTS_4 = {
     "full": dict(micro_batch_size_per_gpu=1),
     "hsdp": dict(micro_batch_size_per_gpu=2, fsdp_size=2),
     "hsdp_dynamic": dict(use_dynamic_bsz=True, max_token_len_per_gpu=20, fsdp_size=2),
+    "ulysses_sp2_dp2": dict(micro_batch_size_per_gpu=2, ulysses_sequence_parallel_size=2),
+    # 2 KV heads < sp=4: each is repeated; dynamic budget is per rank (a row's quarter)
+    "ulysses_sp4": dict(use_dynamic_bsz=True, max_token_len_per_gpu=6, ulysses_sequence_parallel_size=4),
 }
 
 

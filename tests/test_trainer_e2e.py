@@ -64,6 +64,17 @@ def test_ppo_gae_with_critic_two_processes(assets, tmp_path):
     assert all("actor/kl_loss" in r for r in records)
 
 
+def test_ulysses_sp2_run_equals_single_process_run(assets, tmp_path):
+    # sp=2 on 2 processes is one data-parallel rank: the same rollouts, so the same numbers as 1 process
+    args = ("trainer.total_steps=2", "actor.engine.param_dtype=float32")
+    one = run_distributed(run_training, 1, small(assets, tmp_path / "sp1", *args))
+    two = run_distributed(run_training, 2, small(assets, tmp_path / "sp2", *args,
+                                                 "actor.engine.ulysses_sequence_parallel_size=2"))
+    for got, want in zip(two, one):
+        for key in COMPARED:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
+
+
 def _train_subprocess(overrides: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "shardrl.cli", "train", *overrides, "--nproc-per-node", "2"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -13,7 +13,10 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from shardrl.engine.ulysses import expand_kv_heads, head_to_seq, seq_to_head
 
 ATTN_NAME = "shardrl_varlen"
 
@@ -70,9 +73,16 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     max_len = kwargs.get("max_length_q")
     if cu is None:
         cu, max_len = cu_seq_lens_from_position_ids(kwargs["position_ids"])
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, H, D)
-    out = _causal_varlen(q, k, v, cu, max_len, scaling)
-    return out.unsqueeze(0), None
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (n, H, D)
+    group = kwargs.get("sp_group")
+    if group is None:
+        return _causal_varlen(q, k, v, cu, max_len, scaling).unsqueeze(0), None
+    # Ulysses: this rank's tokens of all heads -> all tokens of this rank's heads, and back
+    sp = dist.get_world_size(group)
+    k, v = expand_kv_heads(k, sp), expand_kv_heads(v, sp)
+    q, k, v = (seq_to_head(t, group) for t in (q, k, v))  # (N, H/sp, D)
+    out = _causal_varlen(q, k, v, cu, max_len, scaling)  # (N, H/sp, D)
+    return head_to_seq(out, group).unsqueeze(0), None  # (1, n, H, D)
 
 
 def _no_mask(*args, **kwargs):
@@ -88,8 +98,16 @@ def register_varlen_attention() -> str:
     return ATTN_NAME
 
 
-def resolve_attn_implementation(name: str, remove_padding: bool) -> str:
-    """'auto' -> the varlen kernel on CUDA with padding removed, else 'sdpa'; other names pass through."""
+def resolve_attn_implementation(name: str, remove_padding: bool, sp: int = 1) -> str:
+    """'auto' -> the varlen kernel on CUDA with padding removed, else 'sdpa'; other names pass through.
+    Sequence parallelism (sp > 1) always uses the varlen function, where the all-to-all lives."""
+    if sp > 1:
+        if not remove_padding:
+            raise ValueError("ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true (packed input)")
+        if name not in ("auto", ATTN_NAME):
+            raise ValueError(f"ulysses_sequence_parallel_size > 1 runs attention through shardrl's varlen function; "
+                             f"set model.attn_implementation=auto (got {name!r})")
+        return register_varlen_attention()
     if name == ATTN_NAME or (name == "auto" and remove_padding and varlen_available()):
         return register_varlen_attention()
     return "sdpa" if name == "auto" else name

@@ -26,6 +26,7 @@ from shardrl.distributed import MeshLayout, all_reduce_sum, build_device_mesh, d
 from shardrl.engine.attention import resolve_attn_implementation
 from shardrl.engine.microbatch import restore_order, split_micro_batches
 from shardrl.engine.model import DTYPES, HEADS, PolicyModel, build_causal_lm, load_hf_config, strip_prefix
+from shardrl.engine.ulysses import check_heads
 from shardrl.engine.optim import build_lr_scheduler, build_optimizer
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,11 @@ class Engine(abc.ABC):
     def _build_module(self, head: str) -> nn.Module:
         mc = self.model_cfg
         master_dtype = DTYPES[mc.dtype]
-        attn = resolve_attn_implementation(mc.attn_implementation, mc.use_remove_padding)
+        sp = self.mesh.sp_size
+        attn = resolve_attn_implementation(mc.attn_implementation, mc.use_remove_padding, sp)
+        if sp > 1:
+            check_heads(self.hf_config.num_attention_heads,
+                        getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads, sp)
         # rank 0 reads the weights once; the others start on meta and receive their shards
         full = None
         if self.rank == 0:
@@ -106,6 +111,10 @@ class Engine(abc.ABC):
         if mc.gradient_checkpointing:
             module.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         module.lm.config.use_cache = False
+        if sp > 1:
+            module.sp_group = self.mesh.sp_group
+            if full is not None:
+                full.sp_group = self.mesh.sp_group  # FSDP1 wraps rank 0's full module
         return self._wrap(module, full)
 
     @abc.abstractmethod
@@ -129,8 +138,9 @@ class Engine(abc.ABC):
         return self.mesh.dp_group
 
     def _micro_batches(self, batch: Batch):
-        if self.cfg.use_dynamic_bsz:
-            return split_micro_batches(batch, max_token_len=self.cfg.max_token_len_per_gpu, dp_group=self.dp_group)
+        if self.cfg.use_dynamic_bsz:  # the budget is per rank: with sp, a rank holds 1/sp of each row
+            budget = self.cfg.max_token_len_per_gpu * self.mesh.sp_size
+            return split_micro_batches(batch, max_token_len=budget, dp_group=self.dp_group)
         return split_micro_batches(batch, micro_batch_size=self.cfg.micro_batch_size_per_gpu)
 
     def _forward(self, mb: Batch, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:

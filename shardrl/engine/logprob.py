@@ -109,8 +109,12 @@ def next_token_log_probs(
     lp, ent = chunked_log_probs(
         hidden[:-1], weight, bias, input_ids[1:], temperature, chunk_size, with_entropy
     )
-    keep = ~seq_start
-    lp = F.pad(lp, (1, 0)) * keep
-    if ent is not None:
-        ent = F.pad(ent, (1, 0)) * keep
-    return lp, ent
+    lp = F.pad(lp, (0, 1))  # the last position predicts nothing here
+    ent = F.pad(ent, (0, 1)) if ent is not None else None
+    return shift_to_scored_token(lp, seq_start), (shift_to_scored_token(ent, seq_start) if ent is not None else None)
+
+
+def shift_to_scored_token(per_position: torch.Tensor, seq_start: torch.Tensor) -> torch.Tensor:
+    """(N,) values computed at position i about token i+1 -> (N,) aligned to the token they score:
+    out[j] = per_position[j-1], and 0 where a sequence starts (nothing scores its first token)."""
+    return F.pad(per_position[:-1], (1, 0)) * (~seq_start)

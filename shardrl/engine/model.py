@@ -11,11 +11,14 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 import transformers
 
 from shardrl.engine.attention import ATTN_NAME, cu_seq_lens_from_position_ids
-from shardrl.engine.logprob import next_token_log_probs, pack, unpack
+from shardrl.engine.logprob import chunked_log_probs, pack, shift_to_scored_token, unpack
+from shardrl.engine.ulysses import gather_seq, pad_to_multiple
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -106,19 +109,34 @@ class PolicyModel(nn.Module):
         self.chunk_size = chunk_size
         self.value_head = nn.Linear(lm.config.hidden_size, 1, bias=True) if head == "value" else None
 
+    sp_group = None
+    """The Ulysses sequence-parallel group when sp > 1 (set by the engine); None otherwise."""
+
     def forward(self, input_ids, attention_mask, remove_padding: bool = True,
                 temperature: float = 1.0, with_entropy: bool = False) -> dict[str, torch.Tensor]:
         decoder = self.lm.base_model if self.head == "score" else self.lm.get_decoder()
+        group = self.sp_group
         if remove_padding:
             packed = pack(input_ids, attention_mask)
+            ids, pos = packed.input_ids[0], packed.position_ids[0]  # (N,)
+            targets = F.pad(ids[1:], (0, 1))  # (N,) the token each position predicts
+            local_ids, local_pos, local_targets = ids, pos, targets
+            if group is not None:  # this rank's contiguous piece of the row; the whole row is known here
+                sp, r = dist.get_world_size(group), dist.get_rank(group)
+                ids_p, pos = pad_to_multiple(ids, pos, sp)
+                targets_p, _ = pad_to_multiple(targets, pos[: targets.numel()], sp)
+                piece = ids_p.numel() // sp
+                local = slice(r * piece, (r + 1) * piece)
+                local_ids, local_pos, local_targets = ids_p[local], pos[local], targets_p[local]
             attn_kwargs = {}
             if self.lm.config._attn_implementation == ATTN_NAME:
-                cu, max_len = cu_seq_lens_from_position_ids(packed.position_ids)
+                cu, max_len = cu_seq_lens_from_position_ids(pos[None])
                 attn_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
-            hidden = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                             **attn_kwargs).last_hidden_state[0]
+                if group is not None:
+                    attn_kwargs["sp_group"] = group
+            hidden = decoder(input_ids=local_ids[None], position_ids=local_pos[None], use_cache=False,
+                             **attn_kwargs).last_hidden_state[0]  # (n_local, H)
             seq_start = packed.position_ids[0] == 0  # (N,)
-            ids = packed.input_ids[0]
             restore = lambda x: unpack(x, packed)  # noqa: E731
         else:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
@@ -126,28 +144,30 @@ class PolicyModel(nn.Module):
                           use_cache=False)
             hidden = out.last_hidden_state.flatten(0, 1)  # (B*T, H)
             seq_start = position_ids.flatten() == 0
-            ids = input_ids.flatten()
-            shape, keep = input_ids.shape, attention_mask.to(hidden.dtype if hidden.is_floating_point() else torch.float32)
+            local_targets = F.pad(input_ids.flatten()[1:], (0, 1))
+            shape, keep = input_ids.shape, attention_mask.float()
             restore = lambda x: x.view(shape) * keep.to(x.dtype)  # noqa: E731
+        n = seq_start.numel()
+
+        def whole(per_position: torch.Tensor) -> torch.Tensor:  # (n_local,) -> (N,)
+            return per_position if group is None else gather_seq(per_position, group)[:n]
 
         if self.head == "score":
             if remove_padding:  # the last token of a sequence: the next one starts another, or the row ends
                 ends = torch.cat([seq_start[1:], seq_start.new_ones(1)]).nonzero().squeeze(-1)  # (B,)
             else:
                 ends = _row_ends(attention_mask)  # (B,)
-            return {"scores": self.lm.score(hidden[ends]).squeeze(-1).float()}  # (B,)
+            return {"scores": whole(self.lm.score(hidden).squeeze(-1).float())[ends]}  # (B,)
         if self.value_head is not None:
             # the value of token t is read at t-1, the state from which token t was chosen
-            values = self.value_head(hidden).squeeze(-1).float()  # (N,)
-            values = torch.nn.functional.pad(values[:-1], (1, 0)) * (~seq_start)
-            return {"values": restore(values)}
+            values = whole(self.value_head(hidden).squeeze(-1).float())  # (N,)
+            return {"values": restore(shift_to_scored_token(values, seq_start))}
         head = self.lm.get_output_embeddings()
-        logp, entropy = next_token_log_probs(
-            hidden, ids, head.weight, head.bias, seq_start, temperature, self.chunk_size, with_entropy
-        )
-        outputs = {"log_probs": restore(logp)}
+        logp, entropy = chunked_log_probs(hidden, head.weight, head.bias, local_targets, temperature,
+                                          self.chunk_size, with_entropy)  # (n_local,)
+        outputs = {"log_probs": restore(shift_to_scored_token(whole(logp), seq_start))}
         if entropy is not None:
-            outputs["entropy"] = restore(entropy)
+            outputs["entropy"] = restore(shift_to_scored_token(whole(entropy), seq_start))
         return outputs
 
 

@@ -130,7 +130,11 @@ class RLTrainer:
         if self.device.type == "cuda":
             self.rollout.release()  # colocated: training takes the memory generation held
         batch = out.to_batch().to("cpu")
-        rows = out.prompt_index.tolist()
+        if self.mesh.sp_size > 1:  # the ranks of an sp group train on one batch: take sp rank 0's rollout
+            shared = [batch]
+            dist.broadcast_object_list(shared, src=dist.get_global_rank(self.mesh.sp_group, 0), group=self.mesh.sp_group)
+            batch = shared[0]
+        rows = batch["prompt_index"].tolist()
         batch["data_source"] = [items[i]["data_source"] for i in rows]
         batch["extra"] = [items[i]["extra"] for i in rows]
         return batch

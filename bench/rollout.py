@@ -1,0 +1,232 @@
+"""Rollout throughput on one GPU: the fast engine (`shardrl.rollout.fast`) against HF `generate` in the same run.
+
+Model: Qwen2-1.5B-shaped, random init (hidden 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960, vocab
+151936, tied embeddings, as bench/engine.py), bf16. Prompts: random token ids, no padding. Sampling at
+temperature 1 without truncation and without EOS (every row runs to its limit), so each backend produces
+the same number of tokens.
+
+Cases:
+    fixed_B   B prompts of --prompt-len tokens, --new-tokens new tokens each, all in one batch of B
+    mixed     --mixed-prompts prompts whose response limits are uniform in [--mixed-min, --mixed-max];
+              a batch (fast: decode slots; HF: rows per generate call) of --mixed-batch
+Rows:
+    fast          FastRollout, CUDA graphs
+    fast_compile  FastRollout, CUDA graphs of the torch.compile'd step
+    hf_dynamic    HF generate, DynamicCache (the reference backend's engine)
+    hf_static     HF generate, cache_implementation="static" (HF compiles the forward itself)
+
+Each (case, row): one warm-up run with the same shapes (graph capture, compilation), then a timed run.
+Prints one JSON line per result: new tokens/s (end to end, prefill included), the prefill time (fast:
+a run with one new token; HF: a forward of the prompts), and the fraction of the memory-bandwidth limit
+its decode reached: (decode steps x weight bytes + KV bytes of the live rows' context) / decode time /
+--bandwidth (4.3 TB/s on an H200). Fast rows add the time to load new weights (from GPU tensors, as the
+engine exports them) and to release/resume the cache (resume recaptures the graphs).
+
+    python bench/rollout.py                                   # everything, ~minutes on one H200
+    python bench/rollout.py --cases fixed_256,mixed --rows hf_dynamic,fast
+    python bench/rollout.py --quick                           # tiny model on the CPU: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+QWEN2_1P5B = dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                  num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                  max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6)
+TINY = dict(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+HBM_BYTES_PER_S = 4.3e12
+
+
+class IdTokenizer:
+    """Enough of a tokenizer for throughput runs: no EOS, and no text."""
+
+    eos_token_id, bos_token_id, pad_token_id = None, None, 0
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+    def batch_decode(self, rows, skip_special_tokens=True) -> list[str]:
+        return [""] * len(rows)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device):
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
+def model_bytes(config, dtype) -> tuple[int, int]:
+    """(weight bytes a decode step reads, KV bytes per cached token)."""
+    h, layers, v = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    d = h // config.num_attention_heads
+    kv = config.num_key_value_heads * d
+    per_layer = h * h * 2 + h * kv * 2 + h * 2 + kv * 2 + 3 * h * config.intermediate_size  # +biases, norms
+    size = torch.finfo(dtype).bits // 8
+    return (layers * per_layer + h * v + h) * size, layers * 2 * kv * size  # head read once (embedding: B rows)
+
+
+def build_case(name: str, args, vocab: int, gen: torch.Generator):
+    """(prompt ids (N, P), per-prompt limits (N,), batch)."""
+    if name == "mixed":
+        num, batch = args.mixed_prompts, args.mixed_batch
+        limits = torch.randint(args.mixed_min, args.mixed_max + 1, (num,), generator=gen)
+    else:
+        num = batch = int(name.split("_")[1])
+        limits = torch.full((num,), args.new_tokens)
+    return torch.randint(1, vocab, (num, args.prompt_len), generator=gen), limits, batch
+
+
+def decode_bytes(limits: torch.Tensor, prompt_len: int, steps: int, weight_bytes: int, kv_per_token: int) -> float:
+    """Bytes an ideal decode moves: weights once per step, and each live row's context once per token."""
+    t = limits.double() - 1  # decoded tokens per row (the first comes from the prefill)
+    context = (t * prompt_len + t * (t + 1) / 2).sum().item()
+    return steps * weight_bytes + context * kv_per_token
+
+
+def run_fast(row: str, hf_model, config, prompts, limits, batch, args, device, dtype) -> dict:
+    from shardrl.rollout.base import SamplingParams
+    from shardrl.rollout.fast import FastRollout
+
+    if row == "fast_compile":
+        torch._dynamo.config.recompile_limit = 64  # one compilation per (mode, seq_len) graph
+    rollout = FastRollout(config, IdTokenizer(), device, dtype, micro_batch_size=batch, max_batch=batch,
+                          compile=row == "fast_compile", sync_every=args.sync_every, seq_bucket=args.seq_bucket)
+    _, load_s = timed(lambda: rollout.load_weights(hf_model.named_parameters()), device)
+    ids, mask = prompts.to(device), torch.ones_like(prompts, device=device)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=int(limits.max()), seed=0)
+    generate = lambda lim: rollout.generate(ids, mask, sampling, max_new_tokens=lim)  # noqa: E731
+    _, warmup_s = timed(lambda: generate(limits), device)
+    out, total_s = timed(lambda: generate(limits), device)
+    stats = dict(rollout.last_stats)
+    generate(torch.ones_like(limits))
+    _, prefill_s = timed(lambda: generate(torch.ones_like(limits)), device)
+    _, release_s = timed(rollout.release, device)
+    _, resume_s = timed(rollout.resume, device)
+    _, release_w_s = timed(lambda: rollout.release(weights=True), device)
+    _, resume_w_s = timed(rollout.resume, device)
+    same_after_resume = torch.equal(generate(limits).response_ids, out.response_ids)  # same seed, same tokens
+    return dict(tokens=int(out.response_mask.sum()), seconds=total_s, prefill_s=prefill_s, warmup_s=warmup_s,
+                decode_steps=stats["decode_steps"], num_slots=stats["num_slots"], max_seq=stats["max_seq"],
+                graphs=len(rollout._graphs), load_weights_s=load_s, release_s=release_s, resume_s=resume_s,
+                release_weights_s=release_w_s, resume_weights_s=resume_w_s, same_after_resume=same_after_resume,
+                kv_cache_gib=rollout._state.kv.numel() * rollout._state.kv.element_size() / 2**30)
+
+
+class RowLimits:
+    """HF stopping criterion: row i is done after limits[i] new tokens."""
+
+    def __init__(self, limits: torch.Tensor, prompt_len: int):
+        self.limits, self.prompt_len = limits, prompt_len
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        return (input_ids.shape[1] - self.prompt_len) >= self.limits
+
+
+def run_hf(row: str, hf_model, config, prompts, limits, batch, args, device, dtype) -> dict:
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    gen_cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=int(limits.max()),
+                               eos_token_id=None, pad_token_id=0, use_cache=True,
+                               cache_implementation="static" if row == "hf_static" else None)
+    hf_model.generation_config = gen_cfg
+
+    def generate():
+        steps, tokens = 0, 0
+        for start in range(0, prompts.shape[0], batch):
+            ids = prompts[start : start + batch].to(device)
+            lim = limits[start : start + batch].to(device)
+            out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg,
+                                    stopping_criteria=StoppingCriteriaList([RowLimits(lim, ids.shape[1])]))
+            steps += out.shape[1] - ids.shape[1] - 1
+            tokens += int(lim.sum())  # no EOS: each row runs to its limit, then pads
+        return steps, tokens
+
+    torch.manual_seed(0)
+    _, warmup_s = timed(generate, device)
+    (steps, tokens), total_s = timed(generate, device)
+
+    def prefill():
+        for start in range(0, prompts.shape[0], batch):
+            hf_model(input_ids=prompts[start : start + batch].to(device), logits_to_keep=1)
+
+    with torch.no_grad():
+        prefill()
+        _, prefill_s = timed(prefill, device)
+    return dict(tokens=tokens, seconds=total_s, prefill_s=prefill_s, warmup_s=warmup_s, decode_steps=steps)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default="fixed_64,fixed_256,mixed")
+    parser.add_argument("--rows", default="hf_dynamic,hf_static,fast")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--mixed-prompts", type=int, default=512)
+    parser.add_argument("--mixed-batch", type=int, default=256)
+    parser.add_argument("--mixed-min", type=int, default=16)
+    parser.add_argument("--mixed-max", type=int, default=1024)
+    parser.add_argument("--sync-every", type=int, default=16)
+    parser.add_argument("--seq-bucket", type=int, default=128)
+    parser.add_argument("--bandwidth", type=float, default=HBM_BYTES_PER_S, help="bytes/s of the memory")
+    parser.add_argument("--quick", action="store_true", help="tiny model, short sequences, CPU: a smoke run")
+    parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    args = parser.parse_args()
+
+    import transformers
+
+    shape = dict(TINY if args.quick else QWEN2_1P5B)
+    if args.quick:
+        args.prompt_len, args.new_tokens, args.mixed_prompts, args.mixed_batch = 16, 16, 12, 4
+        args.mixed_min, args.mixed_max, args.seq_bucket = 2, 40, 16
+        if args.cases == parser.get_default("cases"):
+            args.cases = "fixed_4,mixed"
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = transformers.AutoConfig.for_model(shape.pop("model_type"), **shape)
+    with torch.device(device):
+        torch.manual_seed(0)
+        hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    hf_model.eval().requires_grad_(False)
+    weight_bytes, kv_per_token = model_bytes(config, dtype)
+    runners = {"fast": run_fast, "fast_compile": run_fast, "hf_dynamic": run_hf, "hf_static": run_hf}
+    for case in args.cases.split(","):
+        prompts, limits, batch = build_case(case, args, config.vocab_size, torch.Generator().manual_seed(1))
+        baseline = None
+        for row in args.rows.split(","):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            res = runners[row](row, hf_model, config, prompts, limits, batch, args, device, dtype)
+            decode_s = max(res["seconds"] - res["prefill_s"], 1e-9)
+            moved = decode_bytes(limits, args.prompt_len, res["decode_steps"], weight_bytes, kv_per_token)
+            res = dict(bench="rollout", case=case, row=row, prompts=prompts.shape[0], batch=batch,
+                       prompt_len=args.prompt_len, new_tokens=f"{int(limits.min())}-{int(limits.max())}",
+                       **res, tokens_per_s=res["tokens"] / res["seconds"], decode_s=decode_s,
+                       bandwidth_fraction=moved / decode_s / args.bandwidth, device=str(device), dtype=str(dtype))
+            if device.type == "cuda":
+                res["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            if row == "hf_dynamic":
+                baseline = res["tokens_per_s"]
+            if baseline:
+                res["vs_hf_dynamic"] = res["tokens_per_s"] / baseline
+            line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()})
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,439 @@
+"""The fast rollout: Llama / Qwen2 generation in plain PyTorch with a static KV cache and continuous batching.
+
+What one `generate` does (gpt-fast's habits: cache sized once, a decode step that can be captured, no host
+sync per token):
+
+    rows b*n+j wait in a queue (prompt-major)
+    admit    waiting rows take the free slots: their prompts are prefilled (each distinct prompt once,
+             batched up to `prefill_tokens`), K/V written into the slots, the first token sampled
+    decode   `sync_every` steps over all slots; each step feeds one token per slot, samples the next on
+             the device (Gumbel-max with noise from a seeded generator) and updates the per-slot lengths,
+             done flags and token buffers in place. On CUDA a step is one CUDA graph replay.
+    sync     one device->host copy: finished slots (EOS, length limit, stop string) hand back their
+             tokens and take waiting rows, so a batch of mixed lengths does not decode at the pace of its
+             longest row
+
+Attention in a step reads the first `seq_len` cache positions of every slot, `seq_len` being the longest
+live slot rounded up to `seq_bucket`; each (sampling mode, seq_len) pair gets its own graph, captured on
+first use and again by `resume()`. `load_weights` copies in place, so graphs stay valid across syncs;
+`release()` frees the cache and graphs (and, if asked, moves the weights to the CPU).
+
+Tokens, log-probs (log softmax(logits / T) of the sampled token, no top-k/top-p truncation) and output
+fields mean exactly what they mean for the HF reference (`shardrl.rollout.hf`), whose helpers cut the
+responses at EOS and stop strings here too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams
+from shardrl.rollout.fast_model import FastCausalLM, build_fast_lm
+from shardrl.rollout.hf import HFRollout, _check_prompts, _contains_stop
+
+log = logging.getLogger(__name__)
+
+GREEDY, SAMPLE, TRUNCATED = "greedy", "sample", "truncated"  # sampling modes; one graph each
+
+
+def sample_tokens(logits, mode: str, noise, temperature, top_k, top_p):
+    """Tokens (B,) and their log softmax(logits / T) (B,) from fp32 logits (B, V), without a host sync.
+    Sampling is Gumbel-max: argmax(log p - log E) with E ~ Exp(1) in `noise` (B, V). TRUNCATED keeps
+    the `top_k` best tokens, then those whose better-ranked mass is below `top_p` (HF's order)."""
+    if mode == GREEDY:
+        tokens = logits.argmax(-1)
+        log_probs = torch.log_softmax(logits, -1)
+    else:
+        scaled = logits / temperature
+        log_probs = torch.log_softmax(scaled, -1)
+        if mode == SAMPLE:
+            tokens = (scaled - noise.log()).argmax(-1)
+        else:
+            ranked, order = scaled.sort(-1, descending=True)  # (B, V)
+            rank = torch.arange(ranked.shape[-1], device=ranked.device)
+            ranked = ranked.masked_fill(rank >= top_k, float("-inf"))
+            probs = torch.softmax(ranked, -1)
+            ranked = ranked.masked_fill(probs.cumsum(-1) - probs >= top_p, float("-inf"))
+            choice = (ranked - noise.log()).argmax(-1, keepdim=True)
+            tokens = order.gather(-1, choice).squeeze(-1)
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sampling_mode(sampling: SamplingParams) -> str:
+    if sampling.is_greedy:
+        return GREEDY
+    return TRUNCATED if sampling.top_k > 0 or sampling.top_p < 1 else SAMPLE
+
+
+@dataclass
+class SlotState:
+    """All a decode step reads and writes, on the device, for B slots. Addresses never change while it
+    lives (the CUDA graphs point at them). W = the cache's max_seq bounds a slot's generated tokens."""
+
+    kv: torch.Tensor  # (num_layers, 2, B, num_kv_heads, max_seq, head_dim), see fast_model
+    tokens: torch.Tensor  # (B,) long: the token each slot feeds next (sampled, not yet in the cache)
+    lengths: torch.Tensor  # (B,) long: tokens in the slot's cache = position of the token fed next
+    done: torch.Tensor  # (B,) bool: finished, or empty
+    num_generated: torch.Tensor  # (B,) long
+    max_new: torch.Tensor  # (B,) long: the slot's response limit
+    out_tokens: torch.Tensor  # (B, W) long
+    out_log_probs: torch.Tensor  # (B, W) float32
+    noise: torch.Tensor  # (B, V) float32: Exp(1) noise of the next sampled step
+    temperature: torch.Tensor  # () float32
+    top_k: torch.Tensor  # () long; V when off
+    top_p: torch.Tensor  # () float32; 2 when off
+    eos: torch.Tensor  # () long
+
+    @property
+    def num_slots(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def max_seq(self) -> int:
+        return self.kv.shape[-2]
+
+
+class FastRollout(Rollout):
+    """Static-KV-cache generation for Llama / Qwen2 configs (see the module docstring).
+
+    `max_batch`: decode slots (the static batch); default min(rows, micro_batch_size * n) at first use,
+    grown when a later call has more rows. `max_seq_len`: cache positions per slot; default the longest
+    prompt + max_new_tokens rounded up to `seq_bucket`, grown as needed. `cuda_graphs` (default: on CUDA)
+    captures the decode step; `compile` also runs it through `torch.compile` (one compilation per graph).
+    `release_weights` makes `release()` move the weights to the CPU too."""
+
+    def __init__(self, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,
+                 micro_batch_size: int = 64, max_batch: int | None = None, max_seq_len: int | None = None,
+                 cuda_graphs: bool | None = None, compile: bool = False, sync_every: int = 16,
+                 seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0):
+        for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every),
+                            ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens),
+                            ("max_batch", max_batch or 1), ("max_seq_len", max_seq_len or 1)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        if self.pad_id is None:
+            raise ValueError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
+        self.micro_batch_size, self.max_batch, self.max_seq_len = micro_batch_size, max_batch, max_seq_len
+        self.sync_every, self.seq_bucket, self.prefill_tokens = sync_every, seq_bucket, prefill_tokens
+        self.release_weights = release_weights
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs a CUDA device")
+        self.model: FastCausalLM = build_fast_lm(hf_config, self.device, dtype, seed=seed)
+        self.vocab_size = hf_config.vocab_size
+        self._step_fn = torch.compile(self._decode_step, dynamic=False) if compile else self._decode_step
+        self._state: SlotState | None = None
+        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self._graph_keys: set[tuple[str, int]] = set()  # recaptured by resume()
+        self._graph_pool = None
+        self._released, self._weights_on_cpu, self._kept_shape = False, False, None
+        self.last_stats: dict = {}
+
+    # ---- weights and memory ---------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # in place (same addresses), so the captured graphs stay valid
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied head answers to both names
+        loaded: set[int] = set()
+        for name, tensor in weights:
+            param = params.get(name)
+            if param is None:
+                raise KeyError(f"the rollout model has no parameter {name!r} (it has e.g. {list(params)[:4]}); "
+                               "are the actor and rollout built from the same model config?")
+            if param.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the rollout model expects "
+                                 f"{tuple(param.shape)}")
+            param.copy_(tensor)
+            loaded.add(id(param))
+        missing = [n for n, p in params.items() if id(p) not in loaded]
+        if missing:
+            log.warning("load_weights left %d parameters untouched, e.g. %s", len(missing), missing[:4])
+
+    def release(self, weights: bool | None = None) -> None:
+        """Frees the KV cache and graphs; with `weights` (default: the constructor's `release_weights`)
+        the weights go to the CPU too."""
+        if self._released:
+            return
+        self._kept_shape = (self._state.num_slots, self._state.max_seq) if self._state is not None else None
+        self._drop_state()
+        if self.release_weights if weights is None else weights:
+            self.model.to("cpu")
+            self._weights_on_cpu = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._released = True
+
+    @torch.no_grad()
+    def resume(self) -> None:
+        """Moves the weights back if they left, reallocates the cache at its last size and recaptures the
+        graphs the last rollouts used, so the next `generate` starts warm."""
+        if not self._released:
+            return
+        if self._weights_on_cpu:
+            self.model.to(self.device)
+            self._weights_on_cpu = False
+        if self._kept_shape is not None:
+            self._state = self._allocate(*self._kept_shape)
+            for mode, seq_len in sorted(self._graph_keys):
+                if self.cuda_graphs and seq_len <= self._state.max_seq:
+                    self._capture(mode, seq_len)
+        self._released = False
+
+    def _drop_state(self) -> None:
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._graph_pool = None
+        self._state = None
+
+    def _allocate(self, num_slots: int, max_seq: int) -> SlotState:
+        dev, b = self.device, num_slots
+        first = next(self.model.parameters())
+        long = dict(dtype=torch.long, device=dev)
+        if self.cuda_graphs:
+            self._graph_pool = torch.cuda.graph_pool_handle()  # shared: a step keeps nothing between replays
+        return SlotState(
+            kv=torch.zeros(self.model.kv_shape(b, max_seq), dtype=first.dtype, device=dev),
+            tokens=torch.zeros(b, **long), lengths=torch.zeros(b, **long),
+            done=torch.ones(b, dtype=torch.bool, device=dev), num_generated=torch.zeros(b, **long),
+            max_new=torch.ones(b, **long), out_tokens=torch.zeros(b, max_seq, **long),
+            out_log_probs=torch.zeros(b, max_seq, dtype=torch.float32, device=dev),
+            noise=torch.ones(b, self.vocab_size, dtype=torch.float32, device=dev),
+            temperature=torch.ones((), device=dev), top_k=torch.full((), self.vocab_size, **long),
+            top_p=torch.full((), 2.0, device=dev), eos=torch.full((), -1 if self.eos_id is None else self.eos_id, **long),
+        )
+
+    def _ensure_capacity(self, num_rows: int, n: int, need_seq: int) -> None:
+        if self.max_seq_len is not None and need_seq > self.max_seq_len:
+            raise ValueError(f"a prompt plus max_new_tokens needs {need_seq} cache positions, more than "
+                             f"max_seq_len={self.max_seq_len}; raise max_seq_len or shorten the prompts")
+        slots = self.max_batch or min(num_rows, self.micro_batch_size * n)
+        seq = self.max_seq_len or -(-need_seq // self.seq_bucket) * self.seq_bucket
+        st = self._state
+        if st is not None and st.num_slots >= slots and st.max_seq >= need_seq:
+            return
+        if st is not None and self.max_batch is None:
+            slots = max(slots, st.num_slots)  # grow, never shrink: the graphs of the bigger shape are wanted
+        if st is not None and self.max_seq_len is None:
+            seq = max(seq, st.max_seq)
+        self._drop_state()
+        self._state = self._allocate(slots, seq)
+
+    # ---- the decode step --------------------------------------------------------------------------
+    def _decode_step(self, mode: str, seq_len: int) -> None:
+        """One token for every live slot; reads and writes only `self._state` (capturable)."""
+        st = self._state
+        active = ~st.done
+        logits = self.model.decode(st.tokens, st.lengths, st.kv, seq_len).float()  # (B, V)
+        tokens, log_probs = sample_tokens(logits, mode, st.noise, st.temperature, st.top_k, st.top_p)
+        tokens = torch.where(active, tokens, st.tokens)
+        slots = torch.arange(st.num_slots, device=tokens.device)
+        col = st.num_generated.clamp(max=st.out_tokens.shape[1] - 1)
+        st.out_tokens[slots, col] = torch.where(active, tokens, st.out_tokens[slots, col])
+        st.out_log_probs[slots, col] = torch.where(active, log_probs, st.out_log_probs[slots, col])
+        st.num_generated.add_(active.long())
+        st.lengths.add_(active.long())
+        st.done.logical_or_((tokens == st.eos) | (st.num_generated >= st.max_new))
+        st.tokens.copy_(tokens)
+
+    def _run_step(self, mode: str, seq_len: int, generator: torch.Generator) -> None:
+        if mode != GREEDY:
+            self._state.noise.exponential_(generator=generator)
+        if not self.cuda_graphs:
+            self._step_fn(mode, seq_len)
+            return
+        graph = self._graphs.get((mode, seq_len)) or self._capture(mode, seq_len)
+        graph.replay()
+
+    def _capture(self, mode: str, seq_len: int) -> torch.cuda.CUDAGraph:
+        """Captures the step for (mode, seq_len). The warm-up runs advance the state, which is put back
+        after: only the per-slot counters matter, as what they wrote past them is rewritten or masked."""
+        st = self._state
+        counters = (st.tokens, st.lengths, st.done, st.num_generated)
+        saved = [t.clone() for t in counters]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step_fn(mode, seq_len)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self._step_fn(mode, seq_len)
+        for t, s in zip(counters, saved):
+            t.copy_(s)
+        self._graphs[(mode, seq_len)] = graph
+        self._graph_keys.add((mode, seq_len))
+        return graph
+
+    # ---- generation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingParams,
+                 max_new_tokens: Sequence[int] | torch.Tensor | None = None) -> RolloutOutput:
+        """As `Rollout.generate`; `max_new_tokens` (B,) optionally sets each prompt's own response limit
+        in place of `sampling.max_new_tokens` (benchmarks use it for mixed-length batches)."""
+        if self._released:
+            raise RuntimeError("the rollout is released (no KV cache); call resume() before generate()")
+        _check_prompts(prompt_ids, attention_mask)
+        num_prompts, width = prompt_ids.shape
+        n = sampling.n
+        lengths = attention_mask.sum(1).tolist()
+        limits = [sampling.max_new_tokens] * num_prompts if max_new_tokens is None else [int(x) for x in max_new_tokens]
+        if len(limits) != num_prompts or min(limits) < 1:
+            raise ValueError(f"max_new_tokens must hold one limit >= 1 per prompt ({num_prompts}), got {limits[:8]}")
+        prompts = [prompt_ids[b, width - lengths[b]:].to(self.device) for b in range(num_prompts)]
+        self._ensure_capacity(num_prompts * n, n, max(p + m for p, m in zip(lengths, limits)))
+        st = self._state
+        st.temperature.fill_(sampling.logprob_temperature)
+        st.top_k.fill_(sampling.top_k or self.vocab_size)
+        st.top_p.fill_(sampling.top_p if sampling.top_p < 1 else 2.0)
+        st.done.fill_(True)
+        st.lengths.zero_()
+        st.num_generated.zero_()
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        rows = self._decode_rows(prompts, limits, n, sampling_mode(sampling), sampling.stop, generator)
+        return self._assemble(prompt_ids, attention_mask, rows, n, sampling.stop)
+
+    def _decode_rows(self, prompts, limits, n, mode, stop, generator) -> list[tuple[list[int], torch.Tensor]]:
+        """(tokens, log-probs) of every row b*n+j, uncut: through EOS, the limit, or past a stop string."""
+        st = self._state
+        num_slots = st.num_slots
+        queue = deque(range(len(prompts) * n))
+        slot_row = [-1] * num_slots
+        results: list = [None] * len(queue)
+        stats = dict(decode_steps=0, syncs=0, prefill_tokens=0, num_slots=num_slots, max_seq=st.max_seq)
+        while True:
+            done, lengths, generated = torch.stack([st.done.long(), st.lengths, st.num_generated]).tolist()
+            stats["syncs"] += 1
+            if stop:
+                for s in self._find_stops([s for s in range(num_slots) if slot_row[s] >= 0 and not done[s]],
+                                          generated, stop):
+                    done[s] = True
+            finished = [s for s in range(num_slots) if slot_row[s] >= 0 and done[s]]
+            if finished:
+                self._retire(finished, slot_row, generated, results)
+                for s in finished:
+                    slot_row[s], lengths[s] = -1, 0
+            free = [s for s in range(num_slots) if slot_row[s] < 0]
+            if queue and free:
+                admitted = [(s, queue.popleft()) for s in free[: len(queue)]]
+                stats["prefill_tokens"] += self._admit(admitted, prompts, limits, n, mode, generator)
+                for s, row in admitted:
+                    slot_row[s], lengths[s], generated[s] = row, len(prompts[row // n]), 1
+            live = [s for s in range(num_slots) if slot_row[s] >= 0]
+            if not live:
+                break
+            num_steps = min(self.sync_every, max(limits[slot_row[s] // n] - generated[s] for s in live))
+            # every position written in these steps lies below seq_len; empty slots sit at 0
+            seq_len = min(st.max_seq, -(-(max(lengths) + num_steps) // self.seq_bucket) * self.seq_bucket)
+            for _ in range(num_steps):
+                self._run_step(mode, seq_len, generator)
+            stats["decode_steps"] += num_steps
+        self.last_stats = stats
+        return results
+
+    def _admit(self, admitted, prompts, limits, n, mode, generator) -> int:
+        """Prefills the prompts of `admitted` (slot, row) pairs into their slots and samples each row's first
+        token; each distinct prompt runs once per chunk of at most `prefill_tokens`. Returns tokens run."""
+        st, total = self._state, 0
+        chunks, current, distinct, longest = [], [], set(), 0
+        for slot, row in admitted:
+            b = row // n
+            grown = max(longest, len(prompts[b])) * (len(distinct | {b}))
+            if current and grown > self.prefill_tokens:
+                chunks.append(current)
+                current, distinct, longest = [], set(), 0
+            current.append((slot, row))
+            distinct.add(b)
+            longest = max(longest, len(prompts[b]))
+        chunks.append(current)
+        for chunk in chunks:
+            order = list(dict.fromkeys(row // n for _, row in chunk))  # distinct prompts, in order
+            index = {b: i for i, b in enumerate(order)}
+            lens = [len(prompts[b]) for b in order]
+            ids = torch.full((len(order), max(lens)), self.pad_id, dtype=torch.long, device=self.device)
+            for i, b in enumerate(order):
+                ids[i, : lens[i]] = prompts[b]
+            to_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+            slots, source = to_dev([s for s, _ in chunk]), to_dev([index[row // n] for _, row in chunk])
+            lens_t, limit_t = to_dev(lens), to_dev([limits[row // n] for _, row in chunk])
+            logits = self.model.prefill(ids, lens_t, st.kv, slots, source).float()[source]  # (k, V)
+            noise = None if mode == GREEDY else torch.empty_like(logits).exponential_(generator=generator)
+            tokens, log_probs = sample_tokens(logits, mode, noise, st.temperature, st.top_k, st.top_p)
+            st.tokens[slots] = tokens
+            st.lengths[slots] = lens_t[source]
+            st.num_generated[slots] = 1
+            st.max_new[slots] = limit_t
+            st.out_tokens[slots, 0] = tokens
+            st.out_log_probs[slots, 0] = log_probs
+            st.done[slots] = (tokens == st.eos) | (limit_t <= 1)
+            total += ids.numel()
+        return total
+
+    def _retire(self, finished, slot_row, generated, results) -> None:
+        """Copies the finished slots' tokens to the host (one transfer) and marks the slots empty."""
+        st = self._state
+        idx = torch.tensor(finished, dtype=torch.long, device=self.device)
+        width = max(generated[s] for s in finished)
+        tokens = st.out_tokens[idx, :width].cpu()
+        log_probs = st.out_log_probs[idx, :width].cpu()
+        for i, s in enumerate(finished):
+            results[slot_row[s]] = (tokens[i, : generated[s]].tolist(), log_probs[i, : generated[s]])
+        st.lengths[idx] = 0
+        st.done[idx] = True
+
+    def _find_stops(self, live: list[int], generated: list[int], stop: list[str]) -> list[int]:
+        """The live slots whose response now holds a stop string (marked done on the device too). Only the
+        tail a check can have missed is decoded first, as `hf._StopStringCriteria` does."""
+        if not live:
+            return []
+        st = self._state
+        idx = torch.tensor(live, dtype=torch.long, device=self.device)
+        rows = st.out_tokens[idx, : max(generated[s] for s in live)].cpu().tolist()
+        window = self.sync_every + 1 + max(len(s) for s in stop) + 8
+        ids = [row[: generated[s]] for row, s in zip(rows, live)]
+        tails = self.tokenizer.batch_decode([r[-window:] for r in ids], skip_special_tokens=True)
+        hits = [s for s, tail, r in zip(live, tails, ids)
+                if _contains_stop(tail, stop) and _contains_stop(self.tokenizer.decode(r, skip_special_tokens=True), stop)]
+        if hits:
+            st.done[torch.tensor(hits, dtype=torch.long, device=self.device)] = True
+        return hits
+
+    def _assemble(self, prompt_ids, attention_mask, rows, n, stop) -> RolloutOutput:
+        """The `RolloutOutput` of the uncut rows, cut by the HF reference's own rule (`_cut_responses`)."""
+        num_rows = len(rows)
+        full = torch.full((num_rows, max(len(t) for t, _ in rows)), self.pad_id, dtype=torch.long)
+        for r, (tokens, _) in enumerate(rows):
+            full[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        lengths, texts = HFRollout._cut_responses(self, full, stop)
+        # a row shorter than `full` without EOS ended at its own limit (or a stop string): padding is no response
+        lengths = [min(length, len(tokens)) for length, (tokens, _) in zip(lengths, rows)]
+        width = max(lengths)
+        response_ids = torch.full((num_rows, width), self.pad_id, dtype=torch.long)
+        response_mask = torch.zeros(num_rows, width, dtype=torch.long)
+        log_probs = torch.zeros(num_rows, width, dtype=torch.float32)
+        for r, length in enumerate(lengths):
+            response_ids[r, :length] = full[r, :length]
+            response_mask[r, :length] = 1
+            log_probs[r, :length] = rows[r][1][:length]
+        out_device = prompt_ids.device
+        num_prompts = prompt_ids.shape[0]
+        return RolloutOutput(
+            prompt_ids=prompt_ids.repeat_interleave(n, dim=0),
+            prompt_mask=attention_mask.repeat_interleave(n, dim=0),
+            response_ids=response_ids.to(out_device),
+            response_mask=response_mask.to(out_device),
+            sampled_log_probs=log_probs.to(out_device),
+            response_text=texts,
+            prompt_index=torch.arange(num_prompts, device=out_device).repeat_interleave(n),
+        )

@@ -1,0 +1,301 @@
+"""The fast rollout against HF `generate` (the reference backend) and a plain forward, on tiny random
+models (CPU, fp32): greedy tokens equal, sampled log-probs equal a recomputation, continuous batching,
+weight loading, release/resume."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from shardrl.engine.model import PolicyModel, build_causal_lm
+from shardrl.rollout import FastRollout, RolloutOutput, SamplingParams, build_rollout
+from shardrl.rollout.fast import GREEDY, SAMPLE, TRUNCATED, sample_tokens
+from shardrl.testing import TINY_MODELS
+from shardrl.tokenizer import build_char_tokenizer
+
+# different lengths; the last is longer than the others together
+PROMPTS = ["1+2=", "hello world ", "ab", "what is 7*6? ", "x", "the quick brown fox jumps"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+def tiny_config(tok, kind: str = "qwen2", **extra):
+    # a wide init gives random models varied text (std 0.02 makes a tied model repeat its last token)
+    kw = dict(TINY_MODELS[kind], vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+              eos_token_id=tok.eos_token_id, initializer_range=0.3, **extra)
+    return transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)
+
+
+def reference_model(tok, seed: int, kind: str = "qwen2"):
+    return build_causal_lm(tiny_config(tok, kind), None, "cpu", torch.float32, seed=seed).eval()
+
+
+def make_rollout(name, tok, model, kind: str = "qwen2", **kwargs):
+    rollout = build_rollout(name, tiny_config(tok, kind), tok, "cpu", torch.float32, **kwargs)
+    rollout.load_weights(model.named_parameters())
+    return rollout
+
+
+def encode(tok, prompts=PROMPTS):
+    enc = tok(prompts, padding=True, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def with_eos_at_different_steps(tok, model, kind):
+    """A copy of `tok` whose EOS is the character that ends the greedy responses at the most different
+    steps: random tiny models rarely emit the real EOS, and the test wants rows to end apart."""
+    ids, mask = encode(tok)
+    texts = make_rollout("hf", tok, model, kind).generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=16)).response_text
+    char = max(sorted(set("".join(texts)) - {" "}), key=lambda c: len({t.find(c) for t in texts}))
+    eos_tok = copy.deepcopy(tok)
+    eos_tok.eos_token = char
+    return eos_tok
+
+
+def recomputed_log_probs(model, out: RolloutOutput, temperature: float):
+    """log softmax(logits / T) of every token under one plain forward of the whole sequence, (N, P+R)."""
+    batch = out.to_batch()
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+    logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(logp, (1, 0))
+
+
+def assert_same_output(got: RolloutOutput, want: RolloutOutput):
+    assert torch.equal(got.response_ids, want.response_ids)
+    assert torch.equal(got.response_mask, want.response_mask)
+    assert got.response_text == want.response_text
+    assert torch.equal(got.prompt_ids, want.prompt_ids) and torch.equal(got.prompt_index, want.prompt_index)
+    torch.testing.assert_close(got.sampled_log_probs, want.sampled_log_probs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])  # qwen2: q/k/v biases, untied head; llama: tied head
+@pytest.mark.parametrize("max_batch,sync_every", [(None, 16), (2, 3), (4, 1)])
+def test_greedy_equals_hf_generate(tok, kind, max_batch, sync_every):
+    model = reference_model(tok, seed=1, kind=kind)
+    eos_tok = with_eos_at_different_steps(tok, model, kind)
+    ids, mask = encode(eos_tok)
+    greedy = SamplingParams(n=2, greedy=True, max_new_tokens=16)
+    want = make_rollout("hf", eos_tok, model, kind).generate(ids, mask, greedy)
+    fast = make_rollout("fast", eos_tok, model, kind, max_batch=max_batch, sync_every=sync_every)
+    got = fast.generate(ids, mask, greedy)
+    assert_same_output(got, want)
+    lengths = want.response_mask.sum(1)
+    ended = (want.response_ids == eos_tok.eos_token_id).any(1)
+    assert len(set(lengths.tolist())) >= 3 and ended.any()  # rows end apart
+    num_rows = len(PROMPTS) * 2
+    assert fast.last_stats["num_slots"] == (max_batch or num_rows)
+    # with fewer slots than rows, freed slots took waiting rows: more decode steps than the longest row
+    if max_batch is not None:
+        assert fast.last_stats["decode_steps"] > int(lengths.max())
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 10, 0.9), (1.0, 0, 1.0), (1.3, 0, 0.8), (0.0, 0, 1.0)])
+def test_sampled_log_probs_equal_forward_recomputation(tok, temperature, top_k, top_p):
+    model = reference_model(tok, seed=2)
+    rollout = make_rollout("fast", tok, model, max_batch=5, sync_every=4)
+    ids, mask = encode(tok)
+    sampling = SamplingParams(n=2, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=20, seed=5)
+    out = rollout.generate(ids, mask, sampling)
+    batch = out.to_batch()
+    loss_mask = batch["loss_mask"].bool()
+    expected = recomputed_log_probs(model, out, sampling.logprob_temperature)
+    got = batch["sampled_log_probs"]
+    assert loss_mask.sum() > 40
+    torch.testing.assert_close(got[loss_mask], expected[loss_mask], atol=1e-5, rtol=0)
+    assert (got[~loss_mask] == 0).all() and (got[loss_mask] < 0).all()
+    # the training engine's own recomputation (packed, chunked) agrees too
+    lm = copy.deepcopy(model)
+    lm.config.use_cache = False
+    policy = PolicyModel(lm, chunk_size=7).eval()
+    with torch.no_grad():
+        engine_lp = policy(batch["input_ids"], batch["attention_mask"], remove_padding=True,
+                           temperature=sampling.logprob_temperature)["log_probs"]
+    torch.testing.assert_close(got[loss_mask], engine_lp[loss_mask], atol=1e-5, rtol=0)
+
+
+def test_truncation_to_one_token_is_greedy(tok):
+    rollout = make_rollout("fast", tok, reference_model(tok, seed=3), max_batch=4)
+    ids, mask = encode(tok)
+    greedy = rollout.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=12))
+    for trunc in (dict(top_k=1), dict(top_p=1e-6)):  # T=1: the log-probs are greedy's too
+        out = rollout.generate(ids, mask, SamplingParams(n=1, temperature=1.0, max_new_tokens=12, seed=7, **trunc))
+        assert_same_output(out, greedy)
+
+
+@pytest.mark.parametrize("mode,kwargs", [(SAMPLE, {}), (TRUNCATED, dict(top_k=3)), (TRUNCATED, dict(top_p=0.7))])
+def test_sample_tokens_draws_the_right_distribution(mode, kwargs):
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    temperature = 0.8
+    probs = torch.softmax(logits / temperature, -1)
+    if "top_k" in kwargs:
+        probs[kwargs["top_k"]:] = 0
+    if "top_p" in kwargs:  # keep a token while the better-ranked mass is below top_p: here the first two
+        probs[(probs.cumsum(-1) - probs) >= kwargs["top_p"]] = 0
+    probs /= probs.sum()
+    rows = 200_000
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.empty(rows, 6).exponential_(generator=gen)
+    tokens, logp = sample_tokens(logits.expand(rows, 6), mode, noise, torch.tensor(temperature),
+                                 torch.tensor(kwargs.get("top_k", 6)), torch.tensor(kwargs.get("top_p", 2.0)))
+    freq = torch.bincount(tokens, minlength=6).float() / rows
+    torch.testing.assert_close(freq, probs, atol=4e-3, rtol=0)
+    full = torch.log_softmax(logits / temperature, -1)  # untruncated, whatever the sampler kept
+    torch.testing.assert_close(logp, full[tokens])
+    greedy_tokens, greedy_logp = sample_tokens(logits[None], GREEDY, None, None, None, None)
+    assert greedy_tokens.tolist() == [0] and torch.allclose(greedy_logp, torch.log_softmax(logits, -1)[:1])
+
+
+def test_seed_reproduces_and_leaves_global_rng_alone(tok):
+    rollout = make_rollout("fast", tok, reference_model(tok, seed=4), max_batch=3, sync_every=5)
+    ids, mask = encode(tok)
+    state = torch.random.get_rng_state()
+    a = rollout.generate(ids, mask, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=11))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    b = rollout.generate(ids, mask, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=11))
+    c = rollout.generate(ids, mask, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=12))
+    assert torch.equal(a.response_ids, b.response_ids) and a.response_text == b.response_text
+    assert torch.equal(a.sampled_log_probs, b.sampled_log_probs)
+    assert a.response_text != c.response_text
+
+
+def test_n_samples_are_prompt_major(tok):
+    rollout = make_rollout("fast", tok, reference_model(tok, seed=3), max_batch=5)
+    ids, mask = encode(tok)
+    n = 3
+    out = rollout.generate(ids, mask, SamplingParams(n=n, temperature=1.5, max_new_tokens=10, seed=0))
+    assert len(out) == len(PROMPTS) * n
+    assert out.prompt_index.tolist() == [b for b in range(len(PROMPTS)) for _ in range(n)]
+    assert torch.equal(out.prompt_ids, ids[out.prompt_index]) and torch.equal(out.prompt_mask, mask[out.prompt_index])
+    assert len(out.response_text) == len(out)
+    for b in range(len(PROMPTS)):  # the samples of one prompt differ
+        group = out.response_text[b * n : (b + 1) * n]
+        assert len(set(group)) > 1, group
+
+
+def test_eos_ends_a_response(tok):
+    model = reference_model(tok, seed=6)
+    eos_tok = with_eos_at_different_steps(tok, model, "qwen2")
+    rollout = make_rollout("fast", eos_tok, model, max_batch=7, sync_every=6)
+    ids, mask = encode(eos_tok)
+    out = rollout.generate(ids, mask, SamplingParams(n=4, temperature=1.0, max_new_tokens=30, seed=0))
+    eos, width = eos_tok.eos_token_id, out.response_ids.shape[1]
+    ended = 0
+    for r in range(len(out)):
+        length = int(out.response_mask[r].sum())
+        assert out.response_mask[r, :length].all() and not out.response_mask[r, length:].any()
+        real = out.response_ids[r, :length].tolist()
+        if eos in real:
+            ended += 1
+            assert real.index(eos) == length - 1  # EOS is the last response token, and masked in
+            assert (out.response_ids[r, length:] == eos_tok.pad_token_id).all()
+        else:
+            assert length == width == 30
+    assert 0 < ended < len(out), ended
+
+
+def test_stop_strings_cut_as_the_reference_does(tok):
+    model = reference_model(tok, seed=1)
+    ids, mask = encode(tok)
+    free = make_rollout("hf", tok, model).generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=24))
+    stop = [free.response_text[0][5:7], free.response_text[3][2], "never-seen"]
+    sampling = SamplingParams(greedy=True, max_new_tokens=24, stop=stop)
+    want = make_rollout("hf", tok, model).generate(ids, mask, sampling)
+    got = make_rollout("fast", tok, model, max_batch=3, sync_every=4).generate(ids, mask, sampling)
+    assert_same_output(got, want)
+    assert got.response_mask.sum(1).min() < 24 and not any(s in t for t in got.response_text for s in stop)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_load_weights_makes_generation_follow_the_new_model(tok, kind):
+    first, second = reference_model(tok, seed=1, kind=kind), reference_model(tok, seed=9, kind=kind)
+    fast = make_rollout("fast", tok, first, kind, max_batch=4, sync_every=4)
+    ids, mask = encode(tok)
+    greedy = SamplingParams(greedy=True, max_new_tokens=12)
+    before = fast.generate(ids, mask, greedy)
+    assert_same_output(before, make_rollout("hf", tok, first, kind).generate(ids, mask, greedy))
+    # one tensor at a time, as Engine.export_weights streams them (named_parameters drops the tied head)
+    kv = fast._state.kv
+    fast.load_weights((name, p.detach().clone()) for name, p in second.named_parameters())
+    assert fast._state.kv is kv  # the engine (cache, graphs) was kept
+    after = fast.generate(ids, mask, greedy)
+    assert after.response_text != before.response_text
+    assert_same_output(after, make_rollout("hf", tok, second, kind).generate(ids, mask, greedy))
+
+
+def test_load_weights_rejects_unknown_names_and_shapes(tok):
+    rollout = make_rollout("fast", tok, reference_model(tok, seed=1))
+    with pytest.raises(KeyError, match="no parameter 'model.layers.7.mlp.up_proj.weight'"):
+        rollout.load_weights([("model.layers.7.mlp.up_proj.weight", torch.zeros(64, 32))])
+    with pytest.raises(ValueError, match=r"expects \(64, 32\)"):
+        rollout.load_weights([("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3))])
+
+
+def test_parameter_names_mirror_hf(tok):
+    for kind in ("qwen2", "llama"):
+        hf = reference_model(tok, seed=1, kind=kind)
+        fast = build_rollout("fast", tiny_config(tok, kind), tok, "cpu", torch.float32)
+        shapes = lambda m: {n: p.shape for n, p in m.named_parameters(remove_duplicate=False)}  # noqa: E731
+        assert shapes(fast.model) == shapes(hf)
+        assert ("model.layers.0.self_attn.q_proj.bias" in shapes(fast.model)) == (kind == "qwen2")
+        tied = fast.model.lm_head.weight is fast.model.model.embed_tokens.weight
+        assert tied == (kind == "llama")
+
+
+def test_release_and_resume(tok):
+    model = reference_model(tok, seed=1)
+    rollout = make_rollout("fast", tok, model, max_batch=3)
+    ids, mask = encode(tok)
+    greedy = SamplingParams(greedy=True, max_new_tokens=8)
+    before = rollout.generate(ids, mask, greedy)
+    rollout.release(weights=True)
+    assert rollout._state is None
+    with pytest.raises(RuntimeError, match="resume"):
+        rollout.generate(ids, mask, greedy)
+    rollout.load_weights(model.named_parameters())  # allowed while released
+    rollout.resume()
+    assert rollout._state.num_slots == 3
+    assert_same_output(rollout.generate(ids, mask, greedy), before)
+
+
+def test_cache_grows_and_limits_per_prompt(tok):
+    model = reference_model(tok, seed=5)
+    rollout = make_rollout("fast", tok, model, sync_every=8)
+    ids, mask = encode(tok)
+    rollout.generate(ids[:2], mask[:2], SamplingParams(greedy=True, max_new_tokens=4))
+    small = (rollout._state.num_slots, rollout._state.max_seq)
+    long = SamplingParams(greedy=True, max_new_tokens=150)  # past the first cache's 128 positions
+    out = rollout.generate(ids, mask, long)
+    assert (rollout._state.num_slots, rollout._state.max_seq) > small and rollout._state.max_seq >= 150
+    assert_same_output(out, make_rollout("hf", tok, model).generate(ids, mask, long))
+    limits = [1, 5, 150, 9, 2, 33]
+    cut = rollout.generate(ids, mask, long, max_new_tokens=limits)
+    for r, limit in enumerate(limits):
+        length = min(limit, int(out.response_mask[r].sum()))
+        assert int(cut.response_mask[r].sum()) == length
+        assert torch.equal(cut.response_ids[r, :length], out.response_ids[r, :length])
+
+
+def test_errors_name_the_problem(tok):
+    with pytest.raises(ValueError, match="rope type 'llama3'"):
+        FastRollout(tiny_config(tok, "llama", rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                                  high_freq_factor=4.0,
+                                                                  original_max_position_embeddings=64)),
+                    tok, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="supports"):
+        FastRollout(transformers.AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=4), tok, "cpu", torch.float32)
+    rollout = make_rollout("fast", tok, reference_model(tok, seed=1), max_seq_len=20)
+    ids, mask = encode(tok)
+    with pytest.raises(ValueError, match="max_seq_len=20"):
+        rollout.generate(ids, mask, SamplingParams(max_new_tokens=16))
+    enc = tok(["ab", "abcd"], padding=True, padding_side="right", return_tensors="pt")
+    with pytest.raises(ValueError, match="left-padded"):
+        rollout.generate(enc["input_ids"], enc["attention_mask"], SamplingParams())
