@@ -101,7 +101,8 @@ def run_fast(row: str, hf_model, config, prompts, limits, batch, args, device, d
     from shardrl.rollout.fast import FastRollout
 
     if row == "fast_compile":
-        torch._dynamo.config.recompile_limit = 64  # one compilation per (mode, seq_len) graph
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(torch._dynamo.config, limit, 64)  # one compilation per (mode, seq_len) graph
     rollout = FastRollout(config, IdTokenizer(), device, dtype, micro_batch_size=batch, max_batch=batch,
                           compile=row == "fast_compile", sync_every=args.sync_every, seq_bucket=args.seq_bucket)
     _, load_s = timed(lambda: rollout.load_weights(hf_model.named_parameters()), device)

@@ -27,14 +27,15 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     """Starts the default process group from torchrun's environment (a world of 1 without it)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # one process, no launcher; set no RANK/MASTER_* variables a child process could inherit
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

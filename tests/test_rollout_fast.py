@@ -51,7 +51,8 @@ def with_eos_at_different_steps(tok, model, kind):
     """A copy of `tok` whose EOS is the character that ends the greedy responses at the most different
     steps: random tiny models rarely emit the real EOS, and the test wants rows to end apart."""
     ids, mask = encode(tok)
-    texts = make_rollout("hf", tok, model, kind).generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=16)).response_text
+    greedy = SamplingParams(greedy=True, max_new_tokens=16)
+    texts = make_rollout("hf", tok, model, kind).generate(ids, mask, greedy).response_text
     char = max(sorted(set("".join(texts)) - {" "}), key=lambda c: len({t.find(c) for t in texts}))
     eos_tok = copy.deepcopy(tok)
     eos_tok.eos_token = char
@@ -96,6 +97,20 @@ def test_greedy_equals_hf_generate(tok, kind, max_batch, sync_every):
     # with fewer slots than rows, freed slots took waiting rows: more decode steps than the longest row
     if max_batch is not None:
         assert fast.last_stats["decode_steps"] > int(lengths.max())
+
+
+def test_a_capture_warm_up_mid_generate_changes_nothing(tok):
+    """A graph is captured on the first step of each (mode, seq_len), mid-generate, after warm-up steps
+    that run for real; their state must be put back. On the CPU: warm up before every step."""
+    model = reference_model(tok, seed=2)
+    ids, mask = encode(tok)
+    plain = make_rollout("fast", tok, model, max_batch=3, sync_every=5, seq_bucket=8)
+    warmed = make_rollout("fast", tok, model, max_batch=3, sync_every=5, seq_bucket=8)
+    step = warmed._step_fn
+    warmed._step_fn = lambda mode, seq_len: (warmed._warm_up(step, mode, seq_len), step(mode, seq_len))
+    for sampling in (SamplingParams(n=2, greedy=True, max_new_tokens=20),
+                     SamplingParams(n=2, temperature=1.0, top_k=8, max_new_tokens=20, seed=1)):
+        assert_same_output(warmed.generate(ids, mask, sampling), plain.generate(ids, mask, sampling))
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 10, 0.9), (1.0, 0, 1.0), (1.3, 0, 0.8), (0.0, 0, 1.0)])
@@ -291,7 +306,8 @@ def test_errors_name_the_problem(tok):
                                                                   original_max_position_embeddings=64)),
                     tok, "cpu", torch.float32)
     with pytest.raises(ValueError, match="supports"):
-        FastRollout(transformers.AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=4), tok, "cpu", torch.float32)
+        gpt2 = transformers.AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=4)
+        FastRollout(gpt2, tok, "cpu", torch.float32)
     rollout = make_rollout("fast", tok, reference_model(tok, seed=1), max_seq_len=20)
     ids, mask = encode(tok)
     with pytest.raises(ValueError, match="max_seq_len=20"):
@@ -299,3 +315,45 @@ def test_errors_name_the_problem(tok):
     enc = tok(["ab", "abcd"], padding=True, padding_side="right", return_tensors="pt")
     with pytest.raises(ValueError, match="left-padded"):
         rollout.generate(enc["input_ids"], enc["attention_mask"], SamplingParams())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graphs_match_the_reference(tok, compile):
+    """On a GPU in fp32: graph replays give HF's greedy tokens, the eager step's samples, and the same
+    again after release/resume (which recaptures the graphs)."""
+    model = reference_model(tok, seed=1)
+    eos_tok = with_eos_at_different_steps(tok, model, "qwen2")
+    ids, mask = encode(eos_tok)
+    greedy = SamplingParams(n=2, greedy=True, max_new_tokens=40)
+    sampled = SamplingParams(n=2, temperature=0.9, top_p=0.95, max_new_tokens=40, seed=3)
+    want = make_rollout("hf", eos_tok, model).generate(ids, mask, greedy)  # on the CPU
+
+    def fast(**kwargs):
+        rollout = build_rollout("fast", tiny_config(eos_tok), eos_tok, "cuda", torch.float32, max_batch=4,
+                                sync_every=4, seq_bucket=32, **kwargs)
+        rollout.load_weights(model.named_parameters())
+        return rollout
+
+    def on_cpu(out: RolloutOutput) -> RolloutOutput:
+        return RolloutOutput(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in vars(out).items()})
+
+    graphed, eager = fast(compile=compile), fast(cuda_graphs=False)
+    got = on_cpu(graphed.generate(ids.cuda(), mask.cuda(), greedy))
+    assert graphed._graphs
+    assert torch.equal(got.response_ids, want.response_ids) and got.response_text == want.response_text
+    torch.testing.assert_close(got.sampled_log_probs, want.sampled_log_probs, atol=1e-4, rtol=0)
+    a = on_cpu(graphed.generate(ids.cuda(), mask.cuda(), sampled))
+    b = on_cpu(eager.generate(ids.cuda(), mask.cuda(), sampled))
+    assert torch.equal(a.response_ids, b.response_ids)
+    torch.testing.assert_close(a.sampled_log_probs, b.sampled_log_probs, atol=1e-5, rtol=0)
+    loss_mask = a.to_batch()["loss_mask"].bool()
+    torch.testing.assert_close(a.to_batch()["sampled_log_probs"][loss_mask],
+                               recomputed_log_probs(model, a, 0.9)[loss_mask], atol=1e-4, rtol=0)
+    num_graphs = len(graphed._graphs)
+    graphed.release()
+    assert not graphed._graphs
+    graphed.resume()
+    assert len(graphed._graphs) == num_graphs
+    assert torch.equal(on_cpu(graphed.generate(ids.cuda(), mask.cuda(), sampled)).response_ids, a.response_ids)

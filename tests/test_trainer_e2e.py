@@ -76,8 +76,10 @@ def test_ulysses_sp2_run_equals_single_process_run(assets, tmp_path):
 
 
 def _train_subprocess(overrides: list[str]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
     return subprocess.Popen([sys.executable, "-m", "shardrl.cli", "train", *overrides, "--nproc-per-node", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
 
 
 def test_killed_run_resumes_like_an_uninterrupted_one(assets, tmp_path):

@@ -209,7 +209,8 @@ class FastRollout(Rollout):
             out_log_probs=torch.zeros(b, max_seq, dtype=torch.float32, device=dev),
             noise=torch.ones(b, self.vocab_size, dtype=torch.float32, device=dev),
             temperature=torch.ones((), device=dev), top_k=torch.full((), self.vocab_size, **long),
-            top_p=torch.full((), 2.0, device=dev), eos=torch.full((), -1 if self.eos_id is None else self.eos_id, **long),
+            top_p=torch.full((), 2.0, device=dev),
+            eos=torch.full((), -1 if self.eos_id is None else self.eos_id, **long),  # -1: no EOS, never sampled
         )
 
     def _ensure_capacity(self, num_rows: int, n: int, need_seq: int) -> None:
@@ -255,25 +256,29 @@ class FastRollout(Rollout):
         graph.replay()
 
     def _capture(self, mode: str, seq_len: int) -> torch.cuda.CUDAGraph:
-        """Captures the step for (mode, seq_len). The warm-up runs advance the state, which is put back
-        after: only the per-slot counters matter, as what they wrote past them is rewritten or masked."""
-        st = self._state
-        counters = (st.tokens, st.lengths, st.done, st.num_generated)
-        saved = [t.clone() for t in counters]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step_fn(mode, seq_len)
+            self._warm_up(self._step_fn, mode, seq_len)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             self._step_fn(mode, seq_len)
-        for t, s in zip(counters, saved):
-            t.copy_(s)
         self._graphs[(mode, seq_len)] = graph
         self._graph_keys.add((mode, seq_len))
         return graph
+
+    def _warm_up(self, step_fn, mode: str, seq_len: int, num_steps: int = 2) -> None:
+        """Runs `step_fn` (lazy init, compilation) and puts the per-slot counters back, so a capture may
+        happen in the middle of a generate: what the steps wrote past the counters (cache entries, tokens)
+        is rewritten by the next real step or lies beyond the lengths, masked."""
+        st = self._state
+        counters = (st.tokens, st.lengths, st.done, st.num_generated)
+        saved = [t.clone() for t in counters]
+        for _ in range(num_steps):
+            step_fn(mode, seq_len)
+        for t, s in zip(counters, saved):
+            t.copy_(s)
 
     # ---- generation -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -403,8 +408,9 @@ class FastRollout(Rollout):
         window = self.sync_every + 1 + max(len(s) for s in stop) + 8
         ids = [row[: generated[s]] for row, s in zip(rows, live)]
         tails = self.tokenizer.batch_decode([r[-window:] for r in ids], skip_special_tokens=True)
+        decode = lambda r: self.tokenizer.decode(r, skip_special_tokens=True)  # noqa: E731
         hits = [s for s, tail, r in zip(live, tails, ids)
-                if _contains_stop(tail, stop) and _contains_stop(self.tokenizer.decode(r, skip_special_tokens=True), stop)]
+                if _contains_stop(tail, stop) and _contains_stop(decode(r), stop)]
         if hits:
             st.done[torch.tensor(hits, dtype=torch.long, device=self.device)] = True
         return hits

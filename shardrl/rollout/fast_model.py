@@ -141,9 +141,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, attend):
-        """`attend` is the attention call of this step (prefill or decode), given the normed input."""
-        x = x + attend(self.input_layernorm(x))
+    def prefill(self, x, cos, sin, kv_layer, slots, source):
+        x = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, kv_layer, slots, source)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode(self, x, cos, sin, kv_layer, slots, positions, mask):
+        x = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, kv_layer, slots, positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -178,7 +181,7 @@ class FastCausalLM(nn.Module):
         x = self.model.embed_tokens(ids)  # (U, L, hidden)
         cos, sin = rotary_cos_sin(self.inv_freq, torch.arange(ids.shape[1], device=ids.device), x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, lambda h, i=i, layer=layer: layer.self_attn.prefill(h, cos, sin, kv[i], slots, source))
+            x = layer.prefill(x, cos, sin, kv[i], slots, source)
         last = x[torch.arange(x.shape[0], device=x.device), lengths - 1]  # (U, hidden)
         return self.lm_head(self.model.norm(last))
 
@@ -192,7 +195,7 @@ class FastCausalLM(nn.Module):
         mask = visible[:, None, None, :]
         slots = torch.arange(tokens.shape[0], device=tokens.device)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, lambda h, i=i, layer=layer: layer.self_attn.decode(h, cos, sin, kv[i], slots, positions, mask))
+            x = layer.decode(x, cos, sin, kv[i], slots, positions, mask)
         return self.lm_head(self.model.norm(x))
 
 
