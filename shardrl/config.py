@@ -326,7 +326,8 @@ class TrainerConfig:
     total_steps: int = 20
     """Training steps (one rollout batch and its updates each)."""
     output_dir: str | None = None
-    """Run folder (config, metrics, checkpoints); None is ./outputs/<timestamp>."""
+    """Run folder (config, metrics, checkpoints); None is ./outputs/<experiment_name>/<timestamp>, or with
+    resume=auto the newest such folder that has checkpoints."""
     save_freq: int = 0
     """Checkpoint every this many steps; 0 never."""
     keep_last: int = 2

@@ -182,7 +182,3 @@ def strip_prefix(name: str) -> str:
     """The HF name of a PolicyModel parameter (drops `lm.` and FSDP1 wrapper names)."""
     name = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
     return name[len("lm."):] if name.startswith("lm.") else name
-
-
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", 0))

@@ -17,6 +17,7 @@ compared as a health metric of the weight sync and the numerics.
 from __future__ import annotations
 
 import abc
+import logging
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -24,6 +25,8 @@ from typing import Iterable
 import torch
 
 from shardrl.batch import Batch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -128,6 +131,28 @@ class Rollout(abc.ABC):
     @abc.abstractmethod
     def resume(self) -> None:
         """Takes the device memory back before the next `generate`."""
+
+
+@torch.no_grad()
+def copy_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copies `(hf_name, tensor)` pairs into `model`'s parameters in place (casting and moving), one at a
+    time, so the caller may free each tensor right after; unknown names and wrong shapes raise."""
+    # remove_duplicate=False: a tied head answers to both its names (the engine exports only one)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[int] = set()
+    for name, tensor in weights:
+        param = params.get(name)
+        if param is None:
+            raise KeyError(f"the rollout model has no parameter {name!r} (it has e.g. {list(params)[:4]}); "
+                           "are the actor and rollout built from the same model config?")
+        if param.shape != tensor.shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the rollout model expects "
+                             f"{tuple(param.shape)}")
+        param.copy_(tensor)
+        loaded.add(id(param))
+    missing = [n for n, p in params.items() if id(p) not in loaded]
+    if missing:
+        log.warning("load_weights left %d parameters untouched, e.g. %s", len(missing), missing[:4])
 
 
 def build_rollout(name: str, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,

@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams
+from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, copy_weights_in_place
 from shardrl.rollout.fast_model import FastCausalLM, build_fast_lm
 from shardrl.rollout.hf import HFRollout, _check_prompts, _contains_stop
 
@@ -139,24 +139,8 @@ class FastRollout(Rollout):
         self.last_stats: dict = {}
 
     # ---- weights and memory ---------------------------------------------------------------------
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # in place (same addresses), so the captured graphs stay valid
-        params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied head answers to both names
-        loaded: set[int] = set()
-        for name, tensor in weights:
-            param = params.get(name)
-            if param is None:
-                raise KeyError(f"the rollout model has no parameter {name!r} (it has e.g. {list(params)[:4]}); "
-                               "are the actor and rollout built from the same model config?")
-            if param.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the rollout model expects "
-                                 f"{tuple(param.shape)}")
-            param.copy_(tensor)
-            loaded.add(id(param))
-        missing = [n for n, p in params.items() if id(p) not in loaded]
-        if missing:
-            log.warning("load_weights left %d parameters untouched, e.g. %s", len(missing), missing[:4])
+        copy_weights_in_place(self.model, weights)  # same addresses, so the captured graphs stay valid
 
     def release(self, weights: bool | None = None) -> None:
         """Frees the KV cache and graphs; with `weights` (default: the constructor's `release_weights`)

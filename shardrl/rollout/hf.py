@@ -19,7 +19,7 @@ import torch
 import transformers
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams
+from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, copy_weights_in_place
 
 log = logging.getLogger(__name__)
 
@@ -121,24 +121,8 @@ class HFRollout(Rollout):
         self._released = False
 
     # ---- weights and memory ---------------------------------------------------------------------
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # remove_duplicate=False: a tied head answers to both its names (the engine exports only one)
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        loaded: set[int] = set()
-        for name, tensor in weights:
-            param = params.get(name)
-            if param is None:
-                raise KeyError(f"the rollout model has no parameter {name!r} (it has e.g. {list(params)[:4]}); "
-                               "are the actor and rollout built from the same model config?")
-            if param.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the rollout model expects "
-                                 f"{tuple(param.shape)}")
-            param.copy_(tensor)  # casts and moves; the caller may free `tensor` right after
-            loaded.add(id(param))
-        missing = [n for n, p in params.items() if id(p) not in loaded]
-        if missing:
-            log.warning("load_weights left %d parameters untouched, e.g. %s", len(missing), missing[:4])
+        copy_weights_in_place(self.model, weights)
 
     def release(self) -> None:
         if self._released:
