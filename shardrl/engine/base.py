@@ -170,8 +170,8 @@ class Engine(abc.ABC):
         grad_scale = self.mesh.world_size  # FSDP averages gradients over every rank of the mesh
 
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        extra: dict[str, float] = {}
+        # sums stay on the device until the step ends: no host sync per micro-batch
+        sums: dict[str, torch.Tensor] = {"loss": torch.zeros((), dtype=torch.float64, device=self.device)}
         for mb in micro_batches:
             real = len(mb) > 0
             mb = mb if real else self._placeholder(batch)
@@ -182,9 +182,10 @@ class Engine(abc.ABC):
             # ties every output to the graph so each rank runs the same backward collectives
             anchor = sum(v.sum() for v in outputs.values()) * 0.0
             ((loss + anchor) * grad_scale).backward()
-            loss_sum += loss.detach().double().cpu()
-            for k, v in metrics.items():
-                extra[k] = extra.get(k, 0.0) + float(v) / len(micro_batches)
+            sums["loss"] += loss.detach().double()
+            for k, v in metrics.items():  # loss_fn metrics: averaged over micro-batches, then over dp ranks
+                v = torch.as_tensor(v, dtype=torch.float64).detach().to(self.device)
+                sums[k] = sums.get(k, 0.0) + v / (len(micro_batches) * self.mesh.dp_size)
 
         grad_norm = self._clip_grad_norm(self.optim_cfg.clip_grad)
         finite = bool(torch.isfinite(grad_norm))
@@ -196,16 +197,16 @@ class Engine(abc.ABC):
         else:
             log.warning("step skipped: gradient norm is %s", float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {
-            "loss": float(all_reduce_sum(loss_sum, self.dp_group)),
+        keys = list(sums)
+        totals = all_reduce_sum(torch.stack([sums[k] for k in keys]), self.dp_group).tolist()
+        metrics = dict(zip(keys, totals))
+        metrics.update({
             "grad_norm": float(grad_norm),
             "lr": lr,
             "num_tokens": float(num_tokens),
             "num_micro_batches": float(len(micro_batches)),
             "skipped_step": float(not finite),
-        }
-        for k, v in extra.items():
-            metrics[k] = float(all_reduce_sum(torch.tensor(v, dtype=torch.float64), self.dp_group)) / self.mesh.dp_size
+        })
         return metrics
 
     @torch.no_grad()

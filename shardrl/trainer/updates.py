@@ -53,17 +53,17 @@ def actor_loss_fn(actor_cfg, agg_mode: str):
         loss, metrics = policy_loss(outputs["log_probs"], mb["old_log_probs"], mb["advantages"], mask,
                                     actor_cfg.clip_ratio_low, actor_cfg.clip_ratio_high, actor_cfg.clip_ratio_c,
                                     agg_mode, num_tokens, num_seqs)
-        metrics = {f"actor/{k}": float(v) for k, v in metrics.items()}
-        metrics["actor/pg_loss"] = float(loss.detach())
+        metrics = {f"actor/{k}": v for k, v in metrics.items()}  # tensors: the engine syncs once per step
+        metrics["actor/pg_loss"] = loss.detach()
         if actor_cfg.entropy_coeff:
             ent = entropy_loss(outputs["entropy"], mask, agg_mode, num_tokens, num_seqs)
             loss = loss - actor_cfg.entropy_coeff * ent
-            metrics["actor/entropy"] = float(ent.detach())
+            metrics["actor/entropy"] = ent.detach()
         if actor_cfg.use_kl_loss:
             kl = kl_loss(outputs["log_probs"], mb["ref_log_probs"], mask, actor_cfg.kl_loss_type, agg_mode,
                          num_tokens, num_seqs)
             loss = loss + actor_cfg.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = float(kl.detach())
+            metrics["actor/kl_loss"] = kl.detach()
         return loss, metrics
 
     return loss_fn
@@ -73,7 +73,7 @@ def critic_loss_fn(critic_cfg, agg_mode: str):
     def loss_fn(outputs, mb, num_tokens, num_seqs):
         loss, metrics = value_loss(outputs["values"], mb["old_values"], mb["returns"], mb["loss_mask"],
                                    critic_cfg.cliprange_value, agg_mode, num_tokens, num_seqs)
-        return loss, {f"critic/{k}": float(v) for k, v in metrics.items()}
+        return loss, {f"critic/{k}": v for k, v in metrics.items()}
 
     return loss_fn
 
