@@ -57,7 +57,7 @@ def test_grpo_two_processes_trains_and_logs(assets, tmp_path):
 def test_ppo_gae_with_critic_two_processes(assets, tmp_path):
     records = run_distributed(run_training, 2, small(
         assets, tmp_path / "ppo", "trainer.total_steps=2", "algorithm.adv_estimator=gae", "rollout.n=2",
-        "critic.ppo_mini_batch_size=2", "actor.use_kl_loss=true", "critic.engine.param_dtype=float32",
+        "critic.ppo_mini_batch_size=2", "actor.use_kl_loss=true", "actor.engine.offload_optimizer=true", "critic.engine.param_dtype=float32",
         "ref.engine.param_dtype=float32"))
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["critic/grad_norm"] > 0 and "critic/vf_clipfrac" in r for r in records)

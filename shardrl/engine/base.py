@@ -237,10 +237,10 @@ class Engine(abc.ABC):
             self.module.train(was)
 
     # ---- state: offload, export, checkpoints ------------------------------------------------------
+    @abc.abstractmethod
     def _move_params(self, device: torch.device) -> None:
         """Moves this rank's parameter shards (with grads and buffers) to `device`, keeping the parameter
         objects the optimizer holds."""
-        raise NotImplementedError(f"{type(self).__name__} cannot move its parameters")
 
     def offload(self, params: bool = True, optimizer: bool = True) -> None:
         """Moves parameters (with grads) and optimizer state to the CPU and releases the accelerator memory

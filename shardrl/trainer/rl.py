@@ -170,14 +170,17 @@ class RLTrainer:
         t_prep = time.perf_counter()
 
         agg = cfg.actor.engine.loss_agg_mode
+        # each engine's update is a phase: what offload_optimizer moved to the CPU comes back for it only
         if self.critic is not None:
-            metrics.update(run_updates(self.critic, batch, critic_loss_fn(cfg.critic, cfg.critic.engine.loss_agg_mode),
-                                       self.layout.critic.mini_batch_samples_per_rank, cfg.critic.ppo_epochs,
-                                       True, self.shuffle_gen, "critic"))
-        metrics.update(run_updates(self.actor, batch, actor_loss_fn(cfg.actor, agg),
-                                   self.layout.actor.mini_batch_samples_per_rank, cfg.actor.ppo_epochs,
-                                   cfg.actor.shuffle, self.shuffle_gen, "actor", temperature=temp,
-                                   with_entropy=bool(cfg.actor.entropy_coeff)))
+            critic_loss = critic_loss_fn(cfg.critic, cfg.critic.engine.loss_agg_mode)
+            with self.critic.training():
+                metrics.update(run_updates(self.critic, batch, critic_loss, self.layout.critic.mini_batch_samples_per_rank,
+                                           cfg.critic.ppo_epochs, True, self.shuffle_gen, "critic"))
+        with self.actor.training():
+            metrics.update(run_updates(self.actor, batch, actor_loss_fn(cfg.actor, agg),
+                                       self.layout.actor.mini_batch_samples_per_rank, cfg.actor.ppo_epochs,
+                                       cfg.actor.shuffle, self.shuffle_gen, "actor", temperature=temp,
+                                       with_entropy=bool(cfg.actor.entropy_coeff)))
         self._weights_stale = True
         if cfg.algorithm.use_kl_in_reward:
             self.kl_ctrl.update(metrics.get("kl/in_reward", 0.0), len(batch))
