@@ -59,12 +59,14 @@ def reference_step(kind: str, mode: str = "token-mean", device: str = "cpu"):
             "loss": loss.item(), "grad_norm": float(grad_norm), "log_probs": (logp.detach() * (pos > 0)).cpu()}  # nothing scores a first token
 
 
-def engine_step(kind: str, engine_kwargs: dict, mode: str = "token-mean", model_kwargs: dict | None = None):
-    """Runs on every rank: one train_batch on this rank's share; returns full params and metrics."""
+def engine_step(kind: str, engine_kwargs: dict, mode: str = "token-mean", model_kwargs: dict | None = None,
+                mesh=None):
+    """Runs on every rank: one train_batch on this rank's share; returns full params and metrics.
+    `mesh` reuses a device mesh (and its communicators) across engines of the same layout."""
     model_cfg = ModelConfig(tiny=TINY_MODELS[kind], **(model_kwargs or {}))
     engine_kwargs = {"param_dtype": "float32", **engine_kwargs}
     engine_cfg = EngineConfig(logprob_chunk_size=7, loss_agg_mode=mode, **engine_kwargs)
-    engine = build_engine(model_cfg, engine_cfg, OptimConfig(**OPTIM))
+    engine = build_engine(model_cfg, engine_cfg, OptimConfig(**OPTIM), mesh=mesh)
     batch = make_batch(kind).chunk(engine.mesh.dp_size)[engine.mesh.dp_rank]
     infer = engine.infer_batch(batch)["log_probs"]
     infer_all = [torch.zeros_like(infer) for _ in range(engine.mesh.dp_size)]

@@ -25,16 +25,21 @@ VARIANTS = {
 
 
 def gpu_steps(strategy: str, world: int):
+    from shardrl.distributed import build_device_mesh
+
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    full = build_device_mesh(-1, 1)  # one mesh per layout: NCCL communicators are made once, not per engine
     out = {}
     for name, kw in VARIANTS.items():
         if name == "hsdp" and world < 2:
             continue
-        out[name] = engine_step("qwen2", dict(strategy=strategy, **kw))
-    out["bf16"] = engine_step("qwen2", dict(strategy=strategy, micro_batch_size_per_gpu=2, param_dtype="bfloat16"))
+        mesh = build_device_mesh(kw["fsdp_size"], 1) if "fsdp_size" in kw else full
+        out[name] = engine_step("qwen2", dict(strategy=strategy, **kw), mesh=mesh)
+    out["bf16"] = engine_step("qwen2", dict(strategy=strategy, micro_batch_size_per_gpu=2, param_dtype="bfloat16"),
+                              mesh=full)
     out["bf16_tied"] = engine_step("llama", dict(strategy=strategy, micro_batch_size_per_gpu=2,
-                                                 param_dtype="bfloat16"))
+                                                 param_dtype="bfloat16"), mesh=full)
     return out
 
 
