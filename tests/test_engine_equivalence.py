@@ -128,7 +128,10 @@ def world4():
 @pytest.fixture(scope="module")
 def world1():
     # "varlen": packed attention through the registered varlen function (its per-sequence path on CPU)
-    extra = {"varlen": (dict(micro_batch_size_per_gpu=4), "token-mean", dict(attn_implementation="shardrl_varlen"))}
+    extra = {"varlen": (dict(micro_batch_size_per_gpu=4), "token-mean", dict(attn_implementation="shardrl_varlen")),
+             # decoder blocks compiled with torch.compile (inductor's CPU backend here)
+             "compile": (dict(micro_batch_size_per_gpu=4, compile=True), "token-mean",
+                         dict(attn_implementation="shardrl_varlen"))}
     return run_distributed(many_steps, 1, "qwen2", {"mb1": dict(micro_batch_size_per_gpu=1),
                                                       "mb8": dict(micro_batch_size_per_gpu=8)}, extra)
 
@@ -185,7 +188,7 @@ def test_world4_and_hsdp_match_plain_loop(world4, reference, variant):
     assert_same_params(got["params"], want["params"])
 
 
-@pytest.mark.parametrize("variant", ["mb1", "mb8", "varlen"])
+@pytest.mark.parametrize("variant", ["mb1", "mb8", "varlen", "compile"])
 def test_world1_matches_plain_loop(world1, reference, variant):
     assert_same_params(world1[variant]["params"], reference["qwen2", "token-mean"]["params"])
 
