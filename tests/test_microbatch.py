@@ -202,3 +202,23 @@ def test_dynamic_count_agreed_across_ranks():
     assert sorted(r1["tokens"]) == [0, 0, 5, 6, 7]
     assert r0["restored"] == [0, 1, 2, 3, 4]
     assert r1["restored"] == [100, 101, 102]
+
+
+def _fixed_counts_agree(sizes):
+    from shardrl.distributed import build_device_mesh
+    from shardrl.engine.microbatch import split_micro_batches
+
+    mesh = build_device_mesh(-1, 1)
+    batch = random_batch(sizes[torch.distributed.get_rank()], 8, 50, seed=1)
+    pieces, _ = split_micro_batches(batch, micro_batch_size=2, dp_group=mesh.dp_group)
+    every_rank = [None, None]
+    torch.distributed.all_gather_object(every_rank, [len(p) for p in pieces])
+    return every_rank
+
+
+@pytest.mark.multiproc
+def test_fixed_micro_batch_count_agreed_across_ranks():
+    # rank 0 holds 5 samples (3 pieces), rank 1 holds 2 (1 piece): rank 1 runs 2 empty pieces too
+    from shardrl.testing import run_distributed
+
+    assert run_distributed(_fixed_counts_agree, 2, [5, 2]) == [[2, 2, 1], [2, 0, 0]]

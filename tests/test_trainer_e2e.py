@@ -43,9 +43,11 @@ def run_training(overrides: list[str]) -> list[dict]:
 
 def test_grpo_two_processes_trains_and_logs(assets, tmp_path):
     # the entropy bonus gives a gradient even in a step where every group's rewards are equal
+    # validation at step 3: 55 prompts over 2 ranks, so one rank repeats a prompt to keep collectives matched
     records = run_distributed(run_training, 2, small(assets, tmp_path / "grpo", "trainer.total_steps=3",
-                                                     "actor.entropy_coeff=0.01"))
+                                                     "actor.entropy_coeff=0.01", "trainer.val_freq=3"))
     assert [r["step"] for r in records] == [1, 2, 3]
+    assert 0.0 <= records[-1]["val/reward_mean"] <= 1.0 and "val/reward_mean" not in records[0]
     for key in ("reward/mean", "actor/loss", "actor/grad_norm", "timing/step_s"):
         assert all(isinstance(r[key], float) for r in records), key
     # the sampler's log-probs and the actor's recomputation agree: the weight sync works

@@ -141,7 +141,7 @@ class Engine(abc.ABC):
         if self.cfg.use_dynamic_bsz:  # the budget is per rank: with sp, a rank holds 1/sp of each row
             budget = self.cfg.max_token_len_per_gpu * self.mesh.sp_size
             return split_micro_batches(batch, max_token_len=budget, dp_group=self.dp_group)
-        return split_micro_batches(batch, micro_batch_size=self.cfg.micro_batch_size_per_gpu)
+        return split_micro_batches(batch, micro_batch_size=self.cfg.micro_batch_size_per_gpu, dp_group=self.dp_group)
 
     def _forward(self, mb: Batch, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
         return self.module(

@@ -72,18 +72,26 @@ def split_micro_batches(
     if (micro_batch_size is None) == (max_token_len is None):
         raise ValueError("give exactly one of micro_batch_size and max_token_len")
     if micro_batch_size is not None:
-        return batch.split(micro_batch_size), None
+        pieces = batch.split(micro_batch_size)
+        # ranks holding fewer samples (e.g. a validation set that does not divide) run empty pieces
+        k = _agree_on_count(len(pieces), dp_group)
+        return pieces + [batch.index([]) for _ in range(k - len(pieces))], None
 
     lengths = seq_lengths(batch).tolist()
-    k = num_dynamic_micro_batches(lengths, max_token_len)
-    if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-        k_t = torch.tensor([k], dtype=torch.long, device=_collective_device(dp_group))
-        dist.all_reduce(k_t, op=dist.ReduceOp.MAX, group=dp_group)
-        k = int(k_t.item())
+    k = _agree_on_count(num_dynamic_micro_batches(lengths, max_token_len), dp_group)
     parts = balanced_partition(lengths, k)
     perm = torch.tensor([i for p in parts for i in p], dtype=torch.long)
     micro_batches = [batch.index(p) for p in parts]
     return micro_batches, perm
+
+
+def _agree_on_count(count: int, dp_group) -> int:
+    """The largest count over the data-parallel ranks (each micro-batch is a round of collectives)."""
+    if dp_group is None or not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
+        return count
+    count_t = torch.tensor([count], dtype=torch.long, device=_collective_device(dp_group))
+    dist.all_reduce(count_t, op=dist.ReduceOp.MAX, group=dp_group)
+    return int(count_t.item())
 
 
 def restore_order(results: list[Batch], perm: torch.Tensor | None) -> Batch:

@@ -66,8 +66,8 @@ class RLTrainer:
             self.ref = build_engine(cfg.model, cfg.ref.engine, None)
         self.critic = None
         if cfg.algorithm.adv_estimator == "gae":
-            critic_model = cfg.model if cfg.critic.model_path is None else type(cfg.model)(
-                **{**config_to_dict(cfg.model), "path": cfg.critic.model_path, "tiny": None})
+            critic_model = cfg.model if cfg.critic.model_path is None else dataclasses.replace(
+                cfg.model, path=cfg.critic.model_path, tiny=None)
             self.critic = build_engine(critic_model, cfg.critic.engine, cfg.critic.optim, head="value",
                                        total_steps=cfg.trainer.total_steps * self.layout.critic.num_updates)
         self._say(f"mesh: {self.mesh.describe()}; actor FSDP units: {self.actor.num_fsdp_units()}; "
@@ -205,13 +205,18 @@ class RLTrainer:
         """Greedy responses to every validation prompt; the mean reward, averaged over ranks."""
         sampling = SamplingParams.from_config(self.cfg.rollout, n=1, greedy=True)
         dp, r = self.mesh.dp_size, self.mesh.dp_rank
-        items = [self.val_set[i] for i in range(r, len(self.val_set), dp)]
+        # every rank runs the same number of generate calls (weight sync and scoring are collective):
+        # a rank with fewer prompts repeats one and drops its scores
+        index = list(range(r, len(self.val_set), dp))
+        real = len(index)
+        index += [index[0] if index else 0] * (-(-len(self.val_set) // dp) - real)
+        items = [self.val_set[i] for i in index]
         scores = []
         for start in range(0, len(items), self.cfg.rollout.micro_batch_size):
             chunk = items[start:start + self.cfg.rollout.micro_batch_size]
             s, _ = self._score(self._generate(chunk, sampling))
             scores.append(s)
-        local = torch.cat(scores) if scores else torch.zeros(0)
+        local = torch.cat(scores)[:real] if scores else torch.zeros(0)
         totals = mean_over_ranks({"sum": float(local.sum()), "count": float(len(local))}, self.mesh.dp_group)
         return {"val/reward_mean": totals["sum"] / max(totals["count"], 1e-9)}
 
