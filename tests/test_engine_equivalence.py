@@ -149,6 +149,8 @@ def test_reference_step_moves_parameters(reference):
     init = dict(build_causal_lm(config, None, "cpu", torch.float32, seed=0).named_parameters())
     moved = max((reference["qwen2", "token-mean"]["params"][k] - v).abs().max().item() for k, v in init.items())
     assert moved > 5e-4
+    # and clipping is active, so the layouts must also agree on the total norm over their shards
+    assert reference["qwen2", "token-mean"]["grad_norm"] > OPTIM["clip_grad"]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS_2))

@@ -1,0 +1,56 @@
+"""The learning-rate schedule and the step skipped on a non-finite gradient norm. (Clipping on the total
+norm over shards is checked by test_engine_equivalence.py: the plain loop's norm there is above the clip.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardrl.engine.optim import lr_lambda
+from shardrl.testing import TINY_MODELS, random_batch, run_distributed
+
+
+def test_warmup_then_constant():
+    assert [lr_lambda(s, 4, 100, "constant", 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+
+
+def test_warmup_then_cosine_to_min_ratio():
+    f = [lr_lambda(s, 2, 12, "cosine", 0.1) for s in range(13)]
+    assert f[:2] == [0.5, 1.0]
+    assert f[2] == pytest.approx(1.0)
+    assert f[7] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))  # halfway: 0.55
+    assert f[12] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[2:], f[3:]))
+
+
+def _steps(clip: float):
+    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.engine import build_engine
+
+    engine = build_engine(ModelConfig(tiny=TINY_MODELS["qwen2"]),
+                          EngineConfig(param_dtype="float32", micro_batch_size_per_gpu=2),
+                          OptimConfig(lr=1e-3, clip_grad=clip))
+    batch = random_batch(4, 10, 101, seed=2).chunk(engine.mesh.dp_size)[engine.mesh.dp_rank]
+    before = {k: v.clone() for k, v in engine.export_weights()}
+
+    def bad(out, mb, nt, ns):
+        return (out["log_probs"] * mb["loss_mask"]).sum() * float("inf"), {}
+
+    def good(out, mb, nt, ns):
+        return -(out["log_probs"] * mb["advantages"]).sum() / nt, {}
+
+    skipped = engine.train_batch(batch, bad)
+    unchanged = all(torch.equal(v, before[k]) for k, v in engine.export_weights())
+    ok = engine.train_batch(batch, good)
+    return skipped, unchanged, ok, engine.global_step
+
+
+@pytest.mark.multiproc
+def test_non_finite_grad_norm_skips_the_step():
+    skipped, unchanged, ok, global_step = run_distributed(_steps, 2, 1.0)
+    assert skipped["skipped_step"] == 1.0 and not math.isfinite(skipped["grad_norm"])
+    assert unchanged  # the parameters did not move
+    assert ok["skipped_step"] == 0.0 and math.isfinite(ok["grad_norm"]) and ok["grad_norm"] > 0
+    assert global_step == 1  # only the good step counted (and stepped the LR schedule)
