@@ -108,7 +108,7 @@ def compute_rloo(scores: torch.Tensor, mask: torch.Tensor, index: torch.Tensor):
     return adv, adv
 
 
-def compute_reinforce_plus_plus(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float):
+def compute_reinforce_plus_plus(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float, whiten: bool = True):
     """REINFORCE++: discounted return-to-go per token, whitened over all real tokens of the batch.
 
     The return restarts at every padding token, so nothing flows backwards across padding.
@@ -119,15 +119,17 @@ def compute_reinforce_plus_plus(token_rewards: torch.Tensor, mask: torch.Tensor,
     for t in reversed(range(token_rewards.shape[1])):
         running = torch.where(valid[:, t], token_rewards[:, t] + gamma * running, 0.0)
         returns[:, t] = running
-    return masked_whiten(returns, mask), returns
+    return (masked_whiten(returns, mask) if whiten else returns), returns
 
 
-def compute_reinforce_plus_plus_baseline(scores: torch.Tensor, mask: torch.Tensor, index: torch.Tensor):
+def compute_reinforce_plus_plus_baseline(scores: torch.Tensor, mask: torch.Tensor, index: torch.Tensor,
+                                         whiten: bool = True):
     """REINFORCE++-baseline: subtract the group mean (0 for a group of one), broadcast over tokens,
     then whiten over all real tokens of the batch."""
     counts, sums, _ = _group_stats(scores, index)  # (B,) each
     adv = torch.where(counts == 1, scores, scores - sums / counts)  # (B,)
-    adv = masked_whiten(_broadcast(adv, mask), mask)  # (B, T)
+    adv = _broadcast(adv, mask)  # (B, T)
+    adv = masked_whiten(adv, mask) if whiten else adv
     return adv, adv
 
 

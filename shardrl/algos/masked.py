@@ -31,12 +31,12 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 
 
 def masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, stats=None
 ) -> torch.Tensor:
     """(values - mean) / sqrt(var + eps) over real tokens; padding comes out 0. `shift_mean=False`
-    keeps the original mean (scales only)."""
-    mean = masked_mean(values, mask)
-    var = masked_var(values, mask)
+    keeps the original mean (scales only). `stats=(mean, var)` whitens with statistics computed elsewhere,
+    e.g. over every data-parallel rank's batch."""
+    mean, var = stats if stats is not None else (masked_mean(values, mask), masked_var(values, mask))
     whitened = (values - mean) * torch.rsqrt(var + eps)  # (B, T)
     if not shift_mean:
         whitened = whitened + mean

@@ -166,7 +166,7 @@ class RLTrainer:
             metrics["kl/actor_ref"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
         if self.critic is not None:
             batch["old_values"] = self.critic.infer_batch(batch)["values"].cpu()
-        metrics.update(compute_advantages(batch, scores, cfg.algorithm, self.kl_ctrl.value))
+        metrics.update(compute_advantages(batch, scores, cfg.algorithm, self.kl_ctrl.value, self.mesh.dp_group))
         t_prep = time.perf_counter()
 
         agg = cfg.actor.engine.loss_agg_mode

@@ -14,15 +14,28 @@ from shardrl.algos import (
     entropy_loss,
     kl_loss,
     masked_mean,
+    masked_whiten,
     policy_loss,
     scores_to_token_rewards,
     value_loss,
 )
 from shardrl.batch import Batch
+from shardrl.distributed import all_reduce_sum
 
 
-def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: float) -> dict[str, float]:
-    """Adds `advantages` and `returns` (B, T) to `batch`; returns metrics."""
+def global_masked_stats(values: torch.Tensor, mask: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance of `values` over the real tokens of every rank in `group`."""
+    m = mask.to(torch.float64)
+    v = values.to(torch.float64) * m
+    count, total, squares = all_reduce_sum(torch.stack([m.sum(), v.sum(), (v * v).sum()]), group).tolist()
+    mean = total / max(count, 1.0)
+    var = (squares - count * mean * mean) / max(count - 1.0, 1.0)
+    return torch.tensor(mean, dtype=values.dtype), torch.tensor(max(var, 0.0), dtype=values.dtype)
+
+
+def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: float, dp_group=None) -> dict[str, float]:
+    """Adds `advantages` and `returns` (B, T) to `batch`; returns metrics. Estimators that whiten over the
+    batch (GAE, REINFORCE++ and its baseline variant) whiten over the whole batch of all `dp_group` ranks."""
     mask = batch["loss_mask"].float()
     metrics = {}
     token_rewards = scores_to_token_rewards(scores, mask)  # (B, T)
@@ -34,13 +47,20 @@ def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: fl
     index = batch["prompt_index"]
     fn = ADVANTAGE_ESTIMATORS[name]
     if name == "gae":
-        adv, ret = fn(token_rewards, batch["old_values"], mask, algo_cfg.gamma, algo_cfg.lam)
+        adv, ret = fn(token_rewards, batch["old_values"], mask, algo_cfg.gamma, algo_cfg.lam, whiten=False)
     elif name == "grpo":
         adv, ret = fn(token_rewards.sum(-1), mask, index, norm_by_std=algo_cfg.norm_adv_by_std_in_grpo)
     elif name == "reinforce_plus_plus":
-        adv, ret = fn(token_rewards, mask, algo_cfg.gamma)
-    else:  # rloo, reinforce_plus_plus_baseline: per-sample scores and groups
+        adv, ret = fn(token_rewards, mask, algo_cfg.gamma, whiten=False)
+    elif name == "reinforce_plus_plus_baseline":
+        adv, ret = fn(token_rewards.sum(-1), mask, index, whiten=False)
+        ret = adv
+    else:  # rloo: per-sample scores and groups, no whitening
         adv, ret = fn(token_rewards.sum(-1), mask, index)
+    if name in ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        adv = masked_whiten(adv, mask, stats=global_masked_stats(adv, mask, dp_group))
+        if name == "reinforce_plus_plus_baseline":
+            ret = adv
     batch["advantages"], batch["returns"] = adv, ret
     metrics["adv/mean"] = float(masked_mean(adv, mask))
     metrics["adv/abs_mean"] = float(masked_mean(adv.abs(), mask))
