@@ -47,3 +47,21 @@ def test_sp_attention_equals_whole_row_attention(world, kv_heads):
     ok_exchange, diff = run_distributed(_exchange_and_attend, world, kv_heads)
     assert ok_exchange
     assert diff < 1e-6
+
+
+def test_uniform_lengths_take_batched_sdpa_with_the_same_result():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 12, 8, generator=g)
+    k, v = torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g)
+    cu = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    per_seq, _ = varlen_attention_forward(None, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=4)
+    batched, _ = varlen_attention_forward(None, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=4,
+                                          uniform_lengths=True)
+    torch.testing.assert_close(batched, per_seq, atol=1e-6, rtol=1e-6)
+
+
+def test_attention_kwargs_detect_uniform_lengths():
+    from shardrl.engine.attention import attention_kwargs
+
+    assert attention_kwargs(torch.tensor([[0, 1, 2, 0, 1, 2]]))["uniform_lengths"]
+    assert not attention_kwargs(torch.tensor([[0, 1, 2, 0, 1, 0]]))["uniform_lengths"]

@@ -41,9 +41,26 @@ def cu_seq_lens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Ten
     return cu, max_len
 
 
-def _causal_varlen(q, k, v, cu, max_len, scale):
-    """q (N, Hq, D), k/v (N, Hkv, D) -> (N, Hq, D)."""
+def attention_kwargs(position_ids: torch.Tensor, sp_group=None) -> dict:
+    """What the varlen function reads: sequence boundaries, the longest length, whether all sequences
+    have that length (then it runs batched SDPA), and the Ulysses group."""
+    cu, max_len = cu_seq_lens_from_position_ids(position_ids)
+    kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len,
+                  uniform_lengths=max_len * (cu.numel() - 1) == position_ids.numel())
+    if sp_group is not None:
+        kwargs["sp_group"] = sp_group
+    return kwargs
+
+
+def _causal_varlen(q, k, v, cu, max_len, scale, uniform: bool = False):
+    """q (N, Hq, D), k/v (N, Hkv, D) -> (N, Hq, D). `uniform`: every sequence is `max_len` long (a batch
+    without padding), so the row is a (S, max_len) batch and plain causal SDPA serves it."""
     hq, hkv = q.shape[1], k.shape[1]
+    if uniform and max_len > 0:
+        s = q.shape[0] // max_len
+        qb, kb, vb = (t.reshape(s, max_len, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))  # (S, H, L, D)
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+        return out.transpose(1, 2).reshape(q.shape)
     if q.is_cuda and _varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16):
         kwargs = {"scale": scale}
         if hq != hkv:
@@ -75,13 +92,14 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
         cu, max_len = cu_seq_lens_from_position_ids(kwargs["position_ids"])
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (n, H, D)
     group = kwargs.get("sp_group")
+    uniform = bool(kwargs.get("uniform_lengths", False))
     if group is None:
-        return _causal_varlen(q, k, v, cu, max_len, scaling).unsqueeze(0), None
+        return _causal_varlen(q, k, v, cu, max_len, scaling, uniform).unsqueeze(0), None
     # Ulysses: this rank's tokens of all heads -> all tokens of this rank's heads, and back
     sp = dist.get_world_size(group)
     k, v = expand_kv_heads(k, sp), expand_kv_heads(v, sp)
     q, k, v = (seq_to_head(t, group) for t in (q, k, v))  # (N, H/sp, D)
-    out = _causal_varlen(q, k, v, cu, max_len, scaling)  # (N, H/sp, D)
+    out = _causal_varlen(q, k, v, cu, max_len, scaling, uniform)  # (N, H/sp, D)
     return head_to_seq(out, group).unsqueeze(0), None  # (1, n, H, D)
 
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 
-from shardrl.engine.attention import ATTN_NAME, cu_seq_lens_from_position_ids
+from shardrl.engine.attention import ATTN_NAME, attention_kwargs
 from shardrl.engine.logprob import chunked_log_probs, pack, shift_to_scored_token, unpack
 from shardrl.engine.ulysses import gather_seq, pad_to_multiple
 
@@ -128,12 +128,7 @@ class PolicyModel(nn.Module):
                 piece = ids_p.numel() // sp
                 local = slice(r * piece, (r + 1) * piece)
                 local_ids, local_pos, local_targets = ids_p[local], pos[local], targets_p[local]
-            attn_kwargs = {}
-            if self.lm.config._attn_implementation == ATTN_NAME:
-                cu, max_len = cu_seq_lens_from_position_ids(pos[None])
-                attn_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
-                if group is not None:
-                    attn_kwargs["sp_group"] = group
+            attn_kwargs = attention_kwargs(pos[None], group) if self.lm.config._attn_implementation == ATTN_NAME else {}
             hidden = decoder(input_ids=local_ids[None], position_ids=local_pos[None], use_cache=False,
                              **attn_kwargs).last_hidden_state[0]  # (n_local, H)
             seq_start = packed.position_ids[0] == 0  # (N,)
