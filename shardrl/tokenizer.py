@@ -11,7 +11,7 @@ from __future__ import annotations
 import string
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)  # ids 0, 1, 2, 3
@@ -58,37 +58,3 @@ def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast
         clean_up_tokenization_spaces=False,
         model_max_length=512,
     )
-
-
-def tiny_model_config(
-    kind: str = "qwen2",
-    *,
-    vocab_size: int,
-    pad_token_id: int = 0,
-    bos_token_id: int = 1,
-    eos_token_id: int = 2,
-    **overrides,
-) -> PretrainedConfig:
-    """A Llama- or Qwen2-shaped config small enough for CPU tests: hidden 64, 2 layers, 4 heads (2 KV).
-
-    The special-token ids default to those of `build_char_tokenizer`; pass the tokenizer's own ids otherwise.
-    Any config field can be overridden by keyword, e.g. `tie_word_embeddings=True`.
-    """
-    config_classes = {"qwen2": Qwen2Config, "llama": LlamaConfig}
-    if kind not in config_classes:
-        raise ValueError(f"unknown model kind {kind!r}; known kinds: {sorted(config_classes)}")
-    fields = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        pad_token_id=pad_token_id,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-    )
-    fields.update(overrides)
-    return config_classes[kind](**fields)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from shardrl.data import PromptLoader, collate_prompts, load_prompt_dataset
-from shardrl.demo_data import make_arith_dataset
 from shardrl.tokenizer import build_char_tokenizer
 
 
@@ -304,18 +303,3 @@ def test_collate_left_pads(tokenizer, tmp_path):
     assert batch["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
     assert batch["data_source"] == ["arith", "default"]
     assert [e["ground_truth"] for e in batch["extra"]] == ["3", "46"]
-
-
-def test_make_arith_dataset(tokenizer, tmp_path):
-    path = make_arith_dataset(str(tmp_path / "sub" / "arith.jsonl"), num_rows=50, seed=5)
-    rows = [json.loads(line) for line in open(path)]
-    assert len(rows) == 50
-    for row in rows:
-        a, b = row["prompt"].rstrip("=").split("+")
-        assert 0 <= int(a) <= 9 and 0 <= int(b) <= 9
-        assert row["ground_truth"] == str(int(a) + int(b)) and row["data_source"] == "arith"
-    assert make_arith_dataset(str(tmp_path / "again.jsonl"), 50, seed=5) and open(tmp_path / "again.jsonl").read() == open(path).read()
-    wide = [json.loads(line) for line in open(make_arith_dataset(str(tmp_path / "w.jsonl"), 200, seed=0, max_operand=99))]
-    assert max(int(r["prompt"].split("+")[0]) for r in wide) > 9
-    ds = load_prompt_dataset([path], tokenizer, max_prompt_length=8)
-    assert len(ds) == 50 and ds[0]["extra"] == {"ground_truth": rows[0]["ground_truth"]}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from shardrl.engine.logprob import chunked_log_probs, next_token_log_probs, pack, unpack
 

@@ -1,8 +1,7 @@
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from shardrl.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer, tiny_model_config
+from shardrl.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -64,26 +63,3 @@ def test_save_and_reload_offline(tokenizer, tmp_path):
     assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (0, 1, 2)
     messages = [{"role": "user", "content": "1+1="}]
     assert loaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == "user: 1+1=\nassistant: "
-
-
-@pytest.mark.parametrize("kind,model_type", [("qwen2", "qwen2"), ("llama", "llama")])
-def test_tiny_model_config(tokenizer, kind, model_type):
-    config = tiny_model_config(kind, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    assert config.model_type == model_type
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (64, 2, 4)
-    assert (config.num_key_value_heads, config.intermediate_size, config.max_position_embeddings) == (2, 128, 512)
-    assert config.tie_word_embeddings is False
-    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (0, 1, 2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    logits = model(input_ids=torch.tensor([tokenizer.encode("12+7=")])).logits
-    assert logits.shape == (1, 5, len(tokenizer))
-    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
-
-
-def test_tiny_model_config_overrides_and_errors():
-    config = tiny_model_config("llama", vocab_size=100, tie_word_embeddings=True, num_hidden_layers=3)
-    assert config.tie_word_embeddings is True and config.num_hidden_layers == 3 and config.vocab_size == 100
-    with pytest.raises(ValueError, match="unknown model kind 'gpt2'.*llama.*qwen2"):
-        tiny_model_config("gpt2", vocab_size=100)

@@ -7,7 +7,6 @@ and receives its shard from rank 0 when the engine loads the state dict with `br
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
