@@ -133,6 +133,30 @@ class Rollout(abc.ABC):
         """Takes the device memory back before the next `generate`."""
 
 
+def assemble_output(prompt_ids: torch.Tensor, attention_mask: torch.Tensor, n: int,
+                    responses: list[tuple[torch.Tensor, torch.Tensor]], texts: list[str], pad_id: int) -> RolloutOutput:
+    """The `RolloutOutput` of B prompts from their B*n responses (prompt-major), each given as its token ids
+    (L,) and sampled log-probs (L,), already cut to its length; right-padded to the longest."""
+    width = max((len(ids) for ids, _ in responses), default=0)
+    response_ids = torch.full((len(responses), width), pad_id, dtype=torch.long)  # (B*n, R)
+    response_mask = torch.zeros(len(responses), width, dtype=torch.long)  # (B*n, R)
+    log_probs = torch.zeros(len(responses), width, dtype=torch.float32)  # (B*n, R)
+    for r, (ids, logp) in enumerate(responses):
+        response_ids[r, : len(ids)] = ids
+        response_mask[r, : len(ids)] = 1
+        log_probs[r, : len(ids)] = logp
+    device = prompt_ids.device
+    return RolloutOutput(
+        prompt_ids=prompt_ids.repeat_interleave(n, dim=0),
+        prompt_mask=attention_mask.repeat_interleave(n, dim=0),
+        response_ids=response_ids.to(device),
+        response_mask=response_mask.to(device),
+        sampled_log_probs=log_probs.to(device),
+        response_text=list(texts),
+        prompt_index=torch.arange(prompt_ids.shape[0], device=device).repeat_interleave(n),
+    )
+
+
 @torch.no_grad()
 def copy_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copies `(hf_name, tensor)` pairs into `model`'s parameters in place (casting and moving), one at a

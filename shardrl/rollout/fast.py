@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, copy_weights_in_place
+from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, copy_weights_in_place
 from shardrl.rollout.fast_model import FastCausalLM, build_fast_lm
 from shardrl.rollout.hf import HFRollout, _check_prompts, _contains_stop
 
@@ -408,22 +408,5 @@ class FastRollout(Rollout):
         lengths, texts = HFRollout._cut_responses(self, full, stop)
         # a row shorter than `full` without EOS ended at its own limit (or a stop string): padding is no response
         lengths = [min(length, len(tokens)) for length, (tokens, _) in zip(lengths, rows)]
-        width = max(lengths)
-        response_ids = torch.full((num_rows, width), self.pad_id, dtype=torch.long)
-        response_mask = torch.zeros(num_rows, width, dtype=torch.long)
-        log_probs = torch.zeros(num_rows, width, dtype=torch.float32)
-        for r, length in enumerate(lengths):
-            response_ids[r, :length] = full[r, :length]
-            response_mask[r, :length] = 1
-            log_probs[r, :length] = rows[r][1][:length]
-        out_device = prompt_ids.device
-        num_prompts = prompt_ids.shape[0]
-        return RolloutOutput(
-            prompt_ids=prompt_ids.repeat_interleave(n, dim=0),
-            prompt_mask=attention_mask.repeat_interleave(n, dim=0),
-            response_ids=response_ids.to(out_device),
-            response_mask=response_mask.to(out_device),
-            sampled_log_probs=log_probs.to(out_device),
-            response_text=texts,
-            prompt_index=torch.arange(num_prompts, device=out_device).repeat_interleave(n),
-        )
+        responses = [(full[r, :length], rows[r][1][:length]) for r, length in enumerate(lengths)]
+        return assemble_output(prompt_ids, attention_mask, n, responses, texts, self.pad_id)

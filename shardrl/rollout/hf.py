@@ -19,7 +19,7 @@ import torch
 import transformers
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, copy_weights_in_place
+from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, copy_weights_in_place
 
 log = logging.getLogger(__name__)
 
@@ -153,30 +153,10 @@ class HFRollout(Rollout):
                 for s in range(0, num_prompts, self.micro_batch_size)
             ]
 
-        width = max(max(c[1]) for c in chunks)  # R: the longest response
-        num_rows = num_prompts * n
-        response_ids = torch.full((num_rows, width), self.pad_id, dtype=torch.long)
-        response_mask = torch.zeros(num_rows, width, dtype=torch.long)
-        log_probs = torch.zeros(num_rows, width, dtype=torch.float32)
-        texts: list[str] = []
-        row = 0
-        for ids, lengths, logp, chunk_texts in chunks:
-            for i, length in enumerate(lengths):
-                response_ids[row, :length] = ids[i, :length]
-                response_mask[row, :length] = 1
-                log_probs[row, :length] = logp[i, :length]
-                row += 1
-            texts += chunk_texts
-        out_device = prompt_ids.device
-        return RolloutOutput(
-            prompt_ids=prompt_ids.repeat_interleave(n, dim=0),
-            prompt_mask=attention_mask.repeat_interleave(n, dim=0),
-            response_ids=response_ids.to(out_device),
-            response_mask=response_mask.to(out_device),
-            sampled_log_probs=log_probs.to(out_device),
-            response_text=texts,
-            prompt_index=torch.arange(num_prompts, device=out_device).repeat_interleave(n),
-        )
+        responses = [(ids[i, :length], logp[i, :length]) for ids, lengths, logp, _ in chunks
+                     for i, length in enumerate(lengths)]
+        texts = [t for *_, chunk_texts in chunks for t in chunk_texts]
+        return assemble_output(prompt_ids, attention_mask, n, responses, texts, self.pad_id)
 
     def _generate_chunk(self, prompt_ids, attention_mask, sampling: SamplingParams):
         """One `generate` call; returns (ids (rows, L) on CPU, lengths, log-probs (rows, L), texts)."""
