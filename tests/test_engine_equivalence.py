@@ -113,6 +113,8 @@ def reference():
 def world2():
     extra = {
         "padded": (dict(micro_batch_size_per_gpu=2), "token-mean", dict(use_remove_padding=False)),
+        "checkpointing": (dict(micro_batch_size_per_gpu=2), "token-mean", dict(gradient_checkpointing=True)),
+        "cpu_offload_policy": (dict(micro_batch_size_per_gpu=2, offload_params=True), "token-mean", None),
         "seq-mean-token-mean": (dict(micro_batch_size_per_gpu=1), "seq-mean-token-mean", None),
         "seq-mean-token-sum": (dict(use_dynamic_bsz=True, max_token_len_per_gpu=24), "seq-mean-token-sum", None),
     }
@@ -167,8 +169,9 @@ def test_dynamic_batching_cuts_by_tokens(world2):
     assert world2["qwen2"]["mb1"]["num_micro_batches"] == 4
 
 
-def test_padded_forward_matches_packed(world2, reference):
-    assert_same_params(world2["qwen2"]["padded"]["params"], reference["qwen2", "token-mean"]["params"])
+@pytest.mark.parametrize("variant", ["padded", "checkpointing", "cpu_offload_policy"])
+def test_padded_checkpointed_offloaded_match_plain_loop(world2, reference, variant):
+    assert_same_params(world2["qwen2"][variant]["params"], reference["qwen2", "token-mean"]["params"])
 
 
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])

@@ -48,7 +48,8 @@ class FSDP2Engine(Engine):
             param_dtype=None if param_dtype == master else param_dtype,
             reduce_dtype=DTYPES[cfg.reduce_dtype],
         )
-        offload = CPUOffloadPolicy() if cfg.offload_params else OffloadPolicy()
+        # pinned host memory speeds up copies to a GPU; without one there is nothing to pin
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if cfg.offload_params else OffloadPolicy()
         kwargs = dict(mesh=self.mesh.fsdp_mesh, reshard_after_forward=cfg.reshard_after_forward,
                       mp_policy=mp, offload_policy=offload)
         blocks = decoder_blocks(module.lm)
