@@ -222,3 +222,25 @@ def test_fixed_micro_batch_count_agreed_across_ranks():
     from shardrl.testing import run_distributed
 
     assert run_distributed(_fixed_counts_agree, 2, [5, 2]) == [[2, 2, 1], [2, 0, 0]]
+
+
+def _infer_with_an_empty_rank(dynamic: bool):
+    from shardrl.config import EngineConfig, ModelConfig
+    from shardrl.engine import build_engine
+    from shardrl.testing import TINY_MODELS
+
+    kw = dict(use_dynamic_bsz=True, max_token_len_per_gpu=16) if dynamic else dict(micro_batch_size_per_gpu=2)
+    engine = build_engine(ModelConfig(tiny=TINY_MODELS["qwen2"]), EngineConfig(param_dtype="float32", **kw))
+    batch = random_batch(5 if dist.get_rank() == 0 else 0, 8, 101, seed=3)
+    shapes = [None, None]
+    dist.all_gather_object(shapes, tuple(engine.infer_batch(batch)["log_probs"].shape))
+    return shapes
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_infer_on_a_rank_without_samples(dynamic):
+    # the empty rank runs placeholder micro-batches for the collectives and returns no rows
+    from shardrl.testing import run_distributed
+
+    assert run_distributed(_infer_with_an_empty_rank, 2, dynamic) == [(5, 8), (0, 8)]

@@ -216,12 +216,16 @@ class Engine(abc.ABC):
         self.module.eval()
         batch = batch.to(self.device)
         micro_batches, perm = self._micro_batches(batch)
-        results = []
+        results, empty = [], None
         for mb in micro_batches:
             real = len(mb) > 0
             outputs = self._forward(mb if real else self._placeholder(batch), temperature, with_entropy)
-            results.append(Batch({k: v.float() for k, v in outputs.items()}) if real else Batch())
-        return restore_order([r for r in results if len(r.keys())], perm)
+            if real:
+                results.append(Batch({k: v.float() for k, v in outputs.items()}))
+            else:  # a rank with no samples here still answers with the right keys, and no rows
+                width = batch["input_ids"].shape[1:]
+                empty = Batch({k: v.new_zeros((0, *width[: v.dim() - 1])).float() for k, v in outputs.items()})
+        return restore_order(results, perm) if results else empty
 
     # ---- helpers shared by backends ---------------------------------------------------------------
     def hf_name(self, name: str) -> str:
