@@ -57,7 +57,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
     from shardrl.distributed import init_distributed
     import torch.distributed as dist
 
-    init_distributed()
+    init_distributed(timeout_s=300)  # a hung collective fails the test instead of stalling the run
     try:
         result = fn(*args)
         if rank == 0:
