@@ -42,6 +42,10 @@ ROWS = {
     "fsdp2_32_ckpt_compile": ("fsdp2", 32, 16, True, {"compile": True}),
     "fsdp2_4_padded": ("fsdp2", 4, 4, False, {"model.use_remove_padding": False}),
     "fsdp2_16_padded_compile": ("fsdp2", 16, 4, False, {"model.use_remove_padding": False, "compile": True}),
+    # ragged: sequence i has 2048 - 64*i real tokens (right-padded), as RL batches do; packing then uses
+    # the varlen kernel, and the plain loop pads and masks
+    "plain_4_ragged": ("plain", 4, 4, False, {"ragged": True}),
+    "fsdp2_4_ragged": ("fsdp2", 4, 4, False, {"ragged": True}),
     "fsdp1_4": ("fsdp", 4, 4, False, {}),
     "fsdp1_16": ("fsdp", 16, 4, False, {}),
 }
@@ -55,7 +59,12 @@ def model_flops_per_token(cfg: dict, seq_len: int) -> float:
     return 6 * matmul_params + 3 * attention
 
 
-def plain_step_fn(world: int, seqs: int, micro: int, ckpt: bool):
+def ragged_mask(seqs: int) -> torch.Tensor:
+    lengths = SEQ_LEN - 64 * (torch.arange(seqs, device="cuda") % 8)
+    return (torch.arange(SEQ_LEN, device="cuda")[None] < lengths[:, None]).long()  # (seqs, SEQ_LEN)
+
+
+def plain_step_fn(world: int, seqs: int, micro: int, ckpt: bool, ragged: bool = False):
     import transformers
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -81,8 +90,10 @@ def plain_step_fn(world: int, seqs: int, micro: int, ckpt: bool):
 
     def step():
         ids = torch.randint(0, QWEN2_1P5B["vocab_size"], (seqs, SEQ_LEN), device="cuda", generator=g)
-        for mb in ids.split(micro):
-            loss = model(input_ids=mb, labels=mb).loss * (mb.shape[0] / seqs)
+        mask = ragged_mask(seqs) if ragged else torch.ones_like(ids)
+        labels = ids.masked_fill(mask == 0, -100)
+        for mb, am, lb in zip(ids.split(micro), mask.split(micro), labels.split(micro)):
+            loss = model(input_ids=mb, attention_mask=am, labels=lb).loss * (mb.shape[0] / seqs)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -96,8 +107,9 @@ def engine_step_fn(strategy: str, world: int, seqs: int, micro: int, ckpt: bool,
     from shardrl.config import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
 
+    ragged = extra.get("ragged", False)
     model_kw = {k.split(".", 1)[1]: v for k, v in extra.items() if k.startswith("model.")}
-    engine_kw = {k: v for k, v in extra.items() if not k.startswith("model.")}
+    engine_kw = {k: v for k, v in extra.items() if not k.startswith("model.") and k != "ragged"}
     model_cfg = ModelConfig(tiny=QWEN2_1P5B, gradient_checkpointing=ckpt, **model_kw)
     engine_cfg = EngineConfig(strategy=strategy, param_dtype="bfloat16", micro_batch_size_per_gpu=micro, **engine_kw)
     engine = build_engine(model_cfg, engine_cfg, OptimConfig(lr=1e-5))
@@ -108,10 +120,10 @@ def engine_step_fn(strategy: str, world: int, seqs: int, micro: int, ckpt: bool,
 
     def step():
         ids = torch.randint(0, QWEN2_1P5B["vocab_size"], (seqs, SEQ_LEN), device="cuda", generator=g)
-        ones = torch.ones_like(ids)
-        loss_mask = ones.clone()
+        mask = ragged_mask(seqs) if ragged else torch.ones_like(ids)
+        loss_mask = mask.clone()
         loss_mask[:, 0] = 0
-        engine.train_batch(Batch({"input_ids": ids, "attention_mask": ones, "loss_mask": loss_mask}), loss_fn)
+        engine.train_batch(Batch({"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}), loss_fn)
 
     return step
 
@@ -124,7 +136,7 @@ def run_row(name: str, world: int, warmup: int, steps: int):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t_build = time.perf_counter()
-    step = plain_step_fn(world, per_rank, micro, ckpt) if kind == "plain" else engine_step_fn(
+    step = plain_step_fn(world, per_rank, micro, ckpt, extra.get("ragged", False)) if kind == "plain" else engine_step_fn(
         kind, world, per_rank, micro, ckpt, extra)
     build_s = time.perf_counter() - t_build
     for _ in range(warmup):
@@ -137,7 +149,8 @@ def run_row(name: str, world: int, warmup: int, steps: int):
         step()
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    tokens = per_rank * SEQ_LEN * steps * world
+    real_per_step = int(ragged_mask(per_rank).sum()) if extra.get("ragged") else per_rank * SEQ_LEN
+    tokens = real_per_step * steps * world  # real (unpadded) tokens
     tok_s = tokens / elapsed
     tflops = tok_s * model_flops_per_token(QWEN2_1P5B, SEQ_LEN) / 1e12 / world
     peak = torch.cuda.max_memory_allocated() / 2**30
