@@ -192,7 +192,7 @@ def _write_file(path: Path, data: bytes) -> None:
 
 
 class CheckpointManager:
-    """Saves `root/step_XXXXXX/` checkpoints atomically, keeps the newest `keep_last`, and resumes from
+    """Saves `root/step_NNNNNN/` checkpoints atomically, keeps the newest `keep_last`, and resumes from
     the newest complete one. Every method that reads or writes engines must be called on every rank."""
 
     def __init__(self, root_dir: str | os.PathLike, keep_last: int = 1):
