@@ -53,10 +53,12 @@ class FSDP2Engine(Engine):
         kwargs = dict(mesh=self.mesh.fsdp_mesh, reshard_after_forward=cfg.reshard_after_forward,
                       mp_policy=mp, offload_policy=offload)
         blocks = decoder_blocks(module.lm)
-        for block in blocks:
+        for i, block in enumerate(blocks):
             if cfg.compile:
                 block.compile()
-            fully_shard(block, **kwargs)
+            # the last block's parameters are needed again first thing in backward: keep them gathered
+            last = i == len(blocks) - 1
+            fully_shard(block, **{**kwargs, "reshard_after_forward": cfg.reshard_after_forward and not last})
         fully_shard(module, **kwargs)
         self._num_units = len(blocks) + 1
         if cfg.forward_prefetch:
