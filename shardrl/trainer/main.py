@@ -42,7 +42,11 @@ def run(config: str | None, overrides: list[str]) -> Path:
     owns_group = not dist.is_initialized()  # a test (or a caller) may have started it already
     init_distributed()
     try:
-        derive_layout(cfg, cfg.trainer.nnodes, dist.get_world_size() // cfg.trainer.nnodes)
+        # the layout as torchrun made it (a cluster may launch us directly, whatever the config says)
+        world = dist.get_world_size()
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        cfg.trainer.nnodes, cfg.trainer.nproc_per_node = world // per_node, per_node
+        derive_layout(cfg, cfg.trainer.nnodes, per_node)
         run_dir = prepare_run_dir(cfg)
         trainer = RLTrainer(cfg, run_dir)
         trainer.fit()
@@ -68,13 +72,16 @@ def train_main(args) -> int:
     nproc = args.nproc_per_node or cfg.trainer.nproc_per_node
     nnodes = args.nnodes or cfg.trainer.nnodes
     overrides += [f"trainer.nproc_per_node={nproc}", f"trainer.nnodes={nnodes}"]
-    if (nproc > 1 or nnodes > 1) and "RANK" not in os.environ:
+    if nnodes > 1 and "RANK" not in os.environ:
+        raise ValueError(
+            f"a run over {nnodes} nodes needs a rendezvous: on each node start "
+            f"`torchrun --nnodes {nnodes} --nproc-per-node {nproc} --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
+            "-m shardrl.trainer.main CONFIG key=value ...` (HOST: a node every node reaches)")
+    if nproc > 1 and "RANK" not in os.environ:
         from torch.distributed.run import main as torchrun
 
-        argv = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
-        if nnodes == 1:
-            argv.append("--standalone")
-        argv += ["-m", "shardrl.trainer.main"] + ([args.config] if args.config else ["--no-config"]) + overrides
+        argv = [f"--nproc-per-node={nproc}", "--nnodes=1", "--standalone", "-m", "shardrl.trainer.main"]
+        argv += ([args.config] if args.config else ["--no-config"]) + overrides
         torchrun(argv)
         return 0
     run(args.config, overrides)
