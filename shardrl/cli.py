@@ -113,7 +113,7 @@ def doctor_lines() -> list[tuple[str, str]]:
     except ImportError as e:
         lines.append(("fsdp2", f"missing ({e})"))
     lines.append(("fsdp1", "ok" if cuda else "not usable here: FSDP1 needs CUDA"))
-    for name in ("datasets", "pyarrow", "safetensors"):
+    for name in ("pyarrow", "safetensors"):
         lines.append((name, _version(name)))
     free = shutil.disk_usage(os.getcwd()).free / 1024**3
     lines.append(("disk", f"ok ({free:.1f} GiB free in {os.getcwd()})"))
