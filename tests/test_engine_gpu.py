@@ -43,14 +43,16 @@ def gpu_steps(strategy: str, world: int):
     return out
 
 
-def _need(world: int):
-    if NUM_GPUS < world:
-        pytest.skip(f"needs {world} CUDA GPU(s), found {NUM_GPUS}")
+def gpus(world: int):
+    """`world` as a test parameter that is skipped on a machine with fewer CUDA GPUs."""
+    return pytest.param(world, marks=pytest.mark.skipif(NUM_GPUS < world, reason=f"needs {world} CUDA GPU(s)"))
+
+
+WORLDS = [gpus(1), gpus(2)]
 
 
 @pytest.fixture(scope="module")
 def reference_gpu():
-    _need(1)
     torch.backends.cuda.matmul.allow_tf32 = False
     return {k: reference_step(k, "token-mean", device="cuda") for k in ("qwen2", "llama")}
 
@@ -59,7 +61,6 @@ _RUNS: dict = {}
 
 
 def runs(strategy: str, world: int):
-    _need(world)
     if (strategy, world) not in _RUNS:
         _RUNS[strategy, world] = run_distributed(gpu_steps, world, strategy, world)
     return _RUNS[strategy, world]
@@ -71,21 +72,21 @@ def update_cosine(got: dict, want: dict, init: dict) -> float:
     return float(torch.nn.functional.cosine_similarity(g.double(), w.double(), dim=0))
 
 
-@pytest.mark.parametrize("world", [1, 2])
+FP32_CASES = [pytest.param(v, w, marks=pytest.mark.skipif(NUM_GPUS < w, reason=f"needs {w} CUDA GPU(s)"))
+              for v in sorted(VARIANTS) for w in (1, 2) if not (v == "hsdp" and w < 2)]  # HSDP: 2 replicas
+
+
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant,world", FP32_CASES)
 def test_fp32_matches_plain_loop(reference_gpu, strategy, world, variant):
-    res = runs(strategy, world)
-    if variant not in res:
-        pytest.skip("HSDP needs 2 GPUs")
-    got, want = res[variant], reference_gpu["qwen2"]
+    got, want = runs(strategy, world)[variant], reference_gpu["qwen2"]
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     assert_same_params(got["params"], want["params"], atol=1e-5)
     assert (got["log_probs"] - want["log_probs"]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_bf16_mixed_precision_follows_plain_loop(reference_gpu, strategy, world, kind):
@@ -100,8 +101,8 @@ def test_bf16_mixed_precision_follows_plain_loop(reference_gpu, strategy, world,
     assert update_cosine(got["params"], want["params"], {k: v.detach() for k, v in init.items()}) > 0.97
 
 
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 CUDA GPUs")
 def test_fsdp1_and_fsdp2_agree_in_bf16():
-    _need(2)
     a, b = runs("fsdp2", 2)["bf16"], runs("fsdp", 2)["bf16"]
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-2)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
