@@ -10,11 +10,12 @@ import pytest
 import torch
 import transformers
 
-from shardrl.engine.model import PolicyModel, build_causal_lm
+from shardrl.engine.model import build_causal_lm
 from shardrl.rollout import FastRollout, RolloutOutput, SamplingParams, build_rollout
 from shardrl.rollout.fast import GREEDY, SAMPLE, TRUNCATED, sample_tokens
 from shardrl.testing import TINY_MODELS
 from shardrl.tokenizer import build_char_tokenizer
+from test_rollout_hf import assert_sampled_log_probs_recomputed, recomputed_log_probs
 
 # different lengths; the last is longer than the others together
 PROMPTS = ["1+2=", "hello world ", "ab", "what is 7*6? ", "x", "the quick brown fox jumps"]
@@ -57,17 +58,6 @@ def with_eos_at_different_steps(tok, model, kind):
     eos_tok = copy.deepcopy(tok)
     eos_tok.eos_token = char
     return eos_tok
-
-
-def recomputed_log_probs(model, out: RolloutOutput, temperature: float):
-    """log softmax(logits / T) of every token under one plain forward of the whole sequence, (N, P+R)."""
-    batch = out.to_batch()
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
-    logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(logp, (1, 0))
 
 
 def assert_same_output(got: RolloutOutput, want: RolloutOutput):
@@ -119,22 +109,7 @@ def test_sampled_log_probs_equal_forward_recomputation(tok, temperature, top_k, 
     rollout = make_rollout("fast", tok, model, max_batch=5, sync_every=4)
     ids, mask = encode(tok)
     sampling = SamplingParams(n=2, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=20, seed=5)
-    out = rollout.generate(ids, mask, sampling)
-    batch = out.to_batch()
-    loss_mask = batch["loss_mask"].bool()
-    expected = recomputed_log_probs(model, out, sampling.logprob_temperature)
-    got = batch["sampled_log_probs"]
-    assert loss_mask.sum() > 40
-    torch.testing.assert_close(got[loss_mask], expected[loss_mask], atol=1e-5, rtol=0)
-    assert (got[~loss_mask] == 0).all() and (got[loss_mask] < 0).all()
-    # the training engine's own recomputation (packed, chunked) agrees too
-    lm = copy.deepcopy(model)
-    lm.config.use_cache = False
-    policy = PolicyModel(lm, chunk_size=7).eval()
-    with torch.no_grad():
-        engine_lp = policy(batch["input_ids"], batch["attention_mask"], remove_padding=True,
-                           temperature=sampling.logprob_temperature)["log_probs"]
-    torch.testing.assert_close(got[loss_mask], engine_lp[loss_mask], atol=1e-5, rtol=0)
+    assert_sampled_log_probs_recomputed(rollout.generate(ids, mask, sampling), model, sampling, min_tokens=40)
 
 
 def test_truncation_to_one_token_is_greedy(tok):

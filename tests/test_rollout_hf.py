@@ -94,12 +94,16 @@ def test_sampled_log_probs_equal_forward_recomputation(tok, temperature, top_k, 
     rollout = make_rollout(tok, model, micro_batch_size=2)
     ids, mask = encode(tok)
     sampling = SamplingParams(n=2, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=20, seed=5)
-    out = rollout.generate(ids, mask, sampling)
+    assert_sampled_log_probs_recomputed(rollout.generate(ids, mask, sampling), model, sampling, min_tokens=20)
+
+
+def assert_sampled_log_probs_recomputed(out: RolloutOutput, model, sampling: SamplingParams, min_tokens: int):
+    """The sampler's log-probs equal a plain forward's and the training engine's recomputation."""
     batch = out.to_batch()
     loss_mask = batch["loss_mask"].bool()
     expected = recomputed_log_probs(model, out, sampling.logprob_temperature)
     got = batch["sampled_log_probs"]
-    assert loss_mask.sum() > 20
+    assert loss_mask.sum() > min_tokens
     torch.testing.assert_close(got[loss_mask], expected[loss_mask], atol=1e-5, rtol=0)
     assert (got[~loss_mask] == 0).all() and (got[loss_mask] < 0).all()
     # the engine's own recomputation (packed, chunked) agrees too; like the engine, no KV cache, which
