@@ -25,6 +25,13 @@ engine exports them) and to release/resume the cache (resume recaptures the grap
     python bench/rollout.py                                   # everything, ~minutes on one H200
     python bench/rollout.py --cases fixed_256,mixed --rows hf_dynamic,fast
     python bench/rollout.py --quick                           # tiny model on the CPU: a smoke run
+    python bench/rollout.py --cases greedy_64 --rows fast     # greedy agreement with HF in bf16
+
+The `greedy_B` case checks correctness instead of speed: B prompts decoded greedily by the fast engine and
+by HF `generate` (same bf16 weights). It reports the fraction of identical responses and, where a response
+differs, the first differing position and how far apart the two chosen tokens are in an fp32 forward of the
+shared prefix (a gap far below the typical top-1/top-2 gap means the two picks were a near-tie that bf16
+rounding decided).
 """
 
 from __future__ import annotations
@@ -156,7 +163,11 @@ def run_hf(row: str, hf_model, config, prompts, limits, batch, args, device, dty
         return steps, tokens
 
     torch.manual_seed(0)
-    _, warmup_s = timed(generate, device)
+    # dynamic-cache generate compiles nothing: after the fixed cases the mixed case needs no warm-up run
+    # (which would double its minutes); the static cache compiles per shape, so it always warms up
+    warm = row == "hf_static" or not args.hf_warm_once or not getattr(run_hf, "warmed", False)
+    _, warmup_s = timed(generate, device) if warm else (None, 0.0)
+    run_hf.warmed = True
     (steps, tokens), total_s = timed(generate, device)
 
     def prefill():
@@ -167,6 +178,72 @@ def run_hf(row: str, hf_model, config, prompts, limits, batch, args, device, dty
         prefill()
         _, prefill_s = timed(prefill, device)
     return dict(tokens=tokens, seconds=total_s, prefill_s=prefill_s, warmup_s=warmup_s, decode_steps=steps)
+
+
+def _greedy_fast(model, config, ids, mask, new_tokens, device, dtype) -> torch.Tensor:
+    from shardrl.rollout.base import SamplingParams
+    from shardrl.rollout.fast import FastRollout
+
+    rollout = FastRollout(config, IdTokenizer(), device, dtype, micro_batch_size=ids.shape[0], max_batch=ids.shape[0])
+    rollout.load_weights(model.named_parameters())
+    out = rollout.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=new_tokens)).response_ids.to(device)
+    rollout.release(weights=True)
+    return out
+
+
+def _greedy_hf(model, ids, mask, new_tokens, rows_per_call: int) -> torch.Tensor:
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           eos_token_id=None, pad_token_id=0)
+    return torch.cat([model.generate(input_ids=i, attention_mask=m, generation_config=cfg)[:, ids.shape[1]:]
+                      for i, m in zip(ids.split(rows_per_call), mask.split(rows_per_call))])
+
+
+def _identical(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a == b).all(1).float().mean())
+
+
+@torch.no_grad()
+def greedy_agreement(hf_model, config, prompts, new_tokens: int, device, dtype) -> dict:
+    """Greedy responses of the fast engine vs HF generate on the same weights (see the module doc): in the
+    benchmark dtype, HF against itself with another batch split (how often rounding alone flips a greedy
+    pick), and both in fp32."""
+    import copy
+
+    batch = prompts.shape[0]
+    ids, mask = prompts.to(device), torch.ones_like(prompts, device=device)
+    ours = _greedy_fast(hf_model, config, ids, mask, new_tokens, device, dtype)
+    theirs = _greedy_hf(hf_model, ids, mask, new_tokens, batch)
+    theirs_split = _greedy_hf(hf_model, ids, mask, new_tokens, max(1, batch // 4))
+    differ = (ours != theirs)
+    same = ~differ.any(1)
+    ref = copy.deepcopy(hf_model).float()  # the arbiter: fp32 logits of the shared prefix
+    gaps, first = [], []
+    for row in (~same).nonzero().flatten().tolist():
+        pos = int(differ[row].nonzero()[0])
+        first.append(pos)
+        prefix = torch.cat([ids[row], theirs[row, :pos]])[None]
+        logits = ref(input_ids=prefix, logits_to_keep=1).logits[0, -1]
+        gaps.append(float((logits[ours[row, pos]] - logits[theirs[row, pos]]).abs()))
+    # the scale to compare with: the fp32 top-1/top-2 gap at every position of HF's responses
+    full = torch.cat([ids, theirs], 1)
+    top2 = ref(input_ids=full).logits[:, ids.shape[1] - 1 : -1].float().topk(2, dim=-1).values
+    typical = (top2[..., 0] - top2[..., 1]).flatten()
+    fp32 = {}
+    if dtype != torch.float32:
+        ours32 = _greedy_fast(ref, config, ids, mask, new_tokens, device, torch.float32)
+        fp32 = dict(fp32_identical_fraction=_identical(ours32, _greedy_hf(ref, ids, mask, new_tokens, batch)))
+    del ref
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dict(rows=batch, new_tokens=new_tokens, identical_fraction=_identical(ours, theirs),
+                hf_vs_hf_other_split_identical_fraction=_identical(theirs, theirs_split), **fp32,
+                differing_rows=len(first), first_difference_positions=first,
+                fp32_gap_at_difference_max=max(gaps) if gaps else 0.0,
+                fp32_gap_at_difference_median=float(torch.tensor(gaps).median()) if gaps else 0.0,
+                fp32_top2_gap_median=float(typical.median()),
+                fp32_top2_gap_p10=float(typical.quantile(0.1)))
 
 
 def main():
@@ -182,6 +259,8 @@ def main():
     parser.add_argument("--sync-every", type=int, default=16)
     parser.add_argument("--seq-bucket", type=int, default=128)
     parser.add_argument("--bandwidth", type=float, default=HBM_BYTES_PER_S, help="bytes/s of the memory")
+    parser.add_argument("--hf-warm-once", action="store_true",
+                        help="warm HF dynamic-cache generate up on the first case only (saves minutes on GPUs)")
     parser.add_argument("--quick", action="store_true", help="tiny model, short sequences, CPU: a smoke run")
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = parser.parse_args()
@@ -204,6 +283,17 @@ def main():
     weight_bytes, kv_per_token = model_bytes(config, dtype)
     runners = {"fast": run_fast, "fast_compile": run_fast, "hf_dynamic": run_hf, "hf_static": run_hf}
     for case in args.cases.split(","):
+        if case.startswith("greedy_"):
+            gen = torch.Generator().manual_seed(2)
+            prompts = torch.randint(1, config.vocab_size, (int(case.split("_")[1]), args.prompt_len), generator=gen)
+            res = dict(bench="rollout_greedy_agreement", case=case, **greedy_agreement(
+                hf_model, config, prompts, args.new_tokens, device, dtype), device=str(device), dtype=str(dtype))
+            line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()})
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(line + "\n")
+            continue
         prompts, limits, batch = build_case(case, args, config.vocab_size, torch.Generator().manual_seed(1))
         baseline = None
         for row in args.rows.split(","):

@@ -23,7 +23,7 @@ from bench.engine import QWEN2_1P5B, model_flops_per_token  # noqa: E402
 LENGTHS = [16384, 32768, 49152, 65536, 98304, 131072, 196608, 262144]
 
 
-def run_sp(sp: int, lengths: list[int], steps: int):
+def run_sp(sp: int, lengths: list[int], steps: int, warmup: int = 1):
     import gc
 
     import torch.distributed as dist
@@ -50,7 +50,8 @@ def run_sp(sp: int, lengths: list[int], steps: int):
         batch = Batch({"input_ids": ids, "attention_mask": ones, "loss_mask": ones})
         torch.cuda.reset_peak_memory_stats()
         try:
-            engine.train_batch(batch, loss_fn)  # warm-up
+            for _ in range(warmup):
+                engine.train_batch(batch, loss_fn)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -85,13 +86,16 @@ def main():
     p.add_argument("--sp", default="1,2")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (0 for very long sequences: the "
+                   "one timed step then includes the first step's allocations)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from shardrl.testing import run_distributed
 
     rows = []
     for sp in map(int, args.sp.split(",")):
-        rows += run_distributed(run_sp, args.world, sp, [int(x) for x in args.lengths.split(",")], args.steps)
+        rows += run_distributed(run_sp, args.world, sp, [int(x) for x in args.lengths.split(",")], args.steps,
+                                args.warmup)
     if args.out:
         with open(args.out, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -11,6 +11,7 @@ import functools
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -72,6 +73,12 @@ class FSDP1Engine(Engine):
             forward_prefetch=cfg.forward_prefetch,
             limit_all_gathers=True,
         )
+        # FSDP1's HSDP `sync_module_states` in torch < 2.13 broadcasts buffers within the shard group only
+        # (the replica-group pass skips them as already synced), so another replica kept the garbage of
+        # meta materialization in buffers such as rotary `inv_freq`. Buffers are not sharded: send rank 0's.
+        if dist.get_world_size() > 1:
+            for buf in wrapped.buffers():
+                dist.broadcast(buf.data, src=0)
         return wrapped
 
     def num_fsdp_units(self) -> int:

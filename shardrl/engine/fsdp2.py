@@ -96,14 +96,15 @@ class FSDP2Engine(Engine):
         for name, param in self.module.named_parameters():
             tensor = param.detach()
             if isinstance(tensor, DTensor):
-                if tensor.device.type != self.device.type:  # offloaded shard: gather on the device
-                    tensor = DTensor.from_local(tensor.to_local().to(self.device), tensor.device_mesh,
-                                                tensor.placements, run_check=False, shape=tensor.shape,
-                                                stride=tensor.stride())
-                local = tensor.to_local()
-                tensor = tensor.full_tensor()
-                if tensor.data_ptr() == local.data_ptr():  # a world of 1 hands back the shard itself
-                    tensor = tensor.clone()
+                # the shard goes to the device (when offloaded) and to the export dtype before the gather:
+                # a bf16 export moves half the bytes of an fp32 one, and the cast is elementwise either way
+                local = tensor.to_local().to(device=self.device, dtype=dtype or tensor.dtype)
+                full = DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                                          shape=tensor.shape, stride=tensor.stride()).full_tensor()
+                if full.data_ptr() == tensor.to_local().data_ptr():  # a world of 1 hands back the shard itself
+                    full = full.clone()
+                yield self.hf_name(name), full
+                continue
             yield self.hf_name(name), tensor.to(dtype) if dtype is not None else tensor
 
     # ---- state: offload, export, checkpoints ------------------------------------------------------

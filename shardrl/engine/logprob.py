@@ -8,16 +8,75 @@ token it scores and a response mask applies to it directly; the first token of a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least fp32 (bf16/fp16 go up); fp64 stays fp64 rather than being cut down by .float()."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _log_normalizer(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logsumexp(logits / T) over the vocabulary, (n,) in the accumulation dtype."""
+    return torch.logsumexp(logits.to(_acc_dtype(logits.dtype)) / temperature, dim=-1)
+
+
+def _grad_logits(logits: torch.Tensor, logz: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor,
+                 temperature: float) -> torch.Tensor:
+    """d/dlogits of sum(grad * log_softmax(logits / T)[target]) = (onehot - softmax(logits / T)) * grad / T,
+    in the logits' dtype."""
+    scale = (grad.to(logz.dtype) / temperature)[:, None]  # (n, 1)
+    probs = torch.exp(logits.to(logz.dtype) / temperature - logz[:, None])  # (n, V)
+    hit = torch.arange(logits.shape[-1], device=logits.device)[None] == targets[:, None]
+    return ((hit.to(logz.dtype) - probs) * scale).to(logits.dtype)
+
+
+_FUSED: dict[str, Callable] = {}
+
+
+def _kernel(name: str, fn: Callable, like: torch.Tensor) -> Callable:
+    """`fn` compiled (one fused pass over the `n x V` logits instead of several, each reading and writing
+    fp32 copies) on CUDA; eager elsewhere, where the compile time would not pay off."""
+    if like.device.type != "cuda":
+        return fn
+    if name not in _FUSED:
+        _FUSED[name] = torch.compile(fn, dynamic=True)
+    return _FUSED[name]
+
+
+class _ChunkLogProb(torch.autograd.Function):
+    """log softmax(hidden @ W.T + b)[target] / T for one chunk of tokens, keeping only `hidden`, `W`, `b`
+    and the (n,) normalizers for backward: the chunk's logits are recomputed there, and their gradient is
+    formed in one pass, in the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float):
+        logits = F.linear(hidden, weight, bias)  # (n, V)
+        logz = _kernel("logz", _log_normalizer, logits)(logits, temperature)
+        logp = logits.gather(-1, targets[:, None]).squeeze(-1).to(logz.dtype) / temperature - logz
+        ctx.save_for_backward(hidden, weight, bias, targets, logz)
+        ctx.temperature = temperature
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, targets, logz = ctx.saved_tensors
+        logits = F.linear(hidden, weight, bias)
+        dlogits = _kernel("grad", _grad_logits, logits)(logits, logz, targets, grad, ctx.temperature)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = dlogits @ weight if need_h else None
+        grad_w = dlogits.t() @ hidden if need_w else None
+        grad_b = dlogits.sum(0) if need_b and bias is not None else None
+        return grad_h, grad_w, grad_b, None, None
+
+
 def _chunk_logprob(hidden, weight, bias, targets, temperature: float, with_entropy: bool):
     logits = F.linear(hidden, weight, bias)  # (n, V)
-    # at least fp32 (bf16/fp16 go up); fp64 stays fp64 rather than being cut down by .float()
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = logits.to(_acc_dtype(logits.dtype))
     if temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)  # (n,)
@@ -40,8 +99,9 @@ def chunked_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) (and entropy) of `hidden @ weight.T`, `chunk_size` tokens at a time.
 
-    hidden (N, H), targets (N,). Under autograd each chunk is checkpointed, so only one chunk's
-    logits exist at a time in the backward pass too.
+    hidden (N, H), targets (N,). Under autograd only one chunk's logits exist at a time, in backward too:
+    log-probs alone go through `_ChunkLogProb` (logits recomputed, their gradient formed in one pass);
+    with entropy, each chunk is checkpointed.
     """
     logps, ents = [], []
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
@@ -49,7 +109,9 @@ def chunked_log_probs(
     # the autograd graph, which a rank's one-token placeholder micro-batch relies on
     for start in range(0, max(hidden.shape[0], 1), chunk_size):
         args = (hidden[start : start + chunk_size], weight, bias, targets[start : start + chunk_size])
-        if recompute:
+        if recompute and not with_entropy:
+            lp, ent = _ChunkLogProb.apply(*args, temperature), None
+        elif recompute:
             lp, ent = checkpoint(_chunk_logprob, *args, temperature, with_entropy, use_reentrant=False)
         else:
             lp, ent = _chunk_logprob(*args, temperature, with_entropy)

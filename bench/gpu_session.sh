@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One GPU session's measurements, run in the background on the device machine so that consecutive device
+# calls can pick up where the last one stopped (the machine stays warm between calls made within seconds).
+#
+#   bash bench/gpu_session.sh start PHASE...   # starts the phases, in order, detached (setsid)
+#   bash bench/gpu_session.sh wait SECONDS     # waits until they are done or SECONDS pass; copies results to $OUT
+#
+# Phases are the functions `phase_*` below; each has its own time limit, so one hang cannot eat the session.
+# Results: $GS/results.jsonl (JSON lines of every benchmark), one log per phase, $GS/session.log.
+set -u
+GS=${GS:-/tmp/gs}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+RES=$GS/results.jsonl
+
+limit() {  # limit SECONDS cmd...: the command, killed with its spawned workers after SECONDS
+    timeout -k 15 "$@"
+    local rc=$?
+    pkill -9 -f "multiprocessing.spawn" 2>/dev/null; pkill -9 -f "compile_worker" 2>/dev/null
+    return $rc
+}
+
+phase_tests() { limit 330 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore -x --durations=15 tests/; }
+phase_tests_all() { limit 420 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore --durations=15 tests/; }
+phase_tests_engine() { limit 150 python3 -m pytest -q -p no:cacheprovider -W ignore --durations=5 tests/test_engine_gpu.py; }
+phase_profile() { limit 240 python3 bench/profile_step.py --rows "${PROFILE_ROWS:-plain_4,fsdp2_4,fsdp2_4_compile}"; }
+phase_engine1() { limit 300 python3 bench/engine.py --world 1 --steps 3 --out $RES \
+    --rows "${ENGINE1_ROWS:-plain_4,fsdp2_4,fsdp2_4_compile,fsdp2_4_z2_compile,fsdp2_8_compile}"; }
+phase_engine2() { limit 240 python3 bench/engine.py --world 2 --steps 3 --out $RES \
+    --rows "${ENGINE2_ROWS:-plain_4,fsdp2_4,fsdp2_4_compile,fsdp1_4}"; }
+phase_greedy() { limit 200 python3 bench/rollout.py --cases greedy_64 --new-tokens 64 --out $RES; }
+phase_rollout256() { limit 300 python3 bench/rollout.py --cases fixed_256 --rows "${ROLLOUT256_ROWS:-hf_dynamic,fast,hf_static}" \
+    --out $RES; }
+phase_rollout() { limit 420 python3 bench/rollout.py --cases "${ROLLOUT_CASES:-fixed_64,mixed}" --hf-warm-once \
+    --rows "${ROLLOUT_ROWS:-hf_dynamic,fast}" --out $RES; }
+phase_state1() { limit 200 python3 bench/state.py --world 1 --strategies fsdp2,fsdp --out $RES; }
+phase_state2() { limit 200 python3 bench/state.py --world 2 --strategies "${STATE_STRATEGIES:-fsdp2,fsdp}" --out $RES; }
+phase_ulysses() { limit 360 python3 bench/ulysses.py --world 2 --sp "${ULYSSES_SP:-1,2}" --out $RES \
+    ${ULYSSES_LENGTHS:+--lengths $ULYSSES_LENGTHS} --steps "${ULYSSES_STEPS:-2}"; }
+
+collect() {
+    local out=${OUT:-gpu_out}
+    mkdir -p "$out"
+    cp "$GS/session.log" "$out/" 2>/dev/null
+    cp "$RES" "$out/" 2>/dev/null
+    tar czf "$out/logs.tar.gz" -C "$GS" . 2>/dev/null
+    echo "---- session"; cat "$GS/session.log"
+    echo "---- results"; cat "$RES" 2>/dev/null | cut -c1-400
+    for f in "$GS"/*.log; do
+        [ "$(basename "$f")" = session.log ] && continue
+        echo "---- $(basename "$f") (tail)"; grep -vE "^\s*$" "$f" | grep -E "passed|failed|FAILED|ERROR|Error|error|rc=" | tail -8
+    done
+}
+
+case "${1:-}" in
+start)
+    shift
+    mkdir -p "$GS"
+    nvidia-smi --query-gpu=name,memory.used --format=csv,noheader > "$GS/session.log"
+    setsid nohup bash "$0" run "$@" >> "$GS/session.log" 2>&1 < /dev/null &
+    ;;
+run)
+    shift
+    rm -f "$GS/DONE"
+    for ph in "$@"; do
+        echo "== $ph start $(date +%T)"
+        "phase_$ph" > "$GS/$ph.log" 2>&1
+        echo "== $ph rc=$? end $(date +%T)"
+    done
+    touch "$GS/DONE"
+    ;;
+wait)
+    end=$((SECONDS + ${2:-540}))
+    while [ ! -f "$GS/DONE" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+    [ -f "$GS/DONE" ] && echo "ALL DONE" || echo "STILL RUNNING"
+    collect
+    ;;
+*)
+    echo "usage: $0 start PHASE... | wait SECONDS" >&2; exit 2 ;;
+esac
