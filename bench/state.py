@@ -2,7 +2,7 @@
 
 Export: `engine.export_weights(bf16)` consumed tensor by tensor (each is dropped after a checksum), in
 GB/s of bf16 weights delivered, against a plain loop over the FSDP2 module's DTensor parameters doing
-`p.full_tensor().to(bf16)` in the same run. Offload: `torch.cuda.memory_allocated` before and after
+`p.full_tensor().to(bf16)` in the same run; the median of 5 timings each, taken alternately. Offload: `torch.cuda.memory_allocated` before and after
 `engine.offload()` (params, grads and AdamW state after one step), and the time of offload and onload.
 
     python bench/state.py --world 2 --strategies fsdp2,fsdp [--out results.jsonl]
@@ -20,6 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.engine import QWEN2_1P5B  # noqa: E402
+
+
+REPEATS = 5  # export timings: the median of this many, the engine and the baseline alternating
 
 
 def _timed(fn) -> float:
@@ -54,19 +57,24 @@ def run_strategy(strategy: str):
             check += t.float().sum()  # touch every tensor so nothing is skipped
         consume.nbytes = nbytes
 
-    consume(engine.export_weights(torch.bfloat16))  # warm-up
-    seconds = _timed(lambda: consume(engine.export_weights(torch.bfloat16)))
-    rows.append(dict(what="export", strategy=strategy, world=dist.get_world_size(), gb=round(consume.nbytes / 1e9, 3),
-                     seconds=round(seconds, 3), gb_per_s=round(consume.nbytes / 1e9 / seconds, 2)))
+    def plain():
+        return ((n, p.full_tensor().to(torch.bfloat16) if isinstance(p, DTensor) else p.to(torch.bfloat16))
+                for n, p in engine.module.named_parameters())
+
+    variants = {"export": lambda: engine.export_weights(torch.bfloat16)}
     if strategy == "fsdp2":
-        def plain():
-            return ((n, p.full_tensor().to(torch.bfloat16) if isinstance(p, DTensor) else p.to(torch.bfloat16))
-                    for n, p in engine.module.named_parameters())
-        consume(plain())
-        seconds = _timed(lambda: consume(plain()))
-        rows.append(dict(what="export_baseline_full_tensor_loop", strategy=strategy, world=dist.get_world_size(),
-                         gb=round(consume.nbytes / 1e9, 3), seconds=round(seconds, 3),
-                         gb_per_s=round(consume.nbytes / 1e9 / seconds, 2)))
+        variants["export_baseline_full_tensor_loop"] = plain
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for make in variants.values():  # warm-up
+        consume(make())
+    for _ in range(REPEATS):  # alternating, so drift in the machine hits both alike
+        for what, make in variants.items():
+            times[what].append(_timed(lambda: consume(make())))
+    for what, ts in times.items():
+        seconds = sorted(ts)[len(ts) // 2]
+        rows.append(dict(what=what, strategy=strategy, world=dist.get_world_size(), gb=round(consume.nbytes / 1e9, 3),
+                         seconds=round(seconds, 4), gb_per_s=round(consume.nbytes / 1e9 / seconds, 2),
+                         repeats=len(ts), seconds_all=[round(t, 4) for t in ts]))
 
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()

@@ -118,6 +118,9 @@ def test_validation_depends_on_other_fields():
         load_config(None, ["max_token_len_per_gpu=0", "use_dynamic_bsz=true"], cls=EngineConfig)
     with pytest.raises(ConfigError, match=r"actor\.engine\.max_token_len_per_gpu=0"):
         load_config(None, ["actor.engine.max_token_len_per_gpu=0", "actor.engine.use_dynamic_bsz=true"])
+    load_config(None, ["compile=true"], cls=EngineConfig)  # FSDP2 compiles its blocks
+    with pytest.raises(ConfigError, match=r"actor\.engine\.compile=True: is implemented for strategy=fsdp2 only"):
+        load_config(None, ["actor.engine.compile=true", "actor.engine.strategy=fsdp"])
     # the critic's mini-batch only has to divide the batch when the critic is used
     load_config(None, ["data.train_batch_size=6", "actor.ppo_mini_batch_size=3", "critic.ppo_mini_batch_size=4"])
     with pytest.raises(ConfigError, match=r"critic\.ppo_mini_batch_size=4: must divide"):
