@@ -240,6 +240,35 @@ def test_parameter_names_mirror_hf(tok):
         assert tied == (kind == "llama")
 
 
+def test_fused_projections_follow_moves_and_loads(tok):
+    """q/k/v and gate/up weights are views into one fused tensor each: after a move (every tensor gets
+    its own storage) they are fused anew, and loading new weights updates what the GEMMs read."""
+    first, second = reference_model(tok, seed=1), reference_model(tok, seed=9)
+    fast = make_rollout("fast", tok, first, max_batch=4)
+    fast.model._apply(lambda t: t.clone())  # what a move to another device does
+    attn, mlp = fast.model.model.layers[1].self_attn, fast.model.model.layers[1].mlp
+    for view, fused in ((attn.k_proj.weight, attn.qkv_weight), (attn.v_proj.bias, attn.qkv_bias),
+                        (mlp.up_proj.weight, mlp.gate_up_weight)):
+        assert view.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    fast.load_weights(second.named_parameters())
+    ids, mask = encode(tok)
+    greedy = SamplingParams(greedy=True, max_new_tokens=12)
+    assert_same_output(fast.generate(ids, mask, greedy), make_rollout("hf", tok, second).generate(ids, mask, greedy))
+
+
+def test_compiled_step_equals_eager(tok):
+    """`compile=True` (one compiled decoder-layer function for all layers, recompiled once with a dynamic
+    length when the attended length grows, and a compiled sampler) samples what the eager step samples."""
+    model = reference_model(tok, seed=1)
+    ids, mask = encode(tok)
+    sampled = SamplingParams(n=2, temperature=0.9, max_new_tokens=20, seed=3)
+    kwargs = dict(max_batch=4, sync_every=4, seq_bucket=16)  # lengths cross 16-position buckets: 2 shapes
+    eager = make_rollout("fast", tok, model, **kwargs).generate(ids, mask, sampled)
+    got = make_rollout("fast", tok, model, compile=True, **kwargs).generate(ids, mask, sampled)
+    assert torch.equal(got.response_ids, eager.response_ids)
+    torch.testing.assert_close(got.sampled_log_probs, eager.sampled_log_probs, atol=1e-5, rtol=0)
+
+
 def test_release_and_resume(tok):
     model = reference_model(tok, seed=1)
     rollout = make_rollout("fast", tok, model, max_batch=3)

@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 import torch
 
 from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, copy_weights_in_place
-from shardrl.rollout.fast_model import FastCausalLM, build_fast_lm
+from shardrl.rollout.fast_model import FastCausalLM, build_fast_lm, decode_block
 from shardrl.rollout.hf import HFRollout, _check_prompts, _contains_stop
 
 log = logging.getLogger(__name__)
@@ -42,9 +42,10 @@ GREEDY, SAMPLE, TRUNCATED = "greedy", "sample", "truncated"  # sampling modes; o
 
 
 def sample_tokens(logits, mode: str, noise, temperature, top_k, top_p):
-    """Tokens (B,) and their log softmax(logits / T) (B,) from fp32 logits (B, V), without a host sync.
+    """Tokens (B,) and their log softmax(logits / T) (B,) from logits (B, V) (taken in fp32), without a host sync.
     Sampling is Gumbel-max: argmax(log p - log E) with E ~ Exp(1) in `noise` (B, V). TRUNCATED keeps
     the `top_k` best tokens, then those whose better-ranked mass is below `top_p` (HF's order)."""
+    logits = logits.float()  # here, so that a compiled sampler fuses the cast into its first pass
     if mode == GREEDY:
         tokens = logits.argmax(-1)
         log_probs = torch.log_softmax(logits, -1)
@@ -104,7 +105,8 @@ class FastRollout(Rollout):
     `max_batch`: decode slots (the static batch); default min(rows, micro_batch_size * n) at first use,
     grown when a later call has more rows. `max_seq_len`: cache positions per slot; default the longest
     prompt + max_new_tokens rounded up to `seq_bucket`, grown as needed. `cuda_graphs` (default: on CUDA)
-    captures the decode step; `compile` also runs it through `torch.compile` (one compilation per graph).
+    captures the decode step; `compile` runs its decoder layer (one compiled function serves all layers and,
+    after one recompilation with a dynamic length, every `seq_len`) and its sampler through `torch.compile`.
     `release_weights` makes `release()` move the weights to the CPU too."""
 
     def __init__(self, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,
@@ -130,7 +132,9 @@ class FastRollout(Rollout):
             raise ValueError("cuda_graphs=True needs a CUDA device")
         self.model: FastCausalLM = build_fast_lm(hf_config, self.device, dtype, seed=seed)
         self.vocab_size = hf_config.vocab_size
-        self._step_fn = torch.compile(self._decode_step, dynamic=False) if compile else self._decode_step
+        self._block = torch.compile(decode_block) if compile else decode_block
+        self._sample = torch.compile(sample_tokens) if compile else sample_tokens
+        self._step_fn = self._decode_step
         self._state: SlotState | None = None
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self._graph_keys: set[tuple[str, int]] = set()  # recaptured by resume()
@@ -218,8 +222,8 @@ class FastRollout(Rollout):
         """One token for every live slot; reads and writes only `self._state` (capturable)."""
         st = self._state
         active = ~st.done
-        logits = self.model.decode(st.tokens, st.lengths, st.kv, seq_len).float()  # (B, V)
-        tokens, log_probs = sample_tokens(logits, mode, st.noise, st.temperature, st.top_k, st.top_p)
+        logits = self.model.decode(st.tokens, st.lengths, st.kv, seq_len, self._block)  # (B, V)
+        tokens, log_probs = self._sample(logits, mode, st.noise, st.temperature, st.top_k, st.top_p)
         tokens = torch.where(active, tokens, st.tokens)
         slots = torch.arange(st.num_slots, device=tokens.device)
         col = st.num_generated.clamp(max=st.out_tokens.shape[1] - 1)

@@ -52,6 +52,14 @@ def check_supported(config) -> None:
     rope_theta(config)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama/Qwen2 RMSNorm: normalized in fp32, cast back, then scaled."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -59,10 +67,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
@@ -78,6 +83,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding the rows of `linears`, which become views into it: a GEMM instead of
+    several, while each parameter keeps its HF name and an in-place copy into it lands in the fused tensor.
+    A missing bias is zeros in the fused one."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = None
+    if any(lin.bias is not None for lin in linears):
+        bias = torch.cat([lin.bias.detach() if lin.bias is not None else
+                          lin.weight.new_zeros(lin.weight.shape[0]) for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = weight[start : start + rows]
+        if lin.bias is not None:
+            lin.bias.data = bias[start : start + rows]
+        start += rows
+    return weight, bias
+
+
 class Attention(nn.Module):
     def __init__(self, config, bias: dict[str, bool]):
         super().__init__()
@@ -87,38 +111,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias["k_proj"])
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias["v_proj"])
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias["o_proj"])
+        self.qkv_weight = self.qkv_bias = None  # set by FastCausalLM.fuse_projections
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (..., Hq*D), k, v (..., Hkv*D) by one GEMM."""
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return F.linear(x, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
 
     def prefill(self, x, cos, sin, kv_layer, slots, source):
         """x (U, L, hidden) right-padded prompts at positions 0..L-1; writes their K/V into `slots`
         (sequence i of the chunk goes to slot slots[j] for every j with source[j] == i)."""
         u, length, _ = x.shape
-        q = self.q_proj(x).view(u, length, self.num_heads, self.head_dim).transpose(1, 2)  # (U, H, L, D)
-        k = self.k_proj(x).view(u, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (U, Hkv, L, D)
-        v = self.v_proj(x).view(u, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv(x)
+        q = q.view(u, length, self.num_heads, self.head_dim).transpose(1, 2)  # (U, H, L, D)
+        k = k.view(u, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (U, Hkv, L, D)
+        v = v.view(u, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv_layer[0][slots, :, :length] = k[source]
         kv_layer[1][slots, :, :length] = v[source]
         # causal suffices: padding sits after each prompt, so no real query sees it
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (U, H, L, D)
         return self.o_proj(out.transpose(1, 2).reshape(u, length, -1))
-
-    def decode(self, x, cos, sin, kv_layer, slots, positions, mask):
-        """x (B, hidden), one token per slot at `positions` (B,); slots = arange(B); mask (B, 1, 1, S) of
-        the visible cache entries."""
-        b = x.shape[0]
-        q = self.q_proj(x).view(b, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        kv_layer[0][slots, :, positions] = k  # (B, Hkv, D) into (B, Hkv, S, D)
-        kv_layer[1][slots, :, positions] = v
-        seq = mask.shape[-1]
-        keys, values = kv_layer[0][:, :, :seq], kv_layer[1][:, :, :seq]  # (B, Hkv, S, D)
-        # GQA without copying the cache: the query heads sharing a KV head become its "query positions"
-        group = self.num_heads // self.num_kv_heads
-        q = q.view(b, self.num_kv_heads, group, self.head_dim)  # (B, Hkv, G, D)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, G, D)
-        return self.o_proj(out.reshape(b, -1))
 
 
 class MLP(nn.Module):
@@ -128,9 +141,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=bias["gate_proj"])
         self.up_proj = nn.Linear(hidden, inter, bias=bias["up_proj"])
         self.down_proj = nn.Linear(inter, hidden, bias=bias["down_proj"])
+        self.gate_up_weight = self.gate_up_bias = None  # set by FastCausalLM.fuse_projections
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -145,9 +160,35 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, kv_layer, slots, source)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode(self, x, cos, sin, kv_layer, slots, positions, mask):
-        x = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, kv_layer, slots, positions, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def decode_weights(self) -> tuple:
+        """The tensors `decode_block` reads, in its argument order."""
+        a, m = self.self_attn, self.mlp
+        return (self.input_layernorm.weight, a.qkv_weight, a.qkv_bias, a.o_proj.weight, a.o_proj.bias,
+                self.post_attention_layernorm.weight, m.gate_up_weight, m.gate_up_bias, m.down_proj.weight,
+                m.down_proj.bias)
+
+
+def decode_block(x, cos, sin, kv_layer, slots, positions, mask,
+                 ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b,
+                 eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
+    """One decoder layer for one token per slot, as a function of tensors only, so that one compilation
+    serves every layer. x (B, hidden) at `positions` (B,); slots = arange(B); mask (B, 1, 1, S) of the
+    visible cache entries; kv_layer (2, B, Hkv, max_seq, D)."""
+    b = x.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = F.linear(rms_norm(x, ln1, eps), qkv_w, qkv_b).split([q_size, kv_size, kv_size], dim=-1)
+    q = apply_rotary(q.view(b, num_heads, head_dim), cos, sin)
+    k = apply_rotary(k.view(b, num_kv_heads, head_dim), cos, sin)
+    kv_layer[0][slots, :, positions] = k  # (B, Hkv, D) into (B, Hkv, S, D)
+    kv_layer[1][slots, :, positions] = v.view(b, num_kv_heads, head_dim)
+    seq = mask.shape[-1]
+    keys, values = kv_layer[0][:, :, :seq], kv_layer[1][:, :, :seq]  # (B, Hkv, S, D)
+    # GQA without copying the cache: the query heads sharing a KV head become its "query positions"
+    q = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, Hkv, G, D)
+    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, G, D)
+    x = x + F.linear(attn.reshape(b, -1), o_w, o_b)
+    gate, up = F.linear(rms_norm(x, ln2, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_w, down_b)
 
 
 class Decoder(nn.Module):
@@ -160,7 +201,10 @@ class Decoder(nn.Module):
 
 class FastCausalLM(nn.Module):
     """`model.*` and `lm_head` as in HF; `prefill` and `decode` read and write a KV cache laid out as in
-    the module docstring. Build it with `build_fast_lm`, which checks the names against HF's model."""
+    the module docstring. Build it with `build_fast_lm`, which checks the names against HF's model.
+
+    q/k/v and gate/up projections run as one GEMM each: their weights are views into fused tensors
+    (`fuse_projections`), re-made after every move of the module (`_apply`)."""
 
     def __init__(self, config, bias: dict[str, bool]):
         super().__init__()
@@ -170,6 +214,19 @@ class FastCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", _inv_freq(config), persistent=False)
+
+    def fuse_projections(self) -> None:
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            a.qkv_weight, a.qkv_bias = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
+            m.gate_up_weight, m.gate_up_bias = fuse_linears([m.gate_proj, m.up_proj])
+
+    def _apply(self, fn, recurse=True):
+        # a move or cast gives each parameter its own storage again: fuse anew (meta modules are not fused)
+        out = super()._apply(fn, recurse)
+        if not self.inv_freq.is_meta:
+            self.fuse_projections()
+        return out
 
     def kv_shape(self, num_slots: int, max_seq: int) -> tuple[int, ...]:
         c = self.config
@@ -185,17 +242,20 @@ class FastCausalLM(nn.Module):
         last = x[torch.arange(x.shape[0], device=x.device), lengths - 1]  # (U, hidden)
         return self.lm_head(self.model.norm(last))
 
-    def decode(self, tokens, positions, kv, seq_len: int) -> torch.Tensor:
+    def decode(self, tokens, positions, kv, seq_len: int, block=decode_block) -> torch.Tensor:
         """One token per slot: tokens, positions (B,) over all B slots of `kv`; attends to cache entries
-        [0, positions] within the first `seq_len`. Returns logits (B, V)."""
+        [0, positions] within the first `seq_len`. `block`: `decode_block` or a compiled version of it.
+        Returns logits (B, V)."""
+        c = self.config
         x = self.model.embed_tokens(tokens)  # (B, hidden)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)  # (B, D)
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         visible = torch.arange(seq_len, device=tokens.device) <= positions[:, None]  # (B, S)
         mask = visible[:, None, None, :]
         slots = torch.arange(tokens.shape[0], device=tokens.device)
+        consts = (c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, head_dim_of(c))
         for i, layer in enumerate(self.model.layers):
-            x = layer.decode(x, cos, sin, kv[i], slots, positions, mask)
+            x = block(x, cos, sin, kv[i], slots, positions, mask, *layer.decode_weights(), *consts)
         return self.lm_head(self.model.norm(x))
 
 
