@@ -236,9 +236,21 @@ class RolloutConfig:
     seed: int = 0
     """Seed of sampling."""
     micro_batch_size: int = 64
-    """Prompts per generate call."""
+    """Prompts per generate call (hf); with `fast`, prompts x n sets the decode slots unless max_batch does."""
+    max_batch: int | None = None
+    """fast backend: decode slots (rows decoded together; a finished row's slot goes to a waiting one)."""
+    sync_every: int = 16
+    """fast backend: decode steps between host syncs (which retire finished rows and admit waiting ones)."""
+    compile: bool = False
+    """fast backend: run the decode step's layer and sampler through `torch.compile` (for GPUs)."""
 
     def validate(self, prefix: str) -> None:
+        require(self, prefix, "max_batch", self.max_batch is None or self.max_batch >= 1, "must be >= 1 or null")
+        require(self, prefix, "sync_every", self.sync_every >= 1, "must be >= 1")
+        for name in ("max_batch", "compile"):
+            default = RolloutConfig.__dataclass_fields__[name].default
+            require(self, prefix, name, self.backend == "fast" or getattr(self, name) == default,
+                    "applies to backend=fast only; set rollout.backend=fast or drop it")
         require(self, prefix, "n", self.n >= 1, "must be >= 1")
         require(self, prefix, "temperature", self.temperature >= 0, "must be >= 0")
         require(self, prefix, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")

@@ -83,8 +83,10 @@ class RLTrainer:
             self.val_set = load_prompt_dataset(cfg.data.val_files, self.tokenizer, cfg.data.prompt_key,
                                                cfg.data.max_prompt_length, cfg.data.truncation, cfg.data.skip_bad_rows)
         rollout_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.rollout = build_rollout(cfg.rollout.backend, self.actor.hf_config, self.tokenizer, self.device,
-                                     rollout_dtype, micro_batch_size=cfg.rollout.micro_batch_size)
+        ro = cfg.rollout
+        fast_kwargs = dict(max_batch=ro.max_batch, sync_every=ro.sync_every, compile=ro.compile) if ro.backend == "fast" else {}
+        self.rollout = build_rollout(ro.backend, self.actor.hf_config, self.tokenizer, self.device, rollout_dtype,
+                                     micro_batch_size=ro.micro_batch_size, **fast_kwargs)
         self.sampling = SamplingParams.from_config(cfg.rollout)
         fn = load_reward_function(cfg.reward.function_path, cfg.reward.function_name) if cfg.reward.function_path else None
         self.rewards = RewardManager(fn, cfg.reward.on_error_score)
