@@ -174,6 +174,46 @@ def test_export_equals_unsharded_weights(export_world2, kind):
         assert "lm_head.weight" not in got
 
 
+def bucketed_export_worker(kind: str):
+    """Exports of one model on 4 ranks, full shard and HSDP 2x2, with small buckets (several parameters,
+    rows that do not split evenly) and with one bucket for all; counts the all-gathers each makes."""
+    from shardrl.engine import state
+
+    calls = []
+    original = dist.all_gather_into_tensor
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_gather_into_tensor = counting
+    out = {}
+    try:
+        for layout, fsdp_size in (("full", -1), ("hsdp", 2)):
+            engine = make_engine(kind, fsdp_size=fsdp_size)
+            params = list(engine.module.named_parameters())
+            for bucket_bytes in (1, 3000, 2**30):
+                calls.clear()
+                pairs = state.export_fsdp2_weights(params, engine.device, torch.bfloat16, engine.hf_name, bucket_bytes)
+                out[layout, bucket_bytes] = ({k: v.clone() for k, v in pairs}, len(calls), len(params))
+    finally:
+        dist.all_gather_into_tensor = original
+    return out
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_bucketed_export_at_world_4_full_shard_and_hsdp(kind):
+    res = run_distributed(bucketed_export_worker, 4, kind)
+    want = {n: w.detach().to(torch.bfloat16) for n, w in reference_model(kind).named_parameters()}
+    for (layout, bucket_bytes), (got, num_gathers, num_params) in res.items():
+        assert got.keys() == want.keys(), (layout, bucket_bytes)
+        for name, w in want.items():
+            assert torch.equal(got[name], w), (layout, bucket_bytes, name)
+        # one gather per parameter with 1-byte buckets, fewer with 3 kB ones, one with a 1 GiB bucket
+        expected = {1: num_params, 2**30: 1}.get(bucket_bytes)
+        assert num_gathers == expected if expected else 1 < num_gathers < num_params, (layout, bucket_bytes)
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_export_after_training_equals_full_state_dict(export_world2, kind):
     _, res = export_world2

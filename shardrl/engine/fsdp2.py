@@ -93,19 +93,9 @@ class FSDP2Engine(Engine):
         return total.detach().float().cpu()
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in self.module.named_parameters():
-            tensor = param.detach()
-            if isinstance(tensor, DTensor):
-                # the shard goes to the device (when offloaded) and to the export dtype before the gather:
-                # a bf16 export moves half the bytes of an fp32 one, and the cast is elementwise either way
-                local = tensor.to_local().to(device=self.device, dtype=dtype or tensor.dtype)
-                full = DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
-                                          shape=tensor.shape, stride=tensor.stride()).full_tensor()
-                if full.data_ptr() == tensor.to_local().data_ptr():  # a world of 1 hands back the shard itself
-                    full = full.clone()
-                yield self.hf_name(name), full
-                continue
-            yield self.hf_name(name), tensor.to(dtype) if dtype is not None else tensor
+        from shardrl.engine.state import export_fsdp2_weights
+
+        yield from export_fsdp2_weights(self.module.named_parameters(), self.device, dtype, self.hf_name)
 
     # ---- state: offload, export, checkpoints ------------------------------------------------------
     def _move_params(self, device: torch.device) -> None:
