@@ -180,13 +180,13 @@ def bucketed_export_worker(kind: str):
     from shardrl.engine import state
 
     calls = []
-    original = dist.all_gather_into_tensor
+    original = state._all_gather_single
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    dist.all_gather_into_tensor = counting
+    state._all_gather_single = counting
     out = {}
     try:
         for layout, fsdp_size in (("full", -1), ("hsdp", 2)):
@@ -197,7 +197,7 @@ def bucketed_export_worker(kind: str):
                 pairs = state.export_fsdp2_weights(params, engine.device, torch.bfloat16, engine.hf_name, bucket_bytes)
                 out[layout, bucket_bytes] = ({k: v.clone() for k, v in pairs}, len(calls), len(params))
     finally:
-        dist.all_gather_into_tensor = original
+        state._all_gather_single = original
     return out
 
 

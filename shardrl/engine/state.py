@@ -150,7 +150,7 @@ def _shard_mesh_dim(tensor: DTensor) -> int | None:
 def export_fsdp2_weights(named_params, device: torch.device, dtype: torch.dtype | None, hf_name,
                          bucket_bytes: int = EXPORT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
     """Full tensors of FSDP2 (DTensor) parameters, gathered a bucket of consecutive parameters at a time
-    with one `all_gather_into_tensor` each: a per-tensor `full_tensor()` pays a collective's fixed cost
+    with one all-gather (`all_gather_single`) each: a per-tensor `full_tensor()` pays a collective's fixed cost
     ~340 times for a 1.5B model. Shards are cast to the export dtype before the gather (fewer bytes, same
     rounding). Parameters laid out otherwise (or not sharded) are gathered one by one."""
     bucket: list[tuple[str, DTensor]] = []
@@ -175,6 +175,10 @@ def export_fsdp2_weights(named_params, device: torch.device, dtype: torch.dtype 
     yield from _gather_bucket(bucket, key, device, hf_name)
 
 
+# torch 2.13 renamed `all_gather_into_tensor` (same signature); the device image has torch 2.11
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _gather_bucket(bucket: list[tuple[str, DTensor]], key, device: torch.device,
                    hf_name) -> Iterator[tuple[str, torch.Tensor]]:
     """One all-gather for the dim-0 shards of `bucket`, then each full tensor cut out of the result."""
@@ -192,7 +196,7 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]], key, device: torch.device,
         layout.append((name, rows, rest, per_rank, width))
     send = torch.cat(pieces)  # (sum of widths,)
     received = torch.empty(world * send.numel(), dtype=dtype, device=device)
-    dist.all_gather_into_tensor(received, send, group=group)
+    _all_gather_single(received, send, group=group)
     received = received.view(world, -1)  # row r: rank r's padded shards, in bucket order
     start = 0
     for name, rows, rest, per_rank, width in layout:
