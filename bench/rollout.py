@@ -16,7 +16,8 @@ Rows:
     hf_static     HF generate, cache_implementation="static" (HF compiles the forward itself)
 
 Each (case, row): one warm-up run with the same shapes (graph capture, compilation), then a timed run.
-Prints one JSON line per result: new tokens/s (end to end, prefill included), the prefill time (fast:
+Prints one JSON line per result: new tokens/s (end to end, prefill included, and of the decode alone), the
+prefill time (fast:
 a run with one new token; HF: a forward of the prompts), and the fraction of the memory-bandwidth limit
 its decode reached: (decode steps x weight bytes + KV bytes of the live rows' context) / decode time /
 --bandwidth (4.3 TB/s on an H200). Fast rows add the time to load new weights (from GPU tensors, as the
@@ -305,13 +306,16 @@ def main():
             res = dict(bench="rollout", case=case, row=row, prompts=prompts.shape[0], batch=batch,
                        prompt_len=args.prompt_len, new_tokens=f"{int(limits.min())}-{int(limits.max())}",
                        **res, tokens_per_s=res["tokens"] / res["seconds"], decode_s=decode_s,
+                       # the first token of each row comes from the prefill; the rest from decode steps
+                       decode_tokens_per_s=(res["tokens"] - prompts.shape[0]) / decode_s,
                        bandwidth_fraction=moved / decode_s / args.bandwidth, device=str(device), dtype=str(dtype))
             if device.type == "cuda":
                 res["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if row == "hf_dynamic":
-                baseline = res["tokens_per_s"]
+                baseline = res
             if baseline:
-                res["vs_hf_dynamic"] = res["tokens_per_s"] / baseline
+                res["vs_hf_dynamic"] = res["tokens_per_s"] / baseline["tokens_per_s"]
+                res["decode_vs_hf_dynamic"] = res["decode_tokens_per_s"] / baseline["decode_tokens_per_s"]
             line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()})
             print(line, flush=True)
             if args.out:
