@@ -59,6 +59,10 @@ class MeshLayout:
         return self.dp_sp_mesh.get_local_rank("dp")
 
     @property
+    def sp_rank(self) -> int:
+        return self.dp_sp_mesh.get_local_rank("sp")
+
+    @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.dp_sp_mesh.get_group("dp")
 

@@ -58,7 +58,7 @@ def _meshes() -> dict:
 
     sp = build_device_mesh(-1, 2)
     out["sp"] = dict(dp=sp.dp_size, sp=sp.sp_size, dp_rank=sp.dp_rank,
-                     sp_rank=sp.dp_sp_mesh.get_local_rank("sp"),
+                     sp_rank=sp.sp_rank,
                      dp_peers=dist.get_process_group_ranks(sp.dp_group),
                      sp_peers=dist.get_process_group_ranks(sp.sp_group))
     # ranks r and r+2 see different data: sum over the dp group of {1, 2, 3, 4}

@@ -126,13 +126,16 @@ class RLTrainer:
 
     def _generate(self, items: list[dict], sampling: SamplingParams) -> Batch:
         prompts = collate_prompts(items, self.tokenizer.pad_token_id)
-        self._sync_weights()
-        out = self.rollout.generate(prompts["input_ids"].to(self.device), prompts["attention_mask"].to(self.device),
-                                    sampling)
+        self._sync_weights()  # every rank: the export's gathers are collectives
+        batch = None
+        # the ranks of an sp group train on one batch: sp rank 0 generates it, the others receive it
+        if self.mesh.sp_rank == 0:
+            out = self.rollout.generate(prompts["input_ids"].to(self.device),
+                                        prompts["attention_mask"].to(self.device), sampling)
+            batch = out.to_batch().to("cpu")
         if self.device.type == "cuda":
             self.rollout.release()  # colocated: training takes the memory generation held
-        batch = out.to_batch().to("cpu")
-        if self.mesh.sp_size > 1:  # the ranks of an sp group train on one batch: take sp rank 0's rollout
+        if self.mesh.sp_size > 1:
             shared = [batch]
             dist.broadcast_object_list(shared, src=dist.get_global_rank(self.mesh.sp_group, 0), group=self.mesh.sp_group)
             batch = shared[0]
