@@ -50,6 +50,9 @@ ROWS = {
     # the varlen kernel, and the plain loop pads and masks
     "plain_4_ragged": ("plain", 4, 4, False, {"ragged": True}),
     "fsdp2_4_ragged": ("fsdp2", 4, 4, False, {"ragged": True}),
+    "fsdp2_4_ragged_compile": ("fsdp2", 4, 4, False, {"ragged": True, "compile": True}),
+    "fsdp2_4_ragged_padded_compile": ("fsdp2", 4, 4, False, {"ragged": True, "compile": True,
+                                                             "model.use_remove_padding": False}),
     "fsdp1_4": ("fsdp", 4, 4, False, {}),
     "fsdp1_16": ("fsdp", 16, 4, False, {}),
 }
