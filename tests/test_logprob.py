@@ -142,6 +142,9 @@ def test_compiled_kernels_on_cuda_match_eager(dtype, tol):
     torch.testing.assert_close(lp, ref_lp, rtol=tol, atol=tol)
     for a, e in zip(got, want):
         assert (a - e).norm() / e.norm() < tol
+    with torch.no_grad():  # inference (old and reference log-probs) takes the same compiled normalizer
+        torch.testing.assert_close(chunked_log_probs(hidden, weight, None, targets, 0.9, 1024)[0].float(), ref_lp,
+                                   rtol=tol, atol=tol)
 
 
 def test_checkpointing_only_under_autograd():

@@ -48,6 +48,14 @@ def _kernel(name: str, fn: Callable, like: torch.Tensor) -> Callable:
     return _FUSED[name]
 
 
+def _log_prob_forward(hidden, weight, bias, targets, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits / T)[target] and the normalizers, (n,) each, without an fp32 copy of the logits
+    on CUDA (the normalizer reads the logits once)."""
+    logits = F.linear(hidden, weight, bias)  # (n, V)
+    logz = _kernel("logz", _log_normalizer, logits)(logits, temperature)
+    return logits.gather(-1, targets[:, None]).squeeze(-1).to(logz.dtype) / temperature - logz, logz
+
+
 class _ChunkLogProb(torch.autograd.Function):
     """log softmax(hidden @ W.T + b)[target] / T for one chunk of tokens, keeping only `hidden`, `W`, `b`
     and the (n,) normalizers for backward: the chunk's logits are recomputed there, and their gradient is
@@ -55,9 +63,7 @@ class _ChunkLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float):
-        logits = F.linear(hidden, weight, bias)  # (n, V)
-        logz = _kernel("logz", _log_normalizer, logits)(logits, temperature)
-        logp = logits.gather(-1, targets[:, None]).squeeze(-1).to(logz.dtype) / temperature - logz
+        logp, logz = _log_prob_forward(hidden, weight, bias, targets, temperature)
         ctx.save_for_backward(hidden, weight, bias, targets, logz)
         ctx.temperature = temperature
         return logp
@@ -113,6 +119,8 @@ def chunked_log_probs(
             lp, ent = _ChunkLogProb.apply(*args, temperature), None
         elif recompute:
             lp, ent = checkpoint(_chunk_logprob, *args, temperature, with_entropy, use_reentrant=False)
+        elif not with_entropy:
+            lp, ent = _log_prob_forward(*args, temperature)[0], None
         else:
             lp, ent = _chunk_logprob(*args, temperature, with_entropy)
         logps.append(lp)
