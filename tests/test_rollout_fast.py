@@ -15,7 +15,7 @@ from shardrl.rollout import FastRollout, RolloutOutput, SamplingParams, build_ro
 from shardrl.rollout.fast import GREEDY, SAMPLE, TRUNCATED, sample_tokens
 from shardrl.testing import TINY_MODELS
 from shardrl.tokenizer import build_char_tokenizer
-from test_rollout_hf import assert_sampled_log_probs_recomputed, recomputed_log_probs
+from test_rollout_hf import assert_sampled_log_probs_recomputed, assert_some_rows_end_at_eos, recomputed_log_probs
 
 # different lengths; the last is longer than the others together
 PROMPTS = ["1+2=", "hello world ", "ab", "what is 7*6? ", "x", "the quick brown fox jumps"]
@@ -177,19 +177,7 @@ def test_eos_ends_a_response(tok):
     rollout = make_rollout("fast", eos_tok, model, max_batch=7, sync_every=6)
     ids, mask = encode(eos_tok)
     out = rollout.generate(ids, mask, SamplingParams(n=4, temperature=1.0, max_new_tokens=30, seed=0))
-    eos, width = eos_tok.eos_token_id, out.response_ids.shape[1]
-    ended = 0
-    for r in range(len(out)):
-        length = int(out.response_mask[r].sum())
-        assert out.response_mask[r, :length].all() and not out.response_mask[r, length:].any()
-        real = out.response_ids[r, :length].tolist()
-        if eos in real:
-            ended += 1
-            assert real.index(eos) == length - 1  # EOS is the last response token, and masked in
-            assert (out.response_ids[r, length:] == eos_tok.pad_token_id).all()
-        else:
-            assert length == width == 30
-    assert 0 < ended < len(out), ended
+    assert_some_rows_end_at_eos(out, eos_tok, max_new_tokens=30)
 
 
 def test_stop_strings_cut_as_the_reference_does(tok):

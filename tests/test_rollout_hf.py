@@ -174,6 +174,12 @@ def test_eos_ends_a_response(tok):
     ids, mask = encode(tok)
     # hot sampling over a ~60-token vocab: some rows hit EOS within 40 tokens, some do not
     out = rollout.generate(ids, mask, SamplingParams(n=4, temperature=3.0, max_new_tokens=40, seed=0))
+    assert_some_rows_end_at_eos(out, tok, max_new_tokens=40)
+
+
+def assert_some_rows_end_at_eos(out: RolloutOutput, tok, max_new_tokens: int) -> None:
+    """Each row ends at its first EOS (kept, masked in; padding after it) or runs to the limit, and some
+    rows do each."""
     eos, width = tok.eos_token_id, out.response_ids.shape[1]
     ended = 0
     for r in range(len(out)):
@@ -185,7 +191,7 @@ def test_eos_ends_a_response(tok):
             assert real.index(eos) == length - 1  # EOS is the last response token, and masked in
             assert (out.response_ids[r, length:] == tok.pad_token_id).all()
         else:
-            assert length == width == 40
+            assert length == width == max_new_tokens
     assert 0 < ended < len(out), ended
 
 
