@@ -15,7 +15,8 @@ from shardrl.rollout import FastRollout, RolloutOutput, SamplingParams, build_ro
 from shardrl.rollout.fast import GREEDY, SAMPLE, TRUNCATED, sample_tokens
 from shardrl.testing import TINY_MODELS
 from shardrl.tokenizer import build_char_tokenizer
-from test_rollout_hf import assert_sampled_log_probs_recomputed, assert_some_rows_end_at_eos, recomputed_log_probs
+from test_rollout_hf import (assert_sampled_log_probs_recomputed, assert_seeded_sampling, assert_some_rows_end_at_eos,
+                             recomputed_log_probs)
 
 # different lengths; the last is longer than the others together
 PROMPTS = ["1+2=", "hello world ", "ab", "what is 7*6? ", "x", "the quick brown fox jumps"]
@@ -145,16 +146,7 @@ def test_sample_tokens_draws_the_right_distribution(mode, kwargs):
 
 
 def test_seed_reproduces_and_leaves_global_rng_alone(tok):
-    rollout = make_rollout("fast", tok, reference_model(tok, seed=4), max_batch=3, sync_every=5)
-    ids, mask = encode(tok)
-    state = torch.random.get_rng_state()
-    a = rollout.generate(ids, mask, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=11))
-    assert torch.equal(torch.random.get_rng_state(), state)
-    b = rollout.generate(ids, mask, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=11))
-    c = rollout.generate(ids, mask, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=12))
-    assert torch.equal(a.response_ids, b.response_ids) and a.response_text == b.response_text
-    assert torch.equal(a.sampled_log_probs, b.sampled_log_probs)
-    assert a.response_text != c.response_text
+    assert_seeded_sampling(make_rollout("fast", tok, reference_model(tok, seed=4), max_batch=3, sync_every=5), tok)
 
 
 def test_n_samples_are_prompt_major(tok):

@@ -133,7 +133,11 @@ def test_n_samples_are_prompt_major(tok):
 
 
 def test_seed_reproduces_and_leaves_global_rng_alone(tok):
-    rollout = make_rollout(tok, reference_model(tok, seed=4), micro_batch_size=2)
+    assert_seeded_sampling(make_rollout(tok, reference_model(tok, seed=4), micro_batch_size=2), tok)
+
+
+def assert_seeded_sampling(rollout, tok) -> None:
+    """A seed gives the same samples again, another seed other samples, and the global RNG is untouched."""
     ids, mask = encode(tok)
     state = torch.random.get_rng_state()
     a = rollout.generate(ids, mask, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=11))
