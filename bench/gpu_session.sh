@@ -3,6 +3,7 @@
 # calls can pick up where the last one stopped (the machine stays warm between calls made within seconds).
 #
 #   bash bench/gpu_session.sh start PHASE...   # starts the phases, in order, detached (setsid)
+#   bash bench/gpu_session.sh start next       # the measurements still owed (see the `next` list below)
 #   bash bench/gpu_session.sh wait SECONDS     # waits until they are done or SECONDS pass; copies results to $OUT
 #
 # Phases are the functions `phase_*` below; each has its own time limit, so one hang cannot eat the session.
@@ -54,6 +55,13 @@ collect() {
 case "${1:-}" in
 start)
     shift
+    # `next`: what the last session left to measure, in the order to run it (one device call each line):
+    #   call 1: the cuda tests; call 2: state, rollout and the greedy check; call 3: engine rows
+    if [ "${1:-}" = next ]; then
+        set -- tests_all state1 state2 greedy rollout256 rollout engine1 engine2
+        export ROLLOUT256_ROWS=${ROLLOUT256_ROWS:-hf_dynamic,hf_static,fast,fast_compile}
+        export ENGINE1_ROWS=${ENGINE1_ROWS:-plain_4,fsdp2_4_compile,fsdp2_8_compile,fsdp2_4_ragged_compile,fsdp2_4_ragged_padded_compile,fsdp1_4}
+    fi
     mkdir -p "$GS"
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader > "$GS/session.log"
     setsid nohup bash "$0" run "$@" >> "$GS/session.log" 2>&1 < /dev/null &
