@@ -97,8 +97,8 @@ def test_a_capture_warm_up_mid_generate_changes_nothing(tok):
     ids, mask = encode(tok)
     plain = make_rollout("fast", tok, model, max_batch=3, sync_every=5, seq_bucket=8)
     warmed = make_rollout("fast", tok, model, max_batch=3, sync_every=5, seq_bucket=8)
-    step = warmed._step_fn
-    warmed._step_fn = lambda mode, seq_len: (warmed._warm_up(step, mode, seq_len), step(mode, seq_len))
+    step = warmed._decode_step
+    warmed._decode_step = lambda mode, seq_len: (warmed._warm_up(step, mode, seq_len), step(mode, seq_len))
     for sampling in (SamplingParams(n=2, greedy=True, max_new_tokens=20),
                      SamplingParams(n=2, temperature=1.0, top_k=8, max_new_tokens=20, seed=1)):
         assert_same_output(warmed.generate(ids, mask, sampling), plain.generate(ids, mask, sampling))

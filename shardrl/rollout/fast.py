@@ -134,7 +134,6 @@ class FastRollout(Rollout):
         self.vocab_size = hf_config.vocab_size
         self._block = torch.compile(decode_block) if compile else decode_block
         self._sample = torch.compile(sample_tokens) if compile else sample_tokens
-        self._step_fn = self._decode_step
         self._state: SlotState | None = None
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self._graph_keys: set[tuple[str, int]] = set()  # recaptured by resume()
@@ -238,7 +237,7 @@ class FastRollout(Rollout):
         if mode != GREEDY:
             self._state.noise.exponential_(generator=generator)
         if not self.cuda_graphs:
-            self._step_fn(mode, seq_len)
+            self._decode_step(mode, seq_len)
             return
         graph = self._graphs.get((mode, seq_len)) or self._capture(mode, seq_len)
         graph.replay()
@@ -247,11 +246,11 @@ class FastRollout(Rollout):
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._warm_up(self._step_fn, mode, seq_len)
+            self._warm_up(self._decode_step, mode, seq_len)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._step_fn(mode, seq_len)
+            self._decode_step(mode, seq_len)
         self._graphs[(mode, seq_len)] = graph
         self._graph_keys.add((mode, seq_len))
         return graph

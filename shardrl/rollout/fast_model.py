@@ -83,6 +83,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def project_qkv(x, qkv_w, qkv_b, num_heads: int, num_kv_heads: int, head_dim: int):
+    """q (..., Hq*D), k, v (..., Hkv*D) from the fused q/k/v weight: one GEMM."""
+    kv_size = num_kv_heads * head_dim
+    return F.linear(x, qkv_w, qkv_b).split([num_heads * head_dim, kv_size, kv_size], dim=-1)
+
+
+def swiglu_mlp(x, gate_up_w, gate_up_b, down_w, down_b):
+    """down(silu(gate(x)) * up(x)) with gate and up as one GEMM on the fused weight."""
+    gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down_w, down_b)
+
+
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) holding the rows of `linears`, which become views into it: a GEMM instead of
     several, while each parameter keeps its HF name and an in-place copy into it lands in the fused tensor.
@@ -113,16 +125,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias["o_proj"])
         self.qkv_weight = self.qkv_bias = None  # set by FastCausalLM.fuse_projections
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (..., Hq*D), k, v (..., Hkv*D) by one GEMM."""
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return F.linear(x, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
-
     def prefill(self, x, cos, sin, kv_layer, slots, source):
         """x (U, L, hidden) right-padded prompts at positions 0..L-1; writes their K/V into `slots`
         (sequence i of the chunk goes to slot slots[j] for every j with source[j] == i)."""
         u, length, _ = x.shape
-        q, k, v = self.qkv(x)
+        q, k, v = project_qkv(x, self.qkv_weight, self.qkv_bias, self.num_heads, self.num_kv_heads, self.head_dim)
         q = q.view(u, length, self.num_heads, self.head_dim).transpose(1, 2)  # (U, H, L, D)
         k = k.view(u, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (U, Hkv, L, D)
         v = v.view(u, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -144,8 +151,7 @@ class MLP(nn.Module):
         self.gate_up_weight = self.gate_up_bias = None  # set by FastCausalLM.fuse_projections
 
     def forward(self, x):
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return swiglu_mlp(x, self.gate_up_weight, self.gate_up_bias, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -175,8 +181,7 @@ def decode_block(x, cos, sin, kv_layer, slots, positions, mask,
     serves every layer. x (B, hidden) at `positions` (B,); slots = arange(B); mask (B, 1, 1, S) of the
     visible cache entries; kv_layer (2, B, Hkv, max_seq, D)."""
     b = x.shape[0]
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q, k, v = F.linear(rms_norm(x, ln1, eps), qkv_w, qkv_b).split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = project_qkv(rms_norm(x, ln1, eps), qkv_w, qkv_b, num_heads, num_kv_heads, head_dim)
     q = apply_rotary(q.view(b, num_heads, head_dim), cos, sin)
     k = apply_rotary(k.view(b, num_kv_heads, head_dim), cos, sin)
     kv_layer[0][slots, :, positions] = k  # (B, Hkv, D) into (B, Hkv, S, D)
@@ -187,8 +192,7 @@ def decode_block(x, cos, sin, kv_layer, slots, positions, mask,
     q = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, Hkv, G, D)
     attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, G, D)
     x = x + F.linear(attn.reshape(b, -1), o_w, o_b)
-    gate, up = F.linear(rms_norm(x, ln2, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down_w, down_b)
+    return x + swiglu_mlp(rms_norm(x, ln2, eps), gate_up_w, gate_up_b, down_w, down_b)
 
 
 class Decoder(nn.Module):
