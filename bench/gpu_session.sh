@@ -20,7 +20,6 @@ limit() {  # limit SECONDS cmd...: the command, killed with its spawned workers 
     return $rc
 }
 
-phase_tests() { limit 330 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore -x --durations=15 tests/; }
 phase_tests_all() { limit 560 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore --durations=15 tests/; }
 phase_tests_engine() { limit 300 python3 -m pytest -q -p no:cacheprovider -W ignore --durations=5 tests/test_engine_gpu.py; }
 phase_profile() { limit 240 python3 bench/profile_step.py --rows "${PROFILE_ROWS:-plain_4,fsdp2_4,fsdp2_4_compile}"; }

@@ -247,10 +247,9 @@ class RolloutConfig:
     def validate(self, prefix: str) -> None:
         require(self, prefix, "max_batch", self.max_batch is None or self.max_batch >= 1, "must be >= 1 or null")
         require(self, prefix, "sync_every", self.sync_every >= 1, "must be >= 1")
-        for name in ("max_batch", "compile"):
-            default = RolloutConfig.__dataclass_fields__[name].default
-            require(self, prefix, name, self.backend == "fast" or getattr(self, name) == default,
-                    "applies to backend=fast only; set rollout.backend=fast or drop it")
+        only_fast = "applies to backend=fast only; set rollout.backend=fast or drop it"
+        require(self, prefix, "max_batch", self.backend == "fast" or self.max_batch is None, only_fast)
+        require(self, prefix, "compile", self.backend == "fast" or not self.compile, only_fast)
         require(self, prefix, "n", self.n >= 1, "must be >= 1")
         require(self, prefix, "temperature", self.temperature >= 0, "must be >= 0")
         require(self, prefix, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
