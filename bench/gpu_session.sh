@@ -23,6 +23,7 @@ limit() {  # limit SECONDS cmd...: the command, killed with its spawned workers 
 phase_tests_all() { limit 560 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore --durations=15 tests/; }
 phase_tests_engine() { limit 300 python3 -m pytest -q -p no:cacheprovider -W ignore --durations=5 tests/test_engine_gpu.py; }
 phase_profile() { limit 240 python3 bench/profile_step.py --rows "${PROFILE_ROWS:-plain_4,fsdp2_4,fsdp2_4_compile}"; }
+phase_profile_decode() { limit 200 python3 bench/profile_decode.py --out $RES; }
 phase_engine1() { limit 300 python3 bench/engine.py --world 1 --steps 3 --out $RES \
     --rows "${ENGINE1_ROWS:-plain_4,fsdp2_4,fsdp2_4_compile,fsdp2_4_z2_compile,fsdp2_8_compile}"; }
 phase_engine2() { limit 240 python3 bench/engine.py --world 2 --steps 3 --out $RES \

@@ -56,6 +56,16 @@ def _meshes() -> dict:
                        fsdp_peers=dist.get_process_group_ranks(hsdp.fsdp_mesh.get_group("fsdp")),
                        ddp_peers=dist.get_process_group_ranks(hsdp.fsdp_mesh.get_group("ddp")))
 
+    # what FSDP1 is handed: a shard group of one rank would make it skip the replica broadcast and all-reduce
+    from shardrl.engine.fsdp1 import fsdp1_sharding
+
+    replicas = build_device_mesh(1, 1)
+    out["fsdp1"] = {}
+    for name, layout in (("full", full), ("hsdp", hsdp), ("replicas", replicas)):
+        for reshard in (True, False):
+            mesh, strategy = fsdp1_sharding(layout.fsdp_mesh, reshard)
+            out["fsdp1"][name, reshard] = (strategy.name, dist.get_process_group_ranks(mesh.get_group(0)), mesh.ndim)
+
     sp = build_device_mesh(-1, 2)
     out["sp"] = dict(dp=sp.dp_size, sp=sp.sp_size, dp_rank=sp.dp_rank,
                      sp_rank=sp.sp_rank,
@@ -88,6 +98,13 @@ def test_meshes_on_four_ranks():
         assert hsdp["hsdp"] and hsdp["dp"] == 4
         assert hsdp["fsdp_peers"] == ([0, 1] if rank < 2 else [2, 3])  # shard within a replica
         assert hsdp["ddp_peers"] == [rank % 2, rank % 2 + 2]  # replicate across replicas
+
+        fsdp1, pair = out["fsdp1"], [rank % 2, rank % 2 + 2]
+        assert fsdp1["full", True] == ("FULL_SHARD", [0, 1, 2, 3], 1)
+        assert fsdp1["full", False] == ("SHARD_GRAD_OP", [0, 1, 2, 3], 1)
+        assert fsdp1["hsdp", True] == ("HYBRID_SHARD", pair, 2)  # group 0 of the 2-D mesh: the replicas
+        assert fsdp1["hsdp", False] == ("_HYBRID_SHARD_ZERO2", pair, 2)
+        assert fsdp1["replicas", True] == fsdp1["replicas", False] == ("NO_SHARD", [0, 1, 2, 3], 1)
 
         sp = out["sp"]
         assert (sp["dp"], sp["sp"]) == (2, 2)

@@ -2,7 +2,8 @@
 
 Sharding strategy follows the mesh and `reshard_after_forward`:
 1-D mesh -> FULL_SHARD (ZeRO-3) or SHARD_GRAD_OP (ZeRO-2); 2-D mesh -> HYBRID_SHARD or
-_HYBRID_SHARD_ZERO2. FSDP1 needs CUDA.
+_HYBRID_SHARD_ZERO2, except a 2-D mesh of one shard per replica (`fsdp_size=1`), which is plain data
+parallelism: NO_SHARD over the replica dimension. FSDP1 needs CUDA.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
@@ -20,10 +22,15 @@ from shardrl.engine.base import Engine, register_engine
 from shardrl.engine.model import DTYPES, PolicyModel, decoder_block_classes
 
 
-def sharding_strategy(hsdp: bool, reshard_after_forward: bool) -> ShardingStrategy:
-    if hsdp:
-        return ShardingStrategy.HYBRID_SHARD if reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
-    return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+def fsdp1_sharding(mesh: DeviceMesh, reshard_after_forward: bool) -> tuple[DeviceMesh, ShardingStrategy]:
+    """The mesh and strategy to hand FSDP1. A hybrid mesh with shards of one rank cannot go in as it is:
+    FSDP1 clamps a shard group of size 1 to NO_SHARD over that group alone, which skips both the broadcast
+    of rank 0's weights to the other replicas and the all-reduce of gradients across them."""
+    if mesh.ndim == 2 and mesh.size(1) == 1:
+        return mesh["ddp"], ShardingStrategy.NO_SHARD
+    if mesh.ndim == 2:
+        return mesh, ShardingStrategy.HYBRID_SHARD if reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
+    return mesh, ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
 
 
 def materialize_on(device: torch.device):
@@ -58,10 +65,11 @@ class FSDP1Engine(Engine):
         classes = decoder_block_classes(target.lm)
         self._num_units = sum(1 for m in target.modules() if type(m) in classes) + 1
         param_dtype = DTYPES[cfg.param_dtype]
+        device_mesh, strategy = fsdp1_sharding(self.mesh.fsdp_mesh, cfg.reshard_after_forward)
         wrapped = FSDP(
             target,
-            device_mesh=self.mesh.fsdp_mesh,
-            sharding_strategy=sharding_strategy(self.mesh.is_hsdp, cfg.reshard_after_forward),
+            device_mesh=device_mesh,
+            sharding_strategy=strategy,
             auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes),
             mixed_precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.reduce_dtype],
                                            buffer_dtype=torch.float32),

@@ -1,0 +1,152 @@
+"""Where a fast-rollout decode step spends its time, on one GPU (bench/rollout.py's model and batch 256).
+
+Prints the top CUDA kernels of eager decode steps (torch.profiler), the time of a graph-replayed step at a
+few cache lengths, and each part of a step timed alone: decode attention in several formulations, the
+layer GEMMs, the LM head and the sampler. One JSON line per timing (also appended to --out).
+
+    python bench/profile_decode.py --out results.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.rollout import QWEN2_1P5B, IdTokenizer  # noqa: E402
+
+
+def cuda_ms(fn, iters: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int, dtype) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kv = torch.randn(2, b, hkv, max_seq, d, device="cuda", dtype=dtype)
+    keys, values = kv[0][:, :, :seq], kv[1][:, :, :seq]
+    q = torch.randn(b, hkv, g, d, device="cuda", dtype=dtype)
+    lengths = torch.randint(seq // 2, seq, (b,), device="cuda")
+    mask = (torch.arange(seq, device="cuda") <= lengths[:, None])[:, None, None, :]
+    additive = torch.zeros(mask.shape, device="cuda", dtype=dtype).masked_fill(~mask, float("-inf"))
+
+    def manual():
+        s = torch.matmul(q, keys.transpose(-1, -2)) * d**-0.5
+        p = torch.softmax(s.float().masked_fill(~mask, float("-inf")), -1).to(dtype)
+        return torch.matmul(p, values)
+
+    def restricted(backend, m):
+        def run():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, keys, values, attn_mask=m)
+        return run
+
+    variants = {"sdpa_bool_mask (current)": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask),
+                "sdpa_additive_mask": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=additive),
+                "efficient_bool": restricted(SDPBackend.EFFICIENT_ATTENTION, mask),
+                "math_bool": restricted(SDPBackend.MATH, mask),
+                "cudnn_additive": restricted(SDPBackend.CUDNN_ATTENTION, additive),
+                "manual_matmul": manual}
+    out = {}
+    for name, fn in variants.items():
+        try:
+            out[name] = round(cuda_ms(fn), 4)
+        except Exception as e:  # a backend that refuses these shapes
+            out[name] = f"{type(e).__name__}: {str(e)[:120]}"
+    out["kv_read_ideal_ms"] = round(2 * keys.numel() * keys.element_size() / 4.3e12 * 1e3, 4)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    from transformers import AutoConfig
+
+    from shardrl.rollout.base import SamplingParams
+    from shardrl.rollout.fast import SAMPLE, FastRollout, sample_tokens
+
+    records = []
+
+    def emit(**rec):
+        rec = {"bench": "profile_decode", **rec}
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+
+    dtype, dev = torch.bfloat16, torch.device("cuda")
+    config = AutoConfig.for_model(**QWEN2_1P5B)
+    b = args.batch
+    rollout = FastRollout(config, IdTokenizer(), dev, dtype, micro_batch_size=b, max_batch=b)
+    ids = torch.randint(1, config.vocab_size, (b, args.prompt_len), device=dev)
+    rollout.generate(ids, torch.ones_like(ids), SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=0))
+    st, max_seq = rollout._state, rollout._state.max_seq
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def at(position: int):
+        st.lengths.fill_(position)
+        st.done.fill_(False)
+        st.num_generated.zero_()
+
+    for seq_len in sorted({max_seq // 2, 3 * max_seq // 4, max_seq}):
+        at(seq_len - 8)
+        emit(what="graph_step_ms", seq_len=seq_len, ms=round(cuda_ms(lambda: rollout._run_step(SAMPLE, seq_len, gen), 30), 4))
+
+    from torch.profiler import ProfilerActivity, profile
+
+    at(max_seq - 8)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            rollout._decode_step(SAMPLE, max_seq)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    kernels = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
+    emit(what="eager_step_kernels_ms", seq_len=max_seq,
+         top={e.key[:60]: round(e.device_time_total / 3 / 1e3, 4) for e in kernels})
+
+    c = config
+    d = c.hidden_size // c.num_attention_heads
+    g = c.num_attention_heads // c.num_key_value_heads
+    for seq_len in (max_seq // 2, max_seq):
+        emit(what="attention_ms_per_layer", seq_len=seq_len,
+             **attention_variants(b, c.num_key_value_heads, g, d, seq_len, max_seq, dtype))
+
+    layer = rollout.model.model.layers[0]
+    x = torch.randn(b, c.hidden_size, device=dev, dtype=dtype)
+    a, m = layer.self_attn, layer.mlp
+    gemms = {"qkv": lambda: F.linear(x, a.qkv_weight, a.qkv_bias), "o": lambda: F.linear(x, a.o_proj.weight),
+             "gate_up": lambda: F.linear(x, m.gate_up_weight),
+             "down": lambda: F.linear(torch.empty(b, c.intermediate_size, device=dev, dtype=dtype), m.down_proj.weight)}
+    emit(what="layer_gemm_ms", **{k: round(cuda_ms(f), 4) for k, f in gemms.items()})
+    head = rollout.model.lm_head
+    emit(what="lm_head_ms", ms=round(cuda_ms(lambda: head(x)), 4))
+    logits = head(x)
+    noise = torch.empty(b, c.vocab_size, device=dev).exponential_()
+    one = torch.ones((), device=dev)
+    emit(what="sampler_ms", mode=SAMPLE,
+         ms=round(cuda_ms(lambda: sample_tokens(logits, SAMPLE, noise, one, None, None)), 4),
+         noise_ms=round(cuda_ms(lambda: noise.exponential_(generator=gen)), 4))
+    if args.out:
+        with open(args.out, "a") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main()
