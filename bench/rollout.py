@@ -11,7 +11,7 @@ Cases:
               a batch (fast: decode slots; HF: rows per generate call) of --mixed-batch
 Rows:
     fast          FastRollout, CUDA graphs
-    fast_compile  FastRollout, CUDA graphs of the torch.compile'd step
+    fast_compile  FastRollout, CUDA graphs, the layer's parts around attention and the sampler compiled
     hf_dynamic    HF generate, DynamicCache (the reference backend's engine)
     hf_static     HF generate, cache_implementation="static" (HF compiles the forward itself)
 
@@ -108,9 +108,6 @@ def run_fast(row: str, hf_model, config, prompts, limits, batch, args, device, d
     from shardrl.rollout.base import SamplingParams
     from shardrl.rollout.fast import FastRollout
 
-    if row == "fast_compile":
-        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-        setattr(torch._dynamo.config, limit, 64)  # one compilation per (mode, seq_len) graph
     rollout = FastRollout(config, IdTokenizer(), device, dtype, micro_batch_size=batch, max_batch=batch,
                           compile=row == "fast_compile", sync_every=args.sync_every, seq_bucket=args.seq_bucket)
     _, load_s = timed(lambda: rollout.load_weights(hf_model.named_parameters()), device)

@@ -242,7 +242,8 @@ class RolloutConfig:
     sync_every: int = 16
     """fast backend: decode steps between host syncs (which retire finished rows and admit waiting ones)."""
     compile: bool = False
-    """fast backend: run the decode step's layer and sampler through `torch.compile` (for GPUs)."""
+    """fast backend: run the decode layer's parts around attention and the sampler through `torch.compile`
+    (for GPUs; experimental, see bench/RESULTS.md)."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "max_batch", self.max_batch is None or self.max_batch >= 1, "must be >= 1 or null")

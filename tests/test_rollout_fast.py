@@ -237,8 +237,8 @@ def test_fused_projections_follow_moves_and_loads(tok):
 
 
 def test_compiled_step_equals_eager(tok):
-    """`compile=True` (one compiled decoder-layer function for all layers, recompiled once with a dynamic
-    length when the attended length grows, and a compiled sampler) samples what the eager step samples."""
+    """`compile=True` (the layer's parts around attention compiled once for all layers and attended
+    lengths, and a compiled sampler) samples what the eager step samples."""
     model = reference_model(tok, seed=1)
     ids, mask = encode(tok)
     sampled = SamplingParams(n=2, temperature=0.9, max_new_tokens=20, seed=3)

@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 import torch
 
 from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, copy_weights_in_place
-from shardrl.rollout.fast_model import FastCausalLM, build_fast_lm, decode_block
+from shardrl.rollout.fast_model import DecodeBlock, FastCausalLM, build_fast_lm
 from shardrl.rollout.hf import HFRollout, _check_prompts, _contains_stop
 
 log = logging.getLogger(__name__)
@@ -105,8 +105,8 @@ class FastRollout(Rollout):
     `max_batch`: decode slots (the static batch); default min(rows, micro_batch_size * n) at first use,
     grown when a later call has more rows. `max_seq_len`: cache positions per slot; default the longest
     prompt + max_new_tokens rounded up to `seq_bucket`, grown as needed. `cuda_graphs` (default: on CUDA)
-    captures the decode step; `compile` runs its decoder layer (one compiled function serves all layers and,
-    after one recompilation with a dynamic length, every `seq_len`) and its sampler through `torch.compile`.
+    captures the decode step; `compile` runs the decoder layer's parts around attention (compiled once for all
+    layers and attended lengths; see `DecodeBlock`) and the sampler through `torch.compile`.
     `release_weights` makes `release()` move the weights to the CPU too."""
 
     def __init__(self, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,
@@ -132,7 +132,7 @@ class FastRollout(Rollout):
             raise ValueError("cuda_graphs=True needs a CUDA device")
         self.model: FastCausalLM = build_fast_lm(hf_config, self.device, dtype, seed=seed)
         self.vocab_size = hf_config.vocab_size
-        self._block = torch.compile(decode_block) if compile else decode_block
+        self._block = DecodeBlock(compile)
         self._sample = torch.compile(sample_tokens) if compile else sample_tokens
         self._state: SlotState | None = None
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}

@@ -167,32 +167,56 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode_weights(self) -> tuple:
-        """The tensors `decode_block` reads, in its argument order."""
+        """The weights a `DecodeBlock` reads, in its argument order."""
         a, m = self.self_attn, self.mlp
         return (self.input_layernorm.weight, a.qkv_weight, a.qkv_bias, a.o_proj.weight, a.o_proj.bias,
                 self.post_attention_layernorm.weight, m.gate_up_weight, m.gate_up_bias, m.down_proj.weight,
                 m.down_proj.bias)
 
 
-def decode_block(x, cos, sin, kv_layer, slots, positions, mask,
-                 ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b,
-                 eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
-    """One decoder layer for one token per slot, as a function of tensors only, so that one compilation
-    serves every layer. x (B, hidden) at `positions` (B,); slots = arange(B); mask (B, 1, 1, S): 0 on the
-    visible cache entries, -inf elsewhere; kv_layer (2, B, Hkv, max_seq, D)."""
+def attention_inputs(x, cos, sin, ln1, qkv_w, qkv_b, eps: float, num_heads: int, num_kv_heads: int,
+                     head_dim: int):
+    """RMSNorm, q/k/v projection and rotary for one token per slot: x (B, hidden) -> q (B, Hkv, G, D) (the
+    G query heads sharing a KV head as its "query positions": GQA without copying the cache), k, v (B, Hkv, D)."""
     b = x.shape[0]
     q, k, v = project_qkv(rms_norm(x, ln1, eps), qkv_w, qkv_b, num_heads, num_kv_heads, head_dim)
     q = apply_rotary(q.view(b, num_heads, head_dim), cos, sin)
     k = apply_rotary(k.view(b, num_kv_heads, head_dim), cos, sin)
-    kv_layer[0][slots, :, positions] = k  # (B, Hkv, D) into (B, Hkv, S, D)
-    kv_layer[1][slots, :, positions] = v.view(b, num_kv_heads, head_dim)
+    return q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v.view(b, num_kv_heads, head_dim)
+
+
+def cached_attention(q, k, v, kv_layer, slots, positions, mask):
+    """Writes k, v at `positions` into kv_layer (2, B, Hkv, max_seq, D) and attends over its first S entries;
+    mask (B, 1, 1, S): 0 on the visible entries, -inf elsewhere. Returns (B, Hkv, G, D)."""
+    kv_layer[0][slots, :, positions] = k
+    kv_layer[1][slots, :, positions] = v
     seq = mask.shape[-1]
-    keys, values = kv_layer[0][:, :, :seq], kv_layer[1][:, :, :seq]  # (B, Hkv, S, D)
-    # GQA without copying the cache: the query heads sharing a KV head become its "query positions"
-    q = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, Hkv, G, D)
-    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, G, D)
-    x = x + F.linear(attn.reshape(b, -1), o_w, o_b)
+    return F.scaled_dot_product_attention(q, kv_layer[0][:, :, :seq], kv_layer[1][:, :, :seq], attn_mask=mask)
+
+
+def attention_output_and_mlp(x, attn, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, eps: float):
+    x = x + F.linear(attn.reshape(x.shape[0], -1), o_w, o_b)
     return x + swiglu_mlp(rms_norm(x, ln2, eps), gate_up_w, gate_up_b, down_w, down_b)
+
+
+class DecodeBlock:
+    """One decoder layer for one token per slot, as functions of tensors only, so that one compilation
+    serves every layer. `compile` runs the parts before and after attention through `torch.compile`
+    (fusing the norms, rotary, residuals and SwiGLU around the GEMMs); they have the same shapes at every
+    attended length. The cache write and attention stay eager between them: no compiled code mutates the
+    cache or sees the attended length."""
+
+    def __init__(self, compile: bool = False):
+        wrap = torch.compile if compile else (lambda fn: fn)
+        self.inputs, self.output = wrap(attention_inputs), wrap(attention_output_and_mlp)
+
+    def __call__(self, x, cos, sin, kv_layer, slots, positions, mask,
+                 ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b,
+                 eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
+        """x (B, hidden) at `positions` (B,); slots = arange(B); see `cached_attention` for the cache."""
+        q, k, v = self.inputs(x, cos, sin, ln1, qkv_w, qkv_b, eps, num_heads, num_kv_heads, head_dim)
+        attn = cached_attention(q, k, v, kv_layer, slots, positions, mask)
+        return self.output(x, attn, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, eps)
 
 
 class Decoder(nn.Module):
@@ -246,9 +270,9 @@ class FastCausalLM(nn.Module):
         last = x[torch.arange(x.shape[0], device=x.device), lengths - 1]  # (U, hidden)
         return self.lm_head(self.model.norm(last))
 
-    def decode(self, tokens, positions, kv, seq_len: int, block=decode_block) -> torch.Tensor:
+    def decode(self, tokens, positions, kv, seq_len: int, block: DecodeBlock | None = None) -> torch.Tensor:
         """One token per slot: tokens, positions (B,) over all B slots of `kv`; attends to cache entries
-        [0, positions] within the first `seq_len`. `block`: `decode_block` or a compiled version of it.
+        [0, positions] within the first `seq_len`. `block`: how to run a layer (default: eager).
         Returns logits (B, V)."""
         c = self.config
         x = self.model.embed_tokens(tokens)  # (B, hidden)
@@ -261,6 +285,7 @@ class FastCausalLM(nn.Module):
         mask = mask[:, None, None, :]
         slots = torch.arange(tokens.shape[0], device=tokens.device)
         consts = (c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, head_dim_of(c))
+        block = block or DecodeBlock()
         for i, layer in enumerate(self.model.layers):
             x = block(x, cos, sin, kv[i], slots, positions, mask, *layer.decode_weights(), *consts)
         return self.lm_head(self.model.norm(x))
