@@ -21,6 +21,7 @@ limit() {  # limit SECONDS cmd...: the command, killed with its spawned workers 
 }
 
 phase_tests_all() { limit 560 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore --durations=15 tests/; }
+phase_tests_rollout() { limit 120 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore tests/test_rollout_fast.py; }
 phase_tests_engine() { limit 300 python3 -m pytest -q -p no:cacheprovider -W ignore --durations=5 tests/test_engine_gpu.py; }
 phase_profile() { limit 240 python3 bench/profile_step.py --rows "${PROFILE_ROWS:-plain_4,fsdp2_4,fsdp2_4_compile}"; }
 phase_profile_decode() { limit 200 python3 bench/profile_decode.py --out $RES; }
@@ -55,12 +56,11 @@ collect() {
 case "${1:-}" in
 start)
     shift
-    # `next`: what the last session left to measure, in the order to run it (one device call each line):
-    #   call 1: the cuda tests; call 2: state, rollout and the greedy check; call 3: engine rows
+    # `next`: what the last session left to measure, in the order to run it (about two device calls):
+    #   the fast rollout's GPU tests and figures after the additive mask and the split compile, its profile
     if [ "${1:-}" = next ]; then
-        set -- tests_all state1 state2 greedy rollout256 rollout engine1 engine2
-        export ROLLOUT256_ROWS=${ROLLOUT256_ROWS:-hf_dynamic,hf_static,fast,fast_compile}
-        export ENGINE1_ROWS=${ENGINE1_ROWS:-plain_4,fsdp2_4_compile,fsdp2_8_compile,fsdp2_4_ragged_compile,fsdp2_4_ragged_padded_compile,fsdp1_4}
+        set -- tests_rollout rollout256 profile_decode rollout
+        export ROLLOUT256_ROWS=${ROLLOUT256_ROWS:-hf_dynamic,fast,fast_compile}
     fi
     mkdir -p "$GS"
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader > "$GS/session.log"
