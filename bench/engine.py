@@ -199,10 +199,9 @@ def main():
     from shardrl.testing import run_distributed
 
     results = run_distributed(run_rows, args.world, args.rows.split(","), args.world, args.warmup, args.steps)
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
+    from bench import append_jsonl
+
+    append_jsonl(args.out, results)
 
 
 if __name__ == "__main__":

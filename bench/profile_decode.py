@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import append_jsonl  # noqa: E402
 from bench.rollout import QWEN2_1P5B, IdTokenizer  # noqa: E402
 
 
@@ -142,10 +143,7 @@ def main():
     emit(what="sampler_ms", mode=SAMPLE,
          ms=round(cuda_ms(lambda: sample_tokens(logits, SAMPLE, noise, one, None, None)), 4),
          noise_ms=round(cuda_ms(lambda: noise.exponential_(generator=gen)), 4))
-    if args.out:
-        with open(args.out, "a") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+    append_jsonl(args.out, records)
 
 
 if __name__ == "__main__":

@@ -39,9 +39,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `bench` as a package
 
 QWEN2_1P5B = dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                   num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
@@ -244,6 +248,14 @@ def greedy_agreement(hf_model, config, prompts, new_tokens: int, device, dtype) 
                 fp32_top2_gap_p10=float(typical.quantile(0.1)))
 
 
+def report(res: dict, out: str | None) -> None:
+    from bench import append_jsonl
+
+    res = {k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}
+    print(json.dumps(res), flush=True)
+    append_jsonl(out, [res])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="fixed_64,fixed_256,mixed")
@@ -286,11 +298,7 @@ def main():
             prompts = torch.randint(1, config.vocab_size, (int(case.split("_")[1]), args.prompt_len), generator=gen)
             res = dict(bench="rollout_greedy_agreement", case=case, **greedy_agreement(
                 hf_model, config, prompts, args.new_tokens, device, dtype), device=str(device), dtype=str(dtype))
-            line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()})
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
+            report(res, args.out)
             continue
         prompts, limits, batch = build_case(case, args, config.vocab_size, torch.Generator().manual_seed(1))
         baseline = None
@@ -313,11 +321,7 @@ def main():
             if baseline:
                 res["vs_hf_dynamic"] = res["tokens_per_s"] / baseline["tokens_per_s"]
                 res["decode_vs_hf_dynamic"] = res["decode_tokens_per_s"] / baseline["decode_tokens_per_s"]
-            line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()})
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
+            report(res, args.out)
 
 
 if __name__ == "__main__":

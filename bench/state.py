@@ -19,6 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import append_jsonl  # noqa: E402
 from bench.engine import QWEN2_1P5B  # noqa: E402
 
 
@@ -103,9 +104,7 @@ def main():
     rows = []
     for s in args.strategies.split(","):
         rows += run_distributed(run_strategy, args.world, s)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    append_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import append_jsonl  # noqa: E402
 from bench.engine import QWEN2_1P5B, model_flops_per_token  # noqa: E402
 
 LENGTHS = [16384, 32768, 49152, 65536, 98304, 131072, 196608, 262144]
@@ -96,9 +97,7 @@ def main():
     for sp in map(int, args.sp.split(",")):
         rows += run_distributed(run_sp, args.world, sp, [int(x) for x in args.lengths.split(",")], args.steps,
                                 args.warmup)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    append_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":
