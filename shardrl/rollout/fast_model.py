@@ -279,8 +279,8 @@ class FastCausalLM(nn.Module):
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)  # (B, D)
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         visible = torch.arange(seq_len, device=tokens.device) <= positions[:, None]  # (B, S)
-        # additive, made once per step: SDPA turns a boolean mask into this in every layer, and picks a
-        # slower cuDNN kernel for it (bench/profile_decode.py: 0.11 vs 0.06 ms per layer at batch 256, S 512)
+        # additive, made once per step: SDPA converts a boolean mask in every layer, and ran slower with one
+        # (bench/profile_decode.py, H200: 0.11 vs 0.06 ms per layer at batch 256, S 512)
         mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
         mask = mask[:, None, None, :]
         slots = torch.arange(tokens.shape[0], device=tokens.device)
