@@ -63,3 +63,23 @@ def test_save_and_reload_offline(tokenizer, tmp_path):
     assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (0, 1, 2)
     messages = [{"role": "user", "content": "1+1="}]
     assert loaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == "user: 1+1=\nassistant: "
+
+
+def test_trainer_loads_a_saved_tokenizer_and_names_a_bad_folder(tokenizer, tmp_path):
+    from shardrl.config import Config
+    from shardrl.trainer.rl import load_tokenizer
+
+    cfg = Config()
+    cfg.model.path = str(tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"model\.path='.*missing' is not a folder; .*local Hugging Face model folder"):
+        load_tokenizer(cfg)
+    (tmp_path / "weights_only").mkdir()
+    cfg.model.path = str(tmp_path / "weights_only")
+    with pytest.raises(ValueError, match=r"model\.path='.*weights_only' holds no tokenizer .*save_pretrained"):
+        load_tokenizer(cfg)
+    cfg.model.tokenizer_path = str(tmp_path / "elsewhere")  # the error names the key that was used
+    with pytest.raises(ValueError, match=r"model\.tokenizer_path='.*elsewhere' is not a folder"):
+        load_tokenizer(cfg)
+    tokenizer.save_pretrained(tmp_path / "tok")
+    cfg.model.tokenizer_path = str(tmp_path / "tok")
+    assert load_tokenizer(cfg).encode("12+7=19") == tokenizer.encode("12+7=19")

@@ -32,12 +32,23 @@ from shardrl.trainer.updates import actor_loss_fn, compute_advantages, critic_lo
 log = logging.getLogger(__name__)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(cfg: Config):
     import transformers
 
     path = cfg.model.tokenizer_path or cfg.model.path
     if path is None:
         raise ValueError("no tokenizer: set model.path (a local HF model folder) or model.tokenizer_path")
+    key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+    if not Path(path).is_dir():
+        raise ValueError(f"{key}={path!r} is not a folder; give a local Hugging Face model folder "
+                         "(nothing is downloaded from the hub)")
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save one "
+                         "there with tokenizer.save_pretrained(folder), or set model.tokenizer_path to a folder "
+                         "that has one")
     try:
         tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     except Exception as e:
