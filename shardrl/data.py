@@ -135,7 +135,7 @@ def load_prompt_dataset(
                 if skip_bad_rows:
                     stats["num_skipped_bad"] += 1
                     continue
-                raise ValueError(f"{path}: row {row_number}: {problem} (pass skip_bad_rows=True to skip such rows)")
+                raise ValueError(f"{path}: row {row_number}: {problem} (set data.skip_bad_rows=true to skip and count such rows)")
             prompt = row[prompt_key]
             if isinstance(prompt, list):
                 if not has_chat_template:

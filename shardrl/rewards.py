@@ -95,7 +95,10 @@ REWARD_FUNCTIONS = {
 def load_reward_function(path: str, name: str = "compute_score"):
     """Import the user's reward file at `path` and return its function `name`."""
     if not os.path.isfile(path):
-        raise ValueError(f"reward function file not found: {path!r}")
+        file, _, fn = path.rpartition(":")
+        hint = (f"; the function's name goes in reward.function_name: reward.function_path={file} "
+                f"reward.function_name={fn}") if file and os.path.isfile(file) else ""
+        raise ValueError(f"reward function file not found: {path!r}{hint}")
     # A stable name per file, the same in every process, so the module can be found again by name.
     module_name = "shardrl_user_reward_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(module_name, path)

@@ -89,8 +89,12 @@ def test_load_reward_function(tmp_path):
 
 
 def test_load_reward_function_missing_file(tmp_path):
-    with pytest.raises(ValueError, match="reward function file not found: .*absent.py"):
+    with pytest.raises(ValueError, match="reward function file not found: .*absent.py'$"):
         load_reward_function(str(tmp_path / "absent.py"))
+    (tmp_path / "score.py").write_text("def f(*a):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"file not found: .*score.py:f'; the function's name goes in "
+                                         r"reward.function_name: reward.function_path=.*score.py reward.function_name=f$"):
+        load_reward_function(f"{tmp_path / 'score.py'}:f")
 
 
 def test_load_reward_function_import_error(tmp_path):
