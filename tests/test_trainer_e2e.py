@@ -119,10 +119,10 @@ def _train_cli(*args: str) -> int:
     return cli_main(["train", *args])
 
 
-def test_missing_dataset_file_is_a_clear_error(tmp_path, capsys):
+def test_a_model_folder_without_tokenizer_is_a_clear_error(tmp_path, capsys):
     assert _train_cli(f"data.train_files=[{tmp_path / 'nope.jsonl'}]", "model.path=" + str(tmp_path)) == 2
     err = capsys.readouterr().err
-    assert "error:" in err
+    assert err.startswith("error: model.path=") and "holds no tokenizer" in err and "Traceback" not in err
 
 
 def test_bad_inputs_through_the_cli(assets, tmp_path, capsys):
@@ -146,6 +146,12 @@ def test_bad_inputs_through_the_cli(assets, tmp_path, capsys):
                             intermediate_size=8, architectures=["BertForSequenceClassification"]).save_pretrained(not_lm)
     assert _train_cli(*base, f"model.path={not_lm}", f"model.tokenizer_path={assets / 'model'}") == 2
     assert "not a causal LM" in capsys.readouterr().err
+    # a causal LM folder without weights
+    no_weights = tmp_path / "no_weights"
+    transformers.AutoConfig.from_pretrained(assets / "model").save_pretrained(no_weights)
+    assert _train_cli(*base, f"model.path={no_weights}", f"model.tokenizer_path={assets / 'model'}") == 2
+    err = capsys.readouterr().err
+    assert "has a config.json but no weights" in err and "Traceback" not in err
     # a reward file without the function
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text("def other(a, b, c, d=None):\n    return 0.0\n")

@@ -25,7 +25,7 @@ from shardrl.batch import Batch
 from shardrl.distributed import MeshLayout, all_reduce_sum, build_device_mesh, device_type
 from shardrl.engine.attention import resolve_attn_implementation
 from shardrl.engine.microbatch import restore_order, split_micro_batches
-from shardrl.engine.model import DTYPES, HEADS, PolicyModel, build_causal_lm, load_hf_config, strip_prefix
+from shardrl.engine.model import DTYPES, HEADS, PolicyModel, build_causal_lm, check_model_weights, load_hf_config, strip_prefix
 from shardrl.engine.ulysses import check_heads
 from shardrl.engine.optim import build_lr_scheduler, build_optimizer
 
@@ -74,6 +74,8 @@ class Engine(abc.ABC):
         self.head = head
         self.hf_config = load_hf_config(model_cfg.path, model_cfg.tiny, model_cfg.trust_remote_code,
                                         task="seq_cls" if head == "score" else "causal_lm")
+        if model_cfg.path is not None:
+            check_model_weights(model_cfg.path)
         self.module = self._build_module(head)
         self.optimizer = self.lr_scheduler = None
         if optim_cfg is not None:

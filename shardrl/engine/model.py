@@ -55,6 +55,14 @@ def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool 
     return config
 
 
+def check_model_weights(path: str) -> None:
+    """A model folder must hold weights (safetensors or PyTorch .bin files) to build a model from it."""
+    folder = Path(path)
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+        raise ValueError(f"model folder {path!r} has a config.json but no weights (*.safetensors or "
+                         "pytorch_model*.bin); write them with model.save_pretrained(folder)")
+
+
 def build_causal_lm(config, path: str | None, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
                     attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                     sequence_classification: bool = False) -> nn.Module:
