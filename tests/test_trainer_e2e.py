@@ -162,3 +162,17 @@ def test_bad_inputs_through_the_cli(assets, tmp_path, capsys):
     assert _train_cli(*base, "data.train_batch_size=6", "actor.ppo_mini_batch_size=4") == 2
     err = capsys.readouterr().err
     assert "ppo_mini_batch_size" in err and "6" in err
+    # ... nor over the processes asked for: said before torchrun starts any
+    assert _train_cli("--nproc-per-node", "3", *base) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data.train_batch_size=") and "dp=3" in err and "nearest valid" in err
+
+
+def test_an_error_found_in_the_ranks_is_one_line_and_exit_status_2(assets, tmp_path, capfd):
+    bad_rows = tmp_path / "rows.jsonl"
+    bad_rows.write_text('{"question": "x"}\n')
+    base = small(assets, tmp_path / "bad", "trainer.total_steps=1", f"data.train_files=[{bad_rows}]")
+    assert _train_cli("--nproc-per-node", "2", *base) == 2
+    err = capfd.readouterr().err
+    assert err.count("error: ") == 1 and "rows.jsonl: row 1: no 'prompt' key" in err
+    assert "Traceback" not in err

@@ -78,22 +78,37 @@ def train_main(args) -> int:
             f"`torchrun --nnodes {nnodes} --nproc-per-node {nproc} --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
             "-m shardrl.trainer.main CONFIG key=value ...` (HOST: a node every node reaches)")
     if nproc > 1 and "RANK" not in os.environ:
-        from torch.distributed.run import main as torchrun
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import parse_args, run as torchrun
 
+        from shardrl.layout import derive_layout
+
+        derive_layout(cfg, nnodes, nproc)  # batch sizes that do not divide: one clear error, before any process
         argv = [f"--nproc-per-node={nproc}", "--nnodes=1", "--standalone", "-m", "shardrl.trainer.main"]
         argv += ([args.config] if args.config else ["--no-config"]) + overrides
-        torchrun(argv)
+        try:
+            torchrun(parse_args(argv))
+        except ChildFailedError as e:  # the ranks have said why (a user error: rank 0's `error:` line)
+            return next(iter(e.failures.values())).exitcode or 1
         return 0
     run(args.config, overrides)
     return 0
 
 
-def _rank_main(argv: list[str]) -> None:
+def _rank_main(argv: list[str]) -> int:
+    """A rank torchrun started. A user's mistake found here (a `ValueError`: data, model folder, reward
+    file) is one `error:` line from rank 0 and exit status 2 on every rank, as in a single process."""
     _setup_logging()
     config = None if argv and argv[0] == "--no-config" else (argv[0] if argv and "=" not in argv[0] else None)
     overrides = [a for a in argv if "=" in a]
-    run(config, overrides)
+    try:
+        run(config, overrides)
+    except ValueError as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1:])
+    sys.exit(_rank_main(sys.argv[1:]))
