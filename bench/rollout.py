@@ -21,7 +21,8 @@ prefill time (fast:
 a run with one new token; HF: a forward of the prompts), and the fraction of the memory-bandwidth limit
 its decode reached: (decode steps x weight bytes + KV bytes of the live rows' context) / decode time /
 --bandwidth (4.3 TB/s on an H200). Fast rows add the time to load new weights (from GPU tensors, as the
-engine exports them) and to release/resume the cache (resume recaptures the graphs).
+engine exports them) and to release/resume the cache (resume recaptures the graphs), and the trainer's
+health metric on 16 responses: |sampler log-prob - training engine's recomputation|, mean and max.
 
     python bench/rollout.py                                   # everything, ~minutes on one H200
     python bench/rollout.py --cases fixed_256,mixed --rows hf_dynamic,fast
@@ -128,11 +129,30 @@ def run_fast(row: str, hf_model, config, prompts, limits, batch, args, device, d
     _, release_w_s = timed(lambda: rollout.release(weights=True), device)
     _, resume_w_s = timed(rollout.resume, device)
     same_after_resume = torch.equal(generate(limits).response_ids, out.response_ids)  # same seed, same tokens
+    drift = sampler_vs_engine_log_probs(hf_model, out)
     return dict(tokens=int(out.response_mask.sum()), seconds=total_s, prefill_s=prefill_s, warmup_s=warmup_s,
                 decode_steps=stats["decode_steps"], num_slots=stats["num_slots"], max_seq=stats["max_seq"],
                 graphs=len(rollout._graphs), load_weights_s=load_s, release_s=release_s, resume_s=resume_s,
                 release_weights_s=release_w_s, resume_weights_s=resume_w_s, same_after_resume=same_after_resume,
-                kv_cache_gib=rollout._state.kv.numel() * rollout._state.kv.element_size() / 2**30)
+                kv_cache_gib=rollout._state.kv.numel() * rollout._state.kv.element_size() / 2**30, **drift)
+
+
+def sampler_vs_engine_log_probs(hf_model, out, rows: int = 16) -> dict:
+    """The trainer's health metric `rollout/logprob_abs_diff` on the first `rows` responses: the sampler's
+    log-probs against the training engine's recomputation (`PolicyModel`: packed, chunked) with the same
+    weights and dtype; mean and max of |difference| over response tokens."""
+    from shardrl.engine.model import PolicyModel
+
+    batch = out.to_batch()
+    rows = min(rows, len(batch))
+    mask = batch["loss_mask"][:rows].bool()
+    use_cache, hf_model.config.use_cache = hf_model.config.use_cache, False
+    with torch.no_grad():
+        engine_lp = PolicyModel(hf_model).eval()(batch["input_ids"][:rows], batch["attention_mask"][:rows])["log_probs"]
+    hf_model.config.use_cache = use_cache
+    diff = (engine_lp.float() - batch["sampled_log_probs"][:rows].to(engine_lp.device))[mask].abs()
+    return dict(logprob_abs_diff_mean=diff.mean().item(), logprob_abs_diff_max=diff.max().item(),
+                logprob_rows=rows)
 
 
 class RowLimits:
@@ -251,7 +271,7 @@ def greedy_agreement(hf_model, config, prompts, new_tokens: int, device, dtype) 
 def report(res: dict, out: str | None) -> None:
     from bench import append_jsonl
 
-    res = {k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}
+    res = {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in res.items()}  # small ones too
     print(json.dumps(res), flush=True)
     append_jsonl(out, [res])
 
