@@ -56,8 +56,8 @@ def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int,
                 return F.scaled_dot_product_attention(q, keys, values, attn_mask=m)
         return run
 
-    variants = {"sdpa_bool_mask (current)": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask),
-                "sdpa_additive_mask": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=additive),
+    variants = {"sdpa_bool_mask": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask),
+                "sdpa_additive_mask (the decode step's)": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=additive),
                 "efficient_bool": restricted(SDPBackend.EFFICIENT_ATTENTION, mask),
                 "math_bool": restricted(SDPBackend.MATH, mask),
                 "cudnn_additive": restricted(SDPBackend.CUDNN_ATTENTION, additive),

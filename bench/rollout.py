@@ -146,10 +146,12 @@ def sampler_vs_engine_log_probs(hf_model, out, rows: int = 16) -> dict:
     batch = out.to_batch()
     rows = min(rows, len(batch))
     mask = batch["loss_mask"][:rows].bool()
-    use_cache, hf_model.config.use_cache = hf_model.config.use_cache, False
-    with torch.no_grad():
-        engine_lp = PolicyModel(hf_model).eval()(batch["input_ids"][:rows], batch["attention_mask"][:rows])["log_probs"]
-    hf_model.config.use_cache = use_cache
+    use_cache, hf_model.config.use_cache = hf_model.config.use_cache, False  # as the engine runs it
+    try:
+        with torch.no_grad():
+            engine_lp = PolicyModel(hf_model).eval()(batch["input_ids"][:rows], batch["attention_mask"][:rows])["log_probs"]
+    finally:
+        hf_model.config.use_cache = use_cache
     diff = (engine_lp.float() - batch["sampled_log_probs"][:rows].to(engine_lp.device))[mask].abs()
     return dict(logprob_abs_diff_mean=diff.mean().item(), logprob_abs_diff_max=diff.max().item(),
                 logprob_rows=rows)

@@ -25,7 +25,8 @@ from shardrl.batch import Batch
 from shardrl.distributed import MeshLayout, all_reduce_sum, build_device_mesh, device_type
 from shardrl.engine.attention import resolve_attn_implementation
 from shardrl.engine.microbatch import restore_order, split_micro_batches
-from shardrl.engine.model import DTYPES, HEADS, PolicyModel, build_causal_lm, check_model_weights, load_hf_config, strip_prefix
+from shardrl.engine.model import (DTYPES, HEADS, PolicyModel, build_causal_lm, check_model_weights, load_hf_config,
+                                  strip_prefix)
 from shardrl.engine.ulysses import check_heads
 from shardrl.engine.optim import build_lr_scheduler, build_optimizer
 

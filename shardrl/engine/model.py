@@ -35,9 +35,7 @@ def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool 
         if model_type is None:
             raise ValueError("model.tiny needs a 'model_type' (e.g. 'qwen2' or 'llama')")
         return transformers.AutoConfig.for_model(model_type, **kwargs)
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(f"model.path={path!r} is not a folder; give a local Hugging Face model folder")
+    folder = require_folder("model.path", path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"model.path={path!r} has no config.json; is it a Hugging Face model folder?")
     config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -53,6 +51,14 @@ def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool 
     if task == "seq_cls" and getattr(config, "num_labels", 1) != 1:
         raise ValueError(f"reward model {path!r} has {config.num_labels} labels; a reward model has one")
     return config
+
+
+def require_folder(key: str, path: str) -> Path:
+    """`path`, the value of config key `key`, as a folder that exists."""
+    if not Path(path).is_dir():
+        raise ValueError(f"{key}={path!r} is not a folder; give a local Hugging Face model folder "
+                         "(nothing is downloaded from the hub)")
+    return Path(path)
 
 
 def check_model_weights(path: str) -> None:

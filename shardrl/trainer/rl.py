@@ -22,7 +22,7 @@ from shardrl.checkpoint import CheckpointManager
 from shardrl.config import Config, config_to_dict, save_config
 from shardrl.data import PromptLoader, collate_prompts, load_prompt_dataset
 from shardrl.engine import build_engine
-from shardrl.engine.model import DTYPES
+from shardrl.engine.model import DTYPES, require_folder
 from shardrl.layout import derive_layout, format_layout
 from shardrl.rewards import RewardManager, load_reward_function
 from shardrl.rollout import SamplingParams, build_rollout
@@ -42,10 +42,7 @@ def load_tokenizer(cfg: Config):
     if path is None:
         raise ValueError("no tokenizer: set model.path (a local HF model folder) or model.tokenizer_path")
     key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
-    if not Path(path).is_dir():
-        raise ValueError(f"{key}={path!r} is not a folder; give a local Hugging Face model folder "
-                         "(nothing is downloaded from the hub)")
-    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+    if not any((require_folder(key, path) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save one "
                          "there with tokenizer.save_pretrained(folder), or set model.tokenizer_path to a folder "
                          "that has one")
