@@ -1,7 +1,7 @@
 """Where a fast-rollout decode step spends its time, on one GPU (bench/rollout.py's model and batch 256).
 
-Prints the top CUDA kernels of eager decode steps (torch.profiler), the time of a graph-replayed step at a
-few cache lengths, and each part of a step timed alone: decode attention in several formulations, the
+Prints the time of a graph-replayed step at a few cache lengths (attention=sdpa, attention=flex, and flex
+with the layer's parts compiled), the top CUDA kernels of eager decode steps (flex), and each part of a step timed alone: decode attention in several formulations, the
 layer GEMMs, the LM head and the sampler. One JSON line per timing (also appended to --out).
 
     python bench/profile_decode.py --out results.jsonl
@@ -36,7 +36,11 @@ def cuda_ms(fn, iters: int = 50) -> float:
 
 
 def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int, dtype) -> dict:
+    """Per-layer decode attention at batch b; positions uniform in [seq/2, seq) (flex reads up to them, the
+    others read `seq` positions)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from shardrl.rollout.fast_model import FlexDecodeAttention
 
     kv = torch.randn(2, b, hkv, max_seq, d, device="cuda", dtype=dtype)
     keys, values = kv[0][:, :, :seq], kv[1][:, :, :seq]
@@ -56,8 +60,11 @@ def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int,
                 return F.scaled_dot_product_attention(q, keys, values, attn_mask=m)
         return run
 
-    variants = {"sdpa_bool_mask": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask),
-                "sdpa_additive_mask (the decode step's)": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=additive),
+    flex = FlexDecodeAttention()
+    block_mask = flex.mask(lengths, max_seq, dtype)
+    variants = {"flex (the decode step's)": lambda: flex(q, kv, block_mask),
+                "sdpa_bool_mask": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask),
+                "sdpa_additive_mask (attention=sdpa)": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=additive),
                 "efficient_bool": restricted(SDPBackend.EFFICIENT_ATTENTION, mask),
                 "math_bool": restricted(SDPBackend.MATH, mask),
                 "cudnn_additive": restricted(SDPBackend.CUDNN_ATTENTION, additive),
@@ -69,6 +76,8 @@ def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int,
         except Exception as e:  # a backend that refuses these shapes
             out[name] = f"{type(e).__name__}: {str(e)[:120]}"
     out["kv_read_ideal_ms"] = round(2 * keys.numel() * keys.element_size() / 4.3e12 * 1e3, 4)
+    live = 2 * (lengths + 1).sum().item() * hkv * d * keys.element_size()
+    out["kv_read_live_ideal_ms"] = round(live / 4.3e12 * 1e3, 4)  # only each slot's entries up to its position
     return out
 
 
@@ -94,31 +103,41 @@ def main():
     dtype, dev = torch.bfloat16, torch.device("cuda")
     config = AutoConfig.for_model(**QWEN2_1P5B)
     b = args.batch
-    rollout = FastRollout(config, IdTokenizer(), dev, dtype, micro_batch_size=b, max_batch=b)
     ids = torch.randint(1, config.vocab_size, (b, args.prompt_len), device=dev)
-    rollout.generate(ids, torch.ones_like(ids), SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=0))
-    st, max_seq = rollout._state, rollout._state.max_seq
     gen = torch.Generator(device=dev).manual_seed(0)
 
-    def at(position: int):  # every slot live at `position`, with room for the steps timed after (< 48)
+    def at(st, position: int):  # every slot live at `position`, with room for the steps timed after (< 48)
         st.lengths.fill_(position)
         st.done.fill_(False)
         st.num_generated.zero_()
 
-    for seq_len in sorted({max_seq // 2, 3 * max_seq // 4, max_seq}):
-        at(seq_len - 48)
-        emit(what="graph_step_ms", seq_len=seq_len, ms=round(cuda_ms(lambda: rollout._run_step(SAMPLE, seq_len, gen), 30), 4))
+    for attention, compile in (("sdpa", False), ("flex", False), ("flex", True)):
+        rollout = FastRollout(config, IdTokenizer(), dev, dtype, micro_batch_size=b, max_batch=b,
+                              attention=attention, compile=compile)
+        rollout.generate(ids, torch.ones_like(ids), SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=0))
+        st, max_seq = rollout._state, rollout._state.max_seq
+        for seq_len in sorted({max_seq // 2, 3 * max_seq // 4, max_seq}):
+            at(st, seq_len - 48)
+            graph_len = seq_len if attention == "sdpa" else max_seq  # flex: one graph, reads up to the positions
+            emit(what="graph_step_ms", attention=attention, compile=compile, seq_len=seq_len,
+                 ms=round(cuda_ms(lambda: rollout._run_step(SAMPLE, graph_len, gen), 30), 4))
+        if attention == "flex" and not compile:
+            eager = rollout  # profiled below
+        else:
+            rollout.release(weights=True)
 
+    rollout = eager
+    st, max_seq = rollout._state, rollout._state.max_seq
     from torch.profiler import ProfilerActivity, profile
 
-    at(max_seq - 48)
+    at(st, max_seq - 48)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             rollout._decode_step(SAMPLE, max_seq)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     kernels = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
-    emit(what="eager_step_kernels_ms", seq_len=max_seq,
+    emit(what="eager_step_kernels_ms", attention="flex", seq_len=max_seq,
          top={e.key[:60]: round(e.device_time_total / 3 / 1e3, 4) for e in kernels})
 
     c = config

@@ -249,6 +249,30 @@ def test_compiled_step_equals_eager(tok):
     torch.testing.assert_close(got.sampled_log_probs, eager.sampled_log_probs, atol=1e-5, rtol=0)
 
 
+def test_flex_attention_equals_sdpa(tok):
+    """`attention="flex"` (each slot's cache read only up to its length: blocks of 128 past it skipped, the
+    one holding it masked; compiled, here on the CPU) decodes what the masked SDPA step decodes, with rows
+    retiring and taking slots, and responses crossing a 128-position block."""
+    model = reference_model(tok, seed=1)
+    ids, mask = encode(tok)
+    greedy = SamplingParams(greedy=True, max_new_tokens=140)
+    text = "".join(make_rollout("fast", tok, model).generate(ids[:1], mask[:1], greedy).response_text)
+    no_eos = copy.deepcopy(tok)  # whose EOS the first row never emits: it runs to its limit
+    no_eos.eos_token = next(c for c in "0123456789abcdefghijklmnopqrstuvwxyz" if c not in text)
+    kwargs = dict(max_batch=4, sync_every=8)
+    flex, sdpa = (make_rollout("fast", no_eos, model, attention=a, **kwargs) for a in ("flex", "sdpa"))
+    lengths = []
+    for sampling in (greedy,
+                     SamplingParams(n=2, temperature=0.9, max_new_tokens=30, seed=3)):
+        limits = [140, 3, 9, 60, 1, 25] if sampling.greedy else None
+        got = flex.generate(ids, mask, sampling, max_new_tokens=limits)
+        want = sdpa.generate(ids, mask, sampling, max_new_tokens=limits)
+        assert torch.equal(got.response_ids, want.response_ids)
+        torch.testing.assert_close(got.sampled_log_probs, want.sampled_log_probs, atol=1e-5, rtol=0)
+        lengths.append(got.response_mask.sum(1))
+    assert lengths[0][0] == 140  # the first row's cache passes position 128
+
+
 def test_release_and_resume(tok):
     model = reference_model(tok, seed=1)
     rollout = make_rollout("fast", tok, model, max_batch=3)
@@ -303,8 +327,8 @@ def test_errors_name_the_problem(tok):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("compile", [False, True])
-def test_cuda_graphs_match_the_reference(tok, compile):
+@pytest.mark.parametrize("attention,compile", [("flex", False), ("flex", True), ("sdpa", False), ("sdpa", True)])
+def test_cuda_graphs_match_the_reference(tok, attention, compile):
     """On a GPU in fp32: graph replays give HF's greedy tokens, the eager step's samples, and the same
     again after release/resume (which recaptures the graphs)."""
     model = reference_model(tok, seed=1)
@@ -323,7 +347,7 @@ def test_cuda_graphs_match_the_reference(tok, compile):
     def on_cpu(out: RolloutOutput) -> RolloutOutput:
         return RolloutOutput(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in vars(out).items()})
 
-    graphed, eager = fast(compile=compile), fast(cuda_graphs=False)
+    graphed, eager = fast(compile=compile, attention=attention), fast(cuda_graphs=False, attention=attention)
     got = on_cpu(graphed.generate(ids.cuda(), mask.cuda(), greedy))
     assert graphed._graphs
     assert torch.equal(got.response_ids, want.response_ids) and got.response_text == want.response_text
@@ -341,3 +365,23 @@ def test_cuda_graphs_match_the_reference(tok, compile):
     graphed.resume()
     assert len(graphed._graphs) == num_graphs
     assert torch.equal(on_cpu(graphed.generate(ids.cuda(), mask.cuda(), sampled)).response_ids, a.response_ids)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_decode_attention_matches_sdpa_in_bf16():
+    """The compiled flex kernel on the GPU at the benchmark's head layout (12 query heads on 2 KV heads,
+    head dim 128), positions inside, at the start and at the end of 128-entry blocks."""
+    from shardrl.rollout.fast_model import FlexDecodeAttention, SDPADecodeAttention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, hkv, g, d, max_seq = 16, 2, 6, 128, 512
+    kv = torch.randn(2, b, hkv, max_seq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(b, hkv, g, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    positions = torch.tensor([0, 1, 126, 127, 128, 129, 255, 256, 300, 383, 384, 400, 510, 511, 7, 64], device="cuda")
+    flex, sdpa = FlexDecodeAttention(), SDPADecodeAttention()
+    got = flex(q, kv, flex.mask(positions, max_seq, q.dtype)).float()
+    want = sdpa(q.float(), kv.float(), sdpa.mask(positions, max_seq, torch.float32))
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    kv[:, 0, :, 128:] = float("nan")  # slot 0 sees position 0 only: the blocks past its own must not be read
+    assert not flex(q, kv, flex.mask(positions, max_seq, q.dtype))[0].isnan().any()

@@ -33,7 +33,8 @@ from typing import Iterable, Sequence
 import torch
 
 from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, copy_weights_in_place
-from shardrl.rollout.fast_model import DecodeBlock, FastCausalLM, build_fast_lm
+from shardrl.rollout.fast_model import (DecodeBlock, FastCausalLM, FlexDecodeAttention, SDPADecodeAttention,
+                                        build_fast_lm)
 from shardrl.rollout.hf import HFRollout, _check_prompts, _contains_stop
 
 log = logging.getLogger(__name__)
@@ -46,23 +47,21 @@ def sample_tokens(logits, mode: str, noise, temperature, top_k, top_p):
     Sampling is Gumbel-max: argmax(log p - log E) with E ~ Exp(1) in `noise` (B, V). TRUNCATED keeps
     the `top_k` best tokens, then those whose better-ranked mass is below `top_p` (HF's order)."""
     logits = logits.float()  # here, so that a compiled sampler fuses the cast into its first pass
+    scaled = logits if mode == GREEDY else logits / temperature
     if mode == GREEDY:
         tokens = logits.argmax(-1)
-        log_probs = torch.log_softmax(logits, -1)
+    elif mode == SAMPLE:
+        tokens = (scaled - noise.log()).argmax(-1)
     else:
-        scaled = logits / temperature
-        log_probs = torch.log_softmax(scaled, -1)
-        if mode == SAMPLE:
-            tokens = (scaled - noise.log()).argmax(-1)
-        else:
-            ranked, order = scaled.sort(-1, descending=True)  # (B, V)
-            rank = torch.arange(ranked.shape[-1], device=ranked.device)
-            ranked = ranked.masked_fill(rank >= top_k, float("-inf"))
-            probs = torch.softmax(ranked, -1)
-            ranked = ranked.masked_fill(probs.cumsum(-1) - probs >= top_p, float("-inf"))
-            choice = (ranked - noise.log()).argmax(-1, keepdim=True)
-            tokens = order.gather(-1, choice).squeeze(-1)
-    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+        ranked, order = scaled.sort(-1, descending=True)  # (B, V)
+        rank = torch.arange(ranked.shape[-1], device=ranked.device)
+        ranked = ranked.masked_fill(rank >= top_k, float("-inf"))
+        probs = torch.softmax(ranked, -1)
+        ranked = ranked.masked_fill(probs.cumsum(-1) - probs >= top_p, float("-inf"))
+        choice = (ranked - noise.log()).argmax(-1, keepdim=True)
+        tokens = order.gather(-1, choice).squeeze(-1)
+    # the sampled token's log softmax, without writing the (B, V) log-probs
+    return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - scaled.logsumexp(-1)
 
 
 def sampling_mode(sampling: SamplingParams) -> str:
@@ -106,13 +105,16 @@ class FastRollout(Rollout):
     grown when a later call has more rows. `max_seq_len`: cache positions per slot; default the longest
     prompt + max_new_tokens rounded up to `seq_bucket`, grown as needed. `cuda_graphs` (default: on CUDA)
     captures the decode step; `compile` runs the decoder layer's parts around attention (compiled once for all
-    layers and attended lengths; see `DecodeBlock`) and the sampler through `torch.compile`.
-    `release_weights` makes `release()` move the weights to the CPU too."""
+    layers and attended lengths; see `DecodeBlock`) and the sampler through `torch.compile`. `attention`:
+    "flex" reads each slot's cache only up to its length (`FlexDecodeAttention`, compiled; one graph for all
+    lengths), "sdpa" the first `seq_len` positions of every slot with a mask; "auto" = flex on CUDA, sdpa
+    elsewhere. `release_weights` makes `release()` move the weights to the CPU too."""
 
     def __init__(self, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,
                  micro_batch_size: int = 64, max_batch: int | None = None, max_seq_len: int | None = None,
                  cuda_graphs: bool | None = None, compile: bool = False, sync_every: int = 16,
-                 seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0):
+                 seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0,
+                 attention: str = "auto"):
         for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every),
                             ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens),
                             ("max_batch", max_batch or 1), ("max_seq_len", max_seq_len or 1)):
@@ -132,7 +134,11 @@ class FastRollout(Rollout):
             raise ValueError("cuda_graphs=True needs a CUDA device")
         self.model: FastCausalLM = build_fast_lm(hf_config, self.device, dtype, seed=seed)
         self.vocab_size = hf_config.vocab_size
-        self._block = DecodeBlock(compile)
+        if attention not in ("auto", "flex", "sdpa"):
+            raise ValueError(f"attention={attention!r} must be 'auto', 'flex' or 'sdpa'")
+        if attention == "auto":
+            attention = "flex" if self.device.type == "cuda" else "sdpa"
+        self._block = DecodeBlock(compile, FlexDecodeAttention() if attention == "flex" else SDPADecodeAttention())
         self._sample = torch.compile(sample_tokens) if compile else sample_tokens
         self._state: SlotState | None = None
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
@@ -328,6 +334,8 @@ class FastRollout(Rollout):
             num_steps = min(self.sync_every, max(limits[slot_row[s] // n] - generated[s] for s in live))
             # every position written in these steps lies below seq_len; empty slots sit at 0
             seq_len = min(st.max_seq, -(-(max(lengths) + num_steps) // self.seq_bucket) * self.seq_bucket)
+            if not self._block.attention.bucketed:
+                seq_len = st.max_seq
             for _ in range(num_steps):
                 self._run_step(mode, seq_len, generator)
             stats["decode_steps"] += num_steps

@@ -185,13 +185,66 @@ def attention_inputs(x, cos, sin, ln1, qkv_w, qkv_b, eps: float, num_heads: int,
     return q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v.view(b, num_kv_heads, head_dim)
 
 
-def cached_attention(q, k, v, kv_layer, slots, positions, mask):
-    """Writes k, v at `positions` into kv_layer (2, B, Hkv, max_seq, D) and attends over its first S entries;
-    mask (B, 1, 1, S): 0 on the visible entries, -inf elsewhere. Returns (B, Hkv, G, D)."""
+def write_kv(k, v, kv_layer, slots, positions) -> None:
+    """Writes one token's k, v (B, Hkv, D) per slot at `positions` into kv_layer (2, B, Hkv, max_seq, D)."""
     kv_layer[0][slots, :, positions] = k
     kv_layer[1][slots, :, positions] = v
-    seq = mask.shape[-1]
-    return F.scaled_dot_product_attention(q, kv_layer[0][:, :, :seq], kv_layer[1][:, :, :seq], attn_mask=mask)
+
+
+class SDPADecodeAttention:
+    """Decode attention over the first `seq_len` cache positions of every slot, with an additive mask
+    (-inf past each slot's position): SDPA, any device. The attended length is a static shape, so the
+    caller buckets it (one CUDA graph per bucket)."""
+
+    bucketed = True
+
+    def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+        """(B, 1, 1, seq_len); made once per step: SDPA converts a boolean mask in every layer, and ran slower
+        with one (bench/profile_decode.py, H200: 0.11 vs 0.06 ms per layer at batch 256, S 512)."""
+        visible = torch.arange(seq_len, device=positions.device) <= positions[:, None]
+        mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
+        return mask[:, None, None, :]
+
+    def __call__(self, q, kv_layer, mask) -> torch.Tensor:
+        """q (B, Hkv, G, D) (the G query heads of a KV head as its "query positions": GQA without copying the
+        cache) -> (B, Hkv, G, D)."""
+        seq = mask.shape[-1]
+        return F.scaled_dot_product_attention(q, kv_layer[0][:, :, :seq], kv_layer[1][:, :, :seq], attn_mask=mask)
+
+
+class FlexDecodeAttention:
+    """Decode attention that reads each slot's cache only up to its own position: FlexAttention with a
+    block mask made from the positions (blocks of `block` cache entries past a slot's position are skipped,
+    the one holding it is masked inside). The attended length is always the whole cache, so one CUDA graph
+    serves every length. `compile` (required for speed, and on by default) runs flex_attention's fused
+    kernel; uncompiled it is PyTorch's dense reference implementation (tests)."""
+
+    bucketed = False
+
+    def __init__(self, block: int = 128, compile: bool = True):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        self.block = block
+        self.attend = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
+
+    def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        b, blocks = positions.shape[0], -(-seq_len // self.block)
+        num_blocks = (positions // self.block + 1).to(torch.int32).view(b, 1, 1)
+        indices = torch.arange(blocks, device=positions.device, dtype=torch.int32).expand(b, 1, 1, blocks)
+
+        def visible(batch, head, q_idx, kv_idx):
+            return kv_idx <= positions[batch]
+
+        return BlockMask.from_kv_blocks(num_blocks, indices.contiguous(), BLOCK_SIZE=self.block, mask_mod=visible,
+                                        seq_lengths=(1, seq_len))
+
+    def __call__(self, q, kv_layer, mask) -> torch.Tensor:
+        """q (B, Hkv, G, D) -> (B, Hkv, G, D), as `SDPADecodeAttention`."""
+        b, hkv, g, d = q.shape
+        out = self.attend(q.reshape(b, hkv * g, 1, d), kv_layer[0], kv_layer[1], block_mask=mask, enable_gqa=True)
+        return out.view(b, hkv, g, d)
 
 
 def attention_output_and_mlp(x, attn, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, eps: float):
@@ -203,19 +256,22 @@ class DecodeBlock:
     """One decoder layer for one token per slot, as functions of tensors only, so that one compilation
     serves every layer. `compile` runs the parts before and after attention through `torch.compile`
     (fusing the norms, rotary, residuals and SwiGLU around the GEMMs); they have the same shapes at every
-    attended length. The cache write and attention stay eager between them: no compiled code mutates the
-    cache or sees the attended length."""
+    attended length. The cache write and `attention` (`SDPADecodeAttention` by default, or
+    `FlexDecodeAttention`) stay outside them: no compiled layer code mutates the cache or sees the
+    attended length."""
 
-    def __init__(self, compile: bool = False):
+    def __init__(self, compile: bool = False, attention: SDPADecodeAttention | FlexDecodeAttention | None = None):
         wrap = torch.compile if compile else (lambda fn: fn)
         self.inputs, self.output = wrap(attention_inputs), wrap(attention_output_and_mlp)
+        self.attention = attention or SDPADecodeAttention()
 
     def __call__(self, x, cos, sin, kv_layer, slots, positions, mask,
                  ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b,
                  eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
-        """x (B, hidden) at `positions` (B,); slots = arange(B); see `cached_attention` for the cache."""
+        """x (B, hidden) at `positions` (B,); slots = arange(B); `mask` from `self.attention.mask`."""
         q, k, v = self.inputs(x, cos, sin, ln1, qkv_w, qkv_b, eps, num_heads, num_kv_heads, head_dim)
-        attn = cached_attention(q, k, v, kv_layer, slots, positions, mask)
+        write_kv(k, v, kv_layer, slots, positions)
+        attn = self.attention(q, kv_layer, mask)
         return self.output(x, attn, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, eps)
 
 
@@ -272,20 +328,16 @@ class FastCausalLM(nn.Module):
 
     def decode(self, tokens, positions, kv, seq_len: int, block: DecodeBlock | None = None) -> torch.Tensor:
         """One token per slot: tokens, positions (B,) over all B slots of `kv`; attends to cache entries
-        [0, positions] within the first `seq_len`. `block`: how to run a layer (default: eager).
-        Returns logits (B, V)."""
+        [0, positions] within the first `seq_len` (`FlexDecodeAttention`: blocks past a slot's position are
+        skipped). `block`: how to run a layer (default: eager, SDPA). Returns logits (B, V)."""
         c = self.config
         x = self.model.embed_tokens(tokens)  # (B, hidden)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)  # (B, D)
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        visible = torch.arange(seq_len, device=tokens.device) <= positions[:, None]  # (B, S)
-        # additive, made once per step: SDPA converts a boolean mask in every layer, and ran slower with one
-        # (bench/profile_decode.py, H200: 0.11 vs 0.06 ms per layer at batch 256, S 512)
-        mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
-        mask = mask[:, None, None, :]
         slots = torch.arange(tokens.shape[0], device=tokens.device)
         consts = (c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, head_dim_of(c))
         block = block or DecodeBlock()
+        mask = block.attention.mask(positions, seq_len, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = block(x, cos, sin, kv[i], slots, positions, mask, *layer.decode_weights(), *consts)
         return self.lm_head(self.model.norm(x))
