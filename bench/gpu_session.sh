@@ -21,7 +21,7 @@ limit() {  # limit SECONDS cmd...: the command, killed with its spawned workers 
 }
 
 phase_tests_all() { limit 560 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore --durations=15 tests/; }
-phase_tests_rollout() { limit 120 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore tests/test_rollout_fast.py; }
+phase_tests_rollout() { limit 300 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore tests/test_rollout_fast.py; }
 phase_tests_engine() { limit 300 python3 -m pytest -q -p no:cacheprovider -W ignore --durations=5 tests/test_engine_gpu.py; }
 phase_profile() { limit 240 python3 bench/profile_step.py --rows "${PROFILE_ROWS:-plain_4,fsdp2_4,fsdp2_4_compile}"; }
 phase_profile2() { limit 240 python3 bench/profile_step.py --world 2 --rows "${PROFILE2_ROWS:-fsdp2_4_compile,fsdp2_8_compile}"; }
@@ -57,12 +57,11 @@ collect() {
 case "${1:-}" in
 start)
     shift
-    # `next`: what the last session left to measure, in the order to run it (about two device calls):
-    #   the fast rollout's GPU tests and figures after the additive mask and the split compile, its profile;
-    #   then a 2-GPU engine profile (why 8x2048 per GPU is slower per GPU on 2 GPUs than on 1)
+    # `next`: what is left to measure, in the order to run it (about two device calls): the fast rollout's
+    #   GPU tests, batch 256 with flex and sdpa attention and compiled, its profile, batch 64 and mixed
     if [ "${1:-}" = next ]; then
-        set -- tests_rollout rollout256 profile_decode rollout profile2
-        export ROLLOUT256_ROWS=${ROLLOUT256_ROWS:-hf_dynamic,fast,fast_compile}
+        set -- tests_rollout rollout256 profile_decode rollout
+        export ROLLOUT256_ROWS=${ROLLOUT256_ROWS:-hf_dynamic,fast,fast_sdpa,fast_compile}
     fi
     mkdir -p "$GS"
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader > "$GS/session.log"
