@@ -1,7 +1,7 @@
 """Where a fast-rollout decode step spends its time, on one GPU (bench/rollout.py's model and batch 256).
 
-Prints the time of a graph-replayed step at a few cache lengths (attention=sdpa, attention=flex, and flex
-with the layer's parts compiled), the top CUDA kernels of eager decode steps (flex), and each part of a step timed alone: decode attention in several formulations, the
+Prints the time of a graph-replayed step at a few cache lengths (attention sdpa or triton, the layer's parts
+compiled or not), the top CUDA kernels of decode steps run without graphs (the defaults), and each part of a step timed alone: decode attention in several formulations, the
 layer GEMMs, the LM head and the sampler. One JSON line per timing (also appended to --out).
 
     python bench/profile_decode.py --out results.jsonl
@@ -36,11 +36,11 @@ def cuda_ms(fn, iters: int = 50) -> float:
 
 
 def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int, dtype) -> dict:
-    """Per-layer decode attention at batch b; positions uniform in [seq/2, seq) (flex reads up to them, the
-    others read `seq` positions)."""
+    """Per-layer decode attention at batch b; positions uniform in [seq/2, seq) (the Triton kernel reads up
+    to them, the others read `seq` positions)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from shardrl.rollout.fast_model import FlexDecodeAttention
+    from shardrl.rollout.decode_kernel import decode_attention
 
     kv = torch.randn(2, b, hkv, max_seq, d, device="cuda", dtype=dtype)
     keys, values = kv[0][:, :, :seq], kv[1][:, :, :seq]
@@ -60,9 +60,9 @@ def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int,
                 return F.scaled_dot_product_attention(q, keys, values, attn_mask=m)
         return run
 
-    flex = FlexDecodeAttention()
-    block_mask = flex.mask(lengths, max_seq, dtype)
-    variants = {"flex (the decode step's)": lambda: flex(q, kv, block_mask),
+    variants = {"triton (attention=triton)": lambda: decode_attention(q, kv, lengths),
+                "triton_block32": lambda: decode_attention(q, kv, lengths, block_n=32),
+                "triton_block128": lambda: decode_attention(q, kv, lengths, block_n=128),
                 "sdpa_bool_mask": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask),
                 "sdpa_additive_mask (attention=sdpa)": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=additive),
                 "efficient_bool": restricted(SDPBackend.EFFICIENT_ATTENTION, mask),
@@ -111,17 +111,17 @@ def main():
         st.done.fill_(False)
         st.num_generated.zero_()
 
-    for attention, compile in (("sdpa", False), ("flex", False), ("flex", True)):
+    for attention, compile in (("sdpa", False), ("sdpa", True), ("triton", False), ("triton", True)):
         rollout = FastRollout(config, IdTokenizer(), dev, dtype, micro_batch_size=b, max_batch=b,
                               attention=attention, compile=compile)
         rollout.generate(ids, torch.ones_like(ids), SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=0))
         st, max_seq = rollout._state, rollout._state.max_seq
         for seq_len in sorted({max_seq // 2, 3 * max_seq // 4, max_seq}):
             at(st, seq_len - 48)
-            graph_len = seq_len if attention == "sdpa" else max_seq  # flex: one graph, reads up to the positions
+            graph_len = seq_len if attention == "sdpa" else max_seq  # triton: one graph, reads up to the positions
             emit(what="graph_step_ms", attention=attention, compile=compile, seq_len=seq_len,
                  ms=round(cuda_ms(lambda: rollout._run_step(SAMPLE, graph_len, gen), 30), 4))
-        if attention == "flex" and not compile:
+        if attention == "triton" and compile:
             eager = rollout  # profiled below
         else:
             rollout.release(weights=True)
@@ -137,7 +137,7 @@ def main():
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     kernels = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
-    emit(what="eager_step_kernels_ms", attention="flex", seq_len=max_seq,
+    emit(what="eager_step_kernels_ms", attention="triton", compile=True, seq_len=max_seq,
          top={e.key[:60]: round(e.device_time_total / 3 / 1e3, 4) for e in kernels})
 
     c = config
@@ -159,8 +159,10 @@ def main():
     logits = head(x)
     noise = torch.empty(b, c.vocab_size, device=dev).exponential_()
     one = torch.ones((), device=dev)
+    compiled = torch.compile(sample_tokens)
     emit(what="sampler_ms", mode=SAMPLE,
          ms=round(cuda_ms(lambda: sample_tokens(logits, SAMPLE, noise, one, None, None)), 4),
+         compiled_ms=round(cuda_ms(lambda: compiled(logits, SAMPLE, noise, one, None, None)), 4),
          noise_ms=round(cuda_ms(lambda: noise.exponential_(generator=gen)), 4))
     append_jsonl(args.out, records)
 

@@ -10,9 +10,10 @@ Cases:
     mixed     --mixed-prompts prompts whose response limits are uniform in [--mixed-min, --mixed-max];
               a batch (fast: decode slots; HF: rows per generate call) of --mixed-batch
 Rows:
-    fast          FastRollout, CUDA graphs, default attention (on CUDA: flex, reading each slot up to its length)
-    fast_sdpa     FastRollout, CUDA graphs, attention="sdpa" (masked, over the first bucketed length)
-    fast_compile  FastRollout, CUDA graphs, flex, the layer's parts around attention and the sampler compiled
+    fast          FastRollout with its CUDA defaults: CUDA graphs, attention="triton" (each slot read up to its
+                  length), the layer's parts around attention and the sampler compiled
+    fast_sdpa     as fast, attention="sdpa" (masked, over the first bucketed length)
+    fast_eager    as fast, nothing compiled (the graphs replay eager kernels)
     hf_dynamic    HF generate, DynamicCache (the reference backend's engine)
     hf_static     HF generate, cache_implementation="static" (HF compiles the forward itself)
 
@@ -115,8 +116,8 @@ def run_fast(row: str, hf_model, config, prompts, limits, batch, args, device, d
     from shardrl.rollout.fast import FastRollout
 
     rollout = FastRollout(config, IdTokenizer(), device, dtype, micro_batch_size=batch, max_batch=batch,
-                          compile=row == "fast_compile", sync_every=args.sync_every, seq_bucket=args.seq_bucket,
-                          attention="sdpa" if row == "fast_sdpa" else "auto")
+                          compile=False if row == "fast_eager" else None, sync_every=args.sync_every,
+                          seq_bucket=args.seq_bucket, attention="sdpa" if row == "fast_sdpa" else "auto")
     _, load_s = timed(lambda: rollout.load_weights(hf_model.named_parameters()), device)
     ids, mask = prompts.to(device), torch.ones_like(prompts, device=device)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=int(limits.max()), seed=0)
@@ -315,7 +316,7 @@ def main():
         hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     hf_model.eval().requires_grad_(False)
     weight_bytes, kv_per_token = model_bytes(config, dtype)
-    runners = {"fast": run_fast, "fast_sdpa": run_fast, "fast_compile": run_fast, "hf_dynamic": run_hf, "hf_static": run_hf}
+    runners = {"fast": run_fast, "fast_sdpa": run_fast, "fast_eager": run_fast, "hf_dynamic": run_hf, "hf_static": run_hf}
     for case in args.cases.split(","):
         if case.startswith("greedy_"):
             gen = torch.Generator().manual_seed(2)

@@ -241,16 +241,20 @@ class RolloutConfig:
     """fast backend: decode slots (rows decoded together; a finished row's slot goes to a waiting one)."""
     sync_every: int = 16
     """fast backend: decode steps between host syncs (which retire finished rows and admit waiting ones)."""
-    compile: bool = False
-    """fast backend: run the decode layer's parts around attention and the sampler through `torch.compile`
-    (for GPUs; experimental, see bench/RESULTS.md)."""
+    compile: bool | None = None
+    """fast backend: run the decode layer's parts around attention and the sampler through `torch.compile`;
+    null = on CUDA (faster there, see bench/RESULTS.md), off elsewhere."""
+    attention: Literal["auto", "triton", "sdpa"] = "auto"
+    """fast backend: decode attention. triton (CUDA) reads each row's cache up to its length; sdpa reads a
+    padded common length with a mask; auto = triton where it applies."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "max_batch", self.max_batch is None or self.max_batch >= 1, "must be >= 1 or null")
         require(self, prefix, "sync_every", self.sync_every >= 1, "must be >= 1")
         only_fast = "applies to backend=fast only; set rollout.backend=fast or drop it"
         require(self, prefix, "max_batch", self.backend == "fast" or self.max_batch is None, only_fast)
-        require(self, prefix, "compile", self.backend == "fast" or not self.compile, only_fast)
+        require(self, prefix, "compile", self.backend == "fast" or self.compile is None, only_fast)
+        require(self, prefix, "attention", self.backend == "fast" or self.attention == "auto", only_fast)
         require(self, prefix, "n", self.n >= 1, "must be >= 1")
         require(self, prefix, "temperature", self.temperature >= 0, "must be >= 0")
         require(self, prefix, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")

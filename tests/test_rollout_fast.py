@@ -34,12 +34,13 @@ def tiny_config(tok, kind: str = "qwen2", **extra):
     return transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)
 
 
-def reference_model(tok, seed: int, kind: str = "qwen2"):
-    return build_causal_lm(tiny_config(tok, kind), None, "cpu", torch.float32, seed=seed).eval()
+def reference_model(tok, seed: int, kind: str = "qwen2", **config):
+    return build_causal_lm(tiny_config(tok, kind, **config), None, "cpu", torch.float32, seed=seed).eval()
 
 
-def make_rollout(name, tok, model, kind: str = "qwen2", **kwargs):
-    rollout = build_rollout(name, tiny_config(tok, kind), tok, "cpu", torch.float32, **kwargs)
+def make_rollout(name, tok, model, device: str = "cpu", **kwargs):
+    """A rollout of `model`'s config with its weights."""
+    rollout = build_rollout(name, model.config, tok, device, torch.float32, **kwargs)
     rollout.load_weights(model.named_parameters())
     return rollout
 
@@ -49,12 +50,12 @@ def encode(tok, prompts=PROMPTS):
     return enc["input_ids"], enc["attention_mask"]
 
 
-def with_eos_at_different_steps(tok, model, kind):
+def with_eos_at_different_steps(tok, model):
     """A copy of `tok` whose EOS is the character that ends the greedy responses at the most different
     steps: random tiny models rarely emit the real EOS, and the test wants rows to end apart."""
     ids, mask = encode(tok)
     greedy = SamplingParams(greedy=True, max_new_tokens=16)
-    texts = make_rollout("hf", tok, model, kind).generate(ids, mask, greedy).response_text
+    texts = make_rollout("hf", tok, model).generate(ids, mask, greedy).response_text
     char = max(sorted(set("".join(texts)) - {" "}), key=lambda c: len({t.find(c) for t in texts}))
     eos_tok = copy.deepcopy(tok)
     eos_tok.eos_token = char
@@ -73,11 +74,11 @@ def assert_same_output(got: RolloutOutput, want: RolloutOutput):
 @pytest.mark.parametrize("max_batch,sync_every", [(None, 16), (2, 3), (4, 1)])
 def test_greedy_equals_hf_generate(tok, kind, max_batch, sync_every):
     model = reference_model(tok, seed=1, kind=kind)
-    eos_tok = with_eos_at_different_steps(tok, model, kind)
+    eos_tok = with_eos_at_different_steps(tok, model)
     ids, mask = encode(eos_tok)
     greedy = SamplingParams(n=2, greedy=True, max_new_tokens=16)
-    want = make_rollout("hf", eos_tok, model, kind).generate(ids, mask, greedy)
-    fast = make_rollout("fast", eos_tok, model, kind, max_batch=max_batch, sync_every=sync_every)
+    want = make_rollout("hf", eos_tok, model).generate(ids, mask, greedy)
+    fast = make_rollout("fast", eos_tok, model, max_batch=max_batch, sync_every=sync_every)
     got = fast.generate(ids, mask, greedy)
     assert_same_output(got, want)
     lengths = want.response_mask.sum(1)
@@ -165,7 +166,7 @@ def test_n_samples_are_prompt_major(tok):
 
 def test_eos_ends_a_response(tok):
     model = reference_model(tok, seed=6)
-    eos_tok = with_eos_at_different_steps(tok, model, "qwen2")
+    eos_tok = with_eos_at_different_steps(tok, model)
     rollout = make_rollout("fast", eos_tok, model, max_batch=7, sync_every=6)
     ids, mask = encode(eos_tok)
     out = rollout.generate(ids, mask, SamplingParams(n=4, temperature=1.0, max_new_tokens=30, seed=0))
@@ -187,18 +188,18 @@ def test_stop_strings_cut_as_the_reference_does(tok):
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_load_weights_makes_generation_follow_the_new_model(tok, kind):
     first, second = reference_model(tok, seed=1, kind=kind), reference_model(tok, seed=9, kind=kind)
-    fast = make_rollout("fast", tok, first, kind, max_batch=4, sync_every=4)
+    fast = make_rollout("fast", tok, first, max_batch=4, sync_every=4)
     ids, mask = encode(tok)
     greedy = SamplingParams(greedy=True, max_new_tokens=12)
     before = fast.generate(ids, mask, greedy)
-    assert_same_output(before, make_rollout("hf", tok, first, kind).generate(ids, mask, greedy))
+    assert_same_output(before, make_rollout("hf", tok, first).generate(ids, mask, greedy))
     # one tensor at a time, as Engine.export_weights streams them (named_parameters drops the tied head)
     kv = fast._state.kv
     fast.load_weights((name, p.detach().clone()) for name, p in second.named_parameters())
     assert fast._state.kv is kv  # the engine (cache, graphs) was kept
     after = fast.generate(ids, mask, greedy)
     assert after.response_text != before.response_text
-    assert_same_output(after, make_rollout("hf", tok, second, kind).generate(ids, mask, greedy))
+    assert_same_output(after, make_rollout("hf", tok, second).generate(ids, mask, greedy))
 
 
 def test_load_weights_rejects_unknown_names_and_shapes(tok):
@@ -247,30 +248,6 @@ def test_compiled_step_equals_eager(tok):
     got = make_rollout("fast", tok, model, compile=True, **kwargs).generate(ids, mask, sampled)
     assert torch.equal(got.response_ids, eager.response_ids)
     torch.testing.assert_close(got.sampled_log_probs, eager.sampled_log_probs, atol=1e-5, rtol=0)
-
-
-def test_flex_attention_equals_sdpa(tok):
-    """`attention="flex"` (each slot's cache read only up to its length: blocks of 128 past it skipped, the
-    one holding it masked; compiled, here on the CPU) decodes what the masked SDPA step decodes, with rows
-    retiring and taking slots, and responses crossing a 128-position block."""
-    model = reference_model(tok, seed=1)
-    ids, mask = encode(tok)
-    greedy = SamplingParams(greedy=True, max_new_tokens=140)
-    text = "".join(make_rollout("fast", tok, model).generate(ids[:1], mask[:1], greedy).response_text)
-    no_eos = copy.deepcopy(tok)  # whose EOS the first row never emits: it runs to its limit
-    no_eos.eos_token = next(c for c in "0123456789abcdefghijklmnopqrstuvwxyz" if c not in text)
-    kwargs = dict(max_batch=4, sync_every=8)
-    flex, sdpa = (make_rollout("fast", no_eos, model, attention=a, **kwargs) for a in ("flex", "sdpa"))
-    lengths = []
-    for sampling in (greedy,
-                     SamplingParams(n=2, temperature=0.9, max_new_tokens=30, seed=3)):
-        limits = [140, 3, 9, 60, 1, 25] if sampling.greedy else None
-        got = flex.generate(ids, mask, sampling, max_new_tokens=limits)
-        want = sdpa.generate(ids, mask, sampling, max_new_tokens=limits)
-        assert torch.equal(got.response_ids, want.response_ids)
-        torch.testing.assert_close(got.sampled_log_probs, want.sampled_log_probs, atol=1e-5, rtol=0)
-        lengths.append(got.response_mask.sum(1))
-    assert lengths[0][0] == 140  # the first row's cache passes position 128
 
 
 def test_release_and_resume(tok):
@@ -327,27 +304,25 @@ def test_errors_name_the_problem(tok):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("attention,compile", [("flex", False), ("flex", True), ("sdpa", False), ("sdpa", True)])
+@pytest.mark.parametrize("attention,compile", [("triton", False), ("triton", True), ("sdpa", False), ("sdpa", True)])
 def test_cuda_graphs_match_the_reference(tok, attention, compile):
     """On a GPU in fp32: graph replays give HF's greedy tokens, the eager step's samples, and the same
-    again after release/resume (which recaptures the graphs)."""
-    model = reference_model(tok, seed=1)
-    eos_tok = with_eos_at_different_steps(tok, model, "qwen2")
+    again after release/resume (which recaptures the graphs). Head dim 16: the Triton kernel's smallest."""
+    model = reference_model(tok, seed=1, hidden_size=64)
+    eos_tok = with_eos_at_different_steps(tok, model)
     ids, mask = encode(eos_tok)
     greedy = SamplingParams(n=2, greedy=True, max_new_tokens=40)
     sampled = SamplingParams(n=2, temperature=0.9, top_p=0.95, max_new_tokens=40, seed=3)
     want = make_rollout("hf", eos_tok, model).generate(ids, mask, greedy)  # on the CPU
 
     def fast(**kwargs):
-        rollout = build_rollout("fast", tiny_config(eos_tok), eos_tok, "cuda", torch.float32, max_batch=4,
-                                sync_every=4, seq_bucket=32, **kwargs)
-        rollout.load_weights(model.named_parameters())
-        return rollout
+        return make_rollout("fast", eos_tok, model, "cuda", max_batch=4, sync_every=4, seq_bucket=32, **kwargs)
 
     def on_cpu(out: RolloutOutput) -> RolloutOutput:
         return RolloutOutput(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in vars(out).items()})
 
-    graphed, eager = fast(compile=compile, attention=attention), fast(cuda_graphs=False, attention=attention)
+    graphed = fast(compile=compile, attention=attention)
+    eager = fast(cuda_graphs=False, compile=False, attention=attention)
     got = on_cpu(graphed.generate(ids.cuda(), mask.cuda(), greedy))
     assert graphed._graphs
     assert torch.equal(got.response_ids, want.response_ids) and got.response_text == want.response_text
@@ -369,19 +344,22 @@ def test_cuda_graphs_match_the_reference(tok, attention, compile):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_flex_decode_attention_matches_sdpa_in_bf16():
-    """The compiled flex kernel on the GPU at the benchmark's head layout (12 query heads on 2 KV heads,
-    head dim 128), positions inside, at the start and at the end of 128-entry blocks."""
-    from shardrl.rollout.fast_model import FlexDecodeAttention, SDPADecodeAttention
+def test_triton_decode_attention_matches_sdpa_in_bf16():
+    """The Triton kernel at the benchmark's head layout (12 query heads on 2 KV heads, head dim 128), with
+    positions at and around 64-entry block edges; it reads nothing past a slot's position."""
+    from shardrl.rollout.decode_kernel import decode_attention
+    from shardrl.rollout.fast_model import SDPADecodeAttention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, hkv, g, d, max_seq = 16, 2, 6, 128, 512
     kv = torch.randn(2, b, hkv, max_seq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     q = torch.randn(b, hkv, g, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    positions = torch.tensor([0, 1, 126, 127, 128, 129, 255, 256, 300, 383, 384, 400, 510, 511, 7, 64], device="cuda")
-    flex, sdpa = FlexDecodeAttention(), SDPADecodeAttention()
-    got = flex(q, kv, flex.mask(positions, max_seq, q.dtype)).float()
+    positions = torch.tensor([0, 1, 62, 63, 64, 65, 255, 256, 300, 383, 384, 400, 510, 511, 7, 127], device="cuda")
+    sdpa = SDPADecodeAttention()
     want = sdpa(q.float(), kv.float(), sdpa.mask(positions, max_seq, torch.float32))
-    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-    kv[:, 0, :, 128:] = float("nan")  # slot 0 sees position 0 only: the blocks past its own must not be read
-    assert not flex(q, kv, flex.mask(positions, max_seq, q.dtype))[0].isnan().any()
+    torch.testing.assert_close(decode_attention(q, kv, positions).float(), want, atol=2e-2, rtol=2e-2)
+    for s, p in enumerate(positions.tolist()):
+        kv[:, s, :, p + 1:] = float("nan")  # past each position: never read
+    assert not decode_attention(q, kv, positions).isnan().any()
+    kv32 = kv.float().nan_to_num()
+    torch.testing.assert_close(decode_attention(q.float(), kv32, positions), want, atol=1e-5, rtol=0)  # fp32: no TF32

@@ -33,8 +33,8 @@ from typing import Iterable, Sequence
 import torch
 
 from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, copy_weights_in_place
-from shardrl.rollout.fast_model import (DecodeBlock, FastCausalLM, FlexDecodeAttention, SDPADecodeAttention,
-                                        build_fast_lm)
+from shardrl.rollout.fast_model import (DecodeBlock, FastCausalLM, SDPADecodeAttention, TritonDecodeAttention,
+                                        build_fast_lm, head_dim_of)
 from shardrl.rollout.hf import HFRollout, _check_prompts, _contains_stop
 
 log = logging.getLogger(__name__)
@@ -104,15 +104,15 @@ class FastRollout(Rollout):
     `max_batch`: decode slots (the static batch); default min(rows, micro_batch_size * n) at first use,
     grown when a later call has more rows. `max_seq_len`: cache positions per slot; default the longest
     prompt + max_new_tokens rounded up to `seq_bucket`, grown as needed. `cuda_graphs` (default: on CUDA)
-    captures the decode step; `compile` runs the decoder layer's parts around attention (compiled once for all
-    layers and attended lengths; see `DecodeBlock`) and the sampler through `torch.compile`. `attention`:
-    "flex" reads each slot's cache only up to its length (`FlexDecodeAttention`, compiled; one graph for all
-    lengths), "sdpa" the first `seq_len` positions of every slot with a mask; "auto" = flex on CUDA, sdpa
-    elsewhere. `release_weights` makes `release()` move the weights to the CPU too."""
+    captures the decode step; `compile` (default: on CUDA) runs the decoder layer's parts around attention
+    (compiled once for all layers and attended lengths; see `DecodeBlock`) and the sampler through `torch.compile`. `attention`:
+    "triton" reads each slot's cache only up to its length (`TritonDecodeAttention`, CUDA; one graph for all
+    lengths), "sdpa" the first `seq_len` positions of every slot with a mask; "auto" = triton on CUDA where
+    the head dim suits it (a power of two >= 16), else sdpa. `release_weights` makes `release()` move the weights to the CPU too."""
 
     def __init__(self, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,
                  micro_batch_size: int = 64, max_batch: int | None = None, max_seq_len: int | None = None,
-                 cuda_graphs: bool | None = None, compile: bool = False, sync_every: int = 16,
+                 cuda_graphs: bool | None = None, compile: bool | None = None, sync_every: int = 16,
                  seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0,
                  attention: str = "auto"):
         for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every),
@@ -134,11 +134,8 @@ class FastRollout(Rollout):
             raise ValueError("cuda_graphs=True needs a CUDA device")
         self.model: FastCausalLM = build_fast_lm(hf_config, self.device, dtype, seed=seed)
         self.vocab_size = hf_config.vocab_size
-        if attention not in ("auto", "flex", "sdpa"):
-            raise ValueError(f"attention={attention!r} must be 'auto', 'flex' or 'sdpa'")
-        if attention == "auto":
-            attention = "flex" if self.device.type == "cuda" else "sdpa"
-        self._block = DecodeBlock(compile, FlexDecodeAttention() if attention == "flex" else SDPADecodeAttention())
+        compile = self.device.type == "cuda" if compile is None else compile
+        self._block = DecodeBlock(compile, self._attention(attention, head_dim_of(hf_config)))
         self._sample = torch.compile(sample_tokens) if compile else sample_tokens
         self._state: SlotState | None = None
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
@@ -146,6 +143,20 @@ class FastRollout(Rollout):
         self._graph_pool = None
         self._released, self._weights_on_cpu, self._kept_shape = False, False, None
         self.last_stats: dict = {}
+
+    def _attention(self, name: str, head_dim: int) -> SDPADecodeAttention | TritonDecodeAttention:
+        if name not in ("auto", "triton", "sdpa"):
+            raise ValueError(f"attention={name!r} must be 'auto', 'triton' or 'sdpa'")
+        if name == "sdpa" or (name == "auto" and self.device.type != "cuda"):
+            return SDPADecodeAttention()
+        from shardrl.rollout.decode_kernel import supports
+
+        if self.device.type == "cuda" and supports(head_dim):
+            return TritonDecodeAttention()
+        if name == "auto":
+            return SDPADecodeAttention()
+        raise ValueError(f"attention='triton' needs a CUDA device and a power-of-two head dim >= 16 (here "
+                         f"{self.device.type}, head dim {head_dim}); use attention='sdpa'")
 
     # ---- weights and memory ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -212,39 +212,24 @@ class SDPADecodeAttention:
         return F.scaled_dot_product_attention(q, kv_layer[0][:, :, :seq], kv_layer[1][:, :, :seq], attn_mask=mask)
 
 
-class FlexDecodeAttention:
-    """Decode attention that reads each slot's cache only up to its own position: FlexAttention with a
-    block mask made from the positions (blocks of `block` cache entries past a slot's position are skipped,
-    the one holding it is masked inside). The attended length is always the whole cache, so one CUDA graph
-    serves every length. `compile` (required for speed, and on by default) runs flex_attention's fused
-    kernel; uncompiled it is PyTorch's dense reference implementation (tests)."""
+class TritonDecodeAttention:
+    """Decode attention in which each slot reads its cache only up to its own position: one Triton kernel
+    (`shardrl.rollout.decode_kernel`, CUDA only). The attended length plays no part, so one CUDA graph
+    serves every length. Measured against `SDPADecodeAttention` in bench/RESULTS.md."""
 
     bucketed = False
 
-    def __init__(self, block: int = 128, compile: bool = True):
-        from torch.nn.attention.flex_attention import flex_attention
+    def __init__(self):
+        from shardrl.rollout.decode_kernel import decode_attention
 
-        self.block = block
-        self.attend = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
+        self.attend = decode_attention
 
-    def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype):
-        from torch.nn.attention.flex_attention import BlockMask
+    def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+        return positions
 
-        b, blocks = positions.shape[0], -(-seq_len // self.block)
-        num_blocks = (positions // self.block + 1).to(torch.int32).view(b, 1, 1)
-        indices = torch.arange(blocks, device=positions.device, dtype=torch.int32).expand(b, 1, 1, blocks)
-
-        def visible(batch, head, q_idx, kv_idx):
-            return kv_idx <= positions[batch]
-
-        return BlockMask.from_kv_blocks(num_blocks, indices.contiguous(), BLOCK_SIZE=self.block, mask_mod=visible,
-                                        seq_lengths=(1, seq_len))
-
-    def __call__(self, q, kv_layer, mask) -> torch.Tensor:
+    def __call__(self, q, kv_layer, positions) -> torch.Tensor:
         """q (B, Hkv, G, D) -> (B, Hkv, G, D), as `SDPADecodeAttention`."""
-        b, hkv, g, d = q.shape
-        out = self.attend(q.reshape(b, hkv * g, 1, d), kv_layer[0], kv_layer[1], block_mask=mask, enable_gqa=True)
-        return out.view(b, hkv, g, d)
+        return self.attend(q.contiguous(), kv_layer, positions)
 
 
 def attention_output_and_mlp(x, attn, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, eps: float):
@@ -257,10 +242,10 @@ class DecodeBlock:
     serves every layer. `compile` runs the parts before and after attention through `torch.compile`
     (fusing the norms, rotary, residuals and SwiGLU around the GEMMs); they have the same shapes at every
     attended length. The cache write and `attention` (`SDPADecodeAttention` by default, or
-    `FlexDecodeAttention`) stay outside them: no compiled layer code mutates the cache or sees the
+    `TritonDecodeAttention`) stay outside them: no compiled layer code mutates the cache or sees the
     attended length."""
 
-    def __init__(self, compile: bool = False, attention: SDPADecodeAttention | FlexDecodeAttention | None = None):
+    def __init__(self, compile: bool = False, attention: SDPADecodeAttention | TritonDecodeAttention | None = None):
         wrap = torch.compile if compile else (lambda fn: fn)
         self.inputs, self.output = wrap(attention_inputs), wrap(attention_output_and_mlp)
         self.attention = attention or SDPADecodeAttention()
@@ -328,8 +313,7 @@ class FastCausalLM(nn.Module):
 
     def decode(self, tokens, positions, kv, seq_len: int, block: DecodeBlock | None = None) -> torch.Tensor:
         """One token per slot: tokens, positions (B,) over all B slots of `kv`; attends to cache entries
-        [0, positions] within the first `seq_len` (`FlexDecodeAttention`: blocks past a slot's position are
-        skipped). `block`: how to run a layer (default: eager, SDPA). Returns logits (B, V)."""
+        [0, positions] within the first `seq_len` (`TritonDecodeAttention` reads no further than positions). `block`: how to run a layer (default: eager, SDPA). Returns logits (B, V)."""
         c = self.config
         x = self.model.embed_tokens(tokens)  # (B, hidden)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)  # (B, D)
