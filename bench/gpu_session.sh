@@ -58,10 +58,11 @@ case "${1:-}" in
 start)
     shift
     # `next`: what is left to measure, in the order to run it (about two device calls): the fast rollout's
-    #   GPU tests, batch 256 (defaults, sdpa attention, nothing compiled), its profile, batch 64 and mixed
+    #   GPU tests, batch 256, greedy agreement in bf16, batch 64 and mixed (add fast_sdpa,fast_eager and
+    #   profile_decode for the ablation)
     if [ "${1:-}" = next ]; then
-        set -- tests_rollout rollout256 profile_decode rollout
-        export ROLLOUT256_ROWS=${ROLLOUT256_ROWS:-hf_dynamic,fast,fast_sdpa,fast_eager}
+        set -- tests_rollout rollout256 greedy rollout
+        export ROLLOUT256_ROWS=${ROLLOUT256_ROWS:-hf_dynamic,fast}
     fi
     mkdir -p "$GS"
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader > "$GS/session.log"

@@ -330,7 +330,8 @@ def test_cuda_graphs_match_the_reference(tok, attention, compile):
     a = on_cpu(graphed.generate(ids.cuda(), mask.cuda(), sampled))
     b = on_cpu(eager.generate(ids.cuda(), mask.cuda(), sampled))
     assert torch.equal(a.response_ids, b.response_ids)
-    torch.testing.assert_close(a.sampled_log_probs, b.sampled_log_probs, atol=1e-5, rtol=0)
+    # compiled code sums in another order: 1e-5 apart was seen (log-probs near -2)
+    torch.testing.assert_close(a.sampled_log_probs, b.sampled_log_probs, atol=1e-4 if compile else 1e-5, rtol=0)
     loss_mask = a.to_batch()["loss_mask"].bool()
     torch.testing.assert_close(a.to_batch()["sampled_log_probs"][loss_mask],
                                recomputed_log_probs(model, a, 0.9)[loss_mask], atol=1e-4, rtol=0)

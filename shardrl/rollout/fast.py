@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 import torch
 
 from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, copy_weights_in_place
-from shardrl.rollout.fast_model import (DecodeBlock, FastCausalLM, SDPADecodeAttention, TritonDecodeAttention,
+from shardrl.rollout.fast_model import (DecoderBlock, FastCausalLM, SDPADecodeAttention, TritonDecodeAttention,
                                         build_fast_lm, head_dim_of)
 from shardrl.rollout.hf import HFRollout, _check_prompts, _contains_stop
 
@@ -105,7 +105,7 @@ class FastRollout(Rollout):
     grown when a later call has more rows. `max_seq_len`: cache positions per slot; default the longest
     prompt + max_new_tokens rounded up to `seq_bucket`, grown as needed. `cuda_graphs` (default: on CUDA)
     captures the decode step; `compile` (default: on CUDA) runs the decoder layer's parts around attention
-    (compiled once for all layers and attended lengths; see `DecodeBlock`) and the sampler through `torch.compile`. `attention`:
+    (compiled once for all layers and attended lengths; see `DecoderBlock`) and the sampler through `torch.compile`. `attention`:
     "triton" reads each slot's cache only up to its length (`TritonDecodeAttention`, CUDA; one graph for all
     lengths), "sdpa" the first `seq_len` positions of every slot with a mask; "auto" = triton on CUDA where
     the head dim suits it (a power of two >= 16), else sdpa. `release_weights` makes `release()` move the weights to the CPU too."""
@@ -135,7 +135,7 @@ class FastRollout(Rollout):
         self.model: FastCausalLM = build_fast_lm(hf_config, self.device, dtype, seed=seed)
         self.vocab_size = hf_config.vocab_size
         compile = self.device.type == "cuda" if compile is None else compile
-        self._block = DecodeBlock(compile, self._attention(attention, head_dim_of(hf_config)))
+        self._block = DecoderBlock(compile, self._attention(attention, head_dim_of(hf_config)))
         self._sample = torch.compile(sample_tokens) if compile else sample_tokens
         self._state: SlotState | None = None
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
@@ -378,7 +378,7 @@ class FastRollout(Rollout):
             to_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
             slots, source = to_dev([s for s, _ in chunk]), to_dev([index[row // n] for _, row in chunk])
             lens_t, limit_t = to_dev(lens), to_dev([limits[row // n] for _, row in chunk])
-            logits = self.model.prefill(ids, lens_t, st.kv, slots, source).float()[source]  # (k, V)
+            logits = self.model.prefill(ids, lens_t, st.kv, slots, source, self._block).float()[source]  # (k, V)
             noise = None if mode == GREEDY else torch.empty_like(logits).exponential_(generator=generator)
             tokens, log_probs = sample_tokens(logits, mode, noise, st.temperature, st.top_k, st.top_p)
             st.tokens[slots] = tokens

@@ -125,21 +125,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias["o_proj"])
         self.qkv_weight = self.qkv_bias = None  # set by FastCausalLM.fuse_projections
 
-    def prefill(self, x, cos, sin, kv_layer, slots, source):
-        """x (U, L, hidden) right-padded prompts at positions 0..L-1; writes their K/V into `slots`
-        (sequence i of the chunk goes to slot slots[j] for every j with source[j] == i)."""
-        u, length, _ = x.shape
-        q, k, v = project_qkv(x, self.qkv_weight, self.qkv_bias, self.num_heads, self.num_kv_heads, self.head_dim)
-        q = q.view(u, length, self.num_heads, self.head_dim).transpose(1, 2)  # (U, H, L, D)
-        k = k.view(u, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (U, Hkv, L, D)
-        v = v.view(u, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        kv_layer[0][slots, :, :length] = k[source]
-        kv_layer[1][slots, :, :length] = v[source]
-        # causal suffices: padding sits after each prompt, so no real query sees it
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (U, H, L, D)
-        return self.o_proj(out.transpose(1, 2).reshape(u, length, -1))
-
 
 class MLP(nn.Module):
     def __init__(self, config, bias: dict[str, bool]):
@@ -150,9 +135,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias["down_proj"])
         self.gate_up_weight = self.gate_up_bias = None  # set by FastCausalLM.fuse_projections
 
-    def forward(self, x):
-        return swiglu_mlp(x, self.gate_up_weight, self.gate_up_bias, self.down_proj.weight, self.down_proj.bias)
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, bias: dict[str, bool]):
@@ -162,12 +144,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def prefill(self, x, cos, sin, kv_layer, slots, source):
-        x = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, kv_layer, slots, source)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def decode_weights(self) -> tuple:
-        """The weights a `DecodeBlock` reads, in its argument order."""
+    def block_weights(self) -> tuple:
+        """The weights a `DecoderBlock` reads, in its order."""
         a, m = self.self_attn, self.mlp
         return (self.input_layernorm.weight, a.qkv_weight, a.qkv_bias, a.o_proj.weight, a.o_proj.bias,
                 self.post_attention_layernorm.weight, m.gate_up_weight, m.gate_up_bias, m.down_proj.weight,
@@ -176,8 +154,9 @@ class DecoderLayer(nn.Module):
 
 def attention_inputs(x, cos, sin, ln1, qkv_w, qkv_b, eps: float, num_heads: int, num_kv_heads: int,
                      head_dim: int):
-    """RMSNorm, q/k/v projection and rotary for one token per slot: x (B, hidden) -> q (B, Hkv, G, D) (the
-    G query heads sharing a KV head as its "query positions": GQA without copying the cache), k, v (B, Hkv, D)."""
+    """RMSNorm, q/k/v projection and rotary for N tokens: x (N, hidden), cos, sin (N, 1, D) -> q (N, Hkv, G, D)
+    (in decode, the G query heads sharing a KV head are its "query positions": GQA without copying the
+    cache), k, v (N, Hkv, D)."""
     b = x.shape[0]
     q, k, v = project_qkv(rms_norm(x, ln1, eps), qkv_w, qkv_b, num_heads, num_kv_heads, head_dim)
     q = apply_rotary(q.view(b, num_heads, head_dim), cos, sin)
@@ -237,27 +216,55 @@ def attention_output_and_mlp(x, attn, o_w, o_b, ln2, gate_up_w, gate_up_b, down_
     return x + swiglu_mlp(rms_norm(x, ln2, eps), gate_up_w, gate_up_b, down_w, down_b)
 
 
-class DecodeBlock:
-    """One decoder layer for one token per slot, as functions of tensors only, so that one compilation
-    serves every layer. `compile` runs the parts before and after attention through `torch.compile`
-    (fusing the norms, rotary, residuals and SwiGLU around the GEMMs); they have the same shapes at every
-    attended length. The cache write and `attention` (`SDPADecodeAttention` by default, or
-    `TritonDecodeAttention`) stay outside them: no compiled layer code mutates the cache or sees the
-    attended length."""
+def _prefill_inputs(*args):
+    return attention_inputs(*args)
+
+
+def _prefill_output(*args):
+    return attention_output_and_mlp(*args)
+
+
+class DecoderBlock:
+    """A decoder layer as functions of tensors only (one compilation serves every layer), for the N tokens
+    of a prefill chunk or the one token per slot of a decode step. `compile` runs the parts before and after
+    attention through `torch.compile` (fusing the norms, rotary, residuals and SwiGLU around the GEMMs):
+    decode with static shapes, the same at every attended length; prefill separately (its own compiled
+    code, shapes free to vary with the chunk). The cache writes and attention stay outside them, so no
+    compiled layer code mutates the cache or sees the attended length. `attention` is the decode step's
+    (`SDPADecodeAttention` by default, or `TritonDecodeAttention`); a prefill attends with causal SDPA."""
 
     def __init__(self, compile: bool = False, attention: SDPADecodeAttention | TritonDecodeAttention | None = None):
-        wrap = torch.compile if compile else (lambda fn: fn)
-        self.inputs, self.output = wrap(attention_inputs), wrap(attention_output_and_mlp)
+        static = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
+        self.inputs, self.output = static(attention_inputs), static(attention_output_and_mlp)
+        # distinct functions: their compiled code and shape history are their own
+        free = torch.compile if compile else (lambda fn: fn)
+        self.prefill_inputs, self.prefill_output = free(_prefill_inputs), free(_prefill_output)
         self.attention = attention or SDPADecodeAttention()
 
-    def __call__(self, x, cos, sin, kv_layer, slots, positions, mask,
-                 ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b,
-                 eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
-        """x (B, hidden) at `positions` (B,); slots = arange(B); `mask` from `self.attention.mask`."""
-        q, k, v = self.inputs(x, cos, sin, ln1, qkv_w, qkv_b, eps, num_heads, num_kv_heads, head_dim)
+    def decode(self, x, cos, sin, kv_layer, slots, positions, mask, weights: tuple, consts: tuple):
+        """x (B, hidden) at `positions` (B,); slots = arange(B); `mask` from `self.attention.mask`;
+        `weights` from `DecoderLayer.block_weights`; consts = (eps, num_heads, num_kv_heads, head_dim)."""
+        ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b = weights
+        q, k, v = self.inputs(x, cos, sin, ln1, qkv_w, qkv_b, *consts)
         write_kv(k, v, kv_layer, slots, positions)
         attn = self.attention(q, kv_layer, mask)
-        return self.output(x, attn, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, eps)
+        return self.output(x, attn, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, consts[0])
+
+    def prefill(self, x, cos, sin, kv_layer, slots, source, length: int, weights: tuple, consts: tuple):
+        """x (U * length, hidden): U right-padded prompts at positions 0..length-1, flattened; writes their
+        K/V into `slots` (prompt i of the chunk goes to slot slots[j] for every j with source[j] == i)."""
+        ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b = weights
+        num_heads, num_kv_heads, head_dim = consts[1:]
+        q, k, v = self.prefill_inputs(x, cos, sin, ln1, qkv_w, qkv_b, *consts)
+        u = x.shape[0] // length
+        q = q.view(u, length, num_heads, head_dim).transpose(1, 2)  # (U, H, L, D)
+        k = k.view(u, length, num_kv_heads, head_dim).transpose(1, 2)  # (U, Hkv, L, D)
+        v = v.view(u, length, num_kv_heads, head_dim).transpose(1, 2)
+        kv_layer[0][slots, :, :length] = k[source]
+        kv_layer[1][slots, :, :length] = v[source]
+        # causal suffices: padding sits after each prompt, so no real query sees it
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+        return self.prefill_output(x, attn, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, consts[0])
 
 
 class Decoder(nn.Module):
@@ -301,29 +308,35 @@ class FastCausalLM(nn.Module):
         c = self.config
         return (c.num_hidden_layers, 2, num_slots, c.num_key_value_heads, max_seq, head_dim_of(c))
 
-    def prefill(self, ids, lengths, kv, slots, source) -> torch.Tensor:
+    def block_consts(self) -> tuple:
+        c = self.config
+        return c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, head_dim_of(c)
+
+    def prefill(self, ids, lengths, kv, slots, source, block: DecoderBlock | None = None) -> torch.Tensor:
         """ids (U, L) right-padded prompts with `lengths` (U,); writes K/V to kv[:, :, slots] (see
-        `Attention.prefill`) and returns the logits after each prompt's last token, (U, V)."""
-        x = self.model.embed_tokens(ids)  # (U, L, hidden)
-        cos, sin = rotary_cos_sin(self.inv_freq, torch.arange(ids.shape[1], device=ids.device), x.dtype)
+        `DecoderBlock.prefill`) and returns the logits after each prompt's last token, (U, V)."""
+        u, length = ids.shape
+        x = self.model.embed_tokens(ids.flatten())  # (U * L, hidden)
+        cos, sin = rotary_cos_sin(self.inv_freq, torch.arange(length, device=ids.device), x.dtype)  # (L, D)
+        cos, sin = cos.repeat(u, 1)[:, None], sin.repeat(u, 1)[:, None]  # (U * L, 1, D)
+        block = block or DecoderBlock()
         for i, layer in enumerate(self.model.layers):
-            x = layer.prefill(x, cos, sin, kv[i], slots, source)
-        last = x[torch.arange(x.shape[0], device=x.device), lengths - 1]  # (U, hidden)
+            x = block.prefill(x, cos, sin, kv[i], slots, source, length, layer.block_weights(), self.block_consts())
+        last = x.view(u, length, -1)[torch.arange(u, device=x.device), lengths - 1]  # (U, hidden)
         return self.lm_head(self.model.norm(last))
 
-    def decode(self, tokens, positions, kv, seq_len: int, block: DecodeBlock | None = None) -> torch.Tensor:
+    def decode(self, tokens, positions, kv, seq_len: int, block: DecoderBlock | None = None) -> torch.Tensor:
         """One token per slot: tokens, positions (B,) over all B slots of `kv`; attends to cache entries
-        [0, positions] within the first `seq_len` (`TritonDecodeAttention` reads no further than positions). `block`: how to run a layer (default: eager, SDPA). Returns logits (B, V)."""
-        c = self.config
+        [0, positions] within the first `seq_len` (`TritonDecodeAttention` reads no further than positions).
+        `block`: how to run a layer (default: eager, SDPA). Returns logits (B, V)."""
         x = self.model.embed_tokens(tokens)  # (B, hidden)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)  # (B, D)
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         slots = torch.arange(tokens.shape[0], device=tokens.device)
-        consts = (c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, head_dim_of(c))
-        block = block or DecodeBlock()
+        block = block or DecoderBlock()
         mask = block.attention.mask(positions, seq_len, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = block(x, cos, sin, kv[i], slots, positions, mask, *layer.decode_weights(), *consts)
+            x = block.decode(x, cos, sin, kv[i], slots, positions, mask, layer.block_weights(), self.block_consts())
         return self.lm_head(self.model.norm(x))
 
 
