@@ -31,6 +31,8 @@ phase_engine1() { limit 300 python3 bench/engine.py --world 1 --steps 3 --out $R
 phase_engine2() { limit 240 python3 bench/engine.py --world 2 --steps 3 --out $RES \
     --rows "${ENGINE2_ROWS:-plain_4,fsdp2_4,fsdp2_4_compile,fsdp1_4}"; }
 phase_greedy() { limit 200 python3 bench/rollout.py --cases greedy_64 --new-tokens 64 --out $RES; }
+phase_greedy_confident() { for std in ${GREEDY_STDS:-0.05 0.1}; do
+    limit 150 python3 bench/rollout.py --cases greedy_64 --new-tokens 64 --init-std $std --out $RES; done; }
 phase_rollout256() { limit 300 python3 bench/rollout.py --cases fixed_256 --rows "${ROLLOUT256_ROWS:-hf_dynamic,fast,hf_static}" \
     --out $RES; }
 phase_rollout() { limit 420 python3 bench/rollout.py --cases "${ROLLOUT_CASES:-fixed_64,mixed}" --hf-warm-once \

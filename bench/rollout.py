@@ -293,6 +293,8 @@ def main():
     parser.add_argument("--mixed-max", type=int, default=1024)
     parser.add_argument("--sync-every", type=int, default=16)
     parser.add_argument("--seq-bucket", type=int, default=128)
+    parser.add_argument("--init-std", type=float, default=None,
+                        help="weight init std (HF default 0.02: near-flat logits); larger gives a more confident model")
     parser.add_argument("--bandwidth", type=float, default=HBM_BYTES_PER_S, help="bytes/s of the memory")
     parser.add_argument("--hf-warm-once", action="store_true",
                         help="warm HF dynamic-cache generate up on the first case only (saves minutes on GPUs)")
@@ -310,6 +312,8 @@ def main():
             args.cases = "fixed_4,mixed"
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.init_std is not None:
+        shape["initializer_range"] = args.init_std
     config = transformers.AutoConfig.for_model(shape.pop("model_type"), **shape)
     with torch.device(device):
         torch.manual_seed(0)
@@ -321,7 +325,7 @@ def main():
         if case.startswith("greedy_"):
             gen = torch.Generator().manual_seed(2)
             prompts = torch.randint(1, config.vocab_size, (int(case.split("_")[1]), args.prompt_len), generator=gen)
-            res = dict(bench="rollout_greedy_agreement", case=case, **greedy_agreement(
+            res = dict(bench="rollout_greedy_agreement", case=case, init_std=config.initializer_range, **greedy_agreement(
                 hf_model, config, prompts, args.new_tokens, device, dtype), device=str(device), dtype=str(dtype))
             report(res, args.out)
             continue
