@@ -67,6 +67,7 @@ start)
         export ROLLOUT256_ROWS=${ROLLOUT256_ROWS:-hf_dynamic,fast}
     fi
     mkdir -p "$GS"
+    rm -f "$GS/DONE"  # before `wait` can look: a warm machine keeps the last session's
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader > "$GS/session.log"
     setsid nohup bash "$0" run "$@" >> "$GS/session.log" 2>&1 < /dev/null &
     ;;
