@@ -207,11 +207,12 @@ def run_hf(row: str, hf_model, config, prompts, limits, batch, args, device, dty
     return dict(tokens=tokens, seconds=total_s, prefill_s=prefill_s, warmup_s=warmup_s, decode_steps=steps)
 
 
-def _greedy_fast(model, config, ids, mask, new_tokens, device, dtype) -> torch.Tensor:
+def _greedy_fast(model, config, ids, mask, new_tokens, device, dtype, **kwargs) -> torch.Tensor:
     from shardrl.rollout.base import SamplingParams
     from shardrl.rollout.fast import FastRollout
 
-    rollout = FastRollout(config, IdTokenizer(), device, dtype, micro_batch_size=ids.shape[0], max_batch=ids.shape[0])
+    rollout = FastRollout(config, IdTokenizer(), device, dtype, micro_batch_size=ids.shape[0], max_batch=ids.shape[0],
+                          **kwargs)
     rollout.load_weights(model.named_parameters())
     out = rollout.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=new_tokens)).response_ids.to(device)
     rollout.release(weights=True)
@@ -229,6 +230,13 @@ def _greedy_hf(model, ids, mask, new_tokens, rows_per_call: int) -> torch.Tensor
 
 def _identical(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a == b).all(1).float().mean())
+
+
+def _mean_first_divergence(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over rows of the first position where a and b differ (the length where they never do)."""
+    differ = a != b
+    first = torch.where(differ.any(1), differ.float().argmax(1), torch.full_like(differ[:, 0], a.shape[1], dtype=torch.long))
+    return float(first.float().mean())
 
 
 @torch.no_grad()
@@ -259,8 +267,14 @@ def greedy_agreement(hf_model, config, prompts, new_tokens: int, device, dtype) 
     typical = (top2[..., 0] - top2[..., 1]).flatten()
     fp32 = {}
     if dtype != torch.float32:
-        ours32 = _greedy_fast(ref, config, ids, mask, new_tokens, device, torch.float32)
-        fp32 = dict(fp32_identical_fraction=_identical(ours32, _greedy_hf(ref, ids, mask, new_tokens, batch)))
+        # who follows the fp32 greedy path longer: bf16 rounding, or an error of ours?
+        exact = _greedy_hf(ref, ids, mask, new_tokens, batch)
+        ours_eager = _greedy_fast(hf_model, config, ids, mask, new_tokens, device, dtype, compile=False)
+        fp32 = dict(fp32_identical_fraction=_identical(_greedy_fast(ref, config, ids, mask, new_tokens, device,
+                                                                    torch.float32), exact),
+                    fp32_path_followed_mean_tokens=dict(
+                        fast=_mean_first_divergence(ours, exact), fast_not_compiled=_mean_first_divergence(ours_eager, exact),
+                        hf=_mean_first_divergence(theirs, exact), hf_other_split=_mean_first_divergence(theirs_split, exact)))
     del ref
     if device.type == "cuda":
         torch.cuda.empty_cache()
