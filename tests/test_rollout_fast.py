@@ -293,6 +293,10 @@ def test_errors_name_the_problem(tok):
     with pytest.raises(ValueError, match="supports"):
         gpt2 = transformers.AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=4)
         FastRollout(gpt2, tok, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="attention='triton' needs a CUDA device"):
+        FastRollout(tiny_config(tok), tok, "cpu", torch.float32, attention="triton")
+    with pytest.raises(ValueError, match="must be 'auto', 'triton' or 'sdpa'"):
+        FastRollout(tiny_config(tok), tok, "cpu", torch.float32, attention="flash")
     rollout = make_rollout("fast", tok, reference_model(tok, seed=1), max_seq_len=20)
     ids, mask = encode(tok)
     with pytest.raises(ValueError, match="max_seq_len=20"):

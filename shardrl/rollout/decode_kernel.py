@@ -52,18 +52,13 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, pos_ptr, scale,
     tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] < G)
 
 
-def supports(head_dim: int) -> bool:
-    """Whether the kernel takes this head dimension (a power of two, at least 16: Triton's dot)."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
-
-
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.Tensor,
                      block_n: int = 64) -> torch.Tensor:
     """q (B, Hkv, G, D) contiguous, kv_layer (2, B, Hkv, max_seq, D) with unit stride in D, positions (B,):
     softmax(q k^T / sqrt(D)) v over each slot's entries 0..position. Returns (B, Hkv, G, D) like q. fp32
     inputs are multiplied in full fp32 (no TF32)."""
     b, hkv, g, d = q.shape
-    if not supports(d) or kv_layer.stride(-1) != 1 or not q.is_contiguous():
+    if d < 16 or d & (d - 1) or kv_layer.stride(-1) != 1 or not q.is_contiguous():
         raise ValueError(f"decode_attention needs a contiguous q and a power-of-two head dim >= 16, got {d}")
     out = torch.empty_like(q)
     _decode_attention[(b, hkv)](

@@ -25,6 +25,7 @@ responses at EOS and stop strings here too.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -145,18 +146,21 @@ class FastRollout(Rollout):
         self.last_stats: dict = {}
 
     def _attention(self, name: str, head_dim: int) -> SDPADecodeAttention | TritonDecodeAttention:
+        """The decode attention `name` asks for; "auto" takes triton where it can run, else sdpa."""
         if name not in ("auto", "triton", "sdpa"):
             raise ValueError(f"attention={name!r} must be 'auto', 'triton' or 'sdpa'")
-        if name == "sdpa" or (name == "auto" and self.device.type != "cuda"):
+        if name == "sdpa":
             return SDPADecodeAttention()
-        from shardrl.rollout.decode_kernel import supports
-
-        if self.device.type == "cuda" and supports(head_dim):
+        problem = None
+        if self.device.type != "cuda" or not (head_dim >= 16 and head_dim & (head_dim - 1) == 0):
+            problem = f"a CUDA device and a power-of-two head dim >= 16 (here {self.device.type}, head dim {head_dim})"
+        elif importlib.util.find_spec("triton") is None:
+            problem = "the triton package (it comes with PyTorch's CUDA wheels on Linux)"
+        if problem is None:
             return TritonDecodeAttention()
         if name == "auto":
             return SDPADecodeAttention()
-        raise ValueError(f"attention='triton' needs a CUDA device and a power-of-two head dim >= 16 (here "
-                         f"{self.device.type}, head dim {head_dim}); use attention='sdpa'")
+        raise ValueError(f"attention='triton' needs {problem}; use attention='sdpa'")
 
     # ---- weights and memory ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
