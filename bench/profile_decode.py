@@ -1,8 +1,8 @@
 """Where a fast-rollout decode step spends its time, on one GPU (bench/rollout.py's model and batch 256).
 
 Prints the time of a graph-replayed step at a few cache lengths (attention sdpa or triton, the layer's parts
-compiled or not), the top CUDA kernels of decode steps run without graphs (the defaults), and each part of a step timed alone: decode attention in several formulations, the
-layer GEMMs, the LM head and the sampler. One JSON line per timing (also appended to --out).
+compiled or not), the top CUDA kernels of decode steps run without graphs (the defaults), and each part of
+a step timed alone: decode attention in several formulations, the layer GEMMs, the LM head and the sampler. One JSON line per timing (also appended to --out).
 
     python bench/profile_decode.py --out results.jsonl
 """
@@ -64,7 +64,8 @@ def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int,
                 "triton_block32": lambda: decode_attention(q, kv, lengths, block_n=32),
                 "triton_block128": lambda: decode_attention(q, kv, lengths, block_n=128),
                 "sdpa_bool_mask": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask),
-                "sdpa_additive_mask (attention=sdpa)": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=additive),
+                "sdpa_additive_mask (attention=sdpa)":
+                    lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=additive),
                 "efficient_bool": restricted(SDPBackend.EFFICIENT_ATTENTION, mask),
                 "math_bool": restricted(SDPBackend.MATH, mask),
                 "cudnn_additive": restricted(SDPBackend.CUDNN_ATTENTION, additive),
@@ -114,7 +115,8 @@ def main():
     for attention, compile in (("sdpa", False), ("sdpa", True), ("triton", False), ("triton", True)):
         rollout = FastRollout(config, IdTokenizer(), dev, dtype, micro_batch_size=b, max_batch=b,
                               attention=attention, compile=compile)
-        rollout.generate(ids, torch.ones_like(ids), SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=0))
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
+        rollout.generate(ids, torch.ones_like(ids), sampling)
         st, max_seq = rollout._state, rollout._state.max_seq
         for seq_len in sorted({max_seq // 2, 3 * max_seq // 4, max_seq}):
             at(st, seq_len - 48)

@@ -234,9 +234,8 @@ def _identical(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _mean_first_divergence(a: torch.Tensor, b: torch.Tensor) -> float:
     """Mean over rows of the first position where a and b differ (the length where they never do)."""
-    differ = a != b
-    first = torch.where(differ.any(1), differ.float().argmax(1), torch.full_like(differ[:, 0], a.shape[1], dtype=torch.long))
-    return float(first.float().mean())
+    differ = torch.cat([a != b, torch.ones_like(a[:, :1], dtype=torch.bool)], 1)  # a sentinel at the end
+    return float(differ.float().argmax(1).float().mean())
 
 
 @torch.no_grad()
@@ -272,9 +271,10 @@ def greedy_agreement(hf_model, config, prompts, new_tokens: int, device, dtype) 
         ours_eager = _greedy_fast(hf_model, config, ids, mask, new_tokens, device, dtype, compile=False)
         fp32 = dict(fp32_identical_fraction=_identical(_greedy_fast(ref, config, ids, mask, new_tokens, device,
                                                                     torch.float32), exact),
-                    fp32_path_followed_mean_tokens=dict(
-                        fast=_mean_first_divergence(ours, exact), fast_not_compiled=_mean_first_divergence(ours_eager, exact),
-                        hf=_mean_first_divergence(theirs, exact), hf_other_split=_mean_first_divergence(theirs_split, exact)))
+                    fp32_path_followed_mean_tokens={
+                        name: _mean_first_divergence(out, exact) for name, out in
+                        (("fast", ours), ("fast_not_compiled", ours_eager), ("hf", theirs),
+                         ("hf_other_split", theirs_split))})
     del ref
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -13,9 +13,10 @@ sync per token):
              tokens and take waiting rows, so a batch of mixed lengths does not decode at the pace of its
              longest row
 
-Attention in a step reads the first `seq_len` cache positions of every slot, `seq_len` being the longest
-live slot rounded up to `seq_bucket`; each (sampling mode, seq_len) pair gets its own graph, captured on
-first use and again by `resume()`. `load_weights` copies in place, so graphs stay valid across syncs;
+Attention in a step reads each slot's cache up to its own length (the Triton kernel, CUDA's default: one
+graph per sampling mode), or, with attention="sdpa", the first `seq_len` positions of every slot, `seq_len`
+being the longest live slot rounded up to `seq_bucket` (one graph per sampling mode and `seq_len`). Graphs
+are captured on first use and again by `resume()`. `load_weights` copies in place, so graphs stay valid across syncs;
 `release()` frees the cache and graphs (and, if asked, moves the weights to the CPU).
 
 Tokens, log-probs (log softmax(logits / T) of the sampled token, no top-k/top-p truncation) and output
@@ -106,10 +107,11 @@ class FastRollout(Rollout):
     grown when a later call has more rows. `max_seq_len`: cache positions per slot; default the longest
     prompt + max_new_tokens rounded up to `seq_bucket`, grown as needed. `cuda_graphs` (default: on CUDA)
     captures the decode step; `compile` (default: on CUDA) runs the decoder layer's parts around attention
-    (compiled once for all layers and attended lengths; see `DecoderBlock`) and the sampler through `torch.compile`. `attention`:
-    "triton" reads each slot's cache only up to its length (`TritonDecodeAttention`, CUDA; one graph for all
-    lengths), "sdpa" the first `seq_len` positions of every slot with a mask; "auto" = triton on CUDA where
-    the head dim suits it (a power of two >= 16), else sdpa. `release_weights` makes `release()` move the weights to the CPU too."""
+    (compiled once for all layers and attended lengths; see `DecoderBlock`) and the sampler through
+    `torch.compile`. `attention`: "triton" reads each slot's cache only up to its length
+    (`TritonDecodeAttention`, CUDA; one graph for all lengths), "sdpa" the first `seq_len` positions of
+    every slot with a mask; "auto" = triton where it can run (CUDA, a power-of-two head dim >= 16, the
+    triton package), else sdpa. `release_weights` makes `release()` move the weights to the CPU too."""
 
     def __init__(self, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,
                  micro_batch_size: int = 64, max_batch: int | None = None, max_seq_len: int | None = None,
@@ -153,7 +155,8 @@ class FastRollout(Rollout):
             return SDPADecodeAttention()
         problem = None
         if self.device.type != "cuda" or not (head_dim >= 16 and head_dim & (head_dim - 1) == 0):
-            problem = f"a CUDA device and a power-of-two head dim >= 16 (here {self.device.type}, head dim {head_dim})"
+            problem = (f"a CUDA device and a power-of-two head dim >= 16 (here {self.device.type}, "
+                       f"head dim {head_dim})")
         elif importlib.util.find_spec("triton") is None:
             problem = "the triton package (it comes with PyTorch's CUDA wheels on Linux)"
         if problem is None:
