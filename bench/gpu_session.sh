@@ -59,11 +59,10 @@ collect() {
 case "${1:-}" in
 start)
     shift
-    # `next`: what is left to measure, in the order to run it (about two device calls): the fast rollout's
-    #   GPU tests, batch 256, greedy agreement in bf16, batch 64 and mixed (add fast_sdpa,fast_eager and
-    #   profile_decode for the ablation)
+    # `next`: what is left to measure, in the order to run it (one device call): the fast rollout's GPU
+    #   tests (the fused K/V write included), the decode profile (is the fused write faster?), batch 256
     if [ "${1:-}" = next ]; then
-        set -- tests_rollout rollout256 greedy rollout
+        set -- tests_rollout profile_decode rollout256
         export ROLLOUT256_ROWS=${ROLLOUT256_ROWS:-hf_dynamic,fast}
     fi
     mkdir -p "$GS"

@@ -41,10 +41,13 @@ def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int,
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from shardrl.rollout.decode_kernel import decode_attention
+    from shardrl.rollout.fast_model import write_kv
 
     kv = torch.randn(2, b, hkv, max_seq, d, device="cuda", dtype=dtype)
     keys, values = kv[0][:, :, :seq], kv[1][:, :, :seq]
     q = torch.randn(b, hkv, g, d, device="cuda", dtype=dtype)
+    k_new, v_new = torch.randn(2, b, hkv, d, device="cuda", dtype=dtype)
+    slots = torch.arange(b, device="cuda")
     lengths = torch.randint(seq // 2, seq, (b,), device="cuda")
     mask = (torch.arange(seq, device="cuda") <= lengths[:, None])[:, None, None, :]
     additive = torch.zeros(mask.shape, device="cuda", dtype=dtype).masked_fill(~mask, float("-inf"))
@@ -63,6 +66,8 @@ def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int,
     variants = {"triton (attention=triton)": lambda: decode_attention(q, kv, lengths),
                 "triton_block32": lambda: decode_attention(q, kv, lengths, block_n=32),
                 "triton_block128": lambda: decode_attention(q, kv, lengths, block_n=128),
+                "triton_fused_write (+ the K/V write)": lambda: decode_attention(q, kv, lengths, k_new, v_new),
+                "index_copy_write (the unfused K/V write)": lambda: write_kv(k_new, v_new, kv, slots, lengths),
                 "sdpa_bool_mask": lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask),
                 "sdpa_additive_mask (attention=sdpa)":
                     lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=additive),
@@ -93,6 +98,7 @@ def main():
 
     from shardrl.rollout.base import SamplingParams
     from shardrl.rollout.fast import SAMPLE, FastRollout, sample_tokens
+    from shardrl.rollout.fast_model import TritonDecodeAttention
 
     records = []
 
@@ -112,9 +118,13 @@ def main():
         st.done.fill_(False)
         st.num_generated.zero_()
 
-    for attention, compile in (("sdpa", False), ("sdpa", True), ("triton", False), ("triton", True)):
+    configs = (("sdpa", False), ("sdpa", True), ("triton", False), ("triton", True), ("triton_fused_write", True))
+    for attention, compile in configs:
+        fused = attention == "triton_fused_write"
         rollout = FastRollout(config, IdTokenizer(), dev, dtype, micro_batch_size=b, max_batch=b,
-                              attention=attention, compile=compile)
+                              attention="triton" if fused else attention, compile=compile)
+        if fused:  # the kernel writes the new K/V itself (an option, not yet the default)
+            rollout._block.attention = TritonDecodeAttention(fuse_kv_write=True)
         sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
         rollout.generate(ids, torch.ones_like(ids), sampling)
         st, max_seq = rollout._state, rollout._state.max_seq
@@ -124,7 +134,7 @@ def main():
             emit(what="graph_step_ms", attention=attention, compile=compile, seq_len=seq_len,
                  ms=round(cuda_ms(lambda: rollout._run_step(SAMPLE, graph_len, gen), 30), 4))
         if attention == "triton" and compile:
-            eager = rollout  # profiled below
+            eager = rollout  # profiled below (the defaults)
         else:
             rollout.release(weights=True)
 

@@ -13,6 +13,7 @@ import transformers
 from shardrl.engine.model import build_causal_lm
 from shardrl.rollout import FastRollout, RolloutOutput, SamplingParams, build_rollout
 from shardrl.rollout.fast import GREEDY, SAMPLE, TRUNCATED, sample_tokens
+from shardrl.rollout.fast_model import TritonDecodeAttention
 from shardrl.testing import TINY_MODELS
 from shardrl.tokenizer import build_char_tokenizer
 from test_rollout_hf import (assert_sampled_log_probs_recomputed, assert_seeded_sampling, assert_some_rows_end_at_eos,
@@ -308,7 +309,8 @@ def test_errors_name_the_problem(tok):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("attention,compile", [("triton", False), ("triton", True), ("sdpa", False), ("sdpa", True)])
+@pytest.mark.parametrize("attention,compile", [("triton", False), ("triton", True), ("triton_fused_write", True),
+                                               ("sdpa", False), ("sdpa", True)])
 def test_cuda_graphs_match_the_reference(tok, attention, compile):
     """On a GPU in fp32: graph replays give HF's greedy tokens, the eager step's samples, and the same
     again after release/resume (which recaptures the graphs). Head dim 16: the Triton kernel's smallest."""
@@ -319,8 +321,13 @@ def test_cuda_graphs_match_the_reference(tok, attention, compile):
     sampled = SamplingParams(n=2, temperature=0.9, top_p=0.95, max_new_tokens=40, seed=3)
     want = make_rollout("hf", eos_tok, model).generate(ids, mask, greedy)  # on the CPU
 
-    def fast(**kwargs):
-        return make_rollout("fast", eos_tok, model, "cuda", max_batch=4, sync_every=4, seq_bucket=32, **kwargs)
+    def fast(attention, **kwargs):
+        fused = attention == "triton_fused_write"
+        rollout = make_rollout("fast", eos_tok, model, "cuda", max_batch=4, sync_every=4, seq_bucket=32,
+                               attention="triton" if fused else attention, **kwargs)
+        if fused:
+            rollout._block.attention = TritonDecodeAttention(fuse_kv_write=True)
+        return rollout
 
     def on_cpu(out: RolloutOutput) -> RolloutOutput:
         return RolloutOutput(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in vars(out).items()})
@@ -351,20 +358,30 @@ def test_cuda_graphs_match_the_reference(tok, attention, compile):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_decode_attention_matches_sdpa_in_bf16():
     """The Triton kernel at the benchmark's head layout (12 query heads on 2 KV heads, head dim 128), with
-    positions at and around 64-entry block edges; it reads nothing past a slot's position."""
+    positions at and around 64-entry block edges; it reads nothing past a slot's position. With the new K/V
+    given, it writes them at the positions as the indexed copy does and attends as after that copy."""
     from shardrl.rollout.decode_kernel import decode_attention
-    from shardrl.rollout.fast_model import SDPADecodeAttention
+    from shardrl.rollout.fast_model import write_kv
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, hkv, g, d, max_seq = 16, 2, 6, 128, 512
     kv = torch.randn(2, b, hkv, max_seq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     q = torch.randn(b, hkv, g, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_new, v_new = torch.randn(2, b, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     positions = torch.tensor([0, 1, 62, 63, 64, 65, 255, 256, 300, 383, 384, 400, 510, 511, 7, 127], device="cuda")
-    sdpa = SDPADecodeAttention()
-    want = sdpa(q.float(), kv.float(), sdpa.mask(positions, max_seq, torch.float32))
-    torch.testing.assert_close(decode_attention(q, kv, positions).float(), want, atol=2e-2, rtol=2e-2)
+    written = kv.clone()
+    write_kv(k_new, v_new, written, torch.arange(b, device="cuda"), positions)
+    visible = (torch.arange(max_seq, device="cuda") <= positions[:, None])[:, None, None, :]
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), written[0].float(), written[1].float(),
+                                                            attn_mask=visible)
+    torch.testing.assert_close(decode_attention(q, written, positions).float(), want, atol=2e-2, rtol=2e-2)
+    fused = kv.clone()
+    torch.testing.assert_close(decode_attention(q, fused, positions, k_new, v_new).float(), want, atol=2e-2, rtol=2e-2)
+    assert torch.equal(fused, written)
     for s, p in enumerate(positions.tolist()):
-        kv[:, s, :, p + 1:] = float("nan")  # past each position: never read
-    assert not decode_attention(q, kv, positions).isnan().any()
-    kv32 = kv.float().nan_to_num()
-    torch.testing.assert_close(decode_attention(q.float(), kv32, positions), want, atol=1e-5, rtol=0)  # fp32: no TF32
+        written[:, s, :, p + 1:] = float("nan")  # past each position: never read
+        fused[:, s, :, p:] = float("nan")  # the fused kernel reads its own entry from registers
+    assert not decode_attention(q, written, positions).isnan().any()
+    assert not decode_attention(q, fused, positions, k_new, v_new).isnan().any()
+    written32 = written.float().nan_to_num()
+    torch.testing.assert_close(decode_attention(q.float(), written32, positions), want, atol=1e-5, rtol=0)  # no TF32

@@ -184,9 +184,10 @@ class SDPADecodeAttention:
         mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
         return mask[:, None, None, :]
 
-    def __call__(self, q, kv_layer, mask) -> torch.Tensor:
-        """q (B, Hkv, G, D) (the G query heads of a KV head as its "query positions": GQA without copying the
-        cache) -> (B, Hkv, G, D)."""
+    def __call__(self, q, k, v, kv_layer, slots, positions, mask) -> torch.Tensor:
+        """Writes k, v (B, Hkv, D) into the cache (`write_kv`), then attends: q (B, Hkv, G, D) (the G query
+        heads of a KV head as its "query positions": GQA without copying the cache) -> (B, Hkv, G, D)."""
+        write_kv(k, v, kv_layer, slots, positions)
         seq = mask.shape[-1]
         return F.scaled_dot_product_attention(q, kv_layer[0][:, :, :seq], kv_layer[1][:, :, :seq], attn_mask=mask)
 
@@ -194,20 +195,24 @@ class SDPADecodeAttention:
 class TritonDecodeAttention:
     """Decode attention in which each slot reads its cache only up to its own position: one Triton kernel
     (`shardrl.rollout.decode_kernel`, CUDA only). The attended length plays no part, so one CUDA graph
-    serves every length. Measured against `SDPADecodeAttention` in bench/RESULTS.md."""
+    serves every length. Measured against `SDPADecodeAttention` in bench/RESULTS.md. `fuse_kv_write`: the
+    kernel writes the new K/V itself (not yet measured on a GPU; off)."""
 
     bucketed = False
 
-    def __init__(self):
+    def __init__(self, fuse_kv_write: bool = False):
         from shardrl.rollout.decode_kernel import decode_attention
 
-        self.attend = decode_attention
+        self.attend, self.fuse_kv_write = decode_attention, fuse_kv_write
 
     def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
         return positions
 
-    def __call__(self, q, kv_layer, positions) -> torch.Tensor:
-        """q (B, Hkv, G, D) -> (B, Hkv, G, D), as `SDPADecodeAttention`."""
+    def __call__(self, q, k, v, kv_layer, slots, positions, mask) -> torch.Tensor:
+        """As `SDPADecodeAttention`; slot b is row b (slots = arange(B))."""
+        if self.fuse_kv_write:
+            return self.attend(q.contiguous(), kv_layer, positions, k, v)
+        write_kv(k, v, kv_layer, slots, positions)
         return self.attend(q.contiguous(), kv_layer, positions)
 
 
@@ -246,8 +251,7 @@ class DecoderBlock:
         `weights` from `DecoderLayer.block_weights`; consts = (eps, num_heads, num_kv_heads, head_dim)."""
         ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b = weights
         q, k, v = self.inputs(x, cos, sin, ln1, qkv_w, qkv_b, *consts)
-        write_kv(k, v, kv_layer, slots, positions)
-        attn = self.attention(q, kv_layer, mask)
+        attn = self.attention(q, k, v, kv_layer, slots, positions, mask)
         return self.output(x, attn, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, consts[0])
 
     def prefill(self, x, cos, sin, kv_layer, slots, source, length: int, weights: tuple, consts: tuple):
