@@ -359,7 +359,8 @@ def test_cuda_graphs_match_the_reference(tok, attention, compile):
 def test_triton_decode_attention_matches_sdpa_in_bf16():
     """The Triton kernel at the benchmark's head layout (12 query heads on 2 KV heads, head dim 128), with
     positions at and around 64-entry block edges; it reads nothing past a slot's position. With the new K/V
-    given, it writes them at the positions as the indexed copy does and attends as after that copy."""
+    given, it writes them at the positions as the indexed copy does and attends as after that copy; the
+    same with each slot's entries split over several programs."""
     from shardrl.rollout.decode_kernel import decode_attention
     from shardrl.rollout.fast_model import write_kv
 
@@ -374,14 +375,18 @@ def test_triton_decode_attention_matches_sdpa_in_bf16():
     visible = (torch.arange(max_seq, device="cuda") <= positions[:, None])[:, None, None, :]
     want = torch.nn.functional.scaled_dot_product_attention(q.float(), written[0].float(), written[1].float(),
                                                             attn_mask=visible)
-    torch.testing.assert_close(decode_attention(q, written, positions).float(), want, atol=2e-2, rtol=2e-2)
-    fused = kv.clone()
-    torch.testing.assert_close(decode_attention(q, fused, positions, k_new, v_new).float(), want, atol=2e-2, rtol=2e-2)
-    assert torch.equal(fused, written)
+    for splits in (1, 3, 4):  # entries cut over several programs, then combined
+        torch.testing.assert_close(decode_attention(q, written, positions, splits=splits).float(), want,
+                                   atol=2e-2, rtol=2e-2)
+        fused = kv.clone()
+        torch.testing.assert_close(decode_attention(q, fused, positions, k_new, v_new, splits=splits).float(), want,
+                                   atol=2e-2, rtol=2e-2)
+        assert torch.equal(fused, written)
     for s, p in enumerate(positions.tolist()):
         written[:, s, :, p + 1:] = float("nan")  # past each position: never read
         fused[:, s, :, p:] = float("nan")  # the fused kernel reads its own entry from registers
     assert not decode_attention(q, written, positions).isnan().any()
     assert not decode_attention(q, fused, positions, k_new, v_new).isnan().any()
+    assert not decode_attention(q, fused, positions, k_new, v_new, splits=4).isnan().any()
     written32 = written.float().nan_to_num()
     torch.testing.assert_close(decode_attention(q.float(), written32, positions), want, atol=1e-5, rtol=0)  # no TF32

@@ -18,14 +18,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_attention(q_ptr, kv_ptr, out_ptr, pos_ptr, k_new_ptr, v_new_ptr, scale,
+def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, k_new_ptr, v_new_ptr, scale,
                       stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs,
                       stride_kb, stride_kh, stride_vb, stride_vh,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      IEEE: tl.constexpr, WRITE: tl.constexpr):
-    b, h = tl.program_id(0), tl.program_id(1)
+                      SPLITS: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr):
+    b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     position = tl.load(pos_ptr + b)
     end = position if WRITE else position + 1  # the entries read from the cache
+    chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N  # this program's share: [first, stop)
+    first = split * chunk
+    stop = tl.minimum(first + chunk, end)
     rows, dims, cols = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_N)
     q_offsets = b * stride_qb + h * stride_qh + rows[:, None] * D + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=rows[:, None] < G, other=0.0)
@@ -34,9 +37,9 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, pos_ptr, k_new_ptr, v_new_ptr, sca
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for start in range(0, end, BLOCK_N):
+    for start in range(first, stop, BLOCK_N):
         entries = start + cols
-        live = entries < end
+        live = entries < stop
         offsets = entries[:, None] * stride_kvs + dims[None, :]
         k = tl.load(k_base + offsets, mask=live[:, None], other=0.0)
         if IEEE:
@@ -54,28 +57,77 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, pos_ptr, k_new_ptr, v_new_ptr, sca
         else:
             acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         running_max = new_max
-    if WRITE:  # the new entry: into the cache, and into the softmax from registers (no read after the write)
-        k_new = tl.load(k_new_ptr + b * stride_kb + h * stride_kh + dims)
-        v_new = tl.load(v_new_ptr + b * stride_vb + h * stride_vh + dims)
-        tl.store(k_base + position * stride_kvs + dims, k_new)
-        tl.store(v_base + position * stride_kvs + dims, v_new)
-        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # (BLOCK_G,)
-        new_max = tl.maximum(running_max, score)
-        rescale = tl.exp(running_max - new_max)
-        p_new = tl.exp(score - new_max)
-        running_sum = running_sum * rescale + p_new
-        acc = acc * rescale[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+    if WRITE:  # the new entry, in the last split: into the cache, and into the softmax from registers
+        if split == SPLITS - 1:
+            k_new = tl.load(k_new_ptr + b * stride_kb + h * stride_kh + dims)
+            v_new = tl.load(v_new_ptr + b * stride_vb + h * stride_vh + dims)
+            tl.store(k_base + position * stride_kvs + dims, k_new)
+            tl.store(v_base + position * stride_kvs + dims, v_new)
+            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # (BLOCK_G,)
+            new_max = tl.maximum(running_max, score)
+            rescale = tl.exp(running_max - new_max)
+            p_new = tl.exp(score - new_max)
+            running_sum = running_sum * rescale + p_new
+            acc = acc * rescale[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+            running_max = new_max
+    if SPLITS == 1:
+        out = acc / running_sum[:, None]
+        tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] < G)
+    else:  # unnormalized, with its running max and sum, for `_combine_splits`
+        _store_part(part_ptr, b, h, split, tl.num_programs(1), acc, running_max, running_sum,
+                    SPLITS, BLOCK_G, D)
+
+
+@triton.jit
+def _part_offset(b, h, split, num_heads, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr):
+    """Where a split's partial result starts: per (b, h, split), BLOCK_G x D accumulators, then the
+    BLOCK_G maxima and the BLOCK_G sums (fp32)."""
+    return ((b * num_heads + h) * SPLITS + split) * BLOCK_G * (D + 2)
+
+
+@triton.jit
+def _store_part(part_ptr, b, h, split, num_heads, acc, running_max, running_sum,
+                SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr):
+    rows, dims = tl.arange(0, BLOCK_G), tl.arange(0, D)
+    base = part_ptr + _part_offset(b, h, split, num_heads, SPLITS, BLOCK_G, D)
+    tl.store(base + rows[:, None] * D + dims[None, :], acc)
+    tl.store(base + BLOCK_G * D + rows, running_max)
+    tl.store(base + BLOCK_G * D + BLOCK_G + rows, running_sum)
+
+
+@triton.jit
+def _combine_splits(part_ptr, out_ptr, stride_ob, stride_oh, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                    D: tl.constexpr, SPLITS: tl.constexpr):
+    """One program per (slot, KV head): the softmax-weighted sum of its splits' partial results."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    rows, dims = tl.arange(0, BLOCK_G), tl.arange(0, D)
+    running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for split in tl.static_range(SPLITS):
+        base = part_ptr + _part_offset(b, h, split, tl.num_programs(1), SPLITS, BLOCK_G, D)
+        part_max = tl.load(base + BLOCK_G * D + rows)
+        new_max = tl.maximum(running_max, part_max)
+        # an empty split (or none seen yet) has max -inf and weighs nothing: no exp(-inf - -inf)
+        old_weight = tl.where(running_max == float("-inf"), 0.0, tl.exp(running_max - new_max))
+        weight = tl.where(part_max == float("-inf"), 0.0, tl.exp(part_max - new_max))
+        running_sum = running_sum * old_weight + weight * tl.load(base + BLOCK_G * D + BLOCK_G + rows)
+        acc = acc * old_weight[:, None] + weight[:, None] * tl.load(base + rows[:, None] * D + dims[None, :])
+        running_max = new_max
     out = acc / running_sum[:, None]
-    tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] < G)
+    offsets = b * stride_ob + h * stride_oh + rows[:, None] * D + dims[None, :]
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] < G)
 
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.Tensor,
                      k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                     block_n: int = 64) -> torch.Tensor:
+                     block_n: int = 64, splits: int = 1, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q (B, Hkv, G, D) contiguous, kv_layer (2, B, Hkv, max_seq, D) with unit stride in D, positions (B,):
     softmax(q k^T / sqrt(D)) v over each slot's entries 0..position. With k_new, v_new (B, Hkv, D), unit
     stride in D, they are first written at each slot's position (slot b is row b). Returns (B, Hkv, G, D)
-    like q. fp32 inputs are multiplied in full fp32 (no TF32)."""
+    like q. fp32 inputs are multiplied in full fp32 (no TF32). `splits` > 1 cuts each slot's entries into
+    that many programs (more parallel loads) whose partial results a second kernel combines; it and the
+    launch settings are tuning knobs that bench/profile_decode.py times."""
     b, hkv, g, d = q.shape
     if d < 16 or d & (d - 1) or kv_layer.stride(-1) != 1 or not q.is_contiguous():
         raise ValueError(f"decode_attention needs a contiguous q and a power-of-two head dim >= 16, got {d}")
@@ -84,9 +136,15 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
         raise ValueError("decode_attention takes k_new and v_new together, each with unit stride in D")
     k_new, v_new = (k_new, v_new) if write else (q, q)  # placeholders the kernel does not read
     out = torch.empty_like(q)
-    _decode_attention[(b, hkv)](
-        q, kv_layer, out, positions, k_new, v_new, d**-0.5, q.stride(0), q.stride(1), *kv_layer.stride()[:4],
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        WRITE=write, num_warps=4, num_stages=2)
+    block_g = max(16, triton.next_power_of_2(g))
+    part = torch.empty(b * hkv * splits * block_g * (d + 2) if splits > 1 else 1, dtype=torch.float32,
+                       device=q.device)
+    _decode_attention[(b, hkv, splits)](
+        q, kv_layer, out, part, positions, k_new, v_new, d**-0.5, q.stride(0), q.stride(1),
+        *kv_layer.stride()[:4], k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        G=g, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32, WRITE=write,
+        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _combine_splits[(b, hkv)](part, out, out.stride(0), out.stride(1), G=g, BLOCK_G=block_g, D=d,
+                                  SPLITS=splits, num_warps=4)
     return out
