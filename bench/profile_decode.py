@@ -2,7 +2,8 @@
 
 Prints the time of a graph-replayed step at a few cache lengths (attention sdpa or triton, the layer's parts
 compiled or not), the top CUDA kernels of decode steps run without graphs (the defaults), and each part of
-a step timed alone: decode attention in several formulations, the layer GEMMs, the LM head and the sampler. One JSON line per timing (also appended to --out).
+a step timed alone: decode attention in several formulations, the layer GEMMs, the LM head and the sampler.
+One JSON line per timing (also appended to --out).
 
     python bench/profile_decode.py --out results.jsonl
 """

@@ -334,13 +334,15 @@ def main():
         hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     hf_model.eval().requires_grad_(False)
     weight_bytes, kv_per_token = model_bytes(config, dtype)
-    runners = {"fast": run_fast, "fast_sdpa": run_fast, "fast_eager": run_fast, "hf_dynamic": run_hf, "hf_static": run_hf}
+    runners = {"fast": run_fast, "fast_sdpa": run_fast, "fast_eager": run_fast,
+               "hf_dynamic": run_hf, "hf_static": run_hf}
     for case in args.cases.split(","):
         if case.startswith("greedy_"):
             gen = torch.Generator().manual_seed(2)
             prompts = torch.randint(1, config.vocab_size, (int(case.split("_")[1]), args.prompt_len), generator=gen)
-            res = dict(bench="rollout_greedy_agreement", case=case, init_std=config.initializer_range, **greedy_agreement(
-                hf_model, config, prompts, args.new_tokens, device, dtype), device=str(device), dtype=str(dtype))
+            agreement = greedy_agreement(hf_model, config, prompts, args.new_tokens, device, dtype)
+            res = dict(bench="rollout_greedy_agreement", case=case, init_std=config.initializer_range, **agreement,
+                       device=str(device), dtype=str(dtype))
             report(res, args.out)
             continue
         prompts, limits, batch = build_case(case, args, config.vocab_size, torch.Generator().manual_seed(1))

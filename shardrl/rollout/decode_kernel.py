@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shardrl.rollout.fast_model import triton_head_dim
+
 
 @triton.jit
 def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, k_new_ptr, v_new_ptr, scale,
@@ -129,7 +131,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
     that many programs (more parallel loads) whose partial results a second kernel combines; it and the
     launch settings are tuning knobs that bench/profile_decode.py times."""
     b, hkv, g, d = q.shape
-    if d < 16 or d & (d - 1) or kv_layer.stride(-1) != 1 or not q.is_contiguous():
+    if not triton_head_dim(d) or kv_layer.stride(-1) != 1 or not q.is_contiguous():
         raise ValueError(f"decode_attention needs a contiguous q and a power-of-two head dim >= 16, got {d}")
     write = k_new is not None
     if write and (v_new is None or k_new.stride(-1) != 1 or v_new.stride(-1) != 1):

@@ -36,7 +36,7 @@ import torch
 
 from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, copy_weights_in_place
 from shardrl.rollout.fast_model import (DecoderBlock, FastCausalLM, SDPADecodeAttention, TritonDecodeAttention,
-                                        build_fast_lm, head_dim_of)
+                                        build_fast_lm, head_dim_of, triton_head_dim)
 from shardrl.rollout.hf import HFRollout, _check_prompts, _contains_stop
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class FastRollout(Rollout):
         if name == "sdpa":
             return SDPADecodeAttention()
         problem = None
-        if self.device.type != "cuda" or not (head_dim >= 16 and head_dim & (head_dim - 1) == 0):
+        if self.device.type != "cuda" or not triton_head_dim(head_dim):
             problem = (f"a CUDA device and a power-of-two head dim >= 16 (here {self.device.type}, "
                        f"head dim {head_dim})")
         elif importlib.util.find_spec("triton") is None:

@@ -164,6 +164,11 @@ def attention_inputs(x, cos, sin, ln1, qkv_w, qkv_b, eps: float, num_heads: int,
     return q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v.view(b, num_kv_heads, head_dim)
 
 
+def triton_head_dim(head_dim: int) -> bool:
+    """Whether the Triton decode kernel takes this head dim: a power of two >= 16 (Triton's dot needs 16)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def write_kv(k, v, kv_layer, slots, positions) -> None:
     """Writes one token's k, v (B, Hkv, D) per slot at `positions` into kv_layer (2, B, Hkv, max_seq, D)."""
     kv_layer[0][slots, :, positions] = k
