@@ -36,6 +36,22 @@ def cuda_ms(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
+def graph_ms(fn, reps: int = 28, iters: int = 20) -> float:
+    """Time of one `fn` call inside a CUDA graph of `reps` calls (as a decode step runs them: no launch
+    gaps, consecutive calls of the same kernel)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return cuda_ms(graph.replay, iters) / reps
+
+
 def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int, dtype) -> dict:
     """Per-layer decode attention at batch b; positions uniform in [seq/2, seq) (the Triton kernel reads up
     to them, the others read `seq` positions)."""
@@ -85,13 +101,46 @@ def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int,
     out = {}
     for name, fn in variants.items():
         try:
-            out[name] = round(cuda_ms(fn), 4)
-        except Exception as e:  # a backend that refuses these shapes
+            out[name] = round(graph_ms(fn), 4)
+        except Exception as e:  # a backend that refuses these shapes (or capture)
             out[name] = f"{type(e).__name__}: {str(e)[:120]}"
     out["kv_read_ideal_ms"] = round(2 * keys.numel() * keys.element_size() / 4.3e12 * 1e3, 4)
     live = 2 * (lengths + 1).sum().item() * hkv * d * keys.element_size()
     out["kv_read_live_ideal_ms"] = round(live / 4.3e12 * 1e3, 4)  # only each slot's entries up to its position
     return out
+
+
+def rollout_floor(rollout, c, b: int, prompt_len: int, new_tokens: int, dtype) -> dict:
+    """A lower bound on one fixed-shape rollout (b prompts of prompt_len, new_tokens each) on this GPU: the
+    model's GEMMs alone, timed here in CUDA graphs (prefill in `prefill_tokens` chunks, then one batch-b
+    step per new token: all layers and the LM head), plus reading each step's live K/V once at 4.3 TB/s.
+    No attention math, norms, rotary, sampling or cache writes: a real engine is slower."""
+    dev = torch.device("cuda")
+    layers = rollout.model.model.layers
+    head = rollout.model.lm_head
+
+    def gemms(x):
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            F.linear(x, a.qkv_weight, a.qkv_bias)
+            F.linear(x, a.o_proj.weight)
+            h = F.linear(x, m.gate_up_weight)
+            F.linear(h[:, : c.intermediate_size], m.down_proj.weight)
+
+    chunk = min(b, max(1, rollout.prefill_tokens // prompt_len)) * prompt_len
+    prefill_x = torch.randn(chunk, c.hidden_size, device=dev, dtype=dtype)
+    decode_x = torch.randn(b, c.hidden_size, device=dev, dtype=dtype)
+    prefill_ms = graph_ms(lambda: gemms(prefill_x), reps=1, iters=5) * (b * prompt_len / chunk)
+    step_ms = graph_ms(lambda: (gemms(decode_x), head(decode_x)), reps=4, iters=10)
+    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    kv_bytes_per_token *= torch.finfo(dtype).bits // 8
+    kv_read_s = sum(b * (prompt_len + t) * kv_bytes_per_token for t in range(1, new_tokens)) / 4.3e12
+    gemm_s = prefill_ms / 1e3 + (new_tokens - 1) * step_ms / 1e3
+    flops = 2 * b * ((prompt_len + new_tokens - 1) * sum(p.numel() for p in layers.parameters())
+                     + (new_tokens - 1) * head.weight.numel())
+    return dict(prefill_gemm_s=round(prefill_ms / 1e3, 4), decode_step_gemm_ms=round(step_ms, 4),
+                gemm_s=round(gemm_s, 4), gemm_tflops=round(flops / gemm_s / 1e12, 1), kv_read_s=round(kv_read_s, 4),
+                floor_s=round(gemm_s + kv_read_s, 4), floor_tokens_per_s=round(b * new_tokens / (gemm_s + kv_read_s)))
 
 
 def main():
@@ -125,13 +174,15 @@ def main():
         st.done.fill_(False)
         st.num_generated.zero_()
 
-    configs = (("sdpa", False), ("sdpa", True), ("triton", False), ("triton", True), ("triton_fused_write", True))
+    configs = (("sdpa", False), ("sdpa", True), ("triton", False), ("triton", True), ("triton_unfused_write", True),
+               ("triton_torch_sampler", True))
     for attention, compile in configs:
-        fused = attention == "triton_fused_write"
+        unfused = attention == "triton_unfused_write"
         rollout = FastRollout(config, IdTokenizer(), dev, dtype, micro_batch_size=b, max_batch=b,
-                              attention="triton" if fused else attention, compile=compile)
-        if fused:  # the kernel writes the new K/V itself (an option, not yet the default)
-            rollout._block.attention = TritonDecodeAttention(fuse_kv_write=True)
+                              attention="sdpa" if attention == "sdpa" else "triton", compile=compile,
+                              sampler="torch" if attention == "triton_torch_sampler" else "auto")
+        if unfused:  # K/V written by two indexed copies before the kernel (the default writes them in it)
+            rollout._block.attention = TritonDecodeAttention(fuse_kv_write=False)
         sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
         rollout.generate(ids, torch.ones_like(ids), sampling)
         st, max_seq = rollout._state, rollout._state.max_seq
@@ -179,10 +230,16 @@ def main():
     noise = torch.empty(b, c.vocab_size, device=dev).exponential_()
     one = torch.ones((), device=dev)
     compiled = torch.compile(sample_tokens)
+    from shardrl.rollout.sample_kernel import fused_sample
+
+    seed = torch.zeros(1, dtype=torch.long, device=dev)
+    fused = {f"fused_splits{s}_block{k}_ms": round(graph_ms(lambda: fused_sample(logits, False, one, seed, s, k), 4), 4)
+             for s in (8, 16, 32, 64) for k in (1024, 2048)}
     emit(what="sampler_ms", mode=SAMPLE,
-         ms=round(cuda_ms(lambda: sample_tokens(logits, SAMPLE, noise, one, None, None)), 4),
-         compiled_ms=round(cuda_ms(lambda: compiled(logits, SAMPLE, noise, one, None, None)), 4),
-         noise_ms=round(cuda_ms(lambda: noise.exponential_(generator=gen)), 4))
+         ms=round(graph_ms(lambda: sample_tokens(logits, SAMPLE, noise, one, None, None), 4), 4),
+         compiled_ms=round(graph_ms(lambda: compiled(logits, SAMPLE, noise, one, None, None), 4), 4),
+         noise_ms=round(cuda_ms(lambda: noise.exponential_(generator=gen)), 4), **fused)
+    emit(what="rollout_floor", **rollout_floor(rollout, c, b, args.prompt_len, args.new_tokens, dtype))
     append_jsonl(args.out, records)
 
 

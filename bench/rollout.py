@@ -11,7 +11,9 @@ Cases:
               a batch (fast: decode slots; HF: rows per generate call) of --mixed-batch
 Rows:
     fast          FastRollout with its CUDA defaults: CUDA graphs, attention="triton" (each slot read up to its
-                  length), the layer's parts around attention and the sampler compiled
+                  length, the new K/V written by the kernel), the one-pass Triton sampler, the layer's parts
+                  around attention compiled
+    fast_torch_sampler  as fast, sampler="torch" (the compiled torch sampler, noise drawn by a separate kernel)
     fast_sdpa     as fast, attention="sdpa" (masked, over the first bucketed length)
     fast_eager    as fast, nothing compiled (the graphs replay eager kernels)
     hf_dynamic    HF generate, DynamicCache (the reference backend's engine)
@@ -117,7 +119,8 @@ def run_fast(row: str, hf_model, config, prompts, limits, batch, args, device, d
 
     rollout = FastRollout(config, IdTokenizer(), device, dtype, micro_batch_size=batch, max_batch=batch,
                           compile=False if row == "fast_eager" else None, sync_every=args.sync_every,
-                          seq_bucket=args.seq_bucket, attention="sdpa" if row == "fast_sdpa" else "auto")
+                          seq_bucket=args.seq_bucket, attention="sdpa" if row == "fast_sdpa" else "auto",
+                          sampler="torch" if row == "fast_torch_sampler" else "auto")
     _, load_s = timed(lambda: rollout.load_weights(hf_model.named_parameters()), device)
     ids, mask = prompts.to(device), torch.ones_like(prompts, device=device)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=int(limits.max()), seed=0)
@@ -334,7 +337,7 @@ def main():
         hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     hf_model.eval().requires_grad_(False)
     weight_bytes, kv_per_token = model_bytes(config, dtype)
-    runners = {"fast": run_fast, "fast_sdpa": run_fast, "fast_eager": run_fast,
+    runners = {"fast": run_fast, "fast_sdpa": run_fast, "fast_eager": run_fast, "fast_torch_sampler": run_fast,
                "hf_dynamic": run_hf, "hf_static": run_hf}
     for case in args.cases.split(","):
         if case.startswith("greedy_"):

@@ -247,6 +247,9 @@ class RolloutConfig:
     attention: Literal["auto", "triton", "sdpa"] = "auto"
     """fast backend: decode attention. triton (CUDA) reads each row's cache up to its length; sdpa reads a
     padded common length with a mask; auto = triton where it applies."""
+    sampler: Literal["auto", "triton", "torch"] = "auto"
+    """fast backend: triton (CUDA) samples in one pass over the logits with noise drawn in the kernel
+    (top-k/top-p still sort in torch); auto = triton where the triton attention runs."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "max_batch", self.max_batch is None or self.max_batch >= 1, "must be >= 1 or null")
@@ -255,6 +258,7 @@ class RolloutConfig:
         require(self, prefix, "max_batch", self.backend == "fast" or self.max_batch is None, only_fast)
         require(self, prefix, "compile", self.backend == "fast" or self.compile is None, only_fast)
         require(self, prefix, "attention", self.backend == "fast" or self.attention == "auto", only_fast)
+        require(self, prefix, "sampler", self.backend == "fast" or self.sampler == "auto", only_fast)
         require(self, prefix, "n", self.n >= 1, "must be >= 1")
         require(self, prefix, "temperature", self.temperature >= 0, "must be >= 0")
         require(self, prefix, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")

@@ -298,6 +298,10 @@ def test_errors_name_the_problem(tok):
         FastRollout(tiny_config(tok), tok, "cpu", torch.float32, attention="triton")
     with pytest.raises(ValueError, match="must be 'auto', 'triton' or 'sdpa'"):
         FastRollout(tiny_config(tok), tok, "cpu", torch.float32, attention="flash")
+    with pytest.raises(ValueError, match="sampler='triton' needs a CUDA device"):
+        FastRollout(tiny_config(tok), tok, "cpu", torch.float32, sampler="triton")
+    with pytest.raises(ValueError, match="must be 'auto', 'triton' or 'torch'"):
+        FastRollout(tiny_config(tok), tok, "cpu", torch.float32, sampler="gumbel")
     rollout = make_rollout("fast", tok, reference_model(tok, seed=1), max_seq_len=20)
     ids, mask = encode(tok)
     with pytest.raises(ValueError, match="max_seq_len=20"):
@@ -309,7 +313,7 @@ def test_errors_name_the_problem(tok):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("attention,compile", [("triton", False), ("triton", True), ("triton_fused_write", True),
+@pytest.mark.parametrize("attention,compile", [("triton", False), ("triton", True), ("triton_unfused_write", True),
                                                ("sdpa", False), ("sdpa", True)])
 def test_cuda_graphs_match_the_reference(tok, attention, compile):
     """On a GPU in fp32: graph replays give HF's greedy tokens, the eager step's samples, and the same
@@ -322,11 +326,11 @@ def test_cuda_graphs_match_the_reference(tok, attention, compile):
     want = make_rollout("hf", eos_tok, model).generate(ids, mask, greedy)  # on the CPU
 
     def fast(attention, **kwargs):
-        fused = attention == "triton_fused_write"
+        unfused = attention == "triton_unfused_write"
         rollout = make_rollout("fast", eos_tok, model, "cuda", max_batch=4, sync_every=4, seq_bucket=32,
-                               attention="triton" if fused else attention, **kwargs)
-        if fused:
-            rollout._block.attention = TritonDecodeAttention(fuse_kv_write=True)
+                               attention="triton" if unfused else attention, **kwargs)
+        if unfused:
+            rollout._block.attention = TritonDecodeAttention(fuse_kv_write=False)
         return rollout
 
     def on_cpu(out: RolloutOutput) -> RolloutOutput:
@@ -338,14 +342,16 @@ def test_cuda_graphs_match_the_reference(tok, attention, compile):
     assert graphed._graphs
     assert torch.equal(got.response_ids, want.response_ids) and got.response_text == want.response_text
     torch.testing.assert_close(got.sampled_log_probs, want.sampled_log_probs, atol=1e-4, rtol=0)
-    a = on_cpu(graphed.generate(ids.cuda(), mask.cuda(), sampled))
-    b = on_cpu(eager.generate(ids.cuda(), mask.cuda(), sampled))
-    assert torch.equal(a.response_ids, b.response_ids)
-    # compiled code sums in another order: 1e-5 apart was seen (log-probs near -2)
-    torch.testing.assert_close(a.sampled_log_probs, b.sampled_log_probs, atol=1e-4 if compile else 1e-5, rtol=0)
-    loss_mask = a.to_batch()["loss_mask"].bool()
-    torch.testing.assert_close(a.to_batch()["sampled_log_probs"][loss_mask],
-                               recomputed_log_probs(model, a, 0.9)[loss_mask], atol=1e-4, rtol=0)
+    plain = SamplingParams(n=2, temperature=0.9, max_new_tokens=40, seed=3)  # triton: the fused sampler's mode
+    for params in (plain, sampled):
+        a = on_cpu(graphed.generate(ids.cuda(), mask.cuda(), params))
+        b = on_cpu(eager.generate(ids.cuda(), mask.cuda(), params))
+        assert torch.equal(a.response_ids, b.response_ids)
+        # compiled code sums in another order: 1e-5 apart was seen (log-probs near -2)
+        torch.testing.assert_close(a.sampled_log_probs, b.sampled_log_probs, atol=1e-4 if compile else 1e-5, rtol=0)
+        loss_mask = a.to_batch()["loss_mask"].bool()
+        torch.testing.assert_close(a.to_batch()["sampled_log_probs"][loss_mask],
+                                   recomputed_log_probs(model, a, 0.9)[loss_mask], atol=1e-4, rtol=0)
     num_graphs = len(graphed._graphs)
     graphed.release()
     assert not graphed._graphs
@@ -390,3 +396,46 @@ def test_triton_decode_attention_matches_sdpa_in_bf16():
     assert not decode_attention(q, fused, positions, k_new, v_new, splits=4).isnan().any()
     written32 = written.float().nan_to_num()
     torch.testing.assert_close(decode_attention(q.float(), written32, positions), want, atol=1e-5, rtol=0)  # no TF32
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_sampler_draws_the_right_distribution():
+    """The one-pass Triton sampler: greedy = argmax (lowest index on a tie) over a Qwen-sized vocabulary cut
+    into splits, log-probs = log softmax(logits / T) of the token, sample frequencies = softmax(logits / T)
+    over 200k rows, the seed reproduces, and a captured graph draws fresh noise when the seed tensor changes."""
+    from shardrl.rollout.sample_kernel import fused_sample
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    vocab = 151_936  # not a multiple of the kernel's block
+    logits = torch.randn(8, vocab, device="cuda", generator=gen).to(torch.bfloat16) * 4
+    logits[0, 10] = logits[0, 150_000] = logits[0].max() + 1  # a tie across splits
+    logits[1, 3] = logits[1, 4] = logits[1].max() + 1  # a tie within a block
+    temperature, seed = torch.tensor(0.7, device="cuda"), torch.tensor([5], device="cuda")
+    tokens, logp = fused_sample(logits, True, temperature, seed)
+    assert torch.equal(tokens, logits.argmax(-1)) and tokens[:2].tolist() == [10, 3]
+    torch.testing.assert_close(logp, torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None])[:, 0])
+    tokens, logp = fused_sample(logits, False, temperature, seed)
+    torch.testing.assert_close(logp, torch.log_softmax(logits.float() / 0.7, -1).gather(1, tokens[:, None])[:, 0])
+    assert torch.equal(fused_sample(logits, False, temperature, seed)[0], tokens)
+
+    small = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], device="cuda")
+    probs = torch.softmax(small / 0.7, -1)
+    rows = 200_000
+    for splits, block in ((1, 1024), (3, 2)):  # one split, and a split per two tokens
+        tokens, logp = fused_sample(small.expand(rows, 6), False, temperature, seed, splits=splits, block=block)
+        freq = torch.bincount(tokens, minlength=6).float() / rows
+        torch.testing.assert_close(freq, probs, atol=4e-3, rtol=0)
+        torch.testing.assert_close(logp, torch.log_softmax(small / 0.7, -1)[tokens])
+
+    logits = small.expand(4096, 6).contiguous()
+    graph = torch.cuda.CUDAGraph()
+    fused_sample(logits, False, temperature, seed)  # compiled before capture
+    with torch.cuda.graph(graph):
+        captured, _ = fused_sample(logits, False, temperature, seed)
+    draws = []
+    for key in (1, 2, 1):
+        seed.fill_(key)
+        graph.replay()
+        draws.append(captured.clone())
+    assert torch.equal(draws[0], draws[2]) and not torch.equal(draws[0], draws[1])

@@ -7,7 +7,7 @@ a step's attention reads the bytes of the live context and not those of a padded
 
 Given the step's new key and value (`k_new`, `v_new`), the kernel also writes them into the cache at the
 slot's position and attends to them from registers, which saves the two indexed copies per layer that
-write them otherwise (not yet measured on a GPU, so not the default; see bench/profile_decode.py).
+write them otherwise (the fast rollout's default; bench/profile_decode.py times both).
 """
 
 from __future__ import annotations

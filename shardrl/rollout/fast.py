@@ -7,7 +7,7 @@ sync per token):
     admit    waiting rows take the free slots: their prompts are prefilled (each distinct prompt once,
              batched up to `prefill_tokens`), K/V written into the slots, the first token sampled
     decode   `sync_every` steps over all slots; each step feeds one token per slot, samples the next on
-             the device (Gumbel-max with noise from a seeded generator) and updates the per-slot lengths,
+             the device (Gumbel-max; noise keyed by a seeded generator) and updates the per-slot lengths,
              done flags and token buffers in place. On CUDA a step is one CUDA graph replay.
     sync     one device->host copy: finished slots (EOS, length limit, stop string) hand back their
              tokens and take waiting rows, so a batch of mixed lengths does not decode at the pace of its
@@ -85,7 +85,8 @@ class SlotState:
     max_new: torch.Tensor  # (B,) long: the slot's response limit
     out_tokens: torch.Tensor  # (B, W) long
     out_log_probs: torch.Tensor  # (B, W) float32
-    noise: torch.Tensor  # (B, V) float32: Exp(1) noise of the next sampled step
+    noise: torch.Tensor | None  # (B, V) float32: Exp(1) noise of the next step the torch sampler samples
+    seed: torch.Tensor  # (1,) long: the fused sampler's noise key for the next sampled step
     temperature: torch.Tensor  # () float32
     top_k: torch.Tensor  # () long; V when off
     top_p: torch.Tensor  # () float32; 2 when off
@@ -111,13 +112,16 @@ class FastRollout(Rollout):
     `torch.compile`. `attention`: "triton" reads each slot's cache only up to its length
     (`TritonDecodeAttention`, CUDA; one graph for all lengths), "sdpa" the first `seq_len` positions of
     every slot with a mask; "auto" = triton where it can run (CUDA, a power-of-two head dim >= 16, the
-    triton package), else sdpa. `release_weights` makes `release()` move the weights to the CPU too."""
+    triton package), else sdpa. `sampler`: "triton" samples in one pass over the logits
+    (`shardrl.rollout.sample_kernel`; greedy and plain sampling, top-k/top-p stay in torch), "torch" by
+    `sample_tokens`; "auto" = triton where the Triton attention runs. `release_weights` makes `release()` move
+    the weights to the CPU too."""
 
     def __init__(self, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,
                  micro_batch_size: int = 64, max_batch: int | None = None, max_seq_len: int | None = None,
                  cuda_graphs: bool | None = None, compile: bool | None = None, sync_every: int = 16,
                  seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0,
-                 attention: str = "auto"):
+                 attention: str = "auto", sampler: str = "auto"):
         for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every),
                             ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens),
                             ("max_batch", max_batch or 1), ("max_seq_len", max_seq_len or 1)):
@@ -140,6 +144,7 @@ class FastRollout(Rollout):
         compile = self.device.type == "cuda" if compile is None else compile
         self._block = DecoderBlock(compile, self._attention(attention, head_dim_of(hf_config)))
         self._sample = torch.compile(sample_tokens) if compile else sample_tokens
+        self._fused_sample = self._sampler(sampler)
         self._state: SlotState | None = None
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self._graph_keys: set[tuple[str, int]] = set()  # recaptured by resume()
@@ -153,17 +158,34 @@ class FastRollout(Rollout):
             raise ValueError(f"attention={name!r} must be 'auto', 'triton' or 'sdpa'")
         if name == "sdpa":
             return SDPADecodeAttention()
-        problem = None
-        if self.device.type != "cuda" or not triton_head_dim(head_dim):
-            problem = (f"a CUDA device and a power-of-two head dim >= 16 (here {self.device.type}, "
-                       f"head dim {head_dim})")
-        elif importlib.util.find_spec("triton") is None:
-            problem = "the triton package (it comes with PyTorch's CUDA wheels on Linux)"
+        problem = self._triton_problem(head_dim)
         if problem is None:
             return TritonDecodeAttention()
         if name == "auto":
             return SDPADecodeAttention()
         raise ValueError(f"attention='triton' needs {problem}; use attention='sdpa'")
+
+    def _triton_problem(self, head_dim: int | None = None) -> str | None:
+        """What a Triton kernel lacks here (None if it can run); `head_dim` for the attention kernel."""
+        if self.device.type != "cuda":
+            return f"a CUDA device (here {self.device.type})"
+        if head_dim is not None and not triton_head_dim(head_dim):
+            return f"a power-of-two head dim >= 16 (here {head_dim})"
+        if importlib.util.find_spec("triton") is None:
+            return "the triton package (it comes with PyTorch's CUDA wheels on Linux)"
+        return None
+
+    def _sampler(self, name: str):
+        """`fused_sample` if the sampler `name` asks for it (or "auto" finds the Triton attention), else None."""
+        if name not in ("auto", "triton", "torch"):
+            raise ValueError(f"sampler={name!r} must be 'auto', 'triton' or 'torch'")
+        if name == "triton" and (problem := self._triton_problem()) is not None:
+            raise ValueError(f"sampler='triton' needs {problem}; use sampler='torch'")
+        if name == "torch" or (name == "auto" and not isinstance(self._block.attention, TritonDecodeAttention)):
+            return None
+        from shardrl.rollout.sample_kernel import fused_sample
+
+        return fused_sample
 
     # ---- weights and memory ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -218,11 +240,15 @@ class FastRollout(Rollout):
             done=torch.ones(b, dtype=torch.bool, device=dev), num_generated=torch.zeros(b, **long),
             max_new=torch.ones(b, **long), out_tokens=torch.zeros(b, max_seq, **long),
             out_log_probs=torch.zeros(b, max_seq, dtype=torch.float32, device=dev),
-            noise=torch.ones(b, self.vocab_size, dtype=torch.float32, device=dev),
+            noise=None if self._fused_sample else self._new_noise(b),
+            seed=torch.zeros(1, **long),
             temperature=torch.ones((), device=dev), top_k=torch.full((), self.vocab_size, **long),
             top_p=torch.full((), 2.0, device=dev),
             eos=torch.full((), -1 if self.eos_id is None else self.eos_id, **long),  # -1: no EOS, never sampled
         )
+
+    def _new_noise(self, num_slots: int) -> torch.Tensor:
+        return torch.ones(num_slots, self.vocab_size, dtype=torch.float32, device=self.device)
 
     def _ensure_capacity(self, num_rows: int, n: int, need_seq: int) -> None:
         if self.max_seq_len is not None and need_seq > self.max_seq_len:
@@ -246,7 +272,10 @@ class FastRollout(Rollout):
         st = self._state
         active = ~st.done
         logits = self.model.decode(st.tokens, st.lengths, st.kv, seq_len, self._block)  # (B, V)
-        tokens, log_probs = self._sample(logits, mode, st.noise, st.temperature, st.top_k, st.top_p)
+        if self._fused_sample is not None and mode != TRUNCATED:
+            tokens, log_probs = self._fused_sample(logits, mode == GREEDY, st.temperature, st.seed)
+        else:
+            tokens, log_probs = self._sample(logits, mode, st.noise, st.temperature, st.top_k, st.top_p)
         tokens = torch.where(active, tokens, st.tokens)
         slots = torch.arange(st.num_slots, device=tokens.device)
         col = st.num_generated.clamp(max=st.out_tokens.shape[1] - 1)
@@ -258,8 +287,13 @@ class FastRollout(Rollout):
         st.tokens.copy_(tokens)
 
     def _run_step(self, mode: str, seq_len: int, generator: torch.Generator) -> None:
-        if mode != GREEDY:
-            self._state.noise.exponential_(generator=generator)
+        st = self._state
+        if mode == SAMPLE and self._fused_sample is not None:
+            st.seed.random_(0, 2**62, generator=generator)  # the fused sampler's fresh noise
+        elif mode != GREEDY:
+            if st.noise is None:  # the torch sampler's first step here (before its graph is captured)
+                st.noise = self._new_noise(st.num_slots)
+            st.noise.exponential_(generator=generator)
         if not self.cuda_graphs:
             self._decode_step(mode, seq_len)
             return

@@ -93,7 +93,7 @@ class RLTrainer:
         rollout_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         ro = cfg.rollout
         fast_kwargs = dict(max_batch=ro.max_batch, sync_every=ro.sync_every, compile=ro.compile,
-                           attention=ro.attention) if ro.backend == "fast" else {}
+                           attention=ro.attention, sampler=ro.sampler) if ro.backend == "fast" else {}
         self.rollout = build_rollout(ro.backend, self.actor.hf_config, self.tokenizer, self.device, rollout_dtype,
                                      micro_batch_size=ro.micro_batch_size, **fast_kwargs)
         self.sampling = SamplingParams.from_config(cfg.rollout)
