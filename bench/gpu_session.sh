@@ -60,10 +60,10 @@ case "${1:-}" in
 start)
     shift
     # `next`: what is left to measure, in the order to run it (one device call): the fast rollout's GPU
-    #   tests (the fused K/V write included), the decode profile (is the fused write faster?), batch 256
+    #   tests (the fused sampler included), the decode profile (parts in graphs, the floor), batch 256
     if [ "${1:-}" = next ]; then
         set -- tests_rollout profile_decode rollout256
-        export ROLLOUT256_ROWS=${ROLLOUT256_ROWS:-hf_dynamic,fast}
+        export ROLLOUT256_ROWS=${ROLLOUT256_ROWS:-hf_dynamic,fast,fast_torch_sampler}
     fi
     mkdir -p "$GS"
     rm -f "$GS/DONE"  # before `wait` can look: a warm machine keeps the last session's
