@@ -291,16 +291,22 @@ class FastRollout(Rollout):
         if mode == SAMPLE and self._fused_sample is not None:
             st.seed.random_(0, 2**62, generator=generator)  # the fused sampler's fresh noise
         elif mode != GREEDY:
-            if st.noise is None:  # the torch sampler's first step here (before its graph is captured)
-                st.noise = self._new_noise(st.num_slots)
-            st.noise.exponential_(generator=generator)
+            self._torch_sampler_noise().exponential_(generator=generator)
         if not self.cuda_graphs:
             self._decode_step(mode, seq_len)
             return
         graph = self._graphs.get((mode, seq_len)) or self._capture(mode, seq_len)
         graph.replay()
 
+    def _torch_sampler_noise(self) -> torch.Tensor:
+        """The noise buffer of the torch sampler, made at its first use (the fused sampler needs none)."""
+        if self._state.noise is None:
+            self._state.noise = self._new_noise(self._state.num_slots)
+        return self._state.noise
+
     def _capture(self, mode: str, seq_len: int) -> torch.cuda.CUDAGraph:
+        if mode == TRUNCATED or (mode == SAMPLE and self._fused_sample is None):
+            self._torch_sampler_noise()  # before the graph takes its address (resume() recaptures here)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -28,29 +28,43 @@ def _sample_partials(logits_ptr, stride_row, vocab, chunk, temperature_ptr, seed
     first = split * chunk
     stop = tl.minimum(first + chunk, vocab)
     inv_t = 1.0 if GREEDY else 1.0 / tl.load(temperature_ptr)
-    key = tl.load(seed_ptr) + row  # one Philox stream per row; the offsets are vocabulary indices
-    cols = tl.arange(0, BLOCK)
-    row_max = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane, reduced at the end
-    row_sum = tl.zeros([BLOCK], tl.float32)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_index = tl.zeros([BLOCK], tl.int32)
+    key = tl.load(seed_ptr) + row  # one Philox stream per row
+    QUARTER: tl.constexpr = BLOCK // 4
+    cols = tl.arange(0, QUARTER)
+    row_max = tl.full([QUARTER], float("-inf"), tl.float32)  # per lane, reduced at the end
+    row_sum = tl.zeros([QUARTER], tl.float32)
+    best = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_index = tl.zeros([QUARTER], tl.int32)
     for start in range(first, stop, BLOCK):
-        index = start + cols
-        live = index < stop
-        x = tl.load(logits_ptr + row * stride_row + index, mask=live, other=float("-inf")).to(tl.float32) * inv_t
-        new_max = tl.maximum(row_max, x)
-        # lanes that have seen only -inf keep sum 0 (no exp(-inf - -inf))
-        row_sum = tl.where(new_max == float("-inf"), 0.0, row_sum * tl.exp(row_max - new_max) + tl.exp(x - new_max))
-        row_max = new_max
-        if GREEDY:
-            score = x
-        else:  # x + Gumbel noise; u in [1e-12, 1): -log(u) is never 0 or inf
-            u = tl.maximum(tl.rand(key, index), 1e-12)
-            score = x - tl.log(-tl.log(u))
-        score = tl.where(live, score, float("-inf"))
-        better = score > best  # strictly: on a tie the earlier index stays
-        best_index = tl.where(better, index, best_index)
-        best = tl.where(better, score, best)
+        # one Philox call gives 4 uniforms (counter start/4 + lane): one for each quarter of the block
+        if not GREEDY:
+            u0, u1, u2, u3 = tl.rand4x(key, start // 4 + cols)
+        for quarter in tl.static_range(4):
+            index = start + quarter * QUARTER + cols
+            live = index < stop
+            x = tl.load(logits_ptr + row * stride_row + index, mask=live, other=float("-inf")).to(tl.float32)
+            x = x * inv_t
+            new_max = tl.maximum(row_max, x)
+            # lanes that have seen only -inf keep sum 0 (no exp(-inf - -inf))
+            row_sum = tl.where(new_max == float("-inf"), 0.0,
+                               row_sum * tl.exp(row_max - new_max) + tl.exp(x - new_max))
+            row_max = new_max
+            if GREEDY:
+                score = x
+            else:  # x + Gumbel noise; u in [1e-12, 1): -log(u) is never 0 or inf
+                if quarter == 0:
+                    u = u0
+                elif quarter == 1:
+                    u = u1
+                elif quarter == 2:
+                    u = u2
+                else:
+                    u = u3
+                score = x - tl.log(-tl.log(tl.maximum(u, 1e-12)))
+            score = tl.where(live, score, float("-inf"))
+            better = score > best  # strictly: on a tie the earlier index stays
+            best_index = tl.where(better, index, best_index)
+            best = tl.where(better, score, best)
     split_max = tl.max(row_max, 0)
     split_sum = tl.sum(tl.where(row_max == float("-inf"), 0.0, row_sum * tl.exp(row_max - split_max)), 0)
     split_best = tl.max(best, 0)
@@ -95,6 +109,8 @@ def fused_sample(logits: torch.Tensor, greedy: bool, temperature: torch.Tensor, 
         raise ValueError("fused_sample needs logits with unit stride in the vocabulary dim")
     if vocab >= 2**24:
         raise ValueError(f"fused_sample keeps token indices in fp32 partials; a vocabulary of {vocab} is too big")
+    if block < 4 or block & (block - 1):
+        raise ValueError(f"fused_sample's block must be a power of two >= 4, got {block}")
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     splits = triton.cdiv(vocab, chunk)  # every split holds at least one token
     part = torch.empty(rows, splits, 4, dtype=torch.float32, device=logits.device)  # max, sum, best, index
