@@ -242,7 +242,7 @@ class RolloutConfig:
     sync_every: int = 16
     """fast backend: decode steps between host syncs (which retire finished rows and admit waiting ones)."""
     compile: bool | None = None
-    """fast backend: run the layer's parts around attention (decode and prefill) and the sampler through
+    """fast backend: run the layer's parts around attention (decode and prefill) and the torch sampler through
     `torch.compile`; null = on CUDA (faster there, see bench/RESULTS.md), off elsewhere."""
     attention: Literal["auto", "triton", "sdpa"] = "auto"
     """fast backend: decode attention. triton (CUDA) reads each row's cache up to its length; sdpa reads a

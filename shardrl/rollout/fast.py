@@ -108,7 +108,7 @@ class FastRollout(Rollout):
     grown when a later call has more rows. `max_seq_len`: cache positions per slot; default the longest
     prompt + max_new_tokens rounded up to `seq_bucket`, grown as needed. `cuda_graphs` (default: on CUDA)
     captures the decode step; `compile` (default: on CUDA) runs the decoder layer's parts around attention
-    (compiled once for all layers and attended lengths; see `DecoderBlock`) and the sampler through
+    (compiled once for all layers and attended lengths; see `DecoderBlock`) and the torch sampler through
     `torch.compile`. `attention`: "triton" reads each slot's cache only up to its length
     (`TritonDecodeAttention`, CUDA; one graph for all lengths), "sdpa" the first `seq_len` positions of
     every slot with a mask; "auto" = triton where it can run (CUDA, a power-of-two head dim >= 16, the
