@@ -3,8 +3,9 @@
 The torch sampler (`shardrl.rollout.fast.sample_tokens`) reads the (B, V) logits, casts them to fp32, reads a
 (B, V) fp32 buffer of Exp(1) noise that a separate kernel filled, and reduces twice (the Gumbel-max argmax
 and the logsumexp of the log-prob). Here each of `splits` programs per row reads its share of the row once,
-in the logits' own dtype, draws its Gumbel noise in registers (Philox, `tl.rand`, keyed by a seed that lives
-on the device, so a captured graph draws fresh noise on every replay), and keeps three running reductions:
+in the logits' own dtype, draws its Gumbel noise in registers (Philox, `tl.rand4x`: four uniforms per call,
+keyed by a seed that lives on the device, so a captured graph draws fresh noise on every replay; one call
+per element made the kernel as slow as the torch sampler), and keeps three running reductions:
 the row's max and sum of exp (its logsumexp) and the best noisy score with its index. A second kernel
 combines the splits and gathers the sampled token's logit for its log-prob.
 
@@ -91,7 +92,8 @@ def _sample_combine(part_ptr, num_splits, logits_ptr, stride_row, temperature_pt
     row_max = tl.max(part_max, 0)
     log_sum = row_max + tl.log(tl.sum(tl.where(live, part_sum * tl.exp(part_max - row_max), 0.0), 0))
     best = tl.max(part_best, 0)
-    token = tl.min(tl.where(live & (part_best == best), part_index, 3.0e38), 0).to(tl.int64)  # lowest split wins a tie
+    # the lowest index wins a tie, as within a split
+    token = tl.min(tl.where(live & (part_best == best), part_index, 3.0e38), 0).to(tl.int64)
     inv_t = 1.0 if GREEDY else 1.0 / tl.load(temperature_ptr)
     logit = tl.load(logits_ptr + row * stride_row + token).to(tl.float32) * inv_t
     tl.store(tokens_ptr + row, token)
