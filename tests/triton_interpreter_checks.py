@@ -1,0 +1,81 @@
+"""The fast rollout's Triton kernels run by Triton's interpreter on the CPU, against plain torch.
+
+Run by tests/test_triton_kernels_cpu.py in a fresh process with TRITON_INTERPRET=1 (Triton reads it when a
+kernel is defined, so it must be set before the kernel modules are imported):
+
+    TRITON_INTERPRET=1 python tests/triton_interpreter_checks.py attention|sampler
+
+fp32 and fp16 only: the interpreter does not handle bf16. Small shapes and blocks, so that every path (several
+blocks per slot, block edges, splits, masked lanes) runs in a few seconds. Exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def check_attention() -> None:
+    from shardrl.rollout.decode_kernel import decode_attention
+    from shardrl.rollout.fast_model import write_kv
+
+    gen = torch.Generator().manual_seed(0)
+    b, hkv, g, d, max_seq = 6, 2, 3, 16, 80
+    positions = torch.tensor([0, 15, 16, 17, 47, 79])  # block edges of block_n=16, the cache's last entry
+    for dtype, atol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        kv = torch.randn(2, b, hkv, max_seq, d, generator=gen).to(dtype)
+        q = torch.randn(b, hkv, g, d, generator=gen).to(dtype)
+        k_new, v_new = torch.randn(2, b, hkv, d, generator=gen).to(dtype)
+        written = kv.clone()
+        write_kv(k_new, v_new, written, torch.arange(b), positions)
+        visible = (torch.arange(max_seq) <= positions[:, None])[:, None, None, :]
+        want = F.scaled_dot_product_attention(q.float(), written[0].float(), written[1].float(), attn_mask=visible)
+        for splits in (1, 3):
+            got = decode_attention(q, written, positions, block_n=16, splits=splits)
+            torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+            fused = kv.clone()
+            got = decode_attention(q, fused, positions, k_new, v_new, block_n=16, splits=splits)
+            torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+            assert torch.equal(fused, written), "the fused K/V write differs from the indexed copy"
+        for s, p in enumerate(positions.tolist()):  # past each position (and, fused, at it): never read
+            written[:, s, :, p + 1:] = float("nan")
+            fused[:, s, :, p:] = float("nan")
+        assert not decode_attention(q, written, positions, block_n=16).isnan().any()
+        assert not decode_attention(q, fused, positions, k_new, v_new, block_n=16, splits=3).isnan().any()
+    print("attention: ok")
+
+
+def check_sampler() -> None:
+    from shardrl.rollout.sample_kernel import fused_sample
+
+    gen = torch.Generator().manual_seed(0)
+    temperature, seed = torch.tensor(0.7), torch.tensor([11])
+    for dtype in (torch.float32, torch.float16):
+        logits = (torch.randn(5, 300, generator=gen) * 3).to(dtype)
+        logits[0, 7] = logits[0, 250] = logits[0].max() + 1  # a tie across splits: the lower index
+        logits[1, 20] = logits[1, 21] = logits[1].max() + 1  # a tie in neighbouring lanes
+        tokens, logp = fused_sample(logits, True, temperature, seed, splits=3, block=64)
+        assert torch.equal(tokens, logits.float().argmax(-1)) and tokens[:2].tolist() == [7, 20], tokens
+        torch.testing.assert_close(logp, torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None])[:, 0])
+        tokens, logp = fused_sample(logits, False, temperature, seed, splits=3, block=64)
+        want = torch.log_softmax(logits.float() / 0.7, -1).gather(1, tokens[:, None])[:, 0]
+        torch.testing.assert_close(logp, want)
+        assert torch.equal(fused_sample(logits, False, temperature, seed, splits=3, block=64)[0], tokens)
+
+    # frequencies: coarse here (the interpreter runs each row's program in Python; the GPU test draws 200k
+    # rows): 1000 draws, a frequency's standard deviation at most 0.016; T=1 instead of 0.7 moves p0 by 0.14
+    small = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    rows = 1000
+    tokens, logp = fused_sample(small.expand(rows, 6), False, temperature, seed, splits=1, block=8)
+    freq = torch.bincount(tokens, minlength=6).float() / rows
+    torch.testing.assert_close(freq, torch.softmax(small / 0.7, -1), atol=0.05, rtol=0)
+    torch.testing.assert_close(logp, torch.log_softmax(small / 0.7, -1)[tokens])
+    other, _ = fused_sample(small.expand(100, 6), False, temperature, torch.tensor([12]), splits=1, block=8)
+    assert not torch.equal(other, tokens[:100]), "another seed drew the same tokens"
+    print("sampler: ok")
+
+
+if __name__ == "__main__":
+    {"attention": check_attention, "sampler": check_sampler}[sys.argv[1]]()
