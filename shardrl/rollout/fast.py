@@ -240,15 +240,12 @@ class FastRollout(Rollout):
             done=torch.ones(b, dtype=torch.bool, device=dev), num_generated=torch.zeros(b, **long),
             max_new=torch.ones(b, **long), out_tokens=torch.zeros(b, max_seq, **long),
             out_log_probs=torch.zeros(b, max_seq, dtype=torch.float32, device=dev),
-            noise=None if self._fused_sample else self._new_noise(b),
+            noise=None,  # made by _torch_sampler_noise when a step first needs it
             seed=torch.zeros(1, **long),
             temperature=torch.ones((), device=dev), top_k=torch.full((), self.vocab_size, **long),
             top_p=torch.full((), 2.0, device=dev),
             eos=torch.full((), -1 if self.eos_id is None else self.eos_id, **long),  # -1: no EOS, never sampled
         )
-
-    def _new_noise(self, num_slots: int) -> torch.Tensor:
-        return torch.ones(num_slots, self.vocab_size, dtype=torch.float32, device=self.device)
 
     def _ensure_capacity(self, num_rows: int, n: int, need_seq: int) -> None:
         if self.max_seq_len is not None and need_seq > self.max_seq_len:
@@ -272,7 +269,7 @@ class FastRollout(Rollout):
         st = self._state
         active = ~st.done
         logits = self.model.decode(st.tokens, st.lengths, st.kv, seq_len, self._block)  # (B, V)
-        if self._fused_sample is not None and mode != TRUNCATED:
+        if self._uses_fused_sampler(mode):
             tokens, log_probs = self._fused_sample(logits, mode == GREEDY, st.temperature, st.seed)
         else:
             tokens, log_probs = self._sample(logits, mode, st.noise, st.temperature, st.top_k, st.top_p)
@@ -287,10 +284,11 @@ class FastRollout(Rollout):
         st.tokens.copy_(tokens)
 
     def _run_step(self, mode: str, seq_len: int, generator: torch.Generator) -> None:
-        st = self._state
-        if mode == SAMPLE and self._fused_sample is not None:
-            st.seed.random_(0, 2**62, generator=generator)  # the fused sampler's fresh noise
-        elif mode != GREEDY:
+        if mode == GREEDY:
+            pass  # no noise
+        elif self._uses_fused_sampler(mode):
+            self._state.seed.random_(0, 2**62, generator=generator)  # the fused sampler's fresh noise
+        else:
             self._torch_sampler_noise().exponential_(generator=generator)
         if not self.cuda_graphs:
             self._decode_step(mode, seq_len)
@@ -298,14 +296,18 @@ class FastRollout(Rollout):
         graph = self._graphs.get((mode, seq_len)) or self._capture(mode, seq_len)
         graph.replay()
 
+    def _uses_fused_sampler(self, mode: str) -> bool:
+        return self._fused_sample is not None and mode != TRUNCATED  # top-k/top-p sort in torch
+
     def _torch_sampler_noise(self) -> torch.Tensor:
         """The noise buffer of the torch sampler, made at its first use (the fused sampler needs none)."""
-        if self._state.noise is None:
-            self._state.noise = self._new_noise(self._state.num_slots)
-        return self._state.noise
+        st = self._state
+        if st.noise is None:
+            st.noise = torch.ones(st.num_slots, self.vocab_size, dtype=torch.float32, device=self.device)
+        return st.noise
 
     def _capture(self, mode: str, seq_len: int) -> torch.cuda.CUDAGraph:
-        if mode == TRUNCATED or (mode == SAMPLE and self._fused_sample is None):
+        if mode != GREEDY and not self._uses_fused_sampler(mode):
             self._torch_sampler_noise()  # before the graph takes its address (resume() recaptures here)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
