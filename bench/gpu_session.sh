@@ -13,10 +13,13 @@ GS=${GS:-/tmp/gs}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 RES=$GS/results.jsonl
 
-limit() {  # limit SECONDS cmd...: the command, killed with its spawned workers after SECONDS
-    timeout -k 15 "$@"
-    local rc=$?
-    pkill -9 -f "multiprocessing.spawn" 2>/dev/null; pkill -9 -f "compile_worker" 2>/dev/null
+limit() {  # limit SECONDS cmd...: the command in a process group of its own, which is ended (spawned
+    # workers and compile workers included) after SECONDS or when the command returns
+    setsid timeout -k 15 "$@" &
+    local pid=$! rc
+    wait $pid
+    rc=$?
+    kill -9 -- -"$pid" 2>/dev/null
     return $rc
 }
 

@@ -4,7 +4,9 @@ Layout of one checkpoint, `root/step_000010/`:
     actor/, critic/, ...    one DCP folder per engine: model and optimizer (sharded state dicts, the
                             optimizer flattened to per-parameter keys), lr_scheduler, global_step
     rng/rank_00000.pt       python, numpy, torch and CUDA RNG states of each rank
-    extra.pt                the trainer's state (dataloader position, step, ...), from rank 0
+    ranks/dp_rank_0.pt      per-rank trainer state under fixed keys the trainer chooses (`rank_extra`:
+                            torchtitan's `dp_rank_{r}`), each key written by one rank
+    extra.pt                the trainer's global state (dataloader position, step, ...), from rank 0
     trainer_state.json      step, world size and engine names, for people
     COMPLETE                written last
 
@@ -12,6 +14,10 @@ Atomicity: everything is written into `root/.tmp_step_000010/`; after a barrier 
 and renames the folder to `step_000010` (one rename, atomic within a file system). A save killed part
 way leaves a `.tmp_*` folder that loading never looks at and the next save deletes. Old checkpoints
 are renamed to `.trash_*` before they are deleted, so a half-deleted one is never taken for complete.
+Saving a step that exists renames the old copy aside, the new one in, and only then deletes the old
+one; a `.tmp_*` that holds COMPLETE (a save stopped between those renames) is renamed in by `clean_stale`.
+A failed write (a full disk) on any rank fails the save on every rank, with the path, and removes the
+partial folder. Nothing here locks the folder: one run at a time owns it (the trainer's run-folder lock).
 
 DCP reshards on load: each rank reads the pieces of the global tensors its current shards cover, so a
 checkpoint saved on N ranks loads on M (FSDP2, HSDP or FSDP1) with no conversion step. Before loading,
@@ -20,6 +26,7 @@ the checkpoint's keys and shapes are compared with the engine's and any differen
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -34,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -162,6 +170,12 @@ class Checkpoint:
     extra: dict
     """What the trainer passed to `save` (dataloader state, ...)."""
 
+    def rank_extra(self, key: str) -> Any | None:
+        """What some rank saved under `key` in `save(rank_extra={key: ...})`; None when no rank did (saved
+        at another layout, or without per-rank state)."""
+        file = self.path / "ranks" / f"{key}.pt"
+        return torch.load(file, weights_only=False) if file.is_file() else None
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -184,6 +198,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _describe(error: BaseException) -> tuple[int | None, str]:
+    """(errno, text) of a failed write; DCP's CheckpointException wraps each rank's own exception."""
+    if isinstance(error, CheckpointException):
+        inner = [exc for exc, _ in error.failures.values()]
+        found = [_describe(exc) for exc in inner] or [(None, "DCP save failed")]
+        return next((f for f in found if f[0] is not None), found[0])
+    cause = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError):
+        where = f": {cause.filename}" if cause.filename else ""
+        return cause.errno, f"{cause.strerror or cause}{where}"
+    return None, f"{type(error).__name__}: {error}"
+
+
 def _write_file(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -196,8 +225,9 @@ class CheckpointManager:
     the newest complete one. Every method that reads or writes engines must be called on every rank."""
 
     def __init__(self, root_dir: str | os.PathLike, keep_last: int = 1):
-        if keep_last < 1:
-            raise ValueError(f"keep_last={keep_last}: keep at least one checkpoint")
+        """`keep_last`: how many complete checkpoints stay on disk; 0 keeps all."""
+        if keep_last < 0:
+            raise ValueError(f"keep_last={keep_last}: use 0 to keep every checkpoint, or N >= 1 to keep the newest N")
         self.root = Path(root_dir)
         self.keep_last = keep_last
 
@@ -220,40 +250,109 @@ class CheckpointManager:
         found = self.complete_checkpoints()
         return found[-1][1] if found else None
 
-    def save(self, step: int, engines: Mapping[str, "Engine"], extra: dict | None = None) -> Path:
-        """Writes `engines` (name -> engine) and `extra` as the checkpoint of `step`; returns its folder."""
+    def save(self, step: int, engines: Mapping[str, "Engine"], extra: dict | None = None,
+             rank_extra: Mapping[str, Any] | None = None) -> Path:
+        """Writes `engines` (name -> engine), `extra` (rank 0's) and `rank_extra` (key -> state, each key
+        written by one rank: the state only that rank holds) as the checkpoint of `step`; returns its folder."""
+        for key in rank_extra or {}:
+            if not re.fullmatch(r"[A-Za-z0-9_\-]+", key):
+                raise ValueError(f"rank_extra key {key!r}: use letters, digits, '_' or '-'")
         for name in engines:
-            if not re.fullmatch(r"[A-Za-z0-9_\-]+", name) or name == "rng":
-                raise ValueError(f"engine name {name!r}: use letters, digits, '_' or '-' (and not 'rng')")
+            if not re.fullmatch(r"[A-Za-z0-9_\-]+", name) or name in ("rng", "ranks"):
+                raise ValueError(f"engine name {name!r}: use letters, digits, '_' or '-' (and not 'rng' or 'ranks')")
         rank = _rank()
         final = self.root / self.step_dir_name(step)
         tmp = self.root / f".tmp_{final.name}"
+        error = None
         if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".tmp_step_*"):  # left by a save that was killed
-                shutil.rmtree(stale, ignore_errors=True)
-            (tmp / "rng").mkdir(parents=True)
-        _barrier()
-        for name, engine in engines.items():
-            save_engine_state(engine, tmp / name)
-        torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._remove_stale()
+                shutil.rmtree(tmp, ignore_errors=True)
+                (tmp / "rng").mkdir(parents=True)
+                (tmp / "ranks").mkdir()
+            except OSError as e:
+                error = e
+        self._raise_if_any_failed(error, tmp, step)
+        try:
+            for name, engine in engines.items():
+                save_engine_state(engine, tmp / name)
+            torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+            for key, value in (rank_extra or {}).items():
+                torch.save(value, tmp / "ranks" / f"{key}.pt")
+            if rank == 0:
+                torch.save(dict(extra or {}), tmp / "extra.pt")
+                summary = {"step": step, "world_size": _world(), "engines": sorted(engines), "time": time.time()}
+                (tmp / "trainer_state.json").write_text(json.dumps(summary, indent=2) + "\n")
+        except (Exception, CheckpointException) as e:  # DCP raises its CheckpointException on every rank
+            error = e
+        self._raise_if_any_failed(error, tmp, step)  # also the barrier: every rank's files are written
         if rank == 0:
-            torch.save(dict(extra or {}), tmp / "extra.pt")
-            summary = {"step": step, "world_size": _world(), "engines": sorted(engines), "time": time.time()}
-            (tmp / "trainer_state.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _barrier()  # every rank's files are written
+            try:
+                _write_file(tmp / COMPLETE, f"{step}\n".encode())
+                _fsync_dir(tmp)
+            except OSError as e:
+                error = e
+        self._raise_if_any_failed(error, tmp, step)
         if rank == 0:
-            _write_file(tmp / COMPLETE, f"{step}\n".encode())
-            _fsync_dir(tmp)
-            if final.exists():  # saving a step again: the new one replaces it
-                self._delete(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            for _, old in self.complete_checkpoints()[:-self.keep_last]:
-                self._delete(old)
+            if final.exists():  # saving a step again: the old copy goes only once the new one is in place
+                old = final.with_name(f".trash_{final.name}")
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+                os.rename(tmp, final)
+                _fsync_dir(self.root)
+                shutil.rmtree(old)
+            else:
+                os.rename(tmp, final)
+                _fsync_dir(self.root)
+            for _, stale in (self.complete_checkpoints()[:-self.keep_last] if self.keep_last else []):
+                self._delete(stale)
             log.info("saved checkpoint %s", final)
         _barrier()
         return final
+
+    def _raise_if_any_failed(self, error: BaseException | None, tmp: Path, step: int) -> None:
+        """One decision for all ranks: when a write failed on any rank, every rank raises (none waits in a
+        collective for a rank that gave up) and rank 0 removes the partial folder."""
+        failures = [_describe(error)] if error is not None else []
+        if dist.is_initialized() and _world() > 1:
+            gathered: list = [None] * _world()
+            dist.all_gather_object(gathered, failures)
+            failures = [f for per_rank in gathered for f in per_rank]
+        if not failures:
+            return
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        codes = [code for code, _ in failures if code is not None]
+        reasons = "; ".join(dict.fromkeys(text for _, text in failures))
+        if any(code in (errno.ENOSPC, errno.EDQUOT) for code in codes):
+            raise OSError(errno.ENOSPC, f"disk full: saving the checkpoint of step {step} to {tmp} failed ({reasons}); "
+                          f"the partial folder was removed. Free space on the disk of {self.root}, keep fewer "
+                          "checkpoints (trainer.keep_last) or set trainer.output_dir to a disk with room") from error
+        message = f"saving the checkpoint of step {step} to {tmp} failed: {reasons}; the partial folder was removed"
+        if codes:
+            raise OSError(codes[0], message) from error
+        raise RuntimeError(message) from error
+
+    def _remove_stale(self) -> None:
+        """Rank 0: removes what killed saves and deletes left (`.tmp_*`, `.trash_*`) and renames in a `.tmp_*`
+        that is complete and whose step folder is missing (a re-save stopped between its two renames)."""
+        for stale in sorted(self.root.glob(".tmp_step_*")):
+            final = self.root / stale.name[len(".tmp_"):]
+            if STEP_RE.match(final.name) and (stale / COMPLETE).is_file() and not final.exists():
+                os.rename(stale, final)
+                log.warning("finished the interrupted save of %s", final)
+            else:
+                shutil.rmtree(stale, ignore_errors=True)
+        for stale in self.root.glob(".trash_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def clean_stale(self) -> None:
+        """Tidies the folder before a run uses it (see `_remove_stale`); call on every rank."""
+        if _rank() == 0 and self.root.is_dir():
+            self._remove_stale()
+        _barrier()
 
     def _delete(self, folder: Path) -> None:
         trash = folder.with_name(f".trash_{folder.name}")

@@ -16,11 +16,23 @@ import sys
 from importlib import metadata
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number >= 1 (0 is not "unset": it is refused)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
                    help="an optional YAML config file, then dotted key=value overrides")
-    p.add_argument("--nnodes", type=int, default=None, help="nodes (default: trainer.nnodes)")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="processes per node (default: trainer.nproc_per_node)")
+    p.add_argument("--nnodes", type=_count, default=None, help="nodes (default: trainer.nnodes)")
+    p.add_argument("--nproc-per-node", type=_count, default=None,
+                   help="processes per node (default: trainer.nproc_per_node)")
 
 
 def _split_config_args(args: argparse.Namespace) -> None:
@@ -51,20 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plan_main(args: argparse.Namespace) -> int:
     from shardrl.config import load_config
-    from shardrl.layout import derive_layout, format_layout, format_memory_ledger, memory_ledger
+    from shardrl.engine.model import load_hf_config
+    from shardrl.layout import check_model_heads, derive_layout, format_layout, format_memory_ledger, memory_ledger
 
     cfg = load_config(args.config, args.overrides)
     nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
     nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc_per_node
     layout = derive_layout(cfg, nnodes, nproc)
-    ledger, skipped = None, None
+    ledger, skipped, hf_config = None, None, None
     try:
-        from shardrl.engine.model import load_hf_config
-
         hf_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code)
-        ledger = memory_ledger(cfg, layout, hf_config)
     except ValueError as e:  # no usable model config: the layout still stands on its own
         skipped = str(e)
+    if hf_config is not None:
+        check_model_heads(layout, hf_config)  # heads vs sp: an error here, as training would give one
+        try:
+            ledger = memory_ledger(cfg, layout, hf_config)
+        except ValueError as e:
+            skipped = str(e)
     if args.json:
         print(json.dumps({**layout.to_dict(), "memory": ledger, "memory_skipped": skipped}))
     else:

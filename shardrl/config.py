@@ -19,8 +19,10 @@ from shardrl.configload import (
     apply_override,
     config_keys,
     config_to_dict,
+    divisors,
     from_dict,
     load,
+    nearest,
     require,
     save_config,
     validate_config,
@@ -35,7 +37,10 @@ __all__ = [
 
 T = TypeVar("T")
 Dtype = Literal["float32", "bfloat16", "float16"]
-KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+                      "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
+"""verl's KL estimator names (shardrl.algos.kl): k3 = low_var_kl (clamped); a "+" takes k2's gradient."""
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
 
 
@@ -130,14 +135,25 @@ class EngineConfig:
     """Ranks one sequence is split over (Ulysses); data-parallel size is world // this."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk when computing log-probs from hidden states, so logits never fill tokens x vocab."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How per-token losses are reduced to one number."""
     seed: int = 0
-    """Seed of model init and dropout."""
+    """Seed of the random init of a `model.tiny` model and of a new value head (weights read from a folder do
+    not use it). It does not seed dropout: training runs the model in train mode, so a model with dropout > 0
+    draws its masks from torch's global generator."""
     compile: bool = False
     """`torch.compile` each decoder block before sharding (FSDP2 only). Recommended on GPUs: on H200s it
     took a 1.5B model from 0.90x to 1.3x the tokens/s of a plain FSDP2 loop (bench/RESULTS.md), for ~10 s
     of compilation at start-up; off by default because CPU runs gain little from it."""
+
+    @staticmethod
+    def moved_key(name: str, prefix: str) -> str | None:
+        """Where a key that used to sit in this section lives now (read by the loader), or None."""
+        if name != "loss_agg_mode":
+            return None
+        role = prefix.rsplit(".", 1)[0]
+        if role in ("actor", "critic"):
+            return f"set {role}.loss_agg_mode instead (the loss is the {role}'s, not its engine's)"
+        owner = f"{role} computes no loss" if role else "an engine computes no loss"
+        return f"{owner}; set actor.loss_agg_mode (and critic.loss_agg_mode) instead"
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "fsdp_size", self.fsdp_size == -1 or self.fsdp_size >= 1,
@@ -180,8 +196,10 @@ class ActorConfig:
     """Add KL(policy || ref) to the actor loss (GRPO style)."""
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How per-token policy, entropy and KL losses are reduced to one number (verl's actor.loss_agg_mode)."""
     kl_loss_type: KLEstimator = "low_var_kl"
-    """KL estimator of the KL loss."""
+    """KL estimator of the KL loss: kl/k1, abs, mse/k2, low_var_kl/k3 (clamped), a "+" suffix for k2's gradient."""
 
     def validate(self, prefix: str) -> None:
         _validate_ppo_loop(self, prefix)
@@ -209,6 +227,8 @@ class CriticConfig:
     """Passes over each step's batch."""
     cliprange_value: float = 0.5
     """Value clip: new values stay within this of the old ones."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How per-token value losses are reduced to one number (verl's critic.loss_agg_mode)."""
     model_path: str | None = None
     """Model folder of the critic; None starts from the actor's model."""
 
@@ -284,7 +304,9 @@ class DataConfig:
     train_batch_size: int = 8
     """Prompts per training step (global)."""
     val_batch_size: int | None = None
-    """Prompts per validation batch; None takes the whole validation set."""
+    """Prompts per validation round over all ranks (ceil(this / dp) per rank: weight sync, greedy generation and
+    scoring); None takes the whole validation set in one round. The rollout still cuts a round into generate
+    calls of `rollout.micro_batch_size` prompts."""
     shuffle: bool = True
     """Shuffle the training prompts each epoch."""
     seed: int = 0
@@ -309,7 +331,8 @@ class RewardConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine of the reward model (forward only)."""
     on_error_score: float = 0.0
-    """Score given when the reward function raises on a sample."""
+    """Score given when the reward function raises on a sample (or returns no finite float32 number); a step
+    where it fails on every sample of every rank stops the run with the first failure."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "model_path", not (self.model_path and self.function_path),
@@ -329,7 +352,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     """Subtract a KL(policy || ref) penalty from the token rewards."""
     kl_penalty: KLEstimator = "k1"
-    """KL estimator of the in-reward penalty."""
+    """KL estimator of the in-reward penalty (names as `actor.kl_loss_type`)."""
     kl_coef: float = 0.001
     """Weight of the in-reward KL penalty (initial value when adaptive)."""
     kl_target: float | None = None
@@ -409,7 +432,8 @@ class Config:
         for section in ("actor", "critic") if self.algorithm.adv_estimator == "gae" else ("actor",):
             mini = getattr(self, section).ppo_mini_batch_size
             require(self, prefix, f"{section}.ppo_mini_batch_size", mini <= batch and batch % mini == 0,
-                    f"must divide data.train_batch_size={batch} (both count prompts)")
+                    f"must divide data.train_batch_size={batch} (both count prompts); nearest valid: "
+                    f"{nearest(mini, divisors(batch))}")
         group_baseline = ("grpo", "rloo", "reinforce_plus_plus_baseline")
         require(self, prefix, "rollout.n", self.algorithm.adv_estimator not in group_baseline or self.rollout.n >= 2,
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares responses within a prompt's "

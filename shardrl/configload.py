@@ -54,6 +54,17 @@ def require(section: Any, prefix: str, name: str, ok: bool, requirement: str) ->
     raise ConfigError(f"invalid config value {join_key(prefix, name)}={value!r}: {requirement}")
 
 
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def nearest(value: int, valid: list[int]) -> str:
+    """The closest valid values below and above `value`, for an error message ("4 or 6")."""
+    below = max((v for v in valid if v < value), default=None)
+    above = min((v for v in valid if v > value), default=None)
+    return " or ".join(str(v) for v in (below, above) if v is not None)
+
+
 @functools.lru_cache(maxsize=None)
 def _hints(cls: type) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(cls)}
@@ -220,6 +231,10 @@ def _set(section: Any, parts: list[str], value: Any, raw: str | None, prefix: st
     full_key = join_key(key, ".".join(rest)) if rest else key
     hints = _hints(type(section))
     if name not in hints:
+        moved = getattr(type(section), "moved_key", None)
+        where = moved(name, prefix) if moved else None
+        if where:
+            raise ConfigError(f"config key {key!r} is no longer here: {where}")
         raise _unknown_key(full_key, *scope)
     tp, current = hints[name], getattr(section, name)
     if rest and dataclasses.is_dataclass(current):

@@ -3,7 +3,8 @@
 A row holds the prompt under `prompt_key` (a string, or a list of chat messages rendered with the
 tokenizer's chat template), an optional `data_source` (picks the reward function) and any other fields,
 which travel along as the row's `extra` (e.g. `ground_truth`). verl-style rows that keep the answer in
-`reward_model: {ground_truth: ...}` get `extra["ground_truth"]` too.
+`reward_model: {ground_truth: ...}` get `extra["ground_truth"]` too. A reward function's `extra_info` is
+the row's own `extra_info` field with the rest of `extra` merged in (`shardrl.rewards.reward_extra_info`).
 
 Row numbers in messages are 1-based: the line number in a JSONL file, the row index in a Parquet file.
 """
@@ -47,8 +48,14 @@ def _read_rows(path: str) -> list[tuple[int, object]]:
 
         return list(enumerate(pq.read_table(path).to_pylist(), start=1))
     if ext in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not part of row 1
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise ValueError(f"{path}: line {line} is not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at offset "
+                             f"{e.start}); save the file as UTF-8") from None
         if text.lstrip().startswith("["):  # a .json file holding one array of rows
             try:
                 return list(enumerate(json.loads(text), start=1))
@@ -82,7 +89,7 @@ def _check_row(row, prompt_key: str) -> str | None:
         return f"no {prompt_key!r} key; available keys: {sorted(row)}"
     prompt = row[prompt_key]
     if isinstance(prompt, str):
-        return None
+        return None if prompt.strip() else f"the {prompt_key!r} string is empty; a prompt needs text"
     if isinstance(prompt, list) and prompt and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         for m in prompt
@@ -100,6 +107,16 @@ def _extra_fields(row: dict, prompt_key: str) -> dict:
     if "ground_truth" not in extra and isinstance(reward_model, dict) and "ground_truth" in reward_model:
         extra["ground_truth"] = reward_model["ground_truth"]
     return extra
+
+
+def _max_token_chars(tokenizer) -> int:
+    """The most characters one token stands for (its longest vocabulary entry, special tokens included;
+    a byte-level entry spells each byte as one character): a text longer than n times this is more than
+    n tokens, which is known without tokenizing it."""
+    try:
+        return max(1, max(map(len, tokenizer.get_vocab())))
+    except (AttributeError, NotImplementedError, TypeError, ValueError):  # no readable vocabulary: a wide bound
+        return 256
 
 
 def load_prompt_dataset(
@@ -124,6 +141,9 @@ def load_prompt_dataset(
     if not files:
         raise ValueError("no prompt files given")
     has_chat_template = getattr(tokenizer, "chat_template", None) is not None
+    # a prompt of more characters than this is surely too long: it is dropped, refused or cut to this many
+    # characters before the tokenizer sees it (a 20 MB row would otherwise be tokenized in full first)
+    max_chars = 2 * max_prompt_length * _max_token_chars(tokenizer)
 
     stats = {"num_rows_read": 0, "num_skipped_bad": 0, "num_dropped_too_long": 0, "num_truncated": 0}
     kept = []  # (path, row_number, text, is_chat, data_source, extra)
@@ -144,6 +164,15 @@ def load_prompt_dataset(
                         "has no chat template; give plain-string prompts or a tokenizer with a chat_template"
                     )
                 prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            if len(prompt) > max_chars:
+                if truncation == "error":
+                    raise ValueError(
+                        f"{path}: row {row_number}: prompt is {len(prompt)} characters, more than max_prompt_length="
+                        f"{max_prompt_length} tokens can hold (set truncation to 'drop', 'left' or 'right')")
+                if truncation == "drop":
+                    stats["num_dropped_too_long"] += 1
+                    continue
+                prompt = prompt[-max_chars:] if truncation == "left" else prompt[:max_chars]  # cut below as usual
             data_source = row.get("data_source")
             data_source = "default" if data_source is None else str(data_source)
             kept.append((path, row_number, prompt, isinstance(row[prompt_key], list), data_source, _extra_fields(row, prompt_key)))
@@ -157,8 +186,14 @@ def load_prompt_dataset(
             for i, ids in zip(positions, encoded):
                 all_ids[i] = ids
 
-    items = []
+    items, shortest_dropped = [], None
     for (path, row_number, text, _, data_source, extra), ids in zip(kept, all_ids):
+        if not ids:
+            if skip_bad_rows:
+                stats["num_skipped_bad"] += 1
+                continue
+            raise ValueError(f"{path}: row {row_number}: the prompt {_short_repr(text)} tokenizes to nothing "
+                             "(set data.skip_bad_rows=true to skip and count such rows)")
         if len(ids) > max_prompt_length:
             if truncation == "error":
                 raise ValueError(
@@ -167,6 +202,7 @@ def load_prompt_dataset(
                 )
             if truncation == "drop":
                 stats["num_dropped_too_long"] += 1
+                shortest_dropped = min(shortest_dropped or len(ids), len(ids))
                 continue
             ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
             text = tokenizer.decode(ids)
@@ -181,6 +217,11 @@ def load_prompt_dataset(
         stats["num_rows"], len(files), stats["num_rows_read"], stats["num_skipped_bad"],
         stats["num_dropped_too_long"], stats["num_truncated"],
     )
+    if not items and stats["num_dropped_too_long"]:
+        shortest = f"the shortest prompt is {shortest_dropped} tokens" if shortest_dropped else "all are far longer"
+        raise ValueError(
+            f"every prompt in {files} is longer than max_prompt_length={max_prompt_length}: {shortest} (a chat "
+            "template adds its own tokens: role markers, a default system prompt); raise data.max_prompt_length")
     if not items:
         raise ValueError(f"no usable prompts in {files} (stats: {stats})")
     return PromptDataset(items, stats, files)

@@ -27,8 +27,11 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     """Starts the default process group from torchrun's environment (a world of 1 without it)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    # On GPUs every group gets a gloo half too: FSDP's CPU offload keeps gradients (and so the pieces of
+    # the gradient norm) on the CPU, and NCCL cannot reduce CPU tensors. Collectives pick the backend by
+    # the tensor's device, so device tensors still go through NCCL.
+    backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" in os.environ:
@@ -111,11 +114,19 @@ def build_device_mesh(fsdp_size: int = -1, sp_size: int = 1, world_size: int | N
     return MeshLayout(fsdp_mesh=fsdp_mesh, dp_sp_mesh=dp_sp_mesh, world_size=world_size, sp_size=sp_size)
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a small tensor should live for a collective on `group`: the GPU when the group has NCCL
+    (alone or beside gloo), else the CPU."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum over `group`; returns a new tensor on the caller's device."""
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return values.clone()
-    coll_dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    coll_dev = collective_device(group)
     out = values.detach().to(coll_dev, dtype=torch.float64 if values.is_floating_point() else values.dtype)
     dist.all_reduce(out, group=group)
     return out.to(values.device, values.dtype)

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from shardrl.config import Config, EngineConfig
+from shardrl.configload import divisors as _divisors, nearest as _nearest
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1024**3
@@ -56,6 +57,8 @@ class Layout:
     train_batch_size: int
     """Prompts per step (global)."""
     n: int
+    rollouts_per_step: int
+    """Responses generated (and trained on) per step over all ranks: train_batch_size x n."""
     prompts_per_rank: int
     samples_per_rank: int
     max_prompt_length: int
@@ -71,16 +74,6 @@ class Layout:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _nearest(value: int, valid: list[int]) -> str:
-    below = max((v for v in valid if v < value), default=None)
-    above = min((v for v in valid if v > value), default=None)
-    return " or ".join(str(v) for v in (below, above) if v is not None)
 
 
 def _nearest_multiples(value: int, step: int) -> str:
@@ -212,10 +205,40 @@ def derive_layout(cfg: Config, nnodes: int, nproc_per_node: int) -> Layout:
 
     return Layout(
         nnodes=nnodes, nproc_per_node=nproc_per_node, world_size=world, sp=sp, dp=dp,
-        train_batch_size=batch, n=n, prompts_per_rank=prompts_per_rank, samples_per_rank=samples_per_rank,
+        train_batch_size=batch, n=n, rollouts_per_step=batch * n, prompts_per_rank=prompts_per_rank,
+        samples_per_rank=samples_per_rank,
         max_prompt_length=cfg.data.max_prompt_length, max_new_tokens=cfg.rollout.max_new_tokens,
         max_seq_len=max_seq_len, seq_tokens_per_rank=math.ceil(max_seq_len / sp),
         actor=layouts["actor"], critic=layouts.get("critic"), ref=layouts.get("ref"),
+    )
+
+
+def check_model_heads(layout: Layout, hf_config) -> None:
+    """The model's attention and KV heads against sp, by the rule the engine applies when it builds
+    (`shardrl.engine.ulysses.check_heads`), so `shardrl plan` finds what training would; `ValueError`
+    naming the key and the nearest sp values that work on this world."""
+    from shardrl.engine.ulysses import check_heads
+
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = getattr(text, "num_attention_heads", None)
+    if heads is None:  # an architecture that names its heads otherwise: the engine's own check decides
+        return
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+
+    def fits(sp: int) -> bool:
+        try:
+            check_heads(heads, kv_heads, sp)
+        except ValueError:
+            return False
+        return True
+
+    if fits(layout.sp):
+        return
+    valid = [d for d in _divisors(layout.world_size) if fits(d)]
+    raise ValueError(
+        f"actor.engine.ulysses_sequence_parallel_size={layout.sp} does not fit the model's {heads} attention heads "
+        f"and {kv_heads} KV heads (sp must divide the attention heads, and sp and the KV heads must divide one "
+        f"another); nearest valid sp on a world of {layout.world_size}: {_nearest(layout.sp, valid)}"
     )
 
 
@@ -252,6 +275,7 @@ def format_layout(layout: Layout) -> str:
         ("world size", f"{L.nnodes} nodes x {L.nproc_per_node} procs", L.world_size),
         ("sp", "actor.engine.ulysses_sequence_parallel_size", L.sp),
         ("dp", f"{L.world_size} (world) / {L.sp} (sp)", L.dp),
+        ("rollouts per step", f"{L.train_batch_size} (train_batch_size) x {L.n} (n)", L.rollouts_per_step),
         ("prompts per rank", f"{L.train_batch_size} (train_batch_size) / {L.dp} (dp)", L.prompts_per_rank),
         ("samples per rank", f"{L.train_batch_size} prompts x {L.n} (n) / {L.dp} (dp)", L.samples_per_rank),
         ("max sequence length", f"{L.max_prompt_length} (max_prompt_length) + {L.max_new_tokens} (max_new_tokens)",

@@ -7,13 +7,14 @@ from pathlib import Path
 from shardrl.trainer.metrics import read_metrics
 
 
-def plot_rewards(metrics_path: Path, out_path: Path) -> Path:
+def plot_rewards(metrics_path: Path, out_path: Path, records: list[dict] | None = None) -> Path:
+    """The reward curve of `records` (default: read from `metrics_path`, whose folder names the plot)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(metrics_path)
+    records = read_metrics(metrics_path) if records is None else records
     if not records:
         raise ValueError(f"{metrics_path} holds no metrics yet")
     fig, ax = plt.subplots(figsize=(7, 4))

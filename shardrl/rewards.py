@@ -1,8 +1,12 @@
 """Rule rewards, user reward files, and the manager that scores a batch of responses without dying.
 
-Every reward function has one signature:
+Every reward function has one signature, verl's:
     fn(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None) -> float | dict
-A dict result must hold "score"; its other numeric keys become metrics `reward/<key>` (batch means).
+It is called by keyword, as verl calls it, when its parameters carry these names (or it takes **kwargs),
+else by position. `extra_info` is the row's own `extra_info` dict (verl's meaning), with the row's other
+fields (e.g. `reward_model`, `ability`, a top-level `ground_truth`) merged in under the keys that
+`extra_info` does not already use. A dict result must hold "score"; its other numeric keys become metrics
+`reward/<key>` (batch means). A score must be a finite number a float32 holds.
 Built-ins are looked up by data_source in REWARD_FUNCTIONS; a user file replaces them all.
 """
 
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import logging
 import math
 import os
@@ -108,6 +113,11 @@ def load_reward_function(path: str, name: str = "compute_score"):
     sys.modules[module_name] = module  # so pickling and dataclasses inside the file work
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:  # would end the run silently, with whatever status the file chose
+        sys.modules.pop(module_name, None)
+        raise ValueError(f"reward function file {path!r} called sys.exit({e.code!r}) while being imported; "
+                         "a reward file must only define functions (put script code under "
+                         "`if __name__ == '__main__':`)") from None
     except Exception as e:
         sys.modules.pop(module_name, None)
         raise ValueError(f"reward function file {path!r} failed to import: {type(e).__name__}: {e}") from e
@@ -122,20 +132,80 @@ def load_reward_function(path: str, name: str = "compute_score"):
     fn = getattr(module, name)
     if not callable(fn):
         raise ValueError(f"{name!r} in {path!r} is a {type(fn).__name__}, not a function")
+    if call_style(fn) is None:
+        raise ValueError(
+            f"{name}{inspect.signature(fn)} in {path!r} cannot take a reward function's arguments; define it as "
+            f"def {name}(data_source, solution_str, ground_truth, extra_info=None) (verl's signature)")
     return fn
+
+
+REWARD_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
+def call_style(fn) -> str | None:
+    """"keyword" when `fn` takes REWARD_ARGS by name (verl calls so) and has no *args, "positional" when
+    it takes four positional arguments, None when it takes neither (a wrong signature)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature; calling will tell
+        return "positional"
+    var_positional = any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values())
+    for style, bind in (("keyword", lambda: sig.bind(**dict.fromkeys(REWARD_ARGS))),
+                        ("positional", lambda: sig.bind(*REWARD_ARGS))):
+        if style == "keyword" and var_positional:
+            continue  # fn(*args, **kwargs) was written for shardrl's positional call
+        try:
+            bind()
+            return style
+        except TypeError:
+            pass
+    return None
+
+
+def reward_extra_info(extra: dict | None) -> dict:
+    """The `extra_info` a reward function gets for a row whose fields other than prompt and data_source
+    are `extra`: the row's own `extra_info` dict (as verl passes it), plus the row's other fields under
+    the keys it does not use. A row without an `extra_info` dict gets its other fields."""
+    extra = extra or {}
+    own = extra.get("extra_info")
+    if not isinstance(own, dict):
+        return dict(extra)
+    return {**{k: v for k, v in extra.items() if k != "extra_info"}, **own}
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _as_score(value) -> float:
+    """`value` as a reward, or an error saying why it is not one."""
+    if value is None or isinstance(value, (str, bytes, dict, list, tuple)):
+        text = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise TypeError(f"reward function returned {type(value).__name__} {text}, not a number")
+    score = float(value)
+    if not math.isfinite(score):
+        raise ValueError(f"reward function returned a non-finite score {score}")
+    if abs(score) > _FLOAT32_MAX:
+        raise ValueError(f"reward function returned the score {score:g}, beyond what float32 holds (|x| <= 3.4e38)")
+    return score
 
 
 class RewardManager:
     """Scores a batch of responses with a user function or the built-in for each row's data_source.
 
     One sample whose reward function raises (or returns something unusable) gets `on_error_score` and is
-    counted in `reward/num_errors`; the first such error is logged with its traceback, once.
+    counted in `reward/num_errors`; the first such error is logged with its traceback, once. When every
+    sample of a call fails, nothing can be learned: `score` raises a ValueError quoting the first failure
+    (a caller that scores a share of a global batch passes `fail_if_all_fail=False` and decides on the
+    global count with `all_failed_error`). A function that calls sys.exit is an error at once.
     """
 
     def __init__(self, fn=None, on_error_score: float = 0.0):
         self.fn = fn
         self.on_error_score = float(on_error_score)
         self._logged_error = False
+        self._styles = {}
+        self.first_error = None
+        """The last `score` call's first failure, "(data_source=...) Type: message", or None."""
 
     def _function_for(self, data_source: str):
         if self.fn is not None:
@@ -150,27 +220,43 @@ class RewardManager:
     def _score_one(self, fn, item: dict) -> tuple[float, dict]:
         extra = item.get("extra") or {}
         ground_truth = item["ground_truth"] if "ground_truth" in item else extra.get("ground_truth")
-        result = fn(item["data_source"], item["response_text"], ground_truth, extra)
+        args = (item["data_source"], item["response_text"], ground_truth, reward_extra_info(extra))
+        if id(fn) not in self._styles:
+            self._styles[id(fn)] = call_style(fn)
+        if self._styles[id(fn)] == "keyword":
+            result = fn(**dict(zip(REWARD_ARGS, args)))
+        else:
+            result = fn(*args)
         metrics = {}
         if isinstance(result, dict):
             if "score" not in result:
                 raise ValueError(f"reward function returned a dict without 'score': keys {sorted(result)}")
             metrics = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, (int, float, bool))}
             result = result["score"]
-        score = float(result)
-        if not math.isfinite(score):
-            raise ValueError(f"reward function returned a non-finite score {score}")
-        return score, metrics
+        return _as_score(result), metrics
 
-    def score(self, items: list[dict]) -> tuple[torch.Tensor, dict]:
+    def all_failed_error(self, num_samples: int) -> ValueError:
+        return ValueError(
+            f"the reward function failed on all {num_samples} samples of this step, so there is nothing to learn "
+            f"from; the first failure {self.first_error}. Fix the reward function (a sample whose reward fails "
+            "scores reward.on_error_score only while others succeed)"
+        )
+
+    def score(self, items: list[dict], fail_if_all_fail: bool = True) -> tuple[torch.Tensor, dict]:
         """(scores (B,) float32, metrics) for items holding data_source, response_text, ground_truth, extra."""
         fns = [self._function_for(item["data_source"]) for item in items]  # config errors raise here
         scores, extra_values, num_errors = [], {}, 0
+        self.first_error = None
         for fn, item in zip(fns, items):
             try:
                 score, metrics = self._score_one(fn, item)
+            except SystemExit as e:  # would end the run with no word of why
+                raise ValueError(f"the reward function called sys.exit({e.code!r}) on a sample (data_source="
+                                 f"{item.get('data_source')!r}); a reward function must return a score") from None
             except Exception as e:
                 num_errors += 1
+                if self.first_error is None:
+                    self.first_error = f"(data_source={item.get('data_source')!r}) {type(e).__name__}: {e}"
                 if not self._logged_error:
                     self._logged_error = True
                     logger.warning(
@@ -182,6 +268,8 @@ class RewardManager:
             scores.append(score)
             for key, value in metrics.items():
                 extra_values.setdefault(key, []).append(value)
+        if fail_if_all_fail and items and num_errors == len(items):
+            raise self.all_failed_error(len(items))
         out = {"reward/num_errors": num_errors}
         if scores:
             out["reward/score"] = sum(scores) / len(scores)

@@ -73,3 +73,30 @@ def run_distributed(fn: Callable, world_size: int, *args) -> Any:
         out_path = str(Path(tmp) / "result.pt")
         mp.spawn(_worker, args=(world_size, _free_port(), fn, args, out_path), nprocs=world_size, join=True)
         return torch.load(out_path, weights_only=False)
+
+
+def full_grads(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient (HF names, fp32, on the CPU) as it is now; every rank must call it
+    (the gathers are collectives)."""
+    from torch.distributed.tensor import DTensor
+
+    if engine.strategy == "fsdp":  # FSDP1 (`use_orig_params`): a rank holds a flat shard; unshard with grads
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(engine.module, writeback=False, with_grads=True):
+            return {engine.hf_name(n): p.grad.detach().float().cpu().clone()
+                    for n, p in engine.module.named_parameters() if p.grad is not None}
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            out[engine.hf_name(name)] = g.detach().float().cpu().clone()
+    return out
+
+
+def record_grads(engine) -> list[dict[str, torch.Tensor]]:
+    """Makes `engine` record the whole gradients its optimizer steps on (after any clipping), one dict per
+    step, in the list it returns: tests compare gradients, which one AdamW step (about lr * sign(g)) hides."""
+    steps: list[dict[str, torch.Tensor]] = []
+    engine.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: steps.append(full_grads(engine)))
+    return steps

@@ -58,3 +58,31 @@ def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast
         clean_up_tokenization_spaces=False,
         model_max_length=512,
     )
+
+
+def end_of_turn_token_id(tokenizer) -> int | None:
+    """The special token the tokenizer's chat template writes right after an assistant's message (e.g.
+    `<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`), found by rendering a two-turn chat; None without a
+    template or without a special token there (the template above ends a turn with a newline)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    reply = "shardrl-reply-marker"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply}],
+                                             tokenize=False)
+    except Exception:  # a template that refuses this chat (e.g. it demands a system turn) tells nothing
+        return None
+    if not isinstance(text, str) or reply not in text:
+        return None
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    tail = tokenizer(text.split(reply, 1)[1], add_special_tokens=False)["input_ids"]
+    return next((i for i in tail if i in special), None)
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """The ids that end a response: EOS, and the chat template's end-of-turn token when it is another one
+    (a base model's tokenizer may keep `<|endoftext|>` as EOS while its template ends turns with `<|im_end|>`:
+    a chat-prompted model ends its reply with the latter). EOS first; empty when there is neither."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    turn_end = end_of_turn_token_id(tokenizer)
+    return ids + [turn_end] if turn_end is not None and turn_end not in ids else ids

@@ -71,14 +71,16 @@ def seed_everything(seed: int) -> None:
 # ---- workers --------------------------------------------------------------------------------------
 def uninterrupted_run(root: str, other_root: str):
     """World 2: steps 1-4, saving after 1, 2 and 3 (keep_last=2); also a llama checkpoint elsewhere."""
-    seed_everything(1000 + torch.distributed.get_rank())
+    rank = torch.distributed.get_rank()
+    seed_everything(1000 + rank)
     manager = CheckpointManager(root, keep_last=2)
     engine = make_engine()
     out = {"metrics": {}}
     for step in (1, 2, 3, 4):
         out["metrics"][step] = train_step(engine, step)
         if step <= 3:
-            manager.save(step, {"actor": engine}, extra={"loader": {"epoch": 0, "position": 8 * step}, "step": step})
+            manager.save(step, {"actor": engine}, extra={"loader": {"epoch": 0, "position": 8 * step}, "step": step},
+                         rank_extra={f"rank_{rank}": {"rank": rank, "step": step}})
         if step == 2:
             out["rng_after_save_2"] = draw_rng()
             out["weights_2"] = cpu_weights(engine)
@@ -103,7 +105,9 @@ def resume_run(root: str, layouts: dict):
         seed_everything(7)  # whatever the RNG was, loading puts back the saved state
         engine = make_engine(**kwargs)
         loaded = manager.load(Path(root) / "step_000002", {"actor": engine})
-        res = {"step": loaded.step, "extra": loaded.extra, "rng": draw_rng(), "global_step": engine.global_step,
+        res = {"step": loaded.step, "extra": loaded.extra, "rng": draw_rng(),
+               "rank_extra": [loaded.rank_extra(f"rank_{r}") for r in (0, 1, 2)],
+               "global_step": engine.global_step,
                "weights_2": cpu_weights(engine), "metrics": {s: train_step(engine, s) for s in (3, 4)}}
         res["weights_4"] = cpu_weights(engine)
         if name == "hsdp":  # saved from HSDP (shards replicated over "ddp"), loaded at world 1 below
@@ -201,6 +205,7 @@ def test_keeps_last_k_complete_checkpoints(saved, roots):
         files = {p.name for p in (roots[0] / folder).iterdir()}
         assert {"actor", "rng", "extra.pt", "trainer_state.json", "COMPLETE"} <= files
         assert sorted(p.name for p in (roots[0] / folder / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+        assert sorted(p.name for p in (roots[0] / folder / "ranks").iterdir()) == ["rank_0.pt", "rank_1.pt"]
         assert any(p.suffix == ".distcp" for p in (roots[0] / folder / "actor").iterdir())
 
 
@@ -209,6 +214,7 @@ def test_resume_at_other_world_sizes_continues_the_same_run(saved, resumed, worl
     res = resumed[world][layout]
     assert res["step"] == 2 and res["global_step"] == 2
     assert res["extra"] == {"loader": {"epoch": 0, "position": 16}, "step": 2}
+    assert res["rank_extra"] == [{"rank": 0, "step": 2}, {"rank": 1, "step": 2}, None]  # what each rank saved under its key
     for name, w in saved["weights_2"].items():
         assert torch.equal(res["weights_2"][name], w), name  # loading is exact
     for step in (3, 4):

@@ -83,3 +83,54 @@ def test_train_and_plot_hand_their_arguments_on(monkeypatch):
     assert args.nproc_per_node == 2 and args.nnodes is None
     assert main(["plot", "outputs/run", "--out", "x.png"]) == 0
     assert seen["plot"].run_dir == "outputs/run" and seen["plot"].out == "x.png"
+
+
+def test_plan_prints_rollouts_per_step_as_a_number(capsys):
+    assert main(["plan", "data.train_batch_size=12", "rollout.n=5", "actor.ppo_mini_batch_size=6", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rollouts_per_step"] == 60
+    assert main(["plan", "data.train_batch_size=12", "rollout.n=5", "actor.ppo_mini_batch_size=6"]) == 0
+    assert "rollouts per step = 12 (train_batch_size) x 5 (n) = 60" in " ".join(capsys.readouterr().out.split())
+
+
+def test_plan_checks_heads_against_sp_as_training_would(capsys):
+    six_heads = TINY.replace("num_attention_heads: 4", "num_attention_heads: 6")
+    argv = ["plan", six_heads, "actor.engine.ulysses_sequence_parallel_size=4", "--nproc-per-node", "8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: actor.engine.ulysses_sequence_parallel_size=4 does not fit the model's 6 attention "
+                          "heads and 2 KV heads") and "nearest valid sp on a world of 8: 2" in err
+    assert main(["plan", TINY, "actor.engine.ulysses_sequence_parallel_size=2", "--nproc-per-node", "4"]) == 0
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+@pytest.mark.parametrize("flag, value", [("--nproc-per-node", "0"), ("--nproc-per-node", "-2"), ("--nnodes", "0")])
+def test_process_counts_below_one_are_refused(command, flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, flag, value])
+    assert e.value.code == 2
+    assert f"argument {flag}: must be >= 1, got {int(value)}" in capsys.readouterr().err
+
+
+def test_train_main_refuses_zero_processes_given_in_code(tmp_path):
+    import argparse
+
+    from shardrl.trainer.main import train_main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": str(tmp_path / "no_model")}}))
+    args = argparse.Namespace(config=str(config), overrides=[], nproc_per_node=0, nnodes=None)
+    with pytest.raises(ValueError, match="--nproc-per-node 0: must be >= 1"):
+        train_main(args)
+
+
+@pytest.mark.parametrize("logger, module", [("wandb", "wandb"), ("tensorboard", "torch.utils.tensorboard")])
+def test_a_missing_logger_package_is_a_config_error_before_anything_loads(logger, module, tmp_path, monkeypatch,
+                                                                          capsys):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: importing it raises ImportError
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": str(tmp_path / "no_model")},
+                                      "trainer": {"logger": ["console", logger]}}))
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: invalid config value trainer.logger=['console', '{logger}']: '{logger}' needs")
+    assert f"pip install 'shardrl[{logger}]'" in err and "no_model" not in err

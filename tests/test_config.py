@@ -197,3 +197,26 @@ def test_every_schema_field_has_a_docstring():
         missing = {f.name for f in dataclasses.fields(cls)} - documented
         assert not missing, f"{cls.__name__}: fields without a docstring: {sorted(missing)}"
     assert "actor.engine.fsdp_size" in config_keys(Config)
+
+
+def test_loss_agg_mode_is_the_actors_and_the_critics_and_the_old_key_says_where_it_went(tmp_path):
+    cfg = load_config(None, ["actor.loss_agg_mode=seq-mean-token-sum", "critic.loss_agg_mode=seq-mean-token-mean"])
+    assert (cfg.actor.loss_agg_mode, cfg.critic.loss_agg_mode) == ("seq-mean-token-sum", "seq-mean-token-mean")
+    assert Config().actor.loss_agg_mode == "token-mean" and "loss_agg_mode" not in config_keys(EngineConfig)
+    for role in ("actor", "critic"):
+        with pytest.raises(ConfigError, match=rf"'{role}\.engine\.loss_agg_mode' is no longer here: "
+                                              rf"set {role}\.loss_agg_mode instead"):
+            load_config(None, [f"{role}.engine.loss_agg_mode=token-mean"])
+    old_yaml = write_yaml(tmp_path / "old.yaml", {"actor": {"engine": {"loss_agg_mode": "seq-mean-token-sum"}}})
+    with pytest.raises(ConfigError, match=r"set actor\.loss_agg_mode instead"):
+        load_config(old_yaml)
+    with pytest.raises(ConfigError, match=r"ref computes no loss; set actor\.loss_agg_mode"):
+        load_config(None, ["ref.engine.loss_agg_mode=token-mean"])
+
+
+def test_mini_batch_that_does_not_divide_names_the_nearest_valid_values():
+    with pytest.raises(ConfigError, match=r"actor\.ppo_mini_batch_size=5: must divide data\.train_batch_size=12 "
+                                          r"\(both count prompts\); nearest valid: 4 or 6"):
+        load_config(None, ["data.train_batch_size=12", "actor.ppo_mini_batch_size=5"])
+    with pytest.raises(ConfigError, match=r"critic\.ppo_mini_batch_size=9: .*nearest valid: 8$"):
+        load_config(None, ["data.train_batch_size=8", "critic.ppo_mini_batch_size=9", "algorithm.adv_estimator=gae"])

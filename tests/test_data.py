@@ -303,3 +303,73 @@ def test_collate_left_pads(tokenizer, tmp_path):
     assert batch["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
     assert batch["data_source"] == ["arith", "default"]
     assert [e["ground_truth"] for e in batch["extra"]] == ["3", "46"]
+
+
+# ---------------------------------------------------------------- bad bytes, empty and huge prompts
+
+
+def test_non_utf8_bytes_name_file_and_line(tokenizer, tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "1+1="}\n{"prompt": "2+2="}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl: line 3 is not UTF-8 text \(byte b'\\xe9' at offset 53\); "
+                                         r"save the file as UTF-8"):
+        load_prompt_dataset([str(path)], tokenizer)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1="}\n')
+    assert load_prompt_dataset([str(bom)], tokenizer)[0]["prompt_text"] == "1+1="
+
+
+@pytest.mark.parametrize("prompt", ["", "  \n"])
+def test_empty_prompt_is_refused_with_its_row(tokenizer, tmp_path, prompt):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1="}, {"prompt": prompt}])
+    with pytest.raises(ValueError, match=r"p.jsonl: row 2: the 'prompt' string is empty; a prompt needs text "
+                                         r"\(set data.skip_bad_rows=true"):
+        load_prompt_dataset([path], tokenizer)
+    ds = load_prompt_dataset([path], tokenizer, skip_bad_rows=True)
+    assert len(ds) == 1 and ds.stats["num_skipped_bad"] == 1
+
+
+class CountingTokenizer:
+    """The char tokenizer, recording the longest text it was asked to tokenize."""
+
+    def __init__(self, inner):
+        self.inner, self.longest = inner, 0
+
+    def __call__(self, texts, **kwargs):
+        self.longest = max([self.longest, *map(len, texts)])
+        return self.inner(texts, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("truncation", ["drop", "error", "left", "right"])
+def test_a_huge_prompt_is_never_tokenized_in_full(tokenizer, tmp_path, truncation):
+    huge = "1+" * 10_000_000 + "1="  # 20 MB
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "2+2="}, {"prompt": huge}])
+    spy = CountingTokenizer(tokenizer)
+    if truncation == "error":
+        with pytest.raises(ValueError, match=r"row 2: prompt is 20000002 characters, more than max_prompt_length=16"):
+            load_prompt_dataset([path], spy, max_prompt_length=16, truncation=truncation)
+        return
+    ds = load_prompt_dataset([path], spy, max_prompt_length=16, truncation=truncation)
+    # the char tokenizer's longest entry is "<unk>": no text of more than 2 * 16 * 5 characters is tokenized
+    assert spy.longest <= 160
+    if truncation == "drop":
+        assert len(ds) == 1 and ds.stats["num_dropped_too_long"] == 1
+    else:  # the same 16 tokens as cutting the fully tokenized prompt
+        assert len(ds) == 2 and ds.stats["num_truncated"] == 1
+        want = "1+" * 7 + "1=" if truncation == "left" else "1+" * 8
+        assert ds[1]["prompt_text"] == want and ds[1]["prompt_ids"] == tokenizer.encode(want)
+
+
+def test_a_prompt_that_tokenizes_to_nothing_is_refused(tokenizer, tmp_path):
+    class DropsQuestionMarks(CountingTokenizer):  # as a normalizer that deletes characters would
+        def __call__(self, texts, **kwargs):
+            return self.inner([t.replace("?", "") for t in texts], **kwargs)
+
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1="}, {"prompt": "??"}])
+    with pytest.raises(ValueError, match=r"p.jsonl: row 2: the prompt '\?\?' tokenizes to nothing"):
+        load_prompt_dataset([path], DropsQuestionMarks(tokenizer))
+    ds = load_prompt_dataset([path], DropsQuestionMarks(tokenizer), skip_bad_rows=True)
+    assert len(ds) == 1 and ds.stats["num_skipped_bad"] == 1

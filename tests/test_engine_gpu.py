@@ -1,7 +1,8 @@
 """The equivalence tests on CUDA with NCCL, for both backends (`fsdp2` and FSDP1 `fsdp`), on 1 and 2 GPUs.
 
-fp32 runs must match the plain loop tightly; bf16 mixed-precision runs must move the parameters the
-same way as the fp32 plain loop up to bf16 rounding. Skipped without CUDA (FSDP1 cannot run on CPU).
+fp32 runs must match the plain loop tightly (the whole gradients, unclipped, and the step); bf16
+mixed-precision runs must have the fp32 plain loop's gradient and move the parameters the same way, up to
+bf16 rounding. Skipped without CUDA (FSDP1 cannot run on CPU).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from shardrl.testing import run_distributed
-from test_engine_equivalence import assert_same_params, engine_step, reference_step
+from test_engine_equivalence import assert_same_grads, assert_same_params, engine_step, reference_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.multiproc]
 
@@ -21,6 +22,8 @@ VARIANTS = {
     "dynamic": dict(use_dynamic_bsz=True, max_token_len_per_gpu=24),
     "zero2": dict(micro_batch_size_per_gpu=2, reshard_after_forward=False),
     "hsdp": dict(micro_batch_size_per_gpu=2, fsdp_size=1),  # 2 GPUs: 2 replicas x 1 shard
+    # parameters and gradients on the CPU: the gradient norm is reduced over CPU tensors (gloo beside NCCL)
+    "offload": dict(micro_batch_size_per_gpu=2, offload_params=True),
 }
 
 
@@ -66,6 +69,10 @@ def runs(strategy: str, world: int):
     return _RUNS[strategy, world]
 
 
+def flat(tensors: dict, names) -> torch.Tensor:
+    return torch.cat([tensors[k].flatten() for k in names]).double()
+
+
 def update_cosine(got: dict, want: dict, init: dict) -> float:
     g = torch.cat([(got[k] - init[k]).flatten() for k in want])
     w = torch.cat([(want[k] - init[k]).flatten() for k in want])
@@ -82,8 +89,19 @@ def test_fp32_matches_plain_loop(reference_gpu, strategy, world, variant):
     got, want = runs(strategy, world)[variant], reference_gpu["qwen2"]
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    assert_same_grads(got["grads"], want["grads"], rtol=1e-4)
     assert_same_params(got["params"], want["params"], atol=1e-5)
     assert (got["log_probs"] - want["log_probs"]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])
+def test_offloaded_params_step_equals_the_run_without(strategy, world):
+    got, want = runs(strategy, world)["offload"], runs(strategy, world)["mb2"]
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6)
+    assert_same_grads(got["grads"], want["grads"], rtol=1e-6)
+    assert_same_params(got["params"], want["params"], atol=1e-6)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -98,6 +116,12 @@ def test_bf16_mixed_precision_follows_plain_loop(reference_gpu, strategy, world,
     init = dict(build_causal_lm(load_hf_config(None, TINY_MODELS[kind]), None, "cpu", torch.float32).named_parameters())
     assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=5e-2)
+    # bf16 rounding: cosine 0.99998 and max error 0.8% of the largest entry (CPU); one sequence's loss
+    # counted twice gives cosine 0.95 and an error of 100%
+    assert set(got["grads"]) == set(want["grads"])
+    g, w = flat(got["grads"], want["grads"]), flat(want["grads"], want["grads"])
+    assert float(torch.nn.functional.cosine_similarity(g, w, dim=0)) > 0.999
+    assert float((g - w).abs().max() / w.abs().max()) < 0.05
     assert update_cosine(got["params"], want["params"], {k: v.detach() for k, v in init.items()}) > 0.97
 
 
@@ -106,3 +130,6 @@ def test_fsdp1_and_fsdp2_agree_in_bf16():
     a, b = runs("fsdp2", 2)["bf16"], runs("fsdp", 2)["bf16"]
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-2)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
+    names = a["grads"]
+    cos = torch.nn.functional.cosine_similarity(flat(a["grads"], names), flat(b["grads"], names), dim=0)
+    assert float(cos) > 0.999

@@ -24,7 +24,7 @@ from shardrl.config import EngineConfig, ModelConfig, OptimConfig
 from shardrl.engine import build_engine
 from shardrl.engine.model import build_causal_lm, load_hf_config
 from shardrl.engine.state import state_devices
-from shardrl.testing import TINY_MODELS, random_batch, run_distributed
+from shardrl.testing import TINY_MODELS, random_batch, record_grads, run_distributed
 from shardrl.tokenizer import build_char_tokenizer
 
 pytestmark = pytest.mark.multiproc
@@ -66,11 +66,13 @@ def cpu_weights(engine, dtype=None) -> dict[str, torch.Tensor]:
 def offload_worker(kind: str):
     vocab = TINY_MODELS[kind]["vocab_size"]
     plain = make_engine(kind)
+    plain_grads = record_grads(plain)
     plain_losses = [plain.train_batch(rank_batch(plain, vocab, s), pg_loss) for s in (1, 2, 3)]
     plain_weights = cpu_weights(plain)
     del plain
 
     engine = make_engine(kind, offload_optimizer=True)
+    grads = record_grads(engine)
     devices, losses = [], []
     with engine.training():
         losses.append(engine.train_batch(rank_batch(engine, vocab, 1), pg_loss))
@@ -87,7 +89,8 @@ def offload_worker(kind: str):
         engine.offload()
         engine.onload()
     return {"plain_losses": plain_losses, "losses": losses, "plain_weights": plain_weights,
-            "weights": cpu_weights(engine), "devices": devices, "device": engine.device.type}
+            "weights": cpu_weights(engine), "devices": devices, "device": engine.device.type,
+            "plain_grads": plain_grads, "grads": grads}
 
 
 def export_worker(tmp: str):
@@ -142,6 +145,12 @@ def test_offload_keeps_training_identical(offload_world2):
     res = offload_world2
     for got, want in zip(res["losses"], res["plain_losses"], strict=True):
         assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
+    # each step's whole gradient (after step 1 it depends on the moved weights and optimizer state)
+    assert len(res["grads"]) == len(res["plain_grads"]) == 3
+    for step, (got, want) in enumerate(zip(res["grads"], res["plain_grads"])):
+        assert got.keys() == want.keys()
+        for name, g in want.items():
+            assert torch.equal(got[name], g), (step, name)
     assert res["weights"].keys() == res["plain_weights"].keys()
     for name, w in res["plain_weights"].items():
         assert torch.equal(res["weights"][name], w), name

@@ -154,3 +154,43 @@ def test_memory_ledger_offload_and_checkpointing():
     act = items["activations (one micro-batch)"]["gib"]
     assert act == pytest.approx(288 * 64 * (2 * 2 + 34) / GIB)  # 2 B per layer input kept, one layer recomputed
     assert act < {r["name"]: r["gib"] for r in base["items"]}["activations (one micro-batch)"]
+
+
+def test_rollouts_per_step_is_batch_times_n():
+    L = derive_layout(cfg("data.train_batch_size=12", "rollout.n=5", "actor.ppo_mini_batch_size=6"), 1, 2)
+    assert L.rollouts_per_step == 60 and L.to_dict()["rollouts_per_step"] == 60
+    assert "rollouts per step = 12 (train_batch_size) x 5 (n) = 60" in re.sub(r" +", " ", format_layout(L))
+
+
+def _hf(heads: int, kv_heads: int):
+    return transformers.Qwen2Config(hidden_size=8 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                    num_hidden_layers=1, intermediate_size=16, vocab_size=100)
+
+
+@pytest.mark.parametrize("heads, kv_heads, sp, world, nearest", [
+    (6, 2, 4, 8, "2"),          # 4 does not divide 6 heads; valid sp on 8 ranks: 1, 2 (8 fails too)
+    (12, 3, 2, 8, "1"),         # 12 heads split over 2, but 3 KV heads and 2 divide neither way (nor 4 or 8)
+    (12, 4, 8, 8, "4"),         # 8 does not divide 12 heads; 2 and 4 do, and divide the 4 KV heads
+    (12, 6, 4, 4, "2"),         # 6 KV heads vs 4
+])
+def test_heads_that_sp_cannot_split_name_the_full_key_and_the_nearest_sp(heads, kv_heads, sp, world, nearest):
+    from shardrl.engine.ulysses import check_heads
+    from shardrl.layout import check_model_heads
+
+    L = derive_layout(cfg(f"actor.engine.ulysses_sequence_parallel_size={sp}"), 1, world)
+    with pytest.raises(ValueError) as info:
+        check_heads(heads, kv_heads, sp)  # the engine refuses it too: plan and training agree
+    with pytest.raises(ValueError) as info:
+        check_model_heads(L, _hf(heads, kv_heads))
+    text = str(info.value)
+    assert text.startswith(f"actor.engine.ulysses_sequence_parallel_size={sp} does not fit the model's {heads} "
+                           f"attention heads and {kv_heads} KV heads")
+    assert text.endswith(f"nearest valid sp on a world of {world}: {nearest}")
+
+
+def test_heads_that_fit_pass():
+    from shardrl.layout import check_model_heads
+
+    for heads, kv_heads, sp in ((12, 2, 4), (12, 4, 2), (8, 8, 8), (4, 1, 2)):
+        check_model_heads(derive_layout(cfg(f"actor.engine.ulysses_sequence_parallel_size={sp}"), 1, 8),
+                          _hf(heads, kv_heads))

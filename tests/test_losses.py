@@ -19,6 +19,7 @@ from shardrl.algos import (
     policy_loss,
     value_loss,
 )
+from shardrl.algos.aggregate import metric_value, share_metric
 
 T64 = torch.float64
 
@@ -153,20 +154,22 @@ def test_policy_loss_branches_by_hand():
     pg = [-1.28, -0.5, 0.8, 1.2, -1.25, 3.0, 1.8]
     loss, metrics = policy_loss(logp, old, adv, mask, 0.2, 0.28, clip_ratio_c=3.0)
     assert loss.item() == pytest.approx(sum(pg) / 7)
-    assert metrics["pg_clipfrac"].item() == pytest.approx(2 / 7)
-    assert metrics["pg_clipfrac_lower"].item() == pytest.approx(1 / 7)
+    assert [float(x) for x in metrics["pg_clipfrac"]] == [2.0, 7.0]  # (clipped tokens, real tokens)
+    assert metric_value(metrics["pg_clipfrac"]) == pytest.approx(2 / 7)
+    assert metric_value(metrics["pg_loss"]) == pytest.approx(loss.item())
+    assert metric_value(metrics["pg_clipfrac_lower"]) == pytest.approx(1 / 7)
     kl = -sum(math.log(r) for r in [1.5, 0.5, 0.5, 1.2, 1.25, 5.0, 0.9]) / 7
-    assert metrics["ppo_kl"].item() == pytest.approx(kl)
+    assert metric_value(metrics["ppo_kl"]) == pytest.approx(kl)
 
     # without dual-clip the A<0, r=5 token costs its full 5
     loss, metrics = policy_loss(logp, old, adv, mask, 0.2, 0.28)
     assert loss.item() == pytest.approx((sum(pg) - 3.0 + 5.0) / 7)
-    assert metrics["pg_clipfrac_lower"].item() == 0.0
+    assert metric_value(metrics["pg_clipfrac_lower"]) == 0.0
 
     # symmetric clip 0.2 clips the r=1.25 token too
     loss, metrics = policy_loss(logp, old, adv, mask, 0.2, 0.2, clip_ratio_c=3.0)
     assert loss.item() == pytest.approx((sum(pg) + 1.28 - 1.2 + 1.25 - 1.2) / 7)
-    assert metrics["pg_clipfrac"].item() == pytest.approx(3 / 7)
+    assert metric_value(metrics["pg_clipfrac"]) == pytest.approx(3 / 7)
 
 
 def test_policy_loss_gradient_zero_on_clipped_tokens():
@@ -190,9 +193,9 @@ def test_policy_loss_matches_loop(c):
     loss, m = policy_loss(logp, old, adv, mask, 0.2, 0.28, clip_ratio_c=c)
     ref = ref_policy_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, c)
     assert loss.item() == pytest.approx(ref[0], rel=1e-10)
-    assert m["pg_clipfrac"].item() == pytest.approx(ref[1])
-    assert m["pg_clipfrac_lower"].item() == pytest.approx(ref[2])
-    assert m["ppo_kl"].item() == pytest.approx(ref[3], rel=1e-10)
+    assert metric_value(m["pg_clipfrac"]) == pytest.approx(ref[1])
+    assert metric_value(m["pg_clipfrac_lower"]) == pytest.approx(ref[2])
+    assert metric_value(m["ppo_kl"]) == pytest.approx(ref[3], rel=1e-10)
     assert POLICY_LOSSES["vanilla"] is policy_loss
     with pytest.raises(ValueError, match="clip_ratio_c"):
         policy_loss(logp, old, adv, mask, 0.2, 0.28, clip_ratio_c=1.0)
@@ -206,6 +209,39 @@ def test_policy_loss_uses_agg_mode_and_global_counts():
                               num_global_tokens=20, num_global_seqs=5)
         expected = agg_loss(pg, mask, mode, num_global_tokens=20, num_global_seqs=5)
         assert loss.item() == pytest.approx(expected.item())
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_metric_pairs_summed_over_pieces_are_the_whole_batch_metrics(mode):
+    """Every metric is a (sum, count) pair: summed over any cut (here with a piece of only an empty row),
+    sum / count is the metric of the whole batch, and a loss's pair gives the whole batch's loss."""
+    g = torch.Generator().manual_seed(11)
+    old = torch.randn(6, 7, generator=g, dtype=T64) - 2
+    logp = old + 0.5 * torch.randn(6, 7, generator=g, dtype=T64)
+    adv = torch.randn(6, 7, generator=g, dtype=T64)
+    values, returns = torch.randn(6, 7, generator=g, dtype=T64), torch.randn(6, 7, generator=g, dtype=T64)
+    mask = (torch.arange(7) < torch.tensor([7, 3, 0, 5, 1, 6])[:, None]).long()
+    num_tokens, num_seqs = int(mask.sum()), 6
+
+    def metrics(rows, whole=False):
+        counts = {} if whole else dict(num_global_tokens=num_tokens, num_global_seqs=num_seqs)
+        _, pm = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], 0.2, 0.2, 1.5, mode, **counts)
+        _, vm = value_loss(values[rows], old[rows], returns[rows], mask[rows], 0.3, mode, **counts)
+        ent = entropy_loss(-logp[rows], mask[rows], mode, **counts)
+        return {**pm, **vm, "entropy": share_metric(ent, mask[rows], mode, **counts)}
+
+    whole = {k: metric_value(v) for k, v in metrics(list(range(6)), whole=True).items()}
+    assert 0 < whole["pg_clipfrac"] < 1 and 0 < whole["pg_clipfrac_lower"] < 1 and 0 < whole["vf_clipfrac"] < 1
+    assert whole["entropy"] == pytest.approx(entropy_loss(-logp, mask, mode).item())
+    for split in ([[0, 1, 2], [3, 4, 5]], [[5], [2], [0, 3], [1, 4]], [[2], [0, 1, 3, 4, 5]]):
+        pieces = [metrics(rows) for rows in split]
+        for k, want in whole.items():
+            total = sum(float(p[k][0]) for p in pieces)
+            count = sum(float(p[k][1]) for p in pieces)
+            assert total / count == pytest.approx(want, rel=1e-12), (split, k)
+        # the old contract (each piece's own mean, averaged over pieces) depends on the cut
+        naive = sum(metric_value(p["pg_clipfrac"]) for p in pieces) / len(pieces)
+        assert naive != pytest.approx(whole["pg_clipfrac"], rel=1e-6), split
 
 
 def test_policy_loss_extreme_log_ratio_is_finite():
@@ -227,7 +263,7 @@ def test_value_loss_by_hand():
     # per token max(unclipped, clipped): max(0, 0.3^2), max(0.16, 0.16), max(0, 0.3^2), max(4, 0.7^2)
     loss, m = value_loss(values, old, returns, mask, cliprange_value=0.2)
     assert loss.item() == pytest.approx(0.5 * (0.09 + 0.16 + 0.09 + 4.0) / 4)
-    assert m["vf_clipfrac"].item() == pytest.approx(2 / 4)
+    assert metric_value(m["vf_clipfrac"]) == pytest.approx(2 / 4)
     loss, m = value_loss(values, old, returns, mask, cliprange_value=None)
     assert loss.item() == pytest.approx(0.5 * (0 + 0.16 + 0 + 4.0) / 4)
     loss, _ = value_loss(values, old, returns, mask, 0.2, agg_mode="seq-mean-token-sum", num_global_seqs=2)
@@ -254,14 +290,14 @@ def test_kl_estimators_known_values():
     # k3: r - log r - 1 with r = ref/p: 0.5 + ln2 - 1 = 0.193147
     k3 = kl_penalty(logp, ref, "k3")
     assert k3[0, 0].item() == pytest.approx(0.5 + ln2 - 1) and k3[0, 1].item() == 0.0
-    assert k3[0, 2].item() == pytest.approx(math.exp(-30) + 30 - 1)
+    assert k3[0, 2].item() == 10.0  # exp(-30) + 30 - 1, clamped to 10 as in verl (k3 = low_var_kl)
     low = kl_penalty(logp, ref, "low_var_kl")
     assert low[0, 0].item() == pytest.approx(0.5 + ln2 - 1)
     assert low[0, 2].item() == 10.0  # clamped
-    # big positive ref - logp: clamped to 10 (k3 unclamped is huge)
+    # big positive ref - logp: clamped to 10
     assert kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "low_var_kl").item() == 10.0
-    assert kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "k3").item() > 1e12
-    assert set(KL_ESTIMATORS) == {"k1", "k2", "k3", "low_var_kl"}
+    assert kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "k3").item() == 10.0
+    assert {"k1", "k2", "k3", "low_var_kl", "kl", "abs", "mse", "k3+"} <= set(KL_ESTIMATORS)
     with pytest.raises(ValueError, match="unknown KL"):
         kl_penalty(logp, ref, "k4")
 

@@ -172,11 +172,120 @@ def test_manager_tolerates_errors_and_logs_once(caplog):
     manager = RewardManager(fn, on_error_score=-0.5)
     with caplog.at_level(logging.WARNING, logger="shardrl.rewards"):
         scores, metrics = manager.score([item("ok", ""), item("boom", ""), item("nodict", ""), item("nan", "")])
-        scores2, metrics2 = manager.score([item("boom", "")])
+        scores2, metrics2 = manager.score([item("boom", ""), item("ok", "")])
     assert scores.tolist() == [1.0, -0.5, -0.5, -0.5]
     assert metrics["reward/num_errors"] == 3 and metrics2["reward/num_errors"] == 1
-    assert scores2.tolist() == [-0.5]
+    assert scores2.tolist() == [-0.5, 1.0]
     warnings = [r for r in caplog.records if r.name == "shardrl.rewards"]
     assert len(warnings) == 1
     text = warnings[0].getMessage()
     assert "RuntimeError: parser exploded" in text and "Traceback" in text
+
+
+# ---------------------------------------------------------------- a reward that always fails, verl's extra_info
+
+
+@pytest.mark.parametrize("body,first_error", [
+    ("return None", "TypeError: reward function returned NoneType None, not a number"),
+    ("return float('nan')", "ValueError: reward function returned a non-finite score nan"),
+    ("return '1.0'", "TypeError: reward function returned str '1.0', not a number"),
+    ("return {'value': 1.0}", "ValueError: reward function returned a dict without 'score': keys ['value']"),
+    ("return {'score': 'high'}", "TypeError: reward function returned str 'high', not a number"),
+    ("return 1e39", "ValueError: reward function returned the score 1e+39, beyond what float32 holds"),
+    ("return -1e39", "ValueError: reward function returned the score -1e+39, beyond what float32 holds"),
+    ("raise KeyError('answer')", "KeyError: 'answer'"),
+])
+def test_every_sample_failing_is_an_error_quoting_the_first_failure(body, first_error):
+    namespace = {}
+    exec(f"def fn(data_source, solution_str, ground_truth, extra_info=None):\n    {body}\n", namespace)
+    manager = RewardManager(namespace["fn"])
+    with pytest.raises(ValueError, match="failed on all 3 samples of this step") as info:
+        manager.score([item("1", "1"), item("2", "2"), item("3", "3")])
+    assert "(data_source='arith') " + first_error in str(info.value)
+    # a caller scoring a share of a global batch decides itself, from the count
+    scores, metrics = manager.score([item("1", "1"), item("2", "2")], fail_if_all_fail=False)
+    assert scores.tolist() == [0.0, 0.0] and metrics["reward/num_errors"] == 2
+    assert first_error in str(manager.all_failed_error(8)) and "all 8 samples" in str(manager.all_failed_error(8))
+
+
+def test_a_float32_size_score_is_kept():
+    scores, metrics = RewardManager(lambda *a: 3e38).score([item("1", "1")])
+    assert scores.tolist() == [pytest.approx(3e38, rel=1e-6)] and metrics["reward/num_errors"] == 0
+
+
+def test_wrong_signature_is_refused_at_load(tmp_path):
+    path = tmp_path / "rw.py"
+    path.write_text("def compute_score(solution_str, ground_truth):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"compute_score\(solution_str, ground_truth\) in .*rw.py' cannot take "
+                                         r"a reward function's arguments; define it as def compute_score\(data_source"):
+        load_reward_function(str(path))
+    # given to the manager directly, it fails on every sample: an error, not a run that learns nothing
+    with pytest.raises(ValueError, match=r"failed on all 2 samples.*TypeError: .*positional argument"):
+        RewardManager(lambda solution_str, ground_truth: 1.0).score([item("1", "1"), item("2", "2")])
+
+
+def test_sys_exit_in_a_reward_file_says_so(tmp_path):
+    at_import = tmp_path / "exits.py"
+    at_import.write_text("import sys\nsys.exit(3)\ndef compute_score(*a):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"exits.py' called sys.exit\(3\) while being imported"):
+        load_reward_function(str(at_import))
+    in_fn = tmp_path / "exits_later.py"
+    in_fn.write_text("import sys\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                     "    if solution_str == 'x':\n        sys.exit('bad sample')\n    return 1.0\n")
+    manager = RewardManager(load_reward_function(str(in_fn)))
+    with pytest.raises(ValueError, match=r"called sys.exit\('bad sample'\) on a sample \(data_source='arith'\)"):
+        manager.score([item("1", "1"), item("x", "1")])
+
+
+def test_called_by_keyword_like_verl_or_by_position():
+    calls = []
+
+    def verl_style(solution_str, ground_truth, **kwargs):  # verl calls by keyword: this works there
+        calls.append((solution_str, ground_truth, sorted(kwargs)))
+        return 1.0
+
+    def positional(ds, text, truth, info=None):
+        calls.append((ds, text, truth))
+        return 0.5
+
+    RewardManager(verl_style).score([item("7", "8")])
+    RewardManager(positional).score([item("7", "8")])
+    RewardManager(lambda *args: calls.append(args) or 0.0).score([item("7", "8")])
+    assert calls == [("7", "8", ["data_source", "extra_info"]), ("arith", "7", "8"), ("arith", "7", "8", {})]
+
+
+def test_reward_extra_info_is_the_rows_own_with_the_rest_merged_in():
+    from shardrl.rewards import reward_extra_info
+
+    row_extra = {"extra_info": {"split": "train", "index": 0, "ability": "kept"},
+                 "reward_model": {"style": "rule", "ground_truth": "4"}, "ability": "math", "ground_truth": "4"}
+    assert reward_extra_info(row_extra) == {"split": "train", "index": 0, "ability": "kept",
+                                            "reward_model": {"style": "rule", "ground_truth": "4"}, "ground_truth": "4"}
+    assert reward_extra_info({"ground_truth": "4", "level": 2}) == {"ground_truth": "4", "level": 2}
+    assert reward_extra_info(None) == {}
+
+
+def test_a_verl_reward_file_scores_a_verl_parquet_row_unchanged(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shardrl.data import load_prompt_dataset
+    from shardrl.tokenizer import build_char_tokenizer
+
+    rows = [{"data_source": "my_math", "prompt": [{"role": "user", "content": f"{i}+2=?"}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(i + 2)},
+             "extra_info": {"split": "train" if i < 2 else "test", "index": i}} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    reward_file = tmp_path / "verl_reward.py"
+    reward_file.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    assert data_source == 'my_math', data_source\n"
+        "    bonus = 0.5 if extra_info['split'] == 'train' else 0.0\n"
+        "    return float(solution_str.strip() == ground_truth) + bonus + 10 * extra_info['index']\n")
+    dataset = load_prompt_dataset([str(tmp_path / "train.parquet")], build_char_tokenizer())
+    manager = RewardManager(load_reward_function(str(reward_file)))
+    items = [{"data_source": row["data_source"], "response_text": text, "extra": row["extra"]}
+             for row, text in zip(dataset, ["2", "9", "4"])]
+    scores, metrics = manager.score(items)
+    assert metrics["reward/num_errors"] == 0
+    assert scores.tolist() == [1.5, 10.5, 21.0]

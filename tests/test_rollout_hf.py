@@ -279,3 +279,19 @@ def test_prompts_must_be_left_padded(tok):
     enc = tok(["ab", "abcd"], padding=True, padding_side="right", return_tensors="pt")
     with pytest.raises(ValueError, match="left-padded"):
         rollout.generate(enc["input_ids"], enc["attention_mask"], SamplingParams())
+
+
+def test_building_the_rollout_leaves_the_actors_model_config_alone(tok):
+    # the trainer builds the rollout from the actor engine's config object, which the actor's model reads at
+    # every forward: the rollout's own attention (sdpa) must not become the actor's. (It did: under sequence
+    # parallelism the actor then attended within its 1/sp piece of each row only, log-probs off by ~3.)
+    from shardrl.engine.attention import ATTN_NAME, resolve_attn_implementation
+
+    config = tiny_config(tok)
+    attn = resolve_attn_implementation(ATTN_NAME, True)
+    actor = build_causal_lm(config, None, "cpu", torch.float32, seed=1, attn_implementation=attn)
+    actor.config.use_cache = False
+    rollout = build_rollout("hf", config, tok, "cpu", torch.float32)
+    assert rollout.model.config._attn_implementation == "sdpa" and rollout.model.config.use_cache
+    assert actor.config._attn_implementation == ATTN_NAME and config._attn_implementation == ATTN_NAME
+    assert actor.config.use_cache is False

@@ -78,14 +78,25 @@ def test_ppo_gae_with_critic_two_processes(assets, tmp_path):
 
 
 def test_ulysses_sp2_run_equals_single_process_run(assets, tmp_path):
-    # sp=2 on 2 processes is one data-parallel rank: the same rollouts, so the same numbers as 1 process
-    args = ("trainer.total_steps=2", "actor.engine.param_dtype=float32")
+    # sp=2 on 2 processes is one data-parallel rank: the same rollouts, so the same numbers as 1 process.
+    # Every engine the trainer builds (actor, ref for the KL loss, critic for GAE) runs at sp=2; the
+    # entropy bonus gives the actor a gradient even where all rewards are 0; token budgets of 20 per rank
+    # (40 per row at sp=2, a few sequences of ~8 tokens) cut rows inside sequences
+    args = ("trainer.total_steps=2", "actor.engine.param_dtype=float32", "rollout.n=2", "actor.entropy_coeff=0.01",
+            "actor.use_kl_loss=true", "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=2",
+            "critic.engine.param_dtype=float32", "ref.engine.param_dtype=float32",
+            *(f"{role}.engine.{k}" for role in ("actor", "critic", "ref")
+              for k in ("use_dynamic_bsz=true", "max_token_len_per_gpu=20")))
+    sp2 = [f"{role}.engine.ulysses_sequence_parallel_size=2" for role in ("actor", "critic", "ref")]
     one = run_distributed(run_training, 1, small(assets, tmp_path / "sp1", *args))
-    two = run_distributed(run_training, 2, small(assets, tmp_path / "sp2", *args,
-                                                 "actor.engine.ulysses_sequence_parallel_size=2"))
-    for got, want in zip(two, one):
-        for key in COMPARED:
-            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
+    two = run_distributed(run_training, 2, small(assets, tmp_path / "sp2", *args, *sp2))
+    assert all(r["actor/grad_norm"] > 0 and r["critic/grad_norm"] > 0 for r in one)
+    assert one[0]["rollout/logprob_abs_diff"] < 1e-5 and one[0]["kl/actor_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert [r["step"] for r in two] == [1, 2]
+    keys = (*COMPARED, "kl/actor_ref", "actor/kl_loss", "actor/entropy", "critic/vf_loss", "critic/grad_norm")
+    for got, want in zip(two, one):  # abs: fp32 noise of sums that cancel (the step-2 loss is ~0.02 of terms ~0.1)
+        for key in keys:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (got["step"], key, got[key], want[key])
 
 
 def _train_subprocess(overrides: list[str]) -> subprocess.Popen:
@@ -95,9 +106,86 @@ def _train_subprocess(overrides: list[str]) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
 
 
+def _descendants(pid: int) -> list[int]:
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its workers at once, as a node failure would: torchrun starts each worker in a
+    session of its own, so killing torchrun's process group alone leaves the workers training on."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+# scores that differ within a group (a sum of character codes), so advantages and gradients are not zero
+# and each rank's mini-batch order matters
+VARIED_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    return (sum(map(ord, solution_str)) % 7) / 6.0\n")
+
+
+def run_recording(overrides: list[str]) -> dict:
+    """`run` on this rank, recording what each rank holds before every step (its shuffle generator, loader
+    position, KL coefficient) and its own shards of the actor's parameters at the end; rank 0 returns
+    every rank's record."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from shardrl.trainer import rl
+    from shardrl.trainer.main import run
+
+    steps, trainers = [], []
+    train_step, fit = rl.RLTrainer.train_step, rl.RLTrainer.fit
+
+    def recording_step(self):
+        steps.append({"step": self.step + 1, "shuffle": self.shuffle_gen.get_state().clone(),
+                      "loader": self.loader.state_dict(), "kl": self.kl_ctrl.value})
+        return train_step(self)
+
+    def recording_fit(self):
+        trainers.append(self)
+        return fit(self)
+
+    rl.RLTrainer.train_step, rl.RLTrainer.fit = recording_step, recording_fit
+    run_dir = run(None, overrides)
+    shards = {name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+              for name, p in trainers[0].actor.module.named_parameters()}
+    mine = {"steps": steps, "shards": shards}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    with open(run_dir / "metrics.jsonl") as f:
+        return {"ranks": every, "metrics": [json.loads(line) for line in f]}
+
+
 def test_killed_run_resumes_like_an_uninterrupted_one(assets, tmp_path):
-    args = ("trainer.total_steps=6", "trainer.save_freq=2", "trainer.keep_last=1")
-    full = run_distributed(run_training, 2, small(assets, tmp_path / "full", *args))
+    import shutil
+
+    import torch
+
+    from shardrl.config import load_config
+
+    reward = tmp_path / "varied_reward.py"
+    reward.write_text(VARIED_REWARD)
+    args = ("trainer.total_steps=6", "trainer.save_freq=2", "trainer.keep_last=1", f"reward.function_path={reward}")
+    full = run_distributed(run_recording, 2, small(assets, tmp_path / "full", *args))
+    assert all(r["actor/grad_norm"] > 0 for r in full["metrics"])  # advantages are not zero
+    assert len({r["reward/mean"] for r in full["metrics"]}) > 1
     # SIGKILL the whole job (torchrun and its workers) once a first checkpoint is complete
     cut = tmp_path / "cut"
     proc = _train_subprocess(small(assets, cut, *args))
@@ -105,14 +193,36 @@ def test_killed_run_resumes_like_an_uninterrupted_one(assets, tmp_path):
     while not any((p / "COMPLETE").exists() for p in (cut / "checkpoints").glob("step_*")):
         assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    resumed = run_distributed(run_training, 2, small(assets, cut, "trainer.resume=auto", *args))
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    for got, want in zip(resumed, full):
+    _kill_job(proc)
+    (saved,) = [p for p in (cut / "checkpoints").glob("step_*") if (p / "COMPLETE").exists()]
+    at = int(saved.name.split("_")[1])
+    other = tmp_path / "other"  # the same checkpoint, resumed at world size 1 below
+    shutil.copytree(saved, other / "checkpoints" / saved.name)
+    resumed = run_distributed(run_recording, 2, small(assets, cut, "trainer.resume=auto", *args))
+    assert [r["step"] for r in resumed["metrics"]] == [1, 2, 3, 4, 5, 6]
+    for got, want in zip(resumed["metrics"], full["metrics"]):
         for key in COMPARED:
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
+    # each rank continues as itself: its shuffle stream, loader, KL coefficient and its parameter shards
+    for rank in (0, 1):
+        got, want = resumed["ranks"][rank], full["ranks"][rank]
+        assert [s["step"] for s in got["steps"]] == list(range(at + 1, 7))
+        for g in got["steps"]:
+            w = want["steps"][g["step"] - 1]
+            assert torch.equal(g["shuffle"], w["shuffle"]), (rank, g["step"], "shuffle generator")
+            assert g["loader"] == w["loader"] and g["kl"] == w["kl"], (rank, g["step"])
+        for name, shard in want["shards"].items():
+            assert torch.allclose(got["shards"][name], shard, rtol=1e-5, atol=1e-6), (rank, name)
+    assert not torch.equal(full["ranks"][0]["steps"][at]["shuffle"], full["ranks"][1]["steps"][at]["shuffle"])
     assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step_000006"]
+    # at another world size there is no saved stream for each dp rank: it is derived from data.seed, the
+    # step and the dp rank (loader and KL controller are global state, valid at any size)
+    one = run_distributed(run_recording, 1, small(assets, other, "trainer.resume=auto", *args[1:],
+                                                  f"trainer.total_steps={at + 1}"))
+    (first,) = one["ranks"][0]["steps"]
+    seed = load_config(None, small(assets, other)).data.seed
+    assert first["step"] == at + 1 and first["loader"] == full["ranks"][0]["steps"][at]["loader"]
+    assert torch.equal(first["shuffle"], torch.Generator().manual_seed(seed + 1_000_003 * at).get_state())
 
 
 def _train_cli(*args: str) -> int:

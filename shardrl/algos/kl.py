@@ -1,8 +1,17 @@
 """KL between the policy and the reference model: per-token estimators and the penalty coefficient.
 
-The estimators follow http://joschu.net/blog/kl-approx.html with the samples drawn from the policy:
-k1 = log p - log ref (unbiased, high variance), k2 = (log p - log ref)^2 / 2, k3 = r - log r - 1 with
-r = ref / p (unbiased, never negative). "low_var_kl" is k3 clamped to [-10, 10], as in verl.
+The estimators follow http://joschu.net/blog/kl-approx.html with the samples drawn from the policy, and
+take verl's names with verl's meaning (`verl.trainer.ppo.core_algos.kl_penalty`):
+
+- "kl" / "k1": log p - log ref (unbiased, high variance);
+- "abs": |log p - log ref|;
+- "mse" / "k2": (log p - log ref)^2 / 2;
+- "low_var_kl" / "k3": r - log r - 1 with r = ref / p (unbiased, never negative); the log-ratio is
+  clamped to [-20, 20] before exp and the estimate to [-10, 10], so k3 and low_var_kl are one estimator.
+
+A "+" suffix ("k3+", "low_var_kl+", "k1+", ...) keeps the estimator's value and takes the gradient of k2
+(straight-through: k2 - k2.detach() + value.detach()), whose expected gradient is the true KL's gradient;
+"k2+" / "mse+" equal "k2".
 """
 
 import math
@@ -17,29 +26,36 @@ def _k1(logprob, ref_logprob):
     return logprob - ref_logprob  # (B, T)
 
 
+def _abs(logprob, ref_logprob):
+    return (logprob - ref_logprob).abs()  # (B, T)
+
+
 def _k2(logprob, ref_logprob):
     return 0.5 * (logprob - ref_logprob) ** 2  # (B, T)
 
 
 def _k3(logprob, ref_logprob):
-    log_ratio = ref_logprob - logprob  # (B, T)
-    return torch.exp(log_ratio) - log_ratio - 1
-
-
-def _low_var_kl(logprob, ref_logprob):
-    # Clamp the log-ratio first so exp cannot overflow, then the estimate itself.
+    # Clamp the log-ratio first so exp cannot overflow, then the estimate itself (as verl does).
     log_ratio = torch.clamp(ref_logprob - logprob, min=-20.0, max=20.0)  # (B, T)
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
 
 
-KL_ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3, "low_var_kl": _low_var_kl}
+_BASE_ESTIMATORS = {"kl": _k1, "k1": _k1, "abs": _abs, "mse": _k2, "k2": _k2, "low_var_kl": _k3, "k3": _k3}
+STRAIGHT_THROUGH = "+"
+"""Suffix of an estimator name: its value, with k2's gradient."""
+KL_ESTIMATORS = {**_BASE_ESTIMATORS, **{name + STRAIGHT_THROUGH: fn for name, fn in _BASE_ESTIMATORS.items()}}
+"""Every accepted name -> its value function; a name ending in "+" also takes k2's gradient in `kl_penalty`."""
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
-    """Per-token KL estimate `(B, T)` of the policy from the reference, by estimator name."""
+    """Per-token KL estimate `(B, T)` of the policy from the reference, by estimator name (see the module doc)."""
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {kind!r}; choose one of {tuple(KL_ESTIMATORS)}")
-    return KL_ESTIMATORS[kind](logprob, ref_logprob)
+    value = KL_ESTIMATORS[kind](logprob, ref_logprob)
+    if not kind.endswith(STRAIGHT_THROUGH):
+        return value
+    k2 = _k2(logprob, ref_logprob)
+    return k2 - k2.detach() + value.detach()
 
 
 def apply_kl_in_reward(

@@ -1,14 +1,15 @@
 """Actor and critic losses: pure functions of per-token tensors `(B, T)` and scalars.
 
 Each returns the scalar to backpropagate, aggregated by `agg_loss` (pass the global token / sequence
-counts when the batch is one micro-batch of a larger mini-batch), and, where useful, a dict of
-detached 0-dim metric tensors. Metrics are masked means over this batch only.
+counts when the batch is one micro-batch of a larger mini-batch), and a dict of metrics, each a detached
+(sum, count) pair of 0-dim tensors that the engine adds up over micro-batches and ranks before it divides
+(`shardrl.algos.aggregate.metric_value`): a token fraction is (tokens where it holds, real tokens); a loss
+is `share_metric` of its share, so it comes out as the mini-batch loss whatever the cut.
 """
 
 import torch
 
-from shardrl.algos.aggregate import agg_loss
-from shardrl.algos.masked import masked_mean
+from shardrl.algos.aggregate import agg_loss, masked_metric, share_metric
 
 
 def policy_loss(
@@ -30,8 +31,8 @@ def policy_loss(
     Ye et al. 2020) a token with A < 0 is further bounded: pg = min(pg, -A * clip_ratio_c), so a huge
     ratio on a bad action cannot blow the loss up.
 
-    Metrics: "pg_clipfrac" (tokens where the clipped term is the larger), "pg_clipfrac_lower" (tokens
-    where the dual-clip bound is active), "ppo_kl" (mean of old - new log-prob).
+    Metrics: "pg_loss" (the loss), "pg_clipfrac" (tokens where the clipped term is the larger),
+    "pg_clipfrac_lower" (tokens where the dual-clip bound is active), "ppo_kl" (mean of old - new log-prob).
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"dual-clip clip_ratio_c must be > 1, got {clip_ratio_c}")
@@ -42,21 +43,22 @@ def policy_loss(
     pg_unclipped = -advantages * ratio  # (B, T)
     pg_clipped = -advantages * clipped_ratio  # (B, T)
     pg = torch.maximum(pg_unclipped, pg_clipped)  # (B, T)
-    clipfrac = masked_mean((pg_clipped > pg_unclipped).float(), mask)
+    clipfrac = masked_metric((pg_clipped > pg_unclipped).float(), mask)
 
     if clip_ratio_c is not None:
         pg_dual = -advantages * clip_ratio_c  # (B, T)
         negative = advantages < 0  # (B, T)
-        clipfrac_lower = masked_mean(((pg > pg_dual) & negative).float(), mask)
+        clipfrac_lower = masked_metric(((pg > pg_dual) & negative).float(), mask)
         pg = torch.where(negative, torch.minimum(pg, pg_dual), pg)  # (B, T)
     else:
-        clipfrac_lower = torch.zeros((), device=logprob.device)
+        clipfrac_lower = masked_metric(torch.zeros_like(pg), mask)
 
     loss = agg_loss(pg, mask, agg_mode, num_global_tokens, num_global_seqs)
     metrics = {
-        "pg_clipfrac": clipfrac.detach(),
-        "pg_clipfrac_lower": clipfrac_lower.detach(),
-        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+        "pg_loss": share_metric(loss, mask, agg_mode, num_global_tokens, num_global_seqs),
+        "pg_clipfrac": clipfrac,
+        "pg_clipfrac_lower": clipfrac_lower,
+        "ppo_kl": masked_metric(-log_ratio, mask),
     }
     return loss, metrics
 
@@ -73,20 +75,21 @@ def value_loss(
 ):
     """Clipped value loss 0.5 * max((v - R)^2, (clip(v, old - c, old + c) - R)^2), aggregated.
 
-    `cliprange_value=None` turns clipping off (plain 0.5 * (v - R)^2). Metric "vf_clipfrac": tokens
-    where the clipped term is the larger.
+    `cliprange_value=None` turns clipping off (plain 0.5 * (v - R)^2). Metrics: "vf_loss" (the loss),
+    "vf_clipfrac" (tokens where the clipped term is the larger).
     """
     unclipped = (values - returns) ** 2  # (B, T)
     if cliprange_value is None:
-        per_token, clipfrac = unclipped, torch.zeros((), device=values.device)
+        per_token, clipfrac = unclipped, masked_metric(torch.zeros_like(unclipped), mask)
     else:
         low, high = old_values - cliprange_value, old_values + cliprange_value  # (B, T)
         values_clipped = torch.clamp(values, low, high)  # (B, T)
         clipped = (values_clipped - returns) ** 2  # (B, T)
         per_token = torch.maximum(unclipped, clipped)  # (B, T)
-        clipfrac = masked_mean((clipped > unclipped).float(), mask)
+        clipfrac = masked_metric((clipped > unclipped).float(), mask)
     loss = 0.5 * agg_loss(per_token, mask, agg_mode, num_global_tokens, num_global_seqs)
-    return loss, {"vf_clipfrac": clipfrac.detach()}
+    return loss, {"vf_loss": share_metric(loss, mask, agg_mode, num_global_tokens, num_global_seqs),
+                  "vf_clipfrac": clipfrac}
 
 
 def entropy_loss(

@@ -7,6 +7,11 @@ Loss normalization: a loss function gets the token and sequence counts of the wh
 over the data-parallel ranks, and returns its micro-batch's share of the mini-batch loss. The shares
 add up to the mini-batch loss whatever the cut, and FSDP's gradient averaging over the `world` ranks is
 undone by scaling each share by `world`, so the update equals that of one process on the whole batch.
+
+Metrics: a loss function returns each metric as a (sum, count) pair of tensors; the engine adds sums and
+counts up over micro-batches and the data-parallel ranks (one all-reduce per step) and reports sum / count,
+so a logged number is a property of the mini-batch, not of how it was cut. A placeholder micro-batch (run
+by a rank that has run out of samples) counts nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from shardrl.batch import Batch
 from shardrl.distributed import MeshLayout, all_reduce_sum, build_device_mesh, device_type
@@ -32,8 +38,16 @@ from shardrl.engine.optim import build_lr_scheduler, build_optimizer
 
 log = logging.getLogger(__name__)
 
-# loss_fn(outputs, micro_batch, num_global_tokens, num_global_seqs) -> (loss share, metrics)
+# loss_fn(outputs, micro_batch, num_global_tokens, num_global_seqs) -> (loss share, {name: (sum, count)})
 LossFn = Callable[[dict, Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
+
+MAX_PARAM_ABS = 1e10
+"""A parameter beyond this after a step is taken as diverged: trained weights are O(1), and weights this
+large overflow the activations (the next rollout would die with NaN probabilities)."""
+
+
+class NonFiniteParametersError(ValueError):
+    """An optimizer step left non-finite (or diverged) parameters; the run cannot go on from them."""
 
 _ENGINES: dict[str, type["Engine"]] = {}
 
@@ -162,7 +176,12 @@ class Engine(abc.ABC):
 
     def train_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0,
                     with_entropy: bool = False) -> dict[str, float]:
-        """One optimizer step on a per-rank mini-batch; `batch["loss_mask"]` marks the tokens that count."""
+        """One optimizer step on a per-rank mini-batch; `batch["loss_mask"]` marks the tokens that count.
+
+        Returns "loss" (the mini-batch loss over all ranks), "grad_norm", "lr", the layout ("num_tokens",
+        "num_micro_batches"), "skipped_step" (a non-finite gradient norm skips the step), and each of
+        `loss_fn`'s (sum, count) metrics as sum / count over the whole mini-batch. A step that leaves
+        non-finite or diverged parameters raises NonFiniteParametersError."""
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (forward-only)")
         self.module.train()
@@ -173,8 +192,9 @@ class Engine(abc.ABC):
         grad_scale = self.mesh.world_size  # FSDP averages gradients over every rank of the mesh
 
         self.optimizer.zero_grad(set_to_none=True)
-        # sums stay on the device until the step ends: no host sync per micro-batch
-        sums: dict[str, torch.Tensor] = {"loss": torch.zeros((), dtype=torch.float64, device=self.device)}
+        # sums and counts stay on the device until the step ends: no host sync per micro-batch
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        loss_sum, sums, counts = zero, {}, {}
         for mb in micro_batches:
             real = len(mb) > 0
             mb = mb if real else self._placeholder(batch)
@@ -185,10 +205,15 @@ class Engine(abc.ABC):
             # ties every output to the graph so each rank runs the same backward collectives
             anchor = sum(v.sum() for v in outputs.values()) * 0.0
             ((loss + anchor) * grad_scale).backward()
-            sums["loss"] += loss.detach().double()
-            for k, v in metrics.items():  # loss_fn metrics: averaged over micro-batches, then over dp ranks
-                v = torch.as_tensor(v, dtype=torch.float64).detach().to(self.device)
-                sums[k] = sums.get(k, 0.0) + v / (len(micro_batches) * self.mesh.dp_size)
+            loss_sum = loss_sum + loss.detach().double()
+            for k, pair in metrics.items():
+                if not (isinstance(pair, tuple) and len(pair) == 2):
+                    raise TypeError(f"loss_fn metric {k!r} must be a (sum, count) pair of tensors, got {type(pair)}")
+                sums.setdefault(k, zero)  # a placeholder counts nothing, but every rank names the same keys
+                counts.setdefault(k, zero)
+                if real:
+                    sums[k] = sums[k] + torch.as_tensor(pair[0]).detach().to(self.device, torch.float64)
+                    counts[k] = counts[k] + torch.as_tensor(pair[1]).detach().to(self.device, torch.float64)
 
         grad_norm = self._clip_grad_norm(self.optim_cfg.clip_grad)
         finite = bool(torch.isfinite(grad_norm))
@@ -197,12 +222,21 @@ class Engine(abc.ABC):
             self.optimizer.step()
             self.lr_scheduler.step()
             self.global_step += 1
+            if not self._params_sane():
+                raise NonFiniteParametersError(
+                    f"optimizer step {self.global_step} (lr={lr:g}, gradient norm {float(grad_norm):.4g}) left "
+                    f"non-finite parameters, or parameters beyond {MAX_PARAM_ABS:g} in magnitude: the learning "
+                    "rate is most likely too high")
         else:
             log.warning("step skipped: gradient norm is %s", float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
-        keys = list(sums)
-        totals = all_reduce_sum(torch.stack([sums[k] for k in keys]), self.dp_group).tolist()
-        metrics = dict(zip(keys, totals))
+        # the mini-batch loss is the sum of the shares; every other metric is sum / count over all pieces
+        keys = sorted(sums)
+        totals = all_reduce_sum(torch.stack([loss_sum, *(sums[k] for k in keys), *(counts[k] for k in keys)]),
+                                self.dp_group).tolist()
+        metrics = {"loss": totals[0]}
+        for k, total, count in zip(keys, totals[1:], totals[1 + len(keys):]):
+            metrics[k] = total / count if count > 0 else 0.0
         metrics.update({
             "grad_norm": float(grad_norm),
             "lr": lr,
@@ -211,6 +245,17 @@ class Engine(abc.ABC):
             "skipped_step": float(not finite),
         })
         return metrics
+
+    @torch.no_grad()
+    def _params_sane(self) -> bool:
+        """Whether every rank's parameter shards are finite and below MAX_PARAM_ABS: one fused max-norm per
+        rank and one all-reduce of a flag (the only host sync)."""
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.module.parameters()]
+        local = [t for t in local if t.numel() > 0]  # FSDP1: a rank may hold no piece of a parameter
+        largest = (torch.nn.utils.get_total_norm(local, norm_type=float("inf"), foreach=None) if local
+                   else torch.zeros(()))
+        bad = (~(largest <= MAX_PARAM_ABS)).to(torch.float64).reshape(1)  # NaN compares False: bad
+        return float(all_reduce_sum(bad, dist.group.WORLD)) == 0.0
 
     @torch.no_grad()
     def infer_batch(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:

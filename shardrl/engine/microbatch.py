@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardrl.batch import Batch, inverse_permutation
+from shardrl.distributed import collective_device
 
 
 def seq_lengths(batch: Batch) -> torch.Tensor:
@@ -89,7 +90,7 @@ def _agree_on_count(count: int, dp_group) -> int:
     """The largest count over the data-parallel ranks (each micro-batch is a round of collectives)."""
     if dp_group is None or not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
         return count
-    count_t = torch.tensor([count], dtype=torch.long, device=_collective_device(dp_group))
+    count_t = torch.tensor([count], dtype=torch.long, device=collective_device(dp_group))
     dist.all_reduce(count_t, op=dist.ReduceOp.MAX, group=dp_group)
     return int(count_t.item())
 
@@ -100,8 +101,3 @@ def restore_order(results: list[Batch], perm: torch.Tensor | None) -> Batch:
     return merged if perm is None else merged.reorder(inverse_permutation(perm))
 
 
-def _collective_device(group: dist.ProcessGroup) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

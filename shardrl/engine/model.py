@@ -7,6 +7,7 @@ and receives its shard from rank 0 when the engine loads the state dict with `br
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -25,8 +26,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool = False, task: str = "causal_lm"):
     """The HF config of a local model folder, or one built from `tiny` (kwargs incl. `model_type`).
 
-    `task` "causal_lm" (policies, critics) accepts *ForCausalLM folders; "seq_cls" (reward models)
-    accepts *ForSequenceClassification ones with one label."""
+    `task` "causal_lm" (policies, critics) accepts any model `AutoModelForCausalLM` builds (Qwen2ForCausalLM,
+    GPT2LMHeadModel, ...); "seq_cls" (reward models) accepts *ForSequenceClassification ones with one label."""
     if path is None:
         if not tiny:
             raise ValueError("model.path is not set; give a local Hugging Face model folder (or model.tiny for a test model)")
@@ -34,23 +35,42 @@ def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool 
         model_type = kwargs.pop("model_type", None)
         if model_type is None:
             raise ValueError("model.tiny needs a 'model_type' (e.g. 'qwen2' or 'llama')")
-        return transformers.AutoConfig.for_model(model_type, **kwargs)
+        config = transformers.AutoConfig.for_model(model_type, **kwargs)
+        if task == "causal_lm" and causal_lm_class_name(config) is None:
+            raise ValueError(f"model.tiny: AutoModelForCausalLM builds no {model_type!r} model; "
+                             "shardrl trains causal LMs")
+        return config
     folder = require_folder("model.path", path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"model.path={path!r} has no config.json; is it a Hugging Face model folder?")
     config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     archs = getattr(config, "architectures", None) or []
-    suffix, what = ("ForSequenceClassification", "a sequence classifier") if task == "seq_cls" else (
-        "ForCausalLM", "a causal LM")
-    if archs and not any(a.endswith(suffix) for a in archs):
-        raise ValueError(
-            f"model folder {path!r} holds a {', '.join(archs)}, not {what} (*{suffix}); "
-            + ("a reward model must be a sequence-classification model with one label" if task == "seq_cls"
-               else "shardrl trains causal language models")
-        )
+    if task == "seq_cls":
+        if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+            raise ValueError(f"model folder {path!r} holds a {', '.join(archs)}, not a sequence classifier "
+                             "(*ForSequenceClassification); a reward model must be a sequence-classification model "
+                             "with one label")
+    else:  # any class AutoModelForCausalLM builds for this config (GPT-2's is GPT2LMHeadModel)
+        causal_lm = causal_lm_class_name(config)
+        if causal_lm is None or (archs and not any(a.endswith("ForCausalLM") or a == causal_lm for a in archs)):
+            holds = ", ".join(archs) or f"{config.model_type!r} model"
+            builds = f", here a {causal_lm}" if causal_lm else ""
+            raise ValueError(f"model folder {path!r} holds a {holds}, not a causal LM (a model AutoModelForCausalLM "
+                             f"builds{builds}); shardrl trains causal language models")
     if task == "seq_cls" and getattr(config, "num_labels", 1) != 1:
         raise ValueError(f"reward model {path!r} has {config.num_labels} labels; a reward model has one")
     return config
+
+
+def causal_lm_class_name(config) -> str | None:
+    """The name of the class `AutoModelForCausalLM` builds for `config` (remote code included), or None."""
+    auto_map = getattr(config, "auto_map", None) or {}
+    if "AutoModelForCausalLM" in auto_map:
+        return auto_map["AutoModelForCausalLM"].rsplit(".", 1)[-1]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    return name if isinstance(name, str) else None
 
 
 def require_folder(key: str, path: str) -> Path:
@@ -67,6 +87,37 @@ def check_model_weights(path: str) -> None:
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
         raise ValueError(f"model folder {path!r} has a config.json but no weights (*.safetensors or "
                          "pytorch_model*.bin); write them with model.save_pretrained(folder)")
+    for file in sorted(folder.glob("*.safetensors")):
+        problem = safetensors_problem(file)
+        if problem is not None:
+            raise ValueError(f"weights file {str(file)!r} is corrupt ({problem}); copy or save it again")
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """What is wrong with a .safetensors file's header and size (a truncated or garbled file), else None.
+    Reads only the header: 8 bytes of length, then that much JSON naming each tensor's byte range."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than a header"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"its header claims {n} bytes but the file has {size}"
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return f"its header is not JSON: {e}"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    ranges = [v.get("data_offsets") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    if len(ranges) != len(header) - ("__metadata__" in header) or not all(
+            isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) for r in ranges):
+        return "its header does not describe tensors"
+    end = 8 + n + max((r[1] for r in ranges), default=0)
+    if end > size:
+        return f"truncated: its tensors end at byte {end} but the file has {size} bytes"
+    return None
 
 
 def build_causal_lm(config, path: str | None, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
@@ -80,7 +131,12 @@ def build_causal_lm(config, path: str | None, device: str | torch.device, dtype:
             model = auto.from_config(config, dtype=dtype, **kwargs)
         return model
     if path is not None:
-        model = auto.from_pretrained(path, config=config, dtype=dtype, **kwargs)
+        from safetensors import SafetensorError
+
+        try:
+            model = auto.from_pretrained(path, config=config, dtype=dtype, **kwargs)
+        except SafetensorError as e:  # a garbled file whose header still reads
+            raise ValueError(f"cannot read the weights in model folder {path!r}: {e}; copy or save them again") from e
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -135,6 +191,10 @@ class PolicyModel(nn.Module):
             targets = F.pad(ids[1:], (0, 1))  # (N,) the token each position predicts
             local_ids, local_pos, local_targets = ids, pos, targets
             if group is not None:  # this rank's contiguous piece of the row; the whole row is known here
+                if self.lm.config._attn_implementation != ATTN_NAME:  # any other attention sees only the piece
+                    raise RuntimeError(
+                        f"sequence parallel forward with attention {self.lm.config._attn_implementation!r}, not "
+                        f"{ATTN_NAME!r}: something changed this model's config (share a copy of it instead)")
                 sp, r = dist.get_world_size(group), dist.get_rank(group)
                 ids_p, pos = pad_to_multiple(ids, pos, sp)
                 targets_p, _ = pad_to_multiple(targets, pos[: targets.numel()], sp)

@@ -38,6 +38,7 @@ from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assembl
 from shardrl.rollout.fast_model import (DecoderBlock, FastCausalLM, SDPADecodeAttention, TritonDecodeAttention,
                                         build_fast_lm, head_dim_of, triton_head_dim)
 from shardrl.rollout.hf import HFRollout, _check_prompts, _contains_stop
+from shardrl.tokenizer import stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class SlotState:
     temperature: torch.Tensor  # () float32
     top_k: torch.Tensor  # () long; V when off
     top_p: torch.Tensor  # () float32; 2 when off
-    eos: torch.Tensor  # () long
+    eos: torch.Tensor  # (k,) long: the ids that end a response (`stop_token_ids`)
 
     @property
     def num_slots(self) -> int:
@@ -130,6 +131,7 @@ class FastRollout(Rollout):
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.eos_id = tokenizer.eos_token_id
+        self.stop_ids = stop_token_ids(tokenizer)  # EOS and the chat template's end-of-turn token
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         if self.pad_id is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
@@ -244,7 +246,7 @@ class FastRollout(Rollout):
             seed=torch.zeros(1, **long),
             temperature=torch.ones((), device=dev), top_k=torch.full((), self.vocab_size, **long),
             top_p=torch.full((), 2.0, device=dev),
-            eos=torch.full((), -1 if self.eos_id is None else self.eos_id, **long),  # -1: no EOS, never sampled
+            eos=torch.tensor(self.stop_ids or [-1], **long),  # -1: no EOS, never sampled
         )
 
     def _ensure_capacity(self, num_rows: int, n: int, need_seq: int) -> None:
@@ -280,7 +282,7 @@ class FastRollout(Rollout):
         st.out_log_probs[slots, col] = torch.where(active, log_probs, st.out_log_probs[slots, col])
         st.num_generated.add_(active.long())
         st.lengths.add_(active.long())
-        st.done.logical_or_((tokens == st.eos) | (st.num_generated >= st.max_new))
+        st.done.logical_or_((tokens[:, None] == st.eos).any(-1) | (st.num_generated >= st.max_new))
         st.tokens.copy_(tokens)
 
     def _run_step(self, mode: str, seq_len: int, generator: torch.Generator) -> None:
@@ -436,7 +438,7 @@ class FastRollout(Rollout):
             st.max_new[slots] = limit_t
             st.out_tokens[slots, 0] = tokens
             st.out_log_probs[slots, 0] = log_probs
-            st.done[slots] = (tokens == st.eos) | (limit_t <= 1)
+            st.done[slots] = (tokens[:, None] == st.eos).any(-1) | (limit_t <= 1)
             total += ids.numel()
         return total
 

@@ -12,6 +12,7 @@ as the last column of `input_ids`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from typing import Iterable
 
@@ -20,6 +21,7 @@ import transformers
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, copy_weights_in_place
+from shardrl.tokenizer import stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +109,14 @@ class HFRollout(Rollout):
         self.device = torch.device(device)
         self.micro_batch_size = micro_batch_size
         self.eos_id = tokenizer.eos_token_id
+        self.stop_ids = stop_token_ids(tokenizer)  # EOS and the chat template's end-of-turn token
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         if self.pad_id is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
+        # a copy: from_config sets the attention implementation (and below, use_cache) on the config object it
+        # is given, and the caller's is usually the actor engine's, which its model reads at every forward
+        # (the actor would run the rollout's attention, e.g. plain SDPA on its 1/sp piece of a row under sp)
+        hf_config = copy.deepcopy(hf_config)
         with torch.random.fork_rng(devices=[]), torch.device(self.device):
             torch.manual_seed(seed)  # random init, overwritten by load_weights; seeded so tests are stable
             self.model = transformers.AutoModelForCausalLM.from_config(
@@ -117,7 +124,7 @@ class HFRollout(Rollout):
         self.model.eval().requires_grad_(False)
         self.model.config.use_cache = True
         self.model.generation_config = GenerationConfig(
-            eos_token_id=self.eos_id, pad_token_id=self.pad_id, bos_token_id=tokenizer.bos_token_id)
+            eos_token_id=self.stop_ids or None, pad_token_id=self.pad_id, bos_token_id=tokenizer.bos_token_id)
         self._released = False
 
     # ---- weights and memory ---------------------------------------------------------------------
@@ -181,7 +188,8 @@ class HFRollout(Rollout):
         and its text (special tokens skipped, cut before the stop string)."""
         lengths, texts = [], []
         for row in generated.tolist():
-            body = row[: row.index(self.eos_id)] if self.eos_id in row else row  # before EOS
+            end = next((i for i, t in enumerate(row) if t in self.stop_ids), len(row))
+            body = row[:end]  # before EOS (or the end-of-turn token)
             length = len(body) + 1 if len(body) < len(row) else len(row)  # EOS counts as a response token
             if stop:
                 stop_at = _stop_length(self.tokenizer, body, stop)
@@ -200,7 +208,7 @@ class HFRollout(Rollout):
             temperature=sampling.temperature if sample else None,
             top_p=sampling.top_p if sample else None,
             top_k=(sampling.top_k or None) if sample else None,
-            eos_token_id=self.eos_id,
+            eos_token_id=self.stop_ids or None,
             pad_token_id=self.pad_id,
             bos_token_id=self.tokenizer.bos_token_id,
             use_cache=True,

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
+
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd program
+_sigint_seen = False
 
 
 def _setup_logging() -> None:
@@ -15,6 +20,39 @@ def _setup_logging() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _on_sigint(signum, frame) -> None:
+    """Ctrl-C (torchrun forwards it to every rank): stop where we are, once. Later SIGINTs are ignored so they
+    cannot cut the summary short; one landing while an exception already unwinds (a collective a stopped
+    peer left) lets that exception stop the run instead of replacing it mid-clean-up."""
+    global _sigint_seen
+    _sigint_seen = True
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.exc_info()[1] is None:
+        raise KeyboardInterrupt
+
+
+def _was_interrupted(e: BaseException) -> bool:
+    return _sigint_seen or isinstance(e, KeyboardInterrupt)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training; on rank 0 the message says how far the run got and what it wrote."""
+
+
+def write_results(run_dir: Path, records: list[dict], total_steps: int) -> str:
+    """summary.json and reward_curve.png of the steps logged (rank 0's in-memory records, so any logger will
+    do); a sentence saying what was written."""
+    from shardrl.trainer.rl import write_summary
+
+    summary = write_summary(run_dir, records)
+    if not records:
+        return f"0 of {total_steps} steps; {run_dir / 'summary.json'} is empty and there is no reward curve"
+    from shardrl.plot import plot_rewards
+
+    png = plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward_curve.png", records)
+    return f"{summary['steps']} of {total_steps} steps; summary {run_dir / 'summary.json'}, reward curve {png}"
 
 
 def resolve_overrides(config: str | None, overrides: list[str]) -> list[str]:
@@ -34,9 +72,12 @@ def run(config: str | None, overrides: list[str]) -> Path:
     from shardrl.config import load_config
     from shardrl.distributed import init_distributed
     from shardrl.layout import derive_layout
-    from shardrl.trainer.rl import RLTrainer, prepare_run_dir, write_summary
+    from shardrl.trainer.metrics import check_sinks_installed
+    from shardrl.trainer.rl import RLTrainer, prepare_run_dir
+    from shardrl.trainer.run_folder import release_run_dir
 
     cfg = load_config(config, overrides)
+    check_sinks_installed(cfg.trainer.logger)  # before the model loads
     if cfg.trainer.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     owns_group = not dist.is_initialized()  # a test (or a caller) may have started it already
@@ -47,15 +88,23 @@ def run(config: str | None, overrides: list[str]) -> Path:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         cfg.trainer.nnodes, cfg.trainer.nproc_per_node = world // per_node, per_node
         derive_layout(cfg, cfg.trainer.nnodes, per_node)
-        run_dir = prepare_run_dir(cfg)
-        trainer = RLTrainer(cfg, run_dir)
-        trainer.fit()
-        if dist.get_rank() == 0:
-            from shardrl.plot import plot_rewards
-
-            summary = write_summary(run_dir)
-            png = plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward_curve.png")
-            logging.getLogger("shardrl").info("run folder %s; reward curve %s; %s", run_dir, png, summary)
+        run_dir = prepare_run_dir(cfg)  # chosen and checked writable; RLTrainer creates and locks it
+        failed = True
+        try:
+            trainer = RLTrainer(cfg, run_dir)
+            try:
+                trainer.fit()
+            except BaseException as e:  # Ctrl-C: rank 0 still writes the summary and curve of the steps done
+                if not _was_interrupted(e):
+                    raise
+                records, total = getattr(trainer, "records", []), cfg.trainer.total_steps
+                raise RunInterrupted(write_results(run_dir, records, total) if dist.get_rank() == 0 else "") from None
+            if dist.get_rank() == 0:
+                done = write_results(run_dir, trainer.records, cfg.trainer.total_steps)
+                logging.getLogger("shardrl").info("run folder %s; %s", run_dir, done)
+            failed = False
+        finally:  # a run that failed before writing anything leaves no folder behind
+            release_run_dir(run_dir, failed)
         return run_dir
     finally:
         if owns_group:
@@ -69,8 +118,14 @@ def train_main(args) -> int:
     from shardrl.config import load_config
 
     cfg = load_config(args.config, overrides)  # bad config: a clear error before anything starts
-    nproc = args.nproc_per_node or cfg.trainer.nproc_per_node
-    nnodes = args.nnodes or cfg.trainer.nnodes
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc_per_node
+    nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
+    for flag, value in (("--nproc-per-node", nproc), ("--nnodes", nnodes)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1 (processes per node / nodes)")
+    from shardrl.trainer.metrics import check_sinks_installed
+
+    check_sinks_installed(cfg.trainer.logger)  # a missing tensorboard/wandb: said now, not after the model loads
     overrides += [f"trainer.nproc_per_node={nproc}", f"trainer.nnodes={nnodes}"]
     if nnodes > 1 and "RANK" not in os.environ:
         raise ValueError(
@@ -78,6 +133,7 @@ def train_main(args) -> int:
             f"`torchrun --nnodes {nnodes} --nproc-per-node {nproc} --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
             "-m shardrl.trainer.main CONFIG key=value ...` (HOST: a node every node reaches)")
     if nproc > 1 and "RANK" not in os.environ:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run as torchrun
 
@@ -86,13 +142,42 @@ def train_main(args) -> int:
         derive_layout(cfg, nnodes, nproc)  # batch sizes that do not divide: one clear error, before any process
         argv = [f"--nproc-per-node={nproc}", "--nnodes=1", "--standalone", "-m", "shardrl.trainer.main"]
         argv += ([args.config] if args.config else ["--no-config"]) + overrides
+        # torchrun forwards Ctrl-C to the ranks and raises here once they are down; rank 0 said how far it got
+        for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+            logging.getLogger(name).addFilter(_not_about_sigint)
         try:
             torchrun(parse_args(argv))
         except ChildFailedError as e:  # the ranks have said why (a user error: rank 0's `error:` line)
             return next(iter(e.failures.values())).exitcode or 1
+        except (SignalException, KeyboardInterrupt):
+            return INTERRUPTED_EXIT
         return 0
-    run(args.config, overrides)
+    global _sigint_seen
+    _sigint_seen = False  # a caller's process may run more than one training
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    previous = signal.signal(signal.SIGINT, _on_sigint) if main_thread else None
+    try:
+        run(args.config, overrides)
+    except BaseException as e:
+        if not _was_interrupted(e):
+            raise
+        print(_interrupted_line(e if isinstance(e, KeyboardInterrupt) else KeyboardInterrupt()), file=sys.stderr)
+        return INTERRUPTED_EXIT
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
     return 0
+
+
+def _not_about_sigint(record: logging.LogRecord) -> bool:
+    """torchrun's own lines about passing Ctrl-C on (rank 0 says the one line that matters)."""
+    text = record.getMessage()
+    return not ("death signal" in text or "closing signal SIGINT" in text)
+
+
+def _interrupted_line(e: KeyboardInterrupt) -> str:
+    done = f"after {e}" if isinstance(e, RunInterrupted) else "before the first step"
+    return f"interrupted (Ctrl-C) {done}"
 
 
 def _rank_main(argv: list[str]) -> int:
@@ -101,12 +186,21 @@ def _rank_main(argv: list[str]) -> int:
     _setup_logging()
     config = None if argv and argv[0] == "--no-config" else (argv[0] if argv and "=" not in argv[0] else None)
     overrides = [a for a in argv if "=" in a]
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    signal.signal(signal.SIGINT, _on_sigint)
     try:
         run(config, overrides)
-    except ValueError as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+    except BaseException as e:
+        if _was_interrupted(e):  # Ctrl-C: one line from rank 0; the others stop quietly, whatever they were in
+            if rank0:
+                print(_interrupted_line(e if isinstance(e, KeyboardInterrupt) else KeyboardInterrupt()),
+                      file=sys.stderr)
+            return INTERRUPTED_EXIT
+        if isinstance(e, ValueError):
+            if rank0:
+                print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
     return 0
 
 

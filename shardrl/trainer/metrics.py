@@ -3,9 +3,11 @@ and optionally TensorBoard and wandb. Only global rank 0 writes."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,16 +16,70 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class SumCount:
+    """A metric whose value over ranks is the sum of `total` over the sum of `count` (e.g. a token mean)."""
+
+    total: float
+    count: float
+
+
+@dataclass(frozen=True)
+class Max:
+    """A metric whose value over ranks is the largest rank's."""
+
+    value: float
+
+
+@dataclass(frozen=True)
+class Min:
+    """A metric whose value over ranks is the smallest rank's."""
+
+    value: float
+
+
+def reduce_over_ranks(metrics: dict, group=None) -> dict[str, float]:
+    """One number per metric over the ranks of `group`: a SumCount is sum(total) / sum(count) (0 when
+    nothing was counted), Max and Min the global extremes, a plain number the mean over the ranks (right
+    when every rank holds an equal share). One all-reduce for the sums, one for the extremes if any."""
+    places = {}  # key -> (vector, position): "sum" vector (a SumCount takes two places) or "max" vector
+    summed, maxed = [], []
+    for k in sorted(metrics):
+        v = metrics[k]
+        if isinstance(v, SumCount):
+            places[k] = ("sum", len(summed))
+            summed += [float(v.total), float(v.count)]
+        elif isinstance(v, (Max, Min)):  # a minimum is the negated maximum of the negated values
+            places[k] = ("max", len(maxed))
+            maxed.append(-float(v.value) if isinstance(v, Min) else float(v.value))
+        else:
+            places[k] = ("sum", len(summed))
+            summed.append(float(v))
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        values = torch.tensor(summed, dtype=torch.float64, device=device)
+        dist.all_reduce(values, group=group)
+        summed = values.tolist()
+        if maxed:
+            values = torch.tensor(maxed, dtype=torch.float64, device=device)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+            maxed = values.tolist()
+    out = {}
+    for k, (vector, i) in places.items():
+        v = metrics[k]
+        if isinstance(v, SumCount):
+            out[k] = summed[i] / summed[i + 1] if summed[i + 1] > 0 else 0.0
+        elif vector == "max":
+            out[k] = -maxed[i] if isinstance(v, Min) else maxed[i]
+        else:
+            out[k] = summed[i] / world
+    return out
+
+
 def mean_over_ranks(metrics: dict[str, float], group=None) -> dict[str, float]:
     """Averages every metric over the ranks of `group` (one all-reduce for all keys)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return dict(metrics)
-    keys = sorted(metrics)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(values, group=group)
-    values /= dist.get_world_size(group)
-    return dict(zip(keys, values.tolist()))
+    return reduce_over_ranks(metrics, group)
 
 
 class MetricsLogger:
@@ -31,38 +87,38 @@ class MetricsLogger:
                  project: str = "shardrl", experiment: str = "run", config: dict | None = None):
         self.enabled = not dist.is_initialized() or dist.get_rank() == 0
         self.sinks = set(sinks)
+        self.records: list[dict] = []
+        """Every step logged (on rank 0), whatever the sinks; with jsonl also a resumed run's earlier steps.
+        summary.json and the reward curve are made from these."""
         self._bar = self._tb = self._wandb = self._jsonl = None
         if not self.enabled:
             return
+        check_sinks_installed(sinks)
         if "jsonl" in self.sinks:
             path = run_dir / "metrics.jsonl"
             if start_step == 0 and path.exists():
                 path.unlink()  # a fresh run in this folder starts a fresh record
             elif path.exists():
-                _truncate_after(path, start_step)  # a resumed run rewrites the steps after its checkpoint
+                self.records = _truncate_after(path, start_step)  # a resumed run rewrites the later steps
             self._jsonl = open(path, "a", buffering=1)
         if "console" in self.sinks:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         if "tensorboard" in self.sinks:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise ValueError("trainer.logger has 'tensorboard' but it is not installed; "
-                                 "pip install 'shardrl[tensorboard]'") from e
+            from torch.utils.tensorboard import SummaryWriter
+
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
         if "wandb" in self.sinks:
-            try:
-                import wandb
-            except ImportError as e:
-                raise ValueError("trainer.logger has 'wandb' but it is not installed; pip install 'shardrl[wandb]'") from e
+            import wandb
+
             self._wandb = wandb.init(project=project, name=experiment, config=config, dir=str(run_dir))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
         record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
+        self.records.append(record)
         if self._jsonl:
             self._jsonl.write(json.dumps(record) + "\n")
         if self._tb:
@@ -89,14 +145,33 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+def check_sinks_installed(sinks: list[str]) -> None:
+    """A `ConfigError` naming `trainer.logger` when a sink's package cannot be imported; call it before the
+    model loads (importing is the check: a package that is there but broken fails too)."""
+    from shardrl.configload import ConfigError
+
+    imports = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+    for sink in sinks:
+        if sink not in imports:
+            continue
+        module, extra = imports[sink]
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"invalid config value trainer.logger={list(sinks)!r}: {sink!r} needs a package that "
+                              f"cannot be imported here ({e}); pip install 'shardrl[{extra}]', or drop {sink!r} "
+                              "from trainer.logger") from None
+
+
 def read_metrics(path: Path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _truncate_after(path: Path, step: int) -> None:
+def _truncate_after(path: Path, step: int) -> list[dict]:
     kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept
 
 
 def _plain(v):

@@ -16,17 +16,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardrl.algos import AdaptiveKLController, FixedKLController, masked_mean
+from shardrl.algos import AdaptiveKLController, FixedKLController
 from shardrl.batch import Batch
 from shardrl.checkpoint import CheckpointManager
-from shardrl.config import Config, config_to_dict, save_config
+from shardrl.config import Config, config_to_dict
 from shardrl.data import PromptLoader, collate_prompts, load_prompt_dataset
 from shardrl.engine import build_engine
-from shardrl.engine.model import DTYPES, require_folder
+from shardrl.engine.model import DTYPES, load_hf_config, require_folder
 from shardrl.layout import derive_layout, format_layout
 from shardrl.rewards import RewardManager, load_reward_function
 from shardrl.rollout import SamplingParams, build_rollout
-from shardrl.trainer.metrics import MetricsLogger, mean_over_ranks
+from shardrl.algos.aggregate import masked_metric
+from shardrl.trainer.metrics import Max, MetricsLogger, Min, SumCount, mean_over_ranks, reduce_over_ranks
+from shardrl.trainer.run_folder import check_writable, choose_run_dir, claim_run_dir
 from shardrl.trainer.updates import actor_loss_fn, compute_advantages, critic_loss_fn, run_updates
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,28 @@ def load_tokenizer(cfg: Config):
     return tok
 
 
+def check_vocab_sizes(cfg: Config, tokenizer_size: int) -> None:
+    """Every model that reads the tokenizer's ids (policy, critic, reward model) has an embedding row for
+    each: a token id past the vocabulary fails only mid-run (an index error, or a CUDA device assert)."""
+    tokenizer_at = cfg.model.tokenizer_path or cfg.model.path
+    models = [("model.path", cfg.model.path, cfg.model.tiny, "causal_lm")]
+    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.model_path:
+        models.append(("critic.model_path", cfg.critic.model_path, None, "causal_lm"))
+    if cfg.reward.model_path:
+        models.append(("reward.model_path", cfg.reward.model_path, None, "seq_cls"))
+    for key, path, tiny, task in models:
+        config = load_hf_config(path, tiny, cfg.model.trust_remote_code, task)
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab = getattr(text_config, "vocab_size", None)
+        if vocab is not None and vocab < tokenizer_size:
+            where = f"{key}={path!r}" if path else "model.tiny"
+            raise ValueError(
+                f"{where} has a vocabulary of {vocab} tokens, smaller than the tokenizer's {tokenizer_size} "
+                f"(from {tokenizer_at!r}): ids >= {vocab} have no embedding. Use the tokenizer made for this model "
+                f"(model.tokenizer_path), or grow the model's embeddings to match: "
+                f"model.resize_token_embeddings({tokenizer_size}); model.save_pretrained(folder)")
+
+
 class RLTrainer:
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
@@ -64,6 +88,21 @@ class RLTrainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.tokenizer = load_tokenizer(cfg)
         self._say(format_layout(self.layout))
+
+        # the cheap checks before the expensive work: data, reward file and vocabularies before any model loads
+        d = cfg.data
+        self.train_set = load_prompt_dataset(d.train_files, self.tokenizer, d.prompt_key, d.max_prompt_length,
+                                             d.truncation, d.skip_bad_rows)
+        self.val_set = None
+        if d.val_files:
+            self.val_set = load_prompt_dataset(d.val_files, self.tokenizer, d.prompt_key, d.max_prompt_length,
+                                               d.truncation, d.skip_bad_rows)
+        fn = load_reward_function(cfg.reward.function_path, cfg.reward.function_name) if cfg.reward.function_path else None
+        self.rewards = RewardManager(fn, cfg.reward.on_error_score)
+        check_vocab_sizes(cfg, len(self.tokenizer))
+        # the run can start: its folder is created and locked only now (keep this after the checks above
+        # and before the engines below)
+        claim_run_dir(cfg, run_dir)
 
         # engines: actor trains; ref only when a KL needs it; critic only for GAE
         total = cfg.trainer.total_steps * self.layout.actor.num_updates
@@ -81,15 +120,9 @@ class RLTrainer:
         self._say(f"mesh: {self.mesh.describe()}; actor FSDP units: {self.actor.num_fsdp_units()}; "
                   f"per-rank prompts {self.layout.prompts_per_rank}, samples {self.layout.samples_per_rank}")
 
-        # data, rollout, rewards
-        self.train_set = load_prompt_dataset(cfg.data.train_files, self.tokenizer, cfg.data.prompt_key,
-                                             cfg.data.max_prompt_length, cfg.data.truncation, cfg.data.skip_bad_rows)
+        # data loader, rollout, reward model
         self.loader = PromptLoader(self.train_set, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed,
                                    dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
-        self.val_set = None
-        if cfg.data.val_files:
-            self.val_set = load_prompt_dataset(cfg.data.val_files, self.tokenizer, cfg.data.prompt_key,
-                                               cfg.data.max_prompt_length, cfg.data.truncation, cfg.data.skip_bad_rows)
         rollout_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         ro = cfg.rollout
         fast_kwargs = dict(max_batch=ro.max_batch, sync_every=ro.sync_every, compile=ro.compile,
@@ -97,20 +130,14 @@ class RLTrainer:
         self.rollout = build_rollout(ro.backend, self.actor.hf_config, self.tokenizer, self.device, rollout_dtype,
                                      micro_batch_size=ro.micro_batch_size, **fast_kwargs)
         self.sampling = SamplingParams.from_config(cfg.rollout)
-        fn = load_reward_function(cfg.reward.function_path, cfg.reward.function_name) if cfg.reward.function_path else None
-        self.rewards = RewardManager(fn, cfg.reward.on_error_score)
         self.reward_model = None
         if cfg.reward.model_path:
             rm_cfg = dataclasses.replace(cfg.model, path=cfg.reward.model_path, tiny=None)
             self.reward_model = build_engine(rm_cfg, cfg.reward.engine, None, head="score")
-            if self.reward_model.hf_config.vocab_size < len(self.tokenizer):
-                raise ValueError(
-                    f"reward model {cfg.reward.model_path!r} has a vocabulary of {self.reward_model.hf_config.vocab_size} "
-                    f"tokens, the policy's tokenizer {len(self.tokenizer)}; the reward model must share the tokenizer")
         algo = cfg.algorithm
         self.kl_ctrl = (AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon) if algo.kl_target
                         else FixedKLController(algo.kl_coef))
-        self.shuffle_gen = torch.Generator().manual_seed(cfg.data.seed + 1000 * self.mesh.dp_rank)
+        self.shuffle_gen = torch.Generator().manual_seed(self._shuffle_seed(0))
         self.checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_last)
         self.step = 0
         self._weights_stale = True
@@ -159,7 +186,12 @@ class RLTrainer:
             return scores, {}
         items = [{"data_source": ds, "response_text": text, "extra": extra}
                  for ds, text, extra in zip(batch["data_source"], batch["response_text"], batch["extra"])]
-        return self.rewards.score(items)
+        scores, metrics = self.rewards.score(items, fail_if_all_fail=False)
+        # all samples failing stops the run; decided on the global count so that every rank agrees
+        counts = mean_over_ranks({"errors": metrics["reward/num_errors"], "samples": len(items)}, self.mesh.dp_group)
+        if counts["samples"] > 0 and counts["errors"] == counts["samples"]:
+            raise self.rewards.all_failed_error(round(counts["samples"] * self.mesh.dp_size))
+        return scores, metrics
 
     # ---- one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -173,20 +205,23 @@ class RLTrainer:
         mask = batch["loss_mask"].float()
         temp = self.sampling.logprob_temperature
 
+        def token_mean(values):  # reduced over the ranks as sum / count: a mean over the whole batch's tokens
+            return SumCount(*map(float, masked_metric(values, mask)))
+
         batch["old_log_probs"] = self.actor.infer_batch(batch, temperature=temp)["log_probs"].cpu()
-        metrics = {"rollout/logprob_abs_diff": float(masked_mean((batch["old_log_probs"] - batch["sampled_log_probs"]).abs(), mask))}
+        metrics = {"rollout/logprob_abs_diff": token_mean((batch["old_log_probs"] - batch["sampled_log_probs"]).abs())}
         if self.ref is not None:
             batch["ref_log_probs"] = self.ref.infer_batch(batch, temperature=temp)["log_probs"].cpu()
-            metrics["kl/actor_ref"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
+            metrics["kl/actor_ref"] = token_mean(batch["old_log_probs"] - batch["ref_log_probs"])
         if self.critic is not None:
             batch["old_values"] = self.critic.infer_batch(batch)["values"].cpu()
         metrics.update(compute_advantages(batch, scores, cfg.algorithm, self.kl_ctrl.value, self.mesh.dp_group))
         t_prep = time.perf_counter()
 
-        agg = cfg.actor.engine.loss_agg_mode
+        agg = cfg.actor.loss_agg_mode
         # each engine's update is a phase: what offload_optimizer moved to the CPU comes back for it only
         if self.critic is not None:
-            critic_loss = critic_loss_fn(cfg.critic, cfg.critic.engine.loss_agg_mode)
+            critic_loss = critic_loss_fn(cfg.critic, cfg.critic.loss_agg_mode)
             with self.critic.training():
                 metrics.update(run_updates(self.critic, batch, critic_loss, self.layout.critic.mini_batch_samples_per_rank,
                                            cfg.critic.ppo_epochs, True, self.shuffle_gen, "critic"))
@@ -196,27 +231,29 @@ class RLTrainer:
                                        cfg.actor.shuffle, self.shuffle_gen, "actor", temperature=temp,
                                        with_entropy=bool(cfg.actor.entropy_coeff)))
         self._weights_stale = True
-        if cfg.algorithm.use_kl_in_reward:
-            self.kl_ctrl.update(metrics.get("kl/in_reward", 0.0), len(batch))
         t_end = time.perf_counter()
 
         lengths = batch["response_mask"].sum(-1).float()
+        n = float(len(batch))
         metrics.update({
-            "reward/mean": float(scores.mean()),
-            "reward/max": float(scores.max()),
-            "reward/min": float(scores.min()),
+            "reward/mean": SumCount(float(scores.sum()), n),
+            "reward/max": Max(float(scores.max())),
+            "reward/min": Min(float(scores.min())),
             **{k: float(v) for k, v in reward_metrics.items() if k != "reward/score"},
-            "response/length_mean": float(lengths.mean()),
-            "response/clip_frac": float((lengths >= self.sampling.max_new_tokens).float().mean()),
+            "response/length_mean": SumCount(float(lengths.sum()), n),
+            "response/clip_frac": SumCount(float((lengths >= self.sampling.max_new_tokens).sum()), n),
             "timing/gen_s": t_gen - t0,
             "timing/prep_s": t_prep - t_gen,
             "timing/update_s": t_end - t_prep,
             "timing/step_s": t_end - t0,
         })
-        return mean_over_ranks(metrics, self.mesh.dp_group)  # max/min become means of per-rank extremes
+        metrics = reduce_over_ranks(metrics, self.mesh.dp_group)
+        if cfg.algorithm.use_kl_in_reward:  # every rank: the whole batch's KL and sample count
+            self.kl_ctrl.update(metrics["kl/in_reward"], len(batch) * self.mesh.dp_size)
+        return metrics
 
     def validate(self) -> dict[str, float]:
-        """Greedy responses to every validation prompt; the mean reward, averaged over ranks."""
+        """Greedy responses to every validation prompt; the mean reward over all of them (all ranks)."""
         sampling = SamplingParams.from_config(self.cfg.rollout, n=1, greedy=True)
         dp, r = self.mesh.dp_size, self.mesh.dp_rank
         # every rank runs the same number of generate calls (weight sync and scoring are collective):
@@ -226,19 +263,35 @@ class RLTrainer:
         index += [index[0] if index else 0] * (-(-len(self.val_set) // dp) - real)
         items = [self.val_set[i] for i in index]
         scores = []
-        for start in range(0, len(items), self.cfg.rollout.micro_batch_size):
-            chunk = items[start:start + self.cfg.rollout.micro_batch_size]
+        # data.val_batch_size prompts per round over all ranks (ceil(that / dp) per rank); None: one round
+        val_batch = self.cfg.data.val_batch_size
+        per_round = -(-val_batch // dp) if val_batch else max(len(items), 1)
+        for start in range(0, len(items), per_round):
+            chunk = items[start:start + per_round]
             s, _ = self._score(self._generate(chunk, sampling))
             scores.append(s)
         local = torch.cat(scores)[:real] if scores else torch.zeros(0)
-        totals = mean_over_ranks({"sum": float(local.sum()), "count": float(len(local))}, self.mesh.dp_group)
-        return {"val/reward_mean": totals["sum"] / max(totals["count"], 1e-9)}
+        return reduce_over_ranks({"val/reward_mean": SumCount(float(local.sum()), float(len(local)))},
+                                 self.mesh.dp_group)
 
     # ---- the loop ---------------------------------------------------------------------------------
+    def _shuffle_seed(self, step: int) -> int:
+        """Seed of this dp rank's mini-batch shuffle stream for a run that starts at `step` (0: a fresh run)."""
+        return self.cfg.data.seed + 1000 * self.mesh.dp_rank + 1_000_003 * step
+
+    def _trainer_state(self) -> dict:
+        return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+
     def save(self) -> None:
-        extra = {"step": self.step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                 "shuffle_gen": self.shuffle_gen.get_state()}
-        path = self.checkpoints.save(self.step, self._engines(), extra)
+        # `extra` (rank 0's) holds the global state, valid at any world size: the loader's position counts
+        # global prompts and the KL controller follows global numbers. Each dp rank's own state (its shuffle
+        # generator differs) goes under the fixed key dp_rank_{r}, written by the first rank of its sp group.
+        extra = {"step": self.step, **self._trainer_state()}
+        rank_extra = {}
+        if self.mesh.sp_rank == 0:
+            rank_extra[f"dp_rank_{self.mesh.dp_rank}"] = {"dp_size": self.mesh.dp_size, **self._trainer_state(),
+                                                         "shuffle_gen": self.shuffle_gen.get_state()}
+        path = self.checkpoints.save(self.step, self._engines(), extra, rank_extra)
         self._say(f"saved checkpoint {path}")
 
     def maybe_resume(self) -> None:
@@ -250,18 +303,31 @@ class RLTrainer:
         if ckpt is None:
             self._say("resume=auto: no complete checkpoint yet, starting fresh")
             return
-        extra = ckpt.extra
-        self.step = int(extra["step"])
-        self.loader.load_state_dict(extra["loader"])
-        self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
-        self.shuffle_gen.set_state(extra["shuffle_gen"])
+        self.step = int(ckpt.extra["step"])
+        mine = ckpt.rank_extra(f"dp_rank_{self.mesh.dp_rank}")
+        if mine is not None and mine["dp_size"] == self.mesh.dp_size:
+            state = mine  # the same dp layout: each dp rank continues exactly where it stopped
+        else:
+            # another dp layout (or a checkpoint without per-rank state): there is no saved stream for this
+            # dp rank, so the global state, and a shuffle stream derived from data.seed, the step and dp rank
+            state = dict(ckpt.extra, shuffle_gen=None)
+            self._say(f"checkpoint {ckpt.path} was saved with another data-parallel layout; each rank's shuffle "
+                      f"stream restarts from data.seed, step {self.step} and its dp rank")
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if state["shuffle_gen"] is not None:
+            self.shuffle_gen.set_state(state["shuffle_gen"])
+        else:
+            self.shuffle_gen.manual_seed(self._shuffle_seed(self.step))
         self._say(f"resumed from {ckpt.path} at step {self.step}")
 
     def fit(self) -> Path:
         cfg = self.cfg
+        self.checkpoints.clean_stale()  # what a crash mid-save or mid-delete left
         self.maybe_resume()
         logger = MetricsLogger(self.run_dir, cfg.trainer.logger, cfg.trainer.total_steps, self.step,
                                cfg.trainer.project_name, cfg.trainer.experiment_name, config_to_dict(cfg))
+        self.records = logger.records  # rank 0: the steps logged, for summary.json and the reward curve
         try:
             while self.step < cfg.trainer.total_steps:
                 metrics = self.train_step()
@@ -279,42 +345,35 @@ class RLTrainer:
 
 
 def prepare_run_dir(cfg: Config) -> Path:
-    """The run folder: trainer.output_dir, or with resume=auto the newest run of this experiment that
-    has a checkpoint, else a new `./outputs/<experiment>/<timestamp>`; the same on every rank."""
-    if cfg.trainer.output_dir:
-        run_dir = Path(cfg.trainer.output_dir)
-    else:
-        base = Path("outputs") / cfg.trainer.experiment_name
-        candidates = sorted(p for p in base.glob("*") if (p / "checkpoints").is_dir()) if base.is_dir() else []
-        if cfg.trainer.resume == "auto" and candidates:
-            run_dir = candidates[-1]
-        else:
-            run_dir = base / time.strftime("%Y%m%d-%H%M%S")
-    obj = [str(run_dir)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(obj, src=0)
-    run_dir = Path(obj[0])
-    if dist.get_rank() == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, str(run_dir / "config.yaml"))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    """The run folder (`run_folder.choose_run_dir`), the same on every rank, checked writable before anything
+    loads. Nothing is created here: RLTrainer claims the folder once its cheap checks pass."""
+    run_dir = choose_run_dir(cfg)
+    check_writable(run_dir)
     return run_dir
 
 
-def summarize(run_dir: Path) -> dict:
-    from shardrl.trainer.metrics import read_metrics
-
-    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+def summarize(records: list[dict]) -> dict:
+    """Steps done, mean train reward of the first and last few steps, last validation reward; {} if no step."""
     if not records:
         return {}
+    summary = {"steps": records[-1]["step"]}
     rewards = [r["reward/mean"] for r in records if r.get("reward/mean") is not None]
-    k = max(1, min(5, len(rewards) // 4))
-    return {"steps": records[-1]["step"], "reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k,
-            **({"val_last": records[-1]["val/reward_mean"]} if records[-1].get("val/reward_mean") is not None else {})}
+    if rewards:
+        k = max(1, min(5, len(rewards) // 4))
+        summary.update(reward_first=sum(rewards[:k]) / k, reward_last=sum(rewards[-k:]) / k)
+    val = [r["val/reward_mean"] for r in records if r.get("val/reward_mean") is not None]
+    if val:
+        summary["val_last"] = val[-1]
+    return summary
 
 
-def write_summary(run_dir: Path) -> dict:
-    summary = summarize(run_dir)
+def write_summary(run_dir: Path, records: list[dict] | None = None) -> dict:
+    """`summary.json` of `records` (the trainer's in-memory log; None reads the folder's metrics.jsonl)."""
+    if records is None:
+        from shardrl.trainer.metrics import read_metrics
+
+        path = run_dir / "metrics.jsonl"
+        records = read_metrics(path) if path.is_file() else []
+    summary = summarize(records)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

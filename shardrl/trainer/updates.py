@@ -13,14 +13,16 @@ from shardrl.algos import (
     apply_kl_in_reward,
     entropy_loss,
     kl_loss,
-    masked_mean,
     masked_whiten,
     policy_loss,
     scores_to_token_rewards,
     value_loss,
 )
+from shardrl.algos.aggregate import masked_metric, share_metric
 from shardrl.batch import Batch
 from shardrl.distributed import all_reduce_sum
+from shardrl.engine.base import NonFiniteParametersError
+from shardrl.trainer.metrics import SumCount
 
 
 def global_masked_stats(values: torch.Tensor, mask: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,16 +35,18 @@ def global_masked_stats(values: torch.Tensor, mask: torch.Tensor, group) -> tupl
     return torch.tensor(mean, dtype=values.dtype), torch.tensor(max(var, 0.0), dtype=values.dtype)
 
 
-def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: float, dp_group=None) -> dict[str, float]:
-    """Adds `advantages` and `returns` (B, T) to `batch`; returns metrics. Estimators that whiten over the
-    batch (GAE, REINFORCE++ and its baseline variant) whiten over the whole batch of all `dp_group` ranks."""
+def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: float, dp_group=None) -> dict:
+    """Adds `advantages` and `returns` (B, T) to `batch`; returns metrics (token means as this rank's
+    SumCount, for `reduce_over_ranks`). Estimators that whiten over the batch (GAE, REINFORCE++ and its
+    baseline variant) whiten over the whole batch of all `dp_group` ranks."""
     mask = batch["loss_mask"].float()
     metrics = {}
     token_rewards = scores_to_token_rewards(scores, mask)  # (B, T)
     if algo_cfg.use_kl_in_reward:
         token_rewards, mean_kl = apply_kl_in_reward(token_rewards, batch["old_log_probs"], batch["ref_log_probs"],
                                                     mask, kl_coef, algo_cfg.kl_penalty)
-        metrics.update({"kl/in_reward": float(mean_kl), "kl/coef": kl_coef})
+        num_tokens = float(mask.sum())
+        metrics.update({"kl/in_reward": SumCount(float(mean_kl) * num_tokens, num_tokens), "kl/coef": kl_coef})
     name = algo_cfg.adv_estimator
     index = batch["prompt_index"]
     fn = ADVANTAGE_ESTIMATORS[name]
@@ -62,8 +66,8 @@ def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: fl
         if name == "reinforce_plus_plus_baseline":
             ret = adv
     batch["advantages"], batch["returns"] = adv, ret
-    metrics["adv/mean"] = float(masked_mean(adv, mask))
-    metrics["adv/abs_mean"] = float(masked_mean(adv.abs(), mask))
+    metrics["adv/mean"] = SumCount(*map(float, masked_metric(adv, mask)))
+    metrics["adv/abs_mean"] = SumCount(*map(float, masked_metric(adv.abs(), mask)))
     return metrics
 
 
@@ -73,17 +77,17 @@ def actor_loss_fn(actor_cfg, agg_mode: str):
         loss, metrics = policy_loss(outputs["log_probs"], mb["old_log_probs"], mb["advantages"], mask,
                                     actor_cfg.clip_ratio_low, actor_cfg.clip_ratio_high, actor_cfg.clip_ratio_c,
                                     agg_mode, num_tokens, num_seqs)
-        metrics = {f"actor/{k}": v for k, v in metrics.items()}  # tensors: the engine syncs once per step
-        metrics["actor/pg_loss"] = loss.detach()
+        # (sum, count) tensor pairs: the engine adds them up over micro-batches and ranks, syncing once
+        metrics = {f"actor/{k}": v for k, v in metrics.items()}
         if actor_cfg.entropy_coeff:
             ent = entropy_loss(outputs["entropy"], mask, agg_mode, num_tokens, num_seqs)
             loss = loss - actor_cfg.entropy_coeff * ent
-            metrics["actor/entropy"] = ent.detach()
+            metrics["actor/entropy"] = share_metric(ent, mask, agg_mode, num_tokens, num_seqs)
         if actor_cfg.use_kl_loss:
             kl = kl_loss(outputs["log_probs"], mb["ref_log_probs"], mask, actor_cfg.kl_loss_type, agg_mode,
                          num_tokens, num_seqs)
             loss = loss + actor_cfg.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = kl.detach()
+            metrics["actor/kl_loss"] = share_metric(kl, mask, agg_mode, num_tokens, num_seqs)
         return loss, metrics
 
     return loss_fn
@@ -102,13 +106,18 @@ def run_updates(engine, batch: Batch, loss_fn, mini_batch_samples: int, epochs: 
                 generator: torch.Generator, prefix: str, temperature: float = 1.0,
                 with_entropy: bool = False) -> dict[str, float]:
     """`epochs` passes over `batch` in mini-batches of `mini_batch_samples` (per rank), one optimizer step
-    each; metrics are averaged over the steps."""
+    each; metrics are averaged over the steps. Parameters a step left non-finite stop the run with a
+    NonFiniteParametersError that names the learning rate to lower (`<prefix>.optim.lr`)."""
     totals: dict[str, float] = {}
     num_steps = 0
     for _ in range(epochs):
         order = torch.randperm(len(batch), generator=generator) if shuffle else torch.arange(len(batch))
         for mb in batch.reorder(order).split(mini_batch_samples):
-            metrics = engine.train_batch(mb, loss_fn, temperature=temperature, with_entropy=with_entropy)
+            try:
+                metrics = engine.train_batch(mb, loss_fn, temperature=temperature, with_entropy=with_entropy)
+            except NonFiniteParametersError as e:
+                raise NonFiniteParametersError(f"{prefix} update: {e}; lower {prefix}.optim.lr "
+                                               f"(now {engine.optim_cfg.lr:g})") from None
             for k, v in metrics.items():
                 key = k if "/" in k else f"{prefix}/{k}"
                 totals[key] = totals.get(key, 0.0) + v

@@ -1,0 +1,183 @@
+"""The run folder's life: chosen and checked writable at start (nothing created), then created, locked and
+given its config.yaml by rank 0 once the run can start (`claim_run_dir`, after the cheap checks of data,
+reward file and tokenizer), held for the whole run, released at exit (`release_run_dir`).
+
+The lock is an `fcntl.flock` on `run.lock` inside the folder, held by rank 0's open file. The OS drops it
+when that process ends however it ends (an exception, Ctrl-C, SIGKILL), so a crashed run never blocks the
+next one; a second run into a folder that a live run holds refuses at start, naming the folder and the
+holder (pid, host, start time and command, which the holder wrote into the file).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from shardrl.checkpoint import CheckpointManager
+from shardrl.config import Config, save_config
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "run.lock"
+CONFIG_FILE = "config.yaml"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _from_rank_0(value):
+    """Rank 0's `value` on every rank (one decision for the whole job)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+def has_complete_checkpoint(run_dir: Path) -> bool:
+    return CheckpointManager(run_dir / "checkpoints").latest() is not None
+
+
+def choose_run_dir(cfg: Config) -> Path:
+    """trainer.output_dir; or with resume=auto the newest run of this experiment that holds a complete
+    checkpoint; else a new `./outputs/<experiment>/<timestamp>`. Rank 0 chooses for every rank; nothing is
+    created here (see `claim_run_dir`)."""
+    run_dir = None
+    if _rank() == 0:
+        if cfg.trainer.output_dir:
+            run_dir = Path(cfg.trainer.output_dir)
+        else:
+            base = Path("outputs") / cfg.trainer.experiment_name
+            candidates = sorted(p for p in base.glob("*") if p.is_dir()) if base.is_dir() else []
+            resumable = [p for p in candidates if has_complete_checkpoint(p)]
+            if cfg.trainer.resume == "auto" and resumable:
+                run_dir = resumable[-1]
+            else:
+                stamp = time.strftime("%Y%m%d-%H%M%S")
+                run_dir, n = base / stamp, 1
+                while run_dir.exists():  # two runs started within a second
+                    run_dir, n = base / f"{stamp}-{n}", n + 1
+    return Path(_from_rank_0(str(run_dir)))
+
+
+def _probe_write(folder: Path) -> None:
+    """Raises OSError when this process cannot create files in `folder`."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "permission denied", str(folder))
+    with tempfile.TemporaryFile(dir=folder):  # what os.access misses (some network file systems, ACLs)
+        pass
+
+
+def check_writable(run_dir: Path) -> None:
+    """Raises ValueError, naming the folder, when `run_dir` (or, not there yet, the folder it would be made
+    in) cannot be written; cheap, so it runs before anything is loaded."""
+    error = None
+    if _rank() == 0:
+        target = run_dir
+        while not target.exists() and target != target.parent:
+            target = target.parent
+        if not target.is_dir():
+            error = f"trainer.output_dir={str(run_dir)!r}: {target} is a file, not a folder"
+        else:
+            try:
+                _probe_write(target)
+            except OSError as e:
+                what = (f"cannot write to the run folder {run_dir}" if target == run_dir else
+                        f"cannot create the run folder {run_dir}: {target} is not writable")
+                error = (f"{what} ({e.strerror or e}); set trainer.output_dir to a folder this user can write, "
+                         "or fix its permissions")
+    error = _from_rank_0(error)
+    if error:
+        raise ValueError(error)
+
+
+def read_lock_owner(run_dir: Path) -> str:
+    """Who holds (or last held) the folder's lock, as its lock file says."""
+    try:
+        info = json.loads((run_dir / LOCK_FILE).read_text())
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["start_time"]))
+        return f"pid {info['pid']} on host {info['host']}, started {started} ({info.get('command', '?')})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not yet written its name into the lock file"
+
+
+class _Claim:
+    def __init__(self, run_dir: Path, handle, created: bool):
+        self.run_dir, self.handle, self.created = run_dir, handle, created
+
+
+_claims: dict[str, _Claim] = {}  # the folders this process holds, by resolved path
+
+
+def _lock(run_dir: Path):
+    """Opens and locks `run_dir/run.lock` (rank 0); raises ValueError when another process holds it."""
+    handle = open(run_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise ValueError(f"the run folder {run_dir} is in use by another run: {read_lock_owner(run_dir)}. Two runs "
+                         "writing one folder corrupt each other's checkpoints and metrics; wait for it to end, stop "
+                         "it, or set trainer.output_dir to another folder") from None
+    except BaseException:
+        handle.close()
+        raise
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "start_time": time.time(),
+                             "command": " ".join([os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]])[:500]}))
+    handle.flush()
+    return handle
+
+
+def claim_run_dir(cfg: Config, run_dir: Path) -> None:
+    """Call on every rank once the run can start: rank 0 creates the folder, locks it for this process's
+    life and writes config.yaml. A folder another live run holds is a ValueError on every rank."""
+    error = None
+    if _rank() == 0:
+        key = str(run_dir.resolve())
+        try:
+            if key not in _claims:
+                created = not run_dir.exists()
+                run_dir.mkdir(parents=True, exist_ok=True)
+                try:
+                    _claims[key] = _Claim(run_dir, _lock(run_dir), created)
+                except BaseException:
+                    if created:
+                        shutil.rmtree(run_dir, ignore_errors=True)
+                    raise
+            save_config(cfg, str(run_dir / CONFIG_FILE))
+        except ValueError as e:
+            error = str(e)
+        except OSError as e:
+            error = f"cannot create the run folder {run_dir}: {e.strerror or e}; set trainer.output_dir to a writable folder"
+    error = _from_rank_0(error)
+    if error:
+        raise ValueError(error)
+
+
+def release_run_dir(run_dir: Path, failed: bool = False) -> None:
+    """Unlocks the folder (rank 0; a no-op where this process holds none). With `failed`, a folder that this
+    run created and that holds nothing but its config and lock (the run stopped before its first step
+    wrote anything) is removed, so a run that never started leaves nothing behind."""
+    claim = _claims.pop(str(run_dir.resolve()), None)
+    if claim is None:
+        return
+    try:
+        leftover = {p.name for p in run_dir.iterdir()} - {LOCK_FILE, CONFIG_FILE} if run_dir.is_dir() else set()
+        if failed and claim.created and not leftover:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    finally:
+        claim.handle.close()  # closing the file drops the flock

@@ -1,0 +1,168 @@
+"""The run folder: a second run into a folder a live run holds refuses, naming the folder and the holder
+(and the holder's files stay untouched); a read-only output folder is an error before anything loads; a run
+that fails before it starts leaves no folder behind; resume=auto picks the newest run that holds a complete
+checkpoint."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from shardrl.cli import main as cli_main
+from shardrl.checkpoint import COMPLETE
+from shardrl.config import load_config
+from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return prepare_demo_assets(tmp_path_factory.mktemp("demo") / "assets", warmup_steps=5)
+
+
+def small(assets: Path, *extra: str) -> list[str]:
+    return demo_overrides(assets) + ["trainer.logger=[jsonl]", "trainer.val_freq=0", "trainer.total_steps=1",
+                                     "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", *extra]
+
+
+# a run that holds its folder (the lock taken as a real run takes it), until killed
+HOLDER = """
+import sys
+from pathlib import Path
+from shardrl.config import load_config
+from shardrl.trainer.run_folder import claim_run_dir
+claim_run_dir(load_config(None, sys.argv[2:]), Path(sys.argv[1]))
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_run_into_a_held_folder_refuses_and_names_the_holder(assets, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), *small(assets)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding", "the holding process did not take the folder"
+        # the first run's files, which a second run would delete or truncate
+        (run_dir / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+        (run_dir / "checkpoints" / ".tmp_step_000002" / "actor").mkdir(parents=True)
+        assert cli_main(["train", *small(assets, f"trainer.output_dir={run_dir}")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: the run folder ") and str(run_dir) in err and "in use by another run" in err
+        assert f"pid {holder.pid} on host {socket.gethostname()}, started 20" in err
+        assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "reward/mean": 0.5}\n'
+        assert (run_dir / "checkpoints" / ".tmp_step_000002" / "actor").is_dir()
+        assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "run.lock"]
+    finally:
+        holder.kill()  # SIGKILL: the OS drops the lock; nothing is left to release it by hand
+        holder.wait()
+    from shardrl.trainer.run_folder import claim_run_dir, read_lock_owner, release_run_dir
+
+    cfg = load_config(None, small(assets))
+    claim_run_dir(cfg, run_dir)  # the killed holder's lock is gone with it
+    try:
+        assert read_lock_owner(run_dir).startswith(f"pid {os.getpid()} on host ")
+    finally:
+        release_run_dir(run_dir)
+
+
+def test_a_read_only_output_folder_is_an_error_before_anything_loads(assets, tmp_path, capsys, monkeypatch):
+    import shardrl.trainer.run_folder as run_folder
+
+    parent, existing = tmp_path / "read_only", tmp_path / "read_only_run"
+    parent.mkdir()
+    existing.mkdir()
+    if os.geteuid() == 0:  # root writes through permission bits: refuse as a read-only mount would
+        real = run_folder._probe_write
+
+        def read_only(folder):
+            if Path(folder) in (parent, existing):
+                raise PermissionError(13, "Permission denied", str(folder))
+            real(folder)
+
+        monkeypatch.setattr(run_folder, "_probe_write", read_only)
+    os.chmod(parent, 0o555)
+    os.chmod(existing, 0o555)
+    try:
+        # model.path names no folder: an error about it would mean the model came first
+        for out, says in ((parent / "run", f"cannot create the run folder {parent / 'run'}: {parent} is not writable"),
+                          (existing, f"cannot write to the run folder {existing}")):
+            assert cli_main(["train", *small(assets, f"trainer.output_dir={out}", "model.path=/no/such/model")]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"error: {says} (") and "trainer.output_dir" in err, err
+            assert "/no/such/model" not in err
+    finally:
+        os.chmod(parent, 0o755)
+        os.chmod(existing, 0o755)
+    assert list(parent.iterdir()) == [] and list(existing.iterdir()) == []
+
+
+def test_a_run_that_fails_before_it_starts_leaves_no_run_folder(assets, tmp_path, monkeypatch):
+    import transformers
+
+    from shardrl.trainer.main import run
+
+    missing = tmp_path / "missing.jsonl"
+    bad_rows = tmp_path / "rows.jsonl"
+    bad_rows.write_text('{"question": "x"}\n')
+    no_weights = tmp_path / "no_weights"  # fails later, when the model loads
+    transformers.AutoConfig.from_pretrained(assets / "model").save_pretrained(no_weights)
+    cases = {"missing": ([f"data.train_files=[{missing}]"], "missing.jsonl"),
+             "bad_rows": ([f"data.train_files=[{bad_rows}]"], "no 'prompt' key"),
+             "no_weights": ([f"model.path={no_weights}", f"model.tokenizer_path={assets / 'model'}"], "no weights")}
+    for name, (extra, says) in cases.items():
+        out = tmp_path / "runs" / name
+        with pytest.raises((ValueError, FileNotFoundError), match=says):
+            run(None, small(assets, f"trainer.output_dir={out}", *extra))
+        assert not out.exists(), name
+    # the default folder, ./outputs/<experiment>/<timestamp>, is not made either
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        run(None, small(assets, "trainer.experiment_name=exp", f"data.train_files=[{missing}]"))
+    assert not (tmp_path / "outputs" / "exp").exists() or list((tmp_path / "outputs" / "exp").iterdir()) == []
+    # a folder that was there before the failed run stays, untouched
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        run(None, small(assets, f"trainer.output_dir={kept}", f"data.train_files=[{missing}]"))
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+
+
+def _complete_checkpoint(run_dir: Path, step: int) -> None:
+    folder = run_dir / "checkpoints" / f"step_{step:06d}"
+    folder.mkdir(parents=True)
+    (folder / COMPLETE).write_text(f"{step}\n")
+
+
+def test_resume_auto_picks_the_newest_run_with_a_complete_checkpoint(tmp_path, monkeypatch):
+    from shardrl.trainer.rl import prepare_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    base = tmp_path / "outputs" / "exp"
+    _complete_checkpoint(base / "20260101-000000", 2)
+    _complete_checkpoint(base / "20260102-000000", 2)
+    (base / "20260103-000000" / "checkpoints" / ".tmp_step_000004" / "actor").mkdir(parents=True)  # killed mid-save
+    (base / "20260104-000000" / "checkpoints" / "step_000006").mkdir(parents=True)  # no COMPLETE marker
+    (base / "20260105-000000" / "checkpoints").mkdir(parents=True)  # killed before any save
+    (base / "20260106-000000").mkdir()  # failed at start
+    before = sorted(str(p) for p in base.rglob("*"))
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        auto = prepare_run_dir(load_config(None, ["trainer.experiment_name=exp", "trainer.resume=auto"]))
+        fresh = prepare_run_dir(load_config(None, ["trainer.experiment_name=exp", "trainer.resume=never"]))
+        other = prepare_run_dir(load_config(None, ["trainer.experiment_name=other", "trainer.resume=auto"]))
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+    assert auto == Path("outputs/exp/20260102-000000")
+    assert fresh.parent == Path("outputs/exp") and fresh.name[:2] == "20" and not fresh.exists()
+    assert other.parent == Path("outputs/other") and not other.exists()
+    assert sorted(str(p) for p in base.rglob("*")) == before  # choosing creates nothing

@@ -1,0 +1,117 @@
+"""The trainer's start-up checks and its stop on a reward that never works: data, reward file and
+vocabulary are checked before any model loads; a reward function that fails on every sample of a step
+stops the run with one `error:` line and exit status 2, decided on the count over all dp ranks."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardrl.cli import main as cli_main
+from shardrl.rewards import RewardManager
+from shardrl.testing import run_distributed
+from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return prepare_demo_assets(tmp_path_factory.mktemp("demo") / "assets", warmup_steps=2)
+
+
+def small(assets: Path, run_dir: Path, *extra: str) -> list[str]:
+    return demo_overrides(assets) + [
+        f"trainer.output_dir={run_dir}", "trainer.logger=[jsonl]", "trainer.val_freq=0", "trainer.total_steps=1",
+        "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", *extra]
+
+
+def test_cheap_checks_come_before_any_model_loads(assets, tmp_path, monkeypatch):
+    import transformers
+
+    import shardrl.trainer.rl as rl
+    from shardrl.trainer.main import run
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(rl, "build_engine", no_model)
+    base = small(assets, tmp_path / "run")
+    empty_prompt = tmp_path / "rows.jsonl"
+    empty_prompt.write_text('{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": "", "ground_truth": "0"}\n')
+    with pytest.raises(ValueError, match=r"rows.jsonl: row 2: the 'prompt' string is empty"):
+        run(None, base + [f"data.train_files=[{empty_prompt}]"])
+    bad_val = tmp_path / "val.jsonl"
+    bad_val.write_bytes(b'{"prompt": "1+1="}\n{"prompt": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"val.jsonl: line 2 is not UTF-8 text"):
+        run(None, base + [f"data.val_files=[{bad_val}]"])
+    broken = tmp_path / "broken_reward.py"
+    broken.write_text("import not_a_module_xyz\n")
+    with pytest.raises(ValueError, match="broken_reward.py' failed to import: ModuleNotFoundError"):
+        run(None, base + [f"reward.function_path={broken}"])
+    two_args = tmp_path / "two_args.py"
+    two_args.write_text("def compute_score(solution_str, ground_truth):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"compute_score\(solution_str, ground_truth\) in .* cannot take"):
+        run(None, base + [f"reward.function_path={two_args}"])
+    # a model whose vocabulary is smaller than the tokenizer's (53 characters and specials)
+    small_vocab = tmp_path / "small_vocab"
+    config = transformers.AutoConfig.from_pretrained(assets / "model")
+    config.vocab_size = 40
+    config.save_pretrained(small_vocab)
+    with pytest.raises(ValueError, match=r"model.path='.*small_vocab' has a vocabulary of 40 tokens, smaller than the "
+                                         r"tokenizer's 53 \(from '.*model'\): ids >= 40 have no embedding\. Use the "
+                                         r"tokenizer made for this model \(model.tokenizer_path\), or grow the "
+                                         r"model's embeddings to match: model.resize_token_embeddings\(53\)"):
+        run(None, base + [f"model.path={small_vocab}", f"model.tokenizer_path={assets / 'model'}"])
+    with pytest.raises(AssertionError, match="a model was loaded"):  # good inputs reach the model
+        run(None, base)
+
+
+def test_a_reward_that_fails_on_every_sample_stops_the_run(assets, tmp_path, capsys):
+    reward = tmp_path / "returns_none.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return None  # forgot the return value\n")
+    assert cli_main(["train", *small(assets, tmp_path / "run", f"reward.function_path={reward}")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: ") == 1 and "Traceback" not in err.split("error: ")[1]
+    assert ("error: the reward function failed on all 16 samples of this step, so there is nothing to learn from; "
+            "the first failure (data_source='arith') TypeError: reward function returned NoneType None, not a "
+            "number") in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def _score_on_two_ranks(cases):
+    """RLTrainer._score on each rank's share, for each case of (failing responses on rank 0, on rank 1)."""
+    import torch.distributed as dist
+
+    from shardrl.trainer.rl import RLTrainer
+
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        return 1.0 if solution_str == "ok" else None
+
+    rank = dist.get_rank()
+    out = []
+    for responses in cases:
+        trainer = types.SimpleNamespace(reward_model=None, rewards=RewardManager(fn),
+                                        mesh=types.SimpleNamespace(dp_group=dist.group.WORLD, dp_size=2))
+        texts = responses[rank]
+        batch = {"data_source": ["x"] * len(texts), "response_text": texts, "extra": [{}] * len(texts)}
+        try:
+            scores, metrics = RLTrainer._score(trainer, batch)
+            out.append(("ok", scores.tolist(), metrics["reward/num_errors"]))
+        except ValueError as e:
+            out.append(("error", str(e)))
+    return out
+
+
+@pytest.mark.multiproc
+def test_all_samples_failing_is_decided_over_all_ranks():
+    cases = [
+        (["bad", "bad"], ["ok", "bad"]),  # rank 0 fails on all of its samples, rank 1 does not: train on
+        (["bad", "bad"], ["bad", "bad"]),  # every sample of every rank fails: every rank stops
+    ]
+    results = run_distributed(_score_on_two_ranks, 2, cases)  # rank 0's view; rank 1 must agree to finish
+    assert results[0] == ("ok", [0.0, 0.0], 2)
+    assert results[1][0] == "error" and "failed on all 4 samples of this step" in results[1][1]
+    assert "TypeError: reward function returned NoneType None" in results[1][1]

@@ -1,0 +1,105 @@
+"""What a run leaves behind whatever its loggers (summary.json, the reward curve), and how validation cuts
+its prompts into rounds (`data.val_batch_size`); fast, without a model."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardrl.config import load_config
+from shardrl.trainer.main import write_results
+from shardrl.trainer.metrics import MetricsLogger
+from shardrl.trainer.rl import RLTrainer, summarize
+
+STEPS = [{"reward/mean": r, "actor/loss": 0.5} for r in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 1.0)]
+
+
+def log_steps(run_dir: Path, sinks: list[str], steps=STEPS, start_step: int = 0) -> MetricsLogger:
+    logger = MetricsLogger(run_dir, sinks, total_steps=len(steps), start_step=start_step)
+    for i, metrics in enumerate(steps[start_step:], start=start_step + 1):
+        logger.log(i, {**metrics, **({"val/reward_mean": 0.75} if i == 4 else {})})
+    logger.close()
+    return logger
+
+
+@pytest.fixture
+def fake_tensorboard(monkeypatch):
+    """torch.utils.tensorboard replaced by a recorder (the real package is an optional extra)."""
+    scalars = []
+
+    class SummaryWriter:
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, key, value, step):
+            scalars.append((key, value, step))
+
+        def close(self):
+            pass
+
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = SummaryWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    return scalars
+
+
+@pytest.mark.parametrize("sinks", [["console"], ["tensorboard"], [], ["jsonl"], ["console", "jsonl"]])
+def test_every_logger_alone_gives_the_summary_and_the_curve(sinks, tmp_path, fake_tensorboard):
+    logger = log_steps(tmp_path, sinks)
+    assert [r["step"] for r in logger.records] == list(range(1, 9))
+    assert (tmp_path / "metrics.jsonl").exists() == ("jsonl" in sinks)
+    if "tensorboard" in sinks:
+        assert ("reward/mean", 0.4, 3) in fake_tensorboard
+    said = write_results(tmp_path, logger.records, 8)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # first and last 2 steps (8 // 4): (0 + 0.2) / 2 and (1 + 1) / 2; the last validation seen was at step 4
+    assert summary == pytest.approx({"steps": 8, "reward_first": 0.1, "reward_last": 1.0, "val_last": 0.75})
+    assert (tmp_path / "reward_curve.png").stat().st_size > 1000
+    assert said.startswith("8 of 8 steps; summary ")
+
+
+def test_a_resumed_run_with_jsonl_summarises_the_whole_run(tmp_path):
+    log_steps(tmp_path, ["jsonl"], STEPS[:5])  # steps 1..5, then a resume from a checkpoint at step 3
+    logger = log_steps(tmp_path, ["jsonl"], STEPS, start_step=3)
+    assert [r["step"] for r in logger.records] == list(range(1, 9))
+    assert summarize(logger.records)["reward_first"] == pytest.approx(0.1)
+
+
+def test_no_step_done_writes_an_empty_summary_and_no_curve(tmp_path):
+    assert write_results(tmp_path, [], 20).startswith("0 of 20 steps")
+    assert json.loads((tmp_path / "summary.json").read_text()) == {}
+    assert not (tmp_path / "reward_curve.png").exists()
+
+
+class FakeMesh:
+    def __init__(self, dp_size, dp_rank):
+        self.dp_size, self.dp_rank, self.dp_group = dp_size, dp_rank, None
+
+
+def run_validate(num_prompts: int, dp: int, rank: int, *overrides: str) -> list[list[int]]:
+    """The prompt ids each generate round of `RLTrainer.validate` got on one rank (dp > 1: this rank's view)."""
+    trainer = RLTrainer.__new__(RLTrainer)
+    trainer.cfg = load_config(None, list(overrides))
+    trainer.mesh = FakeMesh(dp, rank)
+    trainer.val_set = [{"id": i} for i in range(num_prompts)]
+    rounds = []
+    trainer._generate = lambda items, sampling: rounds.append([it["id"] for it in items]) or items
+    trainer._score = lambda items: (torch.ones(len(items)), {})
+    assert trainer.validate()["val/reward_mean"] == pytest.approx(1.0)
+    return rounds
+
+
+def test_val_batch_size_sets_the_prompts_of_one_validation_round():
+    # 7 prompts, val_batch_size 3 on one rank: rounds of 3, 3, 1 (rollout.micro_batch_size=64 used to decide)
+    assert run_validate(7, 1, 0, "data.val_batch_size=3") == [[0, 1, 2], [3, 4, 5], [6]]
+    # global: 4 prompts per round over 2 ranks are 2 per rank; rank 0 holds 0, 2, 4, 6 of the 7
+    assert run_validate(7, 2, 0, "data.val_batch_size=4") == [[0, 2], [4, 6]]
+    # rank 1 holds 1, 3, 5 and repeats one so both ranks run the same rounds
+    assert run_validate(7, 2, 1, "data.val_batch_size=4") == [[1, 3], [5, 1]]
+    # null: the whole set in one round (the rollout still cuts its generate calls by micro_batch_size)
+    assert run_validate(7, 1, 0, "rollout.micro_batch_size=2") == [list(range(7))]
