@@ -173,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # the user's mistake (ConfigError included): no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        from shardrl.trainer.main import STORAGE_EXIT, is_storage_error
+
+        if not is_storage_error(e):
+            raise
+        print(f"error: {e}", file=sys.stderr)  # disk full / read-only: the message names the path
+        return STORAGE_EXIT
 
 
 if __name__ == "__main__":

@@ -62,6 +62,9 @@ class ModelConfig:
     """Pack a micro-batch's sequences into one padding-free row (position_ids) for the forward."""
     dtype: Dtype = "float32"
     """Dtype of the master weights (and optimizer state)."""
+    disable_dropout: bool = True
+    """Set every dropout probability of the model's config to 0 (GPT-2 ships 0.1): with dropout the update's
+    forward differs from the one that computed the old log-probs, so the PPO ratio is not 1 on-policy."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "tiny", self.path is None or self.tiny is None,

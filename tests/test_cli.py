@@ -134,3 +134,25 @@ def test_a_missing_logger_package_is_a_config_error_before_anything_loads(logger
     err = capsys.readouterr().err
     assert err.startswith(f"error: invalid config value trainer.logger=['console', '{logger}']: '{logger}' needs")
     assert f"pip install 'shardrl[{logger}]'" in err and "no_model" not in err
+
+
+def test_a_full_disk_is_one_error_line_not_a_traceback(monkeypatch, capsys):
+    import errno
+
+    import shardrl.cli as cli
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "disk full: saving the checkpoint of step 3 to /runs/x/.tmp_step_000003 failed")
+
+    monkeypatch.setitem(cli.COMMANDS, "train", full)
+    assert cli.main(["train"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["error: [Errno 28] disk full: saving the checkpoint of step 3 to "
+                                        "/runs/x/.tmp_step_000003 failed"]
+
+    def other(args):
+        raise OSError(errno.EIO, "an I/O error is not the user's to fix")  # still a traceback
+
+    monkeypatch.setitem(cli.COMMANDS, "train", other)
+    with pytest.raises(OSError):
+        cli.main(["train"])

@@ -143,3 +143,26 @@ def test_gpt2_trains_one_engine_step_from_config_and_from_folder(gpt2_folder):
         gain = ((res["after"] - res["log_probs"]) * batch["advantages"] * mask).sum()
         assert gain > 0, name
         assert (res["after"] - results["tiny_packed"]["after"]).abs().max() < 1e-4, name
+
+
+# ---------------------------------------------------------------- dropout is off for RL
+
+
+def train_mode_log_probs_twice(disable: bool):
+    from shardrl.engine import build_engine
+
+    noisy = {**GPT2, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}  # GPT-2's shipped values
+    engine = build_engine(ModelConfig(tiny=noisy, disable_dropout=disable),
+                          EngineConfig(param_dtype="float32", micro_batch_size_per_gpu=8), OptimConfig())
+    batch = random_batch(NUM_SEQS, MAX_LEN, GPT2["vocab_size"], seed=3)
+    engine.module.train()  # the update's forward runs in train mode
+    with torch.no_grad():
+        a, b = (engine._forward(batch, 1.0, False)["log_probs"] for _ in range(2))
+    return {"diff": float((a - b).abs().max()), "pdrop": engine.hf_config.resid_pdrop}
+
+
+@pytest.mark.multiproc
+def test_dropout_is_off_so_the_updates_forward_is_deterministic():
+    on, off = (run_distributed(train_mode_log_probs_twice, 1, disable) for disable in (False, True))
+    assert on["pdrop"] == 0.1 and on["diff"] > 1e-3  # kept on: two forwards of the same batch differ
+    assert off["pdrop"] == 0.0 and off["diff"] == 0.0

@@ -31,8 +31,8 @@ from shardrl.batch import Batch
 from shardrl.distributed import MeshLayout, all_reduce_sum, build_device_mesh, device_type
 from shardrl.engine.attention import resolve_attn_implementation
 from shardrl.engine.microbatch import restore_order, split_micro_batches
-from shardrl.engine.model import (DTYPES, HEADS, PolicyModel, build_causal_lm, check_model_weights, load_hf_config,
-                                  strip_prefix)
+from shardrl.engine.model import (DTYPES, HEADS, PolicyModel, build_causal_lm, check_model_weights, disable_dropout,
+                                  load_hf_config, strip_prefix)
 from shardrl.engine.ulysses import check_heads
 from shardrl.engine.optim import build_lr_scheduler, build_optimizer
 
@@ -89,6 +89,8 @@ class Engine(abc.ABC):
         self.head = head
         self.hf_config = load_hf_config(model_cfg.path, model_cfg.tiny, model_cfg.trust_remote_code,
                                         task="seq_cls" if head == "score" else "causal_lm")
+        if model_cfg.disable_dropout and (changed := disable_dropout(self.hf_config)):
+            log.info("dropout off (model.disable_dropout): %s set to 0", ", ".join(changed))
         if model_cfg.path is not None:
             check_model_weights(model_cfg.path)
         self.module = self._build_module(head)

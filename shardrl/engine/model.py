@@ -62,6 +62,16 @@ def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool 
     return config
 
 
+def disable_dropout(config) -> list[str]:
+    """Sets the config's dropout probabilities (`*dropout*`, `*pdrop`) to 0; returns the names it changed."""
+    changed = []
+    for name, value in vars(config).items():
+        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float) and value > 0:
+            setattr(config, name, 0.0)
+            changed.append(name)
+    return changed
+
+
 def causal_lm_class_name(config) -> str | None:
     """The name of the class `AutoModelForCausalLM` builds for `config` (remote code included), or None."""
     auto_map = getattr(config, "auto_map", None) or {}

@@ -3,6 +3,7 @@ point `python -m shardrl.trainer.main` that torchrun starts (also usable directl
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -11,6 +12,14 @@ import threading
 from pathlib import Path
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd program
+STORAGE_EXIT = 1
+# the machine's storage refused a write (disk full, quota, read-only): the message names the path, a
+# traceback adds nothing
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def is_storage_error(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS
 _sigint_seen = False
 
 
@@ -200,6 +209,10 @@ def _rank_main(argv: list[str]) -> int:
             if rank0:
                 print(f"error: {e}", file=sys.stderr)
             return 2
+        if is_storage_error(e):
+            if rank0:
+                print(f"error: {e}", file=sys.stderr)
+            return STORAGE_EXIT
         raise
     return 0
 
