@@ -168,6 +168,11 @@ class EngineConfig:
         require(self, prefix, "logprob_chunk_size", self.logprob_chunk_size >= 1, "must be >= 1")
         require(self, prefix, "compile", not (self.compile and self.strategy == "fsdp"),
                 "is implemented for strategy=fsdp2 only; set compile=false with FSDP1 (strategy=fsdp)")
+        # measured on an H200 (2026-11-30): FSDP1's CPU offload reported a gradient norm of 0.53 where the plain
+        # loop has 1.26 (one GPU), and its gradients cannot be gathered on two; FSDP2's offload matches the loop
+        require(self, prefix, "offload_params", not (self.offload_params and self.strategy == "fsdp"),
+                "is supported with strategy=fsdp2 only (FSDP1's CPU offload gave wrong gradients on GPU); "
+                "use strategy=fsdp2, or offload_optimizer=true with FSDP1")
 
 
 def _validate_ppo_loop(section: Any, prefix: str) -> None:

@@ -220,7 +220,7 @@ def load_prompt_dataset(
     if not items and stats["num_dropped_too_long"]:
         shortest = f"the shortest prompt is {shortest_dropped} tokens" if shortest_dropped else "all are far longer"
         raise ValueError(
-            f"every prompt in {files} is longer than max_prompt_length={max_prompt_length}: {shortest} (a chat "
+            f"no usable prompts in {files}: every one is longer than max_prompt_length={max_prompt_length}, {shortest} (a chat "
             "template adds its own tokens: role markers, a default system prompt); raise data.max_prompt_length")
     if not items:
         raise ValueError(f"no usable prompts in {files} (stats: {stats})")

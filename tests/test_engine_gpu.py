@@ -35,7 +35,7 @@ def gpu_steps(strategy: str, world: int):
     full = build_device_mesh(-1, 1)  # one mesh per layout: NCCL communicators are made once, not per engine
     out = {}
     for name, kw in VARIANTS.items():
-        if name == "hsdp" and world < 2:
+        if (name == "hsdp" and world < 2) or (name == "offload" and strategy == "fsdp"):  # FSDP1: refused
             continue
         mesh = build_device_mesh(kw["fsdp_size"], 1) if "fsdp_size" in kw else full
         out[name] = engine_step("qwen2", dict(strategy=strategy, **kw), mesh=mesh)
@@ -79,12 +79,13 @@ def update_cosine(got: dict, want: dict, init: dict) -> float:
     return float(torch.nn.functional.cosine_similarity(g.double(), w.double(), dim=0))
 
 
-FP32_CASES = [pytest.param(v, w, marks=pytest.mark.skipif(NUM_GPUS < w, reason=f"needs {w} CUDA GPU(s)"))
-              for v in sorted(VARIANTS) for w in (1, 2) if not (v == "hsdp" and w < 2)]  # HSDP: 2 replicas
+# HSDP needs 2 replicas; FSDP1 with offload_params is refused by the config (wrong gradients on GPU)
+FP32_CASES = [pytest.param(s, v, w, marks=pytest.mark.skipif(NUM_GPUS < w, reason=f"needs {w} CUDA GPU(s)"))
+              for s in ("fsdp2", "fsdp") for v in sorted(VARIANTS) for w in (1, 2)
+              if not (v == "hsdp" and w < 2) and not (v == "offload" and s == "fsdp")]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])
-@pytest.mark.parametrize("variant,world", FP32_CASES)
+@pytest.mark.parametrize("strategy,variant,world", FP32_CASES)
 def test_fp32_matches_plain_loop(reference_gpu, strategy, world, variant):
     got, want = runs(strategy, world)[variant], reference_gpu["qwen2"]
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
@@ -95,7 +96,7 @@ def test_fp32_matches_plain_loop(reference_gpu, strategy, world, variant):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])
+@pytest.mark.parametrize("strategy", ["fsdp2"])
 def test_offloaded_params_step_equals_the_run_without(strategy, world):
     got, want = runs(strategy, world)["offload"], runs(strategy, world)["mb2"]
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)

@@ -173,6 +173,7 @@ def test_real_model_one_grpo_step(folder, tmp_path):
         f"model.path={folder}", f"data.train_files=[{data}]", "data.max_prompt_length=128",
         "data.train_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=12", "rollout.backend=fast",
         "actor.ppo_mini_batch_size=2", "actor.optim.lr=1e-6", "actor.engine.param_dtype=float32",
+        "actor.entropy_coeff=0.01",  # a gradient even when both groups' rewards tie
         "actor.engine.use_dynamic_bsz=true", "trainer.total_steps=1", "trainer.device=cpu",
         f"trainer.output_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]"])
     record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
