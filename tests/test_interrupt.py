@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from shardrl.testing import run_distributed
-from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
+from shardrl.testing import small_demo_run, run_distributed
+from shardrl.trainer.demo import prepare_demo_assets
 
 pytestmark = pytest.mark.multiproc
 
@@ -24,10 +24,6 @@ def assets(tmp_path_factory):
     return prepare_demo_assets(tmp_path_factory.mktemp("demo") / "assets", warmup_steps=5)
 
 
-def small(assets: Path, run_dir: Path, *extra: str) -> list[str]:
-    return demo_overrides(assets) + [
-        f"trainer.output_dir={run_dir}", "trainer.val_freq=0", "data.train_batch_size=4", "rollout.n=4",
-        "actor.ppo_mini_batch_size=2", *extra]
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -38,8 +34,8 @@ def test_ctrl_c_is_one_line_status_130_and_still_writes_the_summary(assets, tmp_
     with open(tmp_path / "stderr.txt", "w") as stderr:
         # a session of its own, so the SIGINT below reaches what a terminal's Ctrl-C would: the launcher's group
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shardrl.cli", "train", *small(assets, run_dir, "trainer.total_steps=1000",
-                                                                   "trainer.logger=[jsonl]"),
+            [sys.executable, "-m", "shardrl.cli", "train",
+             *small_demo_run(assets, run_dir, "trainer.total_steps=1000", "trainer.logger=[jsonl]"),
              "--nproc-per-node", str(nproc)],
             stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=env)
         try:
@@ -72,7 +68,7 @@ def train_and_list(overrides: list[str]) -> list[str]:
 
 
 def test_console_logger_alone_trains_and_writes_summary_and_curve(assets, tmp_path):
-    files = run_distributed(train_and_list, 1, small(assets, tmp_path / "console", "trainer.total_steps=2",
+    files = run_distributed(train_and_list, 1, small_demo_run(assets, tmp_path / "console", "trainer.total_steps=2",
                                                      "trainer.logger=[console]"))
     assert "metrics.jsonl" not in files and {"summary.json", "reward_curve.png"} <= set(files)
     summary = json.loads((tmp_path / "console" / "summary.json").read_text())

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from shardrl.cli import main as cli_main
-from shardrl.testing import run_distributed
-from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
+from shardrl.testing import small_demo_run, run_distributed
+from shardrl.trainer.demo import prepare_demo_assets
 
 pytestmark = pytest.mark.multiproc
 
@@ -28,9 +28,7 @@ def assets(tmp_path_factory):
 
 
 def small(assets: Path, run_dir: Path, *extra: str) -> list[str]:
-    return demo_overrides(assets) + [
-        f"trainer.output_dir={run_dir}", "trainer.logger=[jsonl]", "trainer.val_freq=0",
-        "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", *extra]
+    return small_demo_run(assets, run_dir, "trainer.logger=[jsonl]", *extra)
 
 
 def run_training(overrides: list[str]) -> list[dict]:

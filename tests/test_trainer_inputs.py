@@ -12,8 +12,8 @@ import torch
 
 from shardrl.cli import main as cli_main
 from shardrl.rewards import RewardManager
-from shardrl.testing import run_distributed
-from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
+from shardrl.testing import small_demo_run, run_distributed
+from shardrl.trainer.demo import prepare_demo_assets
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +22,7 @@ def assets(tmp_path_factory):
 
 
 def small(assets: Path, run_dir: Path, *extra: str) -> list[str]:
-    return demo_overrides(assets) + [
-        f"trainer.output_dir={run_dir}", "trainer.logger=[jsonl]", "trainer.val_freq=0", "trainer.total_steps=1",
-        "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", *extra]
+    return small_demo_run(assets, run_dir, "trainer.logger=[jsonl]", "trainer.total_steps=1", *extra)
 
 
 def test_cheap_checks_come_before_any_model_loads(assets, tmp_path, monkeypatch):
