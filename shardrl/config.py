@@ -142,10 +142,13 @@ class EngineConfig:
     """Seed of the random init of a `model.tiny` model and of a new value head (weights read from a folder do
     not use it). It does not seed dropout: training runs the model in train mode, so a model with dropout > 0
     draws its masks from torch's global generator."""
-    compile: bool = False
-    """`torch.compile` each decoder block before sharding (FSDP2 only). Recommended on GPUs: on H200s it
-    took a 1.5B model from 0.90x to 1.3x the tokens/s of a plain FSDP2 loop (bench/RESULTS.md), for ~10 s
-    of compilation at start-up; off by default because CPU runs gain little from it."""
+    compile: bool | None = None
+    """`torch.compile` each decoder block before sharding (FSDP2 only). On H200s it took a 1.5B model from
+    0.90x to 1.3x the tokens/s of a plain FSDP2 loop (bench/RESULTS.md), for ~10 s of compilation at
+    start-up. null = off for now, on every device: on a cold H200 the built-in demo with compiled engines
+    (small model, dynamic micro-batch shapes, a recompilation per new shape) finished no step within 150 s,
+    so compile is for large models with few shapes; the whole RL step with it is still to be measured
+    (issue 14). An engine built directly (tests, bench/) treats null as off too."""
 
     @staticmethod
     def moved_key(name: str, prefix: str) -> str | None:
@@ -208,6 +211,12 @@ class ActorConfig:
     """How per-token policy, entropy and KL losses are reduced to one number (verl's actor.loss_agg_mode)."""
     kl_loss_type: KLEstimator = "low_var_kl"
     """KL estimator of the KL loss: kl/k1, abs, mse/k2, low_var_kl/k3 (clamped), a "+" suffix for k2's gradient."""
+    recompute_old_log_probs: Literal["auto", "always"] = "auto"
+    """"always": a forward pass over the step's batch computes the old log-probs before the update. "auto":
+    skip that pass when it provably equals the update's own forward (one optimizer step per training step:
+    ppo_mini_batch_size == data.train_batch_size and ppo_epochs == 1; no KL in the reward, which needs the
+    old log-probs before the advantages; dropout off); the PPO ratio is then exactly 1, so the update uses
+    the detached log-probs of its own forward as the old ones. The choice is logged at start-up."""
 
     def validate(self, prefix: str) -> None:
         _validate_ppo_loop(self, prefix)
@@ -247,8 +256,10 @@ class CriticConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: Literal["hf", "fast"] = "hf"
-    """Generation engine: HF `generate`, or the static-KV-cache fast engine."""
+    backend: Literal["hf", "fast"] | None = None
+    """Generation engine: HF `generate`, or the static-KV-cache fast engine (Llama/Qwen2-style models).
+    null = by device, resolved once when a run starts (`shardrl.trainer.defaults`): fast on CUDA when it
+    supports the model (4-13x HF there, bench/RESULTS.md), hf otherwise and on CPU."""
     n: int = 4
     """Responses sampled per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -279,14 +290,16 @@ class RolloutConfig:
     """fast backend: triton (CUDA) samples in one pass over the logits with noise drawn in the kernel
     (top-k/top-p still sort in torch); auto = triton where the triton attention runs."""
 
+    def fast_only_keys(self) -> list[str]:
+        """The fast-backend-only keys set away from their defaults."""
+        unset = {"max_batch": None, "compile": None, "attention": "auto", "sampler": "auto"}
+        return [k for k, default in unset.items() if getattr(self, k) != default]
+
     def validate(self, prefix: str) -> None:
         require(self, prefix, "max_batch", self.max_batch is None or self.max_batch >= 1, "must be >= 1 or null")
         require(self, prefix, "sync_every", self.sync_every >= 1, "must be >= 1")
-        only_fast = "applies to backend=fast only; set rollout.backend=fast or drop it"
-        require(self, prefix, "max_batch", self.backend == "fast" or self.max_batch is None, only_fast)
-        require(self, prefix, "compile", self.backend == "fast" or self.compile is None, only_fast)
-        require(self, prefix, "attention", self.backend == "fast" or self.attention == "auto", only_fast)
-        require(self, prefix, "sampler", self.backend == "fast" or self.sampler == "auto", only_fast)
+        for key in self.fast_only_keys() if self.backend == "hf" else ():  # null: checked once resolved
+            require(self, prefix, key, False, "applies to backend=fast only; set rollout.backend=fast or drop it")
         require(self, prefix, "n", self.n >= 1, "must be >= 1")
         require(self, prefix, "temperature", self.temperature >= 0, "must be >= 0")
         require(self, prefix, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
@@ -391,6 +404,9 @@ class TrainerConfig:
     """Where to start: "auto" (latest checkpoint in output_dir, if any), "never" (fresh), or a checkpoint path."""
     val_freq: int = 0
     """Validate every this many steps; 0 never."""
+    log_val_generations: int = 3
+    """Sample generations (prompt, response, reward, ground truth) shown per validation, on the console
+    and in `<run_dir>/generations.jsonl` (one line each, with the step); rank 0's first ones. 0 = off."""
     logger: list[LoggerName] = field(default_factory=lambda: ["console", "jsonl"])
     """Metric sinks."""
     project_name: str = "shardrl"
@@ -410,6 +426,7 @@ class TrainerConfig:
         require(self, prefix, "keep_last", self.keep_last >= 0, "must be >= 0 (0 = keep all)")
         require(self, prefix, "resume", bool(self.resume), 'must be "auto", "never" or a checkpoint path')
         require(self, prefix, "val_freq", self.val_freq >= 0, "must be >= 0 (0 = never)")
+        require(self, prefix, "log_val_generations", self.log_val_generations >= 0, "must be >= 0 (0 = off)")
         require(self, prefix, "nnodes", self.nnodes >= 1, "must be >= 1")
         require(self, prefix, "nproc_per_node", self.nproc_per_node >= 1, "must be >= 1")
 

@@ -101,10 +101,8 @@ def test_no_file_gives_defaults_and_other_top_level_classes_load():
     ("actor.clip_ratio_low=1.5", "invalid config value actor.clip_ratio_low=1.5: must be in [0, 1)"),
     ("actor.clip_ratio_c=1", "invalid config value actor.clip_ratio_c=1.0: must be > 1"),
     ("rollout.top_p=0", "invalid config value rollout.top_p=0.0"),
-    ("rollout.compile=true", "invalid config value rollout.compile=True: applies to backend=fast only"),
-    ("rollout.attention=triton", "invalid config value rollout.attention='triton': applies to backend=fast only"),
     ("rollout.attention=flash", "config key 'rollout.attention' must be one of 'auto', 'triton', 'sdpa'"),
-    ("rollout.sampler=triton", "invalid config value rollout.sampler='triton': applies to backend=fast only"),
+    # fast-only keys with backend=hf: tests/test_defaults.py
     ("rollout.max_batch=0", "invalid config value rollout.max_batch=0: must be >= 1 or null"),
     ("data.train_batch_size=6",
      "invalid config value actor.ppo_mini_batch_size=4: must divide data.train_batch_size=6"),

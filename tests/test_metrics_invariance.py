@@ -24,8 +24,16 @@ from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
 pytestmark = pytest.mark.multiproc
 
 # keys that describe the layout or the clock, not the batch; everything else must match
-LAYOUT_KEYS = ("actor/num_micro_batches", "critic/num_micro_batches")
+LAYOUT_KEYS = ("actor/num_micro_batches", "critic/num_micro_batches",
+               "memory/gen_peak_gib", "memory/prep_peak_gib", "memory/update_peak_gib")  # per GPU, on GPUs only
 TIMING_PREFIX = "timing/"
+# rates over the step's time; perf/step_tflop and perf/total_num_tokens are the batch's and stay compared
+CLOCK_KEYS = ("perf/tokens_per_s_per_gpu", "perf/tflop_per_s_per_gpu", "perf/mfu_measured", "perf/mfu_spec")
+
+
+def layout_free(keys) -> list[str]:
+    """The keys a step's batch decides, sorted."""
+    return sorted(k for k in keys if k not in LAYOUT_KEYS + CLOCK_KEYS and not k.startswith(TIMING_PREFIX))
 
 LAYOUTS = {
     "micro1": ["actor.engine.micro_batch_size_per_gpu=1", "critic.engine.micro_batch_size_per_gpu=1",
@@ -87,20 +95,22 @@ def test_step_metrics_do_not_depend_on_micro_batching_or_world_size(assets, tmp_
     records = dict(zip(names, one + two))
     want = records["w1_micro1"]
     # a run worth comparing: the loss metrics are not trivially 0, and rewards differ within the batch
-    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss",
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/entropy_loss",
+                "actor/kl_loss", "perf/step_tflop", "perf/total_num_tokens", "prompt/length_mean",
                 "critic/vf_loss", "adv/abs_mean", "actor/grad_norm", "critic/grad_norm", "reward/mean"):
         assert want[key] != 0.0 and math.isfinite(want[key]), key
     assert 0 < want["actor/pg_clipfrac"] < 1 and (want["reward/min"], want["reward/max"]) == (0.0, 1.0)
     for key in ("actor/pg_clipfrac_lower", "critic/vf_clipfrac"):  # logged and compared, 0 in this run
         assert key in want
     # the engine's loss is the sum of the terms it logs
-    terms = want["actor/pg_loss"] - 0.01 * want["actor/entropy"] + 0.001 * want["actor/kl_loss"]
+    terms = want["actor/pg_loss"] - 0.01 * want["actor/entropy_loss"] + 0.001 * want["actor/kl_loss"]
     assert want["actor/loss"] == pytest.approx(terms, rel=1e-6)
     assert want["critic/loss"] == pytest.approx(want["critic/vf_loss"], rel=1e-6)
     assert records["w1_micro1"]["actor/num_micro_batches"] == 8 and records["w1_micro4"]["actor/num_micro_batches"] == 2
-    compared = sorted(k for k in want if k not in LAYOUT_KEYS and not k.startswith(TIMING_PREFIX))
+    compared = layout_free(want)
+    assert {"response/length_max", "response/length_min", "perf/step_tflop", "actor/entropy"} <= set(compared)
     for name, got in records.items():
-        assert sorted(k for k in got if k not in LAYOUT_KEYS and not k.startswith(TIMING_PREFIX)) == compared, name
+        assert layout_free(got) == compared, name
         for key in compared:
             assert got[key] == pytest.approx(want[key], rel=2e-5, abs=1e-7), (name, key, got[key], want[key])
 

@@ -84,8 +84,8 @@ class FakeMesh:
 def run_validate(num_prompts: int, dp: int, rank: int, *overrides: str) -> list[list[int]]:
     """The prompt ids each generate round of `RLTrainer.validate` got on one rank (dp > 1: this rank's view)."""
     trainer = RLTrainer.__new__(RLTrainer)
-    trainer.cfg = load_config(None, list(overrides))
-    trainer.mesh = FakeMesh(dp, rank)
+    trainer.cfg = load_config(None, ["trainer.log_val_generations=0", *overrides])  # no sample generations kept
+    trainer.rank, trainer.mesh = rank, FakeMesh(dp, rank)
     trainer.val_set = [{"id": i} for i in range(num_prompts)]
     rounds = []
     trainer._generate = lambda items, sampling: rounds.append([it["id"] for it in items]) or items

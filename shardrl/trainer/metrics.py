@@ -25,6 +25,13 @@ class SumCount:
 
 
 @dataclass(frozen=True)
+class Sum:
+    """A metric whose value over ranks is the sum of every rank's (e.g. the tokens of the whole batch)."""
+
+    value: float
+
+
+@dataclass(frozen=True)
 class Max:
     """A metric whose value over ranks is the largest rank's."""
 
@@ -40,8 +47,9 @@ class Min:
 
 def reduce_over_ranks(metrics: dict, group=None) -> dict[str, float]:
     """One number per metric over the ranks of `group`: a SumCount is sum(total) / sum(count) (0 when
-    nothing was counted), Max and Min the global extremes, a plain number the mean over the ranks (right
-    when every rank holds an equal share). One all-reduce for the sums, one for the extremes if any."""
+    nothing was counted), a Sum the sum, Max and Min the global extremes, a plain number the mean over the
+    ranks (right when every rank holds an equal share). One all-reduce for the sums, one for the extremes if
+    any."""
     places = {}  # key -> (vector, position): "sum" vector (a SumCount takes two places) or "max" vector
     summed, maxed = [], []
     for k in sorted(metrics):
@@ -49,6 +57,9 @@ def reduce_over_ranks(metrics: dict, group=None) -> dict[str, float]:
         if isinstance(v, SumCount):
             places[k] = ("sum", len(summed))
             summed += [float(v.total), float(v.count)]
+        elif isinstance(v, Sum):
+            places[k] = ("sum", len(summed))
+            summed.append(float(v.value))
         elif isinstance(v, (Max, Min)):  # a minimum is the negated maximum of the negated values
             places[k] = ("max", len(maxed))
             maxed.append(-float(v.value) if isinstance(v, Min) else float(v.value))
@@ -70,6 +81,8 @@ def reduce_over_ranks(metrics: dict, group=None) -> dict[str, float]:
         v = metrics[k]
         if isinstance(v, SumCount):
             out[k] = summed[i] / summed[i + 1] if summed[i + 1] > 0 else 0.0
+        elif isinstance(v, Sum):
+            out[k] = summed[i]
         elif vector == "max":
             out[k] = -maxed[i] if isinstance(v, Min) else maxed[i]
         else:
@@ -91,8 +104,13 @@ class MetricsLogger:
         """Every step logged (on rank 0), whatever the sinks; with jsonl also a resumed run's earlier steps.
         summary.json and the reward curve are made from these."""
         self._bar = self._tb = self._wandb = self._jsonl = None
+        self._generations = run_dir / "generations.jsonl"
         if not self.enabled:
             return
+        if start_step == 0 and self._generations.exists():
+            self._generations.unlink()  # like metrics.jsonl: a fresh run starts a fresh record, a resumed one
+        elif self._generations.exists():  # rewrites the later steps
+            _truncate_after(self._generations, start_step)
         check_sinks_installed(sinks)
         if "jsonl" in self.sinks:
             path = run_dir / "metrics.jsonl"
@@ -133,6 +151,20 @@ class MetricsLogger:
             self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
             self._bar.update(1)
 
+    def log_generations(self, step: int, samples: list[dict]) -> None:
+        """Sample generations (dicts of prompt, response, reward, ground_truth): one JSON line each in
+        `generations.jsonl`, with the step, and a short block on the console."""
+        if not self.enabled or not samples:
+            return
+        with open(self._generations, "a") as f:
+            for sample in samples:
+                f.write(json.dumps({"step": step, **sample}, default=str) + "\n")  # default: e.g. numpy values
+        lines = [f"validation generations at step {step}:"]
+        for i, s in enumerate(samples):
+            lines += [f"[{i + 1}/{len(samples)}] reward {s['reward']:.4g}, ground truth {_short(s['ground_truth'])}",
+                      f"  prompt:   {_short(s['prompt'])}", f"  response: {_short(s['response'])}"]
+        self.write("\n".join(lines))
+
     def write(self, text: str) -> None:
         if self.enabled:
             (self._bar.write if self._bar is not None else print)(text)
@@ -172,6 +204,12 @@ def _truncate_after(path: Path, step: int) -> list[dict]:
     kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
     return kept
+
+
+def _short(value, limit: int = 300) -> str:
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    return repr(value)
 
 
 def _plain(v):

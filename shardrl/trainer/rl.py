@@ -27,7 +27,9 @@ from shardrl.layout import derive_layout, format_layout
 from shardrl.rewards import RewardManager, load_reward_function
 from shardrl.rollout import SamplingParams, build_rollout
 from shardrl.algos.aggregate import masked_metric
-from shardrl.trainer.metrics import Max, MetricsLogger, Min, SumCount, mean_over_ranks, reduce_over_ranks
+from shardrl.trainer.defaults import old_log_probs_from_update, resolve_device_defaults
+from shardrl.trainer.metrics import Max, MetricsLogger, Min, Sum, SumCount, mean_over_ranks, reduce_over_ranks
+from shardrl.trainer.perf import model_shape, rl_step_flops, throughput_metrics
 from shardrl.trainer.run_folder import check_writable, choose_run_dir, claim_run_dir
 from shardrl.trainer.updates import actor_loss_fn, compute_advantages, critic_loss_fn, run_updates
 
@@ -100,6 +102,11 @@ class RLTrainer:
         fn = load_reward_function(cfg.reward.function_path, cfg.reward.function_name) if cfg.reward.function_path else None
         self.rewards = RewardManager(fn, cfg.reward.on_error_score)
         check_vocab_sizes(cfg, len(self.tokenizer))
+        policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
+        cfg, choices = resolve_device_defaults(cfg, policy_config)  # before config.yaml is written
+        self.cfg = cfg
+        self.old_from_update, why = old_log_probs_from_update(cfg)
+        self._say("\n".join([*choices, f"old log-probs: {why}"]))
         # the run can start: its folder is created and locked only now (keep this after the checks above
         # and before the engines below)
         claim_run_dir(cfg, run_dir)
@@ -117,6 +124,12 @@ class RLTrainer:
                 cfg.model, path=cfg.critic.model_path, tiny=None)
             self.critic = build_engine(critic_model, cfg.critic.engine, cfg.critic.optim, head="value",
                                        total_steps=cfg.trainer.total_steps * self.layout.critic.num_updates)
+        try:  # for the perf/ metrics; a model config without the usual names goes without FLOP counts
+            self.flop_shapes = (model_shape(self.actor.hf_config),
+                                model_shape(self.critic.hf_config, head_outputs=1) if self.critic else None)
+        except ValueError as e:
+            self.flop_shapes = None
+            self._say(f"no perf/step_tflop or MFU metrics: {e}")
         self._say(f"mesh: {self.mesh.describe()}; actor FSDP units: {self.actor.num_fsdp_units()}; "
                   f"per-rank prompts {self.layout.prompts_per_rank}, samples {self.layout.samples_per_rank}")
 
@@ -141,12 +154,36 @@ class RLTrainer:
         self.checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_last)
         self.step = 0
         self._weights_stale = True
+        self.val_generations: list[dict] = []  # rank 0: the last validation's samples, for the logger
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
         if self.rank == 0:
             for line in text.splitlines():
                 log.info(line)
+
+    def _phase_peak_gib(self) -> float | None:
+        """GiB that PyTorch's allocator held at most on this GPU since the last call (a phase's peak; not
+        nvidia-smi's figure, which adds the allocator's cache and CUDA's own memory); None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+    def _perf_metrics(self, seq_lens: torch.Tensor, peaks: dict) -> dict:
+        """This rank's part of the perf/ and memory/ metrics (`seq_lens`: real tokens per sample, prompt +
+        response; `peaks`: GiB per phase); `perf.throughput_metrics` makes the rates from the global sums."""
+        out = {"perf/total_num_tokens": Sum(float(seq_lens.sum()))}
+        if self.flop_shapes is not None:
+            policy, critic = self.flop_shapes
+            inference = int(not self.old_from_update) + int(self.ref is not None)  # old log-probs, reference
+            flops = rl_step_flops(seq_lens, policy, inference, self.cfg.actor.ppo_epochs, critic,
+                                  self.cfg.critic.ppo_epochs)
+            out["perf/step_tflop"] = Sum(flops / 1e12)
+        # the largest rank's (of this dp group; sp peers hold about as much)
+        out.update({f"memory/{phase}_peak_gib": Max(gib) for phase, gib in peaks.items() if gib is not None})
+        return out
 
     def _engines(self) -> dict:
         return {k: v for k, v in (("actor", self.actor), ("critic", self.critic)) if v is not None}
@@ -196,11 +233,13 @@ class RLTrainer:
     # ---- one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         cfg, t0 = self.cfg, time.perf_counter()
+        self._phase_peak_gib()  # each phase's peak from here on
         items = next(self.loader)
         # a fresh, reproducible sampling stream per step and rank (a resumed run draws the same)
         seed = self.cfg.rollout.seed + 100_003 * self.step + self.mesh.dp_rank
         batch = self._generate(items, dataclasses.replace(self.sampling, seed=seed))
         t_gen = time.perf_counter()
+        peaks = {"gen": self._phase_peak_gib()}
         scores, reward_metrics = self._score(batch)
         mask = batch["loss_mask"].float()
         temp = self.sampling.logprob_temperature
@@ -208,15 +247,21 @@ class RLTrainer:
         def token_mean(values):  # reduced over the ranks as sum / count: a mean over the whole batch's tokens
             return SumCount(*map(float, masked_metric(values, mask)))
 
-        batch["old_log_probs"] = self.actor.infer_batch(batch, temperature=temp)["log_probs"].cpu()
-        metrics = {"rollout/logprob_abs_diff": token_mean((batch["old_log_probs"] - batch["sampled_log_probs"]).abs())}
+        metrics = {}
+        if not self.old_from_update:  # else the update's forward gives them and these two metrics
+            old = self.actor.infer_batch(batch, temperature=temp, with_entropy=True)
+            batch["old_log_probs"] = old["log_probs"].cpu()
+            metrics["actor/entropy"] = token_mean(old["entropy"].cpu())  # the sampling policy's
+            metrics["rollout/logprob_abs_diff"] = token_mean((batch["old_log_probs"] - batch["sampled_log_probs"]).abs())
         if self.ref is not None:
             batch["ref_log_probs"] = self.ref.infer_batch(batch, temperature=temp)["log_probs"].cpu()
-            metrics["kl/actor_ref"] = token_mean(batch["old_log_probs"] - batch["ref_log_probs"])
+            if not self.old_from_update:
+                metrics["kl/actor_ref"] = token_mean(batch["old_log_probs"] - batch["ref_log_probs"])
         if self.critic is not None:
             batch["old_values"] = self.critic.infer_batch(batch)["values"].cpu()
         metrics.update(compute_advantages(batch, scores, cfg.algorithm, self.kl_ctrl.value, self.mesh.dp_group))
         t_prep = time.perf_counter()
+        peaks["prep"] = self._phase_peak_gib()
 
         agg = cfg.actor.loss_agg_mode
         # each engine's update is a phase: what offload_optimizer moved to the CPU comes back for it only
@@ -226,14 +271,16 @@ class RLTrainer:
                 metrics.update(run_updates(self.critic, batch, critic_loss, self.layout.critic.mini_batch_samples_per_rank,
                                            cfg.critic.ppo_epochs, True, self.shuffle_gen, "critic"))
         with self.actor.training():
-            metrics.update(run_updates(self.actor, batch, actor_loss_fn(cfg.actor, agg),
+            metrics.update(run_updates(self.actor, batch, actor_loss_fn(cfg.actor, agg, self.old_from_update),
                                        self.layout.actor.mini_batch_samples_per_rank, cfg.actor.ppo_epochs,
                                        cfg.actor.shuffle, self.shuffle_gen, "actor", temperature=temp,
-                                       with_entropy=bool(cfg.actor.entropy_coeff)))
+                                       with_entropy=bool(cfg.actor.entropy_coeff) or self.old_from_update))
         self._weights_stale = True
         t_end = time.perf_counter()
+        peaks["update"] = self._phase_peak_gib()
 
         lengths = batch["response_mask"].sum(-1).float()
+        seq_lens = batch["attention_mask"].sum(-1).float()  # real tokens per sample: prompt + response
         n = float(len(batch))
         metrics.update({
             "reward/mean": SumCount(float(scores.sum()), n),
@@ -241,6 +288,10 @@ class RLTrainer:
             "reward/min": Min(float(scores.min())),
             **{k: float(v) for k, v in reward_metrics.items() if k != "reward/score"},
             "response/length_mean": SumCount(float(lengths.sum()), n),
+            "response/length_max": Max(float(lengths.max())),
+            "response/length_min": Min(float(lengths.min())),
+            "prompt/length_mean": SumCount(float((seq_lens - lengths).sum()), n),
+            **self._perf_metrics(seq_lens, peaks),
             "response/clip_frac": SumCount(float((lengths >= self.sampling.max_new_tokens).sum()), n),
             "timing/gen_s": t_gen - t0,
             "timing/prep_s": t_prep - t_gen,
@@ -248,12 +299,14 @@ class RLTrainer:
             "timing/step_s": t_end - t0,
         })
         metrics = reduce_over_ranks(metrics, self.mesh.dp_group)
+        metrics.update(throughput_metrics(metrics, self.world, self.device.type == "cuda"))
         if cfg.algorithm.use_kl_in_reward:  # every rank: the whole batch's KL and sample count
             self.kl_ctrl.update(metrics["kl/in_reward"], len(batch) * self.mesh.dp_size)
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """Greedy responses to every validation prompt; the mean reward over all of them (all ranks)."""
+        """Greedy responses to every validation prompt; the mean reward over all of them (all ranks). Rank 0
+        keeps its first `trainer.log_val_generations` samples in `val_generations`."""
         sampling = SamplingParams.from_config(self.cfg.rollout, n=1, greedy=True)
         dp, r = self.mesh.dp_size, self.mesh.dp_rank
         # every rank runs the same number of generate calls (weight sync and scoring are collective):
@@ -266,10 +319,18 @@ class RLTrainer:
         # data.val_batch_size prompts per round over all ranks (ceil(that / dp) per rank); None: one round
         val_batch = self.cfg.data.val_batch_size
         per_round = -(-val_batch // dp) if val_batch else max(len(items), 1)
+        self.val_generations = []
+        wanted = self.cfg.trainer.log_val_generations if self.rank == 0 else 0
         for start in range(0, len(items), per_round):
             chunk = items[start:start + per_round]
-            s, _ = self._score(self._generate(chunk, sampling))
+            batch = self._generate(chunk, sampling)
+            s, _ = self._score(batch)
             scores.append(s)
+            for row in range(min(len(batch), wanted - len(self.val_generations), real - start)):  # real prompts
+                item = chunk[int(batch["prompt_index"][row])]
+                self.val_generations.append({"prompt": item["prompt_text"], "response": batch["response_text"][row],
+                                             "reward": float(s[row]),
+                                             "ground_truth": item["extra"].get("ground_truth")})
         local = torch.cat(scores)[:real] if scores else torch.zeros(0)
         return reduce_over_ranks({"val/reward_mean": SumCount(float(local.sum()), float(len(local)))},
                                  self.mesh.dp_group)
@@ -335,6 +396,7 @@ class RLTrainer:
                 if self.val_set is not None and cfg.trainer.val_freq and (
                         self.step % cfg.trainer.val_freq == 0 or self.step == cfg.trainer.total_steps):
                     metrics.update(self.validate())
+                    logger.log_generations(self.step, self.val_generations)
                 logger.log(self.step, metrics)
                 if cfg.trainer.save_freq and (self.step % cfg.trainer.save_freq == 0
                                               or self.step == cfg.trainer.total_steps):

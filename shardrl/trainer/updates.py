@@ -71,18 +71,29 @@ def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: fl
     return metrics
 
 
-def actor_loss_fn(actor_cfg, agg_mode: str):
+def actor_loss_fn(actor_cfg, agg_mode: str, old_from_forward: bool = False):
+    """The actor's loss. `old_from_forward` (the trainer decides: `defaults.old_log_probs_from_update`):
+    the step's only update takes its old log-probs from this forward, detached, instead of
+    `mb["old_log_probs"]`, and measures here what the trainer would have measured on them."""
     def loss_fn(outputs, mb, num_tokens, num_seqs):
         mask = mb["loss_mask"]
-        loss, metrics = policy_loss(outputs["log_probs"], mb["old_log_probs"], mb["advantages"], mask,
+        old = outputs["log_probs"].detach() if old_from_forward else mb["old_log_probs"]
+        loss, metrics = policy_loss(outputs["log_probs"], old, mb["advantages"], mask,
                                     actor_cfg.clip_ratio_low, actor_cfg.clip_ratio_high, actor_cfg.clip_ratio_c,
                                     agg_mode, num_tokens, num_seqs)
         # (sum, count) tensor pairs: the engine adds them up over micro-batches and ranks, syncing once
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
+        if old_from_forward:
+            metrics["rollout/logprob_abs_diff"] = masked_metric((old - mb["sampled_log_probs"]).abs(), mask)
+            if "ref_log_probs" in mb:
+                metrics["kl/actor_ref"] = masked_metric(old - mb["ref_log_probs"], mask)
+            # the sampling policy's token-mean entropy (the trainer asks this forward for it)
+            metrics["actor/entropy"] = masked_metric(outputs["entropy"].detach(), mask)
         if actor_cfg.entropy_coeff:
             ent = entropy_loss(outputs["entropy"], mask, agg_mode, num_tokens, num_seqs)
             loss = loss - actor_cfg.entropy_coeff * ent
-            metrics["actor/entropy"] = share_metric(ent, mask, agg_mode, num_tokens, num_seqs)
+            # the loss's term (loss_agg_mode, averaged over the updates); actor/entropy is the sampling policy's
+            metrics["actor/entropy_loss"] = share_metric(ent, mask, agg_mode, num_tokens, num_seqs)
         if actor_cfg.use_kl_loss:
             kl = kl_loss(outputs["log_probs"], mb["ref_log_probs"], mask, actor_cfg.kl_loss_type, agg_mode,
                          num_tokens, num_seqs)

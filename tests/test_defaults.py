@@ -1,0 +1,85 @@
+"""Choices made once at start-up (`shardrl.trainer.defaults`): `rollout.backend` and `*.engine.compile` by
+device when left null, and whether the old log-probs come from the update's own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from shardrl.config import ConfigError, load_config
+from shardrl.testing import TINY_MODELS
+from shardrl.trainer.defaults import old_log_probs_from_update, resolve_device_defaults
+
+QWEN2 = transformers.AutoConfig.for_model(**TINY_MODELS["qwen2"])
+GPT2 = transformers.AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2)
+
+
+@pytest.fixture(params=[False, True], ids=["cpu", "cuda"])
+def cuda(request, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: request.param)
+    return request.param
+
+
+def test_nulls_are_resolved_by_device(cuda):
+    cfg = load_config(None, [])  # validation does not depend on the device
+    assert cfg.rollout.backend is None and cfg.actor.engine.compile is None
+    resolved, lines = resolve_device_defaults(cfg, QWEN2)
+    assert resolved.rollout.backend == ("fast" if cuda else "hf")
+    for section in ("actor", "ref", "critic", "reward"):
+        assert getattr(resolved, section).engine.compile is False, section  # off everywhere for now
+    assert cfg.rollout.backend is None and cfg.actor.engine.compile is None  # a copy: the input is untouched
+    assert f"rollout.backend={resolved.rollout.backend} (null: by device, on {'CUDA' if cuda else 'CPU'})" in lines
+    assert f"actor.engine.compile=false (null: off on {'CUDA' if cuda else 'CPU'}; true pays off for large models, " \
+           "see EngineConfig.compile)" in lines
+
+
+def test_explicit_choices_win_and_are_not_logged(cuda):
+    cfg = load_config(None, ["rollout.backend=hf", "actor.engine.compile=false", "critic.engine.compile=true"])
+    resolved, lines = resolve_device_defaults(cfg, QWEN2)
+    assert (resolved.rollout.backend, resolved.actor.engine.compile, resolved.critic.engine.compile) == ("hf", False, True)
+    assert not any(line.startswith(("rollout.backend", "actor.engine", "critic.engine")) for line in lines)
+
+
+def test_cuda_falls_back_where_the_fast_paths_do_not_apply(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # a model the fast rollout cannot run: hf, saying why
+    resolved, lines = resolve_device_defaults(load_config(None, []), GPT2)
+    assert resolved.rollout.backend == "hf"
+    assert any("fast rollout cannot run this model" in line and "gpt2" in line for line in lines)
+    # FSDP1 does not compile (nor, for now, FSDP2 when unset)
+    resolved, lines = resolve_device_defaults(load_config(None, ["actor.engine.strategy=fsdp"]), QWEN2)
+    assert resolved.actor.engine.compile is False and resolved.ref.engine.compile is False
+
+
+def test_fast_only_keys_need_the_fast_backend(monkeypatch):
+    for key, value in [("compile", "true"), ("attention", "triton"), ("sampler", "triton"), ("max_batch", "8")]:
+        with pytest.raises(ConfigError, match=rf"rollout\.{key}=.*: applies to backend=fast only"):
+            load_config(None, ["rollout.backend=hf", f"rollout.{key}={value}"])
+    # backend null: valid as a config whatever the machine; where it resolves to hf, the key is an error
+    cfg = load_config(None, ["rollout.max_batch=8"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"rollout\.max_batch applies to backend=fast only, and "
+                                          r"rollout\.backend=null chose hf on CPU; set rollout\.backend=fast"):
+        resolve_device_defaults(cfg, QWEN2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device_defaults(cfg, QWEN2)[0].rollout.max_batch == 8
+
+
+@pytest.mark.parametrize("overrides, reuse, why", [
+    (["actor.ppo_mini_batch_size=8"], True, "taken from the update's own forward"),
+    (["actor.ppo_mini_batch_size=8", "actor.recompute_old_log_probs=always"], False,
+     "actor.recompute_old_log_probs=always"),
+    (["actor.ppo_mini_batch_size=4"], False, "2 mini-batches per step"),
+    (["actor.ppo_mini_batch_size=8", "actor.ppo_epochs=2"], False, "actor.ppo_epochs=2"),
+    (["actor.ppo_mini_batch_size=8", "algorithm.use_kl_in_reward=true"], False, "use_kl_in_reward"),
+    (["actor.ppo_mini_batch_size=8", "model.disable_dropout=false"], False, "model.disable_dropout=false"),
+    # GAE and the KL loss read no old log-probs before the update: still skipped
+    (["actor.ppo_mini_batch_size=8", "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=8",
+      "actor.use_kl_loss=true"], True, "no separate forward pass"),
+])
+def test_when_the_old_log_prob_pass_is_skipped(overrides, reuse, why):
+    cfg = load_config(None, ["data.train_batch_size=8", *overrides])
+    assert cfg.actor.recompute_old_log_probs in ("auto", "always")
+    got, text = old_log_probs_from_update(cfg)
+    assert got is reuse and why in text
