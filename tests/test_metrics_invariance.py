@@ -52,13 +52,29 @@ def assets(tmp_path_factory):
     return prepare_demo_assets(tmp_path_factory.mktemp("demo") / "assets", warmup_steps=30)
 
 
+# the built-in arith score, failing (scored 0 all the same) on wrong answers to odd sums, with a key of its own:
+# reward/num_errors and reward/correct must not depend on the layout either
+REWARD = """
+from shardrl.rewards import arith_score
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    score = arith_score(data_source, solution_str, ground_truth)
+    if score == 0.0 and int(str(ground_truth).strip()) % 2 == 1:
+        raise ValueError("a wrong answer to an odd sum")
+    return {"score": score, "correct": score}
+"""
+
+
 def step_overrides(assets: Path, run_dir: Path, *extra: str) -> list[str]:
     """One PPO step whose batch does not depend on the layout (greedy decoding, GAE), with non-trivial loss
     metrics: two epochs over one mini-batch (the whole batch, so no shuffle decides what a mini-batch holds)
     and a tight clip range make the clip fraction > 0; the entropy bonus and the KL loss are on."""
+    reward = assets / "flaky_reward.py"
+    if not reward.exists():
+        reward.write_text(REWARD)
     return demo_overrides(assets) + [
         f"trainer.output_dir={run_dir}", "trainer.logger=[jsonl]", "trainer.val_freq=0", "trainer.total_steps=1",
-        "data.train_batch_size=8", "rollout.n=1", "rollout.temperature=0", "algorithm.adv_estimator=gae",
+        f"reward.function_path={reward}", "data.train_batch_size=8", "rollout.n=1", "rollout.temperature=0", "algorithm.adv_estimator=gae",
         "actor.ppo_mini_batch_size=8", "actor.ppo_epochs=2", "actor.optim.lr=1e-3",
         "actor.clip_ratio_low=0.01", "actor.clip_ratio_high=0.01", "actor.clip_ratio_c=1.05",
         "actor.entropy_coeff=0.01", "actor.use_kl_loss=true", "actor.engine.use_dynamic_bsz=false",
@@ -97,7 +113,8 @@ def test_step_metrics_do_not_depend_on_micro_batching_or_world_size(assets, tmp_
     # a run worth comparing: the loss metrics are not trivially 0, and rewards differ within the batch
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/entropy_loss",
                 "actor/kl_loss", "perf/step_tflop", "perf/total_num_tokens", "prompt/length_mean",
-                "critic/vf_loss", "adv/abs_mean", "actor/grad_norm", "critic/grad_norm", "reward/mean"):
+                "critic/vf_loss", "adv/abs_mean", "actor/grad_norm", "critic/grad_norm", "reward/mean",
+                "reward/num_errors", "reward/correct"):
         assert want[key] != 0.0 and math.isfinite(want[key]), key
     assert 0 < want["actor/pg_clipfrac"] < 1 and (want["reward/min"], want["reward/max"]) == (0.0, 1.0)
     for key in ("actor/pg_clipfrac_lower", "critic/vf_clipfrac"):  # logged and compared, 0 in this run

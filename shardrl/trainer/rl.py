@@ -286,7 +286,9 @@ class RLTrainer:
             "reward/mean": SumCount(float(scores.sum()), n),
             "reward/max": Max(float(scores.max())),
             "reward/min": Min(float(scores.min())),
-            **{k: float(v) for k, v in reward_metrics.items() if k != "reward/score"},
+            # failures add up over ranks; a reward function's own keys are means over this rank's samples
+            "reward/num_errors": Sum(float(reward_metrics.pop("reward/num_errors", 0.0))),
+            **{k: SumCount(float(v) * n, n) for k, v in reward_metrics.items() if k != "reward/score"},
             "response/length_mean": SumCount(float(lengths.sum()), n),
             "response/length_max": Max(float(lengths.max())),
             "response/length_min": Min(float(lengths.min())),
