@@ -43,6 +43,9 @@ ROWS = {
     "fsdp2_4_z2_compile": ("fsdp2", 4, 4, False, {"compile": True, "reshard_after_forward": False}),
     "fsdp2_8_compile": ("fsdp2", 8, 8, False, {"compile": True}),
     "fsdp2_8_z2_compile": ("fsdp2", 8, 8, False, {"compile": True, "reshard_after_forward": False}),
+    # HSDP with shards of one GPU: on 2 GPUs each holds the whole model (replicated; gradients all-reduced)
+    "hsdp1_8": ("fsdp2", 8, 4, False, {"fsdp_size": 1}),
+    "hsdp1_8_compile": ("fsdp2", 8, 8, False, {"compile": True, "fsdp_size": 1}),
     "fsdp2_32_ckpt_compile": ("fsdp2", 32, 16, True, {"compile": True}),
     "fsdp2_4_padded": ("fsdp2", 4, 4, False, {"model.use_remove_padding": False}),
     "fsdp2_16_padded_compile": ("fsdp2", 16, 4, False, {"model.use_remove_padding": False, "compile": True}),

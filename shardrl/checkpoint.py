@@ -19,9 +19,8 @@ one; a `.tmp_*` that holds COMPLETE (a save stopped between those renames) is re
 A failed write (a full disk) on any rank fails the save on every rank, with the path, and removes the
 partial folder. Nothing here locks the folder: one run at a time owns it (the trainer's run-folder lock).
 
-DCP reshards on load: each rank reads the pieces of the global tensors its current shards cover, so a
-checkpoint saved on N ranks loads on M (FSDP2, HSDP or FSDP1) with no conversion step. Before loading,
-the checkpoint's keys and shapes are compared with the engine's and any difference is a ValueError.
+Each engine writes and reads its own folder (`Engine.save` / `Engine.load`, in `shardrl.engine.checkpoint`):
+DCP reshards on load, so a checkpoint saved on N ranks loads on M with no conversion step.
 """
 
 from __future__ import annotations
@@ -40,16 +39,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 if TYPE_CHECKING:
     from shardrl.engine.base import Engine
@@ -58,83 +48,6 @@ log = logging.getLogger(__name__)
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 COMPLETE = "COMPLETE"
-# flattened optimizer state: per-parameter keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") that
-# do not depend on how parameters are grouped or sharded
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-# ---- one engine -------------------------------------------------------------------------------------
-def engine_state_dict(engine: "Engine") -> dict[str, Any]:
-    """The engine's sharded state: DTensors (or FSDP1 sharded tensors) of this rank's shards."""
-    state: dict[str, Any] = {"model": get_model_state_dict(engine.module, options=_OPTIONS)}
-    if engine.optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(engine.module, engine.optimizer, options=_OPTIONS)
-        state["lr_scheduler"] = engine.lr_scheduler.state_dict()
-    state["global_step"] = engine.global_step
-    return state
-
-
-def save_engine_state(engine: "Engine", path: str | os.PathLike) -> None:
-    """Writes the engine's state as a DCP checkpoint at `path` (a folder); every rank must call it."""
-    dcp.save(engine_state_dict(engine), checkpoint_id=str(path))
-
-
-def load_engine_state(engine: "Engine", path: str | os.PathLike) -> None:
-    """Loads a DCP checkpoint written by `save_engine_state`, at any world size and layout."""
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise ValueError(f"{path} is not a DCP checkpoint (no .metadata); expected a folder save_engine_state wrote")
-    state = engine_state_dict(engine)
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    check_matches(state, saved, path)
-    if "lr_scheduler" in state:  # entries another torch version's scheduler does not have keep their value
-        state["lr_scheduler"] = {k: v for k, v in state["lr_scheduler"].items() if f"lr_scheduler.{k}" in saved}
-    dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(engine.module, state["model"], options=_OPTIONS)
-    if engine.optimizer is not None:
-        set_optimizer_state_dict(engine.module, engine.optimizer, state["optimizer"], options=_OPTIONS)
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    engine.global_step = int(state["global_step"])
-
-
-def flat_keys(state: Mapping, prefix: str = "") -> dict[str, Any]:
-    """The keys DCP stores `state` under: nested mappings joined by dots (lists of plain values are leaves)."""
-    out = {}
-    for key, value in state.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(flat_keys(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
-def check_matches(state: Mapping, saved: Mapping[str, Any], path: Path) -> None:
-    """Raises ValueError when the checkpoint's model/optimizer keys or tensor shapes differ from `state`'s."""
-    want = {k: v for k, v in flat_keys(state).items() if k.split(".", 1)[0] in ("model", "optimizer")}
-    have = {k for k in saved if k.split(".", 1)[0] in ("model", "optimizer")}
-    missing = sorted(set(want) - have)
-    unexpected = sorted(k for k in have - set(want) if k.startswith("model."))
-    if not any(k.startswith("model.") for k in have):
-        raise ValueError(f"checkpoint {path} holds no model weights")
-    if "optimizer" in state and not any(k.startswith("optimizer.") for k in have):
-        raise ValueError(f"checkpoint {path} holds no optimizer state, but this engine trains; "
-                         "it was saved by a forward-only engine")
-    shapes = []
-    for key in sorted(set(want) & have):
-        meta, value = saved[key], want[key]
-        if isinstance(meta, TensorStorageMetadata) and isinstance(value, torch.Tensor):
-            if tuple(meta.size) != tuple(value.shape):
-                shapes.append(f"{key}: checkpoint {tuple(meta.size)}, model {tuple(value.shape)}")
-    if missing or unexpected or shapes:
-        parts = []
-        for label, items in (("missing from the checkpoint", missing), ("not in this model", unexpected),
-                             ("of another shape", shapes)):
-            if items:
-                more = f" (and {len(items) - 5} more)" if len(items) > 5 else ""
-                parts.append(f"{len(items)} {label}: {', '.join(items[:5])}{more}")
-        raise ValueError(f"checkpoint {path} does not match this model (another architecture or size?); "
-                         + "; ".join(parts))
 
 
 # ---- RNG ----------------------------------------------------------------------------------------------
@@ -276,7 +189,7 @@ class CheckpointManager:
         self._raise_if_any_failed(error, tmp, step)
         try:
             for name, engine in engines.items():
-                save_engine_state(engine, tmp / name)
+                engine.save(tmp / name)
             torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
             for key, value in (rank_extra or {}).items():
                 torch.save(value, tmp / "ranks" / f"{key}.pt")
@@ -370,7 +283,7 @@ class CheckpointManager:
                 saved = sorted(p.name for p in path.iterdir() if (p / ".metadata").is_file())
                 raise ValueError(f"checkpoint {path} has no engine {name!r}; it holds {saved}")
         for name, engine in engines.items():
-            load_engine_state(engine, path / name)
+            engine.load(path / name)
         if restore_rng:
             rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
             if rng_file.is_file():

@@ -30,7 +30,8 @@ from shardrl.configload import (
 
 __all__ = [
     "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
-    "EngineConfig", "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig",
+    "EngineConfig", "FilterGroupsConfig", "OverlongBufferConfig",
+    "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig",
     "TrainerConfig", "apply_override", "config_keys", "config_to_dict", "from_dict", "load_config",
     "save_config", "validate_config",
 ]
@@ -65,6 +66,10 @@ class ModelConfig:
     disable_dropout: bool = True
     """Set every dropout probability of the model's config to 0 (GPT-2 ships 0.1): with dropout the update's
     forward differs from the one that computed the old log-probs, so the PPO ratio is not 1 on-policy."""
+    load_weights: Literal["sharded", "rank0"] = "sharded"
+    """How an FSDP2 engine fills its shards from `path`: "sharded" builds the model on the meta device and
+    each rank reads only its own slices of the safetensors files; "rank0" (FSDP1 always, and `tiny` or
+    `.bin` folders whatever this says) has rank 0 build the whole model on its CPU and broadcast it."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "tiny", self.path is None or self.tiny is None,
@@ -217,6 +222,14 @@ class ActorConfig:
     ppo_mini_batch_size == data.train_batch_size and ppo_epochs == 1; no KL in the reward, which needs the
     old log-probs before the advantages; dropout off); the PPO ratio is then exactly 1, so the update uses
     the detached log-probs of its own forward as the old ones. The choice is logged at start-up."""
+    loss_mode: Literal["vanilla", "gspo", "gspo_token"] = "vanilla"
+    """Policy loss (verl's actor.policy_loss.loss_mode): "vanilla" PPO clip (per-token ratio, dual-clip);
+    "gspo": GSPO, one length-normalized ratio per sequence, clipped per sequence; "gspo_token": GSPO-token,
+    that ratio's value with a gradient per token and each token's own advantage (verl's "gspo"). GSPO's paper
+    uses loss_agg_mode=seq-mean-token-mean and tight clips (clip_ratio_low=3e-4, clip_ratio_high=4e-4);
+    clip_ratio_c is not used by the GSPO modes. A sequence's ratio needs the whole sequence in one loss call,
+    which holds for every layout: micro-batches (fixed or dynamic, packed or padded) are cut between sequences,
+    and under Ulysses sp the loss sees the gathered whole rows. `shardrl.algos.gspo`."""
 
     def validate(self, prefix: str) -> None:
         _validate_ppo_loop(self, prefix)
@@ -341,6 +354,35 @@ class DataConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    """DAPO's overlong reward shaping: add a soft length penalty to each response's reward."""
+    len: int = 16
+    """Tokens before rollout.max_new_tokens over which the penalty grows from 0 to -penalty_factor (reached by a
+    response cut at the limit); must be <= rollout.max_new_tokens."""
+    penalty_factor: float = 1.0
+    """The penalty at the limit."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "len", self.len >= 1, "must be >= 1 (tokens)")
+        require(self, prefix, "penalty_factor", self.penalty_factor >= 0, "must be >= 0")
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO's dynamic sampling: drop the groups (a prompt's rollout.n responses) whose rewards are all equal
+    (no advantage, no gradient) and generate more batches until the step has data.train_batch_size informative
+    groups. Logs dynamic_sampling/num_gen_batches (batches drawn) and dynamic_sampling/informative_frac."""
+    max_num_gen_batches: int = 10
+    """At most this many batches drawn per step; if they hold too few informative groups, the step tops up
+    with uninformative ones (zero advantage under GRPO/RLOO) and counts them in dynamic_sampling/num_filler_groups."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "max_num_gen_batches", self.max_num_gen_batches >= 1, "must be >= 1 (batches per step)")
+
+
+@dataclass
 class RewardConfig:
     function_path: str | None = None
     """Python file defining the reward function; None uses the built-in rule-based scorers."""
@@ -354,6 +396,8 @@ class RewardConfig:
     on_error_score: float = 0.0
     """Score given when the reward function raises on a sample (or returns no finite float32 number); a step
     where it fails on every sample of every rank stops the run with the first failure."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO's soft overlong penalty (verl's reward_model.overlong_buffer), `shardrl.algos.dapo`."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "model_path", not (self.model_path and self.function_path),
@@ -380,6 +424,25 @@ class AlgorithmConfig:
     """Target KL of the adaptive controller; None keeps `kl_coef` fixed."""
     kl_horizon: int = 10000
     """Horizon of the adaptive KL controller, in samples."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups); needs a group baseline (grpo, rloo, ...)."""
+    rollout_is: bool = False
+    """Correct for the rollout-training mismatch (the sampler's log-probs differ from the trainer's, e.g. bf16
+    fast rollout): weight each token's policy loss by pi_trainer(old) / pi_sampler, detached
+    (`shardrl.algos.rollout_correction`). Needs the old log-probs before the update, so it turns off
+    actor.recompute_old_log_probs=auto's shortcut. Mismatch metrics (rollout/logprob_abs_diff, _max, rollout/kl
+    per sequence, rollout/k3_kl) are logged either way; with this on also rollout_is/weight_mean,
+    rollout_is/truncated_frac and rollout_is/masked_frac."""
+    rollout_is_level: Literal["token", "sequence", "geometric"] = "token"
+    """"token": a ratio per token (TIS); "sequence": the product of a sequence's token ratios; "geometric":
+    their geometric mean (length-independent); the sequence levels put one weight on all of a sequence's tokens."""
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    """"truncate": cap the weights at rollout_is_threshold; "mask": drop from the loss (MIS, rejection) the
+    tokens (level token) or whole sequences whose weight leaves [rollout_is_threshold_lower, rollout_is_threshold]."""
+    rollout_is_threshold: float = 2.0
+    """The cap (truncate) or upper bound of the band (mask)."""
+    rollout_is_threshold_lower: float | None = None
+    """The lower bound of the band (mask); null is 1 / rollout_is_threshold."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "gamma", 0 <= self.gamma <= 1, "must be in [0, 1]")
@@ -387,6 +450,10 @@ class AlgorithmConfig:
         require(self, prefix, "kl_coef", self.kl_coef >= 0, "must be >= 0")
         require(self, prefix, "kl_target", self.kl_target is None or self.kl_target > 0, "must be > 0 or null")
         require(self, prefix, "kl_horizon", self.kl_horizon >= 1, "must be >= 1")
+        require(self, prefix, "rollout_is_threshold", self.rollout_is_threshold > 1, "must be > 1 (e.g. 2.0)")
+        lower = self.rollout_is_threshold_lower
+        require(self, prefix, "rollout_is_threshold_lower", lower is None or 0 <= lower < 1,
+                "must be in [0, 1) or null (1 / rollout_is_threshold)")
 
 
 @dataclass
@@ -463,6 +530,14 @@ class Config:
         require(self, prefix, "rollout.n", self.algorithm.adv_estimator not in group_baseline or self.rollout.n >= 2,
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares responses within a prompt's "
                 "group, so it needs rollout.n >= 2")
+        require(self, prefix, "algorithm.filter_groups.enable",
+                not self.algorithm.filter_groups.enable or self.algorithm.adv_estimator in group_baseline,
+                f"drops groups whose rewards are all equal, which only a group baseline ({', '.join(group_baseline)}) "
+                f"leaves without advantage; set algorithm.adv_estimator to one, or filter_groups.enable=false")
+        ob = self.reward.overlong_buffer
+        require(self, prefix, "reward.overlong_buffer.len", not ob.enable or ob.len <= self.rollout.max_new_tokens,
+                f"must be <= rollout.max_new_tokens={self.rollout.max_new_tokens} (the penalty spans the last "
+                f"len tokens before it); lower it or raise rollout.max_new_tokens")
 
 
 def load_config(path: str | None = None, overrides: Iterable[str] = (), cls: type[T] = Config) -> T:

@@ -77,6 +77,18 @@ class MeshLayout:
     def is_hsdp(self) -> bool:
         return self.fsdp_mesh.ndim == 2
 
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks one parameter is sharded over."""
+        return self.fsdp_mesh.size(self.fsdp_mesh.ndim - 1)
+
+    def check_matches(self, fsdp_size: int, sp_size: int, who: str = "engine") -> None:
+        """Raises ValueError when this mesh is not the layout a config asks for."""
+        want = self.world_size if fsdp_size == -1 or fsdp_size >= self.world_size else fsdp_size
+        if (want, sp_size) != (self.fsdp_size, self.sp_size):
+            raise ValueError(f"{who}: fsdp_size={fsdp_size}, ulysses_sequence_parallel_size={sp_size} asked for, "
+                             f"but the mesh given is {self.describe()}; get it from ParallelDims.for_engine(its config)")
+
     def describe(self) -> str:
         names = self.fsdp_mesh.mesh_dim_names
         shape = tuple(self.fsdp_mesh.shape)
@@ -103,15 +115,64 @@ def check_layout(world_size: int, fsdp_size: int, sp_size: int) -> None:
 
 
 def build_device_mesh(fsdp_size: int = -1, sp_size: int = 1, world_size: int | None = None) -> MeshLayout:
-    world_size = world_size or dist.get_world_size()
-    check_layout(world_size, fsdp_size, sp_size)
-    dev = device_type()
+    """New meshes for one layout; a run builds them once, through `ParallelDims`."""
+    return ParallelDims(world_size).mesh_for(fsdp_size, sp_size)
+
+
+class ParallelDims:
+    """The run's device meshes, built once and shared (torchtitan's `ParallelDims`): every engine and the
+    trainer ask it for the meshes of their layout instead of building their own.
+
+    A layout is (`fsdp_size`, `sp_size`). Engines of one layout (an actor and its reference) get the same
+    `MeshLayout` object, so the same communicators; an engine of another layout (a critic with another
+    `fsdp_size`) gets a second fsdp mesh but shares the `("dp", "sp")` mesh of its `sp_size`. A 1-D fsdp
+    mesh is the same whatever `fsdp_size` >= world was asked for.
+    """
+
+    def __init__(self, world_size: int | None = None):
+        self.world_size = world_size or dist.get_world_size()
+        self._fsdp_meshes: dict[int, DeviceMesh] = {}
+        self._dp_sp_meshes: dict[int, DeviceMesh] = {}
+        self._layouts: dict[tuple[int, int], MeshLayout] = {}
+
+    @classmethod
+    def from_config(cls, cfg) -> "ParallelDims":
+        """The run's meshes, with the actor's layout built now (the others on first use)."""
+        dims = cls()
+        dims.for_engine(cfg.actor.engine)
+        return dims
+
+    def for_engine(self, engine_cfg) -> MeshLayout:
+        """The layout an engine config asks for (`fsdp_size`, `ulysses_sequence_parallel_size`)."""
+        return self.mesh_for(engine_cfg.fsdp_size, engine_cfg.ulysses_sequence_parallel_size)
+
+    def mesh_for(self, fsdp_size: int = -1, sp_size: int = 1) -> MeshLayout:
+        check_layout(self.world_size, fsdp_size, sp_size)
+        shard = -1 if fsdp_size == -1 or fsdp_size >= self.world_size else fsdp_size
+        key = (shard, sp_size)
+        if key not in self._layouts:
+            if shard not in self._fsdp_meshes:
+                self._fsdp_meshes[shard] = _fsdp_mesh(shard, self.world_size)
+            if sp_size not in self._dp_sp_meshes:
+                self._dp_sp_meshes[sp_size] = _dp_sp_mesh(sp_size, self.world_size)
+            self._layouts[key] = MeshLayout(fsdp_mesh=self._fsdp_meshes[shard], dp_sp_mesh=self._dp_sp_meshes[sp_size],
+                                            world_size=self.world_size, sp_size=sp_size)
+        return self._layouts[key]
+
+    @property
+    def num_meshes(self) -> int:
+        """Device meshes built so far (each holds its own process groups)."""
+        return len(self._fsdp_meshes) + len(self._dp_sp_meshes)
+
+
+def _fsdp_mesh(fsdp_size: int, world_size: int) -> DeviceMesh:
     if fsdp_size == -1 or fsdp_size >= world_size:
-        fsdp_mesh = init_device_mesh(dev, (world_size,), mesh_dim_names=("fsdp",))
-    else:
-        fsdp_mesh = init_device_mesh(dev, (world_size // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
-    dp_sp_mesh = init_device_mesh(dev, (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
-    return MeshLayout(fsdp_mesh=fsdp_mesh, dp_sp_mesh=dp_sp_mesh, world_size=world_size, sp_size=sp_size)
+        return init_device_mesh(device_type(), (world_size,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(device_type(), (world_size // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
+
+
+def _dp_sp_mesh(sp_size: int, world_size: int) -> DeviceMesh:
+    return init_device_mesh(device_type(), (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

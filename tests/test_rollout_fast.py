@@ -286,9 +286,9 @@ def test_cache_grows_and_limits_per_prompt(tok):
 
 
 def test_errors_name_the_problem(tok):
-    with pytest.raises(ValueError, match="rope type 'llama3'"):
-        FastRollout(tiny_config(tok, "llama", rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                                                  high_freq_factor=4.0,
+    with pytest.raises(ValueError, match="rope type 'longrope'.*rollout.backend=hf"):
+        FastRollout(tiny_config(tok, "llama", rope_scaling=dict(rope_type="longrope", factor=4.0, short_factor=[1.0] * 4,
+                                                                  long_factor=[2.0] * 4,
                                                                   original_max_position_embeddings=64)),
                     tok, "cpu", torch.float32)
     with pytest.raises(ValueError, match="supports"):

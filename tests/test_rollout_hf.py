@@ -295,3 +295,34 @@ def test_building_the_rollout_leaves_the_actors_model_config_alone(tok):
     assert rollout.model.config._attn_implementation == "sdpa" and rollout.model.config.use_cache
     assert actor.config._attn_implementation == ATTN_NAME and config._attn_implementation == ATTN_NAME
     assert actor.config.use_cache is False
+
+
+def test_top_k_zero_samples_from_the_whole_vocabulary(tok):
+    """rollout.top_k=0 means no top-k: every token gets drawn. (HF's generate applies its default top-k of 50
+    unless told 0: 3 of this tokenizer's 53 ids were never sampled, and the recorded log-probs, of the full
+    distribution, were not the sampling policy's.) The model's next-token logits are fixed by construction:
+    residual dimension 0 is 100 for every token and no layer reads or writes it, so after the final norm it is
+    ~sqrt(hidden) and the others ~0; the head's column 0 makes token t's logit -t / V (all within 1 of each
+    other: the 3 least likely ids are still drawn ~1% of the time each)."""
+    model = reference_model(tok, seed=0)
+    v, h = len(tok), model.config.hidden_size
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        for layer in model.model.layers:
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                        layer.mlp.gate_proj, layer.mlp.up_proj):
+                lin.weight[:, 0] = 0
+            layer.self_attn.o_proj.weight[0, :] = 0
+            layer.mlp.down_proj.weight[0, :] = 0
+        model.lm_head.weight[:, 0] = -torch.arange(v) / v / h**0.5
+    rollout = make_rollout(tok, model)
+    ids, mask = encode(tok, ["ab"] * 16)
+    sampling = SamplingParams.from_config(RolloutConfig(n=8, max_new_tokens=48, top_k=0, seed=3))
+    out = rollout.generate(ids, mask, sampling)
+    batch = out.to_batch()
+    real = batch["loss_mask"].bool()
+    drawn = batch["input_ids"][real]
+    assert drawn.numel() > 2500
+    assert len(torch.unique(drawn)) == v  # each of the 3 rarest: ~40 draws expected, missing one ~e^-40
+    expected = torch.log_softmax(-torch.arange(v) / v, -1)[drawn]
+    assert torch.allclose(batch["sampled_log_probs"][real], expected, atol=2e-3)

@@ -83,3 +83,26 @@ def test_trainer_loads_a_saved_tokenizer_and_names_a_bad_folder(tokenizer, tmp_p
     tokenizer.save_pretrained(tmp_path / "tok")
     cfg.model.tokenizer_path = str(tmp_path / "tok")
     assert load_tokenizer(cfg).encode("12+7=19") == tokenizer.encode("12+7=19")
+
+
+def test_a_generic_tokenizer_beside_a_qwen2_config_loads_as_saved(tokenizer, tmp_path):
+    """transformers 5's AutoTokenizer swaps in the model type's tokenizer class (Qwen2's BPE split, which drops
+    the character tokenizer's spaces) for a folder that also holds a qwen2 config.json, as the demo's does."""
+    import transformers
+
+    from shardrl.config import Config
+    from shardrl.trainer.rl import load_tokenizer
+
+    folder = tmp_path / "model"
+    tokenizer.save_pretrained(folder)
+    transformers.AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), hidden_size=8, intermediate_size=16,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1).save_pretrained(folder)
+    cfg = Config()
+    cfg.model.path = str(folder)
+    loaded = load_tokenizer(cfg)
+    text = "what is 12 + 7? 19"
+    assert loaded.encode(text) == tokenizer.encode(text)
+    assert loaded.decode(loaded.encode(text)) == text
+    assert loaded.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True,
+                                      tokenize=False) == "user: 1+1=\nassistant: "

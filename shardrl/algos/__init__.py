@@ -1,5 +1,6 @@
 """RL algorithms as small pure functions of tensors and scalars, looked up by name in plain dicts:
-ADVANTAGE_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS, and AGG_MODES for loss aggregation."""
+ADVANTAGE_ESTIMATORS, POLICY_LOSSES (vanilla PPO, GSPO, GSPO-token), KL_ESTIMATORS, and AGG_MODES for loss
+aggregation; rollout-training mismatch correction (rollout_correction) and DAPO's data-side pieces (dapo)."""
 
 from shardrl.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -11,6 +12,8 @@ from shardrl.algos.advantages import (
     scores_to_token_rewards,
 )
 from shardrl.algos.aggregate import AGG_MODES, agg_loss
+from shardrl.algos.dapo import informative_groups, overlong_penalty
+from shardrl.algos.gspo import gspo_loss, gspo_token_loss
 from shardrl.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -21,6 +24,7 @@ from shardrl.algos.kl import (
 )
 from shardrl.algos.losses import POLICY_LOSSES, entropy_loss, policy_loss, value_loss
 from shardrl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from shardrl.algos.rollout_correction import mismatch_metrics, rollout_is_weights
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -37,13 +41,19 @@ __all__ = [
     "compute_reinforce_plus_plus_baseline",
     "compute_rloo",
     "entropy_loss",
+    "gspo_loss",
+    "gspo_token_loss",
+    "informative_groups",
     "kl_loss",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "mismatch_metrics",
+    "overlong_penalty",
     "policy_loss",
+    "rollout_is_weights",
     "scores_to_token_rewards",
     "value_loss",
 ]

@@ -23,13 +23,15 @@ def policy_loss(
     agg_mode: str = "token-mean",
     num_global_tokens=None,
     num_global_seqs=None,
+    weights=None,
 ):
     """PPO clipped surrogate with asymmetric bounds (clip-higher, DAPO) and optional dual-clip.
 
     ratio = exp(logprob - old_logprob), clipped to [1 - clip_ratio_low, 1 + clip_ratio_high];
     per token pg = max(-A * ratio, -A * clipped ratio). With `clip_ratio_c` (> 1, dual-clip,
     Ye et al. 2020) a token with A < 0 is further bounded: pg = min(pg, -A * clip_ratio_c), so a huge
-    ratio on a bad action cannot blow the loss up.
+    ratio on a bad action cannot blow the loss up. `weights` `(B, T)` (rollout-mismatch importance weights,
+    `shardrl.algos.rollout_correction`) multiply each token's loss.
 
     Metrics: "pg_loss" (the loss), "pg_clipfrac" (tokens where the clipped term is the larger),
     "pg_clipfrac_lower" (tokens where the dual-clip bound is active), "ppo_kl" (mean of old - new log-prob).
@@ -52,6 +54,8 @@ def policy_loss(
         pg = torch.where(negative, torch.minimum(pg, pg_dual), pg)  # (B, T)
     else:
         clipfrac_lower = masked_metric(torch.zeros_like(pg), mask)
+    if weights is not None:
+        pg = pg * weights  # (B, T)
 
     loss = agg_loss(pg, mask, agg_mode, num_global_tokens, num_global_seqs)
     metrics = {
@@ -103,4 +107,7 @@ def entropy_loss(
     return agg_loss(entropy, mask, agg_mode, num_global_tokens, num_global_seqs)
 
 
-POLICY_LOSSES = {"vanilla": policy_loss}
+from shardrl.algos.gspo import gspo_loss, gspo_token_loss  # noqa: E402  (gspo imports aggregate only)
+
+POLICY_LOSSES = {"vanilla": policy_loss, "gspo": gspo_loss, "gspo_token": gspo_token_loss}
+"""Policy losses by `actor.loss_mode`, all with `policy_loss`'s signature."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import copy
 import logging
 import math
 from typing import Callable, Iterator
@@ -30,11 +31,15 @@ from torch.distributed.tensor import DTensor
 from shardrl.batch import Batch
 from shardrl.distributed import MeshLayout, all_reduce_sum, build_device_mesh, device_type
 from shardrl.engine.attention import resolve_attn_implementation
+from shardrl.engine.checkpoint import load_engine_state, save_engine_state
+from shardrl.engine.loading import (compute_non_persistent_buffers, copy_full_into, load_sharded,
+                                    sharded_load_problem)
 from shardrl.engine.microbatch import restore_order, split_micro_batches
-from shardrl.engine.model import (DTYPES, HEADS, PolicyModel, build_causal_lm, check_model_weights, disable_dropout,
+from shardrl.engine.model import (DTYPES, PolicyModel, build_causal_lm, check_model_weights, disable_dropout,
                                   load_hf_config, strip_prefix)
 from shardrl.engine.ulysses import check_heads
 from shardrl.engine.optim import build_lr_scheduler, build_optimizer
+from shardrl.engine.state import CPU, move_optimizer_state, persistent_buffers, release_accelerator_memory, save_hf
 
 log = logging.getLogger(__name__)
 
@@ -61,22 +66,6 @@ def register_engine(name: str):
     return deco
 
 
-def build_engine(model_cfg, engine_cfg, optim_cfg=None, head: str = "lm", total_steps: int | None = None,
-                 mesh: MeshLayout | None = None) -> "Engine":
-    """The engine named by `engine_cfg.strategy`; `optim_cfg=None` makes a forward-only engine.
-
-    `head`: "lm" (a policy: per-token log-probs), "value" (a critic: a new value head on the decoder) or
-    "score" (a reward model: a sequence-classification model's score at each sequence's last token)."""
-    import shardrl.engine.fsdp1  # noqa: F401  (registers "fsdp")
-    import shardrl.engine.fsdp2  # noqa: F401  (registers "fsdp2")
-
-    if engine_cfg.strategy not in _ENGINES:
-        raise ValueError(f"unknown strategy {engine_cfg.strategy!r}; choose one of {sorted(_ENGINES)}")
-    if head not in HEADS:
-        raise ValueError(f"unknown head {head!r}; choose one of {HEADS}")
-    return _ENGINES[engine_cfg.strategy](model_cfg, engine_cfg, optim_cfg, head, total_steps, mesh)
-
-
 class Engine(abc.ABC):
     strategy: str = ""
 
@@ -84,7 +73,9 @@ class Engine(abc.ABC):
                  total_steps: int | None = None, mesh: MeshLayout | None = None):
         self.model_cfg, self.cfg, self.optim_cfg = model_cfg, engine_cfg, optim_cfg
         self.device = torch.device(device_type(), torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        # the run's mesh for this layout (`ParallelDims.for_engine`); a standalone engine builds its own
         self.mesh = mesh or build_device_mesh(engine_cfg.fsdp_size, engine_cfg.ulysses_sequence_parallel_size)
+        self.mesh.check_matches(engine_cfg.fsdp_size, engine_cfg.ulysses_sequence_parallel_size)
         self.rank = dist.get_rank()
         self.head = head
         self.hf_config = load_hf_config(model_cfg.path, model_cfg.tiny, model_cfg.trust_remote_code,
@@ -113,20 +104,20 @@ class Engine(abc.ABC):
         if sp > 1:
             check_heads(self.hf_config.num_attention_heads,
                         getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads, sp)
-        # rank 0 reads the weights once; the others start on meta and receive their shards
+        lm_meta = build_causal_lm(self.hf_config, None, "meta", master_dtype, attn_implementation=attn,
+                                  trust_remote_code=mc.trust_remote_code, sequence_classification=head == "score")
+        module = PolicyModel(lm_meta, head, self.cfg.logprob_chunk_size)
+        self.sharded_load = sharded = self._sharded_load(module)
+        # otherwise rank 0 reads the weights once; the others start on meta and receive their shards
         full = None
-        if self.rank == 0:
+        if self.rank == 0 and not sharded:
             lm = build_causal_lm(self.hf_config, mc.path, "cpu", master_dtype, self.cfg.seed,
                                  attn, mc.trust_remote_code, head == "score")
             full = PolicyModel(lm, head, self.cfg.logprob_chunk_size)
             if head == "value":
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(self.cfg.seed + 1)
-                    nn.init.normal_(full.value_head.weight, std=1.0 / math.sqrt(self.hf_config.hidden_size))
-                    nn.init.zeros_(full.value_head.bias)
-        lm_meta = build_causal_lm(self.hf_config, None, "meta", master_dtype, attn_implementation=attn,
-                                  trust_remote_code=mc.trust_remote_code, sequence_classification=head == "score")
-        module = PolicyModel(lm_meta, head, self.cfg.logprob_chunk_size)
+                with torch.no_grad():
+                    full.value_head.weight.copy_(self._value_head_init(full.value_head.weight.shape))
+                    full.value_head.bias.zero_()
         if mc.gradient_checkpointing:
             module.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         module.lm.config.use_cache = False
@@ -134,7 +125,57 @@ class Engine(abc.ABC):
             module.sp_group = self.mesh.sp_group
             if full is not None:
                 full.sp_group = self.mesh.sp_group  # FSDP1 wraps rank 0's full module
-        return self._wrap(module, full)
+        if not sharded:
+            return self._wrap(module, full)
+        buffers, _ = compute_non_persistent_buffers(module.lm)  # while the parameters are on meta
+        module = self._shard(module)
+        self._load_own_shards(module, buffers)
+        return module
+
+    def _sharded_load(self, module: PolicyModel) -> bool:
+        """Whether every rank reads its own shards from the files (`model.load_weights=sharded`), decided
+        alike on every rank; a folder that cannot be read so is loaded by rank 0, and the log says why."""
+        mc = self.model_cfg
+        if mc.load_weights != "sharded" or mc.path is None or not self.supports_sharded_load:
+            return False
+        problem = sharded_load_problem(module, mc.path, self.hf_name, skip=self._not_in_files(module))
+        if problem is None:
+            _, left = compute_non_persistent_buffers(copy.deepcopy(module.lm))  # a copy of the meta model: cheap
+            if left:
+                problem = f"cannot compute the buffers {left} (this transformers version does not initialize them)"
+        if problem is not None:
+            log.info("model.load_weights=sharded: rank 0 loads %s instead (%s)", mc.path, problem)
+        return problem is None
+
+    @staticmethod
+    def _not_in_files(module: PolicyModel) -> list[str]:
+        return [n for n, _ in module.named_parameters() if n.startswith("value_head.")]
+
+    def _value_head_init(self, shape) -> torch.Tensor:
+        """A critic's new value head, the same on every rank: normal(0, 1/sqrt(hidden)) from `seed + 1`."""
+        weight = torch.empty(shape)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.seed + 1)
+            nn.init.normal_(weight, std=1.0 / math.sqrt(self.hf_config.hidden_size))
+        return weight
+
+    @torch.no_grad()
+    def _load_own_shards(self, module: PolicyModel, buffers: dict[str, torch.Tensor]) -> None:
+        """Fills a sharded, materialized `module`: this rank's slices from the files, the rest computed
+        (`buffers`: the non-persistent buffers under `module.lm`, which materializing left as garbage)."""
+        load_sharded(module, self.model_cfg.path, self.hf_name, skip=self._not_in_files(module))
+        if module.value_head is not None:
+            copy_full_into(module.value_head.weight, self._value_head_init(module.value_head.weight.shape))
+            copy_full_into(module.value_head.bias, torch.zeros(module.value_head.bias.shape))
+        for name, value in buffers.items():
+            module.lm.get_buffer(name).copy_(value)
+
+    supports_sharded_load = False
+    """Whether the backend implements `_shard` (the sharded loading path)."""
+
+    def _shard(self, module: PolicyModel) -> nn.Module:
+        """Shards `module` (on meta) on `self.mesh` and materializes it, uninitialized, on the device."""
+        raise NotImplementedError(f"{type(self).__name__} loads weights through rank 0 only")
 
     @abc.abstractmethod
     def _wrap(self, module: PolicyModel, full: PolicyModel | None) -> nn.Module:
@@ -299,8 +340,6 @@ class Engine(abc.ABC):
     def offload(self, params: bool = True, optimizer: bool = True) -> None:
         """Moves parameters (with grads) and optimizer state to the CPU and releases the accelerator memory
         they held, e.g. for a colocated rollout. Parameters under `offload_params` live on the CPU already."""
-        from shardrl.engine.state import CPU, move_optimizer_state, release_accelerator_memory
-
         if params and not self.cfg.offload_params:
             self._move_params(CPU)
         if optimizer and self.optimizer is not None:
@@ -309,8 +348,6 @@ class Engine(abc.ABC):
 
     def onload(self, params: bool = True, optimizer: bool = True) -> None:
         """Brings back what `offload` moved: parameters to the device, optimizer state next to them."""
-        from shardrl.engine.state import move_optimizer_state
-
         if params and not self.cfg.offload_params:
             self._move_params(self.device)
         if optimizer and self.optimizer is not None:
@@ -334,18 +371,14 @@ class Engine(abc.ABC):
 
     def save_hf(self, path, tokenizer=None, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30):
         """Writes a Hugging Face model folder (see `shardrl.engine.state.save_hf`); every rank calls it."""
-        from shardrl.engine.state import save_hf
-
-        return save_hf(self, path, tokenizer, dtype, max_shard_bytes)
+        dtype = dtype or DTYPES[self.model_cfg.dtype]
+        return save_hf(path, self.export_weights(dtype), persistent_buffers(self.module, self.hf_name), self.hf_config,
+                       self.module.lm, self.head, dtype, tokenizer, max_shard_bytes)
 
     def save(self, path) -> None:
         """This engine's model, optimizer, LR schedule and step as a DCP checkpoint folder (all ranks call it)."""
-        from shardrl.checkpoint import save_engine_state
-
-        save_engine_state(self, path)
+        save_engine_state(path, self.module, self.optimizer, self.lr_scheduler, self.global_step)
 
     def load(self, path) -> None:
         """Loads `save`'s folder, written at any world size; a checkpoint of another model is a ValueError."""
-        from shardrl.checkpoint import load_engine_state
-
-        load_engine_state(self, path)
+        self.global_step = load_engine_state(path, self.module, self.optimizer, self.lr_scheduler)

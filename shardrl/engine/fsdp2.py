@@ -40,7 +40,18 @@ def broadcast_non_persistent_buffers(module: nn.Module, full: nn.Module | None, 
 
 @register_engine("fsdp2")
 class FSDP2Engine(Engine):
+    supports_sharded_load = True
+
     def _wrap(self, module: PolicyModel, full: PolicyModel | None) -> nn.Module:
+        module = self._shard(module)
+        set_model_state_dict(
+            module, full.state_dict() if full is not None else {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        broadcast_non_persistent_buffers(module, full, self.device)
+        return module
+
+    def _shard(self, module: PolicyModel) -> nn.Module:
         cfg = self.cfg
         master = DTYPES[self.model_cfg.dtype]
         param_dtype = DTYPES[cfg.param_dtype]
@@ -72,11 +83,6 @@ class FSDP2Engine(Engine):
             for name, buf in mod._buffers.items():
                 if buf is not None:
                     mod._buffers[name] = buf.to(self.device)
-        set_model_state_dict(
-            module, full.state_dict() if full is not None else {},
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-        )
-        broadcast_non_persistent_buffers(module, full, self.device)
         return module
 
     def num_fsdp_units(self) -> int:

@@ -1,14 +1,22 @@
 """Building the Hugging Face causal LM an engine trains, and the thin module that turns it into an
-RL policy (per-token log-probs) or a critic (per-token values).
+RL policy (per-token log-probs), a critic (per-token values) or a reward model (per-sequence scores).
 
-Weights are read once, by global rank 0 (on CPU); every other rank builds the model on the meta device
-and receives its shard from rank 0 when the engine loads the state dict with `broadcast_from_rank0`.
+The engine builds the model on the meta device; weights come in after sharding (`shardrl.engine.loading`:
+each rank reads its own slices, or rank 0 reads them all and broadcasts).
+
+`PolicyModel.forward` is three steps, each readable alone: the batch's tokens laid out for the decoder
+(`packed_tokens` / `padded_tokens`: packing and the way back to (B, T)), this rank's piece of them under
+sequence parallelism (`split_sequence`), and a head on the decoder's hidden states (`score_head`,
+`value_outputs`, `log_prob_outputs`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -193,60 +201,111 @@ class PolicyModel(nn.Module):
 
     def forward(self, input_ids, attention_mask, remove_padding: bool = True,
                 temperature: float = 1.0, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        layout = packed_tokens if remove_padding else padded_tokens
+        tokens = layout(input_ids, attention_mask)
+        varlen = self.lm.config._attn_implementation == ATTN_NAME
+        if self.sp_group is not None:
+            if not varlen:  # any other attention would see only this rank's piece of each sequence
+                raise RuntimeError(
+                    f"sequence parallel forward with attention {self.lm.config._attn_implementation!r}, not "
+                    f"{ATTN_NAME!r}: something changed this model's config (share a copy of it instead)")
+            tokens = split_sequence(tokens, self.sp_group)
+        elif varlen and remove_padding:
+            tokens.decoder_inputs.update(attention_kwargs(tokens.decoder_inputs["position_ids"]))
         decoder = self.lm.base_model if self.head == "score" else self.lm.get_decoder()
-        group = self.sp_group
-        if remove_padding:
-            packed = pack(input_ids, attention_mask)
-            ids, pos = packed.input_ids[0], packed.position_ids[0]  # (N,)
-            targets = F.pad(ids[1:], (0, 1))  # (N,) the token each position predicts
-            local_ids, local_pos, local_targets = ids, pos, targets
-            if group is not None:  # this rank's contiguous piece of the row; the whole row is known here
-                if self.lm.config._attn_implementation != ATTN_NAME:  # any other attention sees only the piece
-                    raise RuntimeError(
-                        f"sequence parallel forward with attention {self.lm.config._attn_implementation!r}, not "
-                        f"{ATTN_NAME!r}: something changed this model's config (share a copy of it instead)")
-                sp, r = dist.get_world_size(group), dist.get_rank(group)
-                ids_p, pos = pad_to_multiple(ids, pos, sp)
-                targets_p, _ = pad_to_multiple(targets, pos[: targets.numel()], sp)
-                piece = ids_p.numel() // sp
-                local = slice(r * piece, (r + 1) * piece)
-                local_ids, local_pos, local_targets = ids_p[local], pos[local], targets_p[local]
-            attn_kwargs = attention_kwargs(pos[None], group) if self.lm.config._attn_implementation == ATTN_NAME else {}
-            hidden = decoder(input_ids=local_ids[None], position_ids=local_pos[None], use_cache=False,
-                             **attn_kwargs).last_hidden_state[0]  # (n_local, H)
-            seq_start = packed.position_ids[0] == 0  # (N,)
-            restore = lambda x: unpack(x, packed)  # noqa: E731
-        else:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
-            out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False)
-            hidden = out.last_hidden_state.flatten(0, 1)  # (B*T, H)
-            seq_start = position_ids.flatten() == 0
-            local_targets = F.pad(input_ids.flatten()[1:], (0, 1))
-            shape, keep = input_ids.shape, attention_mask.float()
-            restore = lambda x: x.view(shape) * keep.to(x.dtype)  # noqa: E731
-        n = seq_start.numel()
-
-        def whole(per_position: torch.Tensor) -> torch.Tensor:  # (n_local,) -> (N,)
-            return per_position if group is None else gather_seq(per_position, group)[:n]
-
+        hidden = decoder(**tokens.decoder_inputs, use_cache=False).last_hidden_state.flatten(0, 1)  # (n_local, H)
         if self.head == "score":
-            if remove_padding:  # the last token of a sequence: the next one starts another, or the row ends
-                ends = torch.cat([seq_start[1:], seq_start.new_ones(1)]).nonzero().squeeze(-1)  # (B,)
-            else:
-                ends = _row_ends(attention_mask)  # (B,)
-            return {"scores": whole(self.lm.score(hidden).squeeze(-1).float())[ends]}  # (B,)
-        if self.value_head is not None:
-            # the value of token t is read at t-1, the state from which token t was chosen
-            values = whole(self.value_head(hidden).squeeze(-1).float())  # (N,)
-            return {"values": restore(shift_to_scored_token(values, seq_start))}
+            return self.score_head(hidden, tokens)
+        if self.head == "value":
+            return self.value_outputs(hidden, tokens)
+        return self.log_prob_outputs(hidden, tokens, temperature, with_entropy)
+
+    # ---- heads: (n_local, H) hidden states -> outputs in the batch's shape ----------------------------
+    def score_head(self, hidden: torch.Tensor, tokens: Tokens) -> dict[str, torch.Tensor]:
+        """The sequence classifier's score at each sequence's last token: `scores` (B,)."""
+        return {"scores": tokens.whole(self.lm.score(hidden).squeeze(-1).float())[tokens.ends]}
+
+    def value_outputs(self, hidden: torch.Tensor, tokens: Tokens) -> dict[str, torch.Tensor]:
+        """`values` (B, T); the value of token t is read at t-1, the state from which token t was chosen."""
+        values = tokens.whole(self.value_head(hidden).squeeze(-1).float())  # (N,)
+        return {"values": tokens.restore(shift_to_scored_token(values, tokens.seq_start))}
+
+    def log_prob_outputs(self, hidden: torch.Tensor, tokens: Tokens, temperature: float,
+                         with_entropy: bool) -> dict[str, torch.Tensor]:
+        """`log_probs` (B, T) of each token under the policy (and its `entropy`), the output projection
+        run in chunks so the (tokens, vocab) logits never exist whole."""
         head = self.lm.get_output_embeddings()
-        logp, entropy = chunked_log_probs(hidden, head.weight, head.bias, local_targets, temperature,
+        logp, entropy = chunked_log_probs(hidden, head.weight, head.bias, tokens.targets, temperature,
                                           self.chunk_size, with_entropy)  # (n_local,)
-        outputs = {"log_probs": restore(shift_to_scored_token(whole(logp), seq_start))}
+        outputs = {"log_probs": tokens.restore(shift_to_scored_token(tokens.whole(logp), tokens.seq_start))}
         if entropy is not None:
-            outputs["entropy"] = restore(shift_to_scored_token(whole(entropy), seq_start))
+            outputs["entropy"] = tokens.restore(shift_to_scored_token(tokens.whole(entropy), tokens.seq_start))
         return outputs
+
+
+# ---- the batch's tokens as the decoder sees them ------------------------------------------------------
+@dataclass
+class Tokens:
+    """A micro-batch's tokens laid out for the decoder on this rank, and the way back to the batch's shape.
+
+    N counts every position of the layout: the real tokens of the batch packed into one row (padding
+    removed), or the B*T positions of the padded batch. With sequence parallelism a rank holds n_local =
+    N/sp of them (after padding N to a multiple of sp) and `whole` gathers per-position results back."""
+
+    decoder_inputs: dict
+    """Keyword arguments of the HF decoder's forward (input_ids, position_ids, attention mask or varlen
+    boundaries)."""
+    targets: torch.Tensor
+    """(n_local,) the token each of this rank's positions predicts."""
+    seq_start: torch.Tensor
+    """(N,) True at the first token of every sequence."""
+    ends: torch.Tensor
+    """(B,) the flat index, among the N, of each sequence's last token."""
+    restore: Callable[[torch.Tensor], torch.Tensor]
+    """(N,) per position -> (B, T), zeros at padding."""
+    sp_group: object = None
+    """The Ulysses group the positions are split over; None when this rank holds all N."""
+
+    def whole(self, per_position: torch.Tensor) -> torch.Tensor:
+        """(n_local,) -> (N,)."""
+        if self.sp_group is None:
+            return per_position
+        return gather_seq(per_position, self.sp_group)[: self.seq_start.numel()]
+
+
+def packed_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Tokens:
+    """Padding removed: the real tokens of all rows in one row of N, positions restarting per sequence."""
+    packed = pack(input_ids, attention_mask)
+    ids, pos = packed.input_ids[0], packed.position_ids[0]  # (N,)
+    seq_start = pos == 0
+    # the last token of a sequence: the next one starts another, or the row ends
+    ends = torch.cat([seq_start[1:], seq_start.new_ones(1)]).nonzero().squeeze(-1)  # (B,)
+    return Tokens(decoder_inputs=dict(input_ids=ids[None], position_ids=pos[None]), targets=F.pad(ids[1:], (0, 1)),
+                  seq_start=seq_start, ends=ends, restore=lambda x: unpack(x, packed))
+
+
+def padded_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Tokens:
+    """The padded (B, T) batch as it is, with an attention mask; N = B*T."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+    shape, keep = input_ids.shape, attention_mask.float()
+    return Tokens(
+        decoder_inputs=dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids),
+        targets=F.pad(input_ids.flatten()[1:], (0, 1)), seq_start=position_ids.flatten() == 0,
+        ends=_row_ends(attention_mask), restore=lambda x: x.view(shape) * keep.to(x.dtype))
+
+
+def split_sequence(tokens: Tokens, group) -> Tokens:
+    """Ulysses sequence parallelism: this rank's contiguous piece of the packed row (padded to a multiple
+    of sp). The varlen attention gets the whole row's sequence boundaries; its all-to-all trades the
+    sequence split for a head split."""
+    ids, pos = tokens.decoder_inputs["input_ids"][0], tokens.decoder_inputs["position_ids"][0]  # (N,)
+    sp, r = dist.get_world_size(group), dist.get_rank(group)
+    ids_p, pos_p = pad_to_multiple(ids, pos, sp)
+    targets_p, _ = pad_to_multiple(tokens.targets, pos_p[: tokens.targets.numel()], sp)
+    piece = ids_p.numel() // sp
+    local = slice(r * piece, (r + 1) * piece)
+    inputs = dict(input_ids=ids_p[local][None], position_ids=pos_p[local][None], **attention_kwargs(pos_p[None], group))
+    return dataclasses.replace(tokens, decoder_inputs=inputs, targets=targets_p[local], sp_group=group)
 
 
 def _row_ends(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Shard
-
-if TYPE_CHECKING:
-    from shardrl.engine.base import Engine
 
 CPU = torch.device("cpu")
 
@@ -89,8 +86,9 @@ def release_accelerator_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def state_devices(engine: "Engine") -> dict[str, set[str]]:
-    """Device types holding this rank's parameter shards, gradients and optimizer state tensors."""
+def state_devices(engine) -> dict[str, set[str]]:
+    """Device types holding this rank's parameter shards, gradients and optimizer state tensors (of an
+    `Engine`: its `module` and `optimizer`)."""
     out: dict[str, set[str]] = {"params": set(), "grads": set(), "optimizer": set()}
     for p in engine.module.parameters():
         out["params"].add(p.device.type)
@@ -268,36 +266,34 @@ def replace_folder(tmp: Path, path: Path) -> None:
         shutil.rmtree(old)
 
 
-def save_hf(engine: "Engine", path: str | os.PathLike, tokenizer=None, dtype: torch.dtype | None = None,
-            max_shard_bytes: int = 5 * 2**30) -> Path:
+def save_hf(path: str | os.PathLike, weights: Iterable[tuple[str, torch.Tensor]],
+            buffers: Iterable[tuple[str, torch.Tensor]], hf_config, lm: nn.Module, head: str, dtype: torch.dtype,
+            tokenizer=None, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Writes a folder that `transformers.AutoModelForCausalLM.from_pretrained` loads: safetensors
     (sharded with an index past `max_shard_bytes`), config.json, generation_config.json and the tokenizer
-    if given. Every rank must call it; rank 0 writes, into a temporary folder renamed into place at the
-    end. `dtype` defaults to the master weights' dtype. A tied output head is not written, as in
-    `save_pretrained`."""
-    from shardrl.engine.model import DTYPES
-
-    dtype = dtype or DTYPES[engine.model_cfg.dtype]
+    if given. `weights` is an engine's `export_weights(dtype)` (every rank must iterate it: collectives),
+    `buffers` its `persistent_buffers`, `lm` the HF model inside it. Every rank must call it; rank 0
+    writes, into a temporary folder renamed into place at the end. A tied output head is not written, as
+    in `save_pretrained`."""
     path = Path(path)
     writer = tmp = None
-    if engine.rank == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         tmp = path.with_name(f".{path.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         writer = SafetensorsShardWriter(tmp, max_shard_bytes)
-    for name, tensor in engine.export_weights(dtype):
+    for name, tensor in weights:
         if writer is not None:
             writer.add(name, tensor)
         del tensor  # other ranks drop each gathered tensor at once
     if writer is not None:
-        for name, buf in persistent_buffers(engine.module, engine.hf_name):
+        for name, buf in buffers:
             writer.add(name, buf.to(dtype) if buf.is_floating_point() else buf)
         writer.close()
-        config = copy.deepcopy(engine.hf_config)
+        config = copy.deepcopy(hf_config)
         config.use_cache = True  # the engine turns the KV cache off for training; generation wants it
         config.dtype = dtype
-        lm = engine.module.lm
-        if engine.head == "lm":
+        if head == "lm":
             config.architectures = [type(lm).__name__.removeprefix("FSDP")]
         config.save_pretrained(tmp)
         if getattr(lm, "generation_config", None) is not None:

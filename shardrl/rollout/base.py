@@ -157,6 +157,63 @@ def assemble_output(prompt_ids: torch.Tensor, attention_mask: torch.Tensor, n: i
     )
 
 
+# ---- shared by the backends -------------------------------------------------------------------------
+def check_prompts(prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    """Raises ValueError unless the prompts are a non-empty, left-padded (B, P) batch."""
+    if prompt_ids.dim() != 2 or prompt_ids.shape != attention_mask.shape:
+        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+                         "must both be (B, P)")
+    if prompt_ids.shape[0] == 0:
+        raise ValueError("generate needs at least one prompt")
+    if not bool(attention_mask[:, -1].all()):
+        raise ValueError("prompts must be left-padded: the last column of attention_mask must be 1 in every row")
+
+
+def contains_stop(text: str, stop: list[str]) -> bool:
+    return any(s in text for s in stop)
+
+
+def stop_length(tokenizer, ids: list[int], stop: list[str]) -> int | None:
+    """The fewest leading tokens of `ids` whose decoded text contains a stop string, or None."""
+
+    def hit(k: int) -> bool:
+        return contains_stop(tokenizer.decode(ids[:k], skip_special_tokens=True), stop)
+
+    if not ids or not hit(len(ids)):
+        return None
+    lo, hi = 1, len(ids)  # containment only grows with the prefix: binary search
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if hit(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[: min(cuts)] if cuts else text
+
+
+def cut_responses(tokenizer, stop_ids, generated: torch.Tensor, stop: list[str]) -> tuple[list[int], list[str]]:
+    """Each row of `generated` (rows, L): its response length (through EOS, or through the token completing a
+    stop string) and its text (special tokens skipped, cut before the stop string)."""
+    lengths, texts = [], []
+    for row in generated.tolist():
+        end = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
+        body = row[:end]  # before EOS (or the end-of-turn token)
+        length = len(body) + 1 if len(body) < len(row) else len(row)  # EOS counts as a response token
+        if stop:
+            stop_at = stop_length(tokenizer, body, stop)
+            if stop_at is not None:
+                length = stop_at
+        text = tokenizer.decode(row[:length], skip_special_tokens=True)
+        lengths.append(length)
+        texts.append(cut_at_stop(text, stop) if stop else text)
+    return lengths, texts
+
+
 @torch.no_grad()
 def copy_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copies `(hf_name, tensor)` pairs into `model`'s parameters in place (casting and moving), one at a
@@ -177,13 +234,3 @@ def copy_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, t
     missing = [n for n, p in params.items() if id(p) not in loaded]
     if missing:
         log.warning("load_weights left %d parameters untouched, e.g. %s", len(missing), missing[:4])
-
-
-def build_rollout(name: str, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,
-                  **kwargs) -> Rollout:
-    """The rollout backend `name` (see `ROLLOUTS`); `kwargs` go to its constructor (e.g. `micro_batch_size`)."""
-    from shardrl.rollout import ROLLOUTS
-
-    if name not in ROLLOUTS:
-        raise ValueError(f"unknown rollout backend {name!r}; choose one of {sorted(ROLLOUTS)}")
-    return ROLLOUTS[name](hf_config, tokenizer, device, dtype, **kwargs)

@@ -16,20 +16,24 @@ import torch
 import triton
 import triton.language as tl
 
-from shardrl.rollout.fast_model import triton_head_dim
+from shardrl.rollout.kernel_support import triton_head_dim
 
 
 @triton.jit
-def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, k_new_ptr, v_new_ptr, scale,
+def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, k_new_ptr, v_new_ptr, scale, softcap, window,
                       stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs,
                       stride_kb, stride_kh, stride_vb, stride_vh,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      SPLITS: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr):
+                      SPLITS: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr, SOFTCAP: tl.constexpr,
+                      WINDOW: tl.constexpr):
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     position = tl.load(pos_ptr + b)
     end = position if WRITE else position + 1  # the entries read from the cache
-    chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N  # this program's share: [first, stop)
-    first = split * chunk
+    begin = 0
+    if WINDOW:  # a sliding-window layer: keys j with position - window < j
+        begin = tl.maximum(position - window + 1, 0)
+    chunk = tl.cdiv(tl.cdiv(end - begin, SPLITS), BLOCK_N) * BLOCK_N  # this program's share: [first, stop)
+    first = begin + split * chunk
     stop = tl.minimum(first + chunk, end)
     rows, dims, cols = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_N)
     q_offsets = b * stride_qb + h * stride_qh + rows[:, None] * D + dims[None, :]
@@ -48,7 +52,10 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, k_new_ptr, v_ne
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(live[None, :], scores * scale, float("-inf"))
+        scores = scores * scale
+        if SOFTCAP:  # cap * tanh(scores / cap), tanh(x) = 2 sigmoid(2x) - 1
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        scores = tl.where(live[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         rescale = tl.exp(running_max - new_max)
         p = tl.exp(scores - new_max[:, None])
@@ -66,6 +73,8 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, k_new_ptr, v_ne
             tl.store(k_base + position * stride_kvs + dims, k_new)
             tl.store(v_base + position * stride_kvs + dims, v_new)
             score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # (BLOCK_G,)
+            if SOFTCAP:
+                score = softcap * (2.0 * tl.sigmoid(2.0 * score / softcap) - 1.0)
             new_max = tl.maximum(running_max, score)
             rescale = tl.exp(running_max - new_max)
             p_new = tl.exp(score - new_max)
@@ -123,9 +132,13 @@ def _combine_splits(part_ptr, out_ptr, stride_ob, stride_oh, G: tl.constexpr, BL
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.Tensor,
                      k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                     block_n: int = 64, splits: int = 1, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     block_n: int = 64, splits: int = 1, num_warps: int = 4, num_stages: int = 2,
+                     scale: float | None = None, softcap: float | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """q (B, Hkv, G, D) contiguous, kv_layer (2, B, Hkv, max_seq, D) with unit stride in D, positions (B,):
-    softmax(q k^T / sqrt(D)) v over each slot's entries 0..position. With k_new, v_new (B, Hkv, D), unit
+    softmax(q k^T * scale) v over each slot's entries 0..position (scale: 1 / sqrt(D) unless given); with
+    `softcap`, the logits are softcap * tanh(logits / softcap); with `window`, only the entries j with
+    position - window < j are read (a sliding-window layer). With k_new, v_new (B, Hkv, D), unit
     stride in D, they are first written at each slot's position (slot b is row b). Returns (B, Hkv, G, D)
     like q. fp32 inputs are multiplied in full fp32 (no TF32). `splits` > 1 cuts each slot's entries into
     that many programs (more parallel loads) whose partial results a second kernel combines; it and the
@@ -142,9 +155,11 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
     part = torch.empty(b * hkv * splits * block_g * (d + 2) if splits > 1 else 1, dtype=torch.float32,
                        device=q.device)
     _decode_attention[(b, hkv, splits)](
-        q, kv_layer, out, part, positions, k_new, v_new, d**-0.5, q.stride(0), q.stride(1),
+        q, kv_layer, out, part, positions, k_new, v_new, d**-0.5 if scale is None else scale, softcap or 1.0,
+        window or 0, q.stride(0), q.stride(1),
         *kv_layer.stride()[:4], k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         G=g, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32, WRITE=write,
+        SOFTCAP=softcap is not None, WINDOW=window is not None,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine_splits[(b, hkv)](part, out, out.stride(0), out.stride(1), G=g, BLOCK_G=block_g, D=d,

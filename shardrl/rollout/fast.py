@@ -1,4 +1,5 @@
-"""The fast rollout: Llama / Qwen2 generation in plain PyTorch with a static KV cache and continuous batching.
+"""The fast rollout: generation for the model families of `shardrl.rollout.families` (Llama, Qwen2/3,
+Mistral, Gemma 2/3) in plain PyTorch with a static KV cache and continuous batching.
 
 What one `generate` does (gpt-fast's habits: cache sized once, a decode step that can be captured, no host
 sync per token):
@@ -34,10 +35,10 @@ from typing import Iterable, Sequence
 
 import torch
 
-from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, copy_weights_in_place
+from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts, contains_stop,
+                                   copy_weights_in_place, cut_responses)
 from shardrl.rollout.fast_model import (DecoderBlock, FastCausalLM, SDPADecodeAttention, TritonDecodeAttention,
                                         build_fast_lm, head_dim_of, triton_head_dim)
-from shardrl.rollout.hf import HFRollout, _check_prompts, _contains_stop
 from shardrl.tokenizer import stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class SlotState:
 
 
 class FastRollout(Rollout):
-    """Static-KV-cache generation for Llama / Qwen2 configs (see the module docstring).
+    """Static-KV-cache generation for the configs `families.check_supported` accepts (module docstring).
 
     `max_batch`: decode slots (the static batch); default min(rows, micro_batch_size * n) at first use,
     grown when a later call has more rows. `max_seq_len`: cache positions per slot; default the longest
@@ -253,6 +254,11 @@ class FastRollout(Rollout):
         if self.max_seq_len is not None and need_seq > self.max_seq_len:
             raise ValueError(f"a prompt plus max_new_tokens needs {need_seq} cache positions, more than "
                              f"max_seq_len={self.max_seq_len}; raise max_seq_len or shorten the prompts")
+        if self.model.max_positions is not None and need_seq > self.model.max_positions:
+            raise ValueError(f"a prompt plus max_new_tokens needs {need_seq} positions, past the "
+                             f"{self.model.max_positions} after which the 'dynamic' rope scaling changes its "
+                             "frequencies, which the fast rollout does not; lower max_new_tokens or use "
+                             "rollout.backend=hf")
         slots = self.max_batch or min(num_rows, self.micro_batch_size * n)
         seq = self.max_seq_len or -(-need_seq // self.seq_bucket) * self.seq_bucket
         st = self._state
@@ -343,7 +349,7 @@ class FastRollout(Rollout):
         in place of `sampling.max_new_tokens` (benchmarks use it for mixed-length batches)."""
         if self._released:
             raise RuntimeError("the rollout is released (no KV cache); call resume() before generate()")
-        _check_prompts(prompt_ids, attention_mask)
+        check_prompts(prompt_ids, attention_mask)
         num_prompts, width = prompt_ids.shape
         n = sampling.n
         lengths = attention_mask.sum(1).tolist()
@@ -467,18 +473,18 @@ class FastRollout(Rollout):
         tails = self.tokenizer.batch_decode([r[-window:] for r in ids], skip_special_tokens=True)
         decode = lambda r: self.tokenizer.decode(r, skip_special_tokens=True)  # noqa: E731
         hits = [s for s, tail, r in zip(live, tails, ids)
-                if _contains_stop(tail, stop) and _contains_stop(decode(r), stop)]
+                if contains_stop(tail, stop) and contains_stop(decode(r), stop)]
         if hits:
             st.done[torch.tensor(hits, dtype=torch.long, device=self.device)] = True
         return hits
 
     def _assemble(self, prompt_ids, attention_mask, rows, n, stop) -> RolloutOutput:
-        """The `RolloutOutput` of the uncut rows, cut by the HF reference's own rule (`_cut_responses`)."""
+        """The `RolloutOutput` of the uncut rows, cut by the HF reference's own rule (`cut_responses`)."""
         num_rows = len(rows)
         full = torch.full((num_rows, max(len(t) for t, _ in rows)), self.pad_id, dtype=torch.long)
         for r, (tokens, _) in enumerate(rows):
             full[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        lengths, texts = HFRollout._cut_responses(self, full, stop)
+        lengths, texts = cut_responses(self.tokenizer, self.stop_ids, full, stop)
         # a row shorter than `full` without EOS ended at its own limit (or a stop string): padding is no response
         lengths = [min(length, len(tokens)) for length, (tokens, _) in zip(lengths, rows)]
         responses = [(full[r, :length], rows[r][1][:length]) for r, length in enumerate(lengths)]

@@ -1,9 +1,11 @@
-"""The Llama / Qwen2 decoder in plain PyTorch, for generation against a static KV cache.
+"""The decoder of the fast rollout's model families (`shardrl.rollout.families`: Llama, Qwen2/3, Mistral,
+Gemma 2/3) in plain PyTorch, for generation against a static KV cache.
 
-Parameters are named exactly as in Hugging Face's `LlamaForCausalLM` / `Qwen2ForCausalLM`
+Parameters are named exactly as in Hugging Face's `*ForCausalLM` of each family
 (`model.layers.{i}.self_attn.q_proj.weight`, ...), so `(hf_name, tensor)` pairs from
 `Engine.export_weights()` copy straight in. The math follows HF's step for step (RMSNorm in fp32, rotary
-angles in fp32 cast to the compute dtype, GQA, SiLU MLP), so greedy decoding matches HF's in fp32.
+angles in fp32 cast to the compute dtype, rotary tables from HF's own rotary class, GQA, gated MLP,
+Gemma's extra norms, soft-caps and sliding windows), so greedy decoding matches HF's in fp32.
 
 KV cache layout, one tensor for the whole model:
 
@@ -15,66 +17,47 @@ a slot's length hold stale values that attention masks out and the next write re
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+from shardrl.rollout.families import (FAMILIES, activation, attention_scale, attention_softcap, check_supported,
+                                      family_of, final_softcap, head_dim_of, layer_rope_keys, layer_windows,
+                                      max_rope_positions, rope_tables)
+from shardrl.rollout.kernel_support import triton_head_dim  # noqa: F401  (fast.py asks it here too)
+
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
-def rope_theta(config) -> float:
-    """The rotary base of `config`; raises for rope types other than the default (no scaling)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope type {rope_type!r} is not supported by the fast rollout (only 'default' rotary "
-                         "embeddings); use rollout.backend=hf for this model")
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is None:
-        raise ValueError("the model config has no rope_theta")
-    return float(theta)
-
-
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def check_supported(config) -> None:
-    """Raises a ValueError naming the problem when `config` is not a model this decoder computes."""
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"the fast rollout supports {SUPPORTED_MODEL_TYPES} models, not {config.model_type!r}; "
-                         "use rollout.backend=hf")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={config.hidden_act!r} is not supported by the fast rollout (only 'silu')")
-    if getattr(config, "use_sliding_window", False) or any(
-            t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
-        raise ValueError("sliding-window attention is not supported by the fast rollout; use rollout.backend=hf")
-    rope_theta(config)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's Llama/Qwen2 RMSNorm: normalized in fp32, cast back, then scaled."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """HF's RMSNorm: normalized in fp32, then scaled by `weight` after the cast back (Llama, Qwen, Mistral)
+    or, with `offset` (Gemma), by (1 + weight) in fp32 before it."""
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (x * (1.0 + weight.float())).to(dtype)
     return weight * x.to(dtype)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
-def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin (*positions.shape, head_dim) in `dtype`; angles in fp32 as HF computes them."""
+def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scaling: float = 1.0):
+    """cos, sin (*positions.shape, head_dim) in `dtype`; angles in fp32, times `scaling` (yarn's attention
+    factor, 1 otherwise), as HF computes them."""
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -89,10 +72,12 @@ def project_qkv(x, qkv_w, qkv_b, num_heads: int, num_kv_heads: int, head_dim: in
     return F.linear(x, qkv_w, qkv_b).split([num_heads * head_dim, kv_size, kv_size], dim=-1)
 
 
-def swiglu_mlp(x, gate_up_w, gate_up_b, down_w, down_b):
-    """down(silu(gate(x)) * up(x)) with gate and up as one GEMM on the fused weight."""
+def gated_mlp(x, gate_up_w, gate_up_b, down_w, down_b, act: str = "silu"):
+    """down(act(gate(x)) * up(x)) with gate and up as one GEMM on the fused weight: SwiGLU, or GeGLU with
+    act='gelu_tanh' (Gemma)."""
     gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down_w, down_b)
+    gate = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    return F.linear(gate * up, down_w, down_b)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -123,6 +108,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias["k_proj"])
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias["v_proj"])
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias["o_proj"])
+        if family_of(config).qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's q and k
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, family_of(config).gemma)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, family_of(config).gemma)
         self.qkv_weight = self.qkv_bias = None  # set by FastCausalLM.fuse_projections
 
 
@@ -141,32 +129,39 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, bias)
         self.mlp = MLP(config, bias)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hidden, eps, gemma = config.hidden_size, config.rms_norm_eps, family_of(config).gemma
+        self.input_layernorm = RMSNorm(hidden, eps, gemma)
+        # Llama's post_attention_layernorm is the MLP's input norm; Gemma's norms the attention output, and
+        # its MLP sits between pre_ and post_feedforward_layernorm
+        self.post_attention_layernorm = RMSNorm(hidden, eps, gemma)
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, gemma)
 
     def block_weights(self) -> tuple:
-        """The weights a `DecoderBlock` reads, in its order."""
+        """The weights a `DecoderBlock` reads, in its order (None where the family has no such weight)."""
         a, m = self.self_attn, self.mlp
-        return (self.input_layernorm.weight, a.qkv_weight, a.qkv_bias, a.o_proj.weight, a.o_proj.bias,
-                self.post_attention_layernorm.weight, m.gate_up_weight, m.gate_up_bias, m.down_proj.weight,
-                m.down_proj.bias)
+        weight = lambda owner, name: getattr(owner, name).weight if hasattr(owner, name) else None  # noqa: E731
+        gemma = hasattr(self, "pre_feedforward_layernorm")
+        post_attn = self.post_attention_layernorm.weight if gemma else None
+        ln2 = self.pre_feedforward_layernorm.weight if gemma else self.post_attention_layernorm.weight
+        return (self.input_layernorm.weight, a.qkv_weight, a.qkv_bias, weight(a, "q_norm"), weight(a, "k_norm"),
+                a.o_proj.weight, a.o_proj.bias, post_attn, ln2, m.gate_up_weight, m.gate_up_bias,
+                m.down_proj.weight, m.down_proj.bias, weight(self, "post_feedforward_layernorm"))
 
 
-def attention_inputs(x, cos, sin, ln1, qkv_w, qkv_b, eps: float, num_heads: int, num_kv_heads: int,
-                     head_dim: int):
-    """RMSNorm, q/k/v projection and rotary for N tokens: x (N, hidden), cos, sin (N, 1, D) -> q (N, Hkv, G, D)
-    (in decode, the G query heads sharing a KV head are its "query positions": GQA without copying the
-    cache), k, v (N, Hkv, D)."""
+def attention_inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, eps: float, num_heads: int,
+                     num_kv_heads: int, head_dim: int, gemma: bool):
+    """RMSNorm, q/k/v projection, q/k norms (if given) and rotary for N tokens: x (N, hidden), cos, sin
+    (N, 1, D) -> q (N, Hkv, G, D) (in decode, the G query heads sharing a KV head are its "query positions":
+    GQA without copying the cache), k, v (N, Hkv, D). `gemma`: norms scale by (1 + weight)."""
     b = x.shape[0]
-    q, k, v = project_qkv(rms_norm(x, ln1, eps), qkv_w, qkv_b, num_heads, num_kv_heads, head_dim)
-    q = apply_rotary(q.view(b, num_heads, head_dim), cos, sin)
-    k = apply_rotary(k.view(b, num_kv_heads, head_dim), cos, sin)
+    q, k, v = project_qkv(rms_norm(x, ln1, eps, gemma), qkv_w, qkv_b, num_heads, num_kv_heads, head_dim)
+    q, k = q.view(b, num_heads, head_dim), k.view(b, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps, gemma), rms_norm(k, k_norm, eps, gemma)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     return q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v.view(b, num_kv_heads, head_dim)
-
-
-def triton_head_dim(head_dim: int) -> bool:
-    """Whether the Triton decode kernel takes this head dim: a power of two >= 16 (Triton's dot needs 16)."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def write_kv(k, v, kv_layer, slots, positions) -> None:
@@ -175,33 +170,74 @@ def write_kv(k, v, kv_layer, slots, positions) -> None:
     kv_layer[1][slots, :, positions] = v
 
 
+class LayerConsts(NamedTuple):
+    """What a layer's code needs besides tensors (one compilation per distinct value)."""
+
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    gemma: bool  # Gemma's layout: (1 + weight) norms, norms after attention and MLP
+    act: str  # the MLP's gate activation: 'silu' or 'gelu_tanh'
+    scale: float  # attention logits scale
+    softcap: float | None  # attention logits soft-cap: cap * tanh(logits / cap) (Gemma 2)
+    window: int | None  # sliding window: a query at i sees keys j with i - window < j <= i
+
+
+def softcapped_attention(q, k, v, mask, scale: float, softcap: float | None):
+    """HF's eager attention: softmax(cap * tanh(q k^T * scale / cap) + mask) v, the softmax in fp32.
+    q (..., Hq, L, D), k, v (..., Hkv, S, D) with Hkv dividing Hq; `mask` boolean (True: visible) or additive,
+    broadcastable to (..., Hq, L, S). SDPA has no soft-cap, so Gemma 2's layers attend here."""
+    groups = q.shape[-3] // k.shape[-3]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def visible_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean (*queries.shape, *keys.shape): key position j is visible from query position i (j <= i, and
+    within the window if any, as HF's `sliding_window_overlay`)."""
+    i, j = queries[..., None], keys
+    visible = j <= i
+    return visible if window is None else visible & (j > i - window)
+
+
 class SDPADecodeAttention:
     """Decode attention over the first `seq_len` cache positions of every slot, with an additive mask
-    (-inf past each slot's position): SDPA, any device. The attended length is a static shape, so the
+    (-inf past each slot's position, and before its window on a sliding-window layer): SDPA, any device
+    (or `softcapped_attention` for a soft-capped layer). The attended length is a static shape, so the
     caller buckets it (one CUDA graph per bucket)."""
 
     bucketed = True
 
-    def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
-        """(B, 1, 1, seq_len); made once per step: SDPA converts a boolean mask in every layer, and ran slower
-        with one (bench/profile_decode.py, H200: 0.11 vs 0.06 ms per layer at batch 256, S 512)."""
-        visible = torch.arange(seq_len, device=positions.device) <= positions[:, None]
+    def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
+        """(B, 1, 1, seq_len); made once per step and window: SDPA converts a boolean mask in every layer, and
+        ran slower with one (bench/profile_decode.py, H200: 0.11 vs 0.06 ms per layer at batch 256, S 512)."""
+        visible = visible_keys(positions, torch.arange(seq_len, device=positions.device), window)
         mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
         return mask[:, None, None, :]
 
-    def __call__(self, q, k, v, kv_layer, slots, positions, mask) -> torch.Tensor:
+    def __call__(self, q, k, v, kv_layer, slots, positions, mask, c: LayerConsts) -> torch.Tensor:
         """Writes k, v (B, Hkv, D) into the cache (`write_kv`), then attends: q (B, Hkv, G, D) (the G query
         heads of a KV head as its "query positions": GQA without copying the cache) -> (B, Hkv, G, D)."""
         write_kv(k, v, kv_layer, slots, positions)
         seq = mask.shape[-1]
-        return F.scaled_dot_product_attention(q, kv_layer[0][:, :, :seq], kv_layer[1][:, :, :seq], attn_mask=mask)
+        keys, values = kv_layer[0][:, :, :seq], kv_layer[1][:, :, :seq]
+        if c.softcap is not None:
+            return softcapped_attention(q, keys, values, mask, c.scale, c.softcap)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=c.scale)
 
 
 class TritonDecodeAttention:
-    """Decode attention in which each slot reads its cache only up to its own position: one Triton kernel
-    (`shardrl.rollout.decode_kernel`, CUDA only). The attended length plays no part, so one CUDA graph
-    serves every length. Measured against `SDPADecodeAttention` in bench/RESULTS.md. `fuse_kv_write`: the
-    kernel writes the new K/V itself (0.2 ms less per step than two indexed copies at batch 256, H200)."""
+    """Decode attention in which each slot reads its cache only from its window's start (0 on a full
+    layer) up to its own position: one Triton kernel (`shardrl.rollout.decode_kernel`, CUDA only), which
+    also applies the soft-cap. The attended length plays no part, so one CUDA graph serves every length.
+    Measured against `SDPADecodeAttention` in bench/RESULTS.md. `fuse_kv_write`: the kernel writes the new
+    K/V itself (0.2 ms less per step than two indexed copies at batch 256, H200)."""
 
     bucketed = False
 
@@ -210,20 +246,29 @@ class TritonDecodeAttention:
 
         self.attend, self.fuse_kv_write = decode_attention, fuse_kv_write
 
-    def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
         return positions
 
-    def __call__(self, q, k, v, kv_layer, slots, positions, mask) -> torch.Tensor:
+    def __call__(self, q, k, v, kv_layer, slots, positions, mask, c: LayerConsts) -> torch.Tensor:
         """As `SDPADecodeAttention`; slot b is row b (slots = arange(B))."""
+        limits = dict(scale=c.scale, softcap=c.softcap, window=c.window)
         if self.fuse_kv_write:
-            return self.attend(q.contiguous(), kv_layer, positions, k, v)
+            return self.attend(q.contiguous(), kv_layer, positions, k, v, **limits)
         write_kv(k, v, kv_layer, slots, positions)
-        return self.attend(q.contiguous(), kv_layer, positions)
+        return self.attend(q.contiguous(), kv_layer, positions, **limits)
 
 
-def attention_output_and_mlp(x, attn, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, eps: float):
-    x = x + F.linear(attn.reshape(x.shape[0], -1), o_w, o_b)
-    return x + swiglu_mlp(rms_norm(x, ln2, eps), gate_up_w, gate_up_b, down_w, down_b)
+def attention_output_and_mlp(x, attn, o_w, o_b, post_attn_ln, ln2, gate_up_w, gate_up_b, down_w, down_b,
+                             post_ff_ln, eps: float, gemma: bool, act: str):
+    """o_proj and the residual add, then the MLP and its residual add; Gemma norms each output first."""
+    h = F.linear(attn.reshape(x.shape[0], -1), o_w, o_b)
+    if post_attn_ln is not None:
+        h = rms_norm(h, post_attn_ln, eps, gemma)
+    x = x + h
+    h = gated_mlp(rms_norm(x, ln2, eps, gemma), gate_up_w, gate_up_b, down_w, down_b, act)
+    if post_ff_ln is not None:
+        h = rms_norm(h, post_ff_ln, eps, gemma)
+    return x + h
 
 
 def _prefill_inputs(*args):
@@ -237,11 +282,12 @@ def _prefill_output(*args):
 class DecoderBlock:
     """A decoder layer as functions of tensors only (one compilation serves every layer), for the N tokens
     of a prefill chunk or the one token per slot of a decode step. `compile` runs the parts before and after
-    attention through `torch.compile` (fusing the norms, rotary, residuals and SwiGLU around the GEMMs):
-    decode with static shapes, the same at every attended length; prefill separately (its own compiled
-    code, shapes free to vary with the chunk). The cache writes and attention stay outside them, so no
-    compiled layer code mutates the cache or sees the attended length. `attention` is the decode step's
-    (`SDPADecodeAttention` by default, or `TritonDecodeAttention`); a prefill attends with causal SDPA."""
+    attention through `torch.compile` (fusing the norms, rotary, residuals and the gated MLP around the
+    GEMMs): decode with static shapes, the same at every attended length; prefill separately (its own
+    compiled code, shapes free to vary with the chunk). The cache writes and attention stay outside them, so
+    no compiled layer code mutates the cache or sees the attended length. `attention` is the decode step's
+    (`SDPADecodeAttention` by default, or `TritonDecodeAttention`); a prefill attends with causal SDPA (or
+    `softcapped_attention`), masked to the window on a sliding-window layer."""
 
     def __init__(self, compile: bool = False, attention: SDPADecodeAttention | TritonDecodeAttention | None = None):
         static = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
@@ -251,29 +297,34 @@ class DecoderBlock:
         self.prefill_inputs, self.prefill_output = free(_prefill_inputs), free(_prefill_output)
         self.attention = attention or SDPADecodeAttention()
 
-    def decode(self, x, cos, sin, kv_layer, slots, positions, mask, weights: tuple, consts: tuple):
-        """x (B, hidden) at `positions` (B,); slots = arange(B); `mask` from `self.attention.mask`;
-        `weights` from `DecoderLayer.block_weights`; consts = (eps, num_heads, num_kv_heads, head_dim)."""
-        ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b = weights
-        q, k, v = self.inputs(x, cos, sin, ln1, qkv_w, qkv_b, *consts)
-        attn = self.attention(q, k, v, kv_layer, slots, positions, mask)
-        return self.output(x, attn, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, consts[0])
+    def decode(self, x, cos, sin, kv_layer, slots, positions, mask, weights: tuple, c: LayerConsts):
+        """x (B, hidden) at `positions` (B,); slots = arange(B); `mask` from `self.attention.mask` for the
+        layer's window; `weights` from `DecoderLayer.block_weights`."""
+        ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln = weights
+        q, k, v = self.inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5])
+        attn = self.attention(q, k, v, kv_layer, slots, positions, mask, c)
+        return self.output(x, attn, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
+                           c.eps, c.gemma, c.act)
 
-    def prefill(self, x, cos, sin, kv_layer, slots, source, length: int, weights: tuple, consts: tuple):
+    def prefill(self, x, cos, sin, kv_layer, slots, source, length: int, weights: tuple, c: LayerConsts):
         """x (U * length, hidden): U right-padded prompts at positions 0..length-1, flattened; writes their
         K/V into `slots` (prompt i of the chunk goes to slot slots[j] for every j with source[j] == i)."""
-        ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b = weights
-        num_heads, num_kv_heads, head_dim = consts[1:]
-        q, k, v = self.prefill_inputs(x, cos, sin, ln1, qkv_w, qkv_b, *consts)
+        ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln = weights
+        q, k, v = self.prefill_inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5])
         u = x.shape[0] // length
-        q = q.view(u, length, num_heads, head_dim).transpose(1, 2)  # (U, H, L, D)
-        k = k.view(u, length, num_kv_heads, head_dim).transpose(1, 2)  # (U, Hkv, L, D)
-        v = v.view(u, length, num_kv_heads, head_dim).transpose(1, 2)
+        q = q.view(u, length, c.num_heads, c.head_dim).transpose(1, 2)  # (U, H, L, D)
+        k = k.view(u, length, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (U, Hkv, L, D)
+        v = v.view(u, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
         kv_layer[0][slots, :, :length] = k[source]
         kv_layer[1][slots, :, :length] = v[source]
         # causal suffices: padding sits after each prompt, so no real query sees it
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
-        return self.prefill_output(x, attn, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, consts[0])
+        if c.softcap is not None or (c.window is not None and c.window < length):
+            pos = torch.arange(length, device=x.device)
+            attn = softcapped_attention(q, k, v, visible_keys(pos, pos, c.window), c.scale, c.softcap)
+        else:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.scale, enable_gqa=True)
+        return self.prefill_output(x, attn.transpose(1, 2), o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w,
+                                   down_b, post_ff_ln, c.eps, c.gemma, c.act)
 
 
 class Decoder(nn.Module):
@@ -281,7 +332,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, bias) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, family_of(config).gemma)
 
 
 class FastCausalLM(nn.Module):
@@ -289,16 +340,34 @@ class FastCausalLM(nn.Module):
     the module docstring. Build it with `build_fast_lm`, which checks the names against HF's model.
 
     q/k/v and gate/up projections run as one GEMM each: their weights are views into fused tensors
-    (`fuse_projections`), re-made after every move of the module (`_apply`)."""
+    (`fuse_projections`), re-made after every move of the module (`_apply`). Rotary tables are per key of
+    `families.rope_tables` (one, or Gemma 3's local and global), fp32 buffers `inv_freq_{key}`."""
 
-    def __init__(self, config, bias: dict[str, bool]):
+    def __init__(self, config, bias: dict[str, bool], rope: dict[str, tuple[torch.Tensor, float]]):
         super().__init__()
         self.config = config
         self.model = Decoder(config, bias)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", _inv_freq(config), persistent=False)
+        self.rope_scaling = {key: scaling for key, (_, scaling) in rope.items()}
+        for key, (inv_freq, _) in rope.items():
+            self.register_buffer(f"inv_freq_{key}", inv_freq, persistent=False)
+        self.layer_rope = layer_rope_keys(config)
+        gemma = family_of(config).gemma
+        self.layer_consts = [
+            LayerConsts(config.rms_norm_eps, config.num_attention_heads, config.num_key_value_heads,
+                        head_dim_of(config), gemma, activation(config), attention_scale(config),
+                        attention_softcap(config), window)
+            for window in layer_windows(config)]
+        self.embed_scale = config.hidden_size**0.5 if gemma else None
+        self.final_softcap = final_softcap(config)
+        self.max_positions = max_rope_positions(config)  # None, or where HF's dynamic rope would change
+
+    def set_rope(self, rope: dict[str, tuple[torch.Tensor, float]], device) -> None:
+        """(Re)sets the fp32 rotary buffers, whatever the weights' dtype."""
+        for key, (inv_freq, _) in rope.items():
+            setattr(self, f"inv_freq_{key}", inv_freq.to(device))
 
     def fuse_projections(self) -> None:
         for layer in self.model.layers:
@@ -309,7 +378,7 @@ class FastCausalLM(nn.Module):
     def _apply(self, fn, recurse=True):
         # a move or cast gives each parameter its own storage again: fuse anew (meta modules are not fused)
         out = super()._apply(fn, recurse)
-        if not self.inv_freq.is_meta:
+        if not self.model.norm.weight.is_meta:
             self.fuse_projections()
         return out
 
@@ -317,52 +386,71 @@ class FastCausalLM(nn.Module):
         c = self.config
         return (c.num_hidden_layers, 2, num_slots, c.num_key_value_heads, max_seq, head_dim_of(c))
 
-    def block_consts(self) -> tuple:
-        c = self.config
-        return c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, head_dim_of(c)
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{rope key: (cos, sin) (*positions.shape, D)}."""
+        return {key: rotary_cos_sin(getattr(self, f"inv_freq_{key}"), positions, dtype, scaling)
+                for key, scaling in self.rope_scaling.items()}
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(ids)
+        if self.embed_scale is not None:  # Gemma: times sqrt(hidden) rounded to the weights' dtype, as HF
+            x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.model.norm(x))
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def prefill(self, ids, lengths, kv, slots, source, block: DecoderBlock | None = None) -> torch.Tensor:
         """ids (U, L) right-padded prompts with `lengths` (U,); writes K/V to kv[:, :, slots] (see
         `DecoderBlock.prefill`) and returns the logits after each prompt's last token, (U, V)."""
         u, length = ids.shape
-        x = self.model.embed_tokens(ids.flatten())  # (U * L, hidden)
-        cos, sin = rotary_cos_sin(self.inv_freq, torch.arange(length, device=ids.device), x.dtype)  # (L, D)
-        cos, sin = cos.repeat(u, 1)[:, None], sin.repeat(u, 1)[:, None]  # (U * L, 1, D)
+        x = self.embed(ids.flatten())  # (U * L, hidden)
+        rotary = {key: (cos.repeat(u, 1)[:, None], sin.repeat(u, 1)[:, None])  # (U * L, 1, D)
+                  for key, (cos, sin) in self.rotary(torch.arange(length, device=ids.device), x.dtype).items()}
         block = block or DecoderBlock()
         for i, layer in enumerate(self.model.layers):
-            x = block.prefill(x, cos, sin, kv[i], slots, source, length, layer.block_weights(), self.block_consts())
+            x = block.prefill(x, *rotary[self.layer_rope[i]], kv[i], slots, source, length, layer.block_weights(),
+                              self.layer_consts[i])
         last = x.view(u, length, -1)[torch.arange(u, device=x.device), lengths - 1]  # (U, hidden)
-        return self.lm_head(self.model.norm(last))
+        return self.logits(last)
 
     def decode(self, tokens, positions, kv, seq_len: int, block: DecoderBlock | None = None) -> torch.Tensor:
         """One token per slot: tokens, positions (B,) over all B slots of `kv`; attends to cache entries
-        [0, positions] within the first `seq_len` (`TritonDecodeAttention` reads no further than positions).
-        `block`: how to run a layer (default: eager, SDPA). Returns logits (B, V)."""
-        x = self.model.embed_tokens(tokens)  # (B, hidden)
-        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)  # (B, D)
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        [0, positions] (from the window's start on a sliding-window layer) within the first `seq_len`
+        (`TritonDecodeAttention` reads no further than positions). `block`: how to run a layer (default:
+        eager, SDPA). Returns logits (B, V)."""
+        x = self.embed(tokens)  # (B, hidden)
+        rotary = {key: (cos[:, None], sin[:, None])  # broadcast over heads
+                  for key, (cos, sin) in self.rotary(positions, x.dtype).items()}
         slots = torch.arange(tokens.shape[0], device=tokens.device)
         block = block or DecoderBlock()
-        mask = block.attention.mask(positions, seq_len, x.dtype)
+        masks = {c.window: block.attention.mask(positions, seq_len, x.dtype, c.window) for c in self.layer_consts}
         for i, layer in enumerate(self.model.layers):
-            x = block.decode(x, cos, sin, kv[i], slots, positions, mask, layer.block_weights(), self.block_consts())
-        return self.lm_head(self.model.norm(x))
+            c = self.layer_consts[i]
+            x = block.decode(x, *rotary[self.layer_rope[i]], kv[i], slots, positions, masks[c.window],
+                             layer.block_weights(), c)
+        return self.logits(x)
 
 
 def build_fast_lm(config, device: torch.device, dtype: torch.dtype, seed: int = 0) -> FastCausalLM:
     """The decoder for `config` on `device`, randomly initialised (weights arrive by `load_weights`).
-    Its parameter names and shapes are checked against HF's model for the same config."""
+    Its parameter names and shapes are checked against HF's model for the same config, and its rotary
+    tables come from that model's own rotary class."""
     import transformers
 
     check_supported(config)
     with torch.device("meta"):
         reference = transformers.AutoModelForCausalLM.from_config(config)
+    rope = rope_tables(config, type(reference.model.rotary_emb))
     hf_params = {n: tuple(p.shape) for n, p in reference.named_parameters(remove_duplicate=False)}
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     block = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
     bias = {n: f"model.layers.0.{block.get(n, 'mlp')}.{n}.bias" in hf_params for n in names}
     with torch.device("meta"):
-        model = FastCausalLM(config, bias)
+        model = FastCausalLM(config, bias, rope)
     ours = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
     if ours != hf_params:
         diff = sorted(set(ours.items()) ^ set(hf_params.items()))[:6]
@@ -376,17 +464,11 @@ def build_fast_lm(config, device: torch.device, dtype: torch.dtype, seed: int = 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if family_of(config).gemma else 1.0)  # Gemma's norms scale by (1 + weight)
             elif name.endswith(".bias"):
                 p.zero_()
             else:
                 p.normal_(0.0, std, generator=gen)
     model = model.to(dtype).eval().requires_grad_(False)
-    model.inv_freq = _inv_freq(config).to(device)  # fp32 whatever the weights' dtype
+    model.set_rope(rope, device)  # fp32 whatever the weights' dtype
     return model
-
-
-def _inv_freq(config) -> torch.Tensor:
-    """Rotary inverse frequencies, (head_dim / 2,) fp32, computed on the CPU as HF does (same bits)."""
-    d = head_dim_of(config)
-    return 1.0 / (rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.float) / d))

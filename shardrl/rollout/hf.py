@@ -20,7 +20,8 @@ import torch
 import transformers
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, copy_weights_in_place
+from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts, contains_stop,
+                                   copy_weights_in_place, cut_responses)
 from shardrl.tokenizer import stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class _LogProbRecorder(LogitsProcessor):
 
 class _StopStringCriteria(StoppingCriteria):
     """Ends a row once its decoded response contains a stop string (an early exit only: the response
-    mask is cut afterwards from the full decode, by `_stop_length`)."""
+    mask is cut afterwards from the full decode, by `shardrl.rollout.base.stop_length`)."""
 
     def __init__(self, tokenizer, stop: list[str], prompt_width: int):
         self.tokenizer, self.stop, self.prompt_width = tokenizer, stop, prompt_width
@@ -64,37 +65,10 @@ class _StopStringCriteria(StoppingCriteria):
         response = input_ids[:, self.prompt_width :]
         tails = self.tokenizer.batch_decode(response[:, -self.window :], skip_special_tokens=True)
         done = [
-            _contains_stop(tail, self.stop) and _contains_stop(self.tokenizer.decode(row, skip_special_tokens=True), self.stop)
+            contains_stop(tail, self.stop) and contains_stop(self.tokenizer.decode(row, skip_special_tokens=True), self.stop)
             for tail, row in zip(tails, response)
         ]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
-def _contains_stop(text: str, stop: list[str]) -> bool:
-    return any(s in text for s in stop)
-
-
-def _stop_length(tokenizer, ids: list[int], stop: list[str]) -> int | None:
-    """The fewest leading tokens of `ids` whose decoded text contains a stop string, or None."""
-
-    def hit(k: int) -> bool:
-        return _contains_stop(tokenizer.decode(ids[:k], skip_special_tokens=True), stop)
-
-    if not ids or not hit(len(ids)):
-        return None
-    lo, hi = 1, len(ids)  # containment only grows with the prefix: binary search
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if hit(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def _cut_at_stop(text: str, stop: list[str]) -> str:
-    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return text[: min(cuts)] if cuts else text
 
 
 class HFRollout(Rollout):
@@ -151,7 +125,7 @@ class HFRollout(Rollout):
                  sampling: SamplingParams) -> RolloutOutput:
         if self._released:
             raise RuntimeError("the rollout is released (its model sits on the CPU); call resume() before generate()")
-        _check_prompts(prompt_ids, attention_mask)
+        check_prompts(prompt_ids, attention_mask)
         num_prompts, n = prompt_ids.shape[0], sampling.n
         with self._seeded(sampling.seed):
             chunks = [
@@ -180,25 +154,8 @@ class HFRollout(Rollout):
         generated = sequences[:, ids.shape[1] :]  # (rows, L)
         logp = recorder.finish(generated).cpu()
         generated = generated.cpu()
-        lengths, texts = self._cut_responses(generated, sampling.stop)
+        lengths, texts = cut_responses(self.tokenizer, self.stop_ids, generated, sampling.stop)
         return generated, lengths, logp, texts
-
-    def _cut_responses(self, generated: torch.Tensor, stop: list[str]) -> tuple[list[int], list[str]]:
-        """Each row's response length (through EOS, or through the token completing a stop string)
-        and its text (special tokens skipped, cut before the stop string)."""
-        lengths, texts = [], []
-        for row in generated.tolist():
-            end = next((i for i, t in enumerate(row) if t in self.stop_ids), len(row))
-            body = row[:end]  # before EOS (or the end-of-turn token)
-            length = len(body) + 1 if len(body) < len(row) else len(row)  # EOS counts as a response token
-            if stop:
-                stop_at = _stop_length(self.tokenizer, body, stop)
-                if stop_at is not None:
-                    length = stop_at
-            text = self.tokenizer.decode(row[:length], skip_special_tokens=True)
-            lengths.append(length)
-            texts.append(_cut_at_stop(text, stop) if stop else text)
-        return lengths, texts
 
     def _generation_config(self, sampling: SamplingParams) -> GenerationConfig:
         sample = not sampling.is_greedy
@@ -207,7 +164,8 @@ class HFRollout(Rollout):
             do_sample=sample,
             temperature=sampling.temperature if sample else None,
             top_p=sampling.top_p if sample else None,
-            top_k=(sampling.top_k or None) if sample else None,
+            # 0 turns HF's top-k off; None would leave its default (50) on and sample from another policy
+            top_k=(sampling.top_k or 0) if sample else None,
             eos_token_id=self.stop_ids or None,
             pad_token_id=self.pad_id,
             bos_token_id=self.tokenizer.bos_token_id,
@@ -227,13 +185,3 @@ class HFRollout(Rollout):
                 with torch.cuda.device(self.device):
                     torch.cuda.manual_seed(seed)
             yield
-
-
-def _check_prompts(prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-    if prompt_ids.dim() != 2 or prompt_ids.shape != attention_mask.shape:
-        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
-                         "must both be (B, P)")
-    if prompt_ids.shape[0] == 0:
-        raise ValueError("generate needs at least one prompt")
-    if not bool(attention_mask[:, -1].all()):
-        raise ValueError("prompts must be left-padded: the last column of attention_mask must be 1 in every row")

@@ -28,7 +28,7 @@ def resolve_device_defaults(cfg: Config, hf_config=None) -> tuple[Config, list[s
         reason = f"on {where}"
         ro.backend = "hf"
         if cuda and hf_config is not None:
-            from shardrl.rollout.fast_model import check_supported
+            from shardrl.rollout.families import check_supported
 
             try:
                 check_supported(hf_config)
@@ -71,6 +71,8 @@ def old_log_probs_from_update(cfg: Config) -> tuple[bool, str]:
         blockers.append(f"actor.ppo_epochs={a.ppo_epochs}")
     if cfg.algorithm.use_kl_in_reward:
         blockers.append("algorithm.use_kl_in_reward reads them before the advantages")
+    if cfg.algorithm.rollout_is:
+        blockers.append("algorithm.rollout_is weighs the loss by them against the sampler's")
     if not cfg.model.disable_dropout:
         blockers.append("model.disable_dropout=false (the update's forward may draw dropout masks)")
     if blockers:

@@ -21,6 +21,7 @@ from shardrl.batch import Batch
 from shardrl.checkpoint import CheckpointManager
 from shardrl.config import Config, config_to_dict
 from shardrl.data import PromptLoader, collate_prompts, load_prompt_dataset
+from shardrl.distributed import ParallelDims
 from shardrl.engine import build_engine
 from shardrl.engine.model import DTYPES, load_hf_config, require_folder
 from shardrl.layout import derive_layout, format_layout
@@ -31,6 +32,7 @@ from shardrl.trainer.defaults import old_log_probs_from_update, resolve_device_d
 from shardrl.trainer.metrics import Max, MetricsLogger, Min, Sum, SumCount, mean_over_ranks, reduce_over_ranks
 from shardrl.trainer.perf import model_shape, rl_step_flops, throughput_metrics
 from shardrl.trainer.run_folder import check_writable, choose_run_dir, claim_run_dir
+from shardrl.trainer.sampling import apply_rollout_is, draw_informative_groups, mismatch_step_metrics, shape_overlong
 from shardrl.trainer.updates import actor_loss_fn, compute_advantages, critic_loss_fn, run_updates
 
 log = logging.getLogger(__name__)
@@ -51,13 +53,32 @@ def load_tokenizer(cfg: Config):
                          "there with tokenizer.save_pretrained(folder), or set model.tokenizer_path to a folder "
                          "that has one")
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        if _generic_tokenizer(Path(path)):
+            tok = transformers.PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     except Exception as e:
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _generic_tokenizer(folder: Path) -> bool:
+    """Whether the folder's tokenizer is a plain `tokenizer.json` saved by the generic fast class (a tokenizer
+    built with the `tokenizers` library, like the demo's). Loaded through AutoTokenizer, such a folder gets the
+    tokenizer class of its model type when it holds a config.json (transformers 5: a qwen2 folder's
+    Qwen2Tokenizer replaces the pre-tokenizer with its own BPE split and drops the demo's spaces), so it is
+    loaded as saved instead."""
+    config = folder / "tokenizer_config.json"
+    if not (folder / "tokenizer.json").is_file() or not config.is_file():
+        return False
+    try:
+        name = json.loads(config.read_text()).get("tokenizer_class")
+    except (ValueError, OSError):
+        return False
+    return name in ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def check_vocab_sizes(cfg: Config, tokenizer_size: int) -> None:
@@ -113,17 +134,22 @@ class RLTrainer:
 
         # engines: actor trains; ref only when a KL needs it; critic only for GAE
         total = cfg.trainer.total_steps * self.layout.actor.num_updates
-        self.actor = build_engine(cfg.model, cfg.actor.engine, cfg.actor.optim, total_steps=total)
+        # the run's meshes, built once; engines of one layout share them (and their communicators)
+        self.parallel_dims = ParallelDims.from_config(cfg)
+        meshes = self.parallel_dims.for_engine
+        self.actor = build_engine(cfg.model, cfg.actor.engine, cfg.actor.optim, total_steps=total,
+                                  mesh=meshes(cfg.actor.engine))
         self.mesh = self.actor.mesh
         self.ref = None
         if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            self.ref = build_engine(cfg.model, cfg.ref.engine, None)
+            self.ref = build_engine(cfg.model, cfg.ref.engine, None, mesh=meshes(cfg.ref.engine))
         self.critic = None
         if cfg.algorithm.adv_estimator == "gae":
             critic_model = cfg.model if cfg.critic.model_path is None else dataclasses.replace(
                 cfg.model, path=cfg.critic.model_path, tiny=None)
             self.critic = build_engine(critic_model, cfg.critic.engine, cfg.critic.optim, head="value",
-                                       total_steps=cfg.trainer.total_steps * self.layout.critic.num_updates)
+                                       total_steps=cfg.trainer.total_steps * self.layout.critic.num_updates,
+                                       mesh=meshes(cfg.critic.engine))
         try:  # for the perf/ metrics; a model config without the usual names goes without FLOP counts
             self.flop_shapes = (model_shape(self.actor.hf_config),
                                 model_shape(self.critic.hf_config, head_outputs=1) if self.critic else None)
@@ -146,7 +172,7 @@ class RLTrainer:
         self.reward_model = None
         if cfg.reward.model_path:
             rm_cfg = dataclasses.replace(cfg.model, path=cfg.reward.model_path, tiny=None)
-            self.reward_model = build_engine(rm_cfg, cfg.reward.engine, None, head="score")
+            self.reward_model = build_engine(rm_cfg, cfg.reward.engine, None, head="score", mesh=meshes(cfg.reward.engine))
         algo = cfg.algorithm
         self.kl_ctrl = (AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon) if algo.kl_target
                         else FixedKLController(algo.kl_coef))
@@ -230,6 +256,14 @@ class RLTrainer:
             raise self.rewards.all_failed_error(round(counts["samples"] * self.mesh.dp_size))
         return scores, metrics
 
+    def _draw_round(self, seed: int, round_index: int) -> tuple[Batch, torch.Tensor, dict]:
+        """Dynamic sampling's extra rounds: the next prompts, generated (another sampling seed per round) and
+        scored, with the overlong shaping."""
+        batch = self._generate(next(self.loader), dataclasses.replace(self.sampling, seed=seed + 7919 * round_index))
+        scores, reward_metrics = self._score(batch)
+        scores, overlong = shape_overlong(batch, scores, self.cfg.reward.overlong_buffer, self.sampling.max_new_tokens)
+        return batch, scores, {**reward_metrics, **overlong}
+
     # ---- one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         cfg, t0 = self.cfg, time.perf_counter()
@@ -241,18 +275,26 @@ class RLTrainer:
         t_gen = time.perf_counter()
         peaks = {"gen": self._phase_peak_gib()}
         scores, reward_metrics = self._score(batch)
+        scores, overlong = shape_overlong(batch, scores, cfg.reward.overlong_buffer, self.sampling.max_new_tokens)
+        reward_metrics, sample_metrics = {**reward_metrics, **overlong}, {}
+        if cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling: more rounds until enough informative groups
+            first = (batch, scores, reward_metrics)
+            batch, scores, reward_metrics, more = draw_informative_groups(
+                lambda r: first if r == 0 else self._draw_round(seed, r), self.layout.prompts_per_rank,
+                cfg.algorithm.filter_groups.max_num_gen_batches, self.mesh.dp_group)
+            sample_metrics.update(more)
         mask = batch["loss_mask"].float()
         temp = self.sampling.logprob_temperature
 
         def token_mean(values):  # reduced over the ranks as sum / count: a mean over the whole batch's tokens
             return SumCount(*map(float, masked_metric(values, mask)))
 
-        metrics = {}
+        metrics = dict(sample_metrics)
         if not self.old_from_update:  # else the update's forward gives them and these two metrics
             old = self.actor.infer_batch(batch, temperature=temp, with_entropy=True)
             batch["old_log_probs"] = old["log_probs"].cpu()
             metrics["actor/entropy"] = token_mean(old["entropy"].cpu())  # the sampling policy's
-            metrics["rollout/logprob_abs_diff"] = token_mean((batch["old_log_probs"] - batch["sampled_log_probs"]).abs())
+            metrics.update(mismatch_step_metrics(batch))  # rollout/logprob_abs_diff (and _max), rollout/kl, k3_kl
         if self.ref is not None:
             batch["ref_log_probs"] = self.ref.infer_batch(batch, temperature=temp)["log_probs"].cpu()
             if not self.old_from_update:
@@ -260,6 +302,8 @@ class RLTrainer:
         if self.critic is not None:
             batch["old_values"] = self.critic.infer_batch(batch)["values"].cpu()
         metrics.update(compute_advantages(batch, scores, cfg.algorithm, self.kl_ctrl.value, self.mesh.dp_group))
+        if cfg.algorithm.rollout_is:  # after the advantages: a rejected sample still counts in its group's baseline
+            metrics.update(apply_rollout_is(batch, cfg.algorithm))
         t_prep = time.perf_counter()
         peaks["prep"] = self._phase_peak_gib()
 

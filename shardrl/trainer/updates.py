@@ -10,15 +10,16 @@ import torch
 
 from shardrl.algos import (
     ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
     apply_kl_in_reward,
     entropy_loss,
     kl_loss,
     masked_whiten,
-    policy_loss,
     scores_to_token_rewards,
     value_loss,
 )
 from shardrl.algos.aggregate import masked_metric, share_metric
+from shardrl.algos.rollout_correction import mismatch_metrics
 from shardrl.batch import Batch
 from shardrl.distributed import all_reduce_sum
 from shardrl.engine.base import NonFiniteParametersError
@@ -74,17 +75,22 @@ def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: fl
 def actor_loss_fn(actor_cfg, agg_mode: str, old_from_forward: bool = False):
     """The actor's loss. `old_from_forward` (the trainer decides: `defaults.old_log_probs_from_update`):
     the step's only update takes its old log-probs from this forward, detached, instead of
-    `mb["old_log_probs"]`, and measures here what the trainer would have measured on them."""
+    `mb["old_log_probs"]`, and measures here what the trainer would have measured on them. The policy loss is
+    `POLICY_LOSSES[actor_cfg.loss_mode]`, weighted by `mb["rollout_is_weights"]` when the batch has them."""
+    policy_loss = POLICY_LOSSES[actor_cfg.loss_mode]
+
     def loss_fn(outputs, mb, num_tokens, num_seqs):
         mask = mb["loss_mask"]
         old = outputs["log_probs"].detach() if old_from_forward else mb["old_log_probs"]
+        weights = mb["rollout_is_weights"] if "rollout_is_weights" in mb else None
         loss, metrics = policy_loss(outputs["log_probs"], old, mb["advantages"], mask,
                                     actor_cfg.clip_ratio_low, actor_cfg.clip_ratio_high, actor_cfg.clip_ratio_c,
-                                    agg_mode, num_tokens, num_seqs)
+                                    agg_mode, num_tokens, num_seqs, weights=weights)
         # (sum, count) tensor pairs: the engine adds them up over micro-batches and ranks, syncing once
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         if old_from_forward:
-            metrics["rollout/logprob_abs_diff"] = masked_metric((old - mb["sampled_log_probs"]).abs(), mask)
+            mismatch = mismatch_metrics(old, mb["sampled_log_probs"], mask)  # its max needs a max over ranks: not here
+            metrics.update({f"rollout/{k}": v for k, v in mismatch.items() if k != "logprob_abs_diff_max"})
             if "ref_log_probs" in mb:
                 metrics["kl/actor_ref"] = masked_metric(old - mb["ref_log_probs"], mask)
             # the sampling policy's token-mean entropy (the trainer asks this forward for it)

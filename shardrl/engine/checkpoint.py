@@ -1,0 +1,107 @@
+"""One engine's state as a DCP checkpoint folder: model and optimizer (sharded state dicts, the optimizer
+flattened to per-parameter keys), lr_scheduler, global_step.
+
+DCP reshards on load: each rank reads the pieces of the global tensors its current shards cover, so a
+folder saved on N ranks loads on M (FSDP2, HSDP or FSDP1) with no conversion step. Before loading, the
+folder's keys and shapes are compared with the engine's and any difference is a ValueError.
+
+The functions take the engine's parts (module, optimizer, schedule), not the engine, so this module sits
+below `shardrl.engine.base`, which calls it from `Engine.save` / `Engine.load`. A run's checkpoints (one
+folder per engine, RNG, trainer state, atomic renames) are `shardrl.checkpoint`'s job.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+# flattened optimizer state: per-parameter keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") that
+# do not depend on how parameters are grouped or sharded
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def engine_state_dict(module: nn.Module, optimizer=None, lr_scheduler=None, global_step: int = 0) -> dict[str, Any]:
+    """The engine's sharded state: DTensors (or FSDP1 sharded tensors) of this rank's shards."""
+    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    state["global_step"] = global_step
+    return state
+
+
+def save_engine_state(path: str | os.PathLike, module: nn.Module, optimizer=None, lr_scheduler=None,
+                      global_step: int = 0) -> None:
+    """Writes the engine's state as a DCP checkpoint at `path` (a folder); every rank must call it."""
+    dcp.save(engine_state_dict(module, optimizer, lr_scheduler, global_step), checkpoint_id=str(path))
+
+
+def load_engine_state(path: str | os.PathLike, module: nn.Module, optimizer=None, lr_scheduler=None) -> int:
+    """Loads a folder `save_engine_state` wrote, at any world size and layout; returns its global step."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"{path} is not a DCP checkpoint (no .metadata); expected a folder save_engine_state wrote")
+    state = engine_state_dict(module, optimizer, lr_scheduler)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    check_matches(state, saved, path)
+    if "lr_scheduler" in state:  # entries another torch version's scheduler does not have keep their value
+        state["lr_scheduler"] = {k: v for k, v in state["lr_scheduler"].items() if f"lr_scheduler.{k}" in saved}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(module, state["model"], options=_OPTIONS)
+    if optimizer is not None:
+        set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_OPTIONS)
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+    return int(state["global_step"])
+
+
+def flat_keys(state: Mapping, prefix: str = "") -> dict[str, Any]:
+    """The keys DCP stores `state` under: nested mappings joined by dots (lists of plain values are leaves)."""
+    out = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flat_keys(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def check_matches(state: Mapping, saved: Mapping[str, Any], path: Path) -> None:
+    """Raises ValueError when the checkpoint's model/optimizer keys or tensor shapes differ from `state`'s."""
+    want = {k: v for k, v in flat_keys(state).items() if k.split(".", 1)[0] in ("model", "optimizer")}
+    have = {k for k in saved if k.split(".", 1)[0] in ("model", "optimizer")}
+    missing = sorted(set(want) - have)
+    unexpected = sorted(k for k in have - set(want) if k.startswith("model."))
+    if not any(k.startswith("model.") for k in have):
+        raise ValueError(f"checkpoint {path} holds no model weights")
+    if "optimizer" in state and not any(k.startswith("optimizer.") for k in have):
+        raise ValueError(f"checkpoint {path} holds no optimizer state, but this engine trains; "
+                         "it was saved by a forward-only engine")
+    shapes = []
+    for key in sorted(set(want) & have):
+        meta, value = saved[key], want[key]
+        if isinstance(meta, TensorStorageMetadata) and isinstance(value, torch.Tensor):
+            if tuple(meta.size) != tuple(value.shape):
+                shapes.append(f"{key}: checkpoint {tuple(meta.size)}, model {tuple(value.shape)}")
+    if missing or unexpected or shapes:
+        parts = []
+        for label, items in (("missing from the checkpoint", missing), ("not in this model", unexpected),
+                             ("of another shape", shapes)):
+            if items:
+                more = f" (and {len(items) - 5} more)" if len(items) > 5 else ""
+                parts.append(f"{len(items)} {label}: {', '.join(items[:5])}{more}")
+        raise ValueError(f"checkpoint {path} does not match this model (another architecture or size?); "
+                         + "; ".join(parts))
