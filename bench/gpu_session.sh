@@ -44,6 +44,46 @@ phase_state1() { limit 200 python3 bench/state.py --world 1 --strategies fsdp2,f
 phase_state2() { limit 200 python3 bench/state.py --world 2 --strategies "${STATE_STRATEGIES:-fsdp2,fsdp}" --out $RES; }
 phase_ulysses() { limit 360 python3 bench/ulysses.py --world 2 --sp "${ULYSSES_SP:-1,2}" --out $RES \
     ${ULYSSES_LENGTHS:+--lengths $ULYSSES_LENGTHS} --steps "${ULYSSES_STEPS:-2}"; }
+# the whole-step benchmark against TRL (issue 14); TRL's wheels installed under /tmp/site by the caller
+phase_e2e_prepare() { limit 240 python3 bench/e2e.py --root /tmp/e2e --systems none; }
+phase_e2e_shardrl1() {  # shardrl on one GPU, every case; then the demo's profile on the GPU and the CPU
+    limit 560 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 --steps 5 --out $RES
+    limit 150 python3 bench/profile_demo.py --device cuda --steps 30 --out $RES
+    limit 100 python3 bench/profile_demo.py --device cpu --steps 30 --out $RES
+}
+phase_e2e_trl() {  # TRL on one GPU (its wheels under /tmp/site); the variable-length case: one step after warm-up
+    PYTHONPATH=/tmp/site:$PWD limit 300 python3 bench/e2e.py --root /tmp/e2e --systems trl --cases fixed_64,fixed_512 \
+        --trl-steps 3 --out $RES
+    PYTHONPATH=/tmp/site:$PWD limit 400 python3 bench/e2e.py --root /tmp/e2e --systems trl --cases var_512 \
+        --trl-steps 2 --out $RES
+}
+phase_e2e2() {  # shardrl alone on two GPUs: 50 steps at 512 samples (drift), the variable lengths, offload
+    limit 420 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 2 --cases fixed_512 --steps 50 \
+        --tag drift --out $RES
+    limit 200 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 2 --cases var_512 --steps 5 --out $RES
+    limit 200 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 2 --cases fixed_512 --steps 4 \
+        --tag offload --extra "actor.engine.offload_params=true actor.engine.offload_optimizer=true" --out $RES
+}
+# the fast rollout's model families (issue 21) and the rollout-mismatch correction (issue 16), one H200
+phase_fam_tests() { limit 240 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore tests/test_rollout_fast_families.py \
+    tests/test_rollout_fast.py; }
+phase_fam_bench() { limit 330 python3 bench/rollout_families.py --out $RES; }
+phase_mismatch() { limit 240 python3 bench/rollout_mismatch.py --steps 80 --root /tmp/mismatch; }
+# the last calls of issue 14's session: two GPUs, compile on, the demo's step after the attention fix, GPU tests
+phase_e2e_final() {
+    limit 200 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 2 --cases fixed_512 --steps 8 --out $RES
+    limit 150 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 2 --cases var_512 --steps 4 --out $RES
+    limit 150 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 2 --cases fixed_512 --steps 3 \
+        --tag offload --extra "actor.engine.offload_params=true actor.engine.offload_optimizer=true" --out $RES
+    CUDA_VISIBLE_DEVICES=0 limit 200 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 --cases fixed_512 \
+        --steps 5 --tag compile --extra "actor.engine.compile=true" --no-floor --out $RES
+    CUDA_VISIBLE_DEVICES=0 limit 100 python3 bench/profile_demo.py --device cuda --steps 30 --top 15 --out $RES
+}
+phase_tests_final() { limit 200 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_sharded_load.py \
+    tests/test_engine_gpu.py tests/test_step_metrics.py -k "sharded or gpu or fsdp1 or cuda"; }
+phase_drift() { CUDA_VISIBLE_DEVICES=0 limit 200 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 \
+    --cases fixed_64 --steps 50 --tag drift --no-floor --out $RES; }
+phase_startup() { limit 240 python3 bench/startup.py --cases 1.5b:1,1.5b:2 --out $RES; }
 
 collect() {
     local out=${OUT:-gpu_out}

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the per-rank batch layout and memory ledger of a config")
     _add_config_args(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    plan.add_argument("--gpu-mem-gib", type=float, default=None, metavar="GIB",
+                      help="say whether each phase's predicted peak fits a GPU of this size, and what to change "
+                           "when one does not (exit status 1)")
 
     sub.add_parser("doctor", help="report what this machine can run")
 
@@ -64,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 def plan_main(args: argparse.Namespace) -> int:
     from shardrl.config import load_config
     from shardrl.engine.model import load_hf_config
-    from shardrl.layout import check_model_heads, derive_layout, format_layout, format_memory_ledger, memory_ledger
+    from shardrl.layout import check_model_heads, derive_layout, format_layout
+    from shardrl.memory import fit_advice, format_phase_ledger, phase_ledger
 
     cfg = load_config(args.config, args.overrides)
     nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
@@ -78,16 +82,22 @@ def plan_main(args: argparse.Namespace) -> int:
     if hf_config is not None:
         check_model_heads(layout, hf_config)  # heads vs sp: an error here, as training would give one
         try:
-            ledger = memory_ledger(cfg, layout, hf_config)
-        except ValueError as e:
+            ledger = phase_ledger(cfg, layout, hf_config)
+        except (ValueError, AttributeError) as e:  # a config without the usual decoder names
             skipped = str(e)
+    advice = fit_advice(ledger, args.gpu_mem_gib) if ledger and args.gpu_mem_gib else []
     if args.json:
-        print(json.dumps({**layout.to_dict(), "memory": ledger, "memory_skipped": skipped}))
+        print(json.dumps({**layout.to_dict(), "memory": ledger, "memory_skipped": skipped,
+                          "fits": None if args.gpu_mem_gib is None or ledger is None else not advice,
+                          "advice": advice}))
     else:
         print(format_layout(layout))
         print()
-        print(format_memory_ledger(ledger) if ledger else f"memory ledger: skipped ({skipped})")
-    return 0
+        print(format_phase_ledger(ledger) if ledger else f"memory ledger: skipped ({skipped})")
+        if ledger and args.gpu_mem_gib:
+            print(f"\ndoes not fit {args.gpu_mem_gib:g} GiB:\n  " + "\n  ".join(advice) if advice
+                  else f"\nfits {args.gpu_mem_gib:g} GiB (peak {ledger['peak_phase']} {ledger['peak_gib']:.1f} GiB)")
+    return 1 if advice else 0
 
 
 def _version(dist_name: str) -> str:

@@ -18,7 +18,7 @@ def test_plan_json_holds_the_derived_numbers(capsys):
     assert rc == 0
     assert (out["world_size"], out["dp"], out["prompts_per_rank"], out["samples_per_rank"]) == (8, 8, 2, 8)
     assert out["actor"]["mini_batch_samples_per_rank"] == 4 and out["actor"]["num_mini_batches"] == 2
-    assert out["memory"]["shard_size"] == 8 and out["memory"]["num_params"] > 0
+    assert out["memory"]["num_params"] > 0 and out["memory"]["peak_phase"] in ("gen", "prep", "update")
     assert out["memory_skipped"] is None
 
 
@@ -36,7 +36,22 @@ def test_plan_text_shows_the_derivation_and_ledger(capsys):
     assert main(["plan", TINY, "--nproc-per-node", "2"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "samples per rank = 8 prompts x 4 (n) / 2 (dp) = 16" in out
-    assert "memory per GPU (actor" in out and "optimizer state" in out
+    assert "peak GPU memory per phase" in out and "optimizer state" in out and "KV cache" in out
+
+
+def test_plan_says_what_to_change_when_a_phase_does_not_fit(capsys):
+    assert main(["plan", TINY, "--gpu-mem-gib", "80"]) == 0
+    assert "fits 80 GiB" in capsys.readouterr().out
+    big = TINY.replace("hidden_size: 64", "hidden_size: 4096").replace("intermediate_size: 128", "intermediate_size: 16384")
+    args = ["plan", big, "data.max_prompt_length=2048", "actor.engine.use_dynamic_bsz=true",
+            "actor.engine.max_token_len_per_gpu=65536", "--gpu-mem-gib", "24"]
+    assert main(args) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "does not fit 24 GiB: update needs" in out
+    assert "the largest term is activations" in out and "gradient_checkpointing=true" in out
+    assert main(args + ["--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and "activations" in out["advice"][0]
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -27,11 +27,23 @@ def test_nulls_are_resolved_by_device(cuda):
     resolved, lines = resolve_device_defaults(cfg, QWEN2)
     assert resolved.rollout.backend == ("fast" if cuda else "hf")
     for section in ("actor", "ref", "critic", "reward"):
-        assert getattr(resolved, section).engine.compile is False, section  # off everywhere for now
+        assert getattr(resolved, section).engine.compile is False, section  # a tiny model: off on both
     assert cfg.rollout.backend is None and cfg.actor.engine.compile is None  # a copy: the input is untouched
     assert f"rollout.backend={resolved.rollout.backend} (null: by device, on {'CUDA' if cuda else 'CPU'})" in lines
-    assert f"actor.engine.compile=false (null: off on {'CUDA' if cuda else 'CPU'}; true pays off for large models, " \
-           "see EngineConfig.compile)" in lines
+    why = "on CUDA, the model's 0.00B matmul parameters < 0.5B" if cuda else "off on CPU"
+    assert f"actor.engine.compile=false (null: {why}; see EngineConfig.compile)" in lines
+
+
+def test_compile_is_on_for_large_models_on_cuda_only(cuda):
+    big = transformers.Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, vocab_size=151936)
+    resolved, lines = resolve_device_defaults(load_config(None, []), big)
+    assert resolved.actor.engine.compile is cuda and resolved.critic.engine.compile is cuda
+    if cuda:
+        assert "actor.engine.compile=true (null: on CUDA, the model's 1.54B matmul parameters >= 0.5B; " \
+               "see EngineConfig.compile)" in lines
+    resolved, lines = resolve_device_defaults(load_config(None, ["actor.engine.strategy=fsdp"]), big)
+    assert resolved.actor.engine.compile is False and resolved.ref.engine.compile is cuda
 
 
 def test_explicit_choices_win_and_are_not_logged(cuda):
@@ -47,7 +59,7 @@ def test_cuda_falls_back_where_the_fast_paths_do_not_apply(monkeypatch):
     resolved, lines = resolve_device_defaults(load_config(None, []), GPT2)
     assert resolved.rollout.backend == "hf"
     assert any("fast rollout cannot run this model" in line and "gpt2" in line for line in lines)
-    # FSDP1 does not compile (nor, for now, FSDP2 when unset)
+    # FSDP1 does not compile (nor FSDP2 for a model this small)
     resolved, lines = resolve_device_defaults(load_config(None, ["actor.engine.strategy=fsdp"]), QWEN2)
     assert resolved.actor.engine.compile is False and resolved.ref.engine.compile is False
 

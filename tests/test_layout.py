@@ -4,7 +4,8 @@ import pytest
 import transformers
 
 from shardrl.config import Config, load_config
-from shardrl.layout import GIB, derive_layout, format_layout, format_memory_ledger, memory_ledger
+from shardrl.layout import GIB, derive_layout, format_layout
+from shardrl.memory import format_phase_ledger, phase_ledger
 
 TINY = ("model.tiny={model_type: qwen2, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
         "num_key_value_heads: 2, intermediate_size: 128, vocab_size: 1000, tie_word_embeddings: false}")
@@ -127,33 +128,44 @@ def tiny_hf_config():
     return c, load_hf_config(c.model.path, c.model.tiny)
 
 
-def test_memory_ledger_counts_exact_params_and_shards_them():
-    c, hf = tiny_hf_config()
+def test_memory_ledger_terms_are_the_arithmetic_of_the_config():
+    c, hf = tiny_hf_config()  # 64 hidden, 2 layers, 4 heads (2 KV), MLP 128, vocab 1000
     num_params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf).parameters())
-    ledger = memory_ledger(c, derive_layout(c, 1, 4), hf)
-    items = {r["name"]: r["gib"] for r in ledger["items"]}
-    assert ledger["num_params"] == num_params and ledger["shard_size"] == 4
-    assert items["params"] == pytest.approx(num_params * 4 / 4 / GIB)
-    assert items["optimizer state"] == pytest.approx(2 * items["params"])
-    assert items["logits chunk"] == pytest.approx(1024 * 1000 * 4 * 3 / GIB)
-    # 1 sample x 288 tokens x 64 hidden x 2 layers x 34 B (bf16 compute)
-    assert items["activations (one micro-batch)"] == pytest.approx(288 * 64 * 2 * 34 / GIB)
-    assert ledger["total_gib"] == pytest.approx(sum(items.values()))
-    assert "total" in format_memory_ledger(ledger)
+    layout = derive_layout(c, 1, 4)
+    ledger = phase_ledger(c, layout, hf)
+    assert ledger["num_params"] == num_params
+    gen = {i["name"]: i["gib"] * GIB for i in ledger["phases"]["gen"]["items"]}
+    update = {i["name"]: i["gib"] * GIB for i in ledger["phases"]["update"]["items"]}
+    assert gen["actor params"] == pytest.approx(num_params * 4 / 4)  # fp32 master / 4 shards
+    assert gen["actor optimizer state"] == pytest.approx(2 * num_params * 4 / 4)
+    assert gen["rollout weights"] == pytest.approx(num_params * 2)
+    slots, positions = layout.samples_per_rank, 384  # 256 + 32 tokens -> the next multiple of 128
+    assert gen["KV cache"] == pytest.approx(slots * positions * 2 * 2 * 2 * 16 * 2)
+    assert update["actor grads"] == pytest.approx(num_params)
+    # per token and layer: norms 2 x 6 B x 64, attention 2 B x (4 x 64 + 2 x 32), MLP 4 x 2 B x 128
+    tokens = 288  # one sample per micro-batch
+    assert update["activations"] == pytest.approx(tokens * 2 * (2 * 6 * 64 + 2 * (4 * 64 + 2 * 32) + 8 * 128))
+    for phase in ledger["phases"].values():
+        assert phase["total_gib"] == pytest.approx(sum(i["gib"] for i in phase["items"]))
+    assert ledger["peak_gib"] == max(p["total_gib"] for p in ledger["phases"].values())
+    assert "KV cache" in format_phase_ledger(ledger)
 
 
 def test_memory_ledger_offload_and_checkpointing():
     c, hf = tiny_hf_config()
-    base = memory_ledger(c, derive_layout(c, 1, 1), hf)
+    base = phase_ledger(c, derive_layout(c, 1, 1), hf)
     c2 = cfg(TINY, "actor.engine.offload_params=true", "actor.engine.offload_optimizer=true",
              "model.gradient_checkpointing=true")
-    ledger = memory_ledger(c2, derive_layout(c2, 1, 1), hf)
-    items = {r["name"]: r for r in ledger["items"]}
-    assert items["params"]["gib"] == items["grads"]["gib"] == items["optimizer state"]["gib"] == 0
-    assert "offload" in items["params"]["assumption"]
-    act = items["activations (one micro-batch)"]["gib"]
-    assert act == pytest.approx(288 * 64 * (2 * 2 + 34) / GIB)  # 2 B per layer input kept, one layer recomputed
-    assert act < {r["name"]: r["gib"] for r in base["items"]}["activations (one micro-batch)"]
+    ledger = phase_ledger(c2, derive_layout(c2, 1, 1), hf)
+    gen = {i["name"]: i for i in ledger["phases"]["gen"]["items"]}
+    update = {i["name"]: i for i in ledger["phases"]["update"]["items"]}
+    assert gen["actor params"]["gib"] == gen["actor optimizer state"]["gib"] == update["actor grads"]["gib"] == 0
+    assert "offload" in gen["actor params"]["how"]
+    assert update["actor optimizer state"]["gib"] > 0  # back on the GPU for the step
+    act = update["activations"]["gib"] * GIB
+    per_layer = 2 * 6 * 64 + 2 * (4 * 64 + 2 * 32) + 8 * 128
+    assert act == pytest.approx(288 * (2 * 2 * 64 + per_layer))  # layer inputs kept, one layer recomputed
+    assert act < {i["name"]: i["gib"] for i in base["phases"]["update"]["items"]}["activations"] * GIB
 
 
 def test_rollouts_per_step_is_batch_times_n():

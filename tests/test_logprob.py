@@ -228,3 +228,40 @@ def test_next_token_log_probs_alignment(side):
     assert (grid[mask.bool() & ~first] < 0).all()
     # a one-token sequence scores nothing
     assert (grid[1] == 0).all()
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+@pytest.mark.parametrize("grad", [True, False])
+def test_final_logit_softcap(with_entropy, grad):
+    """Gemma 2's final_logit_softcapping: log p and entropy of softcap * tanh(logits / softcap), under autograd
+    (with gradients) or not; a cap of 2 on logits of size ~3 changes them by far more than the tolerance."""
+    hidden, weight, b, targets = make_inputs(dtype=torch.float64, seed=3)
+    cap, temperature = 2.0, 0.8
+    g = torch.Generator().manual_seed(4)
+    w_lp, w_ent = torch.randn(N, generator=g, dtype=torch.float64), torch.randn(N, generator=g, dtype=torch.float64)
+
+    def capped_reference(h, w, bb):
+        logits = torch.tanh((h @ w.T + bb) / cap) * cap
+        logp_all = torch.log_softmax(logits / temperature, dim=-1)
+        return logp_all.gather(-1, targets[:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_(grad) for t in (hidden, weight, b)]
+        with torch.set_grad_enabled(grad):
+            lp, ent = fn(*leaves)
+        if not grad:
+            return lp, ent, []
+        loss = (lp * w_lp).sum() + ((ent * w_ent).sum() if ent is not None else 0.0)
+        loss.backward()
+        return lp.detach(), ent, [t.grad for t in leaves]
+
+    lp, ent, got = run(lambda h, w, bb: chunked_log_probs(h, w, bb, targets, temperature, 3, with_entropy, cap))
+    ref_lp, ref_ent, want = run(lambda h, w, bb: (lambda r: (r[0], r[1] if with_entropy else None))(
+        capped_reference(h, w, bb)))
+    uncapped = reference(hidden, weight, b, targets, temperature)[0]
+    assert (ref_lp - uncapped).abs().max() > 0.1
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-12, atol=1e-12)
+    if with_entropy:
+        torch.testing.assert_close(ent.detach(), ref_ent.detach(), rtol=1e-12, atol=1e-12)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)

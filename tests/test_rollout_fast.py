@@ -439,3 +439,23 @@ def test_fused_sampler_draws_the_right_distribution():
         graph.replay()
         draws.append(captured.clone())
     assert torch.equal(draws[0], draws[2]) and not torch.equal(draws[0], draws[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_release_and_resume_cycles_hold_no_more_memory(tok):
+    """A trainer step releases and resumes the rollout; the memory held after resume() is the same every step.
+    (A new warm-up stream per capture left a 32 MiB cuBLAS workspace behind each time: the e2e benchmark's
+    peaks grew by 0.032 GiB a step, in every configuration.)"""
+    model = reference_model(tok, seed=1, hidden_size=64)
+    rollout = make_rollout("fast", tok, model, "cuda", max_batch=4)
+    ids, mask = encode(tok)
+    sampled = SamplingParams(max_new_tokens=8, seed=0)
+    held = []
+    for _ in range(4):
+        rollout.generate(ids.cuda(), mask.cuda(), sampled)
+        rollout.release()
+        rollout.resume()
+        torch.cuda.synchronize()
+        held.append(torch.cuda.memory_allocated())
+    assert max(held[1:]) - min(held[1:]) < 2**20, held

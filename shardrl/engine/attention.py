@@ -73,7 +73,9 @@ def _causal_varlen(q, k, v, cu, max_len, scale, uniform: bool = False):
         else:
             kwargs["window_size"] = (-1, 0)
         return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
-    # reference path: SDPA on each sequence
+    if q.shape[0] and (cu.numel() - 1) * hq * max_len * max_len <= PADDED_ATTENTION_MAX_SCORES:
+        return _padded_causal(q, k, v, cu, max_len, scale)
+    # reference path: SDPA on each sequence (many small calls: the host's time, on a GPU)
     outs = []
     bounds = cu.tolist()
     for s, e in zip(bounds[:-1], bounds[1:]):
@@ -81,6 +83,34 @@ def _causal_varlen(q, k, v, cu, max_len, scale, uniform: bool = False):
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                    enable_gqa=hq != hkv)[0].transpose(0, 1))
     return torch.cat(outs)
+
+
+PADDED_ATTENTION_MAX_SCORES = 2**26
+"""Above this many attention scores (sequences x heads x longest^2), `_padded_causal` would hold too large a
+score matrix (SDPA's math kernel, as on CPU, materializes it) and the per-sequence loop runs instead."""
+
+
+def _padded_causal(q, k, v, cu, max_len: int, scale):
+    """Every sequence at once: the packed rows scattered into a (S, H, max_len, D) batch padded to the longest,
+    one SDPA call with a mask that is causal and hides each sequence's padding keys, gathered back. (A padding
+    query row still sees key 0, so no row is all-masked.) One call instead of one per sequence: on a GPU the
+    per-sequence loop's launches dominated small models (fp32, where the varlen kernel does not run)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    lens = (cu[1:] - cu[:-1]).long()
+    num_seqs, dev = lens.numel(), q.device
+    seq = torch.repeat_interleave(torch.arange(num_seqs, device=dev), lens)  # (N,) each token's sequence
+    pos = torch.arange(q.shape[0], device=dev) - cu[:-1].long()[seq]  # (N,) its position there
+
+    def padded(t):
+        out = t.new_zeros(num_seqs, max_len, t.shape[1], t.shape[2])
+        out[seq, pos] = t
+        return out.transpose(1, 2)  # (S, H, L, D)
+
+    keys = torch.arange(max_len, device=dev)
+    mask = (keys[None, :] <= keys[:, None])[None] & (keys[None, None, :] < lens[:, None, None])  # (S, L, L)
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=hq != hkv)
+    return out.transpose(1, 2)[seq, pos]
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

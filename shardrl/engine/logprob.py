@@ -80,9 +80,12 @@ class _ChunkLogProb(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None
 
 
-def _chunk_logprob(hidden, weight, bias, targets, temperature: float, with_entropy: bool):
+def _chunk_logprob(hidden, weight, bias, targets, temperature: float, with_entropy: bool,
+                   softcap: float | None = None):
     logits = F.linear(hidden, weight, bias)  # (n, V)
     logits = logits.to(_acc_dtype(logits.dtype))
+    if softcap:  # Gemma 2's final_logit_softcapping, as HF's forward applies it (before the temperature)
+        logits = torch.tanh(logits / softcap) * softcap
     if temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)  # (n,)
@@ -102,12 +105,14 @@ def chunked_log_probs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) (and entropy) of `hidden @ weight.T`, `chunk_size` tokens at a time.
 
     hidden (N, H), targets (N,). Under autograd only one chunk's logits exist at a time, in backward too:
     log-probs alone go through `_ChunkLogProb` (logits recomputed, their gradient formed in one pass);
-    with entropy, each chunk is checkpointed.
+    with entropy, each chunk is checkpointed. `softcap`: logits = softcap * tanh(logits / softcap) first (the
+    model config's `final_logit_softcapping`); such chunks take the autograd path (checkpointed under autograd).
     """
     logps, ents = [], []
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
@@ -115,14 +120,14 @@ def chunked_log_probs(
     # the autograd graph, which a rank's one-token placeholder micro-batch relies on
     for start in range(0, max(hidden.shape[0], 1), chunk_size):
         args = (hidden[start : start + chunk_size], weight, bias, targets[start : start + chunk_size])
-        if recompute and not with_entropy:
+        if recompute and not with_entropy and not softcap:
             lp, ent = _ChunkLogProb.apply(*args, temperature), None
         elif recompute:
-            lp, ent = checkpoint(_chunk_logprob, *args, temperature, with_entropy, use_reentrant=False)
-        elif not with_entropy:
+            lp, ent = checkpoint(_chunk_logprob, *args, temperature, with_entropy, softcap, use_reentrant=False)
+        elif not with_entropy and not softcap:
             lp, ent = _log_prob_forward(*args, temperature)[0], None
         else:
-            lp, ent = _chunk_logprob(*args, temperature, with_entropy)
+            lp, ent = _chunk_logprob(*args, temperature, with_entropy, softcap)
         logps.append(lp)
         ents.append(ent)
     logp = torch.cat(logps)

@@ -235,8 +235,10 @@ class PolicyModel(nn.Module):
         """`log_probs` (B, T) of each token under the policy (and its `entropy`), the output projection
         run in chunks so the (tokens, vocab) logits never exist whole."""
         head = self.lm.get_output_embeddings()
+        text = self.lm.config.get_text_config() if hasattr(self.lm.config, "get_text_config") else self.lm.config
+        softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2
         logp, entropy = chunked_log_probs(hidden, head.weight, head.bias, tokens.targets, temperature,
-                                          self.chunk_size, with_entropy)  # (n_local,)
+                                          self.chunk_size, with_entropy, softcap)  # (n_local,)
         outputs = {"log_probs": tokens.restore(shift_to_scored_token(tokens.whole(logp), tokens.seq_start))}
         if entropy is not None:
             outputs["entropy"] = tokens.restore(shift_to_scored_token(tokens.whole(entropy), tokens.seq_start))

@@ -151,6 +151,7 @@ class FastRollout(Rollout):
         self._state: SlotState | None = None
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self._graph_keys: set[tuple[str, int]] = set()  # recaptured by resume()
+        self._capture_stream = None  # the warm-up stream of every capture (see `_capture`)
         self._graph_pool = None
         self._released, self._weights_on_cpu, self._kept_shape = False, False, None
         self.last_stats: dict = {}
@@ -317,7 +318,11 @@ class FastRollout(Rollout):
     def _capture(self, mode: str, seq_len: int) -> torch.cuda.CUDAGraph:
         if mode != GREEDY and not self._uses_fused_sampler(mode):
             self._torch_sampler_noise()  # before the graph takes its address (resume() recaptures here)
-        stream = torch.cuda.Stream(self.device)
+        if self._capture_stream is None:
+            # one side stream for every capture: cuBLAS keeps a workspace (32 MiB on an H200) per stream it has
+            # run on, for the life of the process, so a new stream per resume() leaked 32 MiB a step
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._warm_up(self._decode_step, mode, seq_len)

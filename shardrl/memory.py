@@ -1,0 +1,209 @@
+"""Peak GPU memory per phase of an RL step, predicted from the model config and the run config (`shardrl
+plan`): what PyTorch's allocator holds at most (`torch.cuda.max_memory_allocated`, the trainer's
+`memory/<phase>_peak_gib`), not nvidia-smi's figure (which adds the allocator's cache and CUDA's context).
+
+The phases are the trainer's: `gen` (weight sync + generation), `prep` (rewards, inference passes,
+advantages), `update` (critic and actor updates). Each is the memory held all step long (`resident`: sharded
+master weights and optimizer state, the rollout's bf16 copy of the weights, reference and critic models)
+plus that phase's own terms. Every term carries the arithmetic behind it.
+
+Activations are counted per token and layer as what autograd keeps for the backward of a Llama/Qwen-style
+decoder layer with FlashAttention-style attention (bf16 compute): each RMSNorm keeps its fp32 input and its
+normalized output; attention keeps q and k after rotary, v, its output and o_proj's input; a gated MLP keeps
+gate, up, the activation and the product (an ungated one: its two). Checkpointing keeps only each layer's
+input, plus one layer's full set during its recomputation.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardrl.config import Config
+from shardrl.layout import DTYPE_BYTES, GIB, Layout
+
+SEQ_BUCKET = 128  # the fast rollout's cache length granularity (FastRollout.seq_bucket)
+PREFILL_TOKENS = 16384  # FastRollout.prefill_tokens
+
+
+def _text(hf_config):
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+def model_numbers(hf_config, trust_remote_code: bool = False) -> dict:
+    """Parameter counts of the model (built on the meta device): total, largest FSDP unit, largest tensor."""
+    import torch
+    import transformers
+
+    from shardrl.engine.model import decoder_blocks
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    blocks = [sum(p.numel() for p in b.parameters()) for b in decoder_blocks(model)]
+    return dict(total=total, largest_unit=max([*blocks, total - sum(blocks)]),
+                largest_tensor=max(p.numel() for p in params))
+
+
+def activation_bytes_per_token_layer(hf_config, compute: int) -> tuple[int, str]:
+    """Bytes autograd keeps per token per decoder layer (see the module docstring), and the formula."""
+    c = _text(hf_config)
+    h = c.hidden_size
+    heads = c.num_attention_heads
+    d = getattr(c, "head_dim", None) or h // heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    inter = getattr(c, "intermediate_size", None) or 4 * h
+    from shardrl.trainer.perf import UNGATED_MLP
+
+    mlp_tensors = 2 if getattr(c, "model_type", None) in UNGATED_MLP else 4
+    norms = 2 * (4 * h + compute * h)
+    attn = compute * (3 * heads * d + 2 * kv * d) + compute * heads * d  # q, out, o_proj input; k, v; + spare
+    mlp = mlp_tensors * compute * inter
+    return norms + attn + mlp, (f"2 norms x (4+{compute}) B x {h} + attention {compute} B x (4 x {heads * d} + "
+                                f"2 x {kv * d}) + MLP {mlp_tensors} x {compute} B x {inter}")
+
+
+def _engine_resident(name, numbers, master, shard, offload_params, offload_optimizer, optimizer: bool):
+    p = numbers["total"]
+    out = []
+    out.append((f"{name} params", 0 if offload_params else p * master / shard,
+                "on CPU (offload_params)" if offload_params else
+                f"{p / 1e9:.3f}B x {master} B / {shard} (shard)"))
+    if optimizer:
+        out.append((f"{name} optimizer state", 0 if offload_optimizer else 2 * p * master / shard,
+                    "on CPU between updates (offload_optimizer)" if offload_optimizer else
+                    f"AdamW 2 x {p / 1e9:.3f}B x {master} B / {shard}"))
+    return out
+
+
+def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> dict:
+    """{"phases": {phase: {"items": [(name, GiB, how)], "total_gib"}}, "peak_phase", "peak_gib"} for one GPU of
+    the run `cfg` laid out as `layout` (the busiest rank's share). `cuda`: the rollout keeps a bf16 copy of
+    the weights (on CPU the HF rollout's fp32 one)."""
+    c = _text(hf_config)
+    numbers = model_numbers(hf_config, cfg.model.trust_remote_code)
+    p = numbers["total"]
+    master = DTYPE_BYTES[cfg.model.dtype]
+    actor = cfg.actor.engine
+    compute = DTYPE_BYTES[actor.param_dtype]
+    shard = layout.actor.shard_size
+    resident = _engine_resident("actor", numbers, master, shard, actor.offload_params, actor.offload_optimizer, True)
+    rollout_bytes = 2 if cuda else 4
+    resident.append(("rollout weights", p * rollout_bytes, f"a full copy: {p / 1e9:.3f}B x {rollout_bytes} B"))
+    if layout.ref is not None:
+        e = cfg.ref.engine
+        resident += _engine_resident("ref", numbers, master, layout.ref.shard_size, e.offload_params, False, False)
+    if layout.critic is not None:
+        e = cfg.critic.engine
+        resident += _engine_resident("critic", numbers, master, layout.critic.shard_size, e.offload_params,
+                                     e.offload_optimizer, True)
+
+    # gen: the weight export's transient, the KV cache, the sampler's logits, one prefill chunk
+    layers, h, vocab = c.num_hidden_layers, c.hidden_size, c.vocab_size
+    d = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    slots = layout.samples_per_rank if cfg.rollout.max_batch is None else min(cfg.rollout.max_batch,
+                                                                              layout.samples_per_rank)
+    max_seq = math.ceil(layout.max_seq_len / SEQ_BUCKET) * SEQ_BUCKET
+    per_position = layers * 2 * kv_heads * d * rollout_bytes
+    inter = getattr(c, "intermediate_size", None) or 4 * h
+    prefill = min(PREFILL_TOKENS, slots * layout.max_prompt_length)
+    gen = [
+        ("KV cache", slots * max_seq * per_position,
+         f"{slots} slots x {max_seq} positions x {layers} layers x 2 x {kv_heads} x {d} x {rollout_bytes} B"),
+        ("sampler logits", slots * vocab * 4 * 2, f"{slots} x {vocab} vocab x fp32 x 2 (logits, noise)"),
+        ("prefill chunk", prefill * (4 * h + 2 * inter) * rollout_bytes,
+         f"{prefill} tokens x (4 x {h} + 2 x {inter}) x {rollout_bytes} B"),
+        ("weight export", numbers["largest_tensor"] * (master + rollout_bytes),
+         f"largest tensor {numbers['largest_tensor'] / 1e6:.0f}M gathered x ({master} + {rollout_bytes}) B"),
+    ]
+
+    # prep: an inference pass (old log-probs, reference, values) holds one micro-batch's layer and logits chunk
+    tokens = actor.max_token_len_per_gpu if actor.use_dynamic_bsz else actor.micro_batch_size_per_gpu * \
+        layout.seq_tokens_per_rank
+    chunk = actor.logprob_chunk_size
+    from shardrl.trainer.defaults import old_log_probs_from_update
+
+    passes = [name for name, runs in (("old log-probs", not old_log_probs_from_update(cfg)[0]),
+                                      ("reference", layout.ref is not None), ("values", layout.critic is not None))
+              if runs]
+    prep = [("inference micro-batch", tokens * (4 * h + 2 * inter) * compute + chunk * vocab * 4 * 2,
+             f"{tokens} tokens x one layer's (4 x {h} + 2 x {inter}) x {compute} B + logits chunk "
+             f"({', '.join(passes)})")] if passes else []
+
+    # update: grads, optimizer state brought back, unsharded units, activations, logits chunk
+    per_tok, formula = activation_bytes_per_token_layer(hf_config, compute)
+    if cfg.model.gradient_checkpointing:
+        act = tokens * (layers * compute * h + per_tok)
+        act_how = f"checkpointing: {tokens} tokens x ({layers} layer inputs x {compute} B x {h} + one layer: {formula})"
+    else:
+        act = tokens * layers * per_tok
+        act_how = f"{tokens} tokens x {layers} layers x {per_tok} B ({formula})"
+    how_tokens = "max_token_len_per_gpu" if actor.use_dynamic_bsz else "micro_batch_size_per_gpu x sequence"
+    unit = numbers["largest_unit"]
+    update = [
+        ("actor grads", 0 if actor.offload_params else p * master / shard,
+         "on CPU (offload_params)" if actor.offload_params else f"{p / 1e9:.3f}B x {master} B / {shard}"),
+        ("activations", act, f"{act_how}; tokens: {how_tokens}"),
+        ("unsharded params", (2 * unit if actor.reshard_after_forward else p) * compute,
+         f"2 units of {unit / 1e6:.0f}M (one prefetched) x {compute} B" if actor.reshard_after_forward
+         else f"the whole model x {compute} B (reshard_after_forward=false)"),
+        ("logits chunk", chunk * vocab * (compute + 4 + 4),
+         f"{chunk} tokens x {vocab} x ({compute} + 4 + 4) B (logits, log-softmax, its grad)"),
+    ]
+    if actor.offload_optimizer:
+        update.append(("actor optimizer state", 2 * p * master / shard, "back on GPU for the step"))
+
+    phases = {}
+    for name, own in (("gen", gen), ("prep", prep), ("update", update)):
+        items = [{"name": n, "gib": b / GIB, "how": how, "resident": True} for n, b, how in resident]
+        items += [{"name": n, "gib": b / GIB, "how": how, "resident": False} for n, b, how in own]
+        phases[name] = {"items": items, "total_gib": sum(i["gib"] for i in items)}
+    peak = max(phases, key=lambda k: phases[k]["total_gib"])
+    return {"num_params": p, "phases": phases, "peak_phase": peak, "peak_gib": phases[peak]["total_gib"],
+            "not_counted": "CUDA context and allocator cache (nvidia-smi shows more), a reward model, CUDA graphs"}
+
+
+ADVICE = {
+    "KV cache": "fewer decode slots (rollout.max_batch) or a shorter data.max_prompt_length / rollout.max_new_tokens",
+    "activations": "model.gradient_checkpointing=true, or a smaller actor.engine.max_token_len_per_gpu "
+                   "(micro_batch_size_per_gpu without dynamic batching)",
+    "actor optimizer state": "actor.engine.offload_optimizer=true, or more GPUs to shard it over",
+    "actor params": "actor.engine.offload_params=true, or more GPUs to shard over",
+    "actor grads": "actor.engine.offload_params=true (grads follow the params), or more GPUs",
+    "rollout weights": "a smaller model: every GPU holds the rollout's full copy",
+    "sampler logits": "fewer decode slots (rollout.max_batch)",
+    "logits chunk": "a smaller actor.engine.logprob_chunk_size",
+}
+
+
+def largest_term(phase: dict) -> dict:
+    return max(phase["items"], key=lambda i: i["gib"])
+
+
+def fit_advice(ledger: dict, gpu_mem_gib: float) -> list[str]:
+    """Lines saying, for each phase over `gpu_mem_gib`, by how much and what to change; [] when all fit."""
+    lines = []
+    for name, phase in ledger["phases"].items():
+        if phase["total_gib"] > gpu_mem_gib:
+            top = largest_term(phase)
+            lines.append(f"{name} needs {phase['total_gib']:.1f} GiB > {gpu_mem_gib:g} GiB; the largest term is "
+                         f"{top['name']} ({top['gib']:.1f} GiB): {ADVICE.get(top['name'], 'see the terms above')}")
+    return lines
+
+
+def format_phase_ledger(ledger: dict) -> str:
+    lines = [f"peak GPU memory per phase (one GPU; {ledger['num_params'] / 1e9:.3f}B params):"]
+    width = max(len(i["name"]) for ph in ledger["phases"].values() for i in ph["items"])
+    for name, phase in ledger["phases"].items():
+        top = largest_term(phase)
+        lines.append(f"  {name}: {phase['total_gib']:.2f} GiB (largest: {top['name']})")
+        for i in phase["items"]:
+            if i["resident"] and name != "gen":
+                continue  # listed once, under gen
+            tag = "resident " if i["resident"] else ""
+            lines.append(f"    {tag + i['name']:<{width + 9}} {i['gib']:8.3f} GiB  # {i['how']}")
+        if name != "gen":
+            lines.append(f"    {'(+ the resident terms above)':<{width + 9}}")
+    lines.append(f"  peak: {ledger['peak_phase']} {ledger['peak_gib']:.2f} GiB; not counted: {ledger['not_counted']}")
+    return "\n".join(lines)
