@@ -52,10 +52,23 @@ def attention_kwargs(position_ids: torch.Tensor, sp_group=None) -> dict:
     return kwargs
 
 
-def _causal_varlen(q, k, v, cu, max_len, scale, uniform: bool = False):
+def _causal_varlen(q, k, v, cu, max_len, scale, uniform: bool = False, window: int | None = None,
+                   softcap: float | None = None):
     """q (N, Hq, D), k/v (N, Hkv, D) -> (N, Hq, D). `uniform`: every sequence is `max_len` long (a batch
-    without padding), so the row is a (S, max_len) batch and plain causal SDPA serves it."""
+    without padding), so the row is a (S, max_len) batch and plain causal SDPA serves it. `window`: each query
+    sees only the last `window` keys, itself included (HF's `sliding_window`); `softcap`: scores become
+    softcap * tanh(scores / softcap) before the softmax (Gemma 2's `attn_logit_softcapping`). Either one takes
+    the padded path (`_padded_causal`, or its per-sequence form past the size limit)."""
     hq, hkv = q.shape[1], k.shape[1]
+    if window is not None and window >= max_len:
+        window = None  # no sequence here is longer than the window
+    if (window is not None or softcap) and q.shape[0]:
+        if (cu.numel() - 1) * hq * max_len * max_len <= PADDED_ATTENTION_MAX_SCORES:
+            return _padded_causal(q, k, v, cu, max_len, scale, window, softcap)
+        bounds = cu.tolist()
+        pieces = [_padded_causal(q[s:e], k[s:e], v[s:e], torch.tensor([0, e - s], device=q.device), e - s, scale,
+                                 window, softcap) for s, e in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(pieces)
     if uniform and max_len > 0:
         s = q.shape[0] // max_len
         qb, kb, vb = (t.reshape(s, max_len, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))  # (S, H, L, D)
@@ -90,11 +103,12 @@ PADDED_ATTENTION_MAX_SCORES = 2**26
 score matrix (SDPA's math kernel, as on CPU, materializes it) and the per-sequence loop runs instead."""
 
 
-def _padded_causal(q, k, v, cu, max_len: int, scale):
+def _padded_causal(q, k, v, cu, max_len: int, scale, window: int | None = None, softcap: float | None = None):
     """Every sequence at once: the packed rows scattered into a (S, H, max_len, D) batch padded to the longest,
-    one SDPA call with a mask that is causal and hides each sequence's padding keys, gathered back. (A padding
-    query row still sees key 0, so no row is all-masked.) One call instead of one per sequence: on a GPU the
-    per-sequence loop's launches dominated small models (fp32, where the varlen kernel does not run)."""
+    one SDPA call with a mask that is causal (within `window`) and hides each sequence's padding keys,
+    gathered back. (A padding query row still sees a key, so no row is all-masked.) One call instead of one
+    per sequence: on a GPU the per-sequence loop's launches dominated small models (fp32, where the varlen
+    kernel does not run). With `softcap` the scores are formed explicitly (SDPA has no soft-cap)."""
     hq, hkv = q.shape[1], k.shape[1]
     lens = (cu[1:] - cu[:-1]).long()
     num_seqs, dev = lens.numel(), q.device
@@ -107,9 +121,21 @@ def _padded_causal(q, k, v, cu, max_len: int, scale):
         return out.transpose(1, 2)  # (S, H, L, D)
 
     keys = torch.arange(max_len, device=dev)
-    mask = (keys[None, :] <= keys[:, None])[None] & (keys[None, None, :] < lens[:, None, None])  # (S, L, L)
-    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask[:, None], scale=scale,
-                                         enable_gqa=hq != hkv)
+    visible = keys[None, :] <= keys[:, None]  # (L, L) causal
+    if window is not None:
+        visible &= keys[None, :] > keys[:, None] - window
+    mask = visible[None] & (keys[None, None, :] < lens[:, None, None])  # (S, L, L)
+    if window is not None:  # a padding query past a short sequence's window would see no key: key 0, unused
+        mask |= (keys[None, :, None] >= lens[:, None, None]) & (keys[None, None, :] == 0)
+    qb, kb, vb = padded(q), padded(k), padded(v)
+    if not softcap:
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None], scale=scale, enable_gqa=hq != hkv)
+        return out.transpose(1, 2)[seq, pos]
+    kb, vb = kb.repeat_interleave(hq // hkv, dim=1), vb.repeat_interleave(hq // hkv, dim=1)
+    scores = (qb @ kb.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (S, H, L, L)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    out = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(vb.dtype) @ vb
     return out.transpose(1, 2)[seq, pos]
 
 
@@ -123,13 +149,15 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (n, H, D)
     group = kwargs.get("sp_group")
     uniform = bool(kwargs.get("uniform_lengths", False))
+    # what HF's attention layers pass (Mistral, Qwen2/3 and Gemma sliding-window layers; Gemma 2's soft-cap)
+    limits = dict(window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"))
     if group is None:
-        return _causal_varlen(q, k, v, cu, max_len, scaling, uniform).unsqueeze(0), None
+        return _causal_varlen(q, k, v, cu, max_len, scaling, uniform, **limits).unsqueeze(0), None
     # Ulysses: this rank's tokens of all heads -> all tokens of this rank's heads, and back
     sp = dist.get_world_size(group)
     k, v = expand_kv_heads(k, sp), expand_kv_heads(v, sp)
     q, k, v = (seq_to_head(t, group) for t in (q, k, v))  # (N, H/sp, D)
-    out = _causal_varlen(q, k, v, cu, max_len, scaling, uniform)  # (N, H/sp, D)
+    out = _causal_varlen(q, k, v, cu, max_len, scaling, uniform, **limits)  # (N, H/sp, D)
     return head_to_seq(out, group).unsqueeze(0), None  # (1, n, H, D)
 
 
