@@ -4,6 +4,8 @@ and batch, in one call on the GPU machine; with the floor of each case on this G
     python bench/e2e.py --root /tmp/e2e --out results.jsonl                  # every case, both systems
     python bench/e2e.py --cases fixed_512 --systems shardrl --gpus 2 ...     # shardrl alone on two GPUs
     python bench/e2e.py --quick --root /tmp/e2e_cpu                          # a tiny shape on the CPU (a check)
+    python bench/e2e.py --cases var_512 --systems shardrl --gpus 2 --tag async1 \
+        --extra "async_rl.rollout_ranks=1 async_rl.max_staleness=1 algorithm.rollout_is=true"  # 1 GPU trains, 1 generates
 
 Cases (`CASES`): prompts x group size n, prompt tokens -> new tokens. `fixed_*`: a randomly initialised model
 of the Qwen2-1.5B shape, whose responses never end early (every response has max_new tokens). `var_512`: the
@@ -201,6 +203,11 @@ def summarize_shardrl(records: list[dict], case: str, gpus: int, tag: str, wall:
                mfu_measured=med("perf/mfu_measured"), response_length_mean=med("response/length_mean"),
                response_length_max=med("response/length_max"), response_length_min=med("response/length_min"),
                step_times=[round(r["timing/step_s"], 3) for r in records],
+               # async_rl runs (`--extra "async_rl.rollout_ranks=1 ..."`): the time each side waited for the
+               # other, the policy lag, and the weight stream to the rollout ranks per step
+               staleness=med("async/staleness"), trainer_idle_frac=med("async/trainer_idle_frac"),
+               rollout_idle_frac=med("async/rollout_idle_frac"),
+               **_weight_sync_medians([r for r in timed if r.get("weight_sync/bytes")]),  # the steps that pushed
                reward_mean=[round(r["reward/mean"], 4) for r in records])
     for phase in ("gen", "prep", "update"):
         vals = [r.get(f"memory/{phase}_peak_gib") for r in records if r.get(f"memory/{phase}_peak_gib") is not None]
@@ -212,6 +219,14 @@ def summarize_shardrl(records: list[dict], case: str, gpus: int, tag: str, wall:
                         for k in ("timing/step_s", "memory/update_peak_gib", "memory/gen_peak_gib")
                         if all(r.get(k) is not None for r in first + last)}
     return out
+
+
+def _weight_sync_medians(pushed: list[dict]) -> dict:
+    def med(key):
+        return round(statistics.median(r[key] for r in pushed), 4) if pushed else None
+
+    return dict(weight_sync_s=med("timing/weight_sync_s"), weight_sync_bytes=med("weight_sync/bytes"),
+                weight_sync_gb_per_s=med("weight_sync/gb_per_s"))
 
 
 # ---- TRL ----------------------------------------------------------------------------------------------

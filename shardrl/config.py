@@ -29,9 +29,9 @@ from shardrl.configload import (
 )
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
+    "ActorConfig", "AlgorithmConfig", "AsyncConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
     "EngineConfig", "FilterGroupsConfig", "OverlongBufferConfig",
-    "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig",
+    "ModelConfig", "MultiTurnConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig",
     "TrainerConfig", "apply_override", "config_keys", "config_to_dict", "from_dict", "load_config",
     "save_config", "validate_config",
 ]
@@ -268,6 +268,60 @@ class CriticConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (`shardrl.rollout.multiturn`): the model calls a tool in the Hermes/Qwen
+    format (<tool_call>{"name": ..., "arguments": {...}}</tool_call>), the tool's answer is appended as a turn
+    of exact token ids, and only the model's tokens are trained. KV is recomputed per turn."""
+
+    enable: bool = False
+    """Run the agent loop around the rollout backend (hf or fast) instead of single-turn generation."""
+    interaction_path: str | None = None
+    """Python file defining the interaction (a subclass of shardrl.rollout.multiturn.Interaction: tools, per-sample
+    state, `start`, `step`, a final `reward`); null uses the built-in `tools` with no state, and the reward function."""
+    interaction_name: str = "Interaction"
+    """Name of the interaction class (or a function making one) in `interaction_path`."""
+    tools: list[str] = field(default_factory=list)
+    """Built-in tools when no interaction file is given: "calculator" (ast arithmetic), "python" (a subprocess
+    sandbox: time/memory limits, a temporary folder as cwd; the network and the file system are NOT isolated)."""
+    max_turns: int = 4
+    """Model turns per conversation at most (a tool call in the last one is not run)."""
+    max_response_tokens: int = 512
+    """Token budget of a whole response: the model's turns and the tool turns together. Each model turn is also
+    capped at rollout.max_new_tokens."""
+    tool_timeout_s: float = 10.0
+    """Time limit of one tool call (from its submission); a late call answers with an error message."""
+    max_tool_output_chars: int = 2000
+    """A tool's answer is cut to this many characters before it is tokenized."""
+    num_tool_workers: int = 16
+    """Threads running tool calls concurrently."""
+    tool_turn_template: str = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n"
+                               "<|im_start|>assistant\n")
+    """The text inserted after a call, `{output}` the tool's answer; tokenized once, loss mask 0. The default is
+    Qwen2.5/Hermes ChatML: it closes the assistant's turn (which stopped at `call_end`), adds the tool's answer as
+    a turn, and opens the next assistant turn."""
+    call_start: str = "<tool_call>"
+    """The marker that opens a tool call in the model's text."""
+    call_end: str = "</tool_call>"
+    """The marker that closes a tool call; a stop string of every model turn."""
+
+    def validate(self, prefix: str) -> None:
+        builtin = ("calculator", "python")  # shardrl.tools.BUILTIN_TOOLS
+        bad = [t for t in self.tools if t not in builtin]
+        require(self, prefix, "tools", not bad, f"unknown built-in tool(s) {bad}; choose from {list(builtin)}")
+        require(self, prefix, "enable", not self.enable or bool(self.interaction_path or self.tools),
+                "multi-turn rollouts need tools: set rollout.multi_turn.tools (e.g. [calculator]) or "
+                "rollout.multi_turn.interaction_path (a Python file defining an Interaction)")
+        require(self, prefix, "max_turns", self.max_turns >= 1, "must be >= 1")
+        require(self, prefix, "max_response_tokens", self.max_response_tokens >= 1, "must be >= 1")
+        require(self, prefix, "tool_timeout_s", self.tool_timeout_s > 0, "must be > 0 (seconds)")
+        require(self, prefix, "max_tool_output_chars", self.max_tool_output_chars >= 1, "must be >= 1")
+        require(self, prefix, "num_tool_workers", self.num_tool_workers >= 1, "must be >= 1")
+        require(self, prefix, "tool_turn_template", "{output}" in self.tool_turn_template,
+                "must hold the placeholder {output} (where the tool's answer goes)")
+        require(self, prefix, "call_end", bool(self.call_end), "must be a non-empty string (it ends a model turn)")
+
+
+@dataclass
 class RolloutConfig:
     backend: Literal["hf", "fast"] | None = None
     """Generation engine: HF `generate`, or the static-KV-cache fast engine (Llama/Qwen2-style models).
@@ -302,6 +356,8 @@ class RolloutConfig:
     sampler: Literal["auto", "triton", "torch"] = "auto"
     """fast backend: triton (CUDA) samples in one pass over the logits with noise drawn in the kernel
     (top-k/top-p still sort in torch); auto = triton where the triton attention runs."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with tools (off by default)."""
 
     def fast_only_keys(self) -> list[str]:
         """The fast-backend-only keys set away from their defaults."""
@@ -457,6 +513,34 @@ class AlgorithmConfig:
 
 
 @dataclass
+class AsyncConfig:
+    """Disaggregated, asynchronous RL (shardrl.trainer.async_rl): some ranks only generate, the others only
+    train, and generation runs ahead of training within a staleness bound."""
+
+    rollout_ranks: int = 0
+    """Ranks (processes, GPUs) that only generate: the last `rollout_ranks` of the world; the others train
+    (FSDP/HSDP/sp as configured, over their own ranks). 0 = colocated: every rank generates and trains in
+    turn, synchronously."""
+    max_staleness: int = 0
+    """How many updates behind the policy being trained the policy that generated a batch is: the batch of
+    step k is generated with the weights of update max(k - max_staleness, first). 0 = the rollout waits for
+    the newest weights (the synchronous run's numbers, on separate ranks); 1 = one-step off-policy
+    (generating step k+1 while step k trains); 2+ = a deeper queue. Needs algorithm.rollout_is (the sampler's
+    log-probs as the behaviour policy) when > 0."""
+    weight_bucket_mb: int = 256
+    """Weights stream to the rollout ranks in buckets of about this many MiB (one broadcast each)."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "rollout_ranks", self.rollout_ranks >= 0,
+                "must be >= 0 (0 = colocated; k = the last k ranks only generate)")
+        require(self, prefix, "max_staleness", self.max_staleness >= 0, "must be >= 0 (0 = on-policy)")
+        require(self, prefix, "max_staleness", self.max_staleness == 0 or self.rollout_ranks >= 1,
+                "needs rollout ranks of its own to generate ahead of training: set async_rl.rollout_ranks >= 1 "
+                "(e.g. 1 of 2 GPUs), or max_staleness=0")
+        require(self, prefix, "weight_bucket_mb", self.weight_bucket_mb >= 1, "must be >= 1 (MiB)")
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 20
     """Training steps (one rollout batch and its updates each)."""
@@ -518,6 +602,8 @@ class Config:
     """Advantage estimator and in-reward KL."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run length, checkpoints, logging, launch."""
+    async_rl: AsyncConfig = field(default_factory=AsyncConfig)
+    """Disaggregated placement and asynchronous (off-policy) generation."""
 
     def validate(self, prefix: str) -> None:
         batch = self.data.train_batch_size
@@ -534,6 +620,17 @@ class Config:
                 not self.algorithm.filter_groups.enable or self.algorithm.adv_estimator in group_baseline,
                 f"drops groups whose rewards are all equal, which only a group baseline ({', '.join(group_baseline)}) "
                 f"leaves without advantage; set algorithm.adv_estimator to one, or filter_groups.enable=false")
+        if self.async_rl.rollout_ranks:
+            require(self, prefix, "algorithm.filter_groups.enable", not self.algorithm.filter_groups.enable,
+                    "dynamic sampling is not supported with async_rl.rollout_ranks > 0 (the rollout ranks generate "
+                    "one batch per step); set filter_groups.enable=false or async_rl.rollout_ranks=0")
+            require(self, prefix, "trainer.val_freq", self.trainer.val_freq == 0 or not self.data.val_files,
+                    "validation is not supported with async_rl.rollout_ranks > 0 (the training ranks hold no "
+                    "rollout); set trainer.val_freq=0 or async_rl.rollout_ranks=0")
+        require(self, prefix, "algorithm.rollout_is", self.async_rl.max_staleness == 0 or self.algorithm.rollout_is,
+                f"async_rl.max_staleness={self.async_rl.max_staleness} trains on samples of an older policy: set "
+                "algorithm.rollout_is=true so the loss weighs them by the sampler's log-probs (the behaviour "
+                "policy), or async_rl.max_staleness=0")
         ob = self.reward.overlong_buffer
         require(self, prefix, "reward.overlong_buffer.len", not ob.enable or ob.len <= self.rollout.max_new_tokens,
                 f"must be <= rollout.max_new_tokens={self.rollout.max_new_tokens} (the penalty spans the last "

@@ -63,6 +63,7 @@ class Layout:
     samples_per_rank: int
     max_prompt_length: int
     max_new_tokens: int
+    """Response tokens at most: rollout.max_new_tokens, or multi_turn.max_response_tokens for multi-turn rollouts."""
     max_seq_len: int
     seq_tokens_per_rank: int
     """Tokens of one max-length sequence on one rank: ceil(max_seq_len / sp)."""
@@ -181,8 +182,12 @@ def derive_layout(cfg: Config, nnodes: int, nproc_per_node: int) -> Layout:
         )
     prompts_per_rank = batch // dp
     samples_per_rank = prompts_per_rank * n
-    max_seq_len = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    why = f"data.max_prompt_length {cfg.data.max_prompt_length} + rollout.max_new_tokens {cfg.rollout.max_new_tokens}"
+    # a multi-turn response (model and tool turns) is bounded by its own budget, not by one turn's limit
+    mt = cfg.rollout.multi_turn
+    response_key, response_len = (("rollout.multi_turn.max_response_tokens", mt.max_response_tokens) if mt.enable
+                                  else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens))
+    max_seq_len = cfg.data.max_prompt_length + response_len
+    why = f"data.max_prompt_length {cfg.data.max_prompt_length} + {response_key} {response_len}"
 
     layouts: dict[str, RoleLayout] = {}
     for role, engine in roles.items():
@@ -207,7 +212,7 @@ def derive_layout(cfg: Config, nnodes: int, nproc_per_node: int) -> Layout:
         nnodes=nnodes, nproc_per_node=nproc_per_node, world_size=world, sp=sp, dp=dp,
         train_batch_size=batch, n=n, rollouts_per_step=batch * n, prompts_per_rank=prompts_per_rank,
         samples_per_rank=samples_per_rank,
-        max_prompt_length=cfg.data.max_prompt_length, max_new_tokens=cfg.rollout.max_new_tokens,
+        max_prompt_length=cfg.data.max_prompt_length, max_new_tokens=response_len,
         max_seq_len=max_seq_len, seq_tokens_per_rank=math.ceil(max_seq_len / sp),
         actor=layouts["actor"], critic=layouts.get("critic"), ref=layouts.get("ref"),
     )
@@ -278,7 +283,7 @@ def format_layout(layout: Layout) -> str:
         ("rollouts per step", f"{L.train_batch_size} (train_batch_size) x {L.n} (n)", L.rollouts_per_step),
         ("prompts per rank", f"{L.train_batch_size} (train_batch_size) / {L.dp} (dp)", L.prompts_per_rank),
         ("samples per rank", f"{L.train_batch_size} prompts x {L.n} (n) / {L.dp} (dp)", L.samples_per_rank),
-        ("max sequence length", f"{L.max_prompt_length} (max_prompt_length) + {L.max_new_tokens} (max_new_tokens)",
+        ("max sequence length", f"{L.max_prompt_length} (max_prompt_length) + {L.max_new_tokens} (max response tokens)",
          L.max_seq_len),
     ]
     if L.sp > 1:

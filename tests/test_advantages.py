@@ -207,8 +207,8 @@ def test_reinforce_plus_plus_matches_loop():
     for b in range(len(r)):
         running = 0.0
         for t in reversed(range(len(r[b]))):
-            running = r[b][t] + gamma * running if m[b][t] else 0.0  # restarts at padding
-            ref_ret[b][t] = running
+            running = r[b][t] + gamma * running if m[b][t] else running  # a hole is skipped as if absent
+            ref_ret[b][t] = running if m[b][t] else 0.0
     adv, ret = compute_reinforce_plus_plus(rewards, mask, gamma)
     torch.testing.assert_close(ret, torch.tensor(ref_ret, dtype=T64))
     torch.testing.assert_close(adv, torch.tensor(ref_whiten(ref_ret, m), dtype=T64))

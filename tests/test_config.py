@@ -183,7 +183,7 @@ def test_validate_config_checks_programmatic_configs():
 def test_every_schema_field_has_a_docstring():
     sections = [c for c in vars(config_module).values()
                 if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == config_module.__name__]
-    assert len(sections) == 14  # with algorithm.filter_groups and reward.overlong_buffer
+    assert len(sections) == 16  # with algorithm.filter_groups, reward.overlong_buffer, async_rl, rollout.multi_turn
     for cls in sections:
         body = ast.parse(inspect.getsource(cls)).body[0].body
         documented = {

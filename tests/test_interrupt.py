@@ -26,8 +26,10 @@ def assets(tmp_path_factory):
 
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_ctrl_c_is_one_line_status_130_and_still_writes_the_summary(assets, tmp_path, nproc):
+# the last case: 1 training rank + 1 rollout rank generating a step ahead (shardrl.trainer.async_rl)
+@pytest.mark.parametrize("nproc,extra", [(1, ()), (2, ()), (2, ("async_rl.rollout_ranks=1", "async_rl.max_staleness=1",
+                                                           "algorithm.rollout_is=true"))])
+def test_ctrl_c_is_one_line_status_130_and_still_writes_the_summary(assets, tmp_path, nproc, extra):
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
@@ -35,7 +37,7 @@ def test_ctrl_c_is_one_line_status_130_and_still_writes_the_summary(assets, tmp_
         # a session of its own, so the SIGINT below reaches what a terminal's Ctrl-C would: the launcher's group
         proc = subprocess.Popen(
             [sys.executable, "-m", "shardrl.cli", "train",
-             *small_demo_run(assets, run_dir, "trainer.total_steps=1000", "trainer.logger=[jsonl]"),
+             *small_demo_run(assets, run_dir, "trainer.total_steps=1000", "trainer.logger=[jsonl]", *extra),
              "--nproc-per-node", str(nproc)],
             stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=env)
         try:

@@ -111,14 +111,17 @@ def compute_rloo(scores: torch.Tensor, mask: torch.Tensor, index: torch.Tensor):
 def compute_reinforce_plus_plus(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float, whiten: bool = True):
     """REINFORCE++: discounted return-to-go per token, whitened over all real tokens of the batch.
 
-    The return restarts at every padding token, so nothing flows backwards across padding.
+    Masked tokens are skipped as if absent, as GAE skips them: the return carries over a hole (e.g. a tool
+    turn inside a multi-turn response) unchanged and undiscounted, so a model turn before a tool call gets
+    the outcome reward of the conversation, discounted by the model tokens after it only. Trailing padding
+    carries nothing (nothing real follows it); masked tokens get return 0.
     """
     valid = mask.bool()  # (B, T)
     running = torch.zeros_like(token_rewards[:, 0])  # (B,)
     returns = torch.zeros_like(token_rewards)  # (B, T)
     for t in reversed(range(token_rewards.shape[1])):
-        running = torch.where(valid[:, t], token_rewards[:, t] + gamma * running, 0.0)
-        returns[:, t] = running
+        running = torch.where(valid[:, t], token_rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid[:, t], running, 0.0)
     return (masked_whiten(returns, mask) if whiten else returns), returns
 
 

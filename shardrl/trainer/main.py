@@ -74,8 +74,9 @@ def resolve_overrides(config: str | None, overrides: list[str]) -> list[str]:
     return demo_overrides(assets.resolve()) + list(overrides)
 
 
-def run(config: str | None, overrides: list[str]) -> Path:
-    """Runs training on this rank (the process group is started from torchrun's environment)."""
+def run(config: str | None, overrides: list[str]) -> Path | None:
+    """Runs training on this rank (the process group is started from torchrun's environment); the run folder,
+    or None on a rank that only generates (async_rl.rollout_ranks)."""
     import torch.distributed as dist
 
     from shardrl.config import load_config
@@ -91,16 +92,26 @@ def run(config: str | None, overrides: list[str]) -> Path:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     owns_group = not dist.is_initialized()  # a test (or a caller) may have started it already
     init_distributed()
+    split, ok = None, False
+    if cfg.async_rl.rollout_ranks:  # disaggregated: from here the default group holds this rank's side only
+        from shardrl.trainer.async_rl import AsyncRLTrainer, run_rollout_side, split_world
+
+        split = split_world(cfg)
     try:
-        # the layout as torchrun made it (a cluster may launch us directly, whatever the config says)
+        if split is not None and split.is_rollout:
+            run_rollout_side(cfg, split)
+            ok = True
+            return None
+        # the layout as torchrun made it (a cluster may launch us directly, whatever the config says); the
+        # training ranks of a disaggregated run are laid out as one node of their own
         world = dist.get_world_size()
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        per_node = world if split is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
         cfg.trainer.nnodes, cfg.trainer.nproc_per_node = world // per_node, per_node
         derive_layout(cfg, cfg.trainer.nnodes, per_node)
         run_dir = prepare_run_dir(cfg)  # chosen and checked writable; RLTrainer creates and locks it
         failed = True
         try:
-            trainer = RLTrainer(cfg, run_dir)
+            trainer = RLTrainer(cfg, run_dir) if split is None else AsyncRLTrainer(cfg, run_dir, split)
             try:
                 trainer.fit()
             except BaseException as e:  # Ctrl-C: rank 0 still writes the summary and curve of the steps done
@@ -114,9 +125,12 @@ def run(config: str | None, overrides: list[str]) -> Path:
             failed = False
         finally:  # a run that failed before writing anything leaves no folder behind
             release_run_dir(run_dir, failed)
+        ok = True
         return run_dir
     finally:
-        if owns_group:
+        if split is not None:  # after a failure the other side may be gone: no world group again then
+            split.close(restore_world=ok and not owns_group, failed=not ok)
+        if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -148,7 +162,14 @@ def train_main(args) -> int:
 
         from shardrl.layout import derive_layout
 
-        derive_layout(cfg, nnodes, nproc)  # batch sizes that do not divide: one clear error, before any process
+        # batch sizes that do not divide: one clear error, before any process (rollout ranks do not train)
+        if cfg.async_rl.rollout_ranks:
+            from shardrl.trainer.async_rl import check_rollout_ranks
+
+            check_rollout_ranks(cfg.async_rl.rollout_ranks, nnodes * nproc)
+            derive_layout(cfg, 1, nnodes * nproc - cfg.async_rl.rollout_ranks)
+        else:
+            derive_layout(cfg, nnodes, nproc)
         argv = [f"--nproc-per-node={nproc}", "--nnodes=1", "--standalone", "-m", "shardrl.trainer.main"]
         argv += ([args.config] if args.config else ["--no-config"]) + overrides
         # torchrun forwards Ctrl-C to the ranks and raises here once they are down; rank 0 said how far it got
@@ -213,6 +234,9 @@ def _rank_main(argv: list[str]) -> int:
             if rank0:
                 print(f"error: {e}", file=sys.stderr)
             return STORAGE_EXIT
+        if type(e).__name__ == "PeerStopped":  # async_rl: the other side stopped and its ranks say why
+            print(f"rank {os.environ.get('RANK', 0)}: {e}", file=sys.stderr)
+            return 1
         raise
     return 0
 

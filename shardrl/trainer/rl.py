@@ -27,6 +27,7 @@ from shardrl.engine.model import DTYPES, load_hf_config, require_folder
 from shardrl.layout import derive_layout, format_layout
 from shardrl.rewards import RewardManager, load_reward_function
 from shardrl.rollout import SamplingParams, build_rollout
+from shardrl.rollout.multiturn import MultiTurnRollout, score_with_interaction
 from shardrl.algos.aggregate import masked_metric
 from shardrl.trainer.defaults import old_log_probs_from_update, resolve_device_defaults
 from shardrl.trainer.metrics import Max, MetricsLogger, Min, Sum, SumCount, mean_over_ranks, reduce_over_ranks
@@ -168,6 +169,8 @@ class RLTrainer:
                            attention=ro.attention, sampler=ro.sampler) if ro.backend == "fast" else {}
         self.rollout = build_rollout(ro.backend, self.actor.hf_config, self.tokenizer, self.device, rollout_dtype,
                                      micro_batch_size=ro.micro_batch_size, **fast_kwargs)
+        if ro.multi_turn.enable:  # the agent loop drives the backend's generate in rounds, tools in between
+            self.rollout = MultiTurnRollout.from_config(self.rollout, self.tokenizer, ro.multi_turn)
         self.sampling = SamplingParams.from_config(cfg.rollout)
         self.reward_model = None
         if cfg.reward.model_path:
@@ -229,8 +232,9 @@ class RLTrainer:
         batch = None
         # the ranks of an sp group train on one batch: sp rank 0 generates it, the others receive it
         if self.mesh.sp_rank == 0:
+            per_sample = {"samples": items} if isinstance(self.rollout, MultiTurnRollout) else {}  # interaction state
             out = self.rollout.generate(prompts["input_ids"].to(self.device),
-                                        prompts["attention_mask"].to(self.device), sampling)
+                                        prompts["attention_mask"].to(self.device), sampling, **per_sample)
             batch = out.to_batch().to("cpu")
         if self.device.type == "cuda":
             self.rollout.release()  # colocated: training takes the memory generation held
@@ -244,6 +248,12 @@ class RLTrainer:
         return batch
 
     def _score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        # (RLTrainer._score_responses, not self's: tests call _score on a stand-in holding only the scoring parts)
+        if "num_turns" in batch:  # a multi-turn batch: the interaction's rewards, or the reward function's
+            return score_with_interaction(batch, lambda b: RLTrainer._score_responses(self, b))
+        return RLTrainer._score_responses(self, batch)
+
+    def _score_responses(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         if self.reward_model is not None:
             scores = self.reward_model.infer_batch(batch.select(["input_ids", "attention_mask"]))["scores"].cpu()
             return scores, {}

@@ -1,0 +1,345 @@
+"""Multi-turn rollouts with tools: the model acts, a tool answers, and only the model's tokens are trained.
+
+`MultiTurnRollout` wraps any `Rollout` (hf or fast) and drives its `generate` in rounds:
+
+    round k   every live conversation generates, from its whole context (prompt + all turns so far), until EOS,
+              the tool-call end marker (a stop string), its per-turn limit (rollout.max_new_tokens) or what is
+              left of its token budget (multi_turn.max_response_tokens)
+    tools     the round's calls (parsed from each turn's text) run concurrently, in a thread pool (async tools on
+              an event loop), each with a time limit
+    append    each answer is rendered with `tool_turn_template` and tokenized once; its ids are appended to
+              the conversation with loss mask 0; the next round starts. (A turn that ended with its end-of-turn
+              token after a call already closed itself: the template's leading copy of that token is dropped.)
+
+A conversation ends when a turn ends without a call (EOS, a user stop string, or its length limit), at the
+turn limit (`max_turns` model turns: a call in the last turn is not run), or when the budget is spent.
+
+KV cache: recomputed per turn. Each round is a fresh `generate` whose prefill re-reads the whole context;
+a conversation waiting on a tool holds no slot (the fast engine's continuous batching fills the slots with
+the round's other conversations). Prefill is far cheaper per token than decode, so this costs little until
+contexts grow long; keeping the cache across turns is left for later. Tools run concurrently with each other
+but not with generation: a round starts when the previous round's slowest tool has answered (its time limit
+bounds the wait). Overlapping one conversation's tool with the others' decoding needs the backend to admit rows
+while it decodes (the fast engine's queue could), also left for later.
+
+Threads: `Interaction.start` and `reward` run on the caller's thread, `step` on the tool pool's threads, several
+at once (each conversation's state is its own; the interaction object is shared).
+
+Token-exact bookkeeping: a conversation's response is the exact ids the sampler produced (never re-tokenized
+text) followed by the exact ids of the inserted tool turn, and so on. Per response token:
+
+    response_ids       the ids, model and tool tokens interleaved                     (N, R)
+    response_mask      1 on the model's tokens only (the loss mask), 0 on tool turns and padding
+    response_attention_mask  1 on every real token (the model's and the tools')
+    sampled_log_probs  the sampler's log-probs on the model's tokens, 0 elsewhere
+
+so a turn's tokens are scored by the engine in the context the sampler saw. The loss covers the model's
+tokens only; advantages step over the tool-turn holes (`shardrl.algos.advantages`).
+
+An interaction is the user's Python file (like a reward file), defining a class (default `Interaction`):
+
+    class Interaction(shardrl.rollout.multiturn.Interaction):
+        tools = [CalculatorTool()]
+        def start(self, sample): return {"truth": sample["extra"]["ground_truth"]}   # per-sample state
+        def step(self, state, call): ...               # a ToolCall -> the tool's answer (default: run the tool)
+        def reward(self, state, response_text): ...    # the final reward (else the reward function scores)
+        def parse_call(self, text): ...                # optional: a turn's text -> ToolCall, for other formats
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts
+from shardrl.tools import (BUILTIN_TOOLS, CALL_END, CALL_START, Tool, ToolCall, call_tool, parse_tool_call,
+                           run_tool_calls)
+
+CHATML_TOOL_TURN = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n")
+"""Qwen2.5 / Hermes ChatML: close the assistant's turn (it stopped at the call's end marker, before its
+end-of-turn token), the tool's answer as a user turn, then the next assistant turn's header."""
+
+
+class Interaction:
+    """Per-sample state, tools and final reward of a multi-turn rollout (subclass it in a user file)."""
+
+    tools: list[Tool] = []
+
+    def start(self, sample: dict) -> Any:
+        """The state of one conversation; `sample` has data_source, extra (the row's other fields) and prompt_index."""
+        return None
+
+    def step(self, state: Any, call: ToolCall) -> str:
+        """The answer to a well-formed `call` (a str; may be a coroutine). Default: run the tool named `call.name`."""
+        tool = next((t for t in self.tools if t.name == call.name), None)
+        if tool is None:
+            return f"error: no tool named {call.name!r}; the tools are {[t.name for t in self.tools]}"
+        return call_tool(tool, call.arguments)
+
+    def reward(self, state: Any, response_text: str) -> float | None:
+        """The conversation's final reward from its state and final turn's text. Not overridden: the reward
+        function scores the final turn's text."""
+        return None
+
+
+class BuiltinToolsInteraction(Interaction):
+    """The interaction of `multi_turn.tools` without a user file: the named built-in tools, no state or reward."""
+
+    def __init__(self, names: Iterable[str]):
+        self.tools = [BUILTIN_TOOLS[name]() for name in names]
+
+
+def load_interaction(path: str, name: str = "Interaction") -> Interaction:
+    """The interaction `name` (a class or a function taking no arguments) of the user's Python file `path`."""
+    if not os.path.isfile(path):
+        raise ValueError(f"interaction file not found: {path!r} (rollout.multi_turn.interaction_path)")
+    module_name = "shardrl_user_interaction_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import {path!r} as a Python module; give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as e:
+        sys.modules.pop(module_name, None)
+        raise ValueError(f"interaction file {path!r} failed to import: {type(e).__name__}: {e}") from e
+    factory = getattr(module, name, None)
+    if factory is None or not callable(factory):
+        raise ValueError(f"interaction file {path!r} defines no class or function {name!r} "
+                         "(rollout.multi_turn.interaction_name)")
+    if factory is Interaction:  # imported into the file, not defined there
+        raise ValueError(f"{name!r} in {path!r} is shardrl's base class Interaction; set "
+                         "rollout.multi_turn.interaction_name to the name of your subclass")
+    interaction = factory()
+    missing = [m for m in ("start", "step", "reward") if not callable(getattr(interaction, m, None))]
+    if missing:
+        raise ValueError(f"{name} in {path!r} gives an object without {missing}; subclass "
+                         "shardrl.rollout.multiturn.Interaction")
+    return interaction
+
+
+@dataclass
+class MultiTurnOutput(RolloutOutput):
+    """A `RolloutOutput` whose responses hold tool turns: `response_mask` is the model's tokens (the loss mask),
+    `response_attention_mask` every real token."""
+
+    response_attention_mask: torch.Tensor | None = None  # (N, R)
+    num_turns: list[int] = field(default_factory=list)  # model turns per conversation
+    num_tool_calls: list[int] = field(default_factory=list)
+    num_tool_errors: list[int] = field(default_factory=list)  # malformed calls, unknown tools, tool errors, timeouts
+    interaction_scores: list[float | None] | None = None  # the interaction's final rewards, if it gives them
+
+    def to_batch(self):
+        batch = super().to_batch()
+        attention = self.response_attention_mask.to(self.prompt_mask.dtype)
+        batch["attention_mask"] = torch.cat([self.prompt_mask, attention], dim=1)  # (N, P+R) tool tokens too
+        if self.interaction_scores is not None:
+            batch["interaction_score"] = list(self.interaction_scores)
+        batch["num_turns"] = torch.tensor(self.num_turns, dtype=torch.float32)  # (N,)
+        batch["num_tool_calls"] = torch.tensor(self.num_tool_calls, dtype=torch.float32)
+        batch["num_tool_errors"] = torch.tensor(self.num_tool_errors, dtype=torch.float32)
+        return batch
+
+
+@dataclass
+class _Conversation:
+    prompt: list[int]
+    state: Any
+    ids: list[int] = field(default_factory=list)
+    model_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    num_turns: int = 0
+    num_calls: int = 0
+    num_errors: int = 0
+    last_text: str = ""
+    closed_turn: str = ""  # the end-of-turn token's text when the latest model turn ended with one
+    done: bool = False
+
+
+class MultiTurnRollout(Rollout):
+    """The agent loop over `rollout` (see the module docstring). `generate` takes `samples` (B dicts with
+    data_source and extra) for the interaction's `start`; weights and memory calls go to `rollout`."""
+
+    def __init__(self, rollout: Rollout, tokenizer, interaction: Interaction, max_turns: int = 4,
+                 max_response_tokens: int = 512, tool_timeout_s: float = 10.0, max_tool_output_chars: int = 2000,
+                 tool_turn_template: str = CHATML_TOOL_TURN, call_start: str = CALL_START, call_end: str = CALL_END,
+                 num_tool_workers: int = 16):
+        if max_turns < 1 or max_response_tokens < 1 or tool_timeout_s <= 0 or num_tool_workers < 1:
+            raise ValueError("max_turns, max_response_tokens, num_tool_workers must be >= 1 and tool_timeout_s > 0")
+        if "{output}" not in tool_turn_template:
+            raise ValueError(f"tool_turn_template {tool_turn_template!r} has no {{output}} placeholder")
+        self.rollout, self.tokenizer, self.interaction = rollout, tokenizer, interaction
+        self.max_turns, self.max_response_tokens = max_turns, max_response_tokens
+        self.tool_timeout_s, self.max_tool_output_chars = tool_timeout_s, max_tool_output_chars
+        self.tool_turn_template, self.call_start, self.call_end = tool_turn_template, call_start, call_end
+        self.pool = concurrent.futures.ThreadPoolExecutor(num_tool_workers, thread_name_prefix="shardrl-tool")
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    @classmethod
+    def from_config(cls, rollout: Rollout, tokenizer, mt_cfg) -> MultiTurnRollout:
+        """From a `MultiTurnConfig` (rollout.multi_turn)."""
+        interaction = (load_interaction(mt_cfg.interaction_path, mt_cfg.interaction_name) if mt_cfg.interaction_path
+                       else BuiltinToolsInteraction(mt_cfg.tools))
+        return cls(rollout, tokenizer, interaction, mt_cfg.max_turns, mt_cfg.max_response_tokens, mt_cfg.tool_timeout_s,
+                   mt_cfg.max_tool_output_chars, mt_cfg.tool_turn_template, mt_cfg.call_start, mt_cfg.call_end,
+                   mt_cfg.num_tool_workers)
+
+    # ---- the inner rollout's weights and memory --------------------------------------------------
+    def load_weights(self, weights) -> None:
+        self.rollout.load_weights(weights)
+
+    def release(self) -> None:
+        self.rollout.release()
+
+    def resume(self) -> None:
+        self.rollout.resume()
+
+    def __getattr__(self, name: str):  # anything else a trainer asks of the backend (e.g. its device)
+        if name == "rollout":
+            raise AttributeError(name)
+        return getattr(self.rollout, name)
+
+    # ---- the loop --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingParams,
+                 samples: list[dict] | None = None) -> MultiTurnOutput:
+        check_prompts(prompt_ids, attention_mask)
+        num_prompts, n = prompt_ids.shape[0], sampling.n
+        samples = samples if samples is not None else [{} for _ in range(num_prompts)]
+        if len(samples) != num_prompts:
+            raise ValueError(f"{len(samples)} samples for {num_prompts} prompts")
+        convs = []
+        for b in range(num_prompts):
+            prompt = prompt_ids[b][attention_mask[b].bool()].tolist()
+            sample = {"data_source": samples[b].get("data_source"), "extra": samples[b].get("extra"), "prompt_index": b}
+            convs += [_Conversation(prompt, self.interaction.start(sample)) for _ in range(n)]  # row b*n+j
+        stop = list(dict.fromkeys([*sampling.stop, self.call_end]))
+        for turn in range(self.max_turns):
+            live = [c for c in convs if not c.done]
+            if not live:
+                break
+            budgets = [min(sampling.max_new_tokens, self.max_response_tokens - len(c.ids)) for c in live]
+            seed = None if sampling.seed is None else sampling.seed + 7919 * turn
+            round_sampling = dataclasses.replace(sampling, n=1, max_new_tokens=max(budgets), stop=stop, seed=seed)
+            out = self.rollout.generate(*self._contexts(live, prompt_ids.device), round_sampling)
+            calls = self._append_model_turns(live, out, budgets, stop, last_turn=turn == self.max_turns - 1)
+            self._append_tool_turns(calls)
+        return self._assemble(prompt_ids, attention_mask, n, convs)
+
+    def _contexts(self, live: list[_Conversation], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live conversations' full contexts, left-padded: (L, W) ids and mask."""
+        width = max(len(c.prompt) + len(c.ids) for c in live)
+        ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(live), width, dtype=torch.long)
+        for i, c in enumerate(live):
+            context = c.prompt + c.ids
+            ids[i, width - len(context):] = torch.tensor(context)
+            mask[i, width - len(context):] = 1
+        return ids.to(device), mask.to(device)
+
+    def _append_model_turns(self, live, out: RolloutOutput, budgets, stop, last_turn: bool) -> list[tuple]:
+        """Appends each live conversation's new turn; returns the (conversation, ToolCall) pairs to answer."""
+        calls = []
+        stop_ids = set(getattr(self.rollout, "stop_ids", None) or [self.tokenizer.eos_token_id])
+        for i, c in enumerate(live):
+            keep = out.response_mask[i].bool()
+            ids = out.response_ids[i][keep].tolist()[: budgets[i]]
+            logp = out.sampled_log_probs[i][keep].tolist()[: budgets[i]]
+            c.ids += ids
+            c.model_mask += [1] * len(ids)
+            c.log_probs += logp
+            c.num_turns += 1
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            c.last_text = out.response_text[i]
+            # a call: the turn stopped at the end marker, or (a tokenizer whose marker is a special token, which
+            # stop strings do not see) ended its turn right after a call; a user stop string ends the conversation
+            ended_by_eos = bool(ids) and ids[-1] in stop_ids
+            c.closed_turn = self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if ended_by_eos else ""
+            is_call = self.call_end in text and not any(s in text for s in stop if s != self.call_end)
+            room = self.max_response_tokens - len(c.ids)
+            if not is_call or last_turn or room <= 0:
+                c.done = True
+                continue
+            c.num_calls += 1
+            parse = getattr(self.interaction, "parse_call", None)
+            call = parse(text) if parse is not None else parse_tool_call(text, self.call_start, self.call_end)
+            calls.append((c, call))
+        return calls
+
+    def _append_tool_turns(self, calls: list[tuple[_Conversation, ToolCall]]) -> None:
+        """Runs the calls concurrently and appends each answer as a tool turn (loss mask 0)."""
+        def job(c: _Conversation, call: ToolCall):
+            if call.error is not None:
+                return lambda: f"error: {call.error}"
+            return lambda: self.interaction.step(c.state, call)
+
+        answers = run_tool_calls([job(c, call) for c, call in calls], self.tool_timeout_s, self.pool)
+        for (c, call), answer in zip(calls, answers):
+            if call.error is not None or answer.startswith("error:"):
+                c.num_errors += 1
+            if len(answer) > self.max_tool_output_chars:
+                answer = answer[: self.max_tool_output_chars] + " [cut]"
+            template = self.tool_turn_template
+            if c.closed_turn and template.startswith(c.closed_turn):  # the model closed its turn itself
+                template = template[len(c.closed_turn):]
+            ids = self.tokenizer.encode(template.replace("{output}", answer), add_special_tokens=False)
+            if len(c.ids) + len(ids) >= self.max_response_tokens:  # no room left for the model to read it and answer
+                c.done = True
+                continue
+            c.ids += ids
+            c.model_mask += [0] * len(ids)
+            c.log_probs += [0.0] * len(ids)
+
+    def _assemble(self, prompt_ids, attention_mask, n: int, convs: list[_Conversation]) -> MultiTurnOutput:
+        responses = [(torch.tensor(c.ids, dtype=torch.long), torch.tensor(c.log_probs, dtype=torch.float32))
+                     for c in convs]
+        base = assemble_output(prompt_ids, attention_mask, n, responses, [c.last_text for c in convs], self.pad_id)
+        width = base.response_ids.shape[1]
+        model_mask = torch.zeros(len(convs), width, dtype=torch.long)  # (N, R)
+        for r, c in enumerate(convs):
+            model_mask[r, : len(c.model_mask)] = torch.tensor(c.model_mask, dtype=torch.long)
+        scores = None
+        if interaction_gives_rewards(self.interaction):
+            scores = [self.interaction.reward(c.state, c.last_text) for c in convs]
+            scores = [None if s is None else float(s) for s in scores]
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(RolloutOutput)}
+        return MultiTurnOutput(**{**fields, "response_mask": model_mask.to(base.response_mask.device)},
+                               response_attention_mask=base.response_mask,
+                               num_turns=[c.num_turns for c in convs], num_tool_calls=[c.num_calls for c in convs],
+                               num_tool_errors=[c.num_errors for c in convs],
+                               interaction_scores=scores)
+
+
+def interaction_gives_rewards(interaction: Interaction) -> bool:
+    """Whether `interaction` scores conversations itself (its class overrides `Interaction.reward`). Decided by
+    the class, not by the values, so that every rank takes the same scoring path (the reward function's
+    bookkeeping is collective)."""
+    return getattr(type(interaction), "reward", None) is not Interaction.reward
+
+
+def score_with_interaction(batch, score_fn) -> tuple[torch.Tensor, dict]:
+    """The batch's scores and metrics: the interaction's final rewards when the batch has them
+    ("interaction_score"; a None among them is an error), else `score_fn(batch)` -> (scores, metrics), the
+    reward function's; plus the multi-turn metrics (this rank's means)."""
+    if "interaction_score" in batch:
+        given = batch["interaction_score"]
+        if any(s is None for s in given):
+            raise ValueError("the interaction's reward() returned None for a conversation; an interaction that "
+                             "defines reward() must return a number for every one (or not define it, and let "
+                             "the reward function score the final turn)")
+        scores, metrics = torch.tensor(given, dtype=torch.float32), {}
+    else:
+        scores, metrics = score_fn(batch)
+    for key in ("num_turns", "num_tool_calls", "num_tool_errors"):
+        metrics[f"multi_turn/{key}_mean"] = float(batch[key].mean()) if len(batch) else 0.0
+    return scores, metrics

@@ -1,0 +1,244 @@
+"""Disaggregated, asynchronous RL on CPU (shardrl.trainer.async_rl): with max_staleness=0 the rank split gives
+the synchronous run's numbers; with a bound the staleness follows the schedule and never passes it; every
+step trains exactly its own prompts (none twice, none skipped), also after a resume; a failure on the
+training ranks stops the rollout ranks at once; the config errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardrl.config import ConfigError, load_config
+from shardrl.testing import run_distributed, small_demo_run
+from shardrl.trainer.async_rl import generating_version, pushes_after_step
+from shardrl.trainer.demo import prepare_demo_assets
+
+VARIED_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    return (sum(map(ord, solution_str)) % 7) / 6.0\n")
+COMPARED_SKIP = ("timing/", "perf/", "memory/", "async/", "weight_sync/")
+
+
+def test_schedule_staleness_stays_in_bound_and_every_pushed_version_is_used():
+    for total in (1, 2, 5):
+        for bound in (0, 1, 2, 3):
+            for start in range(total):
+                versions = [generating_version(k, start, bound) for k in range(start, total)]
+                # the trained policy at step k is version k: staleness in [0, bound], never from the future
+                assert all(0 <= k - v <= bound for k, v in zip(range(start, total), versions))
+                assert versions == sorted(versions) and versions[0] == start
+                pushed = [k + 1 for k in range(start, total) if pushes_after_step(k, total, bound)]
+                # the rollout receives versions start+1 .. the last it generates with, each once
+                assert pushed == list(range(start + 1, versions[-1] + 1))
+    assert [generating_version(k, 0, 2) for k in range(5)] == [0, 0, 0, 1, 2]
+
+
+def test_weight_buckets_align_every_tensor():
+    from shardrl.rollout.weight_sync import _layout
+
+    header = [("a", (3,), torch.bfloat16), ("b", (2, 5), torch.float32), ("c", (), torch.int64), ("d", (7,), torch.uint8)]
+    offsets, total = _layout(header)
+    assert offsets == [0, 16, 64, 80] and total == 96  # 6 -> 16, 40 -> 48, 8 -> 16, 7 -> 16 bytes
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="async_rl.rollout_ranks >= 1"):
+        load_config(None, ["async_rl.max_staleness=1", "algorithm.rollout_is=true"])
+    with pytest.raises(ConfigError, match="algorithm.rollout_is=true"):
+        load_config(None, ["async_rl.rollout_ranks=1", "async_rl.max_staleness=1"])
+    with pytest.raises(ConfigError, match="dynamic sampling"):
+        load_config(None, ["async_rl.rollout_ranks=1", "algorithm.filter_groups.enable=true"])
+    with pytest.raises(ConfigError, match="async_rl.rollout_ranks"):
+        load_config(None, ["async_rl.rollout_ranks=-1"])
+    cfg = load_config(None, ["async_rl.rollout_ranks=1", "async_rl.max_staleness=2", "algorithm.rollout_is=true"])
+    assert (cfg.async_rl.rollout_ranks, cfg.async_rl.max_staleness) == (1, 2)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return prepare_demo_assets(tmp_path_factory.mktemp("demo") / "assets", warmup_steps=5)
+
+
+def run_recording(overrides: list[str]) -> dict | None:
+    """`run` on this rank, recording on each training rank the prompts and policy versions of every step's
+    batch; rank 0 returns the metrics and every rank's record (None from a rollout rank)."""
+    import torch.distributed as dist
+
+    from shardrl.trainer import async_rl, rl
+    from shardrl.trainer.main import run
+
+    steps = []
+    generate_sync, generate_async = rl.RLTrainer._generate, async_rl.AsyncRLTrainer._generate
+
+    def recording(original):
+        def _generate(self, items, sampling):
+            batch = original(self, items, sampling)
+            versions = batch["policy_version"].unique().tolist() if "policy_version" in batch else [self.step]
+            steps.append({"step": self.step, "prompts": async_rl.prompt_key(items), "versions": versions})
+            return batch
+        return _generate
+
+    rl.RLTrainer._generate = recording(generate_sync)
+    async_rl.AsyncRLTrainer._generate = recording(generate_async)
+    try:
+        run_dir = run(None, overrides)
+    finally:
+        rl.RLTrainer._generate, async_rl.AsyncRLTrainer._generate = generate_sync, generate_async
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, steps if run_dir is not None else None)
+    if run_dir is None:
+        return None
+    with open(run_dir / "metrics.jsonl") as f:
+        return {"ranks": every, "metrics": [json.loads(line) for line in f]}
+
+
+def _learned(record: dict) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(COMPARED_SKIP)} for m in record["metrics"]]
+
+
+@pytest.mark.multiproc
+def test_async_runs_match_sync_and_keep_the_staleness_bound(assets, tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text(VARIED_REWARD)
+    args = ("trainer.logger=[jsonl]", "trainer.total_steps=4", "algorithm.rollout_is=true",
+            f"reward.function_path={reward}")
+    sync = run_distributed(run_recording, 1, small_demo_run(assets, tmp_path / "sync", *args))
+    # max_staleness=0 on 1 training + 1 rollout rank: the synchronous run's numbers, step by step (the
+    # weights, 1.2 MB, stream in two buckets of 1 MiB)
+    on_policy = run_distributed(run_recording, 2, small_demo_run(assets, tmp_path / "s0", *args,
+                                                                "async_rl.rollout_ranks=1", "async_rl.weight_bucket_mb=1"))
+    assert len(sync["metrics"]) == 4 and all(m["actor/grad_norm"] > 0 for m in sync["metrics"])
+    assert _learned(on_policy) == _learned(sync)
+    assert [m["async/staleness"] for m in on_policy["metrics"]] == [0, 0, 0, 0]
+    assert on_policy["metrics"][0]["weight_sync/bytes"] > 2**20
+    assert on_policy["metrics"][-1]["weight_sync/bytes"] == 0  # no later batch needs the last weights
+
+    # max_staleness=2: step k is generated by version max(k - 2, 0); the same prompts in the same order
+    stale = run_distributed(run_recording, 2, small_demo_run(
+        assets, tmp_path / "s2", *args, "async_rl.rollout_ranks=1", "async_rl.max_staleness=2",
+        "trainer.save_freq=2", "trainer.keep_last=0"))
+    assert [m["async/staleness"] for m in stale["metrics"]] == [0, 1, 2, 2]
+    trained = stale["ranks"][0]
+    assert [s["versions"] for s in trained] == [[0], [0], [0], [1]]
+    assert [s["prompts"] for s in trained] == [s["prompts"] for s in sync["ranks"][0]]
+    assert stale["ranks"][1] is None  # the rollout rank
+    assert _learned(stale)[0] == _learned(sync)[0]  # step 0 is on-policy: the same numbers
+    # step 1 trains version 1 on a batch of version 0: other numbers, and the sampler/trainer mismatch shows
+    assert _learned(stale)[1]["actor/grad_norm"] != _learned(sync)[1]["actor/grad_norm"]
+    assert stale["metrics"][1]["rollout/logprob_abs_diff"] > 10 * sync["metrics"][1]["rollout/logprob_abs_diff"]
+
+    # resumed from the checkpoint of step 2: the batches in flight then (steps 3, 4) are generated again,
+    # from the checkpoint's policy, for the same prompts
+    resumed = run_distributed(run_recording, 2, small_demo_run(
+        assets, tmp_path / "resumed", *args, "async_rl.rollout_ranks=1", "async_rl.max_staleness=2",
+        f"trainer.resume={tmp_path / 's2' / 'checkpoints' / 'step_000002'}"))
+    assert [m["step"] for m in resumed["metrics"]] == [3, 4]
+    assert [m["async/staleness"] for m in resumed["metrics"]] == [0, 1]
+    again = resumed["ranks"][0]
+    assert [s["versions"] for s in again] == [[2], [2]]
+    assert [s["prompts"] for s in again] == [s["prompts"] for s in sync["ranks"][0][2:]]
+
+
+FAILING_REWARD = ("calls = [0]\n"
+                  "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  "    calls[0] += 1\n"
+                  "    if calls[0] > 32:  # steps 0 and 1 score, every sample of step 2 fails\n"
+                  "        raise RuntimeError('reward service down')\n"
+                  "    return 0.5\n")
+
+
+def _interrupted_generate(original):
+    """Generation that is Ctrl-C'd on its third call (the rollout rank's step 2)."""
+    calls = [0]
+
+    def generate_batch(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+    return generate_batch
+
+
+def _failing_worker(rank: int, world: int, port: int, overrides: list[str], out: str, interrupt: bool) -> None:
+    if interrupt:
+        from shardrl.trainer import async_rl
+
+        async_rl.generate_batch = _interrupted_generate(async_rl.generate_batch)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from shardrl.distributed import init_distributed
+    from shardrl.trainer.main import run
+
+    init_distributed(timeout_s=120)
+    t0 = time.perf_counter()
+    try:
+        run(None, overrides)
+        result = ("ok", "")
+    except BaseException as e:
+        result = (type(e).__name__, str(e))
+    Path(out, f"rank{rank}.json").write_text(json.dumps([*result, time.perf_counter() - t0]))
+
+
+@pytest.mark.multiproc
+def test_a_failure_on_the_training_side_stops_the_rollout_side(assets, tmp_path):
+    import torch.multiprocessing as mp
+
+    from shardrl.testing import _free_port
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(FAILING_REWARD)
+    overrides = small_demo_run(assets, tmp_path / "run", "trainer.logger=[jsonl]", "trainer.total_steps=6",
+                               f"reward.function_path={reward}", "async_rl.rollout_ranks=1",
+                               "async_rl.max_staleness=1", "algorithm.rollout_is=true")
+    start = time.perf_counter()
+    mp.spawn(_failing_worker, args=(2, _free_port(), overrides, str(tmp_path), False), nprocs=2, join=True)
+    trainer, rollout = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert trainer[0] == "ValueError" and "failed on all 16 samples" in trainer[1]
+    # the rollout rank was waiting for weights or sending a batch: it stops, saying why, not at the timeout
+    assert rollout[0] == "PeerStopped" and "training ranks stopped" in rollout[1]
+    assert time.perf_counter() - start < 100
+
+
+@pytest.mark.multiproc
+def test_ctrl_c_on_the_rollout_side_stops_the_training_side(assets, tmp_path):
+    import torch.multiprocessing as mp
+
+    from shardrl.testing import _free_port
+
+    overrides = small_demo_run(assets, tmp_path / "run", "trainer.logger=[jsonl]", "trainer.total_steps=6",
+                               "async_rl.rollout_ranks=1", "async_rl.max_staleness=1", "algorithm.rollout_is=true")
+    start = time.perf_counter()
+    mp.spawn(_failing_worker, args=(2, _free_port(), overrides, str(tmp_path), True), nprocs=2, join=True)
+    trainer, rollout = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rollout[0] == "KeyboardInterrupt"
+    assert trainer[0] == "PeerStopped" and "rollout ranks stopped" in trainer[1]
+    assert time.perf_counter() - start < 100
+    logged = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    # step 0 trained; step 1's batch was sent but may have died with the rollout rank; step 2's never came
+    assert logged in ([1], [1, 2])
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpus_one_step_off_streams_weights_over_nccl(assets, tmp_path):
+    """1 GPU trains, 1 generates with the fast rollout (bf16 weights arrive as views of NCCL buffers); the
+    same run with max_staleness=0 samples step 0 as the one-GPU synchronous run does (the same weights and
+    seeds; later steps may differ by the GPU's nondeterministic reductions in training)."""
+    args = ("trainer.logger=[jsonl]", "trainer.total_steps=3", "algorithm.rollout_is=true", "rollout.backend=fast",
+            "rollout.compile=false", "async_rl.weight_bucket_mb=1")
+    sync = run_distributed(run_recording, 1, small_demo_run(assets, tmp_path / "sync", *args))
+    on_policy = run_distributed(run_recording, 2, small_demo_run(assets, tmp_path / "s0", *args,
+                                                                "async_rl.rollout_ranks=1"))
+    for key in ("reward/mean", "response/length_mean"):
+        assert on_policy["metrics"][0][key] == sync["metrics"][0][key]
+    assert [s["prompts"] for s in on_policy["ranks"][0]] == [s["prompts"] for s in sync["ranks"][0]]
+    stale = run_distributed(run_recording, 2, small_demo_run(assets, tmp_path / "s1", *args,
+                                                            "async_rl.rollout_ranks=1", "async_rl.max_staleness=1"))
+    assert [m["async/staleness"] for m in stale["metrics"]] == [0, 1, 1]
+    assert stale["metrics"][0]["weight_sync/bytes"] > 2**20 and stale["metrics"][0]["weight_sync/gb_per_s"] > 0
