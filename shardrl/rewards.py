@@ -12,18 +12,17 @@ Built-ins are looked up by data_source in REWARD_FUNCTIONS; a user file replaces
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import logging
 import math
 import os
 import re
-import sys
 import traceback
 from decimal import Decimal, InvalidOperation
 
 import torch
+
+from shardrl.userfile import import_user_file
 
 logger = logging.getLogger(__name__)
 
@@ -104,23 +103,8 @@ def load_reward_function(path: str, name: str = "compute_score"):
         hint = (f"; the function's name goes in reward.function_name: reward.function_path={file} "
                 f"reward.function_name={fn}") if file and os.path.isfile(file) else ""
         raise ValueError(f"reward function file not found: {path!r}{hint}")
-    # A stable name per file, the same in every process, so the module can be found again by name.
-    module_name = "shardrl_user_reward_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"cannot import {path!r} as a Python module; give a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # so pickling and dataclasses inside the file work
-    try:
-        spec.loader.exec_module(module)
-    except SystemExit as e:  # would end the run silently, with whatever status the file chose
-        sys.modules.pop(module_name, None)
-        raise ValueError(f"reward function file {path!r} called sys.exit({e.code!r}) while being imported; "
-                         "a reward file must only define functions (put script code under "
-                         "`if __name__ == '__main__':`)") from None
-    except Exception as e:
-        sys.modules.pop(module_name, None)
-        raise ValueError(f"reward function file {path!r} failed to import: {type(e).__name__}: {e}") from e
+    module = import_user_file(path, "reward function file", "shardrl_user_reward_")
+    module_name = module.__name__
     if not hasattr(module, name):
         defined = sorted(
             attr for attr, value in vars(module).items()

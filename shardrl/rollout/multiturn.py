@@ -50,10 +50,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
-import importlib.util
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -62,6 +59,7 @@ import torch
 from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts
 from shardrl.tools import (BUILTIN_TOOLS, CALL_END, CALL_START, Tool, ToolCall, call_tool, parse_tool_call,
                            run_tool_calls)
+from shardrl.userfile import import_user_file
 
 CHATML_TOOL_TURN = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n"
                     "<|im_start|>assistant\n")
@@ -102,17 +100,7 @@ def load_interaction(path: str, name: str = "Interaction") -> Interaction:
     """The interaction `name` (a class or a function taking no arguments) of the user's Python file `path`."""
     if not os.path.isfile(path):
         raise ValueError(f"interaction file not found: {path!r} (rollout.multi_turn.interaction_path)")
-    module_name = "shardrl_user_interaction_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"cannot import {path!r} as a Python module; give a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as e:
-        sys.modules.pop(module_name, None)
-        raise ValueError(f"interaction file {path!r} failed to import: {type(e).__name__}: {e}") from e
+    module = import_user_file(path, "interaction file", "shardrl_user_interaction_")
     factory = getattr(module, name, None)
     if factory is None or not callable(factory):
         raise ValueError(f"interaction file {path!r} defines no class or function {name!r} "

@@ -1,0 +1,33 @@
+"""Importing a user's Python file (reward functions, multi-turn interactions) as a module, with errors that
+say which file and which config key."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+
+def import_user_file(path: str, what: str, prefix: str) -> ModuleType:
+    """The module of the file at `path` (`what`: e.g. "reward function file", for the messages), under a
+    stable name per file (`prefix` + a hash of its path: the same in every process, so pickling and
+    dataclasses inside the file work). A file that fails to import, or calls sys.exit while importing, is a
+    ValueError that names it; the caller checks that `path` exists first (its message names the config key)."""
+    module_name = prefix + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import {path!r} as a Python module; give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SystemExit as e:  # would end the run silently, with whatever status the file chose
+        sys.modules.pop(module_name, None)
+        raise ValueError(f"{what} {path!r} called sys.exit({e.code!r}) while being imported; it must only "
+                         "define things (put script code under `if __name__ == '__main__':`)") from None
+    except Exception as e:
+        sys.modules.pop(module_name, None)
+        raise ValueError(f"{what} {path!r} failed to import: {type(e).__name__}: {e}") from e
+    return module
