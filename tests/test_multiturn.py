@@ -456,3 +456,9 @@ def test_a_call_followed_by_the_end_of_turn_token_is_a_call_and_the_turn_is_clos
     assert out.response_ids[1].tolist() == m + [eos] + ids_of(tok, "\n|12|") + ids_of(tok, "b") + [eos]
     assert out.response_mask[0].tolist() == [1] * (len(m) + 1) + [0] * 5 + [1, 1]
     assert out.response_mask[1].tolist() == [1] * len(m) + [0] * 6 + [1, 1]  # here the template's <eos> is a tool token
+
+
+def test_a_tool_class_without_call_or_acall_is_refused_when_defined():
+    with pytest.raises(TypeError, match="tool class Mute defines neither call"):
+        class Mute(Tool):
+            name = "mute"

@@ -37,8 +37,13 @@ class Tool:
     parameters: dict = {"type": "object", "properties": {}, "required": []}
     """JSON schema of the arguments (an "object"); `check_arguments` enforces its required keys and types."""
 
-    def call(self, args: dict) -> str:
-        raise NotImplementedError(f"tool {self.name!r} defines neither call nor acall")
+    def __init_subclass__(cls, **kwargs):
+        """A tool class must define `call(args) -> str` or `async acall(args) -> str`: said when the class is
+        defined (the user's interaction file is imported), not when the model first calls it mid-run."""
+        super().__init_subclass__(**kwargs)
+        if not callable(getattr(cls, "call", None)) and not callable(getattr(cls, "acall", None)):
+            raise TypeError(f"tool class {cls.__name__} defines neither call(self, args) -> str nor "
+                            "async acall(self, args) -> str")
 
     def schema(self) -> dict:
         """The OpenAI / HF `tools=` entry, e.g. for `tokenizer.apply_chat_template(messages, tools=[...])`."""
