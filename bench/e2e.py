@@ -42,10 +42,10 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import append_jsonl  # noqa: E402
+from bench.rollout import HBM_BYTES_PER_S, QWEN2_1P5B as _ROLLOUT_SHAPE  # noqa: E402
+from shardrl.trainer.perf import H200_BF16_MEASURED_TFLOPS as MEASURED_TFLOPS  # noqa: E402
 
-QWEN2_1P5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
-                  tie_word_embeddings=True, rope_theta=1e6)
+QWEN2_1P5B = {k: v for k, v in _ROLLOUT_SHAPE.items() if k != "model_type"}  # the rollout benchmark's shape
 TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
 # name: (prompts, n, prompt tokens, max new tokens, model)
@@ -61,8 +61,6 @@ QUICK_CASES = {
 }
 EOS_HAZARD = 1 / 400
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0..3
-MEASURED_TFLOPS = 788.0
-HBM_BYTES_PER_S = 4.3e12
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float:

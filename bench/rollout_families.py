@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `bench` as a package
 from bench import append_jsonl  # noqa: E402
+from bench.rollout import HBM_BYTES_PER_S  # noqa: E402
 from bench.rollout import QWEN2_1P5B, IdTokenizer, sampler_vs_engine_log_probs, timed  # noqa: E402
 
 SHAPES = {
@@ -68,7 +69,6 @@ SHAPES = {
 }
 QUICK = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=2)
-HBM_BYTES_PER_S = 4.3e12
 
 
 def build_config(name: str, quick: bool):

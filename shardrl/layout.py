@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from shardrl.config import Config, EngineConfig
 from shardrl.configload import divisors as _divisors, nearest as _nearest
+from shardrl.modelconfig import text_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1024**3
@@ -224,7 +225,7 @@ def check_model_heads(layout: Layout, hf_config) -> None:
     naming the key and the nearest sp values that work on this world."""
     from shardrl.engine.ulysses import check_heads
 
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = text_config(hf_config)
     heads = getattr(text, "num_attention_heads", None)
     if heads is None:  # an architecture that names its heads otherwise: the engine's own check decides
         return

@@ -20,13 +20,10 @@ import math
 
 from shardrl.config import Config
 from shardrl.layout import DTYPE_BYTES, GIB, Layout
+from shardrl.modelconfig import text_config
 
 SEQ_BUCKET = 128  # the fast rollout's cache length granularity (FastRollout.seq_bucket)
 PREFILL_TOKENS = 16384  # FastRollout.prefill_tokens
-
-
-def _text(hf_config):
-    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
 def model_numbers(hf_config, trust_remote_code: bool = False) -> dict:
@@ -47,7 +44,7 @@ def model_numbers(hf_config, trust_remote_code: bool = False) -> dict:
 
 def activation_bytes_per_token_layer(hf_config, compute: int) -> tuple[int, str]:
     """Bytes autograd keeps per token per decoder layer (see the module docstring), and the formula."""
-    c = _text(hf_config)
+    c = text_config(hf_config)
     h = c.hidden_size
     heads = c.num_attention_heads
     d = getattr(c, "head_dim", None) or h // heads
@@ -80,7 +77,7 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     """{"phases": {phase: {"items": [(name, GiB, how)], "total_gib"}}, "peak_phase", "peak_gib"} for one GPU of
     the run `cfg` laid out as `layout` (the busiest rank's share). `cuda`: the rollout keeps a bf16 copy of
     the weights (on CPU the HF rollout's fp32 one)."""
-    c = _text(hf_config)
+    c = text_config(hf_config)
     numbers = model_numbers(hf_config, cfg.model.trust_remote_code)
     p = numbers["total"]
     master = DTYPE_BYTES[cfg.model.dtype]

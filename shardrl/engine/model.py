@@ -27,6 +27,7 @@ import transformers
 from shardrl.engine.attention import ATTN_NAME, attention_kwargs
 from shardrl.engine.logprob import chunked_log_probs, pack, shift_to_scored_token, unpack
 from shardrl.engine.ulysses import gather_seq, pad_to_multiple
+from shardrl.modelconfig import text_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -235,8 +236,7 @@ class PolicyModel(nn.Module):
         """`log_probs` (B, T) of each token under the policy (and its `entropy`), the output projection
         run in chunks so the (tokens, vocab) logits never exist whole."""
         head = self.lm.get_output_embeddings()
-        text = self.lm.config.get_text_config() if hasattr(self.lm.config, "get_text_config") else self.lm.config
-        softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2
+        softcap = getattr(text_config(self.lm.config), "final_logit_softcapping", None)  # Gemma 2
         logp, entropy = chunked_log_probs(hidden, head.weight, head.bias, tokens.targets, temperature,
                                           self.chunk_size, with_entropy, softcap)  # (n_local,)
         outputs = {"log_probs": tokens.restore(shift_to_scored_token(tokens.whole(logp), tokens.seq_start))}

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardrl.modelconfig import text_config
+
 H200_BF16_MEASURED_TFLOPS = 788.0
 """The dense bf16 matrix rate measured on one H200 (a large bf16 matmul, bench/); `perf/mfu_measured`."""
 H200_BF16_SPEC_TFLOPS = 989.0
@@ -41,7 +43,7 @@ class ModelShape:
 def model_shape(hf_config, head_outputs: int | None = None) -> ModelShape:
     """The `ModelShape` of a Hugging Face decoder config (Llama/Qwen/Mistral-style or GPT-2-style names).
     `head_outputs`: the output head's width, the vocabulary by default (1 for a value head)."""
-    c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    c = text_config(hf_config)
 
     def first(*names, default=None):
         for name in names:

@@ -25,6 +25,7 @@ from shardrl.distributed import ParallelDims
 from shardrl.engine import build_engine
 from shardrl.engine.model import DTYPES, load_hf_config, require_folder
 from shardrl.layout import derive_layout, format_layout
+from shardrl.modelconfig import text_config
 from shardrl.rewards import RewardManager, load_reward_function
 from shardrl.rollout import SamplingParams, build_rollout
 from shardrl.rollout.multiturn import MultiTurnRollout, score_with_interaction
@@ -93,8 +94,7 @@ def check_vocab_sizes(cfg: Config, tokenizer_size: int) -> None:
         models.append(("reward.model_path", cfg.reward.model_path, None, "seq_cls"))
     for key, path, tiny, task in models:
         config = load_hf_config(path, tiny, cfg.model.trust_remote_code, task)
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        vocab = getattr(text_config, "vocab_size", None)
+        vocab = getattr(text_config(config), "vocab_size", None)
         if vocab is not None and vocab < tokenizer_size:
             where = f"{key}={path!r}" if path else "model.tiny"
             raise ValueError(
