@@ -204,7 +204,8 @@ def summarize_shardrl(records: list[dict], case: str, gpus: int, tag: str, wall:
                # async_rl runs (`--extra "async_rl.rollout_ranks=1 ..."`): the time each side waited for the
                # other, the policy lag, and the weight stream to the rollout ranks per step
                staleness=med("async/staleness"), trainer_idle_frac=med("async/trainer_idle_frac"),
-               rollout_idle_frac=med("async/rollout_idle_frac"),
+               rollout_idle_frac=med("async/rollout_idle_frac"), partial_frac=med("async/partial_frac"),
+               token_staleness=med("async/token_staleness_mean"),
                **_weight_sync_medians([r for r in timed if r.get("weight_sync/bytes")]),  # the steps that pushed
                reward_mean=[round(r["reward/mean"], 4) for r in records])
     for phase in ("gen", "prep", "update"):

@@ -84,6 +84,41 @@ phase_tests_final() { limit 200 python3 -m pytest -q -p no:cacheprovider -W igno
 phase_drift() { CUDA_VISIBLE_DEVICES=0 limit 200 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 \
     --cases fixed_64 --steps 50 --tag drift --no-floor --out $RES; }
 phase_startup() { limit 240 python3 bench/startup.py --cases 1.5b:1,1.5b:2 --out $RES; }
+# session 4: what issues 14, 17, 18 and 19 still owed a GPU
+phase_s4_single() {  # two single-GPU streams at once. GPU 0: the e2e models, then the 50-step drift run;
+    # GPU 1: the GPU tests new since the last GPU session, then the multi-turn rollout's throughput
+    ( export CUDA_VISIBLE_DEVICES=0
+      limit 240 python3 bench/e2e.py --root /tmp/e2e --systems none > "$GS/s4_prepare.log" 2>&1
+      limit 260 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 --cases fixed_64 --steps 50 \
+          --tag drift --no-floor --out $RES > "$GS/s4_drift.log" 2>&1 ) &
+    local gpu0=$!
+    ( export CUDA_VISIBLE_DEVICES=1
+      limit 300 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_attention.py \
+          tests/test_rollout_fast.py tests/test_rollout_fast_families.py tests/test_logprob.py > "$GS/s4_tests.log" 2>&1
+      for latency in 0 0.2; do
+          limit 150 python3 bench/multiturn.py --backend fast --shape 0.5b --prompts 128 --n 4 \
+              --tool-latency-s $latency 2>&1 | tee -a "$GS/s4_multiturn.log" | grep '^{' >> $RES
+      done ) &
+    wait $gpu0 $!
+}
+phase_s4_async() {  # issue 18: the variable-length case on two GPUs, colocated against disaggregated 1 + 1
+    local B="python3 bench/e2e.py --root /tmp/e2e --cases var_512 --systems shardrl --gpus 2 --steps 8 --no-floor --out $RES"
+    local A="async_rl.rollout_ranks=1 algorithm.rollout_is=true"
+    limit 220 $B --tag sync2
+    limit 220 $B --tag async1 --extra "$A async_rl.max_staleness=1"
+    limit 220 $B --tag async2 --extra "$A async_rl.max_staleness=2"
+    limit 220 $B --tag async2_partial --extra "$A async_rl.max_staleness=2 async_rl.partial_rollout=true"
+}
+phase_s4_multi() {  # issues 18 and 17 on two GPUs: the NCCL weight stream's test, start-up, the engine's 2-GPU rows
+    limit 200 python3 -m pytest -q -p no:cacheprovider -W ignore -rs tests/test_async_rl.py -k nccl
+    limit 300 python3 bench/startup.py --cases 1.5b:1,1.5b:2,7b:2 --out $RES
+    limit 240 python3 bench/engine.py --world 2 --steps 3 --out $RES \
+        --rows fsdp2_8,hsdp1_8,fsdp2_8_compile,hsdp1_8_compile,fsdp2_8_z2_compile
+}
+phase_s4_profile() {  # the 2-GPU engine row against one GPU, per phase (issue 17 part 5)
+    CUDA_VISIBLE_DEVICES=0 limit 150 python3 bench/profile_step.py --rows fsdp2_8_compile
+    limit 150 python3 bench/profile_step.py --world 2 --rows fsdp2_8_compile
+}
 
 collect() {
     local out=${OUT:-gpu_out}

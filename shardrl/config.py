@@ -529,6 +529,13 @@ class AsyncConfig:
     log-probs as the behaviour policy) when > 0."""
     weight_bucket_mb: int = 256
     """Weights stream to the rollout ranks in buckets of about this many MiB (one broadcast each)."""
+    partial_rollout: bool = False
+    """Weights that the training ranks push while a rollout rank generates are loaded at once, between two
+    decode steps (the fast engine's host syncs; every step with rollout.backend=hf), instead of after the
+    generate call: responses in flight continue under the new weights (their KV cache so far is kept), and
+    each token records the version that sampled it (`token_version`; the batch's `policy_version` is each
+    response's first). The training ranks then wait less for the rollout to take the weights. Needs
+    max_staleness >= 1 to change anything (at 0 the rollout never generates while weights are pushed)."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "rollout_ranks", self.rollout_ranks >= 0,
@@ -538,6 +545,9 @@ class AsyncConfig:
                 "needs rollout ranks of its own to generate ahead of training: set async_rl.rollout_ranks >= 1 "
                 "(e.g. 1 of 2 GPUs), or max_staleness=0")
         require(self, prefix, "weight_bucket_mb", self.weight_bucket_mb >= 1, "must be >= 1 (MiB)")
+        require(self, prefix, "partial_rollout", not self.partial_rollout or self.rollout_ranks >= 1,
+                "needs rollout ranks of their own (weights change under a running rollout only there): set "
+                "async_rl.rollout_ranks >= 1, or partial_rollout=false")
 
 
 @dataclass
@@ -621,6 +631,10 @@ class Config:
                 f"drops groups whose rewards are all equal, which only a group baseline ({', '.join(group_baseline)}) "
                 f"leaves without advantage; set algorithm.adv_estimator to one, or filter_groups.enable=false")
         if self.async_rl.rollout_ranks:
+            require(self, prefix, "async_rl.partial_rollout", not (self.async_rl.partial_rollout
+                                                               and self.rollout.multi_turn.enable),
+                    "is not supported with rollout.multi_turn.enable (weights change between generate calls "
+                    "only there, i.e. between turns); set one of them to false")
             require(self, prefix, "algorithm.filter_groups.enable", not self.algorithm.filter_groups.enable,
                     "dynamic sampling is not supported with async_rl.rollout_ranks > 0 (the rollout ranks generate "
                     "one batch per step); set filter_groups.enable=false or async_rl.rollout_ranks=0")

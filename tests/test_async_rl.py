@@ -54,6 +54,11 @@ def test_config_errors():
         load_config(None, ["async_rl.rollout_ranks=1", "algorithm.filter_groups.enable=true"])
     with pytest.raises(ConfigError, match="async_rl.rollout_ranks"):
         load_config(None, ["async_rl.rollout_ranks=-1"])
+    with pytest.raises(ConfigError, match="async_rl.partial_rollout.*rollout_ranks >= 1"):
+        load_config(None, ["async_rl.partial_rollout=true"])
+    with pytest.raises(ConfigError, match="async_rl.partial_rollout.*multi_turn"):
+        load_config(None, ["async_rl.rollout_ranks=1", "async_rl.partial_rollout=true", "rollout.multi_turn.enable=true",
+                           "rollout.multi_turn.tools=[calculator]"])
     cfg = load_config(None, ["async_rl.rollout_ranks=1", "async_rl.max_staleness=2", "algorithm.rollout_is=true"])
     assert (cfg.async_rl.rollout_ranks, cfg.async_rl.max_staleness) == (1, 2)
 
@@ -79,6 +84,9 @@ def run_recording(overrides: list[str]) -> dict | None:
             batch = original(self, items, sampling)
             versions = batch["policy_version"].unique().tolist() if "policy_version" in batch else [self.step]
             steps.append({"step": self.step, "prompts": async_rl.prompt_key(items), "versions": versions})
+            if "token_version" in batch:
+                steps[-1]["token_version"] = batch["token_version"].clone()
+                steps[-1]["policy_version"] = batch["policy_version"].clone()
             return batch
         return _generate
 
@@ -141,6 +149,69 @@ def test_async_runs_match_sync_and_keep_the_staleness_bound(assets, tmp_path):
     again = resumed["ranks"][0]
     assert [s["versions"] for s in again] == [[2], [2]]
     assert [s["prompts"] for s in again] == [s["prompts"] for s in sync["ranks"][0][2:]]
+
+
+def run_partial(overrides: list[str], last_push: int) -> dict | None:
+    """`run_recording` with partial rollouts made certain to happen: on its 4th poll of a generate call the
+    rollout rank waits for the next push when one is still to come (versions 1..last_push are pushed), so
+    weights change in the middle of those responses whatever the speeds of the two sides."""
+    from shardrl.trainer import async_rl
+
+    calls = [0]
+    generate_batch, poll = async_rl.generate_batch, async_rl.RolloutWeights.poll
+
+    def counted_generate(*args, **kwargs):
+        calls[0] = 0
+        return generate_batch(*args, **kwargs)
+
+    def waiting_poll(self):
+        calls[0] += 1
+        if calls[0] == 4 and self.version < last_push:
+            deadline = time.perf_counter() + 60
+            while self._pushed() <= self.received and time.perf_counter() < deadline:
+                time.sleep(0.005)
+        return poll(self)
+
+    async_rl.generate_batch, async_rl.RolloutWeights.poll = counted_generate, waiting_poll
+    try:
+        return run_recording(overrides)
+    finally:
+        async_rl.generate_batch, async_rl.RolloutWeights.poll = generate_batch, poll
+
+
+@pytest.mark.multiproc
+def test_partial_rollouts_change_weights_inside_responses_within_the_bound(assets, tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text(VARIED_REWARD)
+    args = ("trainer.logger=[jsonl]", "trainer.total_steps=4", "algorithm.rollout_is=true",
+            f"reward.function_path={reward}", "async_rl.rollout_ranks=1", "async_rl.max_staleness=1")
+    whole = run_distributed(run_recording, 2, small_demo_run(assets, tmp_path / "whole", *args))
+    # pushes after steps 0 and 1 (versions 1 and 2) land inside the generation of steps 1 and 2
+    partial = run_distributed(run_partial, 2, small_demo_run(assets, tmp_path / "partial", *args,
+                                                             "async_rl.partial_rollout=true"), 2)
+    trained, metrics = partial["ranks"][0], partial["metrics"]
+    assert [s["prompts"] for s in trained] == [s["prompts"] for s in whole["ranks"][0]]
+    for s, m in zip(trained, metrics):
+        versions, first = s["token_version"], s["policy_version"]
+        real = versions >= 0
+        assert torch.equal(first, versions[:, 0])  # each response's version: its first token's
+        assert 0 <= s["step"] - int(versions[real].min()) <= 1 and int(versions[real].max()) <= s["step"]
+        assert m["async/staleness"] == s["step"] - int(versions[real].min())
+    # steps 1 and 2: every response began under the old version; those still running at the push end under
+    # the new one
+    for k in (1, 2):
+        versions = trained[k]["token_version"]
+        assert trained[k]["versions"] == [k - 1]
+        assert set(versions[versions >= 0].tolist()) == {k - 1, k}
+        spans = versions.max(1).values > versions[:, 0]
+        assert metrics[k]["async/partial_frac"] == pytest.approx(spans.float().mean().item())
+        assert spans.float().mean() > 0.3
+        assert 0 < metrics[k]["async/token_staleness_mean"] < 1
+    assert [metrics[k]["async/partial_frac"] for k in (0, 3)] == [0.0, 0.0]
+    assert _learned(partial)[0] == _learned(whole)[0]  # step 0: no push was due, the same numbers
+    # step 1 trains tokens of version 1 as well: other numbers than the whole-response run, closer to on-policy
+    assert _learned(partial)[1]["actor/grad_norm"] != _learned(whole)[1]["actor/grad_norm"]
+    assert metrics[1]["rollout/logprob_abs_diff"] < whole["metrics"][1]["rollout/logprob_abs_diff"]
 
 
 FAILING_REWARD = ("calls = [0]\n"

@@ -8,6 +8,8 @@ Layout of a `RolloutOutput` with B prompts, n samples each, prompt width P and r
     response_ids    (B*n, R)  right-padded with the pad id; R is the longest response
     response_mask   (B*n, R)  1 on response tokens (the EOS token too, when one ended the response)
     sampled_log_probs (B*n, R)  log softmax(logits / T) of each sampled token, 0 where the mask is 0
+    token_version   (B*n, R)  only when a `weight_hook` was set: the policy version that sampled each token
+                              (-1 on padding); it changes inside a response when weights arrive mid-generation
 
 Log-probs are those of the temperature-scaled distribution without top-k/top-p truncation, i.e. what the
 training engine recomputes with the same temperature (1 for greedy decoding), so that the two can be
@@ -20,7 +22,7 @@ import abc
 import logging
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -89,6 +91,7 @@ class RolloutOutput:
     sampled_log_probs: torch.Tensor  # (N, R) float32
     response_text: list[str]  # N decoded responses, stop string cut off
     prompt_index: torch.Tensor  # (N,) which prompt each row came from
+    token_version: torch.Tensor | None = None  # (N, R) long, with a weight hook only
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -108,11 +111,19 @@ class RolloutOutput:
             "sampled_log_probs": log_probs,  # (N, P+R)
             "prompt_index": self.prompt_index,  # (N,)
         }
+        if self.token_version is not None:
+            tensors["token_version"] = self.token_version  # (N, R), like response_mask
         return Batch(tensors, {"response_text": list(self.response_text)})
 
 
 class Rollout(abc.ABC):
     """A generation engine holding its own copy of the policy weights."""
+
+    weight_hook: Callable[[], int] | None = None
+    """Partial rollouts (asynchronous RL): when set, `generate` calls it between decode steps (the fast
+    engine at each host sync, HF at each step); it may load new weights in place (`load_weights`) and returns
+    the policy version now loaded. Tokens sampled after a change belong to the new version
+    (`RolloutOutput.token_version`); the KV cache of the tokens before it is kept, not recomputed."""
 
     @abc.abstractmethod
     def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -131,6 +142,37 @@ class Rollout(abc.ABC):
     @abc.abstractmethod
     def resume(self) -> None:
         """Takes the device memory back before the next `generate`."""
+
+
+class VersionTrack:
+    """Which policy version sampled each response token while `hook` (a `Rollout.weight_hook`) may swap the
+    weights mid-generation."""
+
+    def __init__(self, hook: Callable[[], int]):
+        self.hook = hook
+        self.version = hook()
+        self.changes: dict[int, list[tuple[int, int]]] = {}  # row -> [(first token index, version)]
+
+    def begin(self, row: int) -> None:
+        """Row `row` starts (its first token is sampled next) under the version loaded now."""
+        self.changes[row] = [(0, self.version)]
+
+    def poll(self, live: Callable[[], Iterable[tuple[int, int]]]) -> None:
+        """Runs the hook; when it changed the version, each (row, index) of `live()` (the rows in flight, and
+        the index of the token each samples next) gets the new version from that token on."""
+        version = self.hook()
+        if version != self.version:
+            for row, index in live():
+                self.changes[row].append((index, version))
+            self.version = version
+
+    def tensor(self, response_mask: torch.Tensor) -> torch.Tensor:
+        """(N, R) long: each response token's version, -1 where `response_mask` is 0."""
+        out = torch.full(response_mask.shape, -1, dtype=torch.long)
+        for row, segments in self.changes.items():
+            for index, version in segments:
+                out[row, index:] = version
+        return out.to(response_mask.device).masked_fill(response_mask == 0, -1)
 
 
 def assemble_output(prompt_ids: torch.Tensor, attention_mask: torch.Tensor, n: int,

@@ -35,8 +35,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts, contains_stop,
-                                   copy_weights_in_place, cut_responses)
+from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_prompts,
+                                   contains_stop, copy_weights_in_place, cut_responses)
 from shardrl.rollout.fast_model import (DecoderBlock, FastCausalLM, SDPADecodeAttention, TritonDecodeAttention,
                                         build_fast_lm, head_dim_of, triton_head_dim)
 from shardrl.tokenizer import stop_token_ids
@@ -372,11 +372,18 @@ class FastRollout(Rollout):
         st.num_generated.zero_()
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        rows = self._decode_rows(prompts, limits, n, sampling_mode(sampling), sampling.stop, generator)
-        return self._assemble(prompt_ids, attention_mask, rows, n, sampling.stop)
+        track = VersionTrack(self.weight_hook) if self.weight_hook is not None else None
+        rows = self._decode_rows(prompts, limits, n, sampling_mode(sampling), sampling.stop, generator, track)
+        out = self._assemble(prompt_ids, attention_mask, rows, n, sampling.stop)
+        if track is not None:
+            out.token_version = track.tensor(out.response_mask)
+        return out
 
-    def _decode_rows(self, prompts, limits, n, mode, stop, generator) -> list[tuple[list[int], torch.Tensor]]:
-        """(tokens, log-probs) of every row b*n+j, uncut: through EOS, the limit, or past a stop string."""
+    def _decode_rows(self, prompts, limits, n, mode, stop, generator,
+                     track: VersionTrack | None = None) -> list[tuple[list[int], torch.Tensor]]:
+        """(tokens, log-probs) of every row b*n+j, uncut: through EOS, the limit, or past a stop string.
+        With `track`, its weight hook runs at every host sync (between decode steps: the next step reads the
+        new weights) and records which rows it splits where."""
         st = self._state
         num_slots = st.num_slots
         queue = deque(range(len(prompts) * n))
@@ -395,9 +402,14 @@ class FastRollout(Rollout):
                 self._retire(finished, slot_row, generated, results)
                 for s in finished:
                     slot_row[s], lengths[s] = -1, 0
+            if track is not None:
+                track.poll(lambda: [(slot_row[s], generated[s]) for s in range(num_slots) if slot_row[s] >= 0])
             free = [s for s in range(num_slots) if slot_row[s] < 0]
             if queue and free:
                 admitted = [(s, queue.popleft()) for s in free[: len(queue)]]
+                if track is not None:
+                    for _, row in admitted:
+                        track.begin(row)
                 stats["prefill_tokens"] += self._admit(admitted, prompts, limits, n, mode, generator)
                 for s, row in admitted:
                     slot_row[s], lengths[s], generated[s] = row, len(prompts[row // n]), 1

@@ -20,8 +20,8 @@ import torch
 import transformers
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts, contains_stop,
-                                   copy_weights_in_place, cut_responses)
+from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_prompts,
+                                   contains_stop, copy_weights_in_place, cut_responses)
 from shardrl.tokenizer import stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,19 @@ class _LogProbRecorder(LogitsProcessor):
         if not self.scored:
             return response_ids.new_zeros(response_ids.shape, dtype=torch.float32)
         return torch.stack(self.scored[:num_tokens], dim=1)
+
+
+class _WeightPoll(LogitsProcessor):
+    """Runs a `VersionTrack`'s hook at every step; weights it loads serve the next step's forward."""
+
+    def __init__(self, track: VersionTrack, rows: range, prompt_width: int):
+        self.track, self.rows, self.prompt_width = track, rows, prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        # this step's logits (token `index`) came from the weights loaded so far; token index + 1 reads the new
+        index = input_ids.shape[1] - self.prompt_width
+        self.track.poll(lambda: [(row, index + 1) for row in self.rows])
+        return scores
 
 
 class _StopStringCriteria(StoppingCriteria):
@@ -127,29 +140,43 @@ class HFRollout(Rollout):
             raise RuntimeError("the rollout is released (its model sits on the CPU); call resume() before generate()")
         check_prompts(prompt_ids, attention_mask)
         num_prompts, n = prompt_ids.shape[0], sampling.n
+        track = VersionTrack(self.weight_hook) if self.weight_hook is not None else None
         with self._seeded(sampling.seed):
             chunks = [
                 self._generate_chunk(prompt_ids[s : s + self.micro_batch_size],
-                                     attention_mask[s : s + self.micro_batch_size], sampling)
+                                     attention_mask[s : s + self.micro_batch_size], sampling,
+                                     track, s * n)
                 for s in range(0, num_prompts, self.micro_batch_size)
             ]
 
         responses = [(ids[i, :length], logp[i, :length]) for ids, lengths, logp, _ in chunks
                      for i, length in enumerate(lengths)]
         texts = [t for *_, chunk_texts in chunks for t in chunk_texts]
-        return assemble_output(prompt_ids, attention_mask, n, responses, texts, self.pad_id)
+        out = assemble_output(prompt_ids, attention_mask, n, responses, texts, self.pad_id)
+        if track is not None:
+            out.token_version = track.tensor(out.response_mask)
+        return out
 
-    def _generate_chunk(self, prompt_ids, attention_mask, sampling: SamplingParams):
-        """One `generate` call; returns (ids (rows, L) on CPU, lengths, log-probs (rows, L), texts)."""
+    def _generate_chunk(self, prompt_ids, attention_mask, sampling: SamplingParams,
+                        track: VersionTrack | None = None, first_row: int = 0):
+        """One `generate` call; returns (ids (rows, L) on CPU, lengths, log-probs (rows, L), texts). With
+        `track`, the chunk's rows are `first_row`, `first_row + 1`, ... of the whole output."""
         first = int(attention_mask.any(0).nonzero()[0])  # drop columns that are padding in every row
         ids = prompt_ids[:, first:].to(self.device).repeat_interleave(sampling.n, dim=0)  # (rows, P')
         mask = attention_mask[:, first:].to(self.device).repeat_interleave(sampling.n, dim=0)
         recorder = _LogProbRecorder(sampling.logprob_temperature)
+        processors = [recorder]
+        if track is not None:
+            track.poll(lambda: [])  # weights that came between chunks serve this whole chunk
+            rows = range(first_row, first_row + ids.shape[0])
+            for row in rows:
+                track.begin(row)
+            processors.append(_WeightPoll(track, rows, ids.shape[1]))
         stopping = StoppingCriteriaList(
             [_StopStringCriteria(self.tokenizer, sampling.stop, ids.shape[1])] if sampling.stop else [])
         sequences = self.model.generate(
             input_ids=ids, attention_mask=mask, generation_config=self._generation_config(sampling),
-            logits_processor=LogitsProcessorList([recorder]), stopping_criteria=stopping,
+            logits_processor=LogitsProcessorList(processors), stopping_criteria=stopping,
         )
         generated = sequences[:, ids.shape[1] :]  # (rows, L)
         logp = recorder.finish(generated).cpu()
