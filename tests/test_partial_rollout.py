@@ -14,15 +14,8 @@ import pytest
 import torch
 
 from shardrl.rollout import SamplingParams
-from test_rollout_fast import encode, make_rollout, reference_model
+from test_rollout_fast import encode, make_rollout, reference_model, tok  # noqa: F401 (tok: the fixture)
 from test_rollout_hf import recomputed_log_probs
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from shardrl.tokenizer import build_char_tokenizer
-
-    return build_char_tokenizer()
 
 
 # hf: 6 prompts in chunks of 4 and 2, the hook runs at every step (the swap lands inside the first chunk, the

@@ -248,7 +248,7 @@ class AsyncRLTrainer(RLTrainer):
         if "token_version" in batch:  # partial rollouts: versions change inside responses
             versions = batch["token_version"]
             real = versions >= 0
-            last = versions.masked_fill(~real, -1).max(1).values
+            last = versions.max(1).values  # padding holds -1
             self._batch_info.update(
                 partial_frac=float((last > batch["policy_version"]).float().mean()),
                 token_staleness=float((self.step - versions[real]).float().mean()) if real.any() else 0.0)
