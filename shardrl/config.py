@@ -485,8 +485,9 @@ class AlgorithmConfig:
     rollout_is: bool = False
     """Correct for the rollout-training mismatch (the sampler's log-probs differ from the trainer's, e.g. bf16
     fast rollout): weight each token's policy loss by pi_trainer(old) / pi_sampler, detached
-    (`shardrl.algos.rollout_correction`). Needs the old log-probs before the update, so it turns off
-    actor.recompute_old_log_probs=auto's shortcut. Mismatch metrics (rollout/logprob_abs_diff, _max, rollout/kl
+    (`shardrl.algos.rollout_correction`). In truncate mode with actor.recompute_old_log_probs=auto's shortcut
+    (one mini-batch, one epoch) the weights come from the update's own forward; mask mode needs the old
+    log-probs before the update, so it turns the shortcut off. Mismatch metrics (rollout/logprob_abs_diff, _max, rollout/kl
     per sequence, rollout/k3_kl) are logged either way; with this on also rollout_is/weight_mean,
     rollout_is/truncated_frac and rollout_is/masked_frac."""
     rollout_is_level: Literal["token", "sequence", "geometric"] = "token"

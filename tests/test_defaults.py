@@ -86,6 +86,10 @@ def test_fast_only_keys_need_the_fast_backend(monkeypatch):
     (["actor.ppo_mini_batch_size=8", "actor.ppo_epochs=2"], False, "actor.ppo_epochs=2"),
     (["actor.ppo_mini_batch_size=8", "algorithm.use_kl_in_reward=true"], False, "use_kl_in_reward"),
     (["actor.ppo_mini_batch_size=8", "model.disable_dropout=false"], False, "model.disable_dropout=false"),
+    # the rollout correction: truncate's weights come from the update's forward; mask changes the token count
+    (["actor.ppo_mini_batch_size=8", "algorithm.rollout_is=true"], True, "no separate forward pass"),
+    (["actor.ppo_mini_batch_size=8", "algorithm.rollout_is=true", "algorithm.rollout_is_mode=mask"], False,
+     "algorithm.rollout_is_mode=mask"),
     # GAE and the KL loss read no old log-probs before the update: still skipped
     (["actor.ppo_mini_batch_size=8", "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=8",
       "actor.use_kl_loss=true"], True, "no separate forward pass"),

@@ -90,6 +90,55 @@ def test_the_update_is_identical_either_way():
         assert diff > 1e-3, wrong
 
 
+def _rollout_is_each_way(level: str) -> dict:
+    from shardrl.algos.rollout_correction import rollout_is_weights
+    from shardrl.config import ActorConfig, AlgorithmConfig, EngineConfig, ModelConfig, OptimConfig
+    from shardrl.engine import build_engine
+    from shardrl.trainer.updates import actor_loss_fn
+
+    batch = random_batch(8, 12, 101, seed=3)
+    algo = AlgorithmConfig(rollout_is=True, rollout_is_level=level, rollout_is_threshold=1.3)
+    actor_cfg = ActorConfig()
+    out = {}
+    for way in ("before_update", "in_loss", "no_weights"):
+        engine = build_engine(ModelConfig(tiny=TINY_MODELS["qwen2"]),
+                              EngineConfig(param_dtype="float32", micro_batch_size_per_gpu=2),
+                              OptimConfig(lr=1e-2, clip_grad=0.0, weight_decay=0.0), total_steps=4)
+        grads = record_grads(engine)
+        b = batch.select(list(batch.keys()))
+        old = engine.infer_batch(b)["log_probs"].cpu()
+        # a sampler off by up to +-0.3 nats a token: weights both sides of 1, some above the cap
+        noise = (torch.rand(old.shape, generator=torch.Generator().manual_seed(4)) - 0.5) * 0.6
+        b["sampled_log_probs"] = (old + noise) * b["loss_mask"]
+        if way == "before_update":  # what the trainer does when it runs the old log-prob pass
+            b["old_log_probs"] = old
+            w, _, m = rollout_is_weights(old, b["sampled_log_probs"], b["loss_mask"], level, "truncate", 1.3)
+            b["rollout_is_weights"] = w
+            out["expected_metrics"] = {k: float(s_) / float(c) for k, (s_, c) in m.items()}
+            loss_fn = actor_loss_fn(actor_cfg, "token-mean")
+        elif way == "in_loss":
+            loss_fn = actor_loss_fn(actor_cfg, "token-mean", old_from_forward=True, rollout_is=algo)
+        else:
+            loss_fn = actor_loss_fn(actor_cfg, "token-mean", old_from_forward=True)
+        metrics = engine.train_batch(b, loss_fn, with_entropy=True)
+        out[way] = {"grads": grads[0], "metrics": metrics}
+    return out
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_is_weights_in_the_loss_give_the_update_of_the_old_pass(level):
+    out = run_distributed(_rollout_is_each_way, 1, level)
+    ref, mine = out["before_update"], out["in_loss"]
+    for name, grad in ref["grads"].items():
+        torch.testing.assert_close(mine["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    for key, value in out["expected_metrics"].items():
+        assert mine["metrics"][f"rollout_is/{key}"] == pytest.approx(value, abs=1e-6), key
+    assert 0 < out["expected_metrics"]["truncated_frac"] < 1  # the cap bites on some tokens, not all
+    # the comparison can tell: the same update without the weights has another gradient
+    diff = max(float((out["no_weights"]["grads"][n] - g).abs().max()) for n, g in ref["grads"].items())
+    assert diff > 1e-3
+
+
 def _train(overrides: list[str]) -> tuple[list[dict], dict]:
     import torch.distributed as dist
 
@@ -121,8 +170,10 @@ def assets(tmp_path_factory):
 
 def test_runs_with_and_without_the_old_log_prob_pass_log_the_same(assets, tmp_path: Path):
     # one mini-batch (4 prompts x 4 responses), one epoch, KL loss (a ref, so kl/actor_ref is logged)
+    # and the rollout correction (truncate mode), whose weights the update then computes in its loss
     common = ["trainer.logger=[jsonl]", "trainer.total_steps=2", "actor.ppo_mini_batch_size=4",
-              "actor.use_kl_loss=true", "ref.engine.param_dtype=float32", "actor.entropy_coeff=0.01"]
+              "actor.use_kl_loss=true", "ref.engine.param_dtype=float32", "actor.entropy_coeff=0.01",
+              "algorithm.rollout_is=true"]
     runs = {}
     for mode in ("auto", "always"):
         runs[mode] = run_distributed(_train, 2, small_demo_run(
@@ -134,7 +185,7 @@ def test_runs_with_and_without_the_old_log_prob_pass_log_the_same(assets, tmp_pa
     keys = [k for k in always[0] if not k.startswith(("timing/", "perf/")) and k != "rollout/logprob_abs_diff_max"]
     if "perf/step_tflop" in always[0]:
         assert auto[0]["perf/step_tflop"] < always[0]["perf/step_tflop"]
-    assert {"rollout/logprob_abs_diff", "kl/actor_ref", "actor/grad_norm"} <= set(keys)
+    assert {"rollout/logprob_abs_diff", "kl/actor_ref", "actor/grad_norm", "rollout_is/weight_mean"} <= set(keys)
     assert set(keys) <= set(auto[0])
     for a, b in zip(auto, always):
         for k in keys:  # step 2 samples from the updated weights: equal only if the updates were

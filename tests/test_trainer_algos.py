@@ -90,14 +90,17 @@ def test_dapo_example_config_loads():
     assert cfg.actor.clip_ratio_high > cfg.actor.clip_ratio_low and cfg.actor.loss_agg_mode == "token-mean"
 
 
-def test_rollout_is_needs_the_old_log_prob_pass():
+def test_rollout_is_mask_mode_needs_the_old_log_prob_pass():
     from shardrl.config import load_config
     from shardrl.trainer.defaults import old_log_probs_from_update
 
     base = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"]
     assert old_log_probs_from_update(load_config(None, base))[0]
-    skip, why = old_log_probs_from_update(load_config(None, base + ["algorithm.rollout_is=true"]))
-    assert not skip and "rollout_is" in why
+    # truncate: the weights come from the update's forward; mask changes the loss's token count first
+    assert old_log_probs_from_update(load_config(None, base + ["algorithm.rollout_is=true"]))[0]
+    skip, why = old_log_probs_from_update(load_config(None, base + ["algorithm.rollout_is=true",
+                                                                     "algorithm.rollout_is_mode=mask"]))
+    assert not skip and "rollout_is_mode=mask" in why
 
 
 def _dapo_two_ranks(overrides: list[str]) -> list[dict]:

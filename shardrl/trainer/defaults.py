@@ -81,7 +81,9 @@ def old_log_probs_from_update(cfg: Config) -> tuple[bool, str]:
     would see are the ones the update's only optimizer step starts from (one mini-batch, one epoch; the
     engine's `train_batch` runs each micro-batch forward once), at the same temperature (the trainer passes
     the rollout's `logprob_temperature` to both), and without dropout (training runs in train mode). Nothing
-    may read the old log-probs before the update: KL in the reward does (it shapes the advantages)."""
+    may read the old log-probs before the update: KL in the reward does (it shapes the advantages). The
+    rollout correction's truncated weights (algorithm.rollout_is, mode truncate) are then computed in the loss
+    from the same detached forward; mask mode is not, as it changes the token count the loss divides by."""
     a = cfg.actor
     if a.recompute_old_log_probs == "always":
         return False, "actor.recompute_old_log_probs=always"
@@ -94,8 +96,9 @@ def old_log_probs_from_update(cfg: Config) -> tuple[bool, str]:
         blockers.append(f"actor.ppo_epochs={a.ppo_epochs}")
     if cfg.algorithm.use_kl_in_reward:
         blockers.append("algorithm.use_kl_in_reward reads them before the advantages")
-    if cfg.algorithm.rollout_is:
-        blockers.append("algorithm.rollout_is weighs the loss by them against the sampler's")
+    if cfg.algorithm.rollout_is and cfg.algorithm.rollout_is_mode == "mask":
+        blockers.append("algorithm.rollout_is_mode=mask drops tokens from the loss mask before the update, "
+                        "and the loss is normalized by that mask's token count")
     if not cfg.model.disable_dropout:
         blockers.append("model.disable_dropout=false (the update's forward may draw dropout masks)")
     if blockers:

@@ -312,7 +312,10 @@ class RLTrainer:
         if self.critic is not None:
             batch["old_values"] = self.critic.infer_batch(batch)["values"].cpu()
         metrics.update(compute_advantages(batch, scores, cfg.algorithm, self.kl_ctrl.value, self.mesh.dp_group))
-        if cfg.algorithm.rollout_is:  # after the advantages: a rejected sample still counts in its group's baseline
+        # after the advantages: a rejected sample still counts in its group's baseline; without the old pass,
+        # the update's loss computes the weights from its own forward
+        in_loss_is = cfg.algorithm if cfg.algorithm.rollout_is and self.old_from_update else None
+        if cfg.algorithm.rollout_is and in_loss_is is None:
             metrics.update(apply_rollout_is(batch, cfg.algorithm))
         t_prep = time.perf_counter()
         peaks["prep"] = self._phase_peak_gib()
@@ -325,7 +328,8 @@ class RLTrainer:
                 metrics.update(run_updates(self.critic, batch, critic_loss, self.layout.critic.mini_batch_samples_per_rank,
                                            cfg.critic.ppo_epochs, True, self.shuffle_gen, "critic"))
         with self.actor.training():
-            metrics.update(run_updates(self.actor, batch, actor_loss_fn(cfg.actor, agg, self.old_from_update),
+            actor_loss = actor_loss_fn(cfg.actor, agg, self.old_from_update, in_loss_is)
+            metrics.update(run_updates(self.actor, batch, actor_loss,
                                        self.layout.actor.mini_batch_samples_per_rank, cfg.actor.ppo_epochs,
                                        cfg.actor.shuffle, self.shuffle_gen, "actor", temperature=temp,
                                        with_entropy=bool(cfg.actor.entropy_coeff) or self.old_from_update))

@@ -19,7 +19,7 @@ from shardrl.algos import (
     value_loss,
 )
 from shardrl.algos.aggregate import masked_metric, share_metric
-from shardrl.algos.rollout_correction import mismatch_metrics
+from shardrl.algos.rollout_correction import mismatch_metrics, rollout_is_weights
 from shardrl.batch import Batch
 from shardrl.distributed import all_reduce_sum
 from shardrl.engine.base import NonFiniteParametersError
@@ -72,22 +72,34 @@ def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: fl
     return metrics
 
 
-def actor_loss_fn(actor_cfg, agg_mode: str, old_from_forward: bool = False):
+def actor_loss_fn(actor_cfg, agg_mode: str, old_from_forward: bool = False, rollout_is=None):
     """The actor's loss. `old_from_forward` (the trainer decides: `defaults.old_log_probs_from_update`):
     the step's only update takes its old log-probs from this forward, detached, instead of
     `mb["old_log_probs"]`, and measures here what the trainer would have measured on them. The policy loss is
-    `POLICY_LOSSES[actor_cfg.loss_mode]`, weighted by `mb["rollout_is_weights"]` when the batch has them."""
+    `POLICY_LOSSES[actor_cfg.loss_mode]`, weighted by `mb["rollout_is_weights"]` when the batch has them.
+    `rollout_is` (the algorithm config, with `old_from_forward` only, truncate mode only): those weights are
+    computed here from the detached forward against `mb["sampled_log_probs"]`, as `apply_rollout_is` would
+    have computed them before the update, with its rollout_is/ metrics."""
     policy_loss = POLICY_LOSSES[actor_cfg.loss_mode]
+    if rollout_is is not None and (not old_from_forward or rollout_is.rollout_is_mode != "truncate"):
+        raise ValueError("rollout_is weights are computed in the loss only from the update's own forward "
+                         "(old_from_forward) and in truncate mode; otherwise the trainer adds them to the batch")
 
     def loss_fn(outputs, mb, num_tokens, num_seqs):
         mask = mb["loss_mask"]
         old = outputs["log_probs"].detach() if old_from_forward else mb["old_log_probs"]
         weights = mb["rollout_is_weights"] if "rollout_is_weights" in mb else None
+        is_metrics = {}
+        if rollout_is is not None:
+            weights, _, is_metrics = rollout_is_weights(
+                old, mb["sampled_log_probs"], mask, rollout_is.rollout_is_level, "truncate",
+                rollout_is.rollout_is_threshold, rollout_is.rollout_is_threshold_lower)
         loss, metrics = policy_loss(outputs["log_probs"], old, mb["advantages"], mask,
                                     actor_cfg.clip_ratio_low, actor_cfg.clip_ratio_high, actor_cfg.clip_ratio_c,
                                     agg_mode, num_tokens, num_seqs, weights=weights)
         # (sum, count) tensor pairs: the engine adds them up over micro-batches and ranks, syncing once
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
+        metrics.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
         if old_from_forward:
             mismatch = mismatch_metrics(old, mb["sampled_log_probs"], mask)  # its max needs a max over ranks: not here
             metrics.update({f"rollout/{k}": v for k, v in mismatch.items() if k != "logprob_abs_diff_max"})
