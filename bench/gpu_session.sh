@@ -143,6 +143,33 @@ phase_s5_multi() {
     limit 300 python3 bench/engine.py --world 2 --steps 3 --out $RES \
         --rows fsdp2_8,hsdp1_8,fsdp2_8_compile,hsdp1_8_compile,fsdp2_8_z2_compile
 }
+# session 5, second run (the first lost its machine during s5_multi): the entropy in the update's forward
+# moved to a fused function (`_ChunkLogProbEntropy`); its GPU tests and head benchmark run on GPU 1 while
+# GPU 0's process writes the e2e models; then the async rows, the NCCL test, and issue 17's runs
+phase_s6_prepare() {
+    ( CUDA_VISIBLE_DEVICES=0 limit 240 python3 bench/e2e.py --root /tmp/e2e --systems none ) &
+    local prep=$!
+    ( export CUDA_VISIBLE_DEVICES=1
+      limit 120 python3 bench/logprob.py --out $RES > "$GS/s6_logprob.log" 2>&1
+      limit 150 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_logprob.py \
+          > "$GS/s6_tests.log" 2>&1 ) &
+    wait $prep $!
+}
+phase_s6_async() {
+    local B="python3 bench/e2e.py --root /tmp/e2e --cases var_512 --systems shardrl --gpus 2 --steps 6 --no-floor --out $RES"
+    local A="async_rl.rollout_ranks=1 algorithm.rollout_is=true"
+    limit 200 $B --tag sync2
+    limit 200 $B --tag async2 --extra "$A async_rl.max_staleness=2"
+    limit 150 python3 -m pytest -q -p no:cacheprovider -W ignore -rs tests/test_async_rl.py -k nccl
+}
+phase_s6_multi() {
+    limit 150 python3 bench/profile_step.py --world 2 --rows fsdp2_8_compile
+    limit 240 python3 bench/startup.py --cases 1.5b:2,7b:2 --out $RES
+    limit 300 python3 bench/engine.py --world 2 --steps 3 --out $RES \
+        --rows fsdp2_8,hsdp1_8,fsdp2_8_compile,hsdp1_8_compile,fsdp2_8_z2_compile
+    limit 200 python3 bench/e2e.py --root /tmp/e2e --cases var_512 --systems shardrl --gpus 2 --steps 6 --no-floor \
+        --out $RES --tag async1 --extra "async_rl.rollout_ranks=1 algorithm.rollout_is=true async_rl.max_staleness=1"
+}
 
 collect() {
     local out=${OUT:-gpu_out}

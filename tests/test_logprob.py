@@ -120,26 +120,33 @@ def test_log_prob_function_passes_gradcheck(bias):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_compiled_kernels_on_cuda_match_eager(dtype, tol):
-    """On CUDA the log-normalizer and the logits' gradient run as compiled kernels: same values and
-    gradients as the plain full-vocab computation, with a vocabulary and chunking of realistic shape."""
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_compiled_kernels_on_cuda_match_eager(dtype, tol, with_entropy):
+    """On CUDA the log-normalizer (and entropy) and the logits' gradient run as compiled kernels: same values
+    and gradients as the plain full-vocab computation, with a vocabulary and chunking of realistic shape."""
     g = torch.Generator(device="cuda").manual_seed(0)
     n, h, v = 3000, 64, 50_000
     hidden = torch.randn(n, h, device="cuda", generator=g).to(dtype)
     weight = (torch.randn(v, h, device="cuda", generator=g) * 0.3).to(dtype)
     targets = torch.randint(0, v, (n,), device="cuda", generator=g)
     w_lp = torch.randn(n, device="cuda", generator=g)
+    w_ent = torch.randn(n, device="cuda", generator=g) * with_entropy
 
     def grads(fn):
         leaves = [t.clone().requires_grad_(True) for t in (hidden, weight)]
-        lp = fn(*leaves)
-        (lp.float() * w_lp).sum().backward()
-        return lp.detach().float(), [t.grad.float() for t in leaves]
+        lp, ent = fn(*leaves)
+        (lp.float() * w_lp + (ent.float() * w_ent if with_entropy else 0.0)).sum().backward()
+        return lp.detach().float(), ent, [t.grad.float() for t in leaves]
 
-    lp, got = grads(lambda hh, ww: chunked_log_probs(hh, ww, None, targets, 0.9, 1024)[0])
-    ref_lp, want = grads(lambda hh, ww: torch.log_softmax((hh @ ww.T).float() / 0.9, -1).gather(
-        -1, targets[:, None]).squeeze(-1))
+    def reference_fn(hh, ww):
+        log_p = torch.log_softmax((hh @ ww.T).float() / 0.9, -1)
+        return log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+    lp, ent, got = grads(lambda hh, ww: chunked_log_probs(hh, ww, None, targets, 0.9, 1024, with_entropy))
+    ref_lp, ref_ent, want = grads(reference_fn)
     torch.testing.assert_close(lp, ref_lp, rtol=tol, atol=tol)
+    if with_entropy:
+        torch.testing.assert_close(ent.detach().float(), ref_ent.detach(), rtol=tol, atol=tol)
     for a, e in zip(got, want):
         assert (a - e).norm() / e.norm() < tol
     with torch.no_grad():  # inference (old and reference log-probs) takes the same compiled normalizer

@@ -80,6 +80,61 @@ class _ChunkLogProb(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None
 
 
+def _entropy_terms(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normalizers logsumexp(logits / T) and the entropies of softmax(logits / T), (n,) each, in the
+    accumulation dtype: two reductions over the logits, no (n, V) fp32 copy kept (compiled on CUDA)."""
+    scaled = logits.to(_acc_dtype(logits.dtype)) / temperature
+    logz = torch.logsumexp(scaled, dim=-1)
+    probs = torch.exp(scaled - logz[:, None])
+    return logz, logz - (probs * scaled).sum(-1)
+
+
+def _grad_logits_entropy(logits: torch.Tensor, logz: torch.Tensor, entropy: torch.Tensor, targets: torch.Tensor,
+                         grad_lp: torch.Tensor, grad_ent: torch.Tensor, temperature: float) -> torch.Tensor:
+    """d/dlogits of sum(grad_lp * log p[target] + grad_ent * H) with p = softmax(logits / T):
+    (grad_lp * (onehot - p) - grad_ent * p * (log p + H)) / T, in the logits' dtype."""
+    log_p = logits.to(logz.dtype) / temperature - logz[:, None]  # (n, V)
+    probs = torch.exp(log_p)
+    hit = torch.arange(logits.shape[-1], device=logits.device)[None] == targets[:, None]
+    g_lp, g_ent = grad_lp.to(logz.dtype)[:, None], grad_ent.to(logz.dtype)[:, None]
+    return ((g_lp * (hit.to(logz.dtype) - probs) - g_ent * probs * (log_p + entropy[:, None]))
+            / temperature).to(logits.dtype)
+
+
+class _ChunkLogProbEntropy(torch.autograd.Function):
+    """`_ChunkLogProb` with the entropy of each token's distribution as a second output, differentiable too:
+    the chunk's logits are recomputed in backward and their gradient (both outputs' parts) formed in one pass.
+    An entropy read only as a metric (no gradient flows into it) costs backward nothing extra."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float):
+        logits = F.linear(hidden, weight, bias)  # (n, V)
+        logz, entropy = _kernel("entropy", _entropy_terms, logits)(logits, temperature)
+        logp = logits.gather(-1, targets[:, None]).squeeze(-1).to(logz.dtype) / temperature - logz
+        ctx.save_for_backward(hidden, weight, bias, targets, logz, entropy)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        hidden, weight, bias, targets, logz, entropy = ctx.saved_tensors
+        if grad_lp is None and grad_ent is None:
+            return None, None, None, None, None
+        logits = F.linear(hidden, weight, bias)
+        if grad_ent is None:
+            dlogits = _kernel("grad", _grad_logits, logits)(logits, logz, targets, grad_lp, ctx.temperature)
+        else:
+            grad_lp = torch.zeros_like(logz) if grad_lp is None else grad_lp
+            dlogits = _kernel("grad_entropy", _grad_logits_entropy, logits)(
+                logits, logz, entropy, targets, grad_lp, grad_ent, ctx.temperature)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = dlogits @ weight if need_h else None
+        grad_w = dlogits.t() @ hidden if need_w else None
+        grad_b = dlogits.sum(0) if need_b and bias is not None else None
+        return grad_h, grad_w, grad_b, None, None
+
+
 def _chunk_logprob(hidden, weight, bias, targets, temperature: float, with_entropy: bool,
                    softcap: float | None = None):
     logits = F.linear(hidden, weight, bias)  # (n, V)
@@ -110,9 +165,10 @@ def chunked_log_probs(
     """log p(targets) (and entropy) of `hidden @ weight.T`, `chunk_size` tokens at a time.
 
     hidden (N, H), targets (N,). Under autograd only one chunk's logits exist at a time, in backward too:
-    log-probs alone go through `_ChunkLogProb` (logits recomputed, their gradient formed in one pass);
-    with entropy, each chunk is checkpointed. `softcap`: logits = softcap * tanh(logits / softcap) first (the
-    model config's `final_logit_softcapping`); such chunks take the autograd path (checkpointed under autograd).
+    log-probs alone go through `_ChunkLogProb` (logits recomputed, their gradient formed in one pass), with
+    entropy through `_ChunkLogProbEntropy` (the same, both outputs differentiable). `softcap`: logits =
+    softcap * tanh(logits / softcap) first (the model config's `final_logit_softcapping`); such chunks take the
+    autograd path (checkpointed under autograd).
     """
     logps, ents = [], []
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
@@ -122,6 +178,8 @@ def chunked_log_probs(
         args = (hidden[start : start + chunk_size], weight, bias, targets[start : start + chunk_size])
         if recompute and not with_entropy and not softcap:
             lp, ent = _ChunkLogProb.apply(*args, temperature), None
+        elif recompute and not softcap:
+            lp, ent = _ChunkLogProbEntropy.apply(*args, temperature)
         elif recompute:
             lp, ent = checkpoint(_chunk_logprob, *args, temperature, with_entropy, softcap, use_reentrant=False)
         elif not with_entropy and not softcap:
