@@ -71,8 +71,7 @@ def main():
         out[name] = dict(bench="logprob", row=name, tokens=n, vocab=args.vocab, ms=round(ms, 2),
                          peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
         print(json.dumps(out[name]), flush=True)
-        if args.out:
-            append_jsonl(args.out, out[name])
+        append_jsonl(args.out, [out[name]])
     for kind in ("metric", "grad"):
         print(f"entropy as {kind}: {out[f'checkpointed_eager_{kind}']['ms'] / out[f'logp_entropy_{kind}']['ms']:.2f}x "
               f"the checkpointed eager path; log-probs alone {out['logp']['ms']} ms")
