@@ -122,7 +122,9 @@ class EngineConfig:
     fsdp_size: int = -1
     """Ranks one copy of the model is sharded over; -1 (or >= world) shards over all, smaller gives HSDP."""
     reshard_after_forward: bool = True
-    """Free gathered params after forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
+    """Free gathered params after forward (ZeRO-3); False keeps them until backward (ZeRO-2): no re-gather in
+    backward, for one layer-set of gathered params more memory. On 2 H200s with compile, ZeRO-2 trained the
+    1.5B shape 1.29x faster, at the one-GPU rate per GPU (bench/RESULTS.md, session 5)."""
     param_dtype: Dtype = "bfloat16"
     """Dtype of the gathered params the forward/backward compute in."""
     reduce_dtype: Dtype = "float32"
