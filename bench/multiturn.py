@@ -20,7 +20,7 @@ single-turn run (rollout.max_new_tokens = --max-response-tokens, stops at EOS on
                  re-prefill, the host round trip, the round's wait for its slowest tool); 1.0 is none
 
     python bench/multiturn.py --quick                                  # CPU smoke run, tiny model
-    python bench/multiturn.py --backend fast --shape 0.5b --prompts 256 --n 4
+    python bench/multiturn.py --backend fast --shape 0.5b --prompts 256 --n 4 [--tool-latency-s 0.2] [--overlap-tools]
     python bench/multiturn.py --backend fast --model outputs/smollm2/model --data outputs/tools/train.jsonl
 """
 
@@ -29,8 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import string
 import sys
+import threading
 import time
 
 import torch
@@ -53,18 +55,22 @@ ALPHABET = "".join(c for c in string.printable if c not in "\t\r\x0b\x0c")
 
 
 class EchoInteraction(Interaction):
-    """Takes every turn that ends in ">" for a call, and answers it with a short text after `latency_s`."""
+    """Takes every turn that ends in ">" for a call, and answers it with a short text after `latency_s`, or
+    with `spread`, after a time drawn uniformly from latency_s * [1 - spread, 1 + spread] (seeded)."""
 
     tools = []
 
-    def __init__(self, latency_s: float):
-        self.latency_s = latency_s
+    def __init__(self, latency_s: float, spread: float = 0.0):
+        self.latency_s, self.spread = latency_s, spread
+        self.rng, self.lock = random.Random(0), threading.Lock()
 
     def parse_call(self, text):
         return ToolCall(name="echo")
 
     def step(self, state, call):
-        time.sleep(self.latency_s)
+        with self.lock:
+            u = self.rng.uniform(-1.0, 1.0)
+        time.sleep(self.latency_s * (1.0 + self.spread * u))
         return "ok"
 
 
@@ -98,7 +104,7 @@ def synthetic(args, device, dtype):
                for _ in range(args.prompts)]
     enc = tok(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
     mt_kwargs = dict(call_start="", call_end=">", tool_turn_template=" <{output}> ")
-    return tok, model, enc["input_ids"], enc["attention_mask"], EchoInteraction(args.tool_latency_s), mt_kwargs
+    return tok, model, enc["input_ids"], enc["attention_mask"], EchoInteraction(args.tool_latency_s, args.tool_latency_spread), mt_kwargs
 
 
 def real(args, device, dtype):
@@ -127,7 +133,12 @@ def main(argv=None):
     p.add_argument("--max-turns", type=int, default=4)
     p.add_argument("--max-response-tokens", type=int, default=512)
     p.add_argument("--tool-latency-s", type=float, default=0.0, help="synthetic tool's answer time")
+    p.add_argument("--tool-latency-spread", type=float, default=0.0,
+                   help="synthetic tool: each call takes latency * U[1 - spread, 1 + spread] (0 to 1)")
     p.add_argument("--max-batch", type=int, default=None, help="fast backend: decode slots")
+    p.add_argument("--overlap-tools", action="store_true",
+                   help="fast backend: tools run while the other conversations decode (multi_turn.overlap_tools)")
+    p.add_argument("--num-tool-workers", type=int, default=16)
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.n, args.prompt_len = min(args.prompts, 4), min(args.n, 2), min(args.prompt_len, 16)
@@ -141,11 +152,13 @@ def main(argv=None):
     del model
     timed = TimedInteraction(interaction)
     mt = MultiTurnRollout(rollout, tok, timed, max_turns=args.max_turns, max_response_tokens=args.max_response_tokens,
-                          **mt_kwargs)
+                          num_tool_workers=args.num_tool_workers, overlap_tools=args.overlap_tools, **mt_kwargs)
     ids, mask = ids.to(device), mask.to(device)
     base = dict(backend=args.backend, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                 workload="real" if args.model else f"synthetic_{'tiny' if args.quick else args.shape}",
-                prompts=args.prompts, n=args.n, conversations=args.prompts * args.n)
+                prompts=args.prompts, n=args.n, conversations=args.prompts * args.n,
+                overlap_tools=args.overlap_tools, num_tool_workers=args.num_tool_workers,
+                tool_latency_s=args.tool_latency_s, tool_latency_spread=args.tool_latency_spread)
 
     def timed_run(fn):
         fn(seed=1)  # warm-up: graph capture, compilation, allocator

@@ -296,6 +296,11 @@ class MultiTurnConfig:
     """A tool's answer is cut to this many characters before it is tokenized."""
     num_tool_workers: int = 16
     """Threads running tool calls concurrently."""
+    overlap_tools: bool = False
+    """Run each conversation's tool the moment its turn ends, while the other conversations decode, and
+    put its next turn into the running batch when the answer is in (rollout.backend=fast only). Off: turns go
+    in rounds, a round's tools run together between two generate calls. On, the sampled tokens depend on when
+    the tools answer, so a run is not bit-reproducible from its seed."""
     tool_turn_template: str = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n"
                                "<|im_start|>assistant\n")
     """The text inserted after a call, `{output}` the tool's answer; tokenized once, loss mask 0. The default is
@@ -364,7 +369,8 @@ class RolloutConfig:
     def fast_only_keys(self) -> list[str]:
         """The fast-backend-only keys set away from their defaults."""
         unset = {"max_batch": None, "compile": None, "attention": "auto", "sampler": "auto"}
-        return [k for k, default in unset.items() if getattr(self, k) != default]
+        keys = [k for k, default in unset.items() if getattr(self, k) != default]
+        return keys + (["multi_turn.overlap_tools"] if self.multi_turn.overlap_tools else [])
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "max_batch", self.max_batch is None or self.max_batch >= 1, "must be >= 1 or null")

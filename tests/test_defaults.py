@@ -65,7 +65,8 @@ def test_cuda_falls_back_where_the_fast_paths_do_not_apply(monkeypatch):
 
 
 def test_fast_only_keys_need_the_fast_backend(monkeypatch):
-    for key, value in [("compile", "true"), ("attention", "triton"), ("sampler", "triton"), ("max_batch", "8")]:
+    for key, value in [("compile", "true"), ("attention", "triton"), ("sampler", "triton"), ("max_batch", "8"),
+                       ("multi_turn.overlap_tools", "true")]:
         with pytest.raises(ConfigError, match=rf"rollout\.{key}=.*: applies to backend=fast only"):
             load_config(None, ["rollout.backend=hf", f"rollout.{key}={value}"])
     # backend null: valid as a config whatever the machine; where it resolves to hf, the key is an error

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import string
+import threading
 import time
 
 import pytest
@@ -272,8 +273,8 @@ class Echo(Interaction):
         return "ab"
 
 
-@pytest.mark.parametrize("backend", ["hf", "fast"])
-def test_sampler_log_probs_equal_the_engines_on_multi_turn_sequences(backend):
+@pytest.mark.parametrize("backend,overlap", [("hf", False), ("fast", False), ("fast", True)])
+def test_sampler_log_probs_equal_the_engines_on_multi_turn_sequences(backend, overlap):
     # a 3-letter alphabet: a random model writes ">" (the call's end marker here) often, so conversations have
     # several model turns with tool turns between them (its calls are never JSON: the answers are error messages,
     # cut to 2 characters; the other characters are <unk> tokens, ids like any other)
@@ -282,7 +283,7 @@ def test_sampler_log_probs_equal_the_engines_on_multi_turn_sequences(backend):
     inner = build_rollout(backend, model.config, tok, "cpu", torch.float32)
     inner.load_weights(model.named_parameters())
     mt = MultiTurnRollout(inner, tok, Echo(), max_turns=4, max_response_tokens=60, call_start="", call_end=">",
-                          tool_turn_template="b{output}b", max_tool_output_chars=2)
+                          tool_turn_template="b{output}b", max_tool_output_chars=2, overlap_tools=overlap)
     ids, mask = encode(tok, ["ab", "ba>ab"])
     sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=11)
     out = mt.generate(ids, mask, sampling)
@@ -300,6 +301,63 @@ def test_sampler_log_probs_equal_the_engines_on_multi_turn_sequences(backend):
     got = batch["sampled_log_probs"]
     torch.testing.assert_close(got[loss_mask], engine_lp[loss_mask], atol=1e-5, rtol=0)
     assert (got[~loss_mask] == 0).all() and (got[loss_mask] < 0).all()
+    # every tool turn is exactly the template around the cut answer, after a model turn that ended in a call
+    P, tool_turn = ids.shape[1], len(ids_of(tok, "ber [cut]b"))  # the answer "error: ..." cut to 2 characters
+    for r in range(len(out.num_turns)):
+        row = batch["input_ids"][r, P:][batch["attention_mask"][r, P:].bool()].tolist()
+        model = batch["loss_mask"][r, P:][batch["attention_mask"][r, P:].bool()].tolist()
+        tool_runs = "".join("m" if m else "t" for m in model).split("m")
+        assert all(len(run) in (0, tool_turn) for run in tool_runs), (r, model)
+        assert sum(len(run) == tool_turn for run in tool_runs) == out.num_tool_calls[r] <= 3
+        assert out.num_turns[r] <= 4 and len(row) <= 60
+
+
+class Gate(Interaction):
+    """The first call waits (up to 3 s) until another conversation makes its second call: only possible when
+    tools run while the other conversations go on generating."""
+    tools = []
+
+    def __init__(self):
+        self.lock, self.second_call, self.first, self.released = threading.Lock(), threading.Event(), None, None
+
+    def start(self, sample):
+        return {"calls": 0}
+
+    def parse_call(self, text):  # every turn that ends in ">" is a valid call
+        return ToolCall(name="gate", text=text)
+
+    def step(self, state, call):
+        state["calls"] += 1
+        with self.lock:
+            first, self.first = self.first is None, self.first or state
+        if state["calls"] >= 2 and state is not self.first:
+            self.second_call.set()
+        if first:
+            self.released = self.second_call.wait(3.0)
+        return "ab"
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlapped_tools_run_while_other_conversations_decode(overlap):
+    tok = build_char_tokenizer("ab>")
+    model = tiny_model(tok, seed=4)
+    inner = build_rollout("fast", model.config, tok, "cpu", torch.float32)
+    inner.load_weights(model.named_parameters())
+    gate = Gate()
+    mt = MultiTurnRollout(inner, tok, gate, max_turns=4, max_response_tokens=60, call_start="", call_end=">",
+                          tool_turn_template="b{output}b", max_tool_output_chars=2, overlap_tools=overlap)
+    ids, mask = encode(tok, ["ab", "ba>ab"])
+    out = mt.generate(ids, mask, SamplingParams(n=8, temperature=1.0, max_new_tokens=12, seed=11))
+    assert sum(c >= 2 for c in out.num_tool_calls) >= 2  # several conversations called twice
+    # rounds: every first-round call waits for the round's slowest, so no second call can come in time
+    assert gate.released is overlap
+
+
+def test_overlapped_tools_need_a_streaming_backend():
+    tok = build_char_tokenizer("ab>")
+    inner = build_rollout("hf", tiny_model(tok).config, tok, "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"overlap_tools needs a backend .*\(rollout.backend=fast\)"):
+        MultiTurnRollout(inner, tok, Echo(), overlap_tools=True)
 
 
 # ---------------------------------------------------------------- advantages on the gaps of a multi-turn mask

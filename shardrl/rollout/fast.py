@@ -31,7 +31,7 @@ import importlib.util
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
@@ -44,6 +44,17 @@ from shardrl.tokenizer import stop_token_ids
 log = logging.getLogger(__name__)
 
 GREEDY, SAMPLE, TRUNCATED = "greedy", "sample", "truncated"  # sampling modes; one graph each
+
+
+class RowFeed(Protocol):
+    """What `FastRollout.generate_stream` talks to (the multi-turn rollout's agent loop)."""
+
+    def finished(self, row: int, tokens: list[int], log_probs: torch.Tensor) -> None:
+        """Row `row` ended: its uncut tokens (through EOS, its limit, or past a stop string) and log-probs."""
+
+    def take(self, block: bool) -> list[tuple[torch.Tensor, int]]:
+        """New rows (prompt ids, limit), numbered on from the last; `block`: wait for at least one, or return
+        [] when none will come any more."""
 
 
 def sample_tokens(logits, mode: str, noise, temperature, top_k, top_p):
@@ -362,7 +373,33 @@ class FastRollout(Rollout):
         if len(limits) != num_prompts or min(limits) < 1:
             raise ValueError(f"max_new_tokens must hold one limit >= 1 per prompt ({num_prompts}), got {limits[:8]}")
         prompts = [prompt_ids[b, width - lengths[b]:].to(self.device) for b in range(num_prompts)]
-        self._ensure_capacity(num_prompts * n, n, max(p + m for p, m in zip(lengths, limits)))
+        generator = self._start(sampling, num_prompts * n, n, max(p + m for p, m in zip(lengths, limits)))
+        track = VersionTrack(self.weight_hook) if self.weight_hook is not None else None
+        rows = self._decode_rows(prompts, limits, n, sampling_mode(sampling), sampling.stop, generator, track)
+        out = self._assemble(prompt_ids, attention_mask, rows, n, sampling.stop)
+        if track is not None:
+            out.token_version = track.tensor(out.response_mask)
+        return out
+
+    def generate_stream(self, prompts: list[torch.Tensor], limits: list[int], sampling: SamplingParams,
+                        feed: RowFeed, need_seq: int) -> None:
+        """Generation whose rows keep coming: one row per prompt of `prompts` (1-D id tensors, no padding) with
+        its own limit, then whatever `feed.take` hands over while earlier rows decode; each row's uncut
+        output goes to `feed.finished` as soon as the row ends, so the caller can act on it (run a tool) while
+        the other rows decode. `need_seq` bounds prompt + response of every row, those to come included.
+        `sampling.n` is ignored (one row per prompt). Rows admitted at different steps draw different noise:
+        unlike `generate`, the tokens depend on when rows arrive."""
+        if self._released:
+            raise RuntimeError("the rollout is released (no KV cache); call resume() before generate_stream()")
+        if len(limits) != len(prompts) or (limits and min(limits) < 1):
+            raise ValueError(f"one limit >= 1 per prompt ({len(prompts)}), got {limits[:8]}")
+        generator = self._start(sampling, max(len(prompts), 1), 1, need_seq)
+        self._decode_rows([p.to(self.device) for p in prompts], list(limits), 1, sampling_mode(sampling),
+                          sampling.stop, generator, feed=feed)
+
+    def _start(self, sampling: SamplingParams, num_rows: int, n: int, need_seq: int) -> torch.Generator:
+        """Sizes the cache, resets the slots and sets the sampling parameters; the call's noise generator."""
+        self._ensure_capacity(num_rows, n, need_seq)
         st = self._state
         st.temperature.fill_(sampling.logprob_temperature)
         st.top_k.fill_(sampling.top_k or self.vocab_size)
@@ -371,19 +408,14 @@ class FastRollout(Rollout):
         st.lengths.zero_()
         st.num_generated.zero_()
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        track = VersionTrack(self.weight_hook) if self.weight_hook is not None else None
-        rows = self._decode_rows(prompts, limits, n, sampling_mode(sampling), sampling.stop, generator, track)
-        out = self._assemble(prompt_ids, attention_mask, rows, n, sampling.stop)
-        if track is not None:
-            out.token_version = track.tensor(out.response_mask)
-        return out
+        return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _decode_rows(self, prompts, limits, n, mode, stop, generator,
-                     track: VersionTrack | None = None) -> list[tuple[list[int], torch.Tensor]]:
+    def _decode_rows(self, prompts, limits, n, mode, stop, generator, track: VersionTrack | None = None,
+                     feed: RowFeed | None = None) -> list[tuple[list[int], torch.Tensor]]:
         """(tokens, log-probs) of every row b*n+j, uncut: through EOS, the limit, or past a stop string.
         With `track`, its weight hook runs at every host sync (between decode steps: the next step reads the
-        new weights) and records which rows it splits where."""
+        new weights) and records which rows it splits where. With `feed` (n == 1; `prompts` and `limits` grow),
+        finished rows are reported at each sync and new rows taken: waited for when nothing else is left."""
         st = self._state
         num_slots = st.num_slots
         queue = deque(range(len(prompts) * n))
@@ -400,8 +432,18 @@ class FastRollout(Rollout):
             finished = [s for s in range(num_slots) if slot_row[s] >= 0 and done[s]]
             if finished:
                 self._retire(finished, slot_row, generated, results)
+                if feed is not None:
+                    for s in finished:
+                        feed.finished(slot_row[s], *results[slot_row[s]])
                 for s in finished:
                     slot_row[s], lengths[s] = -1, 0
+            if feed is not None:  # wait for new rows only when nothing is queued or decoding
+                idle = not queue and all(row < 0 for row in slot_row)
+                for prompt, limit in feed.take(block=idle):
+                    prompts.append(prompt.to(self.device))
+                    limits.append(int(limit))
+                    results.append(None)
+                    queue.append(len(prompts) - 1)
             if track is not None:
                 track.poll(lambda: [(slot_row[s], generated[s]) for s in range(num_slots) if slot_row[s] >= 0])
             free = [s for s in range(num_slots) if slot_row[s] < 0]

@@ -18,9 +18,10 @@ KV cache: recomputed per turn. Each round is a fresh `generate` whose prefill re
 a conversation waiting on a tool holds no slot (the fast engine's continuous batching fills the slots with
 the round's other conversations). Prefill is far cheaper per token than decode, so this costs little until
 contexts grow long; keeping the cache across turns is left for later. Tools run concurrently with each other
-but not with generation: a round starts when the previous round's slowest tool has answered (its time limit
-bounds the wait). Overlapping one conversation's tool with the others' decoding needs the backend to admit rows
-while it decodes (the fast engine's queue could), also left for later.
+but, by default, not with generation: a round starts when the previous round's slowest tool has answered (its
+time limit bounds the wait). With `overlap_tools` (fast backend) there are no rounds: one streaming generate
+(`FastRollout.generate_stream`) hands each row back as it ends, its tool runs while the other rows decode, and
+its next turn joins the batch at the engine's next host sync; the tokens then depend on tool timing.
 
 Threads: `Interaction.start` and `reward` run on the caller's thread, `step` on the tool pool's threads, several
 at once (each conversation's state is its own; the interaction object is shared).
@@ -51,12 +52,15 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 
-from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts
+from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts,
+                                   cut_responses)
 from shardrl.tools import (BUILTIN_TOOLS, CALL_END, CALL_START, Tool, ToolCall, call_tool, parse_tool_call,
                            run_tool_calls)
 from shardrl.userfile import import_user_file
@@ -161,7 +165,7 @@ class MultiTurnRollout(Rollout):
     def __init__(self, rollout: Rollout, tokenizer, interaction: Interaction, max_turns: int = 4,
                  max_response_tokens: int = 512, tool_timeout_s: float = 10.0, max_tool_output_chars: int = 2000,
                  tool_turn_template: str = CHATML_TOOL_TURN, call_start: str = CALL_START, call_end: str = CALL_END,
-                 num_tool_workers: int = 16):
+                 num_tool_workers: int = 16, overlap_tools: bool = False):
         if max_turns < 1 or max_response_tokens < 1 or tool_timeout_s <= 0 or num_tool_workers < 1:
             raise ValueError("max_turns, max_response_tokens, num_tool_workers must be >= 1 and tool_timeout_s > 0")
         if "{output}" not in tool_turn_template:
@@ -170,6 +174,10 @@ class MultiTurnRollout(Rollout):
         self.max_turns, self.max_response_tokens = max_turns, max_response_tokens
         self.tool_timeout_s, self.max_tool_output_chars = tool_timeout_s, max_tool_output_chars
         self.tool_turn_template, self.call_start, self.call_end = tool_turn_template, call_start, call_end
+        if overlap_tools and not hasattr(rollout, "generate_stream"):
+            raise ValueError(f"multi_turn.overlap_tools needs a backend that takes rows while it decodes "
+                             f"(rollout.backend=fast); {type(rollout).__name__} does not")
+        self.overlap_tools = overlap_tools
         self.pool = concurrent.futures.ThreadPoolExecutor(num_tool_workers, thread_name_prefix="shardrl-tool")
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -180,7 +188,7 @@ class MultiTurnRollout(Rollout):
                        else BuiltinToolsInteraction(mt_cfg.tools))
         return cls(rollout, tokenizer, interaction, mt_cfg.max_turns, mt_cfg.max_response_tokens, mt_cfg.tool_timeout_s,
                    mt_cfg.max_tool_output_chars, mt_cfg.tool_turn_template, mt_cfg.call_start, mt_cfg.call_end,
-                   mt_cfg.num_tool_workers)
+                   mt_cfg.num_tool_workers, mt_cfg.overlap_tools)
 
     # ---- the inner rollout's weights and memory --------------------------------------------------
     def load_weights(self, weights) -> None:
@@ -212,6 +220,9 @@ class MultiTurnRollout(Rollout):
             sample = {"data_source": samples[b].get("data_source"), "extra": samples[b].get("extra"), "prompt_index": b}
             convs += [_Conversation(prompt, self.interaction.start(sample)) for _ in range(n)]  # row b*n+j
         stop = list(dict.fromkeys([*sampling.stop, self.call_end]))
+        if self.overlap_tools:
+            self._generate_overlapped(convs, sampling, stop)
+            return self._assemble(prompt_ids, attention_mask, n, convs)
         for turn in range(self.max_turns):
             live = [c for c in convs if not c.done]
             if not live:
@@ -238,55 +249,124 @@ class MultiTurnRollout(Rollout):
     def _append_model_turns(self, live, out: RolloutOutput, budgets, stop, last_turn: bool) -> list[tuple]:
         """Appends each live conversation's new turn; returns the (conversation, ToolCall) pairs to answer."""
         calls = []
-        stop_ids = set(getattr(self.rollout, "stop_ids", None) or [self.tokenizer.eos_token_id])
         for i, c in enumerate(live):
             keep = out.response_mask[i].bool()
             ids = out.response_ids[i][keep].tolist()[: budgets[i]]
             logp = out.sampled_log_probs[i][keep].tolist()[: budgets[i]]
-            c.ids += ids
-            c.model_mask += [1] * len(ids)
-            c.log_probs += logp
-            c.num_turns += 1
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
-            c.last_text = out.response_text[i]
-            # a call: the turn stopped at the end marker, or (a tokenizer whose marker is a special token, which
-            # stop strings do not see) ended its turn right after a call; a user stop string ends the conversation
-            ended_by_eos = bool(ids) and ids[-1] in stop_ids
-            c.closed_turn = self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if ended_by_eos else ""
-            is_call = self.call_end in text and not any(s in text for s in stop if s != self.call_end)
-            room = self.max_response_tokens - len(c.ids)
-            if not is_call or last_turn or room <= 0:
-                c.done = True
-                continue
-            c.num_calls += 1
-            parse = getattr(self.interaction, "parse_call", None)
-            call = parse(text) if parse is not None else parse_tool_call(text, self.call_start, self.call_end)
-            calls.append((c, call))
+            call = self._take_model_turn(c, ids, logp, out.response_text[i], stop, last_turn)
+            if call is not None:
+                calls.append((c, call))
         return calls
+
+    def _take_model_turn(self, c: _Conversation, ids: list[int], logp: list[float], text: str, stop: list[str],
+                         last_turn: bool) -> ToolCall | None:
+        """Appends one model turn (its exact ids, the sampler's log-probs) to `c`; the tool call to answer, or
+        None when the conversation is done."""
+        stop_ids = set(getattr(self.rollout, "stop_ids", None) or [self.tokenizer.eos_token_id])
+        c.ids += ids
+        c.model_mask += [1] * len(ids)
+        c.log_probs += logp
+        c.num_turns += 1
+        raw = self.tokenizer.decode(ids, skip_special_tokens=False)
+        c.last_text = text
+        # a call: the turn stopped at the end marker, or (a tokenizer whose marker is a special token, which
+        # stop strings do not see) ended its turn right after a call; a user stop string ends the conversation
+        ended_by_eos = bool(ids) and ids[-1] in stop_ids
+        c.closed_turn = self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if ended_by_eos else ""
+        is_call = self.call_end in raw and not any(s in raw for s in stop if s != self.call_end)
+        room = self.max_response_tokens - len(c.ids)
+        if not is_call or last_turn or room <= 0:
+            c.done = True
+            return None
+        c.num_calls += 1
+        parse = getattr(self.interaction, "parse_call", None)
+        return parse(raw) if parse is not None else parse_tool_call(raw, self.call_start, self.call_end)
+
+    def _tool_job(self, c: _Conversation, call: ToolCall):
+        if call.error is not None:
+            return lambda: f"error: {call.error}"
+        return lambda: self.interaction.step(c.state, call)
 
     def _append_tool_turns(self, calls: list[tuple[_Conversation, ToolCall]]) -> None:
         """Runs the calls concurrently and appends each answer as a tool turn (loss mask 0)."""
-        def job(c: _Conversation, call: ToolCall):
-            if call.error is not None:
-                return lambda: f"error: {call.error}"
-            return lambda: self.interaction.step(c.state, call)
-
-        answers = run_tool_calls([job(c, call) for c, call in calls], self.tool_timeout_s, self.pool)
+        answers = run_tool_calls([self._tool_job(c, call) for c, call in calls], self.tool_timeout_s, self.pool)
         for (c, call), answer in zip(calls, answers):
-            if call.error is not None or answer.startswith("error:"):
-                c.num_errors += 1
-            if len(answer) > self.max_tool_output_chars:
-                answer = answer[: self.max_tool_output_chars] + " [cut]"
-            template = self.tool_turn_template
-            if c.closed_turn and template.startswith(c.closed_turn):  # the model closed its turn itself
-                template = template[len(c.closed_turn):]
-            ids = self.tokenizer.encode(template.replace("{output}", answer), add_special_tokens=False)
-            if len(c.ids) + len(ids) >= self.max_response_tokens:  # no room left for the model to read it and answer
-                c.done = True
-                continue
-            c.ids += ids
-            c.model_mask += [0] * len(ids)
-            c.log_probs += [0.0] * len(ids)
+            self._append_tool_turn(c, call, answer)
+
+    def _append_tool_turn(self, c: _Conversation, call: ToolCall, answer: str) -> None:
+        """Appends a tool's answer as a tool turn (loss mask 0), or ends `c` when it would not leave the model
+        room to read it and answer."""
+        if call.error is not None or answer.startswith("error:"):
+            c.num_errors += 1
+        if len(answer) > self.max_tool_output_chars:
+            answer = answer[: self.max_tool_output_chars] + " [cut]"
+        template = self.tool_turn_template
+        if c.closed_turn and template.startswith(c.closed_turn):  # the model closed its turn itself
+            template = template[len(c.closed_turn):]
+        ids = self.tokenizer.encode(template.replace("{output}", answer), add_special_tokens=False)
+        if len(c.ids) + len(ids) >= self.max_response_tokens:  # no room left for the model to read it and answer
+            c.done = True
+            return
+        c.ids += ids
+        c.model_mask += [0] * len(ids)
+        c.log_probs += [0.0] * len(ids)
+
+    def _generate_overlapped(self, convs: list[_Conversation], sampling: SamplingParams, stop: list[str]) -> None:
+        """The agent loop with tools off the decoding's critical path (multi_turn.overlap_tools): one streaming
+        generate over all conversations. A conversation's turn is handled the moment its row ends; its tool
+        runs on a dispatcher thread while the other rows decode, and its next turn joins the running batch when
+        the answer is in (the fast engine takes new rows at each host sync)."""
+        inbox: queue.Queue = queue.Queue()  # conversations back from their tools
+        row_conv: list[_Conversation] = []
+        waiting = [0]  # conversations whose tool is running (the engine thread's count)
+        round_sampling = dataclasses.replace(sampling, n=1, stop=stop)
+        stop_ids = list(getattr(self.rollout, "stop_ids", None) or [self.tokenizer.eos_token_id])
+        device = getattr(self.rollout, "device", "cpu")
+
+        def row_of(c: _Conversation) -> tuple[torch.Tensor, int]:
+            row_conv.append(c)
+            limit = min(sampling.max_new_tokens, self.max_response_tokens - len(c.ids))
+            return torch.tensor(c.prompt + c.ids, dtype=torch.long), limit
+
+        def dispatch(c: _Conversation, call: ToolCall) -> None:  # on its own thread; `c` is not touched here
+            try:
+                inbox.put((c, call, run_tool_calls([self._tool_job(c, call)], self.tool_timeout_s, self.pool)[0]))
+            except BaseException as e:  # noqa: BLE001 - the engine thread must hear back, whatever happened
+                inbox.put((c, call, e))
+
+        class Feed:
+            def finished(self_, row: int, tokens: list[int], log_probs: torch.Tensor) -> None:
+                c = row_conv[row]
+                limit = min(sampling.max_new_tokens, self.max_response_tokens - len(c.ids))
+                lengths, texts = cut_responses(self.tokenizer, stop_ids, torch.tensor([tokens], dtype=torch.long), stop)
+                ids = tokens[: min(lengths[0], limit)]
+                call = self._take_model_turn(c, ids, log_probs[: len(ids)].tolist(), texts[0], stop,
+                                             last_turn=c.num_turns + 1 >= self.max_turns)
+                if call is not None:
+                    waiting[0] += 1
+                    threading.Thread(target=dispatch, args=(c, call), daemon=True,
+                                     name="shardrl-tool-dispatch").start()
+
+            def take(self_, block: bool) -> list[tuple[torch.Tensor, int]]:
+                # every answer is appended here, on the engine's thread (the tokenizer is used from one thread)
+                rows = []
+                while waiting[0]:
+                    try:
+                        c, call, answer = inbox.get(block=block and not rows)
+                    except queue.Empty:
+                        break
+                    waiting[0] -= 1
+                    if isinstance(answer, BaseException):
+                        raise RuntimeError(f"running a tool call failed: {answer!r}") from answer
+                    self._append_tool_turn(c, call, answer)
+                    if not c.done:
+                        rows.append(row_of(c))
+                return rows
+
+        first = [row_of(c) for c in convs]
+        need_seq = max(len(c.prompt) for c in convs) + self.max_response_tokens + 1
+        self.rollout.generate_stream([p.to(device) for p, _ in first], [lim for _, lim in first], round_sampling,
+                                     Feed(), need_seq)
 
     def _assemble(self, prompt_ids, attention_mask, n: int, convs: list[_Conversation]) -> MultiTurnOutput:
         responses = [(torch.tensor(c.ids, dtype=torch.long), torch.tensor(c.log_probs, dtype=torch.float32))
