@@ -353,6 +353,15 @@ def test_overlapped_tools_run_while_other_conversations_decode(overlap):
     assert gate.released is overlap
 
 
+def test_the_config_turns_overlap_on():
+    tok = build_char_tokenizer("ab>")
+    inner = build_rollout("fast", tiny_model(tok).config, tok, "cpu", torch.float32)
+    cfg = load_config(None, ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]",
+                             "rollout.multi_turn.overlap_tools=true", "rollout.backend=fast"])
+    assert MultiTurnRollout.from_config(inner, tok, cfg.rollout.multi_turn).overlap_tools
+    assert not MultiTurnRollout.from_config(inner, tok, load_config(None, []).rollout.multi_turn).overlap_tools
+
+
 def test_overlapped_tools_need_a_streaming_backend():
     tok = build_char_tokenizer("ab>")
     inner = build_rollout("hf", tiny_model(tok).config, tok, "cpu", torch.float32)
