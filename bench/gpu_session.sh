@@ -170,6 +170,18 @@ phase_s6_multi() {
     limit 200 python3 bench/e2e.py --root /tmp/e2e --cases var_512 --systems shardrl --gpus 2 --steps 6 --no-floor \
         --out $RES --tag async1 --extra "async_rl.rollout_ranks=1 algorithm.rollout_is=true async_rl.max_staleness=1"
 }
+# owed to the next session (one H200 each stream): issue 19's overlapped tools against rounds on the GPU,
+# issue 14's one-GPU cases again after the fused entropy (TRL's wheels under /tmp/site; e2e_prepare first)
+phase_s7_multiturn() {
+    for flags in "" "--overlap-tools"; do
+        for latency in 0 0.2; do
+            limit 200 python3 bench/multiturn.py --backend fast --shape 0.5b --prompts 128 --n 4 \
+                --tool-latency-s $latency --tool-latency-spread 1.0 --num-tool-workers 64 $flags | grep '^{' >> $RES
+        done
+    done
+}
+phase_s7_e2e1() { CUDA_VISIBLE_DEVICES=0 limit 500 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 \
+    --steps 5 --out $RES; }
 
 collect() {
     local out=${OUT:-gpu_out}
