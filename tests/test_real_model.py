@@ -181,3 +181,43 @@ def test_real_model_one_grpo_step(folder, tmp_path):
     assert record["step"] == 1 and 0.0 <= record["reward/mean"] <= 1.0
     assert record["actor/grad_norm"] > 0 and torch.isfinite(torch.tensor(record["actor/loss"]))
     assert record["rollout/logprob_abs_diff"] < 1e-4  # fp32 engine and rollout on the same weights
+
+
+def test_tool_warm_start_trains_the_models_turns_as_the_rollout_lays_them_out(tok):
+    """examples/tools/warm_start.py: a conversation is the chat prompt, the model's call, the rollout's tool turn
+    (the default template, tokenized on its own as the rollout does), the final answer and <|im_end|>; the
+    labels are exactly the model's two turns."""
+    from shardrl.config import MultiTurnConfig
+    from shardrl.tools import parse_tool_call
+
+    spec = importlib.util.spec_from_file_location(
+        "warm_start", Path(__file__).resolve().parents[1] / "examples" / "tools" / "warm_start.py")
+    warm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(warm)
+    template = MultiTurnConfig().tool_turn_template
+    ids, labels = warm.example_text(tok, [{"role": "system", "content": "calc"}], "What is 6 * 7?", "6 * 7", 42,
+                                    template)
+    assert len(ids) == len(labels)
+    prompt = tok.apply_chat_template([{"role": "system", "content": "calc"}, {"role": "user", "content": "What is 6 * 7?"}],
+                                     tokenize=False, add_generation_prompt=True)
+    n_prompt = len(tok.encode(prompt, add_special_tokens=False))
+    assert ids[:n_prompt] == tok.encode(prompt, add_special_tokens=False) and set(labels[:n_prompt]) == {-100}
+    trained = [i for i, label in zip(ids, labels) if label != -100]
+    assert [label for label in labels if label != -100] == trained
+    call_ids = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>',
+                          add_special_tokens=False)
+    answer_ids = tok.encode("#### 42<|im_end|>", add_special_tokens=False)
+    assert trained == call_ids + answer_ids
+    assert ids[n_prompt + len(call_ids): len(ids) - len(answer_ids)] == tok.encode(
+        template.replace("{output}", "42"), add_special_tokens=False)
+    call = parse_tool_call(tok.decode(call_ids))
+    assert call.error is None and call.name == "calculator" and call.arguments == {"expression": "6 * 7"}
+    # every bare question's expression evaluates to its answer
+    import random
+
+    from shardrl.tools import evaluate_arithmetic
+
+    rng = random.Random(0)
+    for _ in range(200):
+        _, expression, answer = warm.bare_question(rng)
+        assert evaluate_arithmetic(expression) == answer

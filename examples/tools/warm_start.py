@@ -5,7 +5,8 @@ problems of the RL task are not in it: which expression a word problem needs is 
 
 Before and after, it measures on the word problems of `--val` (greedy, the multi-turn rollout with the
 example's calculator interaction): the share of conversations that call the calculator, that call it
-without error, and that end with the right "####" answer.
+without error, and that end with the right "####" answer, and the mean reward (the trainer's validation
+number, `val/reward_mean`, on the same prompts). `--eval-only` measures a model folder and trains nothing.
 
     python examples/tools/warm_start.py                        # outputs/tools/warm_model
     shardrl train examples/tools/cpu.yaml model.path=outputs/tools/warm_model
@@ -93,7 +94,8 @@ def evaluate(model, tok, rows: list[dict], mt_cfg, max_new_tokens: int) -> dict:
     correct = [s >= 1.0 for s in out.interaction_scores]
     return {"conversations": n, "tool_call_rate": sum(c > 0 for c in out.num_tool_calls) / n,
             "clean_call_rate": sum(c > 0 and e == 0 for c, e in zip(out.num_tool_calls, out.num_tool_errors)) / n,
-            "accuracy": sum(correct) / n, "mean_turns": sum(out.num_turns) / n,
+            "accuracy": sum(correct) / n, "reward_mean": sum(out.interaction_scores) / n,
+            "mean_turns": sum(out.num_turns) / n,
             "example": out.response_text[0]}
 
 
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=48, help="per model turn, in the evaluation")
+    p.add_argument("--eval-only", action="store_true", help="measure --model on --val; no training, nothing saved")
     args = p.parse_args(argv)
     prepare = _module("tools_prepare", HERE / "prepare.py")
     prefix = [{"role": "system", "content": prepare.SYSTEM}, *prepare.EXAMPLE]
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
 
     report = {"before": evaluate(model.eval(), tok, val, mt_cfg, args.max_new_tokens)}
     print(json.dumps({"before": report["before"]}), flush=True)
+    if args.eval_only:
+        return
 
     rng = random.Random(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
