@@ -119,31 +119,8 @@ phase_s4_profile() {  # the 2-GPU engine row against one GPU, per phase (issue 1
     CUDA_VISIBLE_DEVICES=0 limit 150 python3 bench/profile_step.py --rows fsdp2_8_compile
     limit 150 python3 bench/profile_step.py --world 2 --rows fsdp2_8_compile
 }
-# session 5: issue 18 after the rollout correction moved into the loss (no old log-prob pass), then what
-# issue 17 still owes. GPU 1 profiles the 1-GPU engine row while GPU 0's process writes the e2e models.
-phase_s5_prepare() {
-    ( CUDA_VISIBLE_DEVICES=0 limit 240 python3 bench/e2e.py --root /tmp/e2e --systems none ) &
-    local prep=$!
-    ( export CUDA_VISIBLE_DEVICES=1
-      limit 150 python3 bench/profile_step.py --rows fsdp2_8_compile > "$GS/s5_profile1.log" 2>&1
-      limit 150 python3 bench/startup.py --cases 1.5b:1 --out $RES > "$GS/s5_startup1.log" 2>&1 ) &
-    wait $prep $!
-}
-phase_s5_async() {  # the variable-length case on two GPUs: colocated against 1 + 1 at staleness 2 and 1
-    local B="python3 bench/e2e.py --root /tmp/e2e --cases var_512 --systems shardrl --gpus 2 --steps 6 --no-floor --out $RES"
-    local A="async_rl.rollout_ranks=1 algorithm.rollout_is=true"
-    limit 200 $B --tag sync2
-    limit 200 $B --tag async2 --extra "$A async_rl.max_staleness=2"
-    limit 200 $B --tag async1 --extra "$A async_rl.max_staleness=1"
-}
-phase_s5_multi() {
-    limit 150 python3 -m pytest -q -p no:cacheprovider -W ignore -rs tests/test_async_rl.py -k nccl
-    limit 240 python3 bench/profile_step.py --world 2 --rows fsdp2_8_compile
-    limit 300 python3 bench/startup.py --cases 1.5b:2,7b:2 --out $RES
-    limit 300 python3 bench/engine.py --world 2 --steps 3 --out $RES \
-        --rows fsdp2_8,hsdp1_8,fsdp2_8_compile,hsdp1_8_compile,fsdp2_8_z2_compile
-}
-# session 5, second run (the first lost its machine during s5_multi): the entropy in the update's forward
+# session 5 (its first run, phases s5_* at commit 71860cd, lost its machine during s5_multi): the entropy in
+# the update's forward
 # moved to a fused function (`_ChunkLogProbEntropy`); its GPU tests and head benchmark run on GPU 1 while
 # GPU 0's process writes the e2e models; then the async rows, the NCCL test, and issue 17's runs
 phase_s6_prepare() {

@@ -56,6 +56,15 @@ def _log_prob_forward(hidden, weight, bias, targets, temperature: float) -> tupl
     return logits.gather(-1, targets[:, None]).squeeze(-1).to(logz.dtype) / temperature - logz, logz
 
 
+def _input_grads(ctx, dlogits, hidden, weight, bias) -> tuple:
+    """The gradients of hidden, weight and bias (those asked for) from the logits' gradient."""
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_h = dlogits @ weight if need_h else None
+    grad_w = dlogits.t() @ hidden if need_w else None
+    grad_b = dlogits.sum(0) if need_b and bias is not None else None
+    return grad_h, grad_w, grad_b
+
+
 class _ChunkLogProb(torch.autograd.Function):
     """log softmax(hidden @ W.T + b)[target] / T for one chunk of tokens, keeping only `hidden`, `W`, `b`
     and the (n,) normalizers for backward: the chunk's logits are recomputed there, and their gradient is
@@ -73,11 +82,7 @@ class _ChunkLogProb(torch.autograd.Function):
         hidden, weight, bias, targets, logz = ctx.saved_tensors
         logits = F.linear(hidden, weight, bias)
         dlogits = _kernel("grad", _grad_logits, logits)(logits, logz, targets, grad, ctx.temperature)
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = dlogits @ weight if need_h else None
-        grad_w = dlogits.t() @ hidden if need_w else None
-        grad_b = dlogits.sum(0) if need_b and bias is not None else None
-        return grad_h, grad_w, grad_b, None, None
+        return (*_input_grads(ctx, dlogits, hidden, weight, bias), None, None)
 
 
 def _entropy_terms(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,11 +133,7 @@ class _ChunkLogProbEntropy(torch.autograd.Function):
             grad_lp = torch.zeros_like(logz) if grad_lp is None else grad_lp
             dlogits = _kernel("grad_entropy", _grad_logits_entropy, logits)(
                 logits, logz, entropy, targets, grad_lp, grad_ent, ctx.temperature)
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = dlogits @ weight if need_h else None
-        grad_w = dlogits.t() @ hidden if need_w else None
-        grad_b = dlogits.sum(0) if need_b and bias is not None else None
-        return grad_h, grad_w, grad_b, None, None
+        return (*_input_grads(ctx, dlogits, hidden, weight, bias), None, None)
 
 
 def _chunk_logprob(hidden, weight, bias, targets, temperature: float, with_entropy: bool,

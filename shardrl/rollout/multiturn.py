@@ -227,13 +227,17 @@ class MultiTurnRollout(Rollout):
             live = [c for c in convs if not c.done]
             if not live:
                 break
-            budgets = [min(sampling.max_new_tokens, self.max_response_tokens - len(c.ids)) for c in live]
+            budgets = [self._turn_budget(c, sampling) for c in live]
             seed = None if sampling.seed is None else sampling.seed + 7919 * turn
             round_sampling = dataclasses.replace(sampling, n=1, max_new_tokens=max(budgets), stop=stop, seed=seed)
             out = self.rollout.generate(*self._contexts(live, prompt_ids.device), round_sampling)
             calls = self._append_model_turns(live, out, budgets, stop, last_turn=turn == self.max_turns - 1)
             self._append_tool_turns(calls)
         return self._assemble(prompt_ids, attention_mask, n, convs)
+
+    def _turn_budget(self, c: _Conversation, sampling: SamplingParams) -> int:
+        """Tokens `c`'s next model turn may take: the per-turn limit, or what is left of the response budget."""
+        return min(sampling.max_new_tokens, self.max_response_tokens - len(c.ids))
 
     def _contexts(self, live: list[_Conversation], device) -> tuple[torch.Tensor, torch.Tensor]:
         """The live conversations' full contexts, left-padded: (L, W) ids and mask."""
@@ -325,8 +329,7 @@ class MultiTurnRollout(Rollout):
 
         def row_of(c: _Conversation) -> tuple[torch.Tensor, int]:
             row_conv.append(c)
-            limit = min(sampling.max_new_tokens, self.max_response_tokens - len(c.ids))
-            return torch.tensor(c.prompt + c.ids, dtype=torch.long), limit
+            return torch.tensor(c.prompt + c.ids, dtype=torch.long), self._turn_budget(c, sampling)
 
         def dispatch(c: _Conversation, call: ToolCall) -> None:  # on its own thread; `c` is not touched here
             try:
@@ -336,10 +339,9 @@ class MultiTurnRollout(Rollout):
 
         class Feed:
             def finished(self_, row: int, tokens: list[int], log_probs: torch.Tensor) -> None:
-                c = row_conv[row]
-                limit = min(sampling.max_new_tokens, self.max_response_tokens - len(c.ids))
+                c = row_conv[row]  # the engine kept the row within its turn budget
                 lengths, texts = cut_responses(self.tokenizer, stop_ids, torch.tensor([tokens], dtype=torch.long), stop)
-                ids = tokens[: min(lengths[0], limit)]
+                ids = tokens[: lengths[0]]
                 call = self._take_model_turn(c, ids, log_probs[: len(ids)].tolist(), texts[0], stop,
                                              last_turn=c.num_turns + 1 >= self.max_turns)
                 if call is not None:
