@@ -120,9 +120,8 @@ phase_s4_profile() {  # the 2-GPU engine row against one GPU, per phase (issue 1
     limit 150 python3 bench/profile_step.py --world 2 --rows fsdp2_8_compile
 }
 # session 5 (its first run, phases s5_* at commit 71860cd, lost its machine during s5_multi): the entropy in
-# the update's forward
-# moved to a fused function (`_ChunkLogProbEntropy`); its GPU tests and head benchmark run on GPU 1 while
-# GPU 0's process writes the e2e models; then the async rows, the NCCL test, and issue 17's runs
+# the update's forward moved to a fused function (`_ChunkLogProbEntropy`); its GPU tests and head benchmark
+# run on GPU 1 while GPU 0's process writes the e2e models; then the async rows, the NCCL test, and issue 17's runs
 phase_s6_prepare() {
     ( CUDA_VISIBLE_DEVICES=0 limit 240 python3 bench/e2e.py --root /tmp/e2e --systems none ) &
     local prep=$!
