@@ -159,6 +159,18 @@ phase_s7_multiturn() {
 phase_s7_e2e1() { CUDA_VISIBLE_DEVICES=0 limit 500 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 \
     --steps 5 --out $RES; }
 
+# session 6 (one H200): the fast rollout's compaction (GPU tests, the tail case with and without), issue 14's
+# one-GPU cases after the fused entropy and the compaction, TRL in the same session (wheels under /tmp/site)
+phase_s8_tests() { limit 240 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_rollout_fast.py; }
+phase_s8_rollout() { limit 240 python3 bench/rollout.py --cases tail_512 --rows fast_no_compact,fast --out $RES; }
+phase_s8_e2e1() { limit 560 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 --steps 4 --no-floor --out $RES; }
+phase_s8_trl() {
+    PYTHONPATH=/tmp/site:$PWD limit 240 python3 bench/e2e.py --root /tmp/e2e --systems trl --cases fixed_64,fixed_512 \
+        --trl-steps 3 --out $RES
+    PYTHONPATH=/tmp/site:$PWD limit 330 python3 bench/e2e.py --root /tmp/e2e --systems trl --cases var_512 \
+        --trl-steps 2 --out $RES
+}
+
 collect() {
     local out=${OUT:-gpu_out}
     mkdir -p "$out"

@@ -9,6 +9,9 @@ Cases:
     fixed_B   B prompts of --prompt-len tokens, --new-tokens new tokens each, all in one batch of B
     mixed     --mixed-prompts prompts whose response limits are uniform in [--mixed-min, --mixed-max];
               a batch (fast: decode slots; HF: rows per generate call) of --mixed-batch
+    tail_B    B prompts in one batch of B, response limits drawn as the lengths of responses that end with
+              probability 1/400 at each token, cut at 1024 (mean ~365: bench/e2e.py's var_512 case), so the
+              live rows dwindle over the last steps
 Rows:
     fast          FastRollout with its CUDA defaults: CUDA graphs, attention="triton" (each slot read up to its
                   length, the new K/V written by the kernel), the one-pass Triton sampler, the layer's parts
@@ -16,6 +19,7 @@ Rows:
     fast_torch_sampler  as fast, sampler="torch" (the compiled torch sampler, noise drawn by a separate kernel)
     fast_sdpa     as fast, attention="sdpa" (masked, over the first bucketed length)
     fast_eager    as fast, nothing compiled (the graphs replay eager kernels)
+    fast_no_compact  as fast, without compaction (every step runs on all slots, finished ones too)
     hf_dynamic    HF generate, DynamicCache (the reference backend's engine)
     hf_static     HF generate, cache_implementation="static" (HF compiles the forward itself)
 
@@ -100,6 +104,11 @@ def build_case(name: str, args, vocab: int, gen: torch.Generator):
     if name == "mixed":
         num, batch = args.mixed_prompts, args.mixed_batch
         limits = torch.randint(args.mixed_min, args.mixed_max + 1, (num,), generator=gen)
+    elif name.startswith("tail_"):
+        num = batch = int(name.split("_")[1])
+        u = torch.rand(num, generator=gen, dtype=torch.float64)  # geometric: the first token that is EOS
+        limits = (torch.log1p(-u) / torch.log1p(torch.tensor(-1 / 400, dtype=torch.float64))).ceil()
+        limits = limits.clamp(1, 1024).long()
     else:
         num = batch = int(name.split("_")[1])
         limits = torch.full((num,), args.new_tokens)
@@ -120,7 +129,8 @@ def run_fast(row: str, hf_model, config, prompts, limits, batch, args, device, d
     rollout = FastRollout(config, IdTokenizer(), device, dtype, micro_batch_size=batch, max_batch=batch,
                           compile=False if row == "fast_eager" else None, sync_every=args.sync_every,
                           seq_bucket=args.seq_bucket, attention="sdpa" if row == "fast_sdpa" else "auto",
-                          sampler="torch" if row == "fast_torch_sampler" else "auto")
+                          sampler="torch" if row == "fast_torch_sampler" else "auto",
+                          min_width=10**9 if row == "fast_no_compact" else 32)
     _, load_s = timed(lambda: rollout.load_weights(hf_model.named_parameters()), device)
     ids, mask = prompts.to(device), torch.ones_like(prompts, device=device)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=int(limits.max()), seed=0)
@@ -138,6 +148,7 @@ def run_fast(row: str, hf_model, config, prompts, limits, batch, args, device, d
     drift = sampler_vs_engine_log_probs(hf_model, out)
     return dict(tokens=int(out.response_mask.sum()), seconds=total_s, prefill_s=prefill_s, warmup_s=warmup_s,
                 decode_steps=stats["decode_steps"], num_slots=stats["num_slots"], max_seq=stats["max_seq"],
+                slot_steps=stats["slot_steps"], compactions=stats["compactions"],
                 graphs=len(rollout._graphs), load_weights_s=load_s, release_s=release_s, resume_s=resume_s,
                 release_weights_s=release_w_s, resume_weights_s=resume_w_s, same_after_resume=same_after_resume,
                 kv_cache_gib=rollout._state.kv.numel() * rollout._state.kv.element_size() / 2**30, **drift)
@@ -338,6 +349,7 @@ def main():
     hf_model.eval().requires_grad_(False)
     weight_bytes, kv_per_token = model_bytes(config, dtype)
     runners = {"fast": run_fast, "fast_sdpa": run_fast, "fast_eager": run_fast, "fast_torch_sampler": run_fast,
+               "fast_no_compact": run_fast,
                "hf_dynamic": run_hf, "hf_static": run_hf}
     for case in args.cases.split(","):
         if case.startswith("greedy_"):

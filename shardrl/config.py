@@ -568,6 +568,9 @@ class TrainerConfig:
     resume=auto the newest such folder that has checkpoints."""
     save_freq: int = 0
     """Checkpoint every this many steps; 0 never."""
+    export_hf: bool = False
+    """At the end of training, write the actor as a Hugging Face model folder, `<run_dir>/hf_model` (weights in
+    `model.dtype`, config, tokenizer): what `from_pretrained`, another run's `model.path` or an evaluation loads."""
     keep_last: int = 2
     """Checkpoints kept on disk; 0 keeps all."""
     resume: Literal["auto", "never"] | str = "never"

@@ -475,8 +475,20 @@ def test_the_trainer_runs_multi_turn_rollouts(tmp_path):
         "algorithm.adv_estimator=reinforce_plus_plus", *sp2,
         "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.call_start=\"\"",
         "rollout.multi_turn.call_end=\"1\"", "rollout.multi_turn.max_turns=3", "rollout.multi_turn.max_tool_output_chars=4",
-        "rollout.multi_turn.max_response_tokens=40", "rollout.multi_turn.tool_turn_template=\" {output} \""))
+        "rollout.multi_turn.max_response_tokens=40", "rollout.multi_turn.tool_turn_template=\" {output} \"",
+        "trainer.val_freq=2", "trainer.export_hf=true"))
     assert [r["step"] for r in records] == [1, 2]
+    # validation reports the tool use of its greedy conversations (the numbers: tests/test_trainer_outputs.py)
+    val = records[-1]
+    assert 0 <= val["val/multi_turn/clean_call_rate"] <= val["val/multi_turn/tool_call_rate"] <= 1
+    assert "val/multi_turn/tool_call_rate" not in records[0]
+    # the trained actor as a Hugging Face folder: loads, same names as the start, trained weights
+
+    start = transformers.AutoModelForCausalLM.from_pretrained(assets / "model").state_dict()
+    end = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf_model").state_dict()
+    assert start.keys() == end.keys() and transformers.AutoTokenizer.from_pretrained(tmp_path / "run" / "hf_model")
+    moved = [k for k in start if not torch.equal(start[k], end[k])]
+    assert len(moved) > len(start) // 2, moved
     # (a few: 2 and 1 of 16 conversations with these seeds)
     assert all(r["multi_turn/num_tool_calls_mean"] > 0 and r["multi_turn/num_turns_mean"] > 1 for r in records)
     # the actor's recomputation of the model's tokens, with the tool turns in their context, is the sampler's

@@ -72,16 +72,21 @@ def assert_same_output(got: RolloutOutput, want: RolloutOutput):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])  # qwen2: q/k/v biases, untied head; llama: tied head
-@pytest.mark.parametrize("max_batch,sync_every", [(None, 16), (2, 3), (4, 1)])
-def test_greedy_equals_hf_generate(tok, kind, max_batch, sync_every):
+@pytest.mark.parametrize("max_batch,sync_every,min_width", [(None, 16, 32), (2, 3, 32), (4, 1, 32), (None, 2, 1)])
+def test_greedy_equals_hf_generate(tok, kind, max_batch, sync_every, min_width):
     model = reference_model(tok, seed=1, kind=kind)
     eos_tok = with_eos_at_different_steps(tok, model)
     ids, mask = encode(eos_tok)
     greedy = SamplingParams(n=2, greedy=True, max_new_tokens=16)
     want = make_rollout("hf", eos_tok, model).generate(ids, mask, greedy)
-    fast = make_rollout("fast", eos_tok, model, max_batch=max_batch, sync_every=sync_every)
+    fast = make_rollout("fast", eos_tok, model, max_batch=max_batch, sync_every=sync_every, min_width=min_width)
     got = fast.generate(ids, mask, greedy)
     assert_same_output(got, want)
+    stats = fast.last_stats
+    if min_width == 1:  # rows ending apart moved to ever narrower slot prefixes, and the steps ran on those
+        assert stats["compactions"] >= 1 and stats["slot_steps"] < stats["decode_steps"] * stats["num_slots"]
+    else:
+        assert stats["compactions"] == 0 and stats["slot_steps"] == stats["decode_steps"] * stats["num_slots"]
     lengths = want.response_mask.sum(1)
     ended = (want.response_ids == eos_tok.eos_token_id).any(1)
     assert len(set(lengths.tolist())) >= 3 and ended.any()  # rows end apart
@@ -100,16 +105,18 @@ def test_a_capture_warm_up_mid_generate_changes_nothing(tok):
     plain = make_rollout("fast", tok, model, max_batch=3, sync_every=5, seq_bucket=8)
     warmed = make_rollout("fast", tok, model, max_batch=3, sync_every=5, seq_bucket=8)
     step = warmed._decode_step
-    warmed._decode_step = lambda mode, seq_len: (warmed._warm_up(step, mode, seq_len), step(mode, seq_len))
+    warmed._decode_step = lambda mode, seq_len, width: (warmed._warm_up(step, mode, seq_len, width),
+                                                        step(mode, seq_len, width))
     for sampling in (SamplingParams(n=2, greedy=True, max_new_tokens=20),
                      SamplingParams(n=2, temperature=1.0, top_k=8, max_new_tokens=20, seed=1)):
         assert_same_output(warmed.generate(ids, mask, sampling), plain.generate(ids, mask, sampling))
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 10, 0.9), (1.0, 0, 1.0), (1.3, 0, 0.8), (0.0, 0, 1.0)])
-def test_sampled_log_probs_equal_forward_recomputation(tok, temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_width",
+                         [(0.7, 10, 0.9, 32), (1.0, 0, 1.0, 32), (1.3, 0, 0.8, 32), (0.0, 0, 1.0, 32), (1.0, 0, 1.0, 1)])
+def test_sampled_log_probs_equal_forward_recomputation(tok, temperature, top_k, top_p, min_width):
     model = reference_model(tok, seed=2)
-    rollout = make_rollout("fast", tok, model, max_batch=5, sync_every=4)
+    rollout = make_rollout("fast", tok, model, max_batch=5, sync_every=4, min_width=min_width)
     ids, mask = encode(tok)
     sampling = SamplingParams(n=2, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=20, seed=5)
     assert_sampled_log_probs_recomputed(rollout.generate(ids, mask, sampling), model, sampling, min_tokens=40)
@@ -313,11 +320,13 @@ def test_errors_name_the_problem(tok):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("attention,compile", [("triton", False), ("triton", True), ("triton_unfused_write", True),
-                                               ("sdpa", False), ("sdpa", True)])
-def test_cuda_graphs_match_the_reference(tok, attention, compile):
+@pytest.mark.parametrize("attention,compile,min_width", [
+    ("triton", False, 32), ("triton", True, 32), ("triton_unfused_write", True, 32), ("sdpa", False, 32),
+    ("sdpa", True, 32), ("triton", True, 1), ("sdpa", False, 1)])
+def test_cuda_graphs_match_the_reference(tok, attention, compile, min_width):
     """On a GPU in fp32: graph replays give HF's greedy tokens, the eager step's samples, and the same
-    again after release/resume (which recaptures the graphs). Head dim 16: the Triton kernel's smallest."""
+    again after release/resume (which recaptures the graphs). Head dim 16: the Triton kernel's smallest.
+    min_width 1: the tail of each call compacts to 2 and 1 slots, each width with its own graphs."""
     model = reference_model(tok, seed=1, hidden_size=64)
     eos_tok = with_eos_at_different_steps(tok, model)
     ids, mask = encode(eos_tok)
@@ -328,7 +337,7 @@ def test_cuda_graphs_match_the_reference(tok, attention, compile):
     def fast(attention, **kwargs):
         unfused = attention == "triton_unfused_write"
         rollout = make_rollout("fast", eos_tok, model, "cuda", max_batch=4, sync_every=4, seq_bucket=32,
-                               attention="triton" if unfused else attention, **kwargs)
+                               attention="triton" if unfused else attention, min_width=min_width, **kwargs)
         if unfused:
             rollout._block.attention = TritonDecodeAttention(fuse_kv_write=False)
         return rollout
@@ -340,6 +349,9 @@ def test_cuda_graphs_match_the_reference(tok, attention, compile):
     eager = fast(cuda_graphs=False, compile=False, attention=attention)
     got = on_cpu(graphed.generate(ids.cuda(), mask.cuda(), greedy))
     assert graphed._graphs
+    assert (graphed.last_stats["compactions"] > 0) == (min_width == 1)
+    widths = {width for _, _, width in graphed._graphs}
+    assert len(widths) >= 2 if min_width == 1 else widths == {4}
     assert torch.equal(got.response_ids, want.response_ids) and got.response_text == want.response_text
     torch.testing.assert_close(got.sampled_log_probs, want.sampled_log_probs, atol=1e-4, rtol=0)
     plain = SamplingParams(n=2, temperature=0.9, max_new_tokens=40, seed=3)  # triton: the fused sampler's mode

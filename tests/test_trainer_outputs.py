@@ -103,3 +103,28 @@ def test_val_batch_size_sets_the_prompts_of_one_validation_round():
     assert run_validate(7, 2, 1, "data.val_batch_size=4") == [[1, 3], [5, 1]]
     # null: the whole set in one round (the rollout still cuts its generate calls by micro_batch_size)
     assert run_validate(7, 1, 0, "rollout.micro_batch_size=2") == [list(range(7))]
+
+
+def test_validation_of_multi_turn_rollouts_reports_tool_use_over_the_real_prompts():
+    calls = {0: 0, 1: 2, 2: 1, 3: 0, 4: 1}
+    errors = {0: 0, 1: 1, 2: 0, 3: 0, 4: 1}
+
+    def validate(dp: int, rank: int) -> dict:
+        trainer = RLTrainer.__new__(RLTrainer)
+        trainer.cfg = load_config(None, ["trainer.log_val_generations=0", "data.val_batch_size=2"])
+        trainer.rank, trainer.mesh = rank, FakeMesh(dp, rank)
+        trainer.val_set = [{"id": i} for i in range(5)]
+        trainer._generate = lambda items, sampling: {
+            "num_tool_calls": torch.tensor([float(calls[it["id"]]) for it in items]),
+            "num_tool_errors": torch.tensor([float(errors[it["id"]]) for it in items])}
+        trainer._score = lambda batch: (batch["num_tool_calls"].clone(), {})
+        return trainer.validate()
+
+    # one rank, rounds of 2, 2, 1: 3 of 5 call a tool, one of them cleanly; 4 calls
+    assert validate(1, 0) == pytest.approx({"val/reward_mean": 0.8, "val/multi_turn/tool_call_rate": 0.6,
+                                            "val/multi_turn/clean_call_rate": 0.2,
+                                            "val/multi_turn/num_tool_calls_mean": 0.8})
+    # rank 1 of 2 holds prompts 1 and 3 and repeats prompt 1 to run as many rounds as rank 0: not counted
+    assert validate(2, 1) == pytest.approx({"val/reward_mean": 1.0, "val/multi_turn/tool_call_rate": 0.5,
+                                            "val/multi_turn/clean_call_rate": 0.0,
+                                            "val/multi_turn/num_tool_calls_mean": 1.0})

@@ -75,12 +75,14 @@ def example_text(tok, prefix: list[dict], question: str, expression: str, answer
 
 
 def evaluate(model, tok, rows: list[dict], mt_cfg, max_new_tokens: int) -> dict:
-    """Greedy multi-turn rollouts on `rows` with the example's calculator interaction."""
+    """Greedy multi-turn rollouts on `rows` with the example's calculator interaction (HF generate, on the
+    model's device)."""
     from shardrl.rollout import SamplingParams, build_rollout
     from shardrl.rollout.multiturn import MultiTurnRollout, load_interaction
 
     interaction = load_interaction(str(HERE / "interaction.py"), "CalculatorInteraction")
-    inner = build_rollout("hf", model.config, tok, "cpu", torch.float32)
+    device = next(model.parameters()).device
+    inner = build_rollout("hf", model.config, tok, device, torch.float32)
     inner.load_weights(model.named_parameters())
     mt = MultiTurnRollout(inner, tok, interaction, max_turns=mt_cfg["max_turns"],
                           max_response_tokens=mt_cfg["max_response_tokens"])
@@ -110,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=48, help="per model turn, in the evaluation")
+    p.add_argument("--max-turns", type=int, default=3, help="model turns per conversation, in the evaluation")
+    p.add_argument("--max-response-tokens", type=int, default=160, help="per conversation, in the evaluation")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--eval-only", action="store_true", help="measure --model on --val; no training, nothing saved")
     args = p.parse_args(argv)
     prepare = _module("tools_prepare", HERE / "prepare.py")
@@ -117,14 +122,15 @@ def main(argv: list[str] | None = None) -> None:
     from shardrl.config import MultiTurnConfig
 
     tool_turn = MultiTurnConfig().tool_turn_template
-    mt_cfg = {"max_turns": 3, "max_response_tokens": 160}  # examples/tools/cpu.yaml's
+    # the defaults are examples/tools/cpu.yaml's; gpu.yaml's: --max-turns 4 --max-response-tokens 384 --max-new-tokens 128
+    mt_cfg = {"max_turns": args.max_turns, "max_response_tokens": args.max_response_tokens}
     if not Path(args.model, "config.json").is_file():
         sys.exit(f"no model folder at {args.model}: run `python examples/smollm2/prepare.py` first")
     if not Path(args.val).is_file():
         sys.exit(f"no {args.val}: run `python examples/tools/prepare.py` first")
     torch.manual_seed(args.seed)
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
     val = [json.loads(line) for line in open(args.val)][: args.num_val]
 
     report = {"before": evaluate(model.eval(), tok, val, mt_cfg, args.max_new_tokens)}
@@ -144,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         mask = torch.zeros(len(batch), width, dtype=torch.long)
         for i, (x, y) in enumerate(batch):
             ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
+        ids, labels, mask = ids.to(args.device), labels.to(args.device), mask.to(args.device)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     report["after"] = evaluate(model, tok, val, mt_cfg, args.max_new_tokens)
     print(json.dumps({"after": report["after"]}), flush=True)
     out = Path(args.out)
-    model.save_pretrained(out)
+    model.cpu().save_pretrained(out)
     tok.save_pretrained(out)
     (out / "warm_start.json").write_text(json.dumps({**report, **vars(args)}, indent=1))
     print(f"saved {out}")

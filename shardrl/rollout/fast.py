@@ -13,6 +13,9 @@ sync per token):
     sync     one device->host copy: finished slots (EOS, length limit, stop string) hand back their
              tokens and take waiting rows, so a batch of mixed lengths does not decode at the pace of its
              longest row
+    compact  when no row waits and the live rows fit in half the slots (or a quarter, an eighth), they
+             move to the first slots (K/V, tokens, counters: one indexed copy) and the steps run on that
+             prefix, so the tail of a batch of uneven lengths does not pay for its finished rows
 
 Attention in a step reads each slot's cache up to its own length (the Triton kernel, CUDA's default: one
 graph per sampling mode), or, with attention="sdpa", the first `seq_len` positions of every slot, `seq_len`
@@ -128,14 +131,16 @@ class FastRollout(Rollout):
     triton package), else sdpa. `sampler`: "triton" samples in one pass over the logits
     (`shardrl.rollout.sample_kernel`; greedy and plain sampling, top-k/top-p stay in torch), "torch" by
     `sample_tokens`; "auto" = triton where the Triton attention runs. `release_weights` makes `release()` move
-    the weights to the CPU too."""
+    the weights to the CPU too. `min_width`: the narrowest slot prefix that decode steps compact to (module
+    docstring; the widths are the slot count halved up to three times, none below `min_width`; a width at
+    or above the slot count turns compaction off); each width has its own graphs."""
 
     def __init__(self, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,
                  micro_batch_size: int = 64, max_batch: int | None = None, max_seq_len: int | None = None,
                  cuda_graphs: bool | None = None, compile: bool | None = None, sync_every: int = 16,
                  seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0,
-                 attention: str = "auto", sampler: str = "auto"):
-        for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every),
+                 attention: str = "auto", sampler: str = "auto", min_width: int = 32):
+        for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every), ("min_width", min_width),
                             ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens),
                             ("max_batch", max_batch or 1), ("max_seq_len", max_seq_len or 1)):
             if value < 1:
@@ -149,7 +154,7 @@ class FastRollout(Rollout):
             raise ValueError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
         self.micro_batch_size, self.max_batch, self.max_seq_len = micro_batch_size, max_batch, max_seq_len
         self.sync_every, self.seq_bucket, self.prefill_tokens = sync_every, seq_bucket, prefill_tokens
-        self.release_weights = release_weights
+        self.release_weights, self.min_width = release_weights, min_width
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device")
@@ -160,8 +165,8 @@ class FastRollout(Rollout):
         self._sample = torch.compile(sample_tokens) if compile else sample_tokens
         self._fused_sample = self._sampler(sampler)
         self._state: SlotState | None = None
-        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        self._graph_keys: set[tuple[str, int]] = set()  # recaptured by resume()
+        self._graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}  # (mode, seq_len, width)
+        self._graph_keys: set[tuple[str, int, int]] = set()  # recaptured by resume()
         self._capture_stream = None  # the warm-up stream of every capture (see `_capture`)
         self._graph_pool = None
         self._released, self._weights_on_cpu, self._kept_shape = False, False, None
@@ -231,9 +236,9 @@ class FastRollout(Rollout):
             self._weights_on_cpu = False
         if self._kept_shape is not None:
             self._state = self._allocate(*self._kept_shape)
-            for mode, seq_len in sorted(self._graph_keys):
-                if self.cuda_graphs and seq_len <= self._state.max_seq:
-                    self._capture(mode, seq_len)
+            for mode, seq_len, width in sorted(self._graph_keys):
+                if self.cuda_graphs and seq_len <= self._state.max_seq and width <= self._state.num_slots:
+                    self._capture(mode, seq_len, width)
         self._released = False
 
     def _drop_state(self) -> None:
@@ -284,36 +289,42 @@ class FastRollout(Rollout):
         self._state = self._allocate(slots, seq)
 
     # ---- the decode step --------------------------------------------------------------------------
-    def _decode_step(self, mode: str, seq_len: int) -> None:
-        """One token for every live slot; reads and writes only `self._state` (capturable)."""
+    def _decode_step(self, mode: str, seq_len: int, width: int | None = None) -> None:
+        """One token for every live slot among the first `width` (default: all; the others must be empty);
+        reads and writes only views of `self._state` (capturable)."""
         st = self._state
-        active = ~st.done
-        logits = self.model.decode(st.tokens, st.lengths, st.kv, seq_len, self._block)  # (B, V)
+        w = st.num_slots if width is None else width
+        tokens_in, lengths, done, num_generated = st.tokens[:w], st.lengths[:w], st.done[:w], st.num_generated[:w]
+        out_tokens, out_log_probs = st.out_tokens[:w], st.out_log_probs[:w]
+        active = ~done
+        logits = self.model.decode(tokens_in, lengths, st.kv[:, :, :w], seq_len, self._block)  # (w, V)
         if self._uses_fused_sampler(mode):
             tokens, log_probs = self._fused_sample(logits, mode == GREEDY, st.temperature, st.seed)
         else:
-            tokens, log_probs = self._sample(logits, mode, st.noise, st.temperature, st.top_k, st.top_p)
-        tokens = torch.where(active, tokens, st.tokens)
-        slots = torch.arange(st.num_slots, device=tokens.device)
-        col = st.num_generated.clamp(max=st.out_tokens.shape[1] - 1)
-        st.out_tokens[slots, col] = torch.where(active, tokens, st.out_tokens[slots, col])
-        st.out_log_probs[slots, col] = torch.where(active, log_probs, st.out_log_probs[slots, col])
-        st.num_generated.add_(active.long())
-        st.lengths.add_(active.long())
-        st.done.logical_or_((tokens[:, None] == st.eos).any(-1) | (st.num_generated >= st.max_new))
-        st.tokens.copy_(tokens)
+            noise = None if st.noise is None else st.noise[:w]
+            tokens, log_probs = self._sample(logits, mode, noise, st.temperature, st.top_k, st.top_p)
+        tokens = torch.where(active, tokens, tokens_in)
+        slots = torch.arange(w, device=tokens.device)
+        col = num_generated.clamp(max=out_tokens.shape[1] - 1)
+        out_tokens[slots, col] = torch.where(active, tokens, out_tokens[slots, col])
+        out_log_probs[slots, col] = torch.where(active, log_probs, out_log_probs[slots, col])
+        num_generated.add_(active.long())
+        lengths.add_(active.long())
+        done.logical_or_((tokens[:, None] == st.eos).any(-1) | (num_generated >= st.max_new[:w]))
+        tokens_in.copy_(tokens)
 
-    def _run_step(self, mode: str, seq_len: int, generator: torch.Generator) -> None:
+    def _run_step(self, mode: str, seq_len: int, generator: torch.Generator, width: int | None = None) -> None:
+        width = self._state.num_slots if width is None else width
         if mode == GREEDY:
             pass  # no noise
         elif self._uses_fused_sampler(mode):
             self._state.seed.random_(0, 2**62, generator=generator)  # the fused sampler's fresh noise
         else:
-            self._torch_sampler_noise().exponential_(generator=generator)
+            self._torch_sampler_noise()[:width].exponential_(generator=generator)
         if not self.cuda_graphs:
-            self._decode_step(mode, seq_len)
+            self._decode_step(mode, seq_len, width)
             return
-        graph = self._graphs.get((mode, seq_len)) or self._capture(mode, seq_len)
+        graph = self._graphs.get((mode, seq_len, width)) or self._capture(mode, seq_len, width)
         graph.replay()
 
     def _uses_fused_sampler(self, mode: str) -> bool:
@@ -326,7 +337,7 @@ class FastRollout(Rollout):
             st.noise = torch.ones(st.num_slots, self.vocab_size, dtype=torch.float32, device=self.device)
         return st.noise
 
-    def _capture(self, mode: str, seq_len: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, mode: str, seq_len: int, width: int) -> torch.cuda.CUDAGraph:
         if mode != GREEDY and not self._uses_fused_sampler(mode):
             self._torch_sampler_noise()  # before the graph takes its address (resume() recaptures here)
         if self._capture_stream is None:
@@ -336,16 +347,16 @@ class FastRollout(Rollout):
         stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._warm_up(self._decode_step, mode, seq_len)
+            self._warm_up(self._decode_step, mode, seq_len, width)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._decode_step(mode, seq_len)
-        self._graphs[(mode, seq_len)] = graph
-        self._graph_keys.add((mode, seq_len))
+            self._decode_step(mode, seq_len, width)
+        self._graphs[(mode, seq_len, width)] = graph
+        self._graph_keys.add((mode, seq_len, width))
         return graph
 
-    def _warm_up(self, step_fn, mode: str, seq_len: int, num_steps: int = 2) -> None:
+    def _warm_up(self, step_fn, mode: str, seq_len: int, width: int, num_steps: int = 2) -> None:
         """Runs `step_fn` (lazy init, compilation) and puts the per-slot counters back, so a capture may
         happen in the middle of a generate: what the steps wrote past the counters (cache entries, tokens)
         is rewritten by the next real step or lies beyond the lengths, masked."""
@@ -353,7 +364,7 @@ class FastRollout(Rollout):
         counters = (st.tokens, st.lengths, st.done, st.num_generated)
         saved = [t.clone() for t in counters]
         for _ in range(num_steps):
-            step_fn(mode, seq_len)
+            step_fn(mode, seq_len, width)
         for t, s in zip(counters, saved):
             t.copy_(s)
 
@@ -421,7 +432,9 @@ class FastRollout(Rollout):
         queue = deque(range(len(prompts) * n))
         slot_row = [-1] * num_slots
         results: list = [None] * len(queue)
-        stats = dict(decode_steps=0, syncs=0, prefill_tokens=0, num_slots=num_slots, max_seq=st.max_seq)
+        stats = dict(decode_steps=0, syncs=0, prefill_tokens=0, num_slots=num_slots, max_seq=st.max_seq,
+                     slot_steps=0, compactions=0)
+        widths = self._widths(num_slots)
         while True:
             done, lengths, generated = torch.stack([st.done.long(), st.lengths, st.num_generated]).tolist()
             stats["syncs"] += 1
@@ -458,16 +471,53 @@ class FastRollout(Rollout):
             live = [s for s in range(num_slots) if slot_row[s] >= 0]
             if not live:
                 break
+            width = next(w for w in widths if w >= len(live))
+            if live[-1] >= width:  # rows left decoding in slots past the narrowest prefix that holds them
+                self._compact(width, slot_row, lengths, generated)
+                stats["compactions"] += 1
+                live = [s for s in range(num_slots) if slot_row[s] >= 0]
+            width = next(w for w in widths if w > live[-1])
             num_steps = min(self.sync_every, max(limits[slot_row[s] // n] - generated[s] for s in live))
             # every position written in these steps lies below seq_len; empty slots sit at 0
             seq_len = min(st.max_seq, -(-(max(lengths) + num_steps) // self.seq_bucket) * self.seq_bucket)
             if not self._block.attention.bucketed:
                 seq_len = st.max_seq
             for _ in range(num_steps):
-                self._run_step(mode, seq_len, generator)
+                self._run_step(mode, seq_len, generator, width)
             stats["decode_steps"] += num_steps
+            stats["slot_steps"] += num_steps * width
         self.last_stats = stats
         return results
+
+    def _widths(self, num_slots: int) -> list[int]:
+        """The slot prefixes a decode step may run on, narrowest first: num_slots halved (rounded up) up to
+        three times while not below `min_width`, and num_slots itself."""
+        widths = {num_slots}
+        for k in range(1, 4):
+            if (w := -(-num_slots // 2**k)) >= self.min_width:
+                widths.add(w)
+        return sorted(widths)
+
+    def _compact(self, width: int, slot_row: list[int], lengths: list[int], generated: list[int]) -> None:
+        """Moves the rows decoding in slots >= `width` into the free slots below it: their K/V (the positions
+        in use), next token, counters and outputs, in one indexed copy per tensor; the host lists follow."""
+        st = self._state
+        src = [s for s in range(width, st.num_slots) if slot_row[s] >= 0]
+        dst = [s for s in range(width) if slot_row[s] < 0][: len(src)]
+        assert len(dst) == len(src), "compaction needs as many free slots below the width as rows above it"
+        s_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        d_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        span, made = max(lengths[s] for s in src), max(generated[s] for s in src)
+        st.kv[:, :, d_t, :, :span] = st.kv[:, :, s_t, :, :span]
+        for t in (st.tokens, st.lengths, st.done, st.num_generated, st.max_new):
+            t[d_t] = t[s_t]
+        st.out_tokens[d_t, :made] = st.out_tokens[s_t, :made]
+        st.out_log_probs[d_t, :made] = st.out_log_probs[s_t, :made]
+        st.lengths[s_t] = 0
+        st.done[s_t] = True
+        for s, d in zip(src, dst):
+            slot_row[d], lengths[d], generated[d] = slot_row[s], lengths[s], generated[s]
+            slot_row[s], lengths[s], generated[s] = -1, 0, 0
 
     def _admit(self, admitted, prompts, limits, n, mode, generator) -> int:
         """Prefills the prompts of `admitted` (slot, row) pairs into their slots and samples each row's first

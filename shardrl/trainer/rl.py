@@ -365,8 +365,10 @@ class RLTrainer:
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """Greedy responses to every validation prompt; the mean reward over all of them (all ranks). Rank 0
-        keeps its first `trainer.log_val_generations` samples in `val_generations`."""
+        """Greedy responses to every validation prompt; the mean reward over all of them (all ranks), and for
+        multi-turn rollouts the shares of conversations that called a tool and that called tools without an
+        error, and the mean tool calls. Rank 0 keeps its first `trainer.log_val_generations` samples in
+        `val_generations`."""
         sampling = SamplingParams.from_config(self.cfg.rollout, n=1, greedy=True)
         dp, r = self.mesh.dp_size, self.mesh.dp_rank
         # every rank runs the same number of generate calls (weight sync and scoring are collective):
@@ -375,7 +377,7 @@ class RLTrainer:
         real = len(index)
         index += [index[0] if index else 0] * (-(-len(self.val_set) // dp) - real)
         items = [self.val_set[i] for i in index]
-        scores = []
+        scores, calls, errors = [], [], []
         # data.val_batch_size prompts per round over all ranks (ceil(that / dp) per rank); None: one round
         val_batch = self.cfg.data.val_batch_size
         per_round = -(-val_batch // dp) if val_batch else max(len(items), 1)
@@ -386,14 +388,23 @@ class RLTrainer:
             batch = self._generate(chunk, sampling)
             s, _ = self._score(batch)
             scores.append(s)
+            if "num_tool_calls" in batch:
+                calls.append(torch.as_tensor(batch["num_tool_calls"]).float())
+                errors.append(torch.as_tensor(batch["num_tool_errors"]).float())
             for row in range(min(len(batch), wanted - len(self.val_generations), real - start)):  # real prompts
                 item = chunk[int(batch["prompt_index"][row])]
                 self.val_generations.append({"prompt": item["prompt_text"], "response": batch["response_text"][row],
                                              "reward": float(s[row]),
                                              "ground_truth": item["extra"].get("ground_truth")})
         local = torch.cat(scores)[:real] if scores else torch.zeros(0)
-        return reduce_over_ranks({"val/reward_mean": SumCount(float(local.sum()), float(len(local)))},
-                                 self.mesh.dp_group)
+        n = float(len(local))
+        metrics = {"val/reward_mean": SumCount(float(local.sum()), n)}
+        if calls:  # every rank's batches are multi-turn or none are
+            c, e = torch.cat(calls)[:real], torch.cat(errors)[:real]
+            metrics.update({"val/multi_turn/tool_call_rate": SumCount(float((c > 0).sum()), n),
+                            "val/multi_turn/clean_call_rate": SumCount(float(((c > 0) & (e == 0)).sum()), n),
+                            "val/multi_turn/num_tool_calls_mean": SumCount(float(c.sum()), n)})
+        return reduce_over_ranks(metrics, self.mesh.dp_group)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def _shuffle_seed(self, step: int) -> int:
@@ -463,6 +474,9 @@ class RLTrainer:
                     self.save()
         finally:
             logger.close()
+        if cfg.trainer.export_hf:
+            path = self.actor.save_hf(self.run_dir / "hf_model", self.tokenizer)
+            self._say(f"wrote the trained actor as a Hugging Face model folder: {path}")
         return self.run_dir
 
 
