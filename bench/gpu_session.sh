@@ -170,6 +170,15 @@ phase_s8_trl() {
     PYTHONPATH=/tmp/site:$PWD limit 330 python3 bench/e2e.py --root /tmp/e2e --systems trl --cases var_512 \
         --trl-steps 2 --out $RES
 }
+phase_s8_e2e_keep() {  # the rollout's cache kept through the update (free_cache_engine null -> false here) and freed
+    local B="python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 --steps 5 --no-floor --out $RES"
+    limit 300 $B --tag keep
+    limit 200 $B --cases fixed_512,var_512 --tag free --extra "rollout.free_cache_engine=true"
+}
+phase_s8_tools() {  # issue 19: the tools example on the GPU (the GGUF's two parts under /tmp/smollm2_parts)
+    STEPS=${TOOLS_STEPS:-30} TRAIN_LIMIT_S=420 bash examples/tools/gpu_run.sh start \
+        && bash examples/tools/gpu_run.sh wait 840 > /dev/null
+}
 
 collect() {
     local out=${OUT:-gpu_out}

@@ -100,3 +100,34 @@ def test_when_the_old_log_prob_pass_is_skipped(overrides, reuse, why):
     assert cfg.actor.recompute_old_log_probs in ("auto", "always")
     got, text = old_log_probs_from_update(cfg)
     assert got is reuse and why in text
+
+
+def test_the_rollout_keeps_its_cache_through_the_update_when_the_ledger_says_it_fits(monkeypatch):
+    from shardrl.layout import derive_layout
+    from shardrl.memory import GIB, phase_ledger
+
+    big = transformers.Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, vocab_size=151936)
+    # bench/e2e.py's var_512 case: 64 prompts x 8 of 256 + up to 1024 tokens
+    cfg = load_config(None, ["data.train_batch_size=64", "rollout.n=8", "actor.ppo_mini_batch_size=64",
+                             "data.max_prompt_length=256", "rollout.max_new_tokens=1024",
+                             "actor.engine.use_dynamic_bsz=true", "actor.engine.max_token_len_per_gpu=16384"])
+    layout = derive_layout(cfg, 1, 1)
+    ledger = phase_ledger(cfg, layout, big)
+    cache = sum(i["gib"] for i in ledger["phases"]["gen"]["items"] if i["name"] in ("KV cache", "sampler logits"))
+    need = ledger["phases"]["update"]["total_gib"] + cache  # ~95 GiB: the update's ~77 and a 17.5 GiB cache
+    assert 85 < need < 105
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    h200 = resolve_device_defaults(cfg, big, layout, int(139.8 * GIB))
+    assert h200[0].rollout.free_cache_engine is False
+    assert f"rollout.free_cache_engine=false (null: the ledger's update peak plus the rollout's cache, {need:.1f} " \
+           "GiB, fits in 85% of the GPU's 140 GiB)" in h200[1]
+    # just below and above need / 0.85: freed on the smaller GPU
+    assert resolve_device_defaults(cfg, big, layout, int(need / 0.85 * GIB * 0.99))[0].rollout.free_cache_engine
+    assert not resolve_device_defaults(cfg, big, layout, int(need / 0.85 * GIB * 1.01))[0].rollout.free_cache_engine
+    # explicit wins; without a layout, or on CPU, the cache is freed
+    explicit = load_config(None, ["rollout.free_cache_engine=true"])
+    assert resolve_device_defaults(explicit, big, layout, int(139.8 * GIB))[0].rollout.free_cache_engine is True
+    assert resolve_device_defaults(cfg, big)[0].rollout.free_cache_engine is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device_defaults(cfg, big, layout, int(139.8 * GIB))[0].rollout.free_cache_engine is True

@@ -125,7 +125,8 @@ class RLTrainer:
         self.rewards = RewardManager(fn, cfg.reward.on_error_score)
         check_vocab_sizes(cfg, len(self.tokenizer))
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
-        cfg, choices = resolve_device_defaults(cfg, policy_config)  # before config.yaml is written
+        gpu_bytes = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+        cfg, choices = resolve_device_defaults(cfg, policy_config, self.layout, gpu_bytes)  # before config.yaml
         self.cfg = cfg
         self.old_from_update, why = old_log_probs_from_update(cfg)
         self._say("\n".join([*choices, f"old log-probs: {why}"]))
@@ -236,7 +237,7 @@ class RLTrainer:
             out = self.rollout.generate(prompts["input_ids"].to(self.device),
                                         prompts["attention_mask"].to(self.device), sampling, **per_sample)
             batch = out.to_batch().to("cpu")
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.cfg.rollout.free_cache_engine:
             self.rollout.release()  # colocated: training takes the memory generation held
         if self.mesh.sp_size > 1:
             shared = [batch]
