@@ -4,7 +4,7 @@
 # 5 steps: reward, tool-call rate, clean-call rate), the trained model measured again, and a summary.
 #
 #   bash examples/smollm2/gpu_run.sh pack            # HERE: the GGUF in two parts + the gguf wheel, under .whl/
-#   bash examples/tools/gpu_run.sh start             # THERE: joins /tmp/smollm2.gguf if needed, runs detached
+#   bash examples/tools/gpu_run.sh start             # THERE: examples/smollm2/gpu_run.sh join, then runs detached
 #   bash examples/tools/gpu_run.sh wait SECONDS      # THERE: waits for the run (or SECONDS), copies results to $OUT
 #
 # How the GGUF reaches the device machine: see examples/smollm2/gpu_run.sh (two calls, 64 MiB each).
@@ -28,11 +28,7 @@ step() {  # step NAME cmd...: runs cmd, logs to $GR/NAME.log, records its second
 run() {
     mkdir -p "$GR"
     echo "start $(date +%s)" > "$GR/status"
-    if ls .whl/gguf-*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/gguf-*.whl || { echo "failed: pip" >> "$GR/status"; exit 1; }
-        export PYTHONPATH="$PYTHONPATH:/tmp/site"
-    fi
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"  # the gguf package, installed by examples/smollm2/gpu_run.sh join
     step prepare python3 examples/smollm2/prepare.py --gguf "$GGUF" --out "$GR/smollm2"
     step data python3 examples/tools/prepare.py --out "$GR/data"
     step warm_start python3 examples/tools/warm_start.py --model "$GR/smollm2/model" --out "$GR/warm" "${EVAL[@]}"
@@ -89,12 +85,7 @@ collect() {
 
 case "${1:-}" in
     start)
-        if [ ! -f "$GGUF" ]; then
-            cat /tmp/smollm2_parts/smollm2.gguf.part* > "$GGUF" 2>/dev/null || cat .whl/smollm2.gguf.part* > "$GGUF"
-        fi
-        want=$(cat /tmp/smollm2_parts/smollm2.gguf.sha256 .whl/smollm2.gguf.sha256 2>/dev/null | head -1)
-        got=$(sha256sum "$GGUF" | cut -d' ' -f1)
-        if [ -n "$want" ] && [ "$want" != "$got" ]; then echo "GGUF checksum mismatch: $got, want $want"; rm -f "$GGUF"; exit 1; fi
+        GGUF=$GGUF bash examples/smollm2/gpu_run.sh join || exit 1
         rm -rf "$GR"; mkdir -p "$GR"
         setsid bash "$0" _run > "$GR/run.log" 2>&1 < /dev/null &
         echo "started: $GR" ;;
