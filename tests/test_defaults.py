@@ -104,7 +104,7 @@ def test_when_the_old_log_prob_pass_is_skipped(overrides, reuse, why):
 
 def test_the_rollout_keeps_its_cache_through_the_update_when_the_ledger_says_it_fits(monkeypatch):
     from shardrl.layout import derive_layout
-    from shardrl.memory import GIB, phase_ledger
+    from shardrl.memory import phase_ledger, update_and_cache_gib
 
     big = transformers.Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                                    num_attention_heads=12, num_key_value_heads=2, vocab_size=151936)
@@ -113,21 +113,41 @@ def test_the_rollout_keeps_its_cache_through_the_update_when_the_ledger_says_it_
                              "data.max_prompt_length=256", "rollout.max_new_tokens=1024",
                              "actor.engine.use_dynamic_bsz=true", "actor.engine.max_token_len_per_gpu=16384"])
     layout = derive_layout(cfg, 1, 1)
-    ledger = phase_ledger(cfg, layout, big)
-    cache = sum(i["gib"] for i in ledger["phases"]["gen"]["items"] if i["name"] in ("KV cache", "sampler logits"))
-    need = ledger["phases"]["update"]["total_gib"] + cache  # ~95 GiB: the update's ~77 and a 17.5 GiB cache
-    assert 85 < need < 105
+    need = update_and_cache_gib(cfg, layout, big)
+    phases = phase_ledger(cfg, layout, big)["phases"]
+    kv = next(i["gib"] for i in phases["gen"]["items"] if i["name"] == "KV cache")
+    assert kv == pytest.approx(512 * 1280 * 28 * 2 * 2 * 128 * 2 / 2**30)  # 17.5 GiB: 512 slots x 1280 positions
+    assert phases["update"]["total_gib"] + kv < need < phases["update"]["total_gib"] + kv + 1  # + the logits
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    h200 = resolve_device_defaults(cfg, big, layout, int(139.8 * GIB))
+    h200 = resolve_device_defaults(cfg, big, (need, 139.8))
     assert h200[0].rollout.free_cache_engine is False
     assert f"rollout.free_cache_engine=false (null: the ledger's update peak plus the rollout's cache, {need:.1f} " \
            "GiB, fits in 85% of the GPU's 140 GiB)" in h200[1]
     # just below and above need / 0.85: freed on the smaller GPU
-    assert resolve_device_defaults(cfg, big, layout, int(need / 0.85 * GIB * 0.99))[0].rollout.free_cache_engine
-    assert not resolve_device_defaults(cfg, big, layout, int(need / 0.85 * GIB * 1.01))[0].rollout.free_cache_engine
-    # explicit wins; without a layout, or on CPU, the cache is freed
+    assert resolve_device_defaults(cfg, big, (need, need / 0.85 * 0.99))[0].rollout.free_cache_engine
+    assert not resolve_device_defaults(cfg, big, (need, need / 0.85 * 1.01))[0].rollout.free_cache_engine
+    # explicit wins; without the numbers, or on CPU, the cache is freed
     explicit = load_config(None, ["rollout.free_cache_engine=true"])
-    assert resolve_device_defaults(explicit, big, layout, int(139.8 * GIB))[0].rollout.free_cache_engine is True
+    assert resolve_device_defaults(explicit, big, (need, 139.8))[0].rollout.free_cache_engine is True
     assert resolve_device_defaults(cfg, big)[0].rollout.free_cache_engine is True
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve_device_defaults(cfg, big, layout, int(139.8 * GIB))[0].rollout.free_cache_engine is True
+    assert resolve_device_defaults(cfg, big, (need, 139.8))[0].rollout.free_cache_engine is True
+
+
+def test_the_trainer_asks_the_ledger_on_cuda_only(monkeypatch):
+    from types import SimpleNamespace
+
+    from shardrl.layout import derive_layout
+    from shardrl.memory import update_and_cache_gib
+    from shardrl.trainer.rl import RLTrainer
+
+    cfg = load_config(None, [])
+    trainer = RLTrainer.__new__(RLTrainer)
+    trainer.layout, trainer.rank = derive_layout(cfg, 1, 1), 0
+    trainer.device = torch.device("cpu")
+    assert trainer._memory_gib(cfg, QWEN2) is None
+    trainer.device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    assert trainer._memory_gib(cfg, QWEN2) == (update_and_cache_gib(cfg, trainer.layout, QWEN2), 80.0)
+    assert trainer._memory_gib(load_config(None, ["rollout.free_cache_engine=true"]), QWEN2) is None  # not asked
+    assert trainer._memory_gib(cfg, GPT2) is not None  # GPT-2's names: the ledger reads them too

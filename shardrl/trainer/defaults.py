@@ -22,15 +22,15 @@ KEEP_CACHE_FRACTION = 0.85
 peak plus the cache is at most this share of the GPU's memory (the ledger was within 15% of measured peaks)."""
 
 
-def resolve_device_defaults(cfg: Config, hf_config=None, layout=None,
-                            gpu_bytes: int | None = None) -> tuple[Config, list[str]]:
+def resolve_device_defaults(cfg: Config, hf_config=None,
+                            memory_gib: tuple[float, float] | None = None) -> tuple[Config, list[str]]:
     """A copy of `cfg` with the device-dependent nulls filled in, and one line per choice.
 
     On CUDA: `rollout.backend` = fast when the fast rollout supports the policy's `hf_config` (hf otherwise,
     or when `hf_config` is None). On CPU: hf. `<section>.engine.compile` = true on CUDA with FSDP2 for a policy of
-    `COMPILE_MIN_PARAMS` or more, false otherwise. `rollout.free_cache_engine`: true on CPU or without the
-    run's `layout` and the GPU's size (`gpu_bytes`), else false when the memory ledger's update peak plus the
-    rollout's cache fits in `KEEP_CACHE_FRACTION` of the GPU."""
+    `COMPILE_MIN_PARAMS` or more, false otherwise. `rollout.free_cache_engine`: false when `memory_gib` =
+    (the memory ledger's update peak plus the rollout's cache, the GPU's size; `memory.update_and_cache_gib`)
+    says the first is at most `KEEP_CACHE_FRACTION` of the second; true on CPU or without `memory_gib`."""
     cfg = copy.deepcopy(cfg)
     cuda = torch.cuda.is_available()
     where = "CUDA" if cuda else "CPU"
@@ -79,27 +79,20 @@ def resolve_device_defaults(cfg: Config, hf_config=None, layout=None,
             lines.append(f"{section}.engine.compile={str(engine.compile).lower()} (null: {why}; "
                          "see EngineConfig.compile)")
     if ro.free_cache_engine is None:
-        ro.free_cache_engine, why = _free_cache_default(cfg, hf_config, layout, gpu_bytes if cuda else None)
+        ro.free_cache_engine, why = _free_cache_default(memory_gib if cuda else None, cuda)
         lines.append(f"rollout.free_cache_engine={str(ro.free_cache_engine).lower()} (null: {why})")
     return cfg, lines
 
 
-def _free_cache_default(cfg: Config, hf_config, layout, gpu_bytes: int | None) -> tuple[bool, str]:
-    if gpu_bytes is None:
+def _free_cache_default(memory_gib: tuple[float, float] | None, cuda: bool) -> tuple[bool, str]:
+    if not cuda:
         return True, "not on CUDA"
-    if layout is None or hf_config is None:
+    if memory_gib is None:
         return True, "the run's memory is not known here"
-    from shardrl.memory import GIB, phase_ledger
-
-    try:
-        ledger = phase_ledger(cfg, layout, hf_config)
-    except (ValueError, AttributeError) as e:  # a config the ledger cannot read: the safe choice
-        return True, f"the memory ledger cannot size this model ({e})"
-    cache = sum(i["gib"] for i in ledger["phases"]["gen"]["items"] if i["name"] in ("KV cache", "sampler logits"))
-    need, room = ledger["phases"]["update"]["total_gib"] + cache, KEEP_CACHE_FRACTION * gpu_bytes / GIB
-    verdict = "fits in" if need <= room else "exceeds"
-    return need > room, (f"the ledger's update peak plus the rollout's cache, {need:.1f} GiB, {verdict} "
-                         f"{KEEP_CACHE_FRACTION:.0%} of the GPU's {gpu_bytes / GIB:.0f} GiB")
+    need, gpu = memory_gib
+    verdict = "fits in" if need <= KEEP_CACHE_FRACTION * gpu else "exceeds"
+    return need > KEEP_CACHE_FRACTION * gpu, (f"the ledger's update peak plus the rollout's cache, {need:.1f} GiB, "
+                                              f"{verdict} {KEEP_CACHE_FRACTION:.0%} of the GPU's {gpu:.0f} GiB")
 
 
 def old_log_probs_from_update(cfg: Config) -> tuple[bool, str]:

@@ -24,7 +24,8 @@ from shardrl.data import PromptLoader, collate_prompts, load_prompt_dataset
 from shardrl.distributed import ParallelDims
 from shardrl.engine import build_engine
 from shardrl.engine.model import DTYPES, load_hf_config, require_folder
-from shardrl.layout import derive_layout, format_layout
+from shardrl.layout import GIB, derive_layout, format_layout
+from shardrl.memory import update_and_cache_gib
 from shardrl.modelconfig import text_config
 from shardrl.rewards import RewardManager, load_reward_function
 from shardrl.rollout import SamplingParams, build_rollout
@@ -125,8 +126,8 @@ class RLTrainer:
         self.rewards = RewardManager(fn, cfg.reward.on_error_score)
         check_vocab_sizes(cfg, len(self.tokenizer))
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
-        gpu_bytes = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
-        cfg, choices = resolve_device_defaults(cfg, policy_config, self.layout, gpu_bytes)  # before config.yaml
+        cfg, choices = resolve_device_defaults(cfg, policy_config, self._memory_gib(cfg, policy_config))  # before
+        # config.yaml is written
         self.cfg = cfg
         self.old_from_update, why = old_log_probs_from_update(cfg)
         self._say("\n".join([*choices, f"old log-probs: {why}"]))
@@ -187,6 +188,18 @@ class RLTrainer:
         self.val_generations: list[dict] = []  # rank 0: the last validation's samples, for the logger
 
     # ---- helpers ----------------------------------------------------------------------------------
+    def _memory_gib(self, cfg: Config, hf_config) -> tuple[float, float] | None:
+        """(the ledger's update peak plus the rollout's cache, this GPU's size) in GiB; None on CPU or for a
+        model the ledger cannot size."""
+        if self.device.type != "cuda" or cfg.rollout.free_cache_engine is not None:
+            return None
+        try:
+            need = update_and_cache_gib(cfg, self.layout, hf_config)
+        except (ValueError, AttributeError, KeyError) as e:
+            self._say(f"the memory ledger cannot size this model ({e}); the rollout frees its cache for training")
+            return None
+        return need, torch.cuda.get_device_properties(self.device).total_memory / GIB
+
     def _say(self, text: str) -> None:
         if self.rank == 0:
             for line in text.splitlines():
