@@ -68,7 +68,8 @@ def plan_main(args: argparse.Namespace) -> int:
     from shardrl.config import load_config
     from shardrl.engine.model import load_hf_config
     from shardrl.layout import check_model_heads, derive_layout, format_layout
-    from shardrl.memory import fit_advice, format_phase_ledger, phase_ledger
+    from shardrl.memory import fit_advice, format_phase_ledger, phase_ledger, update_and_cache_gib
+    from shardrl.trainer.defaults import free_cache_choice
 
     cfg = load_config(args.config, args.overrides)
     nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
@@ -86,10 +87,14 @@ def plan_main(args: argparse.Namespace) -> int:
         except (ValueError, AttributeError) as e:  # a config without the usual decoder names
             skipped = str(e)
     advice = fit_advice(ledger, args.gpu_mem_gib) if ledger and args.gpu_mem_gib else []
+    keep_cache = None  # rollout.free_cache_engine left null on a GPU of --gpu-mem-gib: kept through the update?
+    if ledger and args.gpu_mem_gib and cfg.rollout.free_cache_engine is None:
+        free, why = free_cache_choice((update_and_cache_gib(ledger), args.gpu_mem_gib), cuda=True)
+        keep_cache = not free
     if args.json:
         print(json.dumps({**layout.to_dict(), "memory": ledger, "memory_skipped": skipped,
                           "fits": None if args.gpu_mem_gib is None or ledger is None else not advice,
-                          "advice": advice}))
+                          "advice": advice, "rollout_keeps_cache": keep_cache}))
     else:
         print(format_layout(layout))
         print()
@@ -97,6 +102,8 @@ def plan_main(args: argparse.Namespace) -> int:
         if ledger and args.gpu_mem_gib:
             print(f"\ndoes not fit {args.gpu_mem_gib:g} GiB:\n  " + "\n  ".join(advice) if advice
                   else f"\nfits {args.gpu_mem_gib:g} GiB (peak {ledger['peak_phase']} {ledger['peak_gib']:.1f} GiB)")
+        if keep_cache is not None:
+            print(f"rollout.free_cache_engine={str(not keep_cache).lower()} (null: {why})")
     return 1 if advice else 0
 
 

@@ -161,10 +161,9 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
             "not_counted": "CUDA context and allocator cache (nvidia-smi shows more), a reward model, CUDA graphs"}
 
 
-def update_and_cache_gib(cfg: Config, layout: Layout, hf_config) -> float:
-    """The update phase's GiB plus the rollout's KV cache and sampler logits: what the GPU holds when the
+def update_and_cache_gib(ledger: dict) -> float:
+    """A `phase_ledger`'s update GiB plus the rollout's KV cache and sampler logits: what the GPU holds when the
     rollout keeps its cache through the update (`rollout.free_cache_engine`)."""
-    ledger = phase_ledger(cfg, layout, hf_config)
     cache = sum(i["gib"] for i in ledger["phases"]["gen"]["items"] if i["name"] in ("KV cache", "sampler logits"))
     return ledger["phases"]["update"]["total_gib"] + cache
 

@@ -41,7 +41,8 @@ def test_plan_text_shows_the_derivation_and_ledger(capsys):
 
 def test_plan_says_what_to_change_when_a_phase_does_not_fit(capsys):
     assert main(["plan", TINY, "--gpu-mem-gib", "80"]) == 0
-    assert "fits 80 GiB" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fits 80 GiB" in out and "rollout.free_cache_engine=false (null: the ledger's update peak plus" in out
     big = TINY.replace("hidden_size: 64", "hidden_size: 4096").replace("intermediate_size: 128", "intermediate_size: 16384")
     args = ["plan", big, "data.max_prompt_length=2048", "actor.engine.use_dynamic_bsz=true",
             "actor.engine.max_token_len_per_gpu=65536", "--gpu-mem-gib", "24"]
@@ -51,7 +52,11 @@ def test_plan_says_what_to_change_when_a_phase_does_not_fit(capsys):
     assert "the largest term is activations" in out and "gradient_checkpointing=true" in out
     assert main(args + ["--json"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["fits"] is False and "activations" in out["advice"][0]
+    assert out["fits"] is False and "activations" in out["advice"][0] and out["rollout_keeps_cache"] is False
+    assert json.loads(capsys.readouterr().out if main(["plan", TINY, "--gpu-mem-gib", "80", "--json"]) == 0
+                      else "{}")["rollout_keeps_cache"] is True
+    assert main(["plan", TINY, "--gpu-mem-gib", "80", "rollout.free_cache_engine=true"]) == 0
+    assert "rollout.free_cache_engine" not in capsys.readouterr().out  # set: nothing to decide
 
 
 @pytest.mark.parametrize("argv, expected", [

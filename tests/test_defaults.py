@@ -113,7 +113,7 @@ def test_the_rollout_keeps_its_cache_through_the_update_when_the_ledger_says_it_
                              "data.max_prompt_length=256", "rollout.max_new_tokens=1024",
                              "actor.engine.use_dynamic_bsz=true", "actor.engine.max_token_len_per_gpu=16384"])
     layout = derive_layout(cfg, 1, 1)
-    need = update_and_cache_gib(cfg, layout, big)
+    need = update_and_cache_gib(phase_ledger(cfg, layout, big))
     phases = phase_ledger(cfg, layout, big)["phases"]
     kv = next(i["gib"] for i in phases["gen"]["items"] if i["name"] == "KV cache")
     assert kv == pytest.approx(512 * 1280 * 28 * 2 * 2 * 128 * 2 / 2**30)  # 17.5 GiB: 512 slots x 1280 positions
@@ -138,7 +138,7 @@ def test_the_trainer_asks_the_ledger_on_cuda_only(monkeypatch):
     from types import SimpleNamespace
 
     from shardrl.layout import derive_layout
-    from shardrl.memory import update_and_cache_gib
+    from shardrl.memory import phase_ledger, update_and_cache_gib
     from shardrl.trainer.rl import RLTrainer
 
     cfg = load_config(None, [])
@@ -148,6 +148,6 @@ def test_the_trainer_asks_the_ledger_on_cuda_only(monkeypatch):
     assert trainer._memory_gib(cfg, QWEN2) is None
     trainer.device = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
-    assert trainer._memory_gib(cfg, QWEN2) == (update_and_cache_gib(cfg, trainer.layout, QWEN2), 80.0)
+    assert trainer._memory_gib(cfg, QWEN2) == (update_and_cache_gib(phase_ledger(cfg, trainer.layout, QWEN2)), 80.0)
     assert trainer._memory_gib(load_config(None, ["rollout.free_cache_engine=true"]), QWEN2) is None  # not asked
     assert trainer._memory_gib(cfg, GPT2) is not None  # GPT-2's names: the ledger reads them too

@@ -79,12 +79,13 @@ def resolve_device_defaults(cfg: Config, hf_config=None,
             lines.append(f"{section}.engine.compile={str(engine.compile).lower()} (null: {why}; "
                          "see EngineConfig.compile)")
     if ro.free_cache_engine is None:
-        ro.free_cache_engine, why = _free_cache_default(memory_gib if cuda else None, cuda)
+        ro.free_cache_engine, why = free_cache_choice(memory_gib if cuda else None, cuda)
         lines.append(f"rollout.free_cache_engine={str(ro.free_cache_engine).lower()} (null: {why})")
     return cfg, lines
 
 
-def _free_cache_default(memory_gib: tuple[float, float] | None, cuda: bool) -> tuple[bool, str]:
+def free_cache_choice(memory_gib: tuple[float, float] | None, cuda: bool) -> tuple[bool, str]:
+    """`rollout.free_cache_engine` left null, and why: `memory_gib` as `resolve_device_defaults` takes it."""
     if not cuda:
         return True, "not on CUDA"
     if memory_gib is None:

@@ -25,7 +25,7 @@ from shardrl.distributed import ParallelDims
 from shardrl.engine import build_engine
 from shardrl.engine.model import DTYPES, load_hf_config, require_folder
 from shardrl.layout import GIB, derive_layout, format_layout
-from shardrl.memory import update_and_cache_gib
+from shardrl.memory import phase_ledger, update_and_cache_gib
 from shardrl.modelconfig import text_config
 from shardrl.rewards import RewardManager, load_reward_function
 from shardrl.rollout import SamplingParams, build_rollout
@@ -194,7 +194,7 @@ class RLTrainer:
         if self.device.type != "cuda" or cfg.rollout.free_cache_engine is not None:
             return None
         try:
-            need = update_and_cache_gib(cfg, self.layout, hf_config)
+            need = update_and_cache_gib(phase_ledger(cfg, self.layout, hf_config))
         except (ValueError, AttributeError, KeyError) as e:
             self._say(f"the memory ledger cannot size this model ({e}); the rollout frees its cache for training")
             return None
