@@ -365,8 +365,8 @@ class RolloutConfig:
     (top-k/top-p still sort in torch); auto = triton where the triton attention runs."""
     free_cache_engine: bool | None = None
     """CUDA, rollout and training on the same GPUs: free the rollout's KV cache and CUDA graphs while the
-    actor trains, and rebuild them before the next generation (about 0.1-0.2 s a step for a 1.5B model, and
-    the allocator's cached blocks go back to the driver with them). null: free them only when the memory
+    actor trains, and rebuild them before the next generation (0.2-0.4 s a step for a 1.5B model on an H200,
+    bench/RESULTS.md; the allocator's cached blocks go back to the driver with them). null: free them only when the memory
     ledger (`shardrl plan`) says that the update's peak plus the cache would not fit in 85% of the GPU."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools (off by default)."""

@@ -79,7 +79,7 @@ def resolve_device_defaults(cfg: Config, hf_config=None,
             lines.append(f"{section}.engine.compile={str(engine.compile).lower()} (null: {why}; "
                          "see EngineConfig.compile)")
     if ro.free_cache_engine is None:
-        ro.free_cache_engine, why = free_cache_choice(memory_gib if cuda else None, cuda)
+        ro.free_cache_engine, why = free_cache_choice(memory_gib, cuda)
         lines.append(f"rollout.free_cache_engine={str(ro.free_cache_engine).lower()} (null: {why})")
     return cfg, lines
 

@@ -126,8 +126,8 @@ class RLTrainer:
         self.rewards = RewardManager(fn, cfg.reward.on_error_score)
         check_vocab_sizes(cfg, len(self.tokenizer))
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
-        cfg, choices = resolve_device_defaults(cfg, policy_config, self._memory_gib(cfg, policy_config))  # before
-        # config.yaml is written
+        # before config.yaml is written
+        cfg, choices = resolve_device_defaults(cfg, policy_config, self._memory_gib(cfg, policy_config))
         self.cfg = cfg
         self.old_from_update, why = old_log_probs_from_update(cfg)
         self._say("\n".join([*choices, f"old log-probs: {why}"]))
