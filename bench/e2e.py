@@ -328,7 +328,9 @@ def floor(root: Path, case: str, cases: dict, response_lengths: list[int], gpus:
     c = transformers.AutoConfig.from_pretrained(root / f"model_{kind}")
     lens = torch.tensor(sorted(response_lengths, reverse=True), dtype=torch.float64)
     seq = lens + prompt_len
-    train_s = 3 * forward_flops(model_shape(c), seq) / (MEASURED_TFLOPS * 1e12) / gpus
+    # the head where a response token is scored (as the engine and generation run it; `shardrl.trainer.perf`)
+    train_s = 3 * forward_flops(model_shape(c), seq, lens) / (MEASURED_TFLOPS * 1e12) / gpus
+    train_all_s = 3 * forward_flops(model_shape(c), seq) / (MEASURED_TFLOPS * 1e12) / gpus  # sessions 4-6's
     dev, dtype = torch.device("cuda"), torch.bfloat16
     h, inter, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     kv = c.num_key_value_heads * (h // c.num_attention_heads)
@@ -375,6 +377,7 @@ def floor(root: Path, case: str, cases: dict, response_lengths: list[int], gpus:
         kv_s += float((prompt_len + t) * len(live)) * kv_bytes / HBM_BYTES_PER_S
     gen_s = prefill_s + decode_s + kv_s
     return dict(case=case, gpus=gpus, floor_train_s=round(train_s, 4), floor_gen_s=round(gen_s, 4),
+                floor_train_head_on_prompts_too_s=round(train_all_s, 4),
                 floor_gen_prefill_s=round(prefill_s, 4), floor_gen_decode_gemm_s=round(decode_s, 4),
                 floor_gen_kv_read_s=round(kv_s, 4), floor_s=round(train_s + gen_s, 4),
                 decode_step_gemm_ms={str(k): round(v, 4) for k, v in step_ms.items()})

@@ -56,6 +56,11 @@ ROWS = {
     "fsdp2_4_ragged_compile": ("fsdp2", 4, 4, False, {"ragged": True, "compile": True}),
     "fsdp2_4_ragged_padded_compile": ("fsdp2", 4, 4, False, {"ragged": True, "compile": True,
                                                              "model.use_remove_padding": False}),
+    # RL batches: the first half of each sequence a prompt, the second a response (`response_mask`), the loss
+    # on the response; the head scores the responses only (the engine's default for such a batch), or, in the
+    # `_fullhead` row, every token (the engine before it read `response_mask`; the same loss and gradients)
+    "fsdp2_rl_8_compile": ("fsdp2", 16, 8, False, {"compile": True, "rl": "responses"}),
+    "fsdp2_rl_8_fullhead_compile": ("fsdp2", 16, 8, False, {"compile": True, "rl": "all"}),
     "fsdp1_4": ("fsdp", 4, 4, False, {}),
     "fsdp1_16": ("fsdp", 16, 4, False, {}),
 }
@@ -117,9 +122,9 @@ def engine_step_fn(strategy: str, world: int, seqs: int, micro: int, ckpt: bool,
     from shardrl.config import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
 
-    ragged = extra.get("ragged", False)
+    ragged, rl = extra.get("ragged", False), extra.get("rl")
     model_kw = {k.split(".", 1)[1]: v for k, v in extra.items() if k.startswith("model.")}
-    engine_kw = {k: v for k, v in extra.items() if not k.startswith("model.") and k != "ragged"}
+    engine_kw = {k: v for k, v in extra.items() if not k.startswith("model.") and k not in ("ragged", "rl")}
     model_cfg = ModelConfig(tiny=QWEN2_1P5B, gradient_checkpointing=ckpt, **model_kw)
     engine_cfg = EngineConfig(strategy=strategy, param_dtype="bfloat16", micro_batch_size_per_gpu=micro, **engine_kw)
     engine = build_engine(model_cfg, engine_cfg, OptimConfig(lr=1e-5))
@@ -133,7 +138,12 @@ def engine_step_fn(strategy: str, world: int, seqs: int, micro: int, ckpt: bool,
         mask = ragged_mask(seqs) if ragged else torch.ones_like(ids)
         loss_mask = mask.clone()
         loss_mask[:, 0] = 0
-        engine.train_batch(Batch({"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}), loss_fn)
+        tensors = {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
+        if rl:
+            loss_mask[:, : SEQ_LEN // 2] = 0
+            if rl == "responses":
+                tensors["response_mask"] = mask[:, SEQ_LEN // 2:]
+        engine.train_batch(Batch(tensors), loss_fn)
 
     return step
 

@@ -20,6 +20,8 @@ Rows:
     fast_sdpa     as fast, attention="sdpa" (masked, over the first bucketed length)
     fast_eager    as fast, nothing compiled (the graphs replay eager kernels)
     fast_no_compact  as fast, without compaction (every step runs on all slots, finished ones too)
+    fast_halving  as fast, with session 6's compaction widths (the slots halved up to three times: 512, 256,
+                  128, 64) instead of steps of an eighth of the slots down to 32
     hf_dynamic    HF generate, DynamicCache (the reference backend's engine)
     hf_static     HF generate, cache_implementation="static" (HF compiles the forward itself)
 
@@ -126,7 +128,11 @@ def run_fast(row: str, hf_model, config, prompts, limits, batch, args, device, d
     from shardrl.rollout.base import SamplingParams
     from shardrl.rollout.fast import FastRollout
 
-    rollout = FastRollout(config, IdTokenizer(), device, dtype, micro_batch_size=batch, max_batch=batch,
+    class HalvingRollout(FastRollout):  # the baseline of `fast_halving`: session 6's widths
+        def _widths(self, num_slots):
+            return sorted({num_slots, *(w for k in (1, 2, 3) if (w := -(-num_slots // 2**k)) >= self.min_width)})
+
+    rollout = (HalvingRollout if row == "fast_halving" else FastRollout)(config, IdTokenizer(), device, dtype, micro_batch_size=batch, max_batch=batch,
                           compile=False if row == "fast_eager" else None, sync_every=args.sync_every,
                           seq_bucket=args.seq_bucket, attention="sdpa" if row == "fast_sdpa" else "auto",
                           sampler="torch" if row == "fast_torch_sampler" else "auto",
@@ -349,7 +355,7 @@ def main():
     hf_model.eval().requires_grad_(False)
     weight_bytes, kv_per_token = model_bytes(config, dtype)
     runners = {"fast": run_fast, "fast_sdpa": run_fast, "fast_eager": run_fast, "fast_torch_sampler": run_fast,
-               "fast_no_compact": run_fast,
+               "fast_no_compact": run_fast, "fast_halving": run_fast,
                "hf_dynamic": run_hf, "hf_static": run_hf}
     for case in args.cases.split(","):
         if case.startswith("greedy_"):

@@ -326,7 +326,7 @@ def test_errors_name_the_problem(tok):
 def test_cuda_graphs_match_the_reference(tok, attention, compile, min_width):
     """On a GPU in fp32: graph replays give HF's greedy tokens, the eager step's samples, and the same
     again after release/resume (which recaptures the graphs). Head dim 16: the Triton kernel's smallest.
-    min_width 1: the tail of each call compacts to 2 and 1 slots, each width with its own graphs."""
+    min_width 1: the tail of each call compacts to 3, 2 and 1 slots, each width with its own graphs."""
     model = reference_model(tok, seed=1, hidden_size=64)
     eos_tok = with_eos_at_different_steps(tok, model)
     ids, mask = encode(eos_tok)
@@ -471,3 +471,18 @@ def test_release_and_resume_cycles_hold_no_more_memory(tok):
         torch.cuda.synchronize()
         held.append(torch.cuda.memory_allocated())
     assert max(held[1:]) - min(held[1:]) < 2**20, held
+
+
+def test_compaction_widths_step_down_by_an_eighth_of_the_slots():
+    """The prefixes a decode step may run on: the slot count, then its eighths (multiples of 8 above 8 slots),
+    down to `min_width`; `width_step` overrides the step, and `min_width` at the slot count turns compaction off."""
+    def widths(num_slots, min_width=32, width_step=None):
+        rollout = object.__new__(FastRollout)
+        rollout.min_width, rollout.width_step = min_width, width_step
+        return rollout._widths(num_slots)
+
+    assert widths(512) == [32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert widths(100) == [32, 48, 64, 80, 96, 100]  # steps of 13 rounded up to 16
+    assert widths(8, min_width=1) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert widths(9, min_width=1, width_step=2) == [1, 2, 4, 6, 8, 9]
+    assert widths(32) == [32] and widths(20) == [20]  # no narrower prefix: no compaction

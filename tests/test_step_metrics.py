@@ -32,12 +32,12 @@ def test_model_shape_counts_the_matmul_parameters_by_hand():
     # qwen2 tiny: hidden 32, 4 heads of 8, 2 kv heads, MLP 64, 2 layers, vocab 101
     attention = 32 * 32 + 32 * 16 + 32 * 16 + 32 * 32  # q, k, v (2 kv heads x 8), o
     mlp = 3 * 32 * 64  # gate, up, down
-    assert model_shape(_hf_config("qwen2")) == ModelShape(2 * (attention + mlp) + 32 * 101, 2, 32)
+    assert model_shape(_hf_config("qwen2")) == ModelShape(2 * (attention + mlp) + 32 * 101, 2, 32, 32 * 101)
     assert model_shape(_hf_config("llama")).num_params == 2 * (attention + mlp) + 32 * 101  # tied head: a matmul
     assert model_shape(_hf_config("qwen2"), head_outputs=1).num_params == 2 * (attention + mlp) + 32  # value head
     # GPT-2: no GQA, a two-matrix MLP of 4 x hidden
     gpt2 = _gpt2_config()
-    assert model_shape(gpt2) == ModelShape(2 * (4 * 32 * 32 + 2 * 32 * 128) + 32 * 101, 2, 32)
+    assert model_shape(gpt2) == ModelShape(2 * (4 * 32 * 32 + 2 * 32 * 128) + 32 * 101, 2, 32, 32 * 101)
     # MoE: the routed experts (top 2 of 8) of 3 matrices each
     moe = SimpleNamespace(model_type="mixtral", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                           num_key_value_heads=4, intermediate_size=64, num_experts_per_tok=2, num_local_experts=8,
@@ -62,6 +62,12 @@ def test_forward_flops_by_hand_and_per_phase():
     assert rl_step_flops(lens, shape, 2, 2) == one * (1 + 2 + 6)
     critic = ModelShape(num_params=7, num_layers=1, attn_dim=4)
     assert rl_step_flops(lens, shape, 1, 1, critic, 3) == one * 5 + forward_flops(critic, lens) * 10
+    # the head (4 of the 10 parameters) only where a response token is scored: 1 and 2 of the 8 tokens
+    headed = ModelShape(num_params=10, num_layers=2, attn_dim=4, head_params=4)
+    scored = 2 * 6 * 8 + 2 * 4 * 3 + 4 * 2 * 4 * (6 + 15)
+    assert forward_flops(headed, lens, torch.tensor([1, 2])) == scored == 792
+    assert forward_flops(headed, lens) == one  # every token scored: as before
+    assert rl_step_flops(lens, headed, 1, 1, response_lens=torch.tensor([1, 2])) == scored * 5
 
 
 @pytest.mark.parametrize("name", ["qwen2", "llama", "gpt2"])
@@ -190,7 +196,10 @@ def test_two_process_run_logs_global_lengths_throughput_entropy_and_generations(
         assert r["prompt/length_mean"] == pytest.approx(float((seq_lens.float().mean() - everything.float().mean())))
         assert r["perf/total_num_tokens"] == float(seq_lens.sum())
         # generation + old log-probs (no ref: no KL) + 2 epochs of training
-        assert r["perf/step_tflop"] == pytest.approx(forward_flops(policy, seq_lens) * (1 + 1 + 6) / 1e12, rel=1e-9)
+        # the head at the response tokens only
+        assert r["perf/step_tflop"] == pytest.approx(forward_flops(policy, seq_lens, everything) * (1 + 1 + 6) / 1e12,
+                                                     rel=1e-9)
+        assert forward_flops(policy, seq_lens, everything) < forward_flops(policy, seq_lens)
         assert r["perf/tokens_per_s_per_gpu"] == pytest.approx(r["perf/total_num_tokens"] / r["timing/step_s"] / 2)
         assert r["perf/tflop_per_s_per_gpu"] == pytest.approx(r["perf/step_tflop"] / r["timing/step_s"] / 2)
         assert not any(k.startswith("memory/") or k.startswith("perf/mfu") for k in r)  # GPU only

@@ -204,9 +204,12 @@ class Engine(abc.ABC):
         return split_micro_batches(batch, micro_batch_size=self.cfg.micro_batch_size_per_gpu, dp_group=self.dp_group)
 
     def _forward(self, mb: Batch, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+        # an RL batch ([prompt | response] columns) is scored on its responses only: the prompts' log-probs
+        # are never read, and the vocabulary projection over them would be most of the head's work
+        score_from = mb["input_ids"].shape[1] - mb["response_mask"].shape[1] if "response_mask" in mb else None
         return self.module(
             mb["input_ids"], mb["attention_mask"], remove_padding=self.model_cfg.use_remove_padding,
-            temperature=temperature, with_entropy=with_entropy,
+            temperature=temperature, with_entropy=with_entropy, score_from=score_from,
         )
 
     def _placeholder(self, like: Batch) -> Batch:

@@ -201,9 +201,14 @@ class PolicyModel(nn.Module):
     """The Ulysses sequence-parallel group when sp > 1 (set by the engine); None otherwise."""
 
     def forward(self, input_ids, attention_mask, remove_padding: bool = True,
-                temperature: float = 1.0, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+                temperature: float = 1.0, with_entropy: bool = False,
+                score_from: int | None = None) -> dict[str, torch.Tensor]:
+        """`score_from`: the "lm" head scores only the tokens at columns >= score_from (the responses of an RL
+        batch, whose prompts fill the columns before), the others reading 0; None scores every token. The
+        output projection over the vocabulary then skips the prompts' positions: with 256-token prompts and
+        256-token responses that is half its work."""
         layout = packed_tokens if remove_padding else padded_tokens
-        tokens = layout(input_ids, attention_mask)
+        tokens = layout(input_ids, attention_mask, score_from if self.head == "lm" else None)
         varlen = self.lm.config._attn_implementation == ATTN_NAME
         if self.sp_group is not None:
             if not varlen:  # any other attention would see only this rank's piece of each sequence
@@ -237,8 +242,16 @@ class PolicyModel(nn.Module):
         run in chunks so the (tokens, vocab) logits never exist whole."""
         head = self.lm.get_output_embeddings()
         softcap = getattr(text_config(self.lm.config), "final_logit_softcapping", None)  # Gemma 2
-        logp, entropy = chunked_log_probs(hidden, head.weight, head.bias, tokens.targets, temperature,
-                                          self.chunk_size, with_entropy, softcap)  # (n_local,)
+        if tokens.needed is None or tokens.sp_group is not None:  # (under sp each rank holds a piece: all run)
+            logp, entropy = chunked_log_probs(hidden, head.weight, head.bias, tokens.targets, temperature,
+                                              self.chunk_size, with_entropy, softcap)  # (n_local,)
+        else:  # only the positions that predict a scored token; the rest read 0
+            idx = tokens.needed.nonzero().squeeze(-1)  # (n_needed,)
+            logp, entropy = chunked_log_probs(hidden[idx], head.weight, head.bias, tokens.targets[idx], temperature,
+                                              self.chunk_size, with_entropy, softcap)
+            n = hidden.shape[0]
+            logp = logp.new_zeros(n).index_put((idx,), logp)  # out of place: differentiable
+            entropy = None if entropy is None else entropy.new_zeros(n).index_put((idx,), entropy)
         outputs = {"log_probs": tokens.restore(shift_to_scored_token(tokens.whole(logp), tokens.seq_start))}
         if entropy is not None:
             outputs["entropy"] = tokens.restore(shift_to_scored_token(tokens.whole(entropy), tokens.seq_start))
@@ -267,6 +280,8 @@ class Tokens:
     """(N,) per position -> (B, T), zeros at padding."""
     sp_group: object = None
     """The Ulysses group the positions are split over; None when this rank holds all N."""
+    needed: torch.Tensor | None = None
+    """(N,) True at the positions whose next token is scored (`PolicyModel.forward`'s `score_from`); None: all."""
 
     def whole(self, per_position: torch.Tensor) -> torch.Tensor:
         """(n_local,) -> (N,)."""
@@ -275,25 +290,33 @@ class Tokens:
         return gather_seq(per_position, self.sp_group)[: self.seq_start.numel()]
 
 
-def packed_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Tokens:
-    """Padding removed: the real tokens of all rows in one row of N, positions restarting per sequence."""
+def packed_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, score_from: int | None = None) -> Tokens:
+    """Padding removed: the real tokens of all rows in one row of N, positions restarting per sequence.
+    `score_from`: see `PolicyModel.forward` (sets `Tokens.needed`)."""
     packed = pack(input_ids, attention_mask)
     ids, pos = packed.input_ids[0], packed.position_ids[0]  # (N,)
     seq_start = pos == 0
     # the last token of a sequence: the next one starts another, or the row ends
     ends = torch.cat([seq_start[1:], seq_start.new_ones(1)]).nonzero().squeeze(-1)  # (B,)
+    needed = None
+    if score_from is not None:
+        needed = _predicts_scored(_scored_columns(attention_mask, score_from).flatten()[packed.flat_index], seq_start)
     return Tokens(decoder_inputs=dict(input_ids=ids[None], position_ids=pos[None]), targets=F.pad(ids[1:], (0, 1)),
-                  seq_start=seq_start, ends=ends, restore=lambda x: unpack(x, packed))
+                  seq_start=seq_start, ends=ends, restore=lambda x: unpack(x, packed), needed=needed)
 
 
-def padded_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Tokens:
-    """The padded (B, T) batch as it is, with an attention mask; N = B*T."""
+def padded_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, score_from: int | None = None) -> Tokens:
+    """The padded (B, T) batch as it is, with an attention mask; N = B*T. `score_from`: as for `packed_tokens`."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
     shape, keep = input_ids.shape, attention_mask.float()
+    seq_start = position_ids.flatten() == 0
+    needed = None
+    if score_from is not None:
+        needed = _predicts_scored(_scored_columns(attention_mask, score_from).flatten(), seq_start)
     return Tokens(
         decoder_inputs=dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids),
-        targets=F.pad(input_ids.flatten()[1:], (0, 1)), seq_start=position_ids.flatten() == 0,
-        ends=_row_ends(attention_mask), restore=lambda x: x.view(shape) * keep.to(x.dtype))
+        targets=F.pad(input_ids.flatten()[1:], (0, 1)), seq_start=seq_start,
+        ends=_row_ends(attention_mask), restore=lambda x: x.view(shape) * keep.to(x.dtype), needed=needed)
 
 
 def split_sequence(tokens: Tokens, group) -> Tokens:
@@ -308,6 +331,18 @@ def split_sequence(tokens: Tokens, group) -> Tokens:
     local = slice(r * piece, (r + 1) * piece)
     inputs = dict(input_ids=ids_p[local][None], position_ids=pos_p[local][None], **attention_kwargs(pos_p[None], group))
     return dataclasses.replace(tokens, decoder_inputs=inputs, targets=targets_p[local], sp_group=group)
+
+
+def _predicts_scored(scored: torch.Tensor, seq_start: torch.Tensor) -> torch.Tensor:
+    """(N,) True at the positions whose next position is `scored` (N,) in the same sequence: the positions
+    whose output `shift_to_scored_token` moves onto a scored token."""
+    return F.pad(scored[1:] & ~seq_start[1:], (0, 1))
+
+
+def _scored_columns(attention_mask: torch.Tensor, score_from: int) -> torch.Tensor:
+    """(B, T) True at the real tokens at columns >= score_from."""
+    columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return attention_mask.bool() & (columns >= score_from)
 
 
 def _row_ends(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,10 @@ sync per token):
     sync     one device->host copy: finished slots (EOS, length limit, stop string) hand back their
              tokens and take waiting rows, so a batch of mixed lengths does not decode at the pace of its
              longest row
-    compact  when no row waits and the live rows fit in half the slots (or a quarter, an eighth), they
-             move to the first slots (K/V, tokens, counters: one indexed copy) and the steps run on that
-             prefix, so the tail of a batch of uneven lengths does not pay for its finished rows
+    compact  when no row waits and the live rows fit in a narrower prefix of the slots (the widths step down
+             by an eighth of the slots, to `min_width`), they move to the first slots (K/V, tokens,
+             counters: one indexed copy) and the steps run on that prefix, so the tail of a batch of uneven
+             lengths does not pay for its finished rows
 
 Attention in a step reads each slot's cache up to its own length (the Triton kernel, CUDA's default: one
 graph per sampling mode), or, with attention="sdpa", the first `seq_len` positions of every slot, `seq_len`
@@ -132,15 +133,17 @@ class FastRollout(Rollout):
     (`shardrl.rollout.sample_kernel`; greedy and plain sampling, top-k/top-p stay in torch), "torch" by
     `sample_tokens`; "auto" = triton where the Triton attention runs. `release_weights` makes `release()` move
     the weights to the CPU too. `min_width`: the narrowest slot prefix that decode steps compact to (module
-    docstring; the widths are the slot count halved up to three times, none below `min_width`; a width at
-    or above the slot count turns compaction off); each width has its own graphs."""
+    docstring; a width at or above the slot count turns compaction off); `width_step`: the step between the
+    widths, from the slot count down (default an eighth of the slots, a multiple of 8); each width has its
+    own graphs."""
 
     def __init__(self, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,
                  micro_batch_size: int = 64, max_batch: int | None = None, max_seq_len: int | None = None,
                  cuda_graphs: bool | None = None, compile: bool | None = None, sync_every: int = 16,
                  seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0,
-                 attention: str = "auto", sampler: str = "auto", min_width: int = 32):
+                 attention: str = "auto", sampler: str = "auto", min_width: int = 32, width_step: int | None = None):
         for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every), ("min_width", min_width),
+                            ("width_step", width_step or 1),
                             ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens),
                             ("max_batch", max_batch or 1), ("max_seq_len", max_seq_len or 1)):
             if value < 1:
@@ -154,7 +157,7 @@ class FastRollout(Rollout):
             raise ValueError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
         self.micro_batch_size, self.max_batch, self.max_seq_len = micro_batch_size, max_batch, max_seq_len
         self.sync_every, self.seq_bucket, self.prefill_tokens = sync_every, seq_bucket, prefill_tokens
-        self.release_weights, self.min_width = release_weights, min_width
+        self.release_weights, self.min_width, self.width_step = release_weights, min_width, width_step
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device")
@@ -490,13 +493,15 @@ class FastRollout(Rollout):
         return results
 
     def _widths(self, num_slots: int) -> list[int]:
-        """The slot prefixes a decode step may run on, narrowest first: num_slots halved (rounded up) up to
-        three times while not below `min_width`, and num_slots itself."""
-        widths = {num_slots}
-        for k in range(1, 4):
-            if (w := -(-num_slots // 2**k)) >= self.min_width:
-                widths.add(w)
-        return sorted(widths)
+        """The slot prefixes a decode step may run on, narrowest first: `min_width`, the multiples of
+        `width_step` above it, and num_slots. A step's cost grows with its width (the K/V it
+        reads, the logits it samples), so the finer the steps the less the tail pays for finished rows; each
+        width costs a graph capture."""
+        if self.min_width >= num_slots:
+            return [num_slots]
+        step = self.width_step or -(-num_slots // 8)  # an eighth of the slots; above 8, a multiple of 8
+        step = step if step <= 8 else -(-step // 8) * 8
+        return sorted({num_slots, *range(step * (-(-self.min_width // step)), num_slots, step), self.min_width})
 
     def _compact(self, width: int, slot_row: list[int], lengths: list[int], generated: list[int]) -> None:
         """Moves the rows decoding in slots >= `width` into the free slots below it: their K/V (the positions

@@ -10,6 +10,11 @@ where N is the number of parameters in matrix products per token (`model_shape`)
 = heads x head_dim (the width of QK^T and of attention x V). Summed over a sequence: 2*N*s + 2*L*d_attn*s*(s+1).
 A backward costs twice the forward, so a training pass costs 3x; generation costs one forward over the
 prompt and the response (a KV cache computes each token once).
+
+The output head is counted only where its result is read (`scored_lens`): in RL, at the positions that predict
+a response token. Generation reads the vocabulary's logits for each new token only, and the engine's forward
+projects only the response positions (`PolicyModel.forward`'s `score_from`); a prompt's own next-token
+probabilities are never needed, so counting them would credit work nobody has to do.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class ModelShape:
     num_layers: int
     attn_dim: int
     """num_attention_heads x head_dim: the width of the attention score and value products."""
+    head_params: int = 0
+    """The part of `num_params` in the output head (hidden x vocabulary, or hidden x 1 for a value head)."""
 
 
 def model_shape(hf_config, head_outputs: int | None = None) -> ModelShape:
@@ -69,22 +76,29 @@ def model_shape(hf_config, head_outputs: int | None = None) -> ModelShape:
     else:
         mlp = matrices * hidden * first("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)
     head = hidden * (first("vocab_size") if head_outputs is None else head_outputs)
-    return ModelShape(num_params=layers * (attention + mlp) + head, num_layers=layers, attn_dim=heads * head_dim)
+    return ModelShape(num_params=layers * (attention + mlp) + head, num_layers=layers, attn_dim=heads * head_dim,
+                      head_params=head)
 
 
-def forward_flops(shape: ModelShape, seq_lens: torch.Tensor) -> float:
-    """FLOPs of one forward over sequences of `seq_lens` real tokens each (causal attention included)."""
+def forward_flops(shape: ModelShape, seq_lens: torch.Tensor, scored_lens: torch.Tensor | None = None) -> float:
+    """FLOPs of one forward over sequences of `seq_lens` real tokens each (causal attention included), the
+    output head run at `scored_lens` positions of each (all of them when None)."""
     s = seq_lens.to(torch.float64)
-    return float(2 * shape.num_params * s.sum() + 2 * shape.num_layers * shape.attn_dim * (s * (s + 1)).sum())
+    head_tokens = s.sum() if scored_lens is None else scored_lens.to(torch.float64).sum()
+    body = shape.num_params - shape.head_params
+    return float(2 * body * s.sum() + 2 * shape.head_params * head_tokens
+                 + 2 * shape.num_layers * shape.attn_dim * (s * (s + 1)).sum())
 
 
 def rl_step_flops(seq_lens: torch.Tensor, policy: ModelShape, num_policy_forwards: int, actor_epochs: int,
-                  critic: ModelShape | None = None, critic_epochs: int = 0) -> float:
+                  critic: ModelShape | None = None, critic_epochs: int = 0,
+                  response_lens: torch.Tensor | None = None) -> float:
     """Model FLOPs of one RL step on sequences of `seq_lens` real tokens (prompt + response) each: generation
     (one policy forward), `num_policy_forwards` inference-only forwards of the policy's shape (old log-probs,
     reference), `actor_epochs` training passes (forward + backward, 3 forwards each); with a critic, its
-    value forward and `critic_epochs` training passes. A reward model's forward is not counted."""
-    total = forward_flops(policy, seq_lens) * (1 + num_policy_forwards + 3 * actor_epochs)
+    value forward and `critic_epochs` training passes. A reward model's forward is not counted. The policy's
+    head runs at `response_lens` positions of each sequence (every position when None)."""
+    total = forward_flops(policy, seq_lens, response_lens) * (1 + num_policy_forwards + 3 * actor_epochs)
     if critic is not None:
         total += forward_flops(critic, seq_lens) * (1 + 3 * critic_epochs)
     return total

@@ -214,15 +214,16 @@ class RLTrainer:
         torch.cuda.reset_peak_memory_stats(self.device)
         return peak
 
-    def _perf_metrics(self, seq_lens: torch.Tensor, peaks: dict) -> dict:
+    def _perf_metrics(self, seq_lens: torch.Tensor, response_lens: torch.Tensor, peaks: dict) -> dict:
         """This rank's part of the perf/ and memory/ metrics (`seq_lens`: real tokens per sample, prompt +
-        response; `peaks`: GiB per phase); `perf.throughput_metrics` makes the rates from the global sums."""
+        response; `response_lens`: the tokens the policy's head scores; `peaks`: GiB per phase);
+        `perf.throughput_metrics` makes the rates from the global sums."""
         out = {"perf/total_num_tokens": Sum(float(seq_lens.sum()))}
         if self.flop_shapes is not None:
             policy, critic = self.flop_shapes
             inference = int(not self.old_from_update) + int(self.ref is not None)  # old log-probs, reference
             flops = rl_step_flops(seq_lens, policy, inference, self.cfg.actor.ppo_epochs, critic,
-                                  self.cfg.critic.ppo_epochs)
+                                  self.cfg.critic.ppo_epochs, response_lens)
             out["perf/step_tflop"] = Sum(flops / 1e12)
         # the largest rank's (of this dp group; sp peers hold about as much)
         out.update({f"memory/{phase}_peak_gib": Max(gib) for phase, gib in peaks.items() if gib is not None})
@@ -365,7 +366,7 @@ class RLTrainer:
             "response/length_max": Max(float(lengths.max())),
             "response/length_min": Min(float(lengths.min())),
             "prompt/length_mean": SumCount(float((seq_lens - lengths).sum()), n),
-            **self._perf_metrics(seq_lens, peaks),
+            **self._perf_metrics(seq_lens, lengths, peaks),
             "response/clip_frac": SumCount(float((lengths >= self.sampling.max_new_tokens).sum()), n),
             "timing/gen_s": t_gen - t0,
             "timing/prep_s": t_prep - t_gen,
