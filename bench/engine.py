@@ -61,6 +61,10 @@ ROWS = {
     # `_fullhead` row, every token (the engine before it read `response_mask`; the same loss and gradients)
     "fsdp2_rl_8_compile": ("fsdp2", 16, 8, False, {"compile": True, "rl": "responses"}),
     "fsdp2_rl_8_fullhead_compile": ("fsdp2", 16, 8, False, {"compile": True, "rl": "all"}),
+    # bench/e2e.py's var_512 update: 512 prompts of 256 tokens, responses ending with probability 1/400 a token
+    # (cut at 1024), dynamic micro-batches of up to 16384 tokens
+    "fsdp2_rlvar_compile": ("fsdp2", 512, 1, False, {"compile": True, "rl": "var", "use_dynamic_bsz": True,
+                                                      "max_token_len_per_gpu": 16384}),
     "fsdp1_4": ("fsdp", 4, 4, False, {}),
     "fsdp1_16": ("fsdp", 16, 4, False, {}),
 }
@@ -134,6 +138,8 @@ def engine_step_fn(strategy: str, world: int, seqs: int, micro: int, ckpt: bool,
         return -(outputs["log_probs"] * mb["loss_mask"]).sum() / num_tokens, {}
 
     def step():
+        if rl == "var":
+            return engine.train_batch(var_batch(seqs), loss_fn)
         ids = torch.randint(0, QWEN2_1P5B["vocab_size"], (seqs, SEQ_LEN), device="cuda", generator=g)
         mask = ragged_mask(seqs) if ragged else torch.ones_like(ids)
         loss_mask = mask.clone()
@@ -146,6 +152,21 @@ def engine_step_fn(strategy: str, world: int, seqs: int, micro: int, ckpt: bool,
         engine.train_batch(Batch(tensors), loss_fn)
 
     return step
+
+
+def var_batch(seqs: int, prompt: int = 256, new: int = 1024):
+    """`seqs` RL samples as bench/e2e.py's var_512 makes them: a prompt of `prompt` tokens, then a response
+    that ends with probability 1/400 at each token, cut at `new` (the same lengths every call)."""
+    from shardrl.batch import Batch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = (torch.empty(seqs).exponential_(1 / 400, generator=g).long() + 1).clamp(max=new)
+    ids = torch.randint(0, QWEN2_1P5B["vocab_size"], (seqs, prompt + new), generator=g)
+    response_mask = (torch.arange(new)[None] < lengths[:, None]).long()
+    mask = torch.cat([torch.ones(seqs, prompt, dtype=torch.long), response_mask], 1)
+    loss_mask = torch.cat([torch.zeros(seqs, prompt, dtype=torch.long), response_mask], 1)
+    return Batch({"input_ids": ids * mask, "attention_mask": mask, "loss_mask": loss_mask,
+                  "response_mask": response_mask}).to("cuda")
 
 
 def run_row(name: str, world: int, warmup: int, steps: int):
@@ -169,7 +190,8 @@ def run_row(name: str, world: int, warmup: int, steps: int):
         step()
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    real_per_step = int(ragged_mask(per_rank).sum()) if extra.get("ragged") else per_rank * SEQ_LEN
+    real_per_step = (int(ragged_mask(per_rank).sum()) if extra.get("ragged") else
+                     int(var_batch(per_rank)["attention_mask"].sum()) if extra.get("rl") == "var" else per_rank * SEQ_LEN)
     tokens = real_per_step * steps * world  # real (unpadded) tokens
     tok_s = tokens / elapsed
     tflops = tok_s * model_flops_per_token(QWEN2_1P5B, SEQ_LEN) / 1e12 / world

@@ -181,14 +181,13 @@ phase_s8_tools() {  # issue 19: the tools example on the GPU (the GGUF's two par
 }
 
 # session 7 (one H200): the head on the responses only (engine A/B), compaction in steps of an eighth (A/B against
-# session 6's halving), where a var_512 step's GPU time goes (profile), then issue 14's cases again
+# session 6's halving), then issue 14's cases again
 phase_s9_tests() { limit 300 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_rollout_fast.py \
     tests/test_logprob.py tests/test_attention.py; }
 phase_s9_engine() { limit 300 python3 bench/engine.py --world 1 --steps 4 --out $RES \
     --rows "${S9_ENGINE_ROWS:-fsdp2_rl_8_fullhead_compile,fsdp2_rl_8_compile}"; }
+phase_s9_profile() { limit 300 python3 bench/profile_step.py --rows "${S9_PROFILE_ROWS:-fsdp2_rl_8_compile,fsdp2_rlvar_compile}"; }
 phase_s9_rollout() { limit 240 python3 bench/rollout.py --cases tail_512 --rows fast_halving,fast --out $RES; }
-phase_s9_profile() { limit 300 python3 bench/profile_e2e.py --root /tmp/e2e --case "${S9_PROFILE_CASE:-var_512}" \
-    --steps 4 --out $RES; }
 phase_s9_e2e() { limit 560 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 --steps 5 \
     --cases "${S9_E2E_CASES:-fixed_64,fixed_512,var_512}" --out $RES; }
 

@@ -10,11 +10,27 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.engine import ROWS, engine_step_fn, plain_step_fn  # noqa: E402
+
+
+KINDS = (  # (kind, substrings of a kernel's name), the first match wins
+    ("attention", ("flash", "fmha", "attn", "attention")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("nccl", ("nccl",)),
+    ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),
+    ("triton", ("triton",)),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
 def profile_rows(names, world: int):
@@ -28,11 +44,22 @@ def profile_rows(names, world: int):
         for _ in range(3):
             step()
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
         if dist.get_rank() == 0:
-            print(f"==== {name} on {world} GPU(s)")
+            kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+            busy = sum(e.self_device_time_total for e in kernels) / 1e6
+            print(f"==== {name} on {world} GPU(s): step {wall:.3f} s (profiled), kernels {busy:.3f} s "
+                  f"({busy / wall:.0%} of it)")
+            by_kind = {}
+            for e in kernels:
+                kind = kind_of(e.key)
+                by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1e6
+            print("kernel seconds by kind: " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                          sorted(by_kind.items(), key=lambda kv: -kv[1])))
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
         del step
         torch.cuda.empty_cache()
