@@ -65,6 +65,11 @@ ROWS = {
     # (cut at 1024), dynamic micro-batches of up to 16384 tokens
     "fsdp2_rlvar_compile": ("fsdp2", 512, 1, False, {"compile": True, "rl": "var", "use_dynamic_bsz": True,
                                                       "max_token_len_per_gpu": 16384}),
+    # the same, the gradients reduced (and params resharded) after every micro-batch: the engine before
+    # accumulate_unsharded (which one GPU now resolves to on)
+    "fsdp2_rlvar_sync_compile": ("fsdp2", 512, 1, False, {"compile": True, "rl": "var", "use_dynamic_bsz": True,
+                                                           "max_token_len_per_gpu": 16384,
+                                                           "accumulate_unsharded": False}),
     "fsdp1_4": ("fsdp", 4, 4, False, {}),
     "fsdp1_16": ("fsdp", 16, 4, False, {}),
 }

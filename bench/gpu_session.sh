@@ -188,6 +188,8 @@ phase_s9_engine() { limit 300 python3 bench/engine.py --world 1 --steps 4 --out 
     --rows "${S9_ENGINE_ROWS:-fsdp2_rl_8_fullhead_compile,fsdp2_rl_8_compile}"; }
 phase_s9_profile() { limit 300 python3 bench/profile_step.py --rows "${S9_PROFILE_ROWS:-fsdp2_rl_8_compile,fsdp2_rlvar_compile}"; }
 phase_s9_rollout() { limit 240 python3 bench/rollout.py --cases tail_512 --rows fast_halving,fast --out $RES; }
+phase_s9_accum() { limit 200 python3 bench/engine.py --world 1 --warmup 2 --steps 2 --out $RES \
+    --rows fsdp2_rlvar_sync_compile,fsdp2_rlvar_compile; }
 phase_s9_e2e() { limit 560 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 --steps 5 \
     --cases "${S9_E2E_CASES:-fixed_64,fixed_512,var_512}" --out $RES; }
 

@@ -125,6 +125,13 @@ class EngineConfig:
     """Free gathered params after forward (ZeRO-3); False keeps them until backward (ZeRO-2): no re-gather in
     backward, for one layer-set of gathered params more memory. On 2 H200s with compile, ZeRO-2 trained the
     1.5B shape 1.29x faster, at the one-GPU rate per GPU (bench/RESULTS.md, session 5)."""
+    accumulate_unsharded: bool | None = None
+    """FSDP2: over a mini-batch's micro-batches, keep the params gathered and accumulate the gradients unsharded
+    (in `reduce_dtype`), reducing them once, after the last micro-batch. Saves per micro-batch a gather (two with
+    `reshard_after_forward`) and a gradient reduction, at the memory of the whole model in `param_dtype` (and,
+    with shards of several ranks, a whole gradient) on every GPU. null = on where a shard is the whole model
+    (one GPU, or HSDP with fsdp_size=1) and params are not offloaded: there sharding saves no memory, and the
+    gathers and reductions are copies (or, with HSDP, all-reduces) per micro-batch."""
     param_dtype: Dtype = "bfloat16"
     """Dtype of the gathered params the forward/backward compute in."""
     reduce_dtype: Dtype = "float32"
@@ -157,6 +164,13 @@ class EngineConfig:
     off for smaller models (the built-in demo with compiled engines, dynamic micro-batch shapes, finished no
     step within 150 s on a cold H200) and on CPU. An engine built directly (tests, bench/) treats null as off."""
 
+    def accumulates_unsharded(self, shard_size: int) -> bool:
+        """`accumulate_unsharded` resolved for shards of `shard_size` ranks (null: on where a shard holds the
+        whole model and the params stay on the GPU; FSDP2 only)."""
+        if self.accumulate_unsharded is not None:
+            return self.accumulate_unsharded
+        return self.strategy == "fsdp2" and shard_size == 1 and not self.offload_params
+
     @staticmethod
     def moved_key(name: str, prefix: str) -> str | None:
         """Where a key that used to sit in this section lives now (read by the loader), or None."""
@@ -183,6 +197,11 @@ class EngineConfig:
         require(self, prefix, "offload_params", not (self.offload_params and self.strategy == "fsdp"),
                 "is supported with strategy=fsdp2 only (FSDP1's CPU offload gave wrong gradients on GPU); "
                 "use strategy=fsdp2, or offload_optimizer=true with FSDP1")
+        require(self, prefix, "accumulate_unsharded", not (self.accumulate_unsharded and self.strategy == "fsdp"),
+                "is implemented for strategy=fsdp2 only; leave it null (or false) with FSDP1")
+        require(self, prefix, "accumulate_unsharded", not (self.accumulate_unsharded and self.offload_params),
+                "keeps the whole model gathered on the GPU, which offload_params=true exists to avoid; set one of "
+                "them false (or leave accumulate_unsharded null)")
 
 
 def _validate_ppo_loop(section: Any, prefix: str) -> None:

@@ -138,13 +138,16 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
         act_how = f"{tokens} tokens x {layers} layers x {per_tok} B ({formula})"
     how_tokens = "max_token_len_per_gpu" if actor.use_dynamic_bsz else "micro_batch_size_per_gpu x sequence"
     unit = numbers["largest_unit"]
+    kept = actor.accumulates_unsharded(shard)  # params gathered over the micro-batches
+    per_unit = actor.reshard_after_forward and not kept
+    whole_why = "accumulate_unsharded: gathered over the micro-batches" if kept else "reshard_after_forward=false"
     update = [
         ("actor grads", 0 if actor.offload_params else p * master / shard,
          "on CPU (offload_params)" if actor.offload_params else f"{p / 1e9:.3f}B x {master} B / {shard}"),
         ("activations", act, f"{act_how}; tokens: {how_tokens}"),
-        ("unsharded params", (2 * unit if actor.reshard_after_forward else p) * compute,
-         f"2 units of {unit / 1e6:.0f}M (one prefetched) x {compute} B" if actor.reshard_after_forward
-         else f"the whole model x {compute} B (reshard_after_forward=false)"),
+        ("unsharded params", (2 * unit if per_unit else p) * compute,
+         f"2 units of {unit / 1e6:.0f}M (one prefetched) x {compute} B" if per_unit
+         else f"the whole model x {compute} B ({whole_why})"),
         ("logits chunk", chunk * vocab * (compute + 4 + 4),
          f"{chunk} tokens x {vocab} x ({compute} + 4 + 4) B (logits, log-softmax, its grad)"),
     ]

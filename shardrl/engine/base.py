@@ -203,6 +203,10 @@ class Engine(abc.ABC):
             return split_micro_batches(batch, max_token_len=budget, dp_group=self.dp_group)
         return split_micro_batches(batch, micro_batch_size=self.cfg.micro_batch_size_per_gpu, dp_group=self.dp_group)
 
+    def _before_micro_batch(self, last: bool) -> None:
+        """Called before each micro-batch of `train_batch` (`last`: the mini-batch's last); a backend that can
+        defer the gradient reduction to the last one does so here."""
+
     def _forward(self, mb: Batch, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
         # an RL batch ([prompt | response] columns) is scored on its responses only: the prompts' log-probs
         # are never read, and the vocabulary projection over them would be most of the head's work
@@ -241,9 +245,10 @@ class Engine(abc.ABC):
         # sums and counts stay on the device until the step ends: no host sync per micro-batch
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         loss_sum, sums, counts = zero, {}, {}
-        for mb in micro_batches:
+        for i, mb in enumerate(micro_batches):
             real = len(mb) > 0
             mb = mb if real else self._placeholder(batch)
+            self._before_micro_batch(last=i == len(micro_batches) - 1)
             outputs = self._forward(mb, temperature, with_entropy)
             loss, metrics = loss_fn(outputs, mb, num_tokens.to(self.device), num_seqs.to(self.device))
             if not real:

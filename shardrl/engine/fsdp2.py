@@ -61,15 +61,17 @@ class FSDP2Engine(Engine):
         )
         # pinned host memory speeds up copies to a GPU; without one there is nothing to pin
         offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if cfg.offload_params else OffloadPolicy()
-        kwargs = dict(mesh=self.mesh.fsdp_mesh, reshard_after_forward=cfg.reshard_after_forward,
-                      mp_policy=mp, offload_policy=offload)
+        self._accumulate_unsharded = cfg.accumulates_unsharded(self.mesh.fsdp_size)
+        # params that stay gathered over the micro-batches are not freed between forward and backward either
+        reshard = cfg.reshard_after_forward and not self._accumulate_unsharded
+        kwargs = dict(mesh=self.mesh.fsdp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
         blocks = decoder_blocks(module.lm)
         for i, block in enumerate(blocks):
             if cfg.compile:
                 block.compile()
             # the last block's parameters are needed again first thing in backward: keep them gathered
             last = i == len(blocks) - 1
-            fully_shard(block, **{**kwargs, "reshard_after_forward": cfg.reshard_after_forward and not last})
+            fully_shard(block, **{**kwargs, "reshard_after_forward": reshard and not last})
         fully_shard(module, **kwargs)
         self._num_units = len(blocks) + 1
         if cfg.forward_prefetch:
@@ -87,6 +89,13 @@ class FSDP2Engine(Engine):
 
     def num_fsdp_units(self) -> int:
         return self._num_units
+
+    def _before_micro_batch(self, last: bool) -> None:
+        """With `accumulate_unsharded`: the gradients are reduced, and the params resharded (so that the next
+        forward gathers the stepped ones), in the last micro-batch's backward only."""
+        if self._accumulate_unsharded:
+            self.module.set_requires_gradient_sync(last)
+            self.module.set_reshard_after_backward(last)
 
     def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = [p for p in self.module.parameters() if p.grad is not None]
