@@ -485,4 +485,5 @@ def test_compaction_widths_step_down_by_an_eighth_of_the_slots():
     assert widths(100) == [32, 48, 64, 80, 96, 100]  # steps of 13 rounded up to 16
     assert widths(8, min_width=1) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert widths(9, min_width=1, width_step=2) == [1, 2, 4, 6, 8, 9]
+    assert widths(64, width_step=12) == [32, 36, 48, 60, 64]  # a step given is taken as it is
     assert widths(32) == [32] and widths(20) == [20]  # no narrower prefix: no compaction

@@ -143,7 +143,7 @@ class FastRollout(Rollout):
                  seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0,
                  attention: str = "auto", sampler: str = "auto", min_width: int = 32, width_step: int | None = None):
         for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every), ("min_width", min_width),
-                            ("width_step", width_step or 1),
+                            ("width_step", 1 if width_step is None else width_step),
                             ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens),
                             ("max_batch", max_batch or 1), ("max_seq_len", max_seq_len or 1)):
             if value < 1:
@@ -494,13 +494,15 @@ class FastRollout(Rollout):
 
     def _widths(self, num_slots: int) -> list[int]:
         """The slot prefixes a decode step may run on, narrowest first: `min_width`, the multiples of
-        `width_step` above it, and num_slots. A step's cost grows with its width (the K/V it
-        reads, the logits it samples), so the finer the steps the less the tail pays for finished rows; each
-        width costs a graph capture."""
+        `width_step` above it, and num_slots. A step's cost grows with its width (the K/V it reads, the logits it
+        samples), so the finer the steps the less the tail pays for finished rows; each width costs a graph
+        capture."""
         if self.min_width >= num_slots:
             return [num_slots]
-        step = self.width_step or -(-num_slots // 8)  # an eighth of the slots; above 8, a multiple of 8
-        step = step if step <= 8 else -(-step // 8) * 8
+        step = self.width_step
+        if step is None:  # an eighth of the slots; above 8, rounded up to a multiple of 8
+            step = -(-num_slots // 8)
+            step = step if step <= 8 else -(-step // 8) * 8
         return sorted({num_slots, *range(step * (-(-self.min_width // step)), num_slots, step), self.min_width})
 
     def _compact(self, width: int, slot_row: list[int], lengths: list[int], generated: list[int]) -> None:
