@@ -195,8 +195,12 @@ def run_row(name: str, world: int, warmup: int, steps: int):
         step()
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    real_per_step = (int(ragged_mask(per_rank).sum()) if extra.get("ragged") else
-                     int(var_batch(per_rank)["attention_mask"].sum()) if extra.get("rl") == "var" else per_rank * SEQ_LEN)
+    if extra.get("ragged"):
+        real_per_step = int(ragged_mask(per_rank).sum())
+    elif extra.get("rl") == "var":
+        real_per_step = int(var_batch(per_rank)["attention_mask"].sum())
+    else:
+        real_per_step = per_rank * SEQ_LEN
     tokens = real_per_step * steps * world  # real (unpadded) tokens
     tok_s = tokens / elapsed
     tflops = tok_s * model_flops_per_token(QWEN2_1P5B, SEQ_LEN) / 1e12 / world

@@ -186,7 +186,8 @@ phase_s9_tests() { limit 300 python3 -m pytest -q -p no:cacheprovider -m cuda -W
     tests/test_logprob.py tests/test_attention.py; }
 phase_s9_engine() { limit 300 python3 bench/engine.py --world 1 --steps 4 --out $RES \
     --rows "${S9_ENGINE_ROWS:-fsdp2_rl_8_fullhead_compile,fsdp2_rl_8_compile}"; }
-phase_s9_profile() { limit 300 python3 bench/profile_step.py --rows "${S9_PROFILE_ROWS:-fsdp2_rl_8_compile,fsdp2_rlvar_compile}"; }
+phase_s9_profile() { limit 300 python3 bench/profile_step.py \
+    --rows "${S9_PROFILE_ROWS:-fsdp2_rl_8_compile,fsdp2_rlvar_compile}"; }
 phase_s9_rollout() { limit 240 python3 bench/rollout.py --cases tail_512 --rows fast_halving,fast --out $RES; }
 phase_s9_accum() { limit 200 python3 bench/engine.py --world 1 --warmup 2 --steps 2 --out $RES \
     --rows fsdp2_rlvar_sync_compile,fsdp2_rlvar_compile; }

@@ -132,11 +132,12 @@ def run_fast(row: str, hf_model, config, prompts, limits, batch, args, device, d
         def _widths(self, num_slots):
             return sorted({num_slots, *(w for k in (1, 2, 3) if (w := -(-num_slots // 2**k)) >= self.min_width)})
 
-    rollout = (HalvingRollout if row == "fast_halving" else FastRollout)(config, IdTokenizer(), device, dtype, micro_batch_size=batch, max_batch=batch,
-                          compile=False if row == "fast_eager" else None, sync_every=args.sync_every,
-                          seq_bucket=args.seq_bucket, attention="sdpa" if row == "fast_sdpa" else "auto",
-                          sampler="torch" if row == "fast_torch_sampler" else "auto",
-                          min_width=10**9 if row == "fast_no_compact" else 32)
+    cls = HalvingRollout if row == "fast_halving" else FastRollout
+    rollout = cls(config, IdTokenizer(), device, dtype, micro_batch_size=batch, max_batch=batch,
+                  compile=False if row == "fast_eager" else None, sync_every=args.sync_every,
+                  seq_bucket=args.seq_bucket, attention="sdpa" if row == "fast_sdpa" else "auto",
+                  sampler="torch" if row == "fast_torch_sampler" else "auto",
+                  min_width=10**9 if row == "fast_no_compact" else 32)
     _, load_s = timed(lambda: rollout.load_weights(hf_model.named_parameters()), device)
     ids, mask = prompts.to(device), torch.ones_like(prompts, device=device)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=int(limits.max()), seed=0)

@@ -67,7 +67,8 @@ def test_the_head_runs_on_response_predicting_positions_only(remove_padding, mon
     ids, mask, response_mask = rl_batch()
     rows = []
     plain = model_mod.chunked_log_probs
-    monkeypatch.setattr(model_mod, "chunked_log_probs", lambda hidden, *a: rows.append(hidden.shape[0]) or plain(hidden, *a))
+    monkeypatch.setattr(model_mod, "chunked_log_probs",
+                        lambda hidden, *a: rows.append(hidden.shape[0]) or plain(hidden, *a))
     with torch.no_grad():
         policy()(ids, mask, remove_padding=remove_padding, score_from=P)
         policy()(ids, mask, remove_padding=remove_padding)
@@ -88,7 +89,8 @@ def _engine_scores(_=None):
     try:
         engine = build_engine(ModelConfig(tiny={**TINY_MODELS["qwen2"], "vocab_size": V}),
                               EngineConfig(param_dtype="float32", micro_batch_size_per_gpu=4))
-        with_resp = engine.infer_batch(Batch({"input_ids": ids, "attention_mask": mask, "response_mask": response_mask}))
+        rl = Batch({"input_ids": ids, "attention_mask": mask, "response_mask": response_mask})
+        with_resp = engine.infer_batch(rl)
         whole = engine.infer_batch(Batch({"input_ids": ids, "attention_mask": mask}))
     finally:
         PolicyModel.forward = plain

@@ -1,7 +1,8 @@
 """FSDP2 backend: `fully_shard` on every decoder block, then on the root (the PolicyModel).
 
 Parameters become DTensors sharded on dim 0 over the `fsdp` mesh axis (and replicated over `ddp` for
-HSDP). `reshard_after_forward=False` keeps gathered parameters until backward: ZeRO-2.
+HSDP). `reshard_after_forward=False` keeps gathered parameters until backward: ZeRO-2. `accumulate_unsharded`
+keeps them gathered over a mini-batch's micro-batches and reduces the gradients once, after the last.
 """
 
 from __future__ import annotations
