@@ -70,6 +70,19 @@ ROWS = {
     "fsdp2_rlvar_sync_compile": ("fsdp2", 512, 1, False, {"compile": True, "rl": "var", "use_dynamic_bsz": True,
                                                            "max_token_len_per_gpu": 16384,
                                                            "accumulate_unsharded": False}),
+    # bench/e2e.py's fixed_512 update: 512 samples of 256 + 256 tokens, dynamic micro-batches of 16384 tokens
+    "fsdp2_rlfixed_compile": ("fsdp2", 512, 1, False, {"compile": True, "rl": "fixed", "use_dynamic_bsz": True,
+                                                        "max_token_len_per_gpu": 16384}),
+    # var_512's update as bench/e2e.py runs it: the entropy computed too (`actor/entropy`); the head's passes over
+    # the logits as Triton kernels (the default) or as compiled torch (`head_compiled`, the engine before them);
+    # micro-batches of up to 32768 tokens (`_32k`)
+    "fsdp2_rlvar_ent_compile": ("fsdp2", 512, 1, False, {"compile": True, "rl": "var", "use_dynamic_bsz": True,
+                                                          "max_token_len_per_gpu": 16384, "entropy": True}),
+    "fsdp2_rlvar_ent_headcompiled_compile": ("fsdp2", 512, 1, False, {
+        "compile": True, "rl": "var", "use_dynamic_bsz": True, "max_token_len_per_gpu": 16384, "entropy": True,
+        "head_compiled": True}),
+    "fsdp2_rlvar_ent_32k_compile": ("fsdp2", 512, 1, False, {"compile": True, "rl": "var", "use_dynamic_bsz": True,
+                                                              "max_token_len_per_gpu": 32768, "entropy": True}),
     "fsdp1_4": ("fsdp", 4, 4, False, {}),
     "fsdp1_16": ("fsdp", 16, 4, False, {}),
 }
@@ -131,9 +144,13 @@ def engine_step_fn(strategy: str, world: int, seqs: int, micro: int, ckpt: bool,
     from shardrl.config import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
 
-    ragged, rl = extra.get("ragged", False), extra.get("rl")
+    import shardrl.engine.logprob as logprob
+
+    ragged, rl, entropy = extra.get("ragged", False), extra.get("rl"), extra.get("entropy", False)
+    logprob.TRITON_HEAD = not extra.get("head_compiled", False)
     model_kw = {k.split(".", 1)[1]: v for k, v in extra.items() if k.startswith("model.")}
-    engine_kw = {k: v for k, v in extra.items() if not k.startswith("model.") and k not in ("ragged", "rl")}
+    engine_kw = {k: v for k, v in extra.items()
+                 if not k.startswith("model.") and k not in ("ragged", "rl", "entropy", "head_compiled")}
     model_cfg = ModelConfig(tiny=QWEN2_1P5B, gradient_checkpointing=ckpt, **model_kw)
     engine_cfg = EngineConfig(strategy=strategy, param_dtype="bfloat16", micro_batch_size_per_gpu=micro, **engine_kw)
     engine = build_engine(model_cfg, engine_cfg, OptimConfig(lr=1e-5))
@@ -144,7 +161,9 @@ def engine_step_fn(strategy: str, world: int, seqs: int, micro: int, ckpt: bool,
 
     def step():
         if rl == "var":
-            return engine.train_batch(var_batch(seqs), loss_fn)
+            return engine.train_batch(var_batch(seqs), loss_fn, with_entropy=entropy)
+        if rl == "fixed":
+            return engine.train_batch(var_batch(seqs, new=256, fixed=True), loss_fn)
         ids = torch.randint(0, QWEN2_1P5B["vocab_size"], (seqs, SEQ_LEN), device="cuda", generator=g)
         mask = ragged_mask(seqs) if ragged else torch.ones_like(ids)
         loss_mask = mask.clone()
@@ -159,13 +178,16 @@ def engine_step_fn(strategy: str, world: int, seqs: int, micro: int, ckpt: bool,
     return step
 
 
-def var_batch(seqs: int, prompt: int = 256, new: int = 1024):
+def var_batch(seqs: int, prompt: int = 256, new: int = 1024, fixed: bool = False):
     """`seqs` RL samples as bench/e2e.py's var_512 makes them: a prompt of `prompt` tokens, then a response
-    that ends with probability 1/400 at each token, cut at `new` (the same lengths every call)."""
+    that ends with probability 1/400 at each token, cut at `new` (the same lengths every call); `fixed`: every
+    response `new` tokens long (fixed_512's batch with new=256)."""
     from shardrl.batch import Batch
 
     g = torch.Generator().manual_seed(0)
     lengths = (torch.empty(seqs).exponential_(1 / 400, generator=g).long() + 1).clamp(max=new)
+    if fixed:
+        lengths = torch.full((seqs,), new)
     ids = torch.randint(0, QWEN2_1P5B["vocab_size"], (seqs, prompt + new), generator=g)
     response_mask = (torch.arange(new)[None] < lengths[:, None]).long()
     mask = torch.cat([torch.ones(seqs, prompt, dtype=torch.long), response_mask], 1)
@@ -199,6 +221,8 @@ def run_row(name: str, world: int, warmup: int, steps: int):
         real_per_step = int(ragged_mask(per_rank).sum())
     elif extra.get("rl") == "var":
         real_per_step = int(var_batch(per_rank)["attention_mask"].sum())
+    elif extra.get("rl") == "fixed":
+        real_per_step = int(var_batch(per_rank, new=256, fixed=True)["attention_mask"].sum())
     else:
         real_per_step = per_rank * SEQ_LEN
     tokens = real_per_step * steps * world  # real (unpadded) tokens

@@ -193,6 +193,17 @@ phase_s9_accum() { limit 200 python3 bench/engine.py --world 1 --warmup 2 --step
     --rows fsdp2_rlvar_sync_compile,fsdp2_rlvar_compile; }
 phase_s9_e2e() { limit 560 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 --steps 5 \
     --cases "${S9_E2E_CASES:-fixed_64,fixed_512,var_512}" --out $RES; }
+# session 8: the policy head's Triton kernels (tests, the head alone, var_512's update), then the whole step
+phase_s10_tests() { limit 300 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_logprob.py \
+    tests/test_attention.py tests/test_response_head.py; }
+phase_s10_logprob() { limit 120 python3 bench/logprob.py --out $RES; }
+phase_s10_engine() { limit 330 python3 bench/engine.py --world 1 --warmup 2 --steps 2 --out $RES \
+    --rows "${S10_ENGINE_ROWS:-fsdp2_rlvar_ent_headcompiled_compile,fsdp2_rlvar_ent_compile,fsdp2_rlvar_ent_32k_compile}"; }
+phase_s10_e2e() {  # the whole step, every case, then 512 samples with micro-batches of 32k tokens
+    limit 420 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 --steps 5 --out $RES
+    limit 300 python3 bench/e2e.py --root /tmp/e2e --systems shardrl --gpus 1 --steps 5 --cases var_512,fixed_512 \
+        --tag mb32k --extra actor.engine.max_token_len_per_gpu=32768 --out $RES
+}
 
 collect() {
     local out=${OUT:-gpu_out}

@@ -7,7 +7,9 @@ Rows (each the mean of 10 timed iterations after 3 warm-up ones, CUDA events):
   the update's path when old log-probs come from its own forward (`actor.recompute_old_log_probs=auto`);
 - `logp_entropy_grad`: the same with an entropy bonus (a gradient into the entropy, `actor.entropy_coeff`);
 - `checkpointed_eager` (the baseline, what both entropy rows ran before `_ChunkLogProbEntropy`): each chunk's
-  eager fp32 log-softmax and entropy under activation checkpointing.
+  eager fp32 log-softmax and entropy under activation checkpointing;
+- `*_compiled`: the first three rows with the passes over the logits as compiled torch functions
+  (`logprob.TRITON_HEAD = False`, the path before the Triton head kernels).
 
     python bench/logprob.py [--tokens 16384] [--out results.jsonl]
 """
@@ -25,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import append_jsonl  # noqa: E402
 from bench.profile_decode import cuda_ms  # noqa: E402
+import shardrl.engine.logprob as logprob  # noqa: E402
 from shardrl.engine.logprob import _chunk_logprob, chunked_log_probs  # noqa: E402
 
 
@@ -61,11 +64,15 @@ def main():
         "checkpointed_eager_metric": lambda: (lambda r: (r[0] * w).sum() + r[1].detach().sum() * 0)(baseline()),
         "checkpointed_eager_grad": lambda: (lambda r: (r[0] * w).sum() + 0.01 * r[1].sum())(baseline()),
     }
+    for name in ("logp", "logp_entropy_metric", "logp_entropy_grad"):
+        rows[f"{name}_compiled"] = rows[name]
     out = {}
     for name, loss in rows.items():
         def step():
             hidden.grad = weight.grad = None
+            logprob.TRITON_HEAD = not name.endswith("_compiled")
             loss().backward()
+            logprob.TRITON_HEAD = True
         torch.cuda.reset_peak_memory_stats()
         ms = cuda_ms(step, iters=10)
         out[name] = dict(bench="logprob", row=name, tokens=n, vocab=args.vocab, ms=round(ms, 2),
@@ -75,6 +82,8 @@ def main():
     for kind in ("metric", "grad"):
         print(f"entropy as {kind}: {out[f'checkpointed_eager_{kind}']['ms'] / out[f'logp_entropy_{kind}']['ms']:.2f}x "
               f"the checkpointed eager path; log-probs alone {out['logp']['ms']} ms")
+        print(f"entropy as {kind}, Triton head against compiled torch: "
+              f"{out[f'logp_entropy_{kind}_compiled']['ms'] / out[f'logp_entropy_{kind}']['ms']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def kind_of(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
-def profile_rows(names, world: int):
+def profile_rows(names, world: int, top: int = 40):
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -60,6 +60,9 @@ def profile_rows(names, world: int):
                 by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1e6
             print("kernel seconds by kind: " + ", ".join(f"{k} {v:.3f}" for k, v in
                                                           sorted(by_kind.items(), key=lambda kv: -kv[1])))
+            print(f"top {top} kernels (seconds, calls, kind, name):")
+            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+                print(f"  {e.self_device_time_total / 1e6:7.3f} {e.count:6d} {kind_of(e.key):9s} {e.key[:110]}")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
         del step
         torch.cuda.empty_cache()
@@ -69,7 +72,8 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="plain_4,fsdp2_4")
     p.add_argument("--world", type=int, default=1)
+    p.add_argument("--top", type=int, default=40, help="how many kernels to list by their own time")
     args = p.parse_args()
     from shardrl.testing import run_distributed
 
-    run_distributed(profile_rows, args.world, args.rows.split(","), args.world)
+    run_distributed(profile_rows, args.world, args.rows.split(","), args.world, args.top)

@@ -121,9 +121,14 @@ def test_log_prob_function_passes_gradcheck(bias):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_compiled_kernels_on_cuda_match_eager(dtype, tol, with_entropy):
-    """On CUDA the log-normalizer (and entropy) and the logits' gradient run as compiled kernels: same values
-    and gradients as the plain full-vocab computation, with a vocabulary and chunking of realistic shape."""
+@pytest.mark.parametrize("triton_head", [True, False])
+def test_cuda_kernels_match_eager(dtype, tol, with_entropy, triton_head, monkeypatch):
+    """On CUDA the log-normalizer (and entropy) and the logits' gradient run as Triton kernels (or, with
+    TRITON_HEAD off, compiled torch): same values and gradients as the plain full-vocab computation, with a
+    vocabulary and chunking of realistic shape."""
+    import shardrl.engine.logprob as logprob
+
+    monkeypatch.setattr(logprob, "TRITON_HEAD", triton_head)
     g = torch.Generator(device="cuda").manual_seed(0)
     n, h, v = 3000, 64, 50_000
     hidden = torch.randn(n, h, device="cuda", generator=g).to(dtype)

@@ -1,4 +1,4 @@
-"""The fast rollout's Triton kernels (decode attention, sampler) checked on the CPU by Triton's interpreter
+"""The Triton kernels (the fast rollout's decode attention and sampler, the policy head's passes) checked on the CPU by Triton's interpreter
 (`tests/triton_interpreter_checks.py`, in a fresh process with TRITON_INTERPRET=1). The same kernels run
 compiled on a GPU in the cuda tests of tests/test_rollout_fast.py."""
 
@@ -17,7 +17,7 @@ CHECKS = Path(__file__).with_name("triton_interpreter_checks.py")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="needs the triton package (pip install -e '.[test]' on Linux x86-64)")
-@pytest.mark.parametrize("kernel", ["attention", "sampler"])
+@pytest.mark.parametrize("kernel", ["attention", "sampler", "head"])
 def test_kernel_in_triton_interpreter(kernel):
     root = CHECKS.parent.parent
     path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])

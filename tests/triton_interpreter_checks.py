@@ -3,7 +3,7 @@
 Run by tests/test_triton_kernels_cpu.py in a fresh process with TRITON_INTERPRET=1 (Triton reads it when a
 kernel is defined, so it must be set before the kernel modules are imported):
 
-    TRITON_INTERPRET=1 python tests/triton_interpreter_checks.py attention|sampler
+    TRITON_INTERPRET=1 python tests/triton_interpreter_checks.py attention|sampler|head
 
 fp32 and fp16 only: the interpreter does not handle bf16. Small shapes and blocks, so that every path (several
 blocks per slot, block edges, splits, masked lanes) runs in a few seconds. Exits non-zero on a mismatch.
@@ -77,5 +77,42 @@ def check_sampler() -> None:
     print("sampler: ok")
 
 
+def check_head() -> None:
+    """The policy head's kernels (shardrl.engine.head_kernel) against the torch formulas written out here."""
+    from shardrl.engine.head_kernel import head_backward, head_forward
+
+    gen = torch.Generator().manual_seed(0)
+    n, vocab, t = 5, 300, 0.7  # 300: the last of five 64-wide blocks is part padding
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        logits = (torch.randn(n, vocab, generator=gen) * 4).to(dtype)
+        logits[1, 299] = 60.0  # one dominant token, in the last (partial) block
+        logits[2, :] = -30.0  # a flat row
+        targets = torch.tensor([0, 299, 150, 64, 63])
+        x = logits.float() / t
+        logz = torch.logsumexp(x, -1)
+        log_p = x - logz[:, None]
+        p = log_p.exp()
+        entropy = -(p * log_p).sum(-1)
+        got_lp, got_z, got_h = head_forward(logits, targets, t, with_entropy=True, block=64)
+        torch.testing.assert_close(got_z, logz, atol=tol, rtol=tol)
+        torch.testing.assert_close(got_lp, log_p.gather(1, targets[:, None])[:, 0], atol=tol, rtol=tol)
+        torch.testing.assert_close(got_h, entropy, atol=tol, rtol=tol)
+        lp_only, z_only, none = head_forward(logits, targets, t, with_entropy=False, block=64)
+        assert none is None and torch.equal(lp_only, got_lp) and torch.equal(z_only, got_z)
+
+        g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        onehot = F.one_hot(targets, vocab).float()
+        want = g_lp[:, None] * (onehot - p) / t
+        got = head_backward(logits, targets, logz, None, g_lp, None, t, block=64)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+        want = want - g_ent[:, None] * p * (log_p + entropy[:, None]) / t
+        got = head_backward(logits, targets, logz, entropy, g_lp, g_ent, t, block=64)
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    empty = head_forward(torch.zeros(0, vocab), torch.zeros(0, dtype=torch.long), 1.0, with_entropy=True)
+    assert all(e.shape == (0,) for e in empty)
+    print("head: ok")
+
+
 if __name__ == "__main__":
-    {"attention": check_attention, "sampler": check_sampler}[sys.argv[1]]()
+    {"attention": check_attention, "sampler": check_sampler, "head": check_head}[sys.argv[1]]()

@@ -35,6 +35,29 @@ def _grad_logits(logits: torch.Tensor, logz: torch.Tensor, targets: torch.Tensor
     return ((hit.to(logz.dtype) - probs) * scale).to(logits.dtype)
 
 
+TRITON_HEAD = True
+"""On CUDA, run the passes over a chunk's logits as the Triton kernels of `shardrl.engine.head_kernel` (one read
+in forward, a read and a write in backward). False: the compiled torch functions below, which
+bench/engine.py keeps as a baseline row."""
+
+
+def _triton_head(logits: torch.Tensor) -> bool:
+    return TRITON_HEAD and logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _head_grad(logits, targets, logz, entropy, grad_lp, grad_ent, temperature: float) -> torch.Tensor:
+    """d/dlogits of sum(grad_lp * log p[target] + grad_ent * H), in the logits' dtype; `grad_ent` None: the
+    entropy took no gradient."""
+    if _triton_head(logits):
+        from shardrl.engine.head_kernel import head_backward
+
+        return head_backward(logits, targets, logz, entropy, grad_lp, grad_ent, temperature)
+    if grad_ent is None:
+        return _kernel("grad", _grad_logits, logits)(logits, logz, targets, grad_lp, temperature)
+    return _kernel("grad_entropy", _grad_logits_entropy, logits)(logits, logz, entropy, targets, grad_lp, grad_ent,
+                                                                 temperature)
+
+
 _FUSED: dict[str, Callable] = {}
 
 
@@ -52,6 +75,10 @@ def _log_prob_forward(hidden, weight, bias, targets, temperature: float) -> tupl
     """log softmax(logits / T)[target] and the normalizers, (n,) each, without an fp32 copy of the logits
     on CUDA (the normalizer reads the logits once)."""
     logits = F.linear(hidden, weight, bias)  # (n, V)
+    if _triton_head(logits):
+        from shardrl.engine.head_kernel import head_forward
+
+        return head_forward(logits, targets, temperature, with_entropy=False)[:2]
     logz = _kernel("logz", _log_normalizer, logits)(logits, temperature)
     return logits.gather(-1, targets[:, None]).squeeze(-1).to(logz.dtype) / temperature - logz, logz
 
@@ -81,7 +108,7 @@ class _ChunkLogProb(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, weight, bias, targets, logz = ctx.saved_tensors
         logits = F.linear(hidden, weight, bias)
-        dlogits = _kernel("grad", _grad_logits, logits)(logits, logz, targets, grad, ctx.temperature)
+        dlogits = _head_grad(logits, targets, logz, None, grad, None, ctx.temperature)
         return (*_input_grads(ctx, dlogits, hidden, weight, bias), None, None)
 
 
@@ -114,8 +141,13 @@ class _ChunkLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float):
         logits = F.linear(hidden, weight, bias)  # (n, V)
-        logz, entropy = _kernel("entropy", _entropy_terms, logits)(logits, temperature)
-        logp = logits.gather(-1, targets[:, None]).squeeze(-1).to(logz.dtype) / temperature - logz
+        if _triton_head(logits):
+            from shardrl.engine.head_kernel import head_forward
+
+            logp, logz, entropy = head_forward(logits, targets, temperature, with_entropy=True)
+        else:
+            logz, entropy = _kernel("entropy", _entropy_terms, logits)(logits, temperature)
+            logp = logits.gather(-1, targets[:, None]).squeeze(-1).to(logz.dtype) / temperature - logz
         ctx.save_for_backward(hidden, weight, bias, targets, logz, entropy)
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)
@@ -127,12 +159,8 @@ class _ChunkLogProbEntropy(torch.autograd.Function):
         if grad_lp is None and grad_ent is None:
             return None, None, None, None, None
         logits = F.linear(hidden, weight, bias)
-        if grad_ent is None:
-            dlogits = _kernel("grad", _grad_logits, logits)(logits, logz, targets, grad_lp, ctx.temperature)
-        else:
-            grad_lp = torch.zeros_like(logz) if grad_lp is None else grad_lp
-            dlogits = _kernel("grad_entropy", _grad_logits_entropy, logits)(
-                logits, logz, entropy, targets, grad_lp, grad_ent, ctx.temperature)
+        grad_lp = torch.zeros_like(logz) if grad_lp is None else grad_lp
+        dlogits = _head_grad(logits, targets, logz, entropy, grad_lp, grad_ent, ctx.temperature)
         return (*_input_grads(ctx, dlogits, hidden, weight, bias), None, None)
 
 
