@@ -8,6 +8,7 @@ Rows (each checked against the first: output and q/k/v gradients):
   (`aten._cudnn_attention_forward` with cum_seq), K/V heads expanded for it;
 - padded_<backend>: each micro-batch scattered into one (S, H, L, D) batch padded to its longest sequence,
   plain causal SDPA (right padding: a real query never sees a padded key), gathered back;
+- njt_<backend>: the packed row as nested jagged tensors (no padding), SDPA with that backend;
 - the same rows on micro-batches cut from the length-sorted samples (`--partition sorted`), where a
   micro-batch's sequences have near lengths and padding costs little.
 
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +103,20 @@ def padded(q, k, v, cu, max_len, scale, backend):
     return out.transpose(1, 2)[seq, pos]
 
 
+def njt(q, k, v, cu, max_len, scale, backend):
+    """Nested jagged tensors over the packed row (no padding), SDPA with one backend; K/V heads expanded."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    offsets = cu.long()
+    k, v = k.repeat_interleave(HQ // HKV, dim=1), v.repeat_interleave(HQ // HKV, dim=1)
+    qn, kn, vn = (torch.nested.nested_tensor_from_jagged(t, offsets, max_seqlen=max_len).transpose(1, 2)
+                  for t in (q, k, v))  # (S, H, j, D)
+    kinds = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    with sdpa_kernel(kinds[backend]):
+        out = F.scaled_dot_product_attention(qn, kn, vn, is_causal=True, scale=scale)
+    return out.transpose(1, 2).values()
+
+
 def fa2(q, k, v, cu, max_len, scale):
     from shardrl.engine.attention import _causal_varlen
 
@@ -108,7 +124,8 @@ def fa2(q, k, v, cu, max_len, scale):
 
 
 ROWS = {"fa2_varlen": fa2, "cudnn_ragged": cudnn_ragged,
-        "padded_cudnn": lambda *a: padded(*a, "cudnn"), "padded_flash": lambda *a: padded(*a, "flash")}
+        "padded_cudnn": lambda *a: padded(*a, "cudnn"), "padded_flash": lambda *a: padded(*a, "flash"),
+        "njt_cudnn": lambda *a: njt(*a, "cudnn"), "njt_flash": lambda *a: njt(*a, "flash")}
 
 
 def run(args):
@@ -146,7 +163,9 @@ def run(args):
             try:
                 got = step(check=True)
             except Exception as e:  # a backend that does not run here: say so and go on
-                records.append({"bench": "attention", "partition": partition, "row": name, "error": repr(e)[:300]})
+                where = traceback.extract_tb(e.__traceback__)[-1]
+                records.append({"bench": "attention", "partition": partition, "row": name, "error": repr(e)[:300],
+                                "at": f"{os.path.basename(where.filename)}:{where.lineno} {where.line}"})
                 print(json.dumps(records[-1]), flush=True)
                 continue
             if reference is None:
