@@ -45,6 +45,21 @@ def _triton_head(logits: torch.Tensor) -> bool:
     return TRITON_HEAD and logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _head_passes(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / T)[target], the normalizers and (with_entropy) the entropies, (n,) each, in the
+    accumulation dtype, without an fp32 copy of the logits on CUDA."""
+    if _triton_head(logits):
+        from shardrl.engine.head_kernel import head_forward
+
+        return head_forward(logits, targets, temperature, with_entropy)
+    if with_entropy:
+        logz, entropy = _kernel("entropy", _entropy_terms, logits)(logits, temperature)
+    else:
+        logz, entropy = _kernel("logz", _log_normalizer, logits)(logits, temperature), None
+    return logits.gather(-1, targets[:, None]).squeeze(-1).to(logz.dtype) / temperature - logz, logz, entropy
+
+
 def _head_grad(logits, targets, logz, entropy, grad_lp, grad_ent, temperature: float) -> torch.Tensor:
     """d/dlogits of sum(grad_lp * log p[target] + grad_ent * H), in the logits' dtype; `grad_ent` None: the
     entropy took no gradient."""
@@ -75,12 +90,7 @@ def _log_prob_forward(hidden, weight, bias, targets, temperature: float) -> tupl
     """log softmax(logits / T)[target] and the normalizers, (n,) each, without an fp32 copy of the logits
     on CUDA (the normalizer reads the logits once)."""
     logits = F.linear(hidden, weight, bias)  # (n, V)
-    if _triton_head(logits):
-        from shardrl.engine.head_kernel import head_forward
-
-        return head_forward(logits, targets, temperature, with_entropy=False)[:2]
-    logz = _kernel("logz", _log_normalizer, logits)(logits, temperature)
-    return logits.gather(-1, targets[:, None]).squeeze(-1).to(logz.dtype) / temperature - logz, logz
+    return _head_passes(logits, targets, temperature, with_entropy=False)[:2]
 
 
 def _input_grads(ctx, dlogits, hidden, weight, bias) -> tuple:
@@ -141,13 +151,7 @@ class _ChunkLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float):
         logits = F.linear(hidden, weight, bias)  # (n, V)
-        if _triton_head(logits):
-            from shardrl.engine.head_kernel import head_forward
-
-            logp, logz, entropy = head_forward(logits, targets, temperature, with_entropy=True)
-        else:
-            logz, entropy = _kernel("entropy", _entropy_terms, logits)(logits, temperature)
-            logp = logits.gather(-1, targets[:, None]).squeeze(-1).to(logz.dtype) / temperature - logz
+        logp, logz, entropy = _head_passes(logits, targets, temperature, with_entropy=True)
         ctx.save_for_backward(hidden, weight, bias, targets, logz, entropy)
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)
