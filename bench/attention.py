@@ -9,8 +9,12 @@ Rows (each checked against the first: output and q/k/v gradients):
 - padded_<backend>: each micro-batch scattered into one (S, H, L, D) batch padded to its longest sequence,
   plain causal SDPA (right padding: a real query never sees a padded key), gathered back;
 - njt_<backend>: the packed row as nested jagged tensors (no padding), SDPA with that backend;
-- the same rows on micro-batches cut from the length-sorted samples (`--partition sorted`), where a
+- the same rows on micro-batches cut from the length-sorted samples (`--partitions sorted`), where a
   micro-batch's sequences have near lengths and padding costs little.
+
+A row that fails prints its error and where it was raised, and the next row runs. On torch 2.11 (H200) both
+cuDNN rows without padding fail (bench/RESULTS.md, session 8). `njt_cudnn` fails with an illegal memory
+access, which breaks the process's CUDA context for every later row, so it runs only when named, and last.
 
     python bench/attention.py --out results.jsonl
 """
@@ -191,7 +195,7 @@ def run(args):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", default="fa2_varlen,cudnn_ragged,padded_cudnn,padded_flash")
+    p.add_argument("--rows", default="fa2_varlen,cudnn_ragged,padded_cudnn,padded_flash,njt_flash")
     p.add_argument("--partitions", default="balanced,sorted")
     p.add_argument("--budget", type=int, default=16384)
     p.add_argument("--iters", type=int, default=5)
