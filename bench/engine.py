@@ -163,7 +163,7 @@ def engine_step_fn(strategy: str, world: int, seqs: int, micro: int, ckpt: bool,
         if rl == "var":
             return engine.train_batch(var_batch(seqs), loss_fn, with_entropy=entropy)
         if rl == "fixed":
-            return engine.train_batch(var_batch(seqs, new=256, fixed=True), loss_fn)
+            return engine.train_batch(var_batch(seqs, new=256, fixed=True), loss_fn, with_entropy=entropy)
         ids = torch.randint(0, QWEN2_1P5B["vocab_size"], (seqs, SEQ_LEN), device="cuda", generator=g)
         mask = ragged_mask(seqs) if ragged else torch.ones_like(ids)
         loss_mask = mask.clone()

@@ -1,6 +1,7 @@
-"""The Triton kernels (the fast rollout's decode attention and sampler, the policy head's passes) checked on the CPU by Triton's interpreter
-(`tests/triton_interpreter_checks.py`, in a fresh process with TRITON_INTERPRET=1). The same kernels run
-compiled on a GPU in the cuda tests of tests/test_rollout_fast.py."""
+"""The Triton kernels (the fast rollout's decode attention and sampler, the policy head's passes) checked on the
+CPU by Triton's interpreter (`tests/triton_interpreter_checks.py`, in a fresh process with TRITON_INTERPRET=1).
+The same kernels run compiled on a GPU in the cuda tests of tests/test_rollout_fast.py and
+tests/test_logprob.py."""
 
 from __future__ import annotations
 
