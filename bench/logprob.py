@@ -70,15 +70,15 @@ def main():
     for name, loss in rows.items():
         def step():
             hidden.grad = weight.grad = None
-            logprob.TRITON_HEAD = not name.endswith("_compiled")
             loss().backward()
-            logprob.TRITON_HEAD = True
+        logprob.TRITON_HEAD = not name.endswith("_compiled")
         torch.cuda.reset_peak_memory_stats()
         ms = cuda_ms(step, iters=10)
         out[name] = dict(bench="logprob", row=name, tokens=n, vocab=args.vocab, ms=round(ms, 2),
                          peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
         print(json.dumps(out[name]), flush=True)
         append_jsonl(args.out, [out[name]])
+    logprob.TRITON_HEAD = True
     for kind in ("metric", "grad"):
         print(f"entropy as {kind}: {out[f'checkpointed_eager_{kind}']['ms'] / out[f'logp_entropy_{kind}']['ms']:.2f}x "
               f"the checkpointed eager path; log-probs alone {out['logp']['ms']} ms")

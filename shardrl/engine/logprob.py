@@ -38,7 +38,7 @@ def _grad_logits(logits: torch.Tensor, logz: torch.Tensor, targets: torch.Tensor
 TRITON_HEAD = True
 """On CUDA, run the passes over a chunk's logits as the Triton kernels of `shardrl.engine.head_kernel` (one read
 in forward, a read and a write in backward). False: the compiled torch functions below, which
-bench/engine.py keeps as a baseline row."""
+bench/engine.py and bench/logprob.py keep as their baseline rows."""
 
 
 def _triton_head(logits: torch.Tensor) -> bool:
