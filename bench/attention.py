@@ -13,8 +13,9 @@ Rows (each checked against the first: output and q/k/v gradients):
   micro-batch's sequences have near lengths and padding costs little.
 
 A row that fails prints its error and where it was raised, and the next row runs. On torch 2.11 (H200) both
-cuDNN rows without padding fail (bench/RESULTS.md, session 8). `njt_cudnn` fails with an illegal memory
-access, which breaks the process's CUDA context for every later row, so it runs only when named, and last.
+cuDNN rows without padding fail (bench/RESULTS.md, "Current figures: Attention backends"). `njt_cudnn` fails
+with an illegal memory access, which breaks the process's CUDA context for every later row, so it runs only
+when named, and last.
 
     python bench/attention.py --out results.jsonl
 """

@@ -17,9 +17,11 @@ Case: batch 256 prompts of 256 random tokens -> 256 new tokens each, sampled at 
     floor       as bench/profile_decode.py's `rollout_floor`, for this family: its GEMMs alone in CUDA graphs
                 (prefill in `prefill_tokens` chunks, then one batch-256 step per new token with the LM head)
                 plus reading each step's live K/V once at --bandwidth, a sliding-window layer only its window.
-                fraction_of_floor = fast new tokens/s / floor new tokens/s (bench/RESULTS.md: 72% for qwen2)
+                fraction_of_floor = fast new tokens/s / floor new tokens/s (measured: bench/RESULTS.md,
+                "Current figures: Model families")
     hf          HF generate, DynamicCache, after a warm-up of 2 new tokens, on --hf-new-tokens new tokens
-                (default 64, not 256: at batch 256 HF takes ~6-10 s per 256 tokens and family; its tokens/s
+                (default 64, not 256: at batch 256 HF takes seconds per 256 tokens and family, bench/RESULTS.md,
+                "Current figures: Fast rollout"; its tokens/s
                 at 64 is if anything higher than at 256, whose contexts are longer), so vs_hf is conservative
     drift       the trainer's health metric on 16 of the fast responses (bench/rollout.py): |sampler log-prob
                 - training engine's recomputation|, mean and max

@@ -5,7 +5,7 @@ difference| and its max, KL of sampler to trainer per sequence, k3 per token; wi
 mean weight and the truncated/masked fractions) averaged over the steps, and the reward curve (means of
 consecutive blocks of steps), the last validation reward, and the wall time. The rollout is not compiled
 (`rollout.compile=false`: no compile time at start-up; for the demo's tiny model it made no difference to the step,
-bench/RESULTS.md).
+bench/RESULTS.md, "Current figures: Demo and host overhead").
 
     python bench/rollout_mismatch.py --steps 80 --root /tmp/mismatch           # both runs, < 4 min on an H200
     python bench/rollout_mismatch.py --steps 4 --root /tmp/mismatch_cpu --cpu    # a check on the CPU (no mismatch)

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, TypeVar
 
+from shardrl.algos import ADVANTAGE_ESTIMATORS, LOSS_MODES
 from shardrl.configload import (
     ConfigError,
     apply_override,
@@ -43,6 +44,8 @@ KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
 """verl's KL estimator names (shardrl.algos.kl): k3 = low_var_kl (clamped); a "+" takes k2's gradient."""
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
+EstimatorName = Literal[tuple(ADVANTAGE_ESTIMATORS)]  # the registries are the lists of names
+LossModeName = Literal[tuple(LOSS_MODES)]
 
 
 @dataclass
@@ -243,7 +246,7 @@ class ActorConfig:
     ppo_mini_batch_size == data.train_batch_size and ppo_epochs == 1; no KL in the reward, which needs the
     old log-probs before the advantages; dropout off); the PPO ratio is then exactly 1, so the update uses
     the detached log-probs of its own forward as the old ones. The choice is logged at start-up."""
-    loss_mode: Literal["vanilla", "gspo", "gspo_token"] = "vanilla"
+    loss_mode: LossModeName = "vanilla"
     """Policy loss (verl's actor.policy_loss.loss_mode): "vanilla" PPO clip (per-token ratio, dual-clip);
     "gspo": GSPO, one length-normalized ratio per sequence, clipped per sequence; "gspo_token": GSPO-token,
     that ratio's value with a gradient per token and each token's own advantage (verl's "gspo"). GSPO's paper
@@ -494,8 +497,8 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
-    """How advantages are estimated; "gae" needs the critic."""
+    adv_estimator: EstimatorName = "grpo"
+    """How advantages are estimated (`shardrl.algos.ADVANTAGE_ESTIMATORS`); "gae" needs the critic."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group's reward std (False is Dr. GRPO)."""
     gamma: float = 1.0
@@ -653,17 +656,18 @@ class Config:
 
     def validate(self, prefix: str) -> None:
         batch = self.data.train_batch_size
-        for section in ("actor", "critic") if self.algorithm.adv_estimator == "gae" else ("actor",):
+        estimator = ADVANTAGE_ESTIMATORS[self.algorithm.adv_estimator]
+        for section in ("actor", "critic") if estimator.needs_critic else ("actor",):
             mini = getattr(self, section).ppo_mini_batch_size
             require(self, prefix, f"{section}.ppo_mini_batch_size", mini <= batch and batch % mini == 0,
                     f"must divide data.train_batch_size={batch} (both count prompts); nearest valid: "
                     f"{nearest(mini, divisors(batch))}")
-        group_baseline = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-        require(self, prefix, "rollout.n", self.algorithm.adv_estimator not in group_baseline or self.rollout.n >= 2,
+        group_baseline = [name for name, e in ADVANTAGE_ESTIMATORS.items() if e.group_baseline]
+        require(self, prefix, "rollout.n", not estimator.group_baseline or self.rollout.n >= 2,
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares responses within a prompt's "
                 "group, so it needs rollout.n >= 2")
         require(self, prefix, "algorithm.filter_groups.enable",
-                not self.algorithm.filter_groups.enable or self.algorithm.adv_estimator in group_baseline,
+                not self.algorithm.filter_groups.enable or estimator.group_baseline,
                 f"drops groups whose rewards are all equal, which only a group baseline ({', '.join(group_baseline)}) "
                 f"leaves without advantage; set algorithm.adv_estimator to one, or filter_groups.enable=false")
         if self.async_rl.rollout_ranks:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from shardrl.config import Config, EngineConfig
 from shardrl.configload import divisors as _divisors, nearest as _nearest
 from shardrl.modelconfig import text_config
+from shardrl.step_plan import StepPlan
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1024**3
@@ -70,7 +71,7 @@ class Layout:
     """Tokens of one max-length sequence on one rank: ceil(max_seq_len / sp)."""
     actor: RoleLayout
     critic: RoleLayout | None
-    """Only with algorithm.adv_estimator == "gae"."""
+    """Only when the advantage estimator needs values (`StepPlan.needs_critic`)."""
     ref: RoleLayout | None
     """Only when a KL term needs the reference policy."""
 
@@ -84,12 +85,8 @@ def _nearest_multiples(value: int, step: int) -> str:
 
 
 def _role_engines(cfg: Config) -> dict[str, EngineConfig]:
-    roles = {"actor": cfg.actor.engine}
-    if cfg.algorithm.adv_estimator == "gae":
-        roles["critic"] = cfg.critic.engine
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        roles["ref"] = cfg.ref.engine
-    return roles
+    roles = StepPlan.from_config(cfg).roles()  # the roles that train or score log-probs (not the reward model)
+    return {role: getattr(cfg, role).engine for role in ("actor", "critic", "ref") if role in roles}
 
 
 def _sharding(role: str, engine: EngineConfig, world: int) -> tuple[int, str, int, int]:

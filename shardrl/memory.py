@@ -21,6 +21,7 @@ import math
 from shardrl.config import Config
 from shardrl.layout import DTYPE_BYTES, GIB, Layout
 from shardrl.modelconfig import text_config
+from shardrl.step_plan import old_log_probs_from_update
 
 SEQ_BUCKET = 128  # the fast rollout's cache length granularity (FastRollout.seq_bucket)
 PREFILL_TOKENS = 16384  # FastRollout.prefill_tokens
@@ -50,7 +51,7 @@ def activation_bytes_per_token_layer(hf_config, compute: int) -> tuple[int, str]
     d = getattr(c, "head_dim", None) or h // heads
     kv = getattr(c, "num_key_value_heads", None) or heads
     inter = getattr(c, "intermediate_size", None) or 4 * h
-    from shardrl.trainer.perf import UNGATED_MLP
+    from shardrl.perf import UNGATED_MLP
 
     mlp_tensors = 2 if getattr(c, "model_type", None) in UNGATED_MLP else 4
     norms = 2 * (4 * h + compute * h)
@@ -119,8 +120,6 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     tokens = actor.max_token_len_per_gpu if actor.use_dynamic_bsz else actor.micro_batch_size_per_gpu * \
         layout.seq_tokens_per_rank
     chunk = actor.logprob_chunk_size
-    from shardrl.trainer.defaults import old_log_probs_from_update
-
     passes = [name for name, runs in (("old log-probs", not old_log_probs_from_update(cfg)[0]),
                                       ("reference", layout.ref is not None), ("values", layout.critic is not None))
               if runs]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardrl.trainer.metrics import read_metrics
+from shardrl.metrics import read_metrics
 
 
 def plot_rewards(metrics_path: Path, out_path: Path, records: list[dict] | None = None) -> Path:

@@ -89,25 +89,25 @@ def run_recording(overrides: list[str]) -> dict | None:
     from shardrl.trainer.main import run
 
     steps = []
-    generate_sync, generate_async = rl.RLTrainer._generate, async_rl.AsyncRLTrainer._generate
+    batch_sync, batch_async = rl.LocalBatches.batch, async_rl.RemoteBatches.batch
 
     def recording(original):
-        def _generate(self, items, sampling):
-            batch = original(self, items, sampling)
-            versions = batch["policy_version"].unique().tolist() if "policy_version" in batch else [self.step]
-            steps.append({"step": self.step, "prompts": async_rl.prompt_key(items), "versions": versions})
+        def _batch(self, step, items, round_index=0):
+            batch = original(self, step, items, round_index)
+            versions = batch["policy_version"].unique().tolist() if "policy_version" in batch else [step]
+            steps.append({"step": step, "prompts": async_rl.prompt_key(items), "versions": versions})
             if "token_version" in batch:
                 steps[-1]["token_version"] = batch["token_version"].clone()
                 steps[-1]["policy_version"] = batch["policy_version"].clone()
             return batch
-        return _generate
+        return _batch
 
-    rl.RLTrainer._generate = recording(generate_sync)
-    async_rl.AsyncRLTrainer._generate = recording(generate_async)
+    rl.LocalBatches.batch = recording(batch_sync)
+    async_rl.RemoteBatches.batch = recording(batch_async)
     try:
         run_dir = run(None, overrides)
     finally:
-        rl.RLTrainer._generate, async_rl.AsyncRLTrainer._generate = generate_sync, generate_async
+        rl.LocalBatches.batch, async_rl.RemoteBatches.batch = batch_sync, batch_async
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, steps if run_dir is not None else None)
     if run_dir is None:

@@ -9,7 +9,8 @@ import transformers
 
 from shardrl.config import ConfigError, load_config
 from shardrl.testing import TINY_MODELS
-from shardrl.trainer.defaults import old_log_probs_from_update, resolve_device_defaults
+from shardrl.step_plan import old_log_probs_from_update
+from shardrl.trainer.defaults import resolve_device_defaults
 
 QWEN2 = transformers.AutoConfig.for_model(**TINY_MODELS["qwen2"])
 GPT2 = transformers.AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2)
@@ -139,15 +140,13 @@ def test_the_trainer_asks_the_ledger_on_cuda_only(monkeypatch):
 
     from shardrl.layout import derive_layout
     from shardrl.memory import phase_ledger, update_and_cache_gib
-    from shardrl.trainer.rl import RLTrainer
+    from shardrl.trainer.defaults import memory_gib
 
     cfg = load_config(None, [])
-    trainer = RLTrainer.__new__(RLTrainer)
-    trainer.layout, trainer.rank = derive_layout(cfg, 1, 1), 0
-    trainer.device = torch.device("cpu")
-    assert trainer._memory_gib(cfg, QWEN2) is None
-    trainer.device = torch.device("cuda", 0)
+    layout = derive_layout(cfg, 1, 1)
+    assert memory_gib(cfg, layout, QWEN2, torch.device("cpu")) is None
+    cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
-    assert trainer._memory_gib(cfg, QWEN2) == (update_and_cache_gib(phase_ledger(cfg, trainer.layout, QWEN2)), 80.0)
-    assert trainer._memory_gib(load_config(None, ["rollout.free_cache_engine=true"]), QWEN2) is None  # not asked
-    assert trainer._memory_gib(cfg, GPT2) is not None  # GPT-2's names: the ledger reads them too
+    assert memory_gib(cfg, layout, QWEN2, cuda) == (update_and_cache_gib(phase_ledger(cfg, layout, QWEN2)), 80.0)
+    assert memory_gib(load_config(None, ["rollout.free_cache_engine=true"]), layout, QWEN2, cuda) is None  # not asked
+    assert memory_gib(cfg, layout, GPT2, cuda) is not None  # GPT-2's names: the ledger reads them too

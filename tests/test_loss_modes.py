@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from shardrl.algos import POLICY_LOSSES, policy_loss
-from shardrl.algos.aggregate import metric_value
+from shardrl.metrics import metric_value
 from shardrl.algos.dapo import informative_groups, overlong_penalty
 from shardrl.algos.gspo import gspo_loss, gspo_token_loss
 from shardrl.algos.rollout_correction import mismatch_metrics, rollout_is_weights
 from shardrl.batch import Batch
-from shardrl.trainer.metrics import Max, Sum, SumCount
+from shardrl.metrics import Max, Sum, SumCount
 from shardrl.trainer.sampling import concat_rollouts, draw_informative_groups
 
 

@@ -68,7 +68,7 @@ def _steps(layouts: dict) -> dict:
                 batch["rollout_is_weights"], batch["loss_mask"] = w, new_mask
             mine = batch.chunk(engine.mesh.dp_size)[engine.mesh.dp_rank]
             actor_cfg = ActorConfig(loss_mode=loss_mode, clip_ratio_low=0.02, clip_ratio_high=0.03)
-            metrics = engine.train_batch(mine, actor_loss_fn(actor_cfg, agg))
+            metrics = engine.train_batch(mine, actor_loss_fn(actor_cfg, agg, batch_weights=is_cfg is not None))
             # the old_from_forward path's mismatch metrics are (sum, count) pairs through the engine as well
             engine2_metrics = engine.train_batch(mine, actor_loss_fn(actor_cfg, agg, old_from_forward=True),
                                                 with_entropy=True)

@@ -19,7 +19,8 @@ from shardrl.algos import (
     policy_loss,
     value_loss,
 )
-from shardrl.algos.aggregate import metric_value, share_metric
+from shardrl.algos.aggregate import share_metric
+from shardrl.metrics import metric_value
 
 T64 = torch.float64
 

@@ -147,12 +147,12 @@ def _rank_checks(tmp: str) -> dict:
     from shardrl.engine import build_engine
     from shardrl.engine.base import NonFiniteParametersError
     from shardrl.testing import TINY_MODELS, random_batch
-    from shardrl.trainer.metrics import Max, Min, SumCount, reduce_over_ranks
+    from shardrl.metrics import Max, Min, SumCount, reduce_metrics
     from shardrl.trainer.updates import actor_loss_fn, run_updates
 
     rank, out = dist.get_rank(), {}
-    # reduce_over_ranks: global extremes, global token means, plain means
-    out["reduced"] = reduce_over_ranks({"max": Max([3.0, 7.0][rank]), "min": Min([3.0, 7.0][rank]),
+    # reduce_metrics: global extremes, global token means, plain means
+    out["reduced"] = reduce_metrics({"max": Max([3.0, 7.0][rank]), "min": Min([3.0, 7.0][rank]),
                                         "token_mean": SumCount([1.0, 9.0][rank], [1.0, 3.0][rank]),
                                         "mean": [2.0, 4.0][rank]}, dist.group.WORLD)
 
@@ -210,7 +210,7 @@ def _kl_coefficients(overrides: list[str]) -> tuple[list[float], list[dict]]:
     import torch.distributed as dist
 
     from shardrl.config import load_config
-    from shardrl.trainer.metrics import read_metrics
+    from shardrl.metrics import read_metrics
     from shardrl.trainer.rl import RLTrainer, prepare_run_dir
 
     cfg = load_config(None, overrides)
@@ -219,7 +219,7 @@ def _kl_coefficients(overrides: list[str]) -> tuple[list[float], list[dict]]:
     trainer = RLTrainer(cfg, run_dir)
     trainer.fit()
     coefs = [None] * dist.get_world_size()
-    dist.all_gather_object(coefs, trainer.kl_ctrl.value)
+    dist.all_gather_object(coefs, trainer.state.kl_ctrl.value)
     return coefs, (read_metrics(run_dir / "metrics.jsonl") if dist.get_rank() == 0 else [])
 
 

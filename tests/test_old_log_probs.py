@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardrl.algos.aggregate import masked_metric, metric_value
+from shardrl.algos.aggregate import masked_metric
+from shardrl.metrics import metric_value
 from shardrl.testing import TINY_MODELS, random_batch, record_grads, run_distributed, small_demo_run
 
 pytestmark = pytest.mark.multiproc
@@ -52,7 +53,7 @@ def _one_update_each_way() -> dict:
             b["old_log_probs"] = old
             loss_fn = reference
         elif way == "from_forward":
-            loss_fn = actor_loss_fn(actor_cfg, "token-mean", old_from_forward=True)
+            loss_fn = actor_loss_fn(actor_cfg, "token-mean", old_from_forward=True, with_ref=True)
         elif way == "not_detached":
             loss_fn = wrong_loss(lambda outputs, mb: outputs["log_probs"])
         else:  # the log-probs of another policy: the same model at temperature 1.5
@@ -115,7 +116,7 @@ def _rollout_is_each_way(level: str) -> dict:
             w, _, m = rollout_is_weights(old, b["sampled_log_probs"], b["loss_mask"], level, "truncate", 1.3)
             b["rollout_is_weights"] = w
             out["expected_metrics"] = {k: float(s_) / float(c) for k, (s_, c) in m.items()}
-            loss_fn = actor_loss_fn(actor_cfg, "token-mean")
+            loss_fn = actor_loss_fn(actor_cfg, "token-mean", batch_weights=True)
         elif way == "in_loss":
             loss_fn = actor_loss_fn(actor_cfg, "token-mean", old_from_forward=True, rollout_is=algo)
         else:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardrl.testing import TINY_MODELS, run_distributed, small_demo_run
-from shardrl.trainer.perf import (ModelShape, forward_flops, model_shape, rl_step_flops, throughput_metrics,
+from shardrl.perf import (ModelShape, forward_flops, model_shape, rl_step_flops, throughput_metrics,
                                   H200_BF16_MEASURED_TFLOPS, H200_BF16_SPEC_TFLOPS)
 
 
@@ -101,7 +101,7 @@ def test_throughput_and_mfu_from_the_reduced_metrics():
 
 
 def test_log_generations_writes_lines_and_the_console(tmp_path, capsys):
-    from shardrl.trainer.metrics import MetricsLogger
+    from shardrl.trainer.logger import MetricsLogger
 
     logger = MetricsLogger(tmp_path, ["jsonl"], total_steps=4)
     logger.log_generations(2, [])  # nothing to show (log_val_generations=0): no file
@@ -128,10 +128,10 @@ def _run_and_record(overrides: list[str]) -> dict:
 
     from shardrl.engine.base import Engine
     from shardrl.trainer.main import run
-    from shardrl.trainer.rl import RLTrainer
+    from shardrl.trainer.rl import LocalBatches, RLTrainer
 
     batches, entropies, shapes = [], [], []
-    generate, infer, init = RLTrainer._generate, Engine.infer_batch, RLTrainer.__init__
+    generate, infer, init = LocalBatches.generate, Engine.infer_batch, RLTrainer.__init__
 
     def recording_generate(self, items, sampling):
         batch = generate(self, items, sampling)
@@ -149,11 +149,11 @@ def _run_and_record(overrides: list[str]) -> dict:
         init(self, *args, **kwargs)
         shapes.append(self.flop_shapes)
 
-    RLTrainer._generate, Engine.infer_batch, RLTrainer.__init__ = recording_generate, recording_infer, recording_init
+    LocalBatches.generate, Engine.infer_batch, RLTrainer.__init__ = recording_generate, recording_infer, recording_init
     try:
         run_dir = run(None, overrides)
     finally:
-        RLTrainer._generate, Engine.infer_batch, RLTrainer.__init__ = generate, infer, init
+        LocalBatches.generate, Engine.infer_batch, RLTrainer.__init__ = generate, infer, init
     mine = {"batches": batches, "entropies": entropies}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)

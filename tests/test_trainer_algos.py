@@ -92,7 +92,7 @@ def test_dapo_example_config_loads():
 
 def test_rollout_is_mask_mode_needs_the_old_log_prob_pass():
     from shardrl.config import load_config
-    from shardrl.trainer.defaults import old_log_probs_from_update
+    from shardrl.step_plan import old_log_probs_from_update
 
     base = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"]
     assert old_log_probs_from_update(load_config(None, base))[0]

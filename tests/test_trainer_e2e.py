@@ -152,8 +152,9 @@ def run_recording(overrides: list[str]) -> dict:
     train_step, fit = rl.RLTrainer.train_step, rl.RLTrainer.fit
 
     def recording_step(self):
-        steps.append({"step": self.step + 1, "shuffle": self.shuffle_gen.get_state().clone(),
-                      "loader": self.loader.state_dict(), "kl": self.kl_ctrl.value})
+        state = self.state
+        steps.append({"step": state.step + 1, "shuffle": state.shuffle_gen.get_state().clone(),
+                      "loader": state.loader.state_dict(), "kl": state.kl_ctrl.value})
         return train_step(self)
 
     def recording_fit(self):
@@ -163,7 +164,7 @@ def run_recording(overrides: list[str]) -> dict:
     rl.RLTrainer.train_step, rl.RLTrainer.fit = recording_step, recording_fit
     run_dir = run(None, overrides)
     shards = {name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
-              for name, p in trainers[0].actor.module.named_parameters()}
+              for name, p in trainers[0].roles.actor.module.named_parameters()}
     mine = {"steps": steps, "shards": shards}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)

@@ -28,13 +28,13 @@ def small(assets: Path, run_dir: Path, *extra: str) -> list[str]:
 def test_cheap_checks_come_before_any_model_loads(assets, tmp_path, monkeypatch):
     import transformers
 
-    import shardrl.trainer.rl as rl
+    import shardrl.trainer.roles as roles
     from shardrl.trainer.main import run
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded before the inputs were checked")
 
-    monkeypatch.setattr(rl, "build_engine", no_model)
+    monkeypatch.setattr(roles, "build_engine", no_model)
     base = small(assets, tmp_path / "run")
     empty_prompt = tmp_path / "rows.jsonl"
     empty_prompt.write_text('{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": "", "ground_truth": "0"}\n')
@@ -80,10 +80,10 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run(assets, tmp_path, cap
 
 
 def _score_on_two_ranks(cases):
-    """RLTrainer._score on each rank's share, for each case of (failing responses on rank 0, on rank 1)."""
+    """The trainer's scorer on each rank's share, for each case of (failing responses on rank 0, on rank 1)."""
     import torch.distributed as dist
 
-    from shardrl.trainer.rl import RLTrainer
+    from shardrl.trainer.scoring import Scorer
 
     def fn(data_source, solution_str, ground_truth, extra_info=None):
         return 1.0 if solution_str == "ok" else None
@@ -91,12 +91,11 @@ def _score_on_two_ranks(cases):
     rank = dist.get_rank()
     out = []
     for responses in cases:
-        trainer = types.SimpleNamespace(reward_model=None, rewards=RewardManager(fn),
-                                        mesh=types.SimpleNamespace(dp_group=dist.group.WORLD, dp_size=2))
+        scorer = Scorer(RewardManager(fn), dp_group=dist.group.WORLD, dp_size=2)
         texts = responses[rank]
         batch = {"data_source": ["x"] * len(texts), "response_text": texts, "extra": [{}] * len(texts)}
         try:
-            scores, metrics = RLTrainer._score(trainer, batch)
+            scores, metrics = scorer.score(batch)
             out.append(("ok", scores.tolist(), metrics["reward/num_errors"]))
         except ValueError as e:
             out.append(("error", str(e)))

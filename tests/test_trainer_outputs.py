@@ -13,8 +13,9 @@ import torch
 
 from shardrl.config import load_config
 from shardrl.trainer.main import write_results
-from shardrl.trainer.metrics import MetricsLogger
-from shardrl.trainer.rl import RLTrainer, summarize
+from shardrl.trainer.logger import MetricsLogger
+from shardrl.trainer.rl import summarize
+from shardrl.trainer.validation import validate
 
 STEPS = [{"reward/mean": r, "actor/loss": 0.5} for r in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 1.0)]
 
@@ -76,21 +77,14 @@ def test_no_step_done_writes_an_empty_summary_and_no_curve(tmp_path):
     assert not (tmp_path / "reward_curve.png").exists()
 
 
-class FakeMesh:
-    def __init__(self, dp_size, dp_rank):
-        self.dp_size, self.dp_rank, self.dp_group = dp_size, dp_rank, None
-
-
 def run_validate(num_prompts: int, dp: int, rank: int, *overrides: str) -> list[list[int]]:
-    """The prompt ids each generate round of `RLTrainer.validate` got on one rank (dp > 1: this rank's view)."""
-    trainer = RLTrainer.__new__(RLTrainer)
-    trainer.cfg = load_config(None, ["trainer.log_val_generations=0", *overrides])  # no sample generations kept
-    trainer.rank, trainer.mesh = rank, FakeMesh(dp, rank)
-    trainer.val_set = [{"id": i} for i in range(num_prompts)]
+    """The prompt ids each generate round of `validation.validate` got on one rank (dp > 1: this rank's view)."""
+    cfg = load_config(None, ["trainer.log_val_generations=0", *overrides])  # no sample generations kept
+    val_set = [{"id": i} for i in range(num_prompts)]
     rounds = []
-    trainer._generate = lambda items, sampling: rounds.append([it["id"] for it in items]) or items
-    trainer._score = lambda items: (torch.ones(len(items)), {})
-    assert trainer.validate()["val/reward_mean"] == pytest.approx(1.0)
+    generate = lambda items, sampling: rounds.append([it["id"] for it in items]) or items  # noqa: E731
+    score = lambda items: (torch.ones(len(items)), {})  # noqa: E731
+    assert validate(cfg, val_set, generate, score, rank, dp)[0]["val/reward_mean"] == pytest.approx(1.0)
     return rounds
 
 
@@ -109,22 +103,19 @@ def test_validation_of_multi_turn_rollouts_reports_tool_use_over_the_real_prompt
     calls = {0: 0, 1: 2, 2: 1, 3: 0, 4: 1}
     errors = {0: 0, 1: 1, 2: 0, 3: 0, 4: 1}
 
-    def validate(dp: int, rank: int) -> dict:
-        trainer = RLTrainer.__new__(RLTrainer)
-        trainer.cfg = load_config(None, ["trainer.log_val_generations=0", "data.val_batch_size=2"])
-        trainer.rank, trainer.mesh = rank, FakeMesh(dp, rank)
-        trainer.val_set = [{"id": i} for i in range(5)]
-        trainer._generate = lambda items, sampling: {
+    def validate_on(dp: int, rank: int) -> dict:
+        cfg = load_config(None, ["trainer.log_val_generations=0", "data.val_batch_size=2"])
+        generate = lambda items, sampling: {  # noqa: E731
             "num_tool_calls": torch.tensor([float(calls[it["id"]]) for it in items]),
             "num_tool_errors": torch.tensor([float(errors[it["id"]]) for it in items])}
-        trainer._score = lambda batch: (batch["num_tool_calls"].clone(), {})
-        return trainer.validate()
+        score = lambda batch: (batch["num_tool_calls"].clone(), {})  # noqa: E731
+        return validate(cfg, [{"id": i} for i in range(5)], generate, score, rank, dp, multi_turn=True)[0]
 
     # one rank, rounds of 2, 2, 1: 3 of 5 call a tool, one of them cleanly; 4 calls
-    assert validate(1, 0) == pytest.approx({"val/reward_mean": 0.8, "val/multi_turn/tool_call_rate": 0.6,
+    assert validate_on(1, 0) == pytest.approx({"val/reward_mean": 0.8, "val/multi_turn/tool_call_rate": 0.6,
                                             "val/multi_turn/clean_call_rate": 0.2,
                                             "val/multi_turn/num_tool_calls_mean": 0.8})
     # rank 1 of 2 holds prompts 1 and 3 and repeats prompt 1 to run as many rounds as rank 0: not counted
-    assert validate(2, 1) == pytest.approx({"val/reward_mean": 1.0, "val/multi_turn/tool_call_rate": 0.5,
+    assert validate_on(2, 1) == pytest.approx({"val/reward_mean": 1.0, "val/multi_turn/tool_call_rate": 0.5,
                                             "val/multi_turn/clean_call_rate": 0.0,
                                             "val/multi_turn/num_tool_calls_mean": 1.0})

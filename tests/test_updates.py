@@ -10,7 +10,7 @@ import torch
 
 from shardrl.batch import Batch
 from shardrl.testing import run_distributed
-from shardrl.trainer.updates import compute_advantages
+from shardrl.trainer.prepare import compute_advantages
 
 ALGO = dict(norm_adv_by_std_in_grpo=True, gamma=0.9, lam=0.8, use_kl_in_reward=False)
 

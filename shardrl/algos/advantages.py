@@ -10,6 +10,10 @@ Whitening here is over this call's batch; the engine keeps a GRPO group on one r
 statistics are exact, but batch-wide whitening (GAE, REINFORCE++) is per rank.
 """
 
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from shardrl.algos.masked import masked_whiten
@@ -136,10 +140,41 @@ def compute_reinforce_plus_plus_baseline(scores: torch.Tensor, mask: torch.Tenso
     return adv, adv
 
 
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator and what it needs from the step, declared once (the step plan reads this).
+
+    Calling it calls `fn`. `compute(inputs)` passes `fn` the entries of `inputs` its parameters name
+    (`token_rewards`, `scores`, `values`, `mask`, `index`, `gamma`, `lam`, `norm_by_std`, ...) and `whiten=False`
+    when it takes `whiten`: batch-wide whitening is the caller's, over every rank's tokens."""
+
+    fn: Callable
+    needs_critic: bool = False
+    """Takes `values`: the step builds a critic and trains it on `returns`."""
+    group_baseline: bool = False
+    """Compares the responses to one prompt (needs rollout.n >= 2; dynamic sampling keeps informative groups)."""
+    whiten: bool = False
+    """The advantages are whitened over the whole batch of all data-parallel ranks after `fn`."""
+    returns_are_advantages: bool = False
+    """The returns are the (whitened) advantages."""
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def compute(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        params = inspect.signature(self.fn).parameters
+        kwargs = {name: inputs[name] for name in params if name in inputs}
+        if "whiten" in params:
+            kwargs["whiten"] = False
+        return self.fn(**kwargs)
+
+
 ADVANTAGE_ESTIMATORS = {
-    "gae": compute_gae,
-    "grpo": compute_grpo,
-    "rloo": compute_rloo,
-    "reinforce_plus_plus": compute_reinforce_plus_plus,
-    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline,
+    "gae": Estimator(compute_gae, needs_critic=True, whiten=True),
+    "grpo": Estimator(compute_grpo, group_baseline=True, returns_are_advantages=True),
+    "rloo": Estimator(compute_rloo, group_baseline=True, returns_are_advantages=True),
+    "reinforce_plus_plus": Estimator(compute_reinforce_plus_plus, whiten=True),
+    "reinforce_plus_plus_baseline": Estimator(compute_reinforce_plus_plus_baseline, group_baseline=True, whiten=True,
+                                              returns_are_advantages=True),
 }
+"""Advantage estimators by `algorithm.adv_estimator`; a new one is a function and a line here."""

@@ -6,13 +6,14 @@ divide by the *global* count, not its own: pass `num_global_tokens` (real tokens
 mini-batch, all ranks) or `num_global_seqs` (sequences in it). Left as None they default to this
 batch's own counts, which is right when the batch is the whole mini-batch.
 
-Metrics are (sum, count) pairs: the engine adds sums and counts up over micro-batches and data-parallel
+Metrics are `shardrl.metrics.SumCount` (sum, count) pairs: the engine adds sums and counts up over micro-batches and data-parallel
 ranks and divides once, so a logged number is a property of the mini-batch, not of how it was cut.
 """
 
 import torch
 
 from shardrl.algos.masked import masked_sum
+from shardrl.metrics import SumCount
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
@@ -52,7 +53,7 @@ def agg_loss(
 
 
 def share_metric(share: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", num_global_tokens=None,
-                 num_global_seqs=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_global_seqs=None) -> SumCount:
     """`agg_loss`'s result as a metric pair: (share x the count it was divided by, this batch's own count
     of tokens or sequences). Summed over the pieces of a mini-batch, sum / count is the mini-batch loss."""
     if mode == "token-mean":
@@ -61,15 +62,9 @@ def share_metric(share: torch.Tensor, mask: torch.Tensor, mode: str = "token-mea
         local, denom = torch.tensor(mask.shape[0], device=mask.device), num_global_seqs
     local = local.to(torch.float64)
     denom = local if denom is None else torch.as_tensor(denom, dtype=torch.float64, device=share.device)
-    return share.detach().to(torch.float64) * denom.clamp(min=1), local
+    return SumCount(share.detach().to(torch.float64) * denom.clamp(min=1), local)
 
 
-def masked_metric(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A token mean as a metric pair: (sum of `values` `(B, T)` over real tokens, number of real tokens)."""
-    return masked_sum(values.detach().to(torch.float64), mask), mask.sum().to(torch.float64)
-
-
-def metric_value(pair) -> float:
-    """A (sum, count) pair's value: sum / count, or 0 when nothing was counted."""
-    total, count = (float(x) for x in pair)
-    return total / count if count > 0 else 0.0
+def masked_metric(values: torch.Tensor, mask: torch.Tensor) -> SumCount:
+    """A token mean as a metric: (sum of `values` `(B, T)` over real tokens, number of real tokens)."""
+    return SumCount(masked_sum(values.detach().to(torch.float64), mask), mask.sum().to(torch.float64))

@@ -1,7 +1,8 @@
 """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): one importance ratio per sequence, the
 length-normalized product of its token ratios, s = exp(mean_t(log pi - log pi_old)), clipped per sequence.
 
-Two modes beside the vanilla PPO loss, with `policy_loss`'s signature (so `POLICY_LOSSES` picks one by name):
+Two modes beside the vanilla PPO loss, with `policy_loss`'s signature less the dual clip (`LOSS_MODES` picks one
+by name and passes its `SequenceClipParams`):
 - "gspo": the sequence objective max(-A s, -A clip(s)) with A the sequence's advantage (the mean of its
   tokens' advantages: GRPO gives every token the same one).
 - "gspo_token": GSPO-token, verl's `loss_mode=gspo`: a ratio per token, sg[s] * pi_t / sg[pi_t], equal to s
@@ -11,7 +12,7 @@ Two modes beside the vanilla PPO loss, with `policy_loss`'s signature (so `POLIC
 The sequence ratio needs a whole sequence in one call: the engine cuts micro-batches between sequences
 (padded rows or packed ones alike), and under Ulysses sequence parallelism the loss sees whole gathered rows,
 so both modes hold there. The paper aggregates with "seq-mean-token-mean" (actor.loss_agg_mode) and clips
-tightly (clip_ratio_low=3e-4, clip_ratio_high=4e-4). There is no dual-clip (`clip_ratio_c` is not used).
+tightly (clip_ratio_low=3e-4, clip_ratio_high=4e-4). There is no dual-clip (`clip_ratio_c` is not taken).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _finish(pg_unclipped, pg_clipped, log_ratio, mask, weights, agg_mode, num_gl
 
 
 def gspo_loss(logprob, old_logprob, advantages, mask, clip_ratio_low: float, clip_ratio_high: float,
-              clip_ratio_c=None, agg_mode: str = "token-mean", num_global_tokens=None, num_global_seqs=None,
+              agg_mode: str = "token-mean", num_global_tokens=None, num_global_seqs=None,
               weights=None):
     """GSPO's sequence-level clipped objective; every token of a sequence carries the sequence's loss, so
     "seq-mean-token-mean" gives the paper's mean over sequences. `weights` `(B, T)` (rollout correction)
@@ -58,7 +59,7 @@ def gspo_loss(logprob, old_logprob, advantages, mask, clip_ratio_low: float, cli
 
 
 def gspo_token_loss(logprob, old_logprob, advantages, mask, clip_ratio_low: float, clip_ratio_high: float,
-                    clip_ratio_c=None, agg_mode: str = "token-mean", num_global_tokens=None, num_global_seqs=None,
+                    agg_mode: str = "token-mean", num_global_tokens=None, num_global_seqs=None,
                     weights=None):
     """GSPO-token: the token ratio sg[s] * exp(logprob - sg[logprob]) (value s, gradient per token), clipped
     like s, each token with its own advantage (verl's `compute_policy_loss_gspo`)."""

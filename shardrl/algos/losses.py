@@ -3,9 +3,13 @@
 Each returns the scalar to backpropagate, aggregated by `agg_loss` (pass the global token / sequence
 counts when the batch is one micro-batch of a larger mini-batch), and a dict of metrics, each a detached
 (sum, count) pair of 0-dim tensors that the engine adds up over micro-batches and ranks before it divides
-(`shardrl.algos.aggregate.metric_value`): a token fraction is (tokens where it holds, real tokens); a loss
+(`shardrl.metrics.metric_value`): a token fraction is (tokens where it holds, real tokens); a loss
 is `share_metric` of its share, so it comes out as the mini-batch loss whatever the cut.
 """
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -109,5 +113,43 @@ def entropy_loss(
 
 from shardrl.algos.gspo import gspo_loss, gspo_token_loss  # noqa: E402  (gspo imports aggregate only)
 
-POLICY_LOSSES = {"vanilla": policy_loss, "gspo": gspo_loss, "gspo_token": gspo_token_loss}
-"""Policy losses by `actor.loss_mode`, all with `policy_loss`'s signature."""
+
+@dataclass(frozen=True)
+class ClipParams:
+    """The vanilla PPO loss's settings (named as the actor config's keys, which fill them)."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float | None = None
+
+
+@dataclass(frozen=True)
+class SequenceClipParams:
+    """GSPO's settings: a clip range, no dual clip."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+
+
+@dataclass(frozen=True)
+class LossMode:
+    """A policy loss and the frozen dataclass of the settings it takes. Its call is
+    `fn(logprob, old_logprob, advantages, mask, **vars(params), agg_mode=..., num_global_tokens=...,
+    num_global_seqs=..., weights=...)` -> (loss, metrics)."""
+
+    fn: Callable
+    params: type
+
+    def params_from(self, section) -> object:
+        """The settings from the same-named fields of a config section (the actor's)."""
+        return self.params(**{f.name: getattr(section, f.name) for f in dataclasses.fields(self.params)})
+
+
+LOSS_MODES = {
+    "vanilla": LossMode(policy_loss, ClipParams),
+    "gspo": LossMode(gspo_loss, SequenceClipParams),
+    "gspo_token": LossMode(gspo_token_loss, SequenceClipParams),
+}
+"""Policy losses by `actor.loss_mode`; a new one is a function, its settings' dataclass and a line here."""
+POLICY_LOSSES = {name: mode.fn for name, mode in LOSS_MODES.items()}
+"""The functions alone, by name."""

@@ -1,5 +1,6 @@
 """Rollout-training mismatch: the fast sampler's log-probs are not exactly the training engine's (bf16
-kernels, another attention; about 0.02 nats a token on average), so the policy that sampled a response is
+kernels, another attention; measured: bench/RESULTS.md, "Current figures: Fast rollout", the health metric),
+so the policy that sampled a response is
 not quite the policy the PPO ratio is taken against. Importance weights between the two correct for it
 (verl's `rollout_is*` keys; Yao et al. 2025 "Your efficient RL framework secretly brings you off-policy RL
 training", Liu, Li et al. 2025 "When speed kills stability").
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from shardrl.algos.masked import masked_sum
+from shardrl.metrics import Max, SumCount
 
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
@@ -67,18 +69,18 @@ def rollout_is_weights(
     weights = torch.where(real, weights, zeros).to(old_log_probs.dtype)
     count = mask.sum().double()
     metrics = {
-        "weight_mean": (masked_sum(weights.double(), mask), count),
-        "truncated_frac": (truncated.double().sum(), count),
-        "masked_frac": (masked.double().sum(), count),
+        "weight_mean": SumCount(masked_sum(weights.double(), mask), count),
+        "truncated_frac": SumCount(truncated.double().sum(), count),
+        "masked_frac": SumCount(masked.double().sum(), count),
     }
     return weights, new_mask, metrics
 
 
 def mismatch_metrics(old_log_probs: torch.Tensor, sampled_log_probs: torch.Tensor, mask: torch.Tensor) -> dict:
-    """How far the sampler is from the trainer, as (sum, count) pairs (and one maximum):
+    """How far the sampler is from the trainer, as metrics (`shardrl.metrics`):
 
     "logprob_abs_diff": mean |log pi_train - log pi_sampler| over real tokens;
-    "logprob_abs_diff_max": its largest value (a 0-dim tensor, not a pair: reduce it with a max);
+    "logprob_abs_diff_max": its largest value (a `Max`);
     "kl": KL(sampler || trainer) per sequence, the sum of its tokens' log pi_sampler - log pi_train (the
     responses were drawn from the sampler, so this is the k1 estimator), averaged over sequences;
     "k3_kl": the same with the non-negative k3 estimator, per token, averaged over real tokens.
@@ -89,8 +91,8 @@ def mismatch_metrics(old_log_probs: torch.Tensor, sampled_log_probs: torch.Tenso
     num_seqs = (mask.sum(-1) > 0).double().sum()
     k3 = torch.where(real, torch.expm1(-diff.clamp(-20.0, 20.0)) + diff, 0.0)  # r - 1 - log r, r = p_t / p_s
     return {
-        "logprob_abs_diff": (diff.abs().sum(), count),
-        "logprob_abs_diff_max": diff.abs().max() if diff.numel() else diff.new_zeros(()),
-        "kl": (diff.sum(), num_seqs),
-        "k3_kl": (k3.sum(), count),
+        "logprob_abs_diff": SumCount(diff.abs().sum(), count),
+        "logprob_abs_diff_max": Max(diff.abs().max() if diff.numel() else diff.new_zeros(())),
+        "kl": SumCount(diff.sum(), num_seqs),
+        "k3_kl": SumCount(k3.sum(), count),
     }

@@ -8,9 +8,9 @@ over the data-parallel ranks, and returns its micro-batch's share of the mini-ba
 add up to the mini-batch loss whatever the cut, and FSDP's gradient averaging over the `world` ranks is
 undone by scaling each share by `world`, so the update equals that of one process on the whole batch.
 
-Metrics: a loss function returns each metric as a (sum, count) pair of tensors; the engine adds sums and
-counts up over micro-batches and the data-parallel ranks (one all-reduce per step) and reports sum / count,
-so a logged number is a property of the mini-batch, not of how it was cut. A placeholder micro-batch (run
+Metrics: a loss function returns each metric as a `shardrl.metrics` metric of tensors (a token mean as a
+`SumCount`); the engine combines them over micro-batches and the data-parallel ranks (one all-reduce per step,
+one more for extremes) and reports sum / count, so a logged number is a property of the mini-batch, not of how it was cut. A placeholder micro-batch (run
 by a rank that has run out of samples) counts nothing.
 """
 
@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from shardrl.batch import Batch
 from shardrl.distributed import MeshLayout, all_reduce_sum, build_device_mesh, device_type
+from shardrl.metrics import Sum, accumulate, reduce_metrics
 from shardrl.engine.attention import resolve_attn_implementation
 from shardrl.engine.checkpoint import load_engine_state, save_engine_state
 from shardrl.engine.loading import (compute_non_persistent_buffers, copy_full_into, load_sharded,
@@ -230,7 +231,7 @@ class Engine(abc.ABC):
 
         Returns "loss" (the mini-batch loss over all ranks), "grad_norm", "lr", the layout ("num_tokens",
         "num_micro_batches"), "skipped_step" (a non-finite gradient norm skips the step), and each of
-        `loss_fn`'s (sum, count) metrics as sum / count over the whole mini-batch. A step that leaves
+        `loss_fn`'s metrics (`shardrl.metrics`) over the whole mini-batch. A step that leaves
         non-finite or diverged parameters raises NonFiniteParametersError."""
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (forward-only)")
@@ -243,8 +244,7 @@ class Engine(abc.ABC):
 
         self.optimizer.zero_grad(set_to_none=True)
         # sums and counts stay on the device until the step ends: no host sync per micro-batch
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        loss_sum, sums, counts = zero, {}, {}
+        totals = {"loss": Sum(torch.zeros((), dtype=torch.float64, device=self.device))}
         for i, mb in enumerate(micro_batches):
             real = len(mb) > 0
             mb = mb if real else self._placeholder(batch)
@@ -256,15 +256,9 @@ class Engine(abc.ABC):
             # ties every output to the graph so each rank runs the same backward collectives
             anchor = sum(v.sum() for v in outputs.values()) * 0.0
             ((loss + anchor) * grad_scale).backward()
-            loss_sum = loss_sum + loss.detach().double()
-            for k, pair in metrics.items():
-                if not (isinstance(pair, tuple) and len(pair) == 2):
-                    raise TypeError(f"loss_fn metric {k!r} must be a (sum, count) pair of tensors, got {type(pair)}")
-                sums.setdefault(k, zero)  # a placeholder counts nothing, but every rank names the same keys
-                counts.setdefault(k, zero)
-                if real:
-                    sums[k] = sums[k] + torch.as_tensor(pair[0]).detach().to(self.device, torch.float64)
-                    counts[k] = counts[k] + torch.as_tensor(pair[1]).detach().to(self.device, torch.float64)
+            totals["loss"] = accumulate(totals["loss"], Sum(loss), self.device)
+            for k, metric in metrics.items():  # a placeholder counts nothing, but every rank names the same keys
+                totals[k] = accumulate(totals.get(k), metric, self.device, real)
 
         grad_norm = self._clip_grad_norm(self.optim_cfg.clip_grad)
         finite = bool(torch.isfinite(grad_norm))
@@ -282,12 +276,7 @@ class Engine(abc.ABC):
             log.warning("step skipped: gradient norm is %s", float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
         # the mini-batch loss is the sum of the shares; every other metric is sum / count over all pieces
-        keys = sorted(sums)
-        totals = all_reduce_sum(torch.stack([loss_sum, *(sums[k] for k in keys), *(counts[k] for k in keys)]),
-                                self.dp_group).tolist()
-        metrics = {"loss": totals[0]}
-        for k, total, count in zip(keys, totals[1:], totals[1 + len(keys):]):
-            metrics[k] = total / count if count > 0 else 0.0
+        metrics = reduce_metrics(totals, self.dp_group)
         metrics.update({
             "grad_norm": float(grad_norm),
             "lr": lr,

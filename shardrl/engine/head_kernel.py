@@ -7,8 +7,9 @@ forward, one read and one write in backward.
 - `head_backward`: the gradient of sum(g_lp * log p[target] + g_ent * H) with respect to the logits,
   (g_lp * (onehot - p) - g_ent * p * (log p + H)) / T, written in the logits' dtype.
 
-The compiled torch functions these replace (`shardrl.engine.logprob`) read the bf16 logits at about 1 TB/s on
-an H200, a quarter of its bandwidth (bench/RESULTS.md). Same results up to fp32 rounding; the CPU runs the
+The compiled torch functions these replace (`shardrl.engine.logprob`) read the bf16 logits well below the GPU's
+memory bandwidth (measured: bench/RESULTS.md, "Current figures: Update profile"; the kernels against them:
+"Current figures: Log-prob head"). Same results up to fp32 rounding; the CPU runs the
 eager torch code, and the tests run these kernels in Triton's interpreter too.
 """
 

@@ -216,7 +216,7 @@ class SDPADecodeAttention:
 
     def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
         """(B, 1, 1, seq_len); made once per step and window: SDPA converts a boolean mask in every layer, and
-        ran slower with one (bench/profile_decode.py, H200: 0.11 vs 0.06 ms per layer at batch 256, S 512)."""
+        ran slower with one (measured: bench/RESULTS.md, "Current figures: Decode step")."""
         visible = visible_keys(positions, torch.arange(seq_len, device=positions.device), window)
         mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
         return mask[:, None, None, :]
@@ -236,8 +236,8 @@ class TritonDecodeAttention:
     """Decode attention in which each slot reads its cache only from its window's start (0 on a full
     layer) up to its own position: one Triton kernel (`shardrl.rollout.decode_kernel`, CUDA only), which
     also applies the soft-cap. The attended length plays no part, so one CUDA graph serves every length.
-    Measured against `SDPADecodeAttention` in bench/RESULTS.md. `fuse_kv_write`: the kernel writes the new
-    K/V itself (0.2 ms less per step than two indexed copies at batch 256, H200)."""
+    Measured against `SDPADecodeAttention`: bench/RESULTS.md, "Current figures: Decode step". `fuse_kv_write`:
+    the kernel writes the new K/V itself, a shorter step than two indexed copies (measured: the same table)."""
 
     bucketed = False
 

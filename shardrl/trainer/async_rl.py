@@ -39,19 +39,18 @@ import logging
 import pickle
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from shardrl.config import Config
-from shardrl.data import PromptLoader, collate_prompts, load_prompt_dataset
+from shardrl.data import PromptLoader
 from shardrl.engine.model import DTYPES, load_hf_config
-from shardrl.rollout import SamplingParams, build_rollout
-from shardrl.rollout.multiturn import MultiTurnRollout
 from shardrl.rollout.weight_sync import SyncStats, WeightChannel, broadcast_object
 from shardrl.trainer.defaults import resolve_device_defaults
-from shardrl.trainer.rl import RLTrainer, load_tokenizer
+from shardrl.trainer.generation import Generation, sampling_seed, the_device
+from shardrl.trainer.rl import load_datasets
+from shardrl.trainer.roles import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -191,29 +190,36 @@ def prompt_key(items: list[dict]) -> list[list[int]]:
 
 
 # ---- the training side ------------------------------------------------------------------------------
-class AsyncRLTrainer(RLTrainer):
-    """`RLTrainer` on the training ranks: batches come from the rollout ranks, weights go to them."""
+class RemoteBatches:
+    """The batch source of the training ranks (`RLTrainer(batch_source=...)`): each step's batch comes from the
+    rollout rank that serves this dp rank, checked for its step, prompts, seed and staleness; after each step
+    the weights go to the rollout ranks when the schedule says so."""
 
-    def __init__(self, cfg: Config, run_dir: Path, split: WorldSplit):
-        super().__init__(cfg, run_dir)
-        self.split = split
-        self.rollout.release()  # never generates here; the rollout ranks do
-        self.rollout_src = rollout_rank_of(self.mesh.dp_rank, split.num_train, split.num_rollout)
+    def __init__(self, trainer, split: WorldSplit):
+        cfg = trainer.cfg
+        self.cfg, self.split, self.actor, self.device = cfg, split, trainer.roles.actor, trainer.device
+        self.dp_rank = trainer.mesh.dp_rank
+        self.seed = cfg.rollout.seed
+        self.src = rollout_rank_of(self.dp_rank, split.num_train, split.num_rollout)
         self.weights = None
-        if self.rank == 0:
-            self.weights = WeightChannel(split.weight_ctrl, split.weight_data, 0, self.device,
+        if trainer.rank == 0:
+            self.weights = WeightChannel(split.weight_ctrl, split.weight_data, 0, trainer.device,
                                          cfg.async_rl.weight_bucket_mb * 2**20)
-        self._batch_info: dict = {}
-        self._say(f"async: {split.num_train} training ranks, {split.num_rollout} rollout ranks, "
-                  f"max_staleness={cfg.async_rl.max_staleness}")
+        self.info: dict = {}
+        trainer._say(f"async: {split.num_train} training ranks, {split.num_rollout} rollout ranks, "
+                     f"max_staleness={cfg.async_rl.max_staleness}")
 
-    def _sync_weights(self) -> None:
-        pass  # the rollout ranks hold the rollout
+    def start(self, state) -> None:
+        """The rollout ranks start at this step with this loader position and policy: batches generated but not
+        trained before a stop are generated again, not lost."""
+        if self.weights is not None:
+            start = {"step": state.step, "loader": state.loader.state_dict()}
+            _stopped_if_broken(self.split, lambda: broadcast_object(self.split.weight_ctrl, start, 0, True), "rollout")
+        self._push_weights()
 
     def _push_weights(self) -> SyncStats:
         """Every training rank (the export's gathers are collective); rank 0 streams."""
-        dtype = DTYPES["bfloat16"] if self.device.type == "cuda" else None
-        weights = self.actor.export_weights(dtype)
+        weights = self.actor.export_weights(DTYPES["bfloat16"] if self.device.type == "cuda" else None)
         if self.weights is not None:
             self.split.store.add(_PUSHED_KEY, 1)  # a partial rollout takes it between two decode steps
             return _stopped_if_broken(self.split, lambda: self.weights.send(weights), "rollout")
@@ -221,47 +227,41 @@ class AsyncRLTrainer(RLTrainer):
             pass
         return SyncStats()
 
-    def maybe_resume(self) -> None:
-        super().maybe_resume()
-        # the rollout ranks start at this step with this loader position and policy: batches generated
-        # but not trained before a stop are generated again, not lost
-        if self.weights is not None:
-            start = {"step": self.step, "loader": self.loader.state_dict()}
-            _stopped_if_broken(self.split, lambda: broadcast_object(self.split.weight_ctrl, start, 0, True), "rollout")
-        self._push_weights()
-
-    def _generate(self, items: list[dict], sampling: SamplingParams):
+    def batch(self, step: int, items: list[dict], round_index: int = 0):
         t0 = time.perf_counter()
-        msg = _stopped_if_broken(self.split, lambda: recv_object(self.split.bridge, self.rollout_src), "rollout")
+        msg = _stopped_if_broken(self.split, lambda: recv_object(self.split.bridge, self.src), "rollout")
         # the trainer trains every step's batch once, in order: the rollout's batch is this step's prompts
-        if msg["step"] != self.step or msg["prompt_key"] != prompt_key(items) or msg["seed"] != sampling.seed:
-            raise RuntimeError(f"training step {self.step} received the batch of step {msg['step']} (or other "
+        if msg["step"] != step or msg["prompt_key"] != prompt_key(items) or msg["seed"] != sampling_seed(
+                self.seed, step, self.dp_rank):
+            raise RuntimeError(f"training step {step} received the batch of step {msg['step']} (or other "
                                "prompts/seed): the rollout and training ranks lost step")
-        staleness = self.step - msg["version"]
-        bound = self.cfg.async_rl.max_staleness
+        staleness, bound = step - msg["version"], self.cfg.async_rl.max_staleness
         if not 0 <= staleness <= bound:
-            raise RuntimeError(f"step {self.step}: a batch of policy version {msg['version']} is {staleness} "
+            raise RuntimeError(f"step {step}: a batch of policy version {msg['version']} is {staleness} "
                                f"updates old, outside [0, async_rl.max_staleness={bound}]")
         batch = msg["batch"]
-        self._batch_info = {"wait_s": time.perf_counter() - t0, "staleness": staleness,
-                            "gen_s": msg["gen_s"], "idle_s": msg["idle_s"]}
-        if "token_version" in batch:  # partial rollouts: versions change inside responses
+        self.info = {"wait_s": time.perf_counter() - t0, "staleness": staleness, "gen_s": msg["gen_s"],
+                     "idle_s": msg["idle_s"]}
+        if self.cfg.async_rl.partial_rollout:  # versions change inside responses
             versions = batch["token_version"]
             real = versions >= 0
             last = versions.max(1).values  # padding holds -1
-            self._batch_info.update(
+            self.info.update(
                 partial_frac=float((last > batch["policy_version"]).float().mean()),
-                token_staleness=float((self.step - versions[real]).float().mean()) if real.any() else 0.0)
+                token_staleness=float((step - versions[real]).float().mean()) if real.any() else 0.0)
         return batch
 
-    def train_step(self) -> dict[str, float]:
-        metrics = super().train_step()
+    def generate(self, items, sampling):
+        raise ValueError("validation is not supported with async_rl.rollout_ranks > 0; set trainer.val_freq=0")
+
+    def after_step(self, step: int, metrics: dict) -> dict:
         total, bound = self.cfg.trainer.total_steps, self.cfg.async_rl.max_staleness
-        stats = self._push_weights() if pushes_after_step(self.step, total, bound) else SyncStats()
-        info = self._batch_info
+        stats = self._push_weights() if pushes_after_step(step, total, bound) else SyncStats()
+        info = self.info
         step_s = metrics["timing/step_s"] + stats.wait_s + stats.seconds
         wait_s = info["wait_s"] + stats.wait_s  # for the batch, and for the rollout to take the weights
-        metrics.update({
+        gen_and_idle = info["idle_s"] + info["gen_s"]
+        out = {
             "timing/step_s": step_s,  # incl. the weight push, as a colocated step's generation syncs them
             "timing/weight_sync_s": stats.seconds,
             "weight_sync/bytes": float(stats.num_bytes),
@@ -270,16 +270,12 @@ class AsyncRLTrainer(RLTrainer):
             "async/trainer_wait_s": wait_s,
             "async/trainer_idle_frac": wait_s / step_s if step_s > 0 else 0.0,
             "async/rollout_gen_s": info["gen_s"],
-            "async/rollout_idle_frac": info["idle_s"] / (info["idle_s"] + info["gen_s"])
-            if info["idle_s"] + info["gen_s"] > 0 else 0.0,
-        })
+            "async/rollout_idle_frac": info["idle_s"] / gen_and_idle if gen_and_idle > 0 else 0.0,
+        }
         if "partial_frac" in info:
-            metrics["async/partial_frac"] = info["partial_frac"]  # responses generated by more than one version
-            metrics["async/token_staleness_mean"] = info["token_staleness"]
-        return metrics
-
-    def validate(self) -> dict[str, float]:
-        raise ValueError("validation is not supported with async_rl.rollout_ranks > 0; set trainer.val_freq=0")
+            out["async/partial_frac"] = info["partial_frac"]  # responses generated by more than one version
+            out["async/token_staleness_mean"] = info["token_staleness"]
+        return out
 
 
 def _stopped_if_broken(split: WorldSplit, fn, other: str):
@@ -307,20 +303,13 @@ def run_rollout_side(cfg: Config, split: WorldSplit) -> None:
 
 def _rollout_loop(cfg: Config, split: WorldSplit) -> None:
     tokenizer = load_tokenizer(cfg)
-    d = cfg.data
-    train_set = load_prompt_dataset(d.train_files, tokenizer, d.prompt_key, d.max_prompt_length, d.truncation,
-                                    d.skip_bad_rows)
+    train_set, _ = load_datasets(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_files=[])),
+                                 tokenizer)
     policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
     cfg, _ = resolve_device_defaults(cfg, policy_config)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    ro = cfg.rollout
-    fast_kwargs = dict(max_batch=ro.max_batch, sync_every=ro.sync_every, compile=ro.compile,
-                       attention=ro.attention, sampler=ro.sampler) if ro.backend == "fast" else {}
-    rollout = build_rollout(ro.backend, policy_config, tokenizer, device,
-                            torch.bfloat16 if device.type == "cuda" else torch.float32,
-                            micro_batch_size=ro.micro_batch_size, **fast_kwargs)
-    if ro.multi_turn.enable:  # as RLTrainer builds it: the agent loop around the backend
-        rollout = MultiTurnRollout.from_config(rollout, tokenizer, ro.multi_turn)
+    device = the_device()
+    generation = Generation(cfg, policy_config, tokenizer, device)
+    rollout, d = generation.rollout, cfg.data
     sp = cfg.actor.engine.ulysses_sequence_parallel_size
     dp_size = split.num_train // sp
     served = [r for r in range(dp_size) if rollout_rank_of(r, split.num_train, split.num_rollout) == split.global_rank]
@@ -337,7 +326,6 @@ def _rollout_loop(cfg: Config, split: WorldSplit) -> None:
     s0, bound = start["step"], cfg.async_rl.max_staleness
     if cfg.async_rl.partial_rollout:
         rollout.weight_hook = weights.poll
-    sampling = SamplingParams.from_config(ro)
     pending: list[list] = []
     idle_from = time.perf_counter()
     for step in range(s0, cfg.trainer.total_steps):
@@ -345,17 +333,17 @@ def _rollout_loop(cfg: Config, split: WorldSplit) -> None:
             weights.receive()
         for r in served:
             items = next(loaders[r])
-            seed = ro.seed + 100_003 * step + r  # the synchronous run's stream of that step and dp rank
+            sampling = generation.step_sampling(step, r)  # the synchronous run's stream of that step and dp rank
             t0 = time.perf_counter()
             version = weights.version
-            batch = generate_batch(rollout, tokenizer, items, dataclasses.replace(sampling, seed=seed), device)
-            if "token_version" in batch:  # each response's first token's version: the oldest in it
+            batch = generate_batch(generation, items, sampling)
+            if cfg.async_rl.partial_rollout:  # each response's first token's version: the oldest in it
                 batch["policy_version"] = batch["token_version"][:, 0].clamp(min=version)
             else:
                 batch["policy_version"] = torch.full((len(batch),), version, dtype=torch.long)
             t1 = time.perf_counter()
-            msg = {"step": step, "version": version, "seed": seed, "prompt_key": prompt_key(items), "batch": batch,
-                   "gen_s": t1 - t0, "idle_s": t0 - idle_from}
+            msg = {"step": step, "version": version, "seed": sampling.seed, "prompt_key": prompt_key(items),
+                   "batch": batch, "gen_s": t1 - t0, "idle_s": t0 - idle_from}
             idle_from = t1
             for dst in range(r * sp, (r + 1) * sp):  # every rank of the dp rank's sp group trains on it
                 pending.append(_stopped_if_broken(split, lambda: send_object(split.bridge, msg, dst), "training"))
@@ -389,15 +377,6 @@ class RolloutWeights:
         return _stopped_if_broken(self.split, lambda: int(self.split.store.add(_PUSHED_KEY, 0)), "training")
 
 
-def generate_batch(rollout, tokenizer, items: list[dict], sampling: SamplingParams, device: torch.device):
-    """One generate call for `items` (as `RLTrainer._generate` on an sp group's first rank): a CPU batch
-    with each sample's data_source and extra."""
-    prompts = collate_prompts(items, tokenizer.pad_token_id)
-    per_sample = {"samples": items} if isinstance(rollout, MultiTurnRollout) else {}  # interaction state
-    out = rollout.generate(prompts["input_ids"].to(device), prompts["attention_mask"].to(device), sampling,
-                           **per_sample)
-    batch = out.to_batch().to("cpu")
-    rows = batch["prompt_index"].tolist()
-    batch["data_source"] = [items[i]["data_source"] for i in rows]
-    batch["extra"] = [items[i]["extra"] for i in rows]
-    return batch
+def generate_batch(generation: Generation, items: list[dict], sampling):
+    """A rollout rank's generate call (the colocated trainer's, `Generation.generate`)."""
+    return generation.generate(items, sampling)

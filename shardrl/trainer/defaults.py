@@ -1,6 +1,6 @@
 """Choices a run makes once at start-up, from the machine and the config: the defaults that depend on the
-device (`rollout.backend`, `*.engine.compile` left null) and whether the old log-probs need a pass of
-their own (`actor.recompute_old_log_probs`). Each returns what it chose and a line saying why, for the log.
+device (`rollout.backend`, `*.engine.compile` and `rollout.free_cache_engine` left null). Each returns what it
+chose and a line saying why, for the log. What a step does is `shardrl.step_plan`'s.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def resolve_device_defaults(cfg: Config, hf_config=None,
         lines.append(f"rollout.backend={ro.backend} (null: by device, {reason})")
     size = None
     if hf_config is not None:
-        from shardrl.trainer.perf import model_shape
+        from shardrl.perf import model_shape
 
         try:
             size = model_shape(hf_config).num_params
@@ -96,35 +96,20 @@ def free_cache_choice(memory_gib: tuple[float, float] | None, cuda: bool) -> tup
                                               f"{verdict} {KEEP_CACHE_FRACTION:.0%} of the GPU's {gpu:.0f} GiB")
 
 
-def old_log_probs_from_update(cfg: Config) -> tuple[bool, str]:
-    """Whether the actor update may take its old log-probs from its own forward (detached), skipping the
-    forward pass that computes them before the update; and why, in words.
+def memory_gib(cfg: Config, layout, hf_config, device: torch.device, say=None) -> tuple[float, float] | None:
+    """(the memory ledger's update peak plus the rollout's cache, this GPU's size) in GiB, for
+    `resolve_device_defaults`; None on CPU, when `rollout.free_cache_engine` is set, or for a model the ledger
+    cannot size (and `say` a line why)."""
+    from shardrl.layout import GIB
+    from shardrl.memory import phase_ledger, update_and_cache_gib
 
-    Exact when that forward is the pass the old log-probs would come from: the parameters the old pass
-    would see are the ones the update's only optimizer step starts from (one mini-batch, one epoch; the
-    engine's `train_batch` runs each micro-batch forward once), at the same temperature (the trainer passes
-    the rollout's `logprob_temperature` to both), and without dropout (training runs in train mode). Nothing
-    may read the old log-probs before the update: KL in the reward does (it shapes the advantages). The
-    rollout correction's truncated weights (algorithm.rollout_is, mode truncate) are then computed in the loss
-    from the same detached forward; mask mode is not, as it changes the token count the loss divides by."""
-    a = cfg.actor
-    if a.recompute_old_log_probs == "always":
-        return False, "actor.recompute_old_log_probs=always"
-    blockers = []
-    if a.ppo_mini_batch_size != cfg.data.train_batch_size:
-        blockers.append(f"{cfg.data.train_batch_size // a.ppo_mini_batch_size} mini-batches per step "
-                        f"(actor.ppo_mini_batch_size={a.ppo_mini_batch_size} < data.train_batch_size="
-                        f"{cfg.data.train_batch_size})")
-    if a.ppo_epochs != 1:
-        blockers.append(f"actor.ppo_epochs={a.ppo_epochs}")
-    if cfg.algorithm.use_kl_in_reward:
-        blockers.append("algorithm.use_kl_in_reward reads them before the advantages")
-    if cfg.algorithm.rollout_is and cfg.algorithm.rollout_is_mode == "mask":
-        blockers.append("algorithm.rollout_is_mode=mask drops tokens from the loss mask before the update, "
-                        "and the loss is normalized by that mask's token count")
-    if not cfg.model.disable_dropout:
-        blockers.append("model.disable_dropout=false (the update's forward may draw dropout masks)")
-    if blockers:
-        return False, "recomputed before the update (actor.recompute_old_log_probs=auto): " + "; ".join(blockers)
-    return True, ("taken from the update's own forward, detached (actor.recompute_old_log_probs=auto: one "
-                  "mini-batch, one epoch, so the PPO ratio is exactly 1 there); no separate forward pass")
+    if device.type != "cuda" or cfg.rollout.free_cache_engine is not None:
+        return None
+    try:
+        need = update_and_cache_gib(phase_ledger(cfg, layout, hf_config))
+    except (ValueError, AttributeError, KeyError) as e:
+        if say is not None:
+            say(f"the memory ledger cannot size this model ({e}); the rollout frees its cache for training")
+        return None
+    return need, torch.cuda.get_device_properties(device).total_memory / GIB
+

@@ -82,7 +82,7 @@ def run(config: str | None, overrides: list[str]) -> Path | None:
     from shardrl.config import load_config
     from shardrl.distributed import init_distributed
     from shardrl.layout import derive_layout
-    from shardrl.trainer.metrics import check_sinks_installed
+    from shardrl.trainer.logger import check_sinks_installed
     from shardrl.trainer.rl import RLTrainer, prepare_run_dir
     from shardrl.trainer.run_folder import release_run_dir
 
@@ -94,7 +94,7 @@ def run(config: str | None, overrides: list[str]) -> Path | None:
     init_distributed()
     split, ok = None, False
     if cfg.async_rl.rollout_ranks:  # disaggregated: from here the default group holds this rank's side only
-        from shardrl.trainer.async_rl import AsyncRLTrainer, run_rollout_side, split_world
+        from shardrl.trainer.async_rl import RemoteBatches, run_rollout_side, split_world
 
         split = split_world(cfg)
     try:
@@ -111,7 +111,8 @@ def run(config: str | None, overrides: list[str]) -> Path | None:
         run_dir = prepare_run_dir(cfg)  # chosen and checked writable; RLTrainer creates and locks it
         failed = True
         try:
-            trainer = RLTrainer(cfg, run_dir) if split is None else AsyncRLTrainer(cfg, run_dir, split)
+            source = None if split is None else (lambda t: RemoteBatches(t, split))  # None: colocated
+            trainer = RLTrainer(cfg, run_dir, batch_source=source)
             try:
                 trainer.fit()
             except BaseException as e:  # Ctrl-C: rank 0 still writes the summary and curve of the steps done
@@ -146,7 +147,7 @@ def train_main(args) -> int:
     for flag, value in (("--nproc-per-node", nproc), ("--nnodes", nnodes)):
         if value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1 (processes per node / nodes)")
-    from shardrl.trainer.metrics import check_sinks_installed
+    from shardrl.trainer.logger import check_sinks_installed
 
     check_sinks_installed(cfg.trainer.logger)  # a missing tensorboard/wandb: said now, not after the model loads
     overrides += [f"trainer.nproc_per_node={nproc}", f"trainer.nnodes={nnodes}"]

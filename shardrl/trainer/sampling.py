@@ -1,7 +1,7 @@
 """What the trainer does between sampling and the update for DAPO and rollout correction: dynamic sampling
-(generate until a step has enough informative groups), overlong shaping of the scores, and the rollout-
-training mismatch metrics and importance weights. The algorithms are `shardrl.algos.dapo` and
-`shardrl.algos.rollout_correction`; this module reads the config and moves batches around.
+(generate until a step has enough informative groups) and the rollout-training mismatch metrics and importance
+weights. The algorithms are `shardrl.algos.dapo` and `shardrl.algos.rollout_correction`; this module reads the
+config and moves batches around (the overlong shaping is the scorer's).
 """
 
 from __future__ import annotations
@@ -10,20 +10,10 @@ from typing import Callable
 
 import torch
 
-from shardrl.algos.dapo import informative_groups, overlong_penalty
+from shardrl.algos.dapo import informative_groups
 from shardrl.algos.rollout_correction import mismatch_metrics, rollout_is_weights
 from shardrl.batch import Batch
-from shardrl.trainer.metrics import Max, Min, Sum, SumCount, reduce_over_ranks
-
-
-def shape_overlong(batch: Batch, scores: torch.Tensor, buffer_cfg, max_new_tokens: int) -> tuple[torch.Tensor, dict]:
-    """`scores` plus DAPO's overlong penalty (when `buffer_cfg.enable`), and its mean over this rank's samples as
-    a reward metric ("reward/overlong_penalty_mean", like a reward function's own keys)."""
-    if not buffer_cfg.enable:
-        return scores, {}
-    penalty = overlong_penalty(batch["response_mask"].sum(-1), max_new_tokens, buffer_cfg.len,
-                               buffer_cfg.penalty_factor)  # (N,)
-    return scores + penalty, {"reward/overlong_penalty_mean": float(penalty.mean()) if len(penalty) else 0.0}
+from shardrl.metrics import Max, Min, Sum, SumCount, reduce_metrics
 
 
 def concat_rollouts(batches: list[Batch]) -> Batch:
@@ -72,7 +62,7 @@ def draw_informative_groups(draw: Callable[[int], tuple[Batch, torch.Tensor, dic
             reward_metrics[k] = (total + float(v) * (1.0 if k == "reward/num_errors" else n), count + n)
         informative = informative_groups(s, batch["prompt_index"])
         kept_groups += len(torch.unique(batch["prompt_index"][informative]))
-        fewest = reduce_over_ranks({"g": Min(float(kept_groups))}, dp_group)["g"]
+        fewest = reduce_metrics({"g": Min(float(kept_groups))}, dp_group)["g"]
         if fewest >= num_groups or rounds >= max_rounds:
             break
     batch = concat_rollouts(batches)
@@ -98,12 +88,10 @@ def draw_informative_groups(draw: Callable[[int], tuple[Batch, torch.Tensor, dic
 
 def mismatch_step_metrics(batch: Batch) -> dict:
     """This rank's rollout-vs-trainer metrics from `old_log_probs` and `sampled_log_probs`, for
-    `reduce_over_ranks`: rollout/logprob_abs_diff (token mean), rollout/logprob_abs_diff_max, rollout/kl (KL of
+    `reduce_metrics`: rollout/logprob_abs_diff (token mean), rollout/logprob_abs_diff_max, rollout/kl (KL of
     sampler to trainer per sequence, mean over sequences), rollout/k3_kl (token mean)."""
     m = mismatch_metrics(batch["old_log_probs"], batch["sampled_log_probs"], batch["loss_mask"].float())
-    out = {f"rollout/{k}": SumCount(*map(float, v)) for k, v in m.items() if k != "logprob_abs_diff_max"}
-    out["rollout/logprob_abs_diff_max"] = Max(float(m["logprob_abs_diff_max"]))
-    return out
+    return {f"rollout/{k}": type(v)(*map(float, v)) for k, v in m.items()}
 
 
 def apply_rollout_is(batch: Batch, algo_cfg) -> dict:
@@ -115,4 +103,4 @@ def apply_rollout_is(batch: Batch, algo_cfg) -> dict:
                                           algo_cfg.rollout_is_threshold, algo_cfg.rollout_is_threshold_lower)
     batch["rollout_is_weights"] = weights
     batch["loss_mask"] = mask
-    return {f"rollout_is/{k}": SumCount(*map(float, v)) for k, v in m.items()}
+    return {f"rollout_is/{k}": type(v)(*map(float, v)) for k, v in m.items()}

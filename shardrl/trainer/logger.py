@@ -7,92 +7,14 @@ import importlib
 import json
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from shardrl.metrics import read_metrics
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SumCount:
-    """A metric whose value over ranks is the sum of `total` over the sum of `count` (e.g. a token mean)."""
-
-    total: float
-    count: float
-
-
-@dataclass(frozen=True)
-class Sum:
-    """A metric whose value over ranks is the sum of every rank's (e.g. the tokens of the whole batch)."""
-
-    value: float
-
-
-@dataclass(frozen=True)
-class Max:
-    """A metric whose value over ranks is the largest rank's."""
-
-    value: float
-
-
-@dataclass(frozen=True)
-class Min:
-    """A metric whose value over ranks is the smallest rank's."""
-
-    value: float
-
-
-def reduce_over_ranks(metrics: dict, group=None) -> dict[str, float]:
-    """One number per metric over the ranks of `group`: a SumCount is sum(total) / sum(count) (0 when
-    nothing was counted), a Sum the sum, Max and Min the global extremes, a plain number the mean over the
-    ranks (right when every rank holds an equal share). One all-reduce for the sums, one for the extremes if
-    any."""
-    places = {}  # key -> (vector, position): "sum" vector (a SumCount takes two places) or "max" vector
-    summed, maxed = [], []
-    for k in sorted(metrics):
-        v = metrics[k]
-        if isinstance(v, SumCount):
-            places[k] = ("sum", len(summed))
-            summed += [float(v.total), float(v.count)]
-        elif isinstance(v, Sum):
-            places[k] = ("sum", len(summed))
-            summed.append(float(v.value))
-        elif isinstance(v, (Max, Min)):  # a minimum is the negated maximum of the negated values
-            places[k] = ("max", len(maxed))
-            maxed.append(-float(v.value) if isinstance(v, Min) else float(v.value))
-        else:
-            places[k] = ("sum", len(summed))
-            summed.append(float(v))
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    if world > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-        values = torch.tensor(summed, dtype=torch.float64, device=device)
-        dist.all_reduce(values, group=group)
-        summed = values.tolist()
-        if maxed:
-            values = torch.tensor(maxed, dtype=torch.float64, device=device)
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-            maxed = values.tolist()
-    out = {}
-    for k, (vector, i) in places.items():
-        v = metrics[k]
-        if isinstance(v, SumCount):
-            out[k] = summed[i] / summed[i + 1] if summed[i + 1] > 0 else 0.0
-        elif isinstance(v, Sum):
-            out[k] = summed[i]
-        elif vector == "max":
-            out[k] = -maxed[i] if isinstance(v, Min) else maxed[i]
-        else:
-            out[k] = summed[i] / world
-    return out
-
-
-def mean_over_ranks(metrics: dict[str, float], group=None) -> dict[str, float]:
-    """Averages every metric over the ranks of `group` (one all-reduce for all keys)."""
-    return reduce_over_ranks(metrics, group)
 
 
 class MetricsLogger:
@@ -193,11 +115,6 @@ def check_sinks_installed(sinks: list[str]) -> None:
             raise ConfigError(f"invalid config value trainer.logger={list(sinks)!r}: {sink!r} needs a package that "
                               f"cannot be imported here ({e}); pip install 'shardrl[{extra}]', or drop {sink!r} "
                               "from trainer.logger") from None
-
-
-def read_metrics(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _truncate_after(path: Path, step: int) -> list[dict]:

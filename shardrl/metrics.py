@@ -1,0 +1,152 @@
+"""The one metric type of shardrl, its one reduction over ranks, and the file a run logs them to.
+
+A metric is a value that knows how it combines over pieces of a batch (micro-batches, ranks):
+- `SumCount(total, count)`: total / count over all pieces (a token mean, a loss share, a fraction);
+- `Sum(value)`: the sum over pieces (tokens of the whole batch, failures);
+- `Max(value)`, `Min(value)`: the extremes;
+- a plain number: the mean over ranks (right when every rank holds the same number or an equal share).
+Loss functions and algorithms return them (their fields may be 0-dim tensors, summed on the device with no host
+sync), the engine adds micro-batches up, and `reduce_metrics` turns a dict of them into floats over a process
+group with one all-reduce (and one more for the extremes). They are tuples, so `total, count = m` works.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from shardrl.distributed import collective_device
+
+
+class SumCount(NamedTuple):
+    """A metric whose value over pieces is the sum of `total` over the sum of `count` (e.g. a token mean)."""
+
+    total: float | torch.Tensor
+    count: float | torch.Tensor
+
+
+class Sum(NamedTuple):
+    """A metric whose value over pieces is the sum of every piece's (e.g. the tokens of the whole batch)."""
+
+    value: float | torch.Tensor
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+
+class Max(NamedTuple):
+    """A metric whose value over pieces is the largest piece's."""
+
+    value: float | torch.Tensor
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+
+class Min(NamedTuple):
+    """A metric whose value over pieces is the smallest piece's."""
+
+    value: float | torch.Tensor
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+
+def accumulate(acc, metric, device: torch.device, real: bool = True):
+    """`metric` added to `acc` (None: nothing yet), of the same kind, as float64 tensors on `device` (no host
+    sync). `real=False` adds nothing but names the key (an empty piece, such as a placeholder micro-batch that
+    a rank without samples runs so that every rank names the same keys)."""
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+
+    def f64(x):
+        return torch.as_tensor(x).detach().to(device, torch.float64)
+
+    if isinstance(metric, (Max, Min)):
+        pick, empty = (torch.maximum, -math.inf) if isinstance(metric, Max) else (torch.minimum, math.inf)
+        start = acc.value if acc is not None else zero + empty
+        return type(metric)(pick(start, f64(metric.value)) if real else start)
+    if isinstance(metric, Sum):
+        start = acc.value if acc is not None else zero
+        return Sum(start + f64(metric.value) if real else start)
+    if not (isinstance(metric, tuple) and len(metric) == 2):
+        raise TypeError(f"a metric must be a SumCount, Sum, Max or Min (or a (sum, count) pair), got {type(metric)}")
+    total, count = acc if acc is not None else (zero, zero)
+    return SumCount(total + f64(metric[0]), count + f64(metric[1])) if real else SumCount(total, count)
+
+
+def metric_value(metric) -> float:
+    """One piece's own value (no ranks): a SumCount (or any (sum, count) pair) is sum / count (0 when nothing was
+    counted), the others their value."""
+    if isinstance(metric, (Sum, Max, Min)):
+        return float(metric.value)
+    if isinstance(metric, tuple):
+        total, count = (float(x) for x in metric)
+        return total / count if count > 0 else 0.0
+    return float(metric)
+
+
+def reduce_metrics(metrics: dict, group=None) -> dict[str, float]:
+    """One float per metric over the ranks of `group` (see the module docstring; a plain (sum, count) tuple
+    counts as a SumCount). One all-reduce of float64 for the sums, one for the extremes if any."""
+    places = {}  # key -> ("sum" | "max", position in that vector)
+    summed, maxed = [], []
+    for k in sorted(metrics):
+        v = metrics[k]
+        if isinstance(v, (Max, Min)):  # a minimum is the negated maximum of the negated values
+            places[k] = ("max", len(maxed))
+            maxed.append(-_f64(v.value) if isinstance(v, Min) else _f64(v.value))
+        elif isinstance(v, Sum):
+            places[k] = ("sum", len(summed))
+            summed.append(_f64(v.value))
+        elif isinstance(v, tuple):
+            places[k] = ("sum", len(summed))
+            summed += [_f64(v[0]), _f64(v[1])]
+        else:
+            places[k] = ("sum", len(summed))
+            summed.append(_f64(v))
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    summed = _all_reduce(summed, dist.ReduceOp.SUM, group, world)
+    maxed = _all_reduce(maxed, dist.ReduceOp.MAX, group, world)
+    out = {}
+    for k, (vector, i) in places.items():
+        v = metrics[k]
+        if vector == "max":
+            out[k] = -maxed[i] if isinstance(v, Min) else maxed[i]
+        elif isinstance(v, Sum):
+            out[k] = summed[i]
+        elif isinstance(v, tuple):
+            out[k] = summed[i] / summed[i + 1] if summed[i + 1] > 0 else 0.0
+        else:
+            out[k] = summed[i] / world
+    return out
+
+
+def _f64(x) -> torch.Tensor:
+    return x.detach().to(torch.float64).reshape(()) if isinstance(x, torch.Tensor) else torch.tensor(
+        float(x), dtype=torch.float64)
+
+
+def _all_reduce(values: list[torch.Tensor], op, group, world: int) -> list[float]:
+    """`values` reduced over `group` as one float64 vector on the collective's device (the values' own device
+    when there is no other rank); one host sync."""
+    if not values:
+        return []
+    if world > 1:
+        device = collective_device(group)
+    else:
+        device = next((v.device for v in values if v.device.type != "cpu"), torch.device("cpu"))
+    vector = torch.stack([v.to(device) for v in values])
+    if world > 1:
+        dist.all_reduce(vector, op=op, group=group)
+    return vector.tolist()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a run's `metrics.jsonl`, one JSON object per line."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,66 @@
+"""Generation, the one part both placements share: the rollout built from the config, the per-step sampling
+seed, and one generate call that turns prompt rows into a CPU batch.
+
+A colocated run's trainer (`rl.LocalBatches`) and an asynchronous run's rollout ranks (`async_rl`) both use
+`Generation`, so the two draw the same samples from the same weights and seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from shardrl.batch import Batch
+from shardrl.config import Config
+from shardrl.data import collate_prompts
+from shardrl.rollout import SamplingParams, build_rollout
+from shardrl.rollout.multiturn import MultiTurnRollout
+
+
+def sampling_seed(base_seed: int, step: int, dp_rank: int) -> int:
+    """A fresh, reproducible sampling stream per step and data-parallel rank (a resumed run draws the same)."""
+    return base_seed + 100_003 * step + dp_rank
+
+
+def the_device() -> torch.device:
+    """This process's device: its current GPU, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class Generation:
+    """The rollout of a run (`rollout.backend`, wrapped in the agent loop when `rollout.multi_turn.enable`)
+    and the step's sampling settings."""
+
+    def __init__(self, cfg: Config, hf_config, tokenizer, device: torch.device):
+        ro = cfg.rollout
+        fast_kwargs = dict(max_batch=ro.max_batch, sync_every=ro.sync_every, compile=ro.compile,
+                           attention=ro.attention, sampler=ro.sampler) if ro.backend == "fast" else {}
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.rollout = build_rollout(ro.backend, hf_config, tokenizer, device, dtype,
+                                     micro_batch_size=ro.micro_batch_size, **fast_kwargs)
+        self.multi_turn = ro.multi_turn.enable
+        if self.multi_turn:  # the agent loop drives the backend's generate in rounds, tools in between
+            self.rollout = MultiTurnRollout.from_config(self.rollout, tokenizer, ro.multi_turn)
+        self.tokenizer, self.device, self.seed = tokenizer, device, ro.seed
+        self.sampling = SamplingParams.from_config(ro)
+
+    def step_sampling(self, step: int, dp_rank: int) -> SamplingParams:
+        """The training sampling settings of step `step` on data-parallel rank `dp_rank`."""
+        return dataclasses.replace(self.sampling, seed=sampling_seed(self.seed, step, dp_rank))
+
+    def generate(self, items: list[dict], sampling: SamplingParams) -> Batch:
+        """One generate call for prompt rows `items`: a CPU batch with each sample's data_source and extra."""
+        prompts = collate_prompts(items, self.tokenizer.pad_token_id)
+        per_sample = {"samples": items} if self.multi_turn else {}  # the interaction's per-conversation state
+        out = self.rollout.generate(prompts["input_ids"].to(self.device), prompts["attention_mask"].to(self.device),
+                                    sampling, **per_sample)
+        return with_sources(out.to_batch().to("cpu"), items)
+
+
+def with_sources(batch: Batch, items: list[dict]) -> Batch:
+    """`batch` with the data_source and extra of each sample's prompt row (by its `prompt_index`)."""
+    rows = batch["prompt_index"].tolist()
+    batch["data_source"] = [items[i]["data_source"] for i in rows]
+    batch["extra"] = [items[i]["extra"] for i in rows]
+    return batch

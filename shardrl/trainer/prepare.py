@@ -1,0 +1,86 @@
+"""What happens to a scored batch before the update, as the step plan says: the old log-probs (unless the update
+takes them from its own forward), the reference's, the critic's values, the advantages, and rollout correction.
+
+The config sections are read here, once, and turned into the scalars the pure functions of `shardrl.algos` take.
+Metrics are this rank's (`shardrl.metrics`), for `reduce_metrics`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardrl.algos import ADVANTAGE_ESTIMATORS, apply_kl_in_reward, masked_whiten, scores_to_token_rewards
+from shardrl.algos.aggregate import masked_metric
+from shardrl.batch import Batch
+from shardrl.distributed import all_reduce_sum
+from shardrl.metrics import SumCount
+from shardrl.step_plan import StepPlan
+from shardrl.trainer.sampling import apply_rollout_is, mismatch_step_metrics
+
+
+def prepare(batch: Batch, scores: torch.Tensor, plan: StepPlan, roles, algo_cfg, kl_coef: float,
+            temperature: float) -> dict:
+    """Adds to `batch` what the update reads (`old_log_probs`, `ref_log_probs`, `old_values`, `advantages`,
+    `returns`, `rollout_is_weights`, as `plan` needs them); returns metrics. `roles`: the run's engines."""
+    metrics = {}
+    if not plan.old_from_update:  # else the update's forward gives them and these metrics
+        old = roles.actor.infer_batch(batch, temperature=temperature, with_entropy=True)
+        batch["old_log_probs"] = old["log_probs"].cpu()
+        metrics["actor/entropy"] = masked_metric(old["entropy"].cpu(), batch["loss_mask"].float())  # sampling's
+        metrics.update(mismatch_step_metrics(batch))  # rollout/logprob_abs_diff (and _max), rollout/kl, k3_kl
+    if plan.uses_ref:
+        batch["ref_log_probs"] = roles.ref.infer_batch(batch, temperature=temperature)["log_probs"].cpu()
+        if not plan.old_from_update:
+            metrics["kl/actor_ref"] = masked_metric(batch["old_log_probs"] - batch["ref_log_probs"],
+                                                    batch["loss_mask"].float())
+    if plan.needs_critic:
+        batch["old_values"] = roles.critic.infer_batch(batch)["values"].cpu()
+    metrics.update(compute_advantages(batch, scores, algo_cfg, kl_coef, roles.mesh.dp_group, plan))
+    # after the advantages: a rejected sample still counts in its group's baseline; without the old pass, the
+    # update's loss computes the weights from its own forward
+    if plan.rollout_is == "batch":
+        metrics.update(apply_rollout_is(batch, algo_cfg))
+    return {k: _floats(v) for k, v in metrics.items()}
+
+
+def _floats(metric):
+    """A metric of CPU tensors as one of floats (what the trainer's step metrics hold)."""
+    return type(metric)(*map(float, metric)) if isinstance(metric, tuple) else metric
+
+
+def global_masked_stats(values: torch.Tensor, mask: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance of `values` over the real tokens of every rank in `group`."""
+    m = mask.to(torch.float64)
+    v = values.to(torch.float64) * m
+    count, total, squares = all_reduce_sum(torch.stack([m.sum(), v.sum(), (v * v).sum()]), group).tolist()
+    mean = total / max(count, 1.0)
+    var = (squares - count * mean * mean) / max(count - 1.0, 1.0)
+    return torch.tensor(mean, dtype=values.dtype), torch.tensor(max(var, 0.0), dtype=values.dtype)
+
+
+def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: float, dp_group=None,
+                       plan: StepPlan | None = None) -> dict:
+    """Adds `advantages` and `returns` (B, T) to `batch`; returns metrics (token means as this rank's SumCount).
+    The estimator is `plan.estimator` (default: `algorithm.adv_estimator`'s); one that whitens does so over
+    the whole batch of all `dp_group` ranks."""
+    estimator = plan.estimator if plan is not None else ADVANTAGE_ESTIMATORS[algo_cfg.adv_estimator]
+    mask = batch["loss_mask"].float()
+    metrics = {}
+    token_rewards = scores_to_token_rewards(scores, mask)  # (B, T)
+    if algo_cfg.use_kl_in_reward:
+        token_rewards, mean_kl = apply_kl_in_reward(token_rewards, batch["old_log_probs"], batch["ref_log_probs"],
+                                                    mask, kl_coef, algo_cfg.kl_penalty)
+        num_tokens = float(mask.sum())
+        metrics.update({"kl/in_reward": SumCount(float(mean_kl) * num_tokens, num_tokens), "kl/coef": kl_coef})
+    inputs = {"token_rewards": token_rewards, "scores": token_rewards.sum(-1), "mask": mask,
+              "index": batch["prompt_index"], "values": batch["old_values"] if estimator.needs_critic else None,
+              "gamma": algo_cfg.gamma, "lam": algo_cfg.lam, "norm_by_std": algo_cfg.norm_adv_by_std_in_grpo}
+    adv, ret = estimator.compute(inputs)
+    if estimator.whiten:
+        adv = masked_whiten(adv, mask, stats=global_masked_stats(adv, mask, dp_group))
+    if estimator.returns_are_advantages:
+        ret = adv
+    batch["advantages"], batch["returns"] = adv, ret
+    metrics["adv/mean"] = _floats(masked_metric(adv, mask))
+    metrics["adv/abs_mean"] = _floats(masked_metric(adv.abs(), mask))
+    return metrics

@@ -1,0 +1,55 @@
+"""The one place a sample's reward is computed: `Scorer`.
+
+A batch's scores come from the reward model (`reward.model_path`), or a multi-turn interaction's own final
+rewards, or the reward function (a user file, or the built-in of each row's data_source); then DAPO's overlong
+shaping. Whether every sample failed is decided on the global count, so every rank stops together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardrl.algos.dapo import overlong_penalty
+from shardrl.metrics import Sum, reduce_metrics
+from shardrl.rewards import RewardManager
+from shardrl.rollout.multiturn import score_with_interaction
+
+
+class Scorer:
+    def __init__(self, rewards: RewardManager, reward_model=None, dp_group=None, dp_size: int = 1,
+                 multi_turn: bool = False, overlong=None, max_new_tokens: int = 0):
+        """`reward_model`: an engine with a score head, or None for `rewards`' function; `overlong`: the
+        `reward.overlong_buffer` section (None or disabled: no shaping); `max_new_tokens`: its limit."""
+        self.rewards, self.reward_model = rewards, reward_model
+        self.dp_group, self.dp_size = dp_group, dp_size
+        self.multi_turn = multi_turn
+        self.overlong = overlong if overlong is not None and overlong.enable else None
+        self.max_new_tokens = max_new_tokens
+
+    def score(self, batch, shape: bool = True) -> tuple[torch.Tensor, dict]:
+        """(scores (B,), this rank's reward metrics: "reward/num_errors" a count, the others means over its
+        samples). `shape=False` leaves out the overlong shaping (validation reports the raw reward)."""
+        if self.multi_turn:  # the interaction's rewards, or the reward function's
+            scores, metrics = score_with_interaction(batch, self._score_responses)
+        else:
+            scores, metrics = self._score_responses(batch)
+        if shape and self.overlong is not None:
+            penalty = overlong_penalty(batch["response_mask"].sum(-1), self.max_new_tokens, self.overlong.len,
+                                       self.overlong.penalty_factor)  # (N,)
+            scores = scores + penalty
+            metrics["reward/overlong_penalty_mean"] = float(penalty.mean()) if len(penalty) else 0.0
+        return scores, metrics
+
+    def _score_responses(self, batch) -> tuple[torch.Tensor, dict]:
+        if self.reward_model is not None:
+            scores = self.reward_model.infer_batch(batch.select(["input_ids", "attention_mask"]))["scores"].cpu()
+            return scores, {}
+        items = [{"data_source": ds, "response_text": text, "extra": extra}
+                 for ds, text, extra in zip(batch["data_source"], batch["response_text"], batch["extra"])]
+        scores, metrics = self.rewards.score(items, fail_if_all_fail=False)
+        # all samples failing stops the run; decided on the global count so that every rank agrees
+        counts = reduce_metrics({"errors": Sum(metrics["reward/num_errors"]), "samples": Sum(len(items))},
+                                self.dp_group)
+        if counts["samples"] > 0 and counts["errors"] == counts["samples"]:
+            raise self.rewards.all_failed_error(round(counts["samples"]))
+        return scores, metrics
