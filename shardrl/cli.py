@@ -70,8 +70,9 @@ def plan_main(args: argparse.Namespace) -> int:
     from shardrl.layout import check_model_heads, derive_layout, format_layout
     from shardrl.memory import fit_advice, format_phase_ledger, phase_ledger, update_and_cache_gib
     from shardrl.trainer.defaults import free_cache_choice
+    from shardrl.trainer.main import resolve_overrides
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, resolve_overrides(args.config, list(args.overrides)))  # what train would run
     nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
     nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc_per_node
     layout = derive_layout(cfg, nnodes, nproc)

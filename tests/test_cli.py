@@ -176,3 +176,29 @@ def test_a_full_disk_is_one_error_line_not_a_traceback(monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "train", other)
     with pytest.raises(OSError):
         cli.main(["train"])
+
+
+def test_a_command_line_run_starts_from_the_plain_defaults_not_the_demo(tmp_path, monkeypatch, capsys):
+    from shardrl.config import Config, load_config
+    from shardrl.trainer.main import resolve_overrides
+
+    monkeypatch.chdir(tmp_path)  # the demo's assets would go to ./outputs/demo_assets
+    defaults = Config()
+    for user in (["model.path=/models/qwen", "data.train_files=[/data/train.parquet]"], ["data.train_files=[t.jsonl]"],
+                 [TINY], [TINY, "model.tiny.hidden_size=32"]):
+        cfg = load_config(None, resolve_overrides(None, user))
+        assert cfg.actor.engine.param_dtype == "bfloat16" == defaults.actor.engine.param_dtype  # not the demo's fp32
+        assert cfg.data.val_files == [] and cfg.trainer.val_freq == defaults.trainer.val_freq  # no demo validation
+        assert cfg.data.train_batch_size == defaults.data.train_batch_size and cfg.rollout.n == defaults.rollout.n
+    assert not (tmp_path / "outputs").exists()  # nothing of the demo was made
+    # no model or data named: the demo, with the user's overrides on top
+    demo = load_config(None, resolve_overrides(None, ["trainer.total_steps=5", "data.train_batch_size=8"]))
+    assert demo.actor.engine.param_dtype == "float32" and demo.data.val_files and demo.trainer.total_steps == 5
+    assert demo.data.train_batch_size == 8 and demo.rollout.n == 16
+    # plan reads the config train would run: the demo's numbers without arguments, the plain defaults with a model
+    assert main(["plan", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["samples_per_rank"], out["actor"]["mini_batch_samples_per_rank"]) == (16 * 16, 8 * 16)
+    assert main(["plan", TINY, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["samples_per_rank"] == defaults.data.train_batch_size * defaults.rollout.n

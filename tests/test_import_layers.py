@@ -122,3 +122,25 @@ def test_backends_do_not_import_each_other():
     for name in lower:  # the engine and the rollout never reach up into the trainer or the run's checkpoints
         above = {m for m in graph[name] if m.startswith("shardrl.trainer") or m == "shardrl.checkpoint"}
         assert not above, f"{name} imports {sorted(above)}, a layer above it"
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """`graph` with each subpackage's modules taken as one node (shardrl.trainer.rl -> shardrl.trainer); a
+    top-level module (shardrl.memory) is a node of its own."""
+    def node(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        out.setdefault(node(module), set()).update(node(d) for d in deps if node(d) != node(module))
+    return out
+
+
+def test_packages_import_downward_only():
+    """Also between packages: a top-level module that a package imports (the trainer imports memory) never
+    imports back into that package, even one module of it (memory importing trainer.perf was such a cycle)."""
+    assert cycles(package_graph({"p.a.x": {"p.b"}, "p.b": {"p.a.y"}, "p.a.y": set()})) == [["p.a", "p.b"]]
+    graph = package_graph(import_graph())
+    found = cycles(graph)
+    described = ["; ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c) for c in found]
+    assert found == [], "import cycles between packages:\n" + "\n".join(described)

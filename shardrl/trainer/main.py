@@ -64,14 +64,27 @@ def write_results(run_dir: Path, records: list[dict], total_steps: int) -> str:
     return f"{summary['steps']} of {total_steps} steps; summary {run_dir / 'summary.json'}, reward curve {png}"
 
 
+RUN_SOURCE_KEYS = ("model.path", "model.tiny", "model.tokenizer_path", "data.train_files", "data.val_files")
+"""Override keys (and their sub-keys) that name a model or data: with any of them and no config file, a run is the
+user's own and starts from the plain defaults, not the demo's."""
+
+
 def resolve_overrides(config: str | None, overrides: list[str]) -> list[str]:
-    """With no config file, the built-in demo's settings come first (the user's overrides win)."""
-    if config is not None:
+    """The overrides a run applies: with no config file and no override naming a model or data
+    (`RUN_SOURCE_KEYS`), the built-in demo's settings come first (the user's overrides win: `shardrl train
+    trainer.total_steps=50` is a shorter demo). A run configured on the command line alone starts from the
+    plain defaults, as it would with an empty YAML file."""
+    if config is not None or any(names_run_source(o) for o in overrides):
         return list(overrides)
     from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
 
     assets = prepare_demo_assets(Path("outputs") / "demo_assets")
     return demo_overrides(assets.resolve()) + list(overrides)
+
+
+def names_run_source(override: str) -> bool:
+    key = override.split("=", 1)[0].strip()
+    return any(key == k or key.startswith(k + ".") for k in RUN_SOURCE_KEYS)
 
 
 def run(config: str | None, overrides: list[str]) -> Path | None:
