@@ -126,8 +126,8 @@ class EngineConfig:
     """Ranks one copy of the model is sharded over; -1 (or >= world) shards over all, smaller gives HSDP."""
     reshard_after_forward: bool = True
     """Free gathered params after forward (ZeRO-3); False keeps them until backward (ZeRO-2): no re-gather in
-    backward, for one layer-set of gathered params more memory. On 2 H200s with compile, ZeRO-2 trained the
-    1.5B shape 1.29x faster, at the one-GPU rate per GPU (bench/RESULTS.md, session 5)."""
+    backward, for one layer-set of gathered params more memory. Faster on two GPUs with compile (measured:
+    bench/RESULTS.md, "Current figures: Engine update")."""
     accumulate_unsharded: bool | None = None
     """FSDP2: over a mini-batch's micro-batches, keep the params gathered and accumulate the gradients unsharded
     (in `reduce_dtype`), reducing them once, after the last micro-batch. Saves per micro-batch a gather (two with
@@ -160,12 +160,11 @@ class EngineConfig:
     not use it). It does not seed dropout: training runs the model in train mode, so a model with dropout > 0
     draws its masks from torch's global generator."""
     compile: bool | None = None
-    """`torch.compile` each decoder block before sharding (FSDP2 only). On H200s it took a 1.5B model from
-    0.90x to 1.3x the tokens/s of a plain FSDP2 loop (bench/RESULTS.md), for ~10 s of compilation at
-    start-up. null = on CUDA with FSDP2 for a policy of 0.5B matmul parameters or more (the whole GRPO step of a
-    1.5B model at 512 samples on one H200: 8.9 s against 10.4 s, after two slower first steps; bench/e2e.py),
-    off for smaller models (the built-in demo with compiled engines, dynamic micro-batch shapes, finished no
-    step within 150 s on a cold H200) and on CPU. An engine built directly (tests, bench/) treats null as off."""
+    """`torch.compile` each decoder block before sharding (FSDP2 only): faster steps for seconds of compilation
+    at start-up (measured: bench/RESULTS.md, "Current figures: Engine update"). null = on CUDA with FSDP2 for a
+    policy of 0.5B matmul parameters or more, where the whole step gains ("Current figures: Whole step
+    settings"), off for smaller models (compiled, the built-in demo with its dynamic micro-batch shapes did not
+    finish a first step in minutes on an H200) and on CPU. An engine built directly (tests, bench/) treats null as off."""
 
     def accumulates_unsharded(self, shard_size: int) -> bool:
         """`accumulate_unsharded` resolved for shards of `shard_size` ranks (null: on where a shard holds the
@@ -195,8 +194,8 @@ class EngineConfig:
         require(self, prefix, "logprob_chunk_size", self.logprob_chunk_size >= 1, "must be >= 1")
         require(self, prefix, "compile", not (self.compile and self.strategy == "fsdp"),
                 "is implemented for strategy=fsdp2 only; set compile=false with FSDP1 (strategy=fsdp)")
-        # measured on an H200 (2026-11-30): FSDP1's CPU offload reported a gradient norm of 0.53 where the plain
-        # loop has 1.26 (one GPU), and its gradients cannot be gathered on two; FSDP2's offload matches the loop
+        # FSDP1's CPU offload gave wrong gradient norms against the plain loop on one GPU, and its gradients cannot
+        # be gathered on two; FSDP2's offload matches the loop (bench/RESULTS.md, "Current figures: GPU tests")
         require(self, prefix, "offload_params", not (self.offload_params and self.strategy == "fsdp"),
                 "is supported with strategy=fsdp2 only (FSDP1's CPU offload gave wrong gradients on GPU); "
                 "use strategy=fsdp2, or offload_optimizer=true with FSDP1")
@@ -355,7 +354,7 @@ class RolloutConfig:
     backend: Literal["hf", "fast"] | None = None
     """Generation engine: HF `generate`, or the static-KV-cache fast engine (Llama/Qwen2-style models).
     null = by device, resolved once when a run starts (`shardrl.trainer.defaults`): fast on CUDA when it
-    supports the model (4-13x HF there, bench/RESULTS.md), hf otherwise and on CPU."""
+    supports the model (bench/RESULTS.md, "Current figures: Fast rollout"), hf otherwise and on CPU."""
     n: int = 4
     """Responses sampled per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -378,7 +377,7 @@ class RolloutConfig:
     """fast backend: decode steps between host syncs (which retire finished rows and admit waiting ones)."""
     compile: bool | None = None
     """fast backend: run the layer's parts around attention (decode and prefill) and the torch sampler through
-    `torch.compile`; null = on CUDA (faster there, see bench/RESULTS.md), off elsewhere."""
+    `torch.compile`; null = on CUDA (faster there: bench/RESULTS.md, "Current figures: Decode step"), off elsewhere."""
     attention: Literal["auto", "triton", "sdpa"] = "auto"
     """fast backend: decode attention. triton (CUDA) reads each row's cache up to its length; sdpa reads a
     padded common length with a mask; auto = triton where it applies."""
@@ -387,8 +386,8 @@ class RolloutConfig:
     (top-k/top-p still sort in torch); auto = triton where the triton attention runs."""
     free_cache_engine: bool | None = None
     """CUDA, rollout and training on the same GPUs: free the rollout's KV cache and CUDA graphs while the
-    actor trains, and rebuild them before the next generation (0.2-0.4 s a step for a 1.5B model on an H200,
-    bench/RESULTS.md; the allocator's cached blocks go back to the driver with them). null: free them only when the memory
+    actor trains, and rebuild them before the next generation (a cost per step: bench/RESULTS.md, "Current
+    figures: Whole step settings"; the allocator's cached blocks go back to the driver with them). null: free them only when the memory
     ledger (`shardrl plan`) says that the update's peak plus the cache would not fit in 85% of the GPU."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools (off by default)."""

@@ -1,6 +1,7 @@
-"""A tiny local tokenizer and tiny model configs, for tests and the demo (no model hub needed).
+"""Tokenizers: a run's own (`load_tokenizer`), and a tiny local one for tests and the demo (no model hub
+needed).
 
-The tokenizer is character level: a `tokenizers` WordLevel model whose words are single characters,
+The tiny tokenizer is character level: a `tokenizers` WordLevel model whose words are single characters,
 so `decode(encode(s)) == s` for any `s` over the alphabet. Ids are fixed: `<pad>`=0, `<bos>`=1,
 `<eos>`=2, `<unk>`=3, then the alphabet in order. Encoding adds no special tokens; prompts get their
 structure from the chat template, which renders messages as "role: content\\n" lines.
@@ -9,6 +10,9 @@ structure from the chat template, which renders messages as "role: content\\n" l
 from __future__ import annotations
 
 import string
+
+import json
+from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -86,3 +90,50 @@ def stop_token_ids(tokenizer) -> list[int]:
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     turn_end = end_of_turn_token_id(tokenizer)
     return ids + [turn_end] if turn_end is not None and turn_end not in ids else ids
+
+
+# ---- a run's tokenizer ----------------------------------------------------------------------------
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(cfg):
+    """The run's tokenizer (`model.tokenizer_path`, else `model.path`), left-padding, with a pad token."""
+    import transformers
+
+    from shardrl.engine.model import require_folder
+
+    path = cfg.model.tokenizer_path or cfg.model.path
+    if path is None:
+        raise ValueError("no tokenizer: set model.path (a local HF model folder) or model.tokenizer_path")
+    key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+    if not any((require_folder(key, path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save one "
+                         "there with tokenizer.save_pretrained(folder), or set model.tokenizer_path to a folder "
+                         "that has one")
+    try:
+        if _generic_tokenizer(Path(path)):
+            tok = transformers.PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _generic_tokenizer(folder: Path) -> bool:
+    """Whether the folder's tokenizer is a plain `tokenizer.json` saved by the generic fast class (a tokenizer
+    built with the `tokenizers` library, like the demo's). Loaded through AutoTokenizer, such a folder gets the
+    tokenizer class of its model type when it holds a config.json (transformers 5: a qwen2 folder's
+    Qwen2Tokenizer replaces the pre-tokenizer with its own BPE split and drops the demo's spaces), so it is
+    loaded as saved instead."""
+    config = folder / "tokenizer_config.json"
+    if not (folder / "tokenizer.json").is_file() or not config.is_file():
+        return False
+    try:
+        name = json.loads(config.read_text()).get("tokenizer_class")
+    except (ValueError, OSError):
+        return False
+    return name in ("TokenizersBackend", "PreTrainedTokenizerFast")

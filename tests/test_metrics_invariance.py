@@ -211,7 +211,8 @@ def _kl_coefficients(overrides: list[str]) -> tuple[list[float], list[dict]]:
 
     from shardrl.config import load_config
     from shardrl.metrics import read_metrics
-    from shardrl.trainer.rl import RLTrainer, prepare_run_dir
+    from shardrl.trainer.rl import RLTrainer
+    from shardrl.trainer.run_folder import prepare_run_dir
 
     cfg = load_config(None, overrides)
     cfg.trainer.nnodes, cfg.trainer.nproc_per_node = 1, dist.get_world_size()

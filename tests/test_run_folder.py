@@ -5,6 +5,7 @@ checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -141,7 +142,7 @@ def _complete_checkpoint(run_dir: Path, step: int) -> None:
 
 
 def test_resume_auto_picks_the_newest_run_with_a_complete_checkpoint(tmp_path, monkeypatch):
-    from shardrl.trainer.rl import prepare_run_dir
+    from shardrl.trainer.run_folder import prepare_run_dir
 
     monkeypatch.chdir(tmp_path)
     base = tmp_path / "outputs" / "exp"
@@ -166,3 +167,24 @@ def test_resume_auto_picks_the_newest_run_with_a_complete_checkpoint(tmp_path, m
     assert fresh.parent == Path("outputs/exp") and fresh.name[:2] == "20" and not fresh.exists()
     assert other.parent == Path("outputs/other") and not other.exists()
     assert sorted(str(p) for p in base.rglob("*")) == before  # choosing creates nothing
+
+
+def test_a_fresh_run_refuses_a_folder_that_holds_another_run(assets, tmp_path, capsys):
+    run_dir = tmp_path / "mix"
+    first = small(assets, f"trainer.output_dir={run_dir}", "trainer.total_steps=3", "trainer.save_freq=1")
+    assert cli_main(["train", *first]) == 0
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != "run.lock"}
+    steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    # a fresh run with another config into the same folder: refused, nothing of the first run touched
+    second = small(assets, f"trainer.output_dir={run_dir}", "trainer.save_freq=1", "actor.optim.lr=1e-3")
+    assert cli_main(["train", *second]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the run folder {run_dir} holds another run (metrics.jsonl, summary.json")
+    assert "trainer.resume=auto" in err and "trainer.output_dir" in err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != "run.lock"} == before
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == steps
+    # resume=auto continues it; a fresh run into an empty folder, or one with only an empty checkpoints folder, runs
+    assert cli_main(["train", *first, "trainer.total_steps=4", "trainer.resume=auto"]) == 0
+    assert [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    assert cli_main(["train", *small(assets, f"trainer.output_dir={tmp_path / 'empty'}")]) == 0

@@ -67,7 +67,7 @@ def test_save_and_reload_offline(tokenizer, tmp_path):
 
 def test_trainer_loads_a_saved_tokenizer_and_names_a_bad_folder(tokenizer, tmp_path):
     from shardrl.config import Config
-    from shardrl.trainer.roles import load_tokenizer
+    from shardrl.tokenizer import load_tokenizer
 
     cfg = Config()
     cfg.model.path = str(tmp_path / "missing")
@@ -91,7 +91,7 @@ def test_a_generic_tokenizer_beside_a_qwen2_config_loads_as_saved(tokenizer, tmp
     import transformers
 
     from shardrl.config import Config
-    from shardrl.trainer.roles import load_tokenizer
+    from shardrl.tokenizer import load_tokenizer
 
     folder = tmp_path / "model"
     tokenizer.save_pretrained(folder)

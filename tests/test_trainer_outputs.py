@@ -14,7 +14,7 @@ import torch
 from shardrl.config import load_config
 from shardrl.trainer.main import write_results
 from shardrl.trainer.logger import MetricsLogger
-from shardrl.trainer.rl import summarize
+from shardrl.trainer.run_folder import summarize
 from shardrl.trainer.validation import validate
 
 STEPS = [{"reward/mean": r, "actor/loss": 0.5} for r in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 1.0)]

@@ -19,7 +19,8 @@ costs tens of seconds once and pays back on models whose steps take seconds (see
 
 KEEP_CACHE_FRACTION = 0.85
 """`rollout.free_cache_engine` left null keeps the rollout's cache through the update when the ledger's update
-peak plus the cache is at most this share of the GPU's memory (the ledger was within 15% of measured peaks)."""
+peak plus the cache is at most this share of the GPU's memory (the ledger's error against measured peaks:
+bench/RESULTS.md, "Current figures: Memory ledger")."""
 
 
 def resolve_device_defaults(cfg: Config, hf_config=None,
@@ -62,9 +63,9 @@ def resolve_device_defaults(cfg: Config, hf_config=None,
     for section in ENGINE_SECTIONS:
         engine = getattr(cfg, section).engine
         if engine.compile is None:
-            # on CUDA for models of COMPILE_MIN_PARAMS and more, with FSDP2 (bench/e2e.py, one H200, 1.5B, 512
-            # samples: 8.9 s a step against 10.4 s, two slower steps first); off for small ones (the built-in
-            # demo with compiled engines, dynamic micro-batch shapes, finished no step within 150 s) and on CPU
+            # on CUDA for models of COMPILE_MIN_PARAMS and more, with FSDP2 (bench/RESULTS.md, "Current figures:
+            # Whole step settings"); off for small ones (compiled, the built-in demo with its dynamic
+            # micro-batch shapes did not finish a first step in minutes) and on CPU
             engine.compile = bool(cuda and engine.strategy == "fsdp2" and size is not None
                                   and size >= COMPILE_MIN_PARAMS)
             if not cuda:

@@ -23,6 +23,12 @@ def sampling_seed(base_seed: int, step: int, dp_rank: int) -> int:
     return base_seed + 100_003 * step + dp_rank
 
 
+def export_for_rollout(actor, device: torch.device):
+    """The actor's full weights one tensor at a time, in the rollout's dtype (bf16 on CUDA); every rank of the
+    actor's mesh iterates (the gathers are collective)."""
+    return actor.export_weights(torch.bfloat16 if device.type == "cuda" else None)
+
+
 def the_device() -> torch.device:
     """This process's device: its current GPU, or the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

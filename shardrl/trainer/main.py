@@ -53,7 +53,7 @@ class RunInterrupted(KeyboardInterrupt):
 def write_results(run_dir: Path, records: list[dict], total_steps: int) -> str:
     """summary.json and reward_curve.png of the steps logged (rank 0's in-memory records, so any logger will
     do); a sentence saying what was written."""
-    from shardrl.trainer.rl import write_summary
+    from shardrl.trainer.run_folder import write_summary
 
     summary = write_summary(run_dir, records)
     if not records:
@@ -96,7 +96,8 @@ def run(config: str | None, overrides: list[str]) -> Path | None:
     from shardrl.distributed import init_distributed
     from shardrl.layout import derive_layout
     from shardrl.trainer.logger import check_sinks_installed
-    from shardrl.trainer.rl import RLTrainer, prepare_run_dir
+    from shardrl.trainer.rl import RLTrainer
+    from shardrl.trainer.run_folder import prepare_run_dir
     from shardrl.trainer.run_folder import release_run_dir
 
     cfg = load_config(config, overrides)

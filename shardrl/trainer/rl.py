@@ -13,7 +13,6 @@ source's), device defaults (`defaults`), the run folder and its lock (`run_folde
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from shardrl.batch import Batch
 from shardrl.checkpoint import CheckpointManager
 from shardrl.config import Config, config_to_dict
 from shardrl.data import PromptLoader, load_prompt_dataset
-from shardrl.engine.model import DTYPES, load_hf_config
+from shardrl.engine.model import load_hf_config
 from shardrl.layout import derive_layout, format_layout
 from shardrl.metrics import Max, Min, Sum, SumCount, reduce_metrics
 from shardrl.perf import model_shape, rl_step_flops, throughput_metrics
@@ -33,11 +32,12 @@ from shardrl.rewards import RewardManager, load_reward_function
 from shardrl.rollout import SamplingParams
 from shardrl.step_plan import StepPlan
 from shardrl.trainer.defaults import memory_gib, resolve_device_defaults
-from shardrl.trainer.generation import Generation, the_device
+from shardrl.trainer.generation import Generation, export_for_rollout, the_device
 from shardrl.trainer.logger import MetricsLogger
 from shardrl.trainer.prepare import prepare
-from shardrl.trainer.roles import Roles, check_vocab_sizes, load_tokenizer
-from shardrl.trainer.run_folder import check_writable, choose_run_dir, claim_run_dir
+from shardrl.tokenizer import load_tokenizer
+from shardrl.trainer.roles import Roles, check_vocab_sizes
+from shardrl.trainer.run_folder import claim_run_dir
 from shardrl.trainer.sampling import draw_informative_groups
 from shardrl.trainer.scoring import Scorer
 from shardrl.trainer.state import TrainState
@@ -68,7 +68,7 @@ class LocalBatches:
         rollout = self.generation.rollout
         rollout.resume()
         if self.stale:  # every rank: the export's gathers are collectives
-            rollout.load_weights(self.actor.export_weights(DTYPES["bfloat16"] if self.device.type == "cuda" else None))
+            rollout.load_weights(export_for_rollout(self.actor, self.device))
             self.stale = False
         batch = self.generation.generate(items, sampling) if self.mesh.sp_rank == 0 else None
         if self.device.type == "cuda" and self.cfg.rollout.free_cache_engine:
@@ -304,38 +304,3 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, reward_metrics: dict, max_
         "prompt/length_mean": SumCount(float((seq_lens - lengths).sum()), n),
         "response/clip_frac": SumCount(float((lengths >= max_new_tokens).sum()), n),
     }
-
-
-def prepare_run_dir(cfg: Config) -> Path:
-    """The run folder (`run_folder.choose_run_dir`), the same on every rank, checked writable before anything
-    loads. Nothing is created here: RLTrainer claims the folder once its cheap checks pass."""
-    run_dir = choose_run_dir(cfg)
-    check_writable(run_dir)
-    return run_dir
-
-
-def summarize(records: list[dict]) -> dict:
-    """Steps done, mean train reward of the first and last few steps, last validation reward; {} if no step."""
-    if not records:
-        return {}
-    summary = {"steps": records[-1]["step"]}
-    rewards = [r["reward/mean"] for r in records if r.get("reward/mean") is not None]
-    if rewards:
-        k = max(1, min(5, len(rewards) // 4))
-        summary.update(reward_first=sum(rewards[:k]) / k, reward_last=sum(rewards[-k:]) / k)
-    val = [r["val/reward_mean"] for r in records if r.get("val/reward_mean") is not None]
-    if val:
-        summary["val_last"] = val[-1]
-    return summary
-
-
-def write_summary(run_dir: Path, records: list[dict] | None = None) -> dict:
-    """`summary.json` of `records` (the trainer's in-memory log; None reads the folder's metrics.jsonl)."""
-    if records is None:
-        from shardrl.metrics import read_metrics
-
-        path = run_dir / "metrics.jsonl"
-        records = read_metrics(path) if path.is_file() else []
-    summary = summarize(records)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary

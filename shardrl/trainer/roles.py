@@ -1,61 +1,16 @@
-"""The run's models: the tokenizer, the vocabulary check, and the engines of the roles the step plan names
+"""The run's models: the vocabulary check, and the engines of the roles the step plan names
 (actor, reference, critic, reward model), on the run's meshes, built once."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 from shardrl.config import Config
 from shardrl.distributed import ParallelDims
 from shardrl.engine import build_engine
-from shardrl.engine.model import load_hf_config, require_folder
+from shardrl.engine.model import load_hf_config
 from shardrl.modelconfig import text_config
 from shardrl.step_plan import StepPlan
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(cfg: Config):
-    import transformers
-
-    path = cfg.model.tokenizer_path or cfg.model.path
-    if path is None:
-        raise ValueError("no tokenizer: set model.path (a local HF model folder) or model.tokenizer_path")
-    key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
-    if not any((require_folder(key, path) / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save one "
-                         "there with tokenizer.save_pretrained(folder), or set model.tokenizer_path to a folder "
-                         "that has one")
-    try:
-        if _generic_tokenizer(Path(path)):
-            tok = transformers.PreTrainedTokenizerFast.from_pretrained(path)
-        else:
-            tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-    except Exception as e:
-        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
-    tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def _generic_tokenizer(folder: Path) -> bool:
-    """Whether the folder's tokenizer is a plain `tokenizer.json` saved by the generic fast class (a tokenizer
-    built with the `tokenizers` library, like the demo's). Loaded through AutoTokenizer, such a folder gets the
-    tokenizer class of its model type when it holds a config.json (transformers 5: a qwen2 folder's
-    Qwen2Tokenizer replaces the pre-tokenizer with its own BPE split and drops the demo's spaces), so it is
-    loaded as saved instead."""
-    config = folder / "tokenizer_config.json"
-    if not (folder / "tokenizer.json").is_file() or not config.is_file():
-        return False
-    try:
-        name = json.loads(config.read_text()).get("tokenizer_class")
-    except (ValueError, OSError):
-        return False
-    return name in ("TokenizersBackend", "PreTrainedTokenizerFast")
-
 
 def check_vocab_sizes(cfg: Config, tokenizer_size: int) -> None:
     """Every model that reads the tokenizer's ids (policy, critic, reward model) has an embedding row for

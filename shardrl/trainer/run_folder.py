@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from shardrl.checkpoint import CheckpointManager
 from shardrl.config import Config, save_config
+from shardrl.metrics import read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -181,3 +182,80 @@ def release_run_dir(run_dir: Path, failed: bool = False) -> None:
             shutil.rmtree(run_dir, ignore_errors=True)
     finally:
         claim.handle.close()  # closing the file drops the flock
+
+
+RUN_RECORDS = ("metrics.jsonl", "summary.json", "generations.jsonl", "checkpoints", "hf_model", "tensorboard")
+"""What a run leaves in its folder: a folder holding any of these holds a run."""
+
+
+def held_run_records(run_dir: Path) -> list[str]:
+    """The records of an earlier run in `run_dir` (an empty checkpoints folder does not count)."""
+    found = []
+    for name in RUN_RECORDS:
+        path = run_dir / name
+        if path.is_file() or (path.is_dir() and any(path.iterdir())):
+            found.append(name)
+    return found
+
+
+def _locked_by_another(run_dir: Path) -> bool:
+    """Whether a live run holds the folder's lock (then `claim_run_dir` refuses, naming it)."""
+    if str(run_dir.resolve()) in _claims or not (run_dir / LOCK_FILE).is_file():
+        return False
+    with open(run_dir / LOCK_FILE) as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    return False
+
+
+def check_fresh(cfg: Config, run_dir: Path) -> None:
+    """A fresh run (`trainer.resume=never`) refuses a folder that holds another run: it would delete that run's
+    metrics and summary, and its checkpoint rotation would count the old run's checkpoints as its own."""
+    error = None
+    if _rank() == 0 and cfg.trainer.resume == "never" and run_dir.is_dir() and not _locked_by_another(run_dir):
+        held = held_run_records(run_dir)
+        if held:
+            error = (f"the run folder {run_dir} holds another run ({', '.join(held)}), and trainer.resume=never "
+                     "starts a fresh one, which would overwrite it: set trainer.resume=auto to continue that run, "
+                     "set trainer.output_dir to another folder, or move that run away first")
+    error = _from_rank_0(error)
+    if error:
+        raise ValueError(error)
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    """The run folder (`run_folder.choose_run_dir`), the same on every rank, checked writable (and, for a fresh
+    run, free of another run) before anything loads. Nothing is created here: the trainer claims the folder once
+    its cheap checks pass."""
+    run_dir = choose_run_dir(cfg)
+    check_writable(run_dir)
+    check_fresh(cfg, run_dir)
+    return run_dir
+
+
+def summarize(records: list[dict]) -> dict:
+    """Steps done, mean train reward of the first and last few steps, last validation reward; {} if no step."""
+    if not records:
+        return {}
+    summary = {"steps": records[-1]["step"]}
+    rewards = [r["reward/mean"] for r in records if r.get("reward/mean") is not None]
+    if rewards:
+        k = max(1, min(5, len(rewards) // 4))
+        summary.update(reward_first=sum(rewards[:k]) / k, reward_last=sum(rewards[-k:]) / k)
+    val = [r["val/reward_mean"] for r in records if r.get("val/reward_mean") is not None]
+    if val:
+        summary["val_last"] = val[-1]
+    return summary
+
+
+def write_summary(run_dir: Path, records: list[dict] | None = None) -> dict:
+    """`summary.json` of `records` (the trainer's in-memory log; None reads the folder's metrics.jsonl)."""
+    if records is None:
+        path = run_dir / "metrics.jsonl"
+        records = read_metrics(path) if path.is_file() else []
+    summary = summarize(records)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
