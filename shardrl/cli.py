@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def plan_main(args: argparse.Namespace) -> int:
-    from shardrl.config import load_config
+    from shardrl.config import ConfigError, load_config
     from shardrl.engine.model import load_hf_config
     from shardrl.layout import check_model_heads, derive_layout, format_layout
     from shardrl.memory import fit_advice, format_phase_ledger, phase_ledger, update_and_cache_gib
@@ -79,6 +79,8 @@ def plan_main(args: argparse.Namespace) -> int:
     ledger, skipped, hf_config = None, None, None
     try:
         hf_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code)
+    except ConfigError:  # a bad key, as training would refuse it
+        raise
     except ValueError as e:  # no usable model config: the layout still stands on its own
         skipped = str(e)
     if hf_config is not None:

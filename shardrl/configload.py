@@ -274,13 +274,30 @@ def apply_override(cfg: Any, override: str) -> None:
     _set(cfg, key.split("."), value, text, "", (type(cfg), ""))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last,
+    so a second `actor:` section would silently replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in one mapping (first on line {seen[key] + 1}, "
+                    f"again on line {key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str) -> dict:
-    """The top-level mapping of a YAML file (empty file -> {}), or a `ConfigError` naming the path."""
+    """The top-level mapping of a YAML file (empty file -> {}), or a `ConfigError` naming the path (and the line
+    of a key given twice)."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path!r}")
     with open(path) as f:
         try:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
     if data is None:

@@ -13,6 +13,7 @@ group with one all-reduce (and one more for the extremes). They are tuples, so `
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import NamedTuple
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from shardrl.distributed import collective_device
+
+log = logging.getLogger(__name__)
 
 
 class SumCount(NamedTuple):
@@ -147,6 +150,27 @@ def _all_reduce(values: list[torch.Tensor], op, group, world: int) -> list[float
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a run's `metrics.jsonl`, one JSON object per line."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a run's `metrics.jsonl`, one JSON object per line. A last line cut short (a crash or a
+    full disk mid-write) is dropped with a warning; any other line that is not a JSON object is a ValueError
+    naming the file and the line."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise OSError(e.errno, f"cannot read {path}: {e.strerror}", str(path)) from None
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            if number == len(lines):  # no newline after it: the write was cut short
+                log.warning("%s: dropped its last line, %d characters cut short (%s)", path, len(line), e)
+                break
+            raise ValueError(f"{path}: line {number} is not valid JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: line {number} is not a JSON object")
+        records.append(record)
+    return records

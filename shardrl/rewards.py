@@ -173,6 +173,10 @@ def _as_score(value) -> float:
     return score
 
 
+RESERVED_REWARD_KEYS = frozenset({"mean", "max", "min", "num_errors", "overlong_penalty_mean"})
+"""Keys of a reward function's dict that would overwrite the trainer's own `reward/` metrics."""
+
+
 class RewardManager:
     """Scores a batch of responses with a user function or the built-in for each row's data_source.
 
@@ -215,6 +219,11 @@ class RewardManager:
         if isinstance(result, dict):
             if "score" not in result:
                 raise ValueError(f"reward function returned a dict without 'score': keys {sorted(result)}")
+            taken = sorted(set(result) & RESERVED_REWARD_KEYS)
+            if taken:
+                raise ValueError(f"reward function returned the key(s) {taken}, which shardrl logs itself as "
+                                 f"reward/<key> (the batch's own {', '.join(sorted(RESERVED_REWARD_KEYS))}); "
+                                 "rename them in the returned dict")
             metrics = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, (int, float, bool))}
             result = result["score"]
         return _as_score(result), metrics

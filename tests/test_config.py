@@ -218,3 +218,35 @@ def test_mini_batch_that_does_not_divide_names_the_nearest_valid_values():
         load_config(None, ["data.train_batch_size=12", "actor.ppo_mini_batch_size=5"])
     with pytest.raises(ConfigError, match=r"critic\.ppo_mini_batch_size=9: .*nearest valid: 8$"):
         load_config(None, ["data.train_batch_size=8", "critic.ppo_mini_batch_size=9", "algorithm.adv_estimator=gae"])
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_an_error_naming_both_lines(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("actor:\n  optim: {lr: 1.0e-5}\ndata:\n  train_batch_size: 4\nactor:\n  ppo_epochs: 2\n")
+    with pytest.raises(ConfigError, match=r"the key 'actor' is given twice in one mapping \(first on line 1, again "
+                                          r"on line 5\)"):
+        load_config(str(path))
+    path.write_text("actor:\n  optim: {lr: 1.0e-5, lr: 2.0e-5}\n")  # inside a flow mapping too
+    with pytest.raises(ConfigError, match=r"the key 'lr' is given twice"):
+        load_config(str(path))
+    path.write_text("actor:\n  optim: {lr: 1.0e-5}\n  ppo_epochs: 2\n")
+    assert load_config(str(path)).actor.optim.lr == 1e-5
+
+
+def test_a_key_of_model_tiny_its_config_class_does_not_know_is_an_error():
+    from shardrl.engine.model import load_hf_config
+
+    base = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
+    with pytest.raises(ConfigError, match=r"model.tiny: \['hiden_size'\] are not keys of the 'qwen2' config "
+                                          r"\(Qwen2Config\); did you mean 'hiden_size' -> 'hidden_size'"):
+        load_hf_config(None, {**base, "hiden_size": 32})
+    # legacy names the class still takes (rope_scaling) and the base class's keys are keys
+    config = load_hf_config(None, {**base, "rope_scaling": {"type": "linear", "factor": 2.0}, "tie_word_embeddings": True})
+    assert config.hidden_size == 64 and config.tie_word_embeddings
+
+
+def test_plan_refuses_a_misspelt_model_tiny_key(capsys):
+    from shardrl.cli import main
+
+    assert main(["plan", "model.tiny={model_type: qwen2, hiden_size: 64}"]) == 2
+    assert "['hiden_size'] are not keys of the 'qwen2' config" in capsys.readouterr().err

@@ -159,6 +159,15 @@ def test_manager_user_fn_dict_results():
     assert "reward/note" not in metrics and metrics["reward/num_errors"] == 0
 
 
+def test_a_reward_dict_cannot_overwrite_the_trainers_own_reward_metrics():
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 1.0, "mean": 123.0, "correct": 1.0}
+
+    with pytest.raises(ValueError, match=r"failed on all 2 samples.*returned the key\(s\) \['mean'\], which shardrl "
+                                         r"logs itself as reward/<key>"):
+        RewardManager(fn).score([item("a", "a"), item("b", "b")])
+
+
 def test_manager_tolerates_errors_and_logs_once(caplog):
     def fn(data_source, solution_str, ground_truth, extra_info=None):
         if solution_str == "boom":

@@ -119,3 +119,48 @@ def test_validation_of_multi_turn_rollouts_reports_tool_use_over_the_real_prompt
     assert validate_on(2, 1) == pytest.approx({"val/reward_mean": 1.0, "val/multi_turn/tool_call_rate": 0.5,
                                             "val/multi_turn/clean_call_rate": 0.0,
                                             "val/multi_turn/num_tool_calls_mean": 1.0})
+
+
+def test_a_metrics_file_cut_short_drops_its_last_line_and_resumes(tmp_path, caplog):
+    from shardrl.cli import main as cli_main
+    from shardrl.metrics import read_metrics
+
+    log_steps(tmp_path, ["jsonl"], STEPS[:3])
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "a") as f:
+        f.write('{"step": 4, "rew')  # a full disk writes exactly this
+    with caplog.at_level("WARNING"):
+        assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    assert f"{path}: dropped its last line, 16 characters cut short" in caplog.text
+    assert cli_main(["plot", str(tmp_path)]) == 0 and (tmp_path / "reward_curve.png").is_file()
+    # a resumed run (from step 3) rewrites the file whole: the cut line is gone, the next steps follow
+    log_steps(tmp_path, ["jsonl"], STEPS[:5], start_step=3)
+    assert [json.loads(line)["step"] for line in open(path)] == [1, 2, 3, 4, 5]
+    # a broken line that is not the last is no cut-short write: an error naming the file and the line
+    path.write_text('{"step": 1}\n{"step": 2, "rew\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=rf"{path}: line 2 is not valid JSON"):
+        read_metrics(path)
+    path.write_text('{"step": 1}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=rf"{path}: line 2 is not a JSON object"):
+        read_metrics(path)
+
+
+def test_a_full_disk_while_logging_names_the_metrics_file(tmp_path):
+    import errno
+
+    logger = MetricsLogger(tmp_path, ["jsonl"], total_steps=2)
+
+    class FullDisk:
+        name = logger._jsonl.name
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            pass
+
+    logger._jsonl.close()
+    logger._jsonl = FullDisk()
+    with pytest.raises(OSError) as e:
+        logger.log(1, {"reward/mean": 0.5})
+    assert e.value.errno == errno.ENOSPC and str(tmp_path / "metrics.jsonl") in str(e.value)

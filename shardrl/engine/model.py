@@ -32,6 +32,30 @@ from shardrl.modelconfig import text_config
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_tiny_keys(model_type: str, kwargs: dict) -> None:
+    """A `ConfigError` for keys of `model.tiny` that the model type's config class does not know: HF's config
+    classes keep unknown kwargs as attributes, so a typo (hiden_size) silently leaves the default size."""
+    import difflib
+    import inspect
+
+    from shardrl.configload import ConfigError
+
+    try:
+        default = transformers.AutoConfig.for_model(model_type)
+    except ValueError as e:
+        raise ConfigError(f"invalid config value model.tiny: model_type {model_type!r} is not a model type "
+                          f"transformers knows ({e})") from None
+    known = set(default.to_dict()) | set(inspect.signature(type(default).__init__).parameters)
+    known |= set(inspect.signature(transformers.PretrainedConfig.__init__).parameters)
+    known |= set(getattr(type(default), "attribute_map", {}))
+    # a class-level name (a property such as the legacy rope_scaling) is the class's own, not a stray kwarg
+    unknown = sorted(k for k in kwargs if k not in known and not hasattr(type(default), k))
+    if unknown:
+        hints = [f"{k!r} -> {close[0]!r}" for k in unknown if (close := difflib.get_close_matches(k, known, n=1))]
+        raise ConfigError(f"invalid config value model.tiny: {unknown} are not keys of the {model_type!r} config "
+                          f"({type(default).__name__}){'; did you mean ' + ', '.join(hints) if hints else ''}")
+
+
 def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool = False, task: str = "causal_lm"):
     """The HF config of a local model folder, or one built from `tiny` (kwargs incl. `model_type`).
 
@@ -44,6 +68,7 @@ def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool 
         model_type = kwargs.pop("model_type", None)
         if model_type is None:
             raise ValueError("model.tiny needs a 'model_type' (e.g. 'qwen2' or 'llama')")
+        check_tiny_keys(model_type, kwargs)
         config = transformers.AutoConfig.for_model(model_type, **kwargs)
         if task == "causal_lm" and causal_lm_class_name(config) is None:
             raise ValueError(f"model.tiny: AutoModelForCausalLM builds no {model_type!r} model; "

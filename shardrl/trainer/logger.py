@@ -60,7 +60,10 @@ class MetricsLogger:
         record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
         self.records.append(record)
         if self._jsonl:
-            self._jsonl.write(json.dumps(record) + "\n")
+            try:
+                self._jsonl.write(json.dumps(record) + "\n")
+            except OSError as e:  # a full disk: say which file (an open file's write names none)
+                raise OSError(e.errno, e.strerror, self._jsonl.name) from None
         if self._tb:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
