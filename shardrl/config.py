@@ -448,8 +448,9 @@ class OverlongBufferConfig:
     enable: bool = False
     """DAPO's overlong reward shaping: add a soft length penalty to each response's reward."""
     len: int = 16
-    """Tokens before rollout.max_new_tokens over which the penalty grows from 0 to -penalty_factor (reached by a
-    response cut at the limit); must be <= rollout.max_new_tokens."""
+    """Tokens before the length limit over which the penalty grows from 0 to -penalty_factor (reached by a
+    response cut at the limit). The limit is rollout.max_new_tokens; for multi-turn rollouts, the conversation's
+    budget rollout.multi_turn.max_response_tokens (model and tool tokens together, not the per-turn limit)."""
     penalty_factor: float = 1.0
     """The penalty at the limit."""
 
@@ -684,10 +685,13 @@ class Config:
                 f"async_rl.max_staleness={self.async_rl.max_staleness} trains on samples of an older policy: set "
                 "algorithm.rollout_is=true so the loss weighs them by the sampler's log-probs (the behaviour "
                 "policy), or async_rl.max_staleness=0")
-        ob = self.reward.overlong_buffer
-        require(self, prefix, "reward.overlong_buffer.len", not ob.enable or ob.len <= self.rollout.max_new_tokens,
-                f"must be <= rollout.max_new_tokens={self.rollout.max_new_tokens} (the penalty spans the last "
-                f"len tokens before it); lower it or raise rollout.max_new_tokens")
+        ob, mt = self.reward.overlong_buffer, self.rollout.multi_turn
+        # the limit a response is shaped against: a conversation's budget for multi-turn rollouts
+        limit_key, limit = (("rollout.multi_turn.max_response_tokens", mt.max_response_tokens) if mt.enable
+                            else ("rollout.max_new_tokens", self.rollout.max_new_tokens))
+        require(self, prefix, "reward.overlong_buffer.len", not ob.enable or ob.len <= limit,
+                f"must be <= {limit_key}={limit} (the penalty spans the last len tokens before it); lower it or "
+                f"raise {limit_key}")
 
 
 def load_config(path: str | None = None, overrides: Iterable[str] = (), cls: type[T] = Config) -> T:

@@ -173,6 +173,22 @@ def _as_score(value) -> float:
     return score
 
 
+def check_ground_truths(dataset) -> None:
+    """A ValueError when rows of `dataset` (a `data.PromptDataset`) whose data_source a built-in
+    scorer scores have no ground truth: that scorer would compare every response with None and score 0 without
+    a word. The error names the fields those rows do have."""
+    missing = [item for item in dataset.items if item["data_source"] in REWARD_FUNCTIONS
+               and (item["extra"] or {}).get("ground_truth") is None]
+    if missing:
+        first = missing[0]
+        fields = sorted(["prompt", "data_source", *(first["extra"] or {})])
+        raise ValueError(
+            f"{', '.join(map(str, dataset.files))}: {len(missing)} of {len(dataset)} rows have no ground truth, and "
+            f"their data_source {first['data_source']!r} is scored by a built-in scorer that compares the response "
+            f"with it (the first such row has the fields {fields}); put the answer under 'ground_truth' (or "
+            "reward_model.ground_truth, as verl does), or score with your own reward.function_path")
+
+
 RESERVED_REWARD_KEYS = frozenset({"mean", "max", "min", "num_errors", "overlong_penalty_mean"})
 """Keys of a reward function's dict that would overwrite the trainer's own `reward/` metrics."""
 

@@ -548,3 +548,30 @@ def test_a_tool_class_without_call_or_acall_is_refused_when_defined():
     with pytest.raises(TypeError, match="tool class Mute defines neither call"):
         class Mute(Tool):
             name = "mute"
+
+
+def test_overlong_shaping_of_a_conversation_counts_against_its_budget_not_the_turn_limit():
+    from shardrl.batch import Batch
+    from shardrl.config import OverlongBufferConfig
+    from shardrl.rewards import RewardManager
+    from shardrl.trainer.scoring import Scorer
+
+    # two conversations of 600 and 400 response tokens (model and tool tokens), a prompt of 4; budget 640
+    prompt, width = 4, 640
+    attention = torch.zeros(2, prompt + width, dtype=torch.long)
+    attention[:, :prompt] = 1
+    attention[0, prompt:prompt + 600] = 1
+    attention[1, prompt:prompt + 400] = 1
+    model_mask = torch.zeros(2, width, dtype=torch.long)
+    model_mask[0, :500] = 1  # the model's own tokens of the first: 500, already past a 256-token turn limit
+    model_mask[1, :300] = 1
+    batch = Batch({"input_ids": torch.zeros(2, prompt + width, dtype=torch.long), "attention_mask": attention,
+                   "response_mask": model_mask, "num_turns": torch.tensor([3.0, 2.0]),
+                   "num_tool_calls": torch.tensor([2.0, 1.0]), "num_tool_errors": torch.tensor([0.0, 0.0])},
+                  {"data_source": ["x", "x"], "response_text": ["a", "b"], "extra": [{}, {}]})
+    scorer = Scorer(RewardManager(lambda data_source, solution_str, ground_truth, extra_info=None: 1.0),
+                    multi_turn=True, overlong=OverlongBufferConfig(enable=True, len=64), length_limit=640)
+    scores, metrics = scorer.score(batch)
+    # 600 tokens, 24 into the last 64 before 640: -24/64; 400: no penalty; never below -penalty_factor
+    assert scores.tolist() == pytest.approx([1.0 - 24 / 64, 1.0])
+    assert metrics["reward/overlong_penalty_mean"] == pytest.approx(-24 / 128)

@@ -112,3 +112,19 @@ def test_all_samples_failing_is_decided_over_all_ranks():
     assert results[0] == ("ok", [0.0, 0.0], 2)
     assert results[1][0] == "error" and "failed on all 4 samples of this step" in results[1][1]
     assert "TypeError: reward function returned NoneType None" in results[1][1]
+
+
+def test_rows_without_a_ground_truth_for_a_built_in_scorer_are_an_error_at_load(assets, tmp_path):
+    from shardrl.trainer.main import run
+
+    rows = tmp_path / "answers.jsonl"
+    rows.write_text('{"prompt": "1+2=", "data_source": "arith", "answer": "3"}\n'
+                    '{"prompt": "2+2=", "data_source": "arith", "answer": "4"}\n')
+    base = small(assets, tmp_path / "run")
+    with pytest.raises(ValueError, match=r"answers.jsonl: 2 of 2 rows have no ground truth, and their data_source "
+                                         r"'arith' is scored by a built-in scorer .* the fields \['answer', "
+                                         r"'data_source', 'prompt'\]"):
+        run(None, base + [f"data.train_files=[{rows}]"])
+    with pytest.raises(ValueError, match=r"answers.jsonl: 2 of 2 rows have no ground truth"):  # validation rows too
+        run(None, base + [f"data.val_files=[{rows}]"])
+    assert not (tmp_path / "run").exists()  # refused before the run folder was made

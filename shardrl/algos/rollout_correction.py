@@ -83,7 +83,9 @@ def mismatch_metrics(old_log_probs: torch.Tensor, sampled_log_probs: torch.Tenso
     "logprob_abs_diff_max": its largest value (a `Max`);
     "kl": KL(sampler || trainer) per sequence, the sum of its tokens' log pi_sampler - log pi_train (the
     responses were drawn from the sampler, so this is the k1 estimator), averaged over sequences;
-    "k3_kl": the same with the non-negative k3 estimator, per token, averaged over real tokens.
+    "k3_kl": the same with the non-negative k3 estimator, per token, averaged over real tokens. Its log-ratio is
+    clamped to [-20, 20] first (so exp cannot overflow on a padded or wildly stale token); verl's does not clamp,
+    so the two differ only for a token whose sampler and trainer log-probs are more than 20 nats apart.
     """
     real = mask.bool()
     diff = torch.where(real, (sampled_log_probs - old_log_probs).detach().double(), 0.0)  # (B, T)

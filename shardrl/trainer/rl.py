@@ -28,7 +28,7 @@ from shardrl.engine.model import load_hf_config
 from shardrl.layout import derive_layout, format_layout
 from shardrl.metrics import Max, Min, Sum, SumCount, reduce_metrics
 from shardrl.perf import model_shape, rl_step_flops, throughput_metrics
-from shardrl.rewards import RewardManager, load_reward_function
+from shardrl.rewards import RewardManager, check_ground_truths, load_reward_function
 from shardrl.rollout import SamplingParams
 from shardrl.step_plan import StepPlan
 from shardrl.trainer.defaults import memory_gib, resolve_device_defaults
@@ -95,6 +95,9 @@ class RLTrainer:
         # the cheap checks before the expensive work: data, reward file and vocabularies before any model loads
         self.train_set, self.val_set = load_datasets(cfg, self.tokenizer)
         fn = load_reward_function(cfg.reward.function_path, cfg.reward.function_name) if cfg.reward.function_path else None
+        if fn is None and not cfg.reward.model_path and not cfg.rollout.multi_turn.interaction_path:
+            for dataset in filter(None, (self.train_set, self.val_set)):  # the built-in scorers need the answers
+                check_ground_truths(dataset)
         check_vocab_sizes(cfg, len(self.tokenizer))
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
         cfg, choices = resolve_device_defaults(cfg, policy_config, memory_gib(cfg, self.layout, policy_config,
@@ -117,7 +120,8 @@ class RLTrainer:
             self.roles.add_reward_model(cfg)
         self.scorer = Scorer(RewardManager(fn, cfg.reward.on_error_score), self.roles.reward_model,
                              self.mesh.dp_group, self.mesh.dp_size, self.plan.multi_turn, cfg.reward.overlong_buffer,
-                             cfg.rollout.max_new_tokens)
+                             cfg.rollout.multi_turn.max_response_tokens if self.plan.multi_turn
+                             else cfg.rollout.max_new_tokens)
         self.state = TrainState(cfg, loader, self.mesh.dp_rank, self.mesh.dp_size, self.mesh.sp_rank)
         self.checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_last)
         self.source = (batch_source or (lambda t: LocalBatches(t.cfg, t.generation, t.roles.actor, t.mesh,

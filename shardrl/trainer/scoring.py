@@ -17,14 +17,16 @@ from shardrl.rollout.multiturn import score_with_interaction
 
 class Scorer:
     def __init__(self, rewards: RewardManager, reward_model=None, dp_group=None, dp_size: int = 1,
-                 multi_turn: bool = False, overlong=None, max_new_tokens: int = 0):
+                 multi_turn: bool = False, overlong=None, length_limit: int = 0):
         """`reward_model`: an engine with a score head, or None for `rewards`' function; `overlong`: the
-        `reward.overlong_buffer` section (None or disabled: no shaping); `max_new_tokens`: its limit."""
+        `reward.overlong_buffer` section (None or disabled: no shaping); `length_limit`: the response length
+        it shapes against (`rollout.max_new_tokens`; multi-turn: the conversation's budget,
+        `rollout.multi_turn.max_response_tokens`, which its model and tool tokens share)."""
         self.rewards, self.reward_model = rewards, reward_model
         self.dp_group, self.dp_size = dp_group, dp_size
         self.multi_turn = multi_turn
         self.overlong = overlong if overlong is not None and overlong.enable else None
-        self.max_new_tokens = max_new_tokens
+        self.length_limit = length_limit
 
     def score(self, batch, shape: bool = True) -> tuple[torch.Tensor, dict]:
         """(scores (B,), this rank's reward metrics: "reward/num_errors" a count, the others means over its
@@ -34,11 +36,18 @@ class Scorer:
         else:
             scores, metrics = self._score_responses(batch)
         if shape and self.overlong is not None:
-            penalty = overlong_penalty(batch["response_mask"].sum(-1), self.max_new_tokens, self.overlong.len,
+            penalty = overlong_penalty(self.response_lengths(batch), self.length_limit, self.overlong.len,
                                        self.overlong.penalty_factor)  # (N,)
             scores = scores + penalty
             metrics["reward/overlong_penalty_mean"] = float(penalty.mean()) if len(penalty) else 0.0
         return scores, metrics
+
+    def response_lengths(self, batch) -> torch.Tensor:
+        """Tokens per response `(N,)` as the length limit counts them: a conversation's tool tokens too."""
+        if not self.multi_turn:
+            return batch["response_mask"].sum(-1)
+        prompt_width = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+        return batch["attention_mask"][:, prompt_width:].sum(-1)  # (N,) model and tool tokens
 
     def _score_responses(self, batch) -> tuple[torch.Tensor, dict]:
         if self.reward_model is not None:
