@@ -654,6 +654,19 @@ class Config:
     async_rl: AsyncConfig = field(default_factory=AsyncConfig)
     """Disaggregated placement and asynchronous (off-policy) generation."""
 
+    def ignored_settings(self) -> list[str]:
+        """Settings this config gives that nothing will read, each as a line to warn with (a run goes on)."""
+        lines = []
+        if self.data.val_files and not self.trainer.val_freq:
+            lines.append(f"data.val_files={self.data.val_files} is never read: trainer.val_freq=0 turns validation "
+                         "off (set trainer.val_freq to validate every that many steps)")
+        mt = self.rollout.multi_turn
+        if not mt.enable and (mt.tools or mt.interaction_path):
+            given = "rollout.multi_turn.tools" if mt.tools else "rollout.multi_turn.interaction_path"
+            lines.append(f"{given} is set but rollout.multi_turn.enable=false: the rollout is single-turn and uses no "
+                         "tools (set rollout.multi_turn.enable=true)")
+        return lines
+
     def validate(self, prefix: str) -> None:
         batch = self.data.train_batch_size
         estimator = ADVANTAGE_ESTIMATORS[self.algorithm.adv_estimator]

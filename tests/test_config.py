@@ -250,3 +250,14 @@ def test_plan_refuses_a_misspelt_model_tiny_key(capsys):
 
     assert main(["plan", "model.tiny={model_type: qwen2, hiden_size: 64}"]) == 2
     assert "['hiden_size'] are not keys of the 'qwen2' config" in capsys.readouterr().err
+
+
+def test_settings_nothing_reads_are_named():
+    assert load_config(None, []).ignored_settings() == []
+    lines = load_config(None, ["data.val_files=[v.jsonl]", "trainer.val_freq=0",
+                               "rollout.multi_turn.tools=[calculator]"]).ignored_settings()
+    assert len(lines) == 2
+    assert lines[0].startswith("data.val_files=['v.jsonl'] is never read: trainer.val_freq=0")
+    assert lines[1].startswith("rollout.multi_turn.tools is set but rollout.multi_turn.enable=false")
+    assert load_config(None, ["rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.enable=true",
+                              "data.val_files=[v.jsonl]", "trainer.val_freq=5"]).ignored_settings() == []

@@ -92,6 +92,9 @@ class RLTrainer:
         self.device = the_device()
         self.tokenizer = load_tokenizer(cfg)
         self._say(format_layout(self.layout))
+        for line in cfg.ignored_settings():
+            if self.rank == 0:
+                log.warning(line)
         # the cheap checks before the expensive work: data, reward file and vocabularies before any model loads
         self.train_set, self.val_set = load_datasets(cfg, self.tokenizer)
         fn = load_reward_function(cfg.reward.function_path, cfg.reward.function_name) if cfg.reward.function_path else None
