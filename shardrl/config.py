@@ -387,8 +387,8 @@ class RolloutConfig:
     free_cache_engine: bool | None = None
     """CUDA, rollout and training on the same GPUs: free the rollout's KV cache and CUDA graphs while the
     actor trains, and rebuild them before the next generation (a cost per step: bench/RESULTS.md, "Current
-    figures: Whole step settings"; the allocator's cached blocks go back to the driver with them). null: free them only when the memory
-    ledger (`shardrl plan`) says that the update's peak plus the cache would not fit in 85% of the GPU."""
+    figures: Whole step settings"; the allocator's cached blocks go back to the driver with them). null: free
+    them only when the memory ledger (`shardrl plan`) says that the update's peak plus the cache would not fit in 85% of the GPU."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools (off by default)."""
 

@@ -64,22 +64,22 @@ def accumulate(acc, metric, device: torch.device, real: bool = True):
     """`metric` added to `acc` (None: nothing yet), of the same kind, as float64 tensors on `device` (no host
     sync). `real=False` adds nothing but names the key (an empty piece, such as a placeholder micro-batch that
     a rank without samples runs so that every rank names the same keys)."""
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-
     def f64(x):
         return torch.as_tensor(x).detach().to(device, torch.float64)
 
+    if acc is None:  # the empty value of the metric's kind
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        acc = (type(metric)(zero - math.inf) if isinstance(metric, Max) else type(metric)(zero + math.inf)
+               if isinstance(metric, Min) else Sum(zero) if isinstance(metric, Sum) else SumCount(zero, zero))
+    if not real:
+        return acc
     if isinstance(metric, (Max, Min)):
-        pick, empty = (torch.maximum, -math.inf) if isinstance(metric, Max) else (torch.minimum, math.inf)
-        start = acc.value if acc is not None else zero + empty
-        return type(metric)(pick(start, f64(metric.value)) if real else start)
+        return type(metric)((torch.maximum if isinstance(metric, Max) else torch.minimum)(acc.value, f64(metric.value)))
     if isinstance(metric, Sum):
-        start = acc.value if acc is not None else zero
-        return Sum(start + f64(metric.value) if real else start)
+        return Sum(acc.value + f64(metric.value))
     if not (isinstance(metric, tuple) and len(metric) == 2):
         raise TypeError(f"a metric must be a SumCount, Sum, Max or Min (or a (sum, count) pair), got {type(metric)}")
-    total, count = acc if acc is not None else (zero, zero)
-    return SumCount(total + f64(metric[0]), count + f64(metric[1])) if real else SumCount(total, count)
+    return SumCount(acc[0] + f64(metric[0]), acc[1] + f64(metric[1]))
 
 
 def metric_value(metric) -> float:
@@ -135,14 +135,15 @@ def _f64(x) -> torch.Tensor:
 
 
 def _all_reduce(values: list[torch.Tensor], op, group, world: int) -> list[float]:
-    """`values` reduced over `group` as one float64 vector on the collective's device (the values' own device
-    when there is no other rank); one host sync."""
+    """`values` reduced over `group` as one float64 vector; one host sync. Values on a GPU (the engine's) are
+    reduced there (NCCL); values on the CPU (the trainer's) over gloo when the group has it, so that no scalar
+    is copied to the GPU one at a time."""
     if not values:
         return []
-    if world > 1:
+    on_device = next((v.device for v in values if v.device.type != "cpu"), None)
+    device = on_device or torch.device("cpu")
+    if world > 1 and (on_device is not None or "gloo" not in str(dist.get_backend(group))):
         device = collective_device(group)
-    else:
-        device = next((v.device for v in values if v.device.type != "cpu"), torch.device("cpu"))
     vector = torch.stack([v.to(device) for v in values])
     if world > 1:
         dist.all_reduce(vector, op=op, group=group)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shardrl.algos import ADVANTAGE_ESTIMATORS, LOSS_MODES, Estimator, LossMode
+from shardrl.algos import ADVANTAGE_ESTIMATORS, Estimator
 from shardrl.config import Config
 
 
@@ -19,8 +19,6 @@ from shardrl.config import Config
 class StepPlan:
     estimator: Estimator
     """`ADVANTAGE_ESTIMATORS[algorithm.adv_estimator]`: what it needs (critic, group baseline, whitening)."""
-    loss_mode: LossMode
-    """`LOSS_MODES[actor.loss_mode]` and its settings' dataclass."""
     uses_ref: bool
     """A reference policy runs: a KL loss or a KL penalty in the reward reads its log-probs."""
     reward_model: bool
@@ -60,7 +58,6 @@ class StepPlan:
         rollout_is = "off" if not algo.rollout_is else ("loss" if old_from_update else "batch")
         return cls(
             estimator=ADVANTAGE_ESTIMATORS[algo.adv_estimator],
-            loss_mode=LOSS_MODES[cfg.actor.loss_mode],
             uses_ref=cfg.actor.use_kl_loss or algo.use_kl_in_reward,
             reward_model=bool(cfg.reward.model_path),
             old_from_update=old_from_update,

@@ -100,7 +100,7 @@ def load_tokenizer(cfg):
     """The run's tokenizer (`model.tokenizer_path`, else `model.path`), left-padding, with a pad token."""
     import transformers
 
-    from shardrl.engine.model import require_folder
+    from shardrl.userfile import require_folder
 
     path = cfg.model.tokenizer_path or cfg.model.path
     if path is None:

@@ -1,5 +1,5 @@
-"""Importing a user's Python file (reward functions, multi-turn interactions) as a module, with errors that
-say which file and which config key."""
+"""What a user's config points at: a Python file (reward functions, multi-turn interactions) imported as a module,
+and a model folder checked to be there, with errors that say which file and which config key."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+from pathlib import Path
 from types import ModuleType
 
 
@@ -31,3 +32,11 @@ def import_user_file(path: str, what: str, prefix: str) -> ModuleType:
         sys.modules.pop(module_name, None)
         raise ValueError(f"{what} {path!r} failed to import: {type(e).__name__}: {e}") from e
     return module
+
+
+def require_folder(key: str, path: str) -> Path:
+    """`path`, the value of config key `key`, as a folder that exists."""
+    if not Path(path).is_dir():
+        raise ValueError(f"{key}={path!r} is not a folder; give a local Hugging Face model folder "
+                         "(nothing is downloaded from the hub)")
+    return Path(path)

@@ -241,8 +241,11 @@ def test_a_key_of_model_tiny_its_config_class_does_not_know_is_an_error():
                                           r"\(Qwen2Config\); did you mean 'hiden_size' -> 'hidden_size'"):
         load_hf_config(None, {**base, "hiden_size": 32})
     # legacy names the class still takes (rope_scaling) and the base class's keys are keys
-    config = load_hf_config(None, {**base, "rope_scaling": {"type": "linear", "factor": 2.0}, "tie_word_embeddings": True})
+    config = load_hf_config(None, {**base, "rope_scaling": {"type": "linear", "factor": 2.0},
+                                   "tie_word_embeddings": True})
     assert config.hidden_size == 64 and config.tie_word_embeddings
+    # optional attributes a model reads that no signature lists pass (only near misses of known keys are errors)
+    assert load_hf_config(None, {**base, "head_dim": 32, "rope_theta": 5000.0}).head_dim == 32
 
 
 def test_plan_refuses_a_misspelt_model_tiny_key(capsys):

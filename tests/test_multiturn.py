@@ -218,6 +218,40 @@ def test_tools_run_concurrently_and_time_out():
     assert took < 2.0  # concurrent: three 0.4 s calls and two cut at 1 s, not 7 s in a row
 
 
+HUNG_TOOL_SCRIPT = """
+import sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from shardrl.tools import DaemonThreadPool, run_tool_calls
+pool = DaemonThreadPool(2)
+forever = threading.Event()
+answers = run_tool_calls([lambda: forever.wait() or 'never', lambda: 'quick'], timeout_s=0.3, pool=pool)
+print(answers, flush=True)
+pool.shutdown()
+"""
+
+
+def test_a_tool_that_never_returns_does_not_keep_the_process_from_exiting(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import shardrl
+
+    root = str(Path(shardrl.__file__).parent.parent)
+    proc = subprocess.Popen([sys.executable, "-c", HUNG_TOOL_SCRIPT, root], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # this test's own process group only
+        proc.wait()
+        pytest.fail("the process did not exit: a hung tool's worker thread was joined at exit")
+    assert proc.returncode == 0
+    assert out.strip() == "['error: the tool timed out after 0.3 s', 'quick']"
+
+
 def test_a_timed_out_tool_answers_with_an_error_turn(tok):
     call = '<tool_call>{"name":"sleepy","arguments":{"s":2}}</tool_call>'
     mt, inner = loop(tok, [[call], ["done$"]], Recorder([Sleepy()]), tool_timeout_s=0.2)

@@ -91,7 +91,7 @@ def _score_on_two_ranks(cases):
     rank = dist.get_rank()
     out = []
     for responses in cases:
-        scorer = Scorer(RewardManager(fn), dp_group=dist.group.WORLD, dp_size=2)
+        scorer = Scorer(RewardManager(fn), dp_group=dist.group.WORLD)
         texts = responses[rank]
         batch = {"data_source": ["x"] * len(texts), "response_text": texts, "extra": [{}] * len(texts)}
         try:

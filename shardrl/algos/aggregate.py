@@ -6,8 +6,9 @@ divide by the *global* count, not its own: pass `num_global_tokens` (real tokens
 mini-batch, all ranks) or `num_global_seqs` (sequences in it). Left as None they default to this
 batch's own counts, which is right when the batch is the whole mini-batch.
 
-Metrics are `shardrl.metrics.SumCount` (sum, count) pairs: the engine adds sums and counts up over micro-batches and data-parallel
-ranks and divides once, so a logged number is a property of the mini-batch, not of how it was cut.
+Metrics are `shardrl.metrics.SumCount` (sum, count) pairs: the engine adds sums and counts up over
+micro-batches and data-parallel ranks and divides once, so a logged number is a property of the mini-batch, not
+of how it was cut.
 """
 
 import torch

@@ -10,8 +10,8 @@ undone by scaling each share by `world`, so the update equals that of one proces
 
 Metrics: a loss function returns each metric as a `shardrl.metrics` metric of tensors (a token mean as a
 `SumCount`); the engine combines them over micro-batches and the data-parallel ranks (one all-reduce per step,
-one more for extremes) and reports sum / count, so a logged number is a property of the mini-batch, not of how it was cut. A placeholder micro-batch (run
-by a rank that has run out of samples) counts nothing.
+one more for extremes) and reports sum / count, so a logged number is a property of the mini-batch, not of
+how it was cut. A placeholder micro-batch (run by a rank that has run out of samples) counts nothing.
 """
 
 from __future__ import annotations

@@ -28,13 +28,16 @@ from shardrl.engine.attention import ATTN_NAME, attention_kwargs
 from shardrl.engine.logprob import chunked_log_probs, pack, shift_to_scored_token, unpack
 from shardrl.engine.ulysses import gather_seq, pad_to_multiple
 from shardrl.modelconfig import text_config
+from shardrl.userfile import require_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def check_tiny_keys(model_type: str, kwargs: dict) -> None:
-    """A `ConfigError` for keys of `model.tiny` that the model type's config class does not know: HF's config
-    classes keep unknown kwargs as attributes, so a typo (hiden_size) silently leaves the default size."""
+    """A `ConfigError` for a key of `model.tiny` that is a near miss of one its model type's config class takes
+    (hiden_size for hidden_size): HF's config classes keep any unknown kwarg as an attribute, so a typo would
+    silently leave the default size. Other unknown keys pass: model code reads optional attributes (head_dim,
+    rope_theta) that no config signature lists."""
     import difflib
     import inspect
 
@@ -49,11 +52,12 @@ def check_tiny_keys(model_type: str, kwargs: dict) -> None:
     known |= set(inspect.signature(transformers.PretrainedConfig.__init__).parameters)
     known |= set(getattr(type(default), "attribute_map", {}))
     # a class-level name (a property such as the legacy rope_scaling) is the class's own, not a stray kwarg
-    unknown = sorted(k for k in kwargs if k not in known and not hasattr(type(default), k))
-    if unknown:
-        hints = [f"{k!r} -> {close[0]!r}" for k in unknown if (close := difflib.get_close_matches(k, known, n=1))]
-        raise ConfigError(f"invalid config value model.tiny: {unknown} are not keys of the {model_type!r} config "
-                          f"({type(default).__name__}){'; did you mean ' + ', '.join(hints) if hints else ''}")
+    unknown = [k for k in kwargs if k not in known and not hasattr(type(default), k)]
+    misses = {k: close[0] for k in unknown if (close := difflib.get_close_matches(k, known, 1, 0.85))}
+    if misses:
+        hints = ", ".join(f"{k!r} -> {v!r}" for k, v in sorted(misses.items()))
+        raise ConfigError(f"invalid config value model.tiny: {sorted(misses)} are not keys of the {model_type!r} "
+                          f"config ({type(default).__name__}); did you mean {hints}?")
 
 
 def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool = False, task: str = "causal_lm"):
@@ -115,14 +119,6 @@ def causal_lm_class_name(config) -> str | None:
 
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     return name if isinstance(name, str) else None
-
-
-def require_folder(key: str, path: str) -> Path:
-    """`path`, the value of config key `key`, as a folder that exists."""
-    if not Path(path).is_dir():
-        raise ValueError(f"{key}={path!r} is not a folder; give a local Hugging Face model folder "
-                         "(nothing is downloaded from the hub)")
-    return Path(path)
 
 
 def check_model_weights(path: str) -> None:

@@ -49,7 +49,6 @@ An interaction is the user's Python file (like a reward file), defining a class 
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
 import queue
@@ -61,8 +60,8 @@ import torch
 
 from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts,
                                    cut_responses)
-from shardrl.tools import (BUILTIN_TOOLS, CALL_END, CALL_START, Tool, ToolCall, call_tool, parse_tool_call,
-                           run_tool_calls)
+from shardrl.tools import (BUILTIN_TOOLS, CALL_END, CALL_START, DaemonThreadPool, Tool, ToolCall, call_tool,
+                           parse_tool_call, run_tool_calls)
 from shardrl.userfile import import_user_file
 
 CHATML_TOOL_TURN = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n"
@@ -178,7 +177,7 @@ class MultiTurnRollout(Rollout):
             raise ValueError(f"multi_turn.overlap_tools needs a backend that takes rows while it decodes "
                              f"(rollout.backend=fast); {type(rollout).__name__} does not")
         self.overlap_tools = overlap_tools
-        self.pool = concurrent.futures.ThreadPoolExecutor(num_tool_workers, thread_name_prefix="shardrl-tool")
+        self.pool = DaemonThreadPool(num_tool_workers)  # a hung tool cannot keep the process from exiting
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     @classmethod

@@ -19,7 +19,9 @@ import asyncio
 import concurrent.futures
 import inspect
 import json
+import queue
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -121,8 +123,54 @@ def call_tool(tool: Tool, args: dict) -> str | Awaitable[str]:
     return acall(args) if acall is not None else tool.call(args)
 
 
+class DaemonThreadPool(concurrent.futures.Executor):
+    """A thread pool whose workers are daemon threads. `ThreadPoolExecutor`'s workers are joined when the
+    interpreter exits, so one tool call that never returns (a hung tool, long past its time limit) would keep the
+    whole process, and under torchrun every rank, from exiting after the run is done. A daemon worker is left to
+    die with the process instead."""
+
+    def __init__(self, num_workers: int, name: str = "shardrl-tool"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed, self._num_workers = False, num_workers
+        for i in range(num_workers):
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True).start()
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        if self._closed:
+            raise RuntimeError("cannot submit a tool call to a pool that was shut down")
+        future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args, kwargs = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # the caller sees it as the call's answer
+                future.set_exception(e)
+
+    def shutdown(self, wait: bool = False, *, cancel_futures: bool = True) -> None:
+        """Stops the idle workers (a hung one is left to the process's exit); never waits for a running call."""
+        self._closed = True
+        while cancel_futures:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in range(self._num_workers):  # one stop per worker; a hung worker never reads its own
+            self._jobs.put(None)
+
+
 def run_tool_calls(jobs: list[Callable[[], Any]], timeout_s: float,
-                   pool: concurrent.futures.ThreadPoolExecutor) -> list[str]:
+                   pool: concurrent.futures.Executor) -> list[str]:
     """Runs `jobs` (each returns a str, or a coroutine giving one) concurrently; their answers in order.
 
     A sync job runs on `pool`; a coroutine runs on this call's event loop. A job that raises answers

@@ -18,9 +18,10 @@ from shardrl.rollout import SamplingParams, build_rollout
 from shardrl.rollout.multiturn import MultiTurnRollout
 
 
-def sampling_seed(base_seed: int, step: int, dp_rank: int) -> int:
-    """A fresh, reproducible sampling stream per step and data-parallel rank (a resumed run draws the same)."""
-    return base_seed + 100_003 * step + dp_rank
+def sampling_seed(base_seed: int, step: int, dp_rank: int, round_index: int = 0) -> int:
+    """A fresh, reproducible sampling stream per step and data-parallel rank (a resumed run draws the same), and
+    per round of dynamic sampling (round 0: the step's first batch)."""
+    return base_seed + 100_003 * step + dp_rank + 7919 * round_index
 
 
 def export_for_rollout(actor, device: torch.device):
@@ -51,9 +52,10 @@ class Generation:
         self.tokenizer, self.device, self.seed = tokenizer, device, ro.seed
         self.sampling = SamplingParams.from_config(ro)
 
-    def step_sampling(self, step: int, dp_rank: int) -> SamplingParams:
-        """The training sampling settings of step `step` on data-parallel rank `dp_rank`."""
-        return dataclasses.replace(self.sampling, seed=sampling_seed(self.seed, step, dp_rank))
+    def step_sampling(self, step: int, dp_rank: int, round_index: int = 0) -> SamplingParams:
+        """The training sampling settings of step `step` on data-parallel rank `dp_rank` (and dynamic sampling's
+        round `round_index`)."""
+        return dataclasses.replace(self.sampling, seed=sampling_seed(self.seed, step, dp_rank, round_index))
 
     def generate(self, items: list[dict], sampling: SamplingParams) -> Batch:
         """One generate call for prompt rows `items`: a CPU batch with each sample's data_source and extra."""

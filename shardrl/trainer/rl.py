@@ -61,8 +61,7 @@ class LocalBatches:
 
     def batch(self, step: int, items: list[dict], round_index: int = 0) -> Batch:
         """Step `step`'s batch of `items` (round `round_index` of dynamic sampling: another seed per round)."""
-        sampling = self.generation.step_sampling(step, self.mesh.dp_rank)
-        return self.generate(items, dataclasses.replace(sampling, seed=sampling.seed + 7919 * round_index))
+        return self.generate(items, self.generation.step_sampling(step, self.mesh.dp_rank, round_index))
 
     def generate(self, items: list[dict], sampling) -> Batch:
         rollout = self.generation.rollout
@@ -75,7 +74,8 @@ class LocalBatches:
             rollout.release()  # colocated: training takes the memory generation held
         if self.mesh.sp_size > 1:
             shared = [batch]
-            dist.broadcast_object_list(shared, src=dist.get_global_rank(self.mesh.sp_group, 0), group=self.mesh.sp_group)
+            first = dist.get_global_rank(self.mesh.sp_group, 0)
+            dist.broadcast_object_list(shared, src=first, group=self.mesh.sp_group)
             batch = shared[0]
         return batch
 
@@ -97,7 +97,8 @@ class RLTrainer:
                 log.warning(line)
         # the cheap checks before the expensive work: data, reward file and vocabularies before any model loads
         self.train_set, self.val_set = load_datasets(cfg, self.tokenizer)
-        fn = load_reward_function(cfg.reward.function_path, cfg.reward.function_name) if cfg.reward.function_path else None
+        fn = (load_reward_function(cfg.reward.function_path, cfg.reward.function_name) if cfg.reward.function_path
+              else None)
         if fn is None and not cfg.reward.model_path and not cfg.rollout.multi_turn.interaction_path:
             for dataset in filter(None, (self.train_set, self.val_set)):  # the built-in scorers need the answers
                 check_ground_truths(dataset)
@@ -109,8 +110,9 @@ class RLTrainer:
         self._say("\n".join([*choices, self.plan.describe()]))
         claim_run_dir(cfg, run_dir)  # the run can start: its folder is created and locked only now
 
-        self.roles = Roles.build(cfg, self.plan, {"actor": self.layout.actor.num_updates,
-                                                  "critic": self.layout.critic.num_updates if self.layout.critic else 0})
+        num_updates = {"actor": self.layout.actor.num_updates,
+                       "critic": self.layout.critic.num_updates if self.layout.critic else 0}
+        self.roles = Roles.build(cfg, self.plan, num_updates)
         self.mesh = self.roles.mesh
         self.flop_shapes = flop_shapes(self.roles, self._say)
         self._say(f"mesh: {self.mesh.describe()}; actor FSDP units: {self.roles.actor.num_fsdp_units()}; "
@@ -122,7 +124,7 @@ class RLTrainer:
         if self.plan.reward_model:
             self.roles.add_reward_model(cfg)
         self.scorer = Scorer(RewardManager(fn, cfg.reward.on_error_score), self.roles.reward_model,
-                             self.mesh.dp_group, self.mesh.dp_size, self.plan.multi_turn, cfg.reward.overlong_buffer,
+                             self.mesh.dp_group, self.plan.multi_turn, cfg.reward.overlong_buffer,
                              cfg.rollout.multi_turn.max_response_tokens if self.plan.multi_turn
                              else cfg.rollout.max_new_tokens)
         self.state = TrainState(cfg, loader, self.mesh.dp_rank, self.mesh.dp_size, self.mesh.sp_rank)

@@ -16,14 +16,14 @@ from shardrl.rollout.multiturn import score_with_interaction
 
 
 class Scorer:
-    def __init__(self, rewards: RewardManager, reward_model=None, dp_group=None, dp_size: int = 1,
-                 multi_turn: bool = False, overlong=None, length_limit: int = 0):
+    def __init__(self, rewards: RewardManager, reward_model=None, dp_group=None, multi_turn: bool = False,
+                 overlong=None, length_limit: int = 0):
         """`reward_model`: an engine with a score head, or None for `rewards`' function; `overlong`: the
         `reward.overlong_buffer` section (None or disabled: no shaping); `length_limit`: the response length
         it shapes against (`rollout.max_new_tokens`; multi-turn: the conversation's budget,
         `rollout.multi_turn.max_response_tokens`, which its model and tool tokens share)."""
         self.rewards, self.reward_model = rewards, reward_model
-        self.dp_group, self.dp_size = dp_group, dp_size
+        self.dp_group = dp_group
         self.multi_turn = multi_turn
         self.overlong = overlong if overlong is not None and overlong.enable else None
         self.length_limit = length_limit

@@ -53,6 +53,7 @@ def actor_loss_fn(actor_cfg, agg_mode: str, old_from_forward: bool = False, roll
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
         if old_from_forward:
+            # its maximum stays the separate pass's metric, as it always was (the engine could reduce it: a Max)
             mismatch = mismatch_metrics(old, mb["sampled_log_probs"], mask)
             metrics.update({f"rollout/{k}": v for k, v in mismatch.items() if k != "logprob_abs_diff_max"})
             if with_ref:
