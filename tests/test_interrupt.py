@@ -75,3 +75,82 @@ def test_console_logger_alone_trains_and_writes_summary_and_curve(assets, tmp_pa
     assert "metrics.jsonl" not in files and {"summary.json", "reward_curve.png"} <= set(files)
     summary = json.loads((tmp_path / "console" / "summary.json").read_text())
     assert summary["steps"] == 2 and 0.0 <= summary["reward_first"] <= 1.0
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z"  # a zombie has exited
+
+
+def _start_two_ranks(assets, tmp_path):
+    """`shardrl train` on 2 processes in a session of its own, once its first step is logged: (launcher, ranks)."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    stderr = open(tmp_path / "stderr.txt", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "shardrl.cli", "train",
+                             *small_demo_run(assets, run_dir, "trainer.total_steps=100000", "trainer.logger=[jsonl]"),
+                             "--nproc-per-node", "2"], stdout=subprocess.DEVNULL, stderr=stderr,
+                            start_new_session=True, env=env)
+    stderr.close()
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+        assert time.time() < deadline, "no step within 300 s"
+        time.sleep(0.05)
+    ranks = _children(proc.pid)
+    assert len(ranks) == 2, ranks
+    return proc, ranks
+
+
+def _end(proc, pids) -> None:
+    """Ends what a test started, by PID only."""
+    for pid in [proc.pid, *pids]:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def test_the_ranks_exit_when_their_launcher_is_killed(assets, tmp_path):
+    proc, ranks = _start_two_ranks(assets, tmp_path)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's process group: torchrun put each rank in its own
+        proc.wait(timeout=30)
+        deadline = time.time() + 30
+        while any(_alive(r) for r in ranks) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not [r for r in ranks if _alive(r)], "ranks trained on after their launcher was killed"
+    finally:
+        _end(proc, ranks)
+
+
+def test_a_killed_rank_is_one_line_and_its_signal_in_the_exit_status(assets, tmp_path):
+    proc, ranks = _start_two_ranks(assets, tmp_path)
+    try:
+        os.kill(max(ranks), signal.SIGKILL)  # what the kernel's OOM killer does
+        code = proc.wait(timeout=120)
+    finally:
+        _end(proc, ranks)
+    err = (tmp_path / "stderr.txt").read_text()
+    assert code == 128 + signal.SIGKILL, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith(("error", "rank ", "[rank"))]
+    assert len(errors) == 1 and errors[0].startswith("error: rank ") and " was killed by SIGKILL (out of memory?" \
+        in errors[0], err[-3000:]
+    assert "Traceback" not in err and "Connection" not in err

@@ -193,7 +193,7 @@ def train_main(args) -> int:
         try:
             torchrun(parse_args(argv))
         except ChildFailedError as e:  # the ranks have said why (a user error: rank 0's `error:` line)
-            return next(iter(e.failures.values())).exitcode or 1
+            return _failed_ranks_status(e)
         except (SignalException, KeyboardInterrupt):
             return INTERRUPTED_EXIT
         return 0
@@ -214,10 +214,27 @@ def train_main(args) -> int:
     return 0
 
 
+def _failed_ranks_status(error) -> int:
+    """The exit status of a run whose ranks failed (torchrun's `ChildFailedError`), from the first rank that
+    failed (torchrun then stops the others). A rank killed by a signal (the kernel's OOM killer, a `kill`) cannot
+    say why itself: one line names it, and the status is 128 + the signal, as a shell reports a killed program;
+    a rank that failed otherwise printed its own error, and its status is the run's."""
+    rank, failure = error.get_first_failure()
+    if failure.exitcode is None or failure.exitcode >= 0:
+        return failure.exitcode or 1
+    sig = -failure.exitcode
+    name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+    hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if sig == signal.SIGKILL else ""
+    print(f"error: rank {rank} was killed by {name}{hint}; the other ranks stopped with it", file=sys.stderr)
+    return 128 + sig
+
+
 def _not_about_sigint(record: logging.LogRecord) -> bool:
-    """torchrun's own lines about passing Ctrl-C on (rank 0 says the one line that matters)."""
+    """torchrun's own lines about passing Ctrl-C on (rank 0 says the one line that matters), and about stopping
+    the ranks after one was killed (the launcher says that in one line)."""
     text = record.getMessage()
-    return not ("death signal" in text or "closing signal SIGINT" in text)
+    return not ("death signal" in text or "closing signal SIGINT" in text or "closing signal SIGTERM" in text
+                or "failed (exitcode: -" in text)
 
 
 def _interrupted_line(e: KeyboardInterrupt) -> str:
@@ -225,9 +242,36 @@ def _interrupted_line(e: KeyboardInterrupt) -> str:
     return f"interrupted (Ctrl-C) {done}"
 
 
+def _die_with_launcher() -> None:
+    """torchrun starts each rank in a session of its own, so killing the launcher's process group (or the
+    launcher alone, by SIGKILL) would leave the ranks training on, holding the run lock and the GPUs. On Linux the
+    kernel sends this rank SIGTERM when its launcher dies (prctl PR_SET_PDEATHSIG); one that died already is
+    not waited for."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    launcher = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != launcher:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _peer_gone(e: BaseException) -> bool:
+    """Whether `e` is a collective's failure because another rank's process is gone (gloo's closed connection,
+    NCCL's remote error)."""
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, (RuntimeError, getattr(dist, "DistError", RuntimeError))) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "remote process exited",
+                            "Broken pipe"))
+
+
 def _rank_main(argv: list[str]) -> int:
     """A rank torchrun started. A user's mistake found here (a `ValueError`: data, model folder, reward
     file) is one `error:` line from rank 0 and exit status 2 on every rank, as in a single process."""
+    _die_with_launcher()
     _setup_logging()
     config = None if argv and argv[0] == "--no-config" else (argv[0] if argv and "=" not in argv[0] else None)
     overrides = [a for a in argv if "=" in a]
@@ -251,6 +295,8 @@ def _rank_main(argv: list[str]) -> int:
             return STORAGE_EXIT
         if type(e).__name__ == "PeerStopped":  # async_rl: the other side stopped and its ranks say why
             print(f"rank {os.environ.get('RANK', 0)}: {e}", file=sys.stderr)
+            return 1
+        if _peer_gone(e):  # another rank died mid-collective: the launcher names it in one line
             return 1
         raise
     return 0
