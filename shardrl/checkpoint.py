@@ -276,6 +276,9 @@ class CheckpointManager:
     def load(self, path: str | os.PathLike, engines: Mapping[str, "Engine"], restore_rng: bool = True) -> Checkpoint:
         """Loads the checkpoint folder `path` into `engines` (name -> engine, at any world size)."""
         path = Path(path)
+        if not path.exists():
+            raise ValueError(f"checkpoint {str(path)!r} not found (trainer.resume takes \"auto\", \"never\" or the "
+                             "path of a checkpoint folder such as <run>/checkpoints/step_000010)")
         if not (path / COMPLETE).is_file():
             raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
         for name in engines:

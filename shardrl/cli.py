@@ -9,11 +9,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
 import sys
 from importlib import metadata
+
+
+def _gib(text: str) -> float:
+    """An argparse type: a GPU's memory in GiB, a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of GiB > 0, got {text}")
+    return value
 
 
 def _count(text: str) -> int:
@@ -49,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the per-rank batch layout and memory ledger of a config")
     _add_config_args(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    plan.add_argument("--gpu-mem-gib", type=float, default=None, metavar="GIB",
+    plan.add_argument("--gpu-mem-gib", type=_gib, default=None, metavar="GIB",
                       help="say whether each phase's predicted peak fits a GPU of this size, and what to change "
                            "when one does not (exit status 1)")
 
@@ -107,6 +119,10 @@ def plan_main(args: argparse.Namespace) -> int:
                   else f"\nfits {args.gpu_mem_gib:g} GiB (peak {ledger['peak_phase']} {ledger['peak_gib']:.1f} GiB)")
         if keep_cache is not None:
             print(f"rollout.free_cache_engine={str(not keep_cache).lower()} (null: {why})")
+    if args.gpu_mem_gib and not ledger:  # a verdict was asked for and none can be given
+        print(f"error: no verdict on --gpu-mem-gib {args.gpu_mem_gib:g}: the memory ledger needs the model's config "
+              f"({skipped})", file=sys.stderr)
+        return 2
     return 1 if advice else 0
 
 

@@ -40,6 +40,9 @@ class PromptDataset:
 
 def _read_rows(path: str) -> list[tuple[int, object]]:
     """(1-based row number, row) pairs of one file; rows are whatever the file holds (checked later)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path!r} is a folder, not a prompt file: list its files (data.train_files=[a.parquet, "
+                         f"b.parquet]) or name one")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompt file not found: {path!r}")
     ext = os.path.splitext(path)[1].lower()
@@ -56,6 +59,14 @@ def _read_rows(path: str) -> list[tuple[int, object]]:
             line = raw.count(b"\n", 0, e.start) + 1
             raise ValueError(f"{path}: line {line} is not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at offset "
                              f"{e.start}); save the file as UTF-8") from None
+        if text.lstrip().startswith("{") and ext == ".json":  # one object: a file of rows is lines or an array
+            try:
+                whole = json.loads(text)
+            except json.JSONDecodeError:
+                whole = None
+            if isinstance(whole, dict):
+                raise ValueError(f"{path}: holds one JSON object, not rows: a .json prompt file is one array of "
+                                 "row objects ([{...}, {...}]), or use JSON lines (.jsonl, one row object a line)")
         if text.lstrip().startswith("["):  # a .json file holding one array of rows
             try:
                 return list(enumerate(json.loads(text), start=1))

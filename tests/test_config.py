@@ -264,3 +264,50 @@ def test_settings_nothing_reads_are_named():
     assert lines[1].startswith("rollout.multi_turn.tools is set but rollout.multi_turn.enable=false")
     assert load_config(None, ["rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.enable=true",
                               "data.val_files=[v.jsonl]", "trainer.val_freq=5"]).ignored_settings() == []
+
+
+def test_messages_that_used_to_mislead(tmp_path, capsys, caplog):
+    """Issue 31's list: each bad input gets a line that says what is wrong."""
+    from shardrl.cli import main
+    from shardrl.data import load_prompt_dataset
+    from shardrl.engine.model import load_hf_config
+    from shardrl.tokenizer import build_char_tokenizer
+    from shardrl.trainer.async_rl import check_rollout_ranks
+    from shardrl.trainer.main import warn_oversubscribed
+
+    # heads that do not cut the width: said at the config, not as a tensor-size error at the first forward
+    with pytest.raises(ConfigError, match=r"hidden_size=30 is not a multiple of num_attention_heads=4"):
+        load_hf_config(None, {"model_type": "qwen2", "hidden_size": 30, "num_attention_heads": 4,
+                              "num_key_value_heads": 2, "num_hidden_layers": 2})
+    # --gpu-mem-gib must be a size; a verdict that cannot be given is an error, not a silent exit 0
+    for bad in ("0", "-5", "nan"):
+        with pytest.raises(SystemExit):
+            main(["plan", "--gpu-mem-gib", bad])
+        assert "must be a finite number of GiB > 0" in capsys.readouterr().err
+    assert main(["plan", "model.path=/no/such/model", "--gpu-mem-gib", "80"]) == 2
+    assert "error: no verdict on --gpu-mem-gib 80" in capsys.readouterr().err
+    # a folder given as a data file, and a .json holding one object
+    tok = build_char_tokenizer()
+    with pytest.raises(ValueError, match=r"is a folder, not a prompt file"):
+        load_prompt_dataset([str(tmp_path)], tok)
+    one = tmp_path / "one.json"
+    one.write_text('{"prompt": "1+1=", "ground_truth": "2"}')
+    with pytest.raises(ValueError, match=r"one.json: holds one JSON object, not rows"):
+        load_prompt_dataset([str(one)], tok)
+    # resume=Auto is not a path, and a missing checkpoint path is "not found"
+    with pytest.raises(ConfigError, match=r'trainer.resume=\'Auto\': is read as a checkpoint path; did you mean "auto"'):
+        load_config(None, ["trainer.resume=Auto"])
+    from shardrl.checkpoint import CheckpointManager
+
+    with pytest.raises(ValueError, match=r"checkpoint '.*nowhere' not found"):
+        CheckpointManager(tmp_path / "ckpts").load(tmp_path / "nowhere", {})
+    # rollout ranks on one process
+    with pytest.raises(ValueError, match=r"needs at least 2 processes .* this run has 1"):
+        check_rollout_ranks(1, 1)
+    with pytest.raises(ValueError, match=r"choose 1\.\.3"):
+        check_rollout_ranks(4, 4)
+    # more processes than cores on a CPU machine: a warning (the run still starts)
+    with caplog.at_level("WARNING", logger="shardrl"):
+        warn_oversubscribed(10_000, "cpu")
+        warn_oversubscribed(1, "cpu")
+    assert caplog.text.count("on a CPU machine with") == 1

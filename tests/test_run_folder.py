@@ -186,5 +186,9 @@ def test_a_fresh_run_refuses_a_folder_that_holds_another_run(assets, tmp_path, c
     # resume=auto continues it; a fresh run into an empty folder, or one with only an empty checkpoints folder, runs
     assert cli_main(["train", *first, "trainer.total_steps=4", "trainer.resume=auto"]) == 0
     assert [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    # resuming past total_steps: said, not "0 of 2 steps" with exit 0
+    capsys.readouterr()
+    assert cli_main(["train", *first, "trainer.total_steps=2", "trainer.resume=auto"]) == 2
+    assert "is at step 4, past trainer.total_steps=2: there is nothing to train" in capsys.readouterr().err
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     assert cli_main(["train", *small(assets, f"trainer.output_dir={tmp_path / 'empty'}")]) == 0

@@ -60,6 +60,24 @@ def check_tiny_keys(model_type: str, kwargs: dict) -> None:
                           f"config ({type(default).__name__}); did you mean {hints}?")
 
 
+def check_tiny_shape(config, explicit_head_dim: bool) -> None:
+    """A `ConfigError` for a `model.tiny` whose heads do not cut its width: the model would fail at its first
+    forward with a tensor-size mismatch."""
+    from shardrl.configload import ConfigError
+
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
+        return
+    if not explicit_head_dim and hidden % heads:
+        raise ConfigError(f"invalid config value model.tiny: hidden_size={hidden} is not a multiple of "
+                          f"num_attention_heads={heads} (each head is hidden_size / num_attention_heads wide); "
+                          "change one of them, or give head_dim")
+    if isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise ConfigError(f"invalid config value model.tiny: num_attention_heads={heads} is not a multiple of "
+                          f"num_key_value_heads={kv_heads}")
+
+
 def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool = False, task: str = "causal_lm"):
     """The HF config of a local model folder, or one built from `tiny` (kwargs incl. `model_type`).
 
@@ -74,6 +92,7 @@ def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool 
             raise ValueError("model.tiny needs a 'model_type' (e.g. 'qwen2' or 'llama')")
         check_tiny_keys(model_type, kwargs)
         config = transformers.AutoConfig.for_model(model_type, **kwargs)
+        check_tiny_shape(text_config(config), explicit_head_dim="head_dim" in kwargs)
         if task == "causal_lm" and causal_lm_class_name(config) is None:
             raise ValueError(f"model.tiny: AutoModelForCausalLM builds no {model_type!r} model; "
                              "shardrl trains causal LMs")

@@ -114,10 +114,13 @@ class WorldSplit:
 
 def check_rollout_ranks(num_rollout: int, world: int) -> None:
     """ValueError unless `num_rollout` rollout ranks leave at least one training rank in `world`."""
+    if world < 2:
+        raise ValueError(f"async_rl.rollout_ranks={num_rollout} needs at least 2 processes (rollout ranks and "
+                         f"training ranks), and this run has {world}: start it with --nproc-per-node 2 or more, or set "
+                         "async_rl.rollout_ranks=0 for a colocated run")
     if not 1 <= num_rollout < world:
         raise ValueError(f"async_rl.rollout_ranks={num_rollout} must leave training ranks in a world of {world} "
-                         f"processes: choose 1..{max(world - 1, 1)} and start at least rollout_ranks + 1 processes "
-                         "(e.g. --nproc-per-node 2 with rollout_ranks=1)")
+                         f"processes: choose 1..{world - 1}, or start at least rollout_ranks + 1 processes")
 
 
 def split_world(cfg: Config, timeout_s: float = 600.0) -> WorldSplit:

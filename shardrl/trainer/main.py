@@ -171,6 +171,7 @@ def train_main(args) -> int:
             f"`torchrun --nnodes {nnodes} --nproc-per-node {nproc} --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
             "-m shardrl.trainer.main CONFIG key=value ...` (HOST: a node every node reaches)")
     if nproc > 1 and "RANK" not in os.environ:
+        warn_oversubscribed(nproc, cfg.trainer.device)
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run as torchrun
@@ -227,6 +228,19 @@ def _failed_ranks_status(error) -> int:
     hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if sig == signal.SIGKILL else ""
     print(f"error: rank {rank} was killed by {name}{hint}; the other ranks stopped with it", file=sys.stderr)
     return 128 + sig
+
+
+def warn_oversubscribed(nproc: int, device: str) -> None:
+    """A warning when a CPU run starts more processes than the machine has cores: each rank then gets a share of
+    a core, and collectives wait on the slowest (it runs, slowly)."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if on_cpu and nproc > cores:
+        logging.getLogger("shardrl").warning(
+            "--nproc-per-node %d on a CPU machine with %d cores: each rank gets a fraction of a core and the run "
+            "will crawl; use --nproc-per-node %d or fewer", nproc, cores, cores)
 
 
 def _not_about_sigint(record: logging.LogRecord) -> bool:

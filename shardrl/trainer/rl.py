@@ -243,9 +243,16 @@ class RLTrainer:
                 self._say("resume=auto: no complete checkpoint yet, starting fresh")
             else:
                 note = self.state.load(ckpt)
+                total = self.cfg.trainer.total_steps
+                if self.state.step > total:
+                    raise ValueError(f"checkpoint {ckpt.path} is at step {self.state.step}, past trainer.total_steps="
+                                     f"{total}: there is nothing to train; set trainer.total_steps above "
+                                     f"{self.state.step} to go on, or start a fresh run in another folder")
                 if note:
                     self._say(note)
-                self._say(f"resumed from {ckpt.path} at step {self.state.step}")
+                self._say(f"resumed from {ckpt.path} at step {self.state.step}" + (
+                    f": the run is complete (trainer.total_steps={total}); raise it to train on"
+                    if self.state.step == total else ""))
         self.source.start(self.state)
 
     def fit(self) -> Path:
