@@ -77,6 +77,36 @@ def test_console_logger_alone_trains_and_writes_summary_and_curve(assets, tmp_pa
     assert summary["steps"] == 2 and 0.0 <= summary["reward_first"] <= 1.0
 
 
+def train_and_record_steps(overrides: list[str]) -> list[int]:
+    """The steps of the trainer's records (what summary.json and the reward curve are made from) after a run."""
+    from shardrl.trainer import rl
+    from shardrl.trainer.main import run
+
+    seen, fit = [], rl.RLTrainer.fit
+
+    def recording_fit(self):
+        try:
+            return fit(self)
+        finally:
+            seen.append([r["step"] for r in self.records])
+    rl.RLTrainer.fit = recording_fit
+    try:
+        run(None, overrides)
+    finally:
+        rl.RLTrainer.fit = fit
+    return seen[0]
+
+
+def test_a_resumed_run_with_the_console_logger_alone_summarises_the_whole_run(assets, tmp_path):
+    first = small_demo_run(assets, tmp_path / "console", "trainer.total_steps=2", "trainer.save_freq=1",
+                           "trainer.logger=[console]")
+    assert run_distributed(train_and_record_steps, 1, first) == [1, 2]
+    # the steps before the resume count too, not only the 2 after it
+    assert run_distributed(train_and_record_steps, 1, first + ["trainer.total_steps=4", "trainer.resume=auto"]) == \
+        [1, 2, 3, 4]
+    assert not (tmp_path / "console" / "metrics.jsonl").exists()
+
+
 def _children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (Linux /proc)."""
     out = []

@@ -133,6 +133,7 @@ class RLTrainer:
                                                                t.device)))(self)
         self.logprob_temperature = SamplingParams.from_config(cfg.rollout).logprob_temperature  # the sampler's
         self.val_generations: list[dict] = []  # rank 0: the last validation's samples, for the logger
+        self._resumed_records: list[dict] = []  # a resumed checkpoint's logged steps, when no metrics.jsonl has them
 
     def _say(self, text: str) -> None:
         if self.rank == 0:
@@ -230,8 +231,10 @@ class RLTrainer:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def save(self) -> None:
-        path = self.checkpoints.save(self.state.step, self.roles.trained(), self.state.state_dict(),
-                                     self.state.rank_state_dicts())
+        extra = self.state.state_dict()
+        if "jsonl" not in self.cfg.trainer.logger:  # no metrics.jsonl: the steps logged so far, for the summary
+            extra["records"] = list(self.records)  # of a resumed run (rank 0's extra is the one saved)
+        path = self.checkpoints.save(self.state.step, self.roles.trained(), extra, self.state.rank_state_dicts())
         self._say(f"saved checkpoint {path}")
 
     def maybe_resume(self) -> None:
@@ -243,6 +246,7 @@ class RLTrainer:
                 self._say("resume=auto: no complete checkpoint yet, starting fresh")
             else:
                 note = self.state.load(ckpt)
+                self._resumed_records = [r for r in ckpt.extra.get("records", []) if r["step"] <= self.state.step]
                 total = self.cfg.trainer.total_steps
                 if self.state.step > total:
                     raise ValueError(f"checkpoint {ckpt.path} is at step {self.state.step}, past trainer.total_steps="
@@ -262,6 +266,8 @@ class RLTrainer:
         logger = MetricsLogger(self.run_dir, cfg.trainer.logger, cfg.trainer.total_steps, state.step,
                                cfg.trainer.project_name, cfg.trainer.experiment_name, config_to_dict(cfg))
         self.records = logger.records  # rank 0: the steps logged, for summary.json and the reward curve
+        if not self.records:  # a resumed run without metrics.jsonl: the steps before the checkpoint
+            self.records.extend(self._resumed_records)
         total, val_freq, save_freq = cfg.trainer.total_steps, cfg.trainer.val_freq, cfg.trainer.save_freq
         try:
             while state.step < total:
