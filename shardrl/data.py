@@ -38,6 +38,13 @@ class PromptDataset:
         return self.items[i]
 
 
+def _one_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 def _read_rows(path: str) -> list[tuple[int, object]]:
     """(1-based row number, row) pairs of one file; rows are whatever the file holds (checked later)."""
     if os.path.isdir(path):
@@ -59,14 +66,6 @@ def _read_rows(path: str) -> list[tuple[int, object]]:
             line = raw.count(b"\n", 0, e.start) + 1
             raise ValueError(f"{path}: line {line} is not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at offset "
                              f"{e.start}); save the file as UTF-8") from None
-        if text.lstrip().startswith("{") and ext == ".json":  # one object: a file of rows is lines or an array
-            try:
-                whole = json.loads(text)
-            except json.JSONDecodeError:
-                whole = None
-            if isinstance(whole, dict):
-                raise ValueError(f"{path}: holds one JSON object, not rows: a .json prompt file is one array of "
-                                 "row objects ([{...}, {...}]), or use JSON lines (.jsonl, one row object a line)")
         if text.lstrip().startswith("["):  # a .json file holding one array of rows
             try:
                 return list(enumerate(json.loads(text), start=1))
@@ -79,6 +78,10 @@ def _read_rows(path: str) -> list[tuple[int, object]]:
             try:
                 rows.append((line_number, json.loads(line)))
             except json.JSONDecodeError as e:
+                if _one_object(text):  # e.g. a pretty-printed object: not lines of rows
+                    raise ValueError(f"{path}: holds one JSON object, not rows: a .json prompt file is one array "
+                                     "of row objects ([{...}, {...}]), or use JSON lines (.jsonl, one row object a "
+                                     "line)") from None
                 raise ValueError(f"{path}: row {line_number} is not valid JSON: {e}") from e
         return rows
     raise ValueError(

@@ -272,7 +272,7 @@ def test_messages_that_used_to_mislead(tmp_path, capsys, caplog):
     from shardrl.data import load_prompt_dataset
     from shardrl.engine.model import load_hf_config
     from shardrl.tokenizer import build_char_tokenizer
-    from shardrl.trainer.async_rl import check_rollout_ranks
+    from shardrl.placement import check_rollout_ranks
     from shardrl.trainer.main import warn_oversubscribed
 
     # heads that do not cut the width: said at the config, not as a tensor-size error at the first forward
@@ -291,7 +291,7 @@ def test_messages_that_used_to_mislead(tmp_path, capsys, caplog):
     with pytest.raises(ValueError, match=r"is a folder, not a prompt file"):
         load_prompt_dataset([str(tmp_path)], tok)
     one = tmp_path / "one.json"
-    one.write_text('{"prompt": "1+1=", "ground_truth": "2"}')
+    one.write_text('{\n  "prompt": "1+1=",\n  "ground_truth": "2"\n}\n')  # pretty-printed
     with pytest.raises(ValueError, match=r"one.json: holds one JSON object, not rows"):
         load_prompt_dataset([str(one)], tok)
     # resume=Auto is not a path, and a missing checkpoint path is "not found"

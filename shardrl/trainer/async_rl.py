@@ -20,139 +20,29 @@ bound still holds: a push only ever makes tokens newer.
 
 Left out: validation and DAPO dynamic sampling (config errors); partial rollouts with multi-turn tools
 (a config error). Several rollout ranks each serve the training dp ranks d with d % rollout_ranks == their
-index, one batch per dp rank per step.
-
-Channels (all built from the launcher's store, besides the two default groups):
-- `bridge`: gloo over the whole world, point-to-point, batches from rollout ranks to training ranks (sent
-  without waiting, so a rollout rank can be up to max_staleness + 1 batches ahead).
-- weight group: gloo (headers; NCCL for the buffers on GPU) over training rank 0 and the rollout ranks,
-  `shardrl.rollout.weight_sync.WeightChannel`; the start (step, loader state) goes over it too.
-A rank whose side stops (an error, Ctrl-C) closes its channels; the other side's pending receive fails
-with a "stopped" error instead of waiting for the timeout.
+index, one batch per dp rank per step. The rank split and its channels are `shardrl.placement`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
-import pickle
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from shardrl.config import Config
 from shardrl.data import PromptLoader
 from shardrl.engine.model import load_hf_config
+from shardrl.placement import PUSHED_KEY, WorldSplit, recv_object, send_object, stopped_if_broken
 from shardrl.rollout.weight_sync import SyncStats, WeightChannel, broadcast_object
+from shardrl.tokenizer import load_tokenizer
 from shardrl.trainer.defaults import resolve_device_defaults
 from shardrl.trainer.generation import Generation, export_for_rollout, sampling_seed, the_device
 from shardrl.trainer.rl import load_datasets
-from shardrl.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
-
-_SIZE_TAG, _DATA_TAG = 11, 12
-_STOPPED_KEY = "shardrl_async/stopped"
-_PUSHED_KEY = "shardrl_async/pushed"  # weight pushes started by the training ranks (a counter)
-
-
-class PeerStopped(RuntimeError):
-    """The other side (training or rollout ranks) stopped: an error or Ctrl-C there."""
-
-
-@dataclasses.dataclass
-class WorldSplit:
-    """This rank's side of a disaggregated run and the channels between the sides."""
-
-    global_rank: int
-    world_size: int
-    num_train: int
-    store: object
-    backend: str
-    timeout: datetime.timedelta
-    bridge: object = None
-    weight_ctrl: object = None
-    weight_data: object = None
-
-    @property
-    def num_rollout(self) -> int:
-        return self.world_size - self.num_train
-
-    @property
-    def is_rollout(self) -> bool:
-        return self.global_rank >= self.num_train
-
-    @property
-    def side_rank(self) -> int:
-        return self.global_rank - self.num_train if self.is_rollout else self.global_rank
-
-    def peer_stopped(self) -> bool:
-        try:
-            return self.store.check([_STOPPED_KEY])
-        except RuntimeError:  # the store's host (global rank 0, or the launcher) is gone
-            return True
-
-    def close(self, restore_world: bool, failed: bool = False) -> None:
-        """Drops the channels and this side's default group; `restore_world` starts a default group over the
-        whole world again (a caller that started one gets it back; every rank must then be here). `failed`
-        first tells the other side, whose pending receives then fail as `PeerStopped`."""
-        if failed:
-            try:
-                self.store.set(_STOPPED_KEY, f"{'rollout' if self.is_rollout else 'training'} rank {self.global_rank}")
-            except RuntimeError:
-                pass  # the store is gone already: so is the other side
-        self.bridge = self.weight_ctrl = self.weight_data = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if restore_world:
-            dist.init_process_group(self.backend, store=dist.PrefixStore("shardrl_async/world", self.store),
-                                    rank=self.global_rank, world_size=self.world_size, timeout=self.timeout)
-
-
-def check_rollout_ranks(num_rollout: int, world: int) -> None:
-    """ValueError unless `num_rollout` rollout ranks leave at least one training rank in `world`."""
-    if world < 2:
-        raise ValueError(f"async_rl.rollout_ranks={num_rollout} needs at least 2 processes (rollout ranks and "
-                         f"training ranks), and this run has {world}: start it with --nproc-per-node 2 or more, or set "
-                         "async_rl.rollout_ranks=0 for a colocated run")
-    if not 1 <= num_rollout < world:
-        raise ValueError(f"async_rl.rollout_ranks={num_rollout} must leave training ranks in a world of {world} "
-                         f"processes: choose 1..{world - 1}, or start at least rollout_ranks + 1 processes")
-
-
-def split_world(cfg: Config, timeout_s: float = 600.0) -> WorldSplit:
-    """Splits the started world into the training ranks (first) and the rollout ranks (last
-    `async_rl.rollout_ranks`): on return the default group holds only this rank's side, so every part of
-    the trainer (meshes, checkpoints, the run folder) works on the training ranks alone, unchanged."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    num_rollout = cfg.async_rl.rollout_ranks
-    check_rollout_ranks(num_rollout, world)
-    store = _get_default_store()
-    backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"  # as init_distributed's
-    timeout = datetime.timedelta(seconds=timeout_s)
-    dist.barrier()  # every rank holds the store before the world group goes
-    dist.destroy_process_group()
-    split = WorldSplit(rank, world, world - num_rollout, store, backend, timeout)
-    side = "rollout" if split.is_rollout else "train"
-    size = split.num_rollout if split.is_rollout else split.num_train
-    dist.init_process_group(backend, store=dist.PrefixStore(f"shardrl_async/{side}", store),
-                            rank=split.side_rank, world_size=size, timeout=timeout)
-    split.bridge = dist.ProcessGroupGloo(dist.PrefixStore("shardrl_async/bridge", store), rank, world, timeout)
-    if rank == 0 or split.is_rollout:
-        weight_rank = split.side_rank + 1 if split.is_rollout else 0
-        split.weight_ctrl = dist.ProcessGroupGloo(dist.PrefixStore("shardrl_async/weights", store), weight_rank,
-                                                  num_rollout + 1, timeout)
-        split.weight_data = split.weight_ctrl
-        if torch.cuda.is_available():
-            split.weight_data = dist.ProcessGroupNCCL(dist.PrefixStore("shardrl_async/weights_nccl", store),
-                                                      weight_rank, num_rollout + 1)
-    return split
-
 
 # ---- the schedule -----------------------------------------------------------------------------------
 def generating_version(step: int, start: int, max_staleness: int) -> int:
@@ -170,22 +60,6 @@ def pushes_after_step(step: int, total_steps: int, max_staleness: int) -> bool:
 def rollout_rank_of(dp_rank: int, num_train: int, num_rollout: int) -> int:
     """The global rank that generates for training dp rank `dp_rank`."""
     return num_train + dp_rank % num_rollout
-
-
-# ---- batches over the bridge ------------------------------------------------------------------------
-def send_object(pg, obj, dst: int) -> list:
-    """Starts sending `obj` (pickled) to global rank `dst`; returns what must stay alive until waited."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    return [pg.send([size], dst, _SIZE_TAG), pg.send([data], dst, _DATA_TAG), size, data]
-
-
-def recv_object(pg, src: int):
-    size = torch.zeros(1, dtype=torch.int64)
-    pg.recv([size], src, _SIZE_TAG).wait()
-    data = torch.empty(int(size[0]), dtype=torch.uint8)
-    pg.recv([data], src, _DATA_TAG).wait()
-    return pickle.loads(data.numpy().tobytes())
 
 
 def prompt_key(items: list[dict]) -> list[list[int]]:
@@ -217,15 +91,15 @@ class RemoteBatches:
         trained before a stop are generated again, not lost."""
         if self.weights is not None:
             start = {"step": state.step, "loader": state.loader.state_dict()}
-            _stopped_if_broken(self.split, lambda: broadcast_object(self.split.weight_ctrl, start, 0, True), "rollout")
+            stopped_if_broken(self.split, lambda: broadcast_object(self.split.weight_ctrl, start, 0, True), "rollout")
         self._push_weights()
 
     def _push_weights(self) -> SyncStats:
         """Every training rank (the export's gathers are collective); rank 0 streams."""
         weights = export_for_rollout(self.actor, self.device)
         if self.weights is not None:
-            self.split.store.add(_PUSHED_KEY, 1)  # a partial rollout takes it between two decode steps
-            return _stopped_if_broken(self.split, lambda: self.weights.send(weights), "rollout")
+            self.split.store.add(PUSHED_KEY, 1)  # a partial rollout takes it between two decode steps
+            return stopped_if_broken(self.split, lambda: self.weights.send(weights), "rollout")
         for _ in weights:
             pass
         return SyncStats()
@@ -233,7 +107,7 @@ class RemoteBatches:
     def batch(self, step: int, items: list[dict], round_index: int = 0):
         assert round_index == 0, "dynamic sampling is refused with rollout ranks (config)"
         t0 = time.perf_counter()
-        msg = _stopped_if_broken(self.split, lambda: recv_object(self.split.bridge, self.src), "rollout")
+        msg = stopped_if_broken(self.split, lambda: recv_object(self.split.bridge, self.src), "rollout")
         # the trainer trains every step's batch once, in order: the rollout's batch is this step's prompts
         if msg["step"] != step or msg["prompt_key"] != prompt_key(items) or msg["seed"] != sampling_seed(
                 self.seed, step, self.dp_rank):
@@ -279,17 +153,6 @@ class RemoteBatches:
         return out
 
 
-def _stopped_if_broken(split: WorldSplit, fn, other: str):
-    """`fn()`, a channel operation; when it fails because the other side stopped (it said so in the store
-    before closing its channels, or the store went with it), `PeerStopped`; any other error as it is."""
-    try:
-        return fn()
-    except RuntimeError as e:
-        if isinstance(e, PeerStopped) or not split.peer_stopped():
-            raise
-        raise PeerStopped(f"the {other} ranks stopped (their own error says why); stopping too ({e})") from e
-
-
 # ---- the rollout side -------------------------------------------------------------------------------
 def run_rollout_side(cfg: Config, split: WorldSplit) -> None:
     """A rollout rank's whole run: generate the batches of the training dp ranks it serves, in step order,
@@ -318,7 +181,7 @@ def _rollout_loop(cfg: Config, split: WorldSplit) -> None:
                             cfg.async_rl.weight_bucket_mb * 2**20)
 
     rollout.resume()  # it keeps its device memory: it never trains
-    start = _stopped_if_broken(split, lambda: broadcast_object(split.weight_ctrl, None, 0, False), "training")
+    start = stopped_if_broken(split, lambda: broadcast_object(split.weight_ctrl, None, 0, False), "training")
     loaders = {}
     for r in served:
         loaders[r] = PromptLoader(train_set, d.train_batch_size, d.shuffle, d.seed, dp_rank=r, dp_size=dp_size)
@@ -347,10 +210,10 @@ def _rollout_loop(cfg: Config, split: WorldSplit) -> None:
                    "batch": batch, "gen_s": t1 - t0, "idle_s": t0 - idle_from}
             idle_from = t1
             for dst in range(r * sp, (r + 1) * sp):  # every rank of the dp rank's sp group trains on it
-                pending.append(_stopped_if_broken(split, lambda: send_object(split.bridge, msg, dst), "training"))
+                pending.append(stopped_if_broken(split, lambda: send_object(split.bridge, msg, dst), "training"))
         pending = [p for p in pending if not (p[0].is_completed() and p[1].is_completed())]
     for p in pending:
-        _stopped_if_broken(split, lambda: (p[0].wait(), p[1].wait()), "training")
+        stopped_if_broken(split, lambda: (p[0].wait(), p[1].wait()), "training")
 
 
 class RolloutWeights:
@@ -364,7 +227,7 @@ class RolloutWeights:
 
     def receive(self) -> None:
         """Takes the next push (waiting for it), in place."""
-        _stopped_if_broken(self.split, lambda: self.channel.receive(self.rollout), "training")
+        stopped_if_broken(self.split, lambda: self.channel.receive(self.rollout), "training")
         self.received += 1
         self.version += 1
 
@@ -375,7 +238,7 @@ class RolloutWeights:
         return self.version
 
     def _pushed(self) -> int:
-        return _stopped_if_broken(self.split, lambda: int(self.split.store.add(_PUSHED_KEY, 0)), "training")
+        return stopped_if_broken(self.split, lambda: int(self.split.store.add(PUSHED_KEY, 0)), "training")
 
 
 def generate_batch(generation: Generation, items: list[dict], sampling):

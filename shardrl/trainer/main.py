@@ -108,7 +108,8 @@ def run(config: str | None, overrides: list[str]) -> Path | None:
     init_distributed()
     split, ok = None, False
     if cfg.async_rl.rollout_ranks:  # disaggregated: from here the default group holds this rank's side only
-        from shardrl.trainer.async_rl import RemoteBatches, run_rollout_side, split_world
+        from shardrl.placement import split_world
+        from shardrl.trainer.async_rl import RemoteBatches, run_rollout_side
 
         split = split_world(cfg)
     try:
@@ -180,7 +181,7 @@ def train_main(args) -> int:
 
         # batch sizes that do not divide: one clear error, before any process (rollout ranks do not train)
         if cfg.async_rl.rollout_ranks:
-            from shardrl.trainer.async_rl import check_rollout_ranks
+            from shardrl.placement import check_rollout_ranks
 
             check_rollout_ranks(cfg.async_rl.rollout_ranks, nnodes * nproc)
             derive_layout(cfg, 1, nnodes * nproc - cfg.async_rl.rollout_ranks)

@@ -31,11 +31,11 @@ from shardrl.perf import model_shape, rl_step_flops, throughput_metrics
 from shardrl.rewards import RewardManager, check_ground_truths, load_reward_function
 from shardrl.rollout import SamplingParams
 from shardrl.step_plan import StepPlan
+from shardrl.tokenizer import load_tokenizer
 from shardrl.trainer.defaults import memory_gib, resolve_device_defaults
 from shardrl.trainer.generation import Generation, export_for_rollout, the_device
 from shardrl.trainer.logger import MetricsLogger
 from shardrl.trainer.prepare import prepare
-from shardrl.tokenizer import load_tokenizer
 from shardrl.trainer.roles import Roles, check_vocab_sizes
 from shardrl.trainer.run_folder import claim_run_dir
 from shardrl.trainer.sampling import draw_informative_groups
