@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train (launches torchrun itself with --nproc-per-node > 1)")
     _add_config_args(train)
 
+    sft = sub.add_parser("sft", help="supervised fine-tuning on chat data (the keys of config.SFTConfig)")
+    _add_config_args(sft)
+
     plot = sub.add_parser("plot", help="plot the metrics of a run folder")
     plot.add_argument("run_dir", metavar="RUN_DIR")
     plot.add_argument("--out", metavar="PNG", default=None, help="image path (default: inside RUN_DIR)")
@@ -78,13 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plan_main(args: argparse.Namespace) -> int:
     from shardrl.config import ConfigError, load_config
-    from shardrl.engine.model import load_hf_config
+    from shardrl.engine.model import check_tiny_shape, load_hf_config
+    from shardrl.modelconfig import text_config
     from shardrl.layout import check_model_heads, derive_layout, format_layout
     from shardrl.memory import fit_advice, format_phase_ledger, phase_ledger, update_and_cache_gib
     from shardrl.trainer.defaults import free_cache_choice
     from shardrl.trainer.main import resolve_overrides
 
-    cfg = load_config(args.config, resolve_overrides(args.config, list(args.overrides)))  # what train would run
+    # the config train would run (the demo's, without a config or a model: its assets are made by its first run)
+    cfg = load_config(args.config, resolve_overrides(args.config, list(args.overrides), make_demo_assets=False))
     nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
     nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc_per_node
     layout = derive_layout(cfg, nnodes, nproc)
@@ -95,8 +100,14 @@ def plan_main(args: argparse.Namespace) -> int:
         raise
     except ValueError as e:  # no usable model config: the layout still stands on its own
         skipped = str(e)
+        from shardrl.trainer.demo import DEMO_ASSETS
+
+        if cfg.model.path == str((DEMO_ASSETS / "model").resolve()) and not os.path.isdir(cfg.model.path):
+            skipped = "the built-in demo's model is made by its first run (shardrl train)"
     if hf_config is not None:
         check_model_heads(layout, hf_config)  # heads vs sp: an error here, as training would give one
+        if cfg.model.tiny:
+            check_tiny_shape(text_config(hf_config), "head_dim" in cfg.model.tiny)
         try:
             ledger = phase_ledger(cfg, layout, hf_config)
         except (ValueError, AttributeError) as e:  # a config without the usual decoder names
@@ -186,13 +197,19 @@ def train_main(args: argparse.Namespace) -> int:
     return run(args) or 0
 
 
+def sft_main(args: argparse.Namespace) -> int:
+    from shardrl.trainer.sft import sft_main as run
+
+    return run(args) or 0
+
+
 def plot_main(args: argparse.Namespace) -> int:
     from shardrl.plot import plot_main as run
 
     return run(args) or 0
 
 
-COMMANDS = {"plan": plan_main, "doctor": doctor_main, "train": train_main, "plot": plot_main}
+COMMANDS = {"plan": plan_main, "doctor": doctor_main, "train": train_main, "sft": sft_main, "plot": plot_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -709,6 +709,53 @@ class Config:
                 f"raise {limit_key}")
 
 
+@dataclass
+class SFTDataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Files of conversations (parquet / jsonl / json): a `messages` column, or prompt and response columns."""
+    val_files: list[str] = field(default_factory=list)
+    """Files whose loss is reported as val/loss every trainer.val_freq steps."""
+    messages_key: str = "messages"
+    """Column holding a chat: a list of {role, content} messages; every assistant turn is trained on."""
+    prompt_key: str = "prompt"
+    """Without a messages column: the prompt (a string, or a list of messages)."""
+    response_key: str = "response"
+    """Without a messages column: the assistant's reply."""
+    max_length: int = 1024
+    """Tokens of one conversation at most."""
+    truncation: Literal["error", "drop", "right"] = "error"
+    """A conversation over max_length: raise, drop it, or cut it on the right."""
+    skip_bad_rows: bool = False
+    """Drop (and count) rows that cannot be trained on instead of raising."""
+    batch_size: int = 32
+    """Conversations per optimizer step (global); the engine cuts them into micro-batches."""
+    shuffle: bool = True
+    """Shuffle the conversations each epoch."""
+    seed: int = 0
+    """Seed of the shuffle."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "max_length", self.max_length >= 2, "must be >= 2")
+        require(self, prefix, "batch_size", self.batch_size >= 1, "must be >= 1 (conversations)")
+
+
+@dataclass
+class SFTConfig:
+    """`shardrl sft`: supervised fine-tuning on the same engine, run folder and loggers as `shardrl train`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to fine-tune (and its tokenizer)."""
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(use_dynamic_bsz=True))
+    """Sharding, precision and micro-batching (dynamic by default: packed micro-batches of up to
+    max_token_len_per_gpu tokens)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """The optimizer and its schedule."""
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    """Conversations and batch size."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Run length (optimizer steps), checkpoints, logging, launch."""
+
+
 def load_config(path: str | None = None, overrides: Iterable[str] = (), cls: type[T] = Config) -> T:
     """Defaults of `cls`, then the YAML file at `path`, then `key=value` overrides; validated.
 

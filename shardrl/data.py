@@ -45,7 +45,7 @@ def _one_object(text: str) -> bool:
         return False
 
 
-def _read_rows(path: str) -> list[tuple[int, object]]:
+def read_rows(path: str) -> list[tuple[int, object]]:
     """(1-based row number, row) pairs of one file; rows are whatever the file holds (checked later)."""
     if os.path.isdir(path):
         raise ValueError(f"{path!r} is a folder, not a prompt file: list its files (data.train_files=[a.parquet, "
@@ -162,7 +162,7 @@ def load_prompt_dataset(
     stats = {"num_rows_read": 0, "num_skipped_bad": 0, "num_dropped_too_long": 0, "num_truncated": 0}
     kept = []  # (path, row_number, text, is_chat, data_source, extra)
     for path in files:
-        for row_number, row in _read_rows(path):
+        for row_number, row in read_rows(path):
             stats["num_rows_read"] += 1
             problem = _check_row(row, prompt_key)
             if problem is not None:

@@ -183,7 +183,8 @@ def test_validate_config_checks_programmatic_configs():
 def test_every_schema_field_has_a_docstring():
     sections = [c for c in vars(config_module).values()
                 if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == config_module.__name__]
-    assert len(sections) == 16  # with algorithm.filter_groups, reward.overlong_buffer, async_rl, rollout.multi_turn
+    assert len(sections) == 18  # with algorithm.filter_groups, reward.overlong_buffer, async_rl, rollout.multi_turn,
+    # and SFTConfig with its data section (`shardrl sft`)
     for cls in sections:
         body = ast.parse(inspect.getsource(cls)).body[0].body
         documented = {
@@ -236,7 +237,8 @@ def test_a_key_given_twice_in_a_yaml_file_is_an_error_naming_both_lines(tmp_path
 def test_a_key_of_model_tiny_its_config_class_does_not_know_is_an_error():
     from shardrl.engine.model import load_hf_config
 
-    base = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
+    base = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 2}
     with pytest.raises(ConfigError, match=r"model.tiny: \['hiden_size'\] are not keys of the 'qwen2' config "
                                           r"\(Qwen2Config\); did you mean 'hiden_size' -> 'hidden_size'"):
         load_hf_config(None, {**base, "hiden_size": 32})
@@ -275,10 +277,14 @@ def test_messages_that_used_to_mislead(tmp_path, capsys, caplog):
     from shardrl.placement import check_rollout_ranks
     from shardrl.trainer.main import warn_oversubscribed
 
-    # heads that do not cut the width: said at the config, not as a tensor-size error at the first forward
+    # heads that do not cut the width: said by plan (and the trainer), not as a tensor-size error at the first forward
+    bad_heads = "model.tiny={model_type: qwen2, hidden_size: 30, num_attention_heads: 4, num_key_value_heads: 2}"
+    assert main(["plan", bad_heads]) == 2
+    assert "hidden_size=30 is not a multiple of num_attention_heads=4" in capsys.readouterr().err
+    from shardrl.trainer.roles import check_vocab_sizes
+
     with pytest.raises(ConfigError, match=r"hidden_size=30 is not a multiple of num_attention_heads=4"):
-        load_hf_config(None, {"model_type": "qwen2", "hidden_size": 30, "num_attention_heads": 4,
-                              "num_key_value_heads": 2, "num_hidden_layers": 2})
+        check_vocab_sizes(load_config(None, [bad_heads]), 10)
     # --gpu-mem-gib must be a size; a verdict that cannot be given is an error, not a silent exit 0
     for bad in ("0", "-5", "nan"):
         with pytest.raises(SystemExit):

@@ -92,7 +92,6 @@ def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool 
             raise ValueError("model.tiny needs a 'model_type' (e.g. 'qwen2' or 'llama')")
         check_tiny_keys(model_type, kwargs)
         config = transformers.AutoConfig.for_model(model_type, **kwargs)
-        check_tiny_shape(text_config(config), explicit_head_dim="head_dim" in kwargs)
         if task == "causal_lm" and causal_lm_class_name(config) is None:
             raise ValueError(f"model.tiny: AutoModelForCausalLM builds no {model_type!r} model; "
                              "shardrl trains causal LMs")

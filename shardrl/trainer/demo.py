@@ -18,6 +18,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
+DEMO_ASSETS = Path("outputs") / "demo_assets"
+"""Where `shardrl train` with no config makes (and then reuses) the demo's model and data."""
 DEMO_MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64)
 

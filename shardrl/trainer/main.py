@@ -69,16 +69,17 @@ RUN_SOURCE_KEYS = ("model.path", "model.tiny", "model.tokenizer_path", "data.tra
 user's own and starts from the plain defaults, not the demo's."""
 
 
-def resolve_overrides(config: str | None, overrides: list[str]) -> list[str]:
+def resolve_overrides(config: str | None, overrides: list[str], make_demo_assets: bool = True) -> list[str]:
     """The overrides a run applies: with no config file and no override naming a model or data
     (`RUN_SOURCE_KEYS`), the built-in demo's settings come first (the user's overrides win: `shardrl train
     trainer.total_steps=50` is a shorter demo). A run configured on the command line alone starts from the
-    plain defaults, as it would with an empty YAML file."""
+    plain defaults, as it would with an empty YAML file. `make_demo_assets=False` (`shardrl plan`) only names
+    the demo's folder, which its first run makes."""
     if config is not None or any(names_run_source(o) for o in overrides):
         return list(overrides)
-    from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
+    from shardrl.trainer.demo import DEMO_ASSETS, demo_overrides, prepare_demo_assets
 
-    assets = prepare_demo_assets(Path("outputs") / "demo_assets")
+    assets = prepare_demo_assets(DEMO_ASSETS) if make_demo_assets else DEMO_ASSETS
     return demo_overrides(assets.resolve()) + list(overrides)
 
 

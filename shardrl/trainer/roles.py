@@ -8,7 +8,7 @@ import dataclasses
 from shardrl.config import Config
 from shardrl.distributed import ParallelDims
 from shardrl.engine import build_engine
-from shardrl.engine.model import load_hf_config
+from shardrl.engine.model import check_tiny_shape, load_hf_config
 from shardrl.modelconfig import text_config
 from shardrl.step_plan import StepPlan
 
@@ -24,6 +24,8 @@ def check_vocab_sizes(cfg: Config, tokenizer_size: int) -> None:
         models.append(("reward.model_path", cfg.reward.model_path, None, "seq_cls"))
     for key, path, tiny, task in models:
         config = load_hf_config(path, tiny, cfg.model.trust_remote_code, task)
+        if tiny:  # heads that do not cut the width fail only at the first forward, as a tensor-size error
+            check_tiny_shape(text_config(config), "head_dim" in tiny)
         vocab = getattr(text_config(config), "vocab_size", None)
         if vocab is not None and vocab < tokenizer_size:
             where = f"{key}={path!r}" if path else "model.tiny"

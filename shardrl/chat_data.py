@@ -1,0 +1,153 @@
+"""Supervised rows: conversations tokenized with the loss on the assistant's tokens only.
+
+A row is either
+- `messages`: a chat, a list of {"role", "content"} (verl's multi-turn SFT parquet, TRL's conversational format);
+  every assistant turn is trained on, every other turn (system, user, tool) is context; or
+- `prompt` and `response` columns: the prompt a string (rendered with the chat template when the tokenizer has one)
+  or a list of messages, the response the assistant's reply.
+
+The chat is rendered turn by turn with the tokenizer's chat template: before an assistant turn the template's
+generation prompt (its assistant header) is context, and what the turn adds after it (the reply and its
+end-of-turn marker) is the target. Each piece is tokenized on its own and the pieces are concatenated, so the mask
+is exact whatever the tokenizer's merges do at the seams.
+
+Bad rows (a missing column, an empty reply, a template that is not prefix-consistent or leaves no assistant token,
+a row longer than `max_length` when truncation is "error") are counted; `skip_bad_rows` drops them with a warning,
+otherwise the first is an error naming the file and row.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from shardrl.data import read_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChatDataset:
+    """Tokenized conversations: item i is {"input_ids": list[int], "loss_mask": list[int], "index": int}."""
+
+    items: list[dict]
+    stats: dict
+    files: list[str]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    # no template: the plain concatenation of the contents (a prompt/response row of plain text)
+    return "".join(m["content"] for m in messages)
+
+
+def tokenize_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of a chat: 1 on each assistant turn's reply and end-of-turn, 0 elsewhere."""
+    ids, mask, text = [], [], ""
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise ValueError("the chat has no assistant turn to train on")
+    for i, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            context = _render(tokenizer, messages[:i], generation_prompt=True) if i else ""
+            pieces = [(context, 0), (_render(tokenizer, messages[: i + 1], generation_prompt=False), 1)]
+        else:
+            pieces = [(_render(tokenizer, messages[: i + 1], generation_prompt=False), 0)]
+        for rendered, target in pieces:
+            if not rendered.startswith(text):
+                raise ValueError("the chat template renders an earlier part of the chat differently once later turns "
+                                 "follow, so the assistant's tokens cannot be told apart; use a prefix-consistent "
+                                 "template")
+            piece = rendered[len(text):]
+            if target and not piece.strip():
+                raise ValueError(f"assistant turn {i + 1} is empty")
+            new = tokenizer.encode(piece, add_special_tokens=False) if piece else []
+            ids += new
+            mask += [target] * len(new)
+            text = rendered
+    if not any(mask):
+        raise ValueError("the chat template leaves no assistant token to train on")
+    return ids, mask
+
+
+def row_messages(row, messages_key: str, prompt_key: str, response_key: str) -> list[dict]:
+    """A row as a chat (see the module docstring), or a ValueError saying which column is wrong."""
+    if not isinstance(row, dict):
+        raise ValueError(f"a row must be an object, got {type(row).__name__}")
+    if messages_key in row:
+        messages = row[messages_key]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and isinstance(
+                m.get("content"), str) for m in messages):
+            raise ValueError(f"'{messages_key}' must be a list of {{'role', 'content'}} messages")
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    missing = [k for k in (prompt_key, response_key) if k not in row]
+    if missing:
+        raise ValueError(f"the row has neither '{messages_key}' nor {missing}; its columns: {sorted(row)}")
+    prompt, response = row[prompt_key], row[response_key]
+    if not isinstance(response, str) or not response.strip():
+        raise ValueError(f"'{response_key}' must be a non-empty string")
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not isinstance(prompt, list):
+        raise ValueError(f"'{prompt_key}' must be a string or a list of messages")
+    return [*prompt, {"role": "assistant", "content": response}]
+
+
+def load_chat_dataset(files: list[str], tokenizer, max_length: int, truncation: str = "error",
+                      skip_bad_rows: bool = False, messages_key: str = "messages", prompt_key: str = "prompt",
+                      response_key: str = "response") -> ChatDataset:
+    """Every row of `files` (JSONL, JSON or Parquet) tokenized; `truncation` of a row over `max_length`:
+    "error", "drop" (counted), or "right" (cut at max_length; it keeps its first assistant tokens)."""
+    items, stats = [], {"rows": 0, "bad": 0, "too_long": 0, "truncated": 0, "loss_tokens": 0}
+    for path in files:
+        for number, row in read_rows(path):
+            stats["rows"] += 1
+            try:
+                ids, mask = tokenize_chat(tokenizer, row_messages(row, messages_key, prompt_key, response_key))
+            except ValueError as e:
+                stats["bad"] += 1
+                if not skip_bad_rows:
+                    raise ValueError(f"{path}: row {number}: {e} (data.skip_bad_rows=true drops such rows)") from None
+                if stats["bad"] == 1:
+                    log.warning("%s: row %d: %s; dropping it (later bad rows are only counted)", path, number, e)
+                continue
+            if len(ids) > max_length:
+                if truncation == "error":
+                    raise ValueError(f"{path}: row {number} has {len(ids)} tokens, more than data.max_length="
+                                     f"{max_length}; raise it, or set data.truncation to drop or right")
+                if truncation == "drop" or not any(mask[:max_length]):
+                    stats["too_long"] += 1
+                    continue
+                ids, mask = ids[:max_length], mask[:max_length]
+                stats["truncated"] += 1
+            stats["loss_tokens"] += sum(mask)
+            items.append({"input_ids": ids, "loss_mask": mask, "index": len(items)})
+    if not items:
+        raise ValueError(f"no usable rows in {files} (stats: {stats})")
+    log.info("loaded %d conversations from %d file(s): %d rows, %d bad, %d too long, %d truncated; %d loss tokens",
+             len(items), len(files), stats["rows"], stats["bad"], stats["too_long"], stats["truncated"],
+             stats["loss_tokens"])
+    return ChatDataset(items, stats, list(files))
+
+
+def collate_chats(items: list[dict], pad_id: int):
+    """A right-padded `Batch` of `input_ids`, `attention_mask` and `loss_mask`, each (B, T)."""
+    import torch
+
+    from shardrl.batch import Batch
+
+    width = max(len(item["input_ids"]) for item in items)
+    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    attention = torch.zeros(len(items), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(items), width, dtype=torch.long)
+    for r, item in enumerate(items):
+        n = len(item["input_ids"])
+        ids[r, :n] = torch.tensor(item["input_ids"])
+        attention[r, :n] = 1
+        loss_mask[r, :n] = torch.tensor(item["loss_mask"])
+    return Batch({"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask})

@@ -1,0 +1,150 @@
+"""`shardrl sft`: conversations tokenized with the loss on the assistant's tokens only; the engine's SFT step
+gives a plain HF loop's `labels=` loss and gradients, the same on 1 and 2 processes and however the batch is cut
+into micro-batches; a run learns, checkpoints, resumes and exports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardrl.chat_data import collate_chats, load_chat_dataset, tokenize_chat
+from shardrl.testing import TINY_MODELS, run_distributed
+from shardrl.tokenizer import build_char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+def masked_text(tok, ids, mask, want: int) -> str:
+    return "".join(tok.decode([i]) for i, m in zip(ids, mask) if m == want)
+
+
+def test_only_the_assistants_turns_are_targets(tok):
+    chat = [{"role": "system", "content": "add"}, {"role": "user", "content": "1+2="},
+            {"role": "assistant", "content": "3"}, {"role": "tool", "content": "ok"},
+            {"role": "assistant", "content": "done"}]
+    ids, mask = tokenize_chat(tok, chat)
+    assert tok.decode(ids) == tok.apply_chat_template(chat, tokenize=False)  # the whole chat, as rendered
+    # each assistant reply and its end of turn (the template's newline); headers, system, user and tool are context
+    assert masked_text(tok, ids, mask, 1) == "3\ndone\n"
+    assert masked_text(tok, ids, mask, 0) == "system: add\nuser: 1+2=\nassistant: tool: ok\nassistant: "
+
+
+def test_rows_of_either_format_and_bad_rows_are_counted(tok, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    good = [{"prompt": "1+2=", "response": "3"}, {"messages": [{"role": "user", "content": "2+2="},
+                                                               {"role": "assistant", "content": "4"}]}]
+    bad = [{"prompt": "1+1="}, {"prompt": "1+1=", "response": " "}, {"messages": [{"role": "user", "content": "x"}]}]
+    rows.write_text("".join(json.dumps(r) + "\n" for r in good + bad))
+    with pytest.raises(ValueError, match=r"rows.jsonl: row 3: the row has neither 'messages' nor \['response'\]; "
+                                         r"its columns: \['prompt'\]"):
+        load_chat_dataset([str(rows)], tok, 64)
+    data = load_chat_dataset([str(rows)], tok, 64, skip_bad_rows=True)
+    assert len(data) == 2 and data.stats["bad"] == 3 and data.stats["rows"] == 5
+    assert [masked_text(tok, it["input_ids"], it["loss_mask"], 1) for it in data.items] == ["3\n", "4\n"]
+    with pytest.raises(ValueError, match=r"row 1 has 24 tokens, more than data.max_length=8"):
+        load_chat_dataset([str(rows)], tok, 8, skip_bad_rows=True)
+    cut = load_chat_dataset([str(rows)], tok, 23, truncation="right", skip_bad_rows=True)  # keeps each reply
+    assert [len(it["input_ids"]) for it in cut.items] == [23, 23] and cut.stats["truncated"] == 2
+    with pytest.raises(ValueError, match=r"no usable rows .*'too_long': 2"):  # both over 23 tokens: dropped
+        load_chat_dataset([str(rows)], tok, 23, truncation="drop", skip_bad_rows=True)
+
+
+CHATS = [[{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)},
+          {"role": "user", "content": "again"}, {"role": "assistant", "content": f"{a + b} again" * (a % 3 + 1)}]
+         for a in range(4) for b in range(2)]  # 8 chats, two assistant turns each, lengths vary
+
+
+def _sft_gradients(layouts: dict) -> dict:
+    """The SFT step's loss and gradients per engine layout on this rank's share of CHATS, and a plain HF loop's
+    (rank 0 of the world only, on all of them)."""
+    import torch.distributed as dist
+
+    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.engine import build_engine
+    from shardrl.engine.model import build_causal_lm, load_hf_config
+    from shardrl.testing import record_grads
+    from shardrl.trainer.sft import sft_loss
+
+    tok = build_char_tokenizer()
+    items = [dict(zip(("input_ids", "loss_mask"), tokenize_chat(tok, chat))) for chat in CHATS]
+    whole = collate_chats(items, tok.pad_token_id)
+    out = {}
+    for name, engine_kwargs in layouts.items():
+        engine = build_engine(ModelConfig(tiny=TINY_MODELS["qwen2"]), EngineConfig(param_dtype="float32",
+                              **engine_kwargs), OptimConfig(lr=1e-3, clip_grad=0.0))
+        grads = record_grads(engine)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mine = collate_chats(items[rank::world], tok.pad_token_id)
+        metrics = engine.train_batch(mine, sft_loss)
+        out[name] = {"loss": metrics["loss"], "grads": grads[0], "micro": metrics["num_micro_batches"]}
+    # the plain loop: HF's own shifted cross-entropy over the labels of the assistant's tokens
+    model = build_causal_lm(load_hf_config(None, TINY_MODELS["qwen2"]), None, "cpu", torch.float32, seed=0)
+    labels = torch.where(whole["loss_mask"].bool(), whole["input_ids"], -100)
+    loss = model(input_ids=whole["input_ids"], attention_mask=whole["attention_mask"], labels=labels).loss
+    loss.backward()
+    out["plain"] = {"loss": float(loss), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    return out
+
+
+LAYOUTS = {"one": {"micro_batch_size_per_gpu": 8}, "micro_1": {"micro_batch_size_per_gpu": 1},
+           "dynamic": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 128}}
+
+
+def _assert_like_plain(out: dict) -> None:
+    plain = out["plain"]
+    for name in LAYOUTS:
+        assert out[name]["loss"] == pytest.approx(plain["loss"], rel=1e-5), name
+        for key, grad in plain["grads"].items():
+            mine = out[name]["grads"][key]
+            torch.testing.assert_close(mine, grad, atol=1e-5 * float(grad.abs().max()) + 1e-7, rtol=1e-4,
+                                       msg=f"{name}: {key}")
+
+
+@pytest.mark.multiproc
+def test_the_sft_step_is_a_plain_loops_labels_loss_on_one_process():
+    out = run_distributed(_sft_gradients, 1, LAYOUTS)
+    assert out["micro_1"]["micro"] == 8 and out["dynamic"]["micro"] > 1  # the cuts differ, the step does not
+    _assert_like_plain(out)
+
+
+@pytest.mark.multiproc
+def test_the_sft_step_is_the_same_on_two_processes():
+    _assert_like_plain(run_distributed(_sft_gradients, 2, LAYOUTS))
+
+
+@pytest.mark.multiproc
+def test_sft_learns_checkpoints_resumes_and_exports(tmp_path):
+    from shardrl.cli import main
+
+    tok = build_char_tokenizer()
+    model_dir = tmp_path / "model"
+    import transformers
+
+    config = transformers.AutoConfig.for_model("qwen2", vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                               eos_token_id=tok.eos_token_id, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    rows = tmp_path / "sums.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "response": str(a + b)}) + "\n"
+                            for a in range(10) for b in range(10) if a + b <= 9))
+    run_dir = tmp_path / "run"
+    common = [f"model.path={model_dir}", f"data.train_files=[{rows}]", f"data.val_files=[{rows}]",
+              "data.batch_size=16", "engine.param_dtype=float32", "optim.lr=3e-3", "trainer.val_freq=10",
+              "trainer.save_freq=10", "trainer.logger=[jsonl]", f"trainer.output_dir={run_dir}", "trainer.device=cpu"]
+    assert main(["sft", *common, "trainer.total_steps=10"]) == 0
+    assert main(["sft", *common, "trainer.total_steps=40", "trainer.resume=auto", "trainer.export_hf=true"]) == 0
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in records] == list(range(1, 41))  # resumed at 10, nothing repeated or lost
+    val = [r["val/loss"] for r in records if "val/loss" in r]
+    assert len(val) == 4 and val[0] > val[1] > val[-1]  # held-out loss falls at every validation
+    # from a random model's ln(vocab) to well under half of it: the answers (and their end) got far likelier
+    assert records[0]["sft/loss"] > 3.5 and records[-1]["sft/loss"] < 0.5 * records[0]["sft/loss"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf_model")
+    assert sum(p.numel() for p in hf.parameters()) > 0
