@@ -55,11 +55,11 @@ class SFTTrainer:
                                      d.messages_key, d.prompt_key, d.response_key)
         self.train_set = load(d.train_files)  # the cheap checks before any model loads
         self.val_set = load(d.val_files) if d.val_files else None
-        claim_run_dir(cfg, run_dir)
         self.mesh = ParallelDims().for_engine(cfg.engine)
         if d.batch_size % self.mesh.dp_size:
             raise ValueError(f"data.batch_size={d.batch_size} does not divide over {self.mesh.dp_size} data-parallel "
                              f"ranks; use a multiple of {self.mesh.dp_size}")
+        claim_run_dir(cfg, run_dir)  # the run can start: its folder is made and locked only now
         self.engine = build_engine(cfg.model, cfg.engine, cfg.optim, total_steps=cfg.trainer.total_steps,
                                    mesh=self.mesh)
         self.loader = PromptLoader(self.train_set, d.batch_size, d.shuffle, d.seed, dp_rank=self.mesh.dp_rank,
