@@ -12,7 +12,6 @@ source's), device defaults (`defaults`), the run folder and its lock (`run_folde
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from pathlib import Path
