@@ -11,8 +11,13 @@ generation prompt (its assistant header) is context, and what the turn adds afte
 end-of-turn marker) is the target. Each piece is tokenized on its own and the pieces are concatenated, so the mask
 is exact whatever the tokenizer's merges do at the seams.
 
-Bad rows (a missing column, an empty reply, a template that is not prefix-consistent or leaves no assistant token,
-a row longer than `max_length` when truncation is "error") are counted; `skip_bad_rows` drops them with a warning,
+A preference row (DPO, reward models) is `prompt`, `chosen` and `rejected` columns, each a string or a list of
+messages (TRL's plain and conversational formats); without a prompt column the prompt is the messages the two
+conversations share. Each of chosen and rejected is tokenized as prompt + completion, its loss mask on the
+completion's assistant tokens only.
+
+Bad rows (a missing column, an empty reply, chosen equal to rejected, a template that is not prefix-consistent or
+leaves no assistant token, a row longer than `max_length` when truncation is "error") are counted; `skip_bad_rows` drops them with a warning,
 otherwise the first is an error naming the file and row.
 """
 
@@ -48,13 +53,14 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     return "".join(m["content"] for m in messages)
 
 
-def tokenize_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of a chat: 1 on each assistant turn's reply and end-of-turn, 0 elsewhere."""
+def tokenize_chat(tokenizer, messages: list[dict], train_from: int = 0) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of a chat: 1 on each assistant turn's reply and end-of-turn from message
+    `train_from` on (a preference pair's completion follows a prompt that may hold assistant turns), 0 elsewhere."""
     ids, mask, text = [], [], ""
-    if not any(m.get("role") == "assistant" for m in messages):
+    if not any(m.get("role") == "assistant" for m in messages[train_from:]):
         raise ValueError("the chat has no assistant turn to train on")
     for i, message in enumerate(messages):
-        if message.get("role") == "assistant":
+        if message.get("role") == "assistant" and i >= train_from:
             context = _render(tokenizer, messages[:i], generation_prompt=True) if i else ""
             pieces = [(context, 0), (_render(tokenizer, messages[: i + 1], generation_prompt=False), 1)]
         else:
@@ -98,17 +104,82 @@ def row_messages(row, messages_key: str, prompt_key: str, response_key: str) -> 
     return [*prompt, {"role": "assistant", "content": response}]
 
 
+def _as_messages(value, key: str, role: str = "user") -> list[dict]:
+    """A column that holds a string (one `role` message) or a list of {'role', 'content'} messages."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"'{key}' is empty")
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list) or not value or not all(
+            isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in value):
+        raise ValueError(f"'{key}' must be a string or a non-empty list of {{'role', 'content'}} messages")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def pair_messages(row, prompt_key: str, chosen_key: str, rejected_key: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """A preference row as (prompt, chosen, rejected) messages (TRL's formats: plain strings or conversations,
+    the prompt explicit or, without a prompt column, the messages the two conversations share)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"a row must be an object, got {type(row).__name__}")
+    missing = [k for k in (chosen_key, rejected_key) if k not in row]
+    if missing:
+        raise ValueError(f"the row has no {missing}; its columns: {sorted(row)}")
+    chosen = _as_messages(row[chosen_key], chosen_key, "assistant")
+    rejected = _as_messages(row[rejected_key], rejected_key, "assistant")
+    if prompt_key in row:
+        prompt = _as_messages(row[prompt_key], prompt_key)
+    else:  # implicit prompt: the shared leading messages
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    if chosen == rejected:
+        raise ValueError("chosen and rejected are the same")
+    return prompt, chosen, rejected
+
+
+def _tokenize_pair(tokenizer, row, keys) -> dict:
+    prompt, chosen, rejected = pair_messages(row, *keys)
+    out = {}
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        out[f"{name}_ids"], out[f"{name}_mask"] = tokenize_chat(tokenizer, prompt + completion, train_from=len(prompt))
+    return out
+
+
+def _tokenize_sft(tokenizer, row, keys) -> dict:
+    ids, mask = tokenize_chat(tokenizer, row_messages(row, *keys))
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+SEQUENCES = {"sft": (("input_ids", "loss_mask"),), "pairs": (("chosen_ids", "chosen_mask"), ("rejected_ids", "rejected_mask"))}
+
+
 def load_chat_dataset(files: list[str], tokenizer, max_length: int, truncation: str = "error",
                       skip_bad_rows: bool = False, messages_key: str = "messages", prompt_key: str = "prompt",
                       response_key: str = "response") -> ChatDataset:
     """Every row of `files` (JSONL, JSON or Parquet) tokenized; `truncation` of a row over `max_length`:
     "error", "drop" (counted), or "right" (cut at max_length; it keeps its first assistant tokens)."""
+    return _load(files, tokenizer, _tokenize_sft, (messages_key, prompt_key, response_key), "sft", max_length,
+                 truncation, skip_bad_rows)
+
+
+def load_preference_dataset(files: list[str], tokenizer, max_length: int, truncation: str = "error",
+                            skip_bad_rows: bool = False, prompt_key: str = "prompt", chosen_key: str = "chosen",
+                            rejected_key: str = "rejected") -> ChatDataset:
+    """Preference pairs of `files`: item i holds chosen_ids/chosen_mask and rejected_ids/rejected_mask, the
+    masks on the completions only; `max_length` and `truncation` apply to each of the two sequences."""
+    return _load(files, tokenizer, _tokenize_pair, (prompt_key, chosen_key, rejected_key), "pairs", max_length,
+                 truncation, skip_bad_rows)
+
+
+def _load(files, tokenizer, tokenize_row, keys, kind: str, max_length: int, truncation: str,
+          skip_bad_rows: bool) -> ChatDataset:
     items, stats = [], {"rows": 0, "bad": 0, "too_long": 0, "truncated": 0, "loss_tokens": 0}
     for path in files:
         for number, row in read_rows(path):
             stats["rows"] += 1
             try:
-                ids, mask = tokenize_chat(tokenizer, row_messages(row, messages_key, prompt_key, response_key))
+                item = tokenize_row(tokenizer, row, keys)
             except ValueError as e:
                 stats["bad"] += 1
                 if not skip_bad_rows:
@@ -116,38 +187,50 @@ def load_chat_dataset(files: list[str], tokenizer, max_length: int, truncation: 
                 if stats["bad"] == 1:
                     log.warning("%s: row %d: %s; dropping it (later bad rows are only counted)", path, number, e)
                 continue
-            if len(ids) > max_length:
+            longest = max(len(item[ids]) for ids, _ in SEQUENCES[kind])
+            if longest > max_length:
                 if truncation == "error":
-                    raise ValueError(f"{path}: row {number} has {len(ids)} tokens, more than data.max_length="
+                    raise ValueError(f"{path}: row {number} has {longest} tokens, more than data.max_length="
                                      f"{max_length}; raise it, or set data.truncation to drop or right")
-                if truncation == "drop" or not any(mask[:max_length]):
+                if truncation == "drop" or not all(any(item[m][:max_length]) for _, m in SEQUENCES[kind]):
                     stats["too_long"] += 1
                     continue
-                ids, mask = ids[:max_length], mask[:max_length]
+                for ids, m in SEQUENCES[kind]:
+                    item[ids], item[m] = item[ids][:max_length], item[m][:max_length]
                 stats["truncated"] += 1
-            stats["loss_tokens"] += sum(mask)
-            items.append({"input_ids": ids, "loss_mask": mask, "index": len(items)})
+            stats["loss_tokens"] += sum(sum(item[m]) for _, m in SEQUENCES[kind])
+            items.append({**item, "index": len(items)})
     if not items:
         raise ValueError(f"no usable rows in {files} (stats: {stats})")
-    log.info("loaded %d conversations from %d file(s): %d rows, %d bad, %d too long, %d truncated; %d loss tokens",
-             len(items), len(files), stats["rows"], stats["bad"], stats["too_long"], stats["truncated"],
-             stats["loss_tokens"])
+    log.info("loaded %d %s from %d file(s): %d rows, %d bad, %d too long, %d truncated; %d loss tokens",
+             len(items), "conversations" if kind == "sft" else "preference pairs", len(files), stats["rows"],
+             stats["bad"], stats["too_long"], stats["truncated"], stats["loss_tokens"])
     return ChatDataset(items, stats, list(files))
 
 
 def collate_chats(items: list[dict], pad_id: int):
     """A right-padded `Batch` of `input_ids`, `attention_mask` and `loss_mask`, each (B, T)."""
+    return _collate([(item["input_ids"], item["loss_mask"]) for item in items], pad_id)
+
+
+def collate_pairs(items: list[dict], pad_id: int):
+    """Preference pairs as a right-padded `Batch` of 2 x len(items) rows: chosen, rejected, chosen, ... (the
+    engine's `group_size=2` keeps each pair in one micro-batch)."""
+    return _collate([(item[f"{name}_ids"], item[f"{name}_mask"]) for item in items for name in ("chosen", "rejected")],
+                    pad_id)
+
+
+def _collate(rows: list[tuple[list[int], list[int]]], pad_id: int):
     import torch
 
     from shardrl.batch import Batch
 
-    width = max(len(item["input_ids"]) for item in items)
-    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
-    attention = torch.zeros(len(items), width, dtype=torch.long)
-    loss_mask = torch.zeros(len(items), width, dtype=torch.long)
-    for r, item in enumerate(items):
-        n = len(item["input_ids"])
-        ids[r, :n] = torch.tensor(item["input_ids"])
-        attention[r, :n] = 1
-        loss_mask[r, :n] = torch.tensor(item["loss_mask"])
-    return Batch({"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask})
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, (ids, mask) in enumerate(rows):
+        input_ids[r, :len(ids)] = torch.tensor(ids)
+        attention[r, :len(ids)] = 1
+        loss_mask[r, :len(ids)] = torch.tensor(mask)
+    return Batch({"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask})

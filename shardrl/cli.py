@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train (launches torchrun itself with --nproc-per-node > 1)")
     _add_config_args(train)
 
-    sft = sub.add_parser("sft", help="supervised fine-tuning on chat data (the keys of config.SFTConfig)")
-    _add_config_args(sft)
+    for name, what in OFFLINE_TRAINERS.items():
+        _add_config_args(sub.add_parser(name, help=what))
 
     plot = sub.add_parser("plot", help="plot the metrics of a run folder")
     plot.add_argument("run_dir", metavar="RUN_DIR")
@@ -197,10 +197,20 @@ def train_main(args: argparse.Namespace) -> int:
     return run(args) or 0
 
 
-def sft_main(args: argparse.Namespace) -> int:
-    from shardrl.trainer.sft import sft_main as run
+OFFLINE_TRAINERS = {
+    "sft": "supervised fine-tuning on chat data (the keys of config.SFTConfig)",
+    "dpo": "preference training: DPO, IPO, SimPO on prompt/chosen/rejected rows (config.DPOConfig)",
+    "rm": "a Bradley-Terry reward model on prompt/chosen/rejected rows (config.RMConfig)",
+}
 
-    return run(args) or 0
+
+def offline_main(args: argparse.Namespace) -> int:
+    import importlib
+
+    from shardrl.trainer.offline import offline_main as run
+
+    trainer = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "rm": "RMTrainer"}[args.command]
+    return run(getattr(importlib.import_module(f"shardrl.trainer.{args.command}"), trainer), args) or 0
 
 
 def plot_main(args: argparse.Namespace) -> int:
@@ -209,7 +219,8 @@ def plot_main(args: argparse.Namespace) -> int:
     return run(args) or 0
 
 
-COMMANDS = {"plan": plan_main, "doctor": doctor_main, "train": train_main, "sft": sft_main, "plot": plot_main}
+COMMANDS = {"plan": plan_main, "doctor": doctor_main, "train": train_main, "plot": plot_main,
+            **{name: offline_main for name in OFFLINE_TRAINERS}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,6 +102,25 @@ def record_grads(engine) -> list[dict[str, torch.Tensor]]:
     return steps
 
 
+def save_char_model(folder: Path, seed: int = 0, **shape):
+    """A tiny random Qwen2 causal LM with the character tokenizer, saved as a model folder (64 wide, 2 layers
+    unless `shape` says otherwise); returns the tokenizer."""
+    import transformers
+
+    from shardrl.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2) | shape
+    config = transformers.AutoConfig.for_model("qwen2", vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                               eos_token_id=tok.eos_token_id, **shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return tok
+
+
 def small_demo_run(assets: Path, run_dir: Path, *extra: str) -> list[str]:
     """Overrides for a small run of the built-in demo (4 prompts x 4 responses a step, no validation) into
     `run_dir`; `extra` overrides follow and win."""

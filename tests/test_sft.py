@@ -62,8 +62,6 @@ CHATS = [[{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "conte
 def _sft_gradients(layouts: dict) -> dict:
     """The SFT step's loss and gradients per engine layout on this rank's share of CHATS, and a plain HF loop's
     (rank 0 of the world only, on all of them)."""
-    import torch.distributed as dist
-
     from shardrl.config import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
     from shardrl.engine.model import build_causal_lm, load_hf_config
@@ -78,8 +76,7 @@ def _sft_gradients(layouts: dict) -> dict:
         engine = build_engine(ModelConfig(tiny=TINY_MODELS["qwen2"]), EngineConfig(param_dtype="float32",
                               **engine_kwargs), OptimConfig(lr=1e-3, clip_grad=0.0))
         grads = record_grads(engine)
-        world, rank = dist.get_world_size(), dist.get_rank()
-        mine = collate_chats(items[rank::world], tok.pad_token_id)
+        mine = collate_chats(items[engine.mesh.dp_rank::engine.mesh.dp_size], tok.pad_token_id)
         metrics = engine.train_batch(mine, sft_loss)
         out[name] = {"loss": metrics["loss"], "grads": grads[0], "micro": metrics["num_micro_batches"]}
     # the plain loop: HF's own shifted cross-entropy over the labels of the assistant's tokens
@@ -97,7 +94,7 @@ LAYOUTS = {"one": {"micro_batch_size_per_gpu": 8}, "micro_1": {"micro_batch_size
 
 def _assert_like_plain(out: dict) -> None:
     plain = out["plain"]
-    for name in LAYOUTS:
+    for name in set(out) - {"plain"}:
         assert out[name]["loss"] == pytest.approx(plain["loss"], rel=1e-5), name
         for key, grad in plain["grads"].items():
             mine = out[name]["grads"][key]
@@ -113,24 +110,23 @@ def test_the_sft_step_is_a_plain_loops_labels_loss_on_one_process():
 
 
 @pytest.mark.multiproc
-def test_the_sft_step_is_the_same_on_two_processes():
-    _assert_like_plain(run_distributed(_sft_gradients, 2, LAYOUTS))
+def test_the_sft_step_is_the_same_on_two_processes_and_with_sequence_parallelism():
+    out = run_distributed(_sft_gradients, 2, LAYOUTS | {"sp2": {"micro_batch_size_per_gpu": 3,
+                                                                "ulysses_sequence_parallel_size": 2}})
+    assert set(out) == set(LAYOUTS) | {"sp2", "plain"}
+    _assert_like_plain(out)
 
 
 @pytest.mark.multiproc
 def test_sft_learns_checkpoints_resumes_and_exports(tmp_path):
     from shardrl.cli import main
 
-    tok = build_char_tokenizer()
-    model_dir = tmp_path / "model"
     import transformers
 
-    config = transformers.AutoConfig.for_model("qwen2", vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                                               eos_token_id=tok.eos_token_id, hidden_size=64, intermediate_size=128,
-                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    from shardrl.testing import save_char_model
+
+    model_dir = tmp_path / "model"
+    save_char_model(model_dir)
     rows = tmp_path / "sums.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "response": str(a + b)}) + "\n"
                             for a in range(10) for b in range(10) if a + b <= 9))

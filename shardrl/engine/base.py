@@ -79,8 +79,10 @@ class Engine(abc.ABC):
         self.mesh.check_matches(engine_cfg.fsdp_size, engine_cfg.ulysses_sequence_parallel_size)
         self.rank = dist.get_rank()
         self.head = head
+        # a score head with an optimizer is a reward model in training: it may start from a causal LM
         self.hf_config = load_hf_config(model_cfg.path, model_cfg.tiny, model_cfg.trust_remote_code,
-                                        task="seq_cls" if head == "score" else "causal_lm")
+                                        task="seq_cls" if head == "score" else "causal_lm",
+                                        new_head_ok=optim_cfg is not None)
         if model_cfg.disable_dropout and (changed := disable_dropout(self.hf_config)):
             log.info("dropout off (model.disable_dropout): %s set to 0", ", ".join(changed))
         if model_cfg.path is not None:
@@ -198,11 +200,12 @@ class Engine(abc.ABC):
     def dp_group(self):
         return self.mesh.dp_group
 
-    def _micro_batches(self, batch: Batch):
+    def _micro_batches(self, batch: Batch, group_size: int = 1):
         if self.cfg.use_dynamic_bsz:  # the budget is per rank: with sp, a rank holds 1/sp of each row
             budget = self.cfg.max_token_len_per_gpu * self.mesh.sp_size
-            return split_micro_batches(batch, max_token_len=budget, dp_group=self.dp_group)
-        return split_micro_batches(batch, micro_batch_size=self.cfg.micro_batch_size_per_gpu, dp_group=self.dp_group)
+            return split_micro_batches(batch, max_token_len=budget, dp_group=self.dp_group, group_size=group_size)
+        return split_micro_batches(batch, micro_batch_size=self.cfg.micro_batch_size_per_gpu, dp_group=self.dp_group,
+                                   group_size=group_size)
 
     def _before_micro_batch(self, last: bool) -> None:
         """Called before each micro-batch of `train_batch` (`last`: the mini-batch's last); a backend that can
@@ -217,29 +220,30 @@ class Engine(abc.ABC):
             temperature=temperature, with_entropy=with_entropy, score_from=score_from,
         )
 
-    def _placeholder(self, like: Batch) -> Batch:
-        """A one-token micro-batch with no loss tokens, run by a rank that has run out of samples."""
-        ones = torch.ones(1, 1, dtype=torch.long, device=self.device)
-        tensors = {k: torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=self.device) for k, v in like.tensors.items()}
+    def _placeholder(self, like: Batch, rows: int = 1) -> Batch:
+        """A micro-batch of `rows` one-token rows with no loss tokens, run by a rank that has run out of samples."""
+        ones = torch.ones(rows, 1, dtype=torch.long, device=self.device)
+        tensors = {k: torch.zeros((rows, *v.shape[1:]), dtype=v.dtype, device=self.device) for k, v in like.tensors.items()}
         tensors.update(input_ids=ones * 0, attention_mask=ones, loss_mask=ones * 0)
         tensors = {k: v[:, :1] if v.dim() > 1 else v for k, v in tensors.items()}
-        return Batch(tensors, {k: [None] for k in like.fields}, dict(like.meta))
+        return Batch(tensors, {k: [None] * rows for k in like.fields}, dict(like.meta))
 
     def train_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0,
-                    with_entropy: bool = False) -> dict[str, float]:
+                    with_entropy: bool = False, group_size: int = 1) -> dict[str, float]:
         """One optimizer step on a per-rank mini-batch; `batch["loss_mask"]` marks the tokens that count.
 
         Returns "loss" (the mini-batch loss over all ranks), "grad_norm", "lr", the layout ("num_tokens",
         "num_micro_batches"), "skipped_step" (a non-finite gradient norm skips the step), and each of
         `loss_fn`'s metrics (`shardrl.metrics`) over the whole mini-batch. A step that leaves
-        non-finite or diverged parameters raises NonFiniteParametersError."""
+        non-finite or diverged parameters raises NonFiniteParametersError. `group_size` consecutive rows share a
+        micro-batch (a preference pair, for a pairwise loss)."""
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (forward-only)")
         self.module.train()
         batch = batch.to(self.device)
         num_tokens = all_reduce_sum(batch["loss_mask"].sum().double(), self.dp_group)
         num_seqs = all_reduce_sum(torch.tensor(float(len(batch)), dtype=torch.float64), self.dp_group)
-        micro_batches, _ = self._micro_batches(batch)
+        micro_batches, _ = self._micro_batches(batch, group_size)
         grad_scale = self.mesh.world_size  # FSDP averages gradients over every rank of the mesh
 
         self.optimizer.zero_grad(set_to_none=True)
@@ -247,7 +251,7 @@ class Engine(abc.ABC):
         totals = {"loss": Sum(torch.zeros((), dtype=torch.float64, device=self.device))}
         for i, mb in enumerate(micro_batches):
             real = len(mb) > 0
-            mb = mb if real else self._placeholder(batch)
+            mb = mb if real else self._placeholder(batch, group_size)
             self._before_micro_batch(last=i == len(micro_batches) - 1)
             outputs = self._forward(mb, temperature, with_entropy)
             loss, metrics = loss_fn(outputs, mb, num_tokens.to(self.device), num_seqs.to(self.device))

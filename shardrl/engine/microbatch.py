@@ -5,6 +5,10 @@ balanced so micro-batches carry similar token counts; the samples are reordered 
 `restore_order` puts per-sample results back. Every data-parallel rank must run the same number of
 micro-batches (each forward/backward is a round of FSDP collectives), so the dynamic count is agreed
 with an all-reduce(max) over the data-parallel group.
+
+`group_size` keeps consecutive rows together (a preference pair: chosen, rejected), for losses of a group's
+rows jointly: a fixed micro-batch then holds `micro_batch_size` groups, a dynamic one balances groups by
+their summed lengths.
 """
 
 from __future__ import annotations
@@ -42,12 +46,15 @@ def balanced_partition(lengths: list[int], num_parts: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
-def num_dynamic_micro_batches(lengths: list[int], max_token_len: int) -> int:
-    """The fewest micro-batches under the budget that longest-first balancing reaches."""
+def num_dynamic_micro_batches(lengths: list[int], max_token_len: int, group_size: int = 1) -> int:
+    """The fewest micro-batches under the budget that longest-first balancing reaches (`lengths`: of each
+    group of `group_size` rows that must share a micro-batch)."""
     longest = max(lengths, default=0)
     if longest > max_token_len:
+        what = f"a sequence of {longest} tokens" if group_size == 1 else \
+            f"a group of {group_size} sequences that must share a micro-batch (a preference pair) of {longest} tokens"
         raise ValueError(
-            f"a sequence of {longest} tokens exceeds max_token_len_per_gpu={max_token_len}; "
+            f"{what} exceeds max_token_len_per_gpu={max_token_len}; "
             f"raise max_token_len_per_gpu to at least {longest} (or shorten prompts/responses)"
         )
     k = max(1, math.ceil(sum(lengths) / max_token_len))
@@ -64,23 +71,28 @@ def split_micro_batches(
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
     dp_group: dist.ProcessGroup | None = None,
+    group_size: int = 1,
 ) -> tuple[list[Batch], torch.Tensor | None]:
     """Returns the micro-batches and, for dynamic batching, the permutation that was applied.
 
     With dynamic batching a micro-batch may be empty (a rank with fewer samples than the agreed count);
-    the engine still runs it so collectives stay matched.
+    the engine still runs it so collectives stay matched. `group_size`: see the module docstring.
     """
     if (micro_batch_size is None) == (max_token_len is None):
         raise ValueError("give exactly one of micro_batch_size and max_token_len")
+    if len(batch) % group_size:
+        raise ValueError(f"a batch of {len(batch)} rows is not made of groups of {group_size}")
     if micro_batch_size is not None:
-        pieces = batch.split(micro_batch_size)
+        pieces = batch.split(micro_batch_size * group_size)
         # ranks holding fewer samples (e.g. a validation set that does not divide) run empty pieces
         k = _agree_on_count(len(pieces), dp_group)
         return pieces + [batch.index([]) for _ in range(k - len(pieces))], None
 
-    lengths = seq_lengths(batch).tolist()
-    k = _agree_on_count(num_dynamic_micro_batches(lengths, max_token_len), dp_group)
-    parts = balanced_partition(lengths, k)
+    rows = seq_lengths(batch).tolist()
+    lengths = [sum(rows[g:g + group_size]) for g in range(0, len(rows), group_size)]
+    k = _agree_on_count(num_dynamic_micro_batches(lengths, max_token_len, group_size), dp_group)
+    parts = [[g * group_size + j for g in part for j in range(group_size)]
+             for part in balanced_partition(lengths, k)]
     perm = torch.tensor([i for p in parts for i in p], dtype=torch.long)
     micro_batches = [batch.index(p) for p in parts]
     return micro_batches, perm

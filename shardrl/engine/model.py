@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,8 @@ from shardrl.engine.logprob import chunked_log_probs, pack, shift_to_scored_toke
 from shardrl.engine.ulysses import gather_seq, pad_to_multiple
 from shardrl.modelconfig import text_config
 from shardrl.userfile import require_folder
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,11 +81,14 @@ def check_tiny_shape(config, explicit_head_dim: bool) -> None:
                           f"num_key_value_heads={kv_heads}")
 
 
-def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool = False, task: str = "causal_lm"):
+def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool = False, task: str = "causal_lm",
+                   new_head_ok: bool = False):
     """The HF config of a local model folder, or one built from `tiny` (kwargs incl. `model_type`).
 
     `task` "causal_lm" (policies, critics) accepts any model `AutoModelForCausalLM` builds (Qwen2ForCausalLM,
-    GPT2LMHeadModel, ...); "seq_cls" (reward models) accepts *ForSequenceClassification ones with one label."""
+    GPT2LMHeadModel, ...); "seq_cls" (reward models) accepts *ForSequenceClassification ones with one label, and
+    with `new_head_ok` (a reward model about to be trained) a causal LM too, whose LM head gives way to a new
+    one-label score head."""
     if path is None:
         if not tiny:
             raise ValueError("model.path is not set; give a local Hugging Face model folder (or model.tiny for a test model)")
@@ -95,12 +101,18 @@ def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool 
         if task == "causal_lm" and causal_lm_class_name(config) is None:
             raise ValueError(f"model.tiny: AutoModelForCausalLM builds no {model_type!r} model; "
                              "shardrl trains causal LMs")
+        if task == "seq_cls":
+            config.num_labels = 1
         return config
     folder = require_folder("model.path", path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"model.path={path!r} has no config.json; is it a Hugging Face model folder?")
     config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     archs = getattr(config, "architectures", None) or []
+    if task == "seq_cls" and new_head_ok and archs and all(a.endswith("ForCausalLM") for a in archs):
+        config.num_labels = 1  # a reward model to train from a causal LM: a new score head
+        log.info("model.path=%s is a causal LM: its LM head gives way to a new one-label score head", path)
+        return config
     if task == "seq_cls":
         if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
             raise ValueError(f"model folder {path!r} holds a {', '.join(archs)}, not a sequence classifier "
@@ -192,7 +204,9 @@ def build_causal_lm(config, path: str | None, device: str | torch.device, dtype:
         from safetensors import SafetensorError
 
         try:
-            model = auto.from_pretrained(path, config=config, dtype=dtype, **kwargs)
+            with torch.random.fork_rng(devices=[]):  # a head the files lack (a new score head) starts from `seed`
+                torch.manual_seed(seed)
+                model = auto.from_pretrained(path, config=config, dtype=dtype, **kwargs)
         except SafetensorError as e:  # a garbled file whose header still reads
             raise ValueError(f"cannot read the weights in model folder {path!r}: {e}; copy or save them again") from e
     else:

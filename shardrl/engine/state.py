@@ -293,7 +293,7 @@ def save_hf(path: str | os.PathLike, weights: Iterable[tuple[str, torch.Tensor]]
         config = copy.deepcopy(hf_config)
         config.use_cache = True  # the engine turns the KV cache off for training; generation wants it
         config.dtype = dtype
-        if head == "lm":
+        if head in ("lm", "score"):  # a reward model trained from a causal LM becomes a sequence classifier
             config.architectures = [type(lm).__name__.removeprefix("FSDP")]
         config.save_pretrained(tmp)
         if getattr(lm, "generation_config", None) is not None:

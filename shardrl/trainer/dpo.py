@@ -1,0 +1,99 @@
+"""Offline preference training: `shardrl dpo CONFIG [key=value ...]` (DPO's sigmoid loss, IPO, SimPO), a loop of
+`trainer.offline`.
+
+A batch is `data.batch_size` prompt/chosen/rejected pairs, two rows each (chosen, rejected), which the engine
+keeps in one micro-batch (`group_size=2`); a pair's loss is `algos.preference`'s on the completions' summed
+log-probs and token counts, and the step's loss is the mean over the global batch's pairs. The
+reference's log-probs come from a forward-only engine of `dpo.ref_model_path` (default: the starting policy) on
+the same layout, before each update; simpo needs none. Metrics are TRL's: rewards/chosen, rewards/rejected,
+rewards/accuracies, rewards/margins, logps/chosen, logps/rejected (per-token means for simpo, as TRL's CPO trainer).
+Left out: the reference's log-probs precomputed once, and the base model with adapters off as the reference (LoRA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+from shardrl.algos.preference import PREFERENCE_LOSSES, PreferenceParams, sequence_log_probs
+from shardrl.chat_data import collate_pairs, load_preference_dataset
+from shardrl.config import DPOConfig
+from shardrl.engine import build_engine
+from shardrl.metrics import SumCount
+from shardrl.trainer.offline import OfflineTrainer, rank_main
+
+
+def pair_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> dict:
+    """TRL's DPO metrics over these pairs, as (sum, count) pairs."""
+    n = torch.tensor(float(len(chosen_rewards)), dtype=torch.float64, device=chosen_rewards.device)
+
+    def total(x):
+        return SumCount(x.detach().double().sum(), n)
+    return {"rewards/chosen": total(chosen_rewards), "rewards/rejected": total(rejected_rewards),
+            "rewards/accuracies": total((chosen_rewards > rejected_rewards).double()),
+            "rewards/margins": total(chosen_rewards - rejected_rewards),
+            "logps/chosen": total(chosen_logps), "logps/rejected": total(rejected_logps)}
+
+
+def preference_step(log_probs, loss_mask, ref_log_probs, loss_type: str, params: PreferenceParams):
+    """Per-pair losses and metrics of rows laid out chosen, rejected, chosen, ... (`log_probs`, `loss_mask`
+    (2P, T); `ref_log_probs` (2P,), each row's summed reference log-prob, or None)."""
+    mode = PREFERENCE_LOSSES[loss_type]
+    logps = sequence_log_probs(log_probs, loss_mask)  # (2P,)
+    counts = loss_mask.sum(-1).to(logps.dtype)
+    rc, rr = (ref_log_probs[0::2], ref_log_probs[1::2]) if mode.uses_ref else (None, None)
+    losses, *metrics = mode.fn(logps[0::2], logps[1::2], rc, rr, counts[0::2], counts[1::2], params)
+    return losses, pair_metrics(*metrics)
+
+
+def dpo_loss_fn(loss_type: str, params: PreferenceParams):
+    """The engine's loss: a micro-batch's share of the mean loss over the global batch's pairs."""
+    def loss_fn(outputs, mb, num_tokens, num_seqs):
+        ref = mb["ref_log_probs"] if "ref_log_probs" in mb else None
+        losses, metrics = preference_step(outputs["log_probs"], mb["loss_mask"], ref, loss_type, params)
+        return losses.sum() / (num_seqs / 2), metrics
+    return loss_fn
+
+
+class DPOTrainer(OfflineTrainer):
+    name, module, config_cls, group_size = "dpo", "shardrl.trainer.dpo", DPOConfig, 2
+
+    def build_more(self):
+        s = self.cfg.dpo
+        self.params = PreferenceParams(s.beta, s.label_smoothing, s.simpo_gamma)
+        self.mode = PREFERENCE_LOSSES[s.loss_type]
+        self.ref = None
+        if self.mode.uses_ref:
+            ref_model = self.cfg.model if s.ref_model_path is None else dataclasses.replace(
+                self.cfg.model, path=s.ref_model_path, tiny=None)
+            self.ref = build_engine(ref_model, self.cfg.engine, None, mesh=self.mesh)
+
+    def load_rows(self, files):
+        d = self.cfg.data
+        return load_preference_dataset(files, self.tokenizer, d.max_length, d.truncation, d.skip_bad_rows,
+                                       d.prompt_key, d.chosen_key, d.rejected_key)
+
+    def collate(self, items):
+        return collate_pairs(items, self.pad_id)
+
+    def before_update(self, batch):
+        if self.ref is not None:
+            out = self.ref.infer_batch(batch)
+            batch["ref_log_probs"] = sequence_log_probs(out["log_probs"].cpu(), batch["loss_mask"])
+        return batch
+
+    def loss_fn(self):
+        return dpo_loss_fn(self.cfg.dpo.loss_type, self.params)
+
+    def evaluate(self, batch, real_rows):
+        out = self.engine.infer_batch(batch)
+        ref = batch["ref_log_probs"][:real_rows] if self.ref is not None else None
+        losses, metrics = preference_step(out["log_probs"][:real_rows].cpu(), batch["loss_mask"][:real_rows], ref,
+                                          self.cfg.dpo.loss_type, self.params)
+        return {"loss": SumCount(float(losses.sum()), float(len(losses)))} | metrics
+
+
+if __name__ == "__main__":  # torchrun ... -m shardrl.trainer.dpo CONFIG key=value ...
+    sys.exit(rank_main(DPOTrainer, sys.argv[1:]))

@@ -1,0 +1,275 @@
+"""The loop the offline trainers share (`shardrl sft`, `shardrl dpo`, `shardrl rm`): rows from files, no rollout.
+
+    rows (this rank's share of data.batch_size) -> collate -> [forward-only passes: a reference's log-probs]
+    -> engine.train_batch(loss_fn, group_size) -> metrics over the dp ranks -> checkpoint every k steps
+    -> validation every k steps -> HF export at the end
+
+A step is one optimizer step. The parts are the RL trainer's: the engine on the run's `ParallelDims`, the loader
+(`data.PromptLoader` over tokenized rows), the run folder and its lock, the loggers, and checkpoints (DCP,
+resumable at another world size, the loader's position global). A trainer says how its rows load and collate,
+its loss, and its validation numbers; `group_size` rows stay in one micro-batch (2 for a preference pair).
+Ctrl-C, a bad config and a failed rank behave as in `shardrl train`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardrl.batch import Batch
+from shardrl.checkpoint import CheckpointManager
+from shardrl.config import config_to_dict, load_config
+from shardrl.data import PromptLoader
+from shardrl.distributed import ParallelDims, init_distributed
+from shardrl.engine import build_engine
+from shardrl.metrics import Sum, reduce_metrics
+from shardrl.tokenizer import load_tokenizer
+from shardrl.trainer.generation import the_device
+from shardrl.trainer.logger import MetricsLogger, check_sinks_installed
+from shardrl.trainer.run_folder import claim_run_dir, prepare_run_dir, release_run_dir, write_summary
+
+log = logging.getLogger(__name__)
+
+
+class OfflineTrainer:
+    name = ""
+    """The subcommand and the prefix of the step's engine metrics (`sft/loss`)."""
+    module = ""
+    """The module torchrun starts on each rank (`python -m ...`)."""
+    config_cls: type = object
+    group_size = 1
+    """Rows per data item, kept in one micro-batch."""
+    head = "lm"
+
+    def __init__(self, cfg, run_dir: Path):
+        self.cfg, self.run_dir, self.rank = cfg, run_dir, dist.get_rank()
+        self.device = the_device()
+        self.tokenizer = load_tokenizer(cfg)
+        self.pad_id = self.tokenizer.pad_token_id
+        d = cfg.data
+        self.train_set = self.load_rows(d.train_files)  # the cheap checks before any model loads
+        self.val_set = self.load_rows(d.val_files) if d.val_files else None
+        self.parallel_dims = ParallelDims()
+        self.mesh = self.parallel_dims.for_engine(cfg.engine)
+        if d.batch_size % self.mesh.dp_size:
+            raise ValueError(f"data.batch_size={d.batch_size} does not divide over {self.mesh.dp_size} data-parallel "
+                             f"ranks; use a multiple of {self.mesh.dp_size}")
+        claim_run_dir(cfg, run_dir)  # the run can start: its folder is made and locked only now
+        self.engine = build_engine(cfg.model, cfg.engine, cfg.optim, head=self.head,
+                                   total_steps=cfg.trainer.total_steps, mesh=self.mesh)
+        self.build_more()
+        self.loader = PromptLoader(self.train_set, d.batch_size, d.shuffle, d.seed, dp_rank=self.mesh.dp_rank,
+                                   dp_size=self.mesh.dp_size)
+        self.checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_last)
+        self.step, self.records, self._resumed = 0, [], []
+
+    # ---- what a trainer says ------------------------------------------------------------------------
+    def load_rows(self, files: list[str]):
+        raise NotImplementedError
+
+    def collate(self, items: list[dict]) -> Batch:
+        raise NotImplementedError
+
+    def loss_fn(self):
+        """The engine's loss function (`Engine.train_batch`)."""
+        raise NotImplementedError
+
+    def before_update(self, batch: Batch) -> Batch:
+        """Forward-only passes the loss needs (a reference's log-probs), added to `batch`."""
+        return batch
+
+    def evaluate(self, batch: Batch, real_rows: int) -> dict:
+        """Validation metrics (`shardrl.metrics` values) of `batch`, of which the first `real_rows` rows count."""
+        raise NotImplementedError
+
+    def build_more(self) -> None:
+        """Engines beyond the trained one (a reference model)."""
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def _say(self, text: str) -> None:
+        if self.rank == 0:
+            log.info(text)
+
+    def train_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batch = self.before_update(self.collate(next(self.loader)))
+        with self.engine.training():
+            metrics = self.engine.train_batch(batch, self.loss_fn(), group_size=self.group_size)
+        seconds = time.perf_counter() - t0
+        tokens = reduce_metrics({"t": Sum(float(batch["attention_mask"].sum()))}, self.mesh.dp_group)["t"]
+        return {f"{self.name}/{k}" if "/" not in k else k: v for k, v in metrics.items()} | {
+            "timing/step_s": seconds, "perf/total_num_tokens": tokens,
+            "perf/tokens_per_s_per_gpu": tokens / seconds / dist.get_world_size()}
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """`evaluate` over every validation row, each dp rank its share (every rank runs, even with none)."""
+        dp, r = self.mesh.dp_size, self.mesh.dp_rank
+        mine = range(r, len(self.val_set), dp)
+        items = [self.val_set[i] for i in mine] or [self.val_set[0]]
+        metrics = self.evaluate(self.before_update(self.collate(items)), len(mine) * self.group_size)
+        return reduce_metrics({f"val/{k}": v for k, v in metrics.items()}, self.mesh.dp_group)
+
+    def save(self) -> None:
+        extra = {"step": self.step, "loader": self.loader.state_dict(), "records": list(self.records),
+                 "trainer": self.name}
+        self._say(f"saved checkpoint {self.checkpoints.save(self.step, {'model': self.engine}, extra, {})}")
+
+    def maybe_resume(self) -> None:
+        resume = self.cfg.trainer.resume
+        if resume == "never":
+            return
+        ckpt = (self.checkpoints.load_latest({"model": self.engine}) if resume == "auto"
+                else self.checkpoints.load(resume, {"model": self.engine}))
+        if ckpt is None:
+            self._say("resume=auto: no complete checkpoint yet, starting fresh")
+            return
+        made_by = ckpt.extra.get("trainer", "sft")
+        if made_by != self.name:
+            raise ValueError(f"checkpoint {ckpt.path} was written by `shardrl {made_by}`, not `shardrl {self.name}`; "
+                             "resume it with the trainer that wrote it, or start from its HF export")
+        self.step = int(ckpt.extra["step"])
+        if self.step > self.cfg.trainer.total_steps:
+            raise ValueError(f"checkpoint {ckpt.path} is at step {self.step}, past trainer.total_steps="
+                             f"{self.cfg.trainer.total_steps}; raise it to go on")
+        self.loader.load_state_dict(ckpt.extra["loader"])
+        self._resumed = [r for r in ckpt.extra.get("records", []) if r["step"] <= self.step]
+        self._say(f"resumed from {ckpt.path} at step {self.step}")
+
+    def fit(self) -> Path:
+        t = self.cfg.trainer
+        self.checkpoints.clean_stale()
+        self.maybe_resume()
+        logger = MetricsLogger(self.run_dir, t.logger, t.total_steps, self.step, t.project_name, t.experiment_name,
+                               config_to_dict(self.cfg))
+        self.records = logger.records
+        if not self.records:
+            self.records.extend(self._resumed)
+        try:
+            while self.step < t.total_steps:
+                metrics = self.train_step()
+                self.step += 1
+                last = self.step == t.total_steps
+                if self.val_set is not None and t.val_freq and (self.step % t.val_freq == 0 or last):
+                    metrics.update(self.validate())
+                logger.log(self.step, metrics)
+                if t.save_freq and (self.step % t.save_freq == 0 or last):
+                    self.save()
+        finally:
+            logger.close()
+        if t.export_hf:
+            path = self.engine.save_hf(self.run_dir / "hf_model", self.tokenizer)
+            self._say(f"wrote the model as a Hugging Face folder: {path}")
+        return self.run_dir
+
+
+def run_offline(trainer_cls: type[OfflineTrainer], config: str | None, overrides: list[str]) -> Path:
+    """One offline trainer on this rank (the process group from torchrun's environment, or one process)."""
+    from shardrl.trainer.main import RunInterrupted, _was_interrupted
+
+    cfg = load_config(config, overrides, cls=trainer_cls.config_cls)
+    check_sinks_installed(cfg.trainer.logger)
+    if cfg.trainer.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    owns_group = not dist.is_initialized()
+    init_distributed()
+    try:
+        run_dir = prepare_run_dir(cfg)
+        failed = True
+        try:
+            trainer = trainer_cls(cfg, run_dir)
+            try:
+                trainer.fit()
+            except BaseException as e:  # Ctrl-C: rank 0 still writes the summary of the steps done
+                if not _was_interrupted(e):
+                    raise
+                done = ""
+                if dist.get_rank() == 0:
+                    write_summary(run_dir, trainer.records)
+                    done = f"{len(trainer.records)} of {cfg.trainer.total_steps} steps; summary {run_dir / 'summary.json'}"
+                raise RunInterrupted(done) from None
+            if dist.get_rank() == 0:
+                write_summary(run_dir, trainer.records)
+                log.info("run folder %s; %d of %d steps", run_dir, trainer.step, cfg.trainer.total_steps)
+            failed = False
+        finally:  # a run that failed before writing anything leaves no folder behind
+            release_run_dir(run_dir, failed)
+        return run_dir
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def offline_main(trainer_cls: type[OfflineTrainer], args) -> int:
+    """`shardrl sft|dpo|rm`: launches torchrun itself with --nproc-per-node > 1; Ctrl-C is one line and 130."""
+    from shardrl.trainer import main as m
+
+    m._setup_logging()
+    nproc = args.nproc_per_node or 1
+    if nproc < 1:
+        raise ValueError(f"--nproc-per-node {nproc}: must be >= 1")
+    if nproc > 1 and "RANK" not in os.environ:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import parse_args, run as torchrun
+
+        cfg = load_config(args.config, args.overrides, cls=trainer_cls.config_cls)  # a bad config: one error first
+        m.warn_oversubscribed(nproc, cfg.trainer.device)
+        argv = [f"--nproc-per-node={nproc}", "--nnodes=1", "--standalone", "-m", trainer_cls.module]
+        for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+            logging.getLogger(name).addFilter(m._not_about_sigint)
+        try:
+            torchrun(parse_args(argv + ([args.config] if args.config else []) + list(args.overrides)))
+        except ChildFailedError as e:
+            return m._failed_ranks_status(e)
+        except (SignalException, KeyboardInterrupt):
+            return m.INTERRUPTED_EXIT
+        return 0
+    m._sigint_seen = False
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, m._on_sigint) if main_thread else None
+    try:
+        run_offline(trainer_cls, args.config, list(args.overrides))
+    except BaseException as e:
+        if not m._was_interrupted(e):
+            raise
+        print(m._interrupted_line(e if isinstance(e, KeyboardInterrupt) else KeyboardInterrupt()), file=sys.stderr)
+        return m.INTERRUPTED_EXIT
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+    return 0
+
+
+def rank_main(trainer_cls: type[OfflineTrainer], argv: list[str]) -> int:
+    """A rank torchrun started: a user's mistake is one `error:` line from rank 0 and exit status 2."""
+    from shardrl.trainer import main as m
+
+    m._die_with_launcher()
+    m._setup_logging()
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    signal.signal(signal.SIGINT, m._on_sigint)
+    try:
+        run_offline(trainer_cls, argv[0] if argv and "=" not in argv[0] else None, [a for a in argv if "=" in a])
+    except BaseException as e:
+        if m._was_interrupted(e):
+            if rank0:
+                print(m._interrupted_line(e if isinstance(e, KeyboardInterrupt) else KeyboardInterrupt()),
+                      file=sys.stderr)
+            return m.INTERRUPTED_EXIT
+        if isinstance(e, ValueError):
+            if rank0:
+                print(f"error: {e}", file=sys.stderr)
+            return 2
+        if m._peer_gone(e):
+            return 1
+        raise
+    return 0

@@ -1,0 +1,65 @@
+"""Reward-model training: `shardrl rm CONFIG [key=value ...]`, a Bradley-Terry model on preference pairs, a loop
+of `trainer.offline`.
+
+The model is a sequence classifier with one label: a causal LM's decoder under a new scalar head (or a reward
+model to train further), its score read at each sequence's last token. A batch is `data.batch_size` pairs, two
+rows each (chosen, rejected) kept in one micro-batch; a pair's loss is -log s(r_chosen - r_rejected) (plus TRL's
+`center_rewards_coefficient` term), the step's the mean over the global batch's pairs. Logged: rm/accuracy (the
+share of pairs ranked right), rm/margin, rewards/chosen, rewards/rejected, and the same on val_files. The HF
+export (`trainer.export_hf`) is a *ForSequenceClassification folder that `reward.model_path` loads in an RL run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from shardrl.algos.preference import bradley_terry_loss
+from shardrl.chat_data import collate_pairs, load_preference_dataset
+from shardrl.config import RMConfig
+from shardrl.metrics import SumCount
+from shardrl.trainer.offline import OfflineTrainer, rank_main
+
+
+def reward_pair_step(scores: torch.Tensor, center_coefficient: float):
+    """Per-pair losses and metrics of scores `(2P,)` laid out chosen, rejected, chosen, ..."""
+    chosen, rejected = scores[0::2], scores[1::2]
+    losses = bradley_terry_loss(chosen, rejected, center_coefficient)
+    n = torch.tensor(float(len(losses)), dtype=torch.float64, device=scores.device)
+
+    def total(x):
+        return SumCount(x.detach().double().sum(), n)
+    return losses, {"accuracy": total((chosen > rejected).double()), "margin": total(chosen - rejected),
+                    "rewards/chosen": total(chosen), "rewards/rejected": total(rejected)}
+
+
+def rm_loss_fn(center_coefficient: float):
+    def loss_fn(outputs, mb, num_tokens, num_seqs):
+        losses, metrics = reward_pair_step(outputs["scores"], center_coefficient)
+        return losses.sum() / (num_seqs / 2), {f"rm/{k}" if "/" not in k else k: v for k, v in metrics.items()}
+    return loss_fn
+
+
+class RMTrainer(OfflineTrainer):
+    name, module, config_cls, group_size, head = "rm", "shardrl.trainer.rm", RMConfig, 2, "score"
+
+    def load_rows(self, files):
+        d = self.cfg.data
+        return load_preference_dataset(files, self.tokenizer, d.max_length, d.truncation, d.skip_bad_rows,
+                                       d.prompt_key, d.chosen_key, d.rejected_key)
+
+    def collate(self, items):
+        return collate_pairs(items, self.pad_id)
+
+    def loss_fn(self):
+        return rm_loss_fn(self.cfg.rm.center_rewards_coefficient)
+
+    def evaluate(self, batch, real_rows):
+        scores = self.engine.infer_batch(batch)["scores"][:real_rows].cpu()
+        losses, metrics = reward_pair_step(scores, self.cfg.rm.center_rewards_coefficient)
+        return {"loss": SumCount(float(losses.sum()), float(len(losses)))} | metrics
+
+
+if __name__ == "__main__":  # torchrun ... -m shardrl.trainer.rm CONFIG key=value ...
+    sys.exit(rank_main(RMTrainer, sys.argv[1:]))
