@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-mem-gib", type=_gib, default=None, metavar="GIB",
                       help="say whether each phase's predicted peak fits a GPU of this size, and what to change "
                            "when one does not (exit status 1)")
+    plan.add_argument("--trainer", choices=("train", "sft", "dpo", "rm"), default="train",
+                      help="the command the config is for (default: train, the RL trainer)")
 
     sub.add_parser("doctor", help="report what this machine can run")
 
@@ -88,33 +90,43 @@ def plan_main(args: argparse.Namespace) -> int:
     from shardrl.trainer.defaults import free_cache_choice
     from shardrl.trainer.main import resolve_overrides
 
-    # the config train would run (the demo's, without a config or a model: its assets are made by its first run)
-    cfg = load_config(args.config, resolve_overrides(args.config, list(args.overrides), make_demo_assets=False))
+    offline = args.trainer != "train"
+    if offline:
+        from shardrl.config import DPOConfig, RMConfig, SFTConfig
+        from shardrl.layout import derive_offline_layout, format_offline_layout
+        from shardrl.memory import offline_ledger
+
+        cfg = load_config(args.config, list(args.overrides),
+                          cls={"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig}[args.trainer])
+    else:  # the config train would run (the demo's, without a config or a model: its assets are made by its first run)
+        cfg = load_config(args.config, resolve_overrides(args.config, list(args.overrides), make_demo_assets=False))
     nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
     nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc_per_node
-    layout = derive_layout(cfg, nnodes, nproc)
+    layout = derive_offline_layout(cfg, args.trainer, nnodes, nproc) if offline else derive_layout(cfg, nnodes, nproc)
     ledger, skipped, hf_config = None, None, None
     try:
-        hf_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code)
+        hf_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code,
+                                   task="seq_cls" if args.trainer == "rm" else "causal_lm", new_head_ok=True)
     except ConfigError:  # a bad key, as training would refuse it
         raise
     except ValueError as e:  # no usable model config: the layout still stands on its own
         skipped = str(e)
         from shardrl.trainer.demo import DEMO_ASSETS
 
-        if cfg.model.path == str((DEMO_ASSETS / "model").resolve()) and not os.path.isdir(cfg.model.path):
+        if not offline and cfg.model.path == str((DEMO_ASSETS / "model").resolve()) and not os.path.isdir(cfg.model.path):
             skipped = "the built-in demo's model is made by its first run (shardrl train)"
     if hf_config is not None:
-        check_model_heads(layout, hf_config)  # heads vs sp: an error here, as training would give one
+        check_model_heads(layout, hf_config, "engine" if offline else "actor.engine")  # heads vs sp, as training
         if cfg.model.tiny:
             check_tiny_shape(text_config(hf_config), "head_dim" in cfg.model.tiny)
         try:
-            ledger = phase_ledger(cfg, layout, hf_config)
+            ledger = offline_ledger(cfg, layout, hf_config) if offline else phase_ledger(cfg, layout, hf_config)
         except (ValueError, AttributeError) as e:  # a config without the usual decoder names
             skipped = str(e)
-    advice = fit_advice(ledger, args.gpu_mem_gib) if ledger and args.gpu_mem_gib else []
+    advice = fit_advice(ledger, args.gpu_mem_gib, "engine" if offline else "actor.engine") \
+        if ledger and args.gpu_mem_gib else []
     keep_cache = None  # rollout.free_cache_engine left null on a GPU of --gpu-mem-gib: kept through the update?
-    if ledger and args.gpu_mem_gib and cfg.rollout.free_cache_engine is None:
+    if ledger and args.gpu_mem_gib and not offline and cfg.rollout.free_cache_engine is None:
         free, why = free_cache_choice((update_and_cache_gib(ledger), args.gpu_mem_gib), cuda=True)
         keep_cache = not free
     if args.json:
@@ -122,7 +134,7 @@ def plan_main(args: argparse.Namespace) -> int:
                           "fits": None if args.gpu_mem_gib is None or ledger is None else not advice,
                           "advice": advice, "rollout_keeps_cache": keep_cache}))
     else:
-        print(format_layout(layout))
+        print(format_offline_layout(layout) if offline else format_layout(layout))
         print()
         print(format_phase_ledger(ledger) if ledger else f"memory ledger: skipped ({skipped})")
         if ledger and args.gpu_mem_gib:

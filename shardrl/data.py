@@ -48,10 +48,10 @@ def _one_object(text: str) -> bool:
 def read_rows(path: str) -> list[tuple[int, object]]:
     """(1-based row number, row) pairs of one file; rows are whatever the file holds (checked later)."""
     if os.path.isdir(path):
-        raise ValueError(f"{path!r} is a folder, not a prompt file: list its files (data.train_files=[a.parquet, "
+        raise ValueError(f"{path!r} is a folder, not a data file: list its files (data.train_files=[a.parquet, "
                          f"b.parquet]) or name one")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"prompt file not found: {path!r}")
+        raise FileNotFoundError(f"data file not found: {path!r}")
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
         import pyarrow.parquet as pq
@@ -79,13 +79,13 @@ def read_rows(path: str) -> list[tuple[int, object]]:
                 rows.append((line_number, json.loads(line)))
             except json.JSONDecodeError as e:
                 if _one_object(text):  # e.g. a pretty-printed object: not lines of rows
-                    raise ValueError(f"{path}: holds one JSON object, not rows: a .json prompt file is one array "
+                    raise ValueError(f"{path}: holds one JSON object, not rows: a .json data file is one array "
                                      "of row objects ([{...}, {...}]), or use JSON lines (.jsonl, one row object a "
                                      "line)") from None
                 raise ValueError(f"{path}: row {line_number} is not valid JSON: {e}") from e
         return rows
     raise ValueError(
-        f"unsupported prompt file type {ext or '(no extension)'!r} for {path!r}; "
+        f"unsupported data file type {ext or '(no extension)'!r} for {path!r}; "
         f"supported: {', '.join(SUPPORTED_EXTENSIONS)}"
     )
 

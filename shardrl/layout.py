@@ -12,6 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from shardrl.algos.preference import PREFERENCE_LOSSES
 from shardrl.config import Config, EngineConfig
 from shardrl.configload import divisors as _divisors, nearest as _nearest
 from shardrl.modelconfig import text_config
@@ -101,11 +102,11 @@ def _sharding(role: str, engine: EngineConfig, world: int) -> tuple[int, str, in
     return size, f"HSDP {world // size} x {size}", size, world // size
 
 
-def _check_fits(role: str, engine: EngineConfig, max_seq_len: int, sp: int, why: str) -> None:
+def _check_fits(section: str, engine: EngineConfig, max_seq_len: int, sp: int, why: str) -> None:
     if engine.max_token_len_per_gpu * sp < max_seq_len:
         need = math.ceil(max_seq_len / sp)
         raise ValueError(
-            f"{role}.engine.max_token_len_per_gpu={engine.max_token_len_per_gpu} cannot hold one sequence of up "
+            f"{section}.max_token_len_per_gpu={engine.max_token_len_per_gpu} cannot hold one sequence of up "
             f"to {max_seq_len} tokens ({why}) split over sp={sp}; use at least {need}"
         )
 
@@ -191,7 +192,7 @@ def derive_layout(cfg: Config, nnodes: int, nproc_per_node: int) -> Layout:
     for role, engine in roles.items():
         sharding = _sharding(role, engine, world)
         if engine.use_dynamic_bsz:
-            _check_fits(role, engine, max_seq_len, sp, why)
+            _check_fits(f"{role}.engine", engine, max_seq_len, sp, why)
         if role == "ref":
             dynamic = engine.use_dynamic_bsz
             micro = engine.micro_batch_size_per_gpu
@@ -216,7 +217,7 @@ def derive_layout(cfg: Config, nnodes: int, nproc_per_node: int) -> Layout:
     )
 
 
-def check_model_heads(layout: Layout, hf_config) -> None:
+def check_model_heads(layout, hf_config, section: str = "actor.engine") -> None:
     """The model's attention and KV heads against sp, by the rule the engine applies when it builds
     (`shardrl.engine.ulysses.check_heads`), so `shardrl plan` finds what training would; `ValueError`
     naming the key and the nearest sp values that work on this world."""
@@ -239,7 +240,7 @@ def check_model_heads(layout: Layout, hf_config) -> None:
         return
     valid = [d for d in _divisors(layout.world_size) if fits(d)]
     raise ValueError(
-        f"actor.engine.ulysses_sequence_parallel_size={layout.sp} does not fit the model's {heads} attention heads "
+        f"{section}.ulysses_sequence_parallel_size={layout.sp} does not fit the model's {heads} attention heads "
         f"and {kv_heads} KV heads (sp must divide the attention heads, and sp and the KV heads must divide one "
         f"another); nearest valid sp on a world of {layout.world_size}: {_nearest(layout.sp, valid)}"
     )
@@ -292,3 +293,89 @@ def format_layout(layout: Layout) -> str:
     width = max(len(name) for name, _, _ in lines)
     return "\n".join(f"{name:<{width}} = {formula} = {value}" for name, formula, value in lines)
 
+
+
+@dataclass
+class OfflineLayout:
+    """How an offline trainer's step (`shardrl sft|dpo|rm`) is laid out: rows from files, one update a step."""
+    trainer: str
+    nnodes: int
+    nproc_per_node: int
+    world_size: int
+    sp: int
+    dp: int
+    engine: RoleLayout
+    rows_per_step: int
+    """data.batch_size: conversations (sft) or preference pairs (dpo, rm)."""
+    rows_per_rank: int
+    sequences_per_rank: int
+    """Rows x sequences per row (2 for a pair)."""
+    group_size: int
+    max_seq_len: int
+    """data.max_length: a sequence is the prompt and one completion."""
+    seq_tokens_per_rank: int
+    ref: bool
+    """A forward-only reference model beside the trained one (dpo with a loss that needs it)."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def derive_offline_layout(cfg, trainer: str, nnodes: int, nproc_per_node: int) -> OfflineLayout:
+    """`derive_layout` for `shardrl sft|dpo|rm`: data.batch_size over dp, the micro-batches of a rank's share
+    (a pair's two sequences always share one), and the token budget against data.max_length."""
+    if nnodes < 1 or nproc_per_node < 1:
+        raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must both be >= 1")
+    world, engine = nnodes * nproc_per_node, cfg.engine
+    sp = engine.ulysses_sequence_parallel_size
+    if sp < 1 or world % sp != 0:
+        raise ValueError(f"engine.ulysses_sequence_parallel_size={sp} does not divide the world size {world} "
+                         f"({nnodes} nodes x {nproc_per_node} procs); valid sp: {_divisors(world)}")
+    dp = world // sp
+    batch, group = cfg.data.batch_size, 1 if trainer == "sft" else 2
+    what = "conversations" if trainer == "sft" else "pairs"
+    if batch % dp:
+        raise ValueError(f"data.batch_size={batch} {what} cannot be split over dp={dp} data-parallel ranks "
+                         f"(world {world} / sp {sp}); nearest valid: {_nearest_multiples(batch, dp)}")
+    rows = batch // dp
+    longest = cfg.data.max_length * group
+    sharding = _sharding("engine", engine, world)
+    if engine.use_dynamic_bsz:
+        why = f"data.max_length {cfg.data.max_length}" + (" x 2 (a pair shares a micro-batch)" if group > 1 else "")
+        _check_fits("engine", engine, longest, sp, why)
+        role = RoleLayout("engine", *sharding, None, engine.max_token_len_per_gpu,
+                          f"dynamic, <= {engine.max_token_len_per_gpu} tokens each", None)
+    else:
+        micro = engine.micro_batch_size_per_gpu
+        if micro > rows:
+            raise ValueError(f"engine.micro_batch_size_per_gpu={micro} {what} exceeds the {rows} {what} a rank "
+                             f"holds (data.batch_size {batch} / dp {dp}); use at most {rows}")
+        count = math.ceil(rows / micro)
+        role = RoleLayout("engine", *sharding, micro, None, f"{count} of <= {micro} {what}", None,
+                          num_micro_batches=count)
+    uses_ref = trainer == "dpo" and PREFERENCE_LOSSES[cfg.dpo.loss_type].uses_ref
+    return OfflineLayout(trainer, nnodes, nproc_per_node, world, sp, dp, role, batch, rows, rows * group, group,
+                         cfg.data.max_length, math.ceil(cfg.data.max_length / sp), uses_ref)
+
+
+def format_offline_layout(layout: OfflineLayout) -> str:
+    L, e = layout, layout.engine
+    what = "conversations" if L.group_size == 1 else "pairs"
+    lines: list[tuple[str, str, object]] = [
+        ("world size", f"{L.nnodes} nodes x {L.nproc_per_node} procs", L.world_size),
+        ("sp", "engine.ulysses_sequence_parallel_size", L.sp),
+        ("dp", f"{L.world_size} (world) / {L.sp} (sp)", L.dp),
+        ("sharding", f"fsdp_size {e.fsdp_size} on world {L.world_size}",
+         f"{e.sharding} ({e.num_replicas} replica(s), each sharded over {e.shard_size})"),
+        (f"{what} per rank", f"{L.rows_per_step} (data.batch_size) / {L.dp} (dp)", L.rows_per_rank),
+        ("sequences per rank", f"{L.rows_per_rank} {what} x {L.group_size}", L.sequences_per_rank),
+        ("max sequence length", "data.max_length", L.max_seq_len),
+        ("micro-batches per step", "dynamic (use_dynamic_bsz), balanced by tokens" if e.num_micro_batches is None
+         else f"ceil({L.rows_per_rank} / {e.micro_batch_size_per_gpu} (micro_batch_size_per_gpu))", e.micro_batches),
+    ]
+    if L.sp > 1:
+        lines.append(("tokens of one sequence per rank", f"ceil({L.max_seq_len} / {L.sp} (sp))", L.seq_tokens_per_rank))
+    if L.ref:
+        lines.append(("reference model", "dpo.loss_type needs it", "forward-only, same sharding"))
+    width = max(len(name) for name, _, _ in lines)
+    return "\n".join(f"{name:<{width}} = {formula} = {value}" for name, formula, value in lines)

@@ -74,6 +74,68 @@ def _engine_resident(name, numbers, master, shard, offload_params, offload_optim
     return out
 
 
+def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shard: int, tokens: int,
+                  gradient_checkpointing: bool) -> list[tuple[str, float, str]]:
+    """An update's own terms: grads, activations of a micro-batch of `tokens`, unsharded units, the logits chunk,
+    and the optimizer state brought back from the CPU."""
+    c = text_config(hf_config)
+    p, layers, h, vocab = numbers["total"], c.num_hidden_layers, c.hidden_size, c.vocab_size
+    compute = DTYPE_BYTES[engine.param_dtype]
+    per_tok, formula = activation_bytes_per_token_layer(hf_config, compute)
+    if gradient_checkpointing:
+        act = tokens * (layers * compute * h + per_tok)
+        act_how = f"checkpointing: {tokens} tokens x ({layers} layer inputs x {compute} B x {h} + one layer: {formula})"
+    else:
+        act = tokens * layers * per_tok
+        act_how = f"{tokens} tokens x {layers} layers x {per_tok} B ({formula})"
+    how_tokens = "max_token_len_per_gpu" if engine.use_dynamic_bsz else "micro_batch_size_per_gpu x sequence"
+    unit = numbers["largest_unit"]
+    kept = engine.accumulates_unsharded(shard)  # params gathered over the micro-batches
+    per_unit = engine.reshard_after_forward and not kept
+    whole_why = "accumulate_unsharded: gathered over the micro-batches" if kept else "reshard_after_forward=false"
+    chunk = engine.logprob_chunk_size
+    update = [
+        (f"{name} grads", 0 if engine.offload_params else p * master / shard,
+         "on CPU (offload_params)" if engine.offload_params else f"{p / 1e9:.3f}B x {master} B / {shard}"),
+        ("activations", act, f"{act_how}; tokens: {how_tokens}"),
+        ("unsharded params", (2 * unit if per_unit else p) * compute,
+         f"2 units of {unit / 1e6:.0f}M (one prefetched) x {compute} B" if per_unit
+         else f"the whole model x {compute} B ({whole_why})"),
+        ("logits chunk", chunk * vocab * (compute + 4 + 4),
+         f"{chunk} tokens x {vocab} x ({compute} + 4 + 4) B (logits, log-softmax, its grad)"),
+    ]
+    if engine.offload_optimizer:
+        update.append((f"{name} optimizer state", 2 * p * master / shard, "back on GPU for the step"))
+    return update
+
+
+def _phases(resident: list, own_terms: dict) -> dict:
+    phases = {}
+    for name, own in own_terms.items():
+        items = [{"name": n, "gib": b / GIB, "how": how, "resident": True} for n, b, how in resident]
+        items += [{"name": n, "gib": b / GIB, "how": how, "resident": False} for n, b, how in own]
+        phases[name] = {"items": items, "total_gib": sum(i["gib"] for i in items)}
+    return phases
+
+
+def offline_ledger(cfg, layout, hf_config) -> dict:
+    """`phase_ledger` for `shardrl sft|dpo|rm` (`layout`: `OfflineLayout`): the trained model's resident state
+    (and a DPO reference's weights), plus one update phase."""
+    numbers = model_numbers(hf_config, cfg.model.trust_remote_code)
+    master, e = DTYPE_BYTES[cfg.model.dtype], cfg.engine
+    shard = layout.engine.shard_size
+    resident = _engine_resident("model", numbers, master, shard, e.offload_params, e.offload_optimizer, True)
+    if layout.ref:
+        resident += _engine_resident("ref", numbers, master, shard, e.offload_params, False, False)
+    tokens = e.max_token_len_per_gpu if e.use_dynamic_bsz else \
+        e.micro_batch_size_per_gpu * layout.group_size * layout.seq_tokens_per_rank
+    update = _update_terms("model", e, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing)
+    phases = _phases(resident, {"update": update})
+    return {"num_params": numbers["total"], "phases": phases, "peak_phase": "update",
+            "peak_gib": phases["update"]["total_gib"],
+            "not_counted": "CUDA context and allocator cache (nvidia-smi shows more); a reward model's head"}
+
+
 def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> dict:
     """{"phases": {phase: {"items": [(name, GiB, how)], "total_gib"}}, "peak_phase", "peak_gib"} for one GPU of
     the run `cfg` laid out as `layout` (the busiest rank's share). `cuda`: the rollout keeps a bf16 copy of
@@ -127,37 +189,9 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
              f"{tokens} tokens x one layer's (4 x {h} + 2 x {inter}) x {compute} B + logits chunk "
              f"({', '.join(passes)})")] if passes else []
 
-    # update: grads, optimizer state brought back, unsharded units, activations, logits chunk
-    per_tok, formula = activation_bytes_per_token_layer(hf_config, compute)
-    if cfg.model.gradient_checkpointing:
-        act = tokens * (layers * compute * h + per_tok)
-        act_how = f"checkpointing: {tokens} tokens x ({layers} layer inputs x {compute} B x {h} + one layer: {formula})"
-    else:
-        act = tokens * layers * per_tok
-        act_how = f"{tokens} tokens x {layers} layers x {per_tok} B ({formula})"
-    how_tokens = "max_token_len_per_gpu" if actor.use_dynamic_bsz else "micro_batch_size_per_gpu x sequence"
-    unit = numbers["largest_unit"]
-    kept = actor.accumulates_unsharded(shard)  # params gathered over the micro-batches
-    per_unit = actor.reshard_after_forward and not kept
-    whole_why = "accumulate_unsharded: gathered over the micro-batches" if kept else "reshard_after_forward=false"
-    update = [
-        ("actor grads", 0 if actor.offload_params else p * master / shard,
-         "on CPU (offload_params)" if actor.offload_params else f"{p / 1e9:.3f}B x {master} B / {shard}"),
-        ("activations", act, f"{act_how}; tokens: {how_tokens}"),
-        ("unsharded params", (2 * unit if per_unit else p) * compute,
-         f"2 units of {unit / 1e6:.0f}M (one prefetched) x {compute} B" if per_unit
-         else f"the whole model x {compute} B ({whole_why})"),
-        ("logits chunk", chunk * vocab * (compute + 4 + 4),
-         f"{chunk} tokens x {vocab} x ({compute} + 4 + 4) B (logits, log-softmax, its grad)"),
-    ]
-    if actor.offload_optimizer:
-        update.append(("actor optimizer state", 2 * p * master / shard, "back on GPU for the step"))
+    update = _update_terms("actor", actor, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing)
 
-    phases = {}
-    for name, own in (("gen", gen), ("prep", prep), ("update", update)):
-        items = [{"name": n, "gib": b / GIB, "how": how, "resident": True} for n, b, how in resident]
-        items += [{"name": n, "gib": b / GIB, "how": how, "resident": False} for n, b, how in own]
-        phases[name] = {"items": items, "total_gib": sum(i["gib"] for i in items)}
+    phases = _phases(resident, {"gen": gen, "prep": prep, "update": update})
     peak = max(phases, key=lambda k: phases[k]["total_gib"])
     return {"num_params": p, "phases": phases, "peak_phase": peak, "peak_gib": phases[peak]["total_gib"],
             "not_counted": "CUDA context and allocator cache (nvidia-smi shows more), a reward model, CUDA graphs"}
@@ -172,14 +206,19 @@ def update_and_cache_gib(ledger: dict) -> float:
 
 ADVICE = {
     "KV cache": "fewer decode slots (rollout.max_batch) or a shorter data.max_prompt_length / rollout.max_new_tokens",
-    "activations": "model.gradient_checkpointing=true, or a smaller actor.engine.max_token_len_per_gpu "
+    "activations": "model.gradient_checkpointing=true, or a smaller {engine}.max_token_len_per_gpu "
                    "(micro_batch_size_per_gpu without dynamic batching)",
     "actor optimizer state": "actor.engine.offload_optimizer=true, or more GPUs to shard it over",
     "actor params": "actor.engine.offload_params=true, or more GPUs to shard over",
     "actor grads": "actor.engine.offload_params=true (grads follow the params), or more GPUs",
     "rollout weights": "a smaller model: every GPU holds the rollout's full copy",
     "sampler logits": "fewer decode slots (rollout.max_batch)",
-    "logits chunk": "a smaller actor.engine.logprob_chunk_size",
+    "logits chunk": "a smaller {engine}.logprob_chunk_size",
+    # the offline trainers' (`offline_ledger`)
+    "model optimizer state": "engine.offload_optimizer=true, or more GPUs to shard it over",
+    "model params": "engine.offload_params=true, or more GPUs to shard over",
+    "model grads": "engine.offload_params=true (grads follow the params), or more GPUs",
+    "ref params": "engine.offload_params=true, or more GPUs to shard over",
 }
 
 
@@ -187,29 +226,31 @@ def largest_term(phase: dict) -> dict:
     return max(phase["items"], key=lambda i: i["gib"])
 
 
-def fit_advice(ledger: dict, gpu_mem_gib: float) -> list[str]:
+def fit_advice(ledger: dict, gpu_mem_gib: float, engine: str = "actor.engine") -> list[str]:
     """Lines saying, for each phase over `gpu_mem_gib`, by how much and what to change; [] when all fit."""
     lines = []
     for name, phase in ledger["phases"].items():
         if phase["total_gib"] > gpu_mem_gib:
             top = largest_term(phase)
+            advice = ADVICE.get(top["name"], "see the terms above").format(engine=engine)
             lines.append(f"{name} needs {phase['total_gib']:.1f} GiB > {gpu_mem_gib:g} GiB; the largest term is "
-                         f"{top['name']} ({top['gib']:.1f} GiB): {ADVICE.get(top['name'], 'see the terms above')}")
+                         f"{top['name']} ({top['gib']:.1f} GiB): {advice}")
     return lines
 
 
 def format_phase_ledger(ledger: dict) -> str:
     lines = [f"peak GPU memory per phase (one GPU; {ledger['num_params'] / 1e9:.3f}B params):"]
+    first = next(iter(ledger["phases"]))  # the resident terms are listed under the first phase only
     width = max(len(i["name"]) for ph in ledger["phases"].values() for i in ph["items"])
     for name, phase in ledger["phases"].items():
         top = largest_term(phase)
         lines.append(f"  {name}: {phase['total_gib']:.2f} GiB (largest: {top['name']})")
         for i in phase["items"]:
-            if i["resident"] and name != "gen":
-                continue  # listed once, under gen
+            if i["resident"] and name != first:
+                continue
             tag = "resident " if i["resident"] else ""
             lines.append(f"    {tag + i['name']:<{width + 9}} {i['gib']:8.3f} GiB  # {i['how']}")
-        if name != "gen":
+        if name != first:
             lines.append(f"    {'(+ the resident terms above)':<{width + 9}}")
     lines.append(f"  peak: {ledger['peak_phase']} {ledger['peak_gib']:.2f} GiB; not counted: {ledger['not_counted']}")
     return "\n".join(lines)

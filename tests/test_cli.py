@@ -202,3 +202,32 @@ def test_a_command_line_run_starts_from_the_plain_defaults_not_the_demo(tmp_path
     assert main(["plan", TINY, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["samples_per_rank"] == defaults.data.train_batch_size * defaults.rollout.n
+
+
+def test_plan_lays_out_the_offline_trainers(capsys):
+    base = ["--nproc-per-node", "4", "data.max_length=512", "engine.max_token_len_per_gpu=1024", "--json"]
+    assert main(["plan", "--trainer", "dpo", TINY, "data.batch_size=8", "engine.ulysses_sequence_parallel_size=2",
+                 *base]) == 0
+    dpo = json.loads(capsys.readouterr().out)
+    assert (dpo["dp"], dpo["rows_per_rank"], dpo["sequences_per_rank"], dpo["seq_tokens_per_rank"]) == (2, 4, 8, 256)
+    names = [i["name"] for i in dpo["memory"]["phases"]["update"]["items"]]
+    assert "ref params" in names and "model optimizer state" in names  # sigmoid DPO holds a reference
+    assert main(["plan", "--trainer", "dpo", TINY, "data.batch_size=8", "dpo.loss_type=simpo", *base]) == 0
+    simpo = json.loads(capsys.readouterr().out)
+    assert not simpo["ref"] and "ref params" not in [i["name"] for i in simpo["memory"]["phases"]["update"]["items"]]
+    sft_params = dpo["memory"]["phases"]["update"]["items"][0]["gib"]
+    assert sft_params == pytest.approx(simpo["memory"]["phases"]["update"]["items"][0]["gib"])
+    # a pair's two sequences share a micro-batch: the budget must hold 2 x max_length
+    assert main(["plan", "--trainer", "rm", TINY, "data.batch_size=8", "--nproc-per-node", "4", "data.max_length=512",
+                 "engine.max_token_len_per_gpu=1000"]) == 2
+    assert capsys.readouterr().err == (
+        "error: engine.max_token_len_per_gpu=1000 cannot hold one sequence of up to 1024 tokens (data.max_length 512 "
+        "x 2 (a pair shares a micro-batch)) split over sp=1; use at least 1024\n")
+    assert main(["plan", "--trainer", "sft", TINY, "data.batch_size=6", "--nproc-per-node", "4"]) == 2
+    assert capsys.readouterr().err == ("error: data.batch_size=6 conversations cannot be split over dp=4 data-parallel "
+                                       "ranks (world 4 / sp 1); nearest valid: 4 or 8\n")
+    assert main(["plan", "--trainer", "sft", TINY, "data.batch_size=8", "engine.use_dynamic_bsz=false",
+                 "engine.micro_batch_size_per_gpu=3", "--nproc-per-node", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "micro-batches per step = ceil(4 / 3 (micro_batch_size_per_gpu)) = 2 of <= 3 conversations" in out
+    assert "resident model params" in out and "KV cache" not in out

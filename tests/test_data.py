@@ -149,7 +149,7 @@ def test_missing_file(tokenizer, tmp_path):
 def test_unsupported_extension(tokenizer, tmp_path):
     path = tmp_path / "p.csv"
     path.write_text("prompt\n1+1=\n")
-    with pytest.raises(ValueError, match=r"unsupported prompt file type '\.csv'.*\.jsonl, \.json, \.parquet"):
+    with pytest.raises(ValueError, match=r"unsupported data file type '\.csv'.*\.jsonl, \.json, \.parquet"):
         load_prompt_dataset([str(path)], tokenizer)
 
 

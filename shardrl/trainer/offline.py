@@ -30,6 +30,7 @@ from shardrl.config import config_to_dict, load_config
 from shardrl.data import PromptLoader
 from shardrl.distributed import ParallelDims, init_distributed
 from shardrl.engine import build_engine
+from shardrl.layout import derive_offline_layout
 from shardrl.metrics import Sum, reduce_metrics
 from shardrl.tokenizer import load_tokenizer
 from shardrl.trainer.generation import the_device
@@ -55,13 +56,16 @@ class OfflineTrainer:
         self.tokenizer = load_tokenizer(cfg)
         self.pad_id = self.tokenizer.pad_token_id
         d = cfg.data
+        world = dist.get_world_size()  # the layout as torchrun made it, checked as `shardrl plan --trainer` does
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        self.layout = derive_offline_layout(cfg, self.name, world // per_node, per_node)
+        if not d.train_files:
+            raise ValueError("data.train_files is empty; give the files to train on (jsonl, json or parquet), "
+                             "e.g. data.train_files=[rows.jsonl]")
         self.train_set = self.load_rows(d.train_files)  # the cheap checks before any model loads
         self.val_set = self.load_rows(d.val_files) if d.val_files else None
         self.parallel_dims = ParallelDims()
         self.mesh = self.parallel_dims.for_engine(cfg.engine)
-        if d.batch_size % self.mesh.dp_size:
-            raise ValueError(f"data.batch_size={d.batch_size} does not divide over {self.mesh.dp_size} data-parallel "
-                             f"ranks; use a multiple of {self.mesh.dp_size}")
         claim_run_dir(cfg, run_dir)  # the run can start: its folder is made and locked only now
         self.engine = build_engine(cfg.model, cfg.engine, cfg.optim, head=self.head,
                                    total_steps=cfg.trainer.total_steps, mesh=self.mesh)
@@ -222,6 +226,7 @@ def offline_main(trainer_cls: type[OfflineTrainer], args) -> int:
         from torch.distributed.run import parse_args, run as torchrun
 
         cfg = load_config(args.config, args.overrides, cls=trainer_cls.config_cls)  # a bad config: one error first
+        derive_offline_layout(cfg, trainer_cls.name, 1, nproc)  # so is a batch that does not divide
         m.warn_oversubscribed(nproc, cfg.trainer.device)
         argv = [f"--nproc-per-node={nproc}", "--nnodes=1", "--standalone", "-m", trainer_cls.module]
         for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
