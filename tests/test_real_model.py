@@ -184,9 +184,10 @@ def test_real_model_one_grpo_step(folder, tmp_path):
 
 
 def test_tool_warm_start_trains_the_models_turns_as_the_rollout_lays_them_out(tok):
-    """examples/tools/warm_start.py: a conversation is the chat prompt, the model's call, the rollout's tool turn
-    (the default template, tokenized on its own as the rollout does), the final answer and <|im_end|>; the
-    labels are exactly the model's two turns."""
+    """examples/tools/warm_start.py's conversations, tokenized by `shardrl sft`: the chat prompt, the model's call,
+    the rollout's tool turn (the default template), the final answer and <|im_end|>; the loss mask is on exactly
+    the model's two turns (each with the end of its turn)."""
+    from shardrl.chat_data import tokenize_chat
     from shardrl.config import MultiTurnConfig
     from shardrl.tools import parse_tool_call
 
@@ -195,23 +196,21 @@ def test_tool_warm_start_trains_the_models_turns_as_the_rollout_lays_them_out(to
     warm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(warm)
     template = MultiTurnConfig().tool_turn_template
-    ids, labels = warm.example_text(tok, [{"role": "system", "content": "calc"}], "What is 6 * 7?", "6 * 7", 42,
-                                    template)
-    assert len(ids) == len(labels)
+    row = warm.conversation([{"role": "system", "content": "calc"}], "What is 6 * 7?", "6 * 7", 42)
+    ids, mask = tokenize_chat(tok, row["messages"])
     prompt = tok.apply_chat_template([{"role": "system", "content": "calc"}, {"role": "user", "content": "What is 6 * 7?"}],
                                      tokenize=False, add_generation_prompt=True)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+    # the text is the rollout's: prompt, call, tool turn, answer (and the template's newline after <|im_end|>)
+    assert tok.decode(ids) == prompt + call + template.replace("{output}", "42") + "#### 42<|im_end|>\n"
     n_prompt = len(tok.encode(prompt, add_special_tokens=False))
-    assert ids[:n_prompt] == tok.encode(prompt, add_special_tokens=False) and set(labels[:n_prompt]) == {-100}
-    trained = [i for i, label in zip(ids, labels) if label != -100]
-    assert [label for label in labels if label != -100] == trained
-    call_ids = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>',
-                          add_special_tokens=False)
-    answer_ids = tok.encode("#### 42<|im_end|>", add_special_tokens=False)
-    assert trained == call_ids + answer_ids
-    assert ids[n_prompt + len(call_ids): len(ids) - len(answer_ids)] == tok.encode(
-        template.replace("{output}", "42"), add_special_tokens=False)
-    call = parse_tool_call(tok.decode(call_ids))
-    assert call.error is None and call.name == "calculator" and call.arguments == {"expression": "6 * 7"}
+    assert ids[:n_prompt] == tok.encode(prompt, add_special_tokens=False) and not any(mask[:n_prompt])
+    trained = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert trained == call + "<|im_end|>\n" + "#### 42<|im_end|>\n"
+    call_ids = tok.encode(call, add_special_tokens=False)
+    assert ids[n_prompt: n_prompt + len(call_ids)] == call_ids  # tokenized as the model samples it
+    parsed = parse_tool_call(call)
+    assert parsed.error is None and parsed.name == "calculator" and parsed.arguments == {"expression": "6 * 7"}
     # every bare question's expression evaluates to its answer
     import random
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The tools example on one GPU: SmolLM2-135M-Instruct from the GGUF, the tool-use warm start (measured before
-# and after on the held-out word problems), GRPO with the calculator (examples/tools/gpu.yaml, validated every
+# The tools example on one GPU: SmolLM2-135M-Instruct from the GGUF, the tool-use warm start (`shardrl sft
+# examples/tools/warm_start.yaml`, measured before and after on the held-out word problems), GRPO with the calculator (examples/tools/gpu.yaml, validated every
 # 5 steps: reward, tool-call rate, clean-call rate), the trained model measured again, and a summary.
 #
 #   bash examples/smollm2/gpu_run.sh pack            # HERE: the GGUF in two parts + the gguf wheel, under .whl/
@@ -32,25 +32,29 @@ run() {
     export PYTHONPATH="$PYTHONPATH:/tmp/site"  # the gguf package, installed by gguf_join
     step prepare python3 examples/smollm2/prepare.py --gguf "$GGUF" --out "$GR/smollm2"
     step data python3 examples/tools/prepare.py --out "$GR/data"
-    step warm_start python3 examples/tools/warm_start.py --model "$GR/smollm2/model" --out "$GR/warm" "${EVAL[@]}"
+    step base python3 examples/tools/warm_start.py eval --model "$GR/smollm2/model" "${EVAL[@]}"
+    step warm_data python3 examples/tools/warm_start.py data --out "$GR/data/warm_start.jsonl"
+    step warm_start python3 -m shardrl.trainer.sft examples/tools/warm_start.yaml "model.path=$GR/smollm2/model" \
+        "data.train_files=[$GR/data/warm_start.jsonl]" "trainer.output_dir=$GR/warm_sft" "engine.param_dtype=bfloat16"
+    step warm_eval python3 examples/tools/warm_start.py eval --model "$GR/warm_sft/hf_model" "${EVAL[@]}"
     local t0=$(date +%s)
     setsid timeout -k 20 "$TRAIN_LIMIT_S" python3 -m shardrl.trainer.main examples/tools/gpu.yaml \
-        "model.path=$GR/warm" "data.train_files=[$GR/data/train.jsonl]" "data.val_files=[$GR/data/val.jsonl]" \
+        "model.path=$GR/warm_sft/hf_model" "data.train_files=[$GR/data/train.jsonl]" "data.val_files=[$GR/data/val.jsonl]" \
         "trainer.total_steps=$STEPS" "trainer.output_dir=$GR/train" "trainer.export_hf=true" \
         "trainer.logger=[console,jsonl]" > "$GR/train.log" 2>&1
     echo "train_exit $? $(( $(date +%s) - t0 ))" >> "$GR/seconds"
     if [ -d "$GR/train/hf_model" ]; then
-        step after python3 examples/tools/warm_start.py --eval-only --model "$GR/train/hf_model" "${EVAL[@]}"
+        step after python3 examples/tools/warm_start.py eval --model "$GR/train/hf_model" "${EVAL[@]}"
     fi
     python3 - "$GR" <<'EOF' > "$GR/summary.json"
 import json, statistics, sys
 gr = sys.argv[1]
-def last_json(path, key):
+def last_report(path):
     try:
         rows = [json.loads(l) for l in open(path) if l.startswith("{")]
     except FileNotFoundError:
         return None
-    return next((r[key] for r in reversed(rows) if key in r), None)
+    return rows[-1] if rows else None
 try:
     records = [json.loads(line) for line in open(f"{gr}/train/metrics.jsonl")]
 except FileNotFoundError:
@@ -60,9 +64,9 @@ steps = [r["timing/step_s"] for r in records if "timing/step_s" in r]
 print(json.dumps({
     "seconds": dict(line.split()[:2] for line in open(f"{gr}/seconds")),
     "steps_done": records[-1]["step"] if records else 0,
-    "base_model": last_json(f"{gr}/warm_start.log", "before"),
-    "warm_start": last_json(f"{gr}/warm_start.log", "after"),
-    "after_rl": last_json(f"{gr}/after.log", "before"),
+    "base_model": last_report(f"{gr}/base.log"),
+    "warm_start": last_report(f"{gr}/warm_eval.log"),
+    "after_rl": last_report(f"{gr}/after.log"),
     "val_curve": [[r["step"]] + [round(r[k], 4) for k in val_keys] for r in records if "val/reward_mean" in r],
     "train_reward_curve": [[r["step"], round(r["reward/mean"], 4)] for r in records],
     "tool_calls_curve": [[r["step"], round(r.get("multi_turn/num_tool_calls_mean", 0), 3),

@@ -1,15 +1,17 @@
-"""A tool-use warm start for SmolLM2-135M-Instruct: a few supervised steps on *bare arithmetic* questions
-("What is 17 + 25?") answered the way the tools example's rollout writes a conversation (a calculator call,
-the tool's answer as a ChatML turn, then "#### 42"), so that the model calls the tool at all. The word
-problems of the RL task are not in it: which expression a word problem needs is left for RL to learn.
+"""A tool-use warm start for SmolLM2-135M-Instruct, as data for `shardrl sft` (`warm_start.yaml`): *bare
+arithmetic* questions ("What is 17 + 25?") answered the way the tools example's rollout writes a conversation
+(a calculator call, the tool's answer as a ChatML turn, then "#### 42"), so that the model calls the tool at
+all. The word problems of the RL task are not in it: which expression a word problem needs is left for RL.
 
-Before and after, it measures on the word problems of `--val` (greedy, the multi-turn rollout with the
-example's calculator interaction): the share of conversations that call the calculator, that call it
-without error, and that end with the right "####" answer, and the mean reward (the trainer's validation
-number, `val/reward_mean`, on the same prompts). `--eval-only` measures a model folder and trains nothing.
+`eval` measures a model folder on the word problems of `--val` (greedy, the multi-turn rollout with the
+example's calculator interaction): the share of conversations that call the calculator, that call it without
+error, and that end with the right "####" answer, and the mean reward (the trainer's validation number,
+`val/reward_mean`, on the same prompts).
 
-    python examples/tools/warm_start.py                        # outputs/tools/warm_model
-    shardrl train examples/tools/cpu.yaml model.path=outputs/tools/warm_model
+    python examples/tools/warm_start.py data                   # outputs/tools/warm_start.jsonl
+    shardrl sft examples/tools/warm_start.yaml                 # outputs/tools/warm_start/hf_model
+    python examples/tools/warm_start.py eval --model outputs/tools/warm_start/hf_model
+    shardrl train examples/tools/cpu.yaml model.path=outputs/tools/warm_start/hf_model
 """
 
 from __future__ import annotations
@@ -59,19 +61,14 @@ def bare_question(rng: random.Random) -> tuple[str, str, int]:
     return f"What is {a} * {b} + {c}?", f"{a} * {b} + {c}", a * b + c
 
 
-def example_text(tok, prefix: list[dict], question: str, expression: str, answer: int, tool_turn: str):
-    """(ids, labels) of one conversation as the rollout lays it out; labels -100 outside the model's turns."""
-    prompt = tok.apply_chat_template(prefix + [{"role": "user", "content": question}], tokenize=False,
-                                     add_generation_prompt=True)
+def conversation(prefix: list[dict], question: str, expression: str, answer: int) -> dict:
+    """One SFT row: the tool prompt, the question, the call, the tool's answer as the rollout's tool turn lays it
+    out (a user turn of `<tool_response>`), then "#### answer". `shardrl sft` trains on the two assistant turns
+    (and the worked example's), everything else is context."""
     call = "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + "\n</tool_call>"
-    pieces = [(prompt, False), (call, True), (tool_turn.replace("{output}", str(answer)), False),
-              (f"#### {answer}{tok.eos_token}", True)]
-    ids, labels = [], []
-    for text, trained in pieces:
-        piece = tok.encode(text, add_special_tokens=False)
-        ids += piece
-        labels += piece if trained else [-100] * len(piece)
-    return ids, labels
+    return {"messages": [*prefix, {"role": "user", "content": question}, {"role": "assistant", "content": call},
+                         {"role": "user", "content": f"<tool_response>\n{answer}\n</tool_response>"},
+                         {"role": "assistant", "content": f"#### {answer}"}]}
 
 
 def evaluate(model, tok, rows: list[dict], mt_cfg, max_new_tokens: int) -> dict:
@@ -103,70 +100,45 @@ def evaluate(model, tok, rows: list[dict], mt_cfg, max_new_tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="outputs/smollm2/model")
-    p.add_argument("--out", default="outputs/tools/warm_model")
-    p.add_argument("--val", default="outputs/tools/val.jsonl")
-    p.add_argument("--num-val", type=int, default=48)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=48, help="per model turn, in the evaluation")
-    p.add_argument("--max-turns", type=int, default=3, help="model turns per conversation, in the evaluation")
-    p.add_argument("--max-response-tokens", type=int, default=160, help="per conversation, in the evaluation")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--eval-only", action="store_true", help="measure --model on --val; no training, nothing saved")
+    sub = p.add_subparsers(dest="command", required=True)
+    data = sub.add_parser("data", help="write the warm-start conversations for `shardrl sft`")
+    data.add_argument("--out", default="outputs/tools/warm_start.jsonl")
+    data.add_argument("--num", type=int, default=320, help="conversations (warm_start.yaml: 40 steps of 8)")
+    data.add_argument("--seed", type=int, default=0)
+    ev = sub.add_parser("eval", help="measure a model folder on the word problems of --val")
+    ev.add_argument("--model", default="outputs/smollm2/model")
+    ev.add_argument("--val", default="outputs/tools/val.jsonl")
+    ev.add_argument("--num-val", type=int, default=48)
+    ev.add_argument("--max-new-tokens", type=int, default=48, help="per model turn")
+    ev.add_argument("--max-turns", type=int, default=3, help="model turns per conversation")
+    ev.add_argument("--max-response-tokens", type=int, default=160, help="per conversation")
+    ev.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ev.add_argument("--json", default=None, help="also write the numbers to this file")
     args = p.parse_args(argv)
     prepare = _module("tools_prepare", HERE / "prepare.py")
-    prefix = [{"role": "system", "content": prepare.SYSTEM}, *prepare.EXAMPLE]
-    from shardrl.config import MultiTurnConfig
-
-    tool_turn = MultiTurnConfig().tool_turn_template
+    if args.command == "data":
+        rng = random.Random(args.seed)
+        prefix = [{"role": "system", "content": prepare.SYSTEM}, *prepare.EXAMPLE]
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(json.dumps(conversation(prefix, *bare_question(rng))) + "\n" for _ in range(args.num)))
+        print(f"wrote {args.num} conversations to {out}")
+        return
     # the defaults are examples/tools/cpu.yaml's; gpu.yaml's: --max-turns 4 --max-response-tokens 384 --max-new-tokens 128
     mt_cfg = {"max_turns": args.max_turns, "max_response_tokens": args.max_response_tokens}
     if not Path(args.model, "config.json").is_file():
         sys.exit(f"no model folder at {args.model}: run `python examples/smollm2/prepare.py` first")
     if not Path(args.val).is_file():
         sys.exit(f"no {args.val}: run `python examples/tools/prepare.py` first")
-    torch.manual_seed(args.seed)
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
     val = [json.loads(line) for line in open(args.val)][: args.num_val]
-
-    report = {"before": evaluate(model.eval(), tok, val, mt_cfg, args.max_new_tokens)}
-    print(json.dumps({"before": report["before"]}), flush=True)
-    if args.eval_only:
-        return
-
-    rng = random.Random(args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    model.train()
     t0 = time.perf_counter()
-    for step in range(args.steps):
-        batch = [example_text(tok, prefix, *bare_question(rng), tool_turn) for _ in range(args.batch)]
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.full((len(batch), width), tok.pad_token_id)
-        labels = torch.full((len(batch), width), -100)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, (x, y) in enumerate(batch):
-            ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
-        ids, labels, mask = ids.to(args.device), labels.to(args.device), mask.to(args.device)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 10 == 0 or step == args.steps - 1:
-            print(json.dumps({"step": step, "loss": round(loss.item(), 4),
-                              "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-    model.eval()
-    report["after"] = evaluate(model, tok, val, mt_cfg, args.max_new_tokens)
-    print(json.dumps({"after": report["after"]}), flush=True)
-    out = Path(args.out)
-    model.cpu().save_pretrained(out)
-    tok.save_pretrained(out)
-    (out / "warm_start.json").write_text(json.dumps({**report, **vars(args)}, indent=1))
-    print(f"saved {out}")
+    report = evaluate(model.eval(), tok, val, mt_cfg, args.max_new_tokens) | {
+        "model": args.model, "seconds": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(report), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
