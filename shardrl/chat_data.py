@@ -142,8 +142,21 @@ def _tokenize_pair(tokenizer, row, keys) -> dict:
     prompt, chosen, rejected = pair_messages(row, *keys)
     out = {}
     for name, completion in (("chosen", chosen), ("rejected", rejected)):
-        out[f"{name}_ids"], out[f"{name}_mask"] = tokenize_chat(tokenizer, prompt + completion, train_from=len(prompt))
+        ids, mask = tokenize_chat(tokenizer, prompt + completion, train_from=len(prompt))
+        out[f"{name}_ids"], out[f"{name}_mask"] = _end_at_eos(tokenizer, ids, mask)
     return out
+
+
+def _end_at_eos(tokenizer, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+    """A completion ends at its end-of-sequence token, as a sampled one does: what a template writes after the last
+    EOS (ChatML's newline) is dropped, so a reward model reads its score where an RL rollout's response ends."""
+    eos = tokenizer.eos_token_id
+    if eos is None or eos not in ids:
+        return ids, mask
+    end = len(ids) - ids[::-1].index(eos)
+    if tokenizer.decode(ids[end:]).strip():
+        return ids, mask
+    return ids[:end], mask[:end]
 
 
 def _tokenize_sft(tokenizer, row, keys) -> dict:

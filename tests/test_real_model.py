@@ -220,3 +220,17 @@ def test_tool_warm_start_trains_the_models_turns_as_the_rollout_lays_them_out(to
     for _ in range(200):
         _, expression, answer = warm.bare_question(rng)
         assert evaluate_arithmetic(expression) == answer
+
+
+def test_a_preference_completion_ends_where_a_sampled_response_ends(tok, tmp_path):
+    """SmolLM2's ChatML template writes a newline after <|im_end|>; a sampled response stops at <|im_end|>, so a
+    pair's sequences end there too (a reward model's score is read at the last token)."""
+    from shardrl.chat_data import load_preference_dataset
+
+    rows = tmp_path / "pairs.jsonl"
+    rows.write_text(json.dumps({"prompt": "What is 1+1?", "chosen": "#### 2", "rejected": "#### 3"}) + "\n")
+    item = load_preference_dataset([str(rows)], tok, 256).items[0]
+    for name, answer in (("chosen", "2"), ("rejected", "3")):
+        ids, mask = item[f"{name}_ids"], item[f"{name}_mask"]
+        assert ids[-1] == tok.eos_token_id and mask[-1] == 1
+        assert tok.decode([i for i, m in zip(ids, mask) if m]) == f"#### {answer}<|im_end|>"
