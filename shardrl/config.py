@@ -491,10 +491,16 @@ class RewardConfig:
     where it fails on every sample of every rank stops the run with the first failure."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO's soft overlong penalty (verl's reward_model.overlong_buffer), `shardrl.algos.dapo`."""
+    missing_eos_penalty: float | None = None
+    """Subtracted from the score of every response cut at the length limit (it never ended: no end of sequence,
+    no stop string), TRL's name. A reward model trained on finished replies has never seen the last token of a
+    cut one, and RL learns to write to the limit when that token scores well; None: no penalty."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "model_path", not (self.model_path and self.function_path),
                 "cannot be set together with reward.function_path; choose a reward model or a function")
+        require(self, prefix, "missing_eos_penalty", self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
+                "must be >= 0 (it is subtracted) or null")
 
 
 @dataclass

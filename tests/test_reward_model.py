@@ -73,3 +73,21 @@ def test_trainer_scores_with_reward_model(tmp_path):
     record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     # a random reward model's scores are real numbers, not the 0/1 of the rule-based arithmetic reward
     assert record["reward/mean"] not in (0.0, 1.0) and record["reward/max"] != record["reward/min"]
+
+
+def test_missing_eos_penalty_lowers_only_responses_cut_at_the_limit():
+    """`reward.missing_eos_penalty`: a response that reached rollout.max_new_tokens (it never ended) loses the
+    penalty; one that ended earlier keeps its score, and validation (shape=False) reports raw scores."""
+    from shardrl.batch import Batch
+    from shardrl.rewards import RewardManager
+    from shardrl.trainer.scoring import Scorer
+
+    response_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    batch = Batch({"input_ids": torch.zeros(3, 6, dtype=torch.long), "attention_mask": torch.ones(3, 6),
+                   "response_mask": response_mask},
+                  {"data_source": ["x"] * 3, "response_text": ["a", "b", "c"], "extra": [{}] * 3})
+    scorer = Scorer(RewardManager(lambda data_source, solution_str, ground_truth, extra_info=None: 0.5),
+                    length_limit=4, missing_eos_penalty=2.0)
+    scores, metrics = scorer.score(batch)
+    assert scores.tolist() == pytest.approx([-1.5, 0.5, 0.5]) and metrics["reward/missing_eos_frac"] == pytest.approx(1 / 3)
+    assert scorer.score(batch, shape=False)[0].tolist() == pytest.approx([0.5, 0.5, 0.5])

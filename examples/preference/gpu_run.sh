@@ -15,6 +15,7 @@ DPO_LRS=${DPO_LRS:-"2e-6 1e-5"}
 SAMPLES=${SAMPLES:-8}          # samples per prompt for the pairs
 TEMPERATURE=${TEMPERATURE:-1.0}
 BASE_EVAL=${BASE_EVAL:-1}
+MISSING_EOS_PENALTY=${MISSING_EOS_PENALTY:-5}  # the RL run's: a cut response scores this much less (null: none)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 . "$(dirname "$0")/../gpu_run_common.sh"
 
@@ -50,7 +51,7 @@ run() {
     step rl_rm python3 -m shardrl.trainer.main examples/smollm2/gpu.yaml "model.path=$A/model" \
         "data.train_files=[$A/train.jsonl]" "data.val_files=[]" "trainer.val_freq=0" \
         "reward.model_path=$GR/rm/hf_model" "reward.engine.use_dynamic_bsz=true" \
-        "reward.engine.max_token_len_per_gpu=32768" "trainer.total_steps=$RL_STEPS" "trainer.output_dir=$GR/rl_rm" \
+        "reward.engine.max_token_len_per_gpu=32768" "reward.missing_eos_penalty=$MISSING_EOS_PENALTY" "trainer.total_steps=$RL_STEPS" "trainer.output_dir=$GR/rl_rm" \
         "trainer.export_hf=true" "trainer.logger=[console,jsonl]"
     evaluate rl_rm "$GR/rl_rm/hf_model"
     python3 - "$GR" <<'PY' > "$GR/summary.json"

@@ -125,7 +125,7 @@ class RLTrainer:
         self.scorer = Scorer(RewardManager(fn, cfg.reward.on_error_score), self.roles.reward_model,
                              self.mesh.dp_group, self.plan.multi_turn, cfg.reward.overlong_buffer,
                              cfg.rollout.multi_turn.max_response_tokens if self.plan.multi_turn
-                             else cfg.rollout.max_new_tokens)
+                             else cfg.rollout.max_new_tokens, cfg.reward.missing_eos_penalty)
         self.state = TrainState(cfg, loader, self.mesh.dp_rank, self.mesh.dp_size, self.mesh.sp_rank)
         self.checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_last)
         self.source = (batch_source or (lambda t: LocalBatches(t.cfg, t.generation, t.roles.actor, t.mesh,

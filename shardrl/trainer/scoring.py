@@ -17,16 +17,18 @@ from shardrl.rollout.multiturn import score_with_interaction
 
 class Scorer:
     def __init__(self, rewards: RewardManager, reward_model=None, dp_group=None, multi_turn: bool = False,
-                 overlong=None, length_limit: int = 0):
+                 overlong=None, length_limit: int = 0, missing_eos_penalty: float | None = None):
         """`reward_model`: an engine with a score head, or None for `rewards`' function; `overlong`: the
         `reward.overlong_buffer` section (None or disabled: no shaping); `length_limit`: the response length
         it shapes against (`rollout.max_new_tokens`; multi-turn: the conversation's budget,
-        `rollout.multi_turn.max_response_tokens`, which its model and tool tokens share)."""
+        `rollout.multi_turn.max_response_tokens`, which its model and tool tokens share);
+        `missing_eos_penalty`: subtracted from responses cut at `length_limit`."""
         self.rewards, self.reward_model = rewards, reward_model
         self.dp_group = dp_group
         self.multi_turn = multi_turn
         self.overlong = overlong if overlong is not None and overlong.enable else None
         self.length_limit = length_limit
+        self.missing_eos_penalty = missing_eos_penalty
 
     def score(self, batch, shape: bool = True) -> tuple[torch.Tensor, dict]:
         """(scores (B,), this rank's reward metrics: "reward/num_errors" a count, the others means over its
@@ -40,6 +42,10 @@ class Scorer:
                                        self.overlong.penalty_factor)  # (N,)
             scores = scores + penalty
             metrics["reward/overlong_penalty_mean"] = float(penalty.mean()) if len(penalty) else 0.0
+        if shape and self.missing_eos_penalty is not None:
+            cut = self.response_lengths(batch) >= self.length_limit  # (N,)
+            scores = scores - self.missing_eos_penalty * cut.to(scores.dtype)
+            metrics["reward/missing_eos_frac"] = float(cut.float().mean()) if len(cut) else 0.0
         return scores, metrics
 
     def response_lengths(self, batch) -> torch.Tensor:
