@@ -121,6 +121,33 @@ def save_char_model(folder: Path, seed: int = 0, **shape):
     return tok
 
 
+def interrupt_after_first_step(argv: list[str], run_dir: Path, stderr_path: Path, timeout_s: float = 300) -> int:
+    """Runs `python -m shardrl.cli *argv` in a session of its own, sends its process group SIGINT (what a terminal's
+    Ctrl-C reaches: the launcher and its ranks) once `run_dir/metrics.jsonl` holds a step, and returns the exit
+    status; stderr goes to `stderr_path`."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "shardrl.cli", *argv], stdout=subprocess.DEVNULL,
+                                stderr=stderr, start_new_session=True, env=env)
+        try:
+            metrics, deadline = run_dir / "metrics.jsonl", time.time() + timeout_s
+            while not (metrics.is_file() and metrics.read_text().strip()):
+                assert proc.poll() is None, stderr_path.read_text()[-3000:]
+                assert time.time() < deadline, f"no step within {timeout_s} s"
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGINT)
+            return proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
 def small_demo_run(assets: Path, run_dir: Path, *extra: str) -> list[str]:
     """Overrides for a small run of the built-in demo (4 prompts x 4 responses a step, no validation) into
     `run_dir`; `extra` overrides follow and win."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shardrl.testing import small_demo_run, run_distributed
+from shardrl.testing import interrupt_after_first_step, small_demo_run, run_distributed
 from shardrl.trainer.demo import prepare_demo_assets
 
 pytestmark = pytest.mark.multiproc
@@ -31,26 +31,10 @@ def assets(tmp_path_factory):
                                                            "algorithm.rollout_is=true"))])
 def test_ctrl_c_is_one_line_status_130_and_still_writes_the_summary(assets, tmp_path, nproc, extra):
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    with open(tmp_path / "stderr.txt", "w") as stderr:
-        # a session of its own, so the SIGINT below reaches what a terminal's Ctrl-C would: the launcher's group
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "shardrl.cli", "train",
-             *small_demo_run(assets, run_dir, "trainer.total_steps=1000", "trainer.logger=[jsonl]", *extra),
-             "--nproc-per-node", str(nproc)],
-            stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=env)
-        try:
-            metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
-            while not (metrics.is_file() and metrics.read_text().strip()):
-                assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
-                assert time.time() < deadline, "no step within 300 s"
-                time.sleep(0.05)
-            os.killpg(proc.pid, signal.SIGINT)
-            code = proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    code = interrupt_after_first_step(
+        ["train", *small_demo_run(assets, run_dir, "trainer.total_steps=1000", "trainer.logger=[jsonl]", *extra),
+         "--nproc-per-node", str(nproc)], run_dir, tmp_path / "stderr.txt")
+    metrics = run_dir / "metrics.jsonl"
     err = (tmp_path / "stderr.txt").read_text()
     assert code == 130, err[-3000:]
     lines = [line for line in err.splitlines() if "interrupted" in line.lower()]

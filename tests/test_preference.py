@@ -353,34 +353,14 @@ def test_a_reward_model_learns_and_scores_an_rl_run(tmp_path):
 def test_ctrl_c_stops_an_offline_trainer_as_it_stops_train(tmp_path, nproc):
     """`shardrl dpo` (any offline trainer: one loop) stopped by Ctrl-C: one line, exit status 130, the summary of
     the steps done; on two processes the launcher passes it on and the ranks stop quietly."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from shardrl.testing import save_char_model
+    from shardrl.testing import interrupt_after_first_step, save_char_model
 
     save_char_model(tmp_path / "model")
     run_dir = tmp_path / "run"
     args = _common(tmp_path / "model", _sum_pairs(tmp_path), run_dir) + ["trainer.total_steps=100000",
                                                                          "data.batch_size=4"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    with open(tmp_path / "stderr.txt", "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "shardrl.cli", "dpo", *args, "--nproc-per-node", str(nproc)],
-                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=env)
-        try:
-            metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
-            while not (metrics.is_file() and metrics.read_text().strip()):
-                assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
-                assert time.time() < deadline, "no step within 300 s"
-                time.sleep(0.05)
-            os.killpg(proc.pid, signal.SIGINT)
-            code = proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    code = interrupt_after_first_step(["dpo", *args, "--nproc-per-node", str(nproc)], run_dir, tmp_path / "stderr.txt")
+    metrics = run_dir / "metrics.jsonl"
     err = (tmp_path / "stderr.txt").read_text()
     assert code == 130, err[-3000:]
     steps = json.loads(metrics.read_text().splitlines()[-1])["step"]

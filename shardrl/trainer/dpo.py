@@ -18,11 +18,10 @@ import sys
 import torch
 
 from shardrl.algos.preference import PREFERENCE_LOSSES, PreferenceParams, sequence_log_probs
-from shardrl.chat_data import collate_pairs, load_preference_dataset
 from shardrl.config import DPOConfig
 from shardrl.engine import build_engine
 from shardrl.metrics import SumCount
-from shardrl.trainer.offline import OfflineTrainer, rank_main
+from shardrl.trainer.offline import PairTrainer, rank_main
 
 
 def pair_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> dict:
@@ -57,8 +56,8 @@ def dpo_loss_fn(loss_type: str, params: PreferenceParams):
     return loss_fn
 
 
-class DPOTrainer(OfflineTrainer):
-    name, module, config_cls, group_size = "dpo", "shardrl.trainer.dpo", DPOConfig, 2
+class DPOTrainer(PairTrainer):
+    name, module, config_cls = "dpo", "shardrl.trainer.dpo", DPOConfig
 
     def build_more(self):
         s = self.cfg.dpo
@@ -69,14 +68,6 @@ class DPOTrainer(OfflineTrainer):
             ref_model = self.cfg.model if s.ref_model_path is None else dataclasses.replace(
                 self.cfg.model, path=s.ref_model_path, tiny=None)
             self.ref = build_engine(ref_model, self.cfg.engine, None, mesh=self.mesh)
-
-    def load_rows(self, files):
-        d = self.cfg.data
-        return load_preference_dataset(files, self.tokenizer, d.max_length, d.truncation, d.skip_bad_rows,
-                                       d.prompt_key, d.chosen_key, d.rejected_key)
-
-    def collate(self, items):
-        return collate_pairs(items, self.pad_id)
 
     def before_update(self, batch):
         if self.ref is not None:

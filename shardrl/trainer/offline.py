@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shardrl.batch import Batch
+from shardrl.chat_data import collate_pairs, load_preference_dataset
 from shardrl.checkpoint import CheckpointManager
 from shardrl.config import config_to_dict, load_config
 from shardrl.data import PromptLoader
@@ -173,6 +174,21 @@ class OfflineTrainer:
             path = self.engine.save_hf(self.run_dir / "hf_model", self.tokenizer)
             self._say(f"wrote the model as a Hugging Face folder: {path}")
         return self.run_dir
+
+
+class PairTrainer(OfflineTrainer):
+    """An offline trainer on preference pairs (`shardrl dpo`, `shardrl rm`): rows of prompt/chosen/rejected,
+    each a chosen and a rejected sequence kept in one micro-batch."""
+
+    group_size = 2
+
+    def load_rows(self, files):
+        d = self.cfg.data
+        return load_preference_dataset(files, self.tokenizer, d.max_length, d.truncation, d.skip_bad_rows,
+                                       d.prompt_key, d.chosen_key, d.rejected_key)
+
+    def collate(self, items):
+        return collate_pairs(items, self.pad_id)
 
 
 def run_offline(trainer_cls: type[OfflineTrainer], config: str | None, overrides: list[str]) -> Path:

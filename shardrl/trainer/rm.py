@@ -16,10 +16,9 @@ import sys
 import torch
 
 from shardrl.algos.preference import bradley_terry_loss
-from shardrl.chat_data import collate_pairs, load_preference_dataset
 from shardrl.config import RMConfig
 from shardrl.metrics import SumCount
-from shardrl.trainer.offline import OfflineTrainer, rank_main
+from shardrl.trainer.offline import PairTrainer, rank_main
 
 
 def reward_pair_step(scores: torch.Tensor, center_coefficient: float):
@@ -41,16 +40,8 @@ def rm_loss_fn(center_coefficient: float):
     return loss_fn
 
 
-class RMTrainer(OfflineTrainer):
-    name, module, config_cls, group_size, head = "rm", "shardrl.trainer.rm", RMConfig, 2, "score"
-
-    def load_rows(self, files):
-        d = self.cfg.data
-        return load_preference_dataset(files, self.tokenizer, d.max_length, d.truncation, d.skip_bad_rows,
-                                       d.prompt_key, d.chosen_key, d.rejected_key)
-
-    def collate(self, items):
-        return collate_pairs(items, self.pad_id)
+class RMTrainer(PairTrainer):
+    name, module, config_cls, head = "rm", "shardrl.trainer.rm", RMConfig, "score"
 
     def loss_fn(self):
         return rm_loss_fn(self.cfg.rm.center_rewards_coefficient)
