@@ -14,7 +14,9 @@ is exact whatever the tokenizer's merges do at the seams.
 A preference row (DPO, reward models) is `prompt`, `chosen` and `rejected` columns, each a string or a list of
 messages (TRL's plain and conversational formats); without a prompt column the prompt is the messages the two
 conversations share. Each of chosen and rejected is tokenized as prompt + completion, its loss mask on the
-completion's assistant tokens only.
+completion's assistant tokens only. Three strings are plain text, as in TRL and as `shardrl train` takes a string
+prompt: the prompt's tokens, then the completion's and EOS, no chat template (an SFT prompt/response row follows
+verl's SFT data instead: its string prompt is a user turn).
 
 Bad rows (a missing column, an empty reply, chosen equal to rejected, a template that is not prefix-consistent or
 leaves no assistant token, a row longer than `max_length` when truncation is "error") are counted; `skip_bad_rows` drops them with a warning,
@@ -140,10 +142,25 @@ def pair_messages(row, prompt_key: str, chosen_key: str, rejected_key: str) -> t
 
 def _tokenize_pair(tokenizer, row, keys) -> dict:
     prompt, chosen, rejected = pair_messages(row, *keys)
+    prompt_key, chosen_key, rejected_key = keys
+    if all(isinstance(row.get(k), str) for k in keys):  # plain text, as TRL and shardrl's RL prompts take it
+        return _plain_pair(tokenizer, row[prompt_key], row[chosen_key], row[rejected_key])
     out = {}
     for name, completion in (("chosen", chosen), ("rejected", rejected)):
         ids, mask = tokenize_chat(tokenizer, prompt + completion, train_from=len(prompt))
         out[f"{name}_ids"], out[f"{name}_mask"] = _end_at_eos(tokenizer, ids, mask)
+    return out
+
+
+def _plain_pair(tokenizer, prompt: str, chosen: str, rejected: str) -> dict:
+    """A plain-text pair: the prompt's tokens, then the completion's and the end-of-sequence token, no template
+    (an RL run's string prompt is its text as it is, and a sampled response ends at EOS)."""
+    context = tokenizer.encode(prompt, add_special_tokens=False)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    out = {}
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        target = tokenizer.encode(completion, add_special_tokens=False) + eos
+        out[f"{name}_ids"], out[f"{name}_mask"] = context + target, [0] * len(context) + [1] * len(target)
     return out
 
 

@@ -137,14 +137,15 @@ def test_preference_rows_of_each_format_and_bad_rows_are_counted(tok, tmp_path):
         load_preference_dataset([str(rows)], tok, 64)
     data = load_preference_dataset([str(rows)], tok, 64, skip_bad_rows=True)
     assert len(data) == 3 and data.stats["bad"] == 3
-    # the loss is on the completion (and its end of turn) only; the prompt, its template and header are context
+    # the loss is on the completion (and its end) only; the prompt, its template and header are context. Plain
+    # strings are plain text (the prompt as an RL run takes it, the completion ended by EOS); chats are templated
     assert [(_text(tok, it["chosen_ids"], it["chosen_mask"]), _text(tok, it["rejected_ids"], it["rejected_mask"]))
-            for it in data.items] == [("3\n", "4\n"), ("2\n", "5\n"), ("2\n", "11\n")]
-    first = data.items[0]
-    assert tok.decode(first["chosen_ids"]) == "user: 1+2=\nassistant: 3\n"
+            for it in data.items] == [("3<eos>", "4<eos>"), ("2\n", "5\n"), ("2\n", "11\n")]
+    assert tok.decode(data.items[0]["chosen_ids"]) == "1+2=3<eos>"
+    assert tok.decode(data.items[1]["chosen_ids"]) == "user: 1+1=\nassistant: 2\n"
     batch = collate_pairs(data.items, tok.pad_token_id)
     assert batch["input_ids"].shape[0] == 6 and batch["loss_mask"][1].sum() == 2  # chosen, rejected, chosen, ...
-    with pytest.raises(ValueError, match=r"row 1 has 24 tokens, more than data.max_length=10"):
+    with pytest.raises(ValueError, match=r"row 2 has 24 tokens, more than data.max_length=10"):
         load_preference_dataset([str(rows)], tok, 10, skip_bad_rows=True)
 
 

@@ -228,7 +228,9 @@ def test_a_preference_completion_ends_where_a_sampled_response_ends(tok, tmp_pat
     from shardrl.chat_data import load_preference_dataset
 
     rows = tmp_path / "pairs.jsonl"
-    rows.write_text(json.dumps({"prompt": "What is 1+1?", "chosen": "#### 2", "rejected": "#### 3"}) + "\n")
+    rows.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1+1?"}],
+                                "chosen": [{"role": "assistant", "content": "#### 2"}],
+                                "rejected": [{"role": "assistant", "content": "#### 3"}]}) + "\n")
     item = load_preference_dataset([str(rows)], tok, 256).items[0]
     for name, answer in (("chosen", "2"), ("rejected", "3")):
         ids, mask = item[f"{name}_ids"], item[f"{name}_mask"]
