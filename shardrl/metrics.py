@@ -60,6 +60,12 @@ class Min(NamedTuple):
         return float(self.value)
 
 
+def row_means(values: dict[str, torch.Tensor]) -> dict[str, SumCount]:
+    """Each `(N,)` tensor's mean over its rows, as a (sum, count) pair (a per-pair or per-sequence metric)."""
+    return {k: SumCount(v.detach().double().sum(), torch.tensor(float(len(v)), dtype=torch.float64, device=v.device))
+            for k, v in values.items()}
+
+
 def accumulate(acc, metric, device: torch.device, real: bool = True):
     """`metric` added to `acc` (None: nothing yet), of the same kind, as float64 tensors on `device` (no host
     sync). `real=False` adds nothing but names the key (an empty piece, such as a placeholder micro-batch that

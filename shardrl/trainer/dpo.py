@@ -15,25 +15,19 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-import torch
-
 from shardrl.algos.preference import PREFERENCE_LOSSES, PreferenceParams, sequence_log_probs
 from shardrl.config import DPOConfig
 from shardrl.engine import build_engine
-from shardrl.metrics import SumCount
+from shardrl.metrics import SumCount, row_means
 from shardrl.trainer.offline import PairTrainer, rank_main
 
 
 def pair_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> dict:
     """TRL's DPO metrics over these pairs, as (sum, count) pairs."""
-    n = torch.tensor(float(len(chosen_rewards)), dtype=torch.float64, device=chosen_rewards.device)
-
-    def total(x):
-        return SumCount(x.detach().double().sum(), n)
-    return {"rewards/chosen": total(chosen_rewards), "rewards/rejected": total(rejected_rewards),
-            "rewards/accuracies": total((chosen_rewards > rejected_rewards).double()),
-            "rewards/margins": total(chosen_rewards - rejected_rewards),
-            "logps/chosen": total(chosen_logps), "logps/rejected": total(rejected_logps)}
+    return row_means({"rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
+                      "rewards/accuracies": (chosen_rewards > rejected_rewards).double(),
+                      "rewards/margins": chosen_rewards - rejected_rewards,
+                      "logps/chosen": chosen_logps, "logps/rejected": rejected_logps})
 
 
 def preference_step(log_probs, loss_mask, ref_log_probs, loss_type: str, params: PreferenceParams):

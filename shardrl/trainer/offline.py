@@ -13,6 +13,7 @@ Ctrl-C, a bad config and a failed rank behave as in `shardrl train`.
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import signal
@@ -41,7 +42,7 @@ from shardrl.trainer.run_folder import claim_run_dir, prepare_run_dir, release_r
 log = logging.getLogger(__name__)
 
 
-class OfflineTrainer:
+class OfflineTrainer(abc.ABC):
     name = ""
     """The subcommand and the prefix of the step's engine metrics (`sft/loss`)."""
     module = ""
@@ -77,23 +78,25 @@ class OfflineTrainer:
         self.step, self.records, self._resumed = 0, [], []
 
     # ---- what a trainer says ------------------------------------------------------------------------
+    @abc.abstractmethod
     def load_rows(self, files: list[str]):
-        raise NotImplementedError
+        """The tokenized rows of `files` (a `chat_data.ChatDataset`)."""
 
+    @abc.abstractmethod
     def collate(self, items: list[dict]) -> Batch:
-        raise NotImplementedError
+        """A batch of rows, `group_size` consecutive rows to an item."""
 
+    @abc.abstractmethod
     def loss_fn(self):
         """The engine's loss function (`Engine.train_batch`)."""
-        raise NotImplementedError
 
     def before_update(self, batch: Batch) -> Batch:
         """Forward-only passes the loss needs (a reference's log-probs), added to `batch`."""
         return batch
 
+    @abc.abstractmethod
     def evaluate(self, batch: Batch, real_rows: int) -> dict:
         """Validation metrics (`shardrl.metrics` values) of `batch`, of which the first `real_rows` rows count."""
-        raise NotImplementedError
 
     def build_more(self) -> None:
         """Engines beyond the trained one (a reference model)."""

@@ -17,7 +17,7 @@ import torch
 
 from shardrl.algos.preference import bradley_terry_loss
 from shardrl.config import RMConfig
-from shardrl.metrics import SumCount
+from shardrl.metrics import SumCount, row_means
 from shardrl.trainer.offline import PairTrainer, rank_main
 
 
@@ -25,12 +25,8 @@ def reward_pair_step(scores: torch.Tensor, center_coefficient: float):
     """Per-pair losses and metrics of scores `(2P,)` laid out chosen, rejected, chosen, ..."""
     chosen, rejected = scores[0::2], scores[1::2]
     losses = bradley_terry_loss(chosen, rejected, center_coefficient)
-    n = torch.tensor(float(len(losses)), dtype=torch.float64, device=scores.device)
-
-    def total(x):
-        return SumCount(x.detach().double().sum(), n)
-    return losses, {"accuracy": total((chosen > rejected).double()), "margin": total(chosen - rejected),
-                    "rewards/chosen": total(chosen), "rewards/rejected": total(rejected)}
+    return losses, row_means({"accuracy": (chosen > rejected).double(), "margin": chosen - rejected,
+                              "rewards/chosen": chosen, "rewards/rejected": rejected})
 
 
 def rm_loss_fn(center_coefficient: float):
