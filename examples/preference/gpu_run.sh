@@ -19,13 +19,6 @@ MISSING_EOS_PENALTY=${MISSING_EOS_PENALTY:-5}  # the RL run's: a cut response sc
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 . "$(dirname "$0")/../gpu_run_common.sh"
 
-step() {  # step NAME cmd...: runs cmd, logs to $GR/NAME.log, records its seconds; stops the run on failure
-    local name=$1 t0=$(date +%s)
-    shift
-    "$@" > "$GR/$name.log" 2>&1 || { echo "failed: $name" >> "$GR/status"; exit 1; }
-    echo "$name $(( $(date +%s) - t0 ))" >> "$GR/seconds"
-}
-
 evaluate() {  # evaluate NAME MODEL: greedy accuracy on the 200 held-out problems
     step "eval_$1" python3 examples/smollm2/evaluate.py "$2" "$GR/assets/val.jsonl" --max-new-tokens 128
 }

@@ -19,13 +19,6 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 . "$(dirname "$0")/../gpu_run_common.sh"
 EVAL=(--val "$GR/data/val.jsonl" --num-val "$NUM_VAL" --max-turns 4 --max-response-tokens 384 --max-new-tokens 128)
 
-step() {  # step NAME cmd...: runs cmd, logs to $GR/NAME.log, records its seconds; stops the run on failure
-    local name=$1 t0=$(date +%s)
-    shift
-    "$@" > "$GR/$name.log" 2>&1 || { echo "failed: $name" >> "$GR/status"; exit 1; }
-    echo "$name $(( $(date +%s) - t0 ))" >> "$GR/seconds"
-}
-
 run() {
     mkdir -p "$GR"
     echo "start $(date +%s)" > "$GR/status"
