@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train (launches torchrun itself with --nproc-per-node > 1)")
     _add_config_args(train)
+    train.add_argument("--verl", action="store_true",
+                       help="the arguments are verl's key=value lines (python3 -m verl.trainer.main_ppo ...), "
+                            "translated to shardrl's keys, which are printed")
 
     for name, what in OFFLINE_TRAINERS.items():
         _add_config_args(sub.add_parser(name, help=what))

@@ -10,6 +10,8 @@ world size run when the run is laid out.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, TypeVar
@@ -352,6 +354,26 @@ class MultiTurnConfig:
 
 
 @dataclass
+class ValSamplingConfig:
+    """How validation samples (verl's rollout.val_kwargs): greedy and one response per prompt by default."""
+
+    n: int = 1
+    """Responses per validation prompt; with n > 1 validation logs mean@n and pass@n per data source."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy (then n > 1 repeats one response)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 is off."""
+    top_k: int = 0
+    """Top-k sampling; 0 is off."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "n", self.n >= 1, "must be >= 1")
+        require(self, prefix, "temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)")
+        require(self, prefix, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
+        require(self, prefix, "top_k", self.top_k >= 0, "must be >= 0 (0 = off)")
+
+
+@dataclass
 class RolloutConfig:
     backend: Literal["hf", "fast"] | None = None
     """Generation engine: HF `generate`, or the static-KV-cache fast engine (Llama/Qwen2-style models).
@@ -393,6 +415,8 @@ class RolloutConfig:
     them only when the memory ledger (`shardrl plan`) says that the update's peak plus the cache would not fit in 85% of the GPU."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools (off by default)."""
+    val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+    """Sampling of validation (greedy, n=1 by default)."""
 
     def fast_only_keys(self) -> list[str]:
         """The fast-backend-only keys set away from their defaults."""
@@ -481,6 +505,9 @@ class RewardConfig:
     """Python file defining the reward function; None uses the built-in rule-based scorers."""
     function_name: str = "compute_score"
     """Name of the reward function in `function_path`."""
+    reward_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments passed to the reward function on every call (verl's custom_reward_function.reward_kwargs),
+    e.g. {method: flexible}; the function must take them."""
     model_path: str | None = None
     """Reward model folder (a *ForSequenceClassification with one label, same tokenizer as the policy),
     scored through a forward-only engine, instead of a function."""
@@ -499,6 +526,8 @@ class RewardConfig:
     def validate(self, prefix: str) -> None:
         require(self, prefix, "model_path", not (self.model_path and self.function_path),
                 "cannot be set together with reward.function_path; choose a reward model or a function")
+        require(self, prefix, "reward_kwargs", not self.reward_kwargs or bool(self.function_path),
+                "is passed to your reward function only; set reward.function_path too, or drop reward_kwargs")
         require(self, prefix, "missing_eos_penalty", self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
                 "must be >= 0 (it is subtracted) or null")
 
@@ -598,6 +627,9 @@ class AsyncConfig:
 class TrainerConfig:
     total_steps: int = 20
     """Training steps (one rollout batch and its updates each)."""
+    total_epochs: int | None = None
+    """Passes over the training prompts instead of a step count: total_steps becomes total_epochs x the steps of
+    one epoch (prompts // data.train_batch_size; the last, short batch of an epoch is dropped). Set one of the two."""
     output_dir: str | None = None
     """Run folder (config, metrics, checkpoints); None is ./outputs/<experiment_name>/<timestamp>, or with
     resume=auto the newest such folder that has checkpoints."""
@@ -612,6 +644,8 @@ class TrainerConfig:
     """Where to start: "auto" (latest checkpoint in output_dir, if any), "never" (fresh), or a checkpoint path."""
     val_freq: int = 0
     """Validate every this many steps; 0 never."""
+    val_before_train: bool = False
+    """Validate once before the first step (logged as step 0) when data.val_files is given; a resumed run does not."""
     log_val_generations: int = 3
     """Sample generations (prompt, response, reward, ground truth) shown per validation, on the console
     and in `<run_dir>/generations.jsonl` (one line each, with the step); rank 0's first ones. 0 = off."""
@@ -630,6 +664,7 @@ class TrainerConfig:
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "total_steps", self.total_steps >= 1, "must be >= 1")
+        require(self, prefix, "total_epochs", self.total_epochs is None or self.total_epochs >= 1, "must be >= 1 or null")
         require(self, prefix, "save_freq", self.save_freq >= 0, "must be >= 0 (0 = never)")
         require(self, prefix, "keep_last", self.keep_last >= 0, "must be >= 0 (0 = keep all)")
         require(self, prefix, "resume", bool(self.resume), 'must be "auto", "never" or a checkpoint path')
@@ -663,6 +698,34 @@ class Config:
     """Run length, checkpoints, logging, launch."""
     async_rl: AsyncConfig = field(default_factory=AsyncConfig)
     """Disaggregated placement and asynchronous (off-policy) generation."""
+
+    @staticmethod
+    def unknown_key_hint(key: str) -> str | None:
+        """The native key for a verl name (`trainer.test_freq` -> `trainer.val_freq`), for the unknown-key error."""
+        from shardrl.verl_compat import native_hint
+
+        return native_hint(key)
+
+    INHERITED = {"ref": ("engine",), "critic": ("engine", "ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode"),
+                 "reward": ("engine",)}
+    """What a role takes from the actor unless set for it (verl's `oc.select` defaults): every engine setting
+    (dtype, micro-batching, dynamic batches, sharding, offload, sequence parallel) and the critic's loop."""
+
+    def inherit(self, given: set[str]) -> None:
+        """Refuse both trainer.total_steps and total_epochs given; fill each role's `INHERITED` settings that `given` (the keys the file and overrides set) does not name
+        from the actor's: with an fp32 actor the reference computes in fp32 too, so the on-policy KL is 0."""
+        require(self, "", "trainer.total_epochs", self.trainer.total_epochs is None or "trainer.total_steps" not in given,
+                "and trainer.total_steps are both set; set one of them (epochs: passes over data.train_files)")
+        for role, names in self.INHERITED.items():
+            section = getattr(self, role)
+            for name in names:
+                value = getattr(self.actor, name)
+                if name == "engine":
+                    for f in dataclasses.fields(EngineConfig):
+                        if f"{role}.engine.{f.name}" not in given:
+                            setattr(section.engine, f.name, copy.deepcopy(getattr(value, f.name)))
+                elif f"{role}.{name}" not in given:
+                    setattr(section, name, value)
 
     def ignored_settings(self) -> list[str]:
         """Settings this config gives that nothing will read, each as a line to warn with (a run goes on)."""
@@ -704,6 +767,9 @@ class Config:
             require(self, prefix, "trainer.val_freq", self.trainer.val_freq == 0 or not self.data.val_files,
                     "validation is not supported with async_rl.rollout_ranks > 0 (the training ranks hold no "
                     "rollout); set trainer.val_freq=0 or async_rl.rollout_ranks=0")
+        require(self, prefix, "trainer.total_epochs", self.trainer.total_epochs is None or not self.async_rl.rollout_ranks,
+                "is not supported with async_rl.rollout_ranks > 0 (the rollout ranks do not read the training set); "
+                "set trainer.total_steps")
         require(self, prefix, "algorithm.rollout_is", self.async_rl.max_staleness == 0 or self.algorithm.rollout_is,
                 f"async_rl.max_staleness={self.async_rl.max_staleness} trains on samples of an older policy: set "
                 "algorithm.rollout_is=true so the loss weighs them by the sampler's log-probs (the behaviour "

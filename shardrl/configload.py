@@ -83,6 +83,10 @@ def config_keys(cls: type) -> tuple[str, ...]:
 
 
 def _unknown_key(key: str, cls: type, prefix: str) -> ConfigError:
+    known_name = getattr(cls, "unknown_key_hint", None)  # another framework's name for one of ours
+    hint = known_name(key) if known_name else None
+    if hint:
+        return ConfigError(f"unknown config key {key!r}: {hint}")
     candidates = [join_key(prefix, k) for k in config_keys(cls)]
     close = difflib.get_close_matches(key, candidates, n=1)
     if not close:  # `lr=1e-5` at the root: offer the keys that end the same way
@@ -215,9 +219,9 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
     return section
 
 
-def _merge(section: Any, data: dict, prefix: str) -> None:
+def _merge(section: Any, data: dict, prefix: str, scope: tuple[type, str] | None = None) -> None:
     for name, value in data.items():
-        _set(section, [str(name)], value, None, prefix, (type(section), prefix))
+        _set(section, [str(name)], value, None, prefix, scope or (type(section), prefix))
 
 
 def _set(section: Any, parts: list[str], value: Any, raw: str | None, prefix: str, scope: tuple[type, str]) -> None:
@@ -252,7 +256,7 @@ def _set(section: Any, parts: list[str], value: Any, raw: str | None, prefix: st
         raise ConfigError(f"cannot set {full_key!r}: {key!r} holds a value of type {_type_name(tp)}, not a section")
     elif dataclasses.is_dataclass(current) and (value is None or isinstance(value, dict)):
         # `actor.optim={lr: 1e-5}` changes lr and keeps the rest; an empty YAML section is None
-        _merge(current, value or {}, key)
+        _merge(current, value or {}, key, scope)
     else:
         setattr(section, name, coerce(value, tp, key, raw))
 
@@ -320,13 +324,37 @@ def validate_config(cfg: Any, prefix: str = "") -> None:
         cfg.validate(prefix)
 
 
+def given_keys(data: dict, prefix: str = "") -> set[str]:
+    """The dotted keys a nested mapping sets, sections included (`{"ref": {"engine": {...}}}` -> ref, ref.engine,
+    ...)."""
+    keys = set()
+    for name, value in data.items():
+        key = join_key(prefix, str(name))
+        keys.add(key)
+        if isinstance(value, dict):
+            keys |= given_keys(value, key)
+    return keys
+
+
 def load(cls: type[T], path: str | None = None, overrides: Iterable[str] = ()) -> T:
-    """Defaults of `cls`, then the YAML file at `path`, then `overrides` in order; validated."""
+    """Defaults of `cls`, then the YAML file at `path`, then `overrides` in order; validated.
+
+    A config class with `inherit(given)` gets the set of keys the file and the overrides gave, before validation,
+    to fill the others from its own values (the reference takes the actor's engine settings it does not set)."""
     if isinstance(overrides, str):
         raise ConfigError(f"overrides must be a list of key=value strings, got the string {overrides!r}")
-    cfg = from_dict(cls, read_yaml(path)) if path is not None else cls()
+    data = read_yaml(path) if path is not None else {}
+    cfg = from_dict(cls, data) if path is not None else cls()
+    given = given_keys(data)
     for override in overrides:
         apply_override(cfg, override)
+        key, _, text = override.partition("=")
+        given.add(key.strip())
+        value = yaml.safe_load(text)  # readable: apply_override read it
+        if isinstance(value, dict):
+            given |= given_keys(value, key.strip())
+    if hasattr(cfg, "inherit"):
+        cfg.inherit(given)
     validate_config(cfg)
     return cfg
 

@@ -1,13 +1,12 @@
 """Rule rewards, user reward files, and the manager that scores a batch of responses without dying.
 
-Every reward function has one signature, verl's:
-    fn(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None) -> float | dict
-It is called by keyword, as verl calls it, when its parameters carry these names (or it takes **kwargs),
-else by position. `extra_info` is the row's own `extra_info` dict (verl's meaning), with the row's other
-fields (e.g. `reward_model`, `ability`, a top-level `ground_truth`) merged in under the keys that
-`extra_info` does not already use. A dict result must hold "score"; its other numeric keys become metrics
-`reward/<key>` (batch means). A score must be a finite number a float32 holds.
-Built-ins are looked up by data_source in REWARD_FUNCTIONS; a user file replaces them all.
+A reward function is called as verl calls it, by parameter name (`bind_reward_function`): it receives those of
+data_source, solution_str, ground_truth and extra_info (verl's names) that it names, all four if it takes
+**kwargs, plus `reward.reward_kwargs`; a function naming none of them takes the four by position. `extra_info` is
+the row's own `extra_info` dict (verl's meaning), with the row's other fields (e.g. `reward_model`, `ability`, a
+top-level `ground_truth`) merged in under the keys that `extra_info` does not already use. A dict result must
+hold "score"; its other numeric keys become metrics `reward/<key>` (batch means). A score must be a finite number
+a float32 holds. Built-ins are looked up by data_source (`builtin_scorer`); a user file replaces them all.
 """
 
 from __future__ import annotations
@@ -96,8 +95,9 @@ REWARD_FUNCTIONS = {
 }
 
 
-def load_reward_function(path: str, name: str = "compute_score"):
-    """Import the user's reward file at `path` and return its function `name`."""
+def load_reward_function(path: str, name: str = "compute_score", reward_kwargs: dict | None = None):
+    """Import the user's reward file at `path` and return its function `name`, checked to be callable with a
+    reward function's arguments (and `reward_kwargs`) as `bind_reward_function` binds them."""
     if not os.path.isfile(path):
         file, _, fn = path.rpartition(":")
         hint = (f"; the function's name goes in reward.function_name: reward.function_path={file} "
@@ -116,34 +116,60 @@ def load_reward_function(path: str, name: str = "compute_score"):
     fn = getattr(module, name)
     if not callable(fn):
         raise ValueError(f"{name!r} in {path!r} is a {type(fn).__name__}, not a function")
-    if call_style(fn) is None:
-        raise ValueError(
-            f"{name}{inspect.signature(fn)} in {path!r} cannot take a reward function's arguments; define it as "
-            f"def {name}(data_source, solution_str, ground_truth, extra_info=None) (verl's signature)")
+    bind_reward_function(fn, reward_kwargs, f"{name} in {path!r}")  # a signature it cannot serve: said now
     return fn
 
 
 REWARD_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
-def call_style(fn) -> str | None:
-    """"keyword" when `fn` takes REWARD_ARGS by name (verl calls so) and has no *args, "positional" when
-    it takes four positional arguments, None when it takes neither (a wrong signature)."""
+def bind_reward_function(fn, reward_kwargs: dict | None = None, where: str | None = None):
+    """`fn` as `call(data_source, solution_str, ground_truth, extra_info)`, its parameters bound as verl binds
+    them, by name: each of REWARD_ARGS that `fn` names is passed by keyword (all four when it takes **kwargs),
+    the others are not, and `reward_kwargs` (verl's `custom_reward_function.reward_kwargs`) are added. So verl's
+    own scorers, `compute_score(solution_str, ground_truth, method="strict", ...)`, get the right arguments. A
+    function naming none of them (and with no **kwargs) takes the four positionally, shardrl's older form. A
+    ValueError, naming `where`, for a function these arguments cannot call."""
+    kwargs = dict(reward_kwargs or {})
+    where = where or getattr(fn, "__name__", repr(fn))
+    clash = sorted(set(kwargs) & set(REWARD_ARGS))
+    if clash:
+        raise ValueError(f"reward_kwargs {clash} are the reward function's own arguments, passed per sample; "
+                         "leave them out of reward_kwargs")
     try:
         sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # some builtins have no signature; calling will tell
-        return "positional"
-    var_positional = any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values())
-    for style, bind in (("keyword", lambda: sig.bind(**dict.fromkeys(REWARD_ARGS))),
-                        ("positional", lambda: sig.bind(*REWARD_ARGS))):
-        if style == "keyword" and var_positional:
-            continue  # fn(*args, **kwargs) was written for shardrl's positional call
+    except (TypeError, ValueError):  # some builtins have no signature: the call will tell
+        return lambda *args: fn(*args, **kwargs)
+    params = sig.parameters.values()
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = [p.name for p in params if p.name in REWARD_ARGS and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if takes_any or named:
+        passed = REWARD_ARGS if takes_any else tuple(named)
+        if "solution_str" not in passed:
+            raise ValueError(f"{getattr(fn, '__name__', 'the reward function')}{sig} ({where}) takes no solution_str "
+                             "(the response to score) and no **kwargs; name a parameter solution_str (verl's name)")
         try:
-            bind()
-            return style
-        except TypeError:
-            pass
-    return None
+            sig.bind(**dict.fromkeys(passed), **kwargs)
+        except TypeError as e:
+            raise ValueError(_signature_error(fn, sig, where, e, kwargs)) from None
+
+        def call(*args):
+            return fn(**{k: v for k, v in zip(REWARD_ARGS, args) if k in passed}, **kwargs)
+        return call
+    try:
+        sig.bind(*REWARD_ARGS, **kwargs)
+    except TypeError as e:
+        raise ValueError(_signature_error(fn, sig, where, e, kwargs)) from None
+    return lambda *args: fn(*args, **kwargs)
+
+
+def _signature_error(fn, sig, where: str, error: TypeError, kwargs: dict) -> str:
+    name = getattr(fn, "__name__", "compute_score")
+    given = f" and reward_kwargs {sorted(kwargs)}" if kwargs else ""
+    return (f"{name}{sig} ({where}) cannot be called with a reward function's arguments{given}: {error}. A reward "
+            f"function takes, by name, any of {', '.join(REWARD_ARGS)} (verl's names; solution_str and ground_truth "
+            f"at least), e.g. def {name}(data_source, solution_str, ground_truth, extra_info=None); its other "
+            "parameters need defaults or a value in reward_kwargs")
 
 
 def reward_extra_info(extra: dict | None) -> dict:
@@ -203,11 +229,12 @@ class RewardManager:
     global count with `all_failed_error`). A function that calls sys.exit is an error at once.
     """
 
-    def __init__(self, fn=None, on_error_score: float = 0.0):
-        self.fn = fn
+    def __init__(self, fn=None, on_error_score: float = 0.0, reward_kwargs: dict | None = None):
+        """`fn`: the user's reward function (None: each row's built-in by data_source); `reward_kwargs` are
+        passed to it on every call (verl's custom_reward_function.reward_kwargs)."""
+        self.fn = None if fn is None else bind_reward_function(fn, reward_kwargs)
         self.on_error_score = float(on_error_score)
         self._logged_error = False
-        self._styles = {}
         self.first_error = None
         """The last `score` call's first failure, "(data_source=...) Type: message", or None."""
 
@@ -224,13 +251,7 @@ class RewardManager:
     def _score_one(self, fn, item: dict) -> tuple[float, dict]:
         extra = item.get("extra") or {}
         ground_truth = item["ground_truth"] if "ground_truth" in item else extra.get("ground_truth")
-        args = (item["data_source"], item["response_text"], ground_truth, reward_extra_info(extra))
-        if id(fn) not in self._styles:
-            self._styles[id(fn)] = call_style(fn)
-        if self._styles[id(fn)] == "keyword":
-            result = fn(**dict(zip(REWARD_ARGS, args)))
-        else:
-            result = fn(*args)
+        result = fn(item["data_source"], item["response_text"], ground_truth, reward_extra_info(extra))
         metrics = {}
         if isinstance(result, dict):
             if "score" not in result:

@@ -1,6 +1,7 @@
 import ast
 import dataclasses
 import inspect
+import re
 
 import pytest
 import yaml
@@ -56,7 +57,7 @@ def test_yaml_then_overrides_fill_nested_fields_with_field_types(tmp_path):
     assert cfg.trainer.logger == ["console"]
     assert cfg.algorithm.kl_target == 0.1
     # untouched fields keep their defaults
-    assert cfg.ref.engine == EngineConfig()
+    assert cfg.ref.engine == cfg.actor.engine  # the reference takes the actor's engine settings it does not set
     assert cfg.data.train_batch_size == 8
 
 
@@ -183,7 +184,7 @@ def test_validate_config_checks_programmatic_configs():
 def test_every_schema_field_has_a_docstring():
     sections = [c for c in vars(config_module).values()
                 if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == config_module.__name__]
-    assert len(sections) == 24  # with algorithm.filter_groups, reward.overlong_buffer, async_rl, rollout.multi_turn,
+    assert len(sections) == 25  # with rollout.val_kwargs, algorithm.filter_groups, reward.overlong_buffer, async_rl, rollout.multi_turn,
     # and the offline trainers' configs with their data sections and settings (`shardrl sft|dpo|rm`)
     for cls in sections:
         documented = set()
@@ -322,3 +323,43 @@ def test_messages_that_used_to_mislead(tmp_path, capsys, caplog):
         warn_oversubscribed(10_000, "cpu")
         warn_oversubscribed(1, "cpu")
     assert caplog.text.count("on a CPU machine with") == 1
+
+
+def test_roles_take_the_actors_settings_they_do_not_set(tmp_path):
+    """As verl's config does (`oc.select`): the reference, critic and reward model take every engine setting of the
+    actor that they do not set themselves, and the critic its mini-batch, epochs and loss reduction."""
+    path = tmp_path / "run.yaml"
+    path.write_text("actor:\n  engine: {param_dtype: float32, use_dynamic_bsz: true}\n  ppo_mini_batch_size: 8\n"
+                    "ref:\n  engine: {max_token_len_per_gpu: 999}\n")
+    cfg = load_config(str(path), ["data.train_batch_size=16", "critic.engine.param_dtype=bfloat16",
+                                  "critic.ppo_epochs=3", "actor.ppo_epochs=2", "actor.loss_agg_mode=seq-mean-token-sum"])
+    assert (cfg.ref.engine.param_dtype, cfg.ref.engine.use_dynamic_bsz, cfg.ref.engine.max_token_len_per_gpu) == (
+        "float32", True, 999)
+    assert (cfg.critic.engine.param_dtype, cfg.critic.engine.use_dynamic_bsz) == ("bfloat16", True)
+    assert (cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_epochs, cfg.critic.loss_agg_mode) == (
+        8, 3, "seq-mean-token-sum")
+    assert cfg.reward.engine.param_dtype == "float32" and cfg.critic.optim.lr == 1e-5  # optimizers are not taken
+    # a config read back from a run folder is the same config
+    save_config(cfg, str(tmp_path / "saved.yaml"))
+    assert load_config(str(tmp_path / "saved.yaml")) == cfg
+
+
+def test_total_epochs_and_total_steps_are_not_both_set():
+    with pytest.raises(ConfigError, match=r"trainer.total_epochs=2.*and trainer.total_steps are both set"):
+        load_config(None, ["trainer.total_epochs=2", "trainer.total_steps=5"])
+    assert load_config(None, ["trainer.total_epochs=2"]).trainer.total_epochs == 2
+
+
+def test_a_verl_key_name_gets_the_native_key():
+    cases = {"trainer.test_freq=5": "shardrl's is 'trainer.val_freq'",
+             "data.max_response_length=64": "shardrl's is 'rollout.max_new_tokens'",
+             "actor.clip_ratio=0.2": "shardrl's is 'actor.clip_ratio_low' and 'actor.clip_ratio_high'",
+             "model.lora_rank=8": "shardrl has none: LoRA is not supported yet",
+             "actor.optim.lr_warmup_steps_ratio=0.1": "shardrl's is 'actor.optim.warmup_ratio'",
+             "critic.optim.lr_warmup_steps_ratio=0.1": "shardrl's is 'critic.optim.warmup_ratio'",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4":
+                 "shardrl's is 'actor.engine.micro_batch_size_per_gpu'",
+             "trainer.n_gpus_per_node=8": "shardrl's is 'trainer.nproc_per_node'"}
+    for override, hint in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(hint)):
+            load_config(None, [override])

@@ -224,13 +224,40 @@ def test_a_float32_size_score_is_kept():
 
 def test_wrong_signature_is_refused_at_load(tmp_path):
     path = tmp_path / "rw.py"
-    path.write_text("def compute_score(solution_str, ground_truth):\n    return 1.0\n")
-    with pytest.raises(ValueError, match=r"compute_score\(solution_str, ground_truth\) in .*rw.py' cannot take "
-                                         r"a reward function's arguments; define it as def compute_score\(data_source"):
+    path.write_text("def compute_score(solution_str, truth):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"compute_score\(solution_str, truth\) \(compute_score in .*rw.py'\) cannot "
+                                         r"be called with a reward function's arguments: missing a required argument: "
+                                         r"'truth'.*verl's names"):
         load_reward_function(str(path))
-    # given to the manager directly, it fails on every sample: an error, not a run that learns nothing
-    with pytest.raises(ValueError, match=r"failed on all 2 samples.*TypeError: .*positional argument"):
-        RewardManager(lambda solution_str, ground_truth: 1.0).score([item("1", "1"), item("2", "2")])
+    no_response = tmp_path / "nr.py"
+    no_response.write_text("def compute_score(data_source, ground_truth):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"takes no solution_str"):
+        load_reward_function(str(no_response))
+    with pytest.raises(ValueError, match=r"reward_kwargs \['bonus'\]: got an unexpected keyword argument 'bonus'"):
+        load_reward_function(str(path.with_name("ok.py").write_text(
+            "def compute_score(solution_str, ground_truth):\n    return 1.0\n") and path.with_name("ok.py")),
+            reward_kwargs={"bonus": 1})
+    with pytest.raises(ValueError, match=r"reward_kwargs \['ground_truth'\] are the reward function's own"):
+        RewardManager(lambda solution_str, ground_truth: 1.0, reward_kwargs={"ground_truth": 1})
+
+
+def test_verl_scorer_signatures_are_bound_by_name(tmp_path):
+    """verl's own scorer files start with solution_str (`gsm8k.compute_score(solution_str, ground_truth,
+    method="strict", format_score=0.0, score=1.0)`): bound by position they would get the data source as the
+    response; by name each gets its own argument, and reward_kwargs reach the others."""
+    path = tmp_path / "verl_like.py"
+    path.write_text("def compute_score(solution_str, ground_truth, method='strict', format_score=0.0, score=1.0):\n"
+                    "    answer = solution_str.split('####')[-1].strip() if method == 'strict' else solution_str[-1]\n"
+                    "    return score if answer == ground_truth else format_score\n")
+    manager = RewardManager(load_reward_function(str(path)))
+    assert manager.score([item("#### 8", "8"), item("#### 7", "8")])[0].tolist() == [1.0, 0.0]
+    kwargs = {"method": "flexible", "format_score": 0.25}
+    manager = RewardManager(load_reward_function(str(path), reward_kwargs=kwargs), reward_kwargs=kwargs)
+    assert manager.score([item("so 8", "8"), item("so 7", "8")])[0].tolist() == [1.0, 0.25]
+    seen = []
+    RewardManager(lambda solution_str, ground_truth, extra_info: seen.append(sorted(extra_info)) or 1.0).score(
+        [{"data_source": "d", "response_text": "x", "extra": {"ground_truth": "1", "extra_info": {"index": 3}}}])
+    assert seen == [["ground_truth", "index"]]
 
 
 def test_sys_exit_in_a_reward_file_says_so(tmp_path):

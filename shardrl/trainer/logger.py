@@ -54,7 +54,9 @@ class MetricsLogger:
 
             self._wandb = wandb.init(project=project, name=experiment, config=config, dir=str(run_dir))
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        """Record step `step`'s metrics; `advance=False` for a record that is no training step (validation before
+        the first) leaves the progress bar where it is."""
         if not self.enabled:
             return
         record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
@@ -74,7 +76,7 @@ class MetricsLogger:
             shown = {k.split("/")[-1] if k.startswith("reward/") else k: record[k]
                      for k in ("reward/mean", "val/reward_mean", "actor/loss", "timing/step_s") if k in record}
             self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
-            self._bar.update(1)
+            self._bar.update(1 if advance else 0)
 
     def log_generations(self, step: int, samples: list[dict]) -> None:
         """Sample generations (dicts of prompt, response, reward, ground_truth): one JSON line each in

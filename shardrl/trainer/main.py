@@ -83,6 +83,20 @@ def resolve_overrides(config: str | None, overrides: list[str], make_demo_assets
     return demo_overrides(assets.resolve()) + list(overrides)
 
 
+def verl_overrides(config: str | None, args: list[str]) -> list[str]:
+    """`shardrl train --verl`: verl's key=value arguments translated (`shardrl.verl_compat`), the translation shown."""
+    from shardrl.verl_compat import translate
+
+    if config is not None:
+        raise ValueError(f"--verl takes verl's key=value arguments only, not a config file ({config!r}); drop "
+                         "--verl to run a shardrl config")
+    translation = translate(args)
+    if not any(o.startswith("model.path=") for o in translation.overrides):
+        raise ValueError("the verl command line gives no actor_rollout_ref.model.path (a local model folder)")
+    logging.getLogger("shardrl").info(translation.describe())
+    return translation.overrides
+
+
 def names_run_source(override: str) -> bool:
     key = override.split("=", 1)[0].strip()
     return any(key == k or key.startswith(k + ".") for k in RUN_SOURCE_KEYS)
@@ -154,7 +168,10 @@ def run(config: str | None, overrides: list[str]) -> Path | None:
 def train_main(args) -> int:
     """The `shardrl train` subcommand: launches torchrun itself when more than one process is asked for."""
     _setup_logging()
-    overrides = resolve_overrides(args.config, list(args.overrides))
+    if getattr(args, "verl", False):
+        overrides = verl_overrides(args.config, list(args.overrides))
+    else:
+        overrides = resolve_overrides(args.config, list(args.overrides))
     from shardrl.config import load_config
 
     cfg = load_config(args.config, overrides)  # bad config: a clear error before anything starts

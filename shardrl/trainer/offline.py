@@ -37,6 +37,7 @@ from shardrl.metrics import Sum, reduce_metrics
 from shardrl.tokenizer import load_tokenizer
 from shardrl.trainer.generation import the_device
 from shardrl.trainer.logger import MetricsLogger, check_sinks_installed
+from shardrl.trainer.state import resolve_total_epochs
 from shardrl.trainer.run_folder import claim_run_dir, prepare_run_dir, release_run_dir, write_summary
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,10 @@ class OfflineTrainer(abc.ABC):
                              "e.g. data.train_files=[rows.jsonl]")
         self.train_set = self.load_rows(d.train_files)  # the cheap checks before any model loads
         self.val_set = self.load_rows(d.val_files) if d.val_files else None
+        if cfg.trainer.total_epochs is not None:  # before the LR schedule reads total_steps
+            line = resolve_total_epochs(cfg.trainer, len(self.train_set), d.batch_size)
+            if self.rank == 0:
+                log.info(line)
         self.parallel_dims = ParallelDims()
         self.mesh = self.parallel_dims.for_engine(cfg.engine)
         claim_run_dir(cfg, run_dir)  # the run can start: its folder is made and locked only now

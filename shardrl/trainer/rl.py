@@ -39,7 +39,7 @@ from shardrl.trainer.roles import Roles, check_vocab_sizes
 from shardrl.trainer.run_folder import claim_run_dir
 from shardrl.trainer.sampling import draw_informative_groups
 from shardrl.trainer.scoring import Scorer
-from shardrl.trainer.state import TrainState
+from shardrl.trainer.state import TrainState, resolve_total_epochs
 from shardrl.trainer.updates import actor_loss_from_plan, critic_loss_fn, run_updates
 from shardrl.trainer.validation import validate
 
@@ -96,8 +96,10 @@ class RLTrainer:
                 log.warning(line)
         # the cheap checks before the expensive work: data, reward file and vocabularies before any model loads
         self.train_set, self.val_set = load_datasets(cfg, self.tokenizer)
-        fn = (load_reward_function(cfg.reward.function_path, cfg.reward.function_name) if cfg.reward.function_path
-              else None)
+        if cfg.trainer.total_epochs is not None:  # before anything reads total_steps (the LR schedule, config.yaml)
+            self._say(resolve_total_epochs(cfg.trainer, len(self.train_set), cfg.data.train_batch_size))
+        fn = (load_reward_function(cfg.reward.function_path, cfg.reward.function_name, cfg.reward.reward_kwargs)
+              if cfg.reward.function_path else None)
         if fn is None and not cfg.reward.model_path and not cfg.rollout.multi_turn.interaction_path:
             for dataset in filter(None, (self.train_set, self.val_set)):  # the built-in scorers need the answers
                 check_ground_truths(dataset)
@@ -122,7 +124,7 @@ class RLTrainer:
                                                                           self.tokenizer, self.device)
         if self.plan.reward_model:
             self.roles.add_reward_model(cfg)
-        self.scorer = Scorer(RewardManager(fn, cfg.reward.on_error_score), self.roles.reward_model,
+        self.scorer = Scorer(RewardManager(fn, cfg.reward.on_error_score, cfg.reward.reward_kwargs), self.roles.reward_model,
                              self.mesh.dp_group, self.plan.multi_turn, cfg.reward.overlong_buffer,
                              cfg.rollout.multi_turn.max_response_tokens if self.plan.multi_turn
                              else cfg.rollout.max_new_tokens, cfg.reward.missing_eos_penalty)
@@ -269,6 +271,9 @@ class RLTrainer:
             self.records.extend(self._resumed_records)
         total, val_freq, save_freq = cfg.trainer.total_steps, cfg.trainer.val_freq, cfg.trainer.save_freq
         try:
+            if cfg.trainer.val_before_train and self.val_set is not None and state.step == 0:
+                logger.log(0, self.validate(), advance=False)
+                logger.log_generations(0, self.val_generations)
             while state.step < total:
                 metrics = self.train_step()
                 state.step += 1

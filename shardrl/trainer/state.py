@@ -63,3 +63,16 @@ class TrainState:
         else:
             self.shuffle_gen.manual_seed(self.shuffle_seed(self.step))
         return note
+
+
+def resolve_total_epochs(trainer_cfg, num_rows: int, batch_size: int) -> str:
+    """Set `trainer.total_steps` from `trainer.total_epochs` (consumed: set to None, so the run folder's config
+    says the steps) and `num_rows` rows of `batch_size` a step; the line that says so."""
+    per_epoch = num_rows // batch_size  # an epoch's last, short batch is dropped
+    if per_epoch < 1:
+        raise ValueError(f"trainer.total_epochs={trainer_cfg.total_epochs}: the training set has {num_rows} rows, "
+                         f"fewer than one batch of {batch_size}")
+    epochs, trainer_cfg.total_steps, trainer_cfg.total_epochs = (trainer_cfg.total_epochs,
+                                                                 trainer_cfg.total_epochs * per_epoch, None)
+    return (f"trainer.total_epochs={epochs}: {trainer_cfg.total_steps} steps ({per_epoch} a pass over {num_rows} "
+            f"rows, {batch_size} a step)")
