@@ -651,6 +651,10 @@ class TrainerConfig:
     and in `<run_dir>/generations.jsonl` (one line each, with the step); rank 0's first ones. 0 = off."""
     logger: list[LoggerName] = field(default_factory=lambda: ["console", "jsonl"])
     """Metric sinks."""
+    verl_metric_names: bool = False
+    """Log each step's metrics under verl's names too (`critic/score/mean`, `response_length/mean`,
+    `timing_s/gen`, `timing_per_token_ms/*`, `val-core/<data_source>/reward/mean@n`, ...; `shardrl.metric_names`),
+    so that a verl dashboard reads the run; `shardrl train --verl` turns it on."""
     project_name: str = "shardrl"
     """Project name for loggers that group runs."""
     experiment_name: str = "run"

@@ -22,6 +22,7 @@ from decimal import Decimal, InvalidOperation
 import torch
 
 from shardrl.userfile import import_user_file
+from shardrl.verl_scorers import VERL_SCORERS, verl_scorer_for
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +90,16 @@ def gsm8k_flexible_score(data_source: str, solution_str: str, ground_truth, extr
 
 REWARD_FUNCTIONS = {
     "arith": arith_score,
-    "gsm8k": gsm8k_score,
-    "openai/gsm8k": gsm8k_score,  # the data_source verl's gsm8k preprocessing writes
+    "gsm8k": gsm8k_score,  # shardrl's lenient reading ("#### 66." and "#### $66" count); verl's is openai/gsm8k
     "gsm8k_flexible": gsm8k_flexible_score,
+    **VERL_SCORERS,  # verl's data sources, scored exactly as verl scores them: openai/gsm8k, MATH, DAPO math
 }
+"""The built-in scorers by data_source; `builtin_scorer` also sends verl's aime* sources to DAPO's, as verl does."""
+
+
+def builtin_scorer(data_source: str):
+    """The built-in reward function of `data_source`, or None."""
+    return REWARD_FUNCTIONS.get(data_source) or verl_scorer_for(data_source)
 
 
 def load_reward_function(path: str, name: str = "compute_score", reward_kwargs: dict | None = None):
@@ -203,7 +210,7 @@ def check_ground_truths(dataset) -> None:
     """A ValueError when rows of `dataset` (a `data.PromptDataset`) whose data_source a built-in
     scorer scores have no ground truth: that scorer would compare every response with None and score 0 without
     a word. The error names the fields those rows do have."""
-    missing = [item for item in dataset.items if item["data_source"] in REWARD_FUNCTIONS
+    missing = [item for item in dataset.items if builtin_scorer(item["data_source"]) is not None
                and (item["extra"] or {}).get("ground_truth") is None]
     if missing:
         first = missing[0]
@@ -241,12 +248,13 @@ class RewardManager:
     def _function_for(self, data_source: str):
         if self.fn is not None:
             return self.fn
-        if data_source not in REWARD_FUNCTIONS:
+        fn = builtin_scorer(data_source)
+        if fn is None:
             raise ValueError(
-                f"no built-in reward function for data_source {data_source!r}; known: {sorted(REWARD_FUNCTIONS)}. "
-                "Give a reward function file, or set the rows' data_source to one of these"
+                f"no built-in reward function for data_source {data_source!r}; known: {sorted(REWARD_FUNCTIONS)} "
+                "and aime*. Give a reward function file, or set the rows' data_source to one of these"
             )
-        return REWARD_FUNCTIONS[data_source]
+        return fn
 
     def _score_one(self, fn, item: dict) -> tuple[float, dict]:
         extra = item.get("extra") or {}

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 from typing import Any, Callable
 
 import yaml
@@ -511,6 +512,9 @@ for _verl, _native in (("actor_rollout_ref.actor.optim", "actor.optim"), ("criti
         f"{_verl}.eps": same(f"{_native}.eps"),
     })
 
+DICT_KEYS = ("custom_reward_function.reward_kwargs",)
+"""verl keys holding a mapping that Hydra fills key by key (`+custom_reward_function.reward_kwargs.bonus=1`)."""
+
 VERL_DEFAULTS: dict[str, Any] = {
     "data.max_prompt_length": 512,
     "data.max_response_length": 512,
@@ -547,6 +551,9 @@ class Translation:
         return "\n".join(lines)
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def parse_verl_args(args: list[str]) -> dict[str, Any]:
     """verl's `key=value` arguments (Hydra's `+key=value` too) -> {key: value}, values read as YAML as Hydra does."""
     given: dict[str, Any] = {}
@@ -556,9 +563,12 @@ def parse_verl_args(args: list[str]) -> dict[str, Any]:
         if not sep or not key or key.startswith("~"):
             raise VerlKeyError(f"bad verl argument {arg!r}: expected key=value (Hydra's ~key deletion is not supported)")
         try:
-            given[key] = yaml.safe_load(text) if text.strip() else None
+            value = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError as e:
             raise VerlKeyError(f"bad verl argument {arg!r}: cannot read {text!r} ({e})") from None
+        if isinstance(value, str) and _FLOAT.fullmatch(value):  # PyYAML reads 1e-6 as a string; Hydra as a float
+            value = float(value)
+        given[key] = value
     return given
 
 
@@ -566,6 +576,12 @@ def translate(args: list[str]) -> Translation:
     """verl's `key=value` arguments as shardrl overrides; a `VerlKeyError` naming the full verl key for a key
     shardrl does not know or a value it cannot run."""
     given = parse_verl_args(args)
+    for key in [k for k in given if k.startswith(tuple(f"{d}." for d in DICT_KEYS))]:  # Hydra's +dict.key=value
+        section, _, name = key.rpartition(".")
+        given.setdefault(section, {})
+        if not isinstance(given[section], dict):
+            raise VerlKeyError(f"verl key {key}: {section} is {given[section]!r}, not a mapping")
+        given[section][name] = given.pop(key)
     unknown = [k for k in given if k not in VERL_KEYS]
     if unknown:
         lines = []
@@ -573,8 +589,8 @@ def translate(args: list[str]) -> Translation:
             close = difflib.get_close_matches(key, list(VERL_KEYS), n=1, cutoff=0.8)
             lines.append(f"{key}" + (f" (did you mean {close[0]}?)" if close else ""))
         raise VerlKeyError(f"verl key(s) shardrl cannot run: {'; '.join(lines)}. shardrl takes the verl keys listed "
-                           "in shardrl.verl_compat.VERL_KEYS (README, 'For verl users'); drop these, or set the native "
-                           "key after --verl's keys in a config file")
+                           "in shardrl.verl_compat.VERL_KEYS (README, 'For verl users'); drop these, or move the run "
+                           "to native keys (the translation `shardrl train --verl` prints)")
     values = {**{k: v for k, v in VERL_DEFAULTS.items() if k not in given}, **given}
     out: dict[str, Any] = {}
     dropped_keys: dict[str, str] = {}
@@ -601,6 +617,7 @@ def translate(args: list[str]) -> Translation:
             raise VerlKeyError(f"verl key {key}={value!r}: {e}") from None
     if "trainer.total_steps" in out:  # verl: total_training_steps wins over total_epochs
         out.pop("trainer.total_epochs", None)
+    out["trainer.verl_metric_names"] = True  # the run logs verl's names too: a verl dashboard reads it
     return Translation([f"{k}={json.dumps(v)}" for k, v in out.items()], dropped_keys)
 
 

@@ -1,4 +1,4 @@
-"""Rule rewards that score exactly as verl's built-in ones, so a shardrl run's reward curve can be laid over a verl run's.
+"""Rule rewards that score exactly as verl's built-in ones, so that reward curves of shardrl and verl runs compare.
 
 Three families, each as verl's `verl.utils.reward_score` scores it (checked against commit b178a3cd):
     gsm8k  (`gsm8k.py`)        the number after "#### " (strict) or the last number (flexible), compared as a string

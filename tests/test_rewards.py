@@ -73,7 +73,24 @@ def test_gsm8k_score():
     assert gsm8k_score("gsm8k", "#### 36", "6 * 6 = 36\n#### 36") == 1.0  # full solution as ground truth
     assert gsm8k_score("gsm8k", "#### 36<eos>#### 40", "36") == 1.0  # text after EOS ignored
     assert REWARD_FUNCTIONS["gsm8k_flexible"]("gsm8k", "it is 36.", "36") == 1.0
-    assert REWARD_FUNCTIONS["openai/gsm8k"] is gsm8k_score
+
+
+
+def test_verls_data_sources_score_as_verl_and_the_lenient_reading_keeps_its_name():
+    """openai/gsm8k, the data_source verl's preprocessing writes, scores as verl's own gsm8k scorer (a reward
+    curve compares with verl's); shardrl's lenient reading stays the built-in of data_source gsm8k."""
+    from shardrl.rewards import builtin_scorer
+
+    cases = [("#### 66.", "66"), ("####66", "66"), ("#### 66.00", "66"), ("#### $66", "66"), ("#### 66", "66.0"),
+             ("#### 66", "66")]
+    assert [builtin_scorer("openai/gsm8k")("openai/gsm8k", a, t) for a, t in cases] == [0, 0, 0, 0, 0, 1]
+    assert [gsm8k_score("gsm8k", a, t) for a, t in cases] == [1, 1, 1, 1, 1, 1]
+    math = builtin_scorer("DigitalLearningGmbH/MATH-lighteval")
+    assert math("DigitalLearningGmbH/MATH-lighteval", "so \\boxed{\\dfrac12}", "\\frac{1}{2}") == 1.0
+    assert builtin_scorer("aime2024")("aime2024", "Answer: 12", "12")["score"] == 1.0
+    assert builtin_scorer("AIME2024") is None  # verl's prefix is lower case
+    scores, metrics = RewardManager().score([item("Answer: 7", "7", "math_dapo"), item("Answer: 8", "7", "math_dapo")])
+    assert scores.tolist() == [1.0, -1.0] and metrics["reward/acc"] == 0.5  # DAPO's dict: score, acc (and pred)
 
 
 # ---------------------------------------------------------------- user reward files
@@ -144,7 +161,7 @@ def test_manager_ground_truth_from_extra():
 
 
 def test_manager_unknown_data_source():
-    with pytest.raises(ValueError, match=r"data_source 'mystery'; known: \['arith', 'gsm8k'"):
+    with pytest.raises(ValueError, match=r"data_source 'mystery'; known: \[.*'arith', 'gsm8k'.*'openai/gsm8k'\] and aime\*"):
         RewardManager().score([item("1", "1"), item("1", "1", data_source="mystery")])
 
 

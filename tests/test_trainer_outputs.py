@@ -80,10 +80,11 @@ def test_no_step_done_writes_an_empty_summary_and_no_curve(tmp_path):
 def run_validate(num_prompts: int, dp: int, rank: int, *overrides: str) -> list[list[int]]:
     """The prompt ids each generate round of `validation.validate` got on one rank (dp > 1: this rank's view)."""
     cfg = load_config(None, ["trainer.log_val_generations=0", *overrides])  # no sample generations kept
-    val_set = [{"id": i} for i in range(num_prompts)]
+    val_set = [{"id": i, "data_source": "d"} for i in range(num_prompts)]
     rounds = []
-    generate = lambda items, sampling: rounds.append([it["id"] for it in items]) or items  # noqa: E731
-    score = lambda items: (torch.ones(len(items)), {})  # noqa: E731
+    generate = lambda items, sampling: rounds.append([it["id"] for it in items]) or {  # noqa: E731
+        "prompt_index": torch.arange(len(items))}
+    score = lambda batch: (torch.ones(len(batch["prompt_index"])), {})  # noqa: E731
     assert validate(cfg, val_set, generate, score, rank, dp)[0]["val/reward_mean"] == pytest.approx(1.0)
     return rounds
 
@@ -106,10 +107,15 @@ def test_validation_of_multi_turn_rollouts_reports_tool_use_over_the_real_prompt
     def validate_on(dp: int, rank: int) -> dict:
         cfg = load_config(None, ["trainer.log_val_generations=0", "data.val_batch_size=2"])
         generate = lambda items, sampling: {  # noqa: E731
+            "prompt_index": torch.arange(len(items)),
             "num_tool_calls": torch.tensor([float(calls[it["id"]]) for it in items]),
             "num_tool_errors": torch.tensor([float(errors[it["id"]]) for it in items])}
         score = lambda batch: (batch["num_tool_calls"].clone(), {})  # noqa: E731
-        return validate(cfg, [{"id": i} for i in range(5)], generate, score, rank, dp, multi_turn=True)[0]
+        metrics = validate(cfg, [{"id": i, "data_source": "d"} for i in range(5)], generate, score, rank, dp,
+                           multi_turn=True)[0]
+        assert metrics.pop("val/d/reward_mean@1") == metrics["val/reward_mean"]  # one data source
+        metrics.pop("val/d/pass@1")
+        return metrics
 
     # one rank, rounds of 2, 2, 1: 3 of 5 call a tool, one of them cleanly; 4 calls
     assert validate_on(1, 0) == pytest.approx({"val/reward_mean": 0.8, "val/multi_turn/tool_call_rate": 0.6,
@@ -119,6 +125,51 @@ def test_validation_of_multi_turn_rollouts_reports_tool_use_over_the_real_prompt
     assert validate_on(2, 1) == pytest.approx({"val/reward_mean": 1.0, "val/multi_turn/tool_call_rate": 0.5,
                                             "val/multi_turn/clean_call_rate": 0.0,
                                             "val/multi_turn/num_tool_calls_mean": 1.0})
+
+
+def fake_validation(dp: int, rank: int, n: int, dp_group=None) -> dict:
+    """`validate` on 7 prompts of two data sources with n responses each, every response scored by a rule of its
+    prompt and its place in the group: prompt i's j-th response scores 1 when (i + j) % 3 == 0."""
+    cfg = load_config(None, ["trainer.log_val_generations=0", "data.val_batch_size=4", f"rollout.val_kwargs.n={n}",
+                             "rollout.val_kwargs.temperature=1.0"])
+    val_set = [{"id": i, "data_source": "a" if i < 4 else "b/c"} for i in range(7)]
+    seen = []
+
+    def generate(items, sampling):
+        seen.append((sampling.n, sampling.temperature))
+        index = torch.arange(len(items)).repeat_interleave(sampling.n)  # (prompts x n,)
+        return {"prompt_index": index, "id": torch.tensor([items[i]["id"] for i in index.tolist()]),
+                "j": torch.arange(len(index)) % sampling.n}
+
+    score = lambda batch: (((batch["id"] + batch["j"]) % 3 == 0).float(), {})  # noqa: E731
+    metrics = validate(cfg, val_set, generate, score, rank, dp, dp_group)[0]
+    assert set(seen) == {(n, 1.0)}
+    return metrics
+
+
+def test_validation_samples_n_and_reports_each_data_source():
+    m = fake_validation(1, 0, n=3)
+    # every prompt has exactly one of its 3 responses with (i + j) % 3 == 0: mean 1/3, pass@3 = 1 for all
+    assert m == pytest.approx({"val/reward_mean": 1 / 3, "val/a/reward_mean@3": 1 / 3, "val/a/pass@3": 1.0,
+                               "val/b/c/reward_mean@3": 1 / 3, "val/b/c/pass@3": 1.0})
+    m = fake_validation(1, 0, n=1)
+    # n=1: prompts 0 and 3 score (source a: 2 of 4), prompt 6 (source b/c: 1 of 3)
+    assert m == pytest.approx({"val/reward_mean": 3 / 7, "val/a/reward_mean@1": 0.5, "val/a/pass@1": 0.5,
+                               "val/b/c/reward_mean@1": 1 / 3, "val/b/c/pass@1": 1 / 3})
+
+
+def _validation_on_two_ranks(n: int) -> dict:
+    import torch.distributed as dist
+
+    return fake_validation(2, dist.get_rank(), n, dist.group.WORLD)
+
+
+@pytest.mark.multiproc
+def test_validation_metrics_do_not_depend_on_the_ranks():
+    from shardrl.testing import run_distributed
+
+    for n in (1, 2):
+        assert run_distributed(_validation_on_two_ranks, 2, n) == pytest.approx(fake_validation(1, 0, n))
 
 
 def test_a_metrics_file_cut_short_drops_its_last_line_and_resumes(tmp_path, caplog):

@@ -5,9 +5,10 @@ verl/utils/reward_score/gsm8k.py, math_reward.py, math_dapo.py, and default_comp
 options), not by the module under test.
 """
 
+import inspect
+
 import pytest
 
-from shardrl.rewards import call_style
 from shardrl.verl_scorers import (
     VERL_SCORERS,
     dapo_reward,
@@ -96,32 +97,35 @@ VERL_TABLE = [
     ("math", r"\boxed{1\text{ m}\text{ s}}", "1", {}, 0.0),
     ("math", r"\boxed{\sqrt}", r"\sqrt", {}, 1.0),
     ("math", r"\boxed{10}" + "x" * 400, "10", {}, 1.0),
-    ("dapo", "Answer: 12", "12", {}, {'score': 1.0, 'acc': True, 'pred': '12'}),
-    ("dapo", "Answer: 12,000", "12000", {}, {'score': 1.0, 'acc': True, 'pred': '12000'}),
-    ("dapo", "Answer: 12000", "12,000", {}, {'score': 1.0, 'acc': True, 'pred': '12000'}),
-    ("dapo", "Answer: 12", "12,000", {}, {'score': -1.0, 'acc': False, 'pred': '12'}),
-    ("dapo", r"answer: $\frac{1}{2}$", r"\frac{1}{2}", {}, {'score': 1.0, 'acc': True, 'pred': '\\frac{1}{2}'}),
-    ("dapo", r"Answer: \frac{1}{2}", r"$\frac{1}{2}$", {}, {'score': 1.0, 'acc': True, 'pred': '\\frac{1}{2}'}),
-    ("dapo", r"Answer: \frac12", r"\frac{1}{2}", {}, {'score': 1.0, 'acc': True, 'pred': '\\frac{1}{2}'}),
-    ("dapo", r"Answer: \frac1{2}", r"\frac{1}{2}", {}, {'score': -1.0, 'acc': False, 'pred': '\\frac{1}{{}2}'}),
-    ("dapo", "Answer: 1/2", r"\frac{1}{2}", {}, {'score': -1.0, 'acc': False, 'pred': '1/2'}),
-    ("dapo", r"ANSWER : \boxed{5}", "5", {}, {'score': 1.0, 'acc': True, 'pred': '5'}),
-    ("dapo", "Answer: 5 cm", "5", {}, {'score': 1.0, 'acc': True, 'pred': '5'}),
-    ("dapo", "Answer: 90^\\circ", "90", {}, {'score': 1.0, 'acc': True, 'pred': '90'}),
-    ("dapo", r"Answer: \text{(A)}", "(A)", {}, {'score': 1.0, 'acc': True, 'pred': '(A)'}),
-    ("dapo", "Answer: x = 5", "5", {}, {'score': 1.0, 'acc': True, 'pred': '5'}),
-    ("dapo", "The final answer is 5", "5", {}, {'score': -1.0, 'acc': False, 'pred': '[INVALID]'}),
-    ("dapo", "Answer:\n5", "5", {}, {'score': 1.0, 'acc': True, 'pred': '5'}),
-    ("dapo", "Answer: 4\nAnswer: 5", "5", {}, {'score': 1.0, 'acc': True, 'pred': '5'}),
-    ("dapo", "Answer: 5" + "x" * 300, "5", {}, {'score': -1.0, 'acc': False, 'pred': '[INVALID]'}),
-    ("dapo", "x" * 400 + "Answer: 5", "5", {}, {'score': 1.0, 'acc': True, 'pred': '5'}),
-    ("dapo", r"so \boxed{5}", "5", {"strict_box_verify": True}, {'score': 1.0, 'acc': True, 'pred': '5'}),
-    ("dapo", r"\boxed{ 5}", "5", {"strict_box_verify": True}, {'score': -1.0, 'acc': False, 'pred': ' 5'}),
-    ("dapo", r"\boxed{\frac{1}{2}}", r"\frac{1}{2}", {"strict_box_verify": True}, {'score': 1.0, 'acc': True, 'pred': '\\frac{1}{2}'}),
-    ("dapo", r"\boxed{5}" + "x" * 100, "5", {"strict_box_verify": True}, {'score': -1.0, 'acc': False, 'pred': None}),
-    ("dapo", "Answer: 5", "5", {"strict_box_verify": True}, {'score': -1.0, 'acc': False, 'pred': None}),
-    ("dapo", r"\boxed{5}" + "y" * 100, "5", {"strict_box_verify": True, "pause_tokens_index": [0, 0, 0, 100]}, {'score': 1.0, 'acc': True, 'pred': '5'}),
-    ("dapo", r"\boxed{5}" + "y" * 100, "5", {"strict_box_verify": True, "pause_tokens_index": [0, 0, 0, 105]}, {'score': -1.0, 'acc': False, 'pred': None}),
+    ("dapo", "Answer: 12", "12", {}, {"score": 1.0, "acc": True, "pred": "12"}),
+    ("dapo", "Answer: 12,000", "12000", {}, {"score": 1.0, "acc": True, "pred": "12000"}),
+    ("dapo", "Answer: 12000", "12,000", {}, {"score": 1.0, "acc": True, "pred": "12000"}),
+    ("dapo", "Answer: 12", "12,000", {}, {"score": -1.0, "acc": False, "pred": "12"}),
+    ("dapo", r"answer: $\frac{1}{2}$", r"\frac{1}{2}", {}, {"score": 1.0, "acc": True, "pred": "\\frac{1}{2}"}),
+    ("dapo", r"Answer: \frac{1}{2}", r"$\frac{1}{2}$", {}, {"score": 1.0, "acc": True, "pred": "\\frac{1}{2}"}),
+    ("dapo", r"Answer: \frac12", r"\frac{1}{2}", {}, {"score": 1.0, "acc": True, "pred": "\\frac{1}{2}"}),
+    ("dapo", r"Answer: \frac1{2}", r"\frac{1}{2}", {}, {"score": -1.0, "acc": False, "pred": "\\frac{1}{{}2}"}),
+    ("dapo", "Answer: 1/2", r"\frac{1}{2}", {}, {"score": -1.0, "acc": False, "pred": "1/2"}),
+    ("dapo", r"ANSWER : \boxed{5}", "5", {}, {"score": 1.0, "acc": True, "pred": "5"}),
+    ("dapo", "Answer: 5 cm", "5", {}, {"score": 1.0, "acc": True, "pred": "5"}),
+    ("dapo", "Answer: 90^\\circ", "90", {}, {"score": 1.0, "acc": True, "pred": "90"}),
+    ("dapo", r"Answer: \text{(A)}", "(A)", {}, {"score": 1.0, "acc": True, "pred": "(A)"}),
+    ("dapo", "Answer: x = 5", "5", {}, {"score": 1.0, "acc": True, "pred": "5"}),
+    ("dapo", "The final answer is 5", "5", {}, {"score": -1.0, "acc": False, "pred": "[INVALID]"}),
+    ("dapo", "Answer:\n5", "5", {}, {"score": 1.0, "acc": True, "pred": "5"}),
+    ("dapo", "Answer: 4\nAnswer: 5", "5", {}, {"score": 1.0, "acc": True, "pred": "5"}),
+    ("dapo", "Answer: 5" + "x" * 300, "5", {}, {"score": -1.0, "acc": False, "pred": "[INVALID]"}),
+    ("dapo", "x" * 400 + "Answer: 5", "5", {}, {"score": 1.0, "acc": True, "pred": "5"}),
+    ("dapo", r"so \boxed{5}", "5", {"strict_box_verify": True}, {"score": 1.0, "acc": True, "pred": "5"}),
+    ("dapo", r"\boxed{ 5}", "5", {"strict_box_verify": True}, {"score": -1.0, "acc": False, "pred": " 5"}),
+    ("dapo", r"\boxed{\frac{1}{2}}", r"\frac{1}{2}", {"strict_box_verify": True},
+     {"score": 1.0, "acc": True, "pred": "\\frac{1}{2}"}),
+    ("dapo", r"\boxed{5}" + "x" * 100, "5", {"strict_box_verify": True}, {"score": -1.0, "acc": False, "pred": None}),
+    ("dapo", "Answer: 5", "5", {"strict_box_verify": True}, {"score": -1.0, "acc": False, "pred": None}),
+    ("dapo", r"\boxed{5}" + "y" * 100, "5", {"strict_box_verify": True, "pause_tokens_index": [0, 0, 0, 100]},
+     {"score": 1.0, "acc": True, "pred": "5"}),
+    ("dapo", r"\boxed{5}" + "y" * 100, "5", {"strict_box_verify": True, "pause_tokens_index": [0, 0, 0, 105]},
+     {"score": -1.0, "acc": False, "pred": None}),
 ]
 
 
@@ -190,6 +194,7 @@ def test_verl_errors_become_value_and_type_errors():
     assert score_dapo(r"\boxed{5}", 5, strict_box_verify=True) == {"score": -1.0, "acc": False, "pred": "5"}
 
 
-def test_reward_functions_take_shardrl_keyword_call():
+def test_reward_functions_take_the_reward_call():
+    # shardrl, like verl, calls a reward function with these four keywords
     for reward in {*VERL_SCORERS.values(), verl_reward}:
-        assert call_style(reward) == "keyword"
+        inspect.signature(reward).bind(data_source="math", solution_str="", ground_truth="", extra_info=None)

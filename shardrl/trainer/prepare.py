@@ -7,13 +7,15 @@ Metrics are this rank's (`shardrl.metrics`), for `reduce_metrics`.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from shardrl.algos import ADVANTAGE_ESTIMATORS, apply_kl_in_reward, masked_whiten, scores_to_token_rewards
 from shardrl.algos.aggregate import masked_metric
 from shardrl.batch import Batch
 from shardrl.distributed import all_reduce_sum
-from shardrl.metrics import SumCount
+from shardrl.metrics import Max, Min, SumCount
 from shardrl.step_plan import StepPlan
 from shardrl.trainer.sampling import apply_rollout_is, mismatch_step_metrics
 
@@ -22,20 +24,27 @@ def prepare(batch: Batch, scores: torch.Tensor, plan: StepPlan, roles, algo_cfg,
             temperature: float) -> dict:
     """Adds to `batch` what the update reads (`old_log_probs`, `ref_log_probs`, `old_values`, `advantages`,
     `returns`, `rollout_is_weights`, as `plan` needs them); returns metrics. `roles`: the run's engines."""
-    metrics = {}
+    metrics, t0 = {}, time.perf_counter()
     if not plan.old_from_update:  # else the update's forward gives them and these metrics
         old = roles.actor.infer_batch(batch, temperature=temperature, with_entropy=True)
         batch["old_log_probs"] = old["log_probs"].cpu()
         metrics["actor/entropy"] = masked_metric(old["entropy"].cpu(), batch["loss_mask"].float())  # sampling's
         metrics.update(mismatch_step_metrics(batch))  # rollout/logprob_abs_diff (and _max), rollout/kl, k3_kl
+        metrics["timing/old_log_prob_s"] = time.perf_counter() - t0
     if plan.uses_ref:
+        t0 = time.perf_counter()
         batch["ref_log_probs"] = roles.ref.infer_batch(batch, temperature=temperature)["log_probs"].cpu()
         if not plan.old_from_update:
             metrics["kl/actor_ref"] = masked_metric(batch["old_log_probs"] - batch["ref_log_probs"],
                                                     batch["loss_mask"].float())
+        metrics["timing/ref_s"] = time.perf_counter() - t0
     if plan.needs_critic:
+        t0 = time.perf_counter()
         batch["old_values"] = roles.critic.infer_batch(batch)["values"].cpu()
+        metrics["timing/values_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     metrics.update(compute_advantages(batch, scores, algo_cfg, kl_coef, roles.mesh.dp_group, plan))
+    metrics["timing/adv_s"] = time.perf_counter() - t0
     # after the advantages: a rejected sample still counts in its group's baseline; without the old pass, the
     # update's loss computes the weights from its own forward
     if plan.rollout_is == "batch":
@@ -83,4 +92,29 @@ def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: fl
     batch["advantages"], batch["returns"] = adv, ret
     metrics["adv/mean"] = _floats(masked_metric(adv, mask))
     metrics["adv/abs_mean"] = _floats(masked_metric(adv.abs(), mask))
+    metrics.update(value_metrics(token_rewards, adv, ret, batch["old_values"] if estimator.needs_critic else None,
+                                 mask, dp_group))
     return metrics
+
+
+def value_metrics(token_rewards: torch.Tensor, adv: torch.Tensor, ret: torch.Tensor, values: torch.Tensor | None,
+                  mask: torch.Tensor, dp_group=None) -> dict:
+    """verl's critic/ statistics of a batch: each sequence's reward (token rewards summed, the in-reward KL
+    included), and the advantages, returns and (with a critic) values over real tokens: mean, max, min; and the
+    share of the returns' variance the values explain, `critic/vf_explained_var` (over every rank's tokens)."""
+    has = mask > 0  # (B, T)
+    out = {}
+    for name, value, per_token in (("rewards", token_rewards.sum(-1), False), ("advantages", adv, True),
+                                   ("returns", ret, True), ("values", values, True)):
+        if value is None:
+            continue
+        real = value[has] if per_token else value
+        if real.numel() == 0:
+            continue
+        out[f"critic/{name}/mean"] = SumCount(float(real.sum()), float(real.numel()))
+        out[f"critic/{name}/max"], out[f"critic/{name}/min"] = Max(float(real.max())), Min(float(real.min()))
+    if values is not None:
+        _, residual_var = global_masked_stats(ret - values, mask, dp_group)
+        _, return_var = global_masked_stats(ret, mask, dp_group)
+        out["critic/vf_explained_var"] = float(1.0 - residual_var / (return_var + 1e-5))  # the same on every rank
+    return out

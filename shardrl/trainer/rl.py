@@ -25,6 +25,7 @@ from shardrl.config import Config, config_to_dict
 from shardrl.data import PromptLoader, load_prompt_dataset
 from shardrl.engine.model import load_hf_config
 from shardrl.layout import derive_layout, format_layout
+from shardrl.metric_names import with_verl_names
 from shardrl.metrics import Max, Min, Sum, SumCount, reduce_metrics
 from shardrl.perf import model_shape, rl_step_flops, throughput_metrics
 from shardrl.rewards import RewardManager, check_ground_truths, load_reward_function
@@ -53,7 +54,7 @@ class LocalBatches:
 
     def __init__(self, cfg: Config, generation: Generation, actor, mesh, device: torch.device):
         self.cfg, self.generation, self.actor, self.mesh, self.device = cfg, generation, actor, mesh, device
-        self.stale = True
+        self.stale, self.last_sync_s = True, 0.0  # the last weight sync's seconds
 
     def start(self, state: TrainState) -> None:
         pass  # the weights are synced before the first generate call
@@ -66,8 +67,9 @@ class LocalBatches:
         rollout = self.generation.rollout
         rollout.resume()
         if self.stale:  # every rank: the export's gathers are collectives
+            t0 = time.perf_counter()
             rollout.load_weights(export_for_rollout(self.actor, self.device))
-            self.stale = False
+            self.stale, self.last_sync_s = False, time.perf_counter() - t0
         batch = self.generation.generate(items, sampling) if self.mesh.sp_rank == 0 else None
         if self.device.type == "cuda" and self.cfg.rollout.free_cache_engine:
             rollout.release()  # colocated: training takes the memory generation held
@@ -158,7 +160,7 @@ class RLTrainer:
         t_gen = time.perf_counter()
         peaks = {"gen": self._phase_peak_gib()}
         scores, reward_metrics = self.scorer.score(batch)
-        metrics = {}
+        metrics = {"timing/reward_s": time.perf_counter() - t_gen}
         if plan.dynamic_sampling:  # DAPO: more rounds until enough informative groups
             first = (batch, scores, reward_metrics)
 
@@ -177,10 +179,13 @@ class RLTrainer:
         metrics.update(self._update(batch, temp))
         t_end = time.perf_counter()
         peaks["update"] = self._phase_peak_gib()
-        metrics.update(batch_metrics(batch, scores, reward_metrics, cfg.rollout.max_new_tokens))
+        metrics.update(batch_metrics(batch, scores, reward_metrics, cfg.rollout.max_new_tokens,
+                                     cfg.data.max_prompt_length))
         metrics.update(self._perf_metrics(batch, peaks))
         metrics.update({"timing/gen_s": t_gen - t0, "timing/prep_s": t_prep - t_gen,
-                        "timing/update_s": t_end - t_prep, "timing/step_s": t_end - t0})
+                        "timing/update_s": t_end - t_prep, "timing/step_s": t_end - t0,
+                        "timing/update_weights_s": getattr(self.source, "last_sync_s", 0.0),
+                        "training/epoch": self.state.loader.epoch})
         metrics = reduce_metrics(metrics, self.mesh.dp_group)
         metrics.update(throughput_metrics(metrics, self.world, self.device.type == "cuda"))
         if cfg.algorithm.use_kl_in_reward:  # every rank: the whole batch's KL and sample count
@@ -193,15 +198,19 @@ class RLTrainer:
         to the CPU comes back for it only)."""
         cfg, roles, metrics = self.cfg, self.roles, {}
         if roles.critic is not None:
+            t0 = time.perf_counter()
             with roles.critic.training():
                 metrics.update(run_updates(roles.critic, batch, critic_loss_fn(cfg.critic, cfg.critic.loss_agg_mode),
                                            self.layout.critic.mini_batch_samples_per_rank, cfg.critic.ppo_epochs,
                                            True, self.state.shuffle_gen, "critic"))
+            metrics["timing/update_critic_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         with roles.actor.training():
             metrics.update(run_updates(roles.actor, batch, actor_loss_from_plan(cfg.actor, cfg.algorithm, self.plan),
                                        self.layout.actor.mini_batch_samples_per_rank, cfg.actor.ppo_epochs,
                                        cfg.actor.shuffle, self.state.shuffle_gen, "actor", temperature=temp,
                                        with_entropy=self.plan.update_entropy))
+        metrics["timing/update_actor_s"] = time.perf_counter() - t0
         return metrics
 
     def _perf_metrics(self, batch: Batch, peaks: dict) -> dict:
@@ -231,10 +240,11 @@ class RLTrainer:
         return metrics
 
     # ---- the loop ---------------------------------------------------------------------------------
-    def save(self) -> None:
+    def save(self, pending: dict | None = None) -> None:
+        """A checkpoint of this step; `pending`: its record, logged after the save (it carries the save's time)."""
         extra = self.state.state_dict()
         if "jsonl" not in self.cfg.trainer.logger:  # no metrics.jsonl: the steps logged so far, for the summary
-            extra["records"] = list(self.records)  # of a resumed run (rank 0's extra is the one saved)
+            extra["records"] = list(self.records) + ([pending] if pending else [])  # of a resumed run (rank 0's)
         path = self.checkpoints.save(self.state.step, self.roles.trained(), extra, self.state.rank_state_dicts())
         self._say(f"saved checkpoint {path}")
 
@@ -272,17 +282,22 @@ class RLTrainer:
         total, val_freq, save_freq = cfg.trainer.total_steps, cfg.trainer.val_freq, cfg.trainer.save_freq
         try:
             if cfg.trainer.val_before_train and self.val_set is not None and state.step == 0:
-                logger.log(0, self.validate(), advance=False)
+                val = self.validate()
+                logger.log(0, with_verl_names(val, 0) if cfg.trainer.verl_metric_names else val, advance=False)
                 logger.log_generations(0, self.val_generations)
             while state.step < total:
                 metrics = self.train_step()
                 state.step += 1
                 if self.val_set is not None and val_freq and (state.step % val_freq == 0 or state.step == total):
+                    t0 = time.perf_counter()
                     metrics.update(self.validate())
+                    metrics["timing/testing_s"] = time.perf_counter() - t0
                     logger.log_generations(state.step, self.val_generations)
-                logger.log(state.step, metrics)
                 if save_freq and (state.step % save_freq == 0 or state.step == total):
-                    self.save()
+                    t0 = time.perf_counter()
+                    self.save(pending={"step": state.step, **metrics})  # logged after, with the save's time
+                    metrics["timing/save_checkpoint_s"] = time.perf_counter() - t0
+                logger.log(state.step, with_verl_names(metrics, state.step) if cfg.trainer.verl_metric_names else metrics)
         finally:
             logger.close()
         if cfg.trainer.export_hf:
@@ -311,7 +326,8 @@ def flop_shapes(roles: Roles, say):
         return None
 
 
-def batch_metrics(batch: Batch, scores: torch.Tensor, reward_metrics: dict, max_new_tokens: int) -> dict:
+def batch_metrics(batch: Batch, scores: torch.Tensor, reward_metrics: dict, max_new_tokens: int,
+                  max_prompt_length: int | None = None) -> dict:
     """This rank's reward and length metrics of a step's batch, for `reduce_metrics`."""
     lengths = batch["response_mask"].sum(-1).float()
     seq_lens = batch["attention_mask"].sum(-1).float()
@@ -328,5 +344,10 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, reward_metrics: dict, max_
         "response/length_max": Max(float(lengths.max())),
         "response/length_min": Min(float(lengths.min())),
         "prompt/length_mean": SumCount(float((seq_lens - lengths).sum()), n),
+        "prompt/length_max": Max(float((seq_lens - lengths).max())),
+        "prompt/length_min": Min(float((seq_lens - lengths).min())),
         "response/clip_frac": SumCount(float((lengths >= max_new_tokens).sum()), n),
+        "response/num_tokens": Sum(float(lengths.sum())),
+        **({"prompt/clip_frac": SumCount(float(((seq_lens - lengths) >= max_prompt_length).sum()), n)}
+           if max_prompt_length else {}),
     }

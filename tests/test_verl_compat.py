@@ -1,0 +1,204 @@
+"""verl's command lines run as shardrl runs (`shardrl train --verl`): the key table, verl's value conventions, and
+verl's own example scripts (tests/data/verl, verbatim) training two steps on CPU."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from shardrl.config import config_keys, Config, load_config
+from shardrl.verl_compat import VERL_KEYS, VerlKeyError, translate
+
+DATA = Path(__file__).parent / "data" / "verl"
+
+
+def script_args(script: str, home: Path) -> list[str]:
+    """The arguments `python3 -m verl.trainer.main_ppo` gets from verl's script, as bash expands them with HOME."""
+    shim = 'python3() { printf "%s\\0" "$@"; }; source "$0"'  # the script's one command prints its argv instead
+    out = subprocess.run(["bash", "-c", shim, str(DATA / script)], env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, check=True).stdout.decode()
+    args = out.split("\0")[:-1]
+    assert args[:2] == ["-m", "verl.trainer.main_ppo"]
+    return args[2:]
+
+
+def native(translation) -> dict:
+    return {o.split("=", 1)[0]: json.loads(o.split("=", 1)[1]) for o in translation.overrides}
+
+
+def test_every_target_of_the_table_is_a_shardrl_key():
+    keys = set(config_keys(Config))
+    assert not sorted(r.target for r in VERL_KEYS.values() if r.target and r.target not in keys)
+
+
+def test_verls_qwen3_8b_grpo_script_translates(tmp_path):
+    t = translate(script_args("run_qwen3-8b.sh", tmp_path))
+    got = native(t)
+    home = str(tmp_path)
+    assert got == {
+        "algorithm.adv_estimator": "grpo",
+        "data.train_files": [f"{home}/data/gsm8k/train.parquet"], "data.val_files": [f"{home}/data/gsm8k/test.parquet"],
+        "data.train_batch_size": 1024, "data.max_prompt_length": 512,
+        "data.truncation": "drop",  # filter_overlong_prompts=True: verl drops the long prompts first
+        "model.path": "Qwen/Qwen3-8B", "actor.optim.lr": 1e-6, "model.use_remove_padding": True,
+        "actor.ppo_mini_batch_size": 256, "actor.engine.micro_batch_size_per_gpu": 32, "actor.use_kl_loss": True,
+        "actor.kl_loss_coef": 0.001, "actor.kl_loss_type": "low_var_kl", "actor.entropy_coeff": 0,
+        "model.gradient_checkpointing": True, "actor.engine.offload_params": False,
+        "actor.engine.offload_optimizer": False, "rollout.n": 5, "ref.engine.micro_batch_size_per_gpu": 32,
+        "ref.engine.offload_params": True, "algorithm.use_kl_in_reward": False,
+        "trainer.logger": ["console", "wandb", "jsonl"], "trainer.project_name": "verl_grpo_example_gsm8k",
+        "trainer.experiment_name": "qwen3_8b_function_rm", "trainer.nproc_per_node": 8, "trainer.nnodes": 1,
+        "trainer.save_freq": 20, "trainer.val_freq": 5, "trainer.total_epochs": 15,
+        # verl's defaults the script relies on
+        "actor.shuffle": False, "model.dtype": "float32", "trainer.val_before_train": True,
+        "trainer.log_val_generations": 0, "trainer.resume": "auto",
+        "rollout.max_new_tokens": 1024, "rollout.multi_turn.max_response_tokens": 1024,
+        "trainer.verl_metric_names": True,
+    }
+    assert set(t.dropped) == {"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                              "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                              "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.gpu_memory_utilization"}
+    assert "vLLM" in t.dropped["actor_rollout_ref.rollout.name"] and "model.path=" in t.describe()
+    load_config(None, t.overrides)  # the native config is valid as it stands (8 GPUs, 1024 prompts)
+
+
+def test_verls_value_conventions():
+    got = native(translate([
+        "data.train_files=~/data/train.parquet", "trainer.save_freq=-1", "trainer.test_freq=-1",
+        "actor_rollout_ref.rollout.top_k=-1", "actor_rollout_ref.rollout.do_sample=False",
+        "trainer.resume_mode=disable", "trainer.total_epochs=3", "trainer.total_training_steps=7",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.optim.lr_warmup_steps=-1",
+        "actor_rollout_ref.actor.optim.total_training_steps=-1", "+actor_rollout_ref.actor.clip_ratio=0.3",
+        "trainer.max_actor_ckpt_to_keep=null", "actor_rollout_ref.rollout.val_kwargs.do_sample=False",
+        "actor_rollout_ref.model.path=m", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.05"]))
+    assert got["data.train_files"][0].endswith("/data/train.parquet") and "~" not in got["data.train_files"][0]
+    assert (got["trainer.save_freq"], got["trainer.val_freq"], got["rollout.top_k"]) == (0, 0, 0)
+    assert got["rollout.temperature"] == 0.0 and got["rollout.val_kwargs.temperature"] == 0.0
+    assert got["trainer.resume"] == "never" and got["actor.loss_mode"] == "gspo_token"  # verl's gspo is gspo_token
+    assert got["trainer.total_steps"] == 7 and "trainer.total_epochs" not in got  # verl: the step count wins
+    assert (got["actor.optim.warmup_steps"], got["actor.optim.total_steps"], got["trainer.keep_last"]) == (0, None, 0)
+    assert "actor.clip_ratio_low" not in got  # verl reads clip_ratio only where clip_ratio_low/high are null
+    assert got["algorithm.kl_target"] == 0.05
+    got = native(translate(["actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_low=null",
+                            "actor_rollout_ref.model.path=m"]))
+    assert got["actor.clip_ratio_low"] == 0.3 and "actor.clip_ratio_high" not in got
+
+
+@pytest.mark.parametrize("args, message", [
+    (["actor_rollout_ref.actor.no_such_key=1"], r"verl key\(s\) shardrl cannot run: actor_rollout_ref.actor.no_such_key"),
+    (["actor_rollout_ref.actor.ppo_mini_batchsize=4"], r"did you mean actor_rollout_ref.actor.ppo_mini_batch_size\?"),
+    (["actor_rollout_ref.model.lora_rank=8"], r"actor_rollout_ref.model.lora_rank=8: LoRA is not supported yet"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov"], r"loss_mode='clip_cov': policy loss 'clip_cov' is not"),
+    (["data.truncation=middle"], r"data.truncation='middle'"),
+    (["trainer.critic_warmup=2"], r"trainer.critic_warmup=2: critic warm-up is not supported"),
+    (["trainer.resume_mode=resume_path"], r"resume_mode=resume_path needs trainer.resume_from_path"),
+    (["~trainer.logger"], r"Hydra's ~key deletion is not supported"),
+])
+def test_what_shardrl_cannot_run_is_refused_by_its_verl_name(args, message):
+    with pytest.raises(VerlKeyError, match=message):
+        translate(args)
+
+
+def write_verl_assets(home: Path) -> None:
+    """A tiny model folder and parquet files in the layouts verl's preprocessing scripts write
+    (examples/data_preprocess/gsm8k.py and math_dataset.py), under `home` as verl's scripts expect them."""
+    from shardrl.testing import save_char_model
+
+    save_char_model(home / "model")
+    gsm8k = "Let's think step by step and output the final answer after \"####\"."
+    rows = {"gsm8k": [{"data_source": "openai/gsm8k", "ability": "math",
+                       "prompt": [{"role": "user", "content": f"{i}+{i}? {gsm8k}"}],
+                       "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+                       "extra_info": {"split": "train", "index": i, "answer": f"#### {2 * i}", "question": f"{i}+{i}?"}}
+                      for i in range(12)],
+            "math": [{"data_source": "DigitalLearningGmbH/MATH-lighteval", "ability": "Algebra",
+                      "prompt": [{"role": "user", "content": f"{i}*3? Let's think step by step and output the final "
+                                                             "answer within \\boxed{}."}],
+                      "reward_model": {"style": "rule", "ground_truth": str(3 * i)},
+                      "extra_info": {"split": "train", "index": i}} for i in range(12)]}
+    for name, table in rows.items():
+        (home / "data" / name).mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(table[:8]), home / "data" / name / "train.parquet")
+        pq.write_table(pa.Table.from_pylist(table[8:]), home / "data" / name / "test.parquet")
+
+
+# what a user appends to the script (it ends with $@): the local model, and sizes for a CPU
+SMALL = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "data.max_response_length=8",
+         "data.max_prompt_length=256", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2",
+         "trainer.logger=console", "trainer.test_freq=1", "actor_rollout_ref.rollout.n=2"]
+
+
+@pytest.mark.parametrize("script, sources", [("run_qwen3-8b.sh", ["openai/gsm8k"]),
+                                             ("run_qwen2-7b_math.sh",
+                                              ["DigitalLearningGmbH/MATH-lighteval", "openai/gsm8k"])])
+def test_verls_example_scripts_train_two_steps(script, sources, tmp_path):
+    from shardrl.cli import main
+
+    home = tmp_path / "home"
+    write_verl_assets(home)
+    run_dir = tmp_path / "run"
+    args = script_args(script, home) + [f"actor_rollout_ref.model.path={home / 'model'}",
+                                        f"trainer.default_local_dir={run_dir}", *SMALL,
+                                        "actor_rollout_ref.rollout.val_kwargs.n=2",
+                                        "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+                                        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"]
+    assert main(["train", "--verl", *args]) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]  # verl validates before training by default
+    for r in (records[0], records[2]):
+        for source in sources:  # per data source, sampled twice per prompt, under verl's names too
+            assert 0 <= r[f"val/{source}/reward_mean@2"] <= 1
+            assert r[f"val-core/{source}/reward/mean@2"] == r[f"val/{source}/reward_mean@2"]
+    step = records[1]
+    assert step["critic/score/mean"] == step["reward/mean"] and step["response_length/mean"] == step[
+        "response/length_mean"]
+    for phase in ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "testing"):
+        assert step[f"timing_s/{phase}"] >= 0
+    assert records[2]["timing_s/save_checkpoint"] >= 0 and step["training/global_step"] == 1
+    assert step["timing_per_token_ms/gen"] == pytest.approx(step["timing_s/gen"] * 1000 / step["response/num_tokens"])
+    # the script's own settings reached the run: the KL loss (low_var_kl), the reference offloaded
+    saved = load_config(str(run_dir / "config.yaml"))
+    assert saved.actor.use_kl_loss and saved.ref.engine.offload_params and saved.rollout.n == 2
+    script_micro = next(a for a in args if a.startswith("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="))
+    assert saved.ref.engine.micro_batch_size_per_gpu == int(script_micro.split("=")[1]) != 2
+    assert saved.actor.engine.micro_batch_size_per_gpu == 2
+
+
+def test_a_verl_reward_file_with_reward_kwargs(tmp_path):
+    """custom_reward_function.{path,name,reward_kwargs} as verl passes them: by name, with the kwargs."""
+    from shardrl.cli import main
+
+    home = tmp_path / "home"
+    write_verl_assets(home)
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def my_score(solution_str, ground_truth, bonus=0.0):\n    return bonus\n")
+    run_dir = tmp_path / "run"
+    args = [f"actor_rollout_ref.model.path={home / 'model'}", f"data.train_files={home}/data/gsm8k/train.parquet",
+            "data.val_files=[]", f"custom_reward_function.path={reward}", "custom_reward_function.name=my_score",
+            "+custom_reward_function.reward_kwargs.bonus=0.75", "algorithm.adv_estimator=grpo",
+            f"trainer.default_local_dir={run_dir}", *SMALL, "trainer.total_training_steps=1"]
+    assert main(["train", "--verl", *args]) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1] and records[0]["reward/mean"] == 0.75
+
+
+def test_the_reference_takes_the_actors_dtype_so_the_first_kl_is_zero(tmp_path):
+    """With an fp32 actor and no ref settings, the reference computes in fp32 too (verl's inheritance): the
+    on-policy KL loss of the first update is exactly 0. A bf16 reference is not."""
+    from shardrl.cli import main
+
+    home = tmp_path / "home"
+    write_verl_assets(home)
+    common = [f"model.path={home / 'model'}", f"data.train_files=[{home}/data/gsm8k/train.parquet]",
+              "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "rollout.max_new_tokens=8",
+              "actor.use_kl_loss=true", "actor.engine.param_dtype=float32", "trainer.total_steps=1",
+              "trainer.logger=[jsonl]"]
+    kl = {}
+    for name, extra in (("inherited", []), ("bf16_ref", ["ref.engine.param_dtype=bfloat16"])):
+        assert main(["train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]) == 0
+        kl[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])["actor/kl_loss"]
+    assert kl["inherited"] == 0.0 and kl["bf16_ref"] > 1e-8
