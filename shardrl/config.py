@@ -513,6 +513,13 @@ class RewardConfig:
     scored through a forward-only engine, instead of a function."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine of the reward model (forward only)."""
+    num_workers: int = 0
+    """Processes (per rank) that score samples in parallel, for slow reward functions; 0 scores in the training
+    process. Each worker imports the reward file itself."""
+    timeout_s: float | None = None
+    """Time limit of one sample's reward, in seconds: past it the sample scores like a failing one (on_error_score,
+    counted in reward/num_errors and reward/num_timeouts) and its worker is replaced. Scores in worker processes
+    (at least one, whatever num_workers says); None: no limit."""
     on_error_score: float = 0.0
     """Score given when the reward function raises on a sample (or returns no finite float32 number); a step
     where it fails on every sample of every rank stops the run with the first failure."""
@@ -526,6 +533,11 @@ class RewardConfig:
     def validate(self, prefix: str) -> None:
         require(self, prefix, "model_path", not (self.model_path and self.function_path),
                 "cannot be set together with reward.function_path; choose a reward model or a function")
+        require(self, prefix, "num_workers", self.num_workers >= 0, "must be >= 0 (0: score in the training process)")
+        require(self, prefix, "timeout_s", self.timeout_s is None or self.timeout_s > 0, "must be > 0 (seconds) or null")
+        require(self, prefix, "num_workers", not (self.model_path and (self.num_workers or self.timeout_s)),
+                "and reward.timeout_s apply to reward functions; a reward model (reward.model_path) scores on the "
+                "GPU: drop them")
         require(self, prefix, "reward_kwargs", not self.reward_kwargs or bool(self.function_path),
                 "is passed to your reward function only; set reward.function_path too, or drop reward_kwargs")
         require(self, prefix, "missing_eos_penalty", self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,

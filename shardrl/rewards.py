@@ -222,8 +222,28 @@ def check_ground_truths(dataset) -> None:
             "reward_model.ground_truth, as verl does), or score with your own reward.function_path")
 
 
-RESERVED_REWARD_KEYS = frozenset({"mean", "max", "min", "num_errors", "overlong_penalty_mean"})
+RESERVED_REWARD_KEYS = frozenset({"mean", "max", "min", "num_errors", "num_timeouts", "overlong_penalty_mean"})
 """Keys of a reward function's dict that would overwrite the trainer's own `reward/` metrics."""
+
+
+def score_item(fn, item: dict) -> tuple[float, dict]:
+    """(score, metrics) of one item (data_source, response_text, ground_truth, extra) by the bound reward function
+    `fn`; raises what the function raises, or why its result is no score."""
+    extra = item.get("extra") or {}
+    ground_truth = item["ground_truth"] if "ground_truth" in item else extra.get("ground_truth")
+    result = fn(item["data_source"], item["response_text"], ground_truth, reward_extra_info(extra))
+    metrics = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"reward function returned a dict without 'score': keys {sorted(result)}")
+        taken = sorted(set(result) & RESERVED_REWARD_KEYS)
+        if taken:
+            raise ValueError(f"reward function returned the key(s) {taken}, which shardrl logs itself as "
+                             f"reward/<key> (the batch's own {', '.join(sorted(RESERVED_REWARD_KEYS))}); "
+                             "rename them in the returned dict")
+        metrics = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, (int, float, bool))}
+        result = result["score"]
+    return _as_score(result), metrics
 
 
 class RewardManager:
@@ -236,10 +256,13 @@ class RewardManager:
     global count with `all_failed_error`). A function that calls sys.exit is an error at once.
     """
 
-    def __init__(self, fn=None, on_error_score: float = 0.0, reward_kwargs: dict | None = None):
+    def __init__(self, fn=None, on_error_score: float = 0.0, reward_kwargs: dict | None = None, pool=None):
         """`fn`: the user's reward function (None: each row's built-in by data_source); `reward_kwargs` are
-        passed to it on every call (verl's custom_reward_function.reward_kwargs)."""
+        passed to it on every call (verl's custom_reward_function.reward_kwargs); `pool`: a
+        `reward_pool.RewardPool` that scores the samples instead, in parallel and with a time limit each (it
+        loads the same function itself)."""
         self.fn = None if fn is None else bind_reward_function(fn, reward_kwargs)
+        self.pool = pool
         self.on_error_score = float(on_error_score)
         self._logged_error = False
         self.first_error = None
@@ -256,22 +279,19 @@ class RewardManager:
             )
         return fn
 
-    def _score_one(self, fn, item: dict) -> tuple[float, dict]:
-        extra = item.get("extra") or {}
-        ground_truth = item["ground_truth"] if "ground_truth" in item else extra.get("ground_truth")
-        result = fn(item["data_source"], item["response_text"], ground_truth, reward_extra_info(extra))
-        metrics = {}
-        if isinstance(result, dict):
-            if "score" not in result:
-                raise ValueError(f"reward function returned a dict without 'score': keys {sorted(result)}")
-            taken = sorted(set(result) & RESERVED_REWARD_KEYS)
-            if taken:
-                raise ValueError(f"reward function returned the key(s) {taken}, which shardrl logs itself as "
-                                 f"reward/<key> (the batch's own {', '.join(sorted(RESERVED_REWARD_KEYS))}); "
-                                 "rename them in the returned dict")
-            metrics = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, (int, float, bool))}
-            result = result["score"]
-        return _as_score(result), metrics
+    @staticmethod
+    def _try(fn, item: dict):
+        """`score_item`'s result, or the exception it raised (SystemExit too, as a value)."""
+        try:
+            return score_item(fn, item)
+        except SystemExit as e:
+            return e
+        except Exception as e:
+            return e
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
     def all_failed_error(self, num_samples: int) -> ValueError:
         return ValueError(
@@ -283,16 +303,17 @@ class RewardManager:
     def score(self, items: list[dict], fail_if_all_fail: bool = True) -> tuple[torch.Tensor, dict]:
         """(scores (B,) float32, metrics) for items holding data_source, response_text, ground_truth, extra."""
         fns = [self._function_for(item["data_source"]) for item in items]  # config errors raise here
-        scores, extra_values, num_errors = [], {}, 0
+        scores, extra_values, num_errors, num_timeouts = [], {}, 0, 0
         self.first_error = None
-        for fn, item in zip(fns, items):
-            try:
-                score, metrics = self._score_one(fn, item)
-            except SystemExit as e:  # would end the run with no word of why
-                raise ValueError(f"the reward function called sys.exit({e.code!r}) on a sample (data_source="
+        results = self.pool.score(items) if self.pool is not None else [self._try(fn, item) for fn, item in zip(fns, items)]
+        for item, result in zip(items, results):
+            if isinstance(result, SystemExit):  # would end the run with no word of why
+                raise ValueError(f"the reward function called sys.exit({result.code!r}) on a sample (data_source="
                                  f"{item.get('data_source')!r}); a reward function must return a score") from None
-            except Exception as e:
+            if isinstance(result, BaseException):
+                e = result
                 num_errors += 1
+                num_timeouts += isinstance(e, TimeoutError)
                 if self.first_error is None:
                     self.first_error = f"(data_source={item.get('data_source')!r}) {type(e).__name__}: {e}"
                 if not self._logged_error:
@@ -300,15 +321,20 @@ class RewardManager:
                     logger.warning(
                         "reward function failed on a sample (data_source=%r), scoring it %s; later failures are "
                         "only counted in reward/num_errors. %s: %s\n%s",
-                        item.get("data_source"), self.on_error_score, type(e).__name__, e, traceback.format_exc(),
+                        item.get("data_source"), self.on_error_score, type(e).__name__, e,
+                        "".join(traceback.format_exception(e)),
                     )
                 score, metrics = self.on_error_score, {}
+            else:
+                score, metrics = result
             scores.append(score)
             for key, value in metrics.items():
                 extra_values.setdefault(key, []).append(value)
         if fail_if_all_fail and items and num_errors == len(items):
             raise self.all_failed_error(len(items))
         out = {"reward/num_errors": num_errors}
+        if self.pool is not None and self.pool.timeout_s is not None:
+            out["reward/num_timeouts"] = num_timeouts
         if scores:
             out["reward/score"] = sum(scores) / len(scores)
         for key, values in extra_values.items():

@@ -44,6 +44,10 @@ def test_compile_is_on_for_large_models_on_cuda_only(cuda):
         assert "actor.engine.compile=true (null: on CUDA, the model's 1.54B matmul parameters >= 0.5B; " \
                "see EngineConfig.compile)" in lines
     resolved, lines = resolve_device_defaults(load_config(None, ["actor.engine.strategy=fsdp"]), big)
+    # FSDP1 has no compile; the reference takes the actor's strategy unless it sets its own
+    assert resolved.actor.engine.compile is False and resolved.ref.engine.compile is False
+    resolved, lines = resolve_device_defaults(load_config(None, ["actor.engine.strategy=fsdp",
+                                                                 "ref.engine.strategy=fsdp2"]), big)
     assert resolved.actor.engine.compile is False and resolved.ref.engine.compile is cuda
 
 

@@ -342,3 +342,50 @@ def test_a_verl_reward_file_scores_a_verl_parquet_row_unchanged(tmp_path):
     scores, metrics = manager.score(items)
     assert metrics["reward/num_errors"] == 0
     assert scores.tolist() == [1.5, 10.5, 21.0]
+
+
+# ---------------------------------------------------------------- reward workers (reward.num_workers, timeout_s)
+SLOW_REWARD = """
+import os, sys, time
+
+def compute_score(solution_str, ground_truth, extra_info=None, pid_file=None):
+    if solution_str == "slow":
+        time.sleep(60)
+    if solution_str == "exit":
+        sys.exit(4)
+    if pid_file:
+        with open(pid_file, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(0.3)
+    return float(solution_str == ground_truth)
+"""
+
+
+@pytest.mark.multiproc
+def test_reward_workers_score_in_parallel_and_stop_a_sample_past_its_time_limit(tmp_path):
+    from shardrl.reward_pool import RewardPool
+
+    path = tmp_path / "slow.py"
+    path.write_text(SLOW_REWARD)
+    pids = tmp_path / "pids.txt"
+    kwargs = {"pid_file": str(pids)}
+    pool = RewardPool(2, 2.0, str(path), "compute_score", kwargs)
+    manager = RewardManager(load_reward_function(str(path), reward_kwargs=kwargs), -1.0, kwargs, pool)
+    try:
+        scores, metrics = manager.score([item(str(i % 3), "1") for i in range(8)] + [item("slow", "1")])
+        assert scores.tolist() == [0.0, 1.0, 0.0] * 2 + [0.0, 1.0, -1.0]  # the slow one: reward.on_error_score
+        assert metrics["reward/num_errors"] == 1 and metrics["reward/num_timeouts"] == 1
+        assert "took longer than reward.timeout_s=2 s" in manager.first_error
+        assert len(set(pids.read_text().split())) == 2  # both workers scored
+        # the stopped worker was replaced: the pool goes on
+        assert manager.score([item("1", "1"), item("2", "1")])[0].tolist() == [1.0, 0.0]
+        with pytest.raises(ValueError, match=r"called sys.exit\(4\) on a sample"):
+            manager.score([item("1", "1"), item("exit", "1")])
+    finally:
+        manager.close()
+    builtin = RewardManager(pool=RewardPool(1, None))  # the built-in scorers, by data source, in a worker
+    try:
+        scores, metrics = builtin.score([item("#### 66", "66", "openai/gsm8k"), item("#### 66.", "66", "openai/gsm8k")])
+        assert scores.tolist() == [1.0, 0.0] and "reward/num_timeouts" not in metrics
+    finally:
+        builtin.close()

@@ -28,6 +28,7 @@ from shardrl.layout import derive_layout, format_layout
 from shardrl.metric_names import with_verl_names
 from shardrl.metrics import Max, Min, Sum, SumCount, reduce_metrics
 from shardrl.perf import model_shape, rl_step_flops, throughput_metrics
+from shardrl.reward_pool import RewardPool
 from shardrl.rewards import RewardManager, check_ground_truths, load_reward_function
 from shardrl.rollout import SamplingParams
 from shardrl.step_plan import StepPlan
@@ -126,7 +127,10 @@ class RLTrainer:
                                                                           self.tokenizer, self.device)
         if self.plan.reward_model:
             self.roles.add_reward_model(cfg)
-        self.scorer = Scorer(RewardManager(fn, cfg.reward.on_error_score, cfg.reward.reward_kwargs), self.roles.reward_model,
+        r = cfg.reward
+        pool = (RewardPool(max(r.num_workers, 1), r.timeout_s, r.function_path, r.function_name, r.reward_kwargs)
+                if (r.num_workers or r.timeout_s) and not r.model_path else None)
+        self.scorer = Scorer(RewardManager(fn, r.on_error_score, r.reward_kwargs, pool), self.roles.reward_model,
                              self.mesh.dp_group, self.plan.multi_turn, cfg.reward.overlong_buffer,
                              cfg.rollout.multi_turn.max_response_tokens if self.plan.multi_turn
                              else cfg.rollout.max_new_tokens, cfg.reward.missing_eos_penalty)
@@ -300,6 +304,7 @@ class RLTrainer:
                 logger.log(state.step, with_verl_names(metrics, state.step) if cfg.trainer.verl_metric_names else metrics)
         finally:
             logger.close()
+            self.scorer.rewards.close()  # the reward workers, if any
         if cfg.trainer.export_hf:
             path = self.roles.actor.save_hf(self.run_dir / "hf_model", self.tokenizer)
             self._say(f"wrote the trained actor as a Hugging Face model folder: {path}")
@@ -339,6 +344,8 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, reward_metrics: dict, max_
         "reward/min": Min(float(scores.min())),
         # failures add up over ranks; a reward function's own keys are means over this rank's samples
         "reward/num_errors": Sum(float(reward_metrics.pop("reward/num_errors", 0.0))),
+        **({"reward/num_timeouts": Sum(float(reward_metrics.pop("reward/num_timeouts")))}
+           if "reward/num_timeouts" in reward_metrics else {}),
         **{k: SumCount(float(v) * n, n) for k, v in reward_metrics.items() if k != "reward/score"},
         "response/length_mean": SumCount(float(lengths.sum()), n),
         "response/length_max": Max(float(lengths.max())),
