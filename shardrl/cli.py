@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--verl", action="store_true",
                        help="the arguments are verl's key=value lines (python3 -m verl.trainer.main_ppo ...), "
                             "translated to shardrl's keys, which are printed")
+    train.add_argument("--config-path", default=None, help="with --verl: verl's Hydra config folder")
+    train.add_argument("--config-name", default=None, help="with --verl: the YAML in it (verl's --config-name)")
 
     for name, what in OFFLINE_TRAINERS.items():
         _add_config_args(sub.add_parser(name, help=what))

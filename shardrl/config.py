@@ -307,6 +307,24 @@ class MultiTurnConfig:
     state, `start`, `step`, a final `reward`); null uses the built-in `tools` with no state, and the reward function."""
     interaction_name: str = "Interaction"
     """Name of the interaction class (or a function making one) in `interaction_path`."""
+    tool_config_path: str | None = None
+    """verl's tool config YAML (`tools:` entries of class_name, config, tool_schema; `shardrl.tools.verl_tools`):
+    the tools of an interaction that creates them per conversation with the row's extra_info.tools_kwargs. verl's
+    own gsm8k tool runs as in verl."""
+    tools_in_chat_template: bool | None = None
+    """Pass the tools' schemas to the prompts' chat template (`apply_chat_template(tools=...)`: Qwen's and Hermes'
+    templates then describe the tools in a system block). null: on with tool_config_path (verl does so), off
+    otherwise."""
+    max_calls_per_turn: int = 1
+    """Tool calls one model turn may make (verl's max_parallel_calls). 1: the turn stops at its first call's end
+    marker; more: the turn runs to its end of turn, its first this-many calls run together and their answers form
+    one tool turn (joined by tool_answer_separator)."""
+    tool_answer_separator: str = "\n</tool_response>\n<tool_response>\n"
+    """Between the answers of one turn's calls inside the tool turn's {output} (the default closes one Qwen/Hermes
+    <tool_response> block and opens the next)."""
+    reward_text: Literal["last_turn", "conversation"] = "last_turn"
+    """What the reward function (and an interaction's reward) reads as the response: the final model turn's text, or
+    the whole conversation after the prompt (model and tool turns, special tokens skipped), as verl scores it."""
     tools: list[str] = field(default_factory=list)
     """Built-in tools when no interaction file is given: "calculator" (ast arithmetic), "python" (a subprocess
     sandbox: time/memory limits, a temporary folder as cwd; the network and the file system are NOT isolated)."""
@@ -340,9 +358,16 @@ class MultiTurnConfig:
         builtin = ("calculator", "python")  # shardrl.tools.BUILTIN_TOOLS
         bad = [t for t in self.tools if t not in builtin]
         require(self, prefix, "tools", not bad, f"unknown built-in tool(s) {bad}; choose from {list(builtin)}")
-        require(self, prefix, "enable", not self.enable or bool(self.interaction_path or self.tools),
-                "multi-turn rollouts need tools: set rollout.multi_turn.tools (e.g. [calculator]) or "
-                "rollout.multi_turn.interaction_path (a Python file defining an Interaction)")
+        require(self, prefix, "enable", not self.enable or bool(self.interaction_path or self.tools
+                                                              or self.tool_config_path),
+                "multi-turn rollouts need tools: set rollout.multi_turn.tools (e.g. [calculator]), "
+                "rollout.multi_turn.interaction_path (a Python file defining an Interaction) or "
+                "rollout.multi_turn.tool_config_path (verl's tool config)")
+        require(self, prefix, "tool_config_path", not (self.tool_config_path and self.interaction_path),
+                "and interaction_path both define the tools; set one of them")
+        require(self, prefix, "max_calls_per_turn", self.max_calls_per_turn >= 1, "must be >= 1")
+        require(self, prefix, "max_calls_per_turn", self.max_calls_per_turn == 1 or not self.overlap_tools,
+                "must be 1 with overlap_tools=true (a turn there ends at its first call); set one of them back")
         require(self, prefix, "max_turns", self.max_turns >= 1, "must be >= 1")
         require(self, prefix, "max_response_tokens", self.max_response_tokens >= 1, "must be >= 1")
         require(self, prefix, "tool_timeout_s", self.tool_timeout_s > 0, "must be > 0 (seconds)")
@@ -750,8 +775,9 @@ class Config:
             lines.append(f"data.val_files={self.data.val_files} is never read: trainer.val_freq=0 turns validation "
                          "off (set trainer.val_freq to validate every that many steps)")
         mt = self.rollout.multi_turn
-        if not mt.enable and (mt.tools or mt.interaction_path):
-            given = "rollout.multi_turn.tools" if mt.tools else "rollout.multi_turn.interaction_path"
+        if not mt.enable and (mt.tools or mt.interaction_path or mt.tool_config_path):
+            given = ("rollout.multi_turn.tools" if mt.tools else "rollout.multi_turn.interaction_path"
+                     if mt.interaction_path else "rollout.multi_turn.tool_config_path")
             lines.append(f"{given} is set but rollout.multi_turn.enable=false: the rollout is single-turn and uses no "
                          "tools (set rollout.multi_turn.enable=true)")
         return lines

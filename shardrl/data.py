@@ -140,12 +140,14 @@ def load_prompt_dataset(
     max_prompt_length: int = 256,
     truncation: str = "drop",
     skip_bad_rows: bool = False,
+    tools: list[dict] | None = None,
 ) -> PromptDataset:
     """Read, check, render and tokenize every prompt of `files` (JSONL, JSON array, or Parquet).
 
     truncation: what to do with a prompt longer than `max_prompt_length` tokens: "drop" the row,
     "error", or keep its "left" (last tokens) or "right" (first tokens) part.
     skip_bad_rows: skip (and count) rows without a usable prompt instead of raising.
+    tools: tool schemas a chat prompt's template is given (`apply_chat_template(tools=...)`), or None.
     """
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
@@ -177,7 +179,8 @@ def load_prompt_dataset(
                         f"{path}: row {row_number}: the prompt is a list of chat messages but the tokenizer "
                         "has no chat template; give plain-string prompts or a tokenizer with a chat_template"
                     )
-                prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+                prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
+                                                       **({"tools": tools} if tools else {}))
             if len(prompt) > max_chars:
                 if truncation == "error":
                     raise ValueError(

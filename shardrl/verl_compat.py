@@ -341,14 +341,25 @@ VERL_KEYS: dict[str, Rule] = {
                                                                      lambda v: 4 if v is None else v),
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": same("rollout.multi_turn.max_tool_output_chars"),
     "actor_rollout_ref.rollout.multi_turn.format": only(("hermes",), "shardrl parses Hermes tool calls"),
-    "actor_rollout_ref.rollout.multi_turn.tool_config_path": only((None,), "verl's tool config is not read yet; "
-                                                                           "use rollout.multi_turn.interaction_path"),
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": Rule("rollout.multi_turn.tool_config_path",
+                                                                  lambda v: v and os.path.expanduser(str(v))),
+    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": same("rollout.multi_turn.max_calls_per_turn"),
+    "actor_rollout_ref.rollout.multi_turn.max_user_turns": only((None,), "user (interaction) turns are not "
+                                                                         "supported yet"),
+    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": only(("right",), "shardrl cuts a tool's "
+                                                                                         "answer on the right"),
+    "data.tool_config_path": dropped("read from actor_rollout_ref.rollout.multi_turn.tool_config_path"),
+    "global_profiler.tool": dropped("a profiler setting; shardrl has no built-in profiler"),
+    "global_profiler.save_path": dropped("a profiler setting; shardrl has no built-in profiler"),
+    "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries": dropped("a profiler setting"),
+    "global_profiler.global_tool_config.torch_memory.stack_depth": dropped("a profiler setting"),
     "actor_rollout_ref.rollout.multi_turn.interaction_config_path": only((None,), "verl's interaction config is not "
                                                                                   "read; use "
                                                                                   "rollout.multi_turn.interaction_path"),
     "actor_rollout_ref.rollout.calculate_log_probs": dropped("the sampler's log-probs are always kept"),
     "actor_rollout_ref.rollout.ignore_eos": only((False,), "not supported"),
-    "actor_rollout_ref.rollout.over_sample_rate": only((0, 0.0), "not supported"),
+    "actor_rollout_ref.rollout.over_sample_rate": dropped("a rollout-server throughput setting (it aborts the "
+                                                          "slowest requests); shardrl generates every response"),
     "actor_rollout_ref.rollout.skip_rollout": only((False,), "not supported"),
     **{f"actor_rollout_ref.rollout.{k}": dropped(VLLM) for k in (
         "gpu_memory_utilization", "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size",
@@ -572,6 +583,33 @@ def parse_verl_args(args: list[str]) -> dict[str, Any]:
     return given
 
 
+def config_file_args(config_path: str, config_name: str) -> list[str]:
+    """The keys of verl's `--config-path DIR --config-name NAME` YAML as key=value arguments (they come before the
+    command line's, which win). Its Hydra `defaults:` (verl's ppo_trainer, whose defaults shardrl applies itself)
+    and `hydra:` sections are left out; a `${...}` interpolation is refused."""
+    path = os.path.join(os.path.expanduser(config_path), config_name if config_name.endswith(".yaml")
+                        else f"{config_name}.yaml")
+    if not os.path.isfile(path):
+        raise VerlKeyError(f"--config-path {config_path!r} --config-name {config_name!r}: no file {path!r}")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    args = []
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            full = f"{prefix}.{key}" if prefix else str(key)
+            if not prefix and key in ("defaults", "hydra"):
+                continue
+            if isinstance(value, dict) and value:
+                walk(value, full)
+            elif isinstance(value, str) and "${" in value:
+                raise VerlKeyError(f"{path}: {full}={value!r} is a Hydra interpolation; give the value itself")
+            else:
+                args.append(f"{full}={json.dumps(value)}")
+    walk(data, "")
+    return args
+
+
 def translate(args: list[str]) -> Translation:
     """verl's `key=value` arguments as shardrl overrides; a `VerlKeyError` naming the full verl key for a key
     shardrl does not know or a value it cannot run."""
@@ -618,6 +656,7 @@ def translate(args: list[str]) -> Translation:
     if "trainer.total_steps" in out:  # verl: total_training_steps wins over total_epochs
         out.pop("trainer.total_epochs", None)
     out["trainer.verl_metric_names"] = True  # the run logs verl's names too: a verl dashboard reads it
+    out["rollout.multi_turn.reward_text"] = "conversation"  # verl's reward reads the whole response
     return Translation([f"{k}={json.dumps(v)}" for k, v in out.items()], dropped_keys)
 
 

@@ -609,3 +609,72 @@ def test_overlong_shaping_of_a_conversation_counts_against_its_budget_not_the_tu
     # 600 tokens, 24 into the last 64 before 640: -24/64; 400: no penalty; never below -penalty_factor
     assert scores.tolist() == pytest.approx([1.0 - 24 / 64, 1.0])
     assert metrics["reward/overlong_penalty_mean"] == pytest.approx(-24 / 128)
+
+
+# ---------------------------------------------------------------- several calls a turn, verl's tool config
+
+def test_several_calls_in_one_turn_are_answered_in_one_tool_turn(tok):
+    t1, t2 = CALL.format(name="calculator", expr="3*4"), CALL.format(name="calculator", expr="2+1")
+    script = [[f"{t1} and {t2} and {t1}$"], ["15$"]]  # three calls, the turn ended by its end of turn
+    mt, inner = loop(tok, script, max_calls_per_turn=2, tool_answer_separator="/", reward_text="conversation")
+    ids, mask = encode(tok, ["q"])
+    out = mt.generate(ids, mask, SamplingParams(n=1, max_new_tokens=400),
+                      samples=[{"data_source": "x", "extra": {"ground_truth": "15"}}])
+    assert inner.rounds[0][1].stop == []  # the turn is not stopped at its first call's end
+    eos = tok.eos_token_id
+    first = ids_of(tok, f"{t1} and {t2} and {t1}") + [eos]
+    assert out.response_ids[0].tolist() == first + ids_of(tok, "|12/3|") + ids_of(tok, "15") + [eos]  # 2 of 3 run
+    assert out.num_tool_calls == [2] and out.num_turns == [2]
+    # the reward reads the whole conversation, as verl's does
+    assert out.response_text == [f"{t1} and {t2} and {t1}|12/3|15"] and out.interaction_scores == [0.0]
+
+
+GSM8K_TOOL_CONFIG = "tests/data/verl/examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml"
+
+
+def test_verls_gsm8k_tool_config_runs_verls_tool(tok):
+    """verl's own gsm8k tool (from verl's tool config, verbatim): created per conversation with the row's
+    extra_info.tools_kwargs, it answers as verl's does and keeps verl's tool rewards."""
+    from shardrl.rollout.interactions import VerlToolsInteraction
+    from shardrl.tools.verl_tools import load_tool_config
+
+    interaction = VerlToolsInteraction(load_tool_config(GSM8K_TOOL_CONFIG))
+    assert [s["function"]["name"] for s in interaction.schemas()] == ["calc_gsm8k_reward"]
+    call = '<tool_call>{{"name": "calc_gsm8k_reward", "arguments": {{"answer": "{}"}}}}</tool_call>'
+    script = [[call.format("71"), call.format("72")], [call.format("72"), call.format("71")], ["#### 72$", "#### 7$"]]
+    mt, _ = loop(tok, script, interaction=interaction)
+    ids, mask = encode(tok, ["q one", "q two"])
+    row = {"data_source": "openai/gsm8k", "extra": {"extra_info": {
+        "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}}}
+    out = mt.generate(ids, mask, SamplingParams(n=1, max_new_tokens=200), samples=[row, row])
+    tool_turns = [tok.decode([t for t, m, a in zip(out.response_ids[r], out.response_mask[r],
+                                                   out.response_attention_mask[r]) if a and not m]) for r in (0, 1)]
+    assert tool_turns == ["|Current parsed answer='71' reward=0.0||Current parsed answer='72' reward=1.0|",
+                          "|Current parsed answer='72' reward=1.0||Current parsed answer='71' reward=0.0|"]
+    assert out.interaction_scores is None  # the reward function scores the conversation
+    state = interaction.start(row)  # verl's tool rewards: a submission that does not beat the last costs 0.05
+    for answer in ("72", "71", "72"):
+        asyncio.run(interaction.step(state, ToolCall(name="calc_gsm8k_reward", arguments={"answer": answer})))
+    assert state.tool_rewards == [0.0, -0.05, 0.0]
+
+
+def test_tool_schemas_reach_the_chat_template(tmp_path):
+    import json as json_module
+
+    from shardrl.data import load_prompt_dataset
+    from shardrl.rollout.interactions import prompt_tool_schemas
+
+    tok = build_char_tokenizer(ALPHABET)
+    tok.chat_template = ("{% if tools %}TOOLS {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"
+                         "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json_module.dumps({"prompt": [{"role": "user", "content": "q"}], "data_source": "x"}) + "\n")
+    verl_cfg = load_config(None, ["rollout.multi_turn.enable=true",
+                                  f"rollout.multi_turn.tool_config_path={GSM8K_TOOL_CONFIG}"]).rollout.multi_turn
+    builtin_cfg = load_config(None, ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"])
+    shown = load_config(None, ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]",
+                               "rollout.multi_turn.tools_in_chat_template=true"]).rollout.multi_turn
+    assert prompt_tool_schemas(builtin_cfg.rollout.multi_turn) is None  # off by default for built-in tools
+    for cfg, names in ((verl_cfg, "calc_gsm8k_reward"), (shown, "calculator")):
+        dataset = load_prompt_dataset([str(rows)], tok, tools=prompt_tool_schemas(cfg))
+        assert dataset[0]["prompt_text"] == f"TOOLS {names}\nq\n"

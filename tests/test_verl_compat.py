@@ -15,11 +15,12 @@ from shardrl.verl_compat import VERL_KEYS, VerlKeyError, translate
 DATA = Path(__file__).parent / "data" / "verl"
 
 
-def script_args(script: str, home: Path) -> list[str]:
-    """The arguments `python3 -m verl.trainer.main_ppo` gets from verl's script, as bash expands them with HOME."""
-    shim = 'python3() { printf "%s\\0" "$@"; }; source "$0"'  # the script's one command prints its argv instead
+def script_args(script: str, home: Path, cwd: Path | None = None) -> list[str]:
+    """The arguments `python3 -m verl.trainer.main_ppo` gets from verl's script, as bash expands them with HOME (in
+    `cwd`, the verl checkout a script runs from)."""
+    shim = 'python3() { printf "%s\\0" "$@"; }; ulimit() { :; }; source "$0"'  # the command prints its argv instead
     out = subprocess.run(["bash", "-c", shim, str(DATA / script)], env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
-                         capture_output=True, check=True).stdout.decode()
+                         capture_output=True, check=True, cwd=cwd).stdout.decode()
     args = out.split("\0")[:-1]
     assert args[:2] == ["-m", "verl.trainer.main_ppo"]
     return args[2:]
@@ -56,7 +57,7 @@ def test_verls_qwen3_8b_grpo_script_translates(tmp_path):
         "actor.shuffle": False, "model.dtype": "float32", "trainer.val_before_train": True,
         "trainer.log_val_generations": 0, "trainer.resume": "auto",
         "rollout.max_new_tokens": 1024, "rollout.multi_turn.max_response_tokens": 1024,
-        "trainer.verl_metric_names": True,
+        "trainer.verl_metric_names": True, "rollout.multi_turn.reward_text": "conversation",
     }
     assert set(t.dropped) == {"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                               "actor_rollout_ref.rollout.tensor_model_parallel_size",
@@ -100,6 +101,17 @@ def test_verls_value_conventions():
 def test_what_shardrl_cannot_run_is_refused_by_its_verl_name(args, message):
     with pytest.raises(VerlKeyError, match=message):
         translate(args)
+
+
+def save_char_model_with_chatml(folder: Path) -> None:
+    """The tiny char model, its tokenizer given a ChatML template that renders tools, as Qwen's does."""
+    from shardrl.testing import save_char_model
+
+    tok = save_char_model(folder)
+    tok.chat_template = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+                         "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(folder)
 
 
 def write_verl_assets(home: Path) -> None:
@@ -202,3 +214,39 @@ def test_the_reference_takes_the_actors_dtype_so_the_first_kl_is_zero(tmp_path):
         assert main(["train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]) == 0
         kl[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])["actor/kl_loss"]
     assert kl["inherited"] == 0.0 and kl["bf16_ref"] > 1e-8
+
+
+def test_verls_gsm8k_tool_example_runs_from_its_config(tmp_path):
+    """examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh as verl ships it: its Hydra config
+    (--config-path/--config-name), verl's tool config (verl's own gsm8k tool), data in the layout of verl's
+    gsm8k_multiturn_w_tool.py; one step and validation on CPU."""
+    from shardrl.cli import main
+
+    home = tmp_path / "home"
+    save_char_model_with_chatml(home / "model")
+    system = "You are a math expert. Use the `calc_gsm8k_reward` tool. Put your final answer as `#### <answer>`."
+    rows = [{"data_source": "openai/gsm8k", "ability": "math",
+             "prompt": [{"role": "system", "content": system}, {"role": "user", "content": f"{i}+{i}?"}],
+             "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"split": "train", "index": i, "need_tools_kwargs": True,
+                            "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": str(2 * i)}}}}}
+            for i in range(10)]
+    (home / "data" / "gsm8k").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows[:8]), home / "data" / "gsm8k" / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[8:]), home / "data" / "gsm8k" / "test.parquet")
+    argv = script_args("examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh", home, cwd=DATA)
+    assert argv[0].startswith("--config-path=") and argv[1] == "--config-name=gsm8k_multiturn_grpo"
+    run_dir = tmp_path / "run"
+    args = argv + [f"actor_rollout_ref.model.path={home / 'model'}", f"trainer.default_local_dir={run_dir}",
+                   *SMALL, "trainer.total_training_steps=1", "data.max_response_length=24", "data.max_prompt_length=1024",
+                   "trainer.log_val_generations=1"]
+    assert main(["train", "--verl", *args]) == 0
+    saved = load_config(str(run_dir / "config.yaml"))
+    mt = saved.rollout.multi_turn
+    assert mt.enable and mt.max_turns == 5 and mt.tool_config_path.endswith("gsm8k_tool_config.yaml")
+    assert mt.reward_text == "conversation" and saved.rollout.n == 2  # the command line's n wins over 16
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1] and "multi_turn/num_turns_mean" in records[1]
+    assert "val/openai/gsm8k/reward_mean@1" in records[0]
+    shown = json.loads((run_dir / "generations.jsonl").read_text().splitlines()[0])["prompt"]
+    assert '"name": "calc_gsm8k_reward"' in shown and system in shown  # the tool schema reached the chat template

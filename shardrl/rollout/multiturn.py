@@ -61,7 +61,7 @@ import torch
 from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts,
                                    cut_responses)
 from shardrl.tools import (BUILTIN_TOOLS, CALL_END, CALL_START, DaemonThreadPool, Tool, ToolCall, call_tool,
-                           parse_tool_call, run_tool_calls)
+                           parse_tool_call, parse_tool_calls, run_tool_calls)
 from shardrl.userfile import import_user_file
 
 CHATML_TOOL_TURN = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n"
@@ -164,7 +164,9 @@ class MultiTurnRollout(Rollout):
     def __init__(self, rollout: Rollout, tokenizer, interaction: Interaction, max_turns: int = 4,
                  max_response_tokens: int = 512, tool_timeout_s: float = 10.0, max_tool_output_chars: int = 2000,
                  tool_turn_template: str = CHATML_TOOL_TURN, call_start: str = CALL_START, call_end: str = CALL_END,
-                 num_tool_workers: int = 16, overlap_tools: bool = False):
+                 num_tool_workers: int = 16, overlap_tools: bool = False, max_calls_per_turn: int = 1,
+                 tool_answer_separator: str = "\n</tool_response>\n<tool_response>\n",
+                 reward_text: str = "last_turn"):
         if max_turns < 1 or max_response_tokens < 1 or tool_timeout_s <= 0 or num_tool_workers < 1:
             raise ValueError("max_turns, max_response_tokens, num_tool_workers must be >= 1 and tool_timeout_s > 0")
         if "{output}" not in tool_turn_template:
@@ -177,17 +179,26 @@ class MultiTurnRollout(Rollout):
             raise ValueError(f"multi_turn.overlap_tools needs a backend that takes rows while it decodes "
                              f"(rollout.backend=fast); {type(rollout).__name__} does not")
         self.overlap_tools = overlap_tools
+        if max_calls_per_turn < 1 or (max_calls_per_turn > 1 and overlap_tools):
+            raise ValueError("max_calls_per_turn must be >= 1, and 1 with overlap_tools")
+        if reward_text not in ("last_turn", "conversation"):
+            raise ValueError(f"reward_text must be 'last_turn' or 'conversation', got {reward_text!r}")
+        self.max_calls_per_turn, self.tool_answer_separator = max_calls_per_turn, tool_answer_separator
+        self.reward_text = reward_text
         self.pool = DaemonThreadPool(num_tool_workers)  # a hung tool cannot keep the process from exiting
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     @classmethod
-    def from_config(cls, rollout: Rollout, tokenizer, mt_cfg) -> MultiTurnRollout:
-        """From a `MultiTurnConfig` (rollout.multi_turn)."""
-        interaction = (load_interaction(mt_cfg.interaction_path, mt_cfg.interaction_name) if mt_cfg.interaction_path
-                       else BuiltinToolsInteraction(mt_cfg.tools))
+    def from_config(cls, rollout: Rollout, tokenizer, mt_cfg, interaction: Interaction | None = None) -> MultiTurnRollout:
+        """From a `MultiTurnConfig` (rollout.multi_turn) and its interaction (`rollout.interactions.build_interaction`;
+        None: the interaction file's, or the built-in tools')."""
+        if interaction is None:
+            interaction = (load_interaction(mt_cfg.interaction_path, mt_cfg.interaction_name)
+                           if mt_cfg.interaction_path else BuiltinToolsInteraction(mt_cfg.tools))
         return cls(rollout, tokenizer, interaction, mt_cfg.max_turns, mt_cfg.max_response_tokens, mt_cfg.tool_timeout_s,
                    mt_cfg.max_tool_output_chars, mt_cfg.tool_turn_template, mt_cfg.call_start, mt_cfg.call_end,
-                   mt_cfg.num_tool_workers, mt_cfg.overlap_tools)
+                   mt_cfg.num_tool_workers, mt_cfg.overlap_tools, mt_cfg.max_calls_per_turn,
+                   mt_cfg.tool_answer_separator, mt_cfg.reward_text)
 
     # ---- the inner rollout's weights and memory --------------------------------------------------
     def load_weights(self, weights) -> None:
@@ -218,7 +229,9 @@ class MultiTurnRollout(Rollout):
             prompt = prompt_ids[b][attention_mask[b].bool()].tolist()
             sample = {"data_source": samples[b].get("data_source"), "extra": samples[b].get("extra"), "prompt_index": b}
             convs += [_Conversation(prompt, self.interaction.start(sample)) for _ in range(n)]  # row b*n+j
-        stop = list(dict.fromkeys([*sampling.stop, self.call_end]))
+        # one call a turn: the turn stops at the call's end marker; several: it runs to its end of turn
+        stop = list(dict.fromkeys([*sampling.stop, self.call_end])) if self.max_calls_per_turn == 1 else list(
+            sampling.stop)
         if self.overlap_tools:
             self._generate_overlapped(convs, sampling, stop)
             return self._assemble(prompt_ids, attention_mask, n, convs)
@@ -256,15 +269,15 @@ class MultiTurnRollout(Rollout):
             keep = out.response_mask[i].bool()
             ids = out.response_ids[i][keep].tolist()[: budgets[i]]
             logp = out.sampled_log_probs[i][keep].tolist()[: budgets[i]]
-            call = self._take_model_turn(c, ids, logp, out.response_text[i], stop, last_turn)
-            if call is not None:
-                calls.append((c, call))
+            turn_calls = self._take_model_turn(c, ids, logp, out.response_text[i], stop, last_turn)
+            if turn_calls:
+                calls.append((c, turn_calls))
         return calls
 
     def _take_model_turn(self, c: _Conversation, ids: list[int], logp: list[float], text: str, stop: list[str],
-                         last_turn: bool) -> ToolCall | None:
-        """Appends one model turn (its exact ids, the sampler's log-probs) to `c`; the tool call to answer, or
-        None when the conversation is done."""
+                         last_turn: bool) -> list[ToolCall]:
+        """Appends one model turn (its exact ids, the sampler's log-probs) to `c`; the tool calls to answer (at
+        most max_calls_per_turn), none when the conversation is done."""
         stop_ids = set(getattr(self.rollout, "stop_ids", None) or [self.tokenizer.eos_token_id])
         c.ids += ids
         c.model_mask += [1] * len(ids)
@@ -280,29 +293,40 @@ class MultiTurnRollout(Rollout):
         room = self.max_response_tokens - len(c.ids)
         if not is_call or last_turn or room <= 0:
             c.done = True
-            return None
-        c.num_calls += 1
+            return []
         parse = getattr(self.interaction, "parse_call", None)
-        return parse(raw) if parse is not None else parse_tool_call(raw, self.call_start, self.call_end)
+        if parse is not None:
+            calls = [parse(raw)]
+        elif self.max_calls_per_turn == 1:
+            calls = [parse_tool_call(raw, self.call_start, self.call_end)]
+        else:
+            calls = parse_tool_calls(raw, self.call_start, self.call_end)[: self.max_calls_per_turn]
+        c.num_calls += len(calls)
+        return calls
 
     def _tool_job(self, c: _Conversation, call: ToolCall):
         if call.error is not None:
             return lambda: f"error: {call.error}"
         return lambda: self.interaction.step(c.state, call)
 
-    def _append_tool_turns(self, calls: list[tuple[_Conversation, ToolCall]]) -> None:
-        """Runs the calls concurrently and appends each answer as a tool turn (loss mask 0)."""
-        answers = run_tool_calls([self._tool_job(c, call) for c, call in calls], self.tool_timeout_s, self.pool)
-        for (c, call), answer in zip(calls, answers):
-            self._append_tool_turn(c, call, answer)
+    def _append_tool_turns(self, calls: list[tuple[_Conversation, list[ToolCall]]]) -> None:
+        """Runs every conversation's calls concurrently and appends each conversation's answers as one tool turn
+        (loss mask 0)."""
+        jobs = [self._tool_job(c, call) for c, turn_calls in calls for call in turn_calls]
+        answers = iter(run_tool_calls(jobs, self.tool_timeout_s, self.pool))
+        for c, turn_calls in calls:
+            self._append_tool_turn(c, turn_calls, [next(answers) for _ in turn_calls])
 
-    def _append_tool_turn(self, c: _Conversation, call: ToolCall, answer: str) -> None:
-        """Appends a tool's answer as a tool turn (loss mask 0), or ends `c` when it would not leave the model
-        room to read it and answer."""
-        if call.error is not None or answer.startswith("error:"):
-            c.num_errors += 1
-        if len(answer) > self.max_tool_output_chars:
-            answer = answer[: self.max_tool_output_chars] + " [cut]"
+    def _append_tool_turn(self, c: _Conversation, calls: list[ToolCall], answers: list[str]) -> None:
+        """Appends the answers to a turn's tool calls as one tool turn (loss mask 0), or ends `c` when it would not
+        leave the model room to read it and answer."""
+        cut = []
+        for call, answer in zip(calls, answers):
+            if call.error is not None or answer.startswith("error:"):
+                c.num_errors += 1
+            cut.append(answer[: self.max_tool_output_chars] + " [cut]" if len(answer) > self.max_tool_output_chars
+                       else answer)
+        answer = self.tool_answer_separator.join(cut)
         template = self.tool_turn_template
         if c.closed_turn and template.startswith(c.closed_turn):  # the model closed its turn itself
             template = template[len(c.closed_turn):]
@@ -341,11 +365,11 @@ class MultiTurnRollout(Rollout):
                 c = row_conv[row]  # the engine kept the row within its turn budget
                 lengths, texts = cut_responses(self.tokenizer, stop_ids, torch.tensor([tokens], dtype=torch.long), stop)
                 ids = tokens[: lengths[0]]
-                call = self._take_model_turn(c, ids, log_probs[: len(ids)].tolist(), texts[0], stop,
-                                             last_turn=c.num_turns + 1 >= self.max_turns)
-                if call is not None:
+                calls = self._take_model_turn(c, ids, log_probs[: len(ids)].tolist(), texts[0], stop,
+                                              last_turn=c.num_turns + 1 >= self.max_turns)
+                if calls:  # one (overlap_tools keeps max_calls_per_turn at 1)
                     waiting[0] += 1
-                    threading.Thread(target=dispatch, args=(c, call), daemon=True,
+                    threading.Thread(target=dispatch, args=(c, calls[0]), daemon=True,
                                      name="shardrl-tool-dispatch").start()
 
             def take(self_, block: bool) -> list[tuple[torch.Tensor, int]]:
@@ -359,7 +383,7 @@ class MultiTurnRollout(Rollout):
                     waiting[0] -= 1
                     if isinstance(answer, BaseException):
                         raise RuntimeError(f"running a tool call failed: {answer!r}") from answer
-                    self._append_tool_turn(c, call, answer)
+                    self._append_tool_turn(c, [call], [answer])
                     if not c.done:
                         rows.append(row_of(c))
                 return rows
@@ -372,6 +396,9 @@ class MultiTurnRollout(Rollout):
     def _assemble(self, prompt_ids, attention_mask, n: int, convs: list[_Conversation]) -> MultiTurnOutput:
         responses = [(torch.tensor(c.ids, dtype=torch.long), torch.tensor(c.log_probs, dtype=torch.float32))
                      for c in convs]
+        if self.reward_text == "conversation":  # what the reward reads: every turn after the prompt, as verl does
+            for c in convs:
+                c.last_text = self.tokenizer.decode(c.ids, skip_special_tokens=True)
         base = assemble_output(prompt_ids, attention_mask, n, responses, [c.last_text for c in convs], self.pad_id)
         width = base.response_ids.shape[1]
         model_mask = torch.zeros(len(convs), width, dtype=torch.long)  # (N, R)

@@ -94,6 +94,15 @@ def parse_tool_call(text: str, start: str = CALL_START, end: str = CALL_END) -> 
     return ToolCall(name=payload["name"], arguments=args, text=raw)
 
 
+def parse_tool_calls(text: str, start: str = CALL_START, end: str = CALL_END) -> list[ToolCall]:
+    """Every `start ... end` block of a model turn's `text`, in order, each read as `parse_tool_call` reads one."""
+    calls, pos = [], 0
+    while (close := text.find(end, pos)) >= 0:
+        calls.append(parse_tool_call(text[pos:close + len(end)], start, end))
+        pos = close + len(end)
+    return calls or [parse_tool_call(text, start, end)]
+
+
 def check_arguments(schema: dict, args: dict) -> str | None:
     """None when `args` fits the object `schema` (required keys present, declared types right, no unknown
     keys unless additionalProperties allows them), else what is wrong."""

@@ -15,6 +15,7 @@ from shardrl.batch import Batch
 from shardrl.config import Config
 from shardrl.data import collate_prompts
 from shardrl.rollout import SamplingParams, build_rollout
+from shardrl.rollout.interactions import build_interaction
 from shardrl.rollout.multiturn import MultiTurnRollout
 
 
@@ -48,7 +49,8 @@ class Generation:
                                      micro_batch_size=ro.micro_batch_size, **fast_kwargs)
         self.multi_turn = ro.multi_turn.enable
         if self.multi_turn:  # the agent loop drives the backend's generate in rounds, tools in between
-            self.rollout = MultiTurnRollout.from_config(self.rollout, tokenizer, ro.multi_turn)
+            self.rollout = MultiTurnRollout.from_config(self.rollout, tokenizer, ro.multi_turn,
+                                                        build_interaction(ro.multi_turn))
         self.tokenizer, self.device, self.seed = tokenizer, device, ro.seed
         self.sampling = SamplingParams.from_config(ro)
 

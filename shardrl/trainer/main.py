@@ -83,13 +83,19 @@ def resolve_overrides(config: str | None, overrides: list[str], make_demo_assets
     return demo_overrides(assets.resolve()) + list(overrides)
 
 
-def verl_overrides(config: str | None, args: list[str]) -> list[str]:
-    """`shardrl train --verl`: verl's key=value arguments translated (`shardrl.verl_compat`), the translation shown."""
-    from shardrl.verl_compat import translate
+def verl_overrides(config: str | None, args: list[str], config_path: str | None = None,
+                   config_name: str | None = None) -> list[str]:
+    """`shardrl train --verl`: verl's key=value arguments (after those of verl's `--config-path/--config-name` YAML)
+    translated (`shardrl.verl_compat`), the translation shown."""
+    from shardrl.verl_compat import config_file_args, translate
 
     if config is not None:
         raise ValueError(f"--verl takes verl's key=value arguments only, not a config file ({config!r}); drop "
-                         "--verl to run a shardrl config")
+                         "--verl to run a shardrl config, or give verl's --config-path DIR --config-name NAME")
+    if (config_path is None) != (config_name is None):
+        raise ValueError("give verl's --config-path and --config-name together")
+    if config_path is not None:
+        args = config_file_args(config_path, config_name) + args
     translation = translate(args)
     if not any(o.startswith("model.path=") for o in translation.overrides):
         raise ValueError("the verl command line gives no actor_rollout_ref.model.path (a local model folder)")
@@ -169,7 +175,8 @@ def train_main(args) -> int:
     """The `shardrl train` subcommand: launches torchrun itself when more than one process is asked for."""
     _setup_logging()
     if getattr(args, "verl", False):
-        overrides = verl_overrides(args.config, list(args.overrides))
+        overrides = verl_overrides(args.config, list(args.overrides), getattr(args, "config_path", None),
+                                   getattr(args, "config_name", None))
     else:
         overrides = resolve_overrides(args.config, list(args.overrides))
     from shardrl.config import load_config

@@ -31,6 +31,7 @@ from shardrl.perf import model_shape, rl_step_flops, throughput_metrics
 from shardrl.reward_pool import RewardPool
 from shardrl.rewards import RewardManager, check_ground_truths, load_reward_function
 from shardrl.rollout import SamplingParams
+from shardrl.rollout.interactions import prompt_tool_schemas
 from shardrl.step_plan import StepPlan
 from shardrl.tokenizer import load_tokenizer
 from shardrl.trainer.defaults import memory_gib, resolve_device_defaults
@@ -314,9 +315,11 @@ class RLTrainer:
 def load_datasets(cfg: Config, tokenizer) -> tuple[list, list | None]:
     """The training and validation prompt sets (None without `data.val_files`)."""
     d = cfg.data
+    tools = prompt_tool_schemas(cfg.rollout.multi_turn)  # the tools a multi-turn prompt shows, if any
 
     def load(files):
-        return load_prompt_dataset(files, tokenizer, d.prompt_key, d.max_prompt_length, d.truncation, d.skip_bad_rows)
+        return load_prompt_dataset(files, tokenizer, d.prompt_key, d.max_prompt_length, d.truncation, d.skip_bad_rows,
+                                   tools)
     return load(d.train_files), (load(d.val_files) if d.val_files else None)
 
 
