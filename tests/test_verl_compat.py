@@ -54,7 +54,7 @@ def test_verls_qwen3_8b_grpo_script_translates(tmp_path):
         "trainer.experiment_name": "qwen3_8b_function_rm", "trainer.nproc_per_node": 8, "trainer.nnodes": 1,
         "trainer.save_freq": 20, "trainer.val_freq": 5, "trainer.total_epochs": 15,
         # verl's defaults the script relies on
-        "actor.shuffle": False, "model.dtype": "float32", "trainer.val_before_train": True,
+        "actor.shuffle": False, "trainer.val_before_train": True,
         "trainer.log_val_generations": 0, "trainer.resume": "auto",
         "rollout.max_new_tokens": 1024, "rollout.multi_turn.max_response_tokens": 1024,
         "trainer.verl_metric_names": True, "rollout.multi_turn.reward_text": "conversation",
