@@ -47,6 +47,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="processes per node (default: trainer.nproc_per_node)")
 
 
+def _add_verl_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verl", action="store_true",
+                   help="the arguments are verl's key=value lines (python3 -m verl.trainer.main_ppo ...), "
+                        "translated to shardrl's keys, which are printed")
+    p.add_argument("--config-path", default=None, help="with --verl: verl's Hydra config folder")
+    p.add_argument("--config-name", default=None, help="with --verl: the YAML in it (verl's --config-name)")
+
+
 def _split_config_args(args: argparse.Namespace) -> None:
     """Sets `args.config` (the first positional when it is not key=value) and `args.overrides`."""
     rest = list(args.args)
@@ -71,11 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train (launches torchrun itself with --nproc-per-node > 1)")
     _add_config_args(train)
-    train.add_argument("--verl", action="store_true",
-                       help="the arguments are verl's key=value lines (python3 -m verl.trainer.main_ppo ...), "
-                            "translated to shardrl's keys, which are printed")
-    train.add_argument("--config-path", default=None, help="with --verl: verl's Hydra config folder")
-    train.add_argument("--config-name", default=None, help="with --verl: the YAML in it (verl's --config-name)")
+    for p in (plan, train):
+        _add_verl_args(p)
 
     for name, what in OFFLINE_TRAINERS.items():
         _add_config_args(sub.add_parser(name, help=what))
@@ -103,6 +108,10 @@ def plan_main(args: argparse.Namespace) -> int:
 
         cfg = load_config(args.config, list(args.overrides),
                           cls={"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig}[args.trainer])
+    elif args.verl:  # a verl command line, as `shardrl train --verl` runs it
+        from shardrl.trainer.main import verl_overrides
+
+        cfg = load_config(None, verl_overrides(args.config, list(args.overrides), args.config_path, args.config_name))
     else:  # the config train would run (the demo's, without a config or a model: its assets are made by its first run)
         cfg = load_config(args.config, resolve_overrides(args.config, list(args.overrides), make_demo_assets=False))
     nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes

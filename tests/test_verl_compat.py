@@ -250,3 +250,14 @@ def test_verls_gsm8k_tool_example_runs_from_its_config(tmp_path):
     assert "val/openai/gsm8k/reward_mean@1" in records[0]
     shown = json.loads((run_dir / "generations.jsonl").read_text().splitlines()[0])["prompt"]
     assert '"name": "calc_gsm8k_reward"' in shown and system in shown  # the tool schema reached the chat template
+
+
+def test_plan_lays_out_a_verl_command_line(tmp_path, capsys):
+    from shardrl.cli import main
+
+    home = tmp_path / "home"
+    write_verl_assets(home)
+    args = script_args("run_qwen3-8b.sh", home) + [f"actor_rollout_ref.model.path={home / 'model'}"]
+    assert main(["plan", "--verl", *args]) == 0
+    out = capsys.readouterr().out
+    assert "1 nodes x 8 procs = 8" in out and "1024 (train_batch_size) x 5 (n) = 5120" in out
