@@ -49,8 +49,9 @@ def test_cheap_checks_come_before_any_model_loads(assets, tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="broken_reward.py' failed to import: ModuleNotFoundError"):
         run(None, base + [f"reward.function_path={broken}"])
     two_args = tmp_path / "two_args.py"
-    two_args.write_text("def compute_score(solution_str, ground_truth):\n    return 1.0\n")
-    with pytest.raises(ValueError, match=r"compute_score\(solution_str, ground_truth\) in .* cannot take"):
+    two_args.write_text("def compute_score(solution_str, truth):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"compute_score\(solution_str, truth\) \(compute_score in .*\) cannot be "
+                                         r"called with a reward function's arguments"):
         run(None, base + [f"reward.function_path={two_args}"])
     # a model whose vocabulary is smaller than the tokenizer's (53 characters and specials)
     small_vocab = tmp_path / "small_vocab"
