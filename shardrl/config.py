@@ -34,7 +34,7 @@ from shardrl.configload import (
 
 __all__ = [
     "ActorConfig", "AlgorithmConfig", "AsyncConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
-    "EngineConfig", "FilterGroupsConfig", "OverlongBufferConfig",
+    "EngineConfig", "FilterGroupsConfig", "LoRAConfig", "OverlongBufferConfig",
     "ModelConfig", "MultiTurnConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig",
     "TrainerConfig", "apply_override", "config_keys", "config_to_dict", "from_dict", "load_config",
     "save_config", "validate_config",
@@ -50,6 +50,37 @@ LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
 EstimatorName = Literal[tuple(ADVANTAGE_ESTIMATORS)]  # the registries are the lists of names
 LossModeName = Literal[tuple(LOSS_MODES)]
 PreferenceLossName = Literal[tuple(PREFERENCE_LOSSES)]
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters (PyPI peft) on the policy: only they train (fp32); the base stays frozen, stored in the
+    engine's param_dtype (no fp32 copy, gradient or optimizer state for it), and the reference policy is the base
+    with the adapters off. FSDP2 only."""
+
+    rank: int = 0
+    """The adapters' rank r; 0: no LoRA (every weight trains)."""
+    alpha: float = 16.0
+    """The adapters' scale: B @ A is added times alpha / rank (alpha / sqrt(rank) with use_rslora)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (0 keeps the update's forward equal to the old log-probs')."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """The linear layers that get adapters, by their leaf name (q_proj, v_proj, ...), or every linear layer but
+    the output head."""
+    use_rslora: bool = False
+    """Rank-stabilized scale alpha / sqrt(rank)."""
+    seed: int = 0
+    """Seed of the adapters' A init (B starts at 0: training starts at the base model)."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "rank", self.rank >= 0, "must be >= 0 (0: no LoRA)")
+        require(self, prefix, "alpha", self.alpha > 0, "must be > 0")
+        require(self, prefix, "dropout", 0 <= self.dropout < 1, "must be in [0, 1)")
+        require(self, prefix, "target_modules", self.target_modules == "all-linear" or bool(self.target_modules),
+                'must name at least one linear layer (q_proj, ...) or be "all-linear"')
+        require(self, prefix, "target_modules", self.target_modules == "all-linear"
+                or not {"lm_head", "score"} & set(self.target_modules),
+                "cannot hold the output head (lm_head, score): log-probs are computed from its weight directly")
 
 
 @dataclass
@@ -73,6 +104,8 @@ class ModelConfig:
     disable_dropout: bool = True
     """Set every dropout probability of the model's config to 0 (GPT-2 ships 0.1): with dropout the update's
     forward differs from the one that computed the old log-probs, so the PPO ratio is not 1 on-policy."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters (off: lora.rank=0)."""
     load_weights: Literal["sharded", "rank0"] = "sharded"
     """How an FSDP2 engine fills its shards from `path`: "sharded" builds the model on the meta device and
     each rank reads only its own slices of the safetensors files; "rank0" (FSDP1 always, and `tiny` or

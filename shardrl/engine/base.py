@@ -35,6 +35,7 @@ from shardrl.engine.attention import resolve_attn_implementation
 from shardrl.engine.checkpoint import load_engine_state, save_engine_state
 from shardrl.engine.loading import (compute_non_persistent_buffers, copy_full_into, load_sharded,
                                     sharded_load_problem)
+from shardrl.engine.lora import LORA_MARK, adapters_off, hf_base_name, inject_lora, lora_init
 from shardrl.engine.microbatch import restore_order, split_micro_batches
 from shardrl.engine.model import (DTYPES, PolicyModel, build_causal_lm, check_model_weights, disable_dropout,
                                   load_hf_config, strip_prefix)
@@ -87,21 +88,36 @@ class Engine(abc.ABC):
             log.info("dropout off (model.disable_dropout): %s set to 0", ", ".join(changed))
         if model_cfg.path is not None:
             check_model_weights(model_cfg.path)
+        self.lora = model_cfg.lora if model_cfg.lora.rank > 0 else None
+        if self.lora is not None:
+            self._check_lora(head)
         self.module = self._build_module(head)
         self.optimizer = self.lr_scheduler = None
         if optim_cfg is not None:
             o = optim_cfg
             fused = self.device.type == "cuda" and not engine_cfg.offload_params
-            self.optimizer = build_optimizer(self.module.parameters(), o.lr, o.betas, o.eps, o.weight_decay, fused)
+            trained = [p for p in self.module.parameters() if p.requires_grad]  # with LoRA: the adapters only
+            self.optimizer = build_optimizer(trained, o.lr, o.betas, o.eps, o.weight_decay, fused)
             steps = o.total_steps or total_steps
             self.lr_scheduler = build_lr_scheduler(self.optimizer, o.warmup_steps, o.warmup_ratio, steps,
                                                    o.lr_schedule, o.min_lr_ratio)
         self.global_step = 0
 
     # ---- building -------------------------------------------------------------------------------
+    def _check_lora(self, head: str) -> None:
+        if self.strategy != "fsdp2":
+            raise ValueError(f"model.lora.rank={self.lora.rank} needs strategy=fsdp2 (FSDP1's flat parameters cannot "
+                             "hold a frozen base beside trained adapters); set engine.strategy=fsdp2")
+        if self.cfg.offload_params:
+            raise ValueError("model.lora with offload_params=true is not supported yet; the frozen base is stored in "
+                             "param_dtype already (half an fp32 model): set offload_params=false")
+        if head != "lm":
+            raise ValueError(f"model.lora is for the policy (and its reference); this engine has a {head!r} head")
+
     def _build_module(self, head: str) -> nn.Module:
         mc = self.model_cfg
-        master_dtype = DTYPES[mc.dtype]
+        # with LoRA the frozen base is stored as it computes, in param_dtype: no fp32 master copy of it
+        master_dtype = DTYPES[self.cfg.param_dtype] if self.lora is not None else DTYPES[mc.dtype]
         sp = self.mesh.sp_size
         attn = resolve_attn_implementation(mc.attn_implementation, mc.use_remove_padding, sp)
         if sp > 1:
@@ -109,6 +125,8 @@ class Engine(abc.ABC):
                         getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads, sp)
         lm_meta = build_causal_lm(self.hf_config, None, "meta", master_dtype, attn_implementation=attn,
                                   trust_remote_code=mc.trust_remote_code, sequence_classification=head == "score")
+        if self.lora is not None:
+            inject_lora(lm_meta, self.lora)
         module = PolicyModel(lm_meta, head, self.cfg.logprob_chunk_size)
         self.sharded_load = sharded = self._sharded_load(module)
         # otherwise rank 0 reads the weights once; the others start on meta and receive their shards
@@ -116,7 +134,10 @@ class Engine(abc.ABC):
         if self.rank == 0 and not sharded:
             lm = build_causal_lm(self.hf_config, mc.path, "cpu", master_dtype, self.cfg.seed,
                                  attn, mc.trust_remote_code, head == "score")
+            if self.lora is not None:
+                inject_lora(lm, self.lora)
             full = PolicyModel(lm, head, self.cfg.logprob_chunk_size)
+            self._init_lora(full)
             if head == "value":
                 with torch.no_grad():
                     full.value_head.weight.copy_(self._value_head_init(full.value_head.weight.shape))
@@ -152,7 +173,24 @@ class Engine(abc.ABC):
 
     @staticmethod
     def _not_in_files(module: PolicyModel) -> list[str]:
-        return [n for n, _ in module.named_parameters() if n.startswith("value_head.")]
+        return [n for n, _ in module.named_parameters() if n.startswith("value_head.") or LORA_MARK in n]
+
+    @torch.no_grad()
+    def _init_lora(self, module: PolicyModel) -> None:
+        """The adapters' initial values (`lora.lora_init`: the same on every rank, whichever way the base loads)."""
+        if self.lora is None:
+            return
+        for name, p in module.named_parameters():
+            if LORA_MARK in name:
+                copy_full_into(p, lora_init(name, p.shape, self.lora.seed).to(p.dtype))
+
+    @contextlib.contextmanager
+    def adapters_off(self):
+        """The base model inside (LoRA's adapters skipped): the reference policy of a LoRA actor."""
+        if self.lora is None:
+            raise RuntimeError("adapters_off: this engine has no LoRA adapters (model.lora.rank=0)")
+        with adapters_off(self.module):
+            yield
 
     def _value_head_init(self, shape) -> torch.Tensor:
         """A critic's new value head, the same on every rank: normal(0, 1/sqrt(hidden)) from `seed + 1`."""
@@ -167,6 +205,7 @@ class Engine(abc.ABC):
         """Fills a sharded, materialized `module`: this rank's slices from the files, the rest computed
         (`buffers`: the non-persistent buffers under `module.lm`, which materializing left as garbage)."""
         load_sharded(module, self.model_cfg.path, self.hf_name, skip=self._not_in_files(module))
+        self._init_lora(module)
         if module.value_head is not None:
             copy_full_into(module.value_head.weight, self._value_head_init(module.value_head.weight.shape))
             copy_full_into(module.value_head.bias, torch.zeros(module.value_head.bias.shape))
@@ -321,7 +360,7 @@ class Engine(abc.ABC):
 
     # ---- helpers shared by backends ---------------------------------------------------------------
     def hf_name(self, name: str) -> str:
-        return strip_prefix(name)
+        return hf_base_name(strip_prefix(name))  # a LoRA layer's base weight under its HF name
 
     @contextlib.contextmanager
     def eval_mode(self):

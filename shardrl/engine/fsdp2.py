@@ -17,7 +17,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from shardrl.engine.base import Engine, register_engine
-from shardrl.engine.model import DTYPES, PolicyModel, decoder_blocks
+from shardrl.engine.lora import merge_lora, scaling_of
+from shardrl.engine.model import DTYPES, PolicyModel, decoder_blocks, strip_prefix
 
 
 def non_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -54,7 +55,8 @@ class FSDP2Engine(Engine):
 
     def _shard(self, module: PolicyModel) -> nn.Module:
         cfg = self.cfg
-        master = DTYPES[self.model_cfg.dtype]
+        # the dtype of the trained parameters: with LoRA the fp32 adapters (the base is stored in param_dtype)
+        master = torch.float32 if self.lora is not None else DTYPES[self.model_cfg.dtype]
         param_dtype = DTYPES[cfg.param_dtype]
         mp = MixedPrecisionPolicy(
             param_dtype=None if param_dtype == master else param_dtype,
@@ -111,7 +113,14 @@ class FSDP2Engine(Engine):
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         from shardrl.engine.state import export_fsdp2_weights
 
-        yield from export_fsdp2_weights(self.module.named_parameters(), self.device, dtype, self.hf_name)
+        if self.lora is None:
+            yield from export_fsdp2_weights(self.module.named_parameters(), self.device, dtype, self.hf_name)
+            return
+        # LoRA: each layer's base weight with its adapters merged in, under the HF name (the rollout and an HF
+        # folder see a plain model)
+        full = export_fsdp2_weights(self.module.named_parameters(), self.device, None, strip_prefix)
+        for name, tensor in merge_lora(full, scaling_of(self.lora)):
+            yield name, tensor.to(dtype) if dtype is not None else tensor
 
     # ---- state: offload, export, checkpoints ------------------------------------------------------
     def _move_params(self, device: torch.device) -> None:

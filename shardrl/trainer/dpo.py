@@ -16,10 +16,11 @@ import dataclasses
 import sys
 
 from shardrl.algos.preference import PREFERENCE_LOSSES, PreferenceParams, sequence_log_probs
-from shardrl.config import DPOConfig
+from shardrl.config import DPOConfig, LoRAConfig
 from shardrl.engine import build_engine
 from shardrl.metrics import SumCount, row_means
 from shardrl.trainer.offline import PairTrainer, rank_main
+from shardrl.trainer.roles import AdaptersOff
 
 
 def pair_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> dict:
@@ -58,9 +59,11 @@ class DPOTrainer(PairTrainer):
         self.params = PreferenceParams(s.beta, s.label_smoothing, s.simpo_gamma)
         self.mode = PREFERENCE_LOSSES[s.loss_type]
         self.ref = None
-        if self.mode.uses_ref:
+        if self.mode.uses_ref and self.cfg.model.lora.rank > 0 and s.ref_model_path is None:
+            self.ref = AdaptersOff(self.engine)  # the policy before training: the base, its adapters off
+        elif self.mode.uses_ref:
             ref_model = self.cfg.model if s.ref_model_path is None else dataclasses.replace(
-                self.cfg.model, path=s.ref_model_path, tiny=None)
+                self.cfg.model, path=s.ref_model_path, tiny=None, lora=LoRAConfig())
             self.ref = build_engine(ref_model, self.cfg.engine, None, mesh=self.mesh)
 
     def before_update(self, batch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardrl.config import Config
+from shardrl.config import Config, LoRAConfig
 from shardrl.distributed import ParallelDims
 from shardrl.engine import build_engine
 from shardrl.engine.model import check_tiny_shape, load_hf_config
@@ -36,6 +36,23 @@ def check_vocab_sizes(cfg: Config, tokenizer_size: int) -> None:
                 f"model.resize_token_embeddings({tokenizer_size}); model.save_pretrained(folder)")
 
 
+class AdaptersOff:
+    """The reference policy of a LoRA actor: the actor's own model with its adapters off (no second copy of the
+    base, as verl does)."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def infer_batch(self, batch, **kwargs):
+        with self.actor.adapters_off():
+            return self.actor.infer_batch(batch, **kwargs)
+
+    def __getattr__(self, name):  # offload/onload, mesh, hf_config: the actor's
+        if name == "actor":
+            raise AttributeError(name)
+        return getattr(self.actor, name)
+
+
 @dataclasses.dataclass
 class Roles:
     """The engines of a run; a role the plan leaves out is None."""
@@ -62,11 +79,13 @@ class Roles:
         meshes, total = dims.for_engine, cfg.trainer.total_steps
         roles = cls(build_engine(cfg.model, cfg.actor.engine, cfg.actor.optim, total_steps=total * num_updates["actor"],
                                  mesh=meshes(cfg.actor.engine)), dims)
+        no_lora = dataclasses.replace(cfg.model, lora=LoRAConfig())  # the policy's adapters are the policy's only
         if plan.uses_ref:
-            roles.ref = build_engine(cfg.model, cfg.ref.engine, None, mesh=meshes(cfg.ref.engine))
+            roles.ref = (AdaptersOff(roles.actor) if cfg.model.lora.rank > 0
+                         else build_engine(cfg.model, cfg.ref.engine, None, mesh=meshes(cfg.ref.engine)))
         if plan.needs_critic:
-            critic_model = cfg.model if cfg.critic.model_path is None else dataclasses.replace(
-                cfg.model, path=cfg.critic.model_path, tiny=None)
+            critic_model = no_lora if cfg.critic.model_path is None else dataclasses.replace(
+                no_lora, path=cfg.critic.model_path, tiny=None)
             roles.critic = build_engine(critic_model, cfg.critic.engine, cfg.critic.optim, head="value",
                                         total_steps=total * num_updates["critic"], mesh=meshes(cfg.critic.engine))
         return roles
@@ -74,5 +93,5 @@ class Roles:
     def add_reward_model(self, cfg: Config) -> None:
         """The reward model's engine (`reward.model_path`), forward-only, with a score head."""
         meshes = self.parallel_dims.for_engine
-        rm_cfg = dataclasses.replace(cfg.model, path=cfg.reward.model_path, tiny=None)
+        rm_cfg = dataclasses.replace(cfg.model, path=cfg.reward.model_path, tiny=None, lora=LoRAConfig())
         self.reward_model = build_engine(rm_cfg, cfg.reward.engine, None, head="score", mesh=meshes(cfg.reward.engine))

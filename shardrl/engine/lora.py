@@ -1,0 +1,143 @@
+"""LoRA adapters on an engine's model (`model.lora`), with PyPI `peft`: injected into the Hugging Face model in
+place (`inject_adapter_in_model`, no PeftModel wrapper: the model keeps its class, its decoder blocks and its
+forward), before the engine shards it.
+
+    a LoRA linear   `...q_proj.base_layer.weight` (frozen, stored in engine.param_dtype: no fp32 master copy, no
+                    gradient, no optimizer state) + `...q_proj.lora_A.default.weight` (r, in) and
+                    `...q_proj.lora_B.default.weight` (out, r), fp32, trained; out = base(x) + scaling * B(A(x))
+    HF names        `.base_layer.` dropped; the lora_* tensors have none (the export merges them into the base)
+    reference       the same model with the adapters off (`adapters_off`): the base policy, no second copy
+
+FSDP2 takes a block that mixes frozen bf16 and trainable fp32 parameters (its one-dtype rule covers the trainable
+ones); peft must come before `fully_shard` (after it, the adapters would be plain tensors that FSDP never reduces).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+LORA_MARK = ".lora_"
+"""In the name of every adapter parameter (`lora_A`, `lora_B`)."""
+
+
+def peft_lora_config(lora_cfg):
+    """peft's LoraConfig of shardrl's `model.lora` section."""
+    from peft import LoraConfig
+
+    targets = lora_cfg.target_modules
+    return LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                      target_modules=targets if targets == "all-linear" else list(targets), bias="none",
+                      use_rslora=lora_cfg.use_rslora, init_lora_weights=True)
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """The leaf names of the model's linear layers (what target_modules may name), output head excluded."""
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return sorted(names - {"lm_head", "score"})
+
+
+def inject_lora(lm: nn.Module, lora_cfg) -> list[str]:
+    """Adds `model.lora`'s adapters to the HF model `lm` (on any device, meta included), freezes everything
+    else, and makes the adapters fp32; returns the adapter parameters' names. A ValueError naming the key for
+    target modules that match nothing."""
+    from peft import inject_adapter_in_model
+
+    known = linear_module_names(lm)
+    targets = lora_cfg.target_modules
+    if targets != "all-linear":
+        missing = [t for t in targets if t not in known]
+        if missing or not targets:
+            raise ValueError(f"model.lora.target_modules={list(targets)}: {missing or 'none'} match no linear layer "
+                             f"of the model; its linear layers are {known} (or give \"all-linear\")")
+    inject_adapter_in_model(peft_lora_config(lora_cfg), lm)
+    names = []
+    for name, p in lm.named_parameters():
+        if LORA_MARK in name:
+            p.data = p.data.float()  # the adapters train in fp32 whatever the base is stored in
+            p.requires_grad_(True)
+            names.append(name)
+        else:
+            p.requires_grad_(False)
+    if not names:
+        raise ValueError(f"model.lora.target_modules={targets!r} added no adapter; the model's linear layers are "
+                         f"{known}")
+    return names
+
+
+def lora_init(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """The initial value of adapter `name`, the same on every rank and in every process: A Kaiming-uniform (as
+    peft's default, from a generator seeded by `seed` and the name), B zeros, so training starts at the base."""
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, name)) * 7919 + len(name))
+    fan_in = shape[1]
+    bound = math.sqrt(6.0 / ((1 + 5.0) * fan_in))  # kaiming_uniform_(a=sqrt(5)), what nn.Linear and peft use
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+def lora_modules(module: nn.Module) -> list[nn.Module]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def adapters_off(module: nn.Module):
+    """The base model inside: every LoRA layer skips its adapter. (peft's `disable_adapter()` also turns the
+    adapters' requires_grad off, which FSDP2, first run inside it, would take for a model without trainable
+    parameters: the reduce dtype would never be set up.)"""
+    layers = lora_modules(module)
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m._disable_adapters = False
+
+
+def hf_base_name(name: str) -> str:
+    """The HF name of a base weight under a LoRA layer (`q_proj.base_layer.weight` -> `q_proj.weight`)."""
+    return name.replace(".base_layer.", ".")
+
+
+def merge_lora(stream: Iterable[tuple[str, torch.Tensor]], scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) in module order -> the same with each LoRA layer's base weight merged
+    (W + scaling * B @ A, computed in fp32, in W's dtype) under the base weight's HF name; adapters dropped."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # a LoRA layer's prefix -> what arrived of it so far
+
+    def ready(prefix: str):
+        parts = pending[prefix]
+        if {"base", "A", "B"} <= set(parts):
+            del pending[prefix]
+            w = parts["base"]
+            merged = w.float() + scaling * (parts["B"].float() @ parts["A"].float())
+            return f"{prefix}weight", merged.to(w.dtype)
+        return None
+
+    for name, tensor in stream:
+        if ".base_layer.weight" in name:
+            prefix, part = name.split("base_layer.weight")[0], "base"
+        elif ".lora_A." in name:
+            prefix, part = name.split("lora_A.")[0], "A"
+        elif ".lora_B." in name:
+            prefix, part = name.split("lora_B.")[0], "B"
+        else:
+            yield hf_base_name(name), tensor  # base_layer.bias and everything outside LoRA layers
+            continue
+        pending.setdefault(prefix, {})[part] = tensor
+        out = ready(prefix)
+        if out is not None:
+            yield out
+    if pending:
+        raise RuntimeError(f"LoRA layers without their base weight or adapters in the export: {sorted(pending)}")
+
+
+def scaling_of(lora_cfg) -> float:
+    """alpha / r (alpha / sqrt(r) with rsLoRA), as peft scales B @ A."""
+    return lora_cfg.alpha / (math.sqrt(lora_cfg.rank) if lora_cfg.use_rslora else lora_cfg.rank)

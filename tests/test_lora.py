@@ -1,0 +1,172 @@
+"""LoRA (`model.lora`): the engine's adapter gradients equal a plain peft model's in a loop written here, however
+the batch is cut or sharded (world 1/2, micro-batches, dynamic batches, sp=2); only the adapters train, the base is
+frozen in param_dtype; the reference is the base (adapters off); the export is the merged model; bad input is one
+line naming the key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardrl.algos.aggregate import agg_loss
+from shardrl.config import ConfigError, EngineConfig, LoRAConfig, ModelConfig, OptimConfig, load_config
+from shardrl.engine import build_engine
+from shardrl.engine.loading import copy_full_into
+from shardrl.engine.lora import LORA_MARK
+from shardrl.engine.model import build_causal_lm, load_hf_config
+from shardrl.testing import TINY_MODELS, random_batch, record_grads, run_distributed
+
+RANK, ALPHA = 4, 8.0
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+NUM_SEQS, MAX_LEN = 8, 20
+OPTIM = dict(lr=1e-3, betas=[0.9, 0.99], eps=1e-6, weight_decay=0.0, clip_grad=0.0)
+
+
+def make_batch():
+    return random_batch(NUM_SEQS, MAX_LEN, TINY_MODELS["qwen2"]["vocab_size"], seed=1)
+
+
+def adapter_values(shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Random A and B for every adapter (B != 0, so that A has a gradient too), by HF name."""
+    g = torch.Generator().manual_seed(7)
+    return {name: torch.randn(shape, generator=g) * 0.1 for name, shape in sorted(shapes.items())}
+
+
+def loss_fn(outputs, mb, num_tokens, num_seqs):
+    return agg_loss(-outputs["log_probs"] * mb["advantages"], mb["loss_mask"], "token-mean",
+                    num_global_tokens=num_tokens, num_global_seqs=num_seqs), {}
+
+
+def peft_reference(values: dict[str, torch.Tensor] | None = None):
+    """The plain loop: peft's own get_peft_model on the HF model, the padded batch, full logits, backward.
+    Returns the adapters' gradients by HF name, and the model's log-probs after one SGD-free forward."""
+    from peft import LoraConfig, get_peft_model
+
+    config = load_hf_config(None, TINY_MODELS["qwen2"])
+    base = build_causal_lm(config, None, "cpu", torch.float32, seed=0)
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
+    named = {n.removeprefix("base_model.model."): p for n, p in model.named_parameters() if p.requires_grad}
+    if values is None:
+        return {n: p.shape for n, p in named.items()}
+    with torch.no_grad():
+        for name, p in named.items():
+            p.copy_(values[name])
+    batch = make_batch()
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits.float()  # (B, T, V)
+    logp = torch.zeros(ids.shape)
+    logp[:, 1:] = F.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    agg_loss(-logp * batch["advantages"], batch["loss_mask"], "token-mean").backward()
+    return {n: p.grad.detach().clone() for n, p in named.items()}
+
+
+def engine_grads(layouts: dict[str, dict], values: dict[str, torch.Tensor]) -> dict:
+    """On every rank: each layout's one train_batch on this rank's share; the adapters' whole gradients, the
+    trained parameters' names, the base's dtype."""
+    out = {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for name, engine_kwargs in layouts.items():
+        model_cfg = ModelConfig(tiny=TINY_MODELS["qwen2"], lora=LoRAConfig(rank=RANK, alpha=ALPHA,
+                                                                         target_modules=TARGETS))
+        engine = build_engine(model_cfg, EngineConfig(param_dtype="float32", **engine_kwargs), OptimConfig(**OPTIM))
+        with torch.no_grad():
+            for n, p in engine.module.named_parameters():
+                if LORA_MARK in n:
+                    copy_full_into(p, values[engine.hf_name(n)])
+        steps = record_grads(engine)
+        engine.train_batch(make_batch().chunk(engine.mesh.dp_size)[engine.mesh.dp_rank], loss_fn)
+        trained = sorted(engine.hf_name(n) for n, p in engine.module.named_parameters() if p.requires_grad)
+        out[name] = {"grads": steps[0], "trained": trained, "optimizer_params": sum(
+            len(g["params"]) for g in engine.optimizer.param_groups)}
+    assert rank < world
+    return out
+
+
+LAYOUTS_1 = {"micro1": dict(micro_batch_size_per_gpu=1), "micro4": dict(micro_batch_size_per_gpu=4),
+             "dynamic": dict(use_dynamic_bsz=True, max_token_len_per_gpu=48)}
+LAYOUTS_2 = {"dp2_micro2": dict(micro_batch_size_per_gpu=2), "dp2_dynamic": dict(use_dynamic_bsz=True,
+                                                                                 max_token_len_per_gpu=40),
+             "sp2_micro1": dict(micro_batch_size_per_gpu=1, ulysses_sequence_parallel_size=2)}
+
+
+@pytest.mark.multiproc
+def test_adapter_gradients_equal_a_plain_peft_loop_however_the_batch_is_cut():
+    values = adapter_values(peft_reference())
+    want = peft_reference(values)
+    assert len(want) == 2 * len(TARGETS) * TINY_MODELS["qwen2"]["num_hidden_layers"]
+    assert all(float(g.abs().max()) > 0 for g in want.values())  # A and B both get gradients
+    scale = max(float(g.abs().max()) for g in want.values())
+    runs = {**run_distributed(engine_grads, 1, LAYOUTS_1, values), **run_distributed(engine_grads, 2, LAYOUTS_2, values)}
+    for name, run in runs.items():
+        assert run["trained"] == sorted(want) and run["optimizer_params"] == len(want), name  # the adapters only
+        assert sorted(run["grads"]) == sorted(want), name
+        for key, g in want.items():
+            torch.testing.assert_close(run["grads"][key], g, rtol=0, atol=1e-5 * scale, msg=f"{name} {key}")
+
+
+def _reference_and_export(values):
+    model_cfg = ModelConfig(tiny=TINY_MODELS["qwen2"], lora=LoRAConfig(rank=RANK, alpha=ALPHA,
+                                                                     target_modules=TARGETS))
+    engine = build_engine(model_cfg, EngineConfig(param_dtype="bfloat16"), OptimConfig(**OPTIM))
+    base_dtypes = {p.dtype for n, p in engine.module.named_parameters() if not p.requires_grad}
+    lora_dtypes = {p.dtype for n, p in engine.module.named_parameters() if p.requires_grad}
+    batch = make_batch()
+    at_init = engine.infer_batch(batch)["log_probs"]
+    with torch.no_grad():
+        for n, p in engine.module.named_parameters():
+            if LORA_MARK in n:
+                copy_full_into(p, values[engine.hf_name(n)])
+    adapted = engine.infer_batch(batch)["log_probs"]
+    with engine.adapters_off():
+        base = engine.infer_batch(batch)["log_probs"]
+    merged = {k: v.float() for k, v in engine.export_weights()}
+    return {"base_dtypes": base_dtypes, "lora_dtypes": lora_dtypes, "at_init": at_init, "adapted": adapted,
+            "base": base, "merged": merged}
+
+
+@pytest.mark.multiproc
+def test_the_base_is_frozen_in_bf16_the_reference_is_the_base_and_the_export_merges():
+    values = adapter_values(peft_reference())
+    got = run_distributed(_reference_and_export, 2, values)
+    assert got["base_dtypes"] == {torch.bfloat16} and got["lora_dtypes"] == {torch.float32}
+    torch.testing.assert_close(got["at_init"], got["base"], rtol=0, atol=0)  # B starts at 0: the base model
+    assert float((got["adapted"] - got["base"]).abs().max()) > 1e-3
+    # the export is a plain HF model: the adapted model's log-probs, with HF names only
+    config = load_hf_config(None, TINY_MODELS["qwen2"])
+    plain = build_causal_lm(config, None, "cpu", torch.float32, seed=0)
+    assert set(got["merged"]) == set(plain.state_dict()) - {"lm_head.weight"} or set(got["merged"]) == set(
+        plain.state_dict())
+    plain.load_state_dict(got["merged"], strict=False)
+    batch = make_batch()
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    logits = plain(input_ids=ids, attention_mask=am, position_ids=pos).logits.float()
+    logp = F.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    real = batch["loss_mask"][:, 1:].bool()
+    # bf16 base: the merged weights are rounded to bf16 once, the engine adds the adapters' product unrounded
+    assert float((logp - got["adapted"][:, 1:]).abs()[real].max()) < 0.05
+
+
+def test_bad_lora_settings_are_one_line_naming_the_key():
+    for override, message in (("model.lora.rank=-1", "model.lora.rank=-1: must be >= 0"),
+                              ("model.lora.target_modules=[]", "model.lora.target_modules=[]: must name"),
+                              ("model.lora.target_modules=[lm_head]", "cannot hold the output head")):
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            load_config(None, [override])
+
+
+def _build(model_kwargs, engine_kwargs):
+    build_engine(ModelConfig(tiny=TINY_MODELS["qwen2"], lora=LoRAConfig(**model_kwargs)), EngineConfig(**engine_kwargs),
+                 OptimConfig())
+
+
+@pytest.mark.multiproc
+def test_lora_that_cannot_run_is_refused_when_the_engine_is_built():
+    with pytest.raises(Exception, match=r"model.lora.target_modules=\['qkv'\]: \['qkv'\] match no linear layer of the "
+                                        r"model; its linear layers are \['down_proj', 'gate_proj', 'k_proj'"):
+        run_distributed(_build, 1, dict(rank=4, target_modules=["qkv"]), {})
+    with pytest.raises(Exception, match=r"model.lora with offload_params=true is not supported yet"):
+        run_distributed(_build, 1, dict(rank=4), dict(offload_params=True))
