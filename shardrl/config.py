@@ -315,6 +315,8 @@ class CriticConfig:
     """Prompts per critic optimizer step (global)."""
     ppo_epochs: int = 1
     """Passes over each step's batch."""
+    shuffle: bool = True
+    """Shuffle samples before cutting the critic's mini-batches (taken from actor.shuffle unless set)."""
     cliprange_value: float = 0.5
     """Value clip: new values stay within this of the old ones."""
     loss_agg_mode: LossAggMode = "token-mean"
@@ -362,7 +364,8 @@ class MultiTurnConfig:
     """Built-in tools when no interaction file is given: "calculator" (ast arithmetic), "python" (a subprocess
     sandbox: time/memory limits, a temporary folder as cwd; the network and the file system are NOT isolated)."""
     max_turns: int = 4
-    """Model turns per conversation at most (a tool call in the last one is not run)."""
+    """Model turns per conversation at most (a tool call in the last one is not run); 0: no limit but the token
+    budget (verl's max_assistant_turns=null)."""
     max_response_tokens: int = 512
     """Token budget of a whole response: the model's turns and the tool turns together. Each model turn is also
     capped at rollout.max_new_tokens."""
@@ -370,6 +373,9 @@ class MultiTurnConfig:
     """Time limit of one tool call (from its submission); a late call answers with an error message."""
     max_tool_output_chars: int = 2000
     """A tool's answer is cut to this many characters before it is tokenized."""
+    tool_output_truncate_side: Literal["left", "right", "middle"] = "left"
+    """Which part of a longer answer is kept, as verl says it: left, its start (then "...(truncated)"); right, its
+    end; middle, half of each."""
     num_tool_workers: int = 16
     """Threads running tool calls concurrently."""
     overlap_tools: bool = False
@@ -401,7 +407,7 @@ class MultiTurnConfig:
         require(self, prefix, "max_calls_per_turn", self.max_calls_per_turn >= 1, "must be >= 1")
         require(self, prefix, "max_calls_per_turn", self.max_calls_per_turn == 1 or not self.overlap_tools,
                 "must be 1 with overlap_tools=true (a turn there ends at its first call); set one of them back")
-        require(self, prefix, "max_turns", self.max_turns >= 1, "must be >= 1")
+        require(self, prefix, "max_turns", self.max_turns >= 0, "must be >= 0 (0: no limit but max_response_tokens)")
         require(self, prefix, "max_response_tokens", self.max_response_tokens >= 1, "must be >= 1")
         require(self, prefix, "tool_timeout_s", self.tool_timeout_s > 0, "must be > 0 (seconds)")
         require(self, prefix, "max_tool_output_chars", self.max_tool_output_chars >= 1, "must be >= 1")
@@ -695,11 +701,12 @@ class AsyncConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 20
-    """Training steps (one rollout batch and its updates each)."""
+    total_steps: int | None = 20
+    """Training steps (one rollout batch and its updates each); null with total_epochs."""
     total_epochs: int | None = None
-    """Passes over the training prompts instead of a step count: total_steps becomes total_epochs x the steps of
-    one epoch (prompts // data.train_batch_size; the last, short batch of an epoch is dropped). Set one of the two."""
+    """Passes over the training prompts: the run stops after total_epochs x the steps of one epoch (prompts //
+    data.train_batch_size; an epoch's last, short batch is dropped), or at total_steps if that is set too and
+    comes first (verl's rule)."""
     output_dir: str | None = None
     """Run folder (config, metrics, checkpoints); None is ./outputs/<experiment_name>/<timestamp>, or with
     resume=auto the newest such folder that has checkpoints."""
@@ -737,7 +744,9 @@ class TrainerConfig:
     """Where to run; "auto" picks CUDA when present."""
 
     def validate(self, prefix: str) -> None:
-        require(self, prefix, "total_steps", self.total_steps >= 1, "must be >= 1")
+        require(self, prefix, "total_steps", self.total_steps is not None or self.total_epochs is not None,
+                "must be set (>= 1), or trainer.total_epochs")
+        require(self, prefix, "total_steps", self.total_steps is None or self.total_steps >= 1, "must be >= 1")
         require(self, prefix, "total_epochs", self.total_epochs is None or self.total_epochs >= 1, "must be >= 1 or null")
         require(self, prefix, "save_freq", self.save_freq >= 0, "must be >= 0 (0 = never)")
         require(self, prefix, "keep_last", self.keep_last >= 0, "must be >= 0 (0 = keep all)")
@@ -780,16 +789,16 @@ class Config:
 
         return native_hint(key)
 
-    INHERITED = {"ref": ("engine",), "critic": ("engine", "ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode"),
+    INHERITED = {"ref": ("engine",), "critic": ("engine", "ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "shuffle"),
                  "reward": ("engine",)}
     """What a role takes from the actor unless set for it (verl's `oc.select` defaults): every engine setting
     (dtype, micro-batching, dynamic batches, sharding, offload, sequence parallel) and the critic's loop."""
 
     def inherit(self, given: set[str]) -> None:
-        """Refuse both trainer.total_steps and total_epochs given; fill each role's `INHERITED` settings that `given` (the keys the file and overrides set) does not name
+        """Let total_epochs alone decide the run's length unless total_steps is given too; fill each role's `INHERITED` settings that `given` (the keys the file and overrides set) does not name
         from the actor's: with an fp32 actor the reference computes in fp32 too, so the on-policy KL is 0."""
-        require(self, "", "trainer.total_epochs", self.trainer.total_epochs is None or "trainer.total_steps" not in given,
-                "and trainer.total_steps are both set; set one of them (epochs: passes over data.train_files)")
+        if self.trainer.total_epochs is not None and "trainer.total_steps" not in given:
+            self.trainer.total_steps = None  # the epochs decide; total_steps' default does not cap them
         for role, names in self.INHERITED.items():
             section = getattr(self, role)
             for name in names:
@@ -804,7 +813,7 @@ class Config:
     def ignored_settings(self) -> list[str]:
         """Settings this config gives that nothing will read, each as a line to warn with (a run goes on)."""
         lines = []
-        if self.data.val_files and not self.trainer.val_freq:
+        if self.data.val_files and not self.trainer.val_freq and not self.trainer.val_before_train:
             lines.append(f"data.val_files={self.data.val_files} is never read: trainer.val_freq=0 turns validation "
                          "off (set trainer.val_freq to validate every that many steps)")
         mt = self.rollout.multi_turn

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from shardrl.verl_defaults import VERL_PPO_DEFAULTS
 from shardrl.verl_keys import DICT_KEYS, VERL_DEFAULTS, VERL_KEYS
 
 
@@ -48,6 +49,29 @@ class Translation:
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
+class _HydraLikeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader reading scalars closer to Hydra's (OmegaConf's): no dates or times (an experiment
+    named 2025-01-31 stays a string), no sexagesimal numbers (12:30), only true/false as booleans (yes, no, on,
+    off stay strings)."""
+
+
+_HydraLikeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if tag not in ("tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int",
+                           "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _tag, _regexp, _first in (
+        ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+        ("tag:yaml.org,2002:int", r"^[-+]?(?:0|[1-9][0-9_]*)$", "-+0123456789"),
+        ("tag:yaml.org,2002:float", r"^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]*(?:[eE][-+]?[0-9]+)?$|^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"
+                                    r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$", "-+0123456789.")):
+    _HydraLikeLoader.add_implicit_resolver(_tag, re.compile(_regexp), list(_first))
+
+
+def _read_value(text: str):
+    return yaml.load(text, Loader=_HydraLikeLoader) if text.strip() else None
+
+
 def parse_verl_args(args: list[str]) -> dict[str, Any]:
     """verl's `key=value` arguments (Hydra's `+key=value` too) -> {key: value}, values read as YAML as Hydra does."""
     given: dict[str, Any] = {}
@@ -57,11 +81,13 @@ def parse_verl_args(args: list[str]) -> dict[str, Any]:
         if not sep or not key or key.startswith("~"):
             raise VerlKeyError(f"bad verl argument {arg!r}: expected key=value (Hydra's ~key deletion is not supported)")
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = _read_value(text)
         except yaml.YAMLError as e:
             raise VerlKeyError(f"bad verl argument {arg!r}: cannot read {text!r} ({e})") from None
         if isinstance(value, str) and _FLOAT.fullmatch(value):  # PyYAML reads 1e-6 as a string; Hydra as a float
             value = float(value)
+        if isinstance(value, str) and "${" in value:
+            raise VerlKeyError(f"verl argument {arg!r} is a Hydra interpolation; give the value itself")
         given[key] = value
     return given
 
@@ -75,7 +101,7 @@ def config_file_args(config_path: str, config_name: str) -> list[str]:
     if not os.path.isfile(path):
         raise VerlKeyError(f"--config-path {config_path!r} --config-name {config_name!r}: no file {path!r}")
     with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        data = yaml.load(f, Loader=_HydraLikeLoader) or {}
     args = []
 
     def walk(node, prefix):
@@ -103,22 +129,40 @@ def translate(args: list[str]) -> Translation:
         if not isinstance(given[section], dict):
             raise VerlKeyError(f"verl key {key}: {section} is {given[section]!r}, not a mapping")
         given[section][name] = given.pop(key)
-    unknown = [k for k in given if k not in VERL_KEYS]
-    if unknown:
-        lines = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, list(VERL_KEYS), n=1, cutoff=0.8)
-            lines.append(f"{key}" + (f" (did you mean {close[0]}?)" if close else ""))
-        raise VerlKeyError(f"verl key(s) shardrl cannot run: {'; '.join(lines)}. shardrl takes the verl keys listed "
-                           "in shardrl.verl_compat.VERL_KEYS (README, 'For verl users'); drop these, or move the run "
-                           "to native keys (the translation `shardrl train --verl` prints)")
+    at_default = {}
+    refused = []
+    for key in [k for k in given if k not in VERL_KEYS]:
+        value = given.pop(key)
+        if _is_megatron(key, value):
+            raise VerlKeyError(f"verl key {key}: Megatron is not supported (shardrl trains with FSDP2/FSDP1)")
+        if key.startswith(DROPPED_PREFIXES) and key in VERL_PPO_DEFAULTS:
+            at_default[key] = "a profiler, Ray or reward-model-server setting; shardrl has none of these"
+        elif key in VERL_PPO_DEFAULTS and _same(value, VERL_PPO_DEFAULTS[key]):
+            at_default[key] = f"at verl's default ({VERL_PPO_DEFAULTS[key]!r}): no shardrl setting needed"
+        elif key in VERL_PPO_DEFAULTS:
+            refused.append(f"{key}={value!r} (verl's default {VERL_PPO_DEFAULTS[key]!r}; shardrl has no such setting, "
+                           "so only verl's default runs)")
+        else:
+            close = difflib.get_close_matches(key, sorted({*VERL_KEYS, *VERL_PPO_DEFAULTS}), n=1, cutoff=0.8)
+            refused.append(f"{key} (verl has no such key" + (f"; did you mean {close[0]}?)" if close else ")"))
+    if refused:
+        raise VerlKeyError(f"verl key(s) shardrl cannot run: {'; '.join(refused)}. The verl keys shardrl takes are "
+                           "listed in shardrl/verl_keys.py (README, 'For verl users')")
     values = {**{k: v for k, v in VERL_DEFAULTS.items() if k not in given}, **given}
     out: dict[str, Any] = {}
-    dropped_keys: dict[str, str] = {}
+    dropped_keys: dict[str, str] = dict(at_default)
     applies = []
     for key, value in values.items():
         rule = VERL_KEYS[key]
         try:
+            if value is None and rule.target is not None:  # null: verl's "unset"; shardrl's default, unless the
+                try:                                        # conversion gives null a meaning (keep all, no limit)
+                    converted = rule.convert(None) if rule.convert else None
+                except (TypeError, ValueError, AttributeError):
+                    converted = None
+                if converted is not None or (rule.convert is not None and _means_none(rule)):
+                    out[rule.target] = converted
+                continue
             if rule.apply is not None:
                 applies.append((key, rule, value))
             elif rule.drop is not None:
@@ -136,11 +180,33 @@ def translate(args: list[str]) -> Translation:
             rule.apply(value, out, values)
         except (ValueError, TypeError) as e:
             raise VerlKeyError(f"verl key {key}={value!r}: {e}") from None
-    if "trainer.total_steps" in out:  # verl: total_training_steps wins over total_epochs
-        out.pop("trainer.total_epochs", None)
     out["trainer.verl_metric_names"] = True  # the run logs verl's names too: a verl dashboard reads it
     out["rollout.multi_turn.reward_text"] = "conversation"  # verl's reward reads the whole response
-    return Translation([f"{k}={json.dumps(v)}" for k, v in out.items()], dropped_keys)
+    return Translation([f"{k}={json.dumps(v, default=str)}" for k, v in out.items()], dropped_keys)
+
+
+DROPPED_PREFIXES = ("global_profiler.", "actor_rollout_ref.actor.profiler.", "actor_rollout_ref.ref.profiler.",
+                    "actor_rollout_ref.rollout.profiler.", "critic.profiler.", "reward_model.profiler.",
+                    "ray_kwargs.", "reward_model.rollout.", "transfer_queue.")
+
+
+def _is_megatron(key: str, value) -> bool:
+    return ".megatron." in f".{key}." or (key.endswith("strategy") and value == "megatron")
+
+
+def _same(value, default) -> bool:
+    """Whether `value` is verl's default (a `${...}` default: whatever it refers to, taken as given)."""
+    if isinstance(default, str) and default.startswith("${"):
+        return False
+    return value == default or (isinstance(default, (int, float)) and isinstance(value, (int, float))
+                                and float(value) == float(default))
+
+
+def _means_none(rule) -> bool:
+    """Whether a rule's conversion returns None for null on purpose (an optional shardrl key such as
+    optim.total_steps or trainer.output_dir)."""
+    return rule.target in ("actor.optim.total_steps", "critic.optim.total_steps", "trainer.output_dir",
+                           "model.tokenizer_path", "reward.function_path")
 
 
 def native_hint(key: str) -> str | None:

@@ -76,11 +76,28 @@ def strategy(value):
     return value
 
 
-def loss_mode(value):
+def _loss_mode(value, out, given):
     modes = {"vanilla": "vanilla", "gspo": "gspo_token"}  # verl's gspo is shardrl's gspo_token
     if value not in modes:
         raise ValueError(f"policy loss {value!r} is not supported; shardrl has verl's {sorted(modes)}")
-    return modes[value]
+    out["actor.loss_mode"] = modes[value]
+    if value == "gspo":  # verl's GSPO reduces seq-mean-token-mean whatever actor.loss_agg_mode says
+        out["actor.loss_agg_mode"] = "seq-mean-token-mean"
+
+
+def loss_agg(value):
+    known = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+    if value not in known:
+        raise ValueError(f"loss_agg_mode {value!r} is not supported (Dr. GRPO's seq-mean-token-sum-norm divides by a "
+                         f"fixed length); shardrl has {list(known)}")
+    return value
+
+
+def kl_type(value):
+    if value in ("full",):
+        raise ValueError("the full-vocabulary KL is not supported; shardrl has kl/k1, abs, mse/k2, low_var_kl/k3 "
+                         "(and a + suffix)")
+    return value
 
 
 def estimator(value):
@@ -137,11 +154,6 @@ def _val_do_sample(value, out, given):
         out["rollout.val_kwargs.temperature"] = 0.0
 
 
-def _response_length(value, out, given):
-    out["rollout.max_new_tokens"] = value
-    out["rollout.multi_turn.max_response_tokens"] = value  # a conversation's budget, as verl's response_length
-
-
 def _filter_overlong(value, out, given):
     if value:  # verl drops the prompts over max_prompt_length before training
         out["data.truncation"] = "drop"
@@ -192,8 +204,30 @@ def _rollout_is(value, out, given):
 
 
 def _filter_metric(value, out, given):
-    if value not in ("score", "seq_reward", "seq_final_reward"):
-        raise ValueError(f"filter_groups.metric {value!r}: shardrl filters groups by their score")
+    if value not in ("score", "seq_reward", "seq_final_reward") and given.get("algorithm.filter_groups.enable"):
+        raise ValueError(f"filter_groups.metric {value!r}: shardrl filters groups by their score (with the overlong "
+                         "penalty); a group all right or all wrong by acc may still differ in score")
+
+
+def _response_length(value, out, given):
+    key = "actor_rollout_ref.rollout.response_length"
+    if key in given and given[key] is not None and given[key] != value:
+        value = given[key]  # the rollout's own length limit is what generation obeys
+    out["rollout.max_new_tokens"] = value
+    out["rollout.multi_turn.max_response_tokens"] = value  # a conversation's budget, as verl's response_length
+
+
+def _same_as_response(value, given):
+    limit = given.get("actor_rollout_ref.rollout.response_length") or given.get("data.max_response_length")
+    if value is not None and limit is not None and value != limit:
+        raise ValueError(f"the DAPO penalty's max_resp_len={value} differs from the response length {limit}; shardrl "
+                         "shapes against the response length limit (set them equal)")
+
+
+def _gen_batch(value, given):
+    if value is not None and value != given.get("data.train_batch_size"):
+        raise ValueError(f"generation batches of {value} prompts (DAPO's dynamic sampling) are not supported: "
+                         "shardrl's dynamic sampling draws batches of data.train_batch_size prompts")
 
 
 # ---- the table --------------------------------------------------------------------------------------------------
@@ -267,17 +301,18 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.actor.clip_ratio_low": Rule("actor.clip_ratio_low", lambda v: 0.2 if v is None else v),
     "actor_rollout_ref.actor.clip_ratio_high": Rule("actor.clip_ratio_high", lambda v: 0.2 if v is None else v),
     "actor_rollout_ref.actor.clip_ratio_c": same("actor.clip_ratio_c"),
-    "actor_rollout_ref.actor.loss_agg_mode": same("actor.loss_agg_mode"),
+    "actor_rollout_ref.actor.loss_agg_mode": conv("actor.loss_agg_mode", loss_agg),
     "actor_rollout_ref.actor.entropy_coeff": same("actor.entropy_coeff"),
     "actor_rollout_ref.actor.calculate_entropy": dropped("shardrl logs the entropy it computes"),
     "actor_rollout_ref.actor.use_kl_loss": same("actor.use_kl_loss"),
     "actor_rollout_ref.actor.kl_loss_coef": same("actor.kl_loss_coef"),
-    "actor_rollout_ref.actor.kl_loss_type": same("actor.kl_loss_type"),
+    "actor_rollout_ref.actor.kl_loss_type": conv("actor.kl_loss_type", kl_type),
     "actor_rollout_ref.actor.ppo_epochs": same("actor.ppo_epochs"),
     "actor_rollout_ref.actor.shuffle": same("actor.shuffle"),
     "actor_rollout_ref.actor.data_loader_seed": dropped("shardrl seeds the mini-batch shuffle from data.seed"),
-    "actor_rollout_ref.actor.policy_loss.loss_mode": conv("actor.loss_mode", loss_mode),
-    "actor_rollout_ref.actor.grad_clip": same("actor.optim.clip_grad"),
+    "actor_rollout_ref.actor.policy_loss.loss_mode": Rule(apply=_loss_mode, hint="'actor.loss_mode'"),
+    "actor_rollout_ref.actor.grad_clip": Rule(apply=lambda v, out, given: out.__setitem__("actor.optim.clip_grad", v),
+                                              hint="'actor.optim.clip_grad'"),  # verl reads it over optim.clip_grad
     "actor_rollout_ref.actor.use_torch_compile": dropped(KERNEL),
     "actor_rollout_ref.actor.entropy_from_logits_with_chunking": dropped(KERNEL),
     "actor_rollout_ref.actor.entropy_checkpointing": dropped(KERNEL),
@@ -307,7 +342,7 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.rollout.top_k": conv("rollout.top_k", top_k),
     "actor_rollout_ref.rollout.do_sample": Rule(apply=_do_sample, hint="'rollout.temperature' (0: greedy)"),
     "actor_rollout_ref.rollout.response_length": Rule(apply=_response_length, hint=RESPONSE_KEYS),
-    "actor_rollout_ref.rollout.prompt_length": same("data.max_prompt_length"),
+    "actor_rollout_ref.rollout.prompt_length": dropped(VLLM + " (data.max_prompt_length filters the prompts)"),
     "actor_rollout_ref.rollout.free_cache_engine": same("rollout.free_cache_engine"),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": dropped(MICRO),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": dropped(MICRO),
@@ -320,7 +355,7 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.rollout.val_kwargs.do_sample": Rule(apply=_val_do_sample),
     "actor_rollout_ref.rollout.multi_turn.enable": same("rollout.multi_turn.enable"),
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": Rule("rollout.multi_turn.max_turns",
-                                                                     lambda v: 4 if v is None else v),
+                                                                     lambda v: 0 if v is None else v),  # null: none
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": same("rollout.multi_turn.max_tool_output_chars"),
     "actor_rollout_ref.rollout.multi_turn.format": only(("hermes",), "shardrl parses Hermes tool calls"),
     "actor_rollout_ref.rollout.multi_turn.tool_config_path": Rule("rollout.multi_turn.tool_config_path",
@@ -328,8 +363,8 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": same("rollout.multi_turn.max_calls_per_turn"),
     "actor_rollout_ref.rollout.multi_turn.max_user_turns": only((None,), "user (interaction) turns are not "
                                                                          "supported yet"),
-    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": only(("right",), "shardrl cuts a tool's "
-                                                                                         "answer on the right"),
+    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": same(
+        "rollout.multi_turn.tool_output_truncate_side"),
     "data.tool_config_path": dropped("read from actor_rollout_ref.rollout.multi_turn.tool_config_path"),
     "global_profiler.tool": dropped("a profiler setting; shardrl has no built-in profiler"),
     "global_profiler.save_path": dropped("a profiler setting; shardrl has no built-in profiler"),
@@ -372,10 +407,11 @@ VERL_KEYS: dict[str, Rule] = {
     "critic.use_dynamic_bsz": same("critic.engine.use_dynamic_bsz"),
     "critic.ppo_max_token_len_per_gpu": same("critic.engine.max_token_len_per_gpu"),
     "critic.ppo_epochs": same("critic.ppo_epochs"),
-    "critic.shuffle": dropped("the critic's mini-batches are always shuffled"),
+    "critic.shuffle": same("critic.shuffle"),
     "critic.cliprange_value": same("critic.cliprange_value"),
-    "critic.loss_agg_mode": same("critic.loss_agg_mode"),
-    "critic.grad_clip": same("critic.optim.clip_grad"),
+    "critic.loss_agg_mode": conv("critic.loss_agg_mode", loss_agg),
+    "critic.grad_clip": Rule(apply=lambda v, out, given: out.__setitem__("critic.optim.clip_grad", v),
+                             hint="'critic.optim.clip_grad'"),
     "critic.ulysses_sequence_parallel_size": same("critic.engine.ulysses_sequence_parallel_size"),
     "critic.data_loader_seed": dropped("shardrl seeds the mini-batch shuffle from data.seed"),
     "critic.checkpoint.save_contents": dropped("a checkpoint holds model, optimizer and the rest"),
@@ -398,6 +434,13 @@ VERL_KEYS: dict[str, Rule] = {
     "reward_model.launch_reward_fn_async": dropped(RAY),
     "reward_model.sandbox_fusion.url": only((None,), "sandbox fusion is not supported; score code in your reward "
                                                      "function"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": same("reward.overlong_buffer.enable"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": same("reward.overlong_buffer.len"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": same("reward.overlong_buffer.penalty_factor"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.log": dropped("the penalty's mean is always logged"),
+    "reward_model.reward_kwargs.max_resp_len": Rule(apply=lambda v, out, given: _same_as_response(v, given),
+                                                    hint="'rollout.max_new_tokens'"),
+    "data.gen_batch_size": Rule(apply=lambda v, out, given: _gen_batch(v, given), hint="'data.train_batch_size'"),
     "reward_model.overlong_buffer.enable": same("reward.overlong_buffer.enable"),
     "reward_model.overlong_buffer.len": same("reward.overlong_buffer.len"),
     "reward_model.overlong_buffer.penalty_factor": same("reward.overlong_buffer.penalty_factor"),
@@ -417,7 +460,7 @@ VERL_KEYS: dict[str, Rule] = {
     "algorithm.lam": same("algorithm.lam"),
     "algorithm.norm_adv_by_std_in_grpo": same("algorithm.norm_adv_by_std_in_grpo"),
     "algorithm.use_kl_in_reward": same("algorithm.use_kl_in_reward"),
-    "algorithm.kl_penalty": same("algorithm.kl_penalty"),
+    "algorithm.kl_penalty": conv("algorithm.kl_penalty", kl_type),
     "algorithm.kl_ctrl.type": Rule(apply=_kl_ctrl_type, hint="'algorithm.kl_target' (null: fixed)"),
     "algorithm.kl_ctrl.kl_coef": same("algorithm.kl_coef"),
     "algorithm.kl_ctrl.horizon": same("algorithm.kl_horizon"),
@@ -447,7 +490,7 @@ VERL_KEYS: dict[str, Rule] = {
     "trainer.val_only": only((False,), "not supported; run with trainer.total_training_steps=... and test_freq"),
     "trainer.resume_mode": Rule(apply=_resume_mode, hint="'trainer.resume'"),
     "trainer.resume_from_path": dropped("read with resume_mode=resume_path"),
-    "trainer.default_local_dir": conv("trainer.output_dir", lambda v: os.path.expanduser(str(v))),
+    "trainer.default_local_dir": Rule("trainer.output_dir", lambda v: None if v is None else os.path.expanduser(str(v))),
     "trainer.max_actor_ckpt_to_keep": conv("trainer.keep_last", keep_last),
     "trainer.max_critic_ckpt_to_keep": dropped("one checkpoint holds actor and critic (trainer.keep_last)"),
     "trainer.critic_warmup": only((0,), "critic warm-up is not supported"),
@@ -471,7 +514,8 @@ ROLE_FSDP = {"actor_rollout_ref.actor.fsdp_config": "actor.engine", "actor_rollo
 for _verl, _native in ROLE_FSDP.items():
     VERL_KEYS.update({
         f"{_verl}.param_offload": same(f"{_native}.offload_params"),
-        f"{_verl}.offload_policy": Rule(f"{_native}.offload_params", bool),
+        f"{_verl}.offload_policy": Rule(apply=lambda v, out, given, k=f"{_native}.offload_params": out.__setitem__(
+            k, bool(v) or bool(out.get(k))), hint=f"'{_native}.offload_params'"),  # either one offloads
         f"{_verl}.optimizer_offload": same(f"{_native}.offload_optimizer"),
         f"{_verl}.reshard_after_forward": same(f"{_native}.reshard_after_forward"),
         f"{_verl}.fsdp_size": same(f"{_native}.fsdp_size"),
@@ -522,6 +566,10 @@ VERL_DEFAULTS: dict[str, Any] = {
     "trainer.val_before_train": True,
     "trainer.log_val_generations": 0,
     "trainer.resume_mode": "auto",
+    "trainer.max_actor_ckpt_to_keep": None,  # keep every checkpoint
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": None,  # no turn limit
+    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": 256,
+    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": "middle",
 }
 """verl's defaults where they differ from shardrl's: a key the command line does not give takes verl's value, as
 it would under verl. (The role defaults that verl takes from the actor, shardrl's `Config.inherit` takes too.)"""

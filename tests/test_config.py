@@ -184,7 +184,7 @@ def test_validate_config_checks_programmatic_configs():
 def test_every_schema_field_has_a_docstring():
     sections = [c for c in vars(config_module).values()
                 if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == config_module.__name__]
-    assert len(sections) == 25  # with rollout.val_kwargs, algorithm.filter_groups, reward.overlong_buffer, async_rl, rollout.multi_turn,
+    assert len(sections) == 26  # with model.lora, rollout.val_kwargs, algorithm.filter_groups, reward.overlong_buffer, async_rl, rollout.multi_turn,
     # and the offline trainers' configs with their data sections and settings (`shardrl sft|dpo|rm`)
     for cls in sections:
         documented = set()
@@ -344,10 +344,12 @@ def test_roles_take_the_actors_settings_they_do_not_set(tmp_path):
     assert load_config(str(tmp_path / "saved.yaml")) == cfg
 
 
-def test_total_epochs_and_total_steps_are_not_both_set():
-    with pytest.raises(ConfigError, match=r"trainer.total_epochs=2.*and trainer.total_steps are both set"):
-        load_config(None, ["trainer.total_epochs=2", "trainer.total_steps=5"])
-    assert load_config(None, ["trainer.total_epochs=2"]).trainer.total_epochs == 2
+def test_total_epochs_alone_leaves_total_steps_to_the_data():
+    cfg = load_config(None, ["trainer.total_epochs=2"]).trainer
+    assert (cfg.total_epochs, cfg.total_steps) == (2, None)  # resolved from the training set's size at start-up
+    assert load_config(None, ["trainer.total_epochs=2", "trainer.total_steps=5"]).trainer.total_steps == 5
+    with pytest.raises(ConfigError, match=r"trainer.total_steps=None: must be set"):
+        load_config(None, ["trainer.total_steps=null"])
 
 
 def test_a_verl_key_name_gets_the_native_key():

@@ -55,7 +55,9 @@ def test_verls_qwen3_8b_grpo_script_translates(tmp_path):
         "trainer.save_freq": 20, "trainer.val_freq": 5, "trainer.total_epochs": 15,
         # verl's defaults the script relies on
         "actor.shuffle": False, "trainer.val_before_train": True,
-        "trainer.log_val_generations": 0, "trainer.resume": "auto",
+        "trainer.log_val_generations": 0, "trainer.resume": "auto", "trainer.keep_last": 0,
+        "rollout.multi_turn.max_turns": 0, "rollout.multi_turn.max_tool_output_chars": 256,
+        "rollout.multi_turn.tool_output_truncate_side": "middle",
         "rollout.max_new_tokens": 1024, "rollout.multi_turn.max_response_tokens": 1024,
         "trainer.verl_metric_names": True, "rollout.multi_turn.reward_text": "conversation",
     }
@@ -79,7 +81,7 @@ def test_verls_value_conventions():
     assert (got["trainer.save_freq"], got["trainer.val_freq"], got["rollout.top_k"]) == (0, 0, 0)
     assert got["rollout.temperature"] == 0.0 and got["rollout.val_kwargs.temperature"] == 0.0
     assert got["trainer.resume"] == "never" and got["actor.loss_mode"] == "gspo_token"  # verl's gspo is gspo_token
-    assert got["trainer.total_steps"] == 7 and "trainer.total_epochs" not in got  # verl: the step count wins
+    assert (got["trainer.total_steps"], got["trainer.total_epochs"]) == (7, 3)  # verl: whichever comes first
     assert (got["actor.optim.warmup_steps"], got["actor.optim.total_steps"], got["trainer.keep_last"]) == (0, None, 0)
     assert "actor.clip_ratio_low" not in got  # verl reads clip_ratio only where clip_ratio_low/high are null
     assert got["algorithm.kl_target"] == 0.05
@@ -261,3 +263,60 @@ def test_plan_lays_out_a_verl_command_line(tmp_path, capsys):
     assert main(["plan", "--verl", *args]) == 0
     out = capsys.readouterr().out
     assert "1 nodes x 8 procs = 8" in out and "1024 (train_batch_size) x 5 (n) = 5120" in out
+
+
+def test_verl_values_read_as_hydra_reads_them_and_pairs_by_verls_precedence():
+    got = native(translate([
+        "actor_rollout_ref.model.path=m", "trainer.experiment_name=2025-01-31", "trainer.project_name=12:30",
+        "actor_rollout_ref.actor.optim.lr=5e-7", "trainer.total_training_steps=null", "trainer.total_epochs=2",
+        "actor_rollout_ref.actor.grad_clip=0.5", "actor_rollout_ref.actor.optim.clip_grad=1.0",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=True", "actor_rollout_ref.actor.fsdp_config.offload_policy=False",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "data.max_response_length=64", "actor_rollout_ref.rollout.response_length=32",
+        "critic.checkpoint.async_save=False", "global_profiler.steps=[1,2]",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=16", "+reward_model.reward_kwargs.max_resp_len=32",
+        "data.train_batch_size=8", "data.gen_batch_size=8", "algorithm.filter_groups.metric=acc"]))
+    assert got["trainer.experiment_name"] == "2025-01-31" and got["trainer.project_name"] == "12:30"
+    assert got["actor.optim.lr"] == 5e-7 and "trainer.total_steps" not in got and got["trainer.total_epochs"] == 2
+    assert got["actor.optim.clip_grad"] == 0.5  # verl reads actor.grad_clip, whatever the order
+    assert got["actor.engine.offload_params"] is True  # either verl key offloads
+    assert (got["actor.loss_mode"], got["actor.loss_agg_mode"]) == ("gspo_token", "seq-mean-token-mean")
+    assert got["rollout.max_new_tokens"] == 32  # the rollout's own limit is what verl generates to
+    assert got["reward.overlong_buffer.enable"] is True and got["reward.overlong_buffer.len"] == 16
+    assert "critic.checkpoint.async_save" in translate(["actor_rollout_ref.model.path=m",
+                                                        "critic.checkpoint.async_save=False"]).dropped
+
+
+@pytest.mark.parametrize("args, message", [
+    (["critic.checkpoint.async_save=True"], r"critic.checkpoint.async_save=True \(verl's default False; shardrl has "
+                                            r"no such setting"),
+    (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"], r"Megatron is not supported"),
+    (["critic.model.path=${actor_rollout_ref.model.path}"], r"is a Hydra interpolation"),
+    (["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"], r"Dr. GRPO's seq-mean-token-sum-norm"),
+    (["actor_rollout_ref.actor.kl_loss_type=full"], r"the full-vocabulary KL is not supported"),
+    (["data.train_batch_size=8", "data.gen_batch_size=24"], r"generation batches of 24 prompts"),
+    (["algorithm.filter_groups.enable=True", "algorithm.filter_groups.metric=acc"], r"filters groups by their score"),
+    (["data.max_response_length=64", "+reward_model.reward_kwargs.max_resp_len=32"], r"max_resp_len=32 differs"),
+])
+def test_more_of_what_shardrl_cannot_run_is_refused(args, message):
+    with pytest.raises(VerlKeyError, match=message):
+        translate(args)
+
+
+def test_verls_tool_answer_cuts_and_the_epoch_limit():
+    from shardrl.rollout.multiturn import cut_tool_answer
+    from shardrl.trainer.state import resolve_total_epochs
+
+    assert cut_tool_answer("abcdefgh", 4, "left") == "abcd...(truncated)"
+    assert cut_tool_answer("abcdefgh", 4, "right") == "(truncated)...efgh"
+    assert cut_tool_answer("abcdefgh", 4, "middle") == "ab...(truncated)...gh"
+    assert cut_tool_answer("abc", 4, "middle") == "abc"
+    both = load_config(None, ["trainer.total_epochs=1", "trainer.total_steps=10"]).trainer
+    assert "stopped first" not in resolve_total_epochs(both, 16, 4) and both.total_steps == 4  # verl: the smaller
+    epochs_only = load_config(None, ["trainer.total_epochs=3"]).trainer
+    resolve_total_epochs(epochs_only, 16, 4)
+    assert epochs_only.total_steps == 12  # total_steps' default does not cap the epochs
+    steps_first = load_config(None, ["trainer.total_epochs=3", "trainer.total_steps=5"]).trainer
+    assert "stopped first by trainer.total_steps=5" in resolve_total_epochs(steps_first, 16, 4)
+    assert load_config(None, ["actor.shuffle=false"]).critic.shuffle is False  # the critic takes the actor's

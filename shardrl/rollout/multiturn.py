@@ -166,9 +166,11 @@ class MultiTurnRollout(Rollout):
                  tool_turn_template: str = CHATML_TOOL_TURN, call_start: str = CALL_START, call_end: str = CALL_END,
                  num_tool_workers: int = 16, overlap_tools: bool = False, max_calls_per_turn: int = 1,
                  tool_answer_separator: str = "\n</tool_response>\n<tool_response>\n",
-                 reward_text: str = "last_turn"):
-        if max_turns < 1 or max_response_tokens < 1 or tool_timeout_s <= 0 or num_tool_workers < 1:
-            raise ValueError("max_turns, max_response_tokens, num_tool_workers must be >= 1 and tool_timeout_s > 0")
+                 reward_text: str = "last_turn", tool_output_truncate_side: str = "left"):
+        if max_turns < 0 or max_response_tokens < 1 or tool_timeout_s <= 0 or num_tool_workers < 1:
+            raise ValueError("max_turns must be >= 0, max_response_tokens and num_tool_workers >= 1, tool_timeout_s > 0")
+        if max_turns == 0:  # no turn limit: a turn takes a token at least, so the budget bounds them
+            max_turns = max_response_tokens
         if "{output}" not in tool_turn_template:
             raise ValueError(f"tool_turn_template {tool_turn_template!r} has no {{output}} placeholder")
         self.rollout, self.tokenizer, self.interaction = rollout, tokenizer, interaction
@@ -185,6 +187,9 @@ class MultiTurnRollout(Rollout):
             raise ValueError(f"reward_text must be 'last_turn' or 'conversation', got {reward_text!r}")
         self.max_calls_per_turn, self.tool_answer_separator = max_calls_per_turn, tool_answer_separator
         self.reward_text = reward_text
+        if tool_output_truncate_side not in ("left", "right", "middle"):
+            raise ValueError(f"tool_output_truncate_side must be left, right or middle, got {tool_output_truncate_side!r}")
+        self.tool_output_truncate_side = tool_output_truncate_side
         self.pool = DaemonThreadPool(num_tool_workers)  # a hung tool cannot keep the process from exiting
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -198,7 +203,7 @@ class MultiTurnRollout(Rollout):
         return cls(rollout, tokenizer, interaction, mt_cfg.max_turns, mt_cfg.max_response_tokens, mt_cfg.tool_timeout_s,
                    mt_cfg.max_tool_output_chars, mt_cfg.tool_turn_template, mt_cfg.call_start, mt_cfg.call_end,
                    mt_cfg.num_tool_workers, mt_cfg.overlap_tools, mt_cfg.max_calls_per_turn,
-                   mt_cfg.tool_answer_separator, mt_cfg.reward_text)
+                   mt_cfg.tool_answer_separator, mt_cfg.reward_text, mt_cfg.tool_output_truncate_side)
 
     # ---- the inner rollout's weights and memory --------------------------------------------------
     def load_weights(self, weights) -> None:
@@ -324,8 +329,7 @@ class MultiTurnRollout(Rollout):
         for call, answer in zip(calls, answers):
             if call.error is not None or answer.startswith("error:"):
                 c.num_errors += 1
-            cut.append(answer[: self.max_tool_output_chars] + " [cut]" if len(answer) > self.max_tool_output_chars
-                       else answer)
+            cut.append(cut_tool_answer(answer, self.max_tool_output_chars, self.tool_output_truncate_side))
         answer = self.tool_answer_separator.join(cut)
         template = self.tool_turn_template
         if c.closed_turn and template.startswith(c.closed_turn):  # the model closed its turn itself
@@ -414,6 +418,19 @@ class MultiTurnRollout(Rollout):
                                num_turns=[c.num_turns for c in convs], num_tool_calls=[c.num_calls for c in convs],
                                num_tool_errors=[c.num_errors for c in convs],
                                interaction_scores=scores)
+
+
+def cut_tool_answer(answer: str, limit: int, side: str = "left") -> str:
+    """`answer` cut to `limit` characters as verl cuts a tool's response: "left" keeps its start, "right" its end,
+    "middle" half of each."""
+    if len(answer) <= limit:
+        return answer
+    if side == "left":
+        return answer[:limit] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + answer[-limit:]
+    half = limit // 2
+    return answer[:half] + "...(truncated)..." + answer[len(answer) - half:]
 
 
 def interaction_gives_rewards(interaction: Interaction) -> bool:

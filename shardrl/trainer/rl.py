@@ -207,7 +207,7 @@ class RLTrainer:
             with roles.critic.training():
                 metrics.update(run_updates(roles.critic, batch, critic_loss_fn(cfg.critic, cfg.critic.loss_agg_mode),
                                            self.layout.critic.mini_batch_samples_per_rank, cfg.critic.ppo_epochs,
-                                           True, self.state.shuffle_gen, "critic"))
+                                           cfg.critic.shuffle, self.state.shuffle_gen, "critic"))
             metrics["timing/update_critic_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         with roles.actor.training():

@@ -67,12 +67,15 @@ class TrainState:
 
 def resolve_total_epochs(trainer_cfg, num_rows: int, batch_size: int) -> str:
     """Set `trainer.total_steps` from `trainer.total_epochs` (consumed: set to None, so the run folder's config
-    says the steps) and `num_rows` rows of `batch_size` a step; the line that says so."""
+    says the steps) and `num_rows` rows of `batch_size` a step, or keep a given total_steps that comes first (verl's
+    rule); the line that says so."""
     per_epoch = num_rows // batch_size  # an epoch's last, short batch is dropped
     if per_epoch < 1:
         raise ValueError(f"trainer.total_epochs={trainer_cfg.total_epochs}: the training set has {num_rows} rows, "
                          f"fewer than one batch of {batch_size}")
-    epochs, trainer_cfg.total_steps, trainer_cfg.total_epochs = (trainer_cfg.total_epochs,
-                                                                 trainer_cfg.total_epochs * per_epoch, None)
+    epochs, steps = trainer_cfg.total_epochs, trainer_cfg.total_epochs * per_epoch
+    given = trainer_cfg.total_steps
+    trainer_cfg.total_steps, trainer_cfg.total_epochs = (steps if given is None else min(given, steps)), None
+    first = "" if given is None or given >= steps else f", stopped first by trainer.total_steps={given}"
     return (f"trainer.total_epochs={epochs}: {trainer_cfg.total_steps} steps ({per_epoch} a pass over {num_rows} "
-            f"rows, {batch_size} a step)")
+            f"rows, {batch_size} a step{first})")
