@@ -272,9 +272,14 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.model.trust_remote_code": same("model.trust_remote_code"),
     "actor_rollout_ref.model.enable_gradient_checkpointing": same("model.gradient_checkpointing"),
     "actor_rollout_ref.model.use_remove_padding": same("model.use_remove_padding"),
-    "actor_rollout_ref.model.lora_rank": only((0, None), "LoRA is not supported yet (shardrl trains all weights)"),
-    "actor_rollout_ref.model.lora_alpha": dropped("LoRA is off (lora_rank=0)"),
-    "actor_rollout_ref.model.target_modules": dropped("LoRA is off (lora_rank=0)"),
+    "actor_rollout_ref.model.lora_rank": Rule("model.lora.rank", lambda v: 0 if v is None else v),
+    "actor_rollout_ref.model.lora_alpha": same("model.lora.alpha"),
+    "actor_rollout_ref.model.target_modules": Rule("model.lora.target_modules",
+                                                   lambda v: v if v == "all-linear" else list(v)),
+    "actor_rollout_ref.model.exclude_modules": only((None,), "LoRA's exclude_modules is not supported; list "
+                                                             "target_modules instead"),
+    "actor_rollout_ref.model.lora_adapter_path": only((None,), "starting from a trained adapter is not supported "
+                                                               "yet"),
     "actor_rollout_ref.model.external_lib": only((None,), "shardrl imports no extra model library; register the "
                                                           "model with transformers' Auto classes instead"),
     "actor_rollout_ref.model.custom_chat_template": only((None,), "not supported; put the template in the "
@@ -395,7 +400,8 @@ VERL_KEYS: dict[str, Rule] = {
     "critic.model.use_remove_padding": dropped("shardrl's model.use_remove_padding covers every role"),
     "critic.model.trust_remote_code": dropped("shardrl's model.trust_remote_code covers every role"),
     "critic.model.external_lib": only((None,), "shardrl imports no extra model library"),
-    "critic.model.lora_rank": only((0, None), "LoRA is not supported yet"),
+    "critic.model.lora_rank": only((0, None), "LoRA on the critic is not supported (the policy's is: "
+                                              "actor_rollout_ref.model.lora_rank)"),
     "critic.ppo_mini_batch_size": same("critic.ppo_mini_batch_size"),
     "critic.ppo_micro_batch_size_per_gpu": Rule("critic.engine.micro_batch_size_per_gpu",
                                                 lambda v: 1 if v is None else v),

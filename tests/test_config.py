@@ -356,7 +356,7 @@ def test_a_verl_key_name_gets_the_native_key():
     cases = {"trainer.test_freq=5": "shardrl's is 'trainer.val_freq'",
              "data.max_response_length=64": "shardrl's is 'rollout.max_new_tokens'",
              "actor.clip_ratio=0.2": "shardrl's is 'actor.clip_ratio_low' and 'actor.clip_ratio_high'",
-             "model.lora_rank=8": "shardrl has none: LoRA is not supported yet",
+             "model.lora_rank=8": "shardrl's is 'model.lora.rank'",
              "actor.optim.lr_warmup_steps_ratio=0.1": "shardrl's is 'actor.optim.warmup_ratio'",
              "critic.optim.lr_warmup_steps_ratio=0.1": "shardrl's is 'critic.optim.warmup_ratio'",
              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4":

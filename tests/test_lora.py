@@ -170,3 +170,31 @@ def test_lora_that_cannot_run_is_refused_when_the_engine_is_built():
         run_distributed(_build, 1, dict(rank=4, target_modules=["qkv"]), {})
     with pytest.raises(Exception, match=r"model.lora with offload_params=true is not supported yet"):
         run_distributed(_build, 1, dict(rank=4), dict(offload_params=True))
+
+
+def test_a_lora_run_trains_with_the_base_as_reference_and_exports_a_merged_model(tmp_path):
+    """`shardrl train model.lora.rank=...` on the demo: no reference engine is built (the actor with its adapters
+    off is the reference), so the KL loss of the first update is exactly 0 (B starts at 0) and later ones are not;
+    the HF export is a plain HF model (the merge itself: test_the_base_is_frozen_in_bf16_...)."""
+    import json
+
+    import transformers
+
+    from shardrl.cli import main
+    from shardrl.testing import small_demo_run
+    from shardrl.trainer.demo import prepare_demo_assets
+
+    assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=2)
+    run_dir = tmp_path / "run"
+    reward = tmp_path / "parity.py"  # rewards that differ within a group, so that the first update moves
+    reward.write_text("def compute_score(solution_str, ground_truth):\n    return float(len(solution_str) % 2)\n")
+    args = small_demo_run(assets, run_dir, "trainer.logger=[jsonl]", "trainer.total_steps=2", "model.lora.rank=8",
+                          "model.lora.alpha=16", "actor.optim.lr=1e-2", "actor.use_kl_loss=true",
+                          "actor.ppo_mini_batch_size=4", "trainer.export_hf=true", f"reward.function_path={reward}")
+    assert main(["train", *args]) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["actor/grad_norm"] > 0 and records[0]["actor/kl_loss"] == 0.0 and records[1]["actor/kl_loss"] > 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf_model")
+    assert not any("lora" in n or "base_layer" in n for n, _ in model.named_parameters())
+    saved = json.loads((run_dir / "hf_model" / "config.json").read_text())
+    assert saved["model_type"] == "qwen2"

@@ -93,7 +93,7 @@ def test_verls_value_conventions():
 @pytest.mark.parametrize("args, message", [
     (["actor_rollout_ref.actor.no_such_key=1"], r"verl key\(s\) shardrl cannot run: actor_rollout_ref.actor.no_such_key"),
     (["actor_rollout_ref.actor.ppo_mini_batchsize=4"], r"did you mean actor_rollout_ref.actor.ppo_mini_batch_size\?"),
-    (["actor_rollout_ref.model.lora_rank=8"], r"actor_rollout_ref.model.lora_rank=8: LoRA is not supported yet"),
+    (["critic.model.lora_rank=8"], r"critic.model.lora_rank=8: LoRA on the critic is not supported"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov"], r"loss_mode='clip_cov': policy loss 'clip_cov' is not"),
     (["data.truncation=middle"], r"data.truncation='middle'"),
     (["trainer.critic_warmup=2"], r"trainer.critic_warmup=2: critic warm-up is not supported"),
