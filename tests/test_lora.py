@@ -198,3 +198,42 @@ def test_a_lora_run_trains_with_the_base_as_reference_and_exports_a_merged_model
     assert not any("lora" in n or "base_layer" in n for n, _ in model.named_parameters())
     saved = json.loads((run_dir / "hf_model" / "config.json").read_text())
     assert saved["model_type"] == "qwen2"
+
+
+def _save_lora(path, values):
+    model_cfg = ModelConfig(tiny=TINY_MODELS["qwen2"], lora=LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS))
+    engine = build_engine(model_cfg, EngineConfig(param_dtype="float32"), OptimConfig(**OPTIM))
+    with torch.no_grad():
+        for n, p in engine.module.named_parameters():
+            if LORA_MARK in n:
+                copy_full_into(p, values[engine.hf_name(n)])
+    engine.train_batch(make_batch().chunk(engine.mesh.dp_size)[engine.mesh.dp_rank], loss_fn)
+    engine.save(path)
+    return {k: v.float() for k, v in engine.export_weights()}
+
+
+def _load_lora(path, lora: bool):
+    model_cfg = ModelConfig(tiny=TINY_MODELS["qwen2"], lora=LoRAConfig(rank=RANK if lora else 0, alpha=ALPHA,
+                                                                     target_modules=TARGETS))
+    engine = build_engine(model_cfg, EngineConfig(param_dtype="float32"), OptimConfig(**OPTIM))
+    engine.load(path)
+    return {k: v.float() for k, v in engine.export_weights()}, engine.global_step
+
+
+@pytest.mark.multiproc
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_at_another_world_size(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    values = adapter_values(peft_reference())
+    saved = run_distributed(_save_lora, 2, str(tmp_path / "ckpt"), values)
+    meta = dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
+    keys = [k for k in meta if k.startswith("model.")]
+    assert keys and all(LORA_MARK in k for k in keys)  # no base weight: it is the model folder's
+    moments = [k for k in meta if k.startswith("optimizer.state.")]
+    assert moments and all(LORA_MARK in k for k in moments)  # AdamW state of the adapters only
+    loaded, step = run_distributed(_load_lora, 1, str(tmp_path / "ckpt"), True)
+    assert step == 1 and sorted(loaded) == sorted(saved)
+    for k in saved:
+        torch.testing.assert_close(loaded[k], saved[k], rtol=0, atol=1e-6)
+    with pytest.raises(Exception, match=r"holds LoRA adapters, but this run has no model.lora"):
+        run_distributed(_load_lora, 1, str(tmp_path / "ckpt"), False)

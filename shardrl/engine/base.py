@@ -417,8 +417,10 @@ class Engine(abc.ABC):
 
     def save(self, path) -> None:
         """This engine's model, optimizer, LR schedule and step as a DCP checkpoint folder (all ranks call it)."""
-        save_engine_state(path, self.module, self.optimizer, self.lr_scheduler, self.global_step)
+        save_engine_state(path, self.module, self.optimizer, self.lr_scheduler, self.global_step,
+                          trained_only=self.lora is not None)  # LoRA: the adapters and their optimizer only
 
     def load(self, path) -> None:
         """Loads `save`'s folder, written at any world size; a checkpoint of another model is a ValueError."""
-        self.global_step = load_engine_state(path, self.module, self.optimizer, self.lr_scheduler)
+        self.global_step = load_engine_state(path, self.module, self.optimizer, self.lr_scheduler,
+                                             trained_only=self.lora is not None)

@@ -28,41 +28,53 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-# flattened optimizer state: per-parameter keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") that
-# do not depend on how parameters are grouped or sharded
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+def _options(trained_only: bool) -> StateDictOptions:
+    # flattened optimizer state: per-parameter keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") that
+    # do not depend on how parameters are grouped or sharded
+    # trained_only (LoRA): the model's entries are the trained parameters (the adapters); the frozen base is
+    # the model folder's, read again on resume
+    return StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=trained_only, strict=not trained_only)
 
 
-def engine_state_dict(module: nn.Module, optimizer=None, lr_scheduler=None, global_step: int = 0) -> dict[str, Any]:
-    """The engine's sharded state: DTensors (or FSDP1 sharded tensors) of this rank's shards."""
-    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
+def engine_state_dict(module: nn.Module, optimizer=None, lr_scheduler=None, global_step: int = 0,
+                      trained_only: bool = False) -> dict[str, Any]:
+    """The engine's sharded state: DTensors (or FSDP1 sharded tensors) of this rank's shards; `trained_only`:
+    the model's trained parameters only (a LoRA engine's adapters)."""
+    options = _options(trained_only)
+    state: dict[str, Any] = {"model": get_model_state_dict(module, options=options)}
     if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
+        state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=options)
         state["lr_scheduler"] = lr_scheduler.state_dict()
     state["global_step"] = global_step
     return state
 
 
 def save_engine_state(path: str | os.PathLike, module: nn.Module, optimizer=None, lr_scheduler=None,
-                      global_step: int = 0) -> None:
+                      global_step: int = 0, trained_only: bool = False) -> None:
     """Writes the engine's state as a DCP checkpoint at `path` (a folder); every rank must call it."""
-    dcp.save(engine_state_dict(module, optimizer, lr_scheduler, global_step), checkpoint_id=str(path))
+    dcp.save(engine_state_dict(module, optimizer, lr_scheduler, global_step, trained_only), checkpoint_id=str(path))
 
 
-def load_engine_state(path: str | os.PathLike, module: nn.Module, optimizer=None, lr_scheduler=None) -> int:
+def load_engine_state(path: str | os.PathLike, module: nn.Module, optimizer=None, lr_scheduler=None,
+                      trained_only: bool = False) -> int:
     """Loads a folder `save_engine_state` wrote, at any world size and layout; returns its global step."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise ValueError(f"{path} is not a DCP checkpoint (no .metadata); expected a folder save_engine_state wrote")
-    state = engine_state_dict(module, optimizer, lr_scheduler)
+    state = engine_state_dict(module, optimizer, lr_scheduler, trained_only=trained_only)
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved_lora = any(".lora_" in k for k in saved if k.startswith("model."))
+    if saved_lora != trained_only:
+        raise ValueError(f"checkpoint {path} holds {'LoRA adapters' if saved_lora else 'a whole model'}, but this run "
+                         f"{'trains LoRA adapters (model.lora.rank > 0)' if trained_only else 'has no model.lora'}: "
+                         "resume it with the model.lora settings it was trained with")
     check_matches(state, saved, path)
     if "lr_scheduler" in state:  # entries another torch version's scheduler does not have keep their value
         state["lr_scheduler"] = {k: v for k, v in state["lr_scheduler"].items() if f"lr_scheduler.{k}" in saved}
     dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(module, state["model"], options=_OPTIONS)
+    set_model_state_dict(module, state["model"], options=_options(trained_only))
     if optimizer is not None:
-        set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_OPTIONS)
+        set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_options(trained_only))
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     return int(state["global_step"])
 
