@@ -715,6 +715,10 @@ class TrainerConfig:
     export_hf: bool = False
     """At the end of training, write the actor as a Hugging Face model folder, `<run_dir>/hf_model` (weights in
     `model.dtype`, config, tokenizer): what `from_pretrained`, another run's `model.path` or an evaluation loads."""
+    export_lora_adapter: bool = False
+    """With model.lora: at the end of training, also write the adapters as a peft adapter folder,
+    `<run_dir>/lora_adapter` (`PeftModel.from_pretrained(base, folder)` loads it; export_hf writes the merged
+    model)."""
     keep_last: int = 2
     """Checkpoints kept on disk; 0 keeps all."""
     resume: Literal["auto", "never"] | str = "never"
@@ -825,6 +829,8 @@ class Config:
         return lines
 
     def validate(self, prefix: str) -> None:
+        require(self, prefix, "trainer.export_lora_adapter", not self.trainer.export_lora_adapter
+                or self.model.lora.rank > 0, "needs model.lora.rank > 0 (there are no adapters to write)")
         batch = self.data.train_batch_size
         estimator = ADVANTAGE_ESTIMATORS[self.algorithm.adv_estimator]
         for section in ("actor", "critic") if estimator.needs_critic else ("actor",):

@@ -190,7 +190,8 @@ def test_a_lora_run_trains_with_the_base_as_reference_and_exports_a_merged_model
     reward.write_text("def compute_score(solution_str, ground_truth):\n    return float(len(solution_str) % 2)\n")
     args = small_demo_run(assets, run_dir, "trainer.logger=[jsonl]", "trainer.total_steps=2", "model.lora.rank=8",
                           "model.lora.alpha=16", "actor.optim.lr=1e-2", "actor.use_kl_loss=true",
-                          "actor.ppo_mini_batch_size=4", "trainer.export_hf=true", f"reward.function_path={reward}")
+                          "actor.ppo_mini_batch_size=4", "trainer.export_hf=true", f"reward.function_path={reward}",
+                          "trainer.export_lora_adapter=true", "actor.engine.param_dtype=float32")
     assert main(["train", *args]) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["actor/grad_norm"] > 0 and records[0]["actor/kl_loss"] == 0.0 and records[1]["actor/kl_loss"] > 0
@@ -198,6 +199,16 @@ def test_a_lora_run_trains_with_the_base_as_reference_and_exports_a_merged_model
     assert not any("lora" in n or "base_layer" in n for n, _ in model.named_parameters())
     saved = json.loads((run_dir / "hf_model" / "config.json").read_text())
     assert saved["model_type"] == "qwen2"
+    # the peft adapter folder on the base model gives the merged model's log-probs
+    from peft import PeftModel
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(assets / "model")
+    adapted = PeftModel.from_pretrained(base, run_dir / "lora_adapter").eval()
+    ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, model.eval()(input_ids=ids).logits, atol=1e-4, rtol=0)
+    with pytest.raises(ConfigError, match=r"trainer.export_lora_adapter=True: needs model.lora.rank > 0"):
+        load_config(None, ["trainer.export_lora_adapter=true"])
 
 
 def _save_lora(path, values):

@@ -35,7 +35,7 @@ from shardrl.engine.attention import resolve_attn_implementation
 from shardrl.engine.checkpoint import load_engine_state, save_engine_state
 from shardrl.engine.loading import (compute_non_persistent_buffers, copy_full_into, load_sharded,
                                     sharded_load_problem)
-from shardrl.engine.lora import LORA_MARK, adapters_off, hf_base_name, inject_lora, lora_init
+from shardrl.engine.lora import LORA_MARK, adapters_off, hf_base_name, inject_lora, lora_init, save_peft_adapter
 from shardrl.engine.microbatch import restore_order, split_micro_batches
 from shardrl.engine.model import (DTYPES, PolicyModel, build_causal_lm, check_model_weights, disable_dropout,
                                   load_hf_config, strip_prefix)
@@ -414,6 +414,21 @@ class Engine(abc.ABC):
         dtype = dtype or DTYPES[self.model_cfg.dtype]
         return save_hf(path, self.export_weights(dtype), persistent_buffers(self.module, self.hf_name), self.hf_config,
                        self.module.lm, self.head, dtype, tokenizer, max_shard_bytes)
+
+    def save_lora_adapter(self, path) -> str:
+        """The adapters as a peft adapter folder at `path` (rank 0 writes; every rank must call: the gathers are
+        collectives); `PeftModel.from_pretrained(base model, path)` loads it."""
+        if self.lora is None:
+            raise ValueError("trainer.export_lora_adapter needs model.lora (rank > 0): this model has no adapters")
+        adapters = {}
+        for name, p in self.module.named_parameters():
+            if LORA_MARK in name:
+                full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+                adapters[self.hf_name(name)] = full.float().cpu()
+        if self.rank == 0:
+            save_peft_adapter(path, adapters, self.lora, self.model_cfg.path)
+        dist.barrier()
+        return str(path)
 
     def save(self, path) -> None:
         """This engine's model, optimizer, LR schedule and step as a DCP checkpoint folder (all ranks call it)."""

@@ -141,3 +141,20 @@ def merge_lora(stream: Iterable[tuple[str, torch.Tensor]], scaling: float) -> It
 def scaling_of(lora_cfg) -> float:
     """alpha / r (alpha / sqrt(r) with rsLoRA), as peft scales B @ A."""
     return lora_cfg.alpha / (math.sqrt(lora_cfg.rank) if lora_cfg.use_rslora else lora_cfg.rank)
+
+
+def save_peft_adapter(path, adapters: dict[str, torch.Tensor], lora_cfg, base_model_path: str | None) -> None:
+    """A peft adapter folder (adapter_config.json, adapter_model.safetensors) of the full adapter tensors
+    `adapters` (by HF name, `...q_proj.lora_A.default.weight`): `PeftModel.from_pretrained(base, path)` loads it."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = peft_lora_config(lora_cfg)
+    config.base_model_name_or_path = base_model_path
+    config.save_pretrained(str(path))
+    tensors = {"base_model.model." + name.replace(".default.", "."): t.detach().float().contiguous().cpu()
+               for name, t in adapters.items()}  # peft's saved names: no adapter name
+    save_file(tensors, str(path / "adapter_model.safetensors"))

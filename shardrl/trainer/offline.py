@@ -62,6 +62,8 @@ class OfflineTrainer(abc.ABC):
         world = dist.get_world_size()  # the layout as torchrun made it, checked as `shardrl plan --trainer` does
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         self.layout = derive_offline_layout(cfg, self.name, world // per_node, per_node)
+        if cfg.trainer.export_lora_adapter and cfg.model.lora.rank == 0:
+            raise ValueError("trainer.export_lora_adapter needs model.lora.rank > 0 (there are no adapters to write)")
         if not d.train_files:
             raise ValueError("data.train_files is empty; give the files to train on (jsonl, json or parquet), "
                              "e.g. data.train_files=[rows.jsonl]")
@@ -181,6 +183,9 @@ class OfflineTrainer(abc.ABC):
         if t.export_hf:
             path = self.engine.save_hf(self.run_dir / "hf_model", self.tokenizer)
             self._say(f"wrote the model as a Hugging Face folder: {path}")
+        if t.export_lora_adapter:
+            path = self.engine.save_lora_adapter(self.run_dir / "lora_adapter")
+            self._say(f"wrote the trained adapters as a peft adapter folder: {path}")
         return self.run_dir
 
 

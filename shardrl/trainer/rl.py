@@ -309,6 +309,9 @@ class RLTrainer:
         if cfg.trainer.export_hf:
             path = self.roles.actor.save_hf(self.run_dir / "hf_model", self.tokenizer)
             self._say(f"wrote the trained actor as a Hugging Face model folder: {path}")
+        if cfg.trainer.export_lora_adapter:
+            path = self.roles.actor.save_lora_adapter(self.run_dir / "lora_adapter")
+            self._say(f"wrote the trained adapters as a peft adapter folder: {path}")
         return self.run_dir
 
 
