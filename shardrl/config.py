@@ -801,8 +801,7 @@ class Config:
     def inherit(self, given: set[str]) -> None:
         """Let total_epochs alone decide the run's length unless total_steps is given too; fill each role's `INHERITED` settings that `given` (the keys the file and overrides set) does not name
         from the actor's: with an fp32 actor the reference computes in fp32 too, so the on-policy KL is 0."""
-        if self.trainer.total_epochs is not None and "trainer.total_steps" not in given:
-            self.trainer.total_steps = None  # the epochs decide; total_steps' default does not cap them
+        epochs_decide(self.trainer, given)
         for role, names in self.INHERITED.items():
             section = getattr(self, role)
             for name in names:
@@ -873,6 +872,18 @@ class Config:
                 f"raise {limit_key}")
 
 
+def epochs_decide(trainer: TrainerConfig, given: set[str]) -> None:
+    """With trainer.total_epochs and no total_steps given, the epochs alone decide the run's length (total_steps'
+    default does not cap them)."""
+    if trainer.total_epochs is not None and "trainer.total_steps" not in given:
+        trainer.total_steps = None
+
+
+class _OfflineRunLength:
+    def inherit(self, given: set[str]) -> None:
+        epochs_decide(self.trainer, given)
+
+
 @dataclass
 class OfflineDataConfig:
     """The data of an offline trainer (`shardrl sft`, `dpo`, `rm`): rows from files, a fixed number a step."""
@@ -922,7 +933,7 @@ class PreferenceDataConfig(OfflineDataConfig):
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(_OfflineRunLength):
     """`shardrl sft`: supervised fine-tuning on the same engine, run folder and loggers as `shardrl train`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -957,7 +968,7 @@ class DPOSettings:
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(_OfflineRunLength):
     """`shardrl dpo`: offline preference training (DPO, IPO, SimPO) on prompt/chosen/rejected rows."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -985,7 +996,7 @@ class RMSettings:
 
 
 @dataclass
-class RMConfig:
+class RMConfig(_OfflineRunLength):
     """`shardrl rm`: a Bradley-Terry reward model (a scalar head on a causal LM) on prompt/chosen/rejected rows;
     its HF export (trainer.export_hf) is a sequence classifier that `reward.model_path` loads."""
 

@@ -350,6 +350,9 @@ def test_total_epochs_alone_leaves_total_steps_to_the_data():
     assert load_config(None, ["trainer.total_epochs=2", "trainer.total_steps=5"]).trainer.total_steps == 5
     with pytest.raises(ConfigError, match=r"trainer.total_steps=None: must be set"):
         load_config(None, ["trainer.total_steps=null"])
+    from shardrl.config import SFTConfig
+
+    assert load_config(None, ["trainer.total_epochs=2"], cls=SFTConfig).trainer.total_steps is None  # offline too
 
 
 def test_a_verl_key_name_gets_the_native_key():
