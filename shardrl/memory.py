@@ -27,8 +27,9 @@ SEQ_BUCKET = 128  # the fast rollout's cache length granularity (FastRollout.seq
 PREFILL_TOKENS = 16384  # FastRollout.prefill_tokens
 
 
-def model_numbers(hf_config, trust_remote_code: bool = False) -> dict:
-    """Parameter counts of the model (built on the meta device): total, largest FSDP unit, largest tensor."""
+def model_numbers(hf_config, trust_remote_code: bool = False, lora=None) -> dict:
+    """Parameter counts of the model (built on the meta device): total, largest FSDP unit, largest tensor, and
+    `trained` (with `lora`, a `model.lora` section of rank > 0: the adapters; else every parameter)."""
     import torch
     import transformers
 
@@ -36,11 +37,17 @@ def model_numbers(hf_config, trust_remote_code: bool = False) -> dict:
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    trained = None
+    if lora is not None and lora.rank > 0:
+        from shardrl.engine.lora import LORA_MARK, inject_lora
+
+        inject_lora(model, lora)
+        trained = sum(p.numel() for n, p in model.named_parameters() if LORA_MARK in n)
     params = list(model.parameters())
-    total = sum(p.numel() for p in params)
+    total = sum(p.numel() for p in params) - (trained or 0)  # the model's own parameters
     blocks = [sum(p.numel() for p in b.parameters()) for b in decoder_blocks(model)]
     return dict(total=total, largest_unit=max([*blocks, total - sum(blocks)]),
-                largest_tensor=max(p.numel() for p in params))
+                largest_tensor=max(p.numel() for p in params), trained=trained)
 
 
 def activation_bytes_per_token_layer(hf_config, compute: int) -> tuple[int, str]:
@@ -61,9 +68,17 @@ def activation_bytes_per_token_layer(hf_config, compute: int) -> tuple[int, str]
                                 f"2 x {kv * d}) + MLP {mlp_tensors} x {compute} B x {inter}")
 
 
-def _engine_resident(name, numbers, master, shard, offload_params, offload_optimizer, optimizer: bool):
-    p = numbers["total"]
+def _engine_resident(name, numbers, master, shard, offload_params, offload_optimizer, optimizer: bool,
+                     compute: int = 2):
+    p, lora = numbers["total"], numbers.get("trained")
     out = []
+    if lora and optimizer:  # LoRA: the frozen base in param_dtype, the fp32 adapters; only those are optimized
+        out.append((f"{name} params", (p * compute + lora * 4) / shard,
+                    f"({p / 1e9:.3f}B frozen x {compute} B + {lora / 1e6:.2f}M adapters x 4 B) / {shard} (shard)"))
+        out.append((f"{name} optimizer state", 0 if offload_optimizer else 2 * lora * 4 / shard,
+                    "on CPU between updates (offload_optimizer)" if offload_optimizer else
+                    f"AdamW 2 x {lora / 1e6:.2f}M adapters x 4 B / {shard}"))
+        return out
     out.append((f"{name} params", 0 if offload_params else p * master / shard,
                 "on CPU (offload_params)" if offload_params else
                 f"{p / 1e9:.3f}B x {master} B / {shard} (shard)"))
@@ -94,9 +109,12 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
     per_unit = engine.reshard_after_forward and not kept
     whole_why = "accumulate_unsharded: gathered over the micro-batches" if kept else "reshard_after_forward=false"
     chunk = engine.logprob_chunk_size
+    lora = numbers.get("trained")
+    grads = ((f"{name} grads", lora * 4 / shard, f"{lora / 1e6:.2f}M adapters x 4 B / {shard}") if lora else
+             (f"{name} grads", 0 if engine.offload_params else p * master / shard,
+              "on CPU (offload_params)" if engine.offload_params else f"{p / 1e9:.3f}B x {master} B / {shard}"))
     update = [
-        (f"{name} grads", 0 if engine.offload_params else p * master / shard,
-         "on CPU (offload_params)" if engine.offload_params else f"{p / 1e9:.3f}B x {master} B / {shard}"),
+        grads,
         ("activations", act, f"{act_how}; tokens: {how_tokens}"),
         ("unsharded params", (2 * unit if per_unit else p) * compute,
          f"2 units of {unit / 1e6:.0f}M (one prefetched) x {compute} B" if per_unit
@@ -105,7 +123,8 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
          f"{chunk} tokens x {vocab} x ({compute} + 4 + 4) B (logits, log-softmax, its grad)"),
     ]
     if engine.offload_optimizer:
-        update.append((f"{name} optimizer state", 2 * p * master / shard, "back on GPU for the step"))
+        update.append((f"{name} optimizer state", 2 * (lora or p) * (4 if lora else master) / shard,
+                       "back on GPU for the step"))
     return update
 
 
@@ -121,11 +140,12 @@ def _phases(resident: list, own_terms: dict) -> dict:
 def offline_ledger(cfg, layout, hf_config) -> dict:
     """`phase_ledger` for `shardrl sft|dpo|rm` (`layout`: `OfflineLayout`): the trained model's resident state
     (and a DPO reference's weights), plus one update phase."""
-    numbers = model_numbers(hf_config, cfg.model.trust_remote_code)
+    numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora)
     master, e = DTYPE_BYTES[cfg.model.dtype], cfg.engine
     shard = layout.engine.shard_size
-    resident = _engine_resident("model", numbers, master, shard, e.offload_params, e.offload_optimizer, True)
-    if layout.ref:
+    resident = _engine_resident("model", numbers, master, shard, e.offload_params, e.offload_optimizer, True,
+                                DTYPE_BYTES[e.param_dtype])
+    if layout.ref and not numbers["trained"]:  # with LoRA the reference is the model with its adapters off
         resident += _engine_resident("ref", numbers, master, shard, e.offload_params, False, False)
     tokens = e.max_token_len_per_gpu if e.use_dynamic_bsz else \
         e.micro_batch_size_per_gpu * layout.group_size * layout.seq_tokens_per_rank
@@ -141,21 +161,23 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     the run `cfg` laid out as `layout` (the busiest rank's share). `cuda`: the rollout keeps a bf16 copy of
     the weights (on CPU the HF rollout's fp32 one)."""
     c = text_config(hf_config)
-    numbers = model_numbers(hf_config, cfg.model.trust_remote_code)
+    numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora)
     p = numbers["total"]
     master = DTYPE_BYTES[cfg.model.dtype]
     actor = cfg.actor.engine
     compute = DTYPE_BYTES[actor.param_dtype]
     shard = layout.actor.shard_size
-    resident = _engine_resident("actor", numbers, master, shard, actor.offload_params, actor.offload_optimizer, True)
+    resident = _engine_resident("actor", numbers, master, shard, actor.offload_params, actor.offload_optimizer, True,
+                                compute)
     rollout_bytes = 2 if cuda else 4
     resident.append(("rollout weights", p * rollout_bytes, f"a full copy: {p / 1e9:.3f}B x {rollout_bytes} B"))
-    if layout.ref is not None:
+    plain = {**numbers, "trained": None}  # the critic (and a separate reference) train without the adapters
+    if layout.ref is not None and not numbers["trained"]:  # with LoRA the reference is the actor, adapters off
         e = cfg.ref.engine
-        resident += _engine_resident("ref", numbers, master, layout.ref.shard_size, e.offload_params, False, False)
+        resident += _engine_resident("ref", plain, master, layout.ref.shard_size, e.offload_params, False, False)
     if layout.critic is not None:
         e = cfg.critic.engine
-        resident += _engine_resident("critic", numbers, master, layout.critic.shard_size, e.offload_params,
+        resident += _engine_resident("critic", plain, master, layout.critic.shard_size, e.offload_params,
                                      e.offload_optimizer, True)
 
     # gen: the weight export's transient, the KV cache, the sampler's logits, one prefill chunk

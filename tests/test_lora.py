@@ -248,3 +248,28 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_at_another_world_size(
         torch.testing.assert_close(loaded[k], saved[k], rtol=0, atol=1e-6)
     with pytest.raises(Exception, match=r"holds LoRA adapters, but this run has no model.lora"):
         run_distributed(_load_lora, 1, str(tmp_path / "ckpt"), False)
+
+
+def test_the_memory_ledger_counts_the_frozen_base_and_the_adapters():
+    from shardrl.layout import derive_layout
+    from shardrl.memory import model_numbers, phase_ledger
+
+    shapes = peft_reference()
+    num_adapters = sum(s.numel() for s in shapes.values())
+    config = load_hf_config(None, TINY_MODELS["qwen2"])
+    lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS)
+    numbers = model_numbers(config, lora=lora)
+    assert numbers["trained"] == num_adapters and numbers["total"] == model_numbers(config)["total"]
+    overrides = [f"model.tiny={TINY_MODELS['qwen2']}".replace("'", '"'), f"model.lora.rank={RANK}",
+                 f"model.lora.target_modules={TARGETS}", "actor.use_kl_loss=true"]
+    cfg = load_config(None, overrides)
+    items = {i["name"]: i["gib"] * 2**30 for i in phase_ledger(cfg, derive_layout(cfg, 1, 2), config)["phases"]
+             ["update"]["items"]}
+    p = numbers["total"]
+    assert items["actor params"] == pytest.approx((p * 2 + num_adapters * 4) / 2)  # bf16 base, fp32 adapters, 2 shards
+    assert items["actor optimizer state"] == pytest.approx(2 * num_adapters * 4 / 2)
+    assert items["actor grads"] == pytest.approx(num_adapters * 4 / 2)
+    assert "ref params" not in items  # the reference is the actor with its adapters off
+    full = load_config(None, overrides[:1] + ["actor.use_kl_loss=true"])
+    full_items = {i["name"] for i in phase_ledger(full, derive_layout(full, 1, 2), config)["phases"]["update"]["items"]}
+    assert "ref params" in full_items
