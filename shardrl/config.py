@@ -106,16 +106,21 @@ class ModelConfig:
     forward differs from the one that computed the old log-probs, so the PPO ratio is not 1 on-policy."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters (off: lora.rank=0)."""
-    load_weights: Literal["sharded", "rank0"] = "sharded"
+    load_weights: Literal["sharded", "rank0", "random_shards"] = "sharded"
     """How an FSDP2 engine fills its shards from `path`: "sharded" builds the model on the meta device and
     each rank reads only its own slices of the safetensors files; "rank0" (FSDP1 always, and `tiny` or
-    `.bin` folders whatever this says) has rank 0 build the whole model on its CPU and broadcast it."""
+    `.bin` folders whatever this says) has rank 0 build the whole model on its CPU and broadcast it.
+    "random_shards" (a `tiny` config, FSDP2): each rank draws its own shards on its device (normal(0,
+    initializer_range), norms 1, biases 0), for benchmarks of shapes too big to build on a CPU or write to
+    disk; the numbers depend on the layout (unlike `tiny`'s HF init on rank 0)."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "tiny", self.path is None or self.tiny is None,
                 "set only one of model.path (a model folder) and model.tiny (a random-init config)")
         require(self, prefix, "tiny", self.tiny is None or "model_type" in self.tiny,
                 'needs a "model_type" entry, e.g. {"model_type": "qwen2", ...}')
+        require(self, prefix, "load_weights", self.load_weights != "random_shards" or self.tiny is not None,
+                "random_shards draws a random model.tiny; with model.path use sharded or rank0")
 
 
 @dataclass
@@ -477,6 +482,13 @@ class RolloutConfig:
     actor trains, and rebuild them before the next generation (a cost per step: bench/RESULTS.md, "Current
     figures: Whole step settings"; the allocator's cached blocks go back to the driver with them). null: free
     them only when the memory ledger (`shardrl plan`) says that the update's peak plus the cache would not fit in 85% of the GPU."""
+    lora_sync: Literal["unmerged", "merged", "full"] = "unmerged"
+    """With model.lora, a colocated fast rollout: after an update only the adapters move (tensor by tensor, no
+    gather of the base). unmerged: the rollout adds scale * B (A x) at run time and reads the trainer's frozen
+    base itself where it sits whole on the GPU (one GPU, or fsdp_size=1; else a copy sent once), so the base
+    is held once; merged: base + scale * B @ A is written into the rollout's own weights (a second copy of the
+    model, the plain decode step); full: the merged model is exported whole after every update, as without
+    LoRA (also what the hf backend and a disaggregated rollout get). Measured: bench/RESULTS.md, "LoRA"."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools (off by default)."""
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
@@ -484,7 +496,7 @@ class RolloutConfig:
 
     def fast_only_keys(self) -> list[str]:
         """The fast-backend-only keys set away from their defaults."""
-        unset = {"max_batch": None, "compile": None, "attention": "auto", "sampler": "auto"}
+        unset = {"max_batch": None, "compile": None, "attention": "auto", "sampler": "auto", "lora_sync": "unmerged"}
         keys = [k for k, default in unset.items() if getattr(self, k) != default]
         return keys + (["multi_turn.overlap_tools"] if self.multi_turn.overlap_tools else [])
 

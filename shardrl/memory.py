@@ -170,7 +170,20 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     resident = _engine_resident("actor", numbers, master, shard, actor.offload_params, actor.offload_optimizer, True,
                                 compute)
     rollout_bytes = 2 if cuda else 4
-    resident.append(("rollout weights", p * rollout_bytes, f"a full copy: {p / 1e9:.3f}B x {rollout_bytes} B"))
+    adapters = numbers["trained"]
+    # LoRA's adapter-only sync (a fast rollout on CUDA, rollout.lora_sync unmerged or merged)
+    lora_sync = cfg.rollout.lora_sync if adapters and cuda and cfg.rollout.backend != "hf" else "full"
+    full_copy = ("rollout weights", p * rollout_bytes, f"a full copy: {p / 1e9:.3f}B x {rollout_bytes} B")
+    if lora_sync == "unmerged":
+        resident.append(("rollout adapters", adapters * 4, f"{adapters / 1e6:.1f}M x fp32, added at run time"))
+        if shard > 1:  # no rank holds the base whole: the rollout keeps a copy, sent once
+            resident.append(full_copy)
+        # else the rollout reads the actor's own base tensors: no copy
+    else:
+        resident.append(full_copy)
+        if lora_sync == "merged" and shard > 1:
+            resident.append(("rollout's unmerged base", p * rollout_bytes, "the adapted layers' base (at most a "
+                             "full copy), what each sync merges into"))
     plain = {**numbers, "trained": None}  # the critic (and a separate reference) train without the adapters
     if layout.ref is not None and not numbers["trained"]:  # with LoRA the reference is the actor, adapters off
         e = cfg.ref.engine
@@ -197,7 +210,8 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
         ("prefill chunk", prefill * (4 * h + 2 * inter) * rollout_bytes,
          f"{prefill} tokens x (4 x {h} + 2 x {inter}) x {rollout_bytes} B"),
         ("weight export", numbers["largest_tensor"] * (master + rollout_bytes),
-         f"largest tensor {numbers['largest_tensor'] / 1e6:.0f}M gathered x ({master} + {rollout_bytes}) B"),
+         f"largest tensor {numbers['largest_tensor'] / 1e6:.0f}M gathered x ({master} + {rollout_bytes}) B")
+        if lora_sync == "full" else ("adapter sync", adapters * 4, f"the {adapters / 1e6:.1f}M adapters gathered, fp32"),
     ]
 
     # prep: an inference pass (old log-probs, reference, values) holds one micro-batch's layer and logits chunk

@@ -273,3 +273,130 @@ def test_the_memory_ledger_counts_the_frozen_base_and_the_adapters():
     full = load_config(None, overrides[:1] + ["actor.use_kl_loss=true"])
     full_items = {i["name"] for i in phase_ledger(full, derive_layout(full, 1, 2), config)["phases"]["update"]["items"]}
     assert "ref params" in full_items
+    # the rollout: one GPU reads the actor's base (only the adapters are its own); on two it holds a copy
+    for lora_sync, world, want in (("unmerged", 1, num_adapters * 4), ("unmerged", 2, num_adapters * 4 + p * 2),
+                                   ("merged", 1, p * 2), ("merged", 2, p * 4), ("full", 1, p * 2)):
+        cfg = load_config(None, overrides + [f"rollout.lora_sync={lora_sync}", "rollout.backend=fast"])
+        gen = phase_ledger(cfg, derive_layout(cfg, 1, world), config)["phases"]["gen"]["items"]
+        rollout = sum(i["gib"] for i in gen if i["name"].startswith("rollout")) * 2**30
+        assert rollout == pytest.approx(want), (lora_sync, world)
+
+
+SYNC_PROMPTS = ["1+2=", "hello world ", "ab", "what is 7*6? "]
+
+
+def _sync_runs(modes: list[str]) -> dict:
+    """On every rank: a LoRA engine with random adapters, and for each `modes` entry a fast rollout synced by
+    `LoRASync` (or, for "full", by the whole merged export), then the adapters changed and synced again; the
+    greedy tokens and sampled log-probs after each sync, whether the rollout read the engine's own base
+    tensors, and how many base tensors each sync moved."""
+    from shardrl.rollout import FastRollout, SamplingParams
+    from shardrl.tokenizer import build_char_tokenizer
+    from shardrl.trainer.generation import LoRASync, export_for_rollout
+
+    tok = build_char_tokenizer()
+    model_cfg = ModelConfig(tiny=dict(TINY_MODELS["qwen2"], vocab_size=len(tok)),
+                            lora=LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS))
+    engine = build_engine(model_cfg, EngineConfig(param_dtype="float32"), OptimConfig(**OPTIM))
+    shapes = {engine.hf_name(n): p.shape for n, p in engine.module.named_parameters() if LORA_MARK in n}
+    adapters = [adapter_values(shapes), {n: v.flip(0) * 2 for n, v in adapter_values(shapes).items()}]
+    enc = tok(SYNC_PROMPTS, padding=True, return_tensors="pt")
+    greedy = SamplingParams(greedy=True, max_new_tokens=12)
+    moved: dict[str, list[int]] = {}
+    base_calls = []
+    real_base_weights = engine.base_weights
+    engine.base_weights = lambda dtype=None: (base_calls.append(1), real_base_weights(dtype))[1]
+    out = {"shared": {}, "moved": moved}
+    for mode in modes:
+        rollout = FastRollout(engine.hf_config, tok, "cpu", torch.float32, lazy_weights=mode != "full")
+        sync = LoRASync(engine, rollout, mode, torch.float32) if mode != "full" else None
+        results = []
+        base_calls.clear()
+        for values in adapters:
+            with torch.no_grad():
+                for n, p in engine.module.named_parameters():
+                    if LORA_MARK in n:
+                        copy_full_into(p, values[engine.hf_name(n)])
+            if sync is None:
+                rollout.load_weights(export_for_rollout(engine, torch.device("cpu")))
+            else:
+                sync.sync()
+            res = rollout.generate(enc["input_ids"], enc["attention_mask"], greedy)
+            results.append((res.response_ids, res.sampled_log_probs))
+        moved[mode] = len(base_calls)
+        local = engine.local_base_weights()
+        q = dict(rollout.model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+        out["shared"][mode] = local is not None and q.data_ptr() == local["model.layers.0.self_attn.q_proj.weight"].data_ptr()
+        out[mode] = results
+    return out
+
+
+@pytest.mark.multiproc
+def test_adapter_only_sync_gives_the_rollout_the_merged_models_samples():
+    """The fast rollout synced by the adapters alone (unmerged: added at run time over the engine's own base
+    tensors at world 1; merged: written into the rollout's weights) samples exactly what it samples from the
+    whole merged export, after a first sync and after a second with other adapters; the base moves once at
+    most (world 2: copied once, as no rank holds it whole)."""
+    for world in (1, 2):
+        run = run_distributed(_sync_runs, world, ["full", "unmerged", "merged"])
+        want = run["full"]
+        assert not torch.equal(want[0][0], want[1][0])  # the second adapters change what is sampled
+        for mode in ("unmerged", "merged"):
+            for (ids, logp), (want_ids, want_logp) in zip(run[mode], want):
+                assert torch.equal(ids, want_ids), (world, mode)
+                torch.testing.assert_close(logp, want_logp, rtol=0, atol=2e-5, msg=f"world {world} {mode}")
+        assert run["moved"] == {"full": 0, "unmerged": 0 if world == 1 else 1, "merged": 1}, world
+        assert run["shared"] == {"full": False, "unmerged": world == 1, "merged": False}, world
+
+
+def _cuda_sync_diffs() -> dict:
+    """On one GPU: a bf16 LoRA engine with random adapters, three fast rollouts (CUDA graphs, compiled) synced
+    the three ways; per way, the mean |sampled log-prob - the engine's| over the sampled tokens, and whether the
+    unmerged rollout read the engine's own base."""
+    from shardrl.rollout import FastRollout, SamplingParams
+    from shardrl.tokenizer import build_char_tokenizer
+    from shardrl.trainer.generation import LoRASync, export_for_rollout
+
+    tok = build_char_tokenizer()
+    device = torch.device("cuda", torch.cuda.current_device())
+    tiny = dict(TINY_MODELS["qwen2"], vocab_size=len(tok), hidden_size=64, num_attention_heads=4, initializer_range=0.3)
+    engine = build_engine(ModelConfig(tiny=tiny, lora=LoRAConfig(rank=RANK, alpha=ALPHA, target_modules="all-linear")),
+                          EngineConfig(param_dtype="bfloat16"), OptimConfig(**OPTIM))
+    shapes = {engine.hf_name(n): p.shape for n, p in engine.module.named_parameters() if LORA_MARK in n}
+    values = adapter_values(shapes)
+    with torch.no_grad():
+        for n, p in engine.module.named_parameters():
+            if LORA_MARK in n:
+                copy_full_into(p, values[engine.hf_name(n)].to(device))
+    enc = tok(SYNC_PROMPTS * 4, padding=True, return_tensors="pt")
+    sampling = SamplingParams(temperature=1.0, n=4, max_new_tokens=24, seed=3)
+    out = {}
+    for mode in ("full", "unmerged", "merged"):
+        rollout = FastRollout(engine.hf_config, tok, device, torch.bfloat16, lazy_weights=mode != "full")
+        if mode == "full":
+            rollout.load_weights(export_for_rollout(engine, device))
+        else:
+            LoRASync(engine, rollout, mode, torch.bfloat16).sync()
+        batch = rollout.generate(enc["input_ids"].to(device), enc["attention_mask"].to(device), sampling).to_batch()
+        batch = batch.to("cpu")
+        with torch.no_grad():
+            logp = engine.infer_batch(batch)["log_probs"]
+        m = batch["loss_mask"].bool()
+        out[mode] = float((logp[m] - batch["sampled_log_probs"][m]).abs().mean())
+        if mode == "unmerged":
+            q = dict(rollout.model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+            out["shared"] = q.data_ptr() == engine.local_base_weights()["model.layers.0.self_attn.q_proj.weight"].data_ptr()
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_adapter_only_sync_samples_as_close_to_the_trainer_as_the_merged_export():
+    """bf16 on one GPU (CUDA graphs, torch.compile): the rollout synced by its adapters alone samples log-probs as
+    close to the trainer's recomputation as the rollout given the whole merged model (rollout/logprob_abs_diff);
+    unmerged, it reads the trainer's own base tensors."""
+    diffs = run_distributed(_cuda_sync_diffs, 1)
+    assert diffs["shared"]
+    assert 0 < diffs["full"] < 0.05, diffs
+    for mode in ("unmerged", "merged"):
+        assert diffs[mode] <= 1.5 * diffs["full"] + 1e-3, diffs

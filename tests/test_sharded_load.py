@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardrl.config import ConfigError, load_config
 from shardrl.testing import TINY_MODELS, run_distributed
 
 pytestmark = pytest.mark.multiproc
@@ -104,3 +105,28 @@ def test_sharded_load_gives_the_parameters_of_rank0_load():
         assert case["builds"] == {"rank0": 1, "sharded": 0}, (name, case)
     assert out["cases"]["qwen2_bf16_index"]["files"] > 1
     assert out["tiny_builds"] == 1 and out["tiny_norm"] > 0
+
+
+def _random_shard_stats():
+    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.engine import build_engine
+    from shardrl.testing import TINY_MODELS
+
+    tiny = dict(TINY_MODELS["qwen2"], initializer_range=0.05)
+    engine = build_engine(ModelConfig(tiny=tiny, load_weights="random_shards"), EngineConfig(), OptimConfig())
+    full = dict(engine.export_weights())
+    return {"sharded": engine.sharded_load, "norm": float(full["model.norm.weight"].sub(1).abs().max()),
+            "q_std": float(full["model.layers.0.self_attn.q_proj.weight"].std()),
+            "q_bias": float(full["model.layers.0.self_attn.q_proj.bias"].abs().max()),
+            "halves_differ": not torch.equal(*full["model.layers.1.mlp.up_proj.weight"].chunk(2))}
+
+
+@pytest.mark.multiproc
+def test_random_shards_draw_each_ranks_shard_on_its_device():
+    """model.load_weights=random_shards: no rank builds the whole model; norms 1, biases 0, weights normal with
+    the config's initializer_range (each rank's half drawn apart); with a model folder it is a config error."""
+    stats = run_distributed(_random_shard_stats, 2)
+    assert stats["sharded"] and stats["norm"] == 0 and stats["q_bias"] == 0 and stats["halves_differ"]
+    assert 0.045 < stats["q_std"] < 0.055
+    with pytest.raises(ConfigError, match="model.load_weights"):
+        load_config(None, ["model.path=/x", "model.load_weights=random_shards"])

@@ -15,6 +15,7 @@ GR=${GR:-/tmp/smollm2_run}
 GGUF=${GGUF:-/tmp/smollm2.gguf}
 STEPS=${STEPS:-60}
 TRAIN_LIMIT_S=${TRAIN_LIMIT_S:-780}   # the training's own wall-clock limit (~13 min)
+EXTRA=${EXTRA:-}                      # more overrides, e.g. EXTRA="model.lora.rank=32 actor.optim.lr=2e-5"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 . "$(dirname "$0")/../gpu_run_common.sh"
 
@@ -42,7 +43,7 @@ run() {  # the whole run, detached by `start`
     setsid timeout -k 20 "$TRAIN_LIMIT_S" python3 -m shardrl.trainer.main examples/smollm2/gpu.yaml \
         "model.path=$GR/assets/model" "data.train_files=[$GR/assets/train.jsonl]" \
         "data.val_files=[$GR/assets/val.jsonl]" "trainer.total_steps=$STEPS" "trainer.output_dir=$GR/train" \
-        "trainer.logger=[console,jsonl]" > "$GR/train.log" 2>&1
+        "trainer.logger=[console,jsonl]" $EXTRA > "$GR/train.log" 2>&1
     local rc=$? t3=$(date +%s)
     python3 - "$GR" "$rc" "$t0" "$t1" "$t2" "$t3" <<'EOF' > "$GR/summary.json"
 import json, statistics, sys

@@ -33,7 +33,7 @@ from shardrl.distributed import MeshLayout, all_reduce_sum, build_device_mesh, d
 from shardrl.metrics import Sum, accumulate, reduce_metrics
 from shardrl.engine.attention import resolve_attn_implementation
 from shardrl.engine.checkpoint import load_engine_state, save_engine_state
-from shardrl.engine.loading import (compute_non_persistent_buffers, copy_full_into, load_sharded,
+from shardrl.engine.loading import (compute_non_persistent_buffers, copy_full_into, load_sharded, random_shards,
                                     sharded_load_problem)
 from shardrl.engine.lora import LORA_MARK, adapters_off, hf_base_name, inject_lora, lora_init, save_peft_adapter
 from shardrl.engine.microbatch import restore_order, split_micro_batches
@@ -160,6 +160,10 @@ class Engine(abc.ABC):
         """Whether every rank reads its own shards from the files (`model.load_weights=sharded`), decided
         alike on every rank; a folder that cannot be read so is loaded by rank 0, and the log says why."""
         mc = self.model_cfg
+        if mc.load_weights == "random_shards":
+            if not self.supports_sharded_load:
+                raise ValueError(f"model.load_weights=random_shards needs strategy=fsdp2 (here {self.cfg.strategy})")
+            return True
         if mc.load_weights != "sharded" or mc.path is None or not self.supports_sharded_load:
             return False
         problem = sharded_load_problem(module, mc.path, self.hf_name, skip=self._not_in_files(module))
@@ -204,7 +208,11 @@ class Engine(abc.ABC):
     def _load_own_shards(self, module: PolicyModel, buffers: dict[str, torch.Tensor]) -> None:
         """Fills a sharded, materialized `module`: this rank's slices from the files, the rest computed
         (`buffers`: the non-persistent buffers under `module.lm`, which materializing left as garbage)."""
-        load_sharded(module, self.model_cfg.path, self.hf_name, skip=self._not_in_files(module))
+        if self.model_cfg.load_weights == "random_shards":
+            random_shards(module, self.cfg.seed, getattr(self.hf_config, "initializer_range", 0.02), self.rank,
+                          skip=self._not_in_files(module))
+        else:
+            load_sharded(module, self.model_cfg.path, self.hf_name, skip=self._not_in_files(module))
         self._init_lora(module)
         if module.value_head is not None:
             copy_full_into(module.value_head.weight, self._value_head_init(module.value_head.weight.shape))

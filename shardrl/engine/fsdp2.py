@@ -17,7 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from shardrl.engine.base import Engine, register_engine
-from shardrl.engine.lora import merge_lora, scaling_of
+from shardrl.engine.lora import LORA_MARK, merge_lora, scaling_of
 from shardrl.engine.model import DTYPES, PolicyModel, decoder_blocks, strip_prefix
 
 
@@ -121,6 +121,43 @@ class FSDP2Engine(Engine):
         full = export_fsdp2_weights(self.module.named_parameters(), self.device, None, strip_prefix)
         for name, tensor in merge_lora(full, scaling_of(self.lora)):
             yield name, tensor.to(dtype) if dtype is not None else tensor
+
+    def export_adapters(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """With `model.lora`: (HF name of a LoRA layer, e.g. `model.layers.0.self_attn.q_proj`, A (r, in),
+        B (out, r)), the adapters' full fp32 tensors in module order, and nothing of the base (an adapter-only
+        weight sync). Every rank must iterate (the gathers are collectives)."""
+        from shardrl.engine.state import export_fsdp2_weights
+
+        adapters = ((n, p) for n, p in self.module.named_parameters() if LORA_MARK in n)
+        held: dict[str, torch.Tensor] = {}
+        for name, tensor in export_fsdp2_weights(adapters, self.device, None, strip_prefix):
+            layer, part = name.split(".lora_")
+            held[part[0]] = tensor
+            if len(held) == 2:
+                yield layer, held.pop("A"), held.pop("B")
+
+    def base_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """With `model.lora`: (hf_name, full tensor) of the frozen base alone, unmerged; every rank iterates."""
+        from shardrl.engine.state import export_fsdp2_weights
+
+        base = ((n, p) for n, p in self.module.named_parameters() if LORA_MARK not in n)
+        yield from export_fsdp2_weights(base, self.device, dtype, self.hf_name)
+
+    def local_base_weights(self) -> dict[str, torch.Tensor] | None:
+        """With `model.lora`: the frozen base's own tensors by HF name (no copy, no gather) where this rank holds
+        every one whole (a shard group of one: one GPU, or HSDP with fsdp_size=1); else None. They never change
+        (frozen) and stay where they are while the engine trains, so a colocated rollout may read them."""
+        if self.lora is None:
+            return None
+        out = {}
+        for name, p in self.module.named_parameters():
+            if LORA_MARK in name:
+                continue
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if tuple(local.shape) != tuple(p.shape):
+                return None
+            out[self.hf_name(name)] = local.detach()
+        return out
 
     # ---- state: offload, export, checkpoints ------------------------------------------------------
     def _move_params(self, device: torch.device) -> None:

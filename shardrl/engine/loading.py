@@ -104,6 +104,27 @@ def load_sharded(module: nn.Module, folder: str | Path, hf_name: Callable[[str],
 
 
 @torch.no_grad()
+def random_shards(module: nn.Module, seed: int, std: float, rank: int, skip: Iterable[str] = ()) -> None:
+    """Fills this rank's slice of each parameter (and persistent buffer) of a materialized `module` on its own
+    device: norm weights 1, biases 0, everything else normal(0, std) from a generator seeded by `seed`, the
+    rank and the name (`model.load_weights=random_shards`)."""
+    skip = set(skip)
+    for name, tensor in _loadable(module):
+        if name in skip:
+            continue
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.numel() == 0:
+            continue
+        if name.endswith("norm.weight"):
+            local.fill_(1.0)
+        elif name.endswith(".bias"):
+            local.zero_()
+        else:
+            g = torch.Generator(device=local.device).manual_seed(seed * 1_000_003 + rank * 7919 + sum(map(ord, name)))
+            local.normal_(0.0, std, generator=g)
+
+
+@torch.no_grad()
 def copy_full_into(tensor: torch.Tensor, full: torch.Tensor) -> None:
     """Fills a (possibly sharded) tensor from the whole value, which every rank holds."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor

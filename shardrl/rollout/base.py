@@ -257,9 +257,10 @@ def cut_responses(tokenizer, stop_ids, generated: torch.Tensor, stop: list[str])
 
 
 @torch.no_grad()
-def copy_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def copy_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Copies `(hf_name, tensor)` pairs into `model`'s parameters in place (casting and moving), one at a
-    time, so the caller may free each tensor right after; unknown names and wrong shapes raise."""
+    time, so the caller may free each tensor right after; unknown names and wrong shapes raise. Returns the
+    names of the parameters it left untouched."""
     # remove_duplicate=False: a tied head answers to both its names (the engine exports only one)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[int] = set()
@@ -276,3 +277,4 @@ def copy_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, t
     missing = [n for n, p in params.items() if id(p) not in loaded]
     if missing:
         log.warning("load_weights left %d parameters untouched, e.g. %s", len(missing), missing[:4])
+    return missing

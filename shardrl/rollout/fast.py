@@ -135,13 +135,21 @@ class FastRollout(Rollout):
     the weights to the CPU too. `min_width`: the narrowest slot prefix that decode steps compact to (module
     docstring; a width at or above the slot count turns compaction off); `width_step`: the step between the
     widths, from the slot count down (default an eighth of the slots, a multiple of 8); each width has its
-    own graphs."""
+    own graphs. `lazy_weights`: the model takes no memory until the first `load_weights` (every parameter must
+    then arrive) or `share_weights`.
+
+    LoRA (an adapter-only sync, `shardrl.trainer.generation.LoRASync`): `share_weights` makes the model read a
+    frozen base that the trainer holds whole on this device; `load_lora` adds adapters at run time (unmerged),
+    `merge_lora` writes base + scale * B @ A into the rollout's own weights (merged)."""
+
+    supports_lora = True
 
     def __init__(self, hf_config, tokenizer, device: torch.device | str, dtype: torch.dtype,
                  micro_batch_size: int = 64, max_batch: int | None = None, max_seq_len: int | None = None,
                  cuda_graphs: bool | None = None, compile: bool | None = None, sync_every: int = 16,
                  seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0,
-                 attention: str = "auto", sampler: str = "auto", min_width: int = 32, width_step: int | None = None):
+                 attention: str = "auto", sampler: str = "auto", min_width: int = 32, width_step: int | None = None,
+                 lazy_weights: bool = False):
         for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every), ("min_width", min_width),
                             ("width_step", 1 if width_step is None else width_step),
                             ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens),
@@ -161,7 +169,8 @@ class FastRollout(Rollout):
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device")
-        self.model: FastCausalLM = build_fast_lm(hf_config, self.device, dtype, seed=seed)
+        self.model: FastCausalLM = build_fast_lm(hf_config, self.device, dtype, seed=seed,
+                                                 materialize=not lazy_weights)
         self.vocab_size = hf_config.vocab_size
         compile = self.device.type == "cuda" if compile is None else compile
         self._block = DecoderBlock(compile, self._attention(attention, head_dim_of(hf_config)))
@@ -212,7 +221,48 @@ class FastRollout(Rollout):
 
     # ---- weights and memory ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.model.model.norm.weight.is_meta:  # lazy_weights: the first load brings every parameter
+            self.model.materialize(self.device)
+            missing = copy_weights_in_place(self.model, weights)
+            if missing:
+                raise ValueError(f"the first load_weights of a lazy rollout left {len(missing)} parameters "
+                                 f"unset, e.g. {missing[:4]}")
+            return
         copy_weights_in_place(self.model, weights)  # same addresses, so the captured graphs stay valid
+
+    def _new_weights(self) -> None:
+        """The weights' addresses or the decode step's structure changed: captured graphs are stale."""
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+
+    @torch.no_grad()
+    def share_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The model reads these tensors (hf_name -> the trainer's own, on this device, in the rollout's dtype)
+        instead of holding a copy (`FastCausalLM.share_weights`); `release` then leaves them in place."""
+        self.model.share_weights(weights)
+        self._new_weights()
+
+    @torch.no_grad()
+    def load_lora(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+        """LoRA adapters applied at run time (unmerged; `FastCausalLM.set_lora`), copied in place after the first."""
+        first = not any(layer.lora for layer in self.model.model.layers)
+        self.model.set_lora(adapters, scale)
+        if first:
+            self._new_weights()
+
+    @torch.no_grad()
+    def merge_lora(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float,
+                   base: dict[str, torch.Tensor]) -> None:
+        """Writes base + scale * B @ A (in fp32, rounded to the rollout's dtype) into each adapted layer's weight
+        in place (merged: the decode step is the plain model's); `base` maps `<layer>.weight` to the unmerged
+        base weight (the trainer's own, or a copy the caller keeps)."""
+        params = dict(self.model.named_parameters())
+        for name, (a, b) in adapters.items():
+            weight = params[f"{name}.weight"]
+            w0 = base[f"{name}.weight"]
+            weight.copy_(torch.addmm(w0.float(), b.to(weight.device, torch.float32),
+                                     a.to(weight.device, torch.float32), alpha=scale))
 
     def release(self, weights: bool | None = None) -> None:
         """Frees the KV cache and graphs; with `weights` (default: the constructor's `release_weights`)
@@ -221,8 +271,8 @@ class FastRollout(Rollout):
             return
         self._kept_shape = (self._state.num_slots, self._state.max_seq) if self._state is not None else None
         self._drop_state()
-        if self.release_weights if weights is None else weights:
-            self.model.to("cpu")
+        if (self.release_weights if weights is None else weights) and not self.model.shared:
+            self.model.to("cpu")  # (shared weights are the trainer's: they stay)
             self._weights_on_cpu = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -17,7 +17,7 @@ a slot's length hold stale values that attention masks out and the next write re
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -66,18 +66,47 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def project_qkv(x, qkv_w, qkv_b, num_heads: int, num_kv_heads: int, head_dim: int):
-    """q (..., Hq*D), k, v (..., Hkv*D) from the fused q/k/v weight: one GEMM."""
-    kv_size = num_kv_heads * head_dim
-    return F.linear(x, qkv_w, qkv_b).split([num_heads * head_dim, kv_size, kv_size], dim=-1)
+def lora_delta(x, adapter, scale: float):
+    """scale * B (A x) in fp32 (peft's order: x cast to the adapters' fp32), or None without an adapter."""
+    if adapter is None:
+        return None
+    a, b = adapter
+    return F.linear(F.linear(x.to(a.dtype), a), b) * scale
 
 
-def gated_mlp(x, gate_up_w, gate_up_b, down_w, down_b, act: str = "silu"):
-    """down(act(gate(x)) * up(x)) with gate and up as one GEMM on the fused weight: SwiGLU, or GeGLU with
-    act='gelu_tanh' (Gemma)."""
-    gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
+def plus(y, delta):
+    """y + delta, added in fp32 and rounded to y's dtype (as peft adds the adapter's output to the base's)."""
+    return y if delta is None else (y.float() + delta).to(y.dtype)
+
+
+def project_qkv(x, qkv_w, qkv_b, num_heads: int, num_kv_heads: int, head_dim: int, lora=None, scale: float = 1.0):
+    """q (..., Hq*D), k, v (..., Hkv*D): one GEMM on the fused q/k/v weight, or three where `qkv_w` is the
+    tuple (q, k, v) (a base shared with the trainer, see `FastCausalLM.share_weights`); `lora`: the (A, B)
+    adapters of q, k, v (or None), added times `scale`."""
+    if isinstance(qkv_w, tuple):
+        q, k, v = (F.linear(x, w, b) for w, b in zip(qkv_w, qkv_b))
+    else:
+        kv_size = num_kv_heads * head_dim
+        q, k, v = F.linear(x, qkv_w, qkv_b).split([num_heads * head_dim, kv_size, kv_size], dim=-1)
+    if lora is not None:
+        q, k, v = (plus(y, lora_delta(x, ab, scale)) for y, ab in zip((q, k, v), lora))
+    return q, k, v
+
+
+def gated_mlp(x, gate_up_w, gate_up_b, down_w, down_b, act: str = "silu", lora=None, scale: float = 1.0):
+    """down(act(gate(x)) * up(x)) with gate and up as one GEMM on the fused weight (or two where `gate_up_w` is
+    the tuple (gate, up)): SwiGLU, or GeGLU with act='gelu_tanh' (Gemma); `lora`: the adapters of gate, up,
+    down (or None)."""
+    if isinstance(gate_up_w, tuple):
+        gate, up = (F.linear(x, w, b) for w, b in zip(gate_up_w, gate_up_b))
+    else:
+        gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
+    if lora is not None:
+        gate, up = plus(gate, lora_delta(x, lora[0], scale)), plus(up, lora_delta(x, lora[1], scale))
     gate = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
-    return F.linear(gate * up, down_w, down_b)
+    h = gate * up
+    out = F.linear(h, down_w, down_b)
+    return out if lora is None else plus(out, lora_delta(h, lora[2], scale))
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -137,6 +166,8 @@ class DecoderLayer(nn.Module):
         if gemma:
             self.pre_feedforward_layernorm = RMSNorm(hidden, eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, gemma)
+        self.lora: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # see `FastCausalLM.set_lora`
+        self.lora_scale = 1.0
 
     def block_weights(self) -> tuple:
         """The weights a `DecoderBlock` reads, in its order (None where the family has no such weight)."""
@@ -145,18 +176,32 @@ class DecoderLayer(nn.Module):
         gemma = hasattr(self, "pre_feedforward_layernorm")
         post_attn = self.post_attention_layernorm.weight if gemma else None
         ln2 = self.pre_feedforward_layernorm.weight if gemma else self.post_attention_layernorm.weight
-        return (self.input_layernorm.weight, a.qkv_weight, a.qkv_bias, weight(a, "q_norm"), weight(a, "k_norm"),
-                a.o_proj.weight, a.o_proj.bias, post_attn, ln2, m.gate_up_weight, m.gate_up_bias,
-                m.down_proj.weight, m.down_proj.bias, weight(self, "post_feedforward_layernorm"))
+        if a.qkv_weight is None:  # unfused: the base is shared with the trainer (`FastCausalLM.share_weights`)
+            qkv = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+            gate_up = (m.gate_proj.weight, m.up_proj.weight), (m.gate_proj.bias, m.up_proj.bias)
+        else:
+            qkv, gate_up = (a.qkv_weight, a.qkv_bias), (m.gate_up_weight, m.gate_up_bias)
+        lora = self.lora
+        qkv_lora = o_lora = mlp_lora = None
+        if lora is not None:  # (A, B) per projection, None where that projection has no adapter
+            get = lambda names: (tuple(lora.get(n) for n in names)  # noqa: E731
+                                 if any(n in lora for n in names) else None)
+            qkv_lora, mlp_lora = get(("q_proj", "k_proj", "v_proj")), get(("gate_proj", "up_proj", "down_proj"))
+            o_lora = lora.get("o_proj")
+        return (self.input_layernorm.weight, *qkv, weight(a, "q_norm"), weight(a, "k_norm"),
+                a.o_proj.weight, a.o_proj.bias, post_attn, ln2, *gate_up,
+                m.down_proj.weight, m.down_proj.bias, weight(self, "post_feedforward_layernorm"),
+                qkv_lora, o_lora, mlp_lora, self.lora_scale)
 
 
 def attention_inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, eps: float, num_heads: int,
-                     num_kv_heads: int, head_dim: int, gemma: bool):
+                     num_kv_heads: int, head_dim: int, gemma: bool, lora=None, scale: float = 1.0):
     """RMSNorm, q/k/v projection, q/k norms (if given) and rotary for N tokens: x (N, hidden), cos, sin
     (N, 1, D) -> q (N, Hkv, G, D) (in decode, the G query heads sharing a KV head are its "query positions":
-    GQA without copying the cache), k, v (N, Hkv, D). `gemma`: norms scale by (1 + weight)."""
+    GQA without copying the cache), k, v (N, Hkv, D). `gemma`: norms scale by (1 + weight); `lora`, `scale`: as
+    `project_qkv`."""
     b = x.shape[0]
-    q, k, v = project_qkv(rms_norm(x, ln1, eps, gemma), qkv_w, qkv_b, num_heads, num_kv_heads, head_dim)
+    q, k, v = project_qkv(rms_norm(x, ln1, eps, gemma), qkv_w, qkv_b, num_heads, num_kv_heads, head_dim, lora, scale)
     q, k = q.view(b, num_heads, head_dim), k.view(b, num_kv_heads, head_dim)
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps, gemma), rms_norm(k, k_norm, eps, gemma)
@@ -259,13 +304,16 @@ class TritonDecodeAttention:
 
 
 def attention_output_and_mlp(x, attn, o_w, o_b, post_attn_ln, ln2, gate_up_w, gate_up_b, down_w, down_b,
-                             post_ff_ln, eps: float, gemma: bool, act: str):
-    """o_proj and the residual add, then the MLP and its residual add; Gemma norms each output first."""
-    h = F.linear(attn.reshape(x.shape[0], -1), o_w, o_b)
+                             post_ff_ln, eps: float, gemma: bool, act: str, o_lora=None, mlp_lora=None,
+                             scale: float = 1.0):
+    """o_proj and the residual add, then the MLP and its residual add; Gemma norms each output first. `o_lora`,
+    `mlp_lora`: LoRA adapters (see `project_qkv`)."""
+    attn = attn.reshape(x.shape[0], -1)
+    h = plus(F.linear(attn, o_w, o_b), lora_delta(attn, o_lora, scale))
     if post_attn_ln is not None:
         h = rms_norm(h, post_attn_ln, eps, gemma)
     x = x + h
-    h = gated_mlp(rms_norm(x, ln2, eps, gemma), gate_up_w, gate_up_b, down_w, down_b, act)
+    h = gated_mlp(rms_norm(x, ln2, eps, gemma), gate_up_w, gate_up_b, down_w, down_b, act, mlp_lora, scale)
     if post_ff_ln is not None:
         h = rms_norm(h, post_ff_ln, eps, gemma)
     return x + h
@@ -300,17 +348,19 @@ class DecoderBlock:
     def decode(self, x, cos, sin, kv_layer, slots, positions, mask, weights: tuple, c: LayerConsts):
         """x (B, hidden) at `positions` (B,); slots = arange(B); `mask` from `self.attention.mask` for the
         layer's window; `weights` from `DecoderLayer.block_weights`."""
-        ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln = weights
-        q, k, v = self.inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5])
+        (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
+         qkv_lora, o_lora, mlp_lora, scale) = weights
+        q, k, v = self.inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5], qkv_lora, scale)
         attn = self.attention(q, k, v, kv_layer, slots, positions, mask, c)
         return self.output(x, attn, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
-                           c.eps, c.gemma, c.act)
+                           c.eps, c.gemma, c.act, o_lora, mlp_lora, scale)
 
     def prefill(self, x, cos, sin, kv_layer, slots, source, length: int, weights: tuple, c: LayerConsts):
         """x (U * length, hidden): U right-padded prompts at positions 0..length-1, flattened; writes their
         K/V into `slots` (prompt i of the chunk goes to slot slots[j] for every j with source[j] == i)."""
-        ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln = weights
-        q, k, v = self.prefill_inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5])
+        (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
+         qkv_lora, o_lora, mlp_lora, scale) = weights
+        q, k, v = self.prefill_inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5], qkv_lora, scale)
         u = x.shape[0] // length
         q = q.view(u, length, c.num_heads, c.head_dim).transpose(1, 2)  # (U, H, L, D)
         k = k.view(u, length, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (U, Hkv, L, D)
@@ -324,7 +374,7 @@ class DecoderBlock:
         else:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.scale, enable_gqa=True)
         return self.prefill_output(x, attn.transpose(1, 2), o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w,
-                                   down_b, post_ff_ln, c.eps, c.gemma, c.act)
+                                   down_b, post_ff_ln, c.eps, c.gemma, c.act, o_lora, mlp_lora, scale)
 
 
 class Decoder(nn.Module):
@@ -351,6 +401,8 @@ class FastCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope_scaling = {key: scaling for key, (_, scaling) in rope.items()}
+        self.rope_source = rope  # the CPU tables, for `materialize`
+        self.shared = False  # `share_weights`: the parameters are another module's tensors, never fused
         for key, (inv_freq, _) in rope.items():
             self.register_buffer(f"inv_freq_{key}", inv_freq, persistent=False)
         self.layer_rope = layer_rope_keys(config)
@@ -370,6 +422,8 @@ class FastCausalLM(nn.Module):
             setattr(self, f"inv_freq_{key}", inv_freq.to(device))
 
     def fuse_projections(self) -> None:
+        if self.shared:
+            return
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
             a.qkv_weight, a.qkv_bias = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
@@ -381,6 +435,71 @@ class FastCausalLM(nn.Module):
         if not self.model.norm.weight.is_meta:
             self.fuse_projections()
         return out
+
+    def materialize(self, device: torch.device) -> None:
+        """Storage on `device` for a model built on meta (`build_fast_lm(..., materialize=False)`): uninitialised,
+        every parameter to be loaded; the rotary tables set."""
+        self.to_empty(device=device)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.set_rope(self.rope_source, device)
+
+    @torch.no_grad()
+    def share_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Every parameter becomes the tensor given under its HF name, itself (no copy): the rollout reads a
+        frozen base where the trainer holds it whole on this device. The tensors must have the parameters'
+        shapes and dtype; q/k/v and gate/up then run as separate GEMMs (nothing is fused into a copy)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        given = dict(weights)
+        missing = sorted(set(params) - set(given) - ({"lm_head.weight"} if self.config.tie_word_embeddings else set()))
+        if missing or set(given) - set(params):
+            raise ValueError(f"share_weights: the shared tensors do not match the rollout's parameters (missing "
+                             f"{missing[:4]}, unknown {sorted(set(given) - set(params))[:4]})")
+        dtype = self.model.norm.weight.dtype
+        device = next(iter(given.values())).device
+        for name, tensor in given.items():
+            p = params[name]
+            if tuple(tensor.shape) != tuple(p.shape) or tensor.dtype != dtype:
+                raise ValueError(f"share_weights: {name!r} is {tuple(tensor.shape)} {tensor.dtype}, the rollout "
+                                 f"needs {tuple(p.shape)} {dtype}")
+            owner, leaf = self.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+            setattr(owner, leaf, nn.Parameter(tensor, requires_grad=False))  # the same storage, no copy
+        self.shared = True
+        for layer in self.model.layers:  # the fused copies go; each layer reads the shared tensors themselves
+            a, m = layer.self_attn, layer.mlp
+            a.qkv_weight = a.qkv_bias = m.gate_up_weight = m.gate_up_bias = None
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.set_rope(self.rope_source, device)
+
+    @torch.no_grad()
+    def set_lora(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+        """LoRA adapters, added at run time (out = base(x) + scale * B (A x), in fp32): `adapters` maps a linear
+        layer's HF name (`model.layers.3.self_attn.q_proj`) to its (A (r, in), B (out, r)). The first call
+        allocates fp32 buffers on the model's device; later calls with the same layers copy into them in place
+        (so captured CUDA graphs stay valid). Layers not named keep no adapter."""
+        device = self.model.norm.weight.device
+        projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        layers = self.model.layers
+        for name, (a, b) in adapters.items():
+            parts = name.split(".")
+            if (len(parts) != 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit()
+                    or int(parts[2]) >= len(layers) or parts[4] not in projections):
+                raise ValueError(f"set_lora: {name!r} is not a q/k/v/o or gate/up/down projection of a decoder layer")
+            layer = layers[int(parts[2])]
+            module = getattr(getattr(layer, parts[3]), parts[4])
+            if a.shape[1] != module.in_features or b.shape[0] != module.out_features or a.shape[0] != b.shape[1]:
+                raise ValueError(f"set_lora: {name!r} has A {tuple(a.shape)}, B {tuple(b.shape)}; the layer is "
+                                 f"{module.in_features} -> {module.out_features}")
+            if layer.lora is None:
+                layer.lora = {}
+            held = layer.lora.get(parts[4])
+            if held is None or held[0].shape != a.shape:
+                layer.lora[parts[4]] = (a.to(device, torch.float32, copy=True), b.to(device, torch.float32, copy=True))
+            else:
+                held[0].copy_(a)
+                held[1].copy_(b)
+            layer.lora_scale = float(scale)
 
     def kv_shape(self, num_slots: int, max_seq: int) -> tuple[int, ...]:
         c = self.config
@@ -435,10 +554,12 @@ class FastCausalLM(nn.Module):
         return self.logits(x)
 
 
-def build_fast_lm(config, device: torch.device, dtype: torch.dtype, seed: int = 0) -> FastCausalLM:
+def build_fast_lm(config, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                  materialize: bool = True) -> FastCausalLM:
     """The decoder for `config` on `device`, randomly initialised (weights arrive by `load_weights`).
     Its parameter names and shapes are checked against HF's model for the same config, and its rotary
-    tables come from that model's own rotary class."""
+    tables come from that model's own rotary class. `materialize=False`: left on meta in `dtype`, no memory
+    taken (`FastCausalLM.materialize` or `share_weights` later)."""
     import transformers
 
     check_supported(config)
@@ -456,6 +577,8 @@ def build_fast_lm(config, device: torch.device, dtype: torch.dtype, seed: int = 
         diff = sorted(set(ours.items()) ^ set(hf_params.items()))[:6]
         raise ValueError(f"the fast rollout's {config.model_type} decoder does not mirror HF's parameters "
                          f"(differences, e.g.: {diff}); use rollout.backend=hf")
+    if not materialize:
+        return model.to(dtype).eval().requires_grad_(False)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -14,6 +14,7 @@ import torch
 from shardrl.batch import Batch
 from shardrl.config import Config
 from shardrl.data import collate_prompts
+from shardrl.engine.lora import scaling_of
 from shardrl.rollout import SamplingParams, build_rollout
 from shardrl.rollout.interactions import build_interaction
 from shardrl.rollout.multiturn import MultiTurnRollout
@@ -28,7 +29,63 @@ def sampling_seed(base_seed: int, step: int, dp_rank: int, round_index: int = 0)
 def export_for_rollout(actor, device: torch.device):
     """The actor's full weights one tensor at a time, in the rollout's dtype (bf16 on CUDA); every rank of the
     actor's mesh iterates (the gathers are collective)."""
-    return actor.export_weights(torch.bfloat16 if device.type == "cuda" else None)
+    return actor.export_weights(torch.bfloat16 if device.type == "cuda" else None)  # see `rollout_dtype`
+
+
+class LoRASync:
+    """The colocated weight sync of a LoRA actor to a fast rollout (`rollout.lora_sync`): the base once, then
+    only the adapters after each update, tensor by tensor (A and B gathered, never a base weight).
+
+    unmerged: the rollout reads the engine's frozen base tensors themselves where this rank holds them whole
+    (`Engine.local_base_weights`; else it loads a copy once) and adds the adapters at run time; merged: the
+    rollout holds the model, and each sync writes base + scale * B @ A into it from the engine's base tensors
+    (or from a copy of the base it keeps, taken at the first sync)."""
+
+    def __init__(self, actor, rollout, mode: str, dtype: torch.dtype):
+        self.actor, self.rollout, self.mode, self.dtype = actor, rollout, mode, dtype
+        self.scale = scaling_of(actor.lora)
+        self.base: dict[str, torch.Tensor] | None = None  # merged: the unmerged base weights of the adapted layers
+        self.started = False
+
+    def _start(self) -> None:
+        """The first sync: the base (shared or loaded), before any adapter."""
+        local = self.actor.local_base_weights()
+        if local is not None and any(t.dtype != self.dtype for t in local.values()):
+            local = None  # the engine stores its base in another dtype than the rollout computes in
+        if self.mode == "unmerged" and local is not None:
+            self.rollout.share_weights(local.items())
+        else:
+            self.rollout.load_weights(self.actor.base_weights(self.dtype))
+        if self.mode == "merged":
+            params = dict(self.rollout.model.named_parameters())
+            adapted = {f"{name}.weight" for name, _, _ in self.actor.export_adapters()}
+            self.base = {name: (local[name] if local is not None else params[name].detach().clone())
+                         for name in adapted}
+        self.started = True
+
+    def sync(self) -> None:
+        """The actor's newest adapters into the rollout (every rank of the actor's mesh: the gathers)."""
+        if not self.started:
+            self._start()
+        adapters = {name: (a, b) for name, a, b in self.actor.export_adapters()}
+        if self.mode == "merged":
+            self.rollout.merge_lora(adapters, self.scale, self.base)
+        else:
+            self.rollout.load_lora(adapters, self.scale)
+
+
+def lora_sync_for(cfg: Config, actor, rollout, device: torch.device) -> LoRASync | None:
+    """The adapter-only sync where it applies (model.lora, a fast rollout, rollout.lora_sync other than full);
+    None: the merged model is exported whole after each update."""
+    backend = getattr(rollout, "rollout", rollout)  # the multi-turn loop drives a backend
+    if actor.lora is None or cfg.rollout.lora_sync == "full" or not getattr(backend, "supports_lora", False):
+        return None
+    return LoRASync(actor, backend, cfg.rollout.lora_sync, rollout_dtype(device))
+
+
+def rollout_dtype(device: torch.device) -> torch.dtype:
+    """What the rollout computes in: bf16 on CUDA, fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def the_device() -> torch.device:
@@ -40,11 +97,15 @@ class Generation:
     """The rollout of a run (`rollout.backend`, wrapped in the agent loop when `rollout.multi_turn.enable`)
     and the step's sampling settings."""
 
-    def __init__(self, cfg: Config, hf_config, tokenizer, device: torch.device):
+    def __init__(self, cfg: Config, hf_config, tokenizer, device: torch.device, colocated: bool = False):
+        """`colocated`: generation shares the trainer's GPUs; with LoRA's adapter-only sync the fast rollout then
+        takes no memory for weights until the first sync (which may share the trainer's base)."""
         ro = cfg.rollout
         fast_kwargs = dict(max_batch=ro.max_batch, sync_every=ro.sync_every, compile=ro.compile,
                            attention=ro.attention, sampler=ro.sampler) if ro.backend == "fast" else {}
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if fast_kwargs and colocated and cfg.model.lora.rank > 0 and ro.lora_sync != "full":
+            fast_kwargs["lazy_weights"] = True
+        dtype = rollout_dtype(device)
         self.rollout = build_rollout(ro.backend, hf_config, tokenizer, device, dtype,
                                      micro_batch_size=ro.micro_batch_size, **fast_kwargs)
         self.multi_turn = ro.multi_turn.enable

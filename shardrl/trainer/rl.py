@@ -35,7 +35,7 @@ from shardrl.rollout.interactions import prompt_tool_schemas
 from shardrl.step_plan import StepPlan
 from shardrl.tokenizer import load_tokenizer
 from shardrl.trainer.defaults import memory_gib, resolve_device_defaults
-from shardrl.trainer.generation import Generation, export_for_rollout, the_device
+from shardrl.trainer.generation import Generation, export_for_rollout, lora_sync_for, the_device
 from shardrl.trainer.logger import MetricsLogger
 from shardrl.trainer.prepare import prepare
 from shardrl.trainer.roles import Roles, check_vocab_sizes
@@ -57,6 +57,7 @@ class LocalBatches:
     def __init__(self, cfg: Config, generation: Generation, actor, mesh, device: torch.device):
         self.cfg, self.generation, self.actor, self.mesh, self.device = cfg, generation, actor, mesh, device
         self.stale, self.last_sync_s = True, 0.0  # the last weight sync's seconds
+        self.lora_sync = lora_sync_for(cfg, actor, generation.rollout, device)  # LoRA: the adapters alone
 
     def start(self, state: TrainState) -> None:
         pass  # the weights are synced before the first generate call
@@ -70,7 +71,12 @@ class LocalBatches:
         rollout.resume()
         if self.stale:  # every rank: the export's gathers are collectives
             t0 = time.perf_counter()
-            rollout.load_weights(export_for_rollout(self.actor, self.device))
+            if self.lora_sync is not None:
+                self.lora_sync.sync()
+            else:
+                rollout.load_weights(export_for_rollout(self.actor, self.device))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             self.stale, self.last_sync_s = False, time.perf_counter() - t0
         batch = self.generation.generate(items, sampling) if self.mesh.sp_rank == 0 else None
         if self.device.type == "cuda" and self.cfg.rollout.free_cache_engine:
@@ -125,7 +131,8 @@ class RLTrainer:
         loader = PromptLoader(self.train_set, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed,
                               dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
         self.generation = None if self.plan.disaggregated else Generation(cfg, self.roles.actor.hf_config,
-                                                                          self.tokenizer, self.device)
+                                                                          self.tokenizer, self.device,
+                                                                          colocated=True)
         if self.plan.reward_model:
             self.roles.add_reward_model(cfg)
         r = cfg.reward

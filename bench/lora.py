@@ -1,0 +1,260 @@
+"""LoRA on one GPU: the GRPO step of LoRA against full fine-tuning of the same shape, the adapter-only sync to
+the fast rollout (unmerged over the trainer's own base against merged into a copy), and the memory ledger.
+
+Shapes (random init on the GPU, `model.load_weights=random_shards`; a word-level tokenizer over the whole
+vocabulary, as bench/e2e.py): Qwen2.5-7B (hidden 3584, 28 layers, 28 heads, 4 KV heads, MLP 18944, vocab
+152064) and Qwen2.5-32B (hidden 5120, 64 layers, 40 heads, 8 KV heads, MLP 27648, vocab 152064).
+
+    python bench/lora.py sync --shape 7b --out results.jsonl            # the rollout side, in one process
+    python bench/lora.py steps --cases 7b_full,7b_lora,32b_lora --out results.jsonl
+
+`sync`: an FSDP2 LoRA engine (rank 64, all linear layers, bf16 base) with random adapters, and three fast
+rollouts of it: `full` (the merged model exported whole, what a sync costs without the adapter-only path),
+`unmerged` and `merged` (`LoRASync`). Per rollout: the sync's median seconds (5 after a first), decode
+throughput on the same prompts (prompts x n rows of prompt_len tokens, new tokens each, sampled at temperature
+1, the median of 2 after a warm-up), GPU memory it adds, and the sampled tokens' log-probs against the engine's
+own (`rollout/logprob_abs_diff`, as the trainer logs it).
+
+`steps`: `shardrl train` runs of GRPO (no KL), `prompts` x n=8, 256 prompt tokens + 256 new, one optimizer
+step per batch; the median step after the first and the peaks per phase from metrics.jsonl, with the ledger's
+prediction (`shardrl plan --json`) for the same overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import append_jsonl  # noqa: E402
+
+SHAPES = {
+    "7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096,
+               tie_word_embeddings=False, rope_theta=1e6, initializer_range=0.02),
+    "32b": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=4096,
+                tie_word_embeddings=False, rope_theta=1e6, initializer_range=0.02),
+    "tiny": dict(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                 tie_word_embeddings=False, initializer_range=0.02),
+}
+RANK, ALPHA = 64, 128
+PROMPT_LEN, NEW_TOKENS, N = 256, 256, 8
+LORA = [f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", "model.lora.target_modules=all-linear"]
+# case: (shape, prompts, overrides)
+CASES = {
+    # full fine-tuning: fp32 master weights and AdamW (16 bytes a parameter) need the CPU on one H200
+    "7b_full": ("7b", 32, ["actor.engine.offload_params=true", "actor.engine.offload_optimizer=true"]),
+    # full fine-tuning in bf16 throughout (weights, grads, AdamW state: 8 bytes a parameter) fits without offload
+    "7b_full_bf16": ("7b", 32, ["model.dtype=bfloat16"]),
+    "7b_lora": ("7b", 32, LORA),
+    "7b_lora_merged": ("7b", 32, LORA + ["rollout.lora_sync=merged"]),
+    "32b_lora": ("32b", 16, LORA + ["rollout.max_batch=64", "model.gradient_checkpointing=true"]),
+    "tiny_full": ("tiny", 4, []),
+    "tiny_lora": ("tiny", 4, LORA),
+}
+
+
+def tokenizer_folder(root: Path, vocab_size: int) -> Path:
+    from bench.e2e import build_tokenizer
+
+    folder = root / f"tokenizer_{vocab_size}"
+    if not (folder / "tokenizer.json").is_file():
+        build_tokenizer(vocab_size).save_pretrained(folder)
+    return folder
+
+
+def prompt_file(root: Path, vocab_size: int, prompts: int) -> Path:
+    import random
+
+    rng = random.Random(0)
+    path = root / f"prompts_{vocab_size}_{prompts}.jsonl"
+    rows = [{"prompt": " ".join(f"w{rng.randrange(4, vocab_size)}" for _ in range(PROMPT_LEN)), "answer": "0"}
+            for _ in range(prompts)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ---- sync: the rollout side ----------------------------------------------------------------------------
+def _sync_device() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync_device()
+        t0 = time.perf_counter()
+        fn()
+        _sync_device()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_sync(args) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from shardrl.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
+    from shardrl.engine import build_engine
+    from shardrl.engine.lora import LORA_MARK
+    from shardrl.rollout import FastRollout, SamplingParams
+    from shardrl.trainer.generation import LoRASync, export_for_rollout
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    cuda = torch.cuda.is_available()  # (the CPU: a check of this script on the tiny shape)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    device, dtype = (torch.device("cuda", 0), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    if cuda:
+        torch.cuda.set_device(0)
+    allocated = torch.cuda.memory_allocated if cuda else (lambda: 0)
+    shape = SHAPES[args.shape]
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder(root, shape["vocab_size"]))
+    lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules="all-linear")
+    engine = build_engine(ModelConfig(tiny=shape, load_weights="random_shards", lora=lora),
+                          EngineConfig(param_dtype="bfloat16" if cuda else "float32"), OptimConfig())
+    g = torch.Generator(device=device).manual_seed(1)
+    with torch.no_grad():  # random adapters (B = 0 at init would make the merge a copy)
+        for n, p in engine.module.named_parameters():
+            if LORA_MARK in n:
+                p.to_local().normal_(0, 0.02 if ".lora_A." in n else 0.002, generator=g)
+    prompts = [" ".join(f"w{(17 * i + 31 * j) % (shape['vocab_size'] - 4) + 4}" for j in range(PROMPT_LEN))
+               for i in range(args.prompts)]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    sampling = SamplingParams(temperature=1.0, n=N, max_new_tokens=args.new_tokens, seed=0)
+    out = []
+    for mode in args.modes.split(","):
+        if cuda:
+            torch.cuda.empty_cache()
+        before = allocated()
+        rollout = FastRollout(engine.hf_config, tok, device, dtype, lazy_weights=mode != "full")
+        if mode == "full":
+            do_sync = lambda: rollout.load_weights(export_for_rollout(engine, device))  # noqa: E731
+        else:
+            do_sync = LoRASync(engine, rollout, mode, dtype).sync
+        first = _median_s(do_sync, 1)
+        sync_s = _median_s(do_sync, 5)
+        weights_gib = (allocated() - before) / 2**30
+        res = rollout.generate(ids, mask, sampling)  # warm-up: compiles, captures graphs
+        gen = []
+        for _ in range(2):
+            _sync_device()
+            t0 = time.perf_counter()
+            res = rollout.generate(ids, mask, sampling)
+            _sync_device()
+            gen.append(time.perf_counter() - t0)
+        batch = res.to_batch().to("cpu")
+        with torch.no_grad():
+            logp = engine.infer_batch(batch)["log_probs"]
+        m = batch["loss_mask"].bool()
+        diff = (logp[m] - batch["sampled_log_probs"][m]).abs()
+        tokens = int(batch["response_mask"].sum())
+        rec = dict(bench="lora_sync", shape=args.shape, mode=mode, rank=RANK, first_sync_s=round(first, 4),
+                   sync_s=round(sync_s, 5), rollout_gib=round(weights_gib, 3),
+                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                   gen_s=round(statistics.median(gen), 3), tokens=tokens,
+                   tokens_per_s=round(tokens / statistics.median(gen)), logprob_abs_diff=round(float(diff.mean()), 5),
+                   logprob_abs_diff_max=round(float(diff.max()), 4))
+        print(json.dumps(rec), flush=True)
+        append_jsonl(args.out, [rec])
+        out.append(rec)
+        rollout.release()
+        del rollout, do_sync
+    dist.destroy_process_group()
+    return out
+
+
+# ---- steps: whole GRPO steps ---------------------------------------------------------------------------
+def case_overrides(root: Path, case: str, steps: int) -> list[str]:
+    shape_name, prompts, extra = CASES[case]
+    shape = SHAPES[shape_name]
+    tiny = json.dumps(shape).replace(" ", "")
+    return [
+        f"model.tiny={tiny}", "model.load_weights=random_shards",
+        f"model.tokenizer_path={tokenizer_folder(root, shape['vocab_size'])}",
+        f"data.train_files=[{prompt_file(root, shape['vocab_size'], prompts)}]",
+        f"data.max_prompt_length={PROMPT_LEN}", "data.truncation=error",
+        f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}", "actor.ppo_epochs=1",
+        f"rollout.n={N}", f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.temperature=1.0",
+        "actor.optim.lr=1e-6", "actor.engine.use_dynamic_bsz=true", "actor.engine.max_token_len_per_gpu=8192",
+        "algorithm.adv_estimator=grpo", f"reward.function_path={os.path.abspath('bench/e2e.py')}",
+        "reward.function_name=compute_score", f"trainer.total_steps={steps}", "trainer.logger=[console,jsonl]",
+        "trainer.val_freq=0", "trainer.save_freq=0", f"trainer.experiment_name={case}", *extra]
+
+
+def run_steps(args) -> list[dict]:
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    out = []
+    for case in args.cases.split(","):
+        run_dir = root / "runs" / case
+        overrides = case_overrides(root, case, args.steps) + [f"trainer.output_dir={run_dir}"]
+        plan = subprocess.run([sys.executable, "-m", "shardrl.cli", "plan", "--json", *overrides],
+                              capture_output=True, text=True)
+        ledger = None
+        if plan.returncode == 0:
+            memory = json.loads(plan.stdout)["memory"]
+            ledger = {k: round(v["total_gib"], 2) for k, v in memory["phases"].items()}
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "shardrl.cli", "train", *overrides], capture_output=True,
+                              text=True, timeout=args.case_timeout_s)
+        wall = time.perf_counter() - t0
+        rec = dict(bench="lora_steps", case=case, ledger_gib=ledger, wall_s=round(wall, 1),
+                   plan_error=None if plan.returncode == 0 else plan.stderr[-1500:])
+        metrics = run_dir / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+        if proc.returncode != 0:
+            rec["error"] = proc.stderr[-3000:]
+        timed = records[1:] or records
+
+        def med(key):
+            vals = [r[key] for r in timed if r.get(key) is not None]
+            return round(statistics.median(vals), 4) if vals else None
+
+        rec.update(steps=len(records), step_s=med("timing/step_s"), gen_s=med("timing/gen_s"),
+                   update_s=med("timing/update_actor_s") or med("timing/update_s"),
+                   old_log_prob_s=med("timing/old_log_prob_s"), update_weights_s=med("timing/update_weights_s"),
+                   logprob_abs_diff=med("rollout/logprob_abs_diff"),
+                   step_times=[round(r["timing/step_s"], 2) for r in records])
+        for phase in ("gen", "prep", "update"):
+            vals = [r[f"memory/{phase}_peak_gib"] for r in records if r.get(f"memory/{phase}_peak_gib") is not None]
+            rec[f"peak_{phase}_gib"] = round(max(vals), 2) if vals else None
+        print(json.dumps(rec), flush=True)
+        append_jsonl(args.out, [rec])
+        out.append(rec)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("part", choices=["sync", "steps"])
+    p.add_argument("--root", default="/tmp/lora_bench")
+    p.add_argument("--shape", default="7b")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    p.add_argument("--modes", default="full,unmerged,merged")
+    p.add_argument("--cases", default="7b_full,7b_lora,32b_lora")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--case-timeout-s", type=int, default=400)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    (run_sync if args.part == "sync" else run_steps)(args)
+
+
+if __name__ == "__main__":
+    main()
