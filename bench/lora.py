@@ -53,12 +53,15 @@ CASES = {
     # full fine-tuning: fp32 master weights and AdamW (16 bytes a parameter) need the CPU on one H200
     "7b_full": ("7b", 32, ["actor.engine.offload_params=true", "actor.engine.offload_optimizer=true"]),
     # full fine-tuning in bf16 throughout (weights, grads, AdamW state: 8 bytes a parameter) fits without offload
-    "7b_full_bf16": ("7b", 32, ["model.dtype=bfloat16"]),
+    "7b_full_bf16": ("7b", 32, ["model.dtype=bfloat16", "actor.engine.max_token_len_per_gpu=4096"]),
     "7b_lora": ("7b", 32, LORA),
     "7b_lora_merged": ("7b", 32, LORA + ["rollout.lora_sync=merged"]),
-    "32b_lora": ("32b", 16, LORA + ["rollout.max_batch=64", "model.gradient_checkpointing=true"]),
+    # a second, gathered copy of the 65 GB base over the micro-batches would not fit: gather a layer at a time
+    "32b_lora": ("32b", 16, LORA + ["rollout.max_batch=64", "model.gradient_checkpointing=true",
+                                    "actor.engine.accumulate_unsharded=false"]),
     "tiny_full": ("tiny", 4, []),
     "tiny_lora": ("tiny", 4, LORA),
+    "tiny_lora_fast": ("tiny", 4, LORA + ["rollout.backend=fast"]),
 }
 
 
@@ -160,7 +163,7 @@ def run_sync(args) -> list[dict]:
             gen.append(time.perf_counter() - t0)
         batch = res.to_batch().to("cpu")
         with torch.no_grad():
-            logp = engine.infer_batch(batch)["log_probs"]
+            logp = engine.infer_batch(batch)["log_probs"].cpu()
         m = batch["loss_mask"].bool()
         diff = (logp[m] - batch["sampled_log_probs"][m]).abs()
         tokens = int(batch["response_mask"].sum())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from pebble import ProcessExpired, ProcessPool
 
 _worker_fn = None  # the user's bound reward function in a worker; None: each row's built-in
 
@@ -39,6 +38,8 @@ class RewardPool:
     def __init__(self, num_workers: int, timeout_s: float | None, path: str | None = None,
                  name: str = "compute_score", reward_kwargs: dict | None = None):
         self.timeout_s = timeout_s
+        from pebble import ProcessPool  # here: a run without reward workers does not need it
+
         self.pool = ProcessPool(max_workers=num_workers, initializer=_init_worker,
                                 initargs=(path, name, dict(reward_kwargs or {})),
                                 context=multiprocessing.get_context("spawn"))
@@ -46,6 +47,8 @@ class RewardPool:
     def score(self, items: list[dict]) -> list:
         """Per item: (score, metrics) as `rewards.score_item` returns them, or the exception it ended with (a
         `TimeoutError` past `timeout_s`, `SystemExit` when the function called sys.exit)."""
+        import pebble
+
         futures = [self.pool.schedule(_score_in_worker, args=(item,), timeout=self.timeout_s) for item in items]
         results = []
         for future in futures:
@@ -54,7 +57,7 @@ class RewardPool:
             except FutureTimeout:
                 results.append(TimeoutError(f"took longer than reward.timeout_s={self.timeout_s:g} s (its worker "
                                             "was stopped)"))
-            except ProcessExpired as e:
+            except pebble.ProcessExpired as e:
                 results.append(RuntimeError(f"its worker process died (exit code {e.exitcode}): out of memory, or "
                                             "a crash in native code"))
             except Exception as e:  # the reward function's own error, raised in the worker

@@ -380,7 +380,7 @@ def _cuda_sync_diffs() -> dict:
         batch = rollout.generate(enc["input_ids"].to(device), enc["attention_mask"].to(device), sampling).to_batch()
         batch = batch.to("cpu")
         with torch.no_grad():
-            logp = engine.infer_batch(batch)["log_probs"]
+            logp = engine.infer_batch(batch)["log_probs"].cpu()
         m = batch["loss_mask"].bool()
         out[mode] = float((logp[m] - batch["sampled_log_probs"][m]).abs().mean())
         if mode == "unmerged":
