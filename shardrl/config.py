@@ -482,13 +482,15 @@ class RolloutConfig:
     actor trains, and rebuild them before the next generation (a cost per step: bench/RESULTS.md, "Current
     figures: Whole step settings"; the allocator's cached blocks go back to the driver with them). null: free
     them only when the memory ledger (`shardrl plan`) says that the update's peak plus the cache would not fit in 85% of the GPU."""
-    lora_sync: Literal["unmerged", "merged", "full"] = "unmerged"
+    lora_sync: Literal["unmerged", "merged", "full"] | None = None
     """With model.lora, a colocated fast rollout: after an update only the adapters move (tensor by tensor, no
     gather of the base). unmerged: the rollout adds scale * B (A x) at run time and reads the trainer's frozen
     base itself where it sits whole on the GPU (one GPU, or fsdp_size=1; else a copy sent once), so the base
     is held once; merged: base + scale * B @ A is written into the rollout's own weights (a second copy of the
     model, the plain decode step); full: the merged model is exported whole after every update, as without
-    LoRA (also what the hf backend and a disaggregated rollout get). Measured: bench/RESULTS.md, "LoRA"."""
+    LoRA (also what the hf backend and a disaggregated rollout get). null: merged where the memory ledger says
+    the copy fits (7B on one H200 decoded 1.6x faster so), else unmerged (32B on one H200 fits only so);
+    unmerged on CPU. Measured: bench/RESULTS.md, "LoRA"."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools (off by default)."""
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
@@ -496,7 +498,7 @@ class RolloutConfig:
 
     def fast_only_keys(self) -> list[str]:
         """The fast-backend-only keys set away from their defaults."""
-        unset = {"max_batch": None, "compile": None, "attention": "auto", "sampler": "auto", "lora_sync": "unmerged"}
+        unset = {"max_batch": None, "compile": None, "attention": "auto", "sampler": "auto", "lora_sync": None}
         keys = [k for k, default in unset.items() if getattr(self, k) != default]
         return keys + (["multi_turn.overlap_tools"] if self.multi_turn.overlap_tools else [])
 

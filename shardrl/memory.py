@@ -172,7 +172,8 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     rollout_bytes = 2 if cuda else 4
     adapters = numbers["trained"]
     # LoRA's adapter-only sync (a fast rollout on CUDA, rollout.lora_sync unmerged or merged)
-    lora_sync = cfg.rollout.lora_sync if adapters and cuda and cfg.rollout.backend != "hf" else "full"
+    # (null, as `shardrl plan` sees it before a run resolves it by this ledger: counted as unmerged, the least)
+    lora_sync = (cfg.rollout.lora_sync or "unmerged") if adapters and cuda and cfg.rollout.backend != "hf" else "full"
     full_copy = ("rollout weights", p * rollout_bytes, f"a full copy: {p / 1e9:.3f}B x {rollout_bytes} B")
     if lora_sync == "unmerged":
         resident.append(("rollout adapters", adapters * 4, f"{adapters / 1e6:.1f}M x fp32, added at run time"))

@@ -400,3 +400,21 @@ def test_on_a_gpu_the_adapter_only_sync_samples_as_close_to_the_trainer_as_the_m
     assert 0 < diffs["full"] < 0.05, diffs
     for mode in ("unmerged", "merged"):
         assert diffs[mode] <= 1.5 * diffs["full"] + 1e-3, diffs
+
+
+def test_lora_sync_left_null_takes_merged_where_the_ledger_says_the_copy_fits(monkeypatch):
+    from types import SimpleNamespace
+
+    from shardrl.layout import derive_layout
+    from shardrl.trainer.defaults import lora_sync_choice
+
+    config = load_hf_config(None, TINY_MODELS["qwen2"])
+    cfg = load_config(None, [f"model.tiny={TINY_MODELS['qwen2']}".replace("'", '"'), f"model.lora.rank={RANK}",
+                             "rollout.backend=fast"])
+    layout = derive_layout(cfg, 1, 1)
+    assert lora_sync_choice(cfg, layout, config, torch.device("cpu"))[0] == "unmerged"
+    for gib, want in ((80.0, "merged"), (1e-4, "unmerged")):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, gib=gib: SimpleNamespace(
+            total_memory=gib * 2**30))
+        choice, why = lora_sync_choice(cfg, layout, config, torch.device("cuda", 0))
+        assert choice == want and "GiB" in why, (gib, choice, why)

@@ -114,3 +114,25 @@ def memory_gib(cfg: Config, layout, hf_config, device: torch.device, say=None) -
         return None
     return need, torch.cuda.get_device_properties(device).total_memory / GIB
 
+
+def lora_sync_choice(cfg: Config, layout, hf_config, device: torch.device) -> tuple[str, str]:
+    """`rollout.lora_sync` left null, and why: merged (the plain model's decode step, measured faster:
+    bench/RESULTS.md, "LoRA") where the memory ledger's peak with the rollout's own merged copy is at most
+    `KEEP_CACHE_FRACTION` of this GPU; else unmerged (the rollout reads the actor's base: the model held once)."""
+    from shardrl.layout import GIB
+    from shardrl.memory import phase_ledger
+
+    if device.type != "cuda":
+        return "unmerged", "not on CUDA"
+    merged = copy.deepcopy(cfg)
+    merged.rollout.lora_sync = "merged"
+    try:
+        peak = phase_ledger(merged, layout, hf_config)["peak_gib"]
+    except (ValueError, AttributeError, KeyError) as e:
+        return "unmerged", f"the memory ledger cannot size this model ({e})"
+    gpu = torch.cuda.get_device_properties(device).total_memory / GIB
+    if peak <= KEEP_CACHE_FRACTION * gpu:
+        return "merged", (f"the ledger's peak with a merged copy, {peak:.1f} GiB, fits in {KEEP_CACHE_FRACTION:.0%} "
+                          f"of the GPU's {gpu:.0f} GiB")
+    return "unmerged", (f"the ledger's peak with a merged copy, {peak:.1f} GiB, exceeds {KEEP_CACHE_FRACTION:.0%} "
+                        f"of the GPU's {gpu:.0f} GiB: the rollout reads the actor's base")

@@ -80,7 +80,7 @@ def lora_sync_for(cfg: Config, actor, rollout, device: torch.device) -> LoRASync
     backend = getattr(rollout, "rollout", rollout)  # the multi-turn loop drives a backend
     if actor.lora is None or cfg.rollout.lora_sync == "full" or not getattr(backend, "supports_lora", False):
         return None
-    return LoRASync(actor, backend, cfg.rollout.lora_sync, rollout_dtype(device))
+    return LoRASync(actor, backend, cfg.rollout.lora_sync or "unmerged", rollout_dtype(device))
 
 
 def rollout_dtype(device: torch.device) -> torch.dtype:

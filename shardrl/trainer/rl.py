@@ -34,7 +34,7 @@ from shardrl.rollout import SamplingParams
 from shardrl.rollout.interactions import prompt_tool_schemas
 from shardrl.step_plan import StepPlan
 from shardrl.tokenizer import load_tokenizer
-from shardrl.trainer.defaults import memory_gib, resolve_device_defaults
+from shardrl.trainer.defaults import lora_sync_choice, memory_gib, resolve_device_defaults
 from shardrl.trainer.generation import Generation, export_for_rollout, lora_sync_for, the_device
 from shardrl.trainer.logger import MetricsLogger
 from shardrl.trainer.prepare import prepare
@@ -117,6 +117,9 @@ class RLTrainer:
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
         cfg, choices = resolve_device_defaults(cfg, policy_config, memory_gib(cfg, self.layout, policy_config,
                                                                               self.device, self._say))
+        if cfg.rollout.lora_sync is None and cfg.model.lora.rank > 0:
+            cfg.rollout.lora_sync, why = lora_sync_choice(cfg, self.layout, policy_config, self.device)
+            choices.append(f"rollout.lora_sync={cfg.rollout.lora_sync} (null: {why})")
         self.cfg, self.plan = cfg, StepPlan.from_config(cfg)  # before config.yaml is written
         self._say("\n".join([*choices, self.plan.describe()]))
         claim_run_dir(cfg, run_dir)  # the run can start: its folder is created and locked only now
