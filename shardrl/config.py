@@ -498,8 +498,9 @@ class RolloutConfig:
 
     def fast_only_keys(self) -> list[str]:
         """The fast-backend-only keys set away from their defaults."""
-        unset = {"max_batch": None, "compile": None, "attention": "auto", "sampler": "auto", "lora_sync": None}
-        keys = [k for k, default in unset.items() if getattr(self, k) != default]
+        unset = {"max_batch": (None,), "compile": (None,), "attention": ("auto",), "sampler": ("auto",),
+                 "lora_sync": (None, "full")}  # full: what the hf backend does anyway
+        keys = [k for k, defaults in unset.items() if getattr(self, k) not in defaults]
         return keys + (["multi_turn.overlap_tools"] if self.multi_turn.overlap_tools else [])
 
     def validate(self, prefix: str) -> None:
@@ -844,6 +845,9 @@ class Config:
     def validate(self, prefix: str) -> None:
         require(self, prefix, "trainer.export_lora_adapter", not self.trainer.export_lora_adapter
                 or self.model.lora.rank > 0, "needs model.lora.rank > 0 (there are no adapters to write)")
+        require(self, prefix, "rollout.lora_sync", self.rollout.lora_sync in (None, "full")
+                or self.async_rl.rollout_ranks == 0, "unmerged and merged sync a colocated rollout; rollout ranks of "
+                "their own (async_rl.rollout_ranks > 0) receive the merged model whole: set full or drop it")
         batch = self.data.train_batch_size
         estimator = ADVANTAGE_ESTIMATORS[self.algorithm.adv_estimator]
         for section in ("actor", "critic") if estimator.needs_critic else ("actor",):

@@ -21,11 +21,13 @@ def test_demo_learns(tmp_path, monkeypatch):
 
 
 def test_demo_learns_with_lora(tmp_path, monkeypatch):
-    """The demo with rank-16 LoRA adapters (the base frozen, the reference its adapters off, the rollout synced
-    by the adapters alone): 120 steps raise the mean train reward and the greedy validation reward."""
+    """The demo with rank-16 LoRA adapters (the base frozen, the reference its adapters off, the fast rollout
+    reading the actor's own base and synced by the adapters alone): 120 steps raise the mean train reward and the
+    greedy validation reward."""
     monkeypatch.chdir(tmp_path)
     run_dir = run(None, resolve_overrides(None, [
         "trainer.logger=[jsonl]", "model.lora.rank=16", "model.lora.alpha=32", "actor.optim.lr=2e-3",
+        "rollout.backend=fast",
         "trainer.total_steps=120", "trainer.val_freq=120", "trainer.val_before_train=true"]))
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
@@ -33,3 +35,5 @@ def test_demo_learns_with_lora(tmp_path, monkeypatch):
     assert len(rewards) == 120 and len(val) == 2
     assert sum(rewards[-20:]) / 20 > sum(rewards[:10]) / 10 + 0.1, rewards
     assert val[-1] > val[0] + 0.1, val
+    config = (run_dir / "config.yaml").read_text()
+    assert "lora_sync: unmerged" in config, "the run's rollout was not synced by its adapters"

@@ -403,16 +403,27 @@ def test_on_a_gpu_the_adapter_only_sync_samples_as_close_to_the_trainer_as_the_m
 
 
 def test_lora_sync_left_null_takes_merged_where_the_ledger_says_the_copy_fits(monkeypatch):
+    """null: full where the merged model is loaded whole anyway (hf backend, rollout ranks of their own),
+    unmerged on CPU, and on CUDA merged where the ledger's peak with the copy fits the GPU, else unmerged; an
+    explicit unmerged with rollout ranks of their own is refused."""
     from types import SimpleNamespace
 
     from shardrl.layout import derive_layout
     from shardrl.trainer.defaults import lora_sync_choice
 
     config = load_hf_config(None, TINY_MODELS["qwen2"])
-    cfg = load_config(None, [f"model.tiny={TINY_MODELS['qwen2']}".replace("'", '"'), f"model.lora.rank={RANK}",
-                             "rollout.backend=fast"])
+    base = [f"model.tiny={TINY_MODELS['qwen2']}".replace("'", '"'), f"model.lora.rank={RANK}"]
+    cpu = torch.device("cpu")
+    cfg = load_config(None, base + ["rollout.backend=fast"])
     layout = derive_layout(cfg, 1, 1)
-    assert lora_sync_choice(cfg, layout, config, torch.device("cpu"))[0] == "unmerged"
+    assert lora_sync_choice(cfg, layout, config, cpu)[0] == "unmerged"
+    assert lora_sync_choice(load_config(None, base), layout, config, cpu)[0] == "full"  # null backend: hf on CPU
+    hf = load_config(None, base + ["rollout.backend=hf"])
+    assert lora_sync_choice(hf, layout, config, cpu)[0] == "full"
+    split = load_config(None, base + ["rollout.backend=fast", "async_rl.rollout_ranks=1"])
+    assert lora_sync_choice(split, derive_layout(split, 1, 2), config, cpu)[0] == "full"
+    with pytest.raises(ConfigError, match="rollout.lora_sync"):
+        load_config(None, base + ["rollout.backend=fast", "async_rl.rollout_ranks=1", "rollout.lora_sync=unmerged"])
     for gib, want in ((80.0, "merged"), (1e-4, "unmerged")):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, gib=gib: SimpleNamespace(
             total_memory=gib * 2**30))

@@ -113,20 +113,31 @@ def _random_shard_stats():
     from shardrl.testing import TINY_MODELS
 
     tiny = dict(TINY_MODELS["qwen2"], initializer_range=0.05)
-    engine = build_engine(ModelConfig(tiny=tiny, load_weights="random_shards"), EngineConfig(), OptimConfig())
-    full = dict(engine.export_weights())
-    return {"sharded": engine.sharded_load, "norm": float(full["model.norm.weight"].sub(1).abs().max()),
-            "q_std": float(full["model.layers.0.self_attn.q_proj.weight"].std()),
-            "q_bias": float(full["model.layers.0.self_attn.q_proj.bias"].abs().max()),
-            "halves_differ": not torch.equal(*full["model.layers.1.mlp.up_proj.weight"].chunk(2))}
+    out = {}
+    for layout, kw in (("sharded", {}), ("replicated", {"fsdp_size": 1})):
+        engine = build_engine(ModelConfig(tiny=tiny, load_weights="random_shards"), EngineConfig(**kw), OptimConfig())
+        full = dict(engine.export_weights())
+        q = engine.module.lm.model.layers[0].self_attn.q_proj.weight.to_local()
+        local = [torch.empty_like(q) for _ in range(dist.get_world_size())]
+        dist.all_gather(local, q.contiguous())
+        out[layout] = {"sharded": engine.sharded_load, "norm": float(full["model.norm.weight"].sub(1).abs().max()),
+                       "q_std": float(full["model.layers.0.self_attn.q_proj.weight"].std()),
+                       "q_bias": float(full["model.layers.0.self_attn.q_proj.bias"].abs().max()),
+                       "layers_differ": not torch.equal(full["model.layers.0.mlp.up_proj.weight"],
+                                                        full["model.layers.1.mlp.up_proj.weight"]),
+                       "ranks_equal": torch.equal(local[0], local[1])}
+    return out
 
 
 @pytest.mark.multiproc
 def test_random_shards_draw_each_ranks_shard_on_its_device():
     """model.load_weights=random_shards: no rank builds the whole model; norms 1, biases 0, weights normal with
-    the config's initializer_range (each rank's half drawn apart); with a model folder it is a config error."""
+    the config's initializer_range, each tensor drawn apart; the two replicas of HSDP (fsdp_size=1) hold the same
+    values, the two shards of FSDP different ones; with a model folder it is a config error."""
     stats = run_distributed(_random_shard_stats, 2)
-    assert stats["sharded"] and stats["norm"] == 0 and stats["q_bias"] == 0 and stats["halves_differ"]
-    assert 0.045 < stats["q_std"] < 0.055
+    for layout, s in stats.items():
+        assert s["sharded"] and s["norm"] == 0 and s["q_bias"] == 0 and s["layers_differ"], layout
+        assert 0.045 < s["q_std"] < 0.055, layout
+    assert stats["replicated"]["ranks_equal"] and not stats["sharded"]["ranks_equal"]
     with pytest.raises(ConfigError, match="model.load_weights"):
         load_config(None, ["model.path=/x", "model.load_weights=random_shards"])

@@ -209,7 +209,7 @@ class Engine(abc.ABC):
         """Fills a sharded, materialized `module`: this rank's slices from the files, the rest computed
         (`buffers`: the non-persistent buffers under `module.lm`, which materializing left as garbage)."""
         if self.model_cfg.load_weights == "random_shards":
-            random_shards(module, self.cfg.seed, getattr(self.hf_config, "initializer_range", 0.02), self.rank,
+            random_shards(module, self.cfg.seed, getattr(self.hf_config, "initializer_range", 0.02),
                           skip=self._not_in_files(module))
         else:
             load_sharded(module, self.model_cfg.path, self.hf_name, skip=self._not_in_files(module))

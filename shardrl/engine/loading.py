@@ -104,10 +104,13 @@ def load_sharded(module: nn.Module, folder: str | Path, hf_name: Callable[[str],
 
 
 @torch.no_grad()
-def random_shards(module: nn.Module, seed: int, std: float, rank: int, skip: Iterable[str] = ()) -> None:
+def random_shards(module: nn.Module, seed: int, std: float, skip: Iterable[str] = ()) -> None:
     """Fills this rank's slice of each parameter (and persistent buffer) of a materialized `module` on its own
     device: norm weights 1, biases 0, everything else normal(0, std) from a generator seeded by `seed`, the
-    rank and the name (`model.load_weights=random_shards`)."""
+    name and where the slice starts (`model.load_weights=random_shards`): replicas of a shard hold the same
+    values, the shards of one tensor and the tensors of a model differ."""
+    import zlib
+
     skip = set(skip)
     for name, tensor in _loadable(module):
         if name in skip:
@@ -120,7 +123,9 @@ def random_shards(module: nn.Module, seed: int, std: float, rank: int, skip: Ite
         elif name.endswith(".bias"):
             local.zero_()
         else:
-            g = torch.Generator(device=local.device).manual_seed(seed * 1_000_003 + rank * 7919 + sum(map(ord, name)))
+            start = tuple(sl.start for sl in local_slices(tensor))
+            g = torch.Generator(device=local.device).manual_seed(
+                (seed * 1_000_003 + zlib.crc32(f"{name}@{start}".encode())) % 2**63)
             local.normal_(0.0, std, generator=g)
 
 

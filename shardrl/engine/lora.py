@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import zlib
 from typing import Iterable, Iterator
 
 import torch
@@ -74,7 +75,7 @@ def lora_init(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     peft's default, from a generator seeded by `seed` and the name), B zeros, so training starts at the base."""
     if ".lora_B." in name:
         return torch.zeros(shape)
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, name)) * 7919 + len(name))
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     fan_in = shape[1]
     bound = math.sqrt(6.0 / ((1 + 5.0) * fan_in))  # kaiming_uniform_(a=sqrt(5)), what nn.Linear and peft use
     return torch.empty(shape).uniform_(-bound, bound, generator=generator)

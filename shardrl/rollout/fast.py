@@ -221,6 +221,9 @@ class FastRollout(Rollout):
 
     # ---- weights and memory ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.model.shared:
+            raise RuntimeError("load_weights into a rollout that reads the trainer's own tensors (share_weights) "
+                               "would write into the trainer's base; sync it by load_lora")
         if self.model.model.norm.weight.is_meta:  # lazy_weights: the first load brings every parameter
             self.model.materialize(self.device)
             missing = copy_weights_in_place(self.model, weights)
@@ -257,6 +260,9 @@ class FastRollout(Rollout):
         """Writes base + scale * B @ A (in fp32, rounded to the rollout's dtype) into each adapted layer's weight
         in place (merged: the decode step is the plain model's); `base` maps `<layer>.weight` to the unmerged
         base weight (the trainer's own, or a copy the caller keeps)."""
+        if self.model.shared:
+            raise RuntimeError("merge_lora into a rollout that reads the trainer's own tensors (share_weights) "
+                               "would write into the trainer's base; use load_lora")
         params = dict(self.model.named_parameters())
         for name, (a, b) in adapters.items():
             weight = params[f"{name}.weight"]

@@ -67,7 +67,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def lora_delta(x, adapter, scale: float):
-    """scale * B (A x) in fp32 (peft's order: x cast to the adapters' fp32), or None without an adapter."""
+    """scale * B (A x) computed in the adapters' fp32 (x cast to it), or None without an adapter. (The trainer's
+    FSDP2 mixed precision computes it in param_dtype; in fp32 the rollout came closer to the trainer's log-probs
+    than a merged bf16 weight: bench/RESULTS.md, "LoRA".)"""
     if adapter is None:
         return None
     a, b = adapter
@@ -75,7 +77,7 @@ def lora_delta(x, adapter, scale: float):
 
 
 def plus(y, delta):
-    """y + delta, added in fp32 and rounded to y's dtype (as peft adds the adapter's output to the base's)."""
+    """y + delta, added in fp32 and rounded to y's dtype."""
     return y if delta is None else (y.float() + delta).to(y.dtype)
 
 

@@ -116,12 +116,30 @@ def memory_gib(cfg: Config, layout, hf_config, device: torch.device, say=None) -
 
 
 def lora_sync_choice(cfg: Config, layout, hf_config, device: torch.device) -> tuple[str, str]:
-    """`rollout.lora_sync` left null, and why: merged (the plain model's decode step, measured faster:
-    bench/RESULTS.md, "LoRA") where the memory ledger's peak with the rollout's own merged copy is at most
-    `KEEP_CACHE_FRACTION` of this GPU; else unmerged (the rollout reads the actor's base: the model held once)."""
+    """`rollout.lora_sync` left null (with model.lora), and why. full where nothing else applies (the hf backend,
+    which `rollout.backend` left null takes on CPU and for models the fast rollout cannot run; rollout ranks of
+    their own). Else merged (the plain model's decode step, measured faster: bench/RESULTS.md, "LoRA") where the
+    memory ledger's peak with the rollout's own merged copy is at most `KEEP_CACHE_FRACTION` of this GPU, and
+    unmerged (the rollout reads the actor's base: the model held once) where it is not. Settled before
+    `memory_gib`, so that the cache's choice counts the copy."""
     from shardrl.layout import GIB
     from shardrl.memory import phase_ledger
 
+    if cfg.async_rl.rollout_ranks > 0:
+        return "full", "the rollout ranks of their own receive the merged model whole"
+    backend = cfg.rollout.backend
+    if backend is None:  # as resolve_device_defaults will resolve it
+        backend = "hf"
+        if device.type == "cuda":
+            from shardrl.rollout.families import check_supported
+
+            try:
+                check_supported(hf_config)
+                backend = "fast"
+            except ValueError:
+                pass
+    if backend != "fast":
+        return "full", f"the {backend} rollout loads the merged model whole"
     if device.type != "cuda":
         return "unmerged", "not on CUDA"
     merged = copy.deepcopy(cfg)

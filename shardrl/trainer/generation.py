@@ -8,6 +8,7 @@ A colocated run's trainer (`rl.LocalBatches`) and an asynchronous run's rollout 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -18,6 +19,8 @@ from shardrl.engine.lora import scaling_of
 from shardrl.rollout import SamplingParams, build_rollout
 from shardrl.rollout.interactions import build_interaction
 from shardrl.rollout.multiturn import MultiTurnRollout
+
+log = logging.getLogger(__name__)
 
 
 def sampling_seed(base_seed: int, step: int, dp_rank: int, round_index: int = 0) -> int:
@@ -51,7 +54,10 @@ class LoRASync:
         """The first sync: the base (shared or loaded), before any adapter."""
         local = self.actor.local_base_weights()
         if local is not None and any(t.dtype != self.dtype for t in local.values()):
-            local = None  # the engine stores its base in another dtype than the rollout computes in
+            log.warning("the actor stores its base in %s, the rollout computes in %s: the rollout holds a copy of "
+                        "the base (set actor.engine.param_dtype to match to share it)",
+                        next(iter(local.values())).dtype, self.dtype)
+            local = None
         if self.mode == "unmerged" and local is not None:
             self.rollout.share_weights(local.items())
         else:

@@ -12,6 +12,7 @@ source's), device defaults (`defaults`), the run folder and its lock (`run_folde
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
@@ -115,11 +116,14 @@ class RLTrainer:
                 check_ground_truths(dataset)
         check_vocab_sizes(cfg, len(self.tokenizer))
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
+        lora_choice = []
+        if cfg.rollout.lora_sync is None and cfg.model.lora.rank > 0:  # first: the cache's choice counts a copy
+            cfg = copy.deepcopy(cfg)
+            cfg.rollout.lora_sync, why = lora_sync_choice(cfg, self.layout, policy_config, self.device)
+            lora_choice.append(f"rollout.lora_sync={cfg.rollout.lora_sync} (null: {why})")
         cfg, choices = resolve_device_defaults(cfg, policy_config, memory_gib(cfg, self.layout, policy_config,
                                                                               self.device, self._say))
-        if cfg.rollout.lora_sync is None and cfg.model.lora.rank > 0:
-            cfg.rollout.lora_sync, why = lora_sync_choice(cfg, self.layout, policy_config, self.device)
-            choices.append(f"rollout.lora_sync={cfg.rollout.lora_sync} (null: {why})")
+        choices = lora_choice + choices
         self.cfg, self.plan = cfg, StepPlan.from_config(cfg)  # before config.yaml is written
         self._say("\n".join([*choices, self.plan.describe()]))
         claim_run_dir(cfg, run_dir)  # the run can start: its folder is created and locked only now
