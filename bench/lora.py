@@ -207,7 +207,11 @@ def run_steps(args) -> list[dict]:
     for case in args.cases.split(","):
         run_dir = root / "runs" / case
         overrides = case_overrides(root, case, args.steps) + [f"trainer.output_dir={run_dir}"]
-        plan = subprocess.run([sys.executable, "-m", "shardrl.cli", "plan", "--json", *overrides],
+        import torch
+
+        gpu = ["--gpu-mem-gib", f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f}"] \
+            if torch.cuda.is_available() else []  # (so that the ledger counts a cache the run keeps)
+        plan = subprocess.run([sys.executable, "-m", "shardrl.cli", "plan", "--json", *gpu, *overrides],
                               capture_output=True, text=True)
         ledger = None
         if plan.returncode == 0:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -143,6 +144,10 @@ def plan_main(args: argparse.Namespace) -> int:
     if ledger and args.gpu_mem_gib and not offline and cfg.rollout.free_cache_engine is None:
         free, why = free_cache_choice((update_and_cache_gib(ledger), args.gpu_mem_gib), cuda=True)
         keep_cache = not free
+        if keep_cache:  # the phases as the run will hold them: the cache kept through prep and the update
+            kept = copy.deepcopy(cfg)
+            kept.rollout.free_cache_engine = False
+            ledger = phase_ledger(kept, layout, hf_config)
     if args.json:
         print(json.dumps({**layout.to_dict(), "memory": ledger, "memory_skipped": skipped,
                           "fits": None if args.gpu_mem_gib is None or ledger is None else not advice,

@@ -227,6 +227,10 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
              f"({', '.join(passes)})")] if passes else []
 
     update = _update_terms("actor", actor, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing)
+    if cuda and cfg.rollout.free_cache_engine is False:  # the rollout keeps its cache through prep and the update
+        kept = [(f"{name} (kept)", size, f"{how}; rollout.free_cache_engine=false") for name, size, how in gen
+                if name in KEPT_CACHE]
+        prep, update = prep + kept, update + kept
 
     phases = _phases(resident, {"gen": gen, "prep": prep, "update": update})
     peak = max(phases, key=lambda k: phases[k]["total_gib"])
@@ -234,11 +238,19 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
             "not_counted": "CUDA context and allocator cache (nvidia-smi shows more), a reward model, CUDA graphs"}
 
 
+KEPT_CACHE = ("KV cache", "sampler logits")
+"""What a rollout that keeps its cache (`rollout.free_cache_engine=false`) holds through prep and the update."""
+
+
 def update_and_cache_gib(ledger: dict) -> float:
     """A `phase_ledger`'s update GiB plus the rollout's KV cache and sampler logits: what the GPU holds when the
-    rollout keeps its cache through the update (`rollout.free_cache_engine`)."""
-    cache = sum(i["gib"] for i in ledger["phases"]["gen"]["items"] if i["name"] in ("KV cache", "sampler logits"))
-    return ledger["phases"]["update"]["total_gib"] + cache
+    rollout keeps its cache through the update (`rollout.free_cache_engine`; a ledger made with it false
+    counts them already)."""
+    update = ledger["phases"]["update"]
+    if any(i["name"].endswith("(kept)") for i in update["items"]):
+        return update["total_gib"]
+    cache = sum(i["gib"] for i in ledger["phases"]["gen"]["items"] if i["name"] in KEPT_CACHE)
+    return update["total_gib"] + cache
 
 
 ADVICE = {
@@ -250,6 +262,8 @@ ADVICE = {
     "actor grads": "actor.engine.offload_params=true (grads follow the params), or more GPUs",
     "rollout weights": "a smaller model: every GPU holds the rollout's full copy",
     "sampler logits": "fewer decode slots (rollout.max_batch)",
+    "KV cache (kept)": "rollout.free_cache_engine=true (the cache freed for the update), or fewer decode slots "
+                       "(rollout.max_batch)",
     "logits chunk": "a smaller {engine}.logprob_chunk_size",
     # the offline trainers' (`offline_ledger`)
     "model optimizer state": "engine.offload_optimizer=true, or more GPUs to shard it over",

@@ -429,3 +429,21 @@ def test_lora_sync_left_null_takes_merged_where_the_ledger_says_the_copy_fits(mo
             total_memory=gib * 2**30))
         choice, why = lora_sync_choice(cfg, layout, config, torch.device("cuda", 0))
         assert choice == want and "GiB" in why, (gib, choice, why)
+
+
+def test_the_ledger_counts_a_kept_cache_through_prep_and_the_update():
+    """rollout.free_cache_engine=false: the KV cache and sampler logits stay through prep and the update (what
+    the 7B and 32B runs held: bench/RESULTS.md, "LoRA"); freed, they are the generation phase's alone."""
+    from shardrl.layout import derive_layout
+    from shardrl.memory import phase_ledger, update_and_cache_gib
+
+    config = load_hf_config(None, TINY_MODELS["qwen2"])
+    base = [f"model.tiny={TINY_MODELS['qwen2']}".replace("'", '"'), "rollout.backend=fast"]
+    freed, kept = (load_config(None, base + [f"rollout.free_cache_engine={v}"]) for v in ("true", "false"))
+    a, b = (phase_ledger(c, derive_layout(c, 1, 1), config) for c in (freed, kept))
+    cache = sum(i["gib"] for i in a["phases"]["gen"]["items"] if i["name"] in ("KV cache", "sampler logits"))
+    assert cache > 0
+    for phase in ("prep", "update"):
+        assert b["phases"][phase]["total_gib"] == pytest.approx(a["phases"][phase]["total_gib"] + cache), phase
+    assert b["phases"]["gen"]["total_gib"] == pytest.approx(a["phases"]["gen"]["total_gib"])
+    assert update_and_cache_gib(b) == pytest.approx(update_and_cache_gib(a))  # counted once
