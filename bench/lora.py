@@ -7,6 +7,7 @@ vocabulary, as bench/e2e.py): Qwen2.5-7B (hidden 3584, 28 layers, 28 heads, 4 KV
 
     python bench/lora.py sync --shape 7b --out results.jsonl            # the rollout side, in one process
     python bench/lora.py steps --cases 7b_full,7b_lora,32b_lora --out results.jsonl
+    python bench/lora.py update --shape 7b --out results.jsonl           # train_batch alone, LoRA vs full, profiled
 
 `sync`: an FSDP2 LoRA engine (rank 64, all linear layers, bf16 base) with random adapters, and three fast
 rollouts of it: `full` (the merged model exported whole, what a sync costs without the adapter-only path),
@@ -182,6 +183,75 @@ def run_sync(args) -> list[dict]:
     return out
 
 
+# ---- update: the engine's train_batch alone, profiled ---------------------------------------------------
+UPDATE_CASES = {  # name: (LoRA?, master dtype, max tokens per micro-batch)
+    "lora": (True, "float32", 8192),
+    "full_bf16": (False, "bfloat16", 4096),
+}
+
+
+def run_update(args) -> list[dict]:
+    """One engine per case on `--shape`, `train_batch` of prompts x n full-length sequences (prompt_len +
+    new_tokens) with a policy-gradient loss: the median of 3 timed calls after one, then one call under
+    torch.profiler (its 15 costliest ops by device time, and CPU time where there is no GPU). Isolates the update
+    from the rest of the step (bench/RESULTS.md, "LoRA": the 7B LoRA update was not faster than full
+    fine-tuning's)."""
+    import torch
+    import torch.distributed as dist
+
+    from shardrl.algos.aggregate import agg_loss
+    from shardrl.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
+    from shardrl.engine import build_engine
+    from shardrl.testing import random_batch
+
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29518")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(0)
+    shape = SHAPES[args.shape]
+    rows, length = args.prompts * N, PROMPT_LEN + args.new_tokens
+    batch = random_batch(rows, length, shape["vocab_size"], seed=0, min_len=length, prompt_len=PROMPT_LEN)
+
+    def loss_fn(outputs, mb, num_tokens, num_seqs):
+        return agg_loss(-outputs["log_probs"] * mb["advantages"], mb["loss_mask"], "token-mean",
+                        num_global_tokens=num_tokens, num_global_seqs=num_seqs), {}
+
+    out = []
+    for case in args.update_cases.split(","):
+        lora, master, tokens = UPDATE_CASES[case]
+        model = ModelConfig(tiny=shape, load_weights="random_shards", dtype=master,
+                            lora=LoRAConfig(rank=RANK, alpha=ALPHA, target_modules="all-linear") if lora else LoRAConfig())
+        engine = build_engine(model, EngineConfig(param_dtype="bfloat16" if cuda else "float32", use_dynamic_bsz=True,
+                                                  max_token_len_per_gpu=tokens, compile=args.compile and cuda),
+                              OptimConfig(lr=1e-6))
+        engine.train_batch(batch, loss_fn)  # warm-up (compiles, allocates the optimizer state)
+        seconds = _median_s(lambda: engine.train_batch(batch, loss_fn), 3)
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            engine.train_batch(batch, loss_fn)
+            _sync_device()
+        key = "device_time_total" if cuda else "cpu_time_total"
+        ops = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:15]
+        rec = dict(bench="lora_update", shape=args.shape, case=case, rows=rows, seq_len=length,
+                   max_token_len=tokens, compile=bool(args.compile and cuda), seconds=round(seconds, 3),
+                   tokens_per_s=round(rows * length / seconds),
+                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                   top_ops=[(e.key, round(getattr(e, key, 0) / 1e3, 1), e.count) for e in ops])
+        print(json.dumps(rec), flush=True)
+        append_jsonl(args.out, [rec])
+        out.append(rec)
+        del engine
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    dist.destroy_process_group()
+    return out
+
+
 # ---- steps: whole GRPO steps ---------------------------------------------------------------------------
 def case_overrides(root: Path, case: str, steps: int) -> list[str]:
     shape_name, prompts, extra = CASES[case]
@@ -249,7 +319,10 @@ def run_steps(args) -> list[dict]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("part", choices=["sync", "steps"])
+    p.add_argument("part", choices=["sync", "steps", "update"])
+    p.add_argument("--update-cases", default="lora,full_bf16")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="update: engine.compile (on CUDA), as a run of a >= 0.5B model resolves it")
     p.add_argument("--root", default="/tmp/lora_bench")
     p.add_argument("--shape", default="7b")
     p.add_argument("--prompts", type=int, default=32)
@@ -260,7 +333,7 @@ def main():
     p.add_argument("--case-timeout-s", type=int, default=400)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    (run_sync if args.part == "sync" else run_steps)(args)
+    {"sync": run_sync, "steps": run_steps, "update": run_update}[args.part](args)
 
 
 if __name__ == "__main__":
