@@ -177,8 +177,8 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     full_copy = ("rollout weights", p * rollout_bytes, f"a full copy: {p / 1e9:.3f}B x {rollout_bytes} B")
     if lora_sync == "unmerged":
         resident.append(("rollout adapters", adapters * 4, f"{adapters / 1e6:.1f}M x fp32, added at run time"))
-        if shard > 1:  # no rank holds the base whole: the rollout keeps a copy, sent once
-            resident.append(full_copy)
+        if shard > 1 or compute != rollout_bytes:  # no rank holds the base whole, or not in the rollout's dtype:
+            resident.append(full_copy)  # the rollout keeps a copy, sent once
         # else the rollout reads the actor's own base tensors: no copy
     else:
         resident.append(full_copy)

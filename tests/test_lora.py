@@ -280,6 +280,11 @@ def test_the_memory_ledger_counts_the_frozen_base_and_the_adapters():
         gen = phase_ledger(cfg, derive_layout(cfg, 1, world), config)["phases"]["gen"]["items"]
         rollout = sum(i["gib"] for i in gen if i["name"].startswith("rollout")) * 2**30
         assert rollout == pytest.approx(want), (lora_sync, world)
+    # a base stored in fp32 cannot be read by the bf16 rollout: it holds a copy
+    cfg = load_config(None, overrides + ["rollout.lora_sync=unmerged", "rollout.backend=fast",
+                                         "actor.engine.param_dtype=float32"])
+    gen = phase_ledger(cfg, derive_layout(cfg, 1, 1), config)["phases"]["gen"]["items"]
+    assert sum(i["gib"] for i in gen if i["name"].startswith("rollout")) * 2**30 == pytest.approx(num_adapters * 4 + p * 2)
 
 
 SYNC_PROMPTS = ["1+2=", "hello world ", "ab", "what is 7*6? "]
@@ -313,6 +318,9 @@ def _sync_runs(modes: list[str]) -> dict:
         results = []
         base_calls.clear()
         for values in adapters:
+            # an update between syncs (its adapters then replaced): the base must stay where the rollout reads it
+            engine.train_batch(random_batch(4, 12, len(tok), seed=2).chunk(engine.mesh.dp_size)[engine.mesh.dp_rank],
+                               loss_fn)
             with torch.no_grad():
                 for n, p in engine.module.named_parameters():
                     if LORA_MARK in n:
