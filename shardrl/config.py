@@ -845,6 +845,10 @@ class Config:
     def validate(self, prefix: str) -> None:
         require(self, prefix, "trainer.export_lora_adapter", not self.trainer.export_lora_adapter
                 or self.model.lora.rank > 0, "needs model.lora.rank > 0 (there are no adapters to write)")
+        for role in ("actor", "ref", "critic"):
+            require(self, prefix, "model.load_weights", self.model.load_weights != "random_shards"
+                    or getattr(self, role).engine.strategy == "fsdp2",
+                    f"random_shards needs FSDP2 (each rank draws its own shards); {role}.engine.strategy is fsdp")
         require(self, prefix, "rollout.lora_sync", self.rollout.lora_sync in (None, "full")
                 or self.async_rl.rollout_ranks == 0, "unmerged and merged sync a colocated rollout; rollout ranks of "
                 "their own (async_rl.rollout_ranks > 0) receive the merged model whole: set full or drop it")

@@ -141,3 +141,6 @@ def test_random_shards_draw_each_ranks_shard_on_its_device():
     assert stats["replicated"]["ranks_equal"] and not stats["sharded"]["ranks_equal"]
     with pytest.raises(ConfigError, match="model.load_weights"):
         load_config(None, ["model.path=/x", "model.load_weights=random_shards"])
+    with pytest.raises(ConfigError, match="needs FSDP2"):
+        load_config(None, ['model.tiny={"model_type": "qwen2"}', "model.load_weights=random_shards",
+                           "actor.engine.strategy=fsdp"])
