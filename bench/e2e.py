@@ -153,21 +153,29 @@ def case_prompts(root: Path, prompts: int, prompt_len: int) -> Path:
 
 
 # ---- shardrl ------------------------------------------------------------------------------------------
-def shardrl_overrides(root: Path, case: str, cases: dict, steps: int, extra: list[str]) -> list[str]:
-    prompts, n, prompt_len, new, kind = cases[case]
+def grpo_overrides(train_file: Path, prompts: int, n: int, prompt_len: int, new: int, steps: int, name: str,
+                   max_token_len: int = 16384) -> list[str]:
+    """The benchmark's GRPO run (also bench/lora.py's): `prompts` x `n` a step, one optimizer step per batch,
+    temperature 1, lr 1e-6, dynamic micro-batches of `max_token_len` tokens, `compute_score`, no validation or
+    checkpoints; the model comes from the caller."""
     return [
-        f"model.path={root / f'model_{kind}'}",
-        f"data.train_files=[{case_prompts(root, prompts, prompt_len)}]",
+        f"data.train_files=[{train_file}]",
         f"data.max_prompt_length={prompt_len}", "data.truncation=error",
         f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}", "actor.ppo_epochs=1",
         f"rollout.n={n}", f"rollout.max_new_tokens={new}", "rollout.temperature=1.0",
-        "actor.optim.lr=1e-6", "actor.engine.use_dynamic_bsz=true", "actor.engine.max_token_len_per_gpu=16384",
+        "actor.optim.lr=1e-6", "actor.engine.use_dynamic_bsz=true", f"actor.engine.max_token_len_per_gpu={max_token_len}",
         "algorithm.adv_estimator=grpo",
         f"reward.function_path={os.path.abspath(__file__)}", "reward.function_name=compute_score",
         f"trainer.total_steps={steps}", "trainer.logger=[console,jsonl]", "trainer.val_freq=0",
-        "trainer.save_freq=0", f"trainer.experiment_name={case}",
-        *extra,
+        "trainer.save_freq=0", f"trainer.experiment_name={name}",
     ]
+
+
+def shardrl_overrides(root: Path, case: str, cases: dict, steps: int, extra: list[str]) -> list[str]:
+    prompts, n, prompt_len, new, kind = cases[case]
+    return [f"model.path={root / f'model_{kind}'}",
+            *grpo_overrides(case_prompts(root, prompts, prompt_len), prompts, n, prompt_len, new, steps, case),
+            *extra]
 
 
 def run_shardrl(root: Path, case: str, cases: dict, steps: int, gpus: int, extra: list[str], tag: str) -> dict:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -254,20 +255,16 @@ def run_update(args) -> list[dict]:
 
 # ---- steps: whole GRPO steps ---------------------------------------------------------------------------
 def case_overrides(root: Path, case: str, steps: int) -> list[str]:
+    from bench.e2e import grpo_overrides
+
     shape_name, prompts, extra = CASES[case]
     shape = SHAPES[shape_name]
     tiny = json.dumps(shape).replace(" ", "")
-    return [
-        f"model.tiny={tiny}", "model.load_weights=random_shards",
-        f"model.tokenizer_path={tokenizer_folder(root, shape['vocab_size'])}",
-        f"data.train_files=[{prompt_file(root, shape['vocab_size'], prompts)}]",
-        f"data.max_prompt_length={PROMPT_LEN}", "data.truncation=error",
-        f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}", "actor.ppo_epochs=1",
-        f"rollout.n={N}", f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.temperature=1.0",
-        "actor.optim.lr=1e-6", "actor.engine.use_dynamic_bsz=true", "actor.engine.max_token_len_per_gpu=8192",
-        "algorithm.adv_estimator=grpo", f"reward.function_path={os.path.abspath('bench/e2e.py')}",
-        "reward.function_name=compute_score", f"trainer.total_steps={steps}", "trainer.logger=[console,jsonl]",
-        "trainer.val_freq=0", "trainer.save_freq=0", f"trainer.experiment_name={case}", *extra]
+    return [f"model.tiny={tiny}", "model.load_weights=random_shards",
+            f"model.tokenizer_path={tokenizer_folder(root, shape['vocab_size'])}",
+            *grpo_overrides(prompt_file(root, shape["vocab_size"], prompts), prompts, N, PROMPT_LEN, NEW_TOKENS, steps,
+                            case, max_token_len=8192),
+            *extra]
 
 
 def run_steps(args) -> list[dict]:
@@ -276,6 +273,7 @@ def run_steps(args) -> list[dict]:
     out = []
     for case in args.cases.split(","):
         run_dir = root / "runs" / case
+        shutil.rmtree(run_dir, ignore_errors=True)  # a rerun starts afresh (as bench/e2e.py's)
         overrides = case_overrides(root, case, args.steps) + [f"trainer.output_dir={run_dir}"]
         import torch
 

@@ -107,6 +107,11 @@ def hf_base_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
+def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + scaling * B @ A in fp32, on W's device (A (r, in), B (out, r))."""
+    return torch.addmm(w.float(), b.to(w.device, torch.float32), a.to(w.device, torch.float32), alpha=scaling)
+
+
 def merge_lora(stream: Iterable[tuple[str, torch.Tensor]], scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) in module order -> the same with each LoRA layer's base weight merged
     (W + scaling * B @ A, computed in fp32, in W's dtype) under the base weight's HF name; adapters dropped."""
@@ -117,8 +122,7 @@ def merge_lora(stream: Iterable[tuple[str, torch.Tensor]], scaling: float) -> It
         if {"base", "A", "B"} <= set(parts):
             del pending[prefix]
             w = parts["base"]
-            merged = w.float() + scaling * (parts["B"].float() @ parts["A"].float())
-            return f"{prefix}weight", merged.to(w.dtype)
+            return f"{prefix}weight", merged_weight(w, parts["A"], parts["B"], scaling).to(w.dtype)
         return None
 
     for name, tensor in stream:

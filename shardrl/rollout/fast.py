@@ -39,6 +39,7 @@ from typing import Iterable, Protocol, Sequence
 
 import torch
 
+from shardrl.engine.lora import merged_weight
 from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_prompts,
                                    contains_stop, copy_weights_in_place, cut_responses)
 from shardrl.rollout.fast_model import (DecoderBlock, FastCausalLM, SDPADecodeAttention, TritonDecodeAttention,
@@ -233,8 +234,8 @@ class FastRollout(Rollout):
             return
         copy_weights_in_place(self.model, weights)  # same addresses, so the captured graphs stay valid
 
-    def _new_weights(self) -> None:
-        """The weights' addresses or the decode step's structure changed: captured graphs are stale."""
+    def _drop_graphs(self) -> None:
+        """Drops the captured graphs (stale once the weights' addresses or the decode step's structure change)."""
         for graph in self._graphs.values():
             graph.reset()
         self._graphs.clear()
@@ -244,7 +245,7 @@ class FastRollout(Rollout):
         """The model reads these tensors (hf_name -> the trainer's own, on this device, in the rollout's dtype)
         instead of holding a copy (`FastCausalLM.share_weights`); `release` then leaves them in place."""
         self.model.share_weights(weights)
-        self._new_weights()
+        self._drop_graphs()
 
     @torch.no_grad()
     def load_lora(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
@@ -252,7 +253,7 @@ class FastRollout(Rollout):
         first = not any(layer.lora for layer in self.model.model.layers)
         self.model.set_lora(adapters, scale)
         if first:
-            self._new_weights()
+            self._drop_graphs()
 
     @torch.no_grad()
     def merge_lora(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float,
@@ -265,10 +266,7 @@ class FastRollout(Rollout):
                                "would write into the trainer's base; use load_lora")
         params = dict(self.model.named_parameters())
         for name, (a, b) in adapters.items():
-            weight = params[f"{name}.weight"]
-            w0 = base[f"{name}.weight"]
-            weight.copy_(torch.addmm(w0.float(), b.to(weight.device, torch.float32),
-                                     a.to(weight.device, torch.float32), alpha=scale))
+            params[f"{name}.weight"].copy_(merged_weight(base[f"{name}.weight"], a, b, scale))
 
     def release(self, weights: bool | None = None) -> None:
         """Frees the KV cache and graphs; with `weights` (default: the constructor's `release_weights`)
@@ -301,9 +299,7 @@ class FastRollout(Rollout):
         self._released = False
 
     def _drop_state(self) -> None:
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
+        self._drop_graphs()
         self._graph_pool = None
         self._state = None
 

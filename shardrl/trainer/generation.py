@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Iterable
 
 import torch
 
@@ -50,8 +51,8 @@ class LoRASync:
         self.base: dict[str, torch.Tensor] | None = None  # merged: the unmerged base weights of the adapted layers
         self.started = False
 
-    def _start(self) -> None:
-        """The first sync: the base (shared or loaded), before any adapter."""
+    def _start(self, adapted: Iterable[str]) -> None:
+        """The first sync: the base (shared or loaded), before any adapter; `adapted`: the LoRA layers' names."""
         local = self.actor.local_base_weights()
         if local is not None and any(t.dtype != self.dtype for t in local.values()):
             log.warning("the actor stores its base in %s, the rollout computes in %s: the rollout holds a copy of "
@@ -64,16 +65,16 @@ class LoRASync:
             self.rollout.load_weights(self.actor.base_weights(self.dtype))
         if self.mode == "merged":
             params = dict(self.rollout.model.named_parameters())
-            adapted = {f"{name}.weight" for name, _, _ in self.actor.export_adapters()}
-            self.base = {name: (local[name] if local is not None else params[name].detach().clone())
-                         for name in adapted}
+            self.base = {f"{name}.weight": (local if local is not None else params)[f"{name}.weight"] for name in adapted}
+            if local is None:  # the rollout's own weights are merged into: keep the unmerged base apart
+                self.base = {name: w.detach().clone() for name, w in self.base.items()}
         self.started = True
 
     def sync(self) -> None:
         """The actor's newest adapters into the rollout (every rank of the actor's mesh: the gathers)."""
-        if not self.started:
-            self._start()
         adapters = {name: (a, b) for name, a, b in self.actor.export_adapters()}
+        if not self.started:
+            self._start(adapters)
         if self.mode == "merged":
             self.rollout.merge_lora(adapters, self.scale, self.base)
         else:
