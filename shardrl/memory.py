@@ -122,7 +122,7 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
         ("logits chunk", chunk * vocab * (compute + 4 + 4),
          f"{chunk} tokens x {vocab} x ({compute} + 4 + 4) B (logits, log-softmax, its grad)"),
     ]
-    if engine.offload_optimizer:
+    if engine.offload_optimizer and not engine.offload_params:  # (offloaded params keep their state on the CPU)
         update.append((f"{name} optimizer state", 2 * (lora or p) * (4 if lora else master) / shard,
                        "back on GPU for the step"))
     return update
