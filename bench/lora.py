@@ -286,15 +286,20 @@ def run_steps(args) -> list[dict]:
             memory = json.loads(plan.stdout)["memory"]
             ledger = {k: round(v["total_gib"], 2) for k, v in memory["phases"].items()}
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "shardrl.cli", "train", *overrides], capture_output=True,
-                              text=True, timeout=args.case_timeout_s)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "shardrl.cli", "train", *overrides], capture_output=True,
+                                  text=True, timeout=args.case_timeout_s)
+            error = proc.stderr[-3000:] if proc.returncode != 0 else None
+            resolved = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if "(null:" in ln][:12]
+        except subprocess.TimeoutExpired:  # the steps it finished are still read
+            error, resolved = f"timed out after {args.case_timeout_s} s", []
         wall = time.perf_counter() - t0
-        rec = dict(bench="lora_steps", case=case, ledger_gib=ledger, wall_s=round(wall, 1),
+        rec = dict(bench="lora_steps", case=case, ledger_gib=ledger, wall_s=round(wall, 1), resolved=resolved,
                    plan_error=None if plan.returncode == 0 else plan.stderr[-1500:])
         metrics = run_dir / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-        if proc.returncode != 0:
-            rec["error"] = proc.stderr[-3000:]
+        if error:
+            rec["error"] = error
         timed = records[1:] or records
 
         def med(key):

@@ -22,6 +22,17 @@ collect() {
     tar czf "$OUT/runs.tgz" -C /tmp collect
 }
 case "${1:-}" in
+    # session 13: every one-GPU CUDA test and the update profiled (call 1), then the 7B steps against full
+    # fine-tuning with fp32 master weights and the offload it needs (call 2)
+    tests_update)
+        nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+        timeout 370 python3 -m pytest -m cuda tests -q -rs -p no:cacheprovider --durations=10 2>&1 | tail -30
+        timeout 210 python3 bench/lora.py update --shape 7b --out "$OUT/lora.jsonl" 2>&1 | grep -v Warning | tail -4
+        ;;
+    steps7b)
+        timeout 570 python3 bench/lora.py steps --cases "${CASES:-7b_lora,7b_full_bf16,7b_full}" --steps "${STEPS:-5}" \
+            --case-timeout-s "${CASE_S:-180}" --out "$OUT/lora.jsonl" 2>&1 | tail -4
+        ;;
     one)
         mkdir -p /tmp/smollm2_parts && cp .whl_a/* /tmp/smollm2_parts/
         nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
