@@ -98,7 +98,7 @@ def plan_main(args: argparse.Namespace) -> int:
     from shardrl.modelconfig import text_config
     from shardrl.layout import check_model_heads, derive_layout, format_layout
     from shardrl.memory import fit_advice, format_phase_ledger, phase_ledger, update_and_cache_gib
-    from shardrl.trainer.defaults import free_cache_choice
+    from shardrl.trainer.defaults import free_cache_choice, lora_sync_choice
     from shardrl.trainer.main import resolve_overrides
 
     offline = args.trainer != "train"
@@ -138,6 +138,15 @@ def plan_main(args: argparse.Namespace) -> int:
             ledger = offline_ledger(cfg, layout, hf_config) if offline else phase_ledger(cfg, layout, hf_config)
         except (ValueError, AttributeError) as e:  # a config without the usual decoder names
             skipped = str(e)
+    lora_choice = None  # rollout.lora_sync left null with LoRA on a GPU of --gpu-mem-gib: as the run settles it
+    if ledger and args.gpu_mem_gib and not offline and cfg.model.lora.rank > 0 and cfg.rollout.lora_sync is None:
+        import torch
+
+        cfg = copy.deepcopy(cfg)
+        cfg.rollout.lora_sync, why_sync = lora_sync_choice(cfg, layout, hf_config, torch.device("cuda"),
+                                                           gpu_gib=args.gpu_mem_gib)
+        lora_choice = f"rollout.lora_sync={cfg.rollout.lora_sync} (null: {why_sync})"
+        ledger = phase_ledger(cfg, layout, hf_config)
     advice = fit_advice(ledger, args.gpu_mem_gib, "engine" if offline else "actor.engine") \
         if ledger and args.gpu_mem_gib else []
     keep_cache = None  # rollout.free_cache_engine left null on a GPU of --gpu-mem-gib: kept through the update?
@@ -151,7 +160,8 @@ def plan_main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**layout.to_dict(), "memory": ledger, "memory_skipped": skipped,
                           "fits": None if args.gpu_mem_gib is None or ledger is None else not advice,
-                          "advice": advice, "rollout_keeps_cache": keep_cache}))
+                          "advice": advice, "rollout_keeps_cache": keep_cache,
+                          "rollout_lora_sync": cfg.rollout.lora_sync if lora_choice else None}))
     else:
         print(format_offline_layout(layout) if offline else format_layout(layout))
         print()
@@ -159,6 +169,8 @@ def plan_main(args: argparse.Namespace) -> int:
         if ledger and args.gpu_mem_gib:
             print(f"\ndoes not fit {args.gpu_mem_gib:g} GiB:\n  " + "\n  ".join(advice) if advice
                   else f"\nfits {args.gpu_mem_gib:g} GiB (peak {ledger['peak_phase']} {ledger['peak_gib']:.1f} GiB)")
+        if lora_choice:
+            print(lora_choice)
         if keep_cache is not None:
             print(f"rollout.free_cache_engine={str(not keep_cache).lower()} (null: {why})")
     if args.gpu_mem_gib and not ledger:  # a verdict was asked for and none can be given

@@ -61,6 +61,27 @@ def test_plan_says_what_to_change_when_a_phase_does_not_fit(capsys):
     assert "rollout.free_cache_engine" not in capsys.readouterr().out  # set: nothing to decide
 
 
+def test_plan_settles_a_null_lora_sync_as_the_run_would_on_that_gpu(capsys):
+    """With LoRA and --gpu-mem-gib, rollout.lora_sync left null is chosen as on that GPU (merged where the copy
+    fits, else unmerged) and the ledger's rollout holds what that choice holds."""
+    lora = [TINY, "model.lora.rank=8", "rollout.backend=fast"]
+    plans = {}
+    for gib in ("80", "0.001"):
+        main(["plan", *lora, "--gpu-mem-gib", gib, "--json"])
+        plans[gib] = json.loads(capsys.readouterr().out)
+    assert (plans["80"]["rollout_lora_sync"], plans["0.001"]["rollout_lora_sync"]) == ("merged", "unmerged")
+
+    def rollout_gib(plan):
+        return sum(i["gib"] for i in plan["memory"]["phases"]["gen"]["items"] if i["name"].startswith("rollout"))
+    # a bf16 copy of the model, against the adapters alone (the rollout reads the actor's base)
+    assert rollout_gib(plans["80"]) * 2**30 == pytest.approx(plans["80"]["memory"]["num_params"] * 2)
+    assert rollout_gib(plans["0.001"]) < rollout_gib(plans["80"]) / 4
+    main(["plan", *lora, "--gpu-mem-gib", "80"])
+    assert "rollout.lora_sync=merged (null: the ledger's peak with a merged copy" in capsys.readouterr().out
+    main(["plan", *lora, "--gpu-mem-gib", "80", "rollout.lora_sync=unmerged", "--json"])
+    assert json.loads(capsys.readouterr().out)["rollout_lora_sync"] is None  # set: nothing to decide
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["plan", "data.train_batch_size=10", "actor.ppo_mini_batch_size=5", "--nproc-per-node", "4"],
      "nearest valid: 8 or 12"),

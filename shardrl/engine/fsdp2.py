@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shardrl.engine.base import Engine, register_engine
@@ -146,9 +146,15 @@ class FSDP2Engine(Engine):
     def local_base_weights(self) -> dict[str, torch.Tensor] | None:
         """With `model.lora`: the frozen base's own tensors by HF name (no copy, no gather) where this rank holds
         every one whole (a shard group of one: one GPU, or HSDP with fsdp_size=1); else None. They never change
-        (frozen) and stay where they are while the engine trains, so a colocated rollout may read them."""
+        (frozen) and stay where they are while the engine trains, so a colocated rollout may read them.
+
+        The sharded storage, never a gathered copy: units left unsharded by a forward (reshard_after_forward=false,
+        or gathered over the micro-batches) are resharded first, as their gathered buffers are freed later."""
         if self.lora is None:
             return None
+        for mod in self.module.modules():
+            if isinstance(mod, FSDPModule):
+                mod.reshard()
         out = {}
         for name, p in self.module.named_parameters():
             if LORA_MARK in name:

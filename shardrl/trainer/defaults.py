@@ -115,13 +115,15 @@ def memory_gib(cfg: Config, layout, hf_config, device: torch.device, say=None) -
     return need, torch.cuda.get_device_properties(device).total_memory / GIB
 
 
-def lora_sync_choice(cfg: Config, layout, hf_config, device: torch.device) -> tuple[str, str]:
+def lora_sync_choice(cfg: Config, layout, hf_config, device: torch.device,
+                     gpu_gib: float | None = None) -> tuple[str, str]:
     """`rollout.lora_sync` left null (with model.lora), and why. full where nothing else applies (the hf backend,
     which `rollout.backend` left null takes on CPU and for models the fast rollout cannot run; rollout ranks of
     their own). Else merged (the plain model's decode step, measured faster: bench/RESULTS.md, "LoRA") where the
     memory ledger's peak with the rollout's own merged copy is at most `KEEP_CACHE_FRACTION` of this GPU, and
     unmerged (the rollout reads the actor's base: the model held once) where it is not. Settled before
-    `memory_gib`, so that the cache's choice counts the copy."""
+    `memory_gib`, so that the cache's choice counts the copy. `gpu_gib`: the GPU's size where `device` is not
+    this machine's (`shardrl plan --gpu-mem-gib`)."""
     from shardrl.layout import GIB
     from shardrl.memory import phase_ledger
 
@@ -148,7 +150,7 @@ def lora_sync_choice(cfg: Config, layout, hf_config, device: torch.device) -> tu
         peak = phase_ledger(merged, layout, hf_config)["peak_gib"]
     except (ValueError, AttributeError, KeyError) as e:
         return "unmerged", f"the memory ledger cannot size this model ({e})"
-    gpu = torch.cuda.get_device_properties(device).total_memory / GIB
+    gpu = gpu_gib if gpu_gib is not None else torch.cuda.get_device_properties(device).total_memory / GIB
     if peak <= KEEP_CACHE_FRACTION * gpu:
         return "merged", (f"the ledger's peak with a merged copy, {peak:.1f} GiB, fits in {KEEP_CACHE_FRACTION:.0%} "
                           f"of the GPU's {gpu:.0f} GiB")
