@@ -95,6 +95,10 @@ class ModelConfig:
     """Allow model/tokenizer code shipped inside the model folder to run."""
     attn_implementation: str = "auto"
     """HF attention implementation; "auto" = packed varlen FlashAttention on CUDA, SDPA elsewhere."""
+    experts_implementation: Literal["auto", "grouped_mm", "eager", "batched_mm"] = "auto"
+    """Mixture-of-experts models: how a layer's experts compute (HF's `experts_implementation`). "auto":
+    grouped_mm (one grouped matrix product per projection over the tokens sorted by expert) where the hidden and
+    expert sizes are multiples of 8, else eager (a loop over the experts hit). Dense models ignore it."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them."""
     use_remove_padding: bool = True

@@ -58,14 +58,20 @@ def activation_bytes_per_token_layer(hf_config, compute: int) -> tuple[int, str]
     d = getattr(c, "head_dim", None) or h // heads
     kv = getattr(c, "num_key_value_heads", None) or heads
     inter = getattr(c, "intermediate_size", None) or 4 * h
+    from shardrl.engine.moe import expert_intermediate_size, is_moe, num_experts
     from shardrl.perf import UNGATED_MLP
 
     mlp_tensors = 2 if getattr(c, "model_type", None) in UNGATED_MLP else 4
     norms = 2 * (4 * h + compute * h)
     attn = compute * (3 * heads * d + 2 * kv * d) + compute * heads * d  # q, out, o_proj input; k, v; + spare
+    attn_how = f"2 norms x (4+{compute}) B x {h} + attention {compute} B x (4 x {heads * d} + 2 x {kv * d})"
+    if is_moe(c):  # each of a token's k experts keeps its hidden units, its copy of the token's input and output
+        k, expert, experts = c.num_experts_per_tok, expert_intermediate_size(c), num_experts(c)
+        mlp = k * (mlp_tensors * compute * expert + 2 * compute * h) + 4 * experts
+        return norms + attn + mlp, (f"{attn_how} + MLP {k} experts x ({mlp_tensors} x {compute} B x {expert} + "
+                                    f"2 x {compute} B x {h}) + router 4 B x {experts}")
     mlp = mlp_tensors * compute * inter
-    return norms + attn + mlp, (f"2 norms x (4+{compute}) B x {h} + attention {compute} B x (4 x {heads * d} + "
-                                f"2 x {kv * d}) + MLP {mlp_tensors} x {compute} B x {inter}")
+    return norms + attn + mlp, f"{attn_how} + MLP {mlp_tensors} x {compute} B x {inter}"
 
 
 def _engine_resident(name, numbers, master, shard, offload_params, offload_optimizer, optimizer: bool,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardrl.engine.moe import moe_layer_count, num_experts
 from shardrl.modelconfig import text_config
 
 H200_BF16_MEASURED_TFLOPS = 788.0
@@ -68,16 +69,17 @@ def model_shape(hf_config, head_outputs: int | None = None) -> ModelShape:
     head_dim = first("head_dim", default=hidden // heads)
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o; k and v (fewer heads with GQA)
     matrices = 2 if getattr(c, "model_type", None) in UNGATED_MLP else 3
-    top_k = getattr(c, "num_experts_per_tok", None)
-    if top_k:  # MoE: the experts a token is routed to, and a shared expert if there is one
+    dense = matrices * hidden * first("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)
+    routed = moe_layer_count(c)
+    if routed:  # MoE: the router, the experts a token is routed to, and a shared expert if there is one
         expert = first("moe_intermediate_size", "intermediate_size")
         shared = getattr(c, "shared_expert_intermediate_size", None) or 0
-        mlp = matrices * hidden * (top_k * expert + shared)
+        moe = matrices * hidden * (c.num_experts_per_tok * expert + shared) + hidden * num_experts(c)
+        body = layers * attention + routed * moe + (layers - routed) * dense  # dense layers (mlp_only_layers)
     else:
-        mlp = matrices * hidden * first("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)
+        body = layers * (attention + dense)
     head = hidden * (first("vocab_size") if head_outputs is None else head_outputs)
-    return ModelShape(num_params=layers * (attention + mlp) + head, num_layers=layers, attn_dim=heads * head_dim,
-                      head_params=head)
+    return ModelShape(num_params=body + head, num_layers=layers, attn_dim=heads * head_dim, head_params=head)
 
 
 def forward_flops(shape: ModelShape, seq_lens: torch.Tensor, scored_lens: torch.Tensor | None = None) -> float:

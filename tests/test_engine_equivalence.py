@@ -22,7 +22,7 @@ from shardrl.algos.aggregate import agg_loss
 from shardrl.config import EngineConfig, ModelConfig, OptimConfig
 from shardrl.engine import build_engine
 from shardrl.engine.model import build_causal_lm, load_hf_config
-from shardrl.testing import TINY_MODELS, random_batch, record_grads, run_distributed
+from shardrl.testing import TINY_MODELS, random_batch, record_grads, run_distributed, tiny_config
 
 pytestmark = pytest.mark.multiproc
 
@@ -39,7 +39,7 @@ GRAD_RTOL = 1e-5  # of the largest gradient entry: fp32 summation order, far bel
 
 
 def make_batch(kind: str):
-    return random_batch(NUM_SEQS, MAX_LEN, TINY_MODELS[kind]["vocab_size"], seed=1)
+    return random_batch(NUM_SEQS, MAX_LEN, tiny_config(kind)["vocab_size"], seed=1)
 
 
 def pg_loss_fn(mode: str, calls: list | None = None):
@@ -55,7 +55,8 @@ def pg_loss_fn(mode: str, calls: list | None = None):
 def reference_step(kind: str, mode: str = "token-mean", device: str = "cpu", clip: float = 0.0, batch=None):
     """The plain loop: the HF model on the padded batch, full logits, backward, (clip,) AdamW. Returns the
     gradients AdamW stepped on (clipped when `clip` > 0), the unclipped norm and the parameters after."""
-    config = load_hf_config(None, TINY_MODELS[kind])
+    config = load_hf_config(None, tiny_config(kind))
+    config._experts_implementation = "eager"  # a mixture of experts: HF's loop over the experts
     model = build_causal_lm(config, None, "cpu", torch.float32, seed=0).to(device)
     batch = (make_batch(kind) if batch is None else batch).to(device)
     ids, am = batch["input_ids"], batch["attention_mask"]
@@ -80,7 +81,7 @@ def engine_step(kind: str, engine_kwargs: dict, mode: str = "token-mean", model_
     """Runs on every rank: one train_batch on this rank's share; returns the whole gradients the optimizer
     stepped on, the full params after, and metrics. `mesh` reuses a device mesh (and its communicators)
     across engines of the same layout."""
-    model_cfg = ModelConfig(tiny=TINY_MODELS[kind], **(model_kwargs or {}))
+    model_cfg = ModelConfig(**{"tiny": tiny_config(kind), **(model_kwargs or {})})
     engine_kwargs = {"param_dtype": "float32", **engine_kwargs}
     engine_cfg = EngineConfig(logprob_chunk_size=7, **engine_kwargs)
     engine = build_engine(model_cfg, engine_cfg, OptimConfig(**{**OPTIM, "clip_grad": clip}), mesh=mesh)

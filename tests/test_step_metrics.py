@@ -38,11 +38,11 @@ def test_model_shape_counts_the_matmul_parameters_by_hand():
     # GPT-2: no GQA, a two-matrix MLP of 4 x hidden
     gpt2 = _gpt2_config()
     assert model_shape(gpt2) == ModelShape(2 * (4 * 32 * 32 + 2 * 32 * 128) + 32 * 101, 2, 32, 32 * 101)
-    # MoE: the routed experts (top 2 of 8) of 3 matrices each
+    # MoE: the router (hidden x 8 experts) and the routed experts (top 2 of 8) of 3 matrices each
     moe = SimpleNamespace(model_type="mixtral", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                           num_key_value_heads=4, intermediate_size=64, num_experts_per_tok=2, num_local_experts=8,
                           vocab_size=10)
-    assert model_shape(moe).num_params == 4 * 32 * 32 + 2 * 3 * 32 * 64 + 32 * 10
+    assert model_shape(moe).num_params == 4 * 32 * 32 + 32 * 8 + 2 * 3 * 32 * 64 + 32 * 10
     # Qwen2-1.5B: with its q/k/v biases and RMSNorm weights this is its published 1,543,714,304 parameters
     qwen15 = SimpleNamespace(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                              num_key_value_heads=2, intermediate_size=8960, vocab_size=151936)

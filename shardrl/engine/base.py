@@ -37,6 +37,7 @@ from shardrl.engine.loading import (compute_non_persistent_buffers, copy_full_in
                                     sharded_load_problem)
 from shardrl.engine.lora import LORA_MARK, adapters_off, hf_base_name, inject_lora, lora_init, save_peft_adapter
 from shardrl.engine.microbatch import restore_order, split_micro_batches
+from shardrl.engine.moe import apply_experts_implementation
 from shardrl.engine.model import (DTYPES, PolicyModel, build_causal_lm, check_model_weights, disable_dropout,
                                   load_hf_config, strip_prefix)
 from shardrl.engine.ulysses import check_heads
@@ -84,6 +85,8 @@ class Engine(abc.ABC):
         self.hf_config = load_hf_config(model_cfg.path, model_cfg.tiny, model_cfg.trust_remote_code,
                                         task="seq_cls" if head == "score" else "causal_lm",
                                         new_head_ok=optim_cfg is not None)
+        if (experts := apply_experts_implementation(self.hf_config, model_cfg.experts_implementation)) is not None:
+            log.info("mixture of experts: experts_implementation=%s", experts)
         if model_cfg.disable_dropout and (changed := disable_dropout(self.hf_config)):
             log.info("dropout off (model.disable_dropout): %s set to 0", ", ".join(changed))
         if model_cfg.path is not None:
