@@ -1,5 +1,6 @@
 """The fast rollout on every model family it supports (`shardrl.rollout.families`): Qwen3, Llama 3.x rope
-scaling, Mistral, Qwen2 with sliding windows, Gemma 2 and Gemma 3 text. Tiny random configs built from each
+scaling, Mistral, Qwen2 with sliding windows, Gemma 2 and Gemma 3 text, the mixtures of experts Qwen3-MoE and
+Mixtral. Tiny random configs built from each
 family's HF config class, fp32 on the CPU: greedy tokens equal HF `generate`'s over 32+ new tokens (prompts
 longer than the sliding window), sampled log-probs equal the training engine's recomputation, and every
 HF weight name loads. The Triton decode kernel's window and soft-cap run in Triton's interpreter here and
@@ -46,6 +47,12 @@ FAMILIES = {
                                                final_logit_softcapping=3.0)),
     "gemma3_text": (transformers.Gemma3TextConfig, dict(head_dim=16, num_hidden_layers=3, sliding_window=WINDOW,
                                                         sliding_window_pattern=2, query_pre_attn_scalar=12)),
+    # mixtures of experts: top-2 of 8 (Qwen3-MoE, renormalized; its layer 1 dense) and of 4 (Mixtral)
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(head_dim=16, moe_intermediate_size=16, num_experts=8,
+                                                    num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                                                    tie_word_embeddings=False)),
+    "mixtral": (transformers.MixtralConfig, dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                                                 tie_word_embeddings=False)),
 }
 ROPE_VARIANTS = {
     "linear": dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
@@ -153,6 +160,32 @@ def test_fast_family_matches_hf_generate_and_the_engine(tok, name, caplog):
         fast.model.layer_consts = consts
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_fast_family_moe_routing_decides_the_tokens(tok, name, monkeypatch):
+    """The routed experts as grouped matrix products and as a loop over the experts decode the same tokens as
+    HF; routing weights left unnormalized (or the router's choice ignored) decode others."""
+    import shardrl.rollout.fast_model as fm
+
+    model = hf_model(family_config(tok, name))
+    want = hf_greedy(tok, model, max_new_tokens=36)
+    greedy = SamplingParams(greedy=True, max_new_tokens=36)
+    fast = fast_rollout(tok, model)
+    consts = fast.model.layer_consts
+    assert [c.top_k for c in consts] == ([2, 0] if name == "qwen3_moe" else [2, 2])  # Qwen3-MoE: layer 1 dense
+    calls = []
+    real = fm.grouped_mm_usable
+    monkeypatch.setattr(fm, "grouped_mm_usable", lambda *a: calls.append(real(*a)) or calls[-1])
+    assert_same_tokens(fast.generate(*encode(tok), greedy), want)
+    assert calls and all(calls)  # the grouped products ran
+    monkeypatch.setattr(fm, "grouped_mm_usable", lambda *a: False)
+    assert_same_tokens(fast.generate(*encode(tok), greedy), want)  # the loop
+    monkeypatch.setattr(fm, "grouped_mm_usable", real)
+    fast.model.layer_consts = [c._replace(normalize_top_k=False) for c in consts]
+    assert not torch.equal(fast.generate(*encode(tok), greedy).response_ids, want.response_ids)
+    fast.model.layer_consts = [c._replace(top_k=c.top_k and 1) for c in consts]
+    assert not torch.equal(fast.generate(*encode(tok), greedy).response_ids, want.response_ids)
+
+
 def test_fast_family_engine_applies_the_final_softcap(tok):
     """Gemma 2's final_logit_softcapping: the training engine's log-probs (with and without entropy, under
     autograd or not) are the sampler's (it applied the cap; before the fix the engine's were up to 5.7 off)."""
@@ -201,6 +234,7 @@ def test_fast_family_unsupported_features_are_named(tok):
          "rope type 'longrope'"),
         (family_config(tok, "qwen3", hidden_act="gelu"), "hidden activation 'gelu'"),
         (family_config(tok, "gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
+        (transformers.OlmoeConfig(**BASE, num_experts=4, num_experts_per_tok=2), "not 'olmoe'"),
     ]
     for config, feature in cases:
         with pytest.raises(ValueError, match=f"{feature}.*rollout.backend=hf"):

@@ -11,6 +11,8 @@ attention scale, soft-caps). Anything else is a ValueError naming the feature an
     Gemma 2       gemma2        Gemma's layout (below), attention and final logit soft-caps, alternating
                                 sliding-window layers
     Gemma 3 text  gemma3_text   Gemma's layout, q/k RMSNorm, per-layer-type rotary (local and global)
+    Qwen3-MoE     qwen3_moe     Qwen3's attention; routed experts: softmax, top-k, renormalized if norm_topk_prob
+    Mixtral       mixtral       Mistral's attention; routed experts: softmax, top-k, always renormalized
 
 Gemma's layout: RMSNorm scales by (1 + weight), embeddings are multiplied by sqrt(hidden_size), each
 attention and MLP output is normed before the residual add, the MLP is GeGLU (tanh GELU), and attention
@@ -28,12 +30,32 @@ import torch
 class Family:
     qk_norm: bool = False  # per-head RMSNorm on q and k, before rotary
     gemma: bool = False  # Gemma's layout (module docstring)
+    moe: bool = False  # routed experts in place of the MLP (`moe_layers`)
+    moe_always_renormalized: bool = False  # the top-k weights always sum to 1 (else config.norm_topk_prob says)
+    moe_fp32_weights: bool = False  # the routing weights scale the experts' outputs in fp32 (Mixtral)
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(), "qwen2": Family(), "mistral": Family(), "qwen3": Family(qk_norm=True),
     "gemma2": Family(gemma=True), "gemma3_text": Family(qk_norm=True, gemma=True),
+    "qwen3_moe": Family(qk_norm=True, moe=True),
+    "mixtral": Family(moe=True, moe_always_renormalized=True, moe_fp32_weights=True),
 }
+
+
+def moe_layers(config) -> list[bool]:
+    """Per layer: whether its MLP is routed experts (Qwen3-MoE keeps `mlp_only_layers` and, with
+    `decoder_sparse_step` > 1, the layers between, dense)."""
+    n = config.num_hidden_layers
+    if not family_of(config).moe:
+        return [False] * n
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    return [i not in dense and (i + 1) % step == 0 for i in range(n)]
+
+
+def top_k_normalized(config) -> bool:
+    return family_of(config).moe_always_renormalized or bool(getattr(config, "norm_topk_prob", False))
 # rope types whose frequencies are fixed for positions the cache holds (dynamic: below max_position_embeddings)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -96,7 +118,7 @@ def layer_windows(config) -> list[int | None]:
     `sliding_window_overlay`), or None for full attention."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if config.model_type == "mistral":  # one window on every layer, when set
+    if config.model_type in ("mistral", "mixtral"):  # one window on every layer, when set
         return [window] * n
     types = getattr(config, "layer_types", None) or ["full_attention"] * n
     return [window if t == "sliding_attention" else None for t in types]

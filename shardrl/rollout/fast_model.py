@@ -1,5 +1,6 @@
 """The decoder of the fast rollout's model families (`shardrl.rollout.families`: Llama, Qwen2/3, Mistral,
-Gemma 2/3) in plain PyTorch, for generation against a static KV cache.
+Gemma 2/3, and the mixtures of experts Qwen3-MoE and Mixtral) in plain PyTorch, for generation against a static
+KV cache.
 
 Parameters are named exactly as in Hugging Face's `*ForCausalLM` of each family
 (`model.layers.{i}.self_attn.q_proj.weight`, ...), so `(hf_name, tensor)` pairs from
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from shardrl.rollout.families import (FAMILIES, activation, attention_scale, attention_softcap, check_supported,
                                       family_of, final_softcap, head_dim_of, layer_rope_keys, layer_windows,
-                                      max_rope_positions, rope_tables)
+                                      max_rope_positions, moe_layers, rope_tables, top_k_normalized)
 from shardrl.rollout.kernel_support import triton_head_dim  # noqa: F401  (fast.py asks it here too)
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -111,6 +112,58 @@ def gated_mlp(x, gate_up_w, gate_up_b, down_w, down_b, act: str = "silu", lora=N
     return out if lora is None else plus(out, lora_delta(h, lora[2], scale))
 
 
+def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes these operands here: rows 16-byte aligned; on CUDA bf16 (it has no
+    fp32 kernel there) on an SM80 or newer GPU."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if any(w.shape[-1] * w.element_size() % 16 or w.shape[-2] * w.element_size() % 16 for w in weights):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8
+    return x.device.type == "cpu"
+
+
+def route(x, router_w, top_k: int, normalize: bool, fp32_weights: bool):
+    """HF's top-k router: softmax over the experts in fp32, the k largest, renormalized to sum 1 when `normalize`;
+    (weights (T, k) in fp32 or x's dtype, experts (T, k))."""
+    probs = F.linear(x, router_w).float().softmax(-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return (weights if fp32_weights else weights.to(x.dtype)), experts
+
+
+def moe_mlp(x, router_w, gate_up, down, act: str, top_k: int, normalize: bool, fp32_weights: bool):
+    """Routed experts, as HF's `*SparseMoeBlock`: each token's k experts' SwiGLU outputs, weighted by the
+    router, summed. x (T, hidden); router_w (E, hidden); gate_up (E, 2I, hidden) (gate rows, then up rows);
+    down (E, hidden, I). The (token, expert) pairs are sorted by expert and each projection is one grouped
+    matrix product over them (`torch._grouped_mm`; static shapes, so a decode step captures in a CUDA graph);
+    where it cannot run, a loop over the experts computes the same."""
+    t, num_experts = x.shape[0], gate_up.shape[0]
+    weights, experts = route(x, router_w, top_k, normalize, fp32_weights)
+    flat = experts.reshape(-1)  # (T * k,): pair j is token j // k's (j % k)-th choice
+    order = flat.argsort(stable=True)
+    token = order // top_k
+    rows = x[token]  # (T * k, hidden), grouped by expert
+    if grouped_mm_usable(x, gate_up, down):
+        counts = F.one_hot(flat, num_experts).sum(0)  # (E,), static shape: no host sync
+        offs = counts.cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        gated = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+        out = torch._grouped_mm(gated, down.transpose(1, 2), offs=offs)
+    else:
+        out = rows.new_empty(rows.shape)
+        sorted_experts = flat[order]
+        for e in range(num_experts):
+            mask = sorted_experts == e
+            gate, up = F.linear(rows[mask], gate_up[e]).chunk(2, dim=-1)
+            gated = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+            out[mask] = F.linear(gated, down[e])
+    out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token, out)
+
+
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) holding the rows of `linears`, which become views into it: a GEMM instead of
     several, while each parameter keeps its HF name and an in-place copy into it lands in the fused tensor.
@@ -155,11 +208,41 @@ class MLP(nn.Module):
         self.gate_up_weight = self.gate_up_bias = None  # set by FastCausalLM.fuse_projections
 
 
+class Router(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts_of(config), config.hidden_size))
+
+
+class Experts(nn.Module):
+    """A layer's experts as HF stores them: gate_up_proj (E, 2I, hidden), down_proj (E, hidden, I)."""
+
+    def __init__(self, config):
+        super().__init__()
+        e, h = num_experts_of(config), config.hidden_size
+        i = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+
+class SparseMoE(nn.Module):
+    """Routed experts in place of the MLP (`moe_mlp`), under HF's names (`mlp.gate.weight`, `mlp.experts.*`)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+
+
+def num_experts_of(config) -> int:
+    return getattr(config, "num_experts", None) or config.num_local_experts
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config, bias: dict[str, bool]):
+    def __init__(self, config, bias: dict[str, bool], moe: bool = False):
         super().__init__()
         self.self_attn = Attention(config, bias)
-        self.mlp = MLP(config, bias)
+        self.mlp = SparseMoE(config) if moe else MLP(config, bias)
         hidden, eps, gemma = config.hidden_size, config.rms_norm_eps, family_of(config).gemma
         self.input_layernorm = RMSNorm(hidden, eps, gemma)
         # Llama's post_attention_layernorm is the MLP's input norm; Gemma's norms the attention output, and
@@ -180,9 +263,15 @@ class DecoderLayer(nn.Module):
         ln2 = self.pre_feedforward_layernorm.weight if gemma else self.post_attention_layernorm.weight
         if a.qkv_weight is None:  # unfused: the base is shared with the trainer (`FastCausalLM.share_weights`)
             qkv = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
-            gate_up = (m.gate_proj.weight, m.up_proj.weight), (m.gate_proj.bias, m.up_proj.bias)
         else:
-            qkv, gate_up = (a.qkv_weight, a.qkv_bias), (m.gate_up_weight, m.gate_up_bias)
+            qkv = (a.qkv_weight, a.qkv_bias)
+        if isinstance(m, SparseMoE):  # the MLP slots carry the router and the experts (LayerConsts.top_k > 0)
+            gate_up, down = (m.gate.weight, m.experts.gate_up_proj), (m.experts.down_proj, None)
+        elif m.gate_up_weight is None:
+            gate_up = (m.gate_proj.weight, m.up_proj.weight), (m.gate_proj.bias, m.up_proj.bias)
+            down = (m.down_proj.weight, m.down_proj.bias)
+        else:
+            gate_up, down = (m.gate_up_weight, m.gate_up_bias), (m.down_proj.weight, m.down_proj.bias)
         lora = self.lora
         qkv_lora = o_lora = mlp_lora = None
         if lora is not None:  # (A, B) per projection, None where that projection has no adapter
@@ -192,7 +281,7 @@ class DecoderLayer(nn.Module):
             o_lora = lora.get("o_proj")
         return (self.input_layernorm.weight, *qkv, weight(a, "q_norm"), weight(a, "k_norm"),
                 a.o_proj.weight, a.o_proj.bias, post_attn, ln2, *gate_up,
-                m.down_proj.weight, m.down_proj.bias, weight(self, "post_feedforward_layernorm"),
+                *down, weight(self, "post_feedforward_layernorm"),
                 qkv_lora, o_lora, mlp_lora, self.lora_scale)
 
 
@@ -229,6 +318,9 @@ class LayerConsts(NamedTuple):
     scale: float  # attention logits scale
     softcap: float | None  # attention logits soft-cap: cap * tanh(logits / cap) (Gemma 2)
     window: int | None  # sliding window: a query at i sees keys j with i - window < j <= i
+    top_k: int = 0  # routed experts per token (0: a dense MLP)
+    normalize_top_k: bool = False  # the k routing weights renormalized to sum 1
+    fp32_route: bool = False  # the routing weights scale the experts' outputs in fp32
 
 
 def softcapped_attention(q, k, v, mask, scale: float, softcap: float | None):
@@ -307,15 +399,21 @@ class TritonDecodeAttention:
 
 def attention_output_and_mlp(x, attn, o_w, o_b, post_attn_ln, ln2, gate_up_w, gate_up_b, down_w, down_b,
                              post_ff_ln, eps: float, gemma: bool, act: str, o_lora=None, mlp_lora=None,
-                             scale: float = 1.0):
+                             scale: float = 1.0, top_k: int = 0, normalize_top_k: bool = False,
+                             fp32_route: bool = False):
     """o_proj and the residual add, then the MLP and its residual add; Gemma norms each output first. `o_lora`,
-    `mlp_lora`: LoRA adapters (see `project_qkv`)."""
+    `mlp_lora`: LoRA adapters (see `project_qkv`). `top_k` > 0: routed experts (`moe_mlp`), gate_up_w the
+    router's weight, gate_up_b the experts' gate_up_proj, down_w their down_proj."""
     attn = attn.reshape(x.shape[0], -1)
     h = plus(F.linear(attn, o_w, o_b), lora_delta(attn, o_lora, scale))
     if post_attn_ln is not None:
         h = rms_norm(h, post_attn_ln, eps, gemma)
     x = x + h
-    h = gated_mlp(rms_norm(x, ln2, eps, gemma), gate_up_w, gate_up_b, down_w, down_b, act, mlp_lora, scale)
+    if top_k:
+        h = moe_mlp(rms_norm(x, ln2, eps, gemma), gate_up_w, gate_up_b, down_w, act, top_k, normalize_top_k,
+                    fp32_route)
+    else:
+        h = gated_mlp(rms_norm(x, ln2, eps, gemma), gate_up_w, gate_up_b, down_w, down_b, act, mlp_lora, scale)
     if post_ff_ln is not None:
         h = rms_norm(h, post_ff_ln, eps, gemma)
     return x + h
@@ -355,7 +453,8 @@ class DecoderBlock:
         q, k, v = self.inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5], qkv_lora, scale)
         attn = self.attention(q, k, v, kv_layer, slots, positions, mask, c)
         return self.output(x, attn, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
-                           c.eps, c.gemma, c.act, o_lora, mlp_lora, scale)
+                           c.eps, c.gemma, c.act, o_lora, mlp_lora, scale, c.top_k, c.normalize_top_k,
+                           c.fp32_route)
 
     def prefill(self, x, cos, sin, kv_layer, slots, source, length: int, weights: tuple, c: LayerConsts):
         """x (U * length, hidden): U right-padded prompts at positions 0..length-1, flattened; writes their
@@ -376,14 +475,15 @@ class DecoderBlock:
         else:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.scale, enable_gqa=True)
         return self.prefill_output(x, attn.transpose(1, 2), o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w,
-                                   down_b, post_ff_ln, c.eps, c.gemma, c.act, o_lora, mlp_lora, scale)
+                                   down_b, post_ff_ln, c.eps, c.gemma, c.act, o_lora, mlp_lora, scale, c.top_k,
+                                   c.normalize_top_k, c.fp32_route)
 
 
 class Decoder(nn.Module):
     def __init__(self, config, bias: dict[str, bool]):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, bias) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, bias, moe) for moe in moe_layers(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, family_of(config).gemma)
 
 
@@ -409,11 +509,13 @@ class FastCausalLM(nn.Module):
             self.register_buffer(f"inv_freq_{key}", inv_freq, persistent=False)
         self.layer_rope = layer_rope_keys(config)
         gemma = family_of(config).gemma
+        family = family_of(config)
         self.layer_consts = [
             LayerConsts(config.rms_norm_eps, config.num_attention_heads, config.num_key_value_heads,
                         head_dim_of(config), gemma, activation(config), attention_scale(config),
-                        attention_softcap(config), window)
-            for window in layer_windows(config)]
+                        attention_softcap(config), window, config.num_experts_per_tok if moe else 0,
+                        moe and top_k_normalized(config), moe and family.moe_fp32_weights)
+            for window, moe in zip(layer_windows(config), moe_layers(config))]
         self.embed_scale = config.hidden_size**0.5 if gemma else None
         self.final_softcap = final_softcap(config)
         self.max_positions = max_rope_positions(config)  # None, or where HF's dynamic rope would change
@@ -429,7 +531,8 @@ class FastCausalLM(nn.Module):
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
             a.qkv_weight, a.qkv_bias = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
-            m.gate_up_weight, m.gate_up_bias = fuse_linears([m.gate_proj, m.up_proj])
+            if isinstance(m, MLP):  # (experts are fused already: HF stores gate and up as one tensor)
+                m.gate_up_weight, m.gate_up_bias = fuse_linears([m.gate_proj, m.up_proj])
 
     def _apply(self, fn, recurse=True):
         # a move or cast gives each parameter its own storage again: fuse anew (meta modules are not fused)
@@ -469,7 +572,9 @@ class FastCausalLM(nn.Module):
         self.shared = True
         for layer in self.model.layers:  # the fused copies go; each layer reads the shared tensors themselves
             a, m = layer.self_attn, layer.mlp
-            a.qkv_weight = a.qkv_bias = m.gate_up_weight = m.gate_up_bias = None
+            a.qkv_weight = a.qkv_bias = None
+            if isinstance(m, MLP):
+                m.gate_up_weight = m.gate_up_bias = None
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.set_rope(self.rope_source, device)
@@ -489,6 +594,8 @@ class FastCausalLM(nn.Module):
                     or int(parts[2]) >= len(layers) or parts[4] not in projections):
                 raise ValueError(f"set_lora: {name!r} is not a q/k/v/o or gate/up/down projection of a decoder layer")
             layer = layers[int(parts[2])]
+            if parts[3] == "mlp" and isinstance(layer.mlp, SparseMoE):
+                raise ValueError(f"set_lora: {name!r}: the fast rollout adds no adapters to routed experts")
             module = getattr(getattr(layer, parts[3]), parts[4])
             if a.shape[1] != module.in_features or b.shape[0] != module.out_features or a.shape[0] != b.shape[1]:
                 raise ValueError(f"set_lora: {name!r} has A {tuple(a.shape)}, B {tuple(b.shape)}; the layer is "
