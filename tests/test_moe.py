@@ -122,3 +122,102 @@ def test_flops_and_ledger_count_the_active_experts():
     norms_attn = 2 * (4 * 32 + 2 * 32) + 2 * (3 * 32 + 2 * 16) + 2 * 32
     assert per_token == norms_attn + 2 * (4 * 2 * 16 + 2 * 2 * 32) + 4 * 8
     assert per_token != dense_like
+
+
+# ---- router replay -------------------------------------------------------------------------------------
+def forced_routing_reference(kind: str, routed: torch.Tensor) -> dict:
+    """The plain loop with each router made to choose `routed` (B, T, L, k): its weights are the softmax at
+    those experts, renormalized as the model does (Qwen3-MoE here: norm_topk_prob), written out here."""
+    import torch.nn.functional as F
+
+    from test_engine_equivalence import make_batch
+
+    from shardrl.algos.aggregate import agg_loss
+    from shardrl.engine.model import build_causal_lm
+
+    config = load_hf_config(None, tiny_config(kind))
+    config._experts_implementation = "eager"
+    model = build_causal_lm(config, None, "cpu", torch.float32, seed=0)
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    for i, router in enumerate(routers):
+        def forward(hidden, router=router, i=i):
+            logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), router.weight)
+            given = routed[:, :, i].flatten(0, 1).long()
+            weights = logits.float().softmax(-1).gather(-1, given)
+            return logits, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype), given
+        router.forward = forward
+    batch = make_batch(kind)
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits.float()
+    logp = torch.zeros(ids.shape)
+    logp[:, 1:] = F.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    agg_loss(-logp * batch["advantages"], batch["loss_mask"], "token-mean").backward()
+    return {k: v.grad.detach().clone() for k, v in model.named_parameters()}
+
+
+def _replay_runs(kind: str, forced: torch.Tensor) -> dict:
+    """On every rank (this rank's share of the batch): the engine's recorded routing, the gradients of a step
+    replaying its own routing (and its mismatch count), and of a step replaying `forced`."""
+    from test_engine_equivalence import engine_step, make_batch
+
+    import shardrl.engine.base as base
+    from shardrl.engine import build_engine
+    from shardrl.testing import record_grads
+
+    world = torch.distributed.get_world_size()
+    engine_kw = dict(micro_batch_size_per_gpu=1) if world == 1 else dict(use_dynamic_bsz=True, max_token_len_per_gpu=24)
+    out = {}
+    for name, routed in (("own", None), ("forced", forced)):
+        engine = build_engine(ModelConfig(tiny=tiny_config(kind)), EngineConfig(param_dtype="float32", **engine_kw),
+                              __import__("shardrl.config", fromlist=["OptimConfig"]).OptimConfig(lr=1e-3, clip_grad=0.0))
+        grads = record_grads(engine)
+        batch = make_batch(kind)
+        if routed is None:
+            rec = engine.infer_batch(batch.chunk(engine.mesh.dp_size)[engine.mesh.dp_rank], record_routing=True)
+            parts = [torch.zeros_like(rec["routed_experts"]) for _ in range(world)]
+            torch.distributed.all_gather(parts, rec["routed_experts"].contiguous())
+            out["recorded"] = torch.cat(parts)
+            routed = out["recorded"]
+        batch["routed_experts"] = routed
+        from test_engine_equivalence import pg_loss_fn
+        metrics = engine.train_batch(batch.chunk(engine.mesh.dp_size)[engine.mesh.dp_rank], pg_loss_fn("token-mean"))
+        out[name] = {"grads": grads[0], "mismatch": metrics["router_replay_mismatch"]}
+    return out
+
+
+@pytest.mark.multiproc
+def test_router_replay_records_hf_routing_and_replays_it_as_a_plain_loop_forced_to_it():
+    """Recorded: the experts HF's router picks for every real token (checked against the plain model's router
+    logits). Replaying its own routing changes no gradient (mismatch 0). Replaying another routing gives the
+    gradients of a plain loop whose routers are forced to it, at world 1 and at world 2 with dynamic batches
+    (packing, reordering and sharding keep each token's experts), with the mismatch the fraction of (token,
+    layer) pairs whose experts differ."""
+    from test_engine_equivalence import make_batch
+
+    kind = "qwen3_moe"
+    batch = make_batch(kind)
+    config = load_hf_config(None, tiny_config(kind))
+    model = __import__("shardrl.engine.model", fromlist=["build_causal_lm"]).build_causal_lm(
+        config, None, "cpu", torch.float32, seed=0)
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    router_logits = model(input_ids=ids, attention_mask=am, position_ids=pos, output_router_logits=True).router_logits
+    hf_top = torch.stack([lg.softmax(-1).topk(2, -1).indices for lg in router_logits], 1).view(*ids.shape, 2, 2)
+    g = torch.Generator().manual_seed(5)
+    forced = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(ids.numel() * 2)]).view(*ids.shape, 2, 2)
+    want = forced_routing_reference(kind, forced)
+    plain = reference_step(kind)["grads"]
+    for world in (1, 2):
+        got = run_distributed(_replay_runs, world, kind, forced)
+        real = am.bool()
+        rec = got["recorded"]
+        assert rec.shape == (*ids.shape, 2, 2)
+        assert torch.equal(rec[real].sort(-1).values, hf_top[real].sort(-1).values), world
+        assert got["own"]["mismatch"] == 0.0
+        assert_same_grads(got["own"]["grads"], plain)
+        assert_same_grads(got["forced"]["grads"], want)
+        differ = (forced.sort(-1).values != rec.sort(-1).values).any(-1)[real].float().mean().item()
+        assert got["forced"]["mismatch"] == pytest.approx(differ) and differ > 0.5, world
+    with pytest.raises(AssertionError, match="grad diff"):
+        assert_same_grads(want, plain)  # the forced routing matters

@@ -261,13 +261,17 @@ class Engine(abc.ABC):
         """Called before each micro-batch of `train_batch` (`last`: the mini-batch's last); a backend that can
         defer the gradient reduction to the last one does so here."""
 
-    def _forward(self, mb: Batch, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+    def _forward(self, mb: Batch, temperature: float, with_entropy: bool,
+                 record_routing: bool = False) -> dict[str, torch.Tensor]:
         # an RL batch ([prompt | response] columns) is scored on its responses only: the prompts' log-probs
         # are never read, and the vocabulary projection over them would be most of the head's work
         score_from = mb["input_ids"].shape[1] - mb["response_mask"].shape[1] if "response_mask" in mb else None
+        # a mixture of experts: a batch holding `routed_experts` (B, T, L, k) is routed as they say
+        replay = mb["routed_experts"] if "routed_experts" in mb and not record_routing else None
         return self.module(
             mb["input_ids"], mb["attention_mask"], remove_padding=self.model_cfg.use_remove_padding,
-            temperature=temperature, with_entropy=with_entropy, score_from=score_from,
+            temperature=temperature, with_entropy=with_entropy, score_from=score_from, routed_experts=replay,
+            record_routing=record_routing,
         )
 
     def _placeholder(self, like: Batch, rows: int = 1) -> Batch:
@@ -297,6 +301,9 @@ class Engine(abc.ABC):
         grad_scale = self.mesh.world_size  # FSDP averages gradients over every rank of the mesh
 
         self.optimizer.zero_grad(set_to_none=True)
+        replay = getattr(self.module, "router_replay", None) if "routed_experts" in batch else None
+        if replay is not None:  # counts the (token, layer) routings that differ from the replayed ones
+            replay.mismatched = replay.compared = 0
         # sums and counts stay on the device until the step ends: no host sync per micro-batch
         totals = {"loss": Sum(torch.zeros((), dtype=torch.float64, device=self.device))}
         for i, mb in enumerate(micro_batches):
@@ -338,6 +345,10 @@ class Engine(abc.ABC):
             "num_micro_batches": float(len(micro_batches)),
             "skipped_step": float(not finite),
         })
+        if replay is not None:
+            counts = all_reduce_sum(torch.tensor([replay.mismatched, replay.compared], dtype=torch.float64),
+                                    self.dp_group)
+            metrics["router_replay_mismatch"] = float(counts[0] / counts[1].clamp(min=1))
         return metrics
 
     @torch.no_grad()
@@ -352,21 +363,26 @@ class Engine(abc.ABC):
         return float(all_reduce_sum(bad, dist.group.WORLD)) == 0.0
 
     @torch.no_grad()
-    def infer_batch(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:
+    def infer_batch(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
+                    record_routing: bool = False) -> Batch:
         """Forward only: per-token `log_probs` (and `entropy`), or `values` for a critic, `(B, T)`,
-        in the order of `batch`."""
+        in the order of `batch`. `record_routing` (a mixture of experts): also `routed_experts` (B, T, L, k),
+        each token's experts per MoE layer, for `train_batch` to replay (actor.router_replay)."""
         self.module.eval()
         batch = batch.to(self.device)
         micro_batches, perm = self._micro_batches(batch)
         results, empty = [], None
+        as_float = lambda v: v.float() if v.is_floating_point() else v  # noqa: E731 (expert ids stay integers)
         for mb in micro_batches:
             real = len(mb) > 0
-            outputs = self._forward(mb if real else self._placeholder(batch), temperature, with_entropy)
+            outputs = self._forward(mb if real else self._placeholder(batch), temperature, with_entropy,
+                                    record_routing)
             if real:
-                results.append(Batch({k: v.float() for k, v in outputs.items()}))
+                results.append(Batch({k: as_float(v) for k, v in outputs.items()}))
             else:  # a rank with no samples here still answers with the right keys, and no rows
                 width = batch["input_ids"].shape[1:]
-                empty = Batch({k: v.new_zeros((0, *width[: v.dim() - 1])).float() for k, v in outputs.items()})
+                empty = Batch({k: as_float(v.new_zeros((0, *width[: v.dim() - 1], *v.shape[3:])))
+                               for k, v in outputs.items()})
         return restore_order(results, perm) if results else empty
 
     # ---- helpers shared by backends ---------------------------------------------------------------

@@ -12,6 +12,7 @@ sequence parallelism (`split_sequence`), and a head on the decoder's hidden stat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -27,6 +28,7 @@ import transformers
 
 from shardrl.engine.attention import ATTN_NAME, attention_kwargs
 from shardrl.engine.logprob import chunked_log_probs, pack, shift_to_scored_token, unpack
+from shardrl.engine.moe import RouterReplay, is_moe
 from shardrl.engine.ulysses import gather_seq, pad_to_multiple
 from shardrl.modelconfig import text_config
 from shardrl.userfile import require_folder
@@ -249,19 +251,41 @@ class PolicyModel(nn.Module):
         self.head = head
         self.chunk_size = chunk_size
         self.value_head = nn.Linear(lm.config.hidden_size, 1, bias=True) if head == "value" else None
+        self.router_replay = RouterReplay(lm) if is_moe(lm.config) else None  # see `forward`'s routed_experts
 
     sp_group = None
     """The Ulysses sequence-parallel group when sp > 1 (set by the engine); None otherwise."""
 
     def forward(self, input_ids, attention_mask, remove_padding: bool = True,
                 temperature: float = 1.0, with_entropy: bool = False,
-                score_from: int | None = None) -> dict[str, torch.Tensor]:
+                score_from: int | None = None, routed_experts: torch.Tensor | None = None,
+                record_routing: bool = False) -> dict[str, torch.Tensor]:
         """`score_from`: the "lm" head scores only the tokens at columns >= score_from (the responses of an RL
         batch, whose prompts fill the columns before), the others reading 0; None scores every token. The
         output projection over the vocabulary then skips the prompts' positions: with 256-token prompts and
-        256-token responses that is half its work."""
+        256-token responses that is half its work.
+
+        A mixture of experts: `record_routing` adds `routed_experts` (B, T, L, k), the experts each token was
+        routed to in each of the L MoE layers; `routed_experts` given replays them (`RouterReplay`)."""
         layout = packed_tokens if remove_padding else padded_tokens
         tokens = layout(input_ids, attention_mask, score_from if self.head == "lm" else None)
+        routing = self._routing(tokens, routed_experts, record_routing)
+        with routing:
+            return self._forward_tokens(tokens, temperature, with_entropy, input_ids.shape, record_routing)
+
+    def _routing(self, tokens: Tokens, routed_experts: torch.Tensor | None, record: bool):
+        if routed_experts is None and not record:
+            return contextlib.nullcontext()
+        if self.router_replay is None or not self.router_replay.routers:
+            raise ValueError("router replay (routed_experts) needs a mixture-of-experts model with HF's top-k routers")
+        if self.sp_group is not None:
+            raise ValueError("router replay with ulysses_sequence_parallel_size > 1 is not supported; set it to 1")
+        if routed_experts is not None:
+            return self.router_replay.replaying(routed_experts.flatten(0, 1)[tokens.flat_index])
+        return self.router_replay.recording()
+
+    def _forward_tokens(self, tokens: Tokens, temperature: float, with_entropy: bool, shape,
+                        record_routing: bool) -> dict[str, torch.Tensor]:
         varlen = self.lm.config._attn_implementation == ATTN_NAME
         if self.sp_group is not None:
             if not varlen:  # any other attention would see only this rank's piece of each sequence
@@ -277,7 +301,13 @@ class PolicyModel(nn.Module):
             return self.score_head(hidden, tokens)
         if self.head == "value":
             return self.value_outputs(hidden, tokens)
-        return self.log_prob_outputs(hidden, tokens, temperature, with_entropy)
+        outputs = self.log_prob_outputs(hidden, tokens, temperature, with_entropy)
+        if record_routing:
+            experts = self.router_replay.stacked()  # (N, L, k)
+            full = experts.new_zeros((shape[0] * shape[1], *experts.shape[1:]))
+            full[tokens.flat_index] = experts
+            outputs["routed_experts"] = full.view(*shape, *experts.shape[1:])
+        return outputs
 
     # ---- heads: (n_local, H) hidden states -> outputs in the batch's shape ----------------------------
     def score_head(self, hidden: torch.Tensor, tokens: Tokens) -> dict[str, torch.Tensor]:
@@ -335,6 +365,8 @@ class Tokens:
     """The Ulysses group the positions are split over; None when this rank holds all N."""
     needed: torch.Tensor | None = None
     """(N,) True at the positions whose next token is scored (`PolicyModel.forward`'s `score_from`); None: all."""
+    flat_index: torch.Tensor | None = None
+    """(N,) each position's index among the batch's B*T."""
 
     def whole(self, per_position: torch.Tensor) -> torch.Tensor:
         """(n_local,) -> (N,)."""
@@ -355,7 +387,8 @@ def packed_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, score_f
     if score_from is not None:
         needed = _predicts_scored(_scored_columns(attention_mask, score_from).flatten()[packed.flat_index], seq_start)
     return Tokens(decoder_inputs=dict(input_ids=ids[None], position_ids=pos[None]), targets=F.pad(ids[1:], (0, 1)),
-                  seq_start=seq_start, ends=ends, restore=lambda x: unpack(x, packed), needed=needed)
+                  seq_start=seq_start, ends=ends, restore=lambda x: unpack(x, packed), needed=needed,
+                  flat_index=packed.flat_index)
 
 
 def padded_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, score_from: int | None = None) -> Tokens:
@@ -369,7 +402,8 @@ def padded_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, score_f
     return Tokens(
         decoder_inputs=dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids),
         targets=F.pad(input_ids.flatten()[1:], (0, 1)), seq_start=seq_start,
-        ends=_row_ends(attention_mask), restore=lambda x: x.view(shape) * keep.to(x.dtype), needed=needed)
+        ends=_row_ends(attention_mask), restore=lambda x: x.view(shape) * keep.to(x.dtype), needed=needed,
+        flat_index=torch.arange(input_ids.numel(), device=input_ids.device))
 
 
 def split_sequence(tokens: Tokens, group) -> Tokens:

@@ -14,7 +14,10 @@ else eager, which computes the same numbers (tests/test_moe.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+
+import torch
 
 from shardrl.modelconfig import text_config
 
@@ -81,3 +84,72 @@ def apply_experts_implementation(hf_config, name: str) -> str | None:
     for config in {id(hf_config): hf_config, id(text_config(hf_config)): text_config(hf_config)}.values():
         config._experts_implementation = impl
     return impl
+
+
+# ---- router replay ------------------------------------------------------------------------------------
+def router_rule(hf_config) -> tuple[bool, bool]:
+    """(top-k weights renormalized to sum 1, weights kept in fp32) of the model's router, as HF computes them."""
+    c = text_config(hf_config)
+    if c.model_type == "mixtral":
+        return True, True
+    if c.model_type in ("qwen3_moe", "olmoe", "qwen2_moe"):
+        return bool(getattr(c, "norm_topk_prob", False)), False
+    raise ValueError(f"router replay: the {c.model_type!r} router is not known to shardrl (known: mixtral, qwen3_moe, "
+                     "olmoe); set actor.router_replay.mode=disabled")
+
+
+class RouterReplay:
+    """Records or replays the experts each token is routed to, per MoE layer, in an HF MoE model's forward.
+
+    The routers (HF's `*TopKRouter` modules, whose forward returns (logits, top-k weights, top-k experts)) get a
+    forward hook. Recording keeps each layer's chosen experts; replaying replaces them with given ones (N, L, k)
+    and recomputes their weights from this forward's router probabilities (softmax in fp32, gathered at the
+    given experts, renormalized as the model does), so the gradient still reaches the router. `mismatched` /
+    `compared` count the (token, layer) pairs whose own top-k differed from the replayed set."""
+
+    def __init__(self, lm):
+        self.routers = [m for m in lm.modules() if type(m).__name__.endswith("TopKRouter")]
+        self.normalize, self.fp32 = router_rule(lm.config) if self.routers else (False, False)
+        self.mode: str | None = None
+        self.replay: torch.Tensor | None = None  # (N, L, k) in the forward's token order
+        self.recorded: list[torch.Tensor | None] = []
+        self.mismatched = self.compared = 0
+        for i, router in enumerate(self.routers):
+            router.register_forward_hook(lambda mod, args, out, i=i: self._hook(i, out))
+
+    def _hook(self, i: int, out):
+        if self.mode is None:
+            return None
+        logits, _, experts = out
+        if self.mode == "record":
+            self.recorded[i] = experts.detach()
+            return None
+        given = self.replay[:, i].to(experts.device, torch.long)
+        with torch.no_grad():
+            same = (experts.sort(-1).values == given.sort(-1).values).all(-1)
+            self.mismatched += int((~same).sum())
+            self.compared += same.numel()
+        weights = logits.float().softmax(-1).gather(-1, given)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, (weights if self.fp32 else weights.to(logits.dtype)), given
+
+    @contextlib.contextmanager
+    def recording(self):
+        self.mode, self.recorded = "record", [None] * len(self.routers)
+        try:
+            yield
+        finally:
+            self.mode = None
+
+    @contextlib.contextmanager
+    def replaying(self, experts: torch.Tensor):
+        self.mode, self.replay = "replay", experts
+        try:
+            yield
+        finally:
+            self.mode, self.replay = None, None
+
+    def stacked(self) -> torch.Tensor:
+        """The recorded experts, (N, L, k)."""
+        return torch.stack(self.recorded, dim=1)
