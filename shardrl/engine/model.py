@@ -271,7 +271,8 @@ class PolicyModel(nn.Module):
         tokens = layout(input_ids, attention_mask, score_from if self.head == "lm" else None)
         routing = self._routing(tokens, routed_experts, record_routing)
         with routing:
-            return self._forward_tokens(tokens, temperature, with_entropy, input_ids.shape, record_routing)
+            return self._forward_tokens(tokens, temperature, with_entropy, input_ids.shape, record_routing,
+                                        remove_padding)
 
     def _routing(self, tokens: Tokens, routed_experts: torch.Tensor | None, record: bool):
         if routed_experts is None and not record:
@@ -285,7 +286,7 @@ class PolicyModel(nn.Module):
         return self.router_replay.recording()
 
     def _forward_tokens(self, tokens: Tokens, temperature: float, with_entropy: bool, shape,
-                        record_routing: bool) -> dict[str, torch.Tensor]:
+                        record_routing: bool, remove_padding: bool) -> dict[str, torch.Tensor]:
         varlen = self.lm.config._attn_implementation == ATTN_NAME
         if self.sp_group is not None:
             if not varlen:  # any other attention would see only this rank's piece of each sequence
