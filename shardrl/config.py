@@ -258,6 +258,21 @@ def _validate_ppo_loop(section: Any, prefix: str) -> None:
 
 
 @dataclass
+class RouterReplayConfig:
+    mode: Literal["disabled", "R2", "R3"] = "disabled"
+    """A mixture of experts' routing in the update (verl's actor.router_replay.mode). "R2": the old-log-prob
+    pass records each token's experts per MoE layer and every update forward is routed as it was (the expert
+    choice stays the old policy's; the weights are this forward's, so the router still learns); logs
+    actor/router_replay_mismatch, the share of (token, layer) routings the update would have chosen
+    otherwise. It replays nothing when the old log-probs come from the update's own forward (one optimizer
+    step per training step). "R3" (the rollout's routing replayed) is not built yet."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "mode", self.mode != "R3",
+                "R3 (replaying the rollout's routing) is not built yet; use R2 (the old-log-prob pass's) or disabled")
+
+
+@dataclass
 class ActorConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Sharding and batching of the policy."""
@@ -285,6 +300,8 @@ class ActorConfig:
     """How per-token policy, entropy and KL losses are reduced to one number (verl's actor.loss_agg_mode)."""
     kl_loss_type: KLEstimator = "low_var_kl"
     """KL estimator of the KL loss: kl/k1, abs, mse/k2, low_var_kl/k3 (clamped), a "+" suffix for k2's gradient."""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """Mixtures of experts: replay a recorded routing in the update (`RouterReplayConfig`)."""
     recompute_old_log_probs: Literal["auto", "always"] = "auto"
     """"always": a forward pass over the step's batch computes the old log-probs before the update. "auto":
     skip that pass when it provably equals the update's own forward (one optimizer step per training step:

@@ -41,6 +41,9 @@ class StepPlan:
     update_entropy: bool
     """The update's forward computes the entropy: for the entropy bonus, or to report the sampling policy's
     entropy when there is no pass before the update."""
+    router_replay: str = "disabled"
+    """A mixture of experts: "R2" records the routing in the old-log-prob pass and the update replays it
+    (`actor.router_replay.mode`; "disabled" where there is no such pass)."""
 
     @property
     def needs_critic(self) -> bool:
@@ -68,6 +71,7 @@ class StepPlan:
             disaggregated=cfg.async_rl.rollout_ranks > 0,
             partial_rollout=cfg.async_rl.partial_rollout,
             update_entropy=bool(cfg.actor.entropy_coeff) or old_from_update,
+            router_replay="disabled" if old_from_update else cfg.actor.router_replay.mode,
         )
 
     def describe(self) -> str:
@@ -75,6 +79,7 @@ class StepPlan:
         return (f"step plan: roles {', '.join(self.roles())}; old log-probs: {self.old_from_update_why}; "
                 f"rollout correction: {self.rollout_is}; {'multi-turn' if self.multi_turn else 'single-turn'}"
                 f"{'; dynamic sampling' if self.dynamic_sampling else ''}"
+                f"{f'; router replay {self.router_replay}' if self.router_replay != 'disabled' else ''}"
                 f"{'; disaggregated' if self.disaggregated else ''}")
 
 

@@ -221,3 +221,32 @@ def test_router_replay_records_hf_routing_and_replays_it_as_a_plain_loop_forced_
         assert got["forced"]["mismatch"] == pytest.approx(differ) and differ > 0.5, world
     with pytest.raises(AssertionError, match="grad diff"):
         assert_same_grads(want, plain)  # the forced routing matters
+
+
+def test_an_rl_run_of_a_mixture_of_experts_replays_its_routing(tmp_path):
+    """A GRPO run of a tiny Qwen3-MoE (two mini-batches a step, so an old-log-prob pass records the routing) with
+    actor.router_replay.mode=R2 logs the share of routings the update would have changed: none in the first
+    mini-batch's forward (nothing has moved yet), some once the first optimizer step moved the router (the
+    entropy bonus gives a gradient where a random model's rewards are all equal). A dense model with R2 is a
+    config error."""
+    import json
+
+    from shardrl.testing import small_demo_run
+    from shardrl.tokenizer import build_char_tokenizer
+    from shardrl.trainer.demo import prepare_demo_assets
+    from shardrl.trainer.main import run
+
+    assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=0)
+    tiny = {**TINY_MOE_MODELS["qwen3_moe"], "vocab_size": len(build_char_tokenizer()), "initializer_range": 0.3}
+    overrides = small_demo_run(assets, tmp_path / "run", "trainer.logger=[jsonl]", "trainer.total_steps=3",
+                               "model.path=null", f"model.tiny={json.dumps(tiny)}",
+                               f"model.tokenizer_path={assets / 'model'}", "actor.optim.lr=3e-2",
+                               "actor.router_replay.mode=R2", "actor.entropy_coeff=0.05")
+    run_dir = run(None, overrides)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    mismatch = [r["actor/router_replay_mismatch"] for r in records]
+    assert len(mismatch) == 3 and all(0 <= m < 1 for m in mismatch) and max(mismatch) > 0, mismatch
+    with pytest.raises(ConfigError, match="router_replay.mode=R2 needs a mixture-of-experts model"):
+        run(None, small_demo_run(assets, tmp_path / "dense", "actor.router_replay.mode=R2"))
+    with pytest.raises(ConfigError, match="R3"):
+        load_config(None, ["actor.router_replay.mode=R3"])

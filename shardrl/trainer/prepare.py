@@ -26,8 +26,11 @@ def prepare(batch: Batch, scores: torch.Tensor, plan: StepPlan, roles, algo_cfg,
     `returns`, `rollout_is_weights`, as `plan` needs them); returns metrics. `roles`: the run's engines."""
     metrics, t0 = {}, time.perf_counter()
     if not plan.old_from_update:  # else the update's forward gives them and these metrics
-        old = roles.actor.infer_batch(batch, temperature=temperature, with_entropy=True)
+        old = roles.actor.infer_batch(batch, temperature=temperature, with_entropy=True,
+                                      record_routing=plan.router_replay == "R2")
         batch["old_log_probs"] = old["log_probs"].cpu()
+        if "routed_experts" in old:  # the update forwards are routed as this pass was (R2)
+            batch["routed_experts"] = old["routed_experts"].cpu()
         metrics["actor/entropy"] = masked_metric(old["entropy"].cpu(), batch["loss_mask"].float())  # sampling's
         metrics.update(mismatch_step_metrics(batch))  # rollout/logprob_abs_diff (and _max), rollout/kl, k3_kl
         metrics["timing/old_log_prob_s"] = time.perf_counter() - t0

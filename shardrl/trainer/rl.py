@@ -23,6 +23,7 @@ import torch.distributed as dist
 from shardrl.batch import Batch
 from shardrl.checkpoint import CheckpointManager
 from shardrl.config import Config, config_to_dict
+from shardrl.configload import ConfigError
 from shardrl.data import PromptLoader, load_prompt_dataset
 from shardrl.engine.model import load_hf_config
 from shardrl.layout import derive_layout, format_layout
@@ -48,6 +49,26 @@ from shardrl.trainer.updates import actor_loss_from_plan, critic_loss_fn, run_up
 from shardrl.trainer.validation import validate
 
 log = logging.getLogger(__name__)
+
+
+def check_router_replay(cfg: Config, policy_config, say) -> None:
+    """actor.router_replay.mode=R2 needs a mixture of experts with routers shardrl knows; with no old-log-prob pass
+    it replays nothing (said)."""
+    mode = cfg.actor.router_replay.mode
+    if mode == "disabled":
+        return
+    from shardrl.engine.moe import is_moe, router_rule
+
+    if not is_moe(policy_config):
+        raise ConfigError(f"actor.router_replay.mode={mode} needs a mixture-of-experts model; "
+                          f"{policy_config.model_type!r} is dense: set actor.router_replay.mode=disabled")
+    try:
+        router_rule(policy_config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if StepPlan.from_config(cfg).old_from_update:
+        say(f"actor.router_replay.mode={mode} replays nothing here: the old log-probs come from the update's own "
+            "forward (one optimizer step per training step), which routes as the policy that is trained")
 
 
 class LocalBatches:
@@ -116,6 +137,7 @@ class RLTrainer:
                 check_ground_truths(dataset)
         check_vocab_sizes(cfg, len(self.tokenizer))
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
+        check_router_replay(cfg, policy_config, self._say)
         lora_choice = []
         if cfg.rollout.lora_sync is None and cfg.model.lora.rank > 0:  # first: the cache's choice counts a copy
             cfg = copy.deepcopy(cfg)
