@@ -300,6 +300,11 @@ class ActorConfig:
     """How per-token policy, entropy and KL losses are reduced to one number (verl's actor.loss_agg_mode)."""
     kl_loss_type: KLEstimator = "low_var_kl"
     """KL estimator of the KL loss: kl/k1, abs, mse/k2, low_var_kl/k3 (clamped), a "+" suffix for k2's gradient."""
+    router_aux_loss_coef: float = 0.0
+    """A mixture of experts: weight of HF's load-balancing loss (HF's name; `load_balancing_loss_func` over each
+    micro-batch's tokens, weighted by its share of the mini-batch's loss tokens) added to the actor's loss; logs
+    actor/router_aux_loss. 0: off (RL post-training usually leaves the router's balance alone). Being a function
+    of a whole micro-batch, not a sum over tokens, its value depends on how the batch is cut."""
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     """Mixtures of experts: replay a recorded routing in the update (`RouterReplayConfig`)."""
     recompute_old_log_probs: Literal["auto", "always"] = "auto"
@@ -323,6 +328,7 @@ class ActorConfig:
         require(self, prefix, "clip_ratio_high", self.clip_ratio_high >= 0, "must be >= 0")
         require(self, prefix, "clip_ratio_c", self.clip_ratio_c > 1, "must be > 1 (dual-clip bound)")
         require(self, prefix, "kl_loss_coef", self.kl_loss_coef >= 0, "must be >= 0")
+        require(self, prefix, "router_aux_loss_coef", self.router_aux_loss_coef >= 0, "must be >= 0")
 
 
 @dataclass

@@ -241,12 +241,73 @@ def test_an_rl_run_of_a_mixture_of_experts_replays_its_routing(tmp_path):
     overrides = small_demo_run(assets, tmp_path / "run", "trainer.logger=[jsonl]", "trainer.total_steps=3",
                                "model.path=null", f"model.tiny={json.dumps(tiny)}",
                                f"model.tokenizer_path={assets / 'model'}", "actor.optim.lr=3e-2",
-                               "actor.router_replay.mode=R2", "actor.entropy_coeff=0.05")
+                               "actor.router_replay.mode=R2", "actor.entropy_coeff=0.05",
+                               "actor.router_aux_loss_coef=0.01")
     run_dir = run(None, overrides)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     mismatch = [r["actor/router_replay_mismatch"] for r in records]
     assert len(mismatch) == 3 and all(0 <= m < 1 for m in mismatch) and max(mismatch) > 0, mismatch
+    assert all(r["actor/router_aux_loss"] > 0 for r in records)  # (about top-k for a balanced router)
+    with pytest.raises(ConfigError, match="router_aux_loss_coef=0.01 needs a mixture-of-experts model"):
+        run(None, small_demo_run(assets, tmp_path / "dense_aux", "actor.router_aux_loss_coef=0.01"))
     with pytest.raises(ConfigError, match="router_replay.mode=R2 needs a mixture-of-experts model"):
         run(None, small_demo_run(assets, tmp_path / "dense", "actor.router_replay.mode=R2"))
     with pytest.raises(ConfigError, match="R3"):
         load_config(None, ["actor.router_replay.mode=R3"])
+
+
+def _aux_loss_grads(kind: str, coef: float) -> dict:
+    from test_engine_equivalence import make_batch
+
+    from shardrl.config import ActorConfig, OptimConfig
+    from shardrl.testing import record_grads
+    from shardrl.trainer.updates import actor_loss_fn
+
+    engine = build_engine(ModelConfig(tiny=tiny_config(kind)), EngineConfig(param_dtype="float32",
+                                                                            micro_batch_size_per_gpu=8),
+                          OptimConfig(lr=1e-3, clip_grad=0.0))
+    engine.enable_router_aux_loss()
+    grads = record_grads(engine)
+    batch = make_batch(kind)
+    batch["old_log_probs"] = torch.zeros_like(batch["advantages"])  # the ratio's gradient at ratio 1: exp(0) below
+    loss = actor_loss_fn(ActorConfig(router_aux_loss_coef=coef, clip_ratio_low=1e9 - 1, clip_ratio_high=1e9),
+                         "token-mean")
+
+    def plain_pg(outputs, mb, num_tokens, num_seqs):  # the ratio exp(logp - 0) clipped nowhere: d/dθ = ratio * dlogp
+        mb["old_log_probs"] = outputs["log_probs"].detach()
+        return loss(outputs, mb, num_tokens, num_seqs)
+    metrics = engine.train_batch(batch, plain_pg)
+    return {"grads": grads[0], "aux": metrics.get("actor/router_aux_loss")}
+
+
+def test_the_load_balancing_loss_is_hfs_added_with_its_coefficient():
+    """actor.router_aux_loss_coef: the update's gradient is that of the policy loss plus coef x HF's
+    load_balancing_loss_func over the batch's real tokens (a plain loop here, on the padded batch); the logged
+    actor/router_aux_loss is that function's value."""
+    import sys
+
+    import torch.nn.functional as F
+    from test_engine_equivalence import make_batch
+
+    from shardrl.algos.aggregate import agg_loss
+    from shardrl.engine.model import build_causal_lm
+
+    kind, coef = "qwen3_moe", 0.5
+    config = load_hf_config(None, tiny_config(kind))
+    config._experts_implementation = "eager"
+    model = build_causal_lm(config, None, "cpu", torch.float32, seed=0)
+    batch = make_batch(kind)
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=am, position_ids=pos, output_router_logits=True)
+    logp = torch.zeros(ids.shape)
+    logp[:, 1:] = F.log_softmax(out.logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    aux = sys.modules[type(model).__module__].load_balancing_loss_func(out.router_logits, 8, 2, am)
+    (agg_loss(-logp * batch["advantages"], batch["loss_mask"], "token-mean") + coef * aux).backward()
+    want = {k: v.grad for k, v in model.named_parameters()}
+    got = run_distributed(_aux_loss_grads, 1, kind, coef)
+    assert got["aux"] == pytest.approx(float(aux), rel=1e-5)
+    assert_same_grads(got["grads"], want)
+    without = run_distributed(_aux_loss_grads, 1, kind, 0.0)["grads"]
+    with pytest.raises(AssertionError, match="grad diff"):
+        assert_same_grads(without, want)

@@ -362,6 +362,15 @@ class Engine(abc.ABC):
         bad = (~(largest <= MAX_PARAM_ABS)).to(torch.float64).reshape(1)  # NaN compares False: bad
         return float(all_reduce_sum(bad, dist.group.WORLD)) == 0.0
 
+    def enable_router_aux_loss(self) -> None:
+        """A mixture of experts: training forwards also return `router_aux_loss`, HF's load-balancing loss over
+        the micro-batch's tokens (`shardrl.engine.moe.load_balancing_loss`), for the loss function to add."""
+        replay = getattr(self.module, "router_replay", None)
+        if replay is None or not replay.routers:
+            raise ValueError("actor.router_aux_loss_coef > 0 needs a mixture-of-experts model (HF top-k routers); "
+                             "this model has none: set it to 0")
+        replay.capture_logits = True
+
     @torch.no_grad()
     def infer_batch(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
                     record_routing: bool = False) -> Batch:

@@ -28,7 +28,7 @@ import transformers
 
 from shardrl.engine.attention import ATTN_NAME, attention_kwargs
 from shardrl.engine.logprob import chunked_log_probs, pack, shift_to_scored_token, unpack
-from shardrl.engine.moe import RouterReplay, is_moe
+from shardrl.engine.moe import RouterReplay, is_moe, load_balancing_loss
 from shardrl.engine.ulysses import gather_seq, pad_to_multiple
 from shardrl.modelconfig import text_config
 from shardrl.userfile import require_folder
@@ -270,9 +270,17 @@ class PolicyModel(nn.Module):
         layout = packed_tokens if remove_padding else padded_tokens
         tokens = layout(input_ids, attention_mask, score_from if self.head == "lm" else None)
         routing = self._routing(tokens, routed_experts, record_routing)
+        aux = self.training and self.router_replay is not None and self.router_replay.capture_logits
+        if aux:
+            self.router_replay.logits = []
         with routing:
-            return self._forward_tokens(tokens, temperature, with_entropy, input_ids.shape, record_routing,
-                                        remove_padding)
+            outputs = self._forward_tokens(tokens, temperature, with_entropy, input_ids.shape, record_routing,
+                                           remove_padding)
+        if aux:  # (a gradient checkpoint's recompute runs the routers again: the first pass's logits count)
+            layers = len(self.router_replay.routers)
+            outputs["router_aux_loss"] = load_balancing_loss(
+                self.lm, self.router_replay.logits[:layers], None if remove_padding else attention_mask)
+        return outputs
 
     def _routing(self, tokens: Tokens, routed_experts: torch.Tensor | None, record: bool):
         if routed_experts is None and not record:

@@ -114,10 +114,14 @@ class RouterReplay:
         self.replay: torch.Tensor | None = None  # (N, L, k) in the forward's token order
         self.recorded: list[torch.Tensor | None] = []
         self.mismatched = self.compared = 0
+        self.capture_logits = False  # the load-balancing loss reads each layer's router logits (`logits`)
+        self.logits: list[torch.Tensor] = []
         for i, router in enumerate(self.routers):
             router.register_forward_hook(lambda mod, args, out, i=i: self._hook(i, out))
 
     def _hook(self, i: int, out):
+        if self.capture_logits:
+            self.logits.append(out[0])
         if self.mode is None:
             return None
         logits, _, experts = out
@@ -153,3 +157,16 @@ class RouterReplay:
     def stacked(self) -> torch.Tensor:
         """The recorded experts, (N, L, k)."""
         return torch.stack(self.recorded, dim=1)
+
+
+def load_balancing_loss(lm, logits: list[torch.Tensor], attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """HF's own auxiliary load-balancing loss of the model's family (`load_balancing_loss_func` of its modeling
+    module: num_experts x sum over experts of the routed fraction x the mean router probability, from every
+    MoE layer's router logits), over the forward's tokens (`attention_mask` (B, T) for a padded layout)."""
+    import sys
+
+    fn = getattr(sys.modules[type(lm).__module__], "load_balancing_loss_func", None)
+    if fn is None:
+        raise ValueError(f"actor.router_aux_loss_coef: {type(lm).__name__}'s module has no load_balancing_loss_func")
+    c = text_config(lm.config)
+    return fn(tuple(logits), num_experts(c), c.num_experts_per_tok, attention_mask)

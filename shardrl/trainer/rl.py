@@ -52,12 +52,16 @@ log = logging.getLogger(__name__)
 
 
 def check_router_replay(cfg: Config, policy_config, say) -> None:
-    """actor.router_replay.mode=R2 needs a mixture of experts with routers shardrl knows; with no old-log-prob pass
-    it replays nothing (said)."""
+    """actor.router_replay.mode=R2 and actor.router_aux_loss_coef need a mixture of experts (R2: with routers
+    shardrl knows); with no old-log-prob pass R2 replays nothing (said)."""
+    from shardrl.engine.moe import is_moe, router_rule
+
+    if cfg.actor.router_aux_loss_coef > 0 and not is_moe(policy_config):
+        raise ConfigError(f"actor.router_aux_loss_coef={cfg.actor.router_aux_loss_coef:g} needs a mixture-of-experts "
+                          f"model; {policy_config.model_type!r} is dense: set it to 0")
     mode = cfg.actor.router_replay.mode
     if mode == "disabled":
         return
-    from shardrl.engine.moe import is_moe, router_rule
 
     if not is_moe(policy_config):
         raise ConfigError(f"actor.router_replay.mode={mode} needs a mixture-of-experts model; "
@@ -153,6 +157,8 @@ class RLTrainer:
         num_updates = {"actor": self.layout.actor.num_updates,
                        "critic": self.layout.critic.num_updates if self.layout.critic else 0}
         self.roles = Roles.build(cfg, self.plan, num_updates)
+        if cfg.actor.router_aux_loss_coef > 0:
+            self.roles.actor.enable_router_aux_loss()
         self.mesh = self.roles.mesh
         self.flop_shapes = flop_shapes(self.roles, self._say)
         self._say(f"mesh: {self.mesh.describe()}; actor FSDP units: {self.roles.actor.num_fsdp_units()}; "

@@ -12,6 +12,7 @@ from shardrl.algos.aggregate import masked_metric, share_metric
 from shardrl.algos.rollout_correction import mismatch_metrics, rollout_is_weights
 from shardrl.batch import Batch
 from shardrl.engine.base import NonFiniteParametersError
+from shardrl.metrics import Sum
 from shardrl.step_plan import StepPlan
 
 
@@ -65,6 +66,10 @@ def actor_loss_fn(actor_cfg, agg_mode: str, old_from_forward: bool = False, roll
             loss = loss - actor_cfg.entropy_coeff * ent
             # the loss's term (loss_agg_mode, averaged over the updates); actor/entropy is the sampling policy's
             metrics["actor/entropy_loss"] = share_metric(ent, mask, agg_mode, num_tokens, num_seqs)
+        if actor_cfg.router_aux_loss_coef:  # per micro-batch, weighted by its share of the loss tokens
+            share = mask.sum() / num_tokens
+            loss = loss + actor_cfg.router_aux_loss_coef * outputs["router_aux_loss"] * share
+            metrics["actor/router_aux_loss"] = Sum(outputs["router_aux_loss"].detach() * share)
         if actor_cfg.use_kl_loss:
             kl = kl_loss(outputs["log_probs"], mb["ref_log_probs"], mask, actor_cfg.kl_loss_type, agg_mode,
                          num_tokens, num_seqs)
