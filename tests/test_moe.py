@@ -311,3 +311,43 @@ def test_the_load_balancing_loss_is_hfs_added_with_its_coefficient():
     without = run_distributed(_aux_loss_grads, 1, kind, 0.0)["grads"]
     with pytest.raises(AssertionError, match="grad diff"):
         assert_same_grads(without, want)
+
+
+def _lora_moe_samples() -> dict:
+    from shardrl.config import LoRAConfig, OptimConfig
+    from shardrl.rollout import FastRollout, SamplingParams
+    from shardrl.tokenizer import build_char_tokenizer
+    from shardrl.trainer.generation import LoRASync, export_for_rollout
+
+    tok = build_char_tokenizer()
+    tiny = {**TINY_MOE_MODELS["qwen3_moe"], "vocab_size": len(tok), "initializer_range": 0.3}
+    engine = build_engine(ModelConfig(tiny=tiny, lora=LoRAConfig(rank=4, alpha=8)), EngineConfig(param_dtype="float32"),
+                          OptimConfig())
+    adapted = sorted({n.split(".lora_")[0].removeprefix("lm.") for n, _ in engine.module.named_parameters()
+                      if ".lora_" in n})
+    with torch.no_grad():
+        for n, p in engine.module.named_parameters():
+            if ".lora_" in n:
+                p.normal_(0, 0.1)
+    enc = tok(["1+2=", "hello world "], padding=True, return_tensors="pt")
+    out = {"adapted": adapted}
+    for mode in ("full", "unmerged", "merged"):
+        rollout = FastRollout(engine.hf_config, tok, "cpu", torch.float32, lazy_weights=mode != "full")
+        if mode == "full":
+            rollout.load_weights(export_for_rollout(engine, torch.device("cpu")))
+        else:
+            LoRASync(engine, rollout, mode, torch.float32).sync()
+        out[mode] = rollout.generate(enc["input_ids"], enc["attention_mask"],
+                                     SamplingParams(greedy=True, max_new_tokens=12)).response_ids
+    return out
+
+
+@pytest.mark.multiproc
+def test_lora_on_a_mixture_of_experts_adapts_its_linear_layers_and_syncs_to_the_fast_rollout():
+    """model.lora all-linear on Qwen3-MoE: adapters on its linear layers (here the attention's: every MLP is
+    routed), none on the routers or the experts' 3-D weights (which peft's all-linear would wrap, and no sync
+    would carry); the adapter-only syncs sample what the merged export samples."""
+    got = run_distributed(_lora_moe_samples, 1)
+    leaves = {name.rsplit(".", 1)[-1] for name in got["adapted"]}
+    assert leaves == {"q_proj", "k_proj", "v_proj", "o_proj"}, got["adapted"]
+    assert torch.equal(got["unmerged"], got["full"]) and torch.equal(got["merged"], got["full"])

@@ -26,11 +26,11 @@ LORA_MARK = ".lora_"
 """In the name of every adapter parameter (`lora_A`, `lora_B`)."""
 
 
-def peft_lora_config(lora_cfg):
-    """peft's LoraConfig of shardrl's `model.lora` section."""
+def peft_lora_config(lora_cfg, targets=None):
+    """peft's LoraConfig of shardrl's `model.lora` section (`targets`: leaf names in place of its target_modules)."""
     from peft import LoraConfig
 
-    targets = lora_cfg.target_modules
+    targets = lora_cfg.target_modules if targets is None else targets
     return LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                       target_modules=targets if targets == "all-linear" else list(targets), bias="none",
                       use_rslora=lora_cfg.use_rslora, init_lora_weights=True)
@@ -55,7 +55,12 @@ def inject_lora(lm: nn.Module, lora_cfg) -> list[str]:
         if missing or not targets:
             raise ValueError(f"model.lora.target_modules={list(targets)}: {missing or 'none'} match no linear layer "
                              f"of the model; its linear layers are {known} (or give \"all-linear\")")
-    inject_adapter_in_model(peft_lora_config(lora_cfg), lm)
+    # a mixture of experts: peft's all-linear would also wrap the routers and the experts' 3-D weights, which the
+    # rollouts' adapter sync and the merged export do not handle; its linear layers (attention, dense MLPs) only
+    from shardrl.engine.moe import is_moe
+
+    explicit = known if targets == "all-linear" and is_moe(lm.config) else None
+    inject_adapter_in_model(peft_lora_config(lora_cfg, explicit), lm)
     names = []
     for name, p in lm.named_parameters():
         if LORA_MARK in name:
@@ -157,7 +162,8 @@ def save_peft_adapter(path, adapters: dict[str, torch.Tensor], lora_cfg, base_mo
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = peft_lora_config(lora_cfg)
+    # the layers that hold adapters, by leaf name (what peft's all-linear would pick for a dense model)
+    config = peft_lora_config(lora_cfg, sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in adapters}))
     config.base_model_name_or_path = base_model_path
     config.save_pretrained(str(path))
     tensors = {"base_model.model." + name.replace(".default.", "."): t.detach().float().contiguous().cpu()
