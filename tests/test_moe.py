@@ -24,8 +24,10 @@ FAMILIES = sorted(TINY_MOE_MODELS)
 VARIANTS = {
     1: {"mb1": dict(micro_batch_size_per_gpu=1), "mb8": dict(micro_batch_size_per_gpu=8),
         "eager_mb4": dict(micro_batch_size_per_gpu=4)},
-    2: {"mb2": dict(micro_batch_size_per_gpu=2), "dynamic": dict(use_dynamic_bsz=True, max_token_len_per_gpu=24)},
+    2: {"mb2": dict(micro_batch_size_per_gpu=2), "dynamic": dict(use_dynamic_bsz=True, max_token_len_per_gpu=24),
+        "checkpointing": dict(micro_batch_size_per_gpu=2)},
 }
+MODEL_VARIANTS = {"checkpointing": dict(gradient_checkpointing=True)}  # model settings of a variant
 EAGER = {"eager_mb4"}  # variants whose engine runs HF's eager experts too
 
 
@@ -33,7 +35,7 @@ def _engine_runs(world: int, kinds: list[str], model_overrides: dict | None = No
     out = {}
     for kind in kinds:
         for name, engine in VARIANTS[world].items():
-            model = {"experts_implementation": "eager" if name in EAGER else "auto"}
+            model = {"experts_implementation": "eager" if name in EAGER else "auto", **MODEL_VARIANTS.get(name, {})}
             if model_overrides:
                 model["tiny"] = {**tiny_config(kind), **model_overrides}
             out[kind, name] = engine_step(kind, engine, model_kwargs=model)

@@ -273,13 +273,16 @@ class PolicyModel(nn.Module):
         aux = self.training and self.router_replay is not None and self.router_replay.capture_logits
         if aux:
             self.router_replay.logits = []
-        with routing:
-            outputs = self._forward_tokens(tokens, temperature, with_entropy, input_ids.shape, record_routing,
-                                           remove_padding)
-        if aux:  # (a gradient checkpoint's recompute runs the routers again: the first pass's logits count)
-            layers = len(self.router_replay.routers)
-            outputs["router_aux_loss"] = load_balancing_loss(
-                self.lm, self.router_replay.logits[:layers], None if remove_padding else attention_mask)
+        try:
+            with routing:
+                outputs = self._forward_tokens(tokens, temperature, with_entropy, input_ids.shape, record_routing,
+                                               remove_padding)
+            if aux:
+                outputs["router_aux_loss"] = load_balancing_loss(
+                    self.lm, self.router_replay.logits, None if remove_padding else attention_mask)
+        finally:  # (no logits kept past the forward: a checkpoint's recompute in backward collects none)
+            if aux:
+                self.router_replay.logits = None
         return outputs
 
     def _routing(self, tokens: Tokens, routed_experts: torch.Tensor | None, record: bool):

@@ -114,13 +114,13 @@ class RouterReplay:
         self.replay: torch.Tensor | None = None  # (N, L, k) in the forward's token order
         self.recorded: list[torch.Tensor | None] = []
         self.mismatched = self.compared = 0
-        self.capture_logits = False  # the load-balancing loss reads each layer's router logits (`logits`)
-        self.logits: list[torch.Tensor] = []
+        self.capture_logits = False  # training forwards collect each layer's router logits (load-balancing loss)
+        self.logits: list[torch.Tensor] | None = None  # collecting when a list (set by the forward)
         for i, router in enumerate(self.routers):
             router.register_forward_hook(lambda mod, args, out, i=i: self._hook(i, out))
 
     def _hook(self, i: int, out):
-        if self.capture_logits:
+        if self.logits is not None:
             self.logits.append(out[0])
         if self.mode is None:
             return None
