@@ -208,7 +208,11 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
                                                                               layout.samples_per_rank)
     max_seq = math.ceil(layout.max_seq_len / SEQ_BUCKET) * SEQ_BUCKET
     per_position = layers * 2 * kv_heads * d * rollout_bytes
-    inter = getattr(c, "intermediate_size", None) or 4 * h
+    from shardrl.engine.moe import expert_intermediate_size, is_moe
+
+    # a token's MLP width: its k experts' (each computed on the token's own copy) in a mixture of experts
+    inter = (c.num_experts_per_tok * expert_intermediate_size(c) if is_moe(c)
+             else getattr(c, "intermediate_size", None) or 4 * h)
     prefill = min(PREFILL_TOKENS, slots * layout.max_prompt_length)
     gen = [
         ("KV cache", slots * max_seq * per_position,

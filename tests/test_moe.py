@@ -121,6 +121,8 @@ def test_flops_and_ledger_count_the_active_experts():
     ledger = phase_ledger(cfg, derive_layout(cfg, 1, 1), config)
     total = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_config(config).parameters())
     assert ledger["num_params"] == total  # every expert is stored
+    gen = {i["name"]: i for i in ledger["phases"]["gen"]["items"]}
+    assert "(4 x 32 + 2 x 32)" in gen["prefill chunk"]["how"]  # k=2 experts of 16, not the dense 64
     norms_attn = 2 * (4 * 32 + 2 * 32) + 2 * (3 * 32 + 2 * 16) + 2 * 32
     assert per_token == norms_attn + 2 * (4 * 2 * 16 + 2 * 2 * 32) + 4 * 8
     assert per_token != dense_like
