@@ -174,7 +174,7 @@ def _rank_checks(tmp: str) -> dict:
                            batch["loss_mask"], 0.2, 0.2, 1.5)
     out["whole"] = {k: float(s) / float(c) for k, (s, c) in whole.items()}
     actor_cfg = type("A", (), dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=1.5, entropy_coeff=0.0,
-                                   use_kl_loss=False, loss_mode="vanilla"))
+                                   use_kl_loss=False, loss_mode="vanilla", router_aux_loss_coef=0.0))
     out["engine"] = engine.train_batch(mine, actor_loss_fn(actor_cfg, "token-mean"))
 
     # a learning rate that throws the weights out of range stops at that step, on every rank
