@@ -4,10 +4,11 @@ the fast rollout's MoE decode against HF `generate`, and router replay's effect 
 Shapes (random init on the GPU, `model.load_weights=random_shards`; a word-level tokenizer over the vocabulary, as
 bench/e2e.py): OLMoE-1B-7B (hidden 2048, 16 layers, 16 heads, 64 experts, top-8, expert MLP 1024, vocab 50304;
 6.9B parameters, 1.3B active) and Qwen3-30B-A3B (hidden 2048, 48 layers, 32 heads, 4 KV heads, head_dim 128, 128
-experts, top-8, expert MLP 768, vocab 151936; 30.5B parameters, 3.3B active: with LoRA, so that it fits one GPU).
+experts, top-8, expert MLP 768, vocab 151936; 30.5B parameters, 3.3B active: with LoRA, so that it fits one GPU);
+for the decode, Qwen3-MoE layers at OLMoE's size (`qwen3_moe_7b`: the fast rollout has no OLMoE).
 
     python bench/moe.py update --shape olmoe --out results.jsonl     # train_batch: grouped_mm vs HF's eager loop
-    python bench/moe.py rollout --shape olmoe --out results.jsonl    # decode at batch 256: fast vs HF generate
+    python bench/moe.py rollout --shape qwen3_moe_7b --out results.jsonl  # decode at batch 256: fast vs HF generate
     python bench/moe.py replay --shape tiny_qwen3_moe                # logprob_abs_diff with R2 off and on
 
 `update`: one FSDP2 engine per experts implementation, `train_batch` of prompts x n sequences of prompt_len +
@@ -41,6 +42,12 @@ SHAPES = {
                           num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
                           norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False,
                           rope_theta=1e6, initializer_range=0.02),
+    # Qwen3-MoE's layers at OLMoE-1B-7B's size (the fast rollout decodes Qwen3-MoE and Mixtral, not OLMoE)
+    "qwen3_moe_7b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=8192,
+                         moe_intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+                         num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
+                         norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False,
+                         rope_theta=1e6, initializer_range=0.02),
     "tiny_qwen3_moe": dict(model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
                            moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,

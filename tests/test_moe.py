@@ -172,18 +172,25 @@ def _replay_runs(kind: str, forced: torch.Tensor) -> dict:
     world = torch.distributed.get_world_size()
     engine_kw = dict(micro_batch_size_per_gpu=1) if world == 1 else dict(use_dynamic_bsz=True, max_token_len_per_gpu=24)
     out = {}
-    for name, routed in (("own", None), ("forced", forced)):
-        engine = build_engine(ModelConfig(tiny=tiny_config(kind)), EngineConfig(param_dtype="float32", **engine_kw),
+    for name, routed in (("own", None), ("forced", forced), ("forced_checkpointing", forced)):
+        model = ModelConfig(tiny=tiny_config(kind), gradient_checkpointing=name == "forced_checkpointing")
+        engine = build_engine(model, EngineConfig(param_dtype="float32", **engine_kw),
                               __import__("shardrl.config", fromlist=["OptimConfig"]).OptimConfig(lr=1e-3, clip_grad=0.0))
         grads = record_grads(engine)
         batch = make_batch(kind)
         if routed is None:
             rec = engine.infer_batch(batch.chunk(engine.mesh.dp_size)[engine.mesh.dp_rank], record_routing=True)
-            parts = [torch.zeros_like(rec["routed_experts"]) for _ in range(world)]
-            torch.distributed.all_gather(parts, rec["routed_experts"].contiguous())
+            assert rec["routed_experts"].dtype == torch.int16  # (gloo gathers no int16: as int64 here)
+            parts = [torch.zeros_like(rec["routed_experts"], dtype=torch.long) for _ in range(world)]
+            torch.distributed.all_gather(parts, rec["routed_experts"].long().contiguous())
             out["recorded"] = torch.cat(parts)
             routed = out["recorded"]
+        mine = batch.chunk(engine.mesh.dp_size)[engine.mesh.dp_rank]
+        plain_logp = engine.infer_batch(mine)["log_probs"]
         batch["routed_experts"] = routed
+        # inference (the old log-probs, the reference's) routes its own way whatever the batch holds
+        out[f"{name}_infer_unchanged"] = torch.equal(
+            engine.infer_batch(batch.chunk(engine.mesh.dp_size)[engine.mesh.dp_rank])["log_probs"], plain_logp)
         from test_engine_equivalence import pg_loss_fn
         metrics = engine.train_batch(batch.chunk(engine.mesh.dp_size)[engine.mesh.dp_rank], pg_loss_fn("token-mean"))
         out[name] = {"grads": grads[0], "mismatch": metrics["router_replay_mismatch"]}
@@ -221,6 +228,9 @@ def test_router_replay_records_hf_routing_and_replays_it_as_a_plain_loop_forced_
         assert got["own"]["mismatch"] == 0.0
         assert_same_grads(got["own"]["grads"], plain)
         assert_same_grads(got["forced"]["grads"], want)
+        assert_same_grads(got["forced_checkpointing"]["grads"], want)  # the recompute in backward routed the same
+        assert got["forced_infer_unchanged"] and got["forced_checkpointing_infer_unchanged"]
+        assert got["forced_checkpointing"]["mismatch"] == got["forced"]["mismatch"]  # counted in the forward only
         differ = (forced.sort(-1).values != rec.sort(-1).values).any(-1)[real].float().mean().item()
         assert got["forced"]["mismatch"] == pytest.approx(differ) and differ > 0.5, world
     with pytest.raises(AssertionError, match="grad diff"):
@@ -355,3 +365,18 @@ def test_lora_on_a_mixture_of_experts_adapts_its_linear_layers_and_syncs_to_the_
     leaves = {name.rsplit(".", 1)[-1] for name in got["adapted"]}
     assert leaves == {"q_proj", "k_proj", "v_proj", "o_proj"}, got["adapted"]
     assert torch.equal(got["unmerged"], got["full"]) and torch.equal(got["merged"], got["full"])
+
+
+def test_a_router_shardrl_does_not_know_builds_when_nothing_is_replayed():
+    """Replay's renormalization rule is asked for at the first replay, so MoE families without one still train."""
+    from shardrl.engine.model import PolicyModel, build_causal_lm
+    from shardrl.engine.moe import router_rule
+
+    config = load_hf_config(None, dict(model_type="granitemoe", vocab_size=101, hidden_size=32, intermediate_size=16,
+                                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                       num_local_experts=4, num_experts_per_tok=2))
+    with pytest.raises(ValueError, match="router replay: the 'granitemoe' router is not known"):
+        router_rule(config)
+    model = PolicyModel(build_causal_lm(config, None, "cpu", torch.float32))
+    ids = torch.randint(0, 101, (2, 5))
+    assert model(ids, torch.ones_like(ids))["log_probs"].shape == (2, 5)

@@ -261,17 +261,15 @@ class Engine(abc.ABC):
         """Called before each micro-batch of `train_batch` (`last`: the mini-batch's last); a backend that can
         defer the gradient reduction to the last one does so here."""
 
-    def _forward(self, mb: Batch, temperature: float, with_entropy: bool,
-                 record_routing: bool = False) -> dict[str, torch.Tensor]:
+    def _forward(self, mb: Batch, temperature: float, with_entropy: bool, record_routing: bool = False,
+                 replay: torch.Tensor | None = None, count_replay: bool = True) -> dict[str, torch.Tensor]:
         # an RL batch ([prompt | response] columns) is scored on its responses only: the prompts' log-probs
         # are never read, and the vocabulary projection over them would be most of the head's work
         score_from = mb["input_ids"].shape[1] - mb["response_mask"].shape[1] if "response_mask" in mb else None
-        # a mixture of experts: a batch holding `routed_experts` (B, T, L, k) is routed as they say
-        replay = mb["routed_experts"] if "routed_experts" in mb and not record_routing else None
         return self.module(
             mb["input_ids"], mb["attention_mask"], remove_padding=self.model_cfg.use_remove_padding,
             temperature=temperature, with_entropy=with_entropy, score_from=score_from, routed_experts=replay,
-            record_routing=record_routing,
+            record_routing=record_routing, count_replay=count_replay,
         )
 
     def _placeholder(self, like: Batch, rows: int = 1) -> Batch:
@@ -301,22 +299,27 @@ class Engine(abc.ABC):
         grad_scale = self.mesh.world_size  # FSDP averages gradients over every rank of the mesh
 
         self.optimizer.zero_grad(set_to_none=True)
+        # a mixture of experts: a batch holding `routed_experts` (B, T, L, k) trains routed as they say (the actor's
+        # update under actor.router_replay; inference passes, the reference's too, route their own way)
         replay = getattr(self.module, "router_replay", None) if "routed_experts" in batch else None
         if replay is not None:  # counts the (token, layer) routings that differ from the replayed ones
-            replay.mismatched = replay.compared = 0
+            replay.reset_counts(self.device)
         # sums and counts stay on the device until the step ends: no host sync per micro-batch
         totals = {"loss": Sum(torch.zeros((), dtype=torch.float64, device=self.device))}
         for i, mb in enumerate(micro_batches):
             real = len(mb) > 0
             mb = mb if real else self._placeholder(batch, group_size)
             self._before_micro_batch(last=i == len(micro_batches) - 1)
-            outputs = self._forward(mb, temperature, with_entropy)
+            outputs = self._forward(mb, temperature, with_entropy, replay=mb["routed_experts"] if replay else None,
+                                    count_replay=real)
             loss, metrics = loss_fn(outputs, mb, num_tokens.to(self.device), num_seqs.to(self.device))
             if not real:
                 loss = loss * 0.0
             # ties every output to the graph so each rank runs the same backward collectives
             anchor = sum(v.sum() for v in outputs.values()) * 0.0
             ((loss + anchor) * grad_scale).backward()
+            if replay is not None:  # (a checkpoint's recompute in backward was routed the same)
+                replay.end()
             totals["loss"] = accumulate(totals["loss"], Sum(loss), self.device)
             for k, metric in metrics.items():  # a placeholder counts nothing, but every rank names the same keys
                 totals[k] = accumulate(totals.get(k), metric, self.device, real)
@@ -346,8 +349,7 @@ class Engine(abc.ABC):
             "skipped_step": float(not finite),
         })
         if replay is not None:
-            counts = all_reduce_sum(torch.tensor([replay.mismatched, replay.compared], dtype=torch.float64),
-                                    self.dp_group)
+            counts = all_reduce_sum(torch.stack([replay.mismatched, replay.compared]).double().cpu(), self.dp_group)
             metrics["router_replay_mismatch"] = float(counts[0] / counts[1].clamp(min=1))
         return metrics
 
@@ -390,7 +392,7 @@ class Engine(abc.ABC):
                 results.append(Batch({k: as_float(v) for k, v in outputs.items()}))
             else:  # a rank with no samples here still answers with the right keys, and no rows
                 width = batch["input_ids"].shape[1:]
-                empty = Batch({k: as_float(v.new_zeros((0, *width[: v.dim() - 1], *v.shape[3:])))
+                empty = Batch({k: as_float(v.new_zeros((0, *width[: min(v.dim() - 1, 1)], *v.shape[2:])))
                                for k, v in outputs.items()})
         return restore_order(results, perm) if results else empty
 

@@ -133,10 +133,12 @@ def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool 
 
 
 def disable_dropout(config) -> list[str]:
-    """Sets the config's dropout probabilities (`*dropout*`, `*pdrop`) to 0; returns the names it changed."""
+    """Sets the config's dropout probabilities (`*dropout*`, `*pdrop`, and Mixtral's router_jitter_noise, a random
+    scaling of the router's input in training) to 0; returns the names it changed."""
     changed = []
     for name, value in vars(config).items():
-        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float) and value > 0:
+        noisy = "dropout" in name or name.endswith("pdrop") or name == "router_jitter_noise"
+        if noisy and isinstance(value, float) and value > 0:
             setattr(config, name, 0.0)
             changed.append(name)
     return changed
@@ -259,17 +261,18 @@ class PolicyModel(nn.Module):
     def forward(self, input_ids, attention_mask, remove_padding: bool = True,
                 temperature: float = 1.0, with_entropy: bool = False,
                 score_from: int | None = None, routed_experts: torch.Tensor | None = None,
-                record_routing: bool = False) -> dict[str, torch.Tensor]:
+                record_routing: bool = False, count_replay: bool = True) -> dict[str, torch.Tensor]:
         """`score_from`: the "lm" head scores only the tokens at columns >= score_from (the responses of an RL
         batch, whose prompts fill the columns before), the others reading 0; None scores every token. The
         output projection over the vocabulary then skips the prompts' positions: with 256-token prompts and
         256-token responses that is half its work.
 
         A mixture of experts: `record_routing` adds `routed_experts` (B, T, L, k), the experts each token was
-        routed to in each of the L MoE layers; `routed_experts` given replays them (`RouterReplay`)."""
+        routed to in each of the L MoE layers; `routed_experts` given replays them (`RouterReplay`) until the
+        caller's `router_replay.end()` (after the backward), counting mismatches when `count_replay`."""
         layout = packed_tokens if remove_padding else padded_tokens
         tokens = layout(input_ids, attention_mask, score_from if self.head == "lm" else None)
-        routing = self._routing(tokens, routed_experts, record_routing)
+        routing = self._routing(tokens, routed_experts, record_routing, attention_mask, count_replay)
         aux = self.training and self.router_replay is not None and self.router_replay.capture_logits
         if aux:
             self.router_replay.logits = []
@@ -285,7 +288,8 @@ class PolicyModel(nn.Module):
                 self.router_replay.logits = None
         return outputs
 
-    def _routing(self, tokens: Tokens, routed_experts: torch.Tensor | None, record: bool):
+    def _routing(self, tokens: Tokens, routed_experts: torch.Tensor | None, record: bool, attention_mask,
+                 count: bool):
         if routed_experts is None and not record:
             return contextlib.nullcontext()
         if self.router_replay is None or not self.router_replay.routers:
@@ -293,7 +297,8 @@ class PolicyModel(nn.Module):
         if self.sp_group is not None:
             raise ValueError("router replay with ulysses_sequence_parallel_size > 1 is not supported; set it to 1")
         if routed_experts is not None:
-            return self.router_replay.replaying(routed_experts.flatten(0, 1)[tokens.flat_index])
+            real = attention_mask.bool().flatten()[tokens.flat_index]
+            return self.router_replay.replay(routed_experts.flatten(0, 1)[tokens.flat_index], real, count)
         return self.router_replay.recording()
 
     def _forward_tokens(self, tokens: Tokens, temperature: float, with_entropy: bool, shape,

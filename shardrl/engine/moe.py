@@ -104,16 +104,21 @@ class RouterReplay:
     The routers (HF's `*TopKRouter` modules, whose forward returns (logits, top-k weights, top-k experts)) get a
     forward hook. Recording keeps each layer's chosen experts; replaying replaces them with given ones (N, L, k)
     and recomputes their weights from this forward's router probabilities (softmax in fp32, gathered at the
-    given experts, renormalized as the model does), so the gradient still reaches the router. `mismatched` /
-    `compared` count the (token, layer) pairs whose own top-k differed from the replayed set."""
+    given experts, renormalized as the model does), so the gradient still reaches the router. A replay lasts
+    from `replay` to `end` (after the backward: a gradient checkpoint's recompute must route the same);
+    `mismatched` / `compared` (device tensors) count, in the forward only and over the `real` tokens, the
+    (token, layer) pairs whose own top-k differed from the replayed set."""
 
     def __init__(self, lm):
+        self.lm = lm
         self.routers = [m for m in lm.modules() if type(m).__name__.endswith("TopKRouter")]
-        self.normalize, self.fp32 = router_rule(lm.config) if self.routers else (False, False)
+        self._rule: tuple[bool, bool] | None = None  # (router_rule, asked for at the first replay)
         self.mode: str | None = None
-        self.replay: torch.Tensor | None = None  # (N, L, k) in the forward's token order
+        self.replayed: torch.Tensor | None = None  # (N, L, k) in the forward's token order
+        self.real: torch.Tensor | None = None  # (N,) bool: the tokens the mismatch counts
+        self.counting = False
         self.recorded: list[torch.Tensor | None] = []
-        self.mismatched = self.compared = 0
+        self.mismatched = self.compared = None
         self.capture_logits = False  # training forwards collect each layer's router logits (load-balancing loss)
         self.logits: list[torch.Tensor] | None = None  # collecting when a list (set by the forward)
         for i, router in enumerate(self.routers):
@@ -128,15 +133,21 @@ class RouterReplay:
         if self.mode == "record":
             self.recorded[i] = experts.detach()
             return None
-        given = self.replay[:, i].to(experts.device, torch.long)
-        with torch.no_grad():
-            same = (experts.sort(-1).values == given.sort(-1).values).all(-1)
-            self.mismatched += int((~same).sum())
-            self.compared += same.numel()
+        given = self.replayed[:, i].to(experts.device, torch.long)
+        if self.counting:
+            with torch.no_grad():
+                differ = (experts.sort(-1).values != given.sort(-1).values).any(-1) & self.real
+                self.mismatched = self.mismatched + differ.sum()
+                self.compared = self.compared + self.real.sum()
+        normalize, fp32 = self._rule or router_rule(self.lm.config)
+        self._rule = (normalize, fp32)
         weights = logits.float().softmax(-1).gather(-1, given)
-        if self.normalize:
+        if normalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        return logits, (weights if self.fp32 else weights.to(logits.dtype)), given
+        return logits, (weights if fp32 else weights.to(logits.dtype)), given
+
+    def reset_counts(self, device) -> None:
+        self.mismatched = self.compared = torch.zeros((), dtype=torch.long, device=device)
 
     @contextlib.contextmanager
     def recording(self):
@@ -147,16 +158,24 @@ class RouterReplay:
             self.mode = None
 
     @contextlib.contextmanager
-    def replaying(self, experts: torch.Tensor):
-        self.mode, self.replay = "replay", experts
+    def replay(self, experts: torch.Tensor, real: torch.Tensor, count: bool = True):
+        """Routes as `experts` (N, L, k) from here until `end`; counts mismatches over `real` (N,) while the
+        block runs (the forward) when `count`."""
+        self.mode, self.replayed, self.real, self.counting = "replay", experts, real, count
+        if self.mismatched is None:
+            self.reset_counts(real.device)
         try:
             yield
         finally:
-            self.mode, self.replay = None, None
+            self.counting = False
+
+    def end(self) -> None:
+        self.mode = self.replayed = self.real = None
 
     def stacked(self) -> torch.Tensor:
-        """The recorded experts, (N, L, k)."""
-        return torch.stack(self.recorded, dim=1)
+        """The recorded experts, (N, L, k), as int16 (int32 past 32767 experts)."""
+        experts = torch.stack(self.recorded, dim=1)
+        return experts.to(torch.int16 if num_experts(self.lm.config) < 2**15 else torch.int32)
 
 
 def load_balancing_loss(lm, logits: list[torch.Tensor], attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -117,11 +117,12 @@ def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     fp32 kernel there) on an SM80 or newer GPU."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
     if any(w.shape[-1] * w.element_size() % 16 or w.shape[-2] * w.element_size() % 16 for w in weights):
         return False
-    if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8
-    return x.device.type == "cpu"
+    if x.device.type == "cuda":  # (as HF's check: Hopper only before torch 2.9)
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= (8 if version >= (2, 9) else 9)
+    return x.device.type == "cpu" and version >= (2, 9)
 
 
 def route(x, router_w, top_k: int, normalize: bool, fp32_weights: bool):
@@ -153,6 +154,10 @@ def moe_mlp(x, router_w, gate_up, down, act: str, top_k: int, normalize: bool, f
         gated = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
         out = torch._grouped_mm(gated, down.transpose(1, 2), offs=offs)
     else:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the fast rollout's MoE decode needs torch._grouped_mm under CUDA graphs (bf16 on an "
+                               "SM80+ GPU, rows 16-byte aligned), which this model or GPU does not "
+                               "allow; use rollout.backend=hf")
         out = rows.new_empty(rows.shape)
         sorted_experts = flat[order]
         for e in range(num_experts):
@@ -160,8 +165,12 @@ def moe_mlp(x, router_w, gate_up, down, act: str, top_k: int, normalize: bool, f
             gate, up = F.linear(rows[mask], gate_up[e]).chunk(2, dim=-1)
             gated = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
             out[mask] = F.linear(gated, down[e])
-    out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token, out)
+    # as HF's grouped path: weighted, back in token order, each token's k summed (accumulated in fp32, and
+    # deterministic: no atomic adds)
+    weighted = out * weights.reshape(-1)[order, None]
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return weighted[inverse].view(t, top_k, -1).sum(1).to(x.dtype)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

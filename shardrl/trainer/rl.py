@@ -59,6 +59,11 @@ def check_router_replay(cfg: Config, policy_config, say) -> None:
     if cfg.actor.router_aux_loss_coef > 0 and not is_moe(policy_config):
         raise ConfigError(f"actor.router_aux_loss_coef={cfg.actor.router_aux_loss_coef:g} needs a mixture-of-experts "
                           f"model; {policy_config.model_type!r} is dense: set it to 0")
+    sp = cfg.actor.engine.ulysses_sequence_parallel_size
+    if sp > 1 and (cfg.actor.router_aux_loss_coef > 0 or cfg.actor.router_replay.mode != "disabled"):
+        raise ConfigError(f"actor.engine.ulysses_sequence_parallel_size={sp}: router replay and the load-balancing loss "
+                          "need every token of a sequence on one rank; set it to 1 (or actor.router_replay.mode="
+                          "disabled and actor.router_aux_loss_coef=0)")
     mode = cfg.actor.router_replay.mode
     if mode == "disabled":
         return
