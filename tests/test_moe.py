@@ -380,3 +380,14 @@ def test_a_router_shardrl_does_not_know_builds_when_nothing_is_replayed():
     model = PolicyModel(build_causal_lm(config, None, "cpu", torch.float32))
     ids = torch.randint(0, 101, (2, 5))
     assert model(ids, torch.ones_like(ids))["log_probs"].shape == (2, 5)
+
+
+def test_replay_and_the_aux_loss_refuse_sequence_parallel_at_start():
+    from shardrl.trainer.rl import check_router_replay
+
+    moe = load_hf_config(None, TINY_MOE_MODELS["qwen3_moe"])
+    for setting in ("actor.router_replay.mode=R2", "actor.router_aux_loss_coef=0.01"):
+        cfg = load_config(None, ["actor.engine.ulysses_sequence_parallel_size=2", setting])
+        with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2: router replay and the load-balancing"):
+            check_router_replay(cfg, moe, print)
+    check_router_replay(load_config(None, ["actor.engine.ulysses_sequence_parallel_size=2"]), moe, print)  # off: fine
