@@ -24,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import append_jsonl  # noqa: E402
+from bench.lora import _median_s  # noqa: E402
+from shardrl.perf import H200_BF16_MEASURED_TFLOPS as H200_MEASURED  # noqa: E402
+from shardrl.perf import H200_BF16_SPEC_TFLOPS as H200_SPEC  # noqa: E402
 
 SHAPES = {
     "olmoe": dict(model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024,
@@ -55,25 +56,7 @@ SHAPES = {
 }
 LORA_SHAPES = {"qwen3_30b_a3b"}  # trained with LoRA (rank 64, attention and dense layers: experts stay frozen)
 PROMPT_LEN, NEW_TOKENS, N = 256, 256, 8
-H200_MEASURED, H200_SPEC, H200_HBM_TB_S = 788.0, 989.0, 4.8
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+H200_HBM_TB_S = 4.8  # an H200's memory bandwidth, for the decode floor
 
 
 def _init(port: str):
