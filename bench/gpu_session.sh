@@ -205,6 +205,29 @@ phase_s10_e2e() {  # the whole step, every case, then 512 samples with micro-bat
         --tag mb32k --extra actor.engine.max_token_len_per_gpu=32768 --out $RES
 }
 
+# session 14 (one H200): issue 32's 7B LoRA step at its least memory, issue 35's mixture-of-experts figures (GPU
+# tests, the update against HF's eager experts, the decode against HF generate, router replay), then full
+# fine-tuning of the 7B shape with fp32 master weights and the offload it needs, with what time is left
+monitor() { while :; do echo "$(date +%T) $(free -g | awk 'NR==2{print "host used " $3 " of " $2 " GiB"}') gpu" \
+    "$(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)"; sleep 15; done; }
+phase_s14_lora() { limit 260 python3 bench/lora.py steps --cases 7b_lora_lowmem,7b_lora_unmerged --steps 4 \
+    --case-timeout-s 125 --out $RES; }
+phase_s14_moe_tests() { limit 300 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_moe.py \
+    tests/test_rollout_fast_families.py; }
+phase_s14_moe_update() {
+    limit 260 python3 bench/moe.py update --shape olmoe --experts grouped_mm,eager,grouped_mm+compile --out $RES
+    limit 260 python3 bench/moe.py update --shape qwen3_30b_a3b --prompts 8 --experts grouped_mm,eager --out $RES
+}
+phase_s14_moe_rollout() { limit 240 python3 bench/moe.py rollout --shape qwen3_moe_7b --out $RES; }
+phase_s14_moe_replay() { limit 300 python3 bench/moe.py replay --shape qwen3_moe_7b --steps 3 --out $RES \
+    --extra "model.dtype=bfloat16 actor.engine.max_token_len_per_gpu=8192"; }
+phase_s14_full7b() {
+    monitor > "$GS/monitor.log" 2>&1 &
+    local mon=$!
+    limit 600 python3 bench/lora.py steps --cases 7b_full --steps 3 --case-timeout-s "${FULL_S:-580}" --out $RES
+    kill $mon
+}
+
 collect() {
     local out=${OUT:-gpu_out}
     mkdir -p "$out"

@@ -58,6 +58,11 @@ CASES = {
     "7b_full_bf16": ("7b", 32, ["model.dtype=bfloat16", "actor.engine.max_token_len_per_gpu=4096"]),
     "7b_lora": ("7b", 32, LORA),
     "7b_lora_merged": ("7b", 32, LORA + ["rollout.lora_sync=merged"]),
+    # the least memory: full fine-tuning's 4,096-token micro-batches, the rollout's cache freed for the update,
+    # merged (a bf16 copy of the model in the rollout) or unmerged (the rollout reads the trainer's base)
+    "7b_lora_lowmem": ("7b", 32, LORA + ["actor.engine.max_token_len_per_gpu=4096", "rollout.free_cache_engine=true"]),
+    "7b_lora_unmerged": ("7b", 32, LORA + ["actor.engine.max_token_len_per_gpu=4096", "rollout.free_cache_engine=true",
+                                           "rollout.lora_sync=unmerged"]),
     # a second, gathered copy of the 65 GB base over the micro-batches would not fit: gather a layer at a time
     "32b_lora": ("32b", 16, LORA + ["rollout.max_batch=64", "model.gradient_checkpointing=true",
                                     "actor.engine.accumulate_unsharded=false"]),

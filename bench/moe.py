@@ -72,7 +72,7 @@ def _init(port: str):
     return cuda
 
 
-def _engine(shape_name: str, experts: str, cuda: bool, tokens: int, optim: bool = True):
+def _engine(shape_name: str, experts: str, cuda: bool, tokens: int, optim: bool = True, compile: bool = False):
     from shardrl.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
 
@@ -80,7 +80,7 @@ def _engine(shape_name: str, experts: str, cuda: bool, tokens: int, optim: bool 
     model = ModelConfig(tiny=SHAPES[shape_name], load_weights="random_shards", experts_implementation=experts,
                         dtype="bfloat16" if cuda else "float32", lora=lora)
     return build_engine(model, EngineConfig(param_dtype="bfloat16" if cuda else "float32", use_dynamic_bsz=True,
-                                            max_token_len_per_gpu=tokens, compile=False),
+                                            max_token_len_per_gpu=tokens, compile=compile),
                         OptimConfig(lr=1e-6) if optim else None)
 
 
@@ -105,11 +105,13 @@ def run_update(args) -> list[dict]:
 
     out = []
     for experts in args.experts.split(","):
-        engine = _engine(args.shape, experts, cuda, args.max_tokens)
+        compiled = experts.endswith("+compile")  # e.g. grouped_mm+compile: the engine's blocks compiled
+        experts = experts.removesuffix("+compile")
+        engine = _engine(args.shape, experts, cuda, args.max_tokens, compile=compiled and cuda)
         engine.train_batch(batch, loss_fn)  # warm-up (the optimizer state is allocated)
         seconds = _median_s(lambda: engine.train_batch(batch, loss_fn), 3)
         tflops = flops / seconds / 1e12
-        rec = dict(bench="moe_update", shape=args.shape, experts=experts, lora=args.shape in LORA_SHAPES, rows=rows,
+        rec = dict(bench="moe_update", shape=args.shape, experts=experts, compile=compiled and cuda, lora=args.shape in LORA_SHAPES, rows=rows,
                    seq_len=length, max_token_len=args.max_tokens, seconds=round(seconds, 3),
                    tokens_per_s=round(rows * length / seconds), tflop_per_s_active=round(tflops, 1),
                    mfu_measured=round(tflops / H200_MEASURED, 4) if cuda else None,
@@ -156,9 +158,12 @@ def run_rollout(args) -> list[dict]:
         rollout = (FastRollout(c, tok, device, dtype) if backend == "fast"
                    else HFRollout(c, tok, device, dtype))
         rollout.load_weights(export_for_rollout(engine, device))
-        rollout.generate(ids, mask, sampling)  # warm-up
-        seconds = _median_s(lambda: rollout.generate(ids, mask, sampling), 2)
-        res = rollout.generate(ids, mask, sampling)
+        fast = backend == "fast"
+        # warm-up: the fast rollout's graphs for every batch size it meets; HF's (no graphs) on a few tokens
+        rollout.generate(ids, mask, sampling if fast else SamplingParams(temperature=1.0, n=N, max_new_tokens=8))
+        results = []
+        seconds = _median_s(lambda: results.append(rollout.generate(ids, mask, sampling)), 2 if fast else 1)
+        res = results[-1]
         tokens = int(res.response_mask.sum())
         rows = ids.shape[0] * N
         # the floor: each decode step reads every weight once and the cache so far (mean length prompt + new/2)
@@ -195,7 +200,7 @@ def run_replay(args) -> list[dict]:
                      *grpo_overrides(prompt_file(root, shape["vocab_size"], args.prompts), args.prompts, N, PROMPT_LEN,
                                      args.new_tokens, args.steps, f"replay_{mode}"),
                      f"actor.ppo_mini_batch_size={args.prompts // 2}", "actor.optim.lr=1e-5",
-                     f"actor.router_replay.mode={mode}", f"trainer.output_dir={run_dir}"]
+                     f"actor.router_replay.mode={mode}", f"trainer.output_dir={run_dir}", *args.extra.split()]
         proc = subprocess.run([sys.executable, "-m", "shardrl.cli", "train", *overrides], capture_output=True, text=True)
         metrics = run_dir / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
@@ -214,13 +219,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("part", choices=["update", "rollout", "replay"])
     p.add_argument("--shape", default="olmoe", choices=sorted(SHAPES))
-    p.add_argument("--experts", default="grouped_mm,eager", help="update: experts implementations to compare")
+    p.add_argument("--experts", default="grouped_mm,eager",
+                   help="update: experts implementations to compare; `+compile` compiles the engine's blocks")
     p.add_argument("--backends", default="fast,hf")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--max-tokens", type=int, default=8192, help="update: tokens per micro-batch")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--root", default="/tmp/moe_bench")
+    p.add_argument("--extra", default="", help="replay: more overrides of the runs, space-separated")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     {"update": run_update, "rollout": run_rollout, "replay": run_replay}[args.part](args)

@@ -391,3 +391,32 @@ def test_replay_and_the_aux_loss_refuse_sequence_parallel_at_start():
         with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2: router replay and the load-balancing"):
             check_router_replay(cfg, moe, print)
     check_router_replay(load_config(None, ["actor.engine.ulysses_sequence_parallel_size=2"]), moe, print)  # off: fine
+
+
+def _cuda_moe_steps(kinds: list[str]) -> dict:
+    from shardrl.distributed import build_device_mesh
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    mesh = build_device_mesh(-1, 1)
+    return {kind: engine_step(kind, dict(micro_batch_size_per_gpu=2, param_dtype="bfloat16"), mesh=mesh,
+                              model_kwargs=dict(experts_implementation="grouped_mm")) for kind in kinds}
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_mm_on_cuda_in_bf16_follows_the_fp32_plain_loop():
+    """On a GPU: the engine's experts through `torch._grouped_mm` (CUDA's kernel, bf16 mixed precision) against
+    the fp32 plain loop over HF's eager experts, up to bf16 rounding (the thresholds of
+    test_engine_gpu.py's bf16 test)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    got = run_distributed(_cuda_moe_steps, 1, FAMILIES)
+    for kind in FAMILIES:
+        want = reference_step(kind, device="cuda")
+        g, w = got[kind]["grads"], want["grads"]
+        assert set(g) == set(w), kind
+        gv = torch.cat([g[k].flatten() for k in w]).double()
+        wv = torch.cat([w[k].flatten() for k in w]).double()
+        assert got[kind]["loss"] == pytest.approx(want["loss"], rel=2e-2), kind
+        assert float(torch.nn.functional.cosine_similarity(gv, wv, dim=0)) > 0.999, kind
+        assert float((gv - wv).abs().max() / wv.abs().max()) < 0.05, kind
