@@ -221,6 +221,12 @@ phase_s14_moe_update() {
 phase_s14_moe_rollout() { limit 240 python3 bench/moe.py rollout --shape qwen3_moe_7b --out $RES; }
 phase_s14_moe_replay() { limit 300 python3 bench/moe.py replay --shape qwen3_moe_7b --steps 3 --out $RES \
     --extra "model.dtype=bfloat16 actor.engine.max_token_len_per_gpu=8192"; }
+phase_s14_fix() {  # after the fixes of the first run: the MoE GPU tests, router replay off and on
+    limit 120 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_moe.py \
+        tests/test_rollout_fast_families.py -k "moe or mixtral or grouped or replay"
+    limit 200 python3 bench/moe.py replay --shape qwen3_moe_7b --steps 3 --out $RES \
+        --extra "model.dtype=bfloat16 actor.engine.max_token_len_per_gpu=8192"
+}
 phase_s14_full7b() {
     monitor > "$GS/monitor.log" 2>&1 &
     local mon=$!

@@ -79,8 +79,10 @@ def _engine(shape_name: str, experts: str, cuda: bool, tokens: int, optim: bool 
     lora = LoRAConfig(rank=64, alpha=128, target_modules="all-linear") if shape_name in LORA_SHAPES else LoRAConfig()
     model = ModelConfig(tiny=SHAPES[shape_name], load_weights="random_shards", experts_implementation=experts,
                         dtype="bfloat16" if cuda else "float32", lora=lora)
+    # with LoRA the frozen base is not gathered whole over the micro-batches: a second 61 GB copy of Qwen3-30B-A3B
     return build_engine(model, EngineConfig(param_dtype="bfloat16" if cuda else "float32", use_dynamic_bsz=True,
-                                            max_token_len_per_gpu=tokens, compile=compile),
+                                            max_token_len_per_gpu=tokens, compile=compile,
+                                            accumulate_unsharded=False if lora.rank else None),
                         OptimConfig(lr=1e-6) if optim else None)
 
 

@@ -160,6 +160,23 @@ def test_fast_family_matches_hf_generate_and_the_engine(tok, name, caplog):
         fast.model.layer_consts = consts
 
 
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_dense_expert_path_of_cuda_graphs_equals_the_grouped_one(normalize):
+    """Where a CUDA graph cannot take grouped products (fp32, unaligned rows), a decode step runs every expert on
+    every token: the same sums as the grouped path (and the loop), per token, to fp32 rounding."""
+    from shardrl.rollout.fast_model import dense_experts, moe_mlp, route
+
+    g = torch.Generator().manual_seed(0)
+    x, router = torch.randn(13, 32, generator=g), torch.randn(8, 32, generator=g)
+    gate_up, down = torch.randn(8, 2 * 16, 32, generator=g) / 6, torch.randn(8, 32, 16, generator=g) / 4
+    want = moe_mlp(x, router, gate_up, down, "silu", 2, normalize, True)
+    weights, experts = route(x, router, 2, normalize, True)
+    got = dense_experts(x, weights, experts, gate_up, down, "silu")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    other = route(x, router, 2, not normalize, True)[0]  # the other weighting is caught
+    assert (dense_experts(x, other, experts, gate_up, down, "silu") - want).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_fast_family_moe_routing_decides_the_tokens(tok, name, monkeypatch):
     """The routed experts as grouped matrix products and as a loop over the experts decode the same tokens as
@@ -322,7 +339,7 @@ def test_fast_family_cuda_graphs_match_hf(tok, name, attention):
     """On a GPU in fp32, compiled and graphed: HF's greedy tokens (HF on the CPU), sampled log-probs equal
     to HF's forward and the engine's recomputation (where it applies: no final soft-cap). Head dims of 16,
     the Triton kernel's smallest."""
-    extra = dict(hidden_size=64) if name.startswith(("mistral", "qwen2", "llama")) else {}
+    extra = dict(hidden_size=64) if name.startswith(("mistral", "qwen2", "llama", "mixtral")) else {}  # head dim 16
     if name.startswith("mistral"):
         extra["head_dim"] = 16
     model = hf_model(family_config(tok, name, **extra))

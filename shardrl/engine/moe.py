@@ -102,7 +102,7 @@ class RouterReplay:
     """Records or replays the experts each token is routed to, per MoE layer, in an HF MoE model's forward.
 
     The routers (HF's `*TopKRouter` modules, whose forward returns (logits, top-k weights, top-k experts)) get a
-    forward hook. Recording keeps each layer's chosen experts; replaying replaces them with given ones (N, L, k)
+    wrapped forward, run outside torch.compile. Recording keeps each layer's chosen experts; replaying replaces them with given ones (N, L, k)
     and recomputes their weights from this forward's router probabilities (softmax in fp32, gathered at the
     given experts, renormalized as the model does), so the gradient still reaches the router. A replay lasts
     from `replay` to `end` (after the backward: a gradient checkpoint's recompute must route the same);
@@ -122,7 +122,19 @@ class RouterReplay:
         self.capture_logits = False  # training forwards collect each layer's router logits (load-balancing loss)
         self.logits: list[torch.Tensor] | None = None  # collecting when a list (set by the forward)
         for i, router in enumerate(self.routers):
-            router.register_forward_hook(lambda mod, args, out, i=i: self._hook(i, out))
+            router.forward = self._wrapped(router.forward, i)
+
+    def _wrapped(self, forward, i: int):
+        """The router's forward, then `_hook`, kept out of torch.compile (a graph break): recording and replay are
+        Python state keyed by the layer, and a forward hook traced into the compiled blocks lost it (on the
+        GPU's torch 2.11 a compiled run's recording came back with layers missing)."""
+        @torch.compiler.disable
+        def routed(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            changed = self._hook(i, out)
+            return out if changed is None else changed
+
+        return routed
 
     def _hook(self, i: int, out):
         if self.logits is not None:

@@ -18,6 +18,7 @@ a slot's length hold stale values that attention masks out and the next write re
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, NamedTuple
 
 import torch
@@ -28,6 +29,8 @@ from shardrl.rollout.families import (FAMILIES, activation, attention_scale, att
                                       family_of, final_softcap, head_dim_of, layer_rope_keys, layer_windows,
                                       max_rope_positions, moe_layers, rope_tables, top_k_normalized)
 from shardrl.rollout.kernel_support import triton_head_dim  # noqa: F401  (fast.py asks it here too)
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -125,6 +128,28 @@ def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return x.device.type == "cpu" and version >= (2, 9)
 
 
+def dense_experts(x, weights, experts, gate_up, down, act: str):
+    """The routed experts' weighted sum with static shapes and no grouped products: every expert on every token,
+    the experts a token did not choose weighted 0 (weights, experts (T, k) from `route`)."""
+    gate, up = torch.einsum("th,eoh->eto", x, gate_up).chunk(2, dim=-1)
+    gated = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+    y = torch.einsum("eti,ehi->eth", gated, down)  # (E, T, hidden)
+    dense = torch.zeros(x.shape[0], gate_up.shape[0], dtype=weights.dtype, device=x.device)
+    dense.scatter_(1, experts, weights)
+    return (y * dense.t()[..., None]).sum(0, dtype=torch.float32).to(x.dtype)
+
+
+_DENSE_WARNED: list[bool] = []
+
+
+def _warn_dense_experts(num_experts: int, top_k: int):
+    if not _DENSE_WARNED:
+        _DENSE_WARNED.append(True)
+        logger.warning("the fast rollout's MoE decode runs every expert on every token in its CUDA graphs (%d / %d "
+                       "times the expert work): torch._grouped_mm needs bf16 on an SM80+ GPU and 16-byte aligned "
+                       "rows", num_experts, top_k)
+
+
 def route(x, router_w, top_k: int, normalize: bool, fp32_weights: bool):
     """HF's top-k router: softmax over the experts in fp32, the k largest, renormalized to sum 1 when `normalize`;
     (weights (T, k) in fp32 or x's dtype, experts (T, k))."""
@@ -143,21 +168,23 @@ def moe_mlp(x, router_w, gate_up, down, act: str, top_k: int, normalize: bool, f
     where it cannot run, a loop over the experts computes the same."""
     t, num_experts = x.shape[0], gate_up.shape[0]
     weights, experts = route(x, router_w, top_k, normalize, fp32_weights)
+    grouped = grouped_mm_usable(x, gate_up, down)
+    if not grouped and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        # inside a CUDA graph without grouped products (fp32, or rows not 16-byte aligned): every expert on
+        # every token (static shapes; E / k times the work), the experts a token did not choose weighted 0
+        _warn_dense_experts(num_experts, top_k)
+        return dense_experts(x, weights, experts, gate_up, down, act)
     flat = experts.reshape(-1)  # (T * k,): pair j is token j // k's (j % k)-th choice
     order = flat.argsort(stable=True)
     token = order // top_k
     rows = x[token]  # (T * k, hidden), grouped by expert
-    if grouped_mm_usable(x, gate_up, down):
+    if grouped:
         counts = F.one_hot(flat, num_experts).sum(0)  # (E,), static shape: no host sync
         offs = counts.cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         gated = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
         out = torch._grouped_mm(gated, down.transpose(1, 2), offs=offs)
     else:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the fast rollout's MoE decode needs torch._grouped_mm under CUDA graphs (bf16 on an "
-                               "SM80+ GPU, rows 16-byte aligned), which this model or GPU does not "
-                               "allow; use rollout.backend=hf")
         out = rows.new_empty(rows.shape)
         sorted_experts = flat[order]
         for e in range(num_experts):
