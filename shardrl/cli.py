@@ -86,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in OFFLINE_TRAINERS.items():
         _add_config_args(sub.add_parser(name, help=what))
 
+    serve = sub.add_parser("serve", help="serve a config's model on an OpenAI-compatible HTTP endpoint")
+    _add_config_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model's name in requests (default: the model folder's name)")
+    serve.add_argument("--max-batch", type=int, default=None, metavar="N",
+                       help="requests generated together at most (default: rollout.max_batch)")
+
     plot = sub.add_parser("plot", help="plot the metrics of a run folder")
     plot.add_argument("run_dir", metavar="RUN_DIR")
     plot.add_argument("--out", metavar="PNG", default=None, help="image path (default: inside RUN_DIR)")
@@ -256,13 +265,24 @@ def offline_main(args: argparse.Namespace) -> int:
     return run(getattr(importlib.import_module(f"shardrl.trainer.{args.command}"), trainer), args) or 0
 
 
+def serve_main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from shardrl.config import load_config
+    from shardrl.serve import build_server
+
+    app = build_server(load_config(args.config, args.overrides), args.served_model_name, args.max_batch)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 def plot_main(args: argparse.Namespace) -> int:
     from shardrl.plot import plot_main as run
 
     return run(args) or 0
 
 
-COMMANDS = {"plan": plan_main, "doctor": doctor_main, "train": train_main, "plot": plot_main,
+COMMANDS = {"plan": plan_main, "doctor": doctor_main, "train": train_main, "plot": plot_main, "serve": serve_main,
             **{name: offline_main for name in OFFLINE_TRAINERS}}
 
 

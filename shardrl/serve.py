@@ -1,0 +1,343 @@
+"""An OpenAI-compatible HTTP endpoint on a rollout backend: `/v1/models`, `/v1/completions`,
+`/v1/chat/completions` (FastAPI on uvicorn), for agents that call a chat-completions API.
+
+Requests are batched: the requests that arrive while a batch generates wait for the next one, and every waiting
+request goes into one `generate` call (those with equal sampling settings share a call; the longest `max_tokens`
+of a call is generated and each response is cut at its own). Each choice carries the exact token ids and per-token
+log-probs of the sampler (`token_ids`, `logprobs`) and the response the prompt's ids (`prompt_token_ids`), as
+vLLM's token-in-token-out extension does, so an RL trainer can train on precisely what was sampled. A request whose
+client went away before its batch started is dropped from the batch.
+
+Errors are JSON `{"error": {"message", "type", "param", "code"}}`: 404 for an unknown model, 400 for a malformed
+body, a prompt plus `max_tokens` over the context length, or options this server does not take (`stream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from shardrl.rollout.base import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Message(BaseModel):
+    """A chat message (tool calls and names pass as extra fields: the chat template reads them)."""
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class Common(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share (unknown ones are accepted and ignored)."""
+    model_config = ConfigDict(extra="allow")
+    model: str
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+
+
+class ChatRequest(Common):
+    messages: list[Message]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+
+
+class CompletionRequest(Common):
+    prompt: str | list[int] | list[str]
+    max_tokens: int = 16
+    logprobs: int | None = None
+
+
+class RequestError(ValueError):
+    """A bad request: answered with `status` and an OpenAI-style JSON error naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+@dataclass
+class Pending:
+    """One request's prompts waiting for a batch."""
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    future: asyncio.Future
+    alive: Any = None  # async () -> bool: whether the client is still connected
+
+
+class Batcher:
+    """Runs the waiting requests through `rollout.generate` in batches, one batch at a time, in a worker thread
+    (the event loop keeps taking requests meanwhile)."""
+
+    def __init__(self, rollout, tokenizer, max_batch: int = 64):
+        self.rollout, self.tokenizer, self.max_batch = rollout, tokenizer, max_batch
+        self.queue: asyncio.Queue[Pending] | None = None
+        self.task: asyncio.Task | None = None
+        self.stats = {"batches": 0, "requests": 0, "dropped": 0}
+
+    async def start(self) -> None:
+        self.queue = asyncio.Queue()
+        self.task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None) -> list[dict]:
+        item = Pending(prompts, sampling, asyncio.get_running_loop().create_future(), alive)
+        await self.queue.put(item)
+        return await item.future
+
+    async def _loop(self) -> None:
+        while True:
+            waiting = [await self.queue.get()]
+            while not self.queue.empty():
+                waiting.append(self.queue.get_nowait())
+            live = []
+            for item in waiting:
+                if item.future.cancelled() or (item.alive is not None and not await item.alive()):
+                    self.stats["dropped"] += 1
+                    if not item.future.done():
+                        item.future.cancel()
+                else:
+                    live.append(item)
+            groups: dict[tuple, list[Pending]] = {}
+            for item in live:
+                s = item.sampling
+                groups.setdefault((s.temperature, s.top_p, s.top_k, s.greedy, s.seed, tuple(s.stop)), []).append(item)
+            for items in groups.values():
+                for start in range(0, len(items), self.max_batch):
+                    chunk = items[start:start + self.max_batch]
+                    try:
+                        outs = await asyncio.to_thread(self._generate, chunk)
+                    except Exception as e:  # noqa: BLE001 (the request fails, the server stays up)
+                        log.exception("generation failed")
+                        outs = [e] * len(chunk)
+                    for item, out in zip(chunk, outs):
+                        if item.future.done():
+                            continue
+                        if isinstance(out, Exception):
+                            item.future.set_exception(out)
+                        else:
+                            item.future.set_result(out)
+
+    def _generate(self, items: list[Pending]) -> list[list[dict]]:
+        """One `generate` over every prompt of `items` (each prompt once per sample: n may differ per request)."""
+        rows, owners = [], []
+        for i, item in enumerate(items):
+            for p in item.prompts:
+                for _ in range(item.sampling.n):
+                    rows.append(p)
+                    owners.append(i)
+        s = items[0].sampling
+        longest = max(item.sampling.max_new_tokens for item in items)
+        sampling = SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                  max_new_tokens=longest, stop=s.stop, seed=s.seed, greedy=s.greedy)
+        pad = self.tokenizer.pad_token_id
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, r in enumerate(rows):
+            ids[j, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[j, width - len(r):] = 1
+        out = self.rollout.generate(ids, mask, sampling)
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(items)
+        eos = _eos_ids(self.tokenizer)
+        results: list[list[dict]] = [[] for _ in items]
+        for j, owner in enumerate(owners):
+            limit = items[owner].sampling.max_new_tokens
+            length = int(out.response_mask[j].sum())
+            token_ids = out.response_ids[j, :min(length, limit)].tolist()
+            if length > limit:  # generated for a longer request of the batch: cut at this one's limit
+                text, reason = self.tokenizer.decode(token_ids, skip_special_tokens=True), "length"
+            else:
+                text = out.response_text[j]
+                stopped = bool(s.stop) and any(x in self.tokenizer.decode(token_ids) for x in s.stop)
+                ended = length < limit or bool(token_ids and token_ids[-1] in eos) or stopped
+                reason = "stop" if ended else "length"
+            results[owner].append(dict(prompt_token_ids=rows[j], token_ids=token_ids, text=text,
+                                       log_probs=out.sampled_log_probs[j, :len(token_ids)].tolist(),
+                                       finish_reason=reason))
+        return results
+
+
+def _eos_ids(tokenizer) -> set[int]:
+    eos = tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+
+
+def _stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max_tokens: int = 256):
+    """The FastAPI app serving `batcher`'s rollout as `model_name`; prompts plus `max_tokens` are limited to
+    `max_model_len` tokens; a chat request without max_tokens gets `default_max_tokens` (what is left of the
+    context if less)."""
+    from contextlib import asynccontextmanager
+
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await batcher.start()
+        yield
+        await batcher.stop()
+
+    app = FastAPI(title="shardrl", lifespan=lifespan)
+    tok = batcher.tokenizer
+
+    def error(status: int, message: str, param: str | None = None, code: str | None = None):
+        kind = "not_found_error" if status == 404 else "invalid_request_error"
+        return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind,
+                                                                   "param": param, "code": code}})
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}", where or None)
+
+    @app.exception_handler(RequestError)
+    async def refused(request, exc: RequestError):
+        return error(exc.status, str(exc), exc.param, exc.code)
+
+    def check(req: Common, prompts: list[list[int]], max_tokens: int) -> SamplingParams:
+        if req.model != model_name:
+            raise RequestError(f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                               "model", 404, "model_not_found")
+        if req.stream:
+            raise RequestError("stream=true is not supported by this server; leave it false", "stream")
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens={max_tokens} must be >= 1", "max_tokens")
+        longest = max(len(p) for p in prompts)
+        if longest + max_tokens > max_model_len:
+            raise RequestError(f"this model's context is {max_model_len} tokens; the prompt has {longest} and "
+                               f"max_tokens asks {max_tokens} more: shorten the prompt or lower max_tokens",
+                               "max_tokens", code="context_length_exceeded")
+        if any(not p for p in prompts):
+            raise RequestError("the prompt is empty", "prompt")
+        try:
+            return SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, max_new_tokens=max_tokens,
+                                  stop=_stop_list(req.stop), seed=req.seed, greedy=req.temperature == 0)
+        except ValueError as e:  # SamplingParams names the field
+            raise RequestError(str(e).replace("SamplingParams.", "").replace("max_new_tokens", "max_tokens"))
+
+    def alive(request: Request):
+        async def connected() -> bool:
+            return not await request.is_disconnected()
+        return connected
+
+    def usage(prompts, choices) -> dict:
+        prompt = sum(len(p) for p in prompts)
+        completion = sum(len(c["token_ids"]) for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "shardrl", "max_model_len": max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        messages = [m.model_dump() for m in req.messages]
+        if not messages:
+            raise RequestError("messages is empty: send at least one message", "messages")
+        if not getattr(tok, "chat_template", None):
+            raise RequestError("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        max_tokens = req.max_completion_tokens or req.max_tokens or min(default_max_tokens, max_model_len - len(ids))
+        sampling = check(req, [ids], max_tokens)
+        outs = await batcher.submit([ids], sampling, alive(request))
+        choices = []
+        for i, o in enumerate(outs):
+            choice = {"index": i, "message": {"role": "assistant", "content": o["text"]},
+                      "finish_reason": o["finish_reason"], "token_ids": o["token_ids"], "logprobs": None}
+            if req.logprobs:
+                choice["logprobs"] = {"content": [
+                    {"token": tok.convert_ids_to_tokens(t), "logprob": lp, "bytes": None, "top_logprobs": []}
+                    for t, lp in zip(o["token_ids"], o["log_probs"])]}
+            choices.append(choice)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": model_name, "choices": choices, "prompt_token_ids": ids, "usage": usage([ids], outs)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [tok(p, add_special_tokens=False)["input_ids"]]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        else:
+            prompts = [tok(x, add_special_tokens=False)["input_ids"] for x in p]
+        if not prompts:
+            raise RequestError("the prompt is empty", "prompt")
+        sampling = check(req, prompts, req.max_tokens)
+        flat = await batcher.submit(prompts, sampling, alive(request))  # prompt-major: each prompt's n in a row
+        choices = []
+        for outs in [flat[i * req.n:(i + 1) * req.n] for i in range(len(prompts))]:
+            for o in outs:
+                choice = {"index": len(choices), "text": o["text"], "finish_reason": o["finish_reason"],
+                          "token_ids": o["token_ids"], "prompt_token_ids": o["prompt_token_ids"], "logprobs": None}
+                if req.logprobs is not None:
+                    choice["logprobs"] = {"tokens": tok.convert_ids_to_tokens(o["token_ids"]),
+                                          "token_logprobs": o["log_probs"], "top_logprobs": None,
+                                          "text_offset": None}
+                choices.append(choice)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model_name, "choices": choices, "usage": usage(prompts, flat)}
+
+    app.state.batcher = batcher
+    return app
+
+
+
+def build_server(cfg, served_name: str | None = None, max_batch: int | None = None):
+    """The app serving a config's model (`model.path`, or `model.tiny` with `model.tokenizer_path`) on its
+    rollout backend (`rollout.backend`; null: fast on CUDA where it supports the model, else hf) on this
+    machine's GPU, or the CPU; the context length is the model's `max_position_embeddings`; a chat request without
+    max_tokens gets `rollout.max_new_tokens`."""
+    from pathlib import Path
+
+    from shardrl.engine.model import build_causal_lm, load_hf_config
+    from shardrl.modelconfig import text_config
+    from shardrl.tokenizer import load_tokenizer
+    from shardrl.trainer.defaults import resolve_device_defaults
+    from shardrl.trainer.generation import Generation, the_device
+
+    hf_config = load_hf_config(cfg.model.path, cfg.model.tiny)
+    cfg, choices = resolve_device_defaults(cfg, hf_config)
+    for line in choices:
+        log.info(line)
+    tokenizer = load_tokenizer(cfg)
+    device = the_device()
+    generation = Generation(cfg, hf_config, tokenizer, device)
+    rollout = generation.rollout
+    from shardrl.trainer.generation import rollout_dtype
+
+    lm = build_causal_lm(hf_config, cfg.model.path, device, rollout_dtype(device), seed=0)  # (the engine's init of a tiny model)
+    rollout.load_weights(lm.named_parameters())
+    del lm
+    name = served_name or (Path(cfg.model.path).name if cfg.model.path else "shardrl-tiny")
+    context = int(getattr(text_config(hf_config), "max_position_embeddings", 2048))
+    batcher = Batcher(rollout, tokenizer, max_batch or cfg.rollout.max_batch or 64)
+    return build_app(batcher, name, context, cfg.rollout.max_new_tokens)

@@ -1,0 +1,224 @@
+"""`shardrl serve`: the OpenAI-compatible endpoint, exercised with the real `openai` client over loopback (CPU, a
+tiny saved model): completions and chat with the sampler's token ids and log-probs equal to the rollout's own
+`generate` on the same prompts, concurrent clients batched together, bad requests answered with 4xx JSON errors,
+and a client that went away dropped before its batch."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+import uvicorn
+
+from shardrl.config import load_config
+from shardrl.rollout import SamplingParams
+from shardrl.serve import build_server
+from shardrl.testing import save_char_model
+
+PROMPTS = ["1+2=", "hello world ", "what is 7*6? "]
+
+
+class Server:
+    """uvicorn in a thread on a free loopback port."""
+
+    def __init__(self, app):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def batcher(self):
+        return self.app.state.batcher
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module", params=["fast", "hf"])
+def server(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"model_{request.param}")
+    save_char_model(folder)
+    cfg = load_config(None, [f"model.path={folder}", f"rollout.backend={request.param}"])
+    srv = Server(build_server(cfg, served_name="tiny", max_batch=8))
+    yield srv
+    srv.stop()
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def post(server, path: str, body: bytes, timeout: float):
+    request = urllib.request.Request(f"{server.url}/{path}", data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def direct(server, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """The rollout's own greedy generate on the same prompt ids (the server idle meanwhile)."""
+    b = server.batcher
+    pad = b.tokenizer.pad_token_id
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = b.rollout.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=max_tokens))
+    rows = []
+    for j in range(len(prompts)):
+        n = int(out.response_mask[j].sum())
+        rows.append(dict(token_ids=out.response_ids[j, :n].tolist(), log_probs=out.sampled_log_probs[j, :n].tolist(),
+                         text=out.response_text[j]))
+    return rows
+
+
+def test_models_lists_the_served_model(server):
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_completions_carry_the_samplers_tokens_and_log_probs(server):
+    tok = server.batcher.tokenizer
+    res = client(server).completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0, logprobs=0)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    want = direct(server, ids, 12)
+    assert len(res.choices) == len(PROMPTS)
+    for choice, w, p in zip(res.choices, want, ids):
+        extra = choice.model_extra
+        assert extra["token_ids"] == w["token_ids"] and extra["prompt_token_ids"] == p
+        assert choice.text == w["text"]
+        assert choice.logprobs.token_logprobs == pytest.approx(w["log_probs"], abs=1e-6)
+        assert choice.finish_reason == ("length" if len(w["token_ids"]) == 12 else "stop")
+    assert res.usage.prompt_tokens == sum(map(len, ids))
+    assert res.usage.completion_tokens == sum(len(w["token_ids"]) for w in want)
+
+
+def hold(batcher, monkeypatch) -> threading.Event:
+    """Holds the batcher's next generate call until the returned event is set (requests queue meanwhile)."""
+    release = threading.Event()
+    generate = batcher._generate
+    monkeypatch.setattr(batcher, "_generate", lambda items: (release.wait(30), generate(items))[1])
+    return release
+
+
+def test_a_shorter_max_tokens_in_the_same_batch_is_a_prefix_of_a_longer_one(server, monkeypatch):
+    """Two requests that wait together share one generate call of the longer length; the shorter one is cut at
+    its own max_tokens (finish_reason length) and is the longer one's prefix."""
+    release = hold(server.batcher, monkeypatch)
+    busy = threading.Thread(target=lambda: client(server).completions.create(model="tiny", prompt="x", max_tokens=2))
+    busy.start()
+    time.sleep(0.2)
+    got = {}
+
+    def ask(n):
+        got[n] = client(server).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=n, temperature=0)
+
+    asks = [threading.Thread(target=ask, args=(n,)) for n in (10, 4)]
+    for t in asks:
+        t.start()
+    time.sleep(0.3)
+    before = server.batcher.stats["batches"]
+    release.set()
+    for t in [busy, *asks]:
+        t.join()
+    assert server.batcher.stats["batches"] - before == 2  # the held one, then both together
+    long, short = got[10].choices[0], got[4].choices[0]
+    assert len(long.model_extra["token_ids"]) > 4, "the long answer ended early: no cut to check"
+    assert short.model_extra["token_ids"] == long.model_extra["token_ids"][:4]
+    assert short.finish_reason == "length" and short.logprobs is None
+    assert got[4].usage.completion_tokens == 4
+
+
+def test_chat_applies_the_chat_template_and_returns_token_ids(server):
+    tok = server.batcher.tokenizer
+    messages = [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2="}]
+    res = client(server).chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 logprobs=True)
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert res.model_extra["prompt_token_ids"] == prompt
+    (want,) = direct(server, [prompt], 10)
+    choice = res.choices[0]
+    assert choice.model_extra["token_ids"] == want["token_ids"]
+    assert choice.message.role == "assistant" and choice.message.content == want["text"]
+    assert [t.logprob for t in choice.logprobs.content] == pytest.approx(want["log_probs"], abs=1e-6)
+
+
+def test_concurrent_clients_are_batched_and_each_gets_its_own_answer(server):
+    tok = server.batcher.tokenizer
+    prompts = [f"{a}+{b}=" for a in range(4) for b in range(2)]
+
+    async def all_at_once():
+        c = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        return await asyncio.gather(*[c.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0)
+                                      for p in prompts])
+
+    before = dict(server.batcher.stats)
+    results = asyncio.run(all_at_once())
+    stats = server.batcher.stats
+    assert stats["requests"] - before["requests"] == len(prompts)
+    assert stats["batches"] - before["batches"] < len(prompts)  # some requests shared a generate call
+    for p, res in zip(prompts, results):
+        (want,) = direct(server, [tok(p, add_special_tokens=False)["input_ids"]], 8)
+        assert res.choices[0].model_extra["token_ids"] == want["token_ids"], p
+
+
+def test_bad_requests_get_4xx_json_errors(server):
+    c = client(server)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "does not exist" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="x", max_tokens=10**6)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=[{"content": "no role"}], max_tokens=2)
+    assert "role" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=-1)
+    assert "temperature" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        c.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post(server, "chat/completions", b"{not json", timeout=10)
+    assert e.value.code == 400 and "error" in json.loads(e.value.read())
+
+
+def test_a_client_that_went_away_is_dropped_before_its_batch(server, monkeypatch):
+    """While a request generates (held until the second client is gone), a second client gives up (timeout) and
+    disconnects: its request is not generated (counted as dropped) and the server answers the next one."""
+    batcher = server.batcher
+    release = hold(batcher, monkeypatch)
+    busy = threading.Thread(target=lambda: client(server).completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0))
+    before = dict(batcher.stats)
+    busy.start()
+    time.sleep(0.2)
+    with pytest.raises(TimeoutError):
+        post(server, "completions", json.dumps({"model": "tiny", "prompt": "gone", "max_tokens": 50}).encode(),
+             timeout=0.3)
+    time.sleep(0.2)
+    release.set()
+    busy.join()
+    res = client(server).completions.create(model="tiny", prompt="a", max_tokens=2, temperature=0)
+    assert res.choices[0].model_extra["token_ids"]
+    stats = batcher.stats
+    assert stats["dropped"] - before["dropped"] == 1
+    assert stats["requests"] - before["requests"] == 2  # the held one and the last one
