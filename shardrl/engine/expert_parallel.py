@@ -33,6 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 
+from shardrl.engine.moe import grouped_mm_usable
+
 
 class ExpertParallelExperts(nn.Module):
     """An HF experts module (`gate_up_proj` (E, 2I, H), `down_proj` (E, H, I), `act_fn`; forward(hidden (T, H),
@@ -78,8 +80,6 @@ class ExpertParallelExperts(nn.Module):
     def _local_experts(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Each arrived row through its local expert (rows from several ranks, each source's sorted by expert, not
         the whole): one grouped product per projection (`torch._grouped_mm`) where it runs, else a loop."""
-        from shardrl.rollout.fast_model import grouped_mm_usable
-
         order = local_ids.argsort(stable=True)
         sorted_rows, sorted_ids = rows[order], local_ids[order]
         counts = torch.bincount(sorted_ids, minlength=self.local)

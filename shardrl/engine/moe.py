@@ -27,6 +27,19 @@ EXPERTS_IMPLEMENTATIONS = ("auto", "grouped_mm", "eager", "batched_mm")
 ALIGN = 8  # elements: 16 bytes of bf16 (32 of fp32), what torch._grouped_mm needs of a row's stride
 
 
+def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes these operands here: rows 16-byte aligned; on CUDA bf16 (it has no
+    fp32 kernel there) on an SM80 or newer GPU."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    if any(w.shape[-1] * w.element_size() % 16 or w.shape[-2] * w.element_size() % 16 for w in weights):
+        return False
+    if x.device.type == "cuda":  # (as HF's check: Hopper only before torch 2.9)
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= (8 if version >= (2, 9) else 9)
+    return x.device.type == "cpu" and version >= (2, 9)
+
+
 def is_moe(hf_config) -> bool:
     """Whether the model routes tokens to experts (a config with a per-token expert count)."""
     c = text_config(hf_config)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from shardrl.rollout.families import (FAMILIES, activation, attention_scale, attention_softcap, check_supported,
                                       family_of, final_softcap, head_dim_of, layer_rope_keys, layer_windows,
                                       max_rope_positions, moe_layers, rope_tables, top_k_normalized)
+from shardrl.engine.moe import grouped_mm_usable
 from shardrl.rollout.kernel_support import triton_head_dim  # noqa: F401  (fast.py asks it here too)
 
 logger = logging.getLogger(__name__)
@@ -113,19 +114,6 @@ def gated_mlp(x, gate_up_w, gate_up_b, down_w, down_b, act: str = "silu", lora=N
     h = gate * up
     out = F.linear(h, down_w, down_b)
     return out if lora is None else plus(out, lora_delta(h, lora[2], scale))
-
-
-def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` takes these operands here: rows 16-byte aligned; on CUDA bf16 (it has no
-    fp32 kernel there) on an SM80 or newer GPU."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-    if any(w.shape[-1] * w.element_size() % 16 or w.shape[-2] * w.element_size() % 16 for w in weights):
-        return False
-    if x.device.type == "cuda":  # (as HF's check: Hopper only before torch 2.9)
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= (8 if version >= (2, 9) else 9)
-    return x.device.type == "cpu" and version >= (2, 9)
 
 
 def dense_experts(x, weights, experts, gate_up, down, act: str):
