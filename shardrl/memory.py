@@ -208,7 +208,7 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
                                                                               layout.samples_per_rank)
     max_seq = math.ceil(layout.max_seq_len / SEQ_BUCKET) * SEQ_BUCKET
     per_position = layers * 2 * kv_heads * d * rollout_bytes
-    from shardrl.engine.moe import expert_intermediate_size, is_moe
+    from shardrl.engine.moe import expert_intermediate_size, is_moe, moe_layer_count
 
     # a token's MLP width: its k experts' (each computed on the token's own copy) in a mixture of experts
     inter = (c.num_experts_per_tok * expert_intermediate_size(c) if is_moe(c)
@@ -237,6 +237,12 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
              f"({', '.join(passes)})")] if passes else []
 
     update = _update_terms("actor", actor, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing)
+    if cfg.actor.router_replay.mode == "R2" and is_moe(hf_config):  # the routing recorded, then replayed
+        routed = tokens * moe_layer_count(hf_config) * c.num_experts_per_tok
+        prep.append(("recorded routing", routed * (8 + 2), f"{tokens} tokens x {moe_layer_count(hf_config)} MoE "
+                     f"layers x top-{c.num_experts_per_tok} x (8 B as recorded + 2 B stacked as int16)"))
+        update.append(("replayed routing", routed * 2, f"{tokens} tokens x {moe_layer_count(hf_config)} MoE layers x "
+                       f"top-{c.num_experts_per_tok} x 2 B (int16)"))
     if cuda and cfg.rollout.free_cache_engine is False:  # the rollout keeps its cache through prep and the update
         kept = [(f"{name} (kept)", size, f"{how}; rollout.free_cache_engine=false") for name, size, how in gen
                 if name in KEPT_CACHE]

@@ -126,6 +126,16 @@ def test_flops_and_ledger_count_the_active_experts():
     norms_attn = 2 * (4 * 32 + 2 * 32) + 2 * (3 * 32 + 2 * 16) + 2 * 32
     assert per_token == norms_attn + 2 * (4 * 2 * 16 + 2 * 2 * 32) + 4 * 8
     assert per_token != dense_like
+    # router replay (R2): the recorded routing in the old-log-prob pass, the replayed one in the update
+    assert not any("routing" in i["name"] for phase in ledger["phases"].values() for i in phase["items"])
+    r2 = load_config(None, [f"model.tiny={kwargs}".replace("'", '"'), "actor.router_replay.mode=R2",
+                            "actor.ppo_mini_batch_size=1", "actor.engine.use_dynamic_bsz=true",
+                            "actor.engine.max_token_len_per_gpu=1000"])
+    phases = phase_ledger(r2, derive_layout(r2, 1, 1), config)["phases"]
+    prep = {i["name"]: i["gib"] for i in phases["prep"]["items"]}
+    update = {i["name"]: i["gib"] for i in phases["update"]["items"]}
+    assert prep["recorded routing"] * 2**30 == pytest.approx(1000 * layers * k * (8 + 2))
+    assert update["replayed routing"] * 2**30 == pytest.approx(1000 * layers * k * 2)
 
 
 # ---- router replay -------------------------------------------------------------------------------------
