@@ -341,3 +341,35 @@ def build_server(cfg, served_name: str | None = None, max_batch: int | None = No
     context = int(getattr(text_config(hf_config), "max_position_embeddings", 2048))
     batcher = Batcher(rollout, tokenizer, max_batch or cfg.rollout.max_batch or 64)
     return build_app(batcher, name, context, cfg.rollout.max_new_tokens)
+
+
+class ServerThread:
+    """An app served by uvicorn in a thread of this process on a free loopback port (`url`: its /v1 base)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", timeout_s: float = 60):
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind((host, 0))
+            self.port = s.getsockname()[1]
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + timeout_s
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the server on {host}:{self.port} did not start")
+            time.sleep(0.05)
+        self.url = f"http://{host}:{self.port}/v1"
+
+    @property
+    def batcher(self) -> Batcher:
+        return self.app.state.batcher
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

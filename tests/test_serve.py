@@ -6,7 +6,6 @@ and a client that went away dropped before its batch."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -17,40 +16,13 @@ import urllib.request
 import openai
 import pytest
 import torch
-import uvicorn
 
 from shardrl.config import load_config
 from shardrl.rollout import SamplingParams
-from shardrl.serve import build_server
+from shardrl.serve import ServerThread as Server, build_server
 from shardrl.testing import save_char_model
 
 PROMPTS = ["1+2=", "hello world ", "what is 7*6? "]
-
-
-class Server:
-    """uvicorn in a thread on a free loopback port."""
-
-    def __init__(self, app):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-
-    @property
-    def batcher(self):
-        return self.app.state.batcher
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module", params=["fast", "hf"])

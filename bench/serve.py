@@ -1,0 +1,117 @@
+"""`shardrl serve` under concurrent clients against direct `generate` calls of the same work (issue 36's server
+throughput): new tokens/s of C concurrent `openai` clients each sending R completions requests (one prompt each,
+the same prompts and max_tokens for both), against the server's rollout called directly on the same prompts in
+batches of the server's `--max-batch`.
+
+    python bench/serve.py --shape 1.5b --clients 256 --requests 2 --out results.jsonl   # one H200
+    python bench/serve.py --shape tiny --clients 8 --requests 2 --prompt-len 16 --max-tokens 16   # CPU check
+
+The model is the Qwen2-1.5B shape of bench/e2e.py with random weights ("eos_hazard": each new token ends the reply
+with probability 1/400, so replies have uneven lengths), written once under --root. Both sides sample at
+temperature 1 with their own seeds, so their replies differ; tokens/s counts the tokens each actually made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import append_jsonl  # noqa: E402
+
+SHAPES = {"tiny": "TINY", "1.5b": "QWEN2_1P5B"}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--backend", default=None, choices=["fast", "hf"])
+    p.add_argument("--root", default="/tmp/serve_bench")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    import openai
+    import torch
+
+    import bench.e2e as e2e
+    from shardrl.config import load_config
+    from shardrl.rollout import SamplingParams
+    from shardrl.serve import ServerThread as Server, build_server
+
+    cuda = torch.cuda.is_available()
+    shape = dict(getattr(e2e, SHAPES[args.shape]))
+    shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0),
+                                           args.prompt_len + args.max_tokens + 8)
+    folder = Path(args.root) / f"model_{args.shape}"
+    tok = e2e.build_tokenizer(shape["vocab_size"])
+    if not (folder / "config.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        e2e.make_model(folder, shape, "eos_hazard", "cuda" if cuda else "cpu", tok)
+        tok.save_pretrained(folder)
+    overrides = [f"model.path={folder}"] + ([f"rollout.backend={args.backend}"] if args.backend else [])
+    server = Server(build_server(load_config(None, overrides), served_name="m", max_batch=args.max_batch))
+    batcher = server.batcher
+    n_requests = args.clients * args.requests
+    prompts = [" ".join(f"w{4 + (31 * i + 7 * j) % (shape['vocab_size'] - 4)}" for j in range(args.prompt_len))
+               for i in range(n_requests)]
+
+    async def client(c: int, aclient) -> int:
+        made = 0
+        for r in range(args.requests):
+            res = await aclient.completions.create(model="m", prompt=prompts[c * args.requests + r],
+                                                   max_tokens=args.max_tokens, temperature=1.0)
+            made += res.usage.completion_tokens
+        return made
+
+    async def all_clients() -> int:
+        aclient = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=3600)
+        return sum(await asyncio.gather(*[client(c, aclient) for c in range(args.clients)]))
+
+    asyncio.run(all_clients())  # warm-up: compile, CUDA graphs
+    before = dict(batcher.stats)
+    t0 = time.perf_counter()
+    served_tokens = asyncio.run(all_clients())
+    served_s = time.perf_counter() - t0
+    batches = batcher.stats["batches"] - before["batches"]
+    server.stop()
+
+    rollout = batcher.rollout
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens, seed=1)
+    ids = [tok(x, add_special_tokens=False)["input_ids"] for x in prompts]
+
+    def direct() -> int:
+        made = 0
+        for start in range(0, n_requests, args.max_batch):
+            chunk = torch.tensor(ids[start:start + args.max_batch])
+            out = rollout.generate(chunk, torch.ones_like(chunk), sampling)
+            made += int(out.response_mask.sum())
+        if cuda:
+            torch.cuda.synchronize()
+        return made
+
+    direct()
+    t0 = time.perf_counter()
+    direct_tokens = direct()
+    direct_s = time.perf_counter() - t0
+    rec = dict(bench="serve", shape=args.shape, backend=type(rollout).__name__, clients=args.clients,
+               requests=n_requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens, max_batch=args.max_batch,
+               served_s=round(served_s, 3), served_tokens_per_s=round(served_tokens / served_s),
+               server_batches=batches, direct_s=round(direct_s, 3),
+               direct_tokens_per_s=round(direct_tokens / direct_s),
+               ratio=round((served_tokens / served_s) / (direct_tokens / direct_s), 3))
+    print(json.dumps(rec), flush=True)
+    append_jsonl(args.out, [rec])
+
+
+if __name__ == "__main__":
+    main()
