@@ -450,6 +450,36 @@ class MultiTurnConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Agent episodes (`shardrl.rollout.agent`): the user's async function runs each episode against an
+    OpenAI-compatible endpoint served from the run's rollout; the trajectory is assembled token-exact from what
+    the endpoint sampled (the model's tokens trained, everything else masked)."""
+
+    entrypoint: str | None = None
+    """`path/to/agent.py:run`: `async def run(sample, client) -> float | None`, where `sample` is the prompt row
+    (`prompt`: the data's prompt, a string or chat messages; `data_source`; `extra`) and `client` an
+    `openai.AsyncOpenAI` pointed at the run's endpoint (model name `policy`). It returns the episode's reward, or
+    None to leave it to the reward function (which scores the last reply). Null: no agent."""
+    timeout_s: float = 300.0
+    """An episode running longer fails (scored `failure_reward`)."""
+    failure_reward: float = 0.0
+    """The reward of an episode that raised, timed out, returned something other than a number or None, or never
+    called the model."""
+    max_concurrency: int = 256
+    """Episodes running at once (per rank)."""
+    max_response_tokens: int = 1024
+    """An episode's trajectory after its first prompt, in tokens (the model's and the rest); longer is cut."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "entrypoint", self.entrypoint is None or (":" in self.entrypoint and
+                                                                       self.entrypoint.split(":", 1)[0].endswith(".py")),
+                "must be 'path/to/file.py:function'")
+        require(self, prefix, "timeout_s", self.timeout_s > 0, "must be > 0 (seconds)")
+        require(self, prefix, "max_concurrency", self.max_concurrency >= 1, "must be >= 1")
+        require(self, prefix, "max_response_tokens", self.max_response_tokens >= 1, "must be >= 1")
+
+
+@dataclass
 class ValSamplingConfig:
     """How validation samples (verl's rollout.val_kwargs): greedy and one response per prompt by default."""
 
@@ -520,6 +550,8 @@ class RolloutConfig:
     unmerged on CPU. Measured: bench/RESULTS.md, "LoRA"."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools (off by default)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Agent episodes through an OpenAI-compatible endpoint (off by default)."""
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     """Sampling of validation (greedy, n=1 by default)."""
 
@@ -541,6 +573,8 @@ class RolloutConfig:
         require(self, prefix, "top_k", self.top_k >= 0, "must be >= 0 (0 = off)")
         require(self, prefix, "max_new_tokens", self.max_new_tokens >= 1, "must be >= 1")
         require(self, prefix, "micro_batch_size", self.micro_batch_size >= 1, "must be >= 1")
+        require(self, prefix, "agent", not (self.agent.entrypoint and self.multi_turn.enable),
+                "and multi_turn both run the episodes; set rollout.agent.entrypoint or rollout.multi_turn.enable")
 
 
 @dataclass

@@ -24,7 +24,8 @@ TRUNCATION_MODES = ("drop", "error", "left", "right")
 
 
 class PromptDataset:
-    """Tokenized prompts; item i is `{"prompt_ids", "prompt_text", "data_source", "extra", "index"}`."""
+    """Tokenized prompts; item i is `{"prompt_ids", "prompt_text", "data_source", "extra", "index", "prompt"}`
+    (`prompt`: the row's own, a string or chat messages)."""
 
     def __init__(self, items: list[dict], stats: dict, files: list[str]):
         self.items = items
@@ -192,7 +193,8 @@ def load_prompt_dataset(
                 prompt = prompt[-max_chars:] if truncation == "left" else prompt[:max_chars]  # cut below as usual
             data_source = row.get("data_source")
             data_source = "default" if data_source is None else str(data_source)
-            kept.append((path, row_number, prompt, isinstance(row[prompt_key], list), data_source, _extra_fields(row, prompt_key)))
+            kept.append((path, row_number, prompt, isinstance(row[prompt_key], list), data_source, _extra_fields(row, prompt_key),
+                         row[prompt_key]))
 
     # Templated text already holds the model's special tokens; a raw string gets the tokenizer's own (e.g. BOS).
     all_ids = [None] * len(kept)
@@ -204,7 +206,7 @@ def load_prompt_dataset(
                 all_ids[i] = ids
 
     items, shortest_dropped = [], None
-    for (path, row_number, text, _, data_source, extra), ids in zip(kept, all_ids):
+    for (path, row_number, text, _, data_source, extra, raw), ids in zip(kept, all_ids):
         if not ids:
             if skip_bad_rows:
                 stats["num_skipped_bad"] += 1
@@ -225,7 +227,8 @@ def load_prompt_dataset(
             text = tokenizer.decode(ids)
             stats["num_truncated"] += 1
         items.append(
-            {"prompt_ids": list(ids), "prompt_text": text, "data_source": data_source, "extra": extra, "index": len(items)}
+            {"prompt_ids": list(ids), "prompt_text": text, "data_source": data_source, "extra": extra, "index": len(items),
+             "prompt": raw}  # the row's own prompt (a string or chat messages), for agent episodes
         )
 
     stats["num_rows"] = len(items)

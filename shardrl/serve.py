@@ -15,6 +15,7 @@ body, a prompt plus `max_tokens` over the context length, or options this server
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -189,10 +190,16 @@ def _stop_list(stop) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max_tokens: int = 256):
+EPISODE_HEADER = "x-shardrl-episode"
+"""A request carrying this header is recorded under its value (`app.state.records`: episode -> calls)."""
+
+
+def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max_tokens: int = 256,
+              policy: SamplingParams | None = None):
     """The FastAPI app serving `batcher`'s rollout as `model_name`; prompts plus `max_tokens` are limited to
     `max_model_len` tokens; a chat request without max_tokens gets `default_max_tokens` (what is left of the
-    context if less)."""
+    context if less). `policy` (an RL run's endpoint): every request samples with its temperature, top-p, top-k
+    and seed whatever it asks (the trainer's log-probs assume them), at most its max_new_tokens a call, n=1."""
     from contextlib import asynccontextmanager
 
 
@@ -203,6 +210,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         await batcher.stop()
 
     app = FastAPI(title="shardrl", lifespan=lifespan)
+    app.state.policy = policy  # (an RL run's endpoint sets it per generate call: training, validation)
     tok = batcher.tokenizer
 
     def error(status: int, message: str, param: str | None = None, code: str | None = None):
@@ -235,6 +243,12 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
                                "max_tokens", code="context_length_exceeded")
         if any(not p for p in prompts):
             raise RequestError("the prompt is empty", "prompt")
+        policy = app.state.policy
+        if policy is not None:
+            if req.n != 1:
+                raise RequestError(f"n={req.n}: an RL run's endpoint samples one reply a call; send n=1", "n")
+            return dataclasses.replace(policy, n=1, max_new_tokens=min(max_tokens, policy.max_new_tokens),
+                                       stop=_stop_list(req.stop) or policy.stop)
         try:
             return SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, max_new_tokens=max_tokens,
                                   stop=_stop_list(req.stop), seed=req.seed, greedy=req.temperature == 0)
@@ -245,6 +259,13 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         async def connected() -> bool:
             return not await request.is_disconnected()
         return connected
+
+    app_records: dict[str, list[dict]] = {}
+
+    def record(request: Request, outs: list[dict]) -> None:
+        episode = request.headers.get(EPISODE_HEADER)
+        if episode is not None:
+            app_records.setdefault(episode, []).extend(outs)
 
     def usage(prompts, choices) -> dict:
         prompt = sum(len(p) for p in prompts)
@@ -268,6 +289,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         max_tokens = req.max_completion_tokens or req.max_tokens or min(default_max_tokens, max_model_len - len(ids))
         sampling = check(req, [ids], max_tokens)
         outs = await batcher.submit([ids], sampling, alive(request))
+        record(request, outs)
         choices = []
         for i, o in enumerate(outs):
             choice = {"index": i, "message": {"role": "assistant", "content": o["text"]},
@@ -293,6 +315,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
             raise RequestError("the prompt is empty", "prompt")
         sampling = check(req, prompts, req.max_tokens)
         flat = await batcher.submit(prompts, sampling, alive(request))  # prompt-major: each prompt's n in a row
+        record(request, flat)
         choices = []
         for outs in [flat[i * req.n:(i + 1) * req.n] for i in range(len(prompts))]:
             for o in outs:
@@ -306,7 +329,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name, "choices": choices, "usage": usage(prompts, flat)}
 
-    app.state.batcher = batcher
+    app.state.batcher, app.state.records = batcher, app_records
     return app
 
 

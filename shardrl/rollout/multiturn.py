@@ -453,6 +453,13 @@ def score_with_interaction(batch, score_fn) -> tuple[torch.Tensor, dict]:
         scores, metrics = torch.tensor(given, dtype=torch.float32), {}
     else:
         scores, metrics = score_fn(batch)
+    if "fixed_score" in batch:  # rows scored before the reward function (an agent episode that failed)
+        for i, s in enumerate(batch["fixed_score"]):
+            if s is not None:
+                scores[i] = s
     for key in ("num_turns", "num_tool_calls", "num_tool_errors"):
         metrics[f"multi_turn/{key}_mean"] = float(batch[key].mean()) if len(batch) else 0.0
+    for key in ("errors", "timeouts", "prefix_breaks", "calls"):
+        if f"agent_{key}" in batch:
+            metrics[f"agent/{key}_mean"] = float(batch[f"agent_{key}"].mean()) if len(batch) else 0.0
     return scores, metrics

@@ -115,10 +115,14 @@ class Generation:
         dtype = rollout_dtype(device)
         self.rollout = build_rollout(ro.backend, hf_config, tokenizer, device, dtype,
                                      micro_batch_size=ro.micro_batch_size, **fast_kwargs)
-        self.multi_turn = ro.multi_turn.enable
-        if self.multi_turn:  # the agent loop drives the backend's generate in rounds, tools in between
+        self.multi_turn = ro.multi_turn.enable or bool(ro.agent.entrypoint)
+        if ro.multi_turn.enable:  # the agent loop drives the backend's generate in rounds, tools in between
             self.rollout = MultiTurnRollout.from_config(self.rollout, tokenizer, ro.multi_turn,
                                                         build_interaction(ro.multi_turn))
+        elif ro.agent.entrypoint:  # the user's episodes call an endpoint on the backend
+            from shardrl.rollout.agent import AgentRollout
+
+            self.rollout = AgentRollout.from_config(self.rollout, tokenizer, ro, hf_config)
         self.tokenizer, self.device, self.seed = tokenizer, device, ro.seed
         self.sampling = SamplingParams.from_config(ro)
 

@@ -141,7 +141,8 @@ class RLTrainer:
             self._say(resolve_total_epochs(cfg.trainer, len(self.train_set), cfg.data.train_batch_size))
         fn = (load_reward_function(cfg.reward.function_path, cfg.reward.function_name, cfg.reward.reward_kwargs)
               if cfg.reward.function_path else None)
-        if fn is None and not cfg.reward.model_path and not cfg.rollout.multi_turn.interaction_path:
+        if fn is None and not cfg.reward.model_path and not cfg.rollout.multi_turn.interaction_path \
+                and not cfg.rollout.agent.entrypoint:  # (an agent may score its episodes itself)
             for dataset in filter(None, (self.train_set, self.val_set)):  # the built-in scorers need the answers
                 check_ground_truths(dataset)
         check_vocab_sizes(cfg, len(self.tokenizer))
@@ -180,7 +181,8 @@ class RLTrainer:
                 if (r.num_workers or r.timeout_s) and not r.model_path else None)
         self.scorer = Scorer(RewardManager(fn, r.on_error_score, r.reward_kwargs, pool), self.roles.reward_model,
                              self.mesh.dp_group, self.plan.multi_turn, cfg.reward.overlong_buffer,
-                             cfg.rollout.multi_turn.max_response_tokens if self.plan.multi_turn
+                             cfg.rollout.agent.max_response_tokens if cfg.rollout.agent.entrypoint
+                             else cfg.rollout.multi_turn.max_response_tokens if self.plan.multi_turn
                              else cfg.rollout.max_new_tokens, cfg.reward.missing_eos_penalty)
         self.state = TrainState(cfg, loader, self.mesh.dp_rank, self.mesh.dp_size, self.mesh.sp_rank)
         self.checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_last)

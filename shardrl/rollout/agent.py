@@ -1,0 +1,264 @@
+"""Agent episodes: the user's own async code runs each episode and calls the policy through an OpenAI-compatible
+endpoint served from the run's rollout (`shardrl.serve`, on loopback, in this process); the trajectory the trainer
+trains on is assembled from what the endpoint sampled, token for token.
+
+    # my_agent.py
+    async def run(sample, client):             # sample: {"prompt", "data_source", "extra"}; client: openai.AsyncOpenAI
+        messages = list(sample["prompt"])
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=64)
+        ...                                    # tools, parsing, more calls: anything
+        return 1.0 if ok else 0.0              # the reward (None: the reward function scores the last reply)
+
+`rollout.agent.entrypoint=my_agent.py:run`. Each prompt row runs `rollout.n` episodes, at most
+`rollout.agent.max_concurrency` at once. The endpoint samples with the run's temperature, top-p and top-k whatever
+a call asks (the trainer's log-probs assume them), at most `rollout.max_new_tokens` a call.
+
+Assembly (token-exact): an episode's first call gives the trajectory's prompt (its prompt ids) and its first reply
+(the sampled ids, trained, with the sampler's log-probs). Each later call's prompt must begin with the trajectory
+so far, as a chat template renders an ongoing conversation: what it adds (tool output, the user's next turn, the
+template's markers) is appended untrained, then the call's reply, trained. A call whose prompt does not extend the
+trajectory (the agent rewrote its history) starts the trajectory afresh from that call (the earlier replies are
+context only, untrained; counted in `agent/prefix_breaks`). The trajectory after the prompt is cut at
+`rollout.agent.max_response_tokens`.
+
+Failures: an episode that raises, runs past `rollout.agent.timeout_s`, returns something other than a number or
+None, or never calls the model is scored `rollout.agent.failure_reward` (its trajectory: what it sampled, or the
+row's prompt and an empty reply) and counted (`agent/num_errors`, `agent/num_timeouts`); a step whose every
+episode failed stops the run with the first error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import inspect
+import logging
+import uuid
+from pathlib import Path
+
+import torch
+
+from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts
+from shardrl.rollout.multiturn import MultiTurnOutput
+
+log = logging.getLogger(__name__)
+MODEL_NAME = "policy"
+
+
+def load_entrypoint(spec: str):
+    """`path.py:function` -> the async function."""
+    path, _, name = spec.rpartition(":")
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"rollout.agent.entrypoint={spec!r}: no file {path!r}")
+    module_spec = importlib.util.spec_from_file_location(f"shardrl_agent_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ValueError(f"rollout.agent.entrypoint={spec!r}: {path} defines no {name!r}")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.agent.entrypoint={spec!r}: {name} must be an async function "
+                         "(async def run(sample, client))")
+    return fn
+
+
+@dataclasses.dataclass
+class AgentOutput(MultiTurnOutput):
+    """A `MultiTurnOutput` of agent episodes: per row, a score fixed before the reward function (a failed
+    episode's), and the episode's errors, timeouts, prefix breaks and model calls."""
+
+    fixed_scores: list[float | None] = dataclasses.field(default_factory=list)
+    counts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+    def to_batch(self):
+        batch = super().to_batch()
+        if any(s is not None for s in self.fixed_scores):
+            batch["fixed_score"] = list(self.fixed_scores)
+        for key, values in self.counts.items():
+            batch[f"agent_{key}"] = torch.tensor(values, dtype=torch.float32)
+        return batch
+
+
+@dataclasses.dataclass
+class _Episode:
+    sample: dict
+    key: str
+    reward: float | None = None
+    error: str | None = None
+    timed_out: bool = False
+
+
+class AgentRollout(Rollout):
+    """Runs `entrypoint` episodes against an endpoint on `rollout` (see the module docstring); weights and
+    memory calls go to `rollout`."""
+
+    def __init__(self, rollout: Rollout, tokenizer, entrypoint, timeout_s: float = 300.0,
+                 failure_reward: float = 0.0, max_concurrency: int = 256, max_response_tokens: int = 1024,
+                 max_batch: int = 256, context: int | None = None):
+        self.rollout, self.tokenizer = rollout, tokenizer
+        self.entrypoint = load_entrypoint(entrypoint) if isinstance(entrypoint, str) else entrypoint
+        self.timeout_s, self.failure_reward = timeout_s, failure_reward
+        self.max_concurrency, self.max_response_tokens = max_concurrency, max_response_tokens
+        self.max_batch, self.context = max_batch, context
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.server = None
+
+    @classmethod
+    def from_config(cls, rollout: Rollout, tokenizer, ro, hf_config) -> AgentRollout:
+        from shardrl.modelconfig import text_config
+
+        a = ro.agent
+        return cls(rollout, tokenizer, a.entrypoint, a.timeout_s, a.failure_reward, a.max_concurrency,
+                   a.max_response_tokens, ro.max_batch or 256,
+                   int(getattr(text_config(hf_config), "max_position_embeddings", 4096)))
+
+    # ---- the inner rollout's weights and memory --------------------------------------------------
+    def load_weights(self, weights) -> None:
+        self.rollout.load_weights(weights)
+
+    def release(self) -> None:
+        self.rollout.release()
+
+    def resume(self) -> None:
+        self.rollout.resume()
+
+    def __getattr__(self, name: str):
+        if name == "rollout":
+            raise AttributeError(name)
+        return getattr(self.rollout, name)
+
+    # ---- episodes --------------------------------------------------------------------------------
+    def _endpoint(self, sampling: SamplingParams):
+        """The loopback server on the rollout (started once); its policy sampling set for this call."""
+        from shardrl.serve import Batcher, ServerThread, build_app
+
+        policy = dataclasses.replace(sampling, n=1, seed=None)  # per-batch draws: episodes of a prompt differ
+        if self.server is None:
+            batcher = Batcher(self.rollout, self.tokenizer, self.max_batch)
+            app = build_app(batcher, MODEL_NAME, self.context or 4096, sampling.max_new_tokens, policy)
+            self.server = ServerThread(app)
+        self.server.app.state.policy = policy  # this call's: training's, or validation's
+        return self.server
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingParams,
+                 samples: list[dict] | None = None) -> MultiTurnOutput:
+        check_prompts(prompt_ids, attention_mask)
+        num_prompts, n = prompt_ids.shape[0], sampling.n
+        samples = samples if samples is not None else [{} for _ in range(num_prompts)]
+        server = self._endpoint(sampling)
+        episodes = [_Episode({"prompt": samples[b].get("prompt"), "data_source": samples[b].get("data_source"),
+                              "extra": samples[b].get("extra")}, uuid.uuid4().hex)
+                    for b in range(num_prompts) for _ in range(n)]
+        asyncio.run(self._run_all(episodes, server.url))
+        records = server.app.state.records
+        calls = [records.pop(e.key, []) for e in episodes]
+        for e, c in zip(episodes, calls):
+            if not c and e.error is None and not e.timed_out:
+                e.error = "the episode never called the model"
+        failed = [e for e in episodes if e.error is not None or e.timed_out]
+        if failed and len(failed) == len(episodes):
+            first = next((e.error for e in failed if e.error), "timed out")
+            raise RuntimeError(f"every agent episode of this step failed (rollout.agent.entrypoint); the first: {first}")
+        return self._assemble(prompt_ids, attention_mask, n, episodes, calls)
+
+    async def _run_all(self, episodes: list[_Episode], url: str) -> None:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=self.timeout_s)
+        gate = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(e: _Episode):
+            async with gate:
+                episode_client = client.with_options(default_headers={"x-shardrl-episode": e.key})
+                try:
+                    result = await asyncio.wait_for(self.entrypoint(e.sample, episode_client), self.timeout_s)
+                except asyncio.TimeoutError:
+                    e.timed_out = True
+                    return
+                except Exception as exc:  # noqa: BLE001 (an episode's failure is scored, not raised)
+                    e.error = f"{type(exc).__name__}: {exc}"
+                    log.warning("agent episode failed: %s", e.error)
+                    return
+                if result is not None and not isinstance(result, (int, float)) or isinstance(result, bool):
+                    e.error = f"the agent returned {type(result).__name__}, not a number or None"
+                    return
+                e.reward = None if result is None else float(result)
+
+        try:
+            await asyncio.gather(*[one(e) for e in episodes])
+        finally:
+            await client.close()
+
+    def _assemble(self, prompt_ids, attention_mask, n: int, episodes: list[_Episode], calls: list[list[dict]]
+                  ) -> MultiTurnOutput:
+        stop_ids = set(getattr(self.rollout, "stop_ids", None) or [self.tokenizer.eos_token_id])
+        prompts, responses, masks, texts, breaks = [], [], [], [], []
+        for row, (e, c) in enumerate(zip(episodes, calls)):
+            if not c:  # a failed episode without a call: the row's prompt, an empty reply
+                b = row // n
+                prompts.append(prompt_ids[b][attention_mask[b].bool()].tolist())
+                responses.append(([], []))
+                masks.append([])
+                texts.append("")
+                breaks.append(0)
+                continue
+            prompt, ids, logp, trained = list(c[0]["prompt_token_ids"]), [], [], []
+            breaks.append(0)
+            for call in c:
+                context = prompt + ids
+                p = list(call["prompt_token_ids"])
+                if (p[:len(context)] != context and ids and trained[-1] and ids[-1] in stop_ids
+                        and p[:len(context) - 1] == context[:-1]):
+                    # the reply's end-of-turn token is not in the next prompt (a template that renders the turn's
+                    # end otherwise): dropped, untrained, so that what follows sees exactly what the sampler saw
+                    ids, logp, trained = ids[:-1], logp[:-1], trained[:-1]
+                    context = context[:-1]
+                if p[:len(context)] != context:  # the agent rewrote its history: start afresh from this call
+                    if call is not c[0]:
+                        breaks[-1] += 1
+                    prompt, ids, logp, trained = p, [], [], []
+                    context = p
+                extra = p[len(context):]
+                ids += extra + call["token_ids"]
+                logp += [0.0] * len(extra) + call["log_probs"]
+                trained += [0] * len(extra) + [1] * len(call["token_ids"])
+            cut = self.max_response_tokens
+            prompts.append(prompt)
+            responses.append((ids[:cut], logp[:cut]))
+            masks.append(trained[:cut])
+            texts.append(c[-1]["text"])
+        width = max(map(len, prompts))
+        p_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        p_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            p_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            p_mask[r, width - len(p):] = 1
+        # one "prompt" per row (an episode's own first prompt): n=1 over the rows
+        base = assemble_output(p_ids, p_mask, 1, [(torch.tensor(i, dtype=torch.long),
+                                                    torch.tensor(lp, dtype=torch.float32)) for i, lp in responses],
+                               texts, self.pad_id)
+        model_mask = torch.zeros_like(base.response_mask)
+        for r, m in enumerate(masks):
+            model_mask[r, :len(m)] = torch.tensor(m, dtype=torch.long)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(RolloutOutput)}
+        fields["prompt_index"] = torch.arange(len(episodes)) // n  # the row each episode came from
+        failed = [e.error is not None or e.timed_out for e in episodes]
+        given = [e.reward for e, f in zip(episodes, failed) if not f]
+        if any(r is None for r in given) and any(r is not None for r in given):
+            raise ValueError("the agent (rollout.agent.entrypoint) returned a reward for some episodes and None for "
+                             "others; return a number for every episode, or None for every one (the reward "
+                             "function then scores them)")
+        by_agent = bool(given) and given[0] is not None
+        scores = [self.failure_reward if f else e.reward for e, f in zip(episodes, failed)]
+        counts = {"errors": [int(e.error is not None) for e in episodes],
+                  "timeouts": [int(e.timed_out) for e in episodes], "prefix_breaks": breaks,
+                  "calls": [len(c) for c in calls]}
+        return AgentOutput(**{**fields, "response_mask": model_mask}, response_attention_mask=base.response_mask,
+                           num_turns=[len(c) for c in calls], num_tool_calls=[max(len(c) - 1, 0) for c in calls],
+                           num_tool_errors=[int(f) for f in failed],
+                           interaction_scores=scores if by_agent else None,
+                           fixed_scores=[] if by_agent else [self.failure_reward if f else None for f in failed],
+                           counts=counts)

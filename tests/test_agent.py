@@ -1,0 +1,167 @@
+"""Agent episodes (`rollout.agent.entrypoint`, `shardrl.rollout.agent`): the user's async function calls the run's
+OpenAI-compatible endpoint with the real `openai` client; the trajectories are token-exact (the sampler's
+log-probs equal a plain forward of the assembled sequence at the trained positions), the rewards are the agent's,
+failures are counted and scored, a rewritten history trains only what follows it, and an RL run trains on it."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+import transformers
+
+from shardrl.rollout import SamplingParams, build_rollout
+from shardrl.rollout.agent import AgentRollout
+from shardrl.testing import save_char_model
+from test_rollout_hf import recomputed_log_probs
+
+AGENT = '''
+import asyncio
+
+RETURNS = {}
+
+
+async def run(sample, client):
+    """Two chat calls: the question, then a follow-up turn that quotes a (made-up) tool answer."""
+    messages = [{"role": "user", "content": sample["prompt"]}]
+    first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+    kind = sample["extra"]["kind"]
+    if kind == "raise":
+        raise RuntimeError("the tool broke")
+    if kind == "slow":
+        await asyncio.sleep(30)
+    if kind == "bad":
+        return "not a number"
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "tool: 4"}]
+    if kind == "rewrite":  # the agent drops the first exchange from its history
+        messages = [{"role": "user", "content": "again: " + sample["prompt"]}]
+    second = await client.chat.completions.create(model="policy", messages=messages, max_tokens=5)
+    reward = float(len(second.choices[0].message.content) % 3)
+    RETURNS.setdefault(sample["prompt"], []).append(reward)
+    return reward
+'''
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("agent_model")
+    tok = save_char_model(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    agent_file = folder / "agent.py"
+    agent_file.write_text(AGENT)
+    return tok, model, agent_file
+
+
+def agent_rollout(setup, **kwargs):
+    tok, model, agent_file = setup
+    inner = build_rollout("hf", model.config, tok, "cpu", torch.float32)
+    inner.load_weights(model.named_parameters())
+    return AgentRollout(inner, tok, f"{agent_file}:run", context=512, **kwargs)
+
+
+def run_episodes(rollout, tok, prompts: list[str], kinds: list[str], n: int = 2):
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    samples = [{"prompt": p, "data_source": "t", "extra": {"kind": k}} for p, k in zip(prompts, kinds)]
+    return rollout.generate(enc["input_ids"], enc["attention_mask"],
+                            SamplingParams(n=n, temperature=1.0, max_new_tokens=8, seed=0), samples=samples)
+
+
+def test_trajectories_are_token_exact_and_rewards_the_agents(setup):
+    tok, model, _ = setup
+    rollout = agent_rollout(setup)
+    prompts = ["1+2=", "what is 7*6? ", "ab"]
+    try:
+        out = run_episodes(rollout, tok, prompts, ["ok"] * 3, n=3)
+    finally:
+        rollout.server.stop()
+    batch = out.to_batch()
+    trained = batch["loss_mask"].bool()
+    # the trained tokens are the sampler's: their log-probs are a plain forward's of the assembled sequence
+    assert trained.sum() > 20
+    torch.testing.assert_close(batch["sampled_log_probs"][trained],
+                               recomputed_log_probs(model, out, 1.0)[trained], atol=1e-4, rtol=0)
+    # each trajectory: the first prompt, the first reply (trained), the follow-up turn (not), the second reply;
+    # except where the chat template could not render the first reply as sampled (a special token sampled within
+    # it, which the reply's text leaves out): the trajectory restarts at the second call (a prefix break)
+    whole = [r for r in range(len(out)) if batch["agent_prefix_breaks"][r] == 0]
+    assert len(whole) >= len(out) // 2, batch["agent_prefix_breaks"]
+    for r in whole:
+        prompt = tok.decode(batch["input_ids"][r][batch["attention_mask"][r].bool()][:out.prompt_mask[r].sum()])
+        assert prompt == f"user: {prompts[r // 3]}\nassistant: "
+        mask = out.response_mask[r][out.response_attention_mask[r].bool()].tolist()
+        runs = [k for i, k in enumerate(mask) if i == 0 or mask[i - 1] != k]
+        assert runs == [1, 0, 1], mask  # reply, follow-up, reply
+    returns = rollout.entrypoint.__globals__["RETURNS"]
+    scores = batch["interaction_score"]
+    for i, p in enumerate(prompts):  # (a prompt's episodes finish in any order)
+        assert sorted(scores[3 * i:3 * i + 3]) == sorted(returns[p])
+    assert batch["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert batch["agent_calls"].tolist() == [2.0] * 9 and batch["agent_errors"].sum() == 0
+
+
+def test_failed_episodes_are_counted_and_scored_and_all_failing_stops(setup):
+    tok, _, _ = setup
+    rollout = agent_rollout(setup, timeout_s=2.0, failure_reward=-1.0)
+    try:
+        out = run_episodes(rollout, tok, ["a", "b", "c", "d"], ["ok", "raise", "slow", "bad"], n=1)
+        batch = out.to_batch()
+        assert batch["agent_errors"].tolist() == [0, 1, 0, 1]
+        assert batch["agent_timeouts"].tolist() == [0, 0, 1, 0]
+        assert batch["interaction_score"][1:] == [-1.0, -1.0, -1.0]
+        assert batch["interaction_score"][0] in (0.0, 1.0, 2.0)
+        with pytest.raises(RuntimeError, match="every agent episode of this step failed.*the tool broke"):
+            run_episodes(rollout, tok, ["a", "b"], ["raise", "raise"], n=1)
+    finally:
+        rollout.server.stop()
+
+
+def test_a_rewritten_history_trains_only_what_follows_it(setup):
+    tok, model, _ = setup
+    rollout = agent_rollout(setup)
+    try:
+        out = run_episodes(rollout, tok, ["1+1=", "xyz"], ["rewrite", "rewrite"], n=1)
+    finally:
+        rollout.server.stop()
+    batch = out.to_batch()
+    assert batch["agent_prefix_breaks"].tolist() == [1.0, 1.0]
+    for r, p in enumerate(["1+1=", "xyz"]):
+        prompt = tok.decode(out.prompt_ids[r][out.prompt_mask[r].bool()])
+        assert prompt == f"user: again: {p}\nassistant: "  # the trajectory restarted at the second call
+        assert out.response_mask[r].sum() == out.response_attention_mask[r].sum()  # one reply, all trained
+    trained = batch["loss_mask"].bool()
+    torch.testing.assert_close(batch["sampled_log_probs"][trained],
+                               recomputed_log_probs(model, out, 1.0)[trained], atol=1e-4, rtol=0)
+
+
+def test_bad_entrypoints_are_refused(tmp_path):
+    from shardrl.rollout.agent import load_entrypoint
+
+    (tmp_path / "sync.py").write_text("def run(sample, client):\n    return 1.0\n")
+    with pytest.raises(ValueError, match="must be an async function"):
+        load_entrypoint(f"{tmp_path / 'sync.py'}:run")
+    with pytest.raises(ValueError, match="defines no 'go'"):
+        load_entrypoint(f"{tmp_path / 'sync.py'}:go")
+    with pytest.raises(ValueError, match="no file"):
+        load_entrypoint(f"{tmp_path / 'missing.py'}:run")
+
+
+def test_an_rl_run_trains_on_agent_episodes(tmp_path, monkeypatch):
+    """The demo's task through an agent that asks once by completions and scores the reply itself."""
+    from shardrl.trainer.main import resolve_overrides, run
+
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent('''
+        async def run(sample, client):
+            reply = await client.completions.create(model="policy", prompt=sample["prompt"], max_tokens=4)
+            return float(reply.choices[0].text.strip()[:1] == str(sample["extra"]["ground_truth"]))
+    '''))
+    monkeypatch.chdir(tmp_path)
+    run_dir = run(None, resolve_overrides(None, ["trainer.logger=[jsonl]", "trainer.total_steps=3",
+                                                 "trainer.val_freq=0", f"rollout.agent.entrypoint={agent}:run"]))
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert len(records) == 3
+    assert all(r["agent/calls_mean"] == 1.0 and r["agent/errors_mean"] == 0.0 for r in records)
+    assert all("reward/mean" in r and "actor/pg_loss" in r for r in records)
