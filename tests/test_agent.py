@@ -165,3 +165,32 @@ def test_an_rl_run_trains_on_agent_episodes(tmp_path, monkeypatch):
     assert len(records) == 3
     assert all(r["agent/calls_mean"] == 1.0 and r["agent/errors_mean"] == 0.0 for r in records)
     assert all("reward/mean" in r and "actor/pg_loss" in r for r in records)
+
+
+def test_the_calculator_agent_example_runs_its_tool_loop():
+    """examples/agent/calculator_agent.py against a scripted client: a call, the calculator's answer in the next
+    prompt, then the answer; rewarded as the tools example (right '####' answer + 0.1 for clean calls)."""
+    import asyncio
+    import types
+    from pathlib import Path
+
+    from shardrl.rollout.agent import load_entrypoint
+
+    run = load_entrypoint(str(Path(__file__).parent.parent / "examples/agent/calculator_agent.py") + ":run")
+    replies = ['<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 * 4"}}\n', "#### 12"]
+    seen = []
+
+    async def create(model, messages, max_tokens, stop):
+        seen.append([dict(m) for m in messages])
+        choice = types.SimpleNamespace(message=types.SimpleNamespace(content=replies[len(seen) - 1]),
+                                       finish_reason="stop")
+        return types.SimpleNamespace(choices=[choice])
+
+    client = types.SimpleNamespace(chat=types.SimpleNamespace(completions=types.SimpleNamespace(create=create)))
+    sample = {"prompt": [{"role": "user", "content": "Tom has 3 bags of 4."}], "extra": {"ground_truth": "12"}}
+    assert asyncio.run(run(sample, client)) == pytest.approx(1.1)
+    assert seen[1][-1] == {"role": "user", "content": "<tool_response>\n12\n</tool_response>"}
+    assert seen[1][-2]["content"].endswith("</tool_call>")
+    sample["extra"]["ground_truth"] = "13"
+    seen.clear()
+    assert asyncio.run(run(sample, client)) == pytest.approx(0.1)
