@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import time
 import uuid
@@ -33,35 +34,48 @@ from shardrl.rollout.base import SamplingParams
 log = logging.getLogger(__name__)
 
 
+MAX_N = 128
+"""Samples a request may ask for (n) at most."""
+
+
 class Message(BaseModel):
-    """A chat message (tool calls and names pass as extra fields: the chat template reads them)."""
+    """A chat message (tool calls and names pass as extra fields: the chat template reads them). `content`: a
+    string, a list of parts (the text parts are joined), or null (an assistant turn that only calls tools)."""
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[dict] | None = None
+
+    def for_template(self) -> dict:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        message.setdefault("content", "")
+        return message
 
 
 class Common(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share (unknown ones are accepted and ignored)."""
     model_config = ConfigDict(extra="allow")
     model: str
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
+    temperature: float | None = None  # (null as the client sends an unset value: the default, 1)
+    top_p: float | None = None
+    n: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = None
 
 
 class ChatRequest(Common):
     messages: list[Message]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
+    tools: list[dict] | None = None
 
 
 class CompletionRequest(Common):
-    prompt: str | list[int] | list[str]
-    max_tokens: int = 16
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = None  # (null: 16, as OpenAI's)
     logprobs: int | None = None
 
 
@@ -82,15 +96,26 @@ class Pending:
     alive: Any = None  # async () -> bool: whether the client is still connected
 
 
+class Dropped(Exception):
+    """The request's client went away before its batch: nothing was generated for it."""
+
+
 class Batcher:
     """Runs the waiting requests through `rollout.generate` in batches, one batch at a time, in a worker thread
-    (the event loop keeps taking requests meanwhile)."""
+    (the event loop keeps taking requests meanwhile). A batch holds at most `max_batch` rows (a request's prompts
+    times its n); a rollout that takes a limit per prompt (the fast one) gets each row's own `max_tokens`, others
+    generate the batch's longest for every row, so a batch then also keeps its longest prompt plus that within
+    `max_model_len`."""
 
-    def __init__(self, rollout, tokenizer, max_batch: int = 64):
-        self.rollout, self.tokenizer, self.max_batch = rollout, tokenizer, max_batch
+    def __init__(self, rollout, tokenizer, max_batch: int = 64, max_model_len: int | None = None):
+        from shardrl.tokenizer import stop_token_ids
+
+        self.rollout, self.tokenizer, self.max_batch, self.max_model_len = rollout, tokenizer, max_batch, max_model_len
+        self.per_row_limits = "max_new_tokens" in inspect.signature(rollout.generate).parameters
+        self.stop_ids = set(getattr(rollout, "stop_ids", None) or stop_token_ids(tokenizer))
         self.queue: asyncio.Queue[Pending] | None = None
         self.task: asyncio.Task | None = None
-        self.stats = {"batches": 0, "requests": 0, "dropped": 0}
+        self.stats = {"batches": 0, "requests": 0, "dropped": 0, "failed": 0}
 
     async def start(self) -> None:
         self.queue = asyncio.Queue()
@@ -105,6 +130,25 @@ class Batcher:
         await self.queue.put(item)
         return await item.future
 
+    def _chunks(self, items: list[Pending]) -> list[list[Pending]]:
+        """`items` (equal sampling settings) cut into batches of at most `max_batch` rows (a larger request alone)
+        whose rows fit the context where every row generates the batch's longest."""
+        chunks, current, rows, prompt, new = [], [], 0, 0, 0
+        for item in items:
+            r = len(item.prompts) * item.sampling.n
+            p = max(len(x) for x in item.prompts)
+            m = item.sampling.max_new_tokens
+            too_long = (not self.per_row_limits and self.max_model_len is not None
+                        and max(prompt, p) + max(new, m) > self.max_model_len)
+            if current and (rows + r > self.max_batch or too_long):
+                chunks.append(current)
+                current, rows, prompt, new = [], 0, 0, 0
+            current.append(item)
+            rows, prompt, new = rows + r, max(prompt, p), max(new, m)
+        if current:
+            chunks.append(current)
+        return chunks
+
     async def _loop(self) -> None:
         while True:
             waiting = [await self.queue.get()]
@@ -112,10 +156,10 @@ class Batcher:
                 waiting.append(self.queue.get_nowait())
             live = []
             for item in waiting:
-                if item.future.cancelled() or (item.alive is not None and not await item.alive()):
+                if item.future.done() or (item.alive is not None and not await item.alive()):
                     self.stats["dropped"] += 1
                     if not item.future.done():
-                        item.future.cancel()
+                        item.future.set_exception(Dropped())
                 else:
                     live.append(item)
             groups: dict[tuple, list[Pending]] = {}
@@ -123,20 +167,27 @@ class Batcher:
                 s = item.sampling
                 groups.setdefault((s.temperature, s.top_p, s.top_k, s.greedy, s.seed, tuple(s.stop)), []).append(item)
             for items in groups.values():
-                for start in range(0, len(items), self.max_batch):
-                    chunk = items[start:start + self.max_batch]
-                    try:
-                        outs = await asyncio.to_thread(self._generate, chunk)
-                    except Exception as e:  # noqa: BLE001 (the request fails, the server stays up)
-                        log.exception("generation failed")
-                        outs = [e] * len(chunk)
-                    for item, out in zip(chunk, outs):
-                        if item.future.done():
-                            continue
-                        if isinstance(out, Exception):
-                            item.future.set_exception(out)
-                        else:
-                            item.future.set_result(out)
+                for chunk in self._chunks(items):
+                    await self._run(chunk)
+
+    async def _run(self, chunk: list[Pending]) -> None:
+        try:
+            outs = await asyncio.to_thread(self._generate, chunk)
+        except Exception as e:  # noqa: BLE001 (the requests fail, the server stays up)
+            if len(chunk) > 1:  # one bad request must not fail the others: each alone
+                for item in chunk:
+                    await self._run([item])
+                return
+            log.exception("generation failed")
+            self.stats["failed"] += 1
+            outs = [e]
+        for item, out in zip(chunk, outs):
+            if item.future.done():
+                continue
+            if isinstance(out, Exception):
+                item.future.set_exception(out)
+            else:
+                item.future.set_result(out)
 
     def _generate(self, items: list[Pending]) -> list[list[dict]]:
         """One `generate` over every prompt of `items` (each prompt once per sample: n may differ per request)."""
@@ -147,7 +198,8 @@ class Batcher:
                     rows.append(p)
                     owners.append(i)
         s = items[0].sampling
-        longest = max(item.sampling.max_new_tokens for item in items)
+        limits = [items[o].sampling.max_new_tokens for o in owners]
+        longest = max(limits)
         sampling = SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                   max_new_tokens=longest, stop=s.stop, seed=s.seed, greedy=s.greedy)
         pad = self.tokenizer.pad_token_id
@@ -157,13 +209,13 @@ class Batcher:
         for j, r in enumerate(rows):
             ids[j, width - len(r):] = torch.tensor(r, dtype=torch.long)
             mask[j, width - len(r):] = 1
-        out = self.rollout.generate(ids, mask, sampling)
+        kwargs = {"max_new_tokens": limits} if self.per_row_limits else {}
+        out = self.rollout.generate(ids, mask, sampling, **kwargs)
         self.stats["batches"] += 1
         self.stats["requests"] += len(items)
-        eos = _eos_ids(self.tokenizer)
         results: list[list[dict]] = [[] for _ in items]
         for j, owner in enumerate(owners):
-            limit = items[owner].sampling.max_new_tokens
+            limit = limits[j]
             length = int(out.response_mask[j].sum())
             token_ids = out.response_ids[j, :min(length, limit)].tolist()
             if length > limit:  # generated for a longer request of the batch: cut at this one's limit
@@ -171,17 +223,12 @@ class Batcher:
             else:
                 text = out.response_text[j]
                 stopped = bool(s.stop) and any(x in self.tokenizer.decode(token_ids) for x in s.stop)
-                ended = length < limit or bool(token_ids and token_ids[-1] in eos) or stopped
+                ended = length < limit or bool(token_ids and token_ids[-1] in self.stop_ids) or stopped
                 reason = "stop" if ended else "length"
             results[owner].append(dict(prompt_token_ids=rows[j], token_ids=token_ids, text=text,
                                        log_probs=out.sampled_log_probs[j, :len(token_ids)].tolist(),
                                        finish_reason=reason))
         return results
-
-
-def _eos_ids(tokenizer) -> set[int]:
-    eos = tokenizer.eos_token_id
-    return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
 
 
 def _stop_list(stop) -> list[str]:
@@ -228,30 +275,54 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
     async def refused(request, exc: RequestError):
         return error(exc.status, str(exc), exc.param, exc.code)
 
+    @app.exception_handler(Dropped)
+    async def dropped(request, exc):  # (nobody reads it: the client is gone)
+        return error(499, "the client closed the request before its batch started")
+
+    @app.exception_handler(Exception)
+    async def failed(request, exc):
+        return JSONResponse(status_code=500, content={"error": {
+            "message": f"generation failed: {type(exc).__name__}: {exc}", "type": "server_error", "param": None,
+            "code": None}})
+
+    vocab = len(tok)
+
     def check(req: Common, prompts: list[list[int]], max_tokens: int) -> SamplingParams:
         if req.model != model_name:
             raise RequestError(f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                                "model", 404, "model_not_found")
         if req.stream:
             raise RequestError("stream=true is not supported by this server; leave it false", "stream")
+        n = 1 if req.n is None else req.n
+        if not 1 <= n <= MAX_N:
+            raise RequestError(f"n={n} must be in [1, {MAX_N}]", "n")
+        if not prompts or any(not p for p in prompts):
+            raise RequestError("the prompt is empty", "prompt")
+        bad = next((t for p in prompts for t in p if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        longest = max(len(p) for p in prompts)
+        if longest >= max_model_len:
+            raise RequestError(f"this model's context is {max_model_len} tokens and the prompt has {longest}: "
+                               "shorten the prompt", "messages" if isinstance(req, ChatRequest) else "prompt",
+                               code="context_length_exceeded")
         if max_tokens < 1:
             raise RequestError(f"max_tokens={max_tokens} must be >= 1", "max_tokens")
-        longest = max(len(p) for p in prompts)
         if longest + max_tokens > max_model_len:
             raise RequestError(f"this model's context is {max_model_len} tokens; the prompt has {longest} and "
                                f"max_tokens asks {max_tokens} more: shorten the prompt or lower max_tokens",
                                "max_tokens", code="context_length_exceeded")
-        if any(not p for p in prompts):
-            raise RequestError("the prompt is empty", "prompt")
         policy = app.state.policy
         if policy is not None:
-            if req.n != 1:
-                raise RequestError(f"n={req.n}: an RL run's endpoint samples one reply a call; send n=1", "n")
+            if n != 1:
+                raise RequestError(f"n={n}: an RL run's endpoint samples one reply a call; send n=1", "n")
             return dataclasses.replace(policy, n=1, max_new_tokens=min(max_tokens, policy.max_new_tokens),
                                        stop=_stop_list(req.stop) or policy.stop)
         try:
-            return SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, max_new_tokens=max_tokens,
-                                  stop=_stop_list(req.stop), seed=req.seed, greedy=req.temperature == 0)
+            temperature = 1.0 if req.temperature is None else req.temperature
+            return SamplingParams(n=n, temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
+                                  max_new_tokens=max_tokens, stop=_stop_list(req.stop), seed=req.seed,
+                                  greedy=temperature == 0)
         except ValueError as e:  # SamplingParams names the field
             raise RequestError(str(e).replace("SamplingParams.", "").replace("max_new_tokens", "max_tokens"))
 
@@ -279,14 +350,19 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        messages = [m.model_dump() for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         if not messages:
             raise RequestError("messages is empty: send at least one message", "messages")
         if not getattr(tok, "chat_template", None):
             raise RequestError("this model's tokenizer has no chat template; use /v1/completions", "messages")
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                          **({"tools": req.tools} if req.tools else {}))
+        except Exception as e:  # noqa: BLE001 (the template's own checks, e.g. alternating roles)
+            raise RequestError(f"the chat template refused the messages: {e}", "messages")
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        max_tokens = req.max_completion_tokens or req.max_tokens or min(default_max_tokens, max_model_len - len(ids))
+        given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = given if given is not None else max(1, min(default_max_tokens, max_model_len - len(ids)))
         sampling = check(req, [ids], max_tokens)
         outs = await batcher.submit([ids], sampling, alive(request))
         record(request, outs)
@@ -310,14 +386,13 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         elif p and all(isinstance(x, int) for x in p):
             prompts = [list(p)]
         else:
-            prompts = [tok(x, add_special_tokens=False)["input_ids"] for x in p]
-        if not prompts:
-            raise RequestError("the prompt is empty", "prompt")
-        sampling = check(req, prompts, req.max_tokens)
+            prompts = [list(x) if isinstance(x, list) else tok(x, add_special_tokens=False)["input_ids"] for x in p]
+        sampling = check(req, prompts, 16 if req.max_tokens is None else req.max_tokens)
+        n = sampling.n
         flat = await batcher.submit(prompts, sampling, alive(request))  # prompt-major: each prompt's n in a row
         record(request, flat)
         choices = []
-        for outs in [flat[i * req.n:(i + 1) * req.n] for i in range(len(prompts))]:
+        for outs in [flat[i * n:(i + 1) * n] for i in range(len(prompts))]:
             for o in outs:
                 choice = {"index": len(choices), "text": o["text"], "finish_reason": o["finish_reason"],
                           "token_ids": o["token_ids"], "prompt_token_ids": o["prompt_token_ids"], "logprobs": None}
@@ -345,7 +420,8 @@ def build_server(cfg, served_name: str | None = None, max_batch: int | None = No
     from shardrl.modelconfig import text_config
     from shardrl.tokenizer import load_tokenizer
     from shardrl.trainer.defaults import resolve_device_defaults
-    from shardrl.trainer.generation import Generation, the_device
+    from shardrl.rollout import build_rollout
+    from shardrl.trainer.generation import rollout_dtype, the_device
 
     hf_config = load_hf_config(cfg.model.path, cfg.model.tiny)
     cfg, choices = resolve_device_defaults(cfg, hf_config)
@@ -353,16 +429,17 @@ def build_server(cfg, served_name: str | None = None, max_batch: int | None = No
         log.info(line)
     tokenizer = load_tokenizer(cfg)
     device = the_device()
-    generation = Generation(cfg, hf_config, tokenizer, device)
-    rollout = generation.rollout
-    from shardrl.trainer.generation import rollout_dtype
-
-    lm = build_causal_lm(hf_config, cfg.model.path, device, rollout_dtype(device), seed=0)  # (the engine's init of a tiny model)
-    rollout.load_weights(lm.named_parameters())
+    ro, dtype = cfg.rollout, rollout_dtype(device)
+    fast = dict(max_batch=ro.max_batch, sync_every=ro.sync_every, compile=ro.compile, attention=ro.attention,
+                sampler=ro.sampler) if ro.backend == "fast" else {}
+    rollout = build_rollout(ro.backend, hf_config, tokenizer, device, dtype, micro_batch_size=ro.micro_batch_size,
+                            **fast)  # the bare backend: a config's multi-turn or agent settings are the trainer's
+    lm = build_causal_lm(hf_config, cfg.model.path, "cpu", dtype, seed=0)  # (seed 0: the engine's tiny init)
+    rollout.load_weights(lm.named_parameters())  # (copied to the device: no second copy there)
     del lm
     name = served_name or (Path(cfg.model.path).name if cfg.model.path else "shardrl-tiny")
     context = int(getattr(text_config(hf_config), "max_position_embeddings", 2048))
-    batcher = Batcher(rollout, tokenizer, max_batch or cfg.rollout.max_batch or 64)
+    batcher = Batcher(rollout, tokenizer, max_batch or cfg.rollout.max_batch or 64, context)
     return build_app(batcher, name, context, cfg.rollout.max_new_tokens)
 
 

@@ -134,3 +134,19 @@ def _refused() -> str:
     except ValueError as e:
         return str(e)
     return "not refused"
+
+
+def test_experts_of_another_layout_are_refused():
+    """gpt-oss-like experts (transposed (E, H, 2I) with biases) are not taken for the (E, 2I, H) layout."""
+    import torch.nn as nn
+
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.zeros(4, 8, 12))
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(4, 12))
+            self.down_proj = nn.Parameter(torch.zeros(4, 6, 8))
+            self.act_fn = torch.nn.functional.silu
+
+    with pytest.raises(ValueError, match="not laid out as gate_up_proj"):  # (before any process group is asked)
+        ExpertParallelExperts(Transposed())

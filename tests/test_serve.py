@@ -83,11 +83,21 @@ def test_completions_carry_the_samplers_tokens_and_log_probs(server):
 
 
 def hold(batcher, monkeypatch) -> threading.Event:
-    """Holds the batcher's next generate call until the returned event is set (requests queue meanwhile)."""
+    """Holds the batcher's next generate call until the returned event is set (requests queue meanwhile); its
+    `started` event is set once the held call began."""
     release = threading.Event()
+    release.started = threading.Event()
     generate = batcher._generate
-    monkeypatch.setattr(batcher, "_generate", lambda items: (release.wait(30), generate(items))[1])
+    monkeypatch.setattr(batcher, "_generate",
+                        lambda items: (release.started.set(), release.wait(30), generate(items))[2])
     return release
+
+
+def wait_for(condition, what: str, timeout_s: float = 30):
+    deadline = time.time() + timeout_s
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def test_a_shorter_max_tokens_in_the_same_batch_is_a_prefix_of_a_longer_one(server, monkeypatch):
@@ -96,7 +106,7 @@ def test_a_shorter_max_tokens_in_the_same_batch_is_a_prefix_of_a_longer_one(serv
     release = hold(server.batcher, monkeypatch)
     busy = threading.Thread(target=lambda: client(server).completions.create(model="tiny", prompt="x", max_tokens=2))
     busy.start()
-    time.sleep(0.2)
+    assert release.started.wait(30)
     got = {}
 
     def ask(n):
@@ -105,7 +115,7 @@ def test_a_shorter_max_tokens_in_the_same_batch_is_a_prefix_of_a_longer_one(serv
     asks = [threading.Thread(target=ask, args=(n,)) for n in (10, 4)]
     for t in asks:
         t.start()
-    time.sleep(0.3)
+    wait_for(lambda: server.batcher.queue.qsize() == 2, "both requests queued")
     before = server.batcher.stats["batches"]
     release.set()
     for t in [busy, *asks]:
@@ -182,11 +192,12 @@ def test_a_client_that_went_away_is_dropped_before_its_batch(server, monkeypatch
         model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0))
     before = dict(batcher.stats)
     busy.start()
-    time.sleep(0.2)
+    assert release.started.wait(30)
     with pytest.raises(TimeoutError):
         post(server, "completions", json.dumps({"model": "tiny", "prompt": "gone", "max_tokens": 50}).encode(),
              timeout=0.3)
-    time.sleep(0.2)
+    wait_for(lambda: batcher.queue.qsize() == 1, "the abandoned request queued")
+    time.sleep(0.2)  # (the server reads the closed connection)
     release.set()
     busy.join()
     res = client(server).completions.create(model="tiny", prompt="a", max_tokens=2, temperature=0)
@@ -194,3 +205,65 @@ def test_a_client_that_went_away_is_dropped_before_its_batch(server, monkeypatch
     stats = batcher.stats
     assert stats["dropped"] - before["dropped"] == 1
     assert stats["requests"] - before["requests"] == 2  # the held one and the last one
+
+
+def test_more_bad_requests_and_the_forms_clients_send(server):
+    """Ids outside the vocabulary and too many samples are refused before they reach a batch; nulls, content
+    parts, a content-less assistant turn and lists of id lists are taken."""
+    c = client(server)
+    for prompt in ([10**6], [-1, 5]):
+        with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+            c.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n=100000"):
+        c.completions.create(model="tiny", prompt="a", max_tokens=2, n=100000)
+    with pytest.raises(openai.BadRequestError, match="context_length_exceeded|context"):
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 40000}])
+    body = json.dumps({"model": "tiny", "prompt": [[5, 6], [7]], "max_tokens": None, "temperature": None,
+                       "n": 2}).encode()
+    res = post(server, "completions", body, timeout=60)
+    assert [ch["prompt_token_ids"] for ch in res["choices"]] == [[5, 6], [5, 6], [7], [7]]
+    assert all(1 <= len(ch["token_ids"]) <= 16 for ch in res["choices"])
+    messages = [{"role": "user", "content": [{"type": "text", "text": "2+"}, {"type": "text", "text": "2="}]},
+                {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]
+    res = c.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
+    tok = server.batcher.tokenizer
+    want = tok.apply_chat_template([{"role": "user", "content": "2+2="}, {"role": "assistant", "content": ""},
+                                    {"role": "user", "content": "again"}], add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert res.model_extra["prompt_token_ids"] == want
+
+
+def test_a_failing_request_fails_alone(server, monkeypatch):
+    """A generate call that fails for one request's rows: the others batched with it are answered, the failing
+    one gets a JSON 500."""
+    batcher = server.batcher
+    release = hold(batcher, monkeypatch)
+    generate = batcher._generate
+
+    def fragile(items):
+        if any(item.prompts[0][:1] == [9] for item in items):
+            raise RuntimeError("row 9 broke the kernel")
+        return generate(items)
+
+    busy = threading.Thread(target=lambda: client(server).completions.create(model="tiny", prompt="x", max_tokens=2))
+    busy.start()
+    assert release.started.wait(30)
+    monkeypatch.setattr(batcher, "_generate", lambda items: (release.wait(30), fragile(items))[1])
+    got = {}
+
+    def ask(prompt):
+        try:
+            got[prompt[0]] = client(server).completions.create(model="tiny", prompt=prompt, max_tokens=3)
+        except openai.InternalServerError as e:
+            got[prompt[0]] = e
+
+    asks = [threading.Thread(target=ask, args=([p, 5],)) for p in (8, 9, 10)]
+    for t in asks:
+        t.start()
+    wait_for(lambda: batcher.queue.qsize() == 3, "three requests queued")
+    release.set()
+    for t in [busy, *asks]:
+        t.join()
+    assert isinstance(got[9], openai.InternalServerError) and "row 9 broke the kernel" in got[9].body["message"]
+    assert got[9].body["type"] == "server_error"
+    assert got[8].choices[0].model_extra["token_ids"] and got[10].choices[0].model_extra["token_ids"]

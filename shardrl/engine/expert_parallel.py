@@ -45,8 +45,14 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, experts: nn.Module, group: dist.ProcessGroup | None = None, grouped: bool | None = None):
         super().__init__()
         self.group, self.grouped = group, grouped  # grouped: None = grouped products where they run
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        biases = [n for n, _ in experts.named_parameters() if n.endswith("bias")]
+        if biases or gate_up.shape[2] != down.shape[1] or gate_up.shape[1] != 2 * down.shape[2]:
+            raise ValueError(f"expert parallelism: {type(experts).__name__} is not laid out as gate_up_proj (E, 2I, H), "
+                             f"down_proj (E, H, I) without biases (got {tuple(gate_up.shape)}, {tuple(down.shape)}, "
+                             f"biases {biases}); this family's experts are not supported")
         ep, rank = dist.get_world_size(group), dist.get_rank(group)
-        total = experts.gate_up_proj.shape[0]
+        total = gate_up.shape[0]
         if total % ep:
             raise ValueError(f"expert parallelism: {total} experts do not divide over {ep} ranks; choose an "
                              f"expert-parallel size that divides {total}")

@@ -136,7 +136,7 @@ class AgentRollout(Rollout):
 
         policy = dataclasses.replace(sampling, n=1, seed=None)  # per-batch draws: episodes of a prompt differ
         if self.server is None:
-            batcher = Batcher(self.rollout, self.tokenizer, self.max_batch)
+            batcher = Batcher(self.rollout, self.tokenizer, self.max_batch, self.context or 4096)
             app = build_app(batcher, MODEL_NAME, self.context or 4096, sampling.max_new_tokens, policy)
             self.server = ServerThread(app)
         self.server.app.state.policy = policy  # this call's: training's, or validation's

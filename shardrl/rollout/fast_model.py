@@ -133,7 +133,7 @@ _DENSE_WARNED: list[bool] = []
 def _warn_dense_experts(num_experts: int, top_k: int):
     if not _DENSE_WARNED:
         _DENSE_WARNED.append(True)
-        logger.warning("the fast rollout's MoE decode runs every expert on every token in its CUDA graphs (%d / %d "
+        logger.warning("the fast rollout's MoE layers run every expert on every token on this GPU (%d / %d "
                        "times the expert work): torch._grouped_mm needs bf16 on an SM80+ GPU and 16-byte aligned "
                        "rows", num_experts, top_k)
 
@@ -157,9 +157,11 @@ def moe_mlp(x, router_w, gate_up, down, act: str, top_k: int, normalize: bool, f
     t, num_experts = x.shape[0], gate_up.shape[0]
     weights, experts = route(x, router_w, top_k, normalize, fp32_weights)
     grouped = grouped_mm_usable(x, gate_up, down)
-    if not grouped and x.is_cuda and torch.cuda.is_current_stream_capturing():
-        # inside a CUDA graph without grouped products (fp32, or rows not 16-byte aligned): every expert on
-        # every token (static shapes; E / k times the work), the experts a token did not choose weighted 0
+    if not grouped and x.is_cuda:
+        # on a GPU without grouped products (fp32, or rows not 16-byte aligned): every expert on every token
+        # (static shapes, so a decode step still captures in a CUDA graph; E / k times the work), the experts a
+        # token did not choose weighted 0. Decided by the operands alone, so the warm-up before a capture traces
+        # the branch the capture runs.
         _warn_dense_experts(num_experts, top_k)
         return dense_experts(x, weights, experts, gate_up, down, act)
     flat = experts.reshape(-1)  # (T * k,): pair j is token j // k's (j % k)-th choice
