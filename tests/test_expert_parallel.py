@@ -13,7 +13,7 @@ from shardrl.engine.expert_parallel import ExpertParallelExperts, apply_expert_p
 from shardrl.engine.model import build_causal_lm, load_hf_config
 from shardrl.testing import run_distributed, tiny_config
 
-pytestmark = pytest.mark.multiproc
+pytestmark = pytest.mark.multiproc  # (all but the refusals)
 TOKENS = [5, 9, 1, 0]  # each rank's token count (rank 3 has none)
 
 
@@ -70,8 +70,8 @@ def _reference(kind: str, world: int) -> dict:
                 down=experts.down_proj.grad)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind,implementation", [("qwen3_moe", "grouped"), ("mixtral", "loop")])
+@pytest.mark.parametrize("kind,implementation,world", [("qwen3_moe", "grouped", 4), ("qwen3_moe", "loop", 2),
+                                                       ("mixtral", "grouped", 2)])
 def test_expert_parallel_layer_equals_the_unsharded_experts(kind, implementation, world):
     got = run_distributed(_gathered, world, _layer_run, kind, implementation)
     want = _reference(kind, world)
@@ -109,7 +109,7 @@ def _sequences(kind: str, world: int) -> list[torch.Tensor]:
     return [torch.randint(1, tiny_config(kind)["vocab_size"], (r + 1, 6), generator=g) for r in range(world)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])
 def test_a_model_with_its_experts_spread_has_the_plain_models_gradients(world):
     kind = "qwen3_moe"
     got = run_distributed(_gathered, world, _model_run, kind)
@@ -124,16 +124,11 @@ def test_a_model_with_its_experts_spread_has_the_plain_models_gradients(world):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4, msg=f"{name} rank {rank}")
 
 
-def test_experts_that_do_not_divide_over_the_ranks_are_refused():
-    assert "8 experts do not divide over 3 ranks" in run_distributed(_refused, 3)
-
-
-def _refused() -> str:
-    try:
+def test_experts_that_do_not_divide_over_the_ranks_are_refused(monkeypatch):
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    with pytest.raises(ValueError, match="8 experts do not divide over 3 ranks"):
         ExpertParallelExperts(_experts("qwen3_moe"))
-    except ValueError as e:
-        return str(e)
-    return "not refused"
 
 
 def test_experts_of_another_layout_are_refused():
