@@ -1,5 +1,5 @@
 """Agent episodes: the user's own async code runs each episode and calls the policy through an OpenAI-compatible
-endpoint served from the run's rollout (`shardrl.serve`, on loopback, in this process); the trajectory the trainer
+endpoint served from the run's rollout (`shardrl.rollout.server`, on loopback, in this process); the trajectory the trainer
 trains on is assembled from what the endpoint sampled, token for token.
 
     # my_agent.py
@@ -132,7 +132,7 @@ class AgentRollout(Rollout):
     # ---- episodes --------------------------------------------------------------------------------
     def _endpoint(self, sampling: SamplingParams):
         """The loopback server on the rollout (started once); its policy sampling set for this call."""
-        from shardrl.serve import Batcher, ServerThread, build_app
+        from shardrl.rollout.server import Batcher, ServerThread, build_app
 
         policy = dataclasses.replace(sampling, n=1, seed=None)  # per-batch draws: episodes of a prompt differ
         if self.server is None:

@@ -1,0 +1,442 @@
+"""An OpenAI-compatible HTTP endpoint on a rollout backend (`shardrl serve`, and the endpoint of an RL run's agent
+episodes): `/v1/models`, `/v1/completions`,
+`/v1/chat/completions` (FastAPI on uvicorn), for agents that call a chat-completions API.
+
+Requests are batched: the requests that arrive while a batch generates wait for the next one, and every waiting
+request goes into one `generate` call (those with equal sampling settings share a call; the longest `max_tokens`
+of a call is generated and each response is cut at its own). Each choice carries the exact token ids and per-token
+log-probs of the sampler (`token_ids`, `logprobs`) and the response the prompt's ids (`prompt_token_ids`), as
+vLLM's token-in-token-out extension does, so an RL trainer can train on precisely what was sampled. A request whose
+client went away before its batch started is dropped from the batch.
+
+Errors are JSON `{"error": {"message", "type", "param", "code"}}`: 404 for an unknown model, 400 for a malformed
+body, a prompt plus `max_tokens` over the context length, or options this server does not take (`stream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from shardrl.rollout.base import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+MAX_N = 128
+"""Samples a request may ask for (n) at most."""
+
+
+class Message(BaseModel):
+    """A chat message (tool calls and names pass as extra fields: the chat template reads them). `content`: a
+    string, a list of parts (the text parts are joined), or null (an assistant turn that only calls tools)."""
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+    def for_template(self) -> dict:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        message.setdefault("content", "")
+        return message
+
+
+class Common(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share (unknown ones are accepted and ignored)."""
+    model_config = ConfigDict(extra="allow")
+    model: str
+    temperature: float | None = None  # (null as the client sends an unset value: the default, 1)
+    top_p: float | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+
+
+class ChatRequest(Common):
+    messages: list[Message]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    tools: list[dict] | None = None
+
+
+class CompletionRequest(Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = None  # (null: 16, as OpenAI's)
+    logprobs: int | None = None
+
+
+class RequestError(ValueError):
+    """A bad request: answered with `status` and an OpenAI-style JSON error naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+@dataclass
+class Pending:
+    """One request's prompts waiting for a batch."""
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    future: asyncio.Future
+    alive: Any = None  # async () -> bool: whether the client is still connected
+
+
+class Dropped(Exception):
+    """The request's client went away before its batch: nothing was generated for it."""
+
+
+class Batcher:
+    """Runs the waiting requests through `rollout.generate` in batches, one batch at a time, in a worker thread
+    (the event loop keeps taking requests meanwhile). A batch holds at most `max_batch` rows (a request's prompts
+    times its n); a rollout that takes a limit per prompt (the fast one) gets each row's own `max_tokens`, others
+    generate the batch's longest for every row, so a batch then also keeps its longest prompt plus that within
+    `max_model_len`."""
+
+    def __init__(self, rollout, tokenizer, max_batch: int = 64, max_model_len: int | None = None):
+        from shardrl.tokenizer import stop_token_ids
+
+        self.rollout, self.tokenizer, self.max_batch, self.max_model_len = rollout, tokenizer, max_batch, max_model_len
+        self.per_row_limits = "max_new_tokens" in inspect.signature(rollout.generate).parameters
+        self.stop_ids = set(getattr(rollout, "stop_ids", None) or stop_token_ids(tokenizer))
+        self.queue: asyncio.Queue[Pending] | None = None
+        self.task: asyncio.Task | None = None
+        self.stats = {"batches": 0, "requests": 0, "dropped": 0, "failed": 0}
+
+    async def start(self) -> None:
+        self.queue = asyncio.Queue()
+        self.task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None) -> list[dict]:
+        item = Pending(prompts, sampling, asyncio.get_running_loop().create_future(), alive)
+        await self.queue.put(item)
+        return await item.future
+
+    def _chunks(self, items: list[Pending]) -> list[list[Pending]]:
+        """`items` (equal sampling settings) cut into batches of at most `max_batch` rows (a larger request alone)
+        whose rows fit the context where every row generates the batch's longest."""
+        chunks, current, rows, prompt, new = [], [], 0, 0, 0
+        for item in items:
+            r = len(item.prompts) * item.sampling.n
+            p = max(len(x) for x in item.prompts)
+            m = item.sampling.max_new_tokens
+            too_long = (not self.per_row_limits and self.max_model_len is not None
+                        and max(prompt, p) + max(new, m) > self.max_model_len)
+            if current and (rows + r > self.max_batch or too_long):
+                chunks.append(current)
+                current, rows, prompt, new = [], 0, 0, 0
+            current.append(item)
+            rows, prompt, new = rows + r, max(prompt, p), max(new, m)
+        if current:
+            chunks.append(current)
+        return chunks
+
+    async def _loop(self) -> None:
+        while True:
+            waiting = [await self.queue.get()]
+            while not self.queue.empty():
+                waiting.append(self.queue.get_nowait())
+            live = []
+            for item in waiting:
+                if item.future.done() or (item.alive is not None and not await item.alive()):
+                    self.stats["dropped"] += 1
+                    if not item.future.done():
+                        item.future.set_exception(Dropped())
+                else:
+                    live.append(item)
+            groups: dict[tuple, list[Pending]] = {}
+            for item in live:
+                s = item.sampling
+                groups.setdefault((s.temperature, s.top_p, s.top_k, s.greedy, s.seed, tuple(s.stop)), []).append(item)
+            for items in groups.values():
+                for chunk in self._chunks(items):
+                    await self._run(chunk)
+
+    async def _run(self, chunk: list[Pending]) -> None:
+        try:
+            outs = await asyncio.to_thread(self._generate, chunk)
+        except Exception as e:  # noqa: BLE001 (the requests fail, the server stays up)
+            if len(chunk) > 1:  # one bad request must not fail the others: each alone
+                for item in chunk:
+                    await self._run([item])
+                return
+            log.exception("generation failed")
+            self.stats["failed"] += 1
+            outs = [e]
+        for item, out in zip(chunk, outs):
+            if item.future.done():
+                continue
+            if isinstance(out, Exception):
+                item.future.set_exception(out)
+            else:
+                item.future.set_result(out)
+
+    def _generate(self, items: list[Pending]) -> list[list[dict]]:
+        """One `generate` over every prompt of `items` (each prompt once per sample: n may differ per request)."""
+        rows, owners = [], []
+        for i, item in enumerate(items):
+            for p in item.prompts:
+                for _ in range(item.sampling.n):
+                    rows.append(p)
+                    owners.append(i)
+        s = items[0].sampling
+        limits = [items[o].sampling.max_new_tokens for o in owners]
+        longest = max(limits)
+        sampling = SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                  max_new_tokens=longest, stop=s.stop, seed=s.seed, greedy=s.greedy)
+        pad = self.tokenizer.pad_token_id
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, r in enumerate(rows):
+            ids[j, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[j, width - len(r):] = 1
+        kwargs = {"max_new_tokens": limits} if self.per_row_limits else {}
+        out = self.rollout.generate(ids, mask, sampling, **kwargs)
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(items)
+        results: list[list[dict]] = [[] for _ in items]
+        for j, owner in enumerate(owners):
+            limit = limits[j]
+            length = int(out.response_mask[j].sum())
+            token_ids = out.response_ids[j, :min(length, limit)].tolist()
+            if length > limit:  # generated for a longer request of the batch: cut at this one's limit
+                text, reason = self.tokenizer.decode(token_ids, skip_special_tokens=True), "length"
+            else:
+                text = out.response_text[j]
+                stopped = bool(s.stop) and any(x in self.tokenizer.decode(token_ids) for x in s.stop)
+                ended = length < limit or bool(token_ids and token_ids[-1] in self.stop_ids) or stopped
+                reason = "stop" if ended else "length"
+            results[owner].append(dict(prompt_token_ids=rows[j], token_ids=token_ids, text=text,
+                                       log_probs=out.sampled_log_probs[j, :len(token_ids)].tolist(),
+                                       finish_reason=reason))
+        return results
+
+
+def _stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+EPISODE_HEADER = "x-shardrl-episode"
+"""A request carrying this header is recorded under its value (`app.state.records`: episode -> calls)."""
+
+
+def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max_tokens: int = 256,
+              policy: SamplingParams | None = None):
+    """The FastAPI app serving `batcher`'s rollout as `model_name`; prompts plus `max_tokens` are limited to
+    `max_model_len` tokens; a chat request without max_tokens gets `default_max_tokens` (what is left of the
+    context if less). `policy` (an RL run's endpoint): every request samples with its temperature, top-p, top-k
+    and seed whatever it asks (the trainer's log-probs assume them), at most its max_new_tokens a call, n=1."""
+    from contextlib import asynccontextmanager
+
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await batcher.start()
+        yield
+        await batcher.stop()
+
+    app = FastAPI(title="shardrl", lifespan=lifespan)
+    app.state.policy = policy  # (an RL run's endpoint sets it per generate call: training, validation)
+    tok = batcher.tokenizer
+
+    def error(status: int, message: str, param: str | None = None, code: str | None = None):
+        kind = "not_found_error" if status == 404 else "invalid_request_error"
+        return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind,
+                                                                   "param": param, "code": code}})
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}", where or None)
+
+    @app.exception_handler(RequestError)
+    async def refused(request, exc: RequestError):
+        return error(exc.status, str(exc), exc.param, exc.code)
+
+    @app.exception_handler(Dropped)
+    async def dropped(request, exc):  # (nobody reads it: the client is gone)
+        return error(499, "the client closed the request before its batch started")
+
+    @app.exception_handler(Exception)
+    async def failed(request, exc):
+        return JSONResponse(status_code=500, content={"error": {
+            "message": f"generation failed: {type(exc).__name__}: {exc}", "type": "server_error", "param": None,
+            "code": None}})
+
+    vocab = len(tok)
+
+    def check(req: Common, prompts: list[list[int]], max_tokens: int) -> SamplingParams:
+        if req.model != model_name:
+            raise RequestError(f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                               "model", 404, "model_not_found")
+        if req.stream:
+            raise RequestError("stream=true is not supported by this server; leave it false", "stream")
+        n = 1 if req.n is None else req.n
+        if not 1 <= n <= MAX_N:
+            raise RequestError(f"n={n} must be in [1, {MAX_N}]", "n")
+        if not prompts or any(not p for p in prompts):
+            raise RequestError("the prompt is empty", "prompt")
+        bad = next((t for p in prompts for t in p if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        longest = max(len(p) for p in prompts)
+        if longest >= max_model_len:
+            raise RequestError(f"this model's context is {max_model_len} tokens and the prompt has {longest}: "
+                               "shorten the prompt", "messages" if isinstance(req, ChatRequest) else "prompt",
+                               code="context_length_exceeded")
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens={max_tokens} must be >= 1", "max_tokens")
+        if longest + max_tokens > max_model_len:
+            raise RequestError(f"this model's context is {max_model_len} tokens; the prompt has {longest} and "
+                               f"max_tokens asks {max_tokens} more: shorten the prompt or lower max_tokens",
+                               "max_tokens", code="context_length_exceeded")
+        policy = app.state.policy
+        if policy is not None:
+            if n != 1:
+                raise RequestError(f"n={n}: an RL run's endpoint samples one reply a call; send n=1", "n")
+            return dataclasses.replace(policy, n=1, max_new_tokens=min(max_tokens, policy.max_new_tokens),
+                                       stop=_stop_list(req.stop) or policy.stop)
+        try:
+            temperature = 1.0 if req.temperature is None else req.temperature
+            return SamplingParams(n=n, temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
+                                  max_new_tokens=max_tokens, stop=_stop_list(req.stop), seed=req.seed,
+                                  greedy=temperature == 0)
+        except ValueError as e:  # SamplingParams names the field
+            raise RequestError(str(e).replace("SamplingParams.", "").replace("max_new_tokens", "max_tokens"))
+
+    def alive(request: Request):
+        async def connected() -> bool:
+            return not await request.is_disconnected()
+        return connected
+
+    app_records: dict[str, list[dict]] = {}
+
+    def record(request: Request, outs: list[dict]) -> None:
+        episode = request.headers.get(EPISODE_HEADER)
+        if episode is not None:
+            app_records.setdefault(episode, []).extend(outs)
+
+    def usage(prompts, choices) -> dict:
+        prompt = sum(len(p) for p in prompts)
+        completion = sum(len(c["token_ids"]) for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "shardrl", "max_model_len": max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        messages = [m.for_template() for m in req.messages]
+        if not messages:
+            raise RequestError("messages is empty: send at least one message", "messages")
+        if not getattr(tok, "chat_template", None):
+            raise RequestError("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                          **({"tools": req.tools} if req.tools else {}))
+        except Exception as e:  # noqa: BLE001 (the template's own checks, e.g. alternating roles)
+            raise RequestError(f"the chat template refused the messages: {e}", "messages")
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = given if given is not None else max(1, min(default_max_tokens, max_model_len - len(ids)))
+        sampling = check(req, [ids], max_tokens)
+        outs = await batcher.submit([ids], sampling, alive(request))
+        record(request, outs)
+        choices = []
+        for i, o in enumerate(outs):
+            choice = {"index": i, "message": {"role": "assistant", "content": o["text"]},
+                      "finish_reason": o["finish_reason"], "token_ids": o["token_ids"], "logprobs": None}
+            if req.logprobs:
+                choice["logprobs"] = {"content": [
+                    {"token": tok.convert_ids_to_tokens(t), "logprob": lp, "bytes": None, "top_logprobs": []}
+                    for t, lp in zip(o["token_ids"], o["log_probs"])]}
+            choices.append(choice)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": model_name, "choices": choices, "prompt_token_ids": ids, "usage": usage([ids], outs)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [tok(p, add_special_tokens=False)["input_ids"]]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        else:
+            prompts = [list(x) if isinstance(x, list) else tok(x, add_special_tokens=False)["input_ids"] for x in p]
+        sampling = check(req, prompts, 16 if req.max_tokens is None else req.max_tokens)
+        n = sampling.n
+        flat = await batcher.submit(prompts, sampling, alive(request))  # prompt-major: each prompt's n in a row
+        record(request, flat)
+        choices = []
+        for outs in [flat[i * n:(i + 1) * n] for i in range(len(prompts))]:
+            for o in outs:
+                choice = {"index": len(choices), "text": o["text"], "finish_reason": o["finish_reason"],
+                          "token_ids": o["token_ids"], "prompt_token_ids": o["prompt_token_ids"], "logprobs": None}
+                if req.logprobs is not None:
+                    choice["logprobs"] = {"tokens": tok.convert_ids_to_tokens(o["token_ids"]),
+                                          "token_logprobs": o["log_probs"], "top_logprobs": None,
+                                          "text_offset": None}
+                choices.append(choice)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model_name, "choices": choices, "usage": usage(prompts, flat)}
+
+    app.state.batcher, app.state.records = batcher, app_records
+    return app
+
+
+
+class ServerThread:
+    """An app served by uvicorn in a thread of this process on a free loopback port (`url`: its /v1 base)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", timeout_s: float = 60):
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind((host, 0))
+            self.port = s.getsockname()[1]
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + timeout_s
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the server on {host}:{self.port} did not start")
+            time.sleep(0.05)
+        self.url = f"http://{host}:{self.port}/v1"
+
+    @property
+    def batcher(self) -> Batcher:
+        return self.app.state.batcher
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
