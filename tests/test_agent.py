@@ -86,14 +86,20 @@ def test_trajectories_are_token_exact_and_rewards_the_agents(setup):
     # each trajectory: the first prompt, the first reply (trained), the follow-up turn (not), the second reply;
     # except where the chat template could not render the first reply as sampled (a special token sampled within
     # it, which the reply's text leaves out): the trajectory restarts at the second call (a prefix break)
+    # A first reply that was only the end-of-turn token (the template renders the turn's end itself) is dropped:
+    # that trajectory is the follow-up, then the second reply
     whole = [r for r in range(len(out)) if batch["agent_prefix_breaks"][r] == 0]
     assert len(whole) >= len(out) // 2, batch["agent_prefix_breaks"]
+    follow_ups = set()
     for r in whole:
         prompt = tok.decode(batch["input_ids"][r][batch["attention_mask"][r].bool()][:out.prompt_mask[r].sum()])
         assert prompt == f"user: {prompts[r // 3]}\nassistant: "
-        mask = out.response_mask[r][out.response_attention_mask[r].bool()].tolist()
+        real = out.response_attention_mask[r].bool()
+        mask, ids = out.response_mask[r][real].tolist(), out.response_ids[r][real].tolist()
         runs = [k for i, k in enumerate(mask) if i == 0 or mask[i - 1] != k]
-        assert runs == [1, 0, 1], mask  # reply, follow-up, reply
+        assert runs in ([1, 0, 1], [0, 1]), mask  # reply, follow-up, reply (or: follow-up, reply)
+        follow_ups.add(tok.decode([t for t, m in zip(ids, mask) if m == 0]))
+    assert follow_ups == {"\nuser: tool: 4\nassistant: "}, follow_ups
     returns = rollout.entrypoint.__globals__["RETURNS"]
     scores = batch["interaction_score"]
     for i, p in enumerate(prompts):  # (a prompt's episodes finish in any order)
@@ -146,6 +152,19 @@ def test_bad_entrypoints_are_refused(tmp_path):
         load_entrypoint(f"{tmp_path / 'sync.py'}:go")
     with pytest.raises(ValueError, match="no file"):
         load_entrypoint(f"{tmp_path / 'missing.py'}:run")
+
+
+def test_a_run_with_a_bad_entrypoint_stops_before_building_models(tmp_path, monkeypatch):
+    from shardrl.trainer import rl
+    from shardrl.trainer.main import resolve_overrides, run
+
+    (tmp_path / "sync.py").write_text("def run(sample, client):\n    return 1.0\n")
+    built = []
+    monkeypatch.setattr(rl.Roles, "build", lambda *a, **k: built.append(a))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="must be an async function"):
+        run(None, resolve_overrides(None, [f"rollout.agent.entrypoint={tmp_path}/sync.py:run"]))
+    assert not built
 
 
 def test_an_rl_run_trains_on_agent_episodes(tmp_path, monkeypatch):

@@ -148,6 +148,10 @@ class RLTrainer:
         check_vocab_sizes(cfg, len(self.tokenizer))
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
         check_router_replay(cfg, policy_config, self._say)
+        if cfg.rollout.agent.entrypoint:  # a missing file or a sync function: refused before any model is built
+            from shardrl.rollout.agent import load_entrypoint
+
+            load_entrypoint(cfg.rollout.agent.entrypoint)
         lora_choice = []
         if cfg.rollout.lora_sync is None and cfg.model.lora.rank > 0:  # first: the cache's choice counts a copy
             cfg = copy.deepcopy(cfg)
