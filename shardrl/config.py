@@ -265,11 +265,9 @@ class RouterReplayConfig:
     choice stays the old policy's; the weights are this forward's, so the router still learns); logs
     actor/router_replay_mismatch, the share of (token, layer) routings the update would have chosen
     otherwise. It replays nothing when the old log-probs come from the update's own forward (one optimizer
-    step per training step). "R3" (the rollout's routing replayed) is not built yet."""
-
-    def validate(self, prefix: str) -> None:
-        require(self, prefix, "mode", self.mode != "R3",
-                "R3 (replaying the rollout's routing) is not built yet; use R2 (the old-log-prob pass's) or disabled")
+    step per training step). "R3": the fast rollout records each token's experts as it generates, and the
+    old-log-prob pass and every update forward are routed as the rollout was (single-turn, rollout.backend
+    fast); the mismatch then counts the routings the trainer would have chosen otherwise than the rollout."""
 
 
 @dataclass

@@ -43,7 +43,8 @@ class StepPlan:
     entropy when there is no pass before the update."""
     router_replay: str = "disabled"
     """A mixture of experts: "R2" records the routing in the old-log-prob pass and the update replays it
-    (`actor.router_replay.mode`; "disabled" where there is no such pass)."""
+    (`actor.router_replay.mode`; "disabled" where there is no such pass); "R3": the rollout's recorded routing
+    is replayed in the old-log-prob pass and the update."""
 
     @property
     def needs_critic(self) -> bool:
@@ -71,7 +72,8 @@ class StepPlan:
             disaggregated=cfg.async_rl.rollout_ranks > 0,
             partial_rollout=cfg.async_rl.partial_rollout,
             update_entropy=bool(cfg.actor.entropy_coeff) or old_from_update,
-            router_replay="disabled" if old_from_update else cfg.actor.router_replay.mode,
+            router_replay=("disabled" if old_from_update and cfg.actor.router_replay.mode == "R2"
+                           else cfg.actor.router_replay.mode),
         )
 
     def describe(self) -> str:

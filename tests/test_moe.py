@@ -276,8 +276,59 @@ def test_an_rl_run_of_a_mixture_of_experts_replays_its_routing(tmp_path):
         run(None, small_demo_run(assets, tmp_path / "dense_aux", "actor.router_aux_loss_coef=0.01"))
     with pytest.raises(ConfigError, match="router_replay.mode=R2 needs a mixture-of-experts model"):
         run(None, small_demo_run(assets, tmp_path / "dense", "actor.router_replay.mode=R2"))
-    with pytest.raises(ConfigError, match="R3"):
-        load_config(None, ["actor.router_replay.mode=R3"])
+
+
+def test_an_rl_run_replays_the_routing_its_fast_rollout_recorded(tmp_path, monkeypatch):
+    """actor.router_replay.mode=R3 (rollout.backend null picks the fast rollout, on the CPU too): the rollout's
+    recorded routing rides in the batch, and the old-log-prob pass and the update are routed as it says. With
+    the rollout's weights the trainer's (fp32), the trainer would route no token otherwise (mismatch 0, in both
+    plans: with an old-log-prob pass, and with one update a step); a recording corrupted on its way (every expert
+    shifted by one) is what the update then routes by, nearly every routing counted as one it would not choose,
+    and its old log-probs leave the sampler's. Multi-turn, the hf backend and dense models are config errors."""
+    import json
+
+    from shardrl.rollout.fast import FastRollout
+    from shardrl.testing import small_demo_run
+    from shardrl.tokenizer import build_char_tokenizer
+    from shardrl.trainer.demo import prepare_demo_assets
+    from shardrl.trainer.main import run
+
+    assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=0)
+    tiny = {**TINY_MOE_MODELS["qwen3_moe"], "vocab_size": len(build_char_tokenizer()), "initializer_range": 0.3}
+
+    def r3_run(name, *extra):
+        overrides = small_demo_run(assets, tmp_path / name, "trainer.logger=[jsonl]", "trainer.total_steps=2",
+                                   "model.path=null", f"model.tiny={json.dumps(tiny)}",
+                                   f"model.tokenizer_path={assets / 'model'}", "actor.optim.lr=3e-2",
+                                   "actor.router_replay.mode=R3", "actor.entropy_coeff=0.05", *extra)
+        run_dir = run(None, overrides)
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    one_update = r3_run("one", "actor.ppo_mini_batch_size=4")  # the old log-probs from the update's forward
+    assert [r["actor/router_replay_mismatch"] for r in one_update] == [0.0, 0.0]
+    two = r3_run("two")  # an old-log-prob pass, then two updates a step
+    # the old-log-prob pass routed as the sampler was: the sampler's log-probs (the mismatch counts the second
+    # mini-batch's forward, after the first optimizer step moved the routers)
+    assert all(r["rollout/logprob_abs_diff"] < 1e-5 for r in two)
+
+    recorded = FastRollout._routed_experts
+
+    def shifted(self, *args):
+        routed = recorded(self, *args)
+        return torch.where(routed >= 0, (routed + 1) % 8, routed)
+
+    monkeypatch.setattr(FastRollout, "_routed_experts", shifted)
+    corrupted = r3_run("corrupted")
+    assert all(r["actor/router_replay_mismatch"] > 0.9 for r in corrupted)
+    assert all(r["rollout/logprob_abs_diff"] > 1e-2 for r in corrupted)
+    monkeypatch.undo()
+    for setting, match in ((["rollout.backend=hf"], "R3 replays the routing the fast rollout records"),
+                           (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"],
+                            "single-turn rollouts only")):
+        with pytest.raises(ConfigError, match=match):
+            r3_run("bad", *setting)
+    with pytest.raises(ConfigError, match="router_replay.mode=R3 needs a mixture-of-experts model"):
+        run(None, small_demo_run(assets, tmp_path / "dense", "actor.router_replay.mode=R3"))
 
 
 def _aux_loss_grads(kind: str, coef: float) -> dict:

@@ -203,6 +203,47 @@ def test_fast_family_moe_routing_decides_the_tokens(tok, name, monkeypatch):
     assert not torch.equal(fast.generate(*encode(tok), greedy).response_ids, want.response_ids)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_fast_family_moe_records_the_routing_the_engine_computes(tok, name):
+    """record_routing (router replay R3): every token the rollout ran (the prompts in the prefill, the response
+    tokens in the steps that fed them) carries the experts it was routed to per routed layer, the same the
+    engine's HF model picks for the assembled sequence; only padding and each row's last token (never fed)
+    read -1. Sampled, n=2 over 4 slots: rows reuse slots, the batch compacts, a stop string cuts some rows."""
+    from shardrl.engine.model import PolicyModel
+
+    model = hf_model(family_config(tok, name))
+    fast = fast_rollout(tok, model, record_routing=True, min_width=2, width_step=2)
+    stop = ["e"]
+    out = fast.generate(*encode(tok), SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=3, stop=stop))
+    assert fast.last_stats["compactions"] > 0
+    batch = out.to_batch()
+    routed = batch["routed_experts"]
+    layers, top_k = (1, 2) if name == "qwen3_moe" else (2, 2)  # Qwen3-MoE's layer 1 is dense
+    assert routed.shape == (*batch["input_ids"].shape, layers, top_k) and routed.dtype == torch.int16
+    with torch.no_grad():
+        want = PolicyModel(model).eval()(batch["input_ids"], batch["attention_mask"], remove_padding=True,
+                                         record_routing=True)["routed_experts"]
+    real, known = batch["attention_mask"].bool(), (routed >= 0).all(-1).all(-1)
+    assert not (known & ~real).any()
+    last = real.long().cumsum(1) == real.sum(1, keepdim=True)  # each row's last real token
+    # a row that ended at EOS or its limit never fed its last token; one cut at a stop string most often did
+    # (the stop was seen at a sync, after more steps), and then its tokens all carry a routing
+    lengths = batch["response_mask"].sum(1)
+    ends = batch["input_ids"][last & real]  # each row's last token
+    unfed = (ends == tok.eos_token_id) | (lengths == 20)
+    fed_last = []
+    for r in range(len(out)):
+        if torch.equal(known[r], real[r]):
+            fed_last.append(r)
+            assert not unfed[r], r
+        else:
+            assert torch.equal(known[r], real[r] & ~last[r]), r
+    assert fed_last and len(fed_last) < len(out), fed_last
+    assert torch.equal(routed[known].long().sort(-1).values, want[known].long().sort(-1).values)
+    fast.record_routing = False
+    assert fast.generate(*encode(tok), SamplingParams(greedy=True, max_new_tokens=4)).routed_experts is None
+
+
 def test_fast_family_engine_applies_the_final_softcap(tok):
     """Gemma 2's final_logit_softcapping: the training engine's log-probs (with and without entropy, under
     autograd or not) are the sampler's (it applied the cap; before the fix the engine's were up to 5.7 off)."""

@@ -375,10 +375,11 @@ class Engine(abc.ABC):
 
     @torch.no_grad()
     def infer_batch(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
-                    record_routing: bool = False) -> Batch:
+                    record_routing: bool = False, replay_routing: bool = False) -> Batch:
         """Forward only: per-token `log_probs` (and `entropy`), or `values` for a critic, `(B, T)`,
         in the order of `batch`. `record_routing` (a mixture of experts): also `routed_experts` (B, T, L, k),
-        each token's experts per MoE layer, for `train_batch` to replay (actor.router_replay)."""
+        each token's experts per MoE layer, for `train_batch` to replay (actor.router_replay);
+        `replay_routing`: routed as `batch["routed_experts"]` says (R3: the rollout's routing)."""
         self.module.eval()
         batch = batch.to(self.device)
         micro_batches, perm = self._micro_batches(batch)
@@ -386,8 +387,11 @@ class Engine(abc.ABC):
         as_float = lambda v: v.float() if v.is_floating_point() else v  # noqa: E731 (expert ids stay integers)
         for mb in micro_batches:
             real = len(mb) > 0
-            outputs = self._forward(mb if real else self._placeholder(batch), temperature, with_entropy,
-                                    record_routing)
+            mb = mb if real else self._placeholder(batch)
+            outputs = self._forward(mb, temperature, with_entropy, record_routing,
+                                    replay=mb["routed_experts"] if replay_routing else None, count_replay=False)
+            if replay_routing:
+                self.module.router_replay.end()
             if real:
                 results.append(Batch({k: as_float(v) for k, v in outputs.items()}))
             else:  # a rank with no samples here still answers with the right keys, and no rows

@@ -115,8 +115,8 @@ class RouterReplay:
     """Records or replays the experts each token is routed to, per MoE layer, in an HF MoE model's forward.
 
     The routers (HF's `*TopKRouter` modules, whose forward returns (logits, top-k weights, top-k experts)) get a
-    wrapped forward, run outside torch.compile. Recording keeps each layer's chosen experts; replaying replaces them with given ones (N, L, k)
-    and recomputes their weights from this forward's router probabilities (softmax in fp32, gathered at the
+    wrapped forward, run outside torch.compile. Recording keeps each layer's chosen experts; replaying replaces them
+    with given ones (N, L, k; -1 keeps the token's own choice in that layer) and recomputes their weights from this forward's router probabilities (softmax in fp32, gathered at the
     given experts, renormalized as the model does), so the gradient still reaches the router. A replay lasts
     from `replay` to `end` (after the backward: a gradient checkpoint's recompute must route the same);
     `mismatched` / `compared` (device tensors) count, in the forward only and over the `real` tokens, the
@@ -159,11 +159,13 @@ class RouterReplay:
             self.recorded[i] = experts.detach()
             return None
         given = self.replayed[:, i].to(experts.device, torch.long)
+        known = given[:, 0] >= 0  # -1: no routing recorded for the token (R3: padding, a last token), its own kept
+        given = torch.where(known[:, None], given, experts)
         if self.counting:
             with torch.no_grad():
-                differ = (experts.sort(-1).values != given.sort(-1).values).any(-1) & self.real
+                differ = (experts.sort(-1).values != given.sort(-1).values).any(-1) & self.real & known
                 self.mismatched = self.mismatched + differ.sum()
-                self.compared = self.compared + self.real.sum()
+                self.compared = self.compared + (self.real & known).sum()
         normalize, fp32 = self._rule or router_rule(self.lm.config)
         self._rule = (normalize, fp32)
         weights = logits.float().softmax(-1).gather(-1, given)

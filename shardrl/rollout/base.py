@@ -92,6 +92,7 @@ class RolloutOutput:
     response_text: list[str]  # N decoded responses, stop string cut off
     prompt_index: torch.Tensor  # (N,) which prompt each row came from
     token_version: torch.Tensor | None = None  # (N, R) long, with a weight hook only
+    routed_experts: torch.Tensor | None = None  # (N, P+R, L, k) int16, a rollout recording its routing only
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -113,6 +114,8 @@ class RolloutOutput:
         }
         if self.token_version is not None:
             tensors["token_version"] = self.token_version  # (N, R), like response_mask
+        if self.routed_experts is not None:
+            tensors["routed_experts"] = self.routed_experts  # (N, P+R, L, k), like input_ids (router replay R3)
         return Batch(tensors, {"response_text": list(self.response_text)})
 
 

@@ -109,6 +109,8 @@ class SlotState:
     top_k: torch.Tensor  # () long; V when off
     top_p: torch.Tensor  # () float32; 2 when off
     eos: torch.Tensor  # (k,) long: the ids that end a response (`stop_token_ids`)
+    step_routes: torch.Tensor | None = None  # (B, L, k) long: a step's experts per routed layer (record_routing)
+    out_routes: torch.Tensor | None = None  # (B, W, L, k) int16: response token j's experts, as it was fed
 
     @property
     def num_slots(self) -> int:
@@ -141,7 +143,12 @@ class FastRollout(Rollout):
 
     LoRA (an adapter-only sync, `shardrl.trainer.generation.LoRASync`): `share_weights` makes the model read a
     frozen base that the trainer holds whole on this device; `load_lora` adds adapters at run time (unmerged),
-    `merge_lora` writes base + scale * B @ A into the rollout's own weights (merged)."""
+    `merge_lora` writes base + scale * B @ A into the rollout's own weights (merged).
+
+    `record_routing` (a mixture of experts; router replay R3): `generate`'s output carries `routed_experts`
+    (N, P+R, L, k), the experts each token was routed to in each routed layer when the rollout ran it (the
+    prompts' in the prefill, a response token's in the step that fed it), -1 where it ran nothing (padding, the
+    last token)."""
 
     supports_lora = True
 
@@ -150,7 +157,7 @@ class FastRollout(Rollout):
                  cuda_graphs: bool | None = None, compile: bool | None = None, sync_every: int = 16,
                  seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0,
                  attention: str = "auto", sampler: str = "auto", min_width: int = 32, width_step: int | None = None,
-                 lazy_weights: bool = False):
+                 lazy_weights: bool = False, record_routing: bool = False):
         for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every), ("min_width", min_width),
                             ("width_step", 1 if width_step is None else width_step),
                             ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens),
@@ -173,6 +180,10 @@ class FastRollout(Rollout):
         self.model: FastCausalLM = build_fast_lm(hf_config, self.device, dtype, seed=seed,
                                                  materialize=not lazy_weights)
         self.vocab_size = hf_config.vocab_size
+        if record_routing and not self.model.routed_layers:
+            raise ValueError(f"record_routing needs a mixture of experts; {hf_config.model_type!r} routes no tokens")
+        self.record_routing = record_routing
+        self._routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (prompt's, response's) routes
         compile = self.device.type == "cuda" if compile is None else compile
         self._block = DecoderBlock(compile, self._attention(attention, head_dim_of(hf_config)))
         self._sample = torch.compile(sample_tokens) if compile else sample_tokens
@@ -309,6 +320,11 @@ class FastRollout(Rollout):
         long = dict(dtype=torch.long, device=dev)
         if self.cuda_graphs:
             self._graph_pool = torch.cuda.graph_pool_handle()  # shared: a step keeps nothing between replays
+        routes = {}
+        if self.record_routing:
+            shape = (len(self.model.routed_layers), self.model.layer_consts[self.model.routed_layers[0]].top_k)
+            routes = dict(step_routes=torch.zeros(b, *shape, **long),
+                          out_routes=torch.full((b, max_seq, *shape), -1, dtype=torch.int16, device=dev))
         return SlotState(
             kv=torch.zeros(self.model.kv_shape(b, max_seq), dtype=first.dtype, device=dev),
             tokens=torch.zeros(b, **long), lengths=torch.zeros(b, **long),
@@ -320,6 +336,7 @@ class FastRollout(Rollout):
             temperature=torch.ones((), device=dev), top_k=torch.full((), self.vocab_size, **long),
             top_p=torch.full((), 2.0, device=dev),
             eos=torch.tensor(self.stop_ids or [-1], **long),  # -1: no EOS, never sampled
+            **routes,
         )
 
     def _ensure_capacity(self, num_rows: int, n: int, need_seq: int) -> None:
@@ -352,7 +369,8 @@ class FastRollout(Rollout):
         tokens_in, lengths, done, num_generated = st.tokens[:w], st.lengths[:w], st.done[:w], st.num_generated[:w]
         out_tokens, out_log_probs = st.out_tokens[:w], st.out_log_probs[:w]
         active = ~done
-        logits = self.model.decode(tokens_in, lengths, st.kv[:, :, :w], seq_len, self._block)  # (w, V)
+        routes = None if st.out_routes is None else st.step_routes[:w]
+        logits = self.model.decode(tokens_in, lengths, st.kv[:, :, :w], seq_len, self._block, routes)  # (w, V)
         if self._uses_fused_sampler(mode):
             tokens, log_probs = self._fused_sample(logits, mode == GREEDY, st.temperature, st.seed)
         else:
@@ -360,6 +378,10 @@ class FastRollout(Rollout):
             tokens, log_probs = self._sample(logits, mode, noise, st.temperature, st.top_k, st.top_p)
         tokens = torch.where(active, tokens, tokens_in)
         slots = torch.arange(w, device=tokens.device)
+        if routes is not None:  # the fed token is response token num_generated - 1
+            fed = (num_generated - 1).clamp(min=0, max=st.out_routes.shape[1] - 1)
+            out_routes = st.out_routes[:w]
+            out_routes[slots, fed] = torch.where(active[:, None, None], routes.to(torch.int16), out_routes[slots, fed])
         col = num_generated.clamp(max=out_tokens.shape[1] - 1)
         out_tokens[slots, col] = torch.where(active, tokens, out_tokens[slots, col])
         out_log_probs[slots, col] = torch.where(active, log_probs, out_log_probs[slots, col])
@@ -459,6 +481,8 @@ class FastRollout(Rollout):
             raise RuntimeError("the rollout is released (no KV cache); call resume() before generate_stream()")
         if len(limits) != len(prompts) or (limits and min(limits) < 1):
             raise ValueError(f"one limit >= 1 per prompt ({len(prompts)}), got {limits[:8]}")
+        if self.record_routing:
+            raise ValueError("record_routing (router replay R3) covers single-turn generate only")
         generator = self._start(sampling, max(len(prompts), 1), 1, need_seq)
         self._decode_rows([p.to(self.device) for p in prompts], list(limits), 1, sampling_mode(sampling),
                           sampling.stop, generator, feed=feed)
@@ -487,6 +511,7 @@ class FastRollout(Rollout):
         queue = deque(range(len(prompts) * n))
         slot_row = [-1] * num_slots
         results: list = [None] * len(queue)
+        self._routes = {}
         stats = dict(decode_steps=0, syncs=0, prefill_tokens=0, num_slots=num_slots, max_seq=st.max_seq,
                      slot_steps=0, compactions=0)
         widths = self._widths(num_slots)
@@ -572,6 +597,8 @@ class FastRollout(Rollout):
             t[d_t] = t[s_t]
         st.out_tokens[d_t, :made] = st.out_tokens[s_t, :made]
         st.out_log_probs[d_t, :made] = st.out_log_probs[s_t, :made]
+        if st.out_routes is not None:
+            st.out_routes[d_t, :made] = st.out_routes[s_t, :made]
         st.lengths[s_t] = 0
         st.done[s_t] = True
         for s, d in zip(src, dst):
@@ -603,7 +630,15 @@ class FastRollout(Rollout):
             to_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
             slots, source = to_dev([s for s, _ in chunk]), to_dev([index[row // n] for _, row in chunk])
             lens_t, limit_t = to_dev(lens), to_dev([limits[row // n] for _, row in chunk])
-            logits = self.model.prefill(ids, lens_t, st.kv, slots, source, self._block).float()[source]  # (k, V)
+            routes = None
+            if st.out_routes is not None:
+                routes = torch.empty((ids.numel(), *st.step_routes.shape[1:]), dtype=torch.long, device=self.device)
+            logits = self.model.prefill(ids, lens_t, st.kv, slots, source, self._block, routes)
+            logits = logits.float()[source]  # (k, V)
+            if routes is not None:  # each row's prompt: the routing of the prefill that wrote its K/V
+                routes = routes.view(*ids.shape, *routes.shape[1:]).to(torch.int16).cpu()
+                for (_, row), i in zip(chunk, source.tolist()):
+                    self._routes[row] = (routes[i, : lens[i]], None)
             noise = None if mode == GREEDY else torch.empty_like(logits).exponential_(generator=generator)
             tokens, log_probs = sample_tokens(logits, mode, noise, st.temperature, st.top_k, st.top_p)
             st.tokens[slots] = tokens
@@ -625,6 +660,11 @@ class FastRollout(Rollout):
         log_probs = st.out_log_probs[idx, :width].cpu()
         for i, s in enumerate(finished):
             results[slot_row[s]] = (tokens[i, : generated[s]].tolist(), log_probs[i, : generated[s]])
+        if st.out_routes is not None:  # the tokens fed: all but the last
+            routes = st.out_routes[idx, : max(width - 1, 1)].cpu()
+            for i, s in enumerate(finished):
+                row = slot_row[s]
+                self._routes[row] = (self._routes[row][0], routes[i, : generated[s] - 1])
         st.lengths[idx] = 0
         st.done[idx] = True
 
@@ -656,4 +696,21 @@ class FastRollout(Rollout):
         # a row shorter than `full` without EOS ended at its own limit (or a stop string): padding is no response
         lengths = [min(length, len(tokens)) for length, (tokens, _) in zip(lengths, rows)]
         responses = [(full[r, :length], rows[r][1][:length]) for r, length in enumerate(lengths)]
-        return assemble_output(prompt_ids, attention_mask, n, responses, texts, self.pad_id)
+        out = assemble_output(prompt_ids, attention_mask, n, responses, texts, self.pad_id)
+        if self.record_routing:
+            out.routed_experts = self._routed_experts(out, lengths, n)
+        return out
+
+    def _routed_experts(self, out: RolloutOutput, lengths: list[int], n: int) -> torch.Tensor:
+        """(N, P+R, L, k) int16: the recorded routing of each row laid out as `out.to_batch()`'s input_ids; -1
+        where nothing was run (padding; the last response token, never fed)."""
+        width = out.prompt_ids.shape[1]
+        some = next(iter(self._routes.values()))[0]
+        routed = torch.full((len(out), width + out.response_ids.shape[1], *some.shape[1:]), -1, dtype=torch.int16)
+        for r, length in enumerate(lengths):
+            prompt, response = self._routes[r]
+            routed[r, width - prompt.shape[0]:width] = prompt
+            fed = min(length, response.shape[0])
+            routed[r, width:width + fed] = response[:fed]
+        self._routes = {}
+        return routed

@@ -148,12 +148,13 @@ def route(x, router_w, top_k: int, normalize: bool, fp32_weights: bool):
     return (weights if fp32_weights else weights.to(x.dtype)), experts
 
 
-def moe_mlp(x, router_w, gate_up, down, act: str, top_k: int, normalize: bool, fp32_weights: bool):
+def moe_mlp(x, router_w, gate_up, down, act: str, top_k: int, normalize: bool, fp32_weights: bool,
+            with_route: bool = False):
     """Routed experts, as HF's `*SparseMoeBlock`: each token's k experts' SwiGLU outputs, weighted by the
     router, summed. x (T, hidden); router_w (E, hidden); gate_up (E, 2I, hidden) (gate rows, then up rows);
     down (E, hidden, I). The (token, expert) pairs are sorted by expert and each projection is one grouped
     matrix product over them (`torch._grouped_mm`; static shapes, so a decode step captures in a CUDA graph);
-    where it cannot run, a loop over the experts computes the same."""
+    where it cannot run, a loop over the experts computes the same. `with_route`: (output, experts (T, k))."""
     t, num_experts = x.shape[0], gate_up.shape[0]
     weights, experts = route(x, router_w, top_k, normalize, fp32_weights)
     grouped = grouped_mm_usable(x, gate_up, down)
@@ -163,7 +164,8 @@ def moe_mlp(x, router_w, gate_up, down, act: str, top_k: int, normalize: bool, f
         # token did not choose weighted 0. Decided by the operands alone, so the warm-up before a capture traces
         # the branch the capture runs.
         _warn_dense_experts(num_experts, top_k)
-        return dense_experts(x, weights, experts, gate_up, down, act)
+        out = dense_experts(x, weights, experts, gate_up, down, act)
+        return (out, experts) if with_route else out
     flat = experts.reshape(-1)  # (T * k,): pair j is token j // k's (j % k)-th choice
     order = flat.argsort(stable=True)
     token = order // top_k
@@ -187,7 +189,8 @@ def moe_mlp(x, router_w, gate_up, down, act: str, top_k: int, normalize: bool, f
     weighted = out * weights.reshape(-1)[order, None]
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return weighted[inverse].view(t, top_k, -1).sum(1).to(x.dtype)
+    out = weighted[inverse].view(t, top_k, -1).sum(1).to(x.dtype)
+    return (out, experts) if with_route else out
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -426,23 +429,26 @@ class TritonDecodeAttention:
 def attention_output_and_mlp(x, attn, o_w, o_b, post_attn_ln, ln2, gate_up_w, gate_up_b, down_w, down_b,
                              post_ff_ln, eps: float, gemma: bool, act: str, o_lora=None, mlp_lora=None,
                              scale: float = 1.0, top_k: int = 0, normalize_top_k: bool = False,
-                             fp32_route: bool = False):
+                             fp32_route: bool = False, with_route: bool = False):
     """o_proj and the residual add, then the MLP and its residual add; Gemma norms each output first. `o_lora`,
     `mlp_lora`: LoRA adapters (see `project_qkv`). `top_k` > 0: routed experts (`moe_mlp`), gate_up_w the
-    router's weight, gate_up_b the experts' gate_up_proj, down_w their down_proj."""
+    router's weight, gate_up_b the experts' gate_up_proj, down_w their down_proj; `with_route` (routed experts
+    only) returns (x, experts (T, k))."""
     attn = attn.reshape(x.shape[0], -1)
     h = plus(F.linear(attn, o_w, o_b), lora_delta(attn, o_lora, scale))
     if post_attn_ln is not None:
         h = rms_norm(h, post_attn_ln, eps, gemma)
     x = x + h
+    experts = None
     if top_k:
         h = moe_mlp(rms_norm(x, ln2, eps, gemma), gate_up_w, gate_up_b, down_w, act, top_k, normalize_top_k,
-                    fp32_route)
+                    fp32_route, with_route)
+        h, experts = h if with_route else (h, None)
     else:
         h = gated_mlp(rms_norm(x, ln2, eps, gemma), gate_up_w, gate_up_b, down_w, down_b, act, mlp_lora, scale)
     if post_ff_ln is not None:
         h = rms_norm(h, post_ff_ln, eps, gemma)
-    return x + h
+    return (x + h, experts) if with_route else x + h
 
 
 def _prefill_inputs(*args):
@@ -471,18 +477,20 @@ class DecoderBlock:
         self.prefill_inputs, self.prefill_output = free(_prefill_inputs), free(_prefill_output)
         self.attention = attention or SDPADecodeAttention()
 
-    def decode(self, x, cos, sin, kv_layer, slots, positions, mask, weights: tuple, c: LayerConsts):
+    def decode(self, x, cos, sin, kv_layer, slots, positions, mask, weights: tuple, c: LayerConsts,
+               with_route: bool = False):
         """x (B, hidden) at `positions` (B,); slots = arange(B); `mask` from `self.attention.mask` for the
-        layer's window; `weights` from `DecoderLayer.block_weights`."""
+        layer's window; `weights` from `DecoderLayer.block_weights`. `with_route` (a routed layer): (x, experts)."""
         (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
          qkv_lora, o_lora, mlp_lora, scale) = weights
         q, k, v = self.inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5], qkv_lora, scale)
         attn = self.attention(q, k, v, kv_layer, slots, positions, mask, c)
         return self.output(x, attn, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
                            c.eps, c.gemma, c.act, o_lora, mlp_lora, scale, c.top_k, c.normalize_top_k,
-                           c.fp32_route)
+                           c.fp32_route, with_route)
 
-    def prefill(self, x, cos, sin, kv_layer, slots, source, length: int, weights: tuple, c: LayerConsts):
+    def prefill(self, x, cos, sin, kv_layer, slots, source, length: int, weights: tuple, c: LayerConsts,
+                with_route: bool = False):
         """x (U * length, hidden): U right-padded prompts at positions 0..length-1, flattened; writes their
         K/V into `slots` (prompt i of the chunk goes to slot slots[j] for every j with source[j] == i)."""
         (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
@@ -502,7 +510,7 @@ class DecoderBlock:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.scale, enable_gqa=True)
         return self.prefill_output(x, attn.transpose(1, 2), o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w,
                                    down_b, post_ff_ln, c.eps, c.gemma, c.act, o_lora, mlp_lora, scale, c.top_k,
-                                   c.normalize_top_k, c.fp32_route)
+                                   c.normalize_top_k, c.fp32_route, with_route)
 
 
 class Decoder(nn.Module):
@@ -657,35 +665,51 @@ class FastCausalLM(nn.Module):
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def prefill(self, ids, lengths, kv, slots, source, block: DecoderBlock | None = None) -> torch.Tensor:
+    @property
+    def routed_layers(self) -> list[int]:
+        """The layers with routed experts, in order (the L of a routing record (..., L, k))."""
+        return [i for i, c in enumerate(self.layer_consts) if c.top_k]
+
+    def prefill(self, ids, lengths, kv, slots, source, block: DecoderBlock | None = None,
+                routes: torch.Tensor | None = None) -> torch.Tensor:
         """ids (U, L) right-padded prompts with `lengths` (U,); writes K/V to kv[:, :, slots] (see
-        `DecoderBlock.prefill`) and returns the logits after each prompt's last token, (U, V)."""
+        `DecoderBlock.prefill`) and returns the logits after each prompt's last token, (U, V). `routes`
+        (U * L, len(routed_layers), k) receives each token's experts per routed layer."""
         u, length = ids.shape
         x = self.embed(ids.flatten())  # (U * L, hidden)
         rotary = {key: (cos.repeat(u, 1)[:, None], sin.repeat(u, 1)[:, None])  # (U * L, 1, D)
                   for key, (cos, sin) in self.rotary(torch.arange(length, device=ids.device), x.dtype).items()}
         block = block or DecoderBlock()
+        routed = {layer: j for j, layer in enumerate(self.routed_layers)} if routes is not None else {}
         for i, layer in enumerate(self.model.layers):
             x = block.prefill(x, *rotary[self.layer_rope[i]], kv[i], slots, source, length, layer.block_weights(),
-                              self.layer_consts[i])
+                              self.layer_consts[i], i in routed)
+            if i in routed:
+                x, experts = x
+                routes[:, routed[i]] = experts
         last = x.view(u, length, -1)[torch.arange(u, device=x.device), lengths - 1]  # (U, hidden)
         return self.logits(last)
 
-    def decode(self, tokens, positions, kv, seq_len: int, block: DecoderBlock | None = None) -> torch.Tensor:
+    def decode(self, tokens, positions, kv, seq_len: int, block: DecoderBlock | None = None,
+               routes: torch.Tensor | None = None) -> torch.Tensor:
         """One token per slot: tokens, positions (B,) over all B slots of `kv`; attends to cache entries
         [0, positions] (from the window's start on a sliding-window layer) within the first `seq_len`
         (`TritonDecodeAttention` reads no further than positions). `block`: how to run a layer (default:
-        eager, SDPA). Returns logits (B, V)."""
+        eager, SDPA). Returns logits (B, V); `routes` (B, len(routed_layers), k) receives each token's experts."""
         x = self.embed(tokens)  # (B, hidden)
         rotary = {key: (cos[:, None], sin[:, None])  # broadcast over heads
                   for key, (cos, sin) in self.rotary(positions, x.dtype).items()}
         slots = torch.arange(tokens.shape[0], device=tokens.device)
         block = block or DecoderBlock()
         masks = {c.window: block.attention.mask(positions, seq_len, x.dtype, c.window) for c in self.layer_consts}
+        routed = {layer: j for j, layer in enumerate(self.routed_layers)} if routes is not None else {}
         for i, layer in enumerate(self.model.layers):
             c = self.layer_consts[i]
             x = block.decode(x, *rotary[self.layer_rope[i]], kv[i], slots, positions, masks[c.window],
-                             layer.block_weights(), c)
+                             layer.block_weights(), c, i in routed)
+            if i in routed:
+                x, experts = x
+                routes[:, routed[i]] = experts
         return self.logits(x)
 
 

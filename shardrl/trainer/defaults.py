@@ -28,7 +28,7 @@ def resolve_device_defaults(cfg: Config, hf_config=None,
     """A copy of `cfg` with the device-dependent nulls filled in, and one line per choice.
 
     On CUDA: `rollout.backend` = fast when the fast rollout supports the policy's `hf_config` (hf otherwise,
-    or when `hf_config` is None). On CPU: hf. `<section>.engine.compile` = true on CUDA with FSDP2 for a policy of
+    or when `hf_config` is None). On CPU: hf, or fast under actor.router_replay.mode=R3. `<section>.engine.compile` = true on CUDA with FSDP2 for a policy of
     `COMPILE_MIN_PARAMS` or more, false otherwise. `rollout.free_cache_engine`: false when `memory_gib` =
     (the memory ledger's update peak plus the rollout's cache, the GPU's size; `memory.update_and_cache_gib`)
     says the first is at most `KEEP_CACHE_FRACTION` of the second; true on CPU or without `memory_gib`."""
@@ -40,7 +40,10 @@ def resolve_device_defaults(cfg: Config, hf_config=None,
     if ro.backend is None:
         reason = f"on {where}"
         ro.backend = "hf"
-        if cuda and hf_config is not None:
+        r3 = cfg.actor.router_replay.mode == "R3"
+        if r3 and not cuda:
+            reason = "on CPU, as router replay R3 needs the routing the fast rollout records"
+        if (cuda or r3) and hf_config is not None:
             from shardrl.rollout.families import check_supported
 
             try:

@@ -27,7 +27,8 @@ def prepare(batch: Batch, scores: torch.Tensor, plan: StepPlan, roles, algo_cfg,
     metrics, t0 = {}, time.perf_counter()
     if not plan.old_from_update:  # else the update's forward gives them and these metrics
         old = roles.actor.infer_batch(batch, temperature=temperature, with_entropy=True,
-                                      record_routing=plan.router_replay == "R2")
+                                      record_routing=plan.router_replay == "R2",
+                                      replay_routing=plan.router_replay == "R3")
         batch["old_log_probs"] = old["log_probs"].cpu()
         if "routed_experts" in old:  # the update forwards are routed as this pass was (R2)
             batch["routed_experts"] = old["routed_experts"].cpu()

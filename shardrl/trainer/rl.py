@@ -67,6 +67,20 @@ def check_router_replay(cfg: Config, policy_config, say) -> None:
     mode = cfg.actor.router_replay.mode
     if mode == "disabled":
         return
+    if mode == "R3":
+        if cfg.rollout.backend == "hf":
+            raise ConfigError("actor.router_replay.mode=R3 replays the routing the fast rollout records; set "
+                              "rollout.backend=fast (or null), or use mode R2")
+        if cfg.rollout.multi_turn.enable or cfg.rollout.agent.entrypoint:
+            raise ConfigError("actor.router_replay.mode=R3 records single-turn rollouts only (multi-turn and agent "
+                              "turns are prefilled again); use mode R2")
+        from shardrl.rollout.families import check_supported
+
+        try:
+            check_supported(policy_config)
+        except ValueError as e:
+            raise ConfigError(f"actor.router_replay.mode=R3 needs the fast rollout, which cannot run this model "
+                              f"({e}); use mode R2") from None
 
     if not is_moe(policy_config):
         raise ConfigError(f"actor.router_replay.mode={mode} needs a mixture-of-experts model; "
@@ -75,7 +89,7 @@ def check_router_replay(cfg: Config, policy_config, say) -> None:
         router_rule(policy_config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if StepPlan.from_config(cfg).old_from_update:
+    if mode == "R2" and StepPlan.from_config(cfg).old_from_update:
         say(f"actor.router_replay.mode={mode} replays nothing here: the old log-probs come from the update's own "
             "forward (one optimizer step per training step), which routes as the policy that is trained")
 
@@ -258,7 +272,10 @@ class RLTrainer:
         if roles.critic is not None:
             t0 = time.perf_counter()
             with roles.critic.training():
-                metrics.update(run_updates(roles.critic, batch, critic_loss_fn(cfg.critic, cfg.critic.loss_agg_mode),
+                # (the policy's routing is the actor's to replay: a mixture-of-experts critic routes its own way)
+                critic_batch = batch.select([k for k in batch.keys() if k != "routed_experts"])
+                metrics.update(run_updates(roles.critic, critic_batch,
+                                           critic_loss_fn(cfg.critic, cfg.critic.loss_agg_mode),
                                            self.layout.critic.mini_batch_samples_per_rank, cfg.critic.ppo_epochs,
                                            cfg.critic.shuffle, self.state.shuffle_gen, "critic"))
             metrics["timing/update_critic_s"] = time.perf_counter() - t0
