@@ -319,6 +319,8 @@ def test_sampler_log_probs_equal_the_engines_on_multi_turn_sequences(backend, ov
     # steps, so that rows end at different syncs), and with overlapped tools rows that come back from a tool
     # join a compacted batch, widening it again
     fast_kwargs = {"min_width": 1, "sync_every": 2} if compact else {}
+    if backend == "fast":  # blocks of 4 positions: a next turn reads its conversation's earlier turns from the cache
+        fast_kwargs.update(block_size=4, max_seq_len=128)
     inner = build_rollout(backend, model.config, tok, "cpu", torch.float32, **fast_kwargs)
     inner.load_weights(model.named_parameters())
     mt = MultiTurnRollout(inner, tok, Echo(), max_turns=4, max_response_tokens=90, call_start="", call_end=">",
@@ -328,6 +330,8 @@ def test_sampler_log_probs_equal_the_engines_on_multi_turn_sequences(backend, ov
     out = mt.generate(ids, mask, sampling)
     if backend == "fast" and not overlap:  # (with overlapped tools, whether rows must move depends on tool timing)
         assert (inner.last_stats["compactions"] > 0) is compact
+    if backend == "fast":
+        assert inner.totals["cached_tokens"] > 40
     batch = out.to_batch()
     loss_mask = batch["loss_mask"].bool()
     tool_tokens = batch["attention_mask"].bool() & ~loss_mask

@@ -44,6 +44,21 @@ def check_attention() -> None:
             fused[:, s, :, p:] = float("nan")
         assert not decode_attention(q, written, positions, block_n=16).isnan().any()
         assert not decode_attention(q, fused, positions, k_new, v_new, block_n=16, splits=3).isnan().any()
+        # paged: blocks of 8 positions in a shuffled order (block 0 unused), so a block_n=16 load spans two
+        size, per_slot = 8, max_seq // 8
+        table = (torch.randperm(b * per_slot, generator=gen) + 1).view(b, per_slot)
+        paged = torch.zeros(2, b * per_slot + 1, hkv, size, d, dtype=dtype)
+        paged[:, table.flatten()] = kv.view(2, b, hkv, per_slot, size, d).transpose(2, 3).flatten(1, 2)
+        for splits in (1, 3):
+            got = decode_attention(q, paged.clone(), positions, k_new, v_new, block_n=16, splits=splits,
+                                   block_table=table)
+            torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+        fused = paged.clone()
+        decode_attention(q, fused, positions, k_new, v_new, block_n=16, block_table=table)
+        back = fused[:, table.flatten()].view(2, b, per_slot, hkv, size, d).transpose(2, 3).reshape(kv.shape)
+        expected = kv.clone()
+        write_kv(k_new, v_new, expected, torch.arange(b), positions)
+        assert torch.equal(back, expected), "the paged K/V write differs from the indexed copy"
     print("attention: ok")
 
 

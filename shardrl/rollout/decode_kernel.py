@@ -1,5 +1,8 @@
 """Decode attention as one Triton kernel: each slot reads its own cache entries up to its position, no further.
 
+The cache is paged: a slot's entry j lies in block `block_table[slot, j // BS]` at offset j % BS (a contiguous
+per-slot cache is the case of one block per slot).
+
 Imported only on CUDA (Triton is not needed elsewhere). One program per (slot, KV head): its G query heads
 (GQA) are the rows of a small matrix multiplied against blocks of the slot's keys and values, with the
 softmax kept online (running max and sum) as in FlashAttention. Reading stops at the slot's position, so
@@ -20,12 +23,12 @@ from shardrl.rollout.kernel_support import triton_head_dim
 
 
 @triton.jit
-def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, k_new_ptr, v_new_ptr, scale, softcap, window,
-                      stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs,
+def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_new_ptr, v_new_ptr, scale, softcap,
+                      window, stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs, stride_tb,
                       stride_kb, stride_kh, stride_vb, stride_vh,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLITS: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr, SOFTCAP: tl.constexpr,
-                      WINDOW: tl.constexpr):
+                      WINDOW: tl.constexpr, BS: tl.constexpr):
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     position = tl.load(pos_ptr + b)
     end = position if WRITE else position + 1  # the entries read from the cache
@@ -38,15 +41,17 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, k_new_ptr, v_ne
     rows, dims, cols = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_N)
     q_offsets = b * stride_qb + h * stride_qh + rows[:, None] * D + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=rows[:, None] < G, other=0.0)
-    k_base = kv_ptr + b * stride_kvb + h * stride_kvh
+    k_base = kv_ptr + h * stride_kvh
     v_base = k_base + stride_kvkind
+    table = table_ptr + b * stride_tb
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     for start in range(first, stop, BLOCK_N):
         entries = start + cols
         live = entries < stop
-        offsets = entries[:, None] * stride_kvs + dims[None, :]
+        blocks = tl.load(table + entries // BS, mask=live, other=0)  # (int64: no overflow past 2**31 elements)
+        offsets = blocks[:, None] * stride_kvb + (entries % BS)[:, None] * stride_kvs + dims[None, :]
         k = tl.load(k_base + offsets, mask=live[:, None], other=0.0)
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -70,8 +75,9 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, k_new_ptr, v_ne
         if split == SPLITS - 1:
             k_new = tl.load(k_new_ptr + b * stride_kb + h * stride_kh + dims)
             v_new = tl.load(v_new_ptr + b * stride_vb + h * stride_vh + dims)
-            tl.store(k_base + position * stride_kvs + dims, k_new)
-            tl.store(v_base + position * stride_kvs + dims, v_new)
+            at = tl.load(table + position // BS) * stride_kvb + (position % BS) * stride_kvs + dims
+            tl.store(k_base + at, k_new)
+            tl.store(v_base + at, v_new)
             score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # (BLOCK_G,)
             if SOFTCAP:
                 score = softcap * (2.0 * tl.sigmoid(2.0 * score / softcap) - 1.0)
@@ -134,7 +140,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
                      k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                      block_n: int = 64, splits: int = 1, num_warps: int = 4, num_stages: int = 2,
                      scale: float | None = None, softcap: float | None = None,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, Hkv, G, D) contiguous, kv_layer (2, B, Hkv, max_seq, D) with unit stride in D, positions (B,):
     softmax(q k^T * scale) v over each slot's entries 0..position (scale: 1 / sqrt(D) unless given); with
     `softcap`, the logits are softcap * tanh(logits / softcap); with `window`, only the entries j with
@@ -142,7 +148,9 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
     stride in D, they are first written at each slot's position (slot b is row b). Returns (B, Hkv, G, D)
     like q. fp32 inputs are multiplied in full fp32 (no TF32). `splits` > 1 cuts each slot's entries into
     that many programs (more parallel loads) whose partial results a second kernel combines; it and the
-    launch settings are tuning knobs that bench/profile_decode.py times."""
+    launch settings are tuning knobs that bench/profile_decode.py times. With `block_table` (B, max_blocks) long,
+    kv_layer is paged, (2, num_blocks, Hkv, block_size, D): slot b's entry j at block block_table[b, j // block_size],
+    offset j % block_size."""
     b, hkv, g, d = q.shape
     if not triton_head_dim(d) or kv_layer.stride(-1) != 1 or not q.is_contiguous():
         raise ValueError(f"decode_attention needs a contiguous q and a power-of-two head dim >= 16, got {d}")
@@ -150,16 +158,18 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
     if write and (v_new is None or k_new.stride(-1) != 1 or v_new.stride(-1) != 1):
         raise ValueError("decode_attention takes k_new and v_new together, each with unit stride in D")
     k_new, v_new = (k_new, v_new) if write else (q, q)  # placeholders the kernel does not read
+    if block_table is None:  # one block per slot
+        block_table = torch.arange(b, dtype=torch.long, device=q.device)[:, None]
     out = torch.empty_like(q)
     block_g = max(16, triton.next_power_of_2(g))
     part = torch.empty(b * hkv * splits * block_g * (d + 2) if splits > 1 else 1, dtype=torch.float32,
                        device=q.device)
     _decode_attention[(b, hkv, splits)](
-        q, kv_layer, out, part, positions, k_new, v_new, d**-0.5 if scale is None else scale, softcap or 1.0,
-        window or 0, q.stride(0), q.stride(1),
-        *kv_layer.stride()[:4], k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        q, kv_layer, out, part, positions, block_table, k_new, v_new, d**-0.5 if scale is None else scale,
+        softcap or 1.0, window or 0, q.stride(0), q.stride(1), *kv_layer.stride()[:4], block_table.stride(0),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         G=g, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32, WRITE=write,
-        SOFTCAP=softcap is not None, WINDOW=window is not None,
+        SOFTCAP=softcap is not None, WINDOW=window is not None, BS=kv_layer.shape[3],
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine_splits[(b, hkv)](part, out, out.stride(0), out.stride(1), G=g, BLOCK_G=block_g, D=d,

@@ -6,7 +6,9 @@ sync per token):
 
     rows b*n+j wait in a queue (prompt-major)
     admit    waiting rows take the free slots: their prompts are prefilled (each distinct prompt once,
-             batched up to `prefill_tokens`), K/V written into the slots, the first token sampled
+             batched up to `prefill_tokens`, from the end of the longest prefix the cache already holds), K/V
+             written into blocks the prompt's rows share (a paged cache, `shardrl.rollout.paged`), the first
+             token sampled
     decode   `sync_every` steps over all slots; each step feeds one token per slot, samples the next on
              the device (Gumbel-max; noise keyed by a seeded generator) and updates the per-slot lengths,
              done flags and token buffers in place. On CUDA a step is one CUDA graph replay.
@@ -14,9 +16,11 @@ sync per token):
              tokens and take waiting rows, so a batch of mixed lengths does not decode at the pace of its
              longest row
     compact  when no row waits and the live rows fit in a narrower prefix of the slots (the widths step down
-             by an eighth of the slots, to `min_width`), they move to the first slots (K/V, tokens,
-             counters: one indexed copy) and the steps run on that prefix, so the tail of a batch of uneven
-             lengths does not pay for its finished rows
+             by an eighth of the slots, to `min_width`), they move to the first slots (block-table rows,
+             tokens, counters: one indexed copy; the K/V stays) and the steps run on that prefix, so the tail
+             of a batch of uneven lengths does not pay for its finished rows
+    retire   a finished row's full blocks stay indexed by their tokens (`prefix_cache`): a later prompt that
+             starts with them (a conversation's next turn, an agent's next request) reads them
 
 Attention in a step reads each slot's cache up to its own length (the Triton kernel, CUDA's default: one
 graph per sampling mode), or, with attention="sdpa", the first `seq_len` positions of every slot, `seq_len`
@@ -42,6 +46,7 @@ import torch
 from shardrl.engine.lora import merged_weight
 from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_prompts,
                                    contains_stop, copy_weights_in_place, cut_responses)
+from shardrl.rollout.paged import BlockPool
 from shardrl.rollout.fast_model import (DecoderBlock, FastCausalLM, SDPADecodeAttention, TritonDecodeAttention,
                                         build_fast_lm, head_dim_of, triton_head_dim)
 from shardrl.tokenizer import stop_token_ids
@@ -95,7 +100,8 @@ class SlotState:
     """All a decode step reads and writes, on the device, for B slots. Addresses never change while it
     lives (the CUDA graphs point at them). W = the cache's max_seq bounds a slot's generated tokens."""
 
-    kv: torch.Tensor  # (num_layers, 2, B, num_kv_heads, max_seq, head_dim), see fast_model
+    kv: torch.Tensor  # (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim), see fast_model and paged
+    table: torch.Tensor  # (B, max_seq / block_size) long: each slot's blocks (0, the scratch block, past them)
     tokens: torch.Tensor  # (B,) long: the token each slot feeds next (sampled, not yet in the cache)
     lengths: torch.Tensor  # (B,) long: tokens in the slot's cache = position of the token fed next
     done: torch.Tensor  # (B,) bool: finished, or empty
@@ -109,6 +115,7 @@ class SlotState:
     top_k: torch.Tensor  # () long; V when off
     top_p: torch.Tensor  # () float32; 2 when off
     eos: torch.Tensor  # (k,) long: the ids that end a response (`stop_token_ids`)
+    max_seq: int  # cache positions a slot may use
     step_routes: torch.Tensor | None = None  # (B, L, k) long: a step's experts per routed layer (record_routing)
     out_routes: torch.Tensor | None = None  # (B, W, L, k) int16: response token j's experts, as it was fed
 
@@ -116,9 +123,6 @@ class SlotState:
     def num_slots(self) -> int:
         return self.tokens.shape[0]
 
-    @property
-    def max_seq(self) -> int:
-        return self.kv.shape[-2]
 
 
 class FastRollout(Rollout):
@@ -145,6 +149,12 @@ class FastRollout(Rollout):
     frozen base that the trainer holds whole on this device; `load_lora` adds adapters at run time (unmerged),
     `merge_lora` writes base + scale * B @ A into the rollout's own weights (merged).
 
+    The KV cache is paged (`shardrl.rollout.paged`, blocks of `block_size` positions): the n samples of a prompt
+    read its blocks, prefilled once; with `prefix_cache` (default), a full block stays indexed by the tokens through
+    it after its row ends, so a later prompt that starts with them (a conversation's next turn, an agent's next
+    request, the n samples admitted later) prefills only what follows. The index is forgotten when the weights
+    change.
+
     `record_routing` (a mixture of experts; router replay R3): `generate`'s output carries `routed_experts`
     (N, P+R, L, k), the experts each token was routed to in each routed layer when the rollout ran it (the
     prompts' in the prefill, a response token's in the step that fed it), -1 where it ran nothing (padding, the
@@ -157,10 +167,11 @@ class FastRollout(Rollout):
                  cuda_graphs: bool | None = None, compile: bool | None = None, sync_every: int = 16,
                  seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0,
                  attention: str = "auto", sampler: str = "auto", min_width: int = 32, width_step: int | None = None,
-                 lazy_weights: bool = False, record_routing: bool = False):
+                 lazy_weights: bool = False, record_routing: bool = False, block_size: int = 64,
+                 prefix_cache: bool = True):
         for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every), ("min_width", min_width),
                             ("width_step", 1 if width_step is None else width_step),
-                            ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens),
+                            ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens), ("block_size", block_size),
                             ("max_batch", max_batch or 1), ("max_seq_len", max_seq_len or 1)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
@@ -183,6 +194,10 @@ class FastRollout(Rollout):
         if record_routing and not self.model.routed_layers:
             raise ValueError(f"record_routing needs a mixture of experts; {hf_config.model_type!r} routes no tokens")
         self.record_routing = record_routing
+        self.block_size, self.prefix_cache = block_size, prefix_cache
+        self._pool: BlockPool | None = None  # with the cache (`_allocate`)
+        self._slot_blocks: list[list[int]] = []  # the blocks each slot's row holds
+        self._registering = True  # whether finished rows index their blocks (not while weights change in a call)
         self._routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (prompt's, response's) routes
         compile = self.device.type == "cuda" if compile is None else compile
         self._block = DecoderBlock(compile, self._attention(attention, head_dim_of(hf_config)))
@@ -194,7 +209,8 @@ class FastRollout(Rollout):
         self._capture_stream = None  # the warm-up stream of every capture (see `_capture`)
         self._graph_pool = None
         self._released, self._weights_on_cpu, self._kept_shape = False, False, None
-        self.last_stats: dict = {}
+        self.last_stats: dict = {}  # the last generate call's counts
+        self.totals = {"prefill_tokens": 0, "cached_tokens": 0}  # prompt tokens run and read from the cache, all calls
 
     def _attention(self, name: str, head_dim: int) -> SDPADecodeAttention | TritonDecodeAttention:
         """The decode attention `name` asks for; "auto" takes triton where it can run, else sdpa."""
@@ -244,6 +260,12 @@ class FastRollout(Rollout):
                                  f"unset, e.g. {missing[:4]}")
             return
         copy_weights_in_place(self.model, weights)  # same addresses, so the captured graphs stay valid
+        self._forget_prefixes()
+
+    def _forget_prefixes(self) -> None:
+        """The cached K/V came from other weights: no later prompt may read it."""
+        if self._pool is not None:
+            self._pool.clear_index()
 
     def _drop_graphs(self) -> None:
         """Drops the captured graphs (stale once the weights' addresses or the decode step's structure change)."""
@@ -257,12 +279,14 @@ class FastRollout(Rollout):
         instead of holding a copy (`FastCausalLM.share_weights`); `release` then leaves them in place."""
         self.model.share_weights(weights)
         self._drop_graphs()
+        self._forget_prefixes()
 
     @torch.no_grad()
     def load_lora(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
         """LoRA adapters applied at run time (unmerged; `FastCausalLM.set_lora`), copied in place after the first."""
         first = not any(layer.lora for layer in self.model.model.layers)
         self.model.set_lora(adapters, scale)
+        self._forget_prefixes()
         if first:
             self._drop_graphs()
 
@@ -278,6 +302,7 @@ class FastRollout(Rollout):
         params = dict(self.model.named_parameters())
         for name, (a, b) in adapters.items():
             params[f"{name}.weight"].copy_(merged_weight(base[f"{name}.weight"], a, b, scale))
+        self._forget_prefixes()
 
     def release(self, weights: bool | None = None) -> None:
         """Frees the KV cache and graphs; with `weights` (default: the constructor's `release_weights`)
@@ -313,6 +338,7 @@ class FastRollout(Rollout):
         self._drop_graphs()
         self._graph_pool = None
         self._state = None
+        self._pool, self._slot_blocks = None, []
 
     def _allocate(self, num_slots: int, max_seq: int) -> SlotState:
         dev, b = self.device, num_slots
@@ -325,8 +351,13 @@ class FastRollout(Rollout):
             shape = (len(self.model.routed_layers), self.model.layer_consts[self.model.routed_layers[0]].top_k)
             routes = dict(step_routes=torch.zeros(b, *shape, **long),
                           out_routes=torch.full((b, max_seq, *shape), -1, dtype=torch.int16, device=dev))
+        per_row = -(-max_seq // self.block_size)
+        self._pool = BlockPool(b * per_row + 1, self.block_size)  # every slot's longest row, and the scratch block
+        self._slot_blocks = [[] for _ in range(b)]
         return SlotState(
-            kv=torch.zeros(self.model.kv_shape(b, max_seq), dtype=first.dtype, device=dev),
+            kv=torch.zeros(self.model.kv_shape(self._pool.num_blocks, self.block_size), dtype=first.dtype,
+                           device=dev),
+            table=torch.zeros(b, per_row, **long), max_seq=max_seq,
             tokens=torch.zeros(b, **long), lengths=torch.zeros(b, **long),
             done=torch.ones(b, dtype=torch.bool, device=dev), num_generated=torch.zeros(b, **long),
             max_new=torch.ones(b, **long), out_tokens=torch.zeros(b, max_seq, **long),
@@ -370,7 +401,7 @@ class FastRollout(Rollout):
         out_tokens, out_log_probs = st.out_tokens[:w], st.out_log_probs[:w]
         active = ~done
         routes = None if st.out_routes is None else st.step_routes[:w]
-        logits = self.model.decode(tokens_in, lengths, st.kv[:, :, :w], seq_len, self._block, routes)  # (w, V)
+        logits = self.model.decode(tokens_in, lengths, st.kv, st.table[:w], seq_len, self._block, routes)  # (w, V)
         if self._uses_fused_sampler(mode):
             tokens, log_probs = self._fused_sample(logits, mode == GREEDY, st.temperature, st.seed)
         else:
@@ -512,8 +543,10 @@ class FastRollout(Rollout):
         slot_row = [-1] * num_slots
         results: list = [None] * len(queue)
         self._routes = {}
-        stats = dict(decode_steps=0, syncs=0, prefill_tokens=0, num_slots=num_slots, max_seq=st.max_seq,
-                     slot_steps=0, compactions=0)
+        self._registering = track is None  # a row that saw a weight change holds K/V of two versions
+        self._prompt_tokens: dict[int, list[int]] = {}
+        stats = dict(decode_steps=0, syncs=0, prefill_tokens=0, cached_tokens=0, num_slots=num_slots,
+                     max_seq=st.max_seq, slot_steps=0, compactions=0)
         widths = self._widths(num_slots)
         while True:
             done, lengths, generated = torch.stack([st.done.long(), st.lengths, st.num_generated]).tolist()
@@ -524,7 +557,7 @@ class FastRollout(Rollout):
                     done[s] = True
             finished = [s for s in range(num_slots) if slot_row[s] >= 0 and done[s]]
             if finished:
-                self._retire(finished, slot_row, generated, results)
+                self._retire(finished, slot_row, generated, results, prompts, n)
                 if feed is not None:
                     for s in finished:
                         feed.finished(slot_row[s], *results[slot_row[s]])
@@ -545,7 +578,9 @@ class FastRollout(Rollout):
                 if track is not None:
                     for _, row in admitted:
                         track.begin(row)
-                stats["prefill_tokens"] += self._admit(admitted, prompts, limits, n, mode, generator)
+                run, cached = self._admit(admitted, prompts, limits, n, mode, generator)
+                stats["prefill_tokens"] += run
+                stats["cached_tokens"] += cached
                 for s, row in admitted:
                     slot_row[s], lengths[s], generated[s] = row, len(prompts[row // n]), 1
             live = [s for s in range(num_slots) if slot_row[s] >= 0]
@@ -567,6 +602,8 @@ class FastRollout(Rollout):
             stats["decode_steps"] += num_steps
             stats["slot_steps"] += num_steps * width
         self.last_stats = stats
+        for key in ("prefill_tokens", "cached_tokens"):
+            self.totals[key] += stats[key]
         return results
 
     def _widths(self, num_slots: int) -> list[int]:
@@ -583,18 +620,18 @@ class FastRollout(Rollout):
         return sorted({num_slots, *range(step * (-(-self.min_width // step)), num_slots, step), self.min_width})
 
     def _compact(self, width: int, slot_row: list[int], lengths: list[int], generated: list[int]) -> None:
-        """Moves the rows decoding in slots >= `width` into the free slots below it: their K/V (the positions
-        in use), next token, counters and outputs, in one indexed copy per tensor; the host lists follow."""
+        """Moves the rows decoding in slots >= `width` into the free slots below it: their block-table rows (the K/V
+        stays where it is), next token, counters and outputs, in one indexed copy per tensor; the host lists follow."""
         st = self._state
         src = [s for s in range(width, st.num_slots) if slot_row[s] >= 0]
         dst = [s for s in range(width) if slot_row[s] < 0][: len(src)]
         assert len(dst) == len(src), "compaction needs as many free slots below the width as rows above it"
         s_t = torch.tensor(src, dtype=torch.long, device=self.device)
         d_t = torch.tensor(dst, dtype=torch.long, device=self.device)
-        span, made = max(lengths[s] for s in src), max(generated[s] for s in src)
-        st.kv[:, :, d_t, :, :span] = st.kv[:, :, s_t, :, :span]
-        for t in (st.tokens, st.lengths, st.done, st.num_generated, st.max_new):
+        made = max(generated[s] for s in src)
+        for t in (st.table, st.tokens, st.lengths, st.done, st.num_generated, st.max_new):
             t[d_t] = t[s_t]
+        st.table[s_t] = 0
         st.out_tokens[d_t, :made] = st.out_tokens[s_t, :made]
         st.out_log_probs[d_t, :made] = st.out_log_probs[s_t, :made]
         if st.out_routes is not None:
@@ -604,11 +641,15 @@ class FastRollout(Rollout):
         for s, d in zip(src, dst):
             slot_row[d], lengths[d], generated[d] = slot_row[s], lengths[s], generated[s]
             slot_row[s], lengths[s], generated[s] = -1, 0, 0
+            self._slot_blocks[d], self._slot_blocks[s] = self._slot_blocks[s], []
 
-    def _admit(self, admitted, prompts, limits, n, mode, generator) -> int:
-        """Prefills the prompts of `admitted` (slot, row) pairs into their slots and samples each row's first
-        token; each distinct prompt runs once per chunk of at most `prefill_tokens`. Returns tokens run."""
-        st, total = self._state, 0
+    def _admit(self, admitted, prompts, limits, n, mode, generator) -> tuple[int, int]:
+        """Prefills the prompts of `admitted` (slot, row) pairs into their slots' blocks and samples each row's
+        first token; each distinct prompt runs once per chunk of at most `prefill_tokens`, from the end of its
+        longest cached prefix (`BlockPool.lookup`), and its rows share its full blocks (each gets its own copy of
+        the last, partly filled one). Returns (tokens run, prompt tokens read from the cache)."""
+        st, pool, size = self._state, self._pool, self.block_size
+        run = cached_total = 0
         chunks, current, distinct, longest = [], [], set(), 0
         for slot, row in admitted:
             b = row // n
@@ -620,39 +661,86 @@ class FastRollout(Rollout):
             distinct.add(b)
             longest = max(longest, len(prompts[b]))
         chunks.append(current)
+        to_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        lookup = self.prefix_cache and not self.record_routing  # (R3 records the routing of every prompt token)
         for chunk in chunks:
             order = list(dict.fromkeys(row // n for _, row in chunk))  # distinct prompts, in order
             index = {b: i for i, b in enumerate(order)}
-            lens = [len(prompts[b]) for b in order]
-            ids = torch.full((len(order), max(lens)), self.pad_id, dtype=torch.long, device=self.device)
-            for i, b in enumerate(order):
-                ids[i, : lens[i]] = prompts[b]
-            to_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-            slots, source = to_dev([s for s, _ in chunk]), to_dev([index[row // n] for _, row in chunk])
-            lens_t, limit_t = to_dev(lens), to_dev([limits[row // n] for _, row in chunk])
+            tokens = [self._tokens_of(prompts, b) for b in order]
+            owned, starts = [], []
+            for b, toks in zip(order, tokens):  # the first row of each prompt prefills it into its blocks
+                hit = pool.lookup(toks, len(toks) - 1) if lookup else []  # (its last token is run: the logits)
+                owned.append(hit + pool.allocate(-(-(len(toks) + limits[b]) // size) - len(hit)))
+                starts.append(len(hit) * size)
+            lens = [len(t) - c for t, c in zip(tokens, starts)]
+            ids = torch.full((len(order), max(lens)), self.pad_id, dtype=torch.long)
+            for i, (toks, c) in enumerate(zip(tokens, starts)):
+                ids[i, : lens[i]] = torch.tensor(toks[c:], dtype=torch.long)
+            tables = torch.zeros(len(order), st.table.shape[1], dtype=torch.long)
+            for i, blocks in enumerate(owned):
+                tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            ids, tables, lens_t = ids.to(self.device), tables.to(self.device), to_dev(lens)
             routes = None
             if st.out_routes is not None:
                 routes = torch.empty((ids.numel(), *st.step_routes.shape[1:]), dtype=torch.long, device=self.device)
-            logits = self.model.prefill(ids, lens_t, st.kv, slots, source, self._block, routes)
+            logits = self.model.prefill(ids, lens_t, st.kv, tables, starts, self._block, routes)
+            if self._registering and self.prefix_cache:
+                for toks, blocks in zip(tokens, owned):
+                    pool.register(toks, blocks, len(toks))
+            # the rows: a prompt's first takes its blocks; the others share its full blocks and copy the partial one
+            copies, rows_blocks, firsts = [], [], set()
+            for _, row in chunk:
+                b = row // n
+                i, plen = index[b], len(tokens[index[b]])
+                if b not in firsts:
+                    firsts.add(b)
+                    rows_blocks.append(owned[i])
+                    continue
+                full = owned[i][: plen // size]
+                pool.hold(full)
+                own = pool.allocate(-(-(plen + limits[b]) // size) - len(full))
+                if plen % size:
+                    copies.append((owned[i][len(full)], own[0]))
+                rows_blocks.append(full + own)
+            if copies:
+                src, dst = to_dev([c[0] for c in copies]), to_dev([c[1] for c in copies])
+                st.kv[:, :, dst] = st.kv[:, :, src]
+            slots = to_dev([s for s, _ in chunk])
+            source = to_dev([index[row // n] for _, row in chunk])
+            rows_table = torch.zeros(len(chunk), st.table.shape[1], dtype=torch.long)
+            for j, ((slot, _), blocks) in enumerate(zip(chunk, rows_blocks)):
+                rows_table[j, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+                self._slot_blocks[slot] = blocks
+            st.table[slots] = rows_table.to(self.device)
             logits = logits.float()[source]  # (k, V)
             if routes is not None:  # each row's prompt: the routing of the prefill that wrote its K/V
                 routes = routes.view(*ids.shape, *routes.shape[1:]).to(torch.int16).cpu()
                 for (_, row), i in zip(chunk, source.tolist()):
                     self._routes[row] = (routes[i, : lens[i]], None)
+            limit_t = to_dev([limits[row // n] for _, row in chunk])
             noise = None if mode == GREEDY else torch.empty_like(logits).exponential_(generator=generator)
-            tokens, log_probs = sample_tokens(logits, mode, noise, st.temperature, st.top_k, st.top_p)
-            st.tokens[slots] = tokens
-            st.lengths[slots] = lens_t[source]
+            tokens_out, log_probs = sample_tokens(logits, mode, noise, st.temperature, st.top_k, st.top_p)
+            st.tokens[slots] = tokens_out
+            st.lengths[slots] = to_dev([len(tokens[index[row // n]]) for _, row in chunk])
             st.num_generated[slots] = 1
             st.max_new[slots] = limit_t
-            st.out_tokens[slots, 0] = tokens
+            st.out_tokens[slots, 0] = tokens_out
             st.out_log_probs[slots, 0] = log_probs
-            st.done[slots] = (tokens[:, None] == st.eos).any(-1) | (limit_t <= 1)
-            total += ids.numel()
-        return total
+            st.done[slots] = (tokens_out[:, None] == st.eos).any(-1) | (limit_t <= 1)
+            run += ids.numel()
+            cached_total += sum(starts)
+        return run, cached_total
 
-    def _retire(self, finished, slot_row, generated, results) -> None:
-        """Copies the finished slots' tokens to the host (one transfer) and marks the slots empty."""
+    def _tokens_of(self, prompts, b: int) -> list[int]:
+        """Prompt b's ids on the host (read once per call)."""
+        if b not in self._prompt_tokens:
+            self._prompt_tokens[b] = prompts[b].tolist()
+        return self._prompt_tokens[b]
+
+    def _retire(self, finished, slot_row, generated, results, prompts, n: int) -> None:
+        """Copies the finished slots' tokens to the host (one transfer), indexes the full blocks of what each
+        row's cache holds (prompt and fed tokens; `prefix_cache`), releases the rows' blocks and marks the slots
+        empty."""
         st = self._state
         idx = torch.tensor(finished, dtype=torch.long, device=self.device)
         width = max(generated[s] for s in finished)
@@ -660,6 +748,12 @@ class FastRollout(Rollout):
         log_probs = st.out_log_probs[idx, :width].cpu()
         for i, s in enumerate(finished):
             results[slot_row[s]] = (tokens[i, : generated[s]].tolist(), log_probs[i, : generated[s]])
+            blocks = self._slot_blocks[s]
+            if self.prefix_cache and self._registering:
+                prompt = self._tokens_of(prompts, slot_row[s] // n)
+                self._pool.register(prompt + results[slot_row[s]][0], blocks, len(prompt) + generated[s] - 1)
+            self._pool.release(blocks)
+            self._slot_blocks[s] = []
         if st.out_routes is not None:  # the tokens fed: all but the last
             routes = st.out_routes[idx, : max(width - 1, 1)].cpu()
             for i, s in enumerate(finished):
@@ -667,6 +761,7 @@ class FastRollout(Rollout):
                 self._routes[row] = (self._routes[row][0], routes[i, : generated[s] - 1])
         st.lengths[idx] = 0
         st.done[idx] = True
+        st.table[idx] = 0
 
     def _find_stops(self, live: list[int], generated: list[int], stop: list[str]) -> list[int]:
         """The live slots whose response now holds a stop string (marked done on the device too). Only the

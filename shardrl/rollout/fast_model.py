@@ -329,10 +329,22 @@ def attention_inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, eps: float,
     return q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v.view(b, num_kv_heads, head_dim)
 
 
-def write_kv(k, v, kv_layer, slots, positions) -> None:
-    """Writes one token's k, v (B, Hkv, D) per slot at `positions` into kv_layer (2, B, Hkv, max_seq, D)."""
+def write_kv(k, v, kv_layer, slots, positions, table: torch.Tensor | None = None) -> None:
+    """Writes one token's k, v (B, Hkv, D) per slot at `positions` into kv_layer (2, B, Hkv, max_seq, D); with
+    `table` (B, max_blocks), into the paged kv_layer (2, num_blocks, Hkv, block_size, D) at each slot's block."""
+    if table is not None:
+        size = kv_layer.shape[3]
+        slots, positions = table[slots, positions // size], positions % size
     kv_layer[0][slots, :, positions] = k
     kv_layer[1][slots, :, positions] = v
+
+
+def gather_blocks(kv_layer, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (B, Hkv, length, D) of the first `length` positions of each row of `table` (B, >= blocks)."""
+    size = kv_layer.shape[3]
+    blocks = kv_layer[:, table[:, : -(-length // size)]]  # (2, B, nb, Hkv, size, D)
+    kv = blocks.transpose(2, 3).flatten(3, 4)[:, :, :, :length]  # (2, B, Hkv, nb * size, D) -> length
+    return kv[0], kv[1]
 
 
 class LayerConsts(NamedTuple):
@@ -389,12 +401,13 @@ class SDPADecodeAttention:
         mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
         return mask[:, None, None, :]
 
-    def __call__(self, q, k, v, kv_layer, slots, positions, mask, c: LayerConsts) -> torch.Tensor:
-        """Writes k, v (B, Hkv, D) into the cache (`write_kv`), then attends: q (B, Hkv, G, D) (the G query
-        heads of a KV head as its "query positions": GQA without copying the cache) -> (B, Hkv, G, D)."""
-        write_kv(k, v, kv_layer, slots, positions)
-        seq = mask.shape[-1]
-        keys, values = kv_layer[0][:, :, :seq], kv_layer[1][:, :, :seq]
+    def __call__(self, q, k, v, kv_layer, table, positions, mask, c: LayerConsts) -> torch.Tensor:
+        """Writes k, v (B, Hkv, D) into the paged cache at each slot's position (`write_kv`), then attends to the
+        slot's first `seq_len` positions (gathered from its blocks, `table` (B, max_blocks)): q (B, Hkv, G, D)
+        (the G query heads of a KV head as its "query positions": GQA without copying the cache) -> (B, Hkv, G, D)."""
+        slots = torch.arange(q.shape[0], device=q.device)
+        write_kv(k, v, kv_layer, slots, positions, table)
+        keys, values = gather_blocks(kv_layer, table, mask.shape[-1])
         if c.softcap is not None:
             return softcapped_attention(q, keys, values, mask, c.scale, c.softcap)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=c.scale)
@@ -417,12 +430,12 @@ class TritonDecodeAttention:
     def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
         return positions
 
-    def __call__(self, q, k, v, kv_layer, slots, positions, mask, c: LayerConsts) -> torch.Tensor:
-        """As `SDPADecodeAttention`; slot b is row b (slots = arange(B))."""
-        limits = dict(scale=c.scale, softcap=c.softcap, window=c.window)
+    def __call__(self, q, k, v, kv_layer, table, positions, mask, c: LayerConsts) -> torch.Tensor:
+        """As `SDPADecodeAttention`; the kernel reads the blocks through `table`."""
+        limits = dict(scale=c.scale, softcap=c.softcap, window=c.window, block_table=table)
         if self.fuse_kv_write:
             return self.attend(q.contiguous(), kv_layer, positions, k, v, **limits)
-        write_kv(k, v, kv_layer, slots, positions)
+        write_kv(k, v, kv_layer, torch.arange(q.shape[0], device=q.device), positions, table)
         return self.attend(q.contiguous(), kv_layer, positions, **limits)
 
 
@@ -477,22 +490,25 @@ class DecoderBlock:
         self.prefill_inputs, self.prefill_output = free(_prefill_inputs), free(_prefill_output)
         self.attention = attention or SDPADecodeAttention()
 
-    def decode(self, x, cos, sin, kv_layer, slots, positions, mask, weights: tuple, c: LayerConsts,
+    def decode(self, x, cos, sin, kv_layer, table, positions, mask, weights: tuple, c: LayerConsts,
                with_route: bool = False):
-        """x (B, hidden) at `positions` (B,); slots = arange(B); `mask` from `self.attention.mask` for the
-        layer's window; `weights` from `DecoderLayer.block_weights`. `with_route` (a routed layer): (x, experts)."""
+        """x (B, hidden) at `positions` (B,); `table` (B, max_blocks) the slots' blocks; `mask` from
+        `self.attention.mask` for the layer's window; `weights` from `DecoderLayer.block_weights`. `with_route`
+        (a routed layer): (x, experts)."""
         (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
          qkv_lora, o_lora, mlp_lora, scale) = weights
         q, k, v = self.inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5], qkv_lora, scale)
-        attn = self.attention(q, k, v, kv_layer, slots, positions, mask, c)
+        attn = self.attention(q, k, v, kv_layer, table, positions, mask, c)
         return self.output(x, attn, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
                            c.eps, c.gemma, c.act, o_lora, mlp_lora, scale, c.top_k, c.normalize_top_k,
                            c.fp32_route, with_route)
 
-    def prefill(self, x, cos, sin, kv_layer, slots, source, length: int, weights: tuple, c: LayerConsts,
-                with_route: bool = False):
-        """x (U * length, hidden): U right-padded prompts at positions 0..length-1, flattened; writes their
-        K/V into `slots` (prompt i of the chunk goes to slot slots[j] for every j with source[j] == i)."""
+    def prefill(self, x, cos, sin, kv_layer, write_at: tuple, prefix: tuple | None, length: int, weights: tuple,
+                c: LayerConsts, with_route: bool = False):
+        """x (U * length, hidden): the U prompts' tokens past their cached prefixes, right-padded, flattened;
+        writes their K/V at `write_at` = (token index, block, offset) of the real ones. `prefix` None: no prompt
+        has a cached prefix (causal attention over the chunk); else (blocks (U, nb), visible (U, length, C +
+        length) boolean for the layer's window): the prefixes' C positions are read from the blocks."""
         (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
          qkv_lora, o_lora, mlp_lora, scale) = weights
         q, k, v = self.prefill_inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5], qkv_lora, scale)
@@ -500,10 +516,20 @@ class DecoderBlock:
         q = q.view(u, length, c.num_heads, c.head_dim).transpose(1, 2)  # (U, H, L, D)
         k = k.view(u, length, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (U, Hkv, L, D)
         v = v.view(u, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        kv_layer[0][slots, :, :length] = k[source]
-        kv_layer[1][slots, :, :length] = v[source]
+        index, blocks, offsets = write_at
+        kv_layer[0][blocks, :, offsets] = k.transpose(1, 2).flatten(0, 1)[index]
+        kv_layer[1][blocks, :, offsets] = v.transpose(1, 2).flatten(0, 1)[index]
+        if prefix is not None:  # keys: the cached prefix, then the chunk's own
+            table, visible = prefix
+            keys, values = gather_blocks(kv_layer, table, visible.shape[-1] - length)
+            keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+            if c.softcap is not None:
+                attn = softcapped_attention(q, keys, values, visible[:, None], c.scale, c.softcap)
+            else:
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], scale=c.scale,
+                                                      enable_gqa=True)
         # causal suffices: padding sits after each prompt, so no real query sees it
-        if c.softcap is not None or (c.window is not None and c.window < length):
+        elif c.softcap is not None or (c.window is not None and c.window < length):
             pos = torch.arange(length, device=x.device)
             attn = softcapped_attention(q, k, v, visible_keys(pos, pos, c.window), c.scale, c.softcap)
         else:
@@ -644,9 +670,10 @@ class FastCausalLM(nn.Module):
                 held[1].copy_(b)
             layer.lora_scale = float(scale)
 
-    def kv_shape(self, num_slots: int, max_seq: int) -> tuple[int, ...]:
+    def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The paged cache: per layer, K and V of `num_blocks` blocks of `block_size` positions."""
         c = self.config
-        return (c.num_hidden_layers, 2, num_slots, c.num_key_value_heads, max_seq, head_dim_of(c))
+        return (c.num_hidden_layers, 2, num_blocks, c.num_key_value_heads, block_size, head_dim_of(c))
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """{rope key: (cos, sin) (*positions.shape, D)}."""
@@ -670,42 +697,62 @@ class FastCausalLM(nn.Module):
         """The layers with routed experts, in order (the L of a routing record (..., L, k))."""
         return [i for i, c in enumerate(self.layer_consts) if c.top_k]
 
-    def prefill(self, ids, lengths, kv, slots, source, block: DecoderBlock | None = None,
+    def prefill(self, ids, lengths, kv, tables, starts: list[int] | None = None, block: DecoderBlock | None = None,
                 routes: torch.Tensor | None = None) -> torch.Tensor:
-        """ids (U, L) right-padded prompts with `lengths` (U,); writes K/V to kv[:, :, slots] (see
-        `DecoderBlock.prefill`) and returns the logits after each prompt's last token, (U, V). `routes`
-        (U * L, len(routed_layers), k) receives each token's experts per routed layer."""
+        """ids (U, L): U prompts' tokens from position starts[i] on (default 0; a multiple of the block size, the
+        positions before it already in the blocks), right-padded, with `lengths` (U,) tokens each; writes their
+        K/V into the blocks of `tables` (U, max_blocks) and returns the logits after each prompt's last token,
+        (U, V). `routes` (U * L, len(routed_layers), k) receives each token's experts per routed layer."""
         u, length = ids.shape
+        dev, size = ids.device, kv.shape[4]
+        starts_t = torch.tensor(starts or [0] * u, dtype=torch.long, device=dev)
+        positions = starts_t[:, None] + torch.arange(length, device=dev)  # (U, L)
         x = self.embed(ids.flatten())  # (U * L, hidden)
-        rotary = {key: (cos.repeat(u, 1)[:, None], sin.repeat(u, 1)[:, None])  # (U * L, 1, D)
-                  for key, (cos, sin) in self.rotary(torch.arange(length, device=ids.device), x.dtype).items()}
+        rotary = {key: (cos.flatten(0, 1)[:, None], sin.flatten(0, 1)[:, None])  # (U * L, 1, D)
+                  for key, (cos, sin) in self.rotary(positions, x.dtype).items()}
+        real = (torch.arange(length, device=dev) < lengths[:, None]).flatten()
+        index = real.nonzero().squeeze(1)
+        flat = positions.flatten()[index]
+        write_at = (index, tables.repeat_interleave(length, 0)[index, flat // size], flat % size)
+        prefixes = {}
+        if starts and max(starts) > 0:  # the cached prefixes' blocks and each window's visibility
+            cached = max(starts)
+            keys = torch.cat([torch.arange(cached, device=dev).expand(u, -1), positions], 1)  # (U, C + L)
+            known = torch.cat([torch.arange(cached, device=dev) < starts_t[:, None],
+                               torch.ones(u, length, dtype=torch.bool, device=dev)], 1)
+            for window in {c.window for c in self.layer_consts}:
+                visible = (keys[:, None, :] <= positions[:, :, None]) & known[:, None, :]  # (U, L, C + L)
+                if window is not None:
+                    visible &= keys[:, None, :] > positions[:, :, None] - window
+                prefixes[window] = (tables, visible)
         block = block or DecoderBlock()
         routed = {layer: j for j, layer in enumerate(self.routed_layers)} if routes is not None else {}
         for i, layer in enumerate(self.model.layers):
-            x = block.prefill(x, *rotary[self.layer_rope[i]], kv[i], slots, source, length, layer.block_weights(),
-                              self.layer_consts[i], i in routed)
+            c = self.layer_consts[i]
+            x = block.prefill(x, *rotary[self.layer_rope[i]], kv[i], write_at, prefixes.get(c.window), length,
+                              layer.block_weights(), c, i in routed)
             if i in routed:
                 x, experts = x
                 routes[:, routed[i]] = experts
         last = x.view(u, length, -1)[torch.arange(u, device=x.device), lengths - 1]  # (U, hidden)
         return self.logits(last)
 
-    def decode(self, tokens, positions, kv, seq_len: int, block: DecoderBlock | None = None,
+    def decode(self, tokens, positions, kv, table, seq_len: int, block: DecoderBlock | None = None,
                routes: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per slot: tokens, positions (B,) over all B slots of `kv`; attends to cache entries
+        """One token per slot: tokens, positions (B,) for the B slots whose blocks `table` (B, max_blocks) names
+        in the paged cache `kv` (`kv_shape`); attends to cache entries
         [0, positions] (from the window's start on a sliding-window layer) within the first `seq_len`
         (`TritonDecodeAttention` reads no further than positions). `block`: how to run a layer (default:
         eager, SDPA). Returns logits (B, V); `routes` (B, len(routed_layers), k) receives each token's experts."""
         x = self.embed(tokens)  # (B, hidden)
         rotary = {key: (cos[:, None], sin[:, None])  # broadcast over heads
                   for key, (cos, sin) in self.rotary(positions, x.dtype).items()}
-        slots = torch.arange(tokens.shape[0], device=tokens.device)
         block = block or DecoderBlock()
         masks = {c.window: block.attention.mask(positions, seq_len, x.dtype, c.window) for c in self.layer_consts}
         routed = {layer: j for j, layer in enumerate(self.routed_layers)} if routes is not None else {}
         for i, layer in enumerate(self.model.layers):
             c = self.layer_consts[i]
-            x = block.decode(x, *rotary[self.layer_rope[i]], kv[i], slots, positions, masks[c.window],
+            x = block.decode(x, *rotary[self.layer_rope[i]], kv[i], table, positions, masks[c.window],
                              layer.block_weights(), c, i in routed)
             if i in routed:
                 x, experts = x

@@ -1,0 +1,105 @@
+"""The fast rollout's KV blocks: which rows hold which, and which token prefixes they already hold.
+
+The cache is `num_blocks` blocks of `block_size` positions (`FastCausalLM.kv_shape`); a row's cache is the list of
+blocks in its slot's row of the block table. Block 0 is scratch: table entries past a row's blocks point at it, and
+so do the rows of empty slots, whose decode steps still run and write somewhere.
+
+Prefix index: a block whose positions are all written (a full block of a prompt once prefilled, of a finished row's
+prompt and response once retired) is indexed by the tokens from the sequence's start through its end. A later row
+whose prompt starts with those tokens reads the block instead of prefilling them again: the n samples of a prompt,
+a conversation's next turn (its prompt is the last turn's context, the sampled tokens and what the tool added), an
+agent's next request. Blocks are shared read-only; a row writes only into its own blocks (the last, partly filled
+block of a shared prompt is copied for each row). A block nobody holds stays indexed until its space is needed
+(least recently used first) or the weights change (`clear_index`: the K/V came from the old weights).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 2 or block_size < 1:
+            raise ValueError(f"a block pool needs >= 2 blocks of >= 1 position, got {num_blocks} x {block_size}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.refs = [0] * num_blocks
+        self.free = list(range(num_blocks - 1, 0, -1))  # block 0 is scratch, never handed out
+        self.index: dict[tuple, int] = {}  # key of a token prefix -> its last full block
+        self.key_of: dict[int, tuple] = {}  # block -> its key, for the blocks in the index
+        self.idle: OrderedDict[int, None] = OrderedDict()  # indexed blocks nobody holds, least recently used first
+
+    def available(self) -> int:
+        return len(self.free) + len(self.idle)
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` blocks for one holder: free ones first, then the least recently used indexed ones."""
+        if count > self.available():
+            raise RuntimeError(f"the KV cache has {self.available()} free blocks, {count} asked for")
+        blocks = []
+        for _ in range(count):
+            if self.free:
+                block = self.free.pop()
+            else:
+                block, _ = self.idle.popitem(last=False)
+                del self.index[self.key_of.pop(block)]
+            self.refs[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def hold(self, blocks: list[int]) -> None:
+        """One more holder of each block (a row sharing them)."""
+        for block in blocks:
+            if self.refs[block] == 0:
+                self.idle.pop(block, None)
+            self.refs[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if block in self.key_of:
+                    self.idle[block] = None
+                else:
+                    self.free.append(block)
+
+    def keys(self, tokens: list[int], num_blocks: int) -> list[tuple]:
+        """The index keys of the first `num_blocks` full blocks of `tokens`: each the previous key's hash and
+        the block's own tokens (so equal keys mean equal prefixes, up to a hash collision of the earlier part)."""
+        keys, previous, size = [], 0, self.block_size
+        for i in range(num_blocks):
+            key = (previous, tuple(tokens[i * size:(i + 1) * size]))
+            keys.append(key)
+            previous = hash(key)
+        return keys
+
+    def lookup(self, tokens: list[int], limit: int) -> list[int]:
+        """The indexed blocks that hold the longest prefix of `tokens` of at most `limit` positions (whole
+        blocks), held for the caller (`release` them with the rest)."""
+        found = []
+        for key in self.keys(tokens, min(limit, len(tokens)) // self.block_size):
+            block = self.index.get(key)
+            if block is None:
+                break
+            found.append(block)
+        self.hold(found)
+        for block in found:  # most recently used
+            if block in self.idle:
+                self.idle.move_to_end(block)
+        return found
+
+    def register(self, tokens: list[int], blocks: list[int], written: int) -> None:
+        """Indexes the full blocks among the first `written` positions of a row holding `blocks` for `tokens`
+        (a prefix already indexed keeps its block)."""
+        for key, block in zip(self.keys(tokens, written // self.block_size), blocks):
+            if key not in self.index and block not in self.key_of:
+                self.index[key] = block
+                self.key_of[block] = key
+
+    def clear_index(self) -> None:
+        """Forgets every prefix (the weights changed): idle blocks become free, held ones free on release."""
+        self.free.extend(self.idle)
+        self.idle.clear()
+        self.index.clear()
+        self.key_of.clear()

@@ -1,0 +1,130 @@
+"""The fast rollout's paged KV cache and its prefix index (`shardrl.rollout.paged`): rows of a prompt share its
+blocks, a prompt that starts with what an earlier row's cache held (a conversation's next turn, the n samples
+admitted later) prefills only the rest, and the tokens and log-probs are those of a rollout without the index
+(greedy tokens equal, sampled log-probs equal a plain forward's), at block sizes from 1 to a whole row; new
+weights forget the index. CPU, fp32, tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardrl.rollout import SamplingParams
+from shardrl.rollout.paged import BlockPool
+from test_rollout_fast import (assert_same_output, encode, make_rollout, reference_model, tok,  # noqa: F401
+                               with_eos_at_different_steps)
+from test_rollout_hf import recomputed_log_probs
+
+
+def test_the_pool_counts_holders_keeps_finished_prefixes_and_evicts_the_least_recent():
+    pool = BlockPool(7, 2)  # blocks 1..6 (0 is scratch)
+    a = pool.allocate(3)
+    assert 0 not in a and pool.available() == 3
+    pool.register([5, 6, 7, 8, 9], a, written=5)  # two full blocks indexed, the third partial
+    pool.release(a)
+    assert pool.available() == 6 and len(pool.idle) == 2
+    hit = pool.lookup([5, 6, 7, 8, 1, 2], limit=6)
+    assert hit == a[:2] and pool.refs[a[0]] == 1 and not pool.idle
+    assert pool.lookup([5, 6, 7, 9], limit=4) == [a[0]]  # the shared first block only
+    assert pool.lookup([5, 6, 7, 8], limit=3) == [a[0]]  # at most `limit` positions
+    pool.release(hit + [a[0], a[0]])
+    assert pool.refs[a[0]] == 0 and list(pool.idle) == [a[1], a[0]]  # a[0] used last
+    taken = pool.allocate(5)  # four free ones, then the least recently used indexed one
+    assert a[1] in taken and a[0] not in taken and pool.lookup([5, 6, 7, 8], 4) == [a[0]]
+    with pytest.raises(RuntimeError, match="0 free blocks, 1 asked for"):
+        pool.allocate(1)
+    pool.release([a[0]])
+    assert list(pool.idle) == [a[0]] and pool.available() == 1
+    pool.clear_index()  # new weights: nothing is found, the idle block is free again
+    assert pool.lookup([5, 6, 7, 8], 4) == [] and not pool.idle and pool.free == [a[0]]
+
+
+def next_turns(tok, out, extra: str = " ok? "):
+    """Each row's context (prompt, response) and `extra`: a conversation's next turn, token-exact."""
+    rows = []
+    for r in range(len(out)):
+        prompt = out.prompt_ids[r][out.prompt_mask[r].bool()].tolist()
+        rows.append(prompt + out.response_ids[r][out.response_mask[r].bool()].tolist() + tok(extra)["input_ids"])
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, width - len(row):], mask[r, width - len(row):] = torch.tensor(row), 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 7, 64])
+def test_paged_generation_equals_the_reference_and_next_turns_read_the_cache(tok, block_size):
+    model = reference_model(tok, seed=1)
+    tok = with_eos_at_different_steps(tok, model)
+    kwargs = dict(block_size=block_size, max_batch=4, sync_every=3, min_width=2, width_step=2, seq_bucket=8,
+                  max_seq_len=128)  # (a cache that grows is a new one: its index starts empty)
+    fast = make_rollout("fast", tok, model, **kwargs)
+    plain = make_rollout("fast", tok, model, **{**kwargs, "prefix_cache": False})
+    hf = make_rollout("hf", tok, model)
+    greedy = SamplingParams(n=2, greedy=True, max_new_tokens=14)
+    first = fast.generate(*encode(tok), greedy)
+    assert_same_output(first, hf.generate(*encode(tok), greedy))
+    assert fast.last_stats["compactions"] > 0  # 12 rows over 4 slots, ending apart: slots reused, rows moved
+    ids, mask = next_turns(tok, first)
+    one = SamplingParams(greedy=True, max_new_tokens=10)
+    second = fast.generate(ids, mask, one)
+    assert_same_output(second, hf.generate(ids, mask, one))
+    cached, run = fast.last_stats["cached_tokens"], fast.last_stats["prefill_tokens"]
+    assert_same_output(plain.generate(ids, mask, one), second)
+    assert plain.last_stats["cached_tokens"] == 0
+    if block_size < 64:
+        # each next turn starts with a row's whole cache (its prompt and fed tokens): all its full blocks are read
+        held = [int(first.prompt_mask[r].sum() + first.response_mask[r].sum()) - 1 for r in range(len(first))]
+        want = sum(min(h // block_size, (n - 1) // block_size) * block_size
+                   for h, n in zip(held, mask.sum(1).tolist()))
+        assert cached >= want > 0
+        assert run < plain.last_stats["prefill_tokens"]
+    sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=5)
+    out = fast.generate(ids, mask, sampled)
+    assert_same_output(out, plain.generate(ids, mask, sampled))  # same noise, same draws
+    batch = out.to_batch()
+    real = batch["loss_mask"].bool()
+    torch.testing.assert_close(batch["sampled_log_probs"][real], recomputed_log_probs(model, out, 1.0)[real],
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["mistral_window", "gemma2", "gemma3_text", "qwen3_moe"])
+def test_a_cached_prefix_serves_sliding_windows_soft_caps_and_experts(name):
+    """Next turns whose prompts read a cached prefix on the families with other attention (sliding windows
+    shorter than the prefix, Gemma's soft-cap, Gemma 3's local rope) and routed experts: HF's greedy tokens."""
+    from test_rollout_fast_families import attn_of, family_config, hf_model
+
+    from shardrl.rollout import FastRollout, HFRollout
+    from shardrl.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    model = hf_model(family_config(tok, name))
+    fast = FastRollout(model.config, tok, "cpu", torch.float32, max_batch=4, sync_every=5, seq_bucket=16,
+                       block_size=4, max_seq_len=128)
+    fast.load_weights(model.named_parameters())
+    hf = HFRollout(model.config, tok, "cpu", torch.float32, attn_implementation=attn_of(model.config))
+    hf.load_weights(model.named_parameters())
+    greedy = SamplingParams(greedy=True, max_new_tokens=20)
+    first = fast.generate(*encode(tok), greedy)
+    ids, mask = next_turns(tok, first)
+    second = fast.generate(ids, mask, greedy)
+    assert fast.last_stats["cached_tokens"] > 100
+    want = hf.generate(ids, mask, greedy)
+    assert torch.equal(second.response_ids, want.response_ids), (second.response_text, want.response_text)
+    torch.testing.assert_close(second.sampled_log_probs, want.sampled_log_probs, atol=1e-5, rtol=0)
+
+
+def test_new_weights_forget_the_cached_prefixes(tok):
+    model, other = reference_model(tok, seed=1), reference_model(tok, seed=2)
+    kwargs = dict(block_size=4, max_batch=4, max_seq_len=128)
+    fast = make_rollout("fast", tok, model, **kwargs)
+    greedy = SamplingParams(greedy=True, max_new_tokens=12)
+    ids, mask = next_turns(tok, fast.generate(*encode(tok), greedy))
+    fast.load_weights(other.named_parameters())
+    got = fast.generate(ids, mask, greedy)
+    assert fast.last_stats["cached_tokens"] == 0
+    assert_same_output(got, make_rollout("fast", tok, other, **kwargs).generate(ids, mask, greedy))
+    fast.generate(*encode(tok), greedy)  # (what the new weights cache is read again)
+    fast.generate(ids, mask, greedy)
+    assert fast.last_stats["cached_tokens"] > 0
