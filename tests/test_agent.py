@@ -213,3 +213,40 @@ def test_the_calculator_agent_example_runs_its_tool_loop():
     sample["extra"]["ground_truth"] = "13"
     seen.clear()
     assert asyncio.run(run(sample, client)) == pytest.approx(0.1)
+
+
+def test_weights_that_change_during_episodes_are_recorded_per_token(setup):
+    """Partial rollouts (asynchronous RL): the server's records carry each token's policy version, and the
+    trajectories the version of every token (what a prompt added: the version of the reply after it); each trained
+    token's log-prob is the forward of the version that sampled it. The new weights differ in the output head only,
+    so the K/V kept across the swap is the same under both."""
+    import copy
+
+    tok, model, _ = setup
+    new = copy.deepcopy(model)
+    new.lm_head.weight.data.mul_(-1.5)
+    rollout = agent_rollout(setup)
+    calls = [0]
+
+    def hook() -> int:  # (the HF backend calls it at every decode step)
+        calls[0] += 1
+        if calls[0] == 5:
+            rollout.rollout.load_weights([("lm_head.weight", new.lm_head.weight)])
+        return int(calls[0] >= 5)
+
+    rollout.weight_hook = hook
+    assert rollout.rollout.weight_hook is hook
+    try:
+        out = run_episodes(rollout, tok, ["1+2=", "ab"], ["ok"] * 2, n=2)
+    finally:
+        rollout.server.stop()
+    batch = out.to_batch()
+    versions, real = batch["token_version"], out.response_attention_mask.bool()
+    assert torch.equal(versions >= 0, real)
+    assert (versions[real] == 0).any() and (versions[real] == 1).any()
+    trained = batch["loss_mask"].bool()
+    width = out.prompt_ids.shape[1]
+    want = torch.where(versions == 1, recomputed_log_probs(new, out, 1.0)[:, width:],
+                       recomputed_log_probs(model, out, 1.0)[:, width:])
+    got = batch["sampled_log_probs"][:, width:]
+    torch.testing.assert_close(got[trained[:, width:]], want[trained[:, width:]], atol=1e-4, rtol=0)

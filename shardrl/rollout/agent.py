@@ -124,6 +124,14 @@ class AgentRollout(Rollout):
     def resume(self) -> None:
         self.rollout.resume()
 
+    @property
+    def weight_hook(self):
+        return self.rollout.weight_hook
+
+    @weight_hook.setter
+    def weight_hook(self, hook) -> None:  # (partial rollouts: the backend calls it while it generates)
+        self.rollout.weight_hook = hook
+
     def __getattr__(self, name: str):
         if name == "rollout":
             raise AttributeError(name)
@@ -195,17 +203,19 @@ class AgentRollout(Rollout):
     def _assemble(self, prompt_ids, attention_mask, n: int, episodes: list[_Episode], calls: list[list[dict]]
                   ) -> MultiTurnOutput:
         stop_ids = set(getattr(self.rollout, "stop_ids", None) or [self.tokenizer.eos_token_id])
-        prompts, responses, masks, texts, breaks = [], [], [], [], []
+        prompts, responses, masks, texts, breaks, versions = [], [], [], [], [], []
+        versioned = any("token_versions" in call for c in calls for call in c)  # partial rollouts
         for row, (e, c) in enumerate(zip(episodes, calls)):
             if not c:  # a failed episode without a call: the row's prompt, an empty reply
                 b = row // n
                 prompts.append(prompt_ids[b][attention_mask[b].bool()].tolist())
                 responses.append(([], []))
                 masks.append([])
+                versions.append([])
                 texts.append("")
                 breaks.append(0)
                 continue
-            prompt, ids, logp, trained = list(c[0]["prompt_token_ids"]), [], [], []
+            prompt, ids, logp, trained, version = list(c[0]["prompt_token_ids"]), [], [], [], []
             breaks.append(0)
             for call in c:
                 context = prompt + ids
@@ -214,21 +224,25 @@ class AgentRollout(Rollout):
                         and p[:len(context) - 1] == context[:-1]):
                     # the reply's end-of-turn token is not in the next prompt (a template that renders the turn's
                     # end otherwise): dropped, untrained, so that what follows sees exactly what the sampler saw
-                    ids, logp, trained = ids[:-1], logp[:-1], trained[:-1]
+                    ids, logp, trained, version = ids[:-1], logp[:-1], trained[:-1], version[:-1]
                     context = context[:-1]
                 if p[:len(context)] != context:  # the agent rewrote its history: start afresh from this call
                     if call is not c[0]:
                         breaks[-1] += 1
-                    prompt, ids, logp, trained = p, [], [], []
+                    prompt, ids, logp, trained, version = p, [], [], [], []
                     context = p
                 extra = p[len(context):]
                 ids += extra + call["token_ids"]
                 logp += [0.0] * len(extra) + call["log_probs"]
                 trained += [0] * len(extra) + [1] * len(call["token_ids"])
+                if versioned:  # what the prompt added was run by the weights of the reply after it
+                    own = call.get("token_versions") or [call.get("policy_version") or 0] * len(call["token_ids"])
+                    version += [own[0] if own else 0] * len(extra) + list(own)
             cut = self.max_response_tokens
             prompts.append(prompt)
             responses.append((ids[:cut], logp[:cut]))
             masks.append(trained[:cut])
+            versions.append(version[:cut])
             texts.append(c[-1]["text"])
         width = max(map(len, prompts))
         p_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -256,6 +270,10 @@ class AgentRollout(Rollout):
         counts = {"errors": [int(e.error is not None) for e in episodes],
                   "timeouts": [int(e.timed_out) for e in episodes], "prefix_breaks": breaks,
                   "calls": [len(c) for c in calls]}
+        if versioned:  # (N, R): each token's policy version, -1 on padding (as a partial rollout's token_version)
+            fields["token_version"] = torch.full_like(base.response_ids, -1)
+            for r, v in enumerate(versions):
+                fields["token_version"][r, :len(v)] = torch.tensor(v, dtype=torch.long)
         return AgentOutput(**{**fields, "response_mask": model_mask}, response_attention_mask=base.response_mask,
                            num_turns=[len(c) for c in calls], num_tool_calls=[max(len(c) - 1, 0) for c in calls],
                            num_tool_errors=[int(f) for f in failed],

@@ -6,7 +6,9 @@ Requests are batched: the requests that arrive while a batch generates wait for 
 request goes into one `generate` call (those with equal sampling settings share a call; the longest `max_tokens`
 of a call is generated and each response is cut at its own). Each choice carries the exact token ids and per-token
 log-probs of the sampler (`token_ids`, `logprobs`) and the response the prompt's ids (`prompt_token_ids`), as
-vLLM's token-in-token-out extension does, so an RL trainer can train on precisely what was sampled. A request whose
+vLLM's token-in-token-out extension does, so an RL trainer can train on precisely what was sampled; where the
+weights may change while a batch generates (an RL run's partial rollouts), also each token's policy version
+(`token_versions`) and the first's (`policy_version`). A request whose
 client went away before its batch started is dropped from the batch.
 
 Errors are JSON `{"error": {"message", "type", "param", "code"}}`: 404 for an unknown model, 400 for a malformed
@@ -226,9 +228,12 @@ class Batcher:
                 stopped = bool(s.stop) and any(x in self.tokenizer.decode(token_ids) for x in s.stop)
                 ended = length < limit or bool(token_ids and token_ids[-1] in self.stop_ids) or stopped
                 reason = "stop" if ended else "length"
-            results[owner].append(dict(prompt_token_ids=rows[j], token_ids=token_ids, text=text,
-                                       log_probs=out.sampled_log_probs[j, :len(token_ids)].tolist(),
-                                       finish_reason=reason))
+            result = dict(prompt_token_ids=rows[j], token_ids=token_ids, text=text,
+                          log_probs=out.sampled_log_probs[j, :len(token_ids)].tolist(), finish_reason=reason)
+            if out.token_version is not None:  # weights that change while it generates (partial rollouts)
+                result["token_versions"] = out.token_version[j, :len(token_ids)].tolist()
+                result["policy_version"] = result["token_versions"][0] if token_ids else None
+            results[owner].append(result)
         return results
 
 
@@ -339,6 +344,10 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         if episode is not None:
             app_records.setdefault(episode, []).extend(outs)
 
+    def versions(o: dict) -> dict:
+        """A choice's policy versions, where the weights may change while it generates (partial rollouts)."""
+        return {k: o[k] for k in ("policy_version", "token_versions") if k in o}
+
     def usage(prompts, choices) -> dict:
         prompt = sum(len(p) for p in prompts)
         completion = sum(len(c["token_ids"]) for c in choices)
@@ -370,7 +379,8 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         choices = []
         for i, o in enumerate(outs):
             choice = {"index": i, "message": {"role": "assistant", "content": o["text"]},
-                      "finish_reason": o["finish_reason"], "token_ids": o["token_ids"], "logprobs": None}
+                      "finish_reason": o["finish_reason"], "token_ids": o["token_ids"], "logprobs": None,
+                      **versions(o)}
             if req.logprobs:
                 choice["logprobs"] = {"content": [
                     {"token": tok.convert_ids_to_tokens(t), "logprob": lp, "bytes": None, "top_logprobs": []}
@@ -396,7 +406,8 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         for outs in [flat[i * n:(i + 1) * n] for i in range(len(prompts))]:
             for o in outs:
                 choice = {"index": len(choices), "text": o["text"], "finish_reason": o["finish_reason"],
-                          "token_ids": o["token_ids"], "prompt_token_ids": o["prompt_token_ids"], "logprobs": None}
+                          "token_ids": o["token_ids"], "prompt_token_ids": o["prompt_token_ids"], "logprobs": None,
+                          **versions(o)}
                 if req.logprobs is not None:
                     choice["logprobs"] = {"tokens": tok.convert_ids_to_tokens(o["token_ids"]),
                                           "token_logprobs": o["log_probs"], "top_logprobs": None,
