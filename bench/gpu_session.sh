@@ -233,6 +233,24 @@ phase_s14_full7b() {
     limit 600 python3 bench/lora.py steps --cases 7b_full --steps 3 --case-timeout-s "${FULL_S:-580}" --out $RES
     kill $mon
 }
+# session 15's owed measurements (one H200). The `old` tree of the prefix-reuse comparison is the code before the
+# paged cache, carried in: `git archive c3addb1 shardrl bench | tar -x -C .baseline_tree` here, then
+# carry=[".baseline_tree"] in the device call
+phase_s15_tests() { limit 420 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_rollout_fast.py \
+    tests/test_rollout_fast_families.py tests/test_prefix_cache.py tests/test_moe.py tests/test_lora.py; }
+phase_s15_prefix() { limit 500 python3 bench/prefix_reuse.py --trees new=.,old=.baseline_tree --shape 1.5b --prompts 32 \
+    --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
+phase_s15_prefix_mt() {  # the multi-turn workload from each tree (each script imports its own tree)
+    for tree in . .baseline_tree; do
+        limit 300 python3 $tree/bench/multiturn.py --backend fast --shape 0.5b --prompts 256 --n 2
+    done
+}
+phase_s15_serve() { limit 400 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --out $RES; }
+phase_s15_lora_gc() { limit 300 python3 bench/lora.py steps --cases 7b_lora_unmerged_gc --steps 4 --out $RES; }
+phase_s15_moe() {
+    limit 300 python3 bench/moe.py update --shape olmoe --experts grouped_mm --out $RES
+    limit 300 python3 bench/moe.py update --shape qwen3_30b_a3b --experts grouped_mm --out $RES
+}
 
 collect() {
     local out=${OUT:-gpu_out}

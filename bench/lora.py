@@ -63,6 +63,10 @@ CASES = {
     "7b_lora_lowmem": ("7b", 32, LORA + ["actor.engine.max_token_len_per_gpu=4096", "rollout.free_cache_engine=true"]),
     "7b_lora_unmerged": ("7b", 32, LORA + ["actor.engine.max_token_len_per_gpu=4096", "rollout.free_cache_engine=true",
                                            "rollout.lora_sync=unmerged"]),
+    # ... and the update's activations recomputed in the backward (gradient checkpointing): its least memory
+    "7b_lora_unmerged_gc": ("7b", 32, LORA + ["actor.engine.max_token_len_per_gpu=4096",
+                                              "rollout.free_cache_engine=true", "rollout.lora_sync=unmerged",
+                                              "model.gradient_checkpointing=true"]),
     # a second, gathered copy of the 65 GB base over the micro-batches would not fit: gather a layer at a time
     "32b_lora": ("32b", 16, LORA + ["rollout.max_batch=64", "model.gradient_checkpointing=true",
                                     "actor.engine.accumulate_unsharded=false"]),

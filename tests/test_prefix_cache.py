@@ -128,3 +128,30 @@ def test_new_weights_forget_the_cached_prefixes(tok):
     fast.generate(*encode(tok), greedy)  # (what the new weights cache is read again)
     fast.generate(ids, mask, greedy)
     assert fast.last_stats["cached_tokens"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+def test_paged_decode_in_cuda_graphs_reads_the_cache_as_the_cpu_does(tok, attention):
+    """On the GPU (fp32: Triton in IEEE precision, the decode step in CUDA graphs, compiled parts): next turns read
+    their cached context and give HF's greedy tokens, and sampled rows equal those of the cache-less path."""
+    model = reference_model(tok, seed=1).cuda()
+    tok = with_eos_at_different_steps(tok, model.cpu())
+    model = model.cuda()
+    kwargs = dict(block_size=16, max_batch=4, sync_every=3, min_width=2, width_step=2, max_seq_len=256,
+                  attention=attention)
+    fast = make_rollout("fast", tok, model, device="cuda", **kwargs)
+    plain = make_rollout("fast", tok, model, device="cuda", **{**kwargs, "prefix_cache": False})
+    hf = make_rollout("hf", tok, model, device="cuda")
+    greedy = SamplingParams(n=2, greedy=True, max_new_tokens=24)
+    first = fast.generate(*encode(tok), greedy)
+    ids, mask = next_turns(tok, first)
+    second = fast.generate(ids, mask, greedy)
+    assert fast.last_stats["cached_tokens"] > 0
+    want = hf.generate(ids, mask, greedy)
+    assert torch.equal(second.response_ids.cpu(), want.response_ids.cpu())
+    sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seed=5)
+    got, ref = fast.generate(ids, mask, sampled), plain.generate(ids, mask, sampled)
+    assert torch.equal(got.response_ids.cpu(), ref.response_ids.cpu())
+    torch.testing.assert_close(got.sampled_log_probs.cpu(), ref.sampled_log_probs.cpu(), atol=1e-4, rtol=0)
