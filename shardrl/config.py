@@ -532,6 +532,13 @@ class RolloutConfig:
     sampler: Literal["auto", "triton", "torch"] = "auto"
     """fast backend: triton (CUDA) samples in one pass over the logits with noise drawn in the kernel
     (top-k/top-p still sort in torch); auto = triton where the triton attention runs."""
+    prefix_cache: bool = True
+    """fast backend: a finished row's full KV blocks stay indexed by their tokens, so a later prompt that starts
+    with them (a conversation's next turn, an agent's next call, the samples of a prompt admitted later) prefills
+    only what follows (`shardrl.rollout.paged`; new weights forget them). In bf16 a prefix read from the cache
+    differs by rounding from one prefilled again, so the tokens can depend on what earlier calls cached; false
+    prefills every prompt whole (a prompt's n samples still share its blocks). The hf backend keeps no cache across
+    calls (verl's rollout.enable_prefix_caching)."""
     free_cache_engine: bool | None = None
     """CUDA, rollout and training on the same GPUs: free the rollout's KV cache and CUDA graphs while the
     actor trains, and rebuild them before the next generation (a cost per step: bench/RESULTS.md, "Current

@@ -350,6 +350,7 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.rollout.response_length": Rule(apply=_response_length, hint=RESPONSE_KEYS),
     "actor_rollout_ref.rollout.prompt_length": dropped(VLLM + " (data.max_prompt_length filters the prompts)"),
     "actor_rollout_ref.rollout.free_cache_engine": same("rollout.free_cache_engine"),
+    "actor_rollout_ref.rollout.enable_prefix_caching": same("rollout.prefix_cache"),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": dropped(MICRO),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": dropped(MICRO),
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": dropped(MICRO),
@@ -387,7 +388,7 @@ VERL_KEYS: dict[str, Rule] = {
     **{f"actor_rollout_ref.rollout.{k}": dropped(VLLM) for k in (
         "gpu_memory_utilization", "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size",
         "pipeline_model_parallel_size", "enforce_eager", "cudagraph_capture_sizes", "max_num_batched_tokens",
-        "max_model_len", "max_num_seqs", "enable_chunked_prefill", "enable_prefix_caching", "load_format", "dtype",
+        "max_model_len", "max_num_seqs", "enable_chunked_prefill", "load_format", "dtype",
         "disable_log_stats", "logprobs_mode", "scheduling_policy", "multi_stage_wake_up", "skip_tokenizer_init",
         "layered_summon", "agent.num_workers", "trace.backend", "trace.token2text", "enable_rollout_routing_replay",
         "prometheus.enable", "quantization", "engine_kwargs.vllm.swap_space", "engine_kwargs.sglang.attention_backend",

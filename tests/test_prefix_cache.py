@@ -39,6 +39,48 @@ def test_the_pool_counts_holders_keeps_finished_prefixes_and_evicts_the_least_re
     assert pool.lookup([5, 6, 7, 8], 4) == [] and not pool.idle and pool.free == [a[0]]
 
 
+def test_eviction_takes_the_ends_of_chains_first():
+    """A row's blocks are released deepest first: the least recently used idle block is a chain's end, so evicting
+    it leaves the rest of the prefix readable."""
+    pool = BlockPool(5, 2)
+    chain = pool.allocate(4)
+    pool.register(list(range(8)), chain, written=8)
+    pool.release(chain)
+    assert pool.allocate(1) == [chain[3]]
+    assert pool.lookup(list(range(8)), 8) == chain[:3]
+
+
+def test_a_failed_call_leaves_no_block_held_and_no_cached_prefix_wrong(tok, monkeypatch):
+    """A call that raises in the middle (rows admitted, blocks held) leaves nothing behind: the next call starts
+    with every block free or idle, and prompts that read what the failed call cached give the tokens of a fresh
+    rollout."""
+    from shardrl.rollout.fast import FastRollout
+
+    model = reference_model(tok, seed=1)
+    kwargs = dict(block_size=4, max_batch=4, sync_every=2, max_seq_len=128)
+    fast = make_rollout("fast", tok, model, **kwargs)
+    greedy = SamplingParams(n=2, greedy=True, max_new_tokens=12)
+    steps = [0]
+    real = FastRollout._run_step
+
+    def failing(self, *args, **kw):
+        steps[0] += 1
+        if steps[0] == 5:
+            raise RuntimeError("out of memory (a test)")
+        return real(self, *args, **kw)
+
+    for _ in range(3):
+        monkeypatch.setattr(FastRollout, "_run_step", failing)
+        steps[0] = 0
+        with pytest.raises(RuntimeError, match="a test"):
+            fast.generate(*encode(tok), greedy)
+        monkeypatch.setattr(FastRollout, "_run_step", real)
+        fast.generate(*encode(tok, ["zz"]), greedy)  # one unrelated prompt in between
+        assert sum(fast._pool.refs) == 0
+    got = fast.generate(*encode(tok), greedy)
+    assert_same_output(got, make_rollout("fast", tok, model, **kwargs).generate(*encode(tok), greedy))
+
+
 def next_turns(tok, out, extra: str = " ok? "):
     """Each row's context (prompt, response) and `extra`: a conversation's next turn, token-exact."""
     rows = []

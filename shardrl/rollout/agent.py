@@ -237,7 +237,8 @@ class AgentRollout(Rollout):
                 trained += [0] * len(extra) + [1] * len(call["token_ids"])
                 if versioned:  # what the prompt added was run by the weights of the reply after it
                     own = call.get("token_versions") or [call.get("policy_version") or 0] * len(call["token_ids"])
-                    version += [own[0] if own else 0] * len(extra) + list(own)
+                    before = own[0] if own else (version[-1] if version else 0)  # (an empty reply: the last)
+                    version += [before] * len(extra) + list(own)
             cut = self.max_response_tokens
             prompts.append(prompt)
             responses.append((ids[:cut], logp[:cut]))

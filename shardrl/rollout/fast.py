@@ -528,6 +528,9 @@ class FastRollout(Rollout):
         st.done.fill_(True)
         st.lengths.zero_()
         st.num_generated.zero_()
+        st.table.zero_()  # (a call that failed may have left rows, and blocks held)
+        self._pool.drop_holders()
+        self._slot_blocks = [[] for _ in range(st.num_slots)]
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         return torch.Generator(device=self.device).manual_seed(seed)
 
@@ -684,7 +687,7 @@ class FastRollout(Rollout):
             if st.out_routes is not None:
                 routes = torch.empty((ids.numel(), *st.step_routes.shape[1:]), dtype=torch.long, device=self.device)
             logits = self.model.prefill(ids, lens_t, st.kv, tables, starts, self._block, routes)
-            if self._registering and self.prefix_cache:
+            if self._registering and lookup:
                 for toks, blocks in zip(tokens, owned):
                     pool.register(toks, blocks, len(toks))
             # the rows: a prompt's first takes its blocks; the others share its full blocks and copy the partial one
@@ -749,7 +752,7 @@ class FastRollout(Rollout):
         for i, s in enumerate(finished):
             results[slot_row[s]] = (tokens[i, : generated[s]].tolist(), log_probs[i, : generated[s]])
             blocks = self._slot_blocks[s]
-            if self.prefix_cache and self._registering:
+            if self.prefix_cache and self._registering and not self.record_routing:
                 prompt = self._tokens_of(prompts, slot_row[s] // n)
                 self._pool.register(prompt + results[slot_row[s]][0], blocks, len(prompt) + generated[s] - 1)
             self._pool.release(blocks)

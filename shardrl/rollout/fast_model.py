@@ -525,9 +525,10 @@ class DecoderBlock:
             keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
             if c.softcap is not None:
                 attn = softcapped_attention(q, keys, values, visible[:, None], c.scale, c.softcap)
-            else:
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], scale=c.scale,
-                                                      enable_gqa=True)
+            else:  # the K/V heads repeated: SDPA's fused kernels take a mask, but not with enable_gqa
+                groups = c.num_heads // c.num_kv_heads
+                keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], scale=c.scale)
         # causal suffices: padding sits after each prompt, so no real query sees it
         elif c.softcap is not None or (c.window is not None and c.window < length):
             pos = torch.arange(length, device=x.device)
@@ -713,7 +714,7 @@ class FastCausalLM(nn.Module):
         real = (torch.arange(length, device=dev) < lengths[:, None]).flatten()
         index = real.nonzero().squeeze(1)
         flat = positions.flatten()[index]
-        write_at = (index, tables.repeat_interleave(length, 0)[index, flat // size], flat % size)
+        write_at = (index, tables[index // length, flat // size], flat % size)
         prefixes = {}
         if starts and max(starts) > 0:  # the cached prefixes' blocks and each window's visibility
             cached = max(starts)

@@ -15,6 +15,8 @@ block of a shared prompt is copied for each row). A block nobody holds stays ind
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 
@@ -26,8 +28,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.refs = [0] * num_blocks
         self.free = list(range(num_blocks - 1, 0, -1))  # block 0 is scratch, never handed out
-        self.index: dict[tuple, int] = {}  # key of a token prefix -> its last full block
-        self.key_of: dict[int, tuple] = {}  # block -> its key, for the blocks in the index
+        self.index: dict[bytes, int] = {}  # key of a token prefix -> its last full block
+        self.key_of: dict[int, bytes] = {}  # block -> its key, for the blocks in the index
         self.idle: OrderedDict[int, None] = OrderedDict()  # indexed blocks nobody holds, least recently used first
 
     def available(self) -> int:
@@ -56,7 +58,9 @@ class BlockPool:
             self.refs[block] += 1
 
     def release(self, blocks: list[int]) -> None:
-        for block in blocks:
+        """One holder fewer of each block. A row's blocks go deepest first, so that the least recently used end of
+        the idle list holds the ends of chains (evicting a chain's first block would strand the rest)."""
+        for block in reversed(blocks):
             self.refs[block] -= 1
             if self.refs[block] == 0:
                 if block in self.key_of:
@@ -64,14 +68,14 @@ class BlockPool:
                 else:
                     self.free.append(block)
 
-    def keys(self, tokens: list[int], num_blocks: int) -> list[tuple]:
-        """The index keys of the first `num_blocks` full blocks of `tokens`: each the previous key's hash and
-        the block's own tokens (so equal keys mean equal prefixes, up to a hash collision of the earlier part)."""
-        keys, previous, size = [], 0, self.block_size
+    def keys(self, tokens: list[int], num_blocks: int) -> list[bytes]:
+        """The index keys of the first `num_blocks` full blocks of `tokens`: each a 128-bit digest of the previous
+        key and the block's tokens, so equal keys mean equal prefixes."""
+        keys, previous, size = [], b"", self.block_size
         for i in range(num_blocks):
-            key = (previous, tuple(tokens[i * size:(i + 1) * size]))
-            keys.append(key)
-            previous = hash(key)
+            previous = hashlib.blake2b(previous + array("q", tokens[i * size:(i + 1) * size]).tobytes(),
+                                       digest_size=16).digest()
+            keys.append(previous)
         return keys
 
     def lookup(self, tokens: list[int], limit: int) -> list[int]:
@@ -83,10 +87,7 @@ class BlockPool:
             if block is None:
                 break
             found.append(block)
-        self.hold(found)
-        for block in found:  # most recently used
-            if block in self.idle:
-                self.idle.move_to_end(block)
+        self.hold(found)  # (out of the idle list; back in it, as the most recently used, on release)
         return found
 
     def register(self, tokens: list[int], blocks: list[int], written: int) -> None:
@@ -96,6 +97,12 @@ class BlockPool:
             if key not in self.index and block not in self.key_of:
                 self.index[key] = block
                 self.key_of[block] = key
+
+    def drop_holders(self) -> None:
+        """Every block without a holder (a call starts: no row holds any, whatever a failed call left behind)."""
+        self.refs = [0] * self.num_blocks
+        self.free = [b for b in range(self.num_blocks - 1, 0, -1) if b not in self.key_of]
+        self.idle = OrderedDict((b, None) for b in self.key_of)
 
     def clear_index(self) -> None:
         """Forgets every prefix (the weights changed): idle blocks become free, held ones free on release."""

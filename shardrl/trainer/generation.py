@@ -110,7 +110,8 @@ class Generation:
         ro = cfg.rollout
         fast_kwargs = dict(max_batch=ro.max_batch, sync_every=ro.sync_every, compile=ro.compile,
                            attention=ro.attention, sampler=ro.sampler,
-                           record_routing=cfg.actor.router_replay.mode == "R3") if ro.backend == "fast" else {}
+                           record_routing=cfg.actor.router_replay.mode == "R3",
+                           prefix_cache=ro.prefix_cache) if ro.backend == "fast" else {}
         if fast_kwargs and colocated and cfg.model.lora.rank > 0 and ro.lora_sync != "full":
             fast_kwargs["lazy_weights"] = True
         dtype = rollout_dtype(device)
