@@ -10,11 +10,11 @@ from shardrl.rollout.server import Batcher, ServerThread, build_app  # noqa: F40
 log = logging.getLogger(__name__)
 
 
-def build_server(cfg, served_name: str | None = None, max_batch: int | None = None):
+def build_server(cfg, served_name: str | None = None, max_batch: int | None = None, stream: bool | None = None):
     """The app serving a config's model (`model.path`, or `model.tiny` with `model.tokenizer_path`) on its
     rollout backend (`rollout.backend`; null: fast on CUDA where it supports the model, else hf) on this
     machine's GPU, or the CPU; the context length is the model's `max_position_embeddings`; a chat request without
-    max_tokens gets `rollout.max_new_tokens`."""
+    max_tokens gets `rollout.max_new_tokens`. `stream`: continuous batching (`Batcher`; null: where the backend can)."""
     from pathlib import Path
 
     from shardrl.engine.model import build_causal_lm, load_hf_config
@@ -40,5 +40,5 @@ def build_server(cfg, served_name: str | None = None, max_batch: int | None = No
     del lm
     name = served_name or (Path(cfg.model.path).name if cfg.model.path else "shardrl-tiny")
     context = int(getattr(text_config(hf_config), "max_position_embeddings", 2048))
-    batcher = Batcher(rollout, tokenizer, max_batch or cfg.rollout.max_batch or 64, context)
+    batcher = Batcher(rollout, tokenizer, max_batch or cfg.rollout.max_batch or 64, context, stream=stream)
     return build_app(batcher, name, context, cfg.rollout.max_new_tokens)

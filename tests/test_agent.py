@@ -55,9 +55,10 @@ def setup(tmp_path_factory):
     return tok, model, agent_file
 
 
-def agent_rollout(setup, **kwargs):
+def agent_rollout(setup, backend: str = "hf", **kwargs):
     tok, model, agent_file = setup
-    inner = build_rollout("hf", model.config, tok, "cpu", torch.float32)
+    inner = build_rollout(backend, model.config, tok, "cpu", torch.float32,
+                          **({"block_size": 4} if backend == "fast" else {}))
     inner.load_weights(model.named_parameters())
     return AgentRollout(inner, tok, f"{agent_file}:run", context=512, **kwargs)
 
@@ -69,9 +70,11 @@ def run_episodes(rollout, tok, prompts: list[str], kinds: list[str], n: int = 2)
                             SamplingParams(n=n, temperature=1.0, max_new_tokens=8, seed=0), samples=samples)
 
 
-def test_trajectories_are_token_exact_and_rewards_the_agents(setup):
+# fast: the endpoint streams (calls join the running batch) and the next call reads the cached K/V of the last
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_trajectories_are_token_exact_and_rewards_the_agents(setup, backend):
     tok, model, _ = setup
-    rollout = agent_rollout(setup)
+    rollout = agent_rollout(setup, backend)
     prompts = ["1+2=", "what is 7*6? ", "ab"]
     try:
         out = run_episodes(rollout, tok, prompts, ["ok"] * 3, n=3)
@@ -106,6 +109,9 @@ def test_trajectories_are_token_exact_and_rewards_the_agents(setup):
         assert sorted(scores[3 * i:3 * i + 3]) == sorted(returns[p])
     assert batch["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert batch["agent_calls"].tolist() == [2.0] * 9 and batch["agent_errors"].sum() == 0
+    if backend == "fast":
+        assert rollout.server.batcher.stats["streams"] >= 1 and rollout.server.batcher.stats["batches"] == 0
+        assert rollout.rollout.totals["cached_tokens"] > 0  # blocks of earlier calls (and of the same prompt) read
 
 
 def test_failed_episodes_are_counted_and_scored_and_all_failing_stops(setup):

@@ -25,12 +25,15 @@ from shardrl.testing import save_char_model
 PROMPTS = ["1+2=", "hello world ", "what is 7*6? "]
 
 
-@pytest.fixture(scope="module", params=["fast", "hf"])
+# fast: continuous batching (requests join the running generate_stream); fast_batches and hf: one batch at a time
+@pytest.fixture(scope="module", params=["fast", "fast_batches", "hf"])
 def server(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"model_{request.param}")
     save_char_model(folder)
-    cfg = load_config(None, [f"model.path={folder}", f"rollout.backend={request.param}"])
-    srv = Server(build_server(cfg, served_name="tiny", max_batch=8))
+    backend = request.param.split("_")[0]
+    cfg = load_config(None, [f"model.path={folder}", f"rollout.backend={backend}"])
+    stream = {"fast": True, "fast_batches": False, "hf": None}[request.param]
+    srv = Server(build_server(cfg, served_name="tiny", max_batch=8, stream=stream))
     yield srv
     srv.stop()
 
@@ -87,10 +90,22 @@ def hold(batcher, monkeypatch) -> threading.Event:
     `started` event is set once the held call began."""
     release = threading.Event()
     release.started = threading.Event()
-    generate = batcher._generate
-    monkeypatch.setattr(batcher, "_generate",
-                        lambda items: (release.started.set(), release.wait(30), generate(items))[2])
+    wait_for(lambda: batcher.current is None, "the last stream drained")  # (else the next request joins it)
+    name = "_stream_generate" if batcher.streaming() else "_generate"
+    generate = getattr(batcher, name)
+    monkeypatch.setattr(batcher, name, lambda items: (release.started.set(), release.wait(30), generate(items))[2])
     return release
+
+
+def queued(batcher) -> int:
+    """Requests waiting behind a held call: in the queue, joined to the held stream, or waiting for it to drain."""
+    joined = len(batcher.current.items) - 1 if batcher.current is not None else 0
+    return batcher.queue.qsize() + joined + len(batcher.later)
+
+
+def calls(batcher) -> int:
+    """Generate calls so far: batches, or streams."""
+    return batcher.stats["batches"] + batcher.stats["streams"]
 
 
 def wait_for(condition, what: str, timeout_s: float = 30):
@@ -101,10 +116,12 @@ def wait_for(condition, what: str, timeout_s: float = 30):
 
 
 def test_a_shorter_max_tokens_in_the_same_batch_is_a_prefix_of_a_longer_one(server, monkeypatch):
-    """Two requests that wait together share one generate call of the longer length; the shorter one is cut at
-    its own max_tokens (finish_reason length) and is the longer one's prefix."""
+    """Two requests that wait together share one generate call (batches: of the longer length, the shorter cut at
+    its own max_tokens; a stream: they join the held one, each row with its own limit): the shorter one ends at its
+    max_tokens (finish_reason length) and is the longer one's prefix."""
     release = hold(server.batcher, monkeypatch)
-    busy = threading.Thread(target=lambda: client(server).completions.create(model="tiny", prompt="x", max_tokens=2))
+    busy = threading.Thread(target=lambda: client(server).completions.create(model="tiny", prompt="x", max_tokens=2,
+                                                                             temperature=0))
     busy.start()
     assert release.started.wait(30)
     got = {}
@@ -115,12 +132,13 @@ def test_a_shorter_max_tokens_in_the_same_batch_is_a_prefix_of_a_longer_one(serv
     asks = [threading.Thread(target=ask, args=(n,)) for n in (10, 4)]
     for t in asks:
         t.start()
-    wait_for(lambda: server.batcher.queue.qsize() == 2, "both requests queued")
-    before = server.batcher.stats["batches"]
+    wait_for(lambda: queued(server.batcher) == 2, "both requests queued")
+    before = calls(server.batcher)
     release.set()
     for t in [busy, *asks]:
         t.join()
-    assert server.batcher.stats["batches"] - before == 2  # the held one, then both together
+    # the held one, then both together; or all three in the held stream
+    assert calls(server.batcher) - before == (1 if server.batcher.streaming() else 2)
     long, short = got[10].choices[0], got[4].choices[0]
     assert len(long.model_extra["token_ids"]) > 4, "the long answer ended early: no cut to check"
     assert short.model_extra["token_ids"] == long.model_extra["token_ids"][:4]
@@ -156,7 +174,7 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_answer(server):
     results = asyncio.run(all_at_once())
     stats = server.batcher.stats
     assert stats["requests"] - before["requests"] == len(prompts)
-    assert stats["batches"] - before["batches"] < len(prompts)  # some requests shared a generate call
+    assert calls(server.batcher) - before["batches"] - before["streams"] < len(prompts)  # some shared a call
     for p, res in zip(prompts, results):
         (want,) = direct(server, [tok(p, add_special_tokens=False)["input_ids"]], 8)
         assert res.choices[0].model_extra["token_ids"] == want["token_ids"], p
@@ -185,7 +203,8 @@ def test_bad_requests_get_4xx_json_errors(server):
 
 def test_a_client_that_went_away_is_dropped_before_its_batch(server, monkeypatch):
     """While a request generates (held until the second client is gone), a second client gives up (timeout) and
-    disconnects: its request is not generated (counted as dropped) and the server answers the next one."""
+    disconnects: its request is not generated (counted as dropped; a stream took it in and ended it: cancelled)
+    and the server answers the next one."""
     batcher = server.batcher
     release = hold(batcher, monkeypatch)
     busy = threading.Thread(target=lambda: client(server).completions.create(
@@ -196,14 +215,14 @@ def test_a_client_that_went_away_is_dropped_before_its_batch(server, monkeypatch
     with pytest.raises(TimeoutError):
         post(server, "completions", json.dumps({"model": "tiny", "prompt": "gone", "max_tokens": 50}).encode(),
              timeout=0.3)
-    wait_for(lambda: batcher.queue.qsize() == 1, "the abandoned request queued")
+    wait_for(lambda: queued(batcher) == 1, "the abandoned request queued")
     time.sleep(0.2)  # (the server reads the closed connection)
     release.set()
     busy.join()
     res = client(server).completions.create(model="tiny", prompt="a", max_tokens=2, temperature=0)
     assert res.choices[0].model_extra["token_ids"]
     stats = batcher.stats
-    assert stats["dropped"] - before["dropped"] == 1
+    assert stats["dropped"] + stats["cancelled"] - before["dropped"] - before["cancelled"] == 1
     assert stats["requests"] - before["requests"] == 2  # the held one and the last one
 
 
@@ -234,9 +253,10 @@ def test_more_bad_requests_and_the_forms_clients_send(server):
 
 
 def test_a_failing_request_fails_alone(server, monkeypatch):
-    """A generate call that fails for one request's rows: the others batched with it are answered, the failing
-    one gets a JSON 500."""
+    """A generate call that fails for one request's rows: the others batched (or streamed) with it are answered,
+    the failing one gets a JSON 500."""
     batcher = server.batcher
+    streaming = batcher.streaming()
     release = hold(batcher, monkeypatch)
     generate = batcher._generate
 
@@ -245,10 +265,22 @@ def test_a_failing_request_fails_alone(server, monkeypatch):
             raise RuntimeError("row 9 broke the kernel")
         return generate(items)
 
+    if streaming:  # the stream fails; its requests are retried one at a time in batches, where 9 fails again
+        def fragile_stream(stream):
+            release.started.set()
+            release.wait(30)
+            if any(item.prompts[0][:1] == [9] for item in stream.items):
+                raise RuntimeError("a stream with row 9 broke")
+            raise AssertionError("row 9 joined the stream")
+
+        monkeypatch.setattr(batcher, "_stream_generate", fragile_stream)
+        monkeypatch.setattr(batcher, "_generate", fragile)
+
     busy = threading.Thread(target=lambda: client(server).completions.create(model="tiny", prompt="x", max_tokens=2))
     busy.start()
     assert release.started.wait(30)
-    monkeypatch.setattr(batcher, "_generate", lambda items: (release.wait(30), fragile(items))[1])
+    if not streaming:
+        monkeypatch.setattr(batcher, "_generate", lambda items: (release.wait(30), fragile(items))[1])
     got = {}
 
     def ask(prompt):
@@ -260,10 +292,42 @@ def test_a_failing_request_fails_alone(server, monkeypatch):
     asks = [threading.Thread(target=ask, args=([p, 5],)) for p in (8, 9, 10)]
     for t in asks:
         t.start()
-    wait_for(lambda: batcher.queue.qsize() == 3, "three requests queued")
+    wait_for(lambda: queued(batcher) == 3, "three requests queued")
     release.set()
     for t in [busy, *asks]:
         t.join()
     assert isinstance(got[9], openai.InternalServerError) and "row 9 broke the kernel" in got[9].body["message"]
     assert got[9].body["type"] == "server_error"
     assert got[8].choices[0].model_extra["token_ids"] and got[10].choices[0].model_extra["token_ids"]
+
+
+def test_a_client_that_leaves_while_it_generates_ends_its_rows(server, monkeypatch):
+    """Streaming: a request whose client gives up while its rows decode ends at the engine's next host sync, its
+    slot free (counted as cancelled; nothing answered); the server answers the next request."""
+    from shardrl.rollout import server as server_module
+
+    batcher = server.batcher
+    if not batcher.streaming():
+        pytest.skip("a batch runs to its end (the client is checked before its batch starts)")
+    made = {}
+    finished = server_module._Stream.finished
+
+    def recording(self, row, tokens, log_probs):
+        if row in self.gone:
+            made[row] = len(tokens)
+        return finished(self, row, tokens, log_probs)
+
+    monkeypatch.setattr(server_module._Stream, "finished", recording)
+    wait_for(lambda: batcher.current is None, "the last stream drained")
+    client(server).completions.create(model="tiny", prompt="a", max_tokens=1)  # (the cache sized, for the state)
+    monkeypatch.setattr(batcher.rollout._state, "eos", torch.tensor([-1]))  # no row ends before its limit
+    before = dict(batcher.stats)
+    body = json.dumps({"model": "tiny", "prompt": "a", "max_tokens": 3000, "temperature": 0}).encode()
+    with pytest.raises(TimeoutError):
+        post(server, "completions", body, timeout=0.5)
+    wait_for(lambda: batcher.stats["cancelled"] > before["cancelled"], "the request cancelled")
+    wait_for(lambda: made, "its row ended")
+    assert 1 <= max(made.values()) < 3000
+    res = client(server).completions.create(model="tiny", prompt="b", max_tokens=2)
+    assert res.choices[0].model_extra["token_ids"]
+    assert batcher.stats["requests"] - before["requests"] == 1

@@ -161,6 +161,7 @@ class AgentRollout(Rollout):
                               "extra": samples[b].get("extra")}, uuid.uuid4().hex)
                     for b in range(num_prompts) for _ in range(n)]
         asyncio.run(self._run_all(episodes, server.url))
+        server.batcher.drain()  # (the backend free again: the trainer moves weights next)
         records = server.app.state.records
         calls = [records.pop(e.key, []) for e in episodes]
         for e, c in zip(episodes, calls):

@@ -66,6 +66,9 @@ class RowFeed(Protocol):
         """New rows (prompt ids, limit), numbered on from the last; `block`: wait for at least one, or return
         [] when none will come any more."""
 
+    # optional: def cancelled(self) -> list[int]: rows to end now (their slots free at once; `finished` still
+    # reports what they made), asked at every host sync
+
 
 def sample_tokens(logits, mode: str, noise, temperature, top_k, top_p):
     """Tokens (B,) and their log softmax(logits / T) (B,) from logits (B, V) (taken in fp32), without a host sync.
@@ -501,11 +504,12 @@ class FastRollout(Rollout):
         return out
 
     def generate_stream(self, prompts: list[torch.Tensor], limits: list[int], sampling: SamplingParams,
-                        feed: RowFeed, need_seq: int) -> None:
+                        feed: RowFeed, need_seq: int, num_slots: int | None = None) -> None:
         """Generation whose rows keep coming: one row per prompt of `prompts` (1-D id tensors, no padding) with
         its own limit, then whatever `feed.take` hands over while earlier rows decode; each row's uncut
         output goes to `feed.finished` as soon as the row ends, so the caller can act on it (run a tool) while
-        the other rows decode. `need_seq` bounds prompt + response of every row, those to come included.
+        the other rows decode. `need_seq` bounds prompt + response of every row, those to come included;
+        `num_slots` sizes the slots as for that many rows (default: as many as `prompts`).
         `sampling.n` is ignored (one row per prompt). Rows admitted at different steps draw different noise:
         unlike `generate`, the tokens depend on when rows arrive."""
         if self._released:
@@ -514,7 +518,7 @@ class FastRollout(Rollout):
             raise ValueError(f"one limit >= 1 per prompt ({len(prompts)}), got {limits[:8]}")
         if self.record_routing:
             raise ValueError("record_routing (router replay R3) covers single-turn generate only")
-        generator = self._start(sampling, max(len(prompts), 1), 1, need_seq)
+        generator = self._start(sampling, num_slots or max(len(prompts), 1), 1, need_seq)
         self._decode_rows([p.to(self.device) for p in prompts], list(limits), 1, sampling_mode(sampling),
                           sampling.stop, generator, feed=feed)
 
@@ -558,6 +562,15 @@ class FastRollout(Rollout):
                 for s in self._find_stops([s for s in range(num_slots) if slot_row[s] >= 0 and not done[s]],
                                           generated, stop):
                     done[s] = True
+            if feed is not None and hasattr(feed, "cancelled"):
+                gone = set(feed.cancelled())
+                if gone:
+                    queue = deque(row for row in queue if row not in gone)  # (never admitted, never reported)
+                    ended = [s for s in range(num_slots) if slot_row[s] in gone and not done[s]]
+                    for s in ended:
+                        done[s] = True
+                    if ended:
+                        st.done[torch.tensor(ended, dtype=torch.long, device=self.device)] = True
             finished = [s for s in range(num_slots) if slot_row[s] >= 0 and done[s]]
             if finished:
                 self._retire(finished, slot_row, generated, results, prompts, n)

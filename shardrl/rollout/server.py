@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import inspect
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from shardrl.rollout.base import SamplingParams
+from shardrl.rollout.base import SamplingParams, cut_responses
 
 log = logging.getLogger(__name__)
 
@@ -100,25 +101,164 @@ class Pending:
 
 
 class Dropped(Exception):
-    """The request's client went away before its batch: nothing was generated for it."""
+    """The request's client went away: before its batch (nothing was generated for it), or while it generated
+    (a streaming backend ended its rows at the next host sync)."""
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        (future.set_exception if isinstance(value, BaseException) else future.set_result)(value)
+
+
+class _Stream:
+    """The feed of one `FastRollout.generate_stream` (its `RowFeed`): requests join while it runs (`add`, on the
+    event loop), their rows are taken at the engine's host syncs (`take`, on the generation thread) and each
+    request is answered when its last row ends (`finished`). The stream ends when no row is left and none came for
+    `idle_s`, or when closed (a request with other sampling settings, or a longer context, waits for the next).
+    Rows of a request whose client left end at the next sync (`cancel`)."""
+
+    def __init__(self, batcher: Batcher, loop, sampling: SamplingParams, need_seq: int, idle_s: float):
+        self.batcher, self.loop, self.sampling, self.need_seq, self.idle_s = batcher, loop, sampling, need_seq, idle_s
+        self.cond = threading.Condition()
+        self.new: list[tuple[torch.Tensor, int]] = []  # rows not taken yet
+        self.rows: list[tuple[Pending, int, list[int]]] = []  # row -> (request, its output index, prompt)
+        self.outs: dict[int, list] = {}  # id(request) -> its outputs so far
+        self.left: dict[int, int] = {}
+        self.gone: set[int] = set()  # rows of requests whose clients left
+        self.just_gone: list[int] = []  # ... not yet handed to the engine
+        self.items: list[Pending] = []
+        self.taken, self.open = 0, True
+
+    def key(self) -> tuple:
+        return self.batcher.settings(self.sampling)
+
+    def add(self, item: Pending) -> bool:
+        """Joins `item` (same settings; every row within need_seq); False if the stream has ended or it does not fit."""
+        if self.batcher.settings(item.sampling) != self.key():
+            return False
+        if any(len(p) + item.sampling.max_new_tokens > self.need_seq for p in item.prompts):
+            return False
+        with self.cond:
+            if not self.open:
+                return False
+            rows = [(p, k) for k, p in enumerate(p for p in item.prompts for _ in range(item.sampling.n))]
+            self.outs[id(item)], self.left[id(item)] = [None] * len(rows), len(rows)
+            self.items.append(item)
+            for p, k in rows:
+                self.new.append((torch.tensor(p, dtype=torch.long), item.sampling.max_new_tokens))
+                self.rows.append((item, k, p))
+            self.cond.notify()
+        return True
+
+    def close(self) -> None:
+        with self.cond:
+            self.open = False
+            self.cond.notify()
+
+    def cancel(self, item: Pending) -> None:
+        with self.cond:
+            rows = [r for r, (owner, _, _) in enumerate(self.rows) if owner is item]
+            self.gone.update(rows)
+            self.just_gone.extend(rows)
+
+    # ---- the generation thread --------------------------------------------------------------------------
+    def take(self, block: bool) -> list[tuple[torch.Tensor, int]]:
+        with self.cond:
+            if block:
+                deadline = time.monotonic() + self.idle_s
+                while not self.new and self.open and (left := deadline - time.monotonic()) > 0:
+                    self.cond.wait(left)
+                if not self.new:
+                    self.open = False  # idle: the stream ends (a later request starts the next)
+            new, self.new = self.new, []
+            first, self.taken = self.taken, self.taken + len(new)
+            # (a row whose client left before it was taken makes one token, unanswered)
+            return [(p, 1 if first + i in self.gone else limit) for i, (p, limit) in enumerate(new)]
+
+    def cancelled(self) -> list[int]:
+        with self.cond:
+            rows, self.just_gone = self.just_gone, []
+            return rows
+
+    def finished(self, row: int, tokens: list[int], log_probs: torch.Tensor) -> None:
+        item, k, prompt = self.rows[row]
+        if row in self.gone or item.future.done():
+            return
+        b, stop = self.batcher, self.sampling.stop
+        lengths, texts = cut_responses(b.tokenizer, b.stop_ids, torch.tensor([tokens], dtype=torch.long), stop)
+        ids = tokens[: lengths[0]]
+        self.outs[id(item)][k] = b.choice(prompt, ids, log_probs[: len(ids)].tolist(), texts[0],
+                                          item.sampling.max_new_tokens, stop, len(tokens) > len(ids))
+        self.left[id(item)] -= 1
+        if self.left[id(item)] == 0:
+            b.stats["requests"] += 1
+            self.loop.call_soon_threadsafe(_resolve, item.future, self.outs[id(item)])
 
 
 class Batcher:
-    """Runs the waiting requests through `rollout.generate` in batches, one batch at a time, in a worker thread
-    (the event loop keeps taking requests meanwhile). A batch holds at most `max_batch` rows (a request's prompts
-    times its n); a rollout that takes a limit per prompt (the fast one) gets each row's own `max_tokens`, others
-    generate the batch's longest for every row, so a batch then also keeps its longest prompt plus that within
-    `max_model_len`."""
+    """Runs the waiting requests through the rollout in a worker thread (the event loop keeps taking requests
+    meanwhile).
 
-    def __init__(self, rollout, tokenizer, max_batch: int = 64, max_model_len: int | None = None):
+    Streaming (a backend with `generate_stream`, the fast one; `stream`, default on where it can): continuous
+    batching. One `generate_stream` runs while requests come; each request's rows join the running batch at the
+    engine's next host sync and leave it as they end, each with its own `max_tokens`, and a request is answered
+    when its rows are done. Requests with other sampling settings (or a longer context than the stream's cache)
+    wait for the stream to drain. A request whose client leaves while it generates ends at the next sync, its
+    slot free (`stats["cancelled"]`). Not while the weights may change inside a call (partial rollouts: a weight
+    hook) or the rollout records routing: then batches.
+
+    Batches (otherwise): one `generate` at a time over the waiting requests. A batch holds at most `max_batch`
+    rows (a request's prompts times its n); a rollout that takes a limit per prompt (the fast one) gets each row's
+    own `max_tokens`, others generate the batch's longest for every row, so a batch then also keeps its longest
+    prompt plus that within `max_model_len`."""
+
+    def __init__(self, rollout, tokenizer, max_batch: int = 64, max_model_len: int | None = None,
+                 stream: bool | None = None, idle_s: float = 0.2):
         from shardrl.tokenizer import stop_token_ids
 
         self.rollout, self.tokenizer, self.max_batch, self.max_model_len = rollout, tokenizer, max_batch, max_model_len
         self.per_row_limits = "max_new_tokens" in inspect.signature(rollout.generate).parameters
         self.stop_ids = set(getattr(rollout, "stop_ids", None) or stop_token_ids(tokenizer))
+        can_stream = hasattr(rollout, "generate_stream")
+        if stream and not can_stream:
+            raise ValueError(f"stream=True needs a backend with generate_stream (the fast one), not "
+                             f"{type(rollout).__name__}")
+        self.stream, self.idle_s = can_stream if stream is None else stream, idle_s
         self.queue: asyncio.Queue[Pending] | None = None
         self.task: asyncio.Task | None = None
-        self.stats = {"batches": 0, "requests": 0, "dropped": 0, "failed": 0}
+        self.current: _Stream | None = None  # the running stream
+        self.later: list[Pending] = []  # requests that wait for it to drain
+        self.stats = {"batches": 0, "streams": 0, "requests": 0, "dropped": 0, "cancelled": 0, "failed": 0}
+
+    @staticmethod
+    def settings(s: SamplingParams) -> tuple:
+        """What requests sharing a generate call must agree on."""
+        return (s.temperature, s.top_p, s.top_k, s.greedy, s.seed, tuple(s.stop))
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """From another thread, once no more requests will come for a while (an RL run's episodes are done): ends the
+        running stream as soon as its rows are, and waits for that, so that the rollout is free (weights may move)."""
+        stream = self.current
+        if stream is not None:
+            stream.close()
+        deadline = time.monotonic() + timeout_s
+        while self.current is not None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if self.current is not None:
+            raise RuntimeError(f"the endpoint's generation did not end within {timeout_s:g} s")
+
+    def streaming(self) -> bool:
+        return (self.stream and getattr(self.rollout, "weight_hook", None) is None
+                and not getattr(self.rollout, "record_routing", False))
+
+    def choice(self, prompt: list[int], token_ids: list[int], log_probs: list[float], text: str, limit: int,
+               stop: list[str], cut: bool) -> dict:
+        """One choice's record: `token_ids` cut to the response (`cut`: tokens past a stop string or an end token
+        were dropped); finish_reason "length" only for a response that reached `limit` without ending."""
+        stopped = bool(stop) and any(x in self.tokenizer.decode(token_ids) for x in stop)
+        ended = cut or len(token_ids) < limit or bool(token_ids and token_ids[-1] in self.stop_ids) or stopped
+        return dict(prompt_token_ids=prompt, token_ids=token_ids, text=text, log_probs=log_probs,
+                    finish_reason="stop" if ended else "length")
 
     async def start(self) -> None:
         self.queue = asyncio.Queue()
@@ -152,26 +292,79 @@ class Batcher:
             chunks.append(current)
         return chunks
 
+    async def _alive(self, item: Pending) -> bool:
+        """False (and the request answered Dropped) if its client left before it started."""
+        if item.future.done() or (item.alive is not None and not await item.alive()):
+            self.stats["dropped"] += 1
+            _resolve(item.future, Dropped())
+            return False
+        return True
+
     async def _loop(self) -> None:
+        deferred: list[Pending] = []
         while True:
-            waiting = [await self.queue.get()]
+            waiting = deferred or [await self.queue.get()]
             while not self.queue.empty():
                 waiting.append(self.queue.get_nowait())
-            live = []
-            for item in waiting:
-                if item.future.done() or (item.alive is not None and not await item.alive()):
-                    self.stats["dropped"] += 1
-                    if not item.future.done():
-                        item.future.set_exception(Dropped())
-                else:
-                    live.append(item)
+            live = [item for item in waiting if await self._alive(item)]
+            deferred = []
+            if not live:
+                continue
+            if self.streaming():
+                deferred = await self._run_stream(live)
+                continue
             groups: dict[tuple, list[Pending]] = {}
             for item in live:
-                s = item.sampling
-                groups.setdefault((s.temperature, s.top_p, s.top_k, s.greedy, s.seed, tuple(s.stop)), []).append(item)
+                groups.setdefault(self.settings(item.sampling), []).append(item)
             for items in groups.values():
                 for chunk in self._chunks(items):
                     await self._run(chunk)
+
+    async def _run_stream(self, live: list[Pending]) -> list[Pending]:
+        """One stream from the first of `live`'s settings until it drains; returns the requests left for later."""
+        first = live[0]
+        need = max(len(p) + item.sampling.max_new_tokens for item in live for p in item.prompts
+                   if self.settings(item.sampling) == self.settings(first.sampling))
+        need = max(need, min(self.max_model_len or need, 4096))  # room for what comes while it runs
+        stream = _Stream(self, asyncio.get_running_loop(), first.sampling, need, self.idle_s)
+        later = [item for item in live if not stream.add(item)]
+        self.current, self.later = stream, later
+        run = asyncio.create_task(asyncio.to_thread(self._stream_generate, stream))
+        checked = time.monotonic()
+        while not run.done():
+            await asyncio.wait({run}, timeout=0.01)
+            while not self.queue.empty():
+                item = self.queue.get_nowait()
+                if item.future.done():
+                    continue
+                if not stream.add(item):
+                    later.append(item)
+                    stream.close()  # (it drains; the next stream takes them)
+            if time.monotonic() - checked > 0.1:  # clients that left: their rows end at the next sync
+                checked = time.monotonic()
+                for item in stream.items:
+                    if not item.future.done() and item.alive is not None and not await item.alive():
+                        stream.cancel(item)
+                        self.stats["cancelled"] += 1
+                        _resolve(item.future, Dropped())
+        try:
+            run.result()
+        except Exception:  # noqa: BLE001 (the server stays up; one bad request must not fail the others)
+            log.exception("a stream failed; its unanswered requests are retried one at a time")
+            for item in stream.items:
+                if not item.future.done():
+                    await self._run([item])
+        self.current, self.later = None, []
+        for item in stream.items:  # (a row the engine never reported: answered, not left waiting)
+            _resolve(item.future, RuntimeError("the generation ended without this request's responses"))
+        return later
+
+    def _stream_generate(self, stream: _Stream) -> None:
+        self.stats["streams"] += 1
+        s = stream.sampling
+        sampling = SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                  max_new_tokens=max(1, stream.need_seq), stop=s.stop, seed=s.seed, greedy=s.greedy)
+        self.rollout.generate_stream([], [], sampling, stream, stream.need_seq, num_slots=self.max_batch)
 
     async def _run(self, chunk: list[Pending]) -> None:
         try:
@@ -221,15 +414,12 @@ class Batcher:
             limit = limits[j]
             length = int(out.response_mask[j].sum())
             token_ids = out.response_ids[j, :min(length, limit)].tolist()
+            log_probs = out.sampled_log_probs[j, :len(token_ids)].tolist()
             if length > limit:  # generated for a longer request of the batch: cut at this one's limit
-                text, reason = self.tokenizer.decode(token_ids, skip_special_tokens=True), "length"
+                result = dict(prompt_token_ids=rows[j], token_ids=token_ids, log_probs=log_probs, finish_reason="length",
+                              text=self.tokenizer.decode(token_ids, skip_special_tokens=True))
             else:
-                text = out.response_text[j]
-                stopped = bool(s.stop) and any(x in self.tokenizer.decode(token_ids) for x in s.stop)
-                ended = length < limit or bool(token_ids and token_ids[-1] in self.stop_ids) or stopped
-                reason = "stop" if ended else "length"
-            result = dict(prompt_token_ids=rows[j], token_ids=token_ids, text=text,
-                          log_probs=out.sampled_log_probs[j, :len(token_ids)].tolist(), finish_reason=reason)
+                result = self.choice(rows[j], token_ids, log_probs, out.response_text[j], limit, s.stop, False)
             if out.token_version is not None:  # weights that change while it generates (partial rollouts)
                 result["token_versions"] = out.token_version[j, :len(token_ids)].tolist()
                 result["policy_version"] = result["token_versions"][0] if token_ids else None
