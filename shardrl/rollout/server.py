@@ -2,9 +2,10 @@
 episodes): `/v1/models`, `/v1/completions`,
 `/v1/chat/completions` (FastAPI on uvicorn), for agents that call a chat-completions API.
 
-Requests are batched: the requests that arrive while a batch generates wait for the next one, and every waiting
-request goes into one `generate` call (those with equal sampling settings share a call; the longest `max_tokens`
-of a call is generated and each response is cut at its own). Each choice carries the exact token ids and per-token
+Requests are batched (`Batcher`): on the fast backend continuously (a request's rows join the running
+`generate_stream` at its next host sync and leave as they end), elsewhere one `generate` call at a time over the
+requests that waited for it (those with equal sampling settings share a call; the longest `max_tokens` of a call
+is generated and each response is cut at its own). Each choice carries the exact token ids and per-token
 log-probs of the sampler (`token_ids`, `logprobs`) and the response the prompt's ids (`prompt_token_ids`), as
 vLLM's token-in-token-out extension does, so an RL trainer can train on precisely what was sampled; where the
 weights may change while a batch generates (an RL run's partial rollouts), also each token's policy version
