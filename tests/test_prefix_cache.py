@@ -197,3 +197,23 @@ def test_paged_decode_in_cuda_graphs_reads_the_cache_as_the_cpu_does(tok, attent
     got, ref = fast.generate(ids, mask, sampled), plain.generate(ids, mask, sampled)
     assert torch.equal(got.response_ids.cpu(), ref.response_ids.cpu())
     torch.testing.assert_close(got.sampled_log_probs.cpu(), ref.sampled_log_probs.cpu(), atol=1e-4, rtol=0)
+
+
+def test_an_rl_run_logs_the_share_of_prompt_tokens_read_from_the_cache(tmp_path, monkeypatch):
+    """rollout/prompt_cached_frac: with blocks of 2 positions and 2 decode slots, a prompt's 4 samples are admitted
+    apart, and the later pair reads the first's full block (the demo's prompts are 4 tokens: 2 of them)."""
+    import json
+
+    import shardrl.trainer.generation as generation
+    from shardrl.testing import small_demo_run
+    from shardrl.trainer.demo import prepare_demo_assets
+    from shardrl.trainer.main import run
+
+    build = generation.build_rollout
+    monkeypatch.setattr(generation, "build_rollout", lambda name, *a, **k: build(
+        name, *a, **({**k, "block_size": 2} if name == "fast" else k)))
+    assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=0)
+    run_dir = run(None, small_demo_run(assets, tmp_path / "run", "trainer.logger=[jsonl]", "trainer.total_steps=2",
+                                       "rollout.backend=fast", "rollout.max_batch=2"))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.2 < r["rollout/prompt_cached_frac"] < 1 for r in records), [r.get("rollout/prompt_cached_frac") for r in records]

@@ -55,7 +55,11 @@ def direct(server, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = b.rollout.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=max_tokens))
+    b.pause()  # (a stream's idle wait holds the rollout: it ends first)
+    try:
+        out = b.rollout.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=max_tokens))
+    finally:
+        b.unpause()
     rows = []
     for j in range(len(prompts)):
         n = int(out.response_mask[j].sum())
@@ -100,7 +104,7 @@ def hold(batcher, monkeypatch) -> threading.Event:
 def queued(batcher) -> int:
     """Requests waiting behind a held call: in the queue, joined to the held stream, or waiting for it to drain."""
     joined = len(batcher.current.items) - 1 if batcher.current is not None else 0
-    return batcher.queue.qsize() + joined + len(batcher.later)
+    return batcher.queue.qsize() + joined + len(batcher.later) + len(batcher.held)
 
 
 def calls(batcher) -> int:
@@ -331,3 +335,47 @@ def test_a_client_that_leaves_while_it_generates_ends_its_rows(server, monkeypat
     res = client(server).completions.create(model="tiny", prompt="b", max_tokens=2)
     assert res.choices[0].model_extra["token_ids"]
     assert batcher.stats["requests"] - before["requests"] == 1
+
+
+def test_a_request_with_other_settings_is_not_starved_by_a_busy_stream(server):
+    """Streaming: requests at one temperature keep a stream busy; one at another temperature, waiting with them when
+    the stream started, is answered while they go on (the stream closes to new rows and drains first)."""
+    b = server.batcher
+    if not b.streaming():
+        pytest.skip("batches take every waiting request in turn")
+    stop, got = threading.Event(), {}
+
+    def pump():
+        c = client(server)
+        while not stop.is_set():
+            c.completions.create(model="tiny", prompt="a", max_tokens=3, temperature=1.0)
+
+    wait_for(lambda: b.current is None, "the last stream drained")
+    b.pause()  # (everything below waits together)
+    pumps = [threading.Thread(target=pump) for _ in range(3)]
+    odd = threading.Thread(target=lambda: got.update(odd=client(server).completions.create(
+        model="tiny", prompt="b", max_tokens=3, temperature=0.5)))
+    try:
+        for t in pumps:
+            t.start()
+        wait_for(lambda: queued(b) >= 3, "the pumps' first requests queued")
+        odd.start()
+        wait_for(lambda: queued(b) >= 4, "the odd request queued")
+        b.unpause()
+        odd.join(20)
+        assert not odd.is_alive(), "the request at another temperature starved"
+        assert got["odd"].choices[0].model_extra["token_ids"]
+    finally:
+        b.unpause()
+        stop.set()
+        for t in pumps:
+            t.join(30)
+
+
+def test_seeded_requests_are_reproducible(server):
+    """A request with a seed is generated in a batch of its own settings (not joined to a running stream, whose
+    noise depends on when rows arrive): the same request twice gives the same tokens."""
+    c = client(server)
+    first, second = (c.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=1.0, seed=7)
+                     for _ in range(2))
+    assert first.choices[0].model_extra["token_ids"] == second.choices[0].model_extra["token_ids"]

@@ -148,6 +148,8 @@ class AgentRollout(Rollout):
             app = build_app(batcher, MODEL_NAME, self.context or 4096, sampling.max_new_tokens, policy)
             self.server = ServerThread(app)
         self.server.app.state.policy = policy  # this call's: training's, or validation's
+        self.server.app.state.records.clear()  # (what episodes of an earlier call left)
+        self.server.batcher.unpause()
         return self.server
 
     @torch.no_grad()
@@ -161,7 +163,7 @@ class AgentRollout(Rollout):
                               "extra": samples[b].get("extra")}, uuid.uuid4().hex)
                     for b in range(num_prompts) for _ in range(n)]
         asyncio.run(self._run_all(episodes, server.url))
-        server.batcher.drain()  # (the backend free again: the trainer moves weights next)
+        server.batcher.pause()  # (the backend free: the trainer moves weights next)
         records = server.app.state.records
         calls = [records.pop(e.key, []) for e in episodes]
         for e, c in zip(episodes, calls):

@@ -213,7 +213,8 @@ class FastRollout(Rollout):
         self._graph_pool = None
         self._released, self._weights_on_cpu, self._kept_shape = False, False, None
         self.last_stats: dict = {}  # the last generate call's counts
-        self.totals = {"prefill_tokens": 0, "cached_tokens": 0}  # prompt tokens run and read from the cache, all calls
+        # prompt tokens prefilled (padding not counted) and read from the prefix cache, over every call so far
+        self.totals = {"prompt_tokens": 0, "cached_tokens": 0}
 
     def _attention(self, name: str, head_dim: int) -> SDPADecodeAttention | TritonDecodeAttention:
         """The decode attention `name` asks for; "auto" takes triton where it can run, else sdpa."""
@@ -576,7 +577,11 @@ class FastRollout(Rollout):
                 self._retire(finished, slot_row, generated, results, prompts, n)
                 if feed is not None:
                     for s in finished:
-                        feed.finished(slot_row[s], *results[slot_row[s]])
+                        row = slot_row[s]
+                        feed.finished(row, *results[row])
+                        # a stream may run for hours: what a finished row held goes (its prompt, its output)
+                        prompts[row] = results[row] = None
+                        self._prompt_tokens.pop(row, None)
                 for s in finished:
                     slot_row[s], lengths[s] = -1, 0
             if feed is not None:  # wait for new rows only when nothing is queued or decoding
@@ -618,8 +623,6 @@ class FastRollout(Rollout):
             stats["decode_steps"] += num_steps
             stats["slot_steps"] += num_steps * width
         self.last_stats = stats
-        for key in ("prefill_tokens", "cached_tokens"):
-            self.totals[key] += stats[key]
         return results
 
     def _widths(self, num_slots: int) -> list[int]:
@@ -745,6 +748,8 @@ class FastRollout(Rollout):
             st.done[slots] = (tokens_out[:, None] == st.eos).any(-1) | (limit_t <= 1)
             run += ids.numel()
             cached_total += sum(starts)
+            self.totals["prompt_tokens"] += sum(lens)
+            self.totals["cached_tokens"] += sum(starts)
         return run, cached_total
 
     def _tokens_of(self, prompts, b: int) -> list[int]:

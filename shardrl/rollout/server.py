@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 MAX_N = 128
 """Samples a request may ask for (n) at most."""
 
+STREAM_SEQ = 4096
+"""Cache positions a stream's slot holds at least (up to the context), for the requests that join it."""
+
 
 class Message(BaseModel):
     """A chat message (tool calls and names pass as extra fields: the chat template reads them). `content`: a
@@ -122,7 +125,8 @@ class _Stream:
         self.batcher, self.loop, self.sampling, self.need_seq, self.idle_s = batcher, loop, sampling, need_seq, idle_s
         self.cond = threading.Condition()
         self.new: list[tuple[torch.Tensor, int]] = []  # rows not taken yet
-        self.rows: list[tuple[Pending, int, list[int]]] = []  # row -> (request, its output index, prompt)
+        self.rows: dict[int, tuple[Pending, int, list[int]]] = {}  # row -> (request, its output index, prompt)
+        self.added = 0  # rows so far (the next one's number)
         self.outs: dict[int, list] = {}  # id(request) -> its outputs so far
         self.left: dict[int, int] = {}
         self.gone: set[int] = set()  # rows of requests whose clients left
@@ -135,8 +139,8 @@ class _Stream:
 
     def add(self, item: Pending) -> bool:
         """Joins `item` (same settings; every row within need_seq); False if the stream has ended or it does not fit."""
-        if self.batcher.settings(item.sampling) != self.key():
-            return False
+        if self.batcher.settings(item.sampling) != self.key() or item.sampling.seed is not None:
+            return False  # (a seeded request is generated in a batch of its own kind: reproducible)
         if any(len(p) + item.sampling.max_new_tokens > self.need_seq for p in item.prompts):
             return False
         with self.cond:
@@ -147,7 +151,8 @@ class _Stream:
             self.items.append(item)
             for p, k in rows:
                 self.new.append((torch.tensor(p, dtype=torch.long), item.sampling.max_new_tokens))
-                self.rows.append((item, k, p))
+                self.rows[self.added] = (item, k, p)
+                self.added += 1
             self.cond.notify()
         return True
 
@@ -158,7 +163,7 @@ class _Stream:
 
     def cancel(self, item: Pending) -> None:
         with self.cond:
-            rows = [r for r, (owner, _, _) in enumerate(self.rows) if owner is item]
+            rows = [r for r, (owner, _, _) in self.rows.items() if owner is item]
             self.gone.update(rows)
             self.just_gone.extend(rows)
 
@@ -182,8 +187,10 @@ class _Stream:
             return rows
 
     def finished(self, row: int, tokens: list[int], log_probs: torch.Tensor) -> None:
-        item, k, prompt = self.rows[row]
-        if row in self.gone or item.future.done():
+        with self.cond:
+            item, k, prompt = self.rows.pop(row)
+            self.gone.discard(row)
+        if item.future.done():
             return
         b, stop = self.batcher, self.sampling.stop
         lengths, texts = cut_responses(b.tokenizer, b.stop_ids, torch.tensor([tokens], dtype=torch.long), stop)
@@ -193,7 +200,13 @@ class _Stream:
         self.left[id(item)] -= 1
         if self.left[id(item)] == 0:
             b.stats["requests"] += 1
-            self.loop.call_soon_threadsafe(_resolve, item.future, self.outs[id(item)])
+            self.left.pop(id(item))
+            self.loop.call_soon_threadsafe(_resolve, item.future, self.outs.pop(id(item)))
+
+    def unanswered(self) -> list[Pending]:
+        """The requests not answered yet (the answered ones are forgotten: a stream may run for hours)."""
+        self.items = [item for item in self.items if not item.future.done()]
+        return self.items
 
 
 class Batcher:
@@ -229,6 +242,9 @@ class Batcher:
         self.task: asyncio.Task | None = None
         self.current: _Stream | None = None  # the running stream
         self.later: list[Pending] = []  # requests that wait for it to drain
+        self.paused = False  # (`pause`): no generation starts
+        self.busy = False  # a generation runs
+        self.held: list[Pending] = []  # requests taken from the queue while paused
         self.stats = {"batches": 0, "streams": 0, "requests": 0, "dropped": 0, "cancelled": 0, "failed": 0}
 
     @staticmethod
@@ -236,17 +252,22 @@ class Batcher:
         """What requests sharing a generate call must agree on."""
         return (s.temperature, s.top_p, s.top_k, s.greedy, s.seed, tuple(s.stop))
 
-    def drain(self, timeout_s: float = 60.0) -> None:
-        """From another thread, once no more requests will come for a while (an RL run's episodes are done): ends the
-        running stream as soon as its rows are, and waits for that, so that the rollout is free (weights may move)."""
+    def pause(self, timeout_s: float = 60.0) -> None:
+        """From another thread: no generation starts until `unpause` (requests wait), the running stream ends as soon
+        as its rows do, and this returns when no generation runs, so the rollout is free (an RL run moves weights;
+        requests an episode left behind wait for the next step)."""
+        self.paused = True
         stream = self.current
         if stream is not None:
             stream.close()
         deadline = time.monotonic() + timeout_s
-        while self.current is not None and time.monotonic() < deadline:
+        while self.busy and time.monotonic() < deadline:
             time.sleep(0.001)
-        if self.current is not None:
+        if self.busy:
             raise RuntimeError(f"the endpoint's generation did not end within {timeout_s:g} s")
+
+    def unpause(self) -> None:
+        self.paused = False
 
     def streaming(self) -> bool:
         return (self.stream and getattr(self.rollout, "weight_hook", None) is None
@@ -307,28 +328,46 @@ class Batcher:
             waiting = deferred or [await self.queue.get()]
             while not self.queue.empty():
                 waiting.append(self.queue.get_nowait())
-            live = [item for item in waiting if await self._alive(item)]
-            deferred = []
-            if not live:
-                continue
-            if self.streaming():
-                deferred = await self._run_stream(live)
-                continue
-            groups: dict[tuple, list[Pending]] = {}
-            for item in live:
-                groups.setdefault(self.settings(item.sampling), []).append(item)
-            for items in groups.values():
-                for chunk in self._chunks(items):
-                    await self._run(chunk)
+            self.held = waiting
+            while True:  # (busy first: a `pause` from now on waits for this generation)
+                self.busy = True
+                if not self.paused:
+                    break
+                self.busy = False
+                await asyncio.sleep(0.005)
+                while not self.queue.empty():
+                    waiting.append(self.queue.get_nowait())
+            self.held = []
+            try:
+                live = [item for item in waiting if await self._alive(item)]
+                deferred = []
+                if not live:
+                    continue
+                if self.streaming() and live[0].sampling.seed is None:
+                    deferred = await self._run_stream(live)
+                else:
+                    await self._run_batches(live)
+            finally:
+                self.busy = False
+
+    async def _run_batches(self, live: list[Pending]) -> None:
+        groups: dict[tuple, list[Pending]] = {}
+        for item in live:
+            groups.setdefault(self.settings(item.sampling), []).append(item)
+        for items in groups.values():
+            for chunk in self._chunks(items):
+                await self._run(chunk)
 
     async def _run_stream(self, live: list[Pending]) -> list[Pending]:
         """One stream from the first of `live`'s settings until it drains; returns the requests left for later."""
         first = live[0]
         need = max(len(p) + item.sampling.max_new_tokens for item in live for p in item.prompts
                    if self.settings(item.sampling) == self.settings(first.sampling))
-        need = max(need, min(self.max_model_len or need, 4096))  # room for what comes while it runs
+        need = max(need, min(self.max_model_len or need, STREAM_SEQ))  # room for what comes while it runs
         stream = _Stream(self, asyncio.get_running_loop(), first.sampling, need, self.idle_s)
         later = [item for item in live if not stream.add(item)]
+        if later:  # (they wait for this one to drain; new requests go to the next stream)
+            stream.close()
         self.current, self.later = stream, later
         run = asyncio.create_task(asyncio.to_thread(self._stream_generate, stream))
         checked = time.monotonic()
@@ -343,20 +382,19 @@ class Batcher:
                     stream.close()  # (it drains; the next stream takes them)
             if time.monotonic() - checked > 0.1:  # clients that left: their rows end at the next sync
                 checked = time.monotonic()
-                for item in stream.items:
-                    if not item.future.done() and item.alive is not None and not await item.alive():
+                for item in list(stream.unanswered()):
+                    if item.alive is not None and not await item.alive() and not item.future.done():
                         stream.cancel(item)
                         self.stats["cancelled"] += 1
                         _resolve(item.future, Dropped())
         try:
             run.result()
         except Exception:  # noqa: BLE001 (the server stays up; one bad request must not fail the others)
-            log.exception("a stream failed; its unanswered requests are retried one at a time")
-            for item in stream.items:
-                if not item.future.done():
-                    await self._run([item])
+            log.exception("a stream failed; its unanswered requests are retried in batches")
+            for chunk in self._chunks(list(stream.unanswered())):
+                await self._run(chunk)  # (a failing batch is retried one request at a time)
         self.current, self.later = None, []
-        for item in stream.items:  # (a row the engine never reported: answered, not left waiting)
+        for item in stream.unanswered():  # (a row the engine never reported: answered, not left waiting)
             _resolve(item.future, RuntimeError("the generation ended without this request's responses"))
         return later
 
@@ -365,7 +403,9 @@ class Batcher:
         s = stream.sampling
         sampling = SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                   max_new_tokens=max(1, stream.need_seq), stop=s.stop, seed=s.seed, greedy=s.greedy)
-        self.rollout.generate_stream([], [], sampling, stream, stream.need_seq, num_slots=self.max_batch)
+        # slots: max_batch, fewer for a long context (at most max_batch * STREAM_SEQ cache positions in all)
+        slots = max(1, min(self.max_batch, self.max_batch * STREAM_SEQ // stream.need_seq))
+        self.rollout.generate_stream([], [], sampling, stream, stream.need_seq, num_slots=slots)
 
     async def _run(self, chunk: list[Pending]) -> None:
         try:

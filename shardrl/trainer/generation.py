@@ -128,6 +128,15 @@ class Generation:
         self.tokenizer, self.device, self.seed = tokenizer, device, ro.seed
         self.sampling = SamplingParams.from_config(ro)
 
+    def prefix_counts(self) -> tuple[int, int] | None:
+        """(prompt tokens read from the fast rollout's prefix cache, prompt tokens prefilled) over every call so
+        far; None for a backend without the cache."""
+        inner = self.rollout
+        while hasattr(inner, "rollout") and not hasattr(inner, "totals"):  # (the multi-turn or agent wrapper)
+            inner = inner.rollout
+        totals = getattr(inner, "totals", None)
+        return (totals["cached_tokens"], totals["prompt_tokens"]) if totals is not None else None
+
     def step_sampling(self, step: int, dp_rank: int, round_index: int = 0) -> SamplingParams:
         """The training sampling settings of step `step` on data-parallel rank `dp_rank` (and dynamic sampling's
         round `round_index`)."""

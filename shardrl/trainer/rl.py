@@ -215,6 +215,10 @@ class RLTrainer:
             for line in text.splitlines():
                 log.info(line)
 
+    def _prefix_counts(self) -> tuple[int, int] | None:
+        generation = getattr(self.source, "generation", None)  # (a colocated rollout; not the rollout ranks')
+        return generation.prefix_counts() if generation is not None else None
+
     def _phase_peak_gib(self) -> float | None:
         """GiB that PyTorch's allocator held at most on this GPU since the last call (a phase's peak; not
         nvidia-smi's figure, which adds the allocator's cache and CUDA's own memory); None on CPU."""
@@ -228,6 +232,7 @@ class RLTrainer:
     def train_step(self) -> dict[str, float]:
         cfg, plan, step, t0 = self.cfg, self.plan, self.state.step, time.perf_counter()
         self._phase_peak_gib()  # each phase's peak from here on
+        counts = self._prefix_counts()
         batch = self.source.batch(step, next(self.state.loader))
         t_gen = time.perf_counter()
         peaks = {"gen": self._phase_peak_gib()}
@@ -244,6 +249,9 @@ class RLTrainer:
             batch, scores, reward_metrics, metrics = draw_informative_groups(
                 draw, self.layout.prompts_per_rank, cfg.algorithm.filter_groups.max_num_gen_batches,
                 self.mesh.dp_group)
+        if counts is not None:  # the share of the step's prompt tokens the rollout read from its prefix cache
+            cached, run = (b - a for a, b in zip(counts, self._prefix_counts()))
+            metrics["rollout/prompt_cached_frac"] = SumCount(float(cached), float(cached + run))
         temp = self.logprob_temperature
         metrics.update(prepare(batch, scores, plan, self.roles, cfg.algorithm, self.state.kl_ctrl.value, temp))
         t_prep = time.perf_counter()
