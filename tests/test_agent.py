@@ -112,6 +112,7 @@ def test_trajectories_are_token_exact_and_rewards_the_agents(setup, backend):
     if backend == "fast":
         assert rollout.server.batcher.stats["streams"] >= 1 and rollout.server.batcher.stats["batches"] == 0
         assert rollout.rollout.totals["cached_tokens"] > 0  # blocks of earlier calls (and of the same prompt) read
+        assert not rollout.rollout._pool.pins  # each episode's blocks were kept between its calls, then let go
 
 
 def test_failed_episodes_are_counted_and_scored_and_all_failing_stops(setup):

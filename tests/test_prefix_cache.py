@@ -50,6 +50,48 @@ def test_eviction_takes_the_ends_of_chains_first():
     assert pool.lookup(list(range(8)), 8) == chain[:3]
 
 
+def test_a_pinned_session_keeps_its_blocks_until_space_runs_short():
+    pool = BlockPool(9, 2)  # 8 blocks
+    conv = pool.allocate(3)
+    pool.register([1, 2, 3, 4, 5, 6], conv, written=6)
+    pool.release(conv)
+    assert pool.pin("s", [1, 2, 3, 4, 5, 6, 7]) == 3 and not pool.idle  # held: not evictable
+    pool.drop_holders()  # (a call starts) the session's hold stays
+    assert all(pool.refs[b] == 1 for b in conv) and pool.available() == 5
+    other = pool.allocate(5)
+    assert not set(other) & set(conv)
+    pool.release(other)
+    assert pool.pin("s", [1, 2, 3, 4]) == 2 and pool.refs[conv[2]] == 0  # the new pin replaces the last
+    pool.allocate(8)  # more than is left: the session goes first
+    assert not pool.pins and pool.lookup([1, 2, 3, 4], 4) == []
+    pool = BlockPool(9, 2)
+    blocks = pool.allocate(6)
+    pool.register(list(range(12)), blocks, written=12)
+    pool.release(blocks)
+    assert pool.pin("long", list(range(12))) == 0  # (more than half the pool: not kept)
+    pool.pin("short", list(range(4)))
+    pool.clear_index()  # new weights: no session either
+    assert not pool.pins and pool.available() == 8
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_pinned_conversation_survives_other_traffic(tok, pinned):
+    """A conversation's blocks, pinned under its session, are read by its next turn after other prompts took the
+    cache's space; unpinned, the least recently used go first and the next turn prefills it again."""
+    model = reference_model(tok, seed=1)
+    fast = make_rollout("fast", tok, model, block_size=4, max_batch=2, max_seq_len=64)
+    greedy = SamplingParams(greedy=True, max_new_tokens=24)
+    first = fast.generate(*encode(tok, ["the quick brown fox jumps"]), greedy)
+    ids, mask = next_turns(tok, first)
+    if pinned:
+        assert fast.pin_session("conv", ids[0][mask[0].bool()].tolist()) >= 32
+    for i in range(6):  # other prompts: 2 rows of about 7 blocks a call, of the 32
+        fast.generate(*encode(tok, [f"{i}{i} other {i}", f"{i} more"]), SamplingParams(greedy=True,
+                                                                                       max_new_tokens=20))
+    fast.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=4))
+    assert (fast.last_stats["cached_tokens"] >= 32) is pinned, fast.last_stats
+
+
 def test_a_failed_call_leaves_no_block_held_and_no_cached_prefix_wrong(tok, monkeypatch):
     """A call that raises in the middle (rows admitted, blocks held) leaves nothing behind: the next call starts
     with every block free or idle, and prompts that read what the failed call cached give the tokens of a fresh

@@ -379,3 +379,22 @@ def test_seeded_requests_are_reproducible(server):
     first, second = (c.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=1.0, seed=7)
                      for _ in range(2))
     assert first.choices[0].model_extra["token_ids"] == second.choices[0].model_extra["token_ids"]
+
+
+def test_a_session_id_pins_the_conversation(server):
+    """`session_id` (and an RL run's episode header): the fast backend keeps the conversation's cached blocks for the
+    session's next request (`FastRollout.pin_session`; what it keeps: tests/test_prefix_cache.py)."""
+    b = server.batcher
+    if not hasattr(b.rollout, "pin_session"):
+        pytest.skip("the hf backend keeps no cache across calls")
+    pinned = []
+    pin = b.rollout.pin_session
+    b.rollout.pin_session = lambda session, tokens: (pinned.append((session, list(tokens))), pin(session, tokens))[1]
+    try:
+        res = client(server).completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                                extra_body={"session_id": "conv-1"})
+    finally:
+        del b.rollout.pin_session
+    choice = res.choices[0].model_extra
+    assert pinned == [("conv-1", choice["prompt_token_ids"] + choice["token_ids"])]
+    assert "conv-1" in b.rollout._pool.pins

@@ -164,6 +164,9 @@ class AgentRollout(Rollout):
                     for b in range(num_prompts) for _ in range(n)]
         asyncio.run(self._run_all(episodes, server.url))
         server.batcher.pause()  # (the backend free: the trainer moves weights next)
+        unpin = getattr(self.rollout, "unpin_session", None)
+        for e in episodes if unpin is not None else ():  # (the episodes are over: their K/V need not stay)
+            unpin(e.key)
         records = server.app.state.records
         calls = [records.pop(e.key, []) for e in episodes]
         for e, c in zip(episodes, calls):

@@ -266,6 +266,18 @@ class FastRollout(Rollout):
         copy_weights_in_place(self.model, weights)  # same addresses, so the captured graphs stay valid
         self._forget_prefixes()
 
+    def pin_session(self, session: str, tokens: list[int]) -> int:
+        """Keeps the cached blocks of `tokens` (a conversation so far) for `session` until its next pin, or until
+        space runs short (`BlockPool.pin`); returns the positions kept. Called between generate calls, or from the
+        generating thread (a stream's feed)."""
+        if self._pool is None or not self.prefix_cache:
+            return 0
+        return self._pool.pin(session, list(tokens)) * self.block_size
+
+    def unpin_session(self, session: str) -> None:
+        if self._pool is not None:
+            self._pool.unpin(session)
+
     def _forget_prefixes(self) -> None:
         """The cached K/V came from other weights: no later prompt may read it."""
         if self._pool is not None:

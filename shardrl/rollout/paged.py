@@ -11,6 +11,10 @@ a conversation's next turn (its prompt is the last turn's context, the sampled t
 agent's next request. Blocks are shared read-only; a row writes only into its own blocks (the last, partly filled
 block of a shared prompt is copied for each row). A block nobody holds stays indexed until its space is needed
 (least recently used first) or the weights change (`clear_index`: the K/V came from the old weights).
+
+Sessions (`pin`): a conversation's blocks can be held between its requests under a session key, so that other
+rows' allocations do not evict them while its tool runs. Pins are the first to go when space runs short (the least
+recently pinned first), hold at most half the pool, and go with the index when the weights change.
 """
 
 from __future__ import annotations
@@ -31,12 +35,16 @@ class BlockPool:
         self.index: dict[bytes, int] = {}  # key of a token prefix -> its last full block
         self.key_of: dict[int, bytes] = {}  # block -> its key, for the blocks in the index
         self.idle: OrderedDict[int, None] = OrderedDict()  # indexed blocks nobody holds, least recently used first
+        self.pins: OrderedDict[str, list[int]] = OrderedDict()  # session -> the blocks held for it, oldest first
 
     def available(self) -> int:
         return len(self.free) + len(self.idle)
 
     def allocate(self, count: int) -> list[int]:
-        """`count` blocks for one holder: free ones first, then the least recently used indexed ones."""
+        """`count` blocks for one holder: free ones first, then the least recently used indexed ones (sessions
+        unpinned, the oldest first, if that is not enough)."""
+        while count > self.available() and self.pins:
+            self.release(self.pins.popitem(last=False)[1])
         if count > self.available():
             raise RuntimeError(f"the KV cache has {self.available()} free blocks, {count} asked for")
         blocks = []
@@ -98,14 +106,33 @@ class BlockPool:
                 self.index[key] = block
                 self.key_of[block] = key
 
+    def pin(self, session: str, tokens: list[int]) -> int:
+        """Holds the indexed blocks of `tokens`' longest cached prefix for `session` (in place of its last pin);
+        returns how many."""
+        blocks = self.lookup(tokens, len(tokens))
+        self.unpin(session)
+        self.pins[session] = blocks
+        while sum(map(len, self.pins.values())) > self.num_blocks // 2:
+            self.release(self.pins.popitem(last=False)[1])
+        return len(self.pins.get(session, []))
+
+    def unpin(self, session: str) -> None:
+        self.release(self.pins.pop(session, []))
+
     def drop_holders(self) -> None:
-        """Every block without a holder (a call starts: no row holds any, whatever a failed call left behind)."""
+        """Every block without a holder but the sessions' (a call starts: no row holds any, whatever a failed call
+        left behind)."""
         self.refs = [0] * self.num_blocks
         self.free = [b for b in range(self.num_blocks - 1, 0, -1) if b not in self.key_of]
         self.idle = OrderedDict((b, None) for b in self.key_of)
+        for blocks in self.pins.values():
+            self.hold(blocks)
 
     def clear_index(self) -> None:
-        """Forgets every prefix (the weights changed): idle blocks become free, held ones free on release."""
+        """Forgets every prefix and session (the weights changed): idle blocks become free, held ones free on
+        release."""
+        for session in list(self.pins):
+            self.unpin(session)
         self.free.extend(self.idle)
         self.idle.clear()
         self.index.clear()

@@ -71,6 +71,7 @@ class Common(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None
+    session_id: str | None = None  # (shardrl's: the fast backend keeps the conversation's K/V for its next request)
 
 
 class ChatRequest(Common):
@@ -102,6 +103,7 @@ class Pending:
     sampling: SamplingParams
     future: asyncio.Future
     alive: Any = None  # async () -> bool: whether the client is still connected
+    session: str | None = None  # the conversation it continues: its K/V is kept for the next request
 
 
 class Dropped(Exception):
@@ -201,6 +203,7 @@ class _Stream:
         if self.left[id(item)] == 0:
             b.stats["requests"] += 1
             self.left.pop(id(item))
+            b.keep_session(item, self.outs[id(item)])
             self.loop.call_soon_threadsafe(_resolve, item.future, self.outs.pop(id(item)))
 
     def unanswered(self) -> list[Pending]:
@@ -269,6 +272,12 @@ class Batcher:
     def unpause(self) -> None:
         self.paused = False
 
+    def keep_session(self, item: Pending, outs: list[dict]) -> None:
+        """A request of a session (on the generating thread): its conversation's K/V kept for the next one."""
+        pin = getattr(self.rollout, "pin_session", None)
+        if item.session is not None and pin is not None and outs and outs[0] is not None:
+            pin(item.session, outs[0]["prompt_token_ids"] + outs[0]["token_ids"])
+
     def streaming(self) -> bool:
         return (self.stream and getattr(self.rollout, "weight_hook", None) is None
                 and not getattr(self.rollout, "record_routing", False))
@@ -290,8 +299,9 @@ class Batcher:
         if self.task is not None:
             self.task.cancel()
 
-    async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None) -> list[dict]:
-        item = Pending(prompts, sampling, asyncio.get_running_loop().create_future(), alive)
+    async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None,
+                     session: str | None = None) -> list[dict]:
+        item = Pending(prompts, sampling, asyncio.get_running_loop().create_future(), alive, session)
         await self.queue.put(item)
         return await item.future
 
@@ -465,6 +475,8 @@ class Batcher:
                 result["token_versions"] = out.token_version[j, :len(token_ids)].tolist()
                 result["policy_version"] = result["token_versions"][0] if token_ids else None
             results[owner].append(result)
+        for item, outs in zip(items, results):
+            self.keep_session(item, outs)
         return results
 
 
@@ -570,6 +582,10 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
 
     app_records: dict[str, list[dict]] = {}
 
+    def session(request: Request, req: Common) -> str | None:
+        """The conversation a request continues: its `session_id`, or an RL run's episode."""
+        return req.session_id or request.headers.get(EPISODE_HEADER)
+
     def record(request: Request, outs: list[dict]) -> None:
         episode = request.headers.get(EPISODE_HEADER)
         if episode is not None:
@@ -605,7 +621,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = given if given is not None else max(1, min(default_max_tokens, max_model_len - len(ids)))
         sampling = check(req, [ids], max_tokens)
-        outs = await batcher.submit([ids], sampling, alive(request))
+        outs = await batcher.submit([ids], sampling, alive(request), session(request, req))
         record(request, outs)
         choices = []
         for i, o in enumerate(outs):
@@ -631,7 +647,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
             prompts = [list(x) if isinstance(x, list) else tok(x, add_special_tokens=False)["input_ids"] for x in p]
         sampling = check(req, prompts, 16 if req.max_tokens is None else req.max_tokens)
         n = sampling.n
-        flat = await batcher.submit(prompts, sampling, alive(request))  # prompt-major: each prompt's n in a row
+        flat = await batcher.submit(prompts, sampling, alive(request), session(request, req))  # prompt-major
         record(request, flat)
         choices = []
         for outs in [flat[i * n:(i + 1) * n] for i in range(len(prompts))]:
