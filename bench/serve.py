@@ -1,7 +1,8 @@
 """`shardrl serve` under concurrent clients against direct `generate` calls of the same work (issue 36's server
-throughput): new tokens/s of C concurrent `openai` clients each sending R completions requests (one prompt each,
-the same prompts and max_tokens for both), against the server's rollout called directly on the same prompts in
-batches of the server's `--max-batch`.
+throughput): new tokens/s of C concurrent `openai` clients each sending R completions requests (one prompt each),
+against the server's rollout called directly on as many prompts of the same shape and max_tokens in batches of the
+server's `--max-batch`. Every run (warm-up and timed, each side) has prompts of its own, so that none reads
+another's from the fast rollout's prefix cache. On the fast backend the server batches continuously.
 
     python bench/serve.py --shape 1.5b --clients 256 --requests 2 --out results.jsonl   # one H200
     python bench/serve.py --shape tiny --clients 8 --requests 2 --prompt-len 16 --max-tokens 16   # CPU check
@@ -62,10 +63,12 @@ def main():
     server = Server(build_server(load_config(None, overrides), served_name="m", max_batch=args.max_batch))
     batcher = server.batcher
     n_requests = args.clients * args.requests
-    prompts = [" ".join(f"w{4 + (31 * i + 7 * j) % (shape['vocab_size'] - 4)}" for j in range(args.prompt_len))
-               for i in range(n_requests)]
+    def prompt_set(k: int) -> list[str]:
+        """Prompts of their own for each run (no run reads another's from the fast rollout's prefix cache)."""
+        return [" ".join(f"w{4 + (31 * i + 7 * j + 13 * k) % (shape['vocab_size'] - 4)}" for j in range(args.prompt_len))
+                for i in range(n_requests * k, n_requests * (k + 1))]
 
-    async def client(c: int, aclient) -> int:
+    async def client(c: int, aclient, prompts) -> int:
         made = 0
         for r in range(args.requests):
             res = await aclient.completions.create(model="m", prompt=prompts[c * args.requests + r],
@@ -73,23 +76,24 @@ def main():
             made += res.usage.completion_tokens
         return made
 
-    async def all_clients() -> int:
+    async def all_clients(prompts) -> int:
         aclient = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=3600)
-        return sum(await asyncio.gather(*[client(c, aclient) for c in range(args.clients)]))
+        return sum(await asyncio.gather(*[client(c, aclient, prompts) for c in range(args.clients)]))
 
-    asyncio.run(all_clients())  # warm-up: compile, CUDA graphs
+    asyncio.run(all_clients(prompt_set(0)))  # warm-up: compile, CUDA graphs
     before = dict(batcher.stats)
     t0 = time.perf_counter()
-    served_tokens = asyncio.run(all_clients())
+    served_tokens = asyncio.run(all_clients(prompt_set(1)))
     served_s = time.perf_counter() - t0
     batches = batcher.stats["batches"] - before["batches"]
+    streams = batcher.stats["streams"] - before["streams"]
+    batcher.pause()  # (a stream's idle wait ends first: the rollout is the direct calls' next)
     server.stop()
 
     rollout = batcher.rollout
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens, seed=1)
-    ids = [tok(x, add_special_tokens=False)["input_ids"] for x in prompts]
-
-    def direct() -> int:
+    def direct(prompts) -> int:
+        ids = [tok(x, add_special_tokens=False)["input_ids"] for x in prompts]
         made = 0
         for start in range(0, n_requests, args.max_batch):
             chunk = torch.tensor(ids[start:start + args.max_batch])
@@ -99,14 +103,14 @@ def main():
             torch.cuda.synchronize()
         return made
 
-    direct()
+    direct(prompt_set(2))
     t0 = time.perf_counter()
-    direct_tokens = direct()
+    direct_tokens = direct(prompt_set(3))
     direct_s = time.perf_counter() - t0
     rec = dict(bench="serve", shape=args.shape, backend=type(rollout).__name__, clients=args.clients,
                requests=n_requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens, max_batch=args.max_batch,
                served_s=round(served_s, 3), served_tokens_per_s=round(served_tokens / served_s),
-               server_batches=batches, direct_s=round(direct_s, 3),
+               server_batches=batches, server_streams=streams, direct_s=round(direct_s, 3),
                direct_tokens_per_s=round(direct_tokens / direct_s),
                ratio=round((served_tokens / served_s) / (direct_tokens / direct_s), 3))
     print(json.dumps(rec), flush=True)
