@@ -305,14 +305,14 @@ def test_a_failing_request_fails_alone(server, monkeypatch):
     assert got[8].choices[0].model_extra["token_ids"] and got[10].choices[0].model_extra["token_ids"]
 
 
+@pytest.mark.parametrize("server", ["fast"], indirect=True)  # (a batch runs to its end: the client is checked first)
 def test_a_client_that_leaves_while_it_generates_ends_its_rows(server, monkeypatch):
     """Streaming: a request whose client gives up while its rows decode ends at the engine's next host sync, its
     slot free (counted as cancelled; nothing answered); the server answers the next request."""
     from shardrl.rollout import server as server_module
 
     batcher = server.batcher
-    if not batcher.streaming():
-        pytest.skip("a batch runs to its end (the client is checked before its batch starts)")
+    assert batcher.streaming()
     made = {}
     finished = server_module._Stream.finished
 
@@ -337,12 +337,12 @@ def test_a_client_that_leaves_while_it_generates_ends_its_rows(server, monkeypat
     assert batcher.stats["requests"] - before["requests"] == 1
 
 
+@pytest.mark.parametrize("server", ["fast"], indirect=True)  # (batches take every waiting request in turn)
 def test_a_request_with_other_settings_is_not_starved_by_a_busy_stream(server):
     """Streaming: requests at one temperature keep a stream busy; one at another temperature, waiting with them when
     the stream started, is answered while they go on (the stream closes to new rows and drains first)."""
     b = server.batcher
-    if not b.streaming():
-        pytest.skip("batches take every waiting request in turn")
+    assert b.streaming()
     stop, got = threading.Event(), {}
 
     def pump():
@@ -381,12 +381,11 @@ def test_seeded_requests_are_reproducible(server):
     assert first.choices[0].model_extra["token_ids"] == second.choices[0].model_extra["token_ids"]
 
 
+@pytest.mark.parametrize("server", ["fast", "fast_batches"], indirect=True)  # (hf keeps no cache across calls)
 def test_a_session_id_pins_the_conversation(server):
     """`session_id` (and an RL run's episode header): the fast backend keeps the conversation's cached blocks for the
     session's next request (`FastRollout.pin_session`; what it keeps: tests/test_prefix_cache.py)."""
     b = server.batcher
-    if not hasattr(b.rollout, "pin_session"):
-        pytest.skip("the hf backend keeps no cache across calls")
     pinned = []
     pin = b.rollout.pin_session
     b.rollout.pin_session = lambda session, tokens: (pinned.append((session, list(tokens))), pin(session, tokens))[1]
