@@ -67,6 +67,9 @@ def check_router_replay(cfg: Config, policy_config, say) -> None:
     mode = cfg.actor.router_replay.mode
     if mode == "disabled":
         return
+    if not is_moe(policy_config):
+        raise ConfigError(f"actor.router_replay.mode={mode} needs a mixture-of-experts model; "
+                          f"{policy_config.model_type!r} is dense: set actor.router_replay.mode=disabled")
     if mode == "R3":
         if cfg.rollout.backend == "hf":
             raise ConfigError("actor.router_replay.mode=R3 replays the routing the fast rollout records; set "
@@ -82,9 +85,6 @@ def check_router_replay(cfg: Config, policy_config, say) -> None:
             raise ConfigError(f"actor.router_replay.mode=R3 needs the fast rollout, which cannot run this model "
                               f"({e}); use mode R2") from None
 
-    if not is_moe(policy_config):
-        raise ConfigError(f"actor.router_replay.mode={mode} needs a mixture-of-experts model; "
-                          f"{policy_config.model_type!r} is dense: set actor.router_replay.mode=disabled")
     try:
         router_rule(policy_config)
     except ValueError as e:
