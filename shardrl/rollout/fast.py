@@ -701,16 +701,13 @@ class FastRollout(Rollout):
             owned, starts = [], []
             for b, toks in zip(order, tokens):  # the first row of each prompt prefills it into its blocks
                 hit = pool.lookup(toks, len(toks) - 1) if lookup else []  # (its last token is run: the logits)
-                owned.append(hit + pool.allocate(-(-(len(toks) + limits[b]) // size) - len(hit)))
+                owned.append(hit + pool.allocate(self._blocks_for(len(toks), limits[b]) - len(hit)))
                 starts.append(len(hit) * size)
             lens = [len(t) - c for t, c in zip(tokens, starts)]
             ids = torch.full((len(order), max(lens)), self.pad_id, dtype=torch.long)
             for i, (toks, c) in enumerate(zip(tokens, starts)):
                 ids[i, : lens[i]] = torch.tensor(toks[c:], dtype=torch.long)
-            tables = torch.zeros(len(order), st.table.shape[1], dtype=torch.long)
-            for i, blocks in enumerate(owned):
-                tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-            ids, tables, lens_t = ids.to(self.device), tables.to(self.device), to_dev(lens)
+            ids, tables, lens_t = ids.to(self.device), self._table_rows(owned), to_dev(lens)
             routes = None
             if st.out_routes is not None:
                 routes = torch.empty((ids.numel(), *st.step_routes.shape[1:]), dtype=torch.long, device=self.device)
@@ -729,7 +726,7 @@ class FastRollout(Rollout):
                     continue
                 full = owned[i][: plen // size]
                 pool.hold(full)
-                own = pool.allocate(-(-(plen + limits[b]) // size) - len(full))
+                own = pool.allocate(self._blocks_for(plen, limits[b]) - len(full))
                 if plen % size:
                     copies.append((owned[i][len(full)], own[0]))
                 rows_blocks.append(full + own)
@@ -738,11 +735,9 @@ class FastRollout(Rollout):
                 st.kv[:, :, dst] = st.kv[:, :, src]
             slots = to_dev([s for s, _ in chunk])
             source = to_dev([index[row // n] for _, row in chunk])
-            rows_table = torch.zeros(len(chunk), st.table.shape[1], dtype=torch.long)
-            for j, ((slot, _), blocks) in enumerate(zip(chunk, rows_blocks)):
-                rows_table[j, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            for (slot, _), blocks in zip(chunk, rows_blocks):
                 self._slot_blocks[slot] = blocks
-            st.table[slots] = rows_table.to(self.device)
+            st.table[slots] = self._table_rows(rows_blocks)
             logits = logits.float()[source]  # (k, V)
             if routes is not None:  # each row's prompt: the routing of the prefill that wrote its K/V
                 routes = routes.view(*ids.shape, *routes.shape[1:]).to(torch.int16).cpu()
@@ -763,6 +758,17 @@ class FastRollout(Rollout):
             self.totals["prompt_tokens"] += sum(lens)
             self.totals["cached_tokens"] += sum(starts)
         return run, cached_total
+
+    def _blocks_for(self, prompt_len: int, limit: int) -> int:
+        """Blocks a row of a `prompt_len`-token prompt and up to `limit` new tokens holds."""
+        return -(-(prompt_len + limit) // self.block_size)
+
+    def _table_rows(self, block_lists: list[list[int]]) -> torch.Tensor:
+        """Block-table rows (on the device) for lists of blocks: each list, then the scratch block 0."""
+        rows = torch.zeros(len(block_lists), self._state.table.shape[1], dtype=torch.long)
+        for i, blocks in enumerate(block_lists):
+            rows[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        return rows.to(self.device)
 
     def _tokens_of(self, prompts, b: int) -> list[int]:
         """Prompt b's ids on the host (read once per call)."""
