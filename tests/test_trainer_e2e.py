@@ -224,6 +224,23 @@ def test_killed_run_resumes_like_an_uninterrupted_one(assets, tmp_path):
     assert torch.equal(first["shuffle"], torch.Generator().manual_seed(seed + 1_000_003 * at).get_state())
 
 
+def test_a_run_killed_between_its_checkpoint_and_the_steps_log_line_logs_that_step_on_resume(assets, tmp_path):
+    """The checkpoint of step 2 is complete before step 2's line reaches metrics.jsonl: a kill in between (the line
+    cut away here) leaves the resumed run to log step 2 from the checkpoint, so no step is missing."""
+    import json
+
+    args = ("trainer.save_freq=2", "trainer.keep_last=1")
+    run_training(small(assets, tmp_path / "run", "trainer.total_steps=2", *args))
+    path = tmp_path / "run" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    path.write_text(lines[0] + "\n")  # as if killed after the save, before the line
+    run_training(small(assets, tmp_path / "run", "trainer.total_steps=3", "trainer.resume=auto", *args))
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == [1, 2, 3], steps
+    assert json.loads(path.read_text().splitlines()[1])["reward/mean"] == json.loads(lines[1])["reward/mean"]
+
+
 def _train_cli(*args: str) -> int:
     return cli_main(["train", *args])
 

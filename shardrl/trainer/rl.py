@@ -209,6 +209,7 @@ class RLTrainer:
         self.logprob_temperature = SamplingParams.from_config(cfg.rollout).logprob_temperature  # the sampler's
         self.val_generations: list[dict] = []  # rank 0: the last validation's samples, for the logger
         self._resumed_records: list[dict] = []  # a resumed checkpoint's logged steps, when no metrics.jsonl has them
+        self._checkpoint_record: dict | None = None  # the resumed checkpoint's own step's record
 
     def _say(self, text: str) -> None:
         if self.rank == 0:
@@ -326,6 +327,9 @@ class RLTrainer:
     def save(self, pending: dict | None = None) -> None:
         """A checkpoint of this step; `pending`: its record, logged after the save (it carries the save's time)."""
         extra = self.state.state_dict()
+        # this step's record: a run killed after the checkpoint is complete but before the line reached
+        # metrics.jsonl logs it when it resumes
+        extra["step_record"] = pending
         if "jsonl" not in self.cfg.trainer.logger:  # no metrics.jsonl: the steps logged so far, for the summary
             extra["records"] = list(self.records) + ([pending] if pending else [])  # of a resumed run (rank 0's)
         path = self.checkpoints.save(self.state.step, self.roles.trained(), extra, self.state.rank_state_dicts())
@@ -341,6 +345,7 @@ class RLTrainer:
             else:
                 note = self.state.load(ckpt)
                 self._resumed_records = [r for r in ckpt.extra.get("records", []) if r["step"] <= self.state.step]
+                self._checkpoint_record = ckpt.extra.get("step_record")
                 total = self.cfg.trainer.total_steps
                 if self.state.step > total:
                     raise ValueError(f"checkpoint {ckpt.path} is at step {self.state.step}, past trainer.total_steps="
@@ -362,6 +367,9 @@ class RLTrainer:
         self.records = logger.records  # rank 0: the steps logged, for summary.json and the reward curve
         if not self.records:  # a resumed run without metrics.jsonl: the steps before the checkpoint
             self.records.extend(self._resumed_records)
+        last = self._checkpoint_record
+        if last is not None and last["step"] == state.step and not any(r["step"] == state.step for r in self.records):
+            logger.log(state.step, {k: v for k, v in last.items() if k != "step"}, advance=False)
         total, val_freq, save_freq = cfg.trainer.total_steps, cfg.trainer.val_freq, cfg.trainer.save_freq
         try:
             if cfg.trainer.val_before_train and self.val_set is not None and state.step == 0:
