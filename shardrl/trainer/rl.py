@@ -345,7 +345,8 @@ class RLTrainer:
             else:
                 note = self.state.load(ckpt)
                 self._resumed_records = [r for r in ckpt.extra.get("records", []) if r["step"] <= self.state.step]
-                self._checkpoint_record = ckpt.extra.get("step_record")
+                if Path(ckpt.path).resolve().is_relative_to(Path(self.run_dir).resolve()):  # (this folder's step)
+                    self._checkpoint_record = ckpt.extra.get("step_record")
                 total = self.cfg.trainer.total_steps
                 if self.state.step > total:
                     raise ValueError(f"checkpoint {ckpt.path} is at step {self.state.step}, past trainer.total_steps="
