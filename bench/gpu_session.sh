@@ -251,12 +251,29 @@ phase_s15_moe() {
     limit 300 python3 bench/moe.py update --shape olmoe --experts grouped_mm --out $RES
     limit 300 python3 bench/moe.py update --shape qwen3_30b_a3b --experts grouped_mm --out $RES
 }
+# session 16: the calculator agent (issue 36) from the tools warm start; the GGUF's two parts arrive in two calls
+# under /tmp/smollm2_parts (the phase waits for the second), then the multi-turn workload on that model from each tree
+phase_s16_agent() {
+    local t=0
+    while [ ! -f /tmp/smollm2_parts/smollm2.gguf.part01 ] && [ $t -lt 300 ]; do sleep 5; t=$((t + 5)); done
+    GR=/tmp/agent_run TRAIN_CONFIG=examples/agent/gpu.yaml STEPS=${AGENT_STEPS:-30} VAL_FREQ=10 BASE_EVAL=0 \
+        TRAIN_LIMIT_S=${AGENT_LIMIT_S:-480} bash examples/tools/gpu_run.sh start \
+        && GR=/tmp/agent_run bash examples/tools/gpu_run.sh wait 780 > /dev/null
+    cp /tmp/agent_run/summary.json "$GS/agent_summary.json" 2>/dev/null
+}
+phase_s16_prefix_mt_real() {
+    for tree in . .baseline_tree; do
+        limit 240 python3 $tree/bench/multiturn.py --backend fast --model /tmp/agent_run/warm_sft/hf_model \
+            --data /tmp/agent_run/data/train.jsonl --prompts 256 --n 2
+    done
+}
 
 collect() {
     local out=${OUT:-gpu_out}
     mkdir -p "$out"
     cp "$GS/session.log" "$out/" 2>/dev/null
     cp "$RES" "$out/" 2>/dev/null
+    cp "$GS/agent_summary.json" "$out/" 2>/dev/null
     tar czf "$out/logs.tar.gz" -C "$GS" . 2>/dev/null
     echo "---- session"; cat "$GS/session.log"
     echo "---- results"; cat "$RES" 2>/dev/null | cut -c1-400

@@ -15,6 +15,9 @@ GGUF=${GGUF:-/tmp/smollm2.gguf}
 STEPS=${STEPS:-30}
 NUM_VAL=${NUM_VAL:-200}
 TRAIN_LIMIT_S=${TRAIN_LIMIT_S:-600}
+TRAIN_CONFIG=${TRAIN_CONFIG:-examples/tools/gpu.yaml}  # examples/agent/gpu.yaml: the same task as an agent episode
+VAL_FREQ=${VAL_FREQ:-5}
+BASE_EVAL=${BASE_EVAL:-1}  # 0: skip measuring SmolLM2-135M-Instruct itself before the warm start
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 . "$(dirname "$0")/../gpu_run_common.sh"
 EVAL=(--val "$GR/data/val.jsonl" --num-val "$NUM_VAL" --max-turns 4 --max-response-tokens 384 --max-new-tokens 128)
@@ -25,15 +28,15 @@ run() {
     export PYTHONPATH="$PYTHONPATH:/tmp/site"  # the gguf package, installed by gguf_join
     step prepare python3 examples/smollm2/prepare.py --gguf "$GGUF" --out "$GR/smollm2"
     step data python3 examples/tools/prepare.py --out "$GR/data"
-    step base python3 examples/tools/warm_start.py eval --model "$GR/smollm2/model" "${EVAL[@]}"
+    [ "$BASE_EVAL" = 0 ] || step base python3 examples/tools/warm_start.py eval --model "$GR/smollm2/model" "${EVAL[@]}"
     step warm_data python3 examples/tools/warm_start.py data --out "$GR/data/warm_start.jsonl"
     step warm_start python3 -m shardrl.trainer.sft examples/tools/warm_start.yaml "model.path=$GR/smollm2/model" \
         "data.train_files=[$GR/data/warm_start.jsonl]" "trainer.output_dir=$GR/warm_sft" "engine.param_dtype=bfloat16"
     step warm_eval python3 examples/tools/warm_start.py eval --model "$GR/warm_sft/hf_model" "${EVAL[@]}"
     local t0=$(date +%s)
-    setsid timeout -k 20 "$TRAIN_LIMIT_S" python3 -m shardrl.trainer.main examples/tools/gpu.yaml \
+    setsid timeout -k 20 "$TRAIN_LIMIT_S" python3 -m shardrl.trainer.main "$TRAIN_CONFIG" \
         "model.path=$GR/warm_sft/hf_model" "data.train_files=[$GR/data/train.jsonl]" "data.val_files=[$GR/data/val.jsonl]" \
-        "trainer.total_steps=$STEPS" "trainer.output_dir=$GR/train" "trainer.export_hf=true" \
+        "trainer.total_steps=$STEPS" "trainer.val_freq=$VAL_FREQ" "trainer.output_dir=$GR/train" "trainer.export_hf=true" \
         "trainer.logger=[console,jsonl]" > "$GR/train.log" 2>&1
     echo "train_exit $? $(( $(date +%s) - t0 ))" >> "$GR/seconds"
     if [ -d "$GR/train/hf_model" ]; then
@@ -60,7 +63,8 @@ print(json.dumps({
     "base_model": last_report(f"{gr}/base.log"),
     "warm_start": last_report(f"{gr}/warm_eval.log"),
     "after_rl": last_report(f"{gr}/after.log"),
-    "val_curve": [[r["step"]] + [round(r[k], 4) for k in val_keys] for r in records if "val/reward_mean" in r],
+    "val_curve": [[r["step"]] + [round(r.get(k, float("nan")), 4) for k in val_keys] for r in records
+                  if "val/reward_mean" in r],
     "train_reward_curve": [[r["step"], round(r["reward/mean"], 4)] for r in records],
     "tool_calls_curve": [[r["step"], round(r.get("multi_turn/num_tool_calls_mean", 0), 3),
                           round(r.get("multi_turn/num_tool_errors_mean", 0), 3)] for r in records],
