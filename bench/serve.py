@@ -63,6 +63,17 @@ def main():
     server = Server(build_server(load_config(None, overrides), served_name="m", max_batch=args.max_batch))
     batcher = server.batcher
     n_requests = args.clients * args.requests
+    def profile(rollout) -> dict:
+        """Where the last generate call's time went, and how full its slots were (fast backend)."""
+        st = dict(getattr(rollout, "last_stats", {}) or {})
+        if not st.get("decode_steps"):
+            return {}
+        keep = {k: round(v, 3) for k, v in st.items() if k.endswith("_s")}
+        keep.update(decode_steps=st["decode_steps"], syncs=st["syncs"], num_slots=st["num_slots"],
+                    occupancy=round(st["row_steps"] / (st["decode_steps"] * st["num_slots"]), 3),
+                    ms_per_step=round(1000 * st["decode_s"] / st["decode_steps"], 2))
+        return keep
+
     def prompt_set(k: int) -> list[str]:
         """Prompts of their own for each run (no run reads another's from the fast rollout's prefix cache)."""
         return [" ".join(f"w{4 + (31 * i + 7 * j + 13 * k) % (shape['vocab_size'] - 4)}" for j in range(args.prompt_len))
@@ -85,6 +96,7 @@ def main():
     t0 = time.perf_counter()
     served_tokens = asyncio.run(all_clients(prompt_set(1)))
     served_s = time.perf_counter() - t0
+    served_stats = profile(batcher.rollout)  # (the stream's: one stream runs the whole timed part)
     batches = batcher.stats["batches"] - before["batches"]
     streams = batcher.stats["streams"] - before["streams"]
     batcher.pause()  # (a stream's idle wait ends first: the rollout is the direct calls' next)
@@ -95,14 +107,18 @@ def main():
     def direct(prompts) -> int:
         ids = [tok(x, add_special_tokens=False)["input_ids"] for x in prompts]
         made = 0
+        direct_stats.clear()
         for start in range(0, n_requests, args.max_batch):
             chunk = torch.tensor(ids[start:start + args.max_batch])
             out = rollout.generate(chunk, torch.ones_like(chunk), sampling)
             made += int(out.response_mask.sum())
+            for k, v in profile(rollout).items():  # (summed over the calls; the ratios of the last)
+                direct_stats[k] = v if k in ("occupancy", "ms_per_step", "num_slots") else direct_stats.get(k, 0) + v
         if cuda:
             torch.cuda.synchronize()
         return made
 
+    direct_stats: dict = {}
     direct(prompt_set(2))
     t0 = time.perf_counter()
     direct_tokens = direct(prompt_set(3))
@@ -112,7 +128,8 @@ def main():
                served_s=round(served_s, 3), served_tokens_per_s=round(served_tokens / served_s),
                server_batches=batches, server_streams=streams, direct_s=round(direct_s, 3),
                direct_tokens_per_s=round(direct_tokens / direct_s),
-               ratio=round((served_tokens / served_s) / (direct_tokens / direct_s), 3))
+               ratio=round((served_tokens / served_s) / (direct_tokens / direct_s), 3),
+               served_profile=served_stats, direct_profile=direct_stats)
     print(json.dumps(rec), flush=True)
     append_jsonl(args.out, [rec])
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
@@ -566,10 +567,15 @@ class FastRollout(Rollout):
         self._registering = track is None  # a row that saw a weight change holds K/V of two versions
         self._prompt_tokens: dict[int, list[int]] = {}
         stats = dict(decode_steps=0, syncs=0, prefill_tokens=0, cached_tokens=0, num_slots=num_slots,
-                     max_seq=st.max_seq, slot_steps=0, compactions=0)
+                     max_seq=st.max_seq, slot_steps=0, row_steps=0, compactions=0,
+                     decode_s=0.0, admit_s=0.0, feed_wait_s=0.0, host_s=0.0)  # (seconds: where the wall time went)
         widths = self._widths(num_slots)
+        clock = time.perf_counter()
         while True:
             done, lengths, generated = torch.stack([st.done.long(), st.lengths, st.num_generated]).tolist()
+            now = time.perf_counter()
+            stats["decode_s"] += now - clock  # the steps since the last sync, to their end (launches included)
+            clock, inner = now, 0.0
             stats["syncs"] += 1
             if stop:
                 for s in self._find_stops([s for s in range(num_slots) if slot_row[s] >= 0 and not done[s]],
@@ -598,7 +604,11 @@ class FastRollout(Rollout):
                     slot_row[s], lengths[s] = -1, 0
             if feed is not None:  # wait for new rows only when nothing is queued or decoding
                 idle = not queue and all(row < 0 for row in slot_row)
-                for prompt, limit in feed.take(block=idle):
+                t0 = time.perf_counter()
+                taken = feed.take(block=idle)
+                stats["feed_wait_s"] += (waited := time.perf_counter() - t0)
+                inner += waited
+                for prompt, limit in taken:
                     prompts.append(prompt.to(self.device))
                     limits.append(int(limit))
                     results.append(None)
@@ -611,7 +621,10 @@ class FastRollout(Rollout):
                 if track is not None:
                     for _, row in admitted:
                         track.begin(row)
+                t0 = time.perf_counter()
                 run, cached = self._admit(admitted, prompts, limits, n, mode, generator)
+                stats["admit_s"] += (took := time.perf_counter() - t0)
+                inner += took
                 stats["prefill_tokens"] += run
                 stats["cached_tokens"] += cached
                 for s, row in admitted:
@@ -630,10 +643,14 @@ class FastRollout(Rollout):
             seq_len = min(st.max_seq, -(-(max(lengths) + num_steps) // self.seq_bucket) * self.seq_bucket)
             if not self._block.attention.bucketed:
                 seq_len = st.max_seq
+            now = time.perf_counter()
+            stats["host_s"] += now - clock - inner  # bookkeeping at the sync (not the feed's wait or the prefill)
+            clock = now
             for _ in range(num_steps):
                 self._run_step(mode, seq_len, generator, width)
             stats["decode_steps"] += num_steps
             stats["slot_steps"] += num_steps * width
+            stats["row_steps"] += num_steps * len(live)
         self.last_stats = stats
         return results
 
