@@ -1,7 +1,7 @@
 """`shardrl serve` under concurrent clients against direct `generate` calls of the same work (issue 36's server
 throughput): new tokens/s of C concurrent `openai` clients each sending R completions requests (one prompt each),
 against the server's rollout called directly on as many prompts of the same shape and max_tokens in batches of the
-server's `--max-batch`. Every run (warm-up and timed, each side) has prompts of its own, so that none reads
+server's `--max-batch`. The clients run in a process of their own (as real ones do). Every run (warm-up and timed, each side) has prompts of its own, so that none reads
 another's from the fast rollout's prefix cache. On the fast backend the server batches continuously.
 
     python bench/serve.py --shape 1.5b --clients 256 --requests 2 --out results.jsonl   # one H200
@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,38 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import append_jsonl  # noqa: E402
 
 SHAPES = {"tiny": "TINY", "1.5b": "QWEN2_1P5B"}
+
+
+def prompts_of(k: int, n_requests: int, prompt_len: int, vocab_size: int) -> list[str]:
+    """Prompts of their own for each run (no run reads another's from the fast rollout's prefix cache)."""
+    return [" ".join(f"w{4 + (31 * i + 7 * j + 13 * k) % (vocab_size - 4)}" for j in range(prompt_len))
+            for i in range(n_requests * k, n_requests * (k + 1))]
+
+
+def run_clients(args) -> None:
+    """The client process: C concurrent `openai` clients, R requests each; prints (tokens, seconds) as JSON."""
+    import openai
+
+    import bench.e2e as e2e
+
+    vocab_size = getattr(e2e, SHAPES[args.shape])["vocab_size"]
+    prompts = prompts_of(args.prompt_set, args.clients * args.requests, args.prompt_len, vocab_size)
+
+    async def client(c: int, aclient) -> int:
+        made = 0
+        for r in range(args.requests):
+            res = await aclient.completions.create(model="m", prompt=prompts[c * args.requests + r],
+                                                   max_tokens=args.max_tokens, temperature=1.0)
+            made += res.usage.completion_tokens
+        return made
+
+    async def everyone() -> int:
+        aclient = openai.AsyncOpenAI(base_url=args.clients_of, api_key="unused", max_retries=0, timeout=3600)
+        return sum(await asyncio.gather(*[client(c, aclient) for c in range(args.clients)]))
+
+    t0 = time.perf_counter()
+    tokens = asyncio.run(everyone())
+    print(json.dumps(dict(tokens=tokens, seconds=time.perf_counter() - t0)), flush=True)
 
 
 def main():
@@ -39,9 +72,12 @@ def main():
     p.add_argument("--backend", default=None, choices=["fast", "hf"])
     p.add_argument("--root", default="/tmp/serve_bench")
     p.add_argument("--out", default=None)
+    p.add_argument("--clients-of", default=None, help=argparse.SUPPRESS)  # (the client process: the server's URL)
+    p.add_argument("--prompt-set", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.clients_of:
+        return run_clients(args)
 
-    import openai
     import torch
 
     import bench.e2e as e2e
@@ -75,31 +111,25 @@ def main():
         return keep
 
     def prompt_set(k: int) -> list[str]:
-        """Prompts of their own for each run (no run reads another's from the fast rollout's prefix cache)."""
-        return [" ".join(f"w{4 + (31 * i + 7 * j + 13 * k) % (shape['vocab_size'] - 4)}" for j in range(args.prompt_len))
-                for i in range(n_requests * k, n_requests * (k + 1))]
+        return prompts_of(k, n_requests, args.prompt_len, shape["vocab_size"])
 
-    async def client(c: int, aclient, prompts) -> int:
-        made = 0
-        for r in range(args.requests):
-            res = await aclient.completions.create(model="m", prompt=prompts[c * args.requests + r],
-                                                   max_tokens=args.max_tokens, temperature=1.0)
-            made += res.usage.completion_tokens
-        return made
+    def all_clients(k: int) -> tuple[int, float]:
+        """(new tokens, seconds) of the clients on prompt set k, run in a process of their own as real clients
+        are (in this one they would take the interpreter's lock from the server and its generation thread)."""
+        cmd = [sys.executable, os.path.abspath(__file__), "--clients-of", server.url, "--prompt-set", str(k),
+               "--shape", args.shape, "--clients", str(args.clients), "--requests", str(args.requests),
+               "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        res = json.loads(out.strip().splitlines()[-1])
+        return res["tokens"], res["seconds"]
 
-    async def all_clients(prompts) -> int:
-        aclient = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=3600)
-        return sum(await asyncio.gather(*[client(c, aclient, prompts) for c in range(args.clients)]))
-
-    asyncio.run(all_clients(prompt_set(0)))  # warm-up: compile, CUDA graphs
+    all_clients(0)  # warm-up: compile, CUDA graphs
     before = dict(batcher.stats)
-    t0 = time.perf_counter()
-    served_tokens = asyncio.run(all_clients(prompt_set(1)))
-    served_s = time.perf_counter() - t0
-    served_stats = profile(batcher.rollout)  # (the stream's: one stream runs the whole timed part)
+    served_tokens, served_s = all_clients(1)
     batches = batcher.stats["batches"] - before["batches"]
     streams = batcher.stats["streams"] - before["streams"]
     batcher.pause()  # (a stream's idle wait ends first: the rollout is the direct calls' next)
+    served_stats = profile(batcher.rollout)  # (the stream's, now ended: one stream ran the whole timed part)
     server.stop()
 
     rollout = batcher.rollout

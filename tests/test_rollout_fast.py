@@ -95,6 +95,9 @@ def test_greedy_equals_hf_generate(tok, kind, max_batch, sync_every, min_width):
     # with fewer slots than rows, freed slots took waiting rows: more decode steps than the longest row
     if max_batch is not None:
         assert fast.last_stats["decode_steps"] > int(lengths.max())
+    # occupancy: each row decodes every token after the first (the prefill makes that one), in a slot of the width
+    assert int((lengths - 1).sum()) <= stats["row_steps"] <= stats["slot_steps"]
+    assert all(stats[k] >= 0 for k in ("decode_s", "admit_s", "feed_wait_s", "host_s")) and stats["admit_s"] > 0
 
 
 def test_a_capture_warm_up_mid_generate_changes_nothing(tok):
