@@ -251,6 +251,11 @@ phase_s15_moe() {
     limit 300 python3 bench/moe.py update --shape olmoe --experts grouped_mm --out $RES
     limit 300 python3 bench/moe.py update --shape qwen3_30b_a3b --experts grouped_mm --out $RES
 }
+# session 17's plan (one H200), what session 16 left: s17_tests s15_serve s16_agent s16_prefix_mt_real s15_lora_gc
+# s15_moe. The serve and agent phases need the wheels of bench/pack_server_wheels.sh installed first, the agent the
+# GGUF's parts (examples/smollm2/gpu_run.sh pack): part00 with the first call, part01 with the second, at once.
+phase_s17_tests() { limit 200 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_prefix_cache.py \
+    tests/test_serve.py tests/test_agent.py; }
 # session 16: the calculator agent (issue 36) from the tools warm start; the GGUF's two parts arrive in two calls
 # under /tmp/smollm2_parts (the phase waits for the second), then the multi-turn workload on that model from each tree
 phase_s16_agent() {

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# HERE (the development machine, in the repository root, with the project installed): the wheels the device
+# image lacks for the server and agent phases (openai, fastapi, uvicorn and what they need, at the versions
+# installed here), for Python 3.12 on x86-64, under .whl/oai (git-ignored). THERE, before those phases:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+# (carry=[".whl/oai"]; already-installed packages are left as they are, since there is no --upgrade).
+set -eu
+mkdir -p .whl/oai
+pins=$(python3 - <<'PY'
+import importlib.metadata as md, re
+seen, todo = {}, ["openai", "fastapi", "uvicorn"]
+while todo:
+    name = todo.pop()
+    key = name.lower().replace("_", "-")
+    if key in seen:
+        continue
+    try:
+        dist = md.distribution(name)
+    except md.PackageNotFoundError:
+        continue
+    seen[key] = dist.version
+    todo += [re.split(r"[ ;<>=!~\[(]", r)[0] for r in dist.requires or [] if "extra ==" not in r]
+print(" ".join(f"{k}=={v}" for k, v in seen.items()))
+PY
+)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl/oai $pins
+ls .whl/oai
