@@ -17,6 +17,11 @@ whether the digests agree. The multi-turn tools workload is `bench/multiturn.py`
     python bench/prefix_reuse.py --quick                                  # CPU smoke run, tiny model
     git archive c3addb1 shardrl | tar -x -C /tmp/old                      # the tree before the paged cache
     python bench/prefix_reuse.py --trees new=.,old=/tmp/old --shape 1.5b --prompts 32 --n 8 --prompt-len 2048
+    python bench/prefix_reuse.py --trees new=.,flat=.@cascade=0,ps8=.@prefix_splits=8,old=/tmp/old   # variants
+
+A tree may carry FastRollout keyword arguments after `@` (`k=v+k2=v2`, integers; those the tree's FastRollout does
+not take are left out), e.g. the new tree without its shared-prefix decode (`cascade=0`). Every tree is compared
+with the last one.
 """
 
 from __future__ import annotations
@@ -81,6 +86,10 @@ def worker(args) -> None:
     params = inspect.signature(FastRollout.__init__).parameters
     if "block_size" in params:
         kwargs["block_size"] = args.block_size
+    for item in filter(None, args.extra.split("+")):
+        key, value = item.split("=", 1)
+        if key in params:
+            kwargs[key] = int(value)
     rollout = FastRollout(config, tok, device, dtype, **kwargs)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # random weights; a wide init keeps the sampled text varied
@@ -107,8 +116,11 @@ def worker(args) -> None:
         digest = hashlib.sha256(out.response_ids.cpu().numpy().tobytes()).hexdigest()[:16]
         new = int(out.response_mask.sum())
         s = statistics.median(times)
+        timing = {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items()
+                  if k in ("decode_s", "admit_s", "host_s", "decode_steps", "syncs", "cascade_steps")}
         return out, dict(seconds=s, new_tokens=new, new_tokens_per_s=new / s, digest=digest,
-                         prefill_tokens=stats.get("prefill_tokens"), cached_tokens=stats.get("cached_tokens", 0))
+                         prefill_tokens=stats.get("prefill_tokens"), cached_tokens=stats.get("cached_tokens", 0),
+                         last_call=timing)
 
     first, long_prompt = timed(calls, mask, sampling)
     print(json.dumps({"tree": args.tree, "case": "long_prompt", **long_prompt}), flush=True)
@@ -143,6 +155,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny model, short prompts, CPU: a smoke run")
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    parser.add_argument("--extra", default="", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree", default="new", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -153,10 +166,12 @@ def main() -> None:
         worker(args)
         return
     lines = []
-    for name, path in (t.split("=", 1) for t in args.trees.split(",")):
+    for name, spec in (t.split("=", 1) for t in args.trees.split(",")):
+        path, _, extra = spec.partition("@")
         env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k not in ("trees", "quick", "out", "worker", "tree") and v is not None]
+                 if k not in ("trees", "quick", "out", "worker", "tree", "extra") and v is not None]
+        flags.append(f"--extra={extra}")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--tree={name}", *flags]
         run = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if run.returncode:
@@ -166,10 +181,11 @@ def main() -> None:
     by = {(x["tree"], x["case"]): x for x in lines}
     names = list(dict.fromkeys(x["tree"] for x in lines))
     for case in ("long_prompt", "next_turn"):
-        if len(names) >= 2 and all((t, case) in by for t in names[:2]):
-            new, old = by[(names[0], case)], by[(names[1], case)]
-            lines.append({"compare": case, f"{names[0]}_over_{names[1]}": old["seconds"] / new["seconds"],
-                          "same_tokens": new["digest"] == old["digest"]})
+        for name in names[:-1]:
+            if (name, case) in by and (names[-1], case) in by:
+                new, old = by[(name, case)], by[(names[-1], case)]
+                lines.append({"compare": case, f"{name}_over_{names[-1]}": old["seconds"] / new["seconds"],
+                              "same_tokens": new["digest"] == old["digest"]})
     for line in lines:
         print(json.dumps(line))
     if args.out:

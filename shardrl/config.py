@@ -539,6 +539,10 @@ class RolloutConfig:
     differs by rounding from one prefilled again, so the tokens can depend on what earlier calls cached; false
     prefills every prompt whole (a prompt's n samples still share its blocks). The hf backend keeps no cache across
     calls (verl's rollout.enable_prefix_caching)."""
+    cascade: bool = True
+    """fast backend, Triton attention: the n samples of a prompt read the K/V blocks of their shared prompt once a
+    decode step, together, instead of once per sample (`shardrl.rollout.decode_kernel`; the same tokens up to
+    rounding: in bf16 a sum in another order can part sampled paths)."""
     free_cache_engine: bool | None = None
     """CUDA, rollout and training on the same GPUs: free the rollout's KV cache and CUDA graphs while the
     actor trains, and rebuild them before the next generation (a cost per step: bench/RESULTS.md, "Current

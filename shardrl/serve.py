@@ -22,7 +22,7 @@ def build_server(cfg, served_name: str | None = None, max_batch: int | None = No
     from shardrl.rollout import build_rollout
     from shardrl.tokenizer import load_tokenizer
     from shardrl.trainer.defaults import resolve_device_defaults
-    from shardrl.trainer.generation import rollout_dtype, the_device
+    from shardrl.trainer.generation import fast_rollout_kwargs, rollout_dtype, the_device
 
     hf_config = load_hf_config(cfg.model.path, cfg.model.tiny)
     cfg, choices = resolve_device_defaults(cfg, hf_config)
@@ -31,8 +31,7 @@ def build_server(cfg, served_name: str | None = None, max_batch: int | None = No
     tokenizer = load_tokenizer(cfg)
     device = the_device()
     ro, dtype = cfg.rollout, rollout_dtype(device)
-    fast = dict(max_batch=ro.max_batch, sync_every=ro.sync_every, compile=ro.compile, attention=ro.attention,
-                sampler=ro.sampler, prefix_cache=ro.prefix_cache) if ro.backend == "fast" else {}
+    fast = fast_rollout_kwargs(ro) if ro.backend == "fast" else {}
     rollout = build_rollout(ro.backend, hf_config, tokenizer, device, dtype, micro_batch_size=ro.micro_batch_size,
                             **fast)  # the bare backend: a config's multi-turn or agent settings are the trainer's
     lm = build_causal_lm(hf_config, cfg.model.path, "cpu", dtype, seed=0)  # (seed 0: the engine's tiny init)

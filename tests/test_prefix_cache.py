@@ -241,6 +241,31 @@ def test_paged_decode_in_cuda_graphs_reads_the_cache_as_the_cpu_does(tok, attent
     torch.testing.assert_close(got.sampled_log_probs.cpu(), ref.sampled_log_probs.cpu(), atol=1e-4, rtol=0)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_prefix_decode_in_cuda_graphs_equals_each_row_reading_its_own_cache(tok):
+    """The n samples of a prompt read its shared blocks together (the decode kernel's cascade, compiled and in CUDA
+    graphs, fp32): HF's greedy tokens, and sampled tokens and log-probs equal to the rollout without it, while rows
+    end apart, groups dissolve and slots compact. (The CPU check: tests/triton_interpreter_checks.py cascade.)"""
+    model = reference_model(tok, seed=1, hidden_size=64).cuda()  # head dim 16
+    tok = with_eos_at_different_steps(tok, model.cpu())
+    model = model.cuda()
+    ids, mask = encode(tok, ["the quick brown fox jumps over " * 3, "what is 7*6? " * 4, "hello world " * 5, "ab"])
+    kwargs = dict(block_size=16, max_batch=16, sync_every=3, min_width=4, width_step=4, attention="triton")
+    fast = make_rollout("fast", tok, model, device="cuda", **kwargs)
+    plain = make_rollout("fast", tok, model, device="cuda", **{**kwargs, "cascade": False})
+    greedy = SamplingParams(n=4, greedy=True, max_new_tokens=40)
+    got = fast.generate(ids.cuda(), mask.cuda(), greedy)
+    assert fast.last_stats["cascade_steps"] > 0 and any(key[3] for key in fast._graphs)
+    want = make_rollout("hf", tok, model, device="cuda").generate(ids.cuda(), mask.cuda(), greedy)
+    assert torch.equal(got.response_ids.cpu(), want.response_ids.cpu())
+    sampled = SamplingParams(n=4, temperature=1.0, max_new_tokens=32, seed=5)
+    got, ref = fast.generate(ids.cuda(), mask.cuda(), sampled), plain.generate(ids.cuda(), mask.cuda(), sampled)
+    assert plain.last_stats["cascade_steps"] == 0
+    assert torch.equal(got.response_ids.cpu(), ref.response_ids.cpu())
+    torch.testing.assert_close(got.sampled_log_probs.cpu(), ref.sampled_log_probs.cpu(), atol=1e-4, rtol=0)
+
+
 def test_an_rl_run_logs_the_share_of_prompt_tokens_read_from_the_cache(tmp_path, monkeypatch):
     """rollout/prompt_cached_frac: with blocks of 2 positions and 2 decode slots, a prompt's 4 samples are admitted
     apart, and the later pair reads the first's full block (the demo's prompts are 4 tokens: 2 of them)."""

@@ -59,7 +59,76 @@ def check_attention() -> None:
         expected = kv.clone()
         write_kv(k_new, v_new, expected, torch.arange(b), positions)
         assert torch.equal(back, expected), "the paged K/V write differs from the indexed copy"
+        check_cascade(dtype, atol, gen)
     print("attention: ok")
+
+
+def check_cascade(dtype, atol, gen) -> None:
+    """Shared-prefix groups: slots 0, 2, 3 share their first 16 entries, 4 and 5 their first 32, slot 1 none. The
+    members after a group's first point their prefix's table entries at NaN blocks: the group's program reads the
+    first member's blocks, and no slot reads its own entries below `shared`."""
+    from shardrl.rollout.decode_kernel import decode_attention
+    from shardrl.rollout.fast_model import write_kv
+
+    b, hkv, g, d, size, per_slot = 6, 2, 3, 16, 8, 10
+    positions = torch.tensor([20, 3, 17, 40, 79, 33])
+    groups = torch.tensor([[0, 2, 3, -1], [4, 5, -1, -1], [-1, -1, -1, -1]])
+    shared = torch.tensor([16, 0, 16, 16, 32, 32])
+    kv = torch.randn(2, b, hkv, size * per_slot, d, generator=gen).to(dtype)
+    for members in ([2, 3], [5]):
+        first = 0 if members == [2, 3] else 4
+        kv[:, members, :, : int(shared[first])] = kv[:, first : first + 1, :, : int(shared[first])]
+    q = torch.randn(b, hkv, g, d, generator=gen).to(dtype)
+    k_new, v_new = torch.randn(2, b, hkv, d, generator=gen).to(dtype)
+    logical = kv.clone()
+    write_kv(k_new, v_new, logical, torch.arange(b), positions)
+    visible = (torch.arange(size * per_slot) <= positions[:, None])[:, None, None, :]
+    want = F.scaled_dot_product_attention(q.float(), logical[0].float(), logical[1].float(), attn_mask=visible)
+    table = (torch.randperm(b * per_slot, generator=gen) + 1).view(b, per_slot)
+    paged = torch.zeros(2, b * per_slot + 1, hkv, size, d, dtype=dtype)
+    paged[:, table.flatten()] = kv.view(2, b, hkv, per_slot, size, d).transpose(2, 3).flatten(1, 2)
+    for s in (2, 3, 5):  # own copies of the shared blocks, poisoned; the table keeps pointing at them
+        paged[:, table[s, : int(shared[s]) // size]] = float("nan")
+    for splits in (1, 3):
+        for prefix_splits in (1, 3):
+            got = decode_attention(q, paged.clone(), positions, k_new, v_new, block_n=16, splits=splits,
+                                   block_table=table, cascade=(shared, groups), prefix_splits=prefix_splits)
+            torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+    groups_off = torch.full_like(groups, -1)  # no groups (every shared 0): the plain paged kernel's result
+    plain = paged.clone()
+    plain[:, table[[2, 3, 5]].flatten()] = 0.0
+    got = decode_attention(q, plain, positions, k_new, v_new, block_n=16, block_table=table,
+                           cascade=(torch.zeros(b, dtype=torch.long), groups_off))
+    ref = decode_attention(q, plain.clone(), positions, k_new, v_new, block_n=16, block_table=table)
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
+def check_cascade_rollout() -> None:
+    """The fast rollout with the Triton decode kernel (interpreted), its shared-prefix groups on and off: the same
+    greedy tokens as HF generate, the same sampled tokens and log-probs, while rows end at different steps, groups
+    dissolve and the slots compact (blocks of 4 positions, so every prompt has full blocks the samples share)."""
+    from shardrl.rollout import SamplingParams
+    from test_rollout_fast import (assert_same_output, build_char_tokenizer, encode, make_rollout, reference_model,
+                                   with_eos_at_different_steps)
+
+    tok = build_char_tokenizer()
+    model = reference_model(tok, seed=1, hidden_size=64)  # head dim 16, the kernel's least
+    tok = with_eos_at_different_steps(tok, model)
+    ids, mask = encode(tok)
+    ids, mask = ids[[0, 1, 3, 5]], mask[[0, 1, 3, 5]]  # the four longest prompts
+    kwargs = dict(block_size=4, max_batch=8, sync_every=3, min_width=2, width_step=2, attention="triton",
+                  sampler="torch", prefix_splits=2)
+    fast = make_rollout("fast", tok, model, **kwargs)
+    plain = make_rollout("fast", tok, model, **{**kwargs, "cascade": False})
+    greedy = SamplingParams(n=2, greedy=True, max_new_tokens=14)
+    got = fast.generate(ids, mask, greedy)
+    assert fast.last_stats["cascade_steps"] > 0 and fast.last_stats["compactions"] > 0, fast.last_stats
+    assert_same_output(got, make_rollout("hf", tok, model).generate(ids, mask, greedy))
+    assert_same_output(got, plain.generate(ids, mask, greedy))
+    assert plain.last_stats["cascade_steps"] == 0
+    sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=5)
+    assert_same_output(fast.generate(ids[:2], mask[:2], sampled), plain.generate(ids[:2], mask[:2], sampled))
+    print("cascade: ok")
 
 
 def check_sampler() -> None:
@@ -130,4 +199,5 @@ def check_head() -> None:
 
 
 if __name__ == "__main__":
-    {"attention": check_attention, "sampler": check_sampler, "head": check_head}[sys.argv[1]]()
+    {"attention": check_attention, "sampler": check_sampler, "head": check_head,
+     "cascade": check_cascade_rollout}[sys.argv[1]]()

@@ -11,6 +11,14 @@ a step's attention reads the bytes of the live context and not those of a padded
 Given the step's new key and value (`k_new`, `v_new`), the kernel also writes them into the cache at the
 slot's position and attends to them from registers, which saves the two indexed copies per layer that
 write them otherwise (the fast rollout's default; bench/profile_decode.py times both).
+
+Shared prefixes (cascade attention): the n samples of a GRPO prompt read the same blocks of the prompt's K/V, which
+the per-slot kernel reads n times a step. With `cascade` = (shared, groups), a first kernel
+(`_shared_prefix_attention`) reads each group's shared blocks once for all its members: one program per (group,
+KV head, split) multiplies the stacked queries of up to M member slots (M x G rows) against the blocks and keeps
+each row's unnormalized result with its running max and sum; the per-slot kernel then reads only the slot's own
+entries past `shared[slot]` and merges the group's parts into its softmax (log-sum-exp, as it merges splits). On a
+2,048-token prompt with n=8 that is about an eighth of the K/V bytes a step.
 """
 
 from __future__ import annotations
@@ -23,18 +31,22 @@ from shardrl.rollout.kernel_support import triton_head_dim
 
 
 @triton.jit
-def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_new_ptr, v_new_ptr, scale, softcap,
-                      window, stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs, stride_tb,
-                      stride_kb, stride_kh, stride_vb, stride_vh,
+def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_new_ptr, v_new_ptr, shared_ptr,
+                      prefix_ptr, scale, softcap, window, stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh,
+                      stride_kvs, stride_tb, stride_kb, stride_kh, stride_vb, stride_vh,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLITS: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr, SOFTCAP: tl.constexpr,
-                      WINDOW: tl.constexpr, BS: tl.constexpr):
+                      WINDOW: tl.constexpr, BS: tl.constexpr, CASCADE: tl.constexpr, PS: tl.constexpr):
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     position = tl.load(pos_ptr + b)
     end = position if WRITE else position + 1  # the entries read from the cache
     begin = 0
     if WINDOW:  # a sliding-window layer: keys j with position - window < j
         begin = tl.maximum(position - window + 1, 0)
+    shared = 0
+    if CASCADE:  # entries [0, shared) were read by the group's program (`_shared_prefix_attention`)
+        shared = tl.load(shared_ptr + b)
+        begin = shared
     chunk = tl.cdiv(tl.cdiv(end - begin, SPLITS), BLOCK_N) * BLOCK_N  # this program's share: [first, stop)
     first = begin + split * chunk
     stop = tl.minimum(first + chunk, end)
@@ -88,6 +100,9 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_ne
             acc = acc * rescale[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
             running_max = new_max
     if SPLITS == 1:
+        if CASCADE:
+            acc, running_max, running_sum = _merge_prefix(acc, running_max, running_sum, prefix_ptr, b, h,
+                                                          tl.num_programs(1), shared, G, BLOCK_G, D, PS)
         out = acc / running_sum[:, None]
         tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] < G)
     else:  # unnormalized, with its running max and sum, for `_combine_splits`
@@ -113,9 +128,11 @@ def _store_part(part_ptr, b, h, split, num_heads, acc, running_max, running_sum,
 
 
 @triton.jit
-def _combine_splits(part_ptr, out_ptr, stride_ob, stride_oh, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                    D: tl.constexpr, SPLITS: tl.constexpr):
-    """One program per (slot, KV head): the softmax-weighted sum of its splits' partial results."""
+def _combine_splits(part_ptr, out_ptr, shared_ptr, prefix_ptr, stride_ob, stride_oh, G: tl.constexpr,
+                    BLOCK_G: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, CASCADE: tl.constexpr,
+                    PS: tl.constexpr):
+    """One program per (slot, KV head): the softmax-weighted sum of its splits' partial results (and, with
+    CASCADE, of its group's shared-prefix parts)."""
     b, h = tl.program_id(0), tl.program_id(1)
     rows, dims = tl.arange(0, BLOCK_G), tl.arange(0, D)
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -131,16 +148,105 @@ def _combine_splits(part_ptr, out_ptr, stride_ob, stride_oh, G: tl.constexpr, BL
         running_sum = running_sum * old_weight + weight * tl.load(base + BLOCK_G * D + BLOCK_G + rows)
         acc = acc * old_weight[:, None] + weight[:, None] * tl.load(base + rows[:, None] * D + dims[None, :])
         running_max = new_max
+    if CASCADE:
+        acc, running_max, running_sum = _merge_prefix(acc, running_max, running_sum, prefix_ptr, b, h,
+                                                      tl.num_programs(1), tl.load(shared_ptr + b), G, BLOCK_G, D,
+                                                      PS)
     out = acc / running_sum[:, None]
     offsets = b * stride_ob + h * stride_oh + rows[:, None] * D + dims[None, :]
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] < G)
 
+@triton.jit
+def _prefix_offset(slot, h, split, num_heads, G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr):
+    """Where a slot's shared-prefix part for (KV head h, split) starts: G x D accumulators, G maxima, G sums."""
+    return ((slot * num_heads + h) * PS + split) * G * (D + 2)
+
+
+@triton.jit
+def _merge_prefix(acc, running_max, running_sum, prefix_ptr, b, h, num_heads, shared, G: tl.constexpr,
+                  BLOCK_G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr):
+    """(acc, max, sum) of slot b's own entries merged with its group's PS shared-prefix parts (none when
+    `shared`, the entries its group read, is 0: nothing is read)."""
+    rows, dims = tl.arange(0, BLOCK_G), tl.arange(0, D)
+    live = (rows < G) & (rows * 0 + shared > 0)
+    for split in tl.static_range(PS):
+        base = prefix_ptr + _prefix_offset(b, h, split, num_heads, G, D, PS)
+        part_max = tl.load(base + G * D + rows, mask=live, other=float("-inf"))
+        part_sum = tl.load(base + G * D + G + rows, mask=live, other=0.0)
+        part_acc = tl.load(base + rows[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
+        new_max = tl.maximum(running_max, part_max)  # running_max is finite: the slot's own entries are >= 1
+        old_weight = tl.exp(running_max - new_max)
+        weight = tl.where(part_max == float("-inf"), 0.0, tl.exp(part_max - new_max))
+        running_sum = running_sum * old_weight + weight * part_sum
+        acc = acc * old_weight[:, None] + weight[:, None] * part_acc
+        running_max = new_max
+    return acc, running_max, running_sum
+
+
+@triton.jit
+def _shared_prefix_attention(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, table_ptr, scale, softcap,
+                             stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs, stride_tb,
+                             stride_gg, G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_N: tl.constexpr, PS: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
+                             BS: tl.constexpr):
+    """One program per (group, KV head, split): the group's member slots (`groups` row, -1 past them) share their
+    first `shared[first member]` cache entries (the first member's blocks); their M x G query rows are multiplied
+    against those entries together, and each row's unnormalized result, running max and sum are stored for the
+    per-slot kernel to merge. An empty group stores nothing."""
+    grp, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows, dims, cols = tl.arange(0, BLOCK_R), tl.arange(0, D), tl.arange(0, BLOCK_N)
+    member, head = rows // G, rows % G
+    slot = tl.load(groups_ptr + grp * stride_gg + member, mask=member < M, other=-1)
+    live = slot >= 0
+    first_slot = tl.load(groups_ptr + grp * stride_gg)
+    length = tl.load(shared_ptr + tl.maximum(first_slot, 0), mask=first_slot >= 0, other=0)
+    chunk = tl.cdiv(tl.cdiv(length, PS), BLOCK_N) * BLOCK_N
+    first = split * chunk
+    stop = tl.minimum(first + chunk, length)
+    q = tl.load(q_ptr + slot[:, None] * stride_qb + h * stride_qh + head[:, None] * D + dims[None, :],
+                mask=live[:, None], other=0.0)
+    k_base = kv_ptr + h * stride_kvh
+    v_base = k_base + stride_kvkind
+    table = table_ptr + tl.maximum(first_slot, 0) * stride_tb
+    running_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    for start in range(first, stop, BLOCK_N):
+        entries = start + cols
+        valid = entries < stop
+        blocks = tl.load(table + entries // BS, mask=valid, other=0)
+        offsets = blocks[:, None] * stride_kvb + (entries % BS)[:, None] * stride_kvs + dims[None, :]
+        k = tl.load(k_base + offsets, mask=valid[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale
+        if SOFTCAP:
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        rescale = tl.where(new_max == float("-inf"), 1.0, tl.exp(running_max - new_max))
+        p = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(p, 1)
+        v = tl.load(v_base + offsets, mask=valid[:, None], other=0.0)
+        if IEEE:
+            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        running_max = new_max
+    base = prefix_ptr + _prefix_offset(tl.maximum(slot, 0), h, split, tl.num_programs(1), G, D, PS)
+    tl.store(base[:, None] + head[:, None] * D + dims[None, :], acc, mask=live[:, None])
+    tl.store(base + G * D + head, running_max, mask=live)
+    tl.store(base + G * D + G + head, running_sum, mask=live)
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.Tensor,
                      k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                      block_n: int = 64, splits: int = 1, num_warps: int = 4, num_stages: int = 2,
                      scale: float | None = None, softcap: float | None = None,
-                     window: int | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
+                     window: int | None = None, block_table: torch.Tensor | None = None,
+                     cascade: tuple[torch.Tensor, torch.Tensor] | None = None, prefix_splits: int = 4,
+                     prefix_warps: int = 4) -> torch.Tensor:
     """q (B, Hkv, G, D) contiguous, kv_layer (2, B, Hkv, max_seq, D) with unit stride in D, positions (B,):
     softmax(q k^T * scale) v over each slot's entries 0..position (scale: 1 / sqrt(D) unless given); with
     `softcap`, the logits are softcap * tanh(logits / softcap); with `window`, only the entries j with
@@ -150,7 +256,12 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
     that many programs (more parallel loads) whose partial results a second kernel combines; it and the
     launch settings are tuning knobs that bench/profile_decode.py times. With `block_table` (B, max_blocks) long,
     kv_layer is paged, (2, num_blocks, Hkv, block_size, D): slot b's entry j at block block_table[b, j // block_size],
-    offset j % block_size."""
+    offset j % block_size.
+
+    `cascade` = (shared (>= B,) long, groups (num_groups, M) long): slots that share their first shared[slot] cache
+    entries (a multiple of the block size, the same blocks in their table rows) are listed together in a row of
+    `groups` (slot ids from column 0 on, -1 after; a slot in no group has shared 0); each group's entries are read
+    once, by `prefix_splits` programs per KV head (module docstring). Not with `window`."""
     b, hkv, g, d = q.shape
     if not triton_head_dim(d) or kv_layer.stride(-1) != 1 or not q.is_contiguous():
         raise ValueError(f"decode_attention needs a contiguous q and a power-of-two head dim >= 16, got {d}")
@@ -164,14 +275,30 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
     block_g = max(16, triton.next_power_of_2(g))
     part = torch.empty(b * hkv * splits * block_g * (d + 2) if splits > 1 else 1, dtype=torch.float32,
                        device=q.device)
+    scale = d**-0.5 if scale is None else scale
+    ieee, bs = q.dtype == torch.float32, kv_layer.shape[3]
+    shared, prefix, ps = positions, part, 1  # placeholders the kernels do not read without a cascade
+    if cascade is not None:
+        if window is not None:
+            raise ValueError("decode_attention: a shared-prefix cascade on a sliding-window layer is not supported")
+        shared, groups = cascade
+        if prefix_splits < 1:
+            raise ValueError(f"prefix_splits={prefix_splits} must be >= 1")
+        ps, m = prefix_splits, groups.shape[1]
+        prefix = torch.empty(b * hkv * ps * g * (d + 2), dtype=torch.float32, device=q.device)
+        _shared_prefix_attention[(groups.shape[0], hkv, ps)](
+            q, kv_layer, prefix, shared, groups, block_table, scale, softcap or 1.0, q.stride(0), q.stride(1),
+            *kv_layer.stride()[:4], block_table.stride(0), groups.stride(0), G=g, D=d, M=m,
+            BLOCK_R=max(16, triton.next_power_of_2(m * g)), BLOCK_N=block_n, PS=ps, IEEE=ieee,
+            SOFTCAP=softcap is not None, BS=bs, num_warps=prefix_warps, num_stages=num_stages)
     _decode_attention[(b, hkv, splits)](
-        q, kv_layer, out, part, positions, block_table, k_new, v_new, d**-0.5 if scale is None else scale,
+        q, kv_layer, out, part, positions, block_table, k_new, v_new, shared, prefix, scale,
         softcap or 1.0, window or 0, q.stride(0), q.stride(1), *kv_layer.stride()[:4], block_table.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        G=g, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32, WRITE=write,
-        SOFTCAP=softcap is not None, WINDOW=window is not None, BS=kv_layer.shape[3],
+        G=g, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SPLITS=splits, IEEE=ieee, WRITE=write,
+        SOFTCAP=softcap is not None, WINDOW=window is not None, BS=bs, CASCADE=cascade is not None, PS=ps,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        _combine_splits[(b, hkv)](part, out, out.stride(0), out.stride(1), G=g, BLOCK_G=block_g, D=d,
-                                  SPLITS=splits, num_warps=4)
+        _combine_splits[(b, hkv)](part, out, shared, prefix, out.stride(0), out.stride(1), G=g, BLOCK_G=block_g,
+                                  D=d, SPLITS=splits, CASCADE=cascade is not None, PS=ps, num_warps=4)
     return out

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -47,7 +48,8 @@ import torch
 from shardrl.engine.lora import merged_weight
 from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_prompts,
                                    contains_stop, copy_weights_in_place, cut_responses)
-from shardrl.rollout.paged import BlockPool
+from shardrl.rollout.kernel_support import cascade_members
+from shardrl.rollout.paged import BlockPool, SharedPrefixGroups
 from shardrl.rollout.fast_model import (DecoderBlock, FastCausalLM, SDPADecodeAttention, TritonDecodeAttention,
                                         build_fast_lm, head_dim_of, triton_head_dim)
 from shardrl.tokenizer import stop_token_ids
@@ -122,6 +124,8 @@ class SlotState:
     max_seq: int  # cache positions a slot may use
     step_routes: torch.Tensor | None = None  # (B, L, k) long: a step's experts per routed layer (record_routing)
     out_routes: torch.Tensor | None = None  # (B, W, L, k) int16: response token j's experts, as it was fed
+    shared: torch.Tensor | None = None  # (B,) long: entries a slot's shared-prefix group reads for it (cascade)
+    groups: torch.Tensor | None = None  # (B / 2, M) long: each group's slots, -1 after them (cascade)
 
     @property
     def num_slots(self) -> int:
@@ -172,10 +176,11 @@ class FastRollout(Rollout):
                  seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0,
                  attention: str = "auto", sampler: str = "auto", min_width: int = 32, width_step: int | None = None,
                  lazy_weights: bool = False, record_routing: bool = False, block_size: int = 64,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, cascade: bool = True, prefix_splits: int = 4):
         for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every), ("min_width", min_width),
                             ("width_step", 1 if width_step is None else width_step),
                             ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens), ("block_size", block_size),
+                            ("prefix_splits", prefix_splits),
                             ("max_batch", max_batch or 1), ("max_seq_len", max_seq_len or 1)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
@@ -205,11 +210,16 @@ class FastRollout(Rollout):
         self._routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (prompt's, response's) routes
         compile = self.device.type == "cuda" if compile is None else compile
         self._block = DecoderBlock(compile, self._attention(attention, head_dim_of(hf_config)))
+        # the n samples of a prompt read its shared blocks once a step (Triton attention only)
+        self.cascade = cascade and isinstance(self._block.attention, TritonDecodeAttention)
+        if self.cascade:
+            self._block.attention.prefix_splits = prefix_splits
+        self._groups: SharedPrefixGroups | None = None  # with the cache, when `cascade`
         self._sample = torch.compile(sample_tokens) if compile else sample_tokens
         self._fused_sample = self._sampler(sampler)
         self._state: SlotState | None = None
-        self._graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}  # (mode, seq_len, width)
-        self._graph_keys: set[tuple[str, int, int]] = set()  # recaptured by resume()
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (mode, seq_len, width, cascade)
+        self._graph_keys: set[tuple] = set()  # recaptured by resume()
         self._capture_stream = None  # the warm-up stream of every capture (see `_capture`)
         self._graph_pool = None
         self._released, self._weights_on_cpu, self._kept_shape = False, False, None
@@ -232,8 +242,8 @@ class FastRollout(Rollout):
 
     def _triton_problem(self, head_dim: int | None = None) -> str | None:
         """What a Triton kernel lacks here (None if it can run); `head_dim` for the attention kernel."""
-        if self.device.type != "cuda":
-            return f"a CUDA device (here {self.device.type})"
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return f"a CUDA device (here {self.device.type}; on the CPU only under Triton's interpreter)"
         if head_dim is not None and not triton_head_dim(head_dim):
             return f"a power-of-two head dim >= 16 (here {head_dim})"
         if importlib.util.find_spec("triton") is None:
@@ -346,16 +356,16 @@ class FastRollout(Rollout):
             self._weights_on_cpu = False
         if self._kept_shape is not None:
             self._state = self._allocate(*self._kept_shape)
-            for mode, seq_len, width in sorted(self._graph_keys):
+            for mode, seq_len, width, cascade in sorted(self._graph_keys):
                 if self.cuda_graphs and seq_len <= self._state.max_seq and width <= self._state.num_slots:
-                    self._capture(mode, seq_len, width)
+                    self._capture(mode, seq_len, width, cascade)
         self._released = False
 
     def _drop_state(self) -> None:
         self._drop_graphs()
         self._graph_pool = None
         self._state = None
-        self._pool, self._slot_blocks = None, []
+        self._pool, self._slot_blocks, self._groups = None, [], None
 
     def _allocate(self, num_slots: int, max_seq: int) -> SlotState:
         dev, b = self.device, num_slots
@@ -371,7 +381,11 @@ class FastRollout(Rollout):
         per_row = -(-max_seq // self.block_size)
         self._pool = BlockPool(b * per_row + 1, self.block_size)  # every slot's longest row, and the scratch block
         self._slot_blocks = [[] for _ in range(b)]
-        return SlotState(
+        if self.cascade:
+            heads = self.model.layer_consts[0]
+            members = cascade_members(heads.num_heads // heads.num_kv_heads)
+            routes.update(shared=torch.zeros(b, **long), groups=torch.full((max(1, b // 2), members), -1, **long))
+        state = SlotState(
             kv=torch.zeros(self.model.kv_shape(self._pool.num_blocks, self.block_size), dtype=first.dtype,
                            device=dev),
             table=torch.zeros(b, per_row, **long), max_seq=max_seq,
@@ -386,6 +400,9 @@ class FastRollout(Rollout):
             eos=torch.tensor(self.stop_ids or [-1], **long),  # -1: no EOS, never sampled
             **routes,
         )
+        if self.cascade:
+            self._groups = SharedPrefixGroups(b, state.groups.shape[1], state.shared, state.groups)
+        return state
 
     def _ensure_capacity(self, num_rows: int, n: int, need_seq: int) -> None:
         if self.max_seq_len is not None and need_seq > self.max_seq_len:
@@ -438,7 +455,8 @@ class FastRollout(Rollout):
         done.logical_or_((tokens[:, None] == st.eos).any(-1) | (num_generated >= st.max_new[:w]))
         tokens_in.copy_(tokens)
 
-    def _run_step(self, mode: str, seq_len: int, generator: torch.Generator, width: int | None = None) -> None:
+    def _run_step(self, mode: str, seq_len: int, generator: torch.Generator, width: int | None = None,
+                  cascade: bool = False) -> None:
         width = self._state.num_slots if width is None else width
         if mode == GREEDY:
             pass  # no noise
@@ -447,10 +465,17 @@ class FastRollout(Rollout):
         else:
             self._torch_sampler_noise()[:width].exponential_(generator=generator)
         if not self.cuda_graphs:
+            self._set_cascade(cascade)
             self._decode_step(mode, seq_len, width)
             return
-        graph = self._graphs.get((mode, seq_len, width)) or self._capture(mode, seq_len, width)
+        graph = self._graphs.get((mode, seq_len, width, cascade)) or self._capture(mode, seq_len, width, cascade)
         graph.replay()
+
+    def _set_cascade(self, on: bool) -> None:
+        """Whether the next decode steps run (or are captured) with the shared-prefix groups."""
+        if self.cascade:
+            st = self._state
+            self._block.attention.cascade = (st.shared, st.groups) if on else None
 
     def _uses_fused_sampler(self, mode: str) -> bool:
         return self._fused_sample is not None and mode != TRUNCATED  # top-k/top-p sort in torch
@@ -462,7 +487,7 @@ class FastRollout(Rollout):
             st.noise = torch.ones(st.num_slots, self.vocab_size, dtype=torch.float32, device=self.device)
         return st.noise
 
-    def _capture(self, mode: str, seq_len: int, width: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, mode: str, seq_len: int, width: int, cascade: bool = False) -> torch.cuda.CUDAGraph:
         if mode != GREEDY and not self._uses_fused_sampler(mode):
             self._torch_sampler_noise()  # before the graph takes its address (resume() recaptures here)
         if self._capture_stream is None:
@@ -470,6 +495,7 @@ class FastRollout(Rollout):
             # run on, for the life of the process, so a new stream per resume() leaked 32 MiB a step
             self._capture_stream = torch.cuda.Stream(self.device)
         stream = self._capture_stream
+        self._set_cascade(cascade)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._warm_up(self._decode_step, mode, seq_len, width)
@@ -477,8 +503,8 @@ class FastRollout(Rollout):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             self._decode_step(mode, seq_len, width)
-        self._graphs[(mode, seq_len, width)] = graph
-        self._graph_keys.add((mode, seq_len, width))
+        self._graphs[(mode, seq_len, width, cascade)] = graph
+        self._graph_keys.add((mode, seq_len, width, cascade))
         return graph
 
     def _warm_up(self, step_fn, mode: str, seq_len: int, width: int, num_steps: int = 2) -> None:
@@ -549,6 +575,8 @@ class FastRollout(Rollout):
         st.table.zero_()  # (a call that failed may have left rows, and blocks held)
         self._pool.drop_holders()
         self._slot_blocks = [[] for _ in range(st.num_slots)]
+        if self._groups is not None:
+            self._groups.reset()
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         return torch.Generator(device=self.device).manual_seed(seed)
 
@@ -567,7 +595,7 @@ class FastRollout(Rollout):
         self._registering = track is None  # a row that saw a weight change holds K/V of two versions
         self._prompt_tokens: dict[int, list[int]] = {}
         stats = dict(decode_steps=0, syncs=0, prefill_tokens=0, cached_tokens=0, num_slots=num_slots,
-                     max_seq=st.max_seq, slot_steps=0, row_steps=0, compactions=0,
+                     max_seq=st.max_seq, slot_steps=0, row_steps=0, compactions=0, cascade_steps=0,
                      decode_s=0.0, admit_s=0.0, feed_wait_s=0.0, host_s=0.0)  # (seconds: where the wall time went)
         widths = self._widths(num_slots)
         clock = time.perf_counter()
@@ -643,11 +671,15 @@ class FastRollout(Rollout):
             seq_len = min(st.max_seq, -(-(max(lengths) + num_steps) // self.seq_bucket) * self.seq_bucket)
             if not self._block.attention.bucketed:
                 seq_len = st.max_seq
+            cascade = self._groups is not None and self._groups.active()
+            if cascade:
+                self._groups.push()
+                stats["cascade_steps"] += num_steps
             now = time.perf_counter()
             stats["host_s"] += now - clock - inner  # bookkeeping at the sync (not the feed's wait or the prefill)
             clock = now
             for _ in range(num_steps):
-                self._run_step(mode, seq_len, generator, width)
+                self._run_step(mode, seq_len, generator, width, cascade)
             stats["decode_steps"] += num_steps
             stats["slot_steps"] += num_steps * width
             stats["row_steps"] += num_steps * len(live)
@@ -688,6 +720,8 @@ class FastRollout(Rollout):
         st.done[s_t] = True
         for s, d in zip(src, dst):
             slot_row[d], lengths[d], generated[d] = slot_row[s], lengths[s], generated[s]
+            if self._groups is not None:
+                self._groups.move(s, d)
             slot_row[s], lengths[s], generated[s] = -1, 0, 0
             self._slot_blocks[d], self._slot_blocks[s] = self._slot_blocks[s], []
 
@@ -750,6 +784,12 @@ class FastRollout(Rollout):
             if copies:
                 src, dst = to_dev([c[0] for c in copies]), to_dev([c[1] for c in copies])
                 st.kv[:, :, dst] = st.kv[:, :, src]
+            if self._groups is not None:  # a prompt's rows admitted here read its full blocks together
+                siblings: dict[int, list[int]] = {}
+                for slot, row in chunk:
+                    siblings.setdefault(row // n, []).append(slot)
+                for b, members in siblings.items():
+                    self._groups.add(members, len(tokens[index[b]]) // size * size)
             slots = to_dev([s for s, _ in chunk])
             source = to_dev([index[row // n] for _, row in chunk])
             for (slot, _), blocks in zip(chunk, rows_blocks):
@@ -810,6 +850,8 @@ class FastRollout(Rollout):
                 self._pool.register(prompt + results[slot_row[s]][0], blocks, len(prompt) + generated[s] - 1)
             self._pool.release(blocks)
             self._slot_blocks[s] = []
+            if self._groups is not None:
+                self._groups.remove(s)
         if st.out_routes is not None:  # the tokens fed: all but the last
             routes = st.out_routes[idx, : max(width - 1, 1)].cpu()
             for i, s in enumerate(finished):

@@ -426,6 +426,10 @@ class TritonDecodeAttention:
         from shardrl.rollout.decode_kernel import decode_attention
 
         self.attend, self.fuse_kv_write = decode_attention, fuse_kv_write
+        # (shared, groups) of the slots that read a shared prefix together (`decode_kernel`, cascade), set by the
+        # rollout for the steps that have such groups; full-attention layers only
+        self.cascade: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.prefix_splits = 4
 
     def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
         return positions
@@ -433,6 +437,8 @@ class TritonDecodeAttention:
     def __call__(self, q, k, v, kv_layer, table, positions, mask, c: LayerConsts) -> torch.Tensor:
         """As `SDPADecodeAttention`; the kernel reads the blocks through `table`."""
         limits = dict(scale=c.scale, softcap=c.softcap, window=c.window, block_table=table)
+        if self.cascade is not None and c.window is None:
+            limits.update(cascade=self.cascade, prefix_splits=self.prefix_splits)
         if self.fuse_kv_write:
             return self.attend(q.contiguous(), kv_layer, positions, k, v, **limits)
         write_kv(k, v, kv_layer, torch.arange(q.shape[0], device=q.device), positions, table)

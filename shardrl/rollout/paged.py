@@ -23,6 +23,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+import torch
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int):
@@ -137,3 +139,75 @@ class BlockPool:
         self.idle.clear()
         self.index.clear()
         self.key_of.clear()
+
+
+class SharedPrefixGroups:
+    """Which decode slots read a shared prefix together (`decode_kernel`'s cascade): a group is up to `members`
+    slots whose first `shared` cache entries are the same blocks (the n samples of a prompt, admitted together).
+    Kept on the host; `push` writes it to the device tensors the decode step reads: `shared` (B,) the entries a
+    slot's group reads for it (0: none), `groups` (num_groups, members) each group's slots, -1 after them. A group
+    that drops to one slot is dissolved (its slot reads its whole cache itself)."""
+
+    def __init__(self, num_slots: int, members: int, shared: torch.Tensor, groups: torch.Tensor):
+        self.members, self.shared, self.groups = members, shared, groups
+        self.of = [-1] * num_slots  # slot -> its group, -1: none
+        self.length = [0] * num_slots  # slot -> shared entries
+        self.slots: list[list[int]] = [[] for _ in range(groups.shape[0])]  # group -> its slots
+        self.dirty = True
+
+    def active(self) -> bool:
+        return any(self.slots)
+
+    def reset(self) -> None:
+        self.of = [-1] * len(self.of)
+        self.length = [0] * len(self.length)
+        self.slots = [[] for _ in self.slots]
+        self.dirty = True
+
+    def add(self, slots: list[int], shared: int) -> None:
+        """`slots` share their first `shared` entries: groups of up to `members` of them (a lone leftover none)."""
+        if shared <= 0:
+            return
+        for i in range(0, len(slots), self.members):
+            part = slots[i: i + self.members]
+            if len(part) < 2:
+                continue
+            gid = self.slots.index([])  # (at most B / 2 groups of >= 2 slots: one is free)
+            self.slots[gid] = list(part)
+            for s in part:
+                self.of[s], self.length[s] = gid, shared
+            self.dirty = True
+
+    def remove(self, slot: int) -> None:
+        gid = self.of[slot]
+        if gid < 0:
+            return
+        self.slots[gid].remove(slot)
+        self.of[slot], self.length[slot] = -1, 0
+        if len(self.slots[gid]) == 1:
+            last = self.slots[gid].pop()
+            self.of[last], self.length[last] = -1, 0
+        self.dirty = True
+
+    def move(self, src: int, dst: int) -> None:
+        """The row in slot `src` now decodes in the empty slot `dst`."""
+        gid = self.of[src]
+        if gid < 0:
+            return
+        members = self.slots[gid]
+        members[members.index(src)] = dst
+        self.of[dst], self.length[dst] = gid, self.length[src]
+        self.of[src], self.length[src] = -1, 0
+        self.dirty = True
+
+    def push(self) -> None:
+        """The device copies, if anything changed since the last push (in place: graphs read their addresses)."""
+        if not self.dirty:
+            return
+        rows = torch.full(tuple(self.groups.shape), -1, dtype=torch.long)
+        for gid, members in enumerate(self.slots):
+            if members:
+                rows[gid, : len(members)] = torch.tensor(members, dtype=torch.long)
+        self.groups.copy_(rows)
+        self.shared.copy_(torch.tensor(self.length, dtype=torch.long))
+        self.dirty = False

@@ -90,6 +90,12 @@ def lora_sync_for(cfg: Config, actor, rollout, device: torch.device) -> LoRASync
     return LoRASync(actor, backend, cfg.rollout.lora_sync or "unmerged", rollout_dtype(device))
 
 
+def fast_rollout_kwargs(ro) -> dict:
+    """The fast backend's settings from `rollout` (the trainer's and `shardrl serve`'s)."""
+    return dict(max_batch=ro.max_batch, sync_every=ro.sync_every, compile=ro.compile, attention=ro.attention,
+                sampler=ro.sampler, prefix_cache=ro.prefix_cache, cascade=ro.cascade)
+
+
 def rollout_dtype(device: torch.device) -> torch.dtype:
     """What the rollout computes in: bf16 on CUDA, fp32 on the CPU."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -108,10 +114,9 @@ class Generation:
         """`colocated`: generation shares the trainer's GPUs; with LoRA's adapter-only sync the fast rollout then
         takes no memory for weights until the first sync (which may share the trainer's base)."""
         ro = cfg.rollout
-        fast_kwargs = dict(max_batch=ro.max_batch, sync_every=ro.sync_every, compile=ro.compile,
-                           attention=ro.attention, sampler=ro.sampler,
-                           record_routing=cfg.actor.router_replay.mode == "R3",
-                           prefix_cache=ro.prefix_cache) if ro.backend == "fast" else {}
+        fast_kwargs = fast_rollout_kwargs(ro) if ro.backend == "fast" else {}
+        if fast_kwargs:
+            fast_kwargs["record_routing"] = cfg.actor.router_replay.mode == "R3"
         if fast_kwargs and colocated and cfg.model.lora.rank > 0 and ro.lora_sync != "full":
             fast_kwargs["lazy_weights"] = True
         dtype = rollout_dtype(device)
