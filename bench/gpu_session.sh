@@ -269,7 +269,7 @@ phase_s16_agent() {
 phase_s16_prefix_mt_real() {
     for tree in . .baseline_tree; do
         limit 240 python3 $tree/bench/multiturn.py --backend fast --model /tmp/agent_run/warm_sft/hf_model \
-            --data /tmp/agent_run/data/train.jsonl --prompts 256 --n 2
+            --data /tmp/agent_run/data/train.jsonl --prompts 64 --n 8 --max-response-tokens 384
     done
 }
 

@@ -118,6 +118,37 @@ def real(args, device, dtype):
     return tok, model, enc["input_ids"], enc["attention_mask"], load_interaction(path, name or "Interaction"), {}
 
 
+def profile_calls(rollout) -> list[dict]:
+    """The rollout's `last_stats` after each of its generate calls (the fast rollout's; an empty dict where a tree or
+    backend has none), appended to the returned list: where a multi-turn run's time went, summed by `summed`."""
+    calls: list[dict] = []
+    for name in ("generate", "generate_stream"):
+        inner = getattr(rollout, name, None)
+        if inner is None:
+            continue
+
+        def wrapped(*a, _inner=inner, **kw):
+            t0 = time.perf_counter()
+            out = _inner(*a, **kw)
+            calls.append(dict(getattr(rollout, "last_stats", {}) or {}, call_s=time.perf_counter() - t0))
+            return out
+
+        setattr(rollout, name, wrapped)
+    return calls
+
+
+def summed(calls: list[dict]) -> dict:
+    """The calls' counts and seconds added up (slot occupancy: row steps over slot steps)."""
+    keys = ("call_s", "decode_s", "admit_s", "host_s", "feed_wait_s", "decode_steps", "syncs", "row_steps",
+            "slot_steps", "prefill_tokens", "cached_tokens", "cascade_steps", "compactions")
+    total = {k: sum(c.get(k, 0) for c in calls) for k in keys if any(k in c for c in calls)}
+    total = {k: round(v, 3) if isinstance(v, float) else v for k, v in total.items()}
+    total["calls"] = len(calls)
+    if total.get("slot_steps"):
+        total["occupancy"] = round(total["row_steps"] / total["slot_steps"], 3)
+    return total
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="fast", choices=["hf", "fast"])
@@ -150,6 +181,7 @@ def main(argv=None):
     rollout = build_rollout(args.backend, model.config, tok, device, dtype, **kwargs)
     rollout.load_weights(model.named_parameters())
     del model
+    calls = profile_calls(rollout)
     timed = TimedInteraction(interaction)
     mt = MultiTurnRollout(rollout, tok, timed, max_turns=args.max_turns, max_response_tokens=args.max_response_tokens,
                           num_tool_workers=args.num_tool_workers, overlap_tools=args.overlap_tools, **mt_kwargs)
@@ -162,6 +194,7 @@ def main(argv=None):
 
     def timed_run(fn):
         fn(seed=1)  # warm-up: graph capture, compilation, allocator
+        calls.clear()
         timed.tool_s = 0.0
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -181,7 +214,7 @@ def main(argv=None):
                  model_tokens_per_s=round(model_tokens / multi_s, 1), all_tokens_per_s=round(all_tokens / multi_s, 1),
                  mean_turns=round(sum(out.num_turns) / conv, 2), mean_tool_calls=round(sum(out.num_tool_calls) / conv, 2),
                  mean_model_tokens=round(model_tokens / conv, 1), mean_all_tokens=round(all_tokens / conv, 1),
-                 tool_thread_s=round(tool_s, 3))
+                 tool_thread_s=round(tool_s, 3), rollout_calls=summed(calls))
     print(json.dumps(multi), flush=True)
 
     single_sampling = lambda seed: SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_response_tokens,
@@ -189,7 +222,8 @@ def main(argv=None):
     single_out, single_s = timed_run(lambda seed: rollout.generate(ids, mask, single_sampling(seed)))
     single_tokens = float(single_out.response_mask.sum())
     single = dict(base, mode="single_turn", seconds=round(single_s, 3), conv_per_s=round(conv / single_s, 2),
-                  tokens_per_s=round(single_tokens / single_s, 1), mean_tokens=round(single_tokens / conv, 1))
+                  tokens_per_s=round(single_tokens / single_s, 1), mean_tokens=round(single_tokens / conv, 1),
+                  rollout_calls=summed(calls))
     print(json.dumps(single), flush=True)
     equal = (single_tokens / single_s) / max(model_tokens / conv, 1e-9)
     print(json.dumps(dict(base, mode="compare", equal_token_conv_per_s=round(equal, 2),
