@@ -290,9 +290,20 @@ collect() {
 
 # session 18 (one H200): the shared-prefix decode (cascade) in the CUDA tests and the long-prompt comparison, with
 # its variants (off; 8 prefix splits) and the old tree; then session 17's owed phases:
-#   s18_tests s16_agent s18_prefix s16_prefix_mt_real s15_serve s15_lora_gc s15_moe
+#   s18_tests s16_agent s18_prefix s16_prefix_mt_real s18_serve s15_lora_gc s18_moe
 phase_s18_tests() { limit 300 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_prefix_cache.py \
     tests/test_serve.py tests/test_agent.py tests/test_rollout_fast.py; }
+phase_s18_serve() {  # the server at Python's default thread switch interval (5 ms) and at 0.5 ms
+    limit 300 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --out $RES
+    limit 300 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --switch-interval-ms 0.5 --out $RES
+}
+phase_s18_moe() {  # OLMoE compiled (routers outside the compiled blocks since session 15) against HF's eager experts;
+    # Qwen3-30B-A3B with LoRA; router replay R3 against none on the GPU
+    limit 300 python3 bench/moe.py update --shape olmoe --experts grouped_mm+compile,eager --out $RES
+    limit 300 python3 bench/moe.py update --shape qwen3_30b_a3b --experts grouped_mm+compile --out $RES
+    limit 300 python3 bench/moe.py replay --shape qwen3_moe_7b --steps 3 --modes R3,disabled --out $RES \
+        --extra "model.dtype=bfloat16 actor.engine.max_token_len_per_gpu=8192"
+}
 phase_s18_prefix() { limit 520 python3 bench/prefix_reuse.py --trees new=.,flat=.@cascade=0,ps8=.@prefix_splits=8,old=.baseline_tree \
     --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
 

@@ -184,8 +184,9 @@ def run_rollout(args) -> list[dict]:
 
 
 def run_replay(args) -> list[dict]:
-    """`shardrl train` GRPO runs of the shape (2 mini-batches a step, so the old-log-prob pass runs) with
-    actor.router_replay.mode disabled and R2: rollout/logprob_abs_diff and actor/router_replay_mismatch."""
+    """`shardrl train` GRPO runs of the shape (2 mini-batches a step, so the old-log-prob pass runs), one per
+    actor.router_replay.mode of --modes (disabled, R2, R3): rollout/logprob_abs_diff and
+    actor/router_replay_mismatch."""
     import subprocess
 
     from bench.e2e import grpo_overrides
@@ -195,7 +196,7 @@ def run_replay(args) -> list[dict]:
     root.mkdir(parents=True, exist_ok=True)
     shape = SHAPES[args.shape]
     out = []
-    for mode in ("disabled", "R2"):
+    for mode in args.modes.split(","):
         run_dir = root / "runs" / f"replay_{args.shape}_{mode}"
         overrides = [f"model.tiny={json.dumps(shape).replace(' ', '')}", "model.load_weights=random_shards",
                      f"model.tokenizer_path={tokenizer_folder(root, shape['vocab_size'])}",
@@ -230,6 +231,7 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--root", default="/tmp/moe_bench")
     p.add_argument("--extra", default="", help="replay: more overrides of the runs, space-separated")
+    p.add_argument("--modes", default="disabled,R2", help="replay: the router_replay modes, one run each")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     {"update": run_update, "rollout": run_rollout, "replay": run_replay}[args.part](args)

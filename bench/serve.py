@@ -72,6 +72,9 @@ def main():
     p.add_argument("--backend", default=None, choices=["fast", "hf"])
     p.add_argument("--root", default="/tmp/serve_bench")
     p.add_argument("--out", default=None)
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="the server process's sys.setswitchinterval (default Python's 5 ms): how long the generation "
+                        "thread may wait for the interpreter lock while the HTTP thread holds it")
     p.add_argument("--clients-of", default=None, help=argparse.SUPPRESS)  # (the client process: the server's URL)
     p.add_argument("--prompt-set", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -85,6 +88,8 @@ def main():
     from shardrl.rollout import SamplingParams
     from shardrl.serve import ServerThread as Server, build_server
 
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     cuda = torch.cuda.is_available()
     shape = dict(getattr(e2e, SHAPES[args.shape]))
     shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0),
@@ -159,7 +164,8 @@ def main():
                server_batches=batches, server_streams=streams, direct_s=round(direct_s, 3),
                direct_tokens_per_s=round(direct_tokens / direct_s),
                ratio=round((served_tokens / served_s) / (direct_tokens / direct_s), 3),
-               served_profile=served_stats, direct_profile=direct_stats)
+               served_profile=served_stats, direct_profile=direct_stats,
+               switch_interval_ms=round(sys.getswitchinterval() * 1000, 3))
     print(json.dumps(rec), flush=True)
     append_jsonl(args.out, [rec])
 
