@@ -265,6 +265,7 @@ phase_s16_agent() {
         TRAIN_LIMIT_S=${AGENT_LIMIT_S:-480} bash examples/tools/gpu_run.sh start \
         && GR=/tmp/agent_run bash examples/tools/gpu_run.sh wait 780 > /dev/null
     cp /tmp/agent_run/summary.json "$GS/agent_summary.json" 2>/dev/null
+    for f in status seconds train.log warm_eval.log; do cp "/tmp/agent_run/$f" "$GS/agent_$f" 2>/dev/null; done
 }
 phase_s16_prefix_mt_real() {
     for tree in . .baseline_tree; do
