@@ -290,8 +290,8 @@ collect() {
 }
 
 # session 18 (one H200): the shared-prefix decode (cascade) in the CUDA tests and the long-prompt comparison, with
-# its variants (off; 8 prefix splits) and the old tree; then session 17's owed phases:
-#   s18_tests s16_agent s18_prefix s16_prefix_mt_real s18_serve s15_lora_gc s18_moe
+# the new tree without it and the old tree; then session 17's owed phases:
+#   s18_tests s18_prefix s16_agent s18_serve s15_lora_gc s16_prefix_mt_real s18_moe
 phase_s18_tests() { limit 300 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_prefix_cache.py \
     tests/test_serve.py tests/test_agent.py tests/test_rollout_fast.py; }
 phase_s18_serve() {  # the server at Python's default thread switch interval (5 ms) and at 0.5 ms
@@ -305,7 +305,7 @@ phase_s18_moe() {  # OLMoE compiled (routers outside the compiled blocks since s
     limit 300 python3 bench/moe.py replay --shape qwen3_moe_7b --steps 3 --modes R3,disabled --out $RES \
         --extra "model.dtype=bfloat16 actor.engine.max_token_len_per_gpu=8192"
 }
-phase_s18_prefix() { limit 520 python3 bench/prefix_reuse.py --trees new=.,flat=.@cascade=0,ps8=.@prefix_splits=8,old=.baseline_tree \
+phase_s18_prefix() { limit 520 python3 bench/prefix_reuse.py --trees new=.,flat=.@cascade=0,old=.baseline_tree \
     --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
 
 case "${1:-}" in
