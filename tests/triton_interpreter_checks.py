@@ -106,8 +106,10 @@ def check_cascade(dtype, atol, gen) -> None:
 def check_cascade_rollout() -> None:
     """The fast rollout with the Triton decode kernel (interpreted), its shared-prefix groups on and off: the same
     greedy tokens as HF generate, the same sampled tokens and log-probs, while rows end at different steps, groups
-    dissolve and the slots compact (blocks of 4 positions, so every prompt has full blocks the samples share)."""
+    dissolve and the slots compact (blocks of 4 positions, so every prompt has full blocks the samples share); and
+    next turns, grouped by the cached blocks they read."""
     from shardrl.rollout import SamplingParams
+    from test_prefix_cache import next_turns
     from test_rollout_fast import (assert_same_output, build_char_tokenizer, encode, make_rollout, reference_model,
                                    with_eos_at_different_steps)
 
@@ -120,14 +122,20 @@ def check_cascade_rollout() -> None:
                   sampler="torch", prefix_splits=2)
     fast = make_rollout("fast", tok, model, **kwargs)
     plain = make_rollout("fast", tok, model, **{**kwargs, "cascade": False})
-    greedy = SamplingParams(n=2, greedy=True, max_new_tokens=14)
+    greedy = SamplingParams(n=2, greedy=True, max_new_tokens=12)
     got = fast.generate(ids, mask, greedy)
     assert fast.last_stats["cascade_steps"] > 0 and fast.last_stats["compactions"] > 0, fast.last_stats
-    assert_same_output(got, make_rollout("hf", tok, model).generate(ids, mask, greedy))
-    assert_same_output(got, plain.generate(ids, mask, greedy))
-    assert plain.last_stats["cascade_steps"] == 0
+    hf = make_rollout("hf", tok, model)
+    assert_same_output(got, hf.generate(ids, mask, greedy))
+    # next turns, one row each: a prompt's two conversations read its cached blocks, and are grouped by them
+    ids2, mask2 = next_turns(tok, got)
+    greedy1 = SamplingParams(n=1, greedy=True, max_new_tokens=8)
+    second = fast.generate(ids2, mask2, greedy1)
+    assert fast.last_stats["cascade_steps"] > 0 and fast.last_stats["cached_tokens"] > 0, fast.last_stats
+    assert_same_output(second, hf.generate(ids2, mask2, greedy1))
     sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=5)
     assert_same_output(fast.generate(ids[:2], mask[:2], sampled), plain.generate(ids[:2], mask[:2], sampled))
+    assert plain.last_stats["cascade_steps"] == 0
     print("cascade: ok")
 
 

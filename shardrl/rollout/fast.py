@@ -784,12 +784,8 @@ class FastRollout(Rollout):
             if copies:
                 src, dst = to_dev([c[0] for c in copies]), to_dev([c[1] for c in copies])
                 st.kv[:, :, dst] = st.kv[:, :, src]
-            if self._groups is not None:  # a prompt's rows admitted here read its full blocks together
-                siblings: dict[int, list[int]] = {}
-                for slot, row in chunk:
-                    siblings.setdefault(row // n, []).append(slot)
-                for b, members in siblings.items():
-                    self._groups.add(members, len(tokens[index[b]]) // size * size)
+            if self._groups is not None:
+                self._group_shared_prefixes([s for s, _ in chunk], rows_blocks)
             slots = to_dev([s for s, _ in chunk])
             source = to_dev([index[row // n] for _, row in chunk])
             for (slot, _), blocks in zip(chunk, rows_blocks):
@@ -815,6 +811,23 @@ class FastRollout(Rollout):
             self.totals["prompt_tokens"] += sum(lens)
             self.totals["cached_tokens"] += sum(starts)
         return run, cached_total
+
+    def _group_shared_prefixes(self, slots: list[int], rows_blocks: list[list[int]]) -> None:
+        """Rows admitted together whose caches start with the same blocks (a prompt's n samples; prompts that read
+        one cached prefix, such as a shared system prompt or a conversation's earlier turns) read those blocks
+        together in the decode steps (`SharedPrefixGroups`). Blocks two rows both hold are full and never written
+        again: only a row's own blocks are."""
+        by_first: dict[int, list[int]] = {}
+        for i, blocks in enumerate(rows_blocks):
+            if blocks:
+                by_first.setdefault(blocks[0], []).append(i)
+        for members in by_first.values():
+            if len(members) < 2:
+                continue
+            first = rows_blocks[members[0]]
+            common = min(next((j for j, (x, y) in enumerate(zip(first, rows_blocks[i])) if x != y),
+                              min(len(first), len(rows_blocks[i]))) for i in members[1:])
+            self._groups.add([slots[i] for i in members], common * self.block_size)
 
     def _blocks_for(self, prompt_len: int, limit: int) -> int:
         """Blocks a row of a `prompt_len`-token prompt and up to `limit` new tokens holds."""
