@@ -353,7 +353,7 @@ def test_cuda_graphs_match_the_reference(tok, attention, compile, min_width):
     got = on_cpu(graphed.generate(ids.cuda(), mask.cuda(), greedy))
     assert graphed._graphs
     assert (graphed.last_stats["compactions"] > 0) == (min_width == 1)
-    widths = {width for _, _, width in graphed._graphs}
+    widths = {key[2] for key in graphed._graphs}  # (mode, seq_len, width, cascade)
     assert len(widths) >= 2 if min_width == 1 else widths == {4}
     assert torch.equal(got.response_ids, want.response_ids) and got.response_text == want.response_text
     torch.testing.assert_close(got.sampled_log_probs, want.sampled_log_probs, atol=1e-4, rtol=0)

@@ -73,6 +73,29 @@ def test_models_lists_the_served_model(server):
     assert [m.id for m in models.data] == ["tiny"]
 
 
+def test_the_server_shortens_the_thread_switch_interval_while_it_runs(tmp_path):
+    """The generation thread needs the interpreter lock back after every CUDA call it waited on: while a batcher
+    runs, other threads hold it at most SWITCH_INTERVAL_S at a time (bench/RESULTS.md: 0.66 -> 0.86 of direct
+    calls' throughput on an H200); stopping puts the interpreter's own setting back."""
+    import sys
+
+    from shardrl.rollout.server import SWITCH_INTERVAL_S
+
+    save_char_model(tmp_path)
+    original = sys.getswitchinterval()  # (another test's server may be running: its own setting, put back here)
+    sys.setswitchinterval(0.004)
+    try:
+        srv = Server(build_server(load_config(None, [f"model.path={tmp_path}", "rollout.backend=hf"]),
+                                  served_name="t"))
+        try:
+            assert sys.getswitchinterval() == SWITCH_INTERVAL_S
+        finally:
+            srv.stop()
+        assert sys.getswitchinterval() == 0.004
+    finally:
+        sys.setswitchinterval(original)
+
+
 def test_completions_carry_the_samplers_tokens_and_log_probs(server):
     tok = server.batcher.tokenizer
     res = client(server).completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0, logprobs=0)

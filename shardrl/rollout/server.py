@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import inspect
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -44,6 +45,13 @@ MAX_N = 128
 
 STREAM_SEQ = 4096
 """Cache positions a stream's slot holds at least (up to the context), for the requests that join it."""
+
+SWITCH_INTERVAL_S = 0.0005
+"""The interpreter's thread switch interval while a batcher runs (`sys.setswitchinterval`; Python's default is 5 ms).
+The generation thread gives up the interpreter lock at every CUDA call it waits on and needs it back to launch the
+next decode step; with the HTTP thread busy on requests it waited up to the interval each time, and the GPU sat idle
+between steps. One H200, 256 clients (bench/serve.py, Qwen2-1.5B shape): 3.37 ms a decode step at 5 ms, 2.43 at
+0.5 ms against 2.41 for direct calls; throughput 0.662 of direct calls at 5 ms, 0.857 at 0.5 ms."""
 
 
 class Message(BaseModel):
@@ -294,8 +302,13 @@ class Batcher:
     async def start(self) -> None:
         self.queue = asyncio.Queue()
         self.task = asyncio.create_task(self._loop())
+        self._switch_interval = sys.getswitchinterval()  # (restored by stop)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     async def stop(self) -> None:
+        if getattr(self, "_switch_interval", None) is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
         if self.task is not None:
             self.task.cancel()
 
