@@ -308,6 +308,14 @@ phase_s18_moe() {  # OLMoE compiled (routers outside the compiled blocks since s
 phase_s18_prefix() { limit 520 python3 bench/prefix_reuse.py --trees new=.,flat=.@cascade=0,old=.baseline_tree \
     --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
 
+# next session (one H200): the cascade kernel's launch settings alone, then the long prompts with the best of them;
+# the multi-turn prefills profiled; what session 18 did not reach (s18_moe, the LoRA peaks in one measure)
+#   s19_cascade_kernel s19_prefix s15_prefix_mt s18_moe
+phase_s19_cascade_kernel() { limit 300 python3 bench/cascade_kernel.py --out $RES; }
+phase_s19_prefix() { limit 520 python3 bench/prefix_reuse.py \
+    --trees ps4=.,ps8=.@prefix_splits=8,ps16=.@prefix_splits=16,old=.baseline_tree \
+    --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
+
 case "${1:-}" in
 start)
     shift
