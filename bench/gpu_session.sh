@@ -310,8 +310,13 @@ phase_s18_prefix() { limit 520 python3 bench/prefix_reuse.py --trees new=.,flat=
 
 # next session (one H200): the cascade kernel's launch settings alone, then the long prompts with the best of them;
 # the multi-turn prefills profiled; what session 18 did not reach (s18_moe, the LoRA peaks in one measure)
-#   s19_cascade_kernel s19_prefix s15_prefix_mt s18_moe
+#   s19_cascade_kernel s19_prefix s19_mt_profile s18_moe (s19_mt_profile's first half after s16_agent)
 phase_s19_cascade_kernel() { limit 300 python3 bench/cascade_kernel.py --out $RES; }
+phase_s19_mt_profile() {  # the real multi-turn workload profiled (needs the agent phase's warm start under /tmp)
+    limit 300 python3 bench/multiturn.py --backend fast --model /tmp/agent_run/warm_sft/hf_model \
+        --data /tmp/agent_run/data/train.jsonl --prompts 64 --n 8 --max-response-tokens 384 --profile
+    limit 300 python3 bench/multiturn.py --backend fast --shape 0.5b --prompts 256 --n 2 --profile
+}
 phase_s19_prefix() { limit 520 python3 bench/prefix_reuse.py \
     --trees ps4=.,ps8=.@prefix_splits=8,ps16=.@prefix_splits=16,old=.baseline_tree \
     --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }

@@ -137,6 +137,25 @@ def profile_calls(rollout) -> list[dict]:
     return calls
 
 
+def profile_call(fn, device) -> None:
+    """`fn` once under torch.profiler: the top operators by host time and by device time, as JSON lines."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    for key in ("self_cpu_time_total", "self_device_time_total" if device.type == "cuda" else None):
+        if key is None:
+            continue
+        top = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:25]
+        print(json.dumps({"profile": key, "top": [dict(name=e.key[:80], count=e.count,
+                                                         ms=round(getattr(e, key, 0) / 1000, 2)) for e in top]}),
+              flush=True)
+
+
 def summed(calls: list[dict]) -> dict:
     """The calls' counts and seconds added up (slot occupancy: row steps over slot steps)."""
     keys = ("call_s", "decode_s", "admit_s", "host_s", "feed_wait_s", "decode_steps", "syncs", "row_steps",
@@ -170,6 +189,9 @@ def main(argv=None):
     p.add_argument("--overlap-tools", action="store_true",
                    help="fast backend: tools run while the other conversations decode (multi_turn.overlap_tools)")
     p.add_argument("--num-tool-workers", type=int, default=16)
+    p.add_argument("--profile", action="store_true",
+                   help="also run the multi-turn call once under torch.profiler and print its top operators by "
+                        "host and by device time (where the rollout's admissions go)")
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.n, args.prompt_len = min(args.prompts, 4), min(args.n, 2), min(args.prompt_len, 16)
@@ -207,6 +229,8 @@ def main(argv=None):
     multi_sampling = lambda seed: SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=seed)
     out, multi_s = timed_run(lambda seed: mt.generate(ids, mask, multi_sampling(seed)))
     tool_s = timed.tool_s  # summed over the tool threads of the timed run
+    if args.profile:
+        profile_call(lambda: mt.generate(ids, mask, multi_sampling(3)), device)
     conv = len(out)
     model_tokens = float(out.response_mask.sum())
     all_tokens = float(out.response_attention_mask.sum())
