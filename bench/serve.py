@@ -10,6 +10,7 @@ another's from the fast rollout's prefix cache. On the fast backend the server b
 The model is the Qwen2-1.5B shape of bench/e2e.py with random weights ("eos_hazard": each new token ends the reply
 with probability 1/400, so replies have uneven lengths), written once under --root. Both sides sample at
 temperature 1 with their own seeds, so their replies differ; tokens/s counts the tokens each actually made.
+Both decode in `--max-batch` slots (`rollout.max_batch`; before session 18's last commit the rollout's default, 64).
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ def main():
         folder.mkdir(parents=True, exist_ok=True)
         e2e.make_model(folder, shape, "eos_hazard", "cuda" if cuda else "cpu", tok)
         tok.save_pretrained(folder)
-    overrides = [f"model.path={folder}"] + ([f"rollout.backend={args.backend}"] if args.backend else [])
+    # the rollout's slots = the server's max_batch, so that the direct calls decode in as many as the stream
+    overrides = [f"model.path={folder}", f"rollout.max_batch={args.max_batch}"] + (
+        [f"rollout.backend={args.backend}"] if args.backend else [])
     server = Server(build_server(load_config(None, overrides), served_name="m", max_batch=args.max_batch))
     batcher = server.batcher
     n_requests = args.clients * args.requests
