@@ -94,6 +94,15 @@ def check_cascade(dtype, atol, gen) -> None:
             got = decode_attention(q, paged.clone(), positions, k_new, v_new, block_n=16, splits=splits,
                                    block_table=table, cascade=(shared, groups), prefix_splits=prefix_splits)
             torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+    # a soft-cap and a scale of their own (Gemma 2's layers): the group's programs apply them as the slot's do
+    plain = paged.clone()
+    for s, first in ((2, 0), (3, 0), (5, 4)):  # the members' own copies of the shared blocks, unpoisoned
+        plain[:, table[s, : int(shared[s]) // size]] = paged[:, table[first, : int(shared[s]) // size]]
+    caps = dict(block_n=16, block_table=table, softcap=2.0, scale=0.3)
+    ref = decode_attention(q, plain.clone(), positions, k_new, v_new, **caps)
+    got = decode_attention(q, paged.clone(), positions, k_new, v_new, cascade=(shared, groups), prefix_splits=2,
+                           **caps)
+    torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=0)
     groups_off = torch.full_like(groups, -1)  # no groups (every shared 0): the plain paged kernel's result
     plain = paged.clone()
     plain[:, table[[2, 3, 5]].flatten()] = 0.0
