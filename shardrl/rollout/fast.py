@@ -231,7 +231,7 @@ class FastRollout(Rollout):
         """The decode attention `name` asks for; "auto" takes triton where it can run, else sdpa."""
         if name not in ("auto", "triton", "sdpa"):
             raise ValueError(f"attention={name!r} must be 'auto', 'triton' or 'sdpa'")
-        if name == "sdpa":
+        if name == "sdpa" or (name == "auto" and self.device.type != "cuda"):  # (the interpreter: asked by name)
             return SDPADecodeAttention()
         problem = self._triton_problem(head_dim)
         if problem is None:
