@@ -31,34 +31,12 @@ from shardrl.rollout.kernel_support import triton_head_dim
 
 
 @triton.jit
-def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_new_ptr, v_new_ptr, shared_ptr,
-                      prefix_ptr, scale, softcap, window, stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh,
-                      stride_kvs, stride_tb, stride_kb, stride_kh, stride_vb, stride_vh,
-                      G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      SPLITS: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr, SOFTCAP: tl.constexpr,
-                      WINDOW: tl.constexpr, BS: tl.constexpr, CASCADE: tl.constexpr, PS: tl.constexpr):
-    b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    position = tl.load(pos_ptr + b)
-    end = position if WRITE else position + 1  # the entries read from the cache
-    begin = 0
-    if WINDOW:  # a sliding-window layer: keys j with position - window < j
-        begin = tl.maximum(position - window + 1, 0)
-    shared = 0
-    if CASCADE:  # entries [0, shared) were read by the group's program (`_shared_prefix_attention`)
-        shared = tl.load(shared_ptr + b)
-        begin = shared
-    chunk = tl.cdiv(tl.cdiv(end - begin, SPLITS), BLOCK_N) * BLOCK_N  # this program's share: [first, stop)
-    first = begin + split * chunk
-    stop = tl.minimum(first + chunk, end)
-    rows, dims, cols = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_N)
-    q_offsets = b * stride_qb + h * stride_qh + rows[:, None] * D + dims[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=rows[:, None] < G, other=0.0)
-    k_base = kv_ptr + h * stride_kvh
-    v_base = k_base + stride_kvkind
-    table = table_ptr + b * stride_tb
-    running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
+def _attend_entries(q, k_base, v_base, table, first, stop, running_max, running_sum, acc, scale, softcap, stride_kvb,
+                    stride_kvs, D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
+                    BS: tl.constexpr):
+    """The rows of `q` attend to cache entries [first, stop) (their blocks through `table`), BLOCK_N at a time, the
+    softmax kept online: (running max, running sum, unnormalized accumulator) carried in and returned."""
+    dims, cols = tl.arange(0, D), tl.arange(0, BLOCK_N)
     for start in range(first, stop, BLOCK_N):
         entries = start + cols
         live = entries < stop
@@ -83,6 +61,41 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_ne
         else:
             acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         running_max = new_max
+    return running_max, running_sum, acc
+
+
+@triton.jit
+def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_new_ptr, v_new_ptr, shared_ptr,
+                      prefix_ptr, scale, softcap, window, stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh,
+                      stride_kvs, stride_tb, stride_kb, stride_kh, stride_vb, stride_vh,
+                      G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SPLITS: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr, SOFTCAP: tl.constexpr,
+                      WINDOW: tl.constexpr, BS: tl.constexpr, CASCADE: tl.constexpr, PS: tl.constexpr):
+    b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    position = tl.load(pos_ptr + b)
+    end = position if WRITE else position + 1  # the entries read from the cache
+    begin = 0
+    if WINDOW:  # a sliding-window layer: keys j with position - window < j
+        begin = tl.maximum(position - window + 1, 0)
+    shared = 0
+    if CASCADE:  # entries [0, shared) were read by the group's program (`_shared_prefix_attention`)
+        shared = tl.load(shared_ptr + b)
+        begin = shared
+    chunk = tl.cdiv(tl.cdiv(end - begin, SPLITS), BLOCK_N) * BLOCK_N  # this program's share: [first, stop)
+    first = begin + split * chunk
+    stop = tl.minimum(first + chunk, end)
+    rows, dims = tl.arange(0, BLOCK_G), tl.arange(0, D)
+    q_offsets = b * stride_qb + h * stride_qh + rows[:, None] * D + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=rows[:, None] < G, other=0.0)
+    k_base = kv_ptr + h * stride_kvh
+    v_base = k_base + stride_kvkind
+    table = table_ptr + b * stride_tb
+    running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    running_max, running_sum, acc = _attend_entries(q, k_base, v_base, table, first, stop, running_max, running_sum,
+                                                    acc, scale, softcap, stride_kvb, stride_kvs, D, BLOCK_N, IEEE,
+                                                    SOFTCAP, BS)
     if WRITE:  # the new entry, in the last split: into the cache, and into the softmax from registers
         if split == SPLITS - 1:
             k_new = tl.load(k_new_ptr + b * stride_kb + h * stride_kh + dims)
@@ -194,7 +207,7 @@ def _shared_prefix_attention(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, 
     against those entries together, and each row's unnormalized result, running max and sum are stored for the
     per-slot kernel to merge. An empty group stores nothing."""
     grp, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows, dims, cols = tl.arange(0, BLOCK_R), tl.arange(0, D), tl.arange(0, BLOCK_N)
+    rows, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
     member, head = rows // G, rows % G
     slot = tl.load(groups_ptr + grp * stride_gg + member, mask=member < M, other=-1)
     live = slot >= 0
@@ -211,30 +224,9 @@ def _shared_prefix_attention(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, 
     running_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
-    for start in range(first, stop, BLOCK_N):
-        entries = start + cols
-        valid = entries < stop
-        blocks = tl.load(table + entries // BS, mask=valid, other=0)
-        offsets = blocks[:, None] * stride_kvb + (entries % BS)[:, None] * stride_kvs + dims[None, :]
-        k = tl.load(k_base + offsets, mask=valid[:, None], other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = scores * scale
-        if SOFTCAP:
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        rescale = tl.where(new_max == float("-inf"), 1.0, tl.exp(running_max - new_max))
-        p = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(p, 1)
-        v = tl.load(v_base + offsets, mask=valid[:, None], other=0.0)
-        if IEEE:
-            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-        running_max = new_max
+    running_max, running_sum, acc = _attend_entries(q, k_base, v_base, table, first, stop, running_max, running_sum,
+                                                    acc, scale, softcap, stride_kvb, stride_kvs, D, BLOCK_N, IEEE,
+                                                    SOFTCAP, BS)
     base = prefix_ptr + _prefix_offset(tl.maximum(slot, 0), h, split, tl.num_programs(1), G, D, PS)
     tl.store(base[:, None] + head[:, None] * D + dims[None, :], acc, mask=live[:, None])
     tl.store(base + G * D + head, running_max, mask=live)
