@@ -301,7 +301,7 @@ phase_s18_serve() {  # the server at Python's default thread switch interval (5 
 phase_s18_moe() {  # OLMoE compiled (routers outside the compiled blocks since session 15) against HF's eager experts;
     # Qwen3-30B-A3B with LoRA; router replay R3 against none on the GPU
     limit 300 python3 bench/moe.py update --shape olmoe --experts grouped_mm+compile,eager --out $RES
-    limit 300 python3 bench/moe.py update --shape qwen3_30b_a3b --experts grouped_mm+compile --out $RES
+    limit 420 python3 bench/moe.py update --shape qwen3_30b_a3b --experts grouped_mm+compile,eager --out $RES
     limit 300 python3 bench/moe.py replay --shape qwen3_moe_7b --steps 3 --modes R3,disabled --out $RES \
         --extra "model.dtype=bfloat16 actor.engine.max_token_len_per_gpu=8192"
 }
@@ -320,6 +320,34 @@ phase_s19_mt_profile() {  # the real multi-turn workload profiled (needs the age
 phase_s19_prefix() { limit 520 python3 bench/prefix_reuse.py \
     --trees ps4=.,ps8=.@prefix_splits=8,ps16=.@prefix_splits=16,old=.baseline_tree \
     --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
+
+# session 19 (one H200): CUDA tests of the tree; the tools warm start alone, then the real multi-turn workload
+# (conversations' copies prefilled once, every conversation decoding at once) from each tree, at the trees' own
+# slot counts and at 512 for both; MoE (OLMoE's eager baseline, Qwen3-30B-A3B with LoRA, R3); long prompts with more
+# prefix splits; the 7B LoRA step's device peak as nvidia-smi counts it (session 14's full fine-tuning figure)
+#   s19_tests s19_warm s19_mt s18_moe s19_prefix2 s19_lora_smi
+phase_s19_tests() { limit 240 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_prefix_cache.py \
+    tests/test_rollout_fast.py; }
+phase_s19_warm() {
+    local t=0
+    while [ ! -f /tmp/smollm2_parts/smollm2.gguf.part01 ] && [ $t -lt 300 ]; do sleep 5; t=$((t + 5)); done
+    GR=/tmp/agent_run WARM_ONLY=1 BASE_EVAL=0 bash examples/tools/gpu_run.sh start \
+        && GR=/tmp/agent_run bash examples/tools/gpu_run.sh wait 400 > /dev/null
+    for f in status seconds warm_start.log; do cp "/tmp/agent_run/$f" "$GS/warm_$f" 2>/dev/null; done
+}
+phase_s19_mt() {  # JSON lines in the phase's log
+    local real="--backend fast --model /tmp/agent_run/warm_sft/hf_model --data /tmp/agent_run/data/train.jsonl \
+        --prompts 64 --n 8 --max-response-tokens 384"
+    limit 200 python3 bench/multiturn.py $real
+    limit 200 python3 .baseline_tree/bench/multiturn.py $real
+    limit 200 python3 .baseline_tree/bench/multiturn.py $real --max-batch 512
+    limit 150 python3 bench/multiturn.py $real --profile
+    limit 200 python3 bench/multiturn.py --backend fast --shape 0.5b --prompts 256 --n 2 --max-batch 512
+    limit 200 python3 .baseline_tree/bench/multiturn.py --backend fast --shape 0.5b --prompts 256 --n 2 --max-batch 512
+}
+phase_s19_prefix2() { limit 420 python3 bench/prefix_reuse.py --trees ps4=.,ps16=.@prefix_splits=16,old=.baseline_tree \
+    --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
+phase_s19_lora_smi() { limit 300 python3 bench/lora.py steps --cases 7b_lora_unmerged_gc --steps 3 --out $RES; }
 
 case "${1:-}" in
 start)

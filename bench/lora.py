@@ -17,8 +17,9 @@ throughput on the same prompts (prompts x n rows of prompt_len tokens, new token
 own (`rollout/logprob_abs_diff`, as the trainer logs it).
 
 `steps`: `shardrl train` runs of GRPO (no KL), `prompts` x n=8, 256 prompt tokens + 256 new, one optimizer
-step per batch; the median step after the first and the peaks per phase from metrics.jsonl, with the ledger's
-prediction (`shardrl plan --json`) for the same overrides.
+step per batch; the median step after the first and the peaks per phase from metrics.jsonl (torch's allocation
+peak), the device's peak while the case ran (nvidia-smi, every 0.5 s: the same measure for a case that finishes
+no step), with the ledger's prediction (`shardrl plan --json`) for the same overrides.
 """
 
 from __future__ import annotations
@@ -276,6 +277,44 @@ def case_overrides(root: Path, case: str, steps: int) -> list[str]:
             *extra]
 
 
+class DeviceMemory:
+    """The GPU's memory in use as nvidia-smi reports it (every process: the allocator's cache and the CUDA context
+    counted), sampled every `every_s` on a thread while a case runs: one measure for a case that finishes no step
+    (whose metrics.jsonl holds no torch peak) and for one that does. `peak_gib` is the most seen less what was in
+    use before the case started."""
+
+    def __init__(self, every_s: float = 0.5):
+        import threading
+
+        self.every_s, self.samples, self._stop = every_s, [], threading.Event()
+        self.base = self._used()
+        self._thread = threading.Thread(target=self._run, daemon=True) if self.base is not None else None
+        if self._thread is not None:
+            self._thread.start()
+
+    @staticmethod
+    def _used() -> float | None:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                                 capture_output=True, text=True, timeout=10)
+            return float(out.stdout.split()[0]) / 1024 if out.returncode == 0 else None
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            used = self._used()
+            if used is not None:
+                self.samples.append(used)
+
+    def stop(self) -> float | None:
+        if self._thread is None:
+            return None
+        self._stop.set()
+        self._thread.join()
+        return round(max(self.samples) - self.base, 2) if self.samples else None
+
+
 def run_steps(args) -> list[dict]:
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
@@ -295,6 +334,7 @@ def run_steps(args) -> list[dict]:
             memory = json.loads(plan.stdout)["memory"]
             ledger = {k: round(v["total_gib"], 2) for k, v in memory["phases"].items()}
         t0 = time.perf_counter()
+        smi = DeviceMemory()
         try:
             proc = subprocess.run([sys.executable, "-m", "shardrl.cli", "train", *overrides], capture_output=True,
                                   text=True, timeout=args.case_timeout_s)
@@ -304,6 +344,7 @@ def run_steps(args) -> list[dict]:
             error, resolved = f"timed out after {args.case_timeout_s} s", []
         wall = time.perf_counter() - t0
         rec = dict(bench="lora_steps", case=case, ledger_gib=ledger, wall_s=round(wall, 1), resolved=resolved,
+                   nvidia_smi_peak_gib=smi.stop(),
                    plan_error=None if plan.returncode == 0 else plan.stderr[-1500:])
         metrics = run_dir / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []

@@ -11,7 +11,7 @@ import torch
 
 from shardrl.rollout import SamplingParams
 from shardrl.rollout.paged import BlockPool
-from test_rollout_fast import (assert_same_output, encode, make_rollout, reference_model, tok,  # noqa: F401
+from test_rollout_fast import (PROMPTS, assert_same_output, encode, make_rollout, reference_model, tok,  # noqa: F401
                                with_eos_at_different_steps)
 from test_rollout_hf import recomputed_log_probs
 
@@ -137,6 +137,40 @@ def next_turns(tok, out, extra: str = " ok? "):
     return ids, mask
 
 
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_equal_prompts_in_one_call_are_prefilled_once(tok, prefix_cache):
+    """Rows of n = 1 whose prompts are the same tokens (a conversation's copies at its first turn, clients sending
+    one prompt) share one prefill, as a prompt's n samples do; their tokens and log-probs are those of the n-sample
+    call (the same noise: rows draw in order) and of the HF reference."""
+    model = reference_model(tok, seed=2)
+    kwargs = dict(block_size=4, max_batch=8, prefix_cache=prefix_cache)
+    fast = make_rollout("fast", tok, model, **kwargs)
+    prompts = ["what is 7*6? ", "hello worlds ", "what is 7*6? ", "what is 7*6? ", "hello worlds "]  # (13 each)
+    ids, mask = encode(tok, prompts)
+    one = SamplingParams(n=1, temperature=1.0, max_new_tokens=9, seed=3)
+    out = fast.generate(ids, mask, one)
+    lengths = mask.sum(1).tolist()
+    assert fast.last_stats["prefill_tokens"] == lengths[0] + lengths[1]  # (equal lengths: no padding in the chunk)
+    got = recomputed_log_probs(model, out, 1.0)[:, ids.shape[1]:]
+    keep = out.response_mask.bool()
+    assert torch.allclose(out.sampled_log_probs[keep], got[keep], atol=1e-4)
+    greedy = SamplingParams(n=1, greedy=True, max_new_tokens=9)
+    assert_same_output(fast.generate(ids, mask, greedy), make_rollout("hf", tok, model).generate(ids, mask, greedy))
+
+
+def test_multi_turn_rounds_decode_all_conversations_at_once(tok):
+    """The multi-turn rollout's rounds call the fast backend with n = 1 rows of every conversation: the slots are
+    those of a single-turn call of the prompts' n samples (min(rows, micro_batch_size * n)), not micro_batch_size."""
+    from shardrl.rollout.multiturn import Interaction, MultiTurnRollout
+
+    model = reference_model(tok, seed=1)
+    fast = make_rollout("fast", tok, model, micro_batch_size=2)
+    multi = MultiTurnRollout(fast, tok, Interaction(), max_turns=2, max_response_tokens=24)
+    ids, mask = encode(tok, PROMPTS[:3])
+    multi.generate(ids, mask, SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=1))
+    assert fast.last_stats["num_slots"] == 8  # 2 prompts x 4 samples' worth, not 2
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 7, 64])
 def test_paged_generation_equals_the_reference_and_next_turns_read_the_cache(tok, block_size):
     model = reference_model(tok, seed=1)
@@ -158,10 +192,13 @@ def test_paged_generation_equals_the_reference_and_next_turns_read_the_cache(tok
     assert_same_output(plain.generate(ids, mask, one), second)
     assert plain.last_stats["cached_tokens"] == 0
     if block_size < 64:
-        # each next turn starts with a row's whole cache (its prompt and fed tokens): all its full blocks are read
+        # each next turn starts with a row's whole cache (its prompt and fed tokens): all its full blocks are read,
+        # once per distinct context (greedy samples of one prompt are equal: their next turns are one prefill)
         held = [int(first.prompt_mask[r].sum() + first.response_mask[r].sum()) - 1 for r in range(len(first))]
-        want = sum(min(h // block_size, (n - 1) // block_size) * block_size
-                   for h, n in zip(held, mask.sum(1).tolist()))
+        distinct = {tuple(ids[r][mask[r].bool()].tolist()): r for r in reversed(range(len(first)))}
+        assert len(distinct) < len(first)
+        want = sum(min(held[r] // block_size, (int(mask[r].sum()) - 1) // block_size) * block_size
+                   for r in distinct.values())
         assert cached >= want > 0
         assert run < plain.last_stats["prefill_tokens"]
     sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=5)

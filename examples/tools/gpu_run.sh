@@ -18,6 +18,7 @@ TRAIN_LIMIT_S=${TRAIN_LIMIT_S:-600}
 TRAIN_CONFIG=${TRAIN_CONFIG:-examples/tools/gpu.yaml}  # examples/agent/gpu.yaml: the same task as an agent episode
 VAL_FREQ=${VAL_FREQ:-5}
 BASE_EVAL=${BASE_EVAL:-1}  # 0: skip measuring SmolLM2-135M-Instruct itself before the warm start
+# WARM_ONLY=1: stop after the warm start (the model bench/multiturn.py's real workload runs on)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 . "$(dirname "$0")/../gpu_run_common.sh"
 EVAL=(--val "$GR/data/val.jsonl" --num-val "$NUM_VAL" --max-turns 4 --max-response-tokens 384 --max-new-tokens 128)
@@ -32,6 +33,7 @@ run() {
     step warm_data python3 examples/tools/warm_start.py data --out "$GR/data/warm_start.jsonl"
     step warm_start python3 -m shardrl.trainer.sft examples/tools/warm_start.yaml "model.path=$GR/smollm2/model" \
         "data.train_files=[$GR/data/warm_start.jsonl]" "trainer.output_dir=$GR/warm_sft" "engine.param_dtype=bfloat16"
+    if [ "${WARM_ONLY:-0}" = 1 ]; then echo "done $(date +%s)" >> "$GR/status"; return; fi  # the warm start alone
     step warm_eval python3 examples/tools/warm_start.py eval --model "$GR/warm_sft/hf_model" "${EVAL[@]}"
     local t0=$(date +%s)
     setsid timeout -k 20 "$TRAIN_LIMIT_S" python3 -m shardrl.trainer.main "$TRAIN_CONFIG" \

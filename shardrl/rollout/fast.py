@@ -404,7 +404,7 @@ class FastRollout(Rollout):
             self._groups = SharedPrefixGroups(b, state.groups.shape[1], state.shared, state.groups)
         return state
 
-    def _ensure_capacity(self, num_rows: int, n: int, need_seq: int) -> None:
+    def _ensure_capacity(self, num_rows: int, n: int, need_seq: int, num_slots: int | None = None) -> None:
         if self.max_seq_len is not None and need_seq > self.max_seq_len:
             raise ValueError(f"a prompt plus max_new_tokens needs {need_seq} cache positions, more than "
                              f"max_seq_len={self.max_seq_len}; raise max_seq_len or shorten the prompts")
@@ -413,7 +413,7 @@ class FastRollout(Rollout):
                              f"{self.model.max_positions} after which the 'dynamic' rope scaling changes its "
                              "frequencies, which the fast rollout does not; lower max_new_tokens or use "
                              "rollout.backend=hf")
-        slots = self.max_batch or min(num_rows, self.micro_batch_size * n)
+        slots = self.max_batch or num_slots or min(num_rows, self.micro_batch_size * n)
         seq = self.max_seq_len or -(-need_seq // self.seq_bucket) * self.seq_bucket
         st = self._state
         if st is not None and st.num_slots >= slots and st.max_seq >= need_seq:
@@ -522,9 +522,12 @@ class FastRollout(Rollout):
     # ---- generation -----------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingParams,
-                 max_new_tokens: Sequence[int] | torch.Tensor | None = None) -> RolloutOutput:
+                 max_new_tokens: Sequence[int] | torch.Tensor | None = None,
+                 num_slots: int | None = None) -> RolloutOutput:
         """As `Rollout.generate`; `max_new_tokens` (B,) optionally sets each prompt's own response limit
-        in place of `sampling.max_new_tokens` (benchmarks use it for mixed-length batches)."""
+        in place of `sampling.max_new_tokens` (benchmarks use it for mixed-length batches). `num_slots`: decode
+        slots for the call (default min(B * n, micro_batch_size * n); `max_batch`, when set, wins); a caller
+        whose rows are already the n samples of its prompts (the multi-turn rollout: n = 1 a call) names them."""
         if self._released:
             raise RuntimeError("the rollout is released (no KV cache); call resume() before generate()")
         check_prompts(prompt_ids, attention_mask)
@@ -535,7 +538,7 @@ class FastRollout(Rollout):
         if len(limits) != num_prompts or min(limits) < 1:
             raise ValueError(f"max_new_tokens must hold one limit >= 1 per prompt ({num_prompts}), got {limits[:8]}")
         prompts = [prompt_ids[b, width - lengths[b]:].to(self.device) for b in range(num_prompts)]
-        generator = self._start(sampling, num_prompts * n, n, max(p + m for p, m in zip(lengths, limits)))
+        generator = self._start(sampling, num_prompts * n, n, max(p + m for p, m in zip(lengths, limits)), num_slots)
         track = VersionTrack(self.weight_hook) if self.weight_hook is not None else None
         rows = self._decode_rows(prompts, limits, n, sampling_mode(sampling), sampling.stop, generator, track)
         out = self._assemble(prompt_ids, attention_mask, rows, n, sampling.stop)
@@ -549,7 +552,8 @@ class FastRollout(Rollout):
         its own limit, then whatever `feed.take` hands over while earlier rows decode; each row's uncut
         output goes to `feed.finished` as soon as the row ends, so the caller can act on it (run a tool) while
         the other rows decode. `need_seq` bounds prompt + response of every row, those to come included;
-        `num_slots` sizes the slots as for that many rows (default: as many as `prompts`).
+        `num_slots`: decode slots (default: as `generate` sizes them for as many rows as `prompts`; `max_batch`,
+        when set, wins).
         `sampling.n` is ignored (one row per prompt). Rows admitted at different steps draw different noise:
         unlike `generate`, the tokens depend on when rows arrive."""
         if self._released:
@@ -558,13 +562,14 @@ class FastRollout(Rollout):
             raise ValueError(f"one limit >= 1 per prompt ({len(prompts)}), got {limits[:8]}")
         if self.record_routing:
             raise ValueError("record_routing (router replay R3) covers single-turn generate only")
-        generator = self._start(sampling, num_slots or max(len(prompts), 1), 1, need_seq)
+        generator = self._start(sampling, max(len(prompts), 1), 1, need_seq, num_slots)
         self._decode_rows([p.to(self.device) for p in prompts], list(limits), 1, sampling_mode(sampling),
                           sampling.stop, generator, feed=feed)
 
-    def _start(self, sampling: SamplingParams, num_rows: int, n: int, need_seq: int) -> torch.Generator:
+    def _start(self, sampling: SamplingParams, num_rows: int, n: int, need_seq: int,
+               num_slots: int | None = None) -> torch.Generator:
         """Sizes the cache, resets the slots and sets the sampling parameters; the call's noise generator."""
-        self._ensure_capacity(num_rows, n, need_seq)
+        self._ensure_capacity(num_rows, n, need_seq, num_slots)
         st = self._state
         st.temperature.fill_(sampling.logprob_temperature)
         st.top_k.fill_(sampling.top_k or self.vocab_size)
@@ -727,32 +732,47 @@ class FastRollout(Rollout):
 
     def _admit(self, admitted, prompts, limits, n, mode, generator) -> tuple[int, int]:
         """Prefills the prompts of `admitted` (slot, row) pairs into their slots' blocks and samples each row's
-        first token; each distinct prompt runs once per chunk of at most `prefill_tokens`, from the end of its
-        longest cached prefix (`BlockPool.lookup`), and its rows share its full blocks (each gets its own copy of
-        the last, partly filled one). Returns (tokens run, prompt tokens read from the cache)."""
+        first token. Each distinct prompt (by its tokens: a prompt's n samples, and rows whose prompts are equal,
+        such as a conversation's copies at its first turn) runs once, from the end of its longest cached prefix
+        (`BlockPool.lookup`), in chunks of at most `prefill_tokens` tokens run (and four times that read from the
+        cache); its rows share its full blocks (each gets its own copy of the last, partly filled one). Returns
+        (tokens run, prompt tokens read from the cache)."""
         st, pool, size = self._state, self._pool, self.block_size
+        lookup = self.prefix_cache and not self.record_routing  # (R3 records the routing of every prompt token)
         run = cached_total = 0
-        chunks, current, distinct, longest = [], [], set(), 0
+        same: dict[int, int] = {}  # prompt b -> the first admitted prompt with the same tokens
+        first_of: dict[tuple, int] = {}
+        chunks, current, distinct, longest, widest = [], [], set(), 0, 0
         for slot, row in admitted:
             b = row // n
-            grown = max(longest, len(prompts[b])) * (len(distinct | {b}))
-            if current and grown > self.prefill_tokens:
+            if b not in same:
+                toks = self._tokens_of(prompts, b)
+                same[b] = first_of.setdefault(tuple(toks), b)
+            a = same[b]
+            toks = self._tokens_of(prompts, a)
+            cached = pool.match(toks, len(toks) - 1) * size if lookup else 0  # (an estimate: the chunk looks again)
+            grown = len(distinct | {a})
+            if current and (max(longest, len(toks) - cached) * grown > self.prefill_tokens
+                            or max(widest, len(toks)) * grown > 4 * self.prefill_tokens):
                 chunks.append(current)
-                current, distinct, longest = [], set(), 0
+                current, distinct, longest, widest = [], set(), 0, 0
             current.append((slot, row))
-            distinct.add(b)
-            longest = max(longest, len(prompts[b]))
+            distinct.add(a)
+            longest, widest = max(longest, len(toks) - cached), max(widest, len(toks))
         chunks.append(current)
         to_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        lookup = self.prefix_cache and not self.record_routing  # (R3 records the routing of every prompt token)
         for chunk in chunks:
-            order = list(dict.fromkeys(row // n for _, row in chunk))  # distinct prompts, in order
+            order = list(dict.fromkeys(same[row // n] for _, row in chunk))  # distinct prompts, in order
             index = {b: i for i, b in enumerate(order)}
+            index.update({row // n: index[same[row // n]] for _, row in chunk})
             tokens = [self._tokens_of(prompts, b) for b in order]
+            first_limit = {}  # each prompt's first row in the chunk takes its blocks: room for that row's limit
+            for _, row in chunk:
+                first_limit.setdefault(index[row // n], limits[row // n])
             owned, starts = [], []
-            for b, toks in zip(order, tokens):  # the first row of each prompt prefills it into its blocks
+            for i, toks in enumerate(tokens):  # the first row of each prompt prefills it into its blocks
                 hit = pool.lookup(toks, len(toks) - 1) if lookup else []  # (its last token is run: the logits)
-                owned.append(hit + pool.allocate(self._blocks_for(len(toks), limits[b]) - len(hit)))
+                owned.append(hit + pool.allocate(self._blocks_for(len(toks), first_limit[i]) - len(hit)))
                 starts.append(len(hit) * size)
             lens = [len(t) - c for t, c in zip(tokens, starts)]
             ids = torch.full((len(order), max(lens)), self.pad_id, dtype=torch.long)
@@ -771,8 +791,8 @@ class FastRollout(Rollout):
             for _, row in chunk:
                 b = row // n
                 i, plen = index[b], len(tokens[index[b]])
-                if b not in firsts:
-                    firsts.add(b)
+                if i not in firsts:
+                    firsts.add(i)
                     rows_blocks.append(owned[i])
                     continue
                 full = owned[i][: plen // size]

@@ -238,7 +238,7 @@ class MultiTurnRollout(Rollout):
         stop = list(dict.fromkeys([*sampling.stop, self.call_end])) if self.max_calls_per_turn == 1 else list(
             sampling.stop)
         if self.overlap_tools:
-            self._generate_overlapped(convs, sampling, stop)
+            self._generate_overlapped(convs, sampling, stop, self._slots(convs, n))
             return self._assemble(prompt_ids, attention_mask, n, convs)
         for turn in range(self.max_turns):
             live = [c for c in convs if not c.done]
@@ -247,10 +247,18 @@ class MultiTurnRollout(Rollout):
             budgets = [self._turn_budget(c, sampling) for c in live]
             seed = None if sampling.seed is None else sampling.seed + 7919 * turn
             round_sampling = dataclasses.replace(sampling, n=1, max_new_tokens=max(budgets), stop=stop, seed=seed)
-            out = self.rollout.generate(*self._contexts(live, prompt_ids.device), round_sampling)
+            out = self.rollout.generate(*self._contexts(live, prompt_ids.device), round_sampling, **self._slots(convs, n))
             calls = self._append_model_turns(live, out, budgets, stop, last_turn=turn == self.max_turns - 1)
             self._append_tool_turns(calls)
         return self._assemble(prompt_ids, attention_mask, n, convs)
+
+    def _slots(self, convs: list[_Conversation], n: int) -> dict:
+        """The fast backend's decode slots for a round (or the stream): as many as a single-turn call of these
+        prompts' n samples gets (min(rows, micro_batch_size * n)), not as for rows of n = 1, which would decode
+        the conversations micro_batch_size at a time."""
+        if not hasattr(self.rollout, "generate_stream"):
+            return {}
+        return {"num_slots": min(len(convs), self.rollout.micro_batch_size * n)}
 
     def _turn_budget(self, c: _Conversation, sampling: SamplingParams) -> int:
         """Tokens `c`'s next model turn may take: the per-turn limit, or what is left of the response budget."""
@@ -342,7 +350,8 @@ class MultiTurnRollout(Rollout):
         c.model_mask += [0] * len(ids)
         c.log_probs += [0.0] * len(ids)
 
-    def _generate_overlapped(self, convs: list[_Conversation], sampling: SamplingParams, stop: list[str]) -> None:
+    def _generate_overlapped(self, convs: list[_Conversation], sampling: SamplingParams, stop: list[str],
+                             slots: dict) -> None:
         """The agent loop with tools off the decoding's critical path (multi_turn.overlap_tools): one streaming
         generate over all conversations. A conversation's turn is handled the moment its row ends; its tool
         runs on a dispatcher thread while the other rows decode, and its next turn joins the running batch when
@@ -395,7 +404,7 @@ class MultiTurnRollout(Rollout):
         first = [row_of(c) for c in convs]
         need_seq = max(len(c.prompt) for c in convs) + self.max_response_tokens + 1
         self.rollout.generate_stream([p.to(device) for p, _ in first], [lim for _, lim in first], round_sampling,
-                                     Feed(), need_seq)
+                                     Feed(), need_seq, **slots)
 
     def _assemble(self, prompt_ids, attention_mask, n: int, convs: list[_Conversation]) -> MultiTurnOutput:
         responses = [(torch.tensor(c.ids, dtype=torch.long), torch.tensor(c.log_probs, dtype=torch.float32))

@@ -91,13 +91,21 @@ class BlockPool:
     def lookup(self, tokens: list[int], limit: int) -> list[int]:
         """The indexed blocks that hold the longest prefix of `tokens` of at most `limit` positions (whole
         blocks), held for the caller (`release` them with the rest)."""
+        found = self._indexed(tokens, limit)
+        self.hold(found)  # (out of the idle list; back in it, as the most recently used, on release)
+        return found
+
+    def match(self, tokens: list[int], limit: int) -> int:
+        """How many blocks `lookup` would find now (nothing held)."""
+        return len(self._indexed(tokens, limit))
+
+    def _indexed(self, tokens: list[int], limit: int) -> list[int]:
         found = []
         for key in self.keys(tokens, min(limit, len(tokens)) // self.block_size):
             block = self.index.get(key)
             if block is None:
                 break
             found.append(block)
-        self.hold(found)  # (out of the idle list; back in it, as the most recently used, on release)
         return found
 
     def register(self, tokens: list[int], blocks: list[int], written: int) -> None:
