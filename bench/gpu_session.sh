@@ -349,6 +349,18 @@ phase_s19_prefix2() { limit 420 python3 bench/prefix_reuse.py --trees ps4=.,ps16
     --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
 phase_s19_lora_smi() { limit 300 python3 bench/lora.py steps --cases 7b_lora_unmerged_gc --steps 3 --out $RES; }
 
+# session 19's second machine: the warm start again, the real multi-turn workload with the old tree first (so the
+# new tree's runs are not the ones that fill torch.compile's cache), the new tree twice; OLMoE's eager baseline
+#   s19_warm s19_mt2 s19_moe_eager
+phase_s19_mt2() {  # JSON lines in the phase's log
+    local real="--backend fast --model /tmp/agent_run/warm_sft/hf_model --data /tmp/agent_run/data/train.jsonl \
+        --prompts 64 --n 8 --max-response-tokens 384"
+    limit 120 python3 .baseline_tree/bench/multiturn.py $real --max-batch 512
+    limit 120 python3 bench/multiturn.py $real
+    limit 120 python3 bench/multiturn.py $real
+}
+phase_s19_moe_eager() { limit 240 python3 bench/moe.py update --shape olmoe --experts eager --out $RES; }
+
 case "${1:-}" in
 start)
     shift

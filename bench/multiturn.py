@@ -214,21 +214,26 @@ def main(argv=None):
                 overlap_tools=args.overlap_tools, num_tool_workers=args.num_tool_workers,
                 tool_latency_s=args.tool_latency_s, tool_latency_spread=args.tool_latency_spread)
 
+    def compile_s() -> float:  # torch.compile's seconds so far in this process (recompiles included)
+        return torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0)
+
     def timed_run(fn):
         fn(seed=1)  # warm-up: graph capture, compilation, allocator
         calls.clear()
         timed.tool_s = 0.0
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        c0, t0 = compile_s(), time.perf_counter()
         out = fn(seed=2)
         if device.type == "cuda":
             torch.cuda.synchronize()
+        timed.compile_s = compile_s() - c0  # what the warm-up left to compile: inside the timed seconds
         return out, time.perf_counter() - t0
 
     multi_sampling = lambda seed: SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=seed)
     out, multi_s = timed_run(lambda seed: mt.generate(ids, mask, multi_sampling(seed)))
     tool_s = timed.tool_s  # summed over the tool threads of the timed run
+    multi_calls = summed(calls)
     if args.profile:
         profile_call(lambda: mt.generate(ids, mask, multi_sampling(3)), device)
     conv = len(out)
@@ -238,7 +243,7 @@ def main(argv=None):
                  model_tokens_per_s=round(model_tokens / multi_s, 1), all_tokens_per_s=round(all_tokens / multi_s, 1),
                  mean_turns=round(sum(out.num_turns) / conv, 2), mean_tool_calls=round(sum(out.num_tool_calls) / conv, 2),
                  mean_model_tokens=round(model_tokens / conv, 1), mean_all_tokens=round(all_tokens / conv, 1),
-                 tool_thread_s=round(tool_s, 3), rollout_calls=summed(calls))
+                 tool_thread_s=round(tool_s, 3), compile_s=round(timed.compile_s, 3), rollout_calls=multi_calls)
     print(json.dumps(multi), flush=True)
 
     single_sampling = lambda seed: SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_response_tokens,
@@ -247,6 +252,7 @@ def main(argv=None):
     single_tokens = float(single_out.response_mask.sum())
     single = dict(base, mode="single_turn", seconds=round(single_s, 3), conv_per_s=round(conv / single_s, 2),
                   tokens_per_s=round(single_tokens / single_s, 1), mean_tokens=round(single_tokens / conv, 1),
+                  compile_s=round(timed.compile_s, 3),
                   rollout_calls=summed(calls))
     print(json.dumps(single), flush=True)
     equal = (single_tokens / single_s) / max(model_tokens / conv, 1e-9)

@@ -494,6 +494,7 @@ class DecoderBlock:
         # distinct functions: their compiled code and shape history are their own
         free = torch.compile if compile else (lambda fn: fn)
         self.prefill_inputs, self.prefill_output = free(_prefill_inputs), free(_prefill_output)
+        self.compiled = compile
         self.attention = attention or SDPADecodeAttention()
 
     def decode(self, x, cos, sin, kv_layer, table, positions, mask, weights: tuple, c: LayerConsts,
@@ -517,6 +518,9 @@ class DecoderBlock:
         length) boolean for the layer's window): the prefixes' C positions are read from the blocks."""
         (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
          qkv_lora, o_lora, mlp_lora, scale) = weights
+        if self.compiled:  # the chunk's token count varies: one compilation for every count, from the first call
+            for t in (x, cos, sin):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         q, k, v = self.prefill_inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5], qkv_lora, scale)
         u = x.shape[0] // length
         q = q.view(u, length, c.num_heads, c.head_dim).transpose(1, 2)  # (U, H, L, D)
@@ -541,7 +545,11 @@ class DecoderBlock:
             attn = softcapped_attention(q, k, v, visible_keys(pos, pos, c.window), c.scale, c.softcap)
         else:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.scale, enable_gqa=True)
-        return self.prefill_output(x, attn.transpose(1, 2), o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w,
+        attn = attn.transpose(1, 2)
+        if self.compiled:
+            torch._dynamo.maybe_mark_dynamic(attn, 0)  # (U, L, heads, head_dim)
+            torch._dynamo.maybe_mark_dynamic(attn, 1)
+        return self.prefill_output(x, attn, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w,
                                    down_b, post_ff_ln, c.eps, c.gemma, c.act, o_lora, mlp_lora, scale, c.top_k,
                                    c.normalize_top_k, c.fp32_route, with_route)
 
