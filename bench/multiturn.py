@@ -9,7 +9,7 @@ Two workloads:
     real (--model DIR)   a model folder (e.g. outputs/smollm2/model) on the tools example's prompts (--data,
                          made by examples/tools/prepare.py) with its calculator interaction.
 
-Per workload, after one warm-up of each (graph capture, compilation), one timed multi-turn run and one timed
+Per workload, after --warmups untimed runs of each (graph capture, compilation), one timed multi-turn run and one timed
 single-turn run (rollout.max_new_tokens = --max-response-tokens, stops at EOS only). Prints JSON lines:
     multi_turn   conversations/s, model tokens/s (trained tokens), all tokens/s (with tool turns), mean turns,
                  tool calls and model tokens per conversation, seconds spent waiting on tools
@@ -186,6 +186,8 @@ def main(argv=None):
     p.add_argument("--tool-latency-spread", type=float, default=0.0,
                    help="synthetic tool: each call takes latency * U[1 - spread, 1 + spread] (0 to 1)")
     p.add_argument("--max-batch", type=int, default=None, help="fast backend: decode slots")
+    p.add_argument("--warmups", type=int, default=2,
+                   help="untimed runs before each timed one (each decode width compiles when first seen)")
     p.add_argument("--overlap-tools", action="store_true",
                    help="fast backend: tools run while the other conversations decode (multi_turn.overlap_tools)")
     p.add_argument("--num-tool-workers", type=int, default=16)
@@ -218,7 +220,8 @@ def main(argv=None):
         return torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0)
 
     def timed_run(fn):
-        fn(seed=1)  # warm-up: graph capture, compilation, allocator
+        for w in range(args.warmups):  # graph capture, compilation (a width first seen compiles), allocator
+            fn(seed=1 + 1000 * w)
         calls.clear()
         timed.tool_s = 0.0
         if device.type == "cuda":

@@ -521,6 +521,10 @@ class RolloutConfig:
     """Prompts per generate call (hf); with `fast`, prompts x n sets the decode slots unless max_batch does."""
     max_batch: int | None = None
     """fast backend: decode slots (rows decoded together; a finished row's slot goes to a waiting one)."""
+    kv_cache_tokens: int | None = None
+    """fast backend: the KV cache's positions in all (null: every slot's longest row, max_batch x the longest
+    prompt + response). Rows are admitted while the free blocks hold them at their longest; set it to give many
+    slots (a served agent's, each allowed a long context) a cache sized for what the rows really hold."""
     sync_every: int = 16
     """fast backend: decode steps between host syncs (which retire finished rows and admit waiting ones)."""
     compile: bool | None = None
@@ -566,7 +570,7 @@ class RolloutConfig:
 
     def fast_only_keys(self) -> list[str]:
         """The fast-backend-only keys set away from their defaults."""
-        unset = {"max_batch": (None,), "compile": (None,), "attention": ("auto",), "sampler": ("auto",),
+        unset = {"max_batch": (None,), "kv_cache_tokens": (None,), "compile": (None,), "attention": ("auto",), "sampler": ("auto",),
                  "lora_sync": (None, "full")}  # full: what the hf backend does anyway
         keys = [k for k, defaults in unset.items() if getattr(self, k) not in defaults]
         return keys + (["multi_turn.overlap_tools"] if self.multi_turn.overlap_tools else [])
@@ -574,6 +578,8 @@ class RolloutConfig:
     def validate(self, prefix: str) -> None:
         require(self, prefix, "max_batch", self.max_batch is None or self.max_batch >= 1, "must be >= 1 or null")
         require(self, prefix, "sync_every", self.sync_every >= 1, "must be >= 1")
+        require(self, prefix, "kv_cache_tokens", self.kv_cache_tokens is None or self.kv_cache_tokens >= 1,
+                "must be >= 1 or null")
         for key in self.fast_only_keys() if self.backend == "hf" else ():  # null: checked once resolved
             require(self, prefix, key, False, "applies to backend=fast only; set rollout.backend=fast or drop it")
         require(self, prefix, "n", self.n >= 1, "must be >= 1")

@@ -158,6 +158,30 @@ def test_equal_prompts_in_one_call_are_prefilled_once(tok, prefix_cache):
     assert_same_output(fast.generate(ids, mask, greedy), make_rollout("hf", tok, model).generate(ids, mask, greedy))
 
 
+def test_a_kv_budget_admits_rows_as_blocks_free_and_changes_no_token(tok):
+    """`kv_cache_tokens` below slots x max_seq: rows wait for blocks (at most what the budget holds at their
+    longest decode together), and the tokens and log-probs are those of the rollout whose cache holds every slot."""
+    model = reference_model(tok, seed=1)
+    tok = with_eos_at_different_steps(tok, model)
+    kwargs = dict(block_size=4, max_batch=8, max_seq_len=40, sync_every=3)
+    greedy = SamplingParams(n=3, greedy=True, max_new_tokens=14)
+    whole = make_rollout("fast", tok, model, **kwargs)
+    want = whole.generate(*encode(tok), greedy)
+    assert whole.last_stats["peak_rows"] == 8
+    budget = make_rollout("fast", tok, model, kv_cache_tokens=80, **kwargs)
+    got = budget.generate(*encode(tok), greedy)
+    assert_same_output(got, want)
+    assert budget._pool.num_blocks == 80 // 4 + 1
+    assert 2 <= budget.last_stats["peak_rows"] < 8  # (a prompt's rows share its full blocks: more than 80 / 40)
+    assert sum(budget._pool.refs) == 0
+    sampled = budget.generate(*encode(tok), SamplingParams(n=3, temperature=1.0, max_new_tokens=14, seed=7))
+    keep = sampled.response_mask.bool()  # (the noise a row draws depends on when it is admitted: not want's tokens)
+    recomputed = recomputed_log_probs(model, sampled, 1.0)[:, sampled.prompt_ids.shape[1]:]
+    assert torch.allclose(sampled.sampled_log_probs[keep], recomputed[keep], atol=1e-4)
+    with pytest.raises(ValueError, match="kv_cache_tokens=16 cannot hold one row of 40 positions"):
+        make_rollout("fast", tok, model, kv_cache_tokens=16, **kwargs).generate(*encode(tok), greedy)
+
+
 def test_multi_turn_rounds_decode_all_conversations_at_once(tok):
     """The multi-turn rollout's rounds call the fast backend with n = 1 rows of every conversation: the slots are
     those of a single-turn call of the prompts' n samples (min(rows, micro_batch_size * n)), not micro_batch_size."""

@@ -161,7 +161,9 @@ class FastRollout(Rollout):
     read its blocks, prefilled once; with `prefix_cache` (default), a full block stays indexed by the tokens through
     it after its row ends, so a later prompt that starts with them (a conversation's next turn, an agent's next
     request, the n samples admitted later) prefills only what follows. The index is forgotten when the weights
-    change.
+    change. `kv_cache_tokens` caps the cache's positions (default: every slot's longest row, slots x max_seq):
+    rows are admitted only while the free blocks hold them at their longest, so many slots can share a cache sized
+    for the rows' real lengths (a server's slots, each allowed a long context).
 
     `record_routing` (a mixture of experts; router replay R3): `generate`'s output carries `routed_experts`
     (N, P+R, L, k), the experts each token was routed to in each routed layer when the rollout ran it (the
@@ -176,12 +178,14 @@ class FastRollout(Rollout):
                  seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0,
                  attention: str = "auto", sampler: str = "auto", min_width: int = 32, width_step: int | None = None,
                  lazy_weights: bool = False, record_routing: bool = False, block_size: int = 64,
-                 prefix_cache: bool = True, cascade: bool = True, prefix_splits: int = 4):
+                 prefix_cache: bool = True, cascade: bool = True, prefix_splits: int = 4,
+                 kv_cache_tokens: int | None = None):
         for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every), ("min_width", min_width),
                             ("width_step", 1 if width_step is None else width_step),
                             ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens), ("block_size", block_size),
                             ("prefix_splits", prefix_splits),
-                            ("max_batch", max_batch or 1), ("max_seq_len", max_seq_len or 1)):
+                            ("max_batch", max_batch or 1), ("max_seq_len", max_seq_len or 1),
+                            ("kv_cache_tokens", kv_cache_tokens or 1)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
         self.tokenizer = tokenizer
@@ -203,7 +207,7 @@ class FastRollout(Rollout):
         if record_routing and not self.model.routed_layers:
             raise ValueError(f"record_routing needs a mixture of experts; {hf_config.model_type!r} routes no tokens")
         self.record_routing = record_routing
-        self.block_size, self.prefix_cache = block_size, prefix_cache
+        self.block_size, self.prefix_cache, self.kv_cache_tokens = block_size, prefix_cache, kv_cache_tokens
         self._pool: BlockPool | None = None  # with the cache (`_allocate`)
         self._slot_blocks: list[list[int]] = []  # the blocks each slot's row holds
         self._registering = True  # whether finished rows index their blocks (not while weights change in a call)
@@ -379,7 +383,13 @@ class FastRollout(Rollout):
             routes = dict(step_routes=torch.zeros(b, *shape, **long),
                           out_routes=torch.full((b, max_seq, *shape), -1, dtype=torch.int16, device=dev))
         per_row = -(-max_seq // self.block_size)
-        self._pool = BlockPool(b * per_row + 1, self.block_size)  # every slot's longest row, and the scratch block
+        blocks = b * per_row  # every slot's longest row (and the scratch block), or the budget
+        if self.kv_cache_tokens is not None:
+            if self.kv_cache_tokens < max_seq:
+                raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one row of {max_seq} positions "
+                                 "(prompt + max_new_tokens, rounded up); raise it, or shorten prompts or responses")
+            blocks = min(blocks, -(-self.kv_cache_tokens // self.block_size))
+        self._pool = BlockPool(blocks + 1, self.block_size)
         self._slot_blocks = [[] for _ in range(b)]
         if self.cascade:
             heads = self.model.layer_consts[0]
@@ -600,7 +610,7 @@ class FastRollout(Rollout):
         self._registering = track is None  # a row that saw a weight change holds K/V of two versions
         self._prompt_tokens: dict[int, list[int]] = {}
         stats = dict(decode_steps=0, syncs=0, prefill_tokens=0, cached_tokens=0, num_slots=num_slots,
-                     max_seq=st.max_seq, slot_steps=0, row_steps=0, compactions=0, cascade_steps=0,
+                     max_seq=st.max_seq, slot_steps=0, row_steps=0, compactions=0, cascade_steps=0, peak_rows=0,
                      decode_s=0.0, admit_s=0.0, feed_wait_s=0.0, host_s=0.0)  # (seconds: where the wall time went)
         widths = self._widths(num_slots)
         clock = time.perf_counter()
@@ -650,7 +660,11 @@ class FastRollout(Rollout):
                 track.poll(lambda: [(slot_row[s], generated[s]) for s in range(num_slots) if slot_row[s] >= 0])
             free = [s for s in range(num_slots) if slot_row[s] < 0]
             if queue and free:
-                admitted = [(s, queue.popleft()) for s in free[: len(queue)]]
+                busy = len(free) < num_slots
+                admitted = [(s, queue.popleft()) for s in free[: self._fitting(queue, prompts, limits, n, len(free), busy)]]
+            else:
+                admitted = []
+            if admitted:
                 if track is not None:
                     for _, row in admitted:
                         track.begin(row)
@@ -688,8 +702,27 @@ class FastRollout(Rollout):
             stats["decode_steps"] += num_steps
             stats["slot_steps"] += num_steps * width
             stats["row_steps"] += num_steps * len(live)
+            stats["peak_rows"] = max(stats["peak_rows"], len(live))
         self.last_stats = stats
         return results
+
+    def _fitting(self, queue, prompts, limits, n: int, free: int, busy: bool) -> int:
+        """How many rows from the head of `queue` (at most `free`) the blocks the pool can hand out hold at their
+        longest (prompt + limit; a prompt's later rows in the same admission without its full blocks, which they
+        share), so that no row runs out of cache while it decodes. With nothing decoding (`busy` false), the head
+        row is admitted whatever it needs (the pool then says how short it is)."""
+        left, size, seen, count = self._pool.reclaimable(), self.block_size, set(), 0
+        for row in queue:
+            if count == free:
+                break
+            b = row // n
+            plen = len(prompts[b])
+            need = self._blocks_for(plen, limits[b]) - (plen // size if b in seen else 0)
+            if need > left and (count or busy):
+                break
+            left, count = left - need, count + 1
+            seen.add(b)
+        return count
 
     def _widths(self, num_slots: int) -> list[int]:
         """The slot prefixes a decode step may run on, narrowest first: `min_width`, the multiples of

@@ -42,6 +42,14 @@ class BlockPool:
     def available(self) -> int:
         return len(self.free) + len(self.idle)
 
+    def reclaimable(self) -> int:
+        """What `allocate` can hand out: the available blocks and those only sessions' pins hold."""
+        pinned: dict[int, int] = {}
+        for blocks in self.pins.values():
+            for block in blocks:
+                pinned[block] = pinned.get(block, 0) + 1
+        return self.available() + sum(1 for block, holds in pinned.items() if self.refs[block] == holds)
+
     def allocate(self, count: int) -> list[int]:
         """`count` blocks for one holder: free ones first, then the least recently used indexed ones (sessions
         unpinned, the oldest first, if that is not enough)."""

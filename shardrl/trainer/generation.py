@@ -92,7 +92,7 @@ def lora_sync_for(cfg: Config, actor, rollout, device: torch.device) -> LoRASync
 
 def fast_rollout_kwargs(ro) -> dict:
     """The fast backend's settings from `rollout` (the trainer's and `shardrl serve`'s)."""
-    return dict(max_batch=ro.max_batch, sync_every=ro.sync_every, compile=ro.compile, attention=ro.attention,
+    return dict(max_batch=ro.max_batch, kv_cache_tokens=ro.kv_cache_tokens, sync_every=ro.sync_every, compile=ro.compile, attention=ro.attention,
                 sampler=ro.sampler, prefix_cache=ro.prefix_cache, cascade=ro.cascade)
 
 
