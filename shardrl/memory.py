@@ -214,9 +214,13 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     inter = (c.num_experts_per_tok * expert_intermediate_size(c) if is_moe(c)
              else getattr(c, "intermediate_size", None) or 4 * h)
     prefill = min(PREFILL_TOKENS, slots * layout.max_prompt_length)
+    positions, what = slots * max_seq, f"{slots} slots x {max_seq} positions"
+    if cfg.rollout.kv_cache_tokens is not None and cfg.rollout.kv_cache_tokens < positions:
+        positions = cfg.rollout.kv_cache_tokens
+        what = f"rollout.kv_cache_tokens={positions} positions (of {what})"
     gen = [
-        ("KV cache", slots * max_seq * per_position,
-         f"{slots} slots x {max_seq} positions x {layers} layers x 2 x {kv_heads} x {d} x {rollout_bytes} B"),
+        ("KV cache", positions * per_position,
+         f"{what} x {layers} layers x 2 x {kv_heads} x {d} x {rollout_bytes} B"),
         ("sampler logits", slots * vocab * 4 * 2, f"{slots} x {vocab} vocab x fp32 x 2 (logits, noise)"),
         ("prefill chunk", prefill * (4 * h + 2 * inter) * rollout_bytes,
          f"{prefill} tokens x (4 x {h} + 2 x {inter}) x {rollout_bytes} B"),
@@ -270,7 +274,8 @@ def update_and_cache_gib(ledger: dict) -> float:
 
 
 ADVICE = {
-    "KV cache": "fewer decode slots (rollout.max_batch) or a shorter data.max_prompt_length / rollout.max_new_tokens",
+    "KV cache": "fewer decode slots (rollout.max_batch), a cache budget (rollout.kv_cache_tokens) or a shorter "
+                "data.max_prompt_length / rollout.max_new_tokens",
     "activations": "model.gradient_checkpointing=true, or a smaller {engine}.max_token_len_per_gpu "
                    "(micro_batch_size_per_gpu without dynamic batching)",
     "actor optimizer state": "actor.engine.offload_optimizer=true, or more GPUs to shard it over",
