@@ -570,8 +570,8 @@ class RolloutConfig:
 
     def fast_only_keys(self) -> list[str]:
         """The fast-backend-only keys set away from their defaults."""
-        unset = {"max_batch": (None,), "kv_cache_tokens": (None,), "compile": (None,), "attention": ("auto",), "sampler": ("auto",),
-                 "lora_sync": (None, "full")}  # full: what the hf backend does anyway
+        unset = {"max_batch": (None,), "kv_cache_tokens": (None,), "compile": (None,), "attention": ("auto",),
+                 "sampler": ("auto",), "lora_sync": (None, "full")}  # full: what the hf backend does anyway
         keys = [k for k, defaults in unset.items() if getattr(self, k) not in defaults]
         return keys + (["multi_turn.overlap_tools"] if self.multi_turn.overlap_tools else [])
 

@@ -178,7 +178,7 @@ def test_a_kv_budget_admits_rows_as_blocks_free_and_changes_no_token(tok):
     keep = sampled.response_mask.bool()  # (the noise a row draws depends on when it is admitted: not want's tokens)
     recomputed = recomputed_log_probs(model, sampled, 1.0)[:, sampled.prompt_ids.shape[1]:]
     assert torch.allclose(sampled.sampled_log_probs[keep], recomputed[keep], atol=1e-4)
-    with pytest.raises(ValueError, match="kv_cache_tokens=16 cannot hold one row of 40 positions"):
+    with pytest.raises(ValueError, match=r"kv_cache_tokens=16 \(rollout.kv_cache_tokens\) cannot hold one row of 40 positions"):
         make_rollout("fast", tok, model, kv_cache_tokens=16, **kwargs).generate(*encode(tok), greedy)
 
 

@@ -386,8 +386,9 @@ class FastRollout(Rollout):
         blocks = b * per_row  # every slot's longest row (and the scratch block), or the budget
         if self.kv_cache_tokens is not None:
             if self.kv_cache_tokens < max_seq:
-                raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one row of {max_seq} positions "
-                                 "(prompt + max_new_tokens, rounded up); raise it, or shorten prompts or responses")
+                raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} (rollout.kv_cache_tokens) cannot hold one "
+                                 f"row of {max_seq} positions (prompt + max_new_tokens, rounded up); raise it, or "
+                                 "shorten prompts or responses")
             blocks = min(blocks, -(-self.kv_cache_tokens // self.block_size))
         self._pool = BlockPool(blocks + 1, self.block_size)
         self._slot_blocks = [[] for _ in range(b)]
@@ -659,11 +660,8 @@ class FastRollout(Rollout):
             if track is not None:
                 track.poll(lambda: [(slot_row[s], generated[s]) for s in range(num_slots) if slot_row[s] >= 0])
             free = [s for s in range(num_slots) if slot_row[s] < 0]
-            if queue and free:
-                busy = len(free) < num_slots
-                admitted = [(s, queue.popleft()) for s in free[: self._fitting(queue, prompts, limits, n, len(free), busy)]]
-            else:
-                admitted = []
+            fits = self._fitting(queue, prompts, limits, n, len(free), len(free) < num_slots) if queue and free else 0
+            admitted = [(s, queue.popleft()) for s in free[:fits]]
             if admitted:
                 if track is not None:
                     for _, row in admitted:
@@ -778,11 +776,8 @@ class FastRollout(Rollout):
         chunks, current, distinct, longest, widest = [], [], set(), 0, 0
         for slot, row in admitted:
             b = row // n
-            if b not in same:
-                toks = self._tokens_of(prompts, b)
-                same[b] = first_of.setdefault(tuple(toks), b)
-            a = same[b]
-            toks = self._tokens_of(prompts, a)
+            toks = self._tokens_of(prompts, b)  # (the same tokens as prompt a's)
+            a = same.setdefault(b, first_of.setdefault(tuple(toks), b))
             cached = pool.match(toks, len(toks) - 1) * size if lookup else 0  # (an estimate: the chunk looks again)
             grown = len(distinct | {a})
             if current and (max(longest, len(toks) - cached) * grown > self.prefill_tokens

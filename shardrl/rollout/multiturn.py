@@ -247,7 +247,8 @@ class MultiTurnRollout(Rollout):
             budgets = [self._turn_budget(c, sampling) for c in live]
             seed = None if sampling.seed is None else sampling.seed + 7919 * turn
             round_sampling = dataclasses.replace(sampling, n=1, max_new_tokens=max(budgets), stop=stop, seed=seed)
-            out = self.rollout.generate(*self._contexts(live, prompt_ids.device), round_sampling, **self._slots(convs, n))
+            out = self.rollout.generate(*self._contexts(live, prompt_ids.device), round_sampling,
+                                        **self._slots(convs, n))
             calls = self._append_model_turns(live, out, budgets, stop, last_turn=turn == self.max_turns - 1)
             self._append_tool_turns(calls)
         return self._assemble(prompt_ids, attention_mask, n, convs)
