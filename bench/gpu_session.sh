@@ -361,6 +361,18 @@ phase_s19_mt2() {  # JSON lines in the phase's log
 }
 phase_s19_moe_eager() { limit 240 python3 bench/moe.py update --shape olmoe --experts eager --out $RES; }
 
+# session 20, first machine (one H200): what session 19 did not reach of issues 35 and 32 (R3 router replay against
+# none; OLMoE's eager baseline in the run of the compiled engine; Qwen3-30B-A3B with LoRA, compiled and HF's eager
+# experts; the 7B LoRA step's device peak as nvidia-smi counts it)
+#   s20_replay s20_olmoe s19_lora_smi s20_qwen3
+phase_s20_replay() { limit 240 python3 bench/moe.py replay --shape qwen3_moe_7b --steps 3 --modes R3,disabled --out $RES \
+    --extra "model.dtype=bfloat16 actor.engine.max_token_len_per_gpu=8192"; }
+phase_s20_olmoe() { limit 300 python3 bench/moe.py update --shape olmoe --experts grouped_mm+compile,eager --out $RES; }
+phase_s20_qwen3() {
+    limit 300 python3 bench/moe.py update --shape qwen3_30b_a3b --experts grouped_mm+compile --out $RES
+    limit 240 python3 bench/moe.py update --shape qwen3_30b_a3b --experts eager --steps 1 --out $RES
+}
+
 case "${1:-}" in
 start)
     shift

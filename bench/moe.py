@@ -111,7 +111,7 @@ def run_update(args) -> list[dict]:
         experts = experts.removesuffix("+compile")
         engine = _engine(args.shape, experts, cuda, args.max_tokens, compile=compiled and cuda)
         engine.train_batch(batch, loss_fn)  # warm-up (the optimizer state is allocated)
-        seconds = _median_s(lambda: engine.train_batch(batch, loss_fn), 3)
+        seconds = _median_s(lambda: engine.train_batch(batch, loss_fn), args.steps)
         tflops = flops / seconds / 1e12
         rec = dict(bench="moe_update", shape=args.shape, experts=experts, compile=compiled and cuda, lora=args.shape in LORA_SHAPES, rows=rows,
                    seq_len=length, max_token_len=args.max_tokens, seconds=round(seconds, 3),
@@ -228,7 +228,7 @@ def main():
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--max-tokens", type=int, default=8192, help="update: tokens per micro-batch")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="update: timed calls (the median); replay: GRPO steps")
     p.add_argument("--root", default="/tmp/moe_bench")
     p.add_argument("--extra", default="", help="replay: more overrides of the runs, space-separated")
     p.add_argument("--modes", default="disabled,R2", help="replay: the router_replay modes, one run each")
