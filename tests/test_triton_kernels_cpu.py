@@ -18,7 +18,7 @@ CHECKS = Path(__file__).with_name("triton_interpreter_checks.py")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="needs the triton package (pip install -e '.[test]' on Linux x86-64)")
-@pytest.mark.parametrize("kernel", ["attention", "sampler", "head", "cascade"])
+@pytest.mark.parametrize("kernel", ["attention", "sampler", "head", "cascade", "prefill"])
 def test_kernel_in_triton_interpreter(kernel):
     root = CHECKS.parent.parent
     path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])

@@ -19,6 +19,13 @@ KV head, split) multiplies the stacked queries of up to M member slots (M x G ro
 each row's unnormalized result with its running max and sum; the per-slot kernel then reads only the slot's own
 entries past `shared[slot]` and merges the group's parts into its softmax (log-sum-exp, as it merges splits). On a
 2,048-token prompt with n=8 that is about an eighth of the K/V bytes a step.
+
+Prefill over a cached prefix (`prefill_attention`): a chunk of new tokens per prompt, whose K/V are already written
+into the prompt's blocks, attends to the blocks from the start of its cache (the prefix earlier turns or a shared
+prompt left there, then its own tokens, causally). One program per (prompt, tile of query tokens, KV head): the tile's
+tokens times their G query heads are the rows of one product against BLOCK_N entries at a time, read through the
+block table, each row masked to its own position (and window). No gathered copy of the prefix, no mask tensor, and
+the keys past the tile's last position are not read.
 """
 
 from __future__ import annotations
@@ -293,4 +300,96 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
     if splits > 1:
         _combine_splits[(b, hkv)](part, out, shared, prefix, out.stride(0), out.stride(1), G=g, BLOCK_G=block_g,
                                   D=d, SPLITS=splits, CASCADE=cascade is not None, PS=ps, num_warps=4)
+    return out
+
+
+@triton.jit
+def _prefill_attention(q_ptr, kv_ptr, out_ptr, table_ptr, start_ptr, len_ptr, scale, softcap, window, length,
+                       stride_qt, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs, stride_tb,
+                       G: tl.constexpr, TM: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+                       BS: tl.constexpr):
+    """One program per (prompt u, tile of TM query tokens, KV head): rows are (token, query head) pairs; token i of
+    prompt u sits at position start[u] + i and attends to the entries j <= its position (within the window) of u's
+    blocks. Tiles past the prompt's length store nothing."""
+    u, tile, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = tl.load(len_ptr + u)
+    first_token = tile * TM
+    if first_token < n:
+        start = tl.load(start_ptr + u)
+        rows, dims, cols = tl.arange(0, BLOCK_R), tl.arange(0, D), tl.arange(0, BLOCK_N)
+        token, head = first_token + rows // G, rows % G
+        live = (rows < TM * G) & (token < n)
+        position = start + token
+        q_offsets = (u * length + token) * stride_qt + h * stride_qh + head * D
+        q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=live[:, None], other=0.0)
+        stop = start + tl.minimum(first_token + TM, n)  # past the tile's last position
+        begin = 0
+        if WINDOW:  # the first entry the tile's first token sees
+            begin = tl.maximum(start + first_token - window + 1, 0)
+        k_base = kv_ptr + h * stride_kvh
+        v_base = k_base + stride_kvkind
+        table = table_ptr + u * stride_tb
+        running_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        running_sum = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        for at in range(begin, stop, BLOCK_N):
+            entries = at + cols
+            inside = entries < stop
+            blocks = tl.load(table + entries // BS, mask=inside, other=0)
+            offsets = blocks[:, None] * stride_kvb + (entries % BS)[:, None] * stride_kvs + dims[None, :]
+            k = tl.load(k_base + offsets, mask=inside[:, None], other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = scores * scale
+            if SOFTCAP:
+                scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+            visible = inside[None, :] & (entries[None, :] <= position[:, None])
+            if WINDOW:
+                visible = visible & (entries[None, :] > position[:, None] - window)
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, 1))
+            # a row that has seen no visible entry yet (a window starting later than the tile's first token's)
+            # keeps max -inf: measured from 0 instead, so that exp never sees -inf - -inf
+            base = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp(running_max - base)
+            p = tl.exp(scores - base[:, None])
+            running_sum = running_sum * rescale + tl.sum(p, 1)
+            v = tl.load(v_base + offsets, mask=inside[:, None], other=0.0)
+            if IEEE:
+                acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+            running_max = new_max
+        out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
+        tl.store(out_ptr + q_offsets[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, starts: torch.Tensor,
+                      lengths: torch.Tensor, scale: float | None = None, softcap: float | None = None,
+                      window: int | None = None, block_r: int | None = None, block_n: int = 64,
+                      num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Causal attention of U prompts' new tokens over their paged caches. q (U * L, Hkv, G, D) contiguous: prompt u's
+    token i (i < lengths[u], right-padded to L) at position starts[u] + i; kv_layer (2, num_blocks, Hkv, block_size,
+    D) paged as in `decode_attention`, with every token's K/V already written; block_table (U, max_blocks) long.
+    Each token attends to its prompt's entries 0..its position (from its window's start with `window`; the logits
+    soft-capped with `softcap`). Returns a tensor like q, zero in the padding's rows. `block_r`: query rows
+    per program (tokens x G; default 64, 128 when G > 4)."""
+    t, hkv, g, d = q.shape
+    u = block_table.shape[0]
+    if not triton_head_dim(d) or kv_layer.stride(-1) != 1 or not q.is_contiguous() or t % u:
+        raise ValueError(f"prefill_attention needs a contiguous q of U * L tokens and a power-of-two head dim >= 16, "
+                         f"got q {tuple(q.shape)} for {u} prompts")
+    block_r = block_r or (64 if g <= 4 else 128)
+    block_r = max(block_r, triton.next_power_of_2(g), 16)
+    tm, length = block_r // g, t // u
+    out = torch.zeros_like(q)
+    scale = d**-0.5 if scale is None else scale
+    _prefill_attention[(u, triton.cdiv(length, tm), hkv)](
+        q, kv_layer, out, block_table, starts, lengths, scale, softcap or 1.0, window or 0, length, q.stride(0),
+        q.stride(1), *kv_layer.stride()[:4], block_table.stride(0), G=g, TM=tm, BLOCK_R=block_r, D=d,
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, WINDOW=window is not None,
+        BS=kv_layer.shape[3], num_warps=num_warps, num_stages=num_stages)
     return out

@@ -393,6 +393,22 @@ class SDPADecodeAttention:
     caller buckets it (one CUDA graph per bucket)."""
 
     bucketed = True
+    prefix_from_blocks = False  # a prefill over cached prefixes gathers them and attends with a mask (`prefill`)
+
+    def prefill(self, q, k, v, kv_layer, prefix: tuple, c: LayerConsts) -> torch.Tensor:
+        """A prefill chunk's attention over its cached prefixes: q (U, H, L, D), the chunk's own k, v (U, Hkv, L, D),
+        `prefix` = (blocks (U, nb), visible (U, L, C + L) boolean for the layer's window): the prefixes' C positions
+        are gathered from the blocks, the chunk's keys follow them. -> (U, H, L, D)."""
+        table, visible = prefix
+        length = q.shape[2]
+        keys, values = gather_blocks(kv_layer, table, visible.shape[-1] - length)
+        keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+        if c.softcap is not None:
+            return softcapped_attention(q, keys, values, visible[:, None], c.scale, c.softcap)
+        # the K/V heads repeated: SDPA's fused kernels take a mask, but not with enable_gqa
+        groups = c.num_heads // c.num_kv_heads
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], scale=c.scale)
 
     def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
         """(B, 1, 1, seq_len); made once per step and window: SDPA converts a boolean mask in every layer, and
@@ -421,11 +437,12 @@ class TritonDecodeAttention:
     the kernel writes the new K/V itself, a shorter step than two indexed copies (measured: the same table)."""
 
     bucketed = False
+    prefix_from_blocks = True  # a prefill over cached prefixes reads them through the block table (`prefill`)
 
     def __init__(self, fuse_kv_write: bool = True):
-        from shardrl.rollout.decode_kernel import decode_attention
+        from shardrl.rollout.decode_kernel import decode_attention, prefill_attention
 
-        self.attend, self.fuse_kv_write = decode_attention, fuse_kv_write
+        self.attend, self.attend_prefill, self.fuse_kv_write = decode_attention, prefill_attention, fuse_kv_write
         # (shared, groups) of the slots that read a shared prefix together (`decode_kernel`, cascade), set by the
         # rollout for the steps that have such groups; full-attention layers only
         self.cascade: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -433,6 +450,13 @@ class TritonDecodeAttention:
 
     def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
         return positions
+
+    def prefill(self, q, kv_layer, prefix: tuple, c: LayerConsts) -> torch.Tensor:
+        """A prefill chunk's attention over its cached prefixes, its own K/V already in the blocks: q (U * L, Hkv,
+        G, D), `prefix` = (blocks (U, nb), starts (U,), lengths (U,)) -> (U * L, Hkv, G, D) (`prefill_attention`)."""
+        table, starts, lengths = prefix
+        return self.attend_prefill(q.contiguous(), kv_layer, table, starts, lengths, scale=c.scale, softcap=c.softcap,
+                                   window=c.window)
 
     def __call__(self, q, k, v, kv_layer, table, positions, mask, c: LayerConsts) -> torch.Tensor:
         """As `SDPADecodeAttention`; the kernel reads the blocks through `table`."""
@@ -514,8 +538,8 @@ class DecoderBlock:
                 c: LayerConsts, with_route: bool = False):
         """x (U * length, hidden): the U prompts' tokens past their cached prefixes, right-padded, flattened;
         writes their K/V at `write_at` = (token index, block, offset) of the real ones. `prefix` None: no prompt
-        has a cached prefix (causal attention over the chunk); else (blocks (U, nb), visible (U, length, C +
-        length) boolean for the layer's window): the prefixes' C positions are read from the blocks."""
+        has a cached prefix (causal attention over the chunk); else the prefixes are read from the blocks, by the
+        attention's `prefill` (what `prefix` holds is its own: `FastCausalLM.prefill` makes it)."""
         (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
          qkv_lora, o_lora, mlp_lora, scale) = weights
         if self.compiled:  # the chunk's token count varies: one compilation for every count, from the first call
@@ -523,29 +547,24 @@ class DecoderBlock:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         q, k, v = self.prefill_inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5], qkv_lora, scale)
         u = x.shape[0] // length
-        q = q.view(u, length, c.num_heads, c.head_dim).transpose(1, 2)  # (U, H, L, D)
-        k = k.view(u, length, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (U, Hkv, L, D)
-        v = v.view(u, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        index, blocks, offsets = write_at
-        kv_layer[0][blocks, :, offsets] = k.transpose(1, 2).flatten(0, 1)[index]
-        kv_layer[1][blocks, :, offsets] = v.transpose(1, 2).flatten(0, 1)[index]
-        if prefix is not None:  # keys: the cached prefix, then the chunk's own
-            table, visible = prefix
-            keys, values = gather_blocks(kv_layer, table, visible.shape[-1] - length)
-            keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-            if c.softcap is not None:
-                attn = softcapped_attention(q, keys, values, visible[:, None], c.scale, c.softcap)
-            else:  # the K/V heads repeated: SDPA's fused kernels take a mask, but not with enable_gqa
-                groups = c.num_heads // c.num_kv_heads
-                keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], scale=c.scale)
-        # causal suffices: padding sits after each prompt, so no real query sees it
-        elif c.softcap is not None or (c.window is not None and c.window < length):
-            pos = torch.arange(length, device=x.device)
-            attn = softcapped_attention(q, k, v, visible_keys(pos, pos, c.window), c.scale, c.softcap)
+        index, blocks, offsets = write_at  # k, v (U * L, Hkv, D): the real tokens' into the blocks
+        kv_layer[0][blocks, :, offsets] = k[index]
+        kv_layer[1][blocks, :, offsets] = v[index]
+        if prefix is not None and self.attention.prefix_from_blocks:
+            attn = self.attention.prefill(q, kv_layer, prefix, c).view(u, length, c.num_heads, c.head_dim)
         else:
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.scale, enable_gqa=True)
-        attn = attn.transpose(1, 2)
+            q = q.view(u, length, c.num_heads, c.head_dim).transpose(1, 2)  # (U, H, L, D)
+            k = k.view(u, length, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (U, Hkv, L, D)
+            v = v.view(u, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            if prefix is not None:  # keys: the cached prefix, then the chunk's own
+                attn = self.attention.prefill(q, k, v, kv_layer, prefix, c)
+            # causal suffices: padding sits after each prompt, so no real query sees it
+            elif c.softcap is not None or (c.window is not None and c.window < length):
+                pos = torch.arange(length, device=x.device)
+                attn = softcapped_attention(q, k, v, visible_keys(pos, pos, c.window), c.scale, c.softcap)
+            else:
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.scale, enable_gqa=True)
+            attn = attn.transpose(1, 2)
         if self.compiled:
             torch._dynamo.maybe_mark_dynamic(attn, 0)  # (U, L, heads, head_dim)
             torch._dynamo.maybe_mark_dynamic(attn, 1)
@@ -729,8 +748,11 @@ class FastCausalLM(nn.Module):
         index = real.nonzero().squeeze(1)
         flat = positions.flatten()[index]
         write_at = (index, tables[index // length, flat // size], flat % size)
+        block = block or DecoderBlock()
         prefixes = {}
-        if starts and max(starts) > 0:  # the cached prefixes' blocks and each window's visibility
+        if starts and max(starts) > 0 and block.attention.prefix_from_blocks:  # read through the block table
+            prefixes = {c.window: (tables, starts_t, lengths) for c in self.layer_consts}
+        elif starts and max(starts) > 0:  # the cached prefixes' blocks and each window's visibility
             cached = max(starts)
             keys = torch.cat([torch.arange(cached, device=dev).expand(u, -1), positions], 1)  # (U, C + L)
             known = torch.cat([torch.arange(cached, device=dev) < starts_t[:, None],
@@ -740,7 +762,6 @@ class FastCausalLM(nn.Module):
                 if window is not None:
                     visible &= keys[:, None, :] > positions[:, :, None] - window
                 prefixes[window] = (tables, visible)
-        block = block or DecoderBlock()
         routed = {layer: j for j, layer in enumerate(self.routed_layers)} if routes is not None else {}
         for i, layer in enumerate(self.model.layers):
             c = self.layer_consts[i]
