@@ -327,6 +327,20 @@ def test_shared_prefix_decode_in_cuda_graphs_equals_each_row_reading_its_own_cac
     torch.testing.assert_close(got.sampled_log_probs.cpu(), ref.sampled_log_probs.cpu(), atol=1e-4, rtol=0)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("g,d,window", [(3, 64, None), (7, 128, None), (2, 64, 48)])
+def test_the_prefill_kernel_in_bf16_attends_over_each_prompts_cached_positions(g, d, window):
+    """`prefill_attention` compiled, bf16, the heads of real models (SmolLM2's G = 3 at D = 64, Qwen2.5-7B's 7 at
+    128, a sliding window): prompts of 1 to 300 new tokens after cached prefixes of 0 to 512 entries, in blocks of 16,
+    against fp32 attention over each prompt's positions. (The CPU check: tests/triton_interpreter_checks.py prefill.)"""
+    from triton_interpreter_checks import check_prefill_case
+
+    cases = [(None, window, None, None), (None, window, 30.0, 0.1)]
+    check_prefill_case(torch.bfloat16, 2e-2, 2, g, d, 16, [0, 32, 160, 512], [300, 1, 77, 129], cases, 64, "cuda",
+                       torch.Generator().manual_seed(0))
+
+
 def test_an_rl_run_logs_the_share_of_prompt_tokens_read_from_the_cache(tmp_path, monkeypatch):
     """rollout/prompt_cached_frac: with blocks of 2 positions and 2 decode slots, a prompt's 4 samples are admitted
     apart, and the later pair reads the first's full block (the demo's prompts are 4 tokens: 2 of them)."""

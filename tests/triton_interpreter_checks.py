@@ -218,41 +218,48 @@ def check_head() -> None:
 def check_prefill() -> None:
     """`prefill_attention`: prompts with cached prefixes of 0, 8, 16 and 40 entries (whole blocks of 8) and 1 to 37
     new tokens (right-padded to the longest), GQA with G = 3, paged in shuffled blocks; plain, windowed (a window of 5
-    in tiles of 21 tokens: the tile's last rows see nothing in the first block read) and soft-capped, against SDPA over each
-    prompt's positions. The padding's rows and the entries past each prompt's last position are NaN: never read."""
+    in tiles of 21 tokens: the tile's last rows see nothing in the first block read) and soft-capped."""
+    gen = torch.Generator().manual_seed(0)
+    cases = [(16, None, None, None), (64, None, None, None), (64, 5, None, None), (16, 5, None, None),
+             (64, 12, None, 0.3), (16, None, 2.0, 0.3)]  # (rows per program, window, soft-cap, scale)
+    for dtype, atol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
+        check_prefill_case(dtype, atol, 2, 3, 16, 8, [0, 8, 16, 40], [37, 1, 20, 9], cases, 16, "cpu", gen)
+    print("prefill: ok")
+
+
+def check_prefill_case(dtype, atol, hkv, g, d, size, starts, lens, cases, block_n, device, gen) -> None:
+    """`prefill_attention` against softmax attention over each prompt's positions (fp32, HF's eager formula) for U
+    prompts cached from `starts` (multiples of `size`) with `lens` new tokens, for each (block_r, window, softcap,
+    scale) of `cases`. The padding's rows are zero; the entries past each prompt's last position are NaN: never
+    read. Also run by the CUDA test in tests/test_prefix_cache.py."""
     from shardrl.rollout.decode_kernel import prefill_attention
     from shardrl.rollout.fast_model import softcapped_attention, visible_keys
 
-    gen = torch.Generator().manual_seed(0)
-    hkv, g, d, size, per_prompt = 2, 3, 16, 8, 12
-    starts, lens = torch.tensor([0, 8, 16, 40]), torch.tensor([37, 1, 20, 9])
+    starts, lens = torch.tensor(starts), torch.tensor(lens)
     u, length = len(starts), int(lens.max())
-    for dtype, atol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
-        logical = torch.randn(2, u, hkv, size * per_prompt, d, generator=gen).to(dtype)
-        q = torch.randn(u * length, hkv, g, d, generator=gen).to(dtype)
-        table = (torch.randperm(u * per_prompt, generator=gen) + 1).view(u, per_prompt)
-        paged = torch.full((2, u * per_prompt + 1, hkv, size, d), float("nan"), dtype=dtype)
-        ends = starts + lens
-        for p in range(u):  # entries past the prompt's last position: NaN
-            valid = logical[:, p].clone()
-            valid[:, :, int(ends[p]):] = float("nan")
-            paged[:, table[p]] = valid.view(2, hkv, per_prompt, size, d).transpose(1, 2)
-        cases = [(16, None, None, None), (64, None, None, None), (64, 5, None, None), (16, 5, None, None),
-                 (64, 12, None, 0.3), (16, None, 2.0, 0.3)]  # (rows per program, window, soft-cap, scale)
-        for block_r, window, softcap, scale in cases:
-            got = prefill_attention(q, paged, table, starts, lens, scale=scale, softcap=softcap, window=window,
-                                    block_r=block_r, block_n=16).view(u, length, hkv, g, d)
-            for p in range(u):
-                n, c = int(lens[p]), int(starts[p])
-                pos = c + torch.arange(n)
-                mask = visible_keys(pos, torch.arange(c + n), window)  # (n, c + n)
-                qp = q.view(u, length, hkv * g, d)[p, :n].transpose(0, 1).float()  # (H, n, D)
-                keys = logical[0, p, :, : c + n].float().repeat_interleave(g, 0)
-                values = logical[1, p, :, : c + n].float().repeat_interleave(g, 0)
-                want = softcapped_attention(qp, keys, values, mask, scale or d**-0.5, softcap)
-                torch.testing.assert_close(got[p, :n].reshape(n, hkv * g, d).transpose(0, 1).float(), want,
-                                           atol=atol, rtol=0)
-    print("prefill: ok")
+    per_prompt = -(-int((starts + lens).max()) // size)
+    logical = torch.randn(2, u, hkv, size * per_prompt, d, generator=gen).to(dtype)
+    q = torch.randn(u * length, hkv, g, d, generator=gen).to(dtype)
+    table = (torch.randperm(u * per_prompt, generator=gen) + 1).view(u, per_prompt)
+    paged = torch.full((2, u * per_prompt + 1, hkv, size, d), float("nan"), dtype=dtype)
+    for p in range(u):  # entries past the prompt's last position: NaN
+        valid = logical[:, p].clone()
+        valid[:, :, int(starts[p] + lens[p]):] = float("nan")
+        paged[:, table[p]] = valid.view(2, hkv, per_prompt, size, d).transpose(1, 2)
+    on = lambda t: t.to(device)  # noqa: E731
+    for block_r, window, softcap, scale in cases:
+        got = prefill_attention(on(q), on(paged), on(table), on(starts), on(lens), scale=scale, softcap=softcap,
+                                window=window, block_r=block_r, block_n=block_n).cpu().view(u, length, hkv, g, d)
+        for p in range(u):
+            n, c = int(lens[p]), int(starts[p])
+            mask = visible_keys(c + torch.arange(n), torch.arange(c + n), window)  # (n, c + n)
+            qp = q.view(u, length, hkv * g, d)[p, :n].transpose(0, 1).float()  # (H, n, D)
+            keys = logical[0, p, :, : c + n].float().repeat_interleave(g, 0)
+            values = logical[1, p, :, : c + n].float().repeat_interleave(g, 0)
+            want = softcapped_attention(qp, keys, values, mask, scale or d**-0.5, softcap)
+            torch.testing.assert_close(got[p, :n].reshape(n, hkv * g, d).transpose(0, 1).float(), want,
+                                       atol=atol, rtol=0)
+            assert not got[p, n:].any(), "the padding's rows are not zero"
 
 
 if __name__ == "__main__":
