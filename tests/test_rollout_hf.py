@@ -326,3 +326,24 @@ def test_top_k_zero_samples_from_the_whole_vocabulary(tok):
     assert len(torch.unique(drawn)) == v  # each of the 3 rarest: ~40 draws expected, missing one ~e^-40
     expected = torch.log_softmax(-torch.arange(v) / v, -1)[drawn]
     assert torch.allclose(batch["sampled_log_probs"][real], expected, atol=2e-3)
+
+
+def test_stop_length_is_the_shortest_prefix_holding_a_stop_string():
+    """`stop_length` searches back from the end (a rollout ends rows a few tokens past their stop): against the
+    shortest prefix found by trying every length, over random ids, stops and tokens that decode to several
+    characters (a stop string may begin inside one token and end in another)."""
+    from shardrl.rollout.base import contains_stop, stop_length
+
+    class Pieces:  # token t decodes to a piece of one to three characters
+        pieces = ["a", "b", "ab", "ba", "c", "abc"]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(self.pieces[t] for t in ids)
+
+    tok, rng = Pieces(), torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        ids = torch.randint(0, 6, (int(torch.randint(0, 40, (1,), generator=rng)),), generator=rng).tolist()
+        stop = ["".join("abc"[int(i)] for i in torch.randint(0, 3, (int(torch.randint(1, 4, (1,), generator=rng)),),
+                                                               generator=rng))]
+        want = next((k for k in range(1, len(ids) + 1) if contains_stop(tok.decode(ids[:k]), stop)), None)
+        assert stop_length(tok, ids, stop) == want, (ids, stop)

@@ -226,7 +226,12 @@ def stop_length(tokenizer, ids: list[int], stop: list[str]) -> int | None:
 
     if not ids or not hit(len(ids)):
         return None
-    lo, hi = 1, len(ids)  # containment only grows with the prefix: binary search
+    # containment only grows with the prefix. A rollout ends a row a few tokens past its stop string, so the search
+    # steps back from the end, doubling the step, until a prefix misses; then halves the interval left
+    hi, step = len(ids), 1
+    while hi - step >= 1 and hit(hi - step):
+        hi, step = hi - step, 2 * step
+    lo = max(hi - step, 0) + 1  # every prefix shorter than lo misses
     while lo < hi:
         mid = (lo + hi) // 2
         if hit(mid):

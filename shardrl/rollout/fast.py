@@ -610,6 +610,7 @@ class FastRollout(Rollout):
         self._routes = {}
         self._registering = track is None  # a row that saw a weight change holds K/V of two versions
         self._prompt_tokens: dict[int, list[int]] = {}
+        self._prompt_keys: dict[int, list[bytes]] = {}
         stats = dict(decode_steps=0, syncs=0, prefill_tokens=0, cached_tokens=0, num_slots=num_slots,
                      max_seq=st.max_seq, slot_steps=0, row_steps=0, compactions=0, cascade_steps=0, peak_rows=0,
                      decode_s=0.0, admit_s=0.0, feed_wait_s=0.0, host_s=0.0)  # (seconds: where the wall time went)
@@ -644,6 +645,7 @@ class FastRollout(Rollout):
                         # a stream may run for hours: what a finished row held goes (its prompt, its output)
                         prompts[row] = results[row] = None
                         self._prompt_tokens.pop(row, None)
+                        self._prompt_keys.pop(row, None)
                 for s in finished:
                     slot_row[s], lengths[s] = -1, 0
             if feed is not None:  # wait for new rows only when nothing is queued or decoding
@@ -780,7 +782,7 @@ class FastRollout(Rollout):
             b = row // n
             toks = self._tokens_of(prompts, b)  # (the same tokens as prompt a's)
             a = same.setdefault(b, first_of.setdefault(tuple(toks), b))
-            cached = pool.match(toks, len(toks) - 1) * size if lookup else 0  # (an estimate: the chunk looks again)
+            cached = pool.match(toks, len(toks) - 1, self._keys_of(b)) * size if lookup else 0  # (an estimate)
             grown = len(distinct | {a})
             if current and (max(longest, len(toks) - cached) * grown > self.prefill_tokens
                             or max(widest, len(toks)) * grown > wide):
@@ -801,7 +803,8 @@ class FastRollout(Rollout):
                 first_limit.setdefault(index[row // n], limits[row // n])
             owned, starts = [], []
             for i, toks in enumerate(tokens):  # the first row of each prompt prefills it into its blocks
-                hit = pool.lookup(toks, len(toks) - 1) if lookup else []  # (its last token is run: the logits)
+                # (its last token is run: the logits)
+                hit = pool.lookup(toks, len(toks) - 1, self._keys_of(order[i])) if lookup else []
                 owned.append(hit + pool.allocate(self._blocks_for(len(toks), first_limit[i]) - len(hit)))
                 starts.append(len(hit) * size)
             lens = [len(t) - c for t, c in zip(tokens, starts)]
@@ -814,8 +817,8 @@ class FastRollout(Rollout):
                 routes = torch.empty((ids.numel(), *st.step_routes.shape[1:]), dtype=torch.long, device=self.device)
             logits = self.model.prefill(ids, lens_t, st.kv, tables, starts, self._block, routes)
             if self._registering and lookup:
-                for toks, blocks in zip(tokens, owned):
-                    pool.register(toks, blocks, len(toks))
+                for b, toks, blocks in zip(order, tokens, owned):
+                    pool.register(toks, blocks, len(toks), self._keys_of(b))
             # the rows: a prompt's first takes its blocks; the others share its full blocks and copy the partial one
             copies, rows_blocks, firsts = [], [], set()
             for _, row in chunk:
@@ -896,6 +899,14 @@ class FastRollout(Rollout):
             self._prompt_tokens[b] = prompts[b].tolist()
         return self._prompt_tokens[b]
 
+    def _keys_of(self, b: int) -> list[bytes]:
+        """The prefix-index keys of prompt b's full blocks (`BlockPool.keys`; made once per call, after
+        `_tokens_of`)."""
+        if b not in self._prompt_keys:
+            toks = self._prompt_tokens[b]
+            self._prompt_keys[b] = self._pool.keys(toks, len(toks) // self.block_size)
+        return self._prompt_keys[b]
+
     def _retire(self, finished, slot_row, generated, results, prompts, n: int) -> None:
         """Copies the finished slots' tokens to the host (one transfer), indexes the full blocks of what each
         row's cache holds (prompt and fed tokens; `prefix_cache`), releases the rows' blocks and marks the slots
@@ -910,7 +921,8 @@ class FastRollout(Rollout):
             blocks = self._slot_blocks[s]
             if self.prefix_cache and self._registering and not self.record_routing:
                 prompt = self._tokens_of(prompts, slot_row[s] // n)
-                self._pool.register(prompt + results[slot_row[s]][0], blocks, len(prompt) + generated[s] - 1)
+                self._pool.register(prompt + results[slot_row[s]][0], blocks, len(prompt) + generated[s] - 1,
+                                    self._keys_of(slot_row[s] // n))
             self._pool.release(blocks)
             self._slot_blocks[s] = []
             if self._groups is not None:

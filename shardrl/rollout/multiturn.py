@@ -279,10 +279,11 @@ class MultiTurnRollout(Rollout):
     def _append_model_turns(self, live, out: RolloutOutput, budgets, stop, last_turn: bool) -> list[tuple]:
         """Appends each live conversation's new turn; returns the (conversation, ToolCall) pairs to answer."""
         calls = []
+        keeps = out.response_mask.bool().cpu()  # (one transfer each, not one per conversation)
+        response_ids, log_probs = out.response_ids.cpu(), out.sampled_log_probs.cpu()
         for i, c in enumerate(live):
-            keep = out.response_mask[i].bool()
-            ids = out.response_ids[i][keep].tolist()[: budgets[i]]
-            logp = out.sampled_log_probs[i][keep].tolist()[: budgets[i]]
+            ids = response_ids[i][keeps[i]].tolist()[: budgets[i]]
+            logp = log_probs[i][keeps[i]].tolist()[: budgets[i]]
             turn_calls = self._take_model_turn(c, ids, logp, out.response_text[i], stop, last_turn)
             if turn_calls:
                 calls.append((c, turn_calls))

@@ -86,40 +86,42 @@ class BlockPool:
                 else:
                     self.free.append(block)
 
-    def keys(self, tokens: list[int], num_blocks: int) -> list[bytes]:
+    def keys(self, tokens: list[int], num_blocks: int, known: list[bytes] = ()) -> list[bytes]:
         """The index keys of the first `num_blocks` full blocks of `tokens`: each a 128-bit digest of the previous
-        key and the block's tokens, so equal keys mean equal prefixes."""
-        keys, previous, size = [], b"", self.block_size
-        for i in range(num_blocks):
+        key and the block's tokens, so equal keys mean equal prefixes. `known`: keys already made for a prefix of
+        `tokens` (the rest is made from where they end)."""
+        keys, size = list(known[:num_blocks]), self.block_size
+        previous = keys[-1] if keys else b""
+        for i in range(len(keys), num_blocks):
             previous = hashlib.blake2b(previous + array("q", tokens[i * size:(i + 1) * size]).tobytes(),
                                        digest_size=16).digest()
             keys.append(previous)
         return keys
 
-    def lookup(self, tokens: list[int], limit: int) -> list[int]:
+    def lookup(self, tokens: list[int], limit: int, known: list[bytes] = ()) -> list[int]:
         """The indexed blocks that hold the longest prefix of `tokens` of at most `limit` positions (whole
-        blocks), held for the caller (`release` them with the rest)."""
-        found = self._indexed(tokens, limit)
+        blocks), held for the caller (`release` them with the rest). `known`: as `keys`."""
+        found = self._indexed(tokens, limit, known)
         self.hold(found)  # (out of the idle list; back in it, as the most recently used, on release)
         return found
 
-    def match(self, tokens: list[int], limit: int) -> int:
+    def match(self, tokens: list[int], limit: int, known: list[bytes] = ()) -> int:
         """How many blocks `lookup` would find now (nothing held)."""
-        return len(self._indexed(tokens, limit))
+        return len(self._indexed(tokens, limit, known))
 
-    def _indexed(self, tokens: list[int], limit: int) -> list[int]:
+    def _indexed(self, tokens: list[int], limit: int, known: list[bytes] = ()) -> list[int]:
         found = []
-        for key in self.keys(tokens, min(limit, len(tokens)) // self.block_size):
+        for key in self.keys(tokens, min(limit, len(tokens)) // self.block_size, known):
             block = self.index.get(key)
             if block is None:
                 break
             found.append(block)
         return found
 
-    def register(self, tokens: list[int], blocks: list[int], written: int) -> None:
+    def register(self, tokens: list[int], blocks: list[int], written: int, known: list[bytes] = ()) -> None:
         """Indexes the full blocks among the first `written` positions of a row holding `blocks` for `tokens`
-        (a prefix already indexed keeps its block)."""
-        for key, block in zip(self.keys(tokens, written // self.block_size), blocks):
+        (a prefix already indexed keeps its block). `known`: as `keys`."""
+        for key, block in zip(self.keys(tokens, written // self.block_size, known), blocks):
             if key not in self.index and block not in self.key_of:
                 self.index[key] = block
                 self.key_of[block] = key
