@@ -490,3 +490,25 @@ def test_compaction_widths_step_down_by_an_eighth_of_the_slots():
     assert widths(9, min_width=1, width_step=2) == [1, 2, 4, 6, 8, 9]
     assert widths(64, width_step=12) == [32, 36, 48, 60, 64]  # a step given is taken as it is
     assert widths(32) == [32] and widths(20) == [20]  # no narrower prefix: no compaction
+
+
+def test_compiled_blocks_raise_dynamo_recompile_limit_above_the_widths_a_call_uses():
+    """The decode parts compile once per slot width: 512 slots give 9 widths, past dynamo's default limit of 8,
+    beyond which a width's layers would run uncompiled. A compiled block raises the limit (and never lowers it)."""
+    from shardrl.rollout.fast import FastRollout
+    from shardrl.rollout.fast_model import DecoderBlock
+
+    widths = FastRollout._widths(type("R", (), {"min_width": 8, "width_step": None})(), 512)
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    try:
+        config.recompile_limit = 8
+        DecoderBlock(compile=False)
+        assert config.recompile_limit == 8
+        DecoderBlock(compile=True)
+        assert config.recompile_limit >= 2 * len(widths) > 8
+        config.recompile_limit = 1000
+        DecoderBlock(compile=True)
+        assert config.recompile_limit == 1000
+    finally:
+        config.recompile_limit = before

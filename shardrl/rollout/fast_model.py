@@ -512,7 +512,14 @@ class DecoderBlock:
     (`SDPADecodeAttention` by default, or `TritonDecodeAttention`); a prefill attends with causal SDPA (or
     `softcapped_attention`), masked to the window on a sliding-window layer."""
 
+    # the decode parts compile once per slot width (a call's widths, `FastRollout._widths`: 9 at 512 slots, more
+    # over calls of other slot counts); past dynamo's per-function limit (8 by default) a new width would run its
+    # layers uncompiled, so the limit is raised to this while compiled blocks exist (never lowered)
+    RECOMPILE_LIMIT = 64
+
     def __init__(self, compile: bool = False, attention: SDPADecodeAttention | TritonDecodeAttention | None = None):
+        if compile:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, self.RECOMPILE_LIMIT)
         static = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
         self.inputs, self.output = static(attention_inputs), static(attention_output_and_mlp)
         # distinct functions: their compiled code and shape history are their own
