@@ -373,6 +373,22 @@ phase_s20_qwen3() {
     limit 240 python3 bench/moe.py update --shape qwen3_30b_a3b --experts eager --steps 1 --out $RES
 }
 
+# session 20, second machine (one H200): the prefill kernel over cached prefixes in the CUDA tests; the real
+# multi-turn workload (old tree first, at 512 slots; the new tree twice, the second profiled); long prompts with 16
+# prefix splits against the old tree
+#   s20_tests s19_warm s20_mt s20_prefix
+phase_s20_tests() { limit 150 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_prefix_cache.py \
+    tests/test_rollout_fast.py; }
+phase_s20_mt() {  # JSON lines in the phase's log
+    local real="--backend fast --model /tmp/agent_run/warm_sft/hf_model --data /tmp/agent_run/data/train.jsonl \
+        --prompts 64 --n 8 --max-response-tokens 384"
+    limit 100 python3 .baseline_tree/bench/multiturn.py $real --max-batch 512
+    limit 100 python3 bench/multiturn.py $real
+    limit 130 python3 bench/multiturn.py $real --profile
+}
+phase_s20_prefix() { limit 280 python3 bench/prefix_reuse.py --trees ps16=.@prefix_splits=16,old=.baseline_tree \
+    --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
+
 case "${1:-}" in
 start)
     shift
