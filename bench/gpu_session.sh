@@ -389,6 +389,8 @@ phase_s20_mt() {  # JSON lines in the phase's log
 phase_s20_prefix() { limit 280 python3 bench/prefix_reuse.py --trees ps16=.@prefix_splits=16,old=.baseline_tree \
     --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
 
+phase_s20_qwen3_eager() { limit 220 python3 bench/moe.py update --shape qwen3_30b_a3b --experts eager --steps 1 --out $RES; }
+
 case "${1:-}" in
 start)
     shift
