@@ -43,7 +43,7 @@ SHAPES = {
                           num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
                           norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False,
                           rope_theta=1e6, initializer_range=0.02),
-    # Qwen3-MoE's layers at OLMoE-1B-7B's size (the fast rollout decodes Qwen3-MoE and Mixtral, not OLMoE)
+    # Qwen3-MoE's layers at OLMoE-1B-7B's size (the fast rollout has decoded OLMoE itself only since session 20)
     "qwen3_moe_7b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=8192,
                          moe_intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
                          num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,

@@ -53,6 +53,9 @@ FAMILIES = {
                                                     tie_word_embeddings=False)),
     "mixtral": (transformers.MixtralConfig, dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                                                  tie_word_embeddings=False)),
+    # OLMoE: q/k norms over all heads at once, top-2 of 4 experts left unnormalized, on every layer
+    "olmoe": (transformers.OlmoeConfig, dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                             norm_topk_prob=False, tie_word_embeddings=False)),
 }
 ROPE_VARIANTS = {
     "linear": dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
@@ -177,10 +180,11 @@ def test_the_dense_expert_path_of_cuda_graphs_equals_the_grouped_one(normalize):
     assert (dense_experts(x, other, experts, gate_up, down, "silu") - want).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe"])
 def test_fast_family_moe_routing_decides_the_tokens(tok, name, monkeypatch):
     """The routed experts as grouped matrix products and as a loop over the experts decode the same tokens as
-    HF; routing weights left unnormalized (or the router's choice ignored) decode others."""
+    HF; routing weights normalized otherwise than the config says (or the router's choice ignored)
+    decode others."""
     import shardrl.rollout.fast_model as fm
 
     model = hf_model(family_config(tok, name))
@@ -189,6 +193,8 @@ def test_fast_family_moe_routing_decides_the_tokens(tok, name, monkeypatch):
     fast = fast_rollout(tok, model)
     consts = fast.model.layer_consts
     assert [c.top_k for c in consts] == ([2, 0] if name == "qwen3_moe" else [2, 2])  # Qwen3-MoE: layer 1 dense
+    normalized = name != "olmoe"  # (OLMoE's config here leaves the top-k weights as the softmax gave them)
+    assert [c.normalize_top_k for c in consts if c.top_k] == [normalized] * (1 if name == "qwen3_moe" else 2)
     calls = []
     real = fm.grouped_mm_usable
     monkeypatch.setattr(fm, "grouped_mm_usable", lambda *a: calls.append(real(*a)) or calls[-1])
@@ -197,13 +203,13 @@ def test_fast_family_moe_routing_decides_the_tokens(tok, name, monkeypatch):
     monkeypatch.setattr(fm, "grouped_mm_usable", lambda *a: False)
     assert_same_tokens(fast.generate(*encode(tok), greedy), want)  # the loop
     monkeypatch.setattr(fm, "grouped_mm_usable", real)
-    fast.model.layer_consts = [c._replace(normalize_top_k=False) for c in consts]
+    fast.model.layer_consts = [c._replace(normalize_top_k=not normalized) for c in consts]
     assert not torch.equal(fast.generate(*encode(tok), greedy).response_ids, want.response_ids)
     fast.model.layer_consts = [c._replace(top_k=c.top_k and 1) for c in consts]
     assert not torch.equal(fast.generate(*encode(tok), greedy).response_ids, want.response_ids)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe"])
 def test_fast_family_moe_records_the_routing_the_engine_computes(tok, name):
     """record_routing (router replay R3): every token the rollout ran (the prompts in the prefill, the response
     tokens in the steps that fed them) carries the experts it was routed to per routed layer, the same the
@@ -292,7 +298,8 @@ def test_fast_family_unsupported_features_are_named(tok):
          "rope type 'longrope'"),
         (family_config(tok, "qwen3", hidden_act="gelu"), "hidden activation 'gelu'"),
         (family_config(tok, "gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
-        (transformers.OlmoeConfig(**BASE, num_experts=4, num_experts_per_tok=2), "not 'olmoe'"),
+        (family_config(tok, "olmoe", clip_qkv=8.0), "clip_qkv=8.0"),
+        (transformers.OlmoConfig(**BASE), "not 'olmo'"),
     ]
     for config, feature in cases:
         with pytest.raises(ValueError, match=f"{feature}.*rollout.backend=hf"):

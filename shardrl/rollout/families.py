@@ -13,6 +13,8 @@ attention scale, soft-caps). Anything else is a ValueError naming the feature an
     Gemma 3 text  gemma3_text   Gemma's layout, q/k RMSNorm, per-layer-type rotary (local and global)
     Qwen3-MoE     qwen3_moe     Qwen3's attention; routed experts: softmax, top-k, renormalized if norm_topk_prob
     Mixtral       mixtral       Mistral's attention; routed experts: softmax, top-k, always renormalized
+    OLMoE         olmoe         RMSNorm on the whole q and k projections (all heads at once) before rotary;
+                                routed experts as Qwen3-MoE's (on every layer)
 
 Gemma's layout: RMSNorm scales by (1 + weight), embeddings are multiplied by sqrt(hidden_size), each
 attention and MLP output is normed before the residual add, the MLP is GeGLU (tanh GELU), and attention
@@ -29,6 +31,7 @@ import torch
 @dataclass(frozen=True)
 class Family:
     qk_norm: bool = False  # per-head RMSNorm on q and k, before rotary
+    qk_norm_whole: bool = False  # with qk_norm: the norms span all heads' q (and k) at once (OLMoE)
     gemma: bool = False  # Gemma's layout (module docstring)
     moe: bool = False  # routed experts in place of the MLP (`moe_layers`)
     moe_always_renormalized: bool = False  # the top-k weights always sum to 1 (else config.norm_topk_prob says)
@@ -40,6 +43,7 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family(gemma=True), "gemma3_text": Family(qk_norm=True, gemma=True),
     "qwen3_moe": Family(qk_norm=True, moe=True),
     "mixtral": Family(moe=True, moe_always_renormalized=True, moe_fp32_weights=True),
+    "olmoe": Family(qk_norm=True, qk_norm_whole=True, moe=True),
 }
 
 
@@ -109,6 +113,8 @@ def check_supported(config) -> None:
     for flag in ("use_bidirectional_attention", "attention_chunk_size"):
         if getattr(config, flag, None):
             raise ValueError(f"{flag}={getattr(config, flag)!r} is not supported by the fast rollout" + USE_HF)
+    if getattr(config, "clip_qkv", None) is not None:
+        raise ValueError(f"clip_qkv={config.clip_qkv!r} (q, k, v clamped) is not supported by the fast rollout" + USE_HF)
     if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported by the fast rollout" + USE_HF)
 

@@ -1,6 +1,6 @@
 """The decoder of the fast rollout's model families (`shardrl.rollout.families`: Llama, Qwen2/3, Mistral,
-Gemma 2/3, and the mixtures of experts Qwen3-MoE and Mixtral) in plain PyTorch, for generation against a static
-KV cache.
+Gemma 2/3, and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE) in plain PyTorch, for generation against a
+static KV cache.
 
 Parameters are named exactly as in Hugging Face's `*ForCausalLM` of each family
 (`model.layers.{i}.self_attn.q_proj.weight`, ...), so `(hf_name, tensor)` pairs from
@@ -221,9 +221,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias["k_proj"])
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias["v_proj"])
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias["o_proj"])
-        if family_of(config).qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's q and k
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, family_of(config).gemma)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, family_of(config).gemma)
+        family = family_of(config)
+        if family.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's q and k; OLMoE: over all heads' at once
+            whole = family.qk_norm_whole
+            self.q_norm = RMSNorm(self.num_heads * d if whole else d, config.rms_norm_eps, family.gemma)
+            self.k_norm = RMSNorm(self.num_kv_heads * d if whole else d, config.rms_norm_eps, family.gemma)
         self.qkv_weight = self.qkv_bias = None  # set by FastCausalLM.fuse_projections
 
 
@@ -322,6 +324,9 @@ def attention_inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, eps: float,
     `project_qkv`."""
     b = x.shape[0]
     q, k, v = project_qkv(rms_norm(x, ln1, eps, gemma), qkv_w, qkv_b, num_heads, num_kv_heads, head_dim, lora, scale)
+    if q_norm is not None and q_norm.shape[0] != head_dim:  # OLMoE: one norm over all heads (shapes decide)
+        q, k = rms_norm(q, q_norm, eps, gemma), rms_norm(k, k_norm, eps, gemma)
+        q_norm = k_norm = None
     q, k = q.view(b, num_heads, head_dim), k.view(b, num_kv_heads, head_dim)
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps, gemma), rms_norm(k, k_norm, eps, gemma)
