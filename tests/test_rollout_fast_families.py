@@ -387,7 +387,8 @@ def test_fast_family_cuda_graphs_match_hf(tok, name, attention):
     """On a GPU in fp32, compiled and graphed: HF's greedy tokens (HF on the CPU), sampled log-probs equal
     to HF's forward and the engine's recomputation (where it applies: no final soft-cap). Head dims of 16,
     the Triton kernel's smallest."""
-    extra = dict(hidden_size=64) if name.startswith(("mistral", "qwen2", "llama", "mixtral")) else {}  # head dim 16
+    wide = name.startswith(("mistral", "qwen2", "llama", "mixtral", "olmoe"))
+    extra = dict(hidden_size=64) if wide else {}  # head dim 16
     if name.startswith("mistral"):
         extra["head_dim"] = 16
     model = hf_model(family_config(tok, name, **extra))
