@@ -391,6 +391,17 @@ phase_s20_prefix() { limit 280 python3 bench/prefix_reuse.py --trees ps16=.@pref
 
 phase_s20_qwen3_eager() { limit 220 python3 bench/moe.py update --shape qwen3_30b_a3b --experts eager --steps 1 --out $RES; }
 
+# next session (one H200): OLMoE in the fast rollout (CUDA graphs against HF; decode against HF generate and the
+# floor; R3 on OLMoE itself)
+#   s21_tests s21_olmoe
+phase_s21_tests() { limit 240 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs \
+    tests/test_rollout_fast_families.py -k "olmoe or moe or mixtral"; }
+phase_s21_olmoe() {
+    limit 300 python3 bench/moe.py rollout --shape olmoe --out $RES
+    limit 300 python3 bench/moe.py replay --shape olmoe --steps 3 --modes R3,disabled --out $RES \
+        --extra "model.dtype=bfloat16 actor.engine.max_token_len_per_gpu=8192"
+}
+
 case "${1:-}" in
 start)
     shift

@@ -53,6 +53,10 @@ SHAPES = {
                            moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                            max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.02),
+    "tiny_olmoe": dict(model_type="olmoe", vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                       max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.02,
+                       pad_token_id=1, eos_token_id=2),
 }
 LORA_SHAPES = {"qwen3_30b_a3b"}  # trained with LoRA (rank 64, attention and dense layers: experts stay frozen)
 PROMPT_LEN, NEW_TOKENS, N = 256, 256, 8
