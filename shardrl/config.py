@@ -199,6 +199,11 @@ class EngineConfig:
     """Token budget of one dynamic micro-batch."""
     ulysses_sequence_parallel_size: int = 1
     """Ranks one sequence is split over (Ulysses); data-parallel size is world // this."""
+    expert_parallel_size: int = 1
+    """FSDP2, mixtures of experts: ranks each MoE layer's experts are spread over (`ep`: a rank holds E / ep whole
+    experts; tokens go to their experts' ranks and back by all-to-all), the experts then sharded over the world // ep
+    ranks that hold the same ones; everything else is sharded as without it. 1 = off. Must divide the world size and
+    each layer's expert count; not with HSDP, Ulysses, LoRA, offload_params or compile (yet)."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk when computing log-probs from hidden states, so logits never fill tokens x vocab."""
     seed: int = 0
@@ -237,6 +242,7 @@ class EngineConfig:
         require(self, prefix, "max_token_len_per_gpu", not self.use_dynamic_bsz or self.max_token_len_per_gpu >= 1,
                 "must be >= 1 when use_dynamic_bsz is on")
         require(self, prefix, "ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size >= 1, "must be >= 1")
+        require(self, prefix, "expert_parallel_size", self.expert_parallel_size >= 1, "must be >= 1 (1: off)")
         require(self, prefix, "logprob_chunk_size", self.logprob_chunk_size >= 1, "must be >= 1")
         require(self, prefix, "compile", not (self.compile and self.strategy == "fsdp"),
                 "is implemented for strategy=fsdp2 only; set compile=false with FSDP1 (strategy=fsdp)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,16 @@ class MeshLayout:
     """2-D ("dp", "sp"): which ranks see the same data (sp) and which see different data (dp)."""
     world_size: int
     sp_size: int
+    _expert_meshes: dict = field(default_factory=dict, repr=False)
+
+    def expert_mesh(self, ep: int) -> DeviceMesh:
+        """2-D ("efsdp", "ep") over the world, for expert parallelism of size `ep`: the `ep` consecutive ranks of a
+        row hold different experts (one node's GPUs where they fit: the all-to-alls stay on its links), the
+        world // ep ranks of a column the same ones, sharded over them. Built on first use, once per size."""
+        if ep not in self._expert_meshes:
+            self._expert_meshes[ep] = init_device_mesh(device_type(), (self.world_size // ep, ep),
+                                                       mesh_dim_names=("efsdp", "ep"))
+        return self._expert_meshes[ep]
 
     @property
     def dp_size(self) -> int:

@@ -91,7 +91,7 @@ def _model_run(kind: str) -> dict:
     their rank, the other parameters' are summed over the ranks (as data parallelism reduces them)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     lm = _lm(kind)
-    assert apply_expert_parallel(lm) == lm.config.num_hidden_layers
+    assert len(apply_expert_parallel(lm)) == lm.config.num_hidden_layers
     ids = _sequences(kind, world)[rank]
     logits = lm(input_ids=ids).logits
     (logits.log_softmax(-1)[..., 1:7].sum() if ids.numel() else logits.sum()).backward()
@@ -145,3 +145,96 @@ def test_experts_of_another_layout_are_refused():
 
     with pytest.raises(ValueError, match="not laid out as gate_up_proj"):  # (before any process group is asked)
         ExpertParallelExperts(Transposed())
+
+
+# ---- the engine: engine.expert_parallel_size -----------------------------------------------------------------
+# world -> [(family, engine settings)]: ep 2 of 2 and of 4 ranks, ep 4 of 4; fixed and dynamic micro-batches,
+# clipping (active: the reference's norm is 1.37)
+ENGINE_VARIANTS = {
+    2: [("qwen3_moe", dict(expert_parallel_size=2, micro_batch_size_per_gpu=2)),
+        ("mixtral", dict(expert_parallel_size=2, micro_batch_size_per_gpu=1)),
+        ("olmoe", dict(expert_parallel_size=2, use_dynamic_bsz=True, max_token_len_per_gpu=24))],
+    4: [("qwen3_moe", dict(expert_parallel_size=2, use_dynamic_bsz=True, max_token_len_per_gpu=24)),
+        ("qwen3_moe", dict(expert_parallel_size=4, micro_batch_size_per_gpu=1, clip=0.5))],
+}
+
+
+def _engine_variants(world: int) -> list[dict]:
+    from test_engine_equivalence import engine_step
+
+    out = []
+    for kind, settings in ENGINE_VARIANTS[world]:
+        settings = dict(settings)
+        clip = settings.pop("clip", 0.0)
+        out.append(engine_step(kind, settings, clip=clip))
+    return out
+
+
+@pytest.mark.parametrize("world", sorted(ENGINE_VARIANTS))
+def test_the_engine_with_its_experts_spread_has_the_plain_loops_gradients_and_update(world):
+    """FSDP2 with each MoE layer's experts spread over `ep` ranks (and sharded over the world // ep that hold the same
+    ones) against the plain HF loop on the whole batch: the loss, every gradient (the experts' gathered over both
+    mesh dims), the gradient norm (of parameters on two meshes), the parameters after AdamW (clipped in one variant)
+    and the log-probs."""
+    from test_engine_equivalence import assert_same_grads, reference_step
+
+    got = run_distributed(_engine_variants, world, world)
+    for (kind, settings), run in zip(ENGINE_VARIANTS[world], got):
+        want = reference_step(kind, clip=settings.get("clip", 0.0))
+        assert run["loss"] == pytest.approx(want["loss"], rel=1e-5), (kind, settings)
+        assert_same_grads(run["grads"], want["grads"])
+        assert run["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (kind, settings)
+        for name, p in want["params"].items():
+            torch.testing.assert_close(run["params"][name], p, atol=2e-6, rtol=0, msg=f"{name} {kind} {settings}")
+        assert (run["log_probs"] - want["log_probs"]).abs().max().item() < 1e-5
+        experts = [n for n in want["grads"] if "experts" in n]
+        assert experts and all(want["grads"][n].abs().max() > 0 for n in experts)
+
+
+def _ep_checkpoint(world: int, ep: int, folder: str, save: bool) -> dict:
+    """Two steps of a tiny Qwen3-MoE engine at (world, ep); with `save`, saved after the first, else loaded there
+    (saved at another layout) first: the weights after the second step."""
+    from test_checkpoint import make_engine, train_step
+
+    engine = make_engine("qwen3_moe", tiny=tiny_config("qwen3_moe"), expert_parallel_size=ep)
+    if save:
+        train_step(engine, 0)
+        engine.save(folder)
+    else:
+        engine.load(folder)
+    metrics = train_step(engine, 1)
+    weights = {k: v.detach().cpu().clone() for k, v in engine.export_weights()}
+    return dict(metrics=metrics, weights=weights)
+
+
+def test_an_expert_parallel_checkpoint_resumes_at_another_world_size_and_ep(tmp_path):
+    """Saved at world 4 with ep 2 (the experts' state on a (2, 2) mesh), resumed at world 2 with ep 2 and at world
+    2 without expert parallelism: the second step's loss, LR and weights are those of the run that never stopped
+    (the optimizer's moments of every expert restored where that layout keeps them)."""
+    folder = str(tmp_path / "ckpt")
+    want = run_distributed(_ep_checkpoint, 4, 4, 2, folder, True)
+    for world, ep in ((2, 2), (2, 1)):
+        got = run_distributed(_ep_checkpoint, world, world, ep, folder, False)
+        assert got["metrics"]["loss"] == pytest.approx(want["metrics"]["loss"], rel=1e-5), (world, ep)
+        assert got["metrics"]["lr"] == want["metrics"]["lr"]
+        for name, w in want["weights"].items():
+            torch.testing.assert_close(got["weights"][name], w, atol=2e-6, rtol=0, msg=f"{name} at {world}, ep {ep}")
+
+
+def test_bad_expert_parallel_settings_are_named():
+    from shardrl.config import EngineConfig, ModelConfig
+    from shardrl.distributed import init_distributed
+    from shardrl.engine import build_engine
+
+    init_distributed()  # a world of one, in this process
+
+    cases = [
+        (dict(kind="qwen2"), {}, "engine.expert_parallel_size=2 is for mixtures of experts"),
+        (dict(), {}, "does not divide the world size 1"),
+        (dict(), dict(compile=True), "compile=true is not supported yet"),
+        (dict(), dict(strategy="fsdp"), "needs strategy=fsdp2"),
+    ]
+    for model, engine, message in cases:
+        tiny = tiny_config(model.get("kind", "qwen3_moe"))
+        with pytest.raises(ValueError, match=message):
+            build_engine(ModelConfig(tiny=tiny), EngineConfig(expert_parallel_size=2, **engine))

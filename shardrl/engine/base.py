@@ -37,7 +37,7 @@ from shardrl.engine.loading import (compute_non_persistent_buffers, copy_full_in
                                     sharded_load_problem)
 from shardrl.engine.lora import LORA_MARK, adapters_off, hf_base_name, inject_lora, lora_init, save_peft_adapter
 from shardrl.engine.microbatch import restore_order, split_micro_batches
-from shardrl.engine.moe import apply_experts_implementation
+from shardrl.engine.moe import apply_experts_implementation, num_experts
 from shardrl.engine.model import (DTYPES, PolicyModel, build_causal_lm, check_model_weights, disable_dropout,
                                   load_hf_config, strip_prefix)
 from shardrl.engine.ulysses import check_heads
@@ -94,6 +94,8 @@ class Engine(abc.ABC):
         self.lora = model_cfg.lora if model_cfg.lora.rank > 0 else None
         if self.lora is not None:
             self._check_lora(head)
+        if engine_cfg.expert_parallel_size > 1:
+            self._check_expert_parallel()
         self.module = self._build_module(head)
         self.optimizer = self.lr_scheduler = None
         if optim_cfg is not None:
@@ -116,6 +118,26 @@ class Engine(abc.ABC):
                              "param_dtype already (half an fp32 model): set offload_params=false")
         if head != "lm":
             raise ValueError(f"model.lora is for the policy (and its reference); this engine has a {head!r} head")
+
+    def _check_expert_parallel(self) -> None:
+        ep, world = self.cfg.expert_parallel_size, self.mesh.world_size
+        key = f"engine.expert_parallel_size={ep}"
+        experts = num_experts(self.hf_config)
+        problems = [
+            (self.strategy != "fsdp2", "needs strategy=fsdp2"),
+            (not experts, f"is for mixtures of experts; {self.hf_config.model_type!r} has no routed experts: set it to 1"),
+            (bool(self.cfg.compile), "with compile=true is not supported yet: set compile=false"),
+            (self.lora is not None, "with model.lora is not supported yet"),
+            (self.cfg.offload_params, "with offload_params=true is not supported yet"),
+            (self.mesh.sp_size > 1, "with ulysses_sequence_parallel_size > 1 is not supported yet"),
+            (self.mesh.is_hsdp, f"with HSDP (fsdp_size={self.cfg.fsdp_size}) is not supported yet: set fsdp_size=-1"),
+            (world % ep != 0, f"does not divide the world size {world}; choose one of "
+                              f"{[d for d in range(1, world + 1) if world % d == 0]}"),
+            (bool(experts) and experts % ep != 0, f"does not divide the model's {experts} experts a layer"),
+        ]
+        for bad, why in problems:
+            if bad:
+                raise ValueError(f"{key} {why}")
 
     def _build_module(self, head: str) -> nn.Module:
         mc = self.model_cfg

@@ -31,9 +31,37 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed.tensor import DTensor
 
 from shardrl.engine.moe import grouped_mm_usable
+
+
+def _exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """All-to-all of `rows` (split by `in_splits` to the group's ranks; `out_splits` arrive from each) with its
+    gradient sent back the reverse way: torch's functional collective where it has one (torch >= 2.3), else the
+    one `torch.distributed.nn` kept until 2.13 deprecated it."""
+    try:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+    except ImportError:
+        from torch.distributed.nn.functional import all_to_all_single
+
+        return all_to_all_single(rows.new_empty(sum(out_splits), *rows.shape[1:]), rows, out_splits, in_splits,
+                                 group=group)
+    out = all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group or dist.group.WORLD)
+    return out.wait() if hasattr(out, "wait") else out
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, whose gradient is multiplied by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
 class ExpertParallelExperts(nn.Module):
@@ -63,6 +91,19 @@ class ExpertParallelExperts(nn.Module):
         self.down_proj = nn.Parameter(experts.down_proj.detach()[local].clone())
         self.act_fn = experts.act_fn
 
+    grad_scale = 1.0
+    """What the weights' gradients are multiplied by on their way back (the engine's `_spread_experts` sets 1 / ep)."""
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (gate_up (E / ep, 2I, H), down (E / ep, H, I)): the parameters, or their local parts where
+        the engine made them DTensors over the `ep` mesh (`FSDP2Engine`: sharded on the expert dimension), with
+        `grad_scale` applied to their gradients."""
+        def local(p):
+            p = p.to_local() if isinstance(p, DTensor) else p
+            return p if self.grad_scale == 1.0 else _ScaleGrad.apply(p, self.grad_scale)
+
+        return local(self.gate_up_proj), local(self.down_proj)
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         t, k = top_k_index.shape
@@ -73,11 +114,11 @@ class ExpertParallelExperts(nn.Module):
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send, recv = send_counts.tolist(), recv_counts.tolist()
         rows = hidden_states[order // k]
-        arrived = all_to_all_single(rows.new_empty(sum(recv), rows.shape[1]), rows, recv, send, group=self.group)
+        arrived = _exchange(rows, recv, send, self.group)
         arrived_ids = experts.new_empty(sum(recv))
         dist.all_to_all_single(arrived_ids, experts[order].contiguous(), recv, send, group=self.group)
         done = self._local_experts(arrived, arrived_ids - self.first)
-        back = all_to_all_single(done.new_empty(rows.shape), done, send, recv, group=self.group)
+        back = _exchange(done, send, recv, self.group)
         out = torch.empty_like(back)
         out[order] = back  # back in pair order
         weighted = out * top_k_weights.reshape(-1, 1).to(out.dtype)
@@ -89,31 +130,38 @@ class ExpertParallelExperts(nn.Module):
         order = local_ids.argsort(stable=True)
         sorted_rows, sorted_ids = rows[order], local_ids[order]
         counts = torch.bincount(sorted_ids, minlength=self.local)
-        grouped = grouped_mm_usable(rows, self.gate_up_proj, self.down_proj) if self.grouped is None else self.grouped
+        gate_up, down = self.local_weights()
+        grouped = grouped_mm_usable(rows, gate_up, down) if self.grouped is None else self.grouped
         if rows.shape[0] and grouped:
             offs = counts.cumsum(0).to(torch.int32)
-            gate, up = torch._grouped_mm(sorted_rows, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            out = torch._grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+            gate, up = torch._grouped_mm(sorted_rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            out = torch._grouped_mm(self.act_fn(gate) * up, down.transpose(1, 2), offs=offs)
         else:
             parts, start = [], 0
             for e, n in enumerate(counts.tolist()):
                 part = sorted_rows[start:start + n]
-                gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)
-                parts.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+                gate, up = F.linear(part, gate_up[e]).chunk(2, dim=-1)
+                parts.append(F.linear(self.act_fn(gate) * up, down[e]))
                 start += n
-            out = torch.cat(parts) if parts else rows.new_empty(0, self.down_proj.shape[1])
+            out = torch.cat(parts) if parts else rows.new_empty(0, down.shape[1])
         result = torch.empty_like(out)
         result[order] = out
         return result
 
 
-def apply_expert_parallel(lm: nn.Module, group: dist.ProcessGroup | None = None) -> int:
-    """Replaces every MoE layer's experts module of an HF model (the modules with 3-D `gate_up_proj` and
-    `down_proj`) by its expert-parallel share over `group`; returns how many were replaced."""
-    names = [n for n, m in lm.named_modules()
-             if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and m.gate_up_proj.dim() == 3]
-    for name in names:
+def experts_modules(module: nn.Module) -> list[str]:
+    """The names of `module`'s HF experts modules (those with a 3-D `gate_up_proj` and `down_proj`)."""
+    return [n for n, m in module.named_modules()
+            if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and m.gate_up_proj.dim() == 3]
+
+
+def apply_expert_parallel(lm: nn.Module, group: dist.ProcessGroup | None = None) -> list[ExpertParallelExperts]:
+    """Replaces every MoE layer's experts module of `lm` (an HF model, or one of its blocks) by its expert-parallel
+    share over `group`; returns the new modules."""
+    out = []
+    for name in experts_modules(lm):
         parent, _, child = name.rpartition(".")
         holder = lm.get_submodule(parent) if parent else lm
-        setattr(holder, child, ExpertParallelExperts(getattr(holder, child), group))
-    return len(names)
+        out.append(ExpertParallelExperts(getattr(holder, child), group))
+        setattr(holder, child, out[-1])
+    return out

@@ -14,9 +14,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from shardrl.engine.base import Engine, register_engine
+from shardrl.engine.expert_parallel import apply_expert_parallel
 from shardrl.engine.lora import LORA_MARK, merge_lora, scaling_of
 from shardrl.engine.model import DTYPES, PolicyModel, decoder_blocks, strip_prefix
 
@@ -68,15 +69,19 @@ class FSDP2Engine(Engine):
         # params that stay gathered over the micro-batches are not freed between forward and backward either
         reshard = cfg.reshard_after_forward and not self._accumulate_unsharded
         kwargs = dict(mesh=self.mesh.fsdp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+        self._num_units = 0
         blocks = decoder_blocks(module.lm)
+        experts_mesh = self.mesh.expert_mesh(cfg.expert_parallel_size) if cfg.expert_parallel_size > 1 else None
         for i, block in enumerate(blocks):
+            if experts_mesh is not None:
+                self._spread_experts(block, experts_mesh, kwargs)
             if cfg.compile:
                 block.compile()
             # the last block's parameters are needed again first thing in backward: keep them gathered
             last = i == len(blocks) - 1
             fully_shard(block, **{**kwargs, "reshard_after_forward": reshard and not last})
         fully_shard(module, **kwargs)
-        self._num_units = len(blocks) + 1
+        self._num_units += len(blocks) + 1
         if cfg.forward_prefetch:
             for block, nxt in zip(blocks, blocks[1:]):
                 block.set_modules_to_forward_prefetch([nxt])
@@ -90,6 +95,25 @@ class FSDP2Engine(Engine):
                     mod._buffers[name] = buf.to(self.device)
         return module
 
+    def _spread_experts(self, block: nn.Module, mesh, kwargs: dict) -> None:
+        """Expert parallelism (`engine.expert_parallel_size`): each experts module of `block` becomes this rank's
+        share over mesh["ep"] (`ExpertParallelExperts`), its two weights DTensors sharded over "ep" on the expert
+        dim, then FSDP-sharded over "efsdp" on their second dim, in an FSDP unit of its own inside the block's.
+
+        Gradients: every token routed to an expert, on any rank of the "ep" row, sends its gradient back to the
+        expert's rank, so a rank's local expert gradient already sums the row's ep shares; FSDP averages over the
+        world // ep ranks of "efsdp" where it averages the other parameters over the whole world (each rank's loss
+        share is scaled by the world: `train_batch`), so the experts' gradients are scaled by 1 / ep on their way
+        back (`ExpertParallelExperts.grad_scale`; FSDP's own divide factor needs a reduction gloo lacks)."""
+        for spread in apply_expert_parallel(block, mesh.get_group("ep")):
+            for name in ("gate_up_proj", "down_proj"):
+                local = getattr(spread, name)
+                dt = DTensor.from_local(local.data, mesh["ep"], [Shard(0)], run_check=False)
+                setattr(spread, name, nn.Parameter(dt, requires_grad=local.requires_grad))
+            self._num_units += 1
+            spread.grad_scale = 1.0 / mesh.size(1)
+            fully_shard(spread, **{**kwargs, "mesh": mesh["efsdp"]}, shard_placement_fn=lambda p: Shard(1))
+
     def num_fsdp_units(self) -> int:
         return self._num_units
 
@@ -101,13 +125,22 @@ class FSDP2Engine(Engine):
             self.module.set_reshard_after_backward(last)
 
     def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=None)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()  # sums the squared shard norms over the mesh
+        # one group per device mesh (expert parallelism puts the experts on a mesh of their own): DTensors of two
+        # meshes do not meet in one norm or one product
+        groups: dict = {}
+        for p in self.module.parameters():
+            if p.grad is not None:
+                groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        norms = []
+        for params in groups.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=None)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # (sums the shards' squares)
+        if not norms:
+            return torch.zeros(())
+        total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
         if max_norm > 0 and torch.isfinite(total):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
+            for params in groups.values():
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
         return total.detach().float().cpu()
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -70,11 +70,13 @@ def resolve_device_defaults(cfg: Config, hf_config=None,
             # Whole step settings"); off for small ones (compiled, the built-in demo with its dynamic
             # micro-batch shapes did not finish a first step in minutes) and on CPU
             engine.compile = bool(cuda and engine.strategy == "fsdp2" and size is not None
-                                  and size >= COMPILE_MIN_PARAMS)
+                                  and size >= COMPILE_MIN_PARAMS and engine.expert_parallel_size == 1)
             if not cuda:
                 why = "off on CPU"
             elif engine.strategy != "fsdp2":
                 why = "FSDP1 does not compile"
+            elif engine.expert_parallel_size > 1:
+                why = "expert parallelism does not compile yet"
             elif size is None:
                 why = "on CUDA, but the model's size is unknown"
             else:
