@@ -1,28 +1,30 @@
 """Expert parallelism: a mixture-of-experts layer's experts spread over the ranks of an `ep` process group, each
 token's hidden state sent to the ranks that hold its experts and back with two all-to-alls.
 
-The plan for several GPUs (what this module builds, and what is left to the engine):
-- Mesh: the data-parallel ranks of a replica are cut as `dp_shard = ep x efsdp`; the `ep` group of a rank is
-  the `ep` ranks that hold the different experts, `efsdp` the ranks that hold the same ones. Attention, norms,
-  routers, embeddings and the head are FSDP-sharded over all of `dp_shard` as today; each MoE layer's experts
-  are first cut over `ep` (`ExpertParallelExperts`: E / ep whole experts a rank) and then FSDP-sharded over
-  `efsdp`. Tokens stay data-parallel over every rank: no rank sees another's batch except the rows its experts
-  are asked for.
+In the engine (`engine.expert_parallel_size`, FSDP2):
+- Mesh: the world is cut as `world = efsdp x ep` (`MeshLayout.expert_mesh`); a rank's `ep` group is the `ep`
+  consecutive ranks that hold the different experts, `efsdp` the ranks that hold the same ones. Attention, norms,
+  routers, embeddings and the head are FSDP-sharded over the whole world as without it; each MoE layer's experts
+  are cut over `ep` (`ExpertParallelExperts`: E / ep whole experts a rank, as DTensors sharded on the expert dim)
+  and FSDP-sharded over `efsdp` on their second dim, in an FSDP unit of their own. Tokens stay data-parallel over
+  every rank: no rank sees another's batch except the rows its experts are asked for.
 - Forward of a layer: route locally; send each (token, expert) pair's hidden state to the expert's rank
   (all-to-all, splits by destination, exchanged first); run the local experts over what arrived (one grouped
   product per projection, or the loop); send the results back (the reverse all-to-all); weight and sum each
-  token's k results. Backward is the same two all-to-alls reversed (`torch.distributed.nn.functional`), so the
-  router and the inputs get their gradients and each expert's gradient is the sum over every rank's tokens.
-- Gradients: the experts' gradients are complete on their `ep` rank after backward (every token routed to them
-  came there); they are reduced over `efsdp` only. The other parameters' gradients are reduced over all of
-  `dp_shard`, as without expert parallelism.
-- Left to build: the engine's `ep` mesh axis and config key, FSDP2 wrapping with the experts on the `efsdp`
-  sub-mesh, the full-weight export and checkpoints gathering the experts over `ep`, the fast rollout (which keeps
-  every expert: the export gathers them), and GPU figures (all-to-all over NVLink against the all-gather of
-  plain FSDP).
+  token's k results. Backward is the same two all-to-alls reversed (autograd through torch's functional
+  collectives), so the router and the inputs get their gradients and each expert's gradient is the sum over
+  every rank's tokens that chose it.
+- Gradients: an expert's gradient is complete on its `ep` rank after backward; FSDP averages it over `efsdp` only
+  (where the other parameters are averaged over the world), so the experts' gradients are scaled by 1 / ep on the
+  way back. Clipping takes the norm over both meshes. Checkpoints (DCP) hold the experts at their global shape:
+  a run resumes at another world size and `ep` (or without expert parallelism); the exported weights are whole.
+- Not yet: HSDP, Ulysses, LoRA, offload and compile together with it (each a config error), GPU figures (the
+  all-to-all over NVLink against plain FSDP's all-gather of every expert), and the memory ledger's gathered-layer
+  term (it counts a layer's experts whole; with `ep` a rank gathers E / ep of them). Per rank, the sharded state
+  is the same as plain FSDP's: the experts are split over all `efsdp x ep` ranks either way.
 
-The layer's numbers equal the unsharded HF experts' over the union of every rank's tokens (tests/test_moe.py,
-gloo, 2 and 4 processes).
+The layer's numbers equal the unsharded HF experts' over the union of every rank's tokens, and the engine's the
+plain loop's (tests/test_expert_parallel.py, gloo, 2 and 4 processes).
 """
 
 from __future__ import annotations
