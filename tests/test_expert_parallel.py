@@ -277,3 +277,16 @@ def test_an_rl_run_with_expert_parallelism_matches_the_run_without(tmp_path):
     for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/router_aux_loss", "actor/entropy"):
         assert first[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
     assert all(r["actor/grad_norm"] > 0 for r in runs[2])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_expert_parallelism_over_nccl_has_the_plain_loops_gradients():
+    """The engine test above on two GPUs (NCCL all-to-alls, fp32): ep 2 against the plain loop."""
+    from test_engine_equivalence import assert_same_grads, reference_step
+
+    got = run_distributed(_engine_variants, 2, 2)
+    for (kind, settings), run in zip(ENGINE_VARIANTS[2], got):
+        want = reference_step(kind)
+        assert run["loss"] == pytest.approx(want["loss"], rel=1e-5), (kind, settings)
+        assert_same_grads(run["grads"], want["grads"], rtol=1e-4)
