@@ -110,7 +110,14 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
         act = tokens * layers * per_tok
         act_how = f"{tokens} tokens x {layers} layers x {per_tok} B ({formula})"
     how_tokens = "max_token_len_per_gpu" if engine.use_dynamic_bsz else "micro_batch_size_per_gpu x sequence"
-    unit = numbers["largest_unit"]
+    unit, unit_how = numbers["largest_unit"], ""
+    ep = engine.expert_parallel_size
+    from shardrl.engine.moe import expert_intermediate_size, is_moe, num_experts
+
+    if ep > 1 and is_moe(c):  # a rank gathers its E / ep experts of a layer, not all E
+        experts = 3 * num_experts(c) * h * expert_intermediate_size(c)
+        unit -= experts - experts // ep
+        unit_how = f", {experts // ep / 1e6:.1f}M of them a layer's experts / ep={ep}"
     kept = engine.accumulates_unsharded(shard)  # params gathered over the micro-batches
     per_unit = engine.reshard_after_forward and not kept
     whole_why = "accumulate_unsharded: gathered over the micro-batches" if kept else "reshard_after_forward=false"
@@ -123,7 +130,7 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
         grads,
         ("activations", act, f"{act_how}; tokens: {how_tokens}"),
         ("unsharded params", (2 * unit if per_unit else p) * compute,
-         f"2 units of {unit / 1e6:.0f}M (one prefetched) x {compute} B" if per_unit
+         f"2 units of {unit / 1e6:.0f}M (one prefetched{unit_how}) x {compute} B" if per_unit
          else f"the whole model x {compute} B ({whole_why})"),
         ("logits chunk", chunk * vocab * (compute + 4 + 4),
          f"{chunk} tokens x {vocab} x ({compute} + 4 + 4) B (logits, log-softmax, its grad)"),

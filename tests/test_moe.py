@@ -136,6 +136,15 @@ def test_flops_and_ledger_count_the_active_experts():
     update = {i["name"]: i["gib"] for i in phases["update"]["items"]}
     assert prep["recorded routing"] * 2**30 == pytest.approx(1000 * layers * k * (8 + 2))
     assert update["replayed routing"] * 2**30 == pytest.approx(1000 * layers * k * 2)
+    # expert parallelism: a rank gathers its E / ep experts of a layer (the largest unit less the others' share)
+    unsharded = {}
+    for ep in (1, 2):
+        cfg = load_config(None, [f"model.tiny={kwargs}".replace("'", '"'), f"actor.engine.expert_parallel_size={ep}"])
+        update = {i["name"]: i for i in phase_ledger(cfg, derive_layout(cfg, 2, 1), config)["phases"]["update"]["items"]}
+        unsharded[ep] = update["unsharded params"]
+    experts = 3 * e * h * i
+    assert (unsharded[1]["gib"] - unsharded[2]["gib"]) * 2**30 == pytest.approx(2 * (experts - experts // 2) * 2)
+    assert "experts / ep=2" in unsharded[2]["how"]
 
 
 # ---- router replay -------------------------------------------------------------------------------------

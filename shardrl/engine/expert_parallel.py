@@ -18,10 +18,10 @@ In the engine (`engine.expert_parallel_size`, FSDP2):
   (where the other parameters are averaged over the world), so the experts' gradients are scaled by 1 / ep on the
   way back. Clipping takes the norm over both meshes. Checkpoints (DCP) hold the experts at their global shape:
   a run resumes at another world size and `ep` (or without expert parallelism); the exported weights are whole.
-- Not yet: HSDP, Ulysses, LoRA, offload and compile together with it (each a config error), GPU figures (the
-  all-to-all over NVLink against plain FSDP's all-gather of every expert), and the memory ledger's gathered-layer
-  term (it counts a layer's experts whole; with `ep` a rank gathers E / ep of them). Per rank, the sharded state
-  is the same as plain FSDP's: the experts are split over all `efsdp x ep` ranks either way.
+- Memory: per rank, the sharded state is plain FSDP's (the experts are split over all `efsdp x ep` ranks either
+  way); a layer gathers E / ep experts, not E (the ledger, `shardrl plan`, counts that).
+- Not yet: HSDP, Ulysses, LoRA, offload and compile together with it (each a config error), and GPU figures (the
+  all-to-all over NVLink against plain FSDP's all-gather of every expert).
 
 The layer's numbers equal the unsharded HF experts' over the union of every rank's tokens, and the engine's the
 plain loop's (tests/test_expert_parallel.py, gloo, 2 and 4 processes).
