@@ -46,8 +46,8 @@ def model_numbers(hf_config, trust_remote_code: bool = False, lora=None) -> dict
     params = list(model.parameters())
     total = sum(p.numel() for p in params) - (trained or 0)  # the model's own parameters
     blocks = [sum(p.numel() for p in b.parameters()) for b in decoder_blocks(model)]
-    return dict(total=total, largest_unit=max([*blocks, total - sum(blocks)]),
-                largest_tensor=max(p.numel() for p in params), trained=trained)
+    return dict(total=total, largest_unit=max([*blocks, total - sum(blocks)]), largest_block=max(blocks, default=0),
+                root_unit=total - sum(blocks), largest_tensor=max(p.numel() for p in params), trained=trained)
 
 
 def activation_bytes_per_token_layer(hf_config, compute: int) -> tuple[int, str]:
@@ -116,8 +116,11 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
 
     if ep > 1 and is_moe(c):  # a rank gathers its E / ep experts of a layer, not all E
         experts = 3 * num_experts(c) * h * expert_intermediate_size(c)
-        unit -= experts - experts // ep
-        unit_how = f", {experts // ep / 1e6:.1f}M of them a layer's experts / ep={ep}"
+        block = numbers["largest_block"] - (experts - experts // ep)
+        if block >= numbers["root_unit"]:  # (else the root's unit, the embeddings and head, stays the largest)
+            unit, unit_how = block, f", {experts // ep / 1e6:.1f}M of them a layer's experts / ep={ep}"
+        else:
+            unit = numbers["root_unit"]
     kept = engine.accumulates_unsharded(shard)  # params gathered over the micro-batches
     per_unit = engine.reshard_after_forward and not kept
     whole_why = "accumulate_unsharded: gathered over the micro-batches" if kept else "reshard_after_forward=false"

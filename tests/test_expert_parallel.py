@@ -238,6 +238,13 @@ def test_bad_expert_parallel_settings_are_named():
         tiny = tiny_config(model.get("kind", "qwen3_moe"))
         with pytest.raises(ValueError, match=message):
             build_engine(ModelConfig(tiny=tiny), EngineConfig(expert_parallel_size=2, **engine))
+    # a world of 6 with ep 2 leaves 3 ranks to shard each expert's second dim (2 x 16 and 32) over: refused by
+    # name before FSDP2 would (the layout given as a mesh of 6 ranks that is never used)
+    from types import SimpleNamespace
+
+    six = SimpleNamespace(world_size=6, sp_size=1, is_hsdp=False, check_matches=lambda *a, **k: None)
+    with pytest.raises(ValueError, match=r"world // ep = 3 ranks .* 2 x 16 and 32"):
+        build_engine(ModelConfig(tiny=tiny_config("qwen3_moe")), EngineConfig(expert_parallel_size=2), mesh=six)
 
 
 def _rl_run(overrides: list[str]) -> list[dict]:

@@ -145,6 +145,11 @@ def test_flops_and_ledger_count_the_active_experts():
     experts = 3 * e * h * i
     assert (unsharded[1]["gib"] - unsharded[2]["gib"]) * 2**30 == pytest.approx(2 * (experts - experts // 2) * 2)
     assert "experts / ep=2" in unsharded[2]["how"]
+    # at ep 8 a block (one expert of 8 left) is smaller than the root's unit (embeddings and head): that is counted
+    cfg = load_config(None, [f"model.tiny={kwargs}".replace("'", '"'), "actor.engine.expert_parallel_size=8"])
+    update = {i["name"]: i for i in phase_ledger(cfg, derive_layout(cfg, 8, 1), config)["phases"]["update"]["items"]}
+    root = 2 * h * 101 + h  # untied embeddings and head, the final norm
+    assert update["unsharded params"]["gib"] * 2**30 == pytest.approx(2 * root * 2)
 
 
 # ---- router replay -------------------------------------------------------------------------------------

@@ -37,10 +37,11 @@ from shardrl.engine.loading import (compute_non_persistent_buffers, copy_full_in
                                     sharded_load_problem)
 from shardrl.engine.lora import LORA_MARK, adapters_off, hf_base_name, inject_lora, lora_init, save_peft_adapter
 from shardrl.engine.microbatch import restore_order, split_micro_batches
-from shardrl.engine.moe import apply_experts_implementation, num_experts
+from shardrl.engine.moe import apply_experts_implementation, expert_intermediate_size, num_experts
 from shardrl.engine.model import (DTYPES, PolicyModel, build_causal_lm, check_model_weights, disable_dropout,
                                   load_hf_config, strip_prefix)
 from shardrl.engine.ulysses import check_heads
+from shardrl.modelconfig import text_config
 from shardrl.engine.optim import build_lr_scheduler, build_optimizer
 from shardrl.engine.state import CPU, move_optimizer_state, persistent_buffers, release_accelerator_memory, save_hf
 
@@ -135,6 +136,13 @@ class Engine(abc.ABC):
                               f"{[d for d in range(1, world + 1) if world % d == 0]}"),
             (bool(experts) and experts % ep != 0, f"does not divide the model's {experts} experts a layer"),
         ]
+        if experts and world % ep == 0:  # the experts are FSDP-sharded on their second dim over world // ep ranks
+            efsdp, inner = world // ep, expert_intermediate_size(self.hf_config)
+            hidden = text_config(self.hf_config).hidden_size
+            problems.append(((2 * inner) % efsdp != 0 or hidden % efsdp != 0,
+                             f"leaves world // ep = {efsdp} ranks to shard each expert's weights over (on their second "
+                             f"dim, 2 x {inner} and {hidden}), which FSDP2 needs to divide both; choose ep so that it "
+                             "does"))
         for bad, why in problems:
             if bad:
                 raise ValueError(f"{key} {why}")

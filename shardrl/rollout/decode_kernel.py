@@ -321,7 +321,7 @@ def _prefill_attention(q_ptr, kv_ptr, out_ptr, table_ptr, start_ptr, len_ptr, sc
         token, head = first_token + rows // G, rows % G
         live = (rows < TM * G) & (token < n)
         position = start + token
-        q_offsets = (u * length + token) * stride_qt + h * stride_qh + head * D
+        q_offsets = (u * length + token).to(tl.int64) * stride_qt + h * stride_qh + head * D  # (past 2**31)
         q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=live[:, None], other=0.0)
         stop = start + tl.minimum(first_token + TM, n)  # past the tile's last position
         begin = 0
@@ -376,13 +376,13 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torc
     D) paged as in `decode_attention`, with every token's K/V already written; block_table (U, max_blocks) long.
     Each token attends to its prompt's entries 0..its position (from its window's start with `window`; the logits
     soft-capped with `softcap`). Returns a tensor like q, zero in the padding's rows. `block_r`: query rows
-    per program (tokens x G; default 64, 128 when G > 4)."""
+    per program (tokens x G; default 64, 128 when G > 4 and D <= 128)."""
     t, hkv, g, d = q.shape
     u = block_table.shape[0]
     if not triton_head_dim(d) or kv_layer.stride(-1) != 1 or not q.is_contiguous() or t % u:
         raise ValueError(f"prefill_attention needs a contiguous q of U * L tokens and a power-of-two head dim >= 16, "
                          f"got q {tuple(q.shape)} for {u} prompts")
-    block_r = block_r or (64 if g <= 4 else 128)
+    block_r = block_r or (64 if g <= 4 or d > 128 else 128)  # (128 rows of D = 256 outgrow shared memory)
     block_r = max(block_r, triton.next_power_of_2(g), 16)
     tm, length = block_r // g, t // u
     out = torch.zeros_like(q)

@@ -767,8 +767,8 @@ class FastRollout(Rollout):
         """Prefills the prompts of `admitted` (slot, row) pairs into their slots' blocks and samples each row's
         first token. Each distinct prompt (by its tokens: a prompt's n samples, and rows whose prompts are equal,
         such as a conversation's copies at its first turn) runs once, from the end of its longest cached prefix
-        (`BlockPool.lookup`), in chunks of at most `prefill_tokens` tokens run (and, where SDPA attends to a gathered
-        copy of the cached prefixes, four times that read from the cache); its rows share its full blocks (each gets its own copy of the last, partly filled one). Returns
+        (`BlockPool.lookup`), in chunks of at most `prefill_tokens` tokens run (and four times that read from the
+        cache where SDPA attends to a gathered copy of the cached prefixes, sixteen with the Triton prefill); its rows share its full blocks (each gets its own copy of the last, partly filled one). Returns
         (tokens run, prompt tokens read from the cache)."""
         st, pool, size = self._state, self._pool, self.block_size
         lookup = self.prefix_cache and not self.record_routing  # (R3 records the routing of every prompt token)
@@ -776,8 +776,10 @@ class FastRollout(Rollout):
         same: dict[int, int] = {}  # prompt b -> the first admitted prompt with the same tokens
         first_of: dict[tuple, int] = {}
         chunks, current, distinct, longest, widest = [], [], set(), 0, 0
-        # a chunk's reads of the cache are bounded when they gather it (SDPA); the Triton prefill reads the blocks
-        wide = float("inf") if self._block.attention.prefix_from_blocks else 4 * self.prefill_tokens
+        # a chunk's reads of the cache are bounded when they gather it (SDPA); the Triton prefill reads the blocks,
+        # but a chunk stays bounded by its whole contexts too: an estimated cached prefix may be evicted by the
+        # chunk's own allocations before its lookup, and then runs whole
+        wide = (16 if self._block.attention.prefix_from_blocks else 4) * self.prefill_tokens
         for slot, row in admitted:
             b = row // n
             toks = self._tokens_of(prompts, b)  # (the same tokens as prompt a's)
