@@ -38,6 +38,28 @@ from shardrl.rollout.kernel_support import triton_head_dim
 
 
 @triton.jit
+def _scores(q, k, scale, softcap, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """q k^T * scale for a block of entries, soft-capped with SOFTCAP: cap * tanh(scores / cap), as
+    2 sigmoid(2x) - 1 for tanh."""
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = scores * scale
+    if SOFTCAP:
+        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+    return scores
+
+
+@triton.jit
+def _accumulate(acc, rescale, p, v, IEEE: tl.constexpr):
+    """The online softmax's accumulator rescaled, plus the block's p v."""
+    if IEEE:
+        return acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+    return acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
 def _attend_entries(q, k_base, v_base, table, first, stop, running_max, running_sum, acc, scale, softcap, stride_kvb,
                     stride_kvs, D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
                     BS: tl.constexpr):
@@ -50,23 +72,13 @@ def _attend_entries(q, k_base, v_base, table, first, stop, running_max, running_
         blocks = tl.load(table + entries // BS, mask=live, other=0)  # (int64: no overflow past 2**31 elements)
         offsets = blocks[:, None] * stride_kvb + (entries % BS)[:, None] * stride_kvs + dims[None, :]
         k = tl.load(k_base + offsets, mask=live[:, None], other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = scores * scale
-        if SOFTCAP:  # cap * tanh(scores / cap), tanh(x) = 2 sigmoid(2x) - 1
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
-        scores = tl.where(live[None, :], scores, float("-inf"))
+        scores = tl.where(live[None, :], _scores(q, k, scale, softcap, IEEE, SOFTCAP), float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         rescale = tl.exp(running_max - new_max)
         p = tl.exp(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(p, 1)
         v = tl.load(v_base + offsets, mask=live[:, None], other=0.0)
-        if IEEE:
-            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = _accumulate(acc, rescale, p, v, IEEE)
         running_max = new_max
     return running_max, running_sum, acc
 
@@ -339,13 +351,7 @@ def _prefill_attention(q_ptr, kv_ptr, out_ptr, table_ptr, start_ptr, len_ptr, sc
             blocks = tl.load(table + entries // BS, mask=inside, other=0)
             offsets = blocks[:, None] * stride_kvb + (entries % BS)[:, None] * stride_kvs + dims[None, :]
             k = tl.load(k_base + offsets, mask=inside[:, None], other=0.0)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = scores * scale
-            if SOFTCAP:
-                scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+            scores = _scores(q, k, scale, softcap, IEEE, SOFTCAP)
             visible = inside[None, :] & (entries[None, :] <= position[:, None])
             if WINDOW:
                 visible = visible & (entries[None, :] > position[:, None] - window)
@@ -358,10 +364,7 @@ def _prefill_attention(q_ptr, kv_ptr, out_ptr, table_ptr, start_ptr, len_ptr, sc
             p = tl.exp(scores - base[:, None])
             running_sum = running_sum * rescale + tl.sum(p, 1)
             v = tl.load(v_base + offsets, mask=inside[:, None], other=0.0)
-            if IEEE:
-                acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = _accumulate(acc, rescale, p, v, IEEE)
             running_max = new_max
         out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
         tl.store(out_ptr + q_offsets[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
