@@ -185,7 +185,10 @@ class RLTrainer:
             self.roles.actor.enable_router_aux_loss()
         self.mesh = self.roles.mesh
         self.flop_shapes = flop_shapes(self.roles, self._say)
-        self._say(f"mesh: {self.mesh.describe()}; actor FSDP units: {self.roles.actor.num_fsdp_units()}; "
+        ep = cfg.actor.engine.expert_parallel_size
+        experts = f"; actor experts spread over ep={ep} ranks (world // ep = {self.mesh.world_size // ep} hold each)" \
+            if ep > 1 else ""
+        self._say(f"mesh: {self.mesh.describe()}{experts}; actor FSDP units: {self.roles.actor.num_fsdp_units()}; "
                   f"per-rank prompts {self.layout.prompts_per_rank}, samples {self.layout.samples_per_rank}")
         loader = PromptLoader(self.train_set, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed,
                               dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
