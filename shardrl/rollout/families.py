@@ -114,7 +114,8 @@ def check_supported(config) -> None:
         if getattr(config, flag, None):
             raise ValueError(f"{flag}={getattr(config, flag)!r} is not supported by the fast rollout" + USE_HF)
     if getattr(config, "clip_qkv", None) is not None:
-        raise ValueError(f"clip_qkv={config.clip_qkv!r} (q, k, v clamped) is not supported by the fast rollout" + USE_HF)
+        raise ValueError(f"clip_qkv={config.clip_qkv!r} (q, k, v clamped) is not supported by the fast rollout"
+                         + USE_HF)
     if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported by the fast rollout" + USE_HF)
 

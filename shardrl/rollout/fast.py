@@ -768,8 +768,9 @@ class FastRollout(Rollout):
         first token. Each distinct prompt (by its tokens: a prompt's n samples, and rows whose prompts are equal,
         such as a conversation's copies at its first turn) runs once, from the end of its longest cached prefix
         (`BlockPool.lookup`), in chunks of at most `prefill_tokens` tokens run (and four times that read from the
-        cache where SDPA attends to a gathered copy of the cached prefixes, sixteen with the Triton prefill); its rows share its full blocks (each gets its own copy of the last, partly filled one). Returns
-        (tokens run, prompt tokens read from the cache)."""
+        cache where SDPA attends to a gathered copy of the cached prefixes, sixteen with the Triton prefill); its
+        rows share its full blocks (each gets its own copy of the last, partly filled one). Returns (tokens run,
+        prompt tokens read from the cache)."""
         st, pool, size = self._state, self._pool, self.block_size
         lookup = self.prefix_cache and not self.record_routing  # (R3 records the routing of every prompt token)
         run = cached_total = 0

@@ -515,7 +515,8 @@ class DecoderBlock:
     compiled code, shapes free to vary with the chunk). The cache writes and attention stay outside them, so
     no compiled layer code mutates the cache or sees the attended length. `attention` is the decode step's
     (`SDPADecodeAttention` by default, or `TritonDecodeAttention`); a prefill attends with causal SDPA (or
-    `softcapped_attention`), masked to the window on a sliding-window layer."""
+    `softcapped_attention`), masked to the window on a sliding-window layer, and after a cached prefix through the
+    attention's own `prefill` (the Triton kernel reads the blocks; SDPA a gathered copy)."""
 
     # the decode parts compile once per slot width (a call's widths, `FastRollout._widths`: 9 at 512 slots, more
     # over calls of other slot counts); past dynamo's per-function limit (8 by default) a new width would run its
