@@ -394,13 +394,20 @@ phase_s20_qwen3_eager() { limit 220 python3 bench/moe.py update --shape qwen3_30
 # next session (one H200): OLMoE in the fast rollout (CUDA graphs against HF; decode against HF generate and the
 # floor; R3 on OLMoE itself)
 #   s21_tests s21_olmoe
-phase_s21_tests() { limit 240 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs \
-    tests/test_rollout_fast_families.py -k "olmoe or moe or mixtral"; }
+phase_s21_tests() { limit 420 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs \
+    tests/test_prefix_cache.py tests/test_rollout_fast.py tests/test_rollout_fast_families.py; }
 phase_s21_olmoe() {
     limit 300 python3 bench/moe.py rollout --shape olmoe --out $RES
     limit 300 python3 bench/moe.py replay --shape olmoe --steps 3 --modes R3,disabled --out $RES \
         --extra "model.dtype=bfloat16 actor.engine.max_token_len_per_gpu=8192"
 }
+
+# session 21 (one H200): the shared-prefix decode's kernels alone, swept (where its 4.2 ms a step goes); the CUDA
+# tests of the prefill and decode kernels after they came to share their steps, and OLMoE's; the 7B LoRA step with
+# the base gathered a layer at a time against it kept whole (nvidia-smi's peak)
+#   s21_cascade s21_tests s21_lora s21_olmoe
+phase_s21_cascade() { limit 300 python3 bench/profile_cascade.py --out $RES; }
+phase_s21_lora() { limit 480 python3 bench/lora.py steps --cases 7b_lora_least,7b_lora_unmerged_gc --steps 3 --out $RES; }
 
 case "${1:-}" in
 start)

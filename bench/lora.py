@@ -68,6 +68,11 @@ CASES = {
     "7b_lora_unmerged_gc": ("7b", 32, LORA + ["actor.engine.max_token_len_per_gpu=4096",
                                               "rollout.free_cache_engine=true", "rollout.lora_sync=unmerged",
                                               "model.gradient_checkpointing=true"]),
+    # ... and the frozen base gathered a layer at a time in the update, not kept whole beside its shard (on one GPU
+    # `accumulate_unsharded` would hold a second bf16 copy of it over the micro-batches)
+    "7b_lora_least": ("7b", 32, LORA + ["actor.engine.max_token_len_per_gpu=4096", "rollout.free_cache_engine=true",
+                                        "rollout.lora_sync=unmerged", "model.gradient_checkpointing=true",
+                                        "actor.engine.accumulate_unsharded=false"]),
     # a second, gathered copy of the 65 GB base over the micro-batches would not fit: gather a layer at a time
     "32b_lora": ("32b", 16, LORA + ["rollout.max_batch=64", "model.gradient_checkpointing=true",
                                     "actor.engine.accumulate_unsharded=false"]),

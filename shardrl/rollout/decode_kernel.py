@@ -257,7 +257,8 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
                      scale: float | None = None, softcap: float | None = None,
                      window: int | None = None, block_table: torch.Tensor | None = None,
                      cascade: tuple[torch.Tensor, torch.Tensor] | None = None, prefix_splits: int = 4,
-                     prefix_warps: int = 4) -> torch.Tensor:
+                     prefix_warps: int = 4, prefix_block_n: int | None = None,
+                     prefix_stages: int | None = None) -> torch.Tensor:
     """q (B, Hkv, G, D) contiguous, kv_layer (2, B, Hkv, max_seq, D) with unit stride in D, positions (B,):
     softmax(q k^T * scale) v over each slot's entries 0..position (scale: 1 / sqrt(D) unless given); with
     `softcap`, the logits are softcap * tanh(logits / softcap); with `window`, only the entries j with
@@ -293,15 +294,9 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
         if window is not None:
             raise ValueError("decode_attention: a shared-prefix cascade on a sliding-window layer is not supported")
         shared, groups = cascade
-        if prefix_splits < 1:
-            raise ValueError(f"prefix_splits={prefix_splits} must be >= 1")
-        ps, m = prefix_splits, groups.shape[1]
-        prefix = torch.empty(b * hkv * ps * g * (d + 2), dtype=torch.float32, device=q.device)
-        _shared_prefix_attention[(groups.shape[0], hkv, ps)](
-            q, kv_layer, prefix, shared, groups, block_table, scale, softcap or 1.0, q.stride(0), q.stride(1),
-            *kv_layer.stride()[:4], block_table.stride(0), groups.stride(0), G=g, D=d, M=m,
-            BLOCK_R=max(16, triton.next_power_of_2(m * g)), BLOCK_N=block_n, PS=ps, IEEE=ieee,
-            SOFTCAP=softcap is not None, BS=bs, num_warps=prefix_warps, num_stages=num_stages)
+        ps = prefix_splits
+        prefix = shared_prefix_parts(q, kv_layer, block_table, shared, groups, scale, softcap, ps,
+                                     prefix_block_n or block_n, prefix_warps, prefix_stages or num_stages)
     _decode_attention[(b, hkv, splits)](
         q, kv_layer, out, part, positions, block_table, k_new, v_new, shared, prefix, scale,
         softcap or 1.0, window or 0, q.stride(0), q.stride(1), *kv_layer.stride()[:4], block_table.stride(0),
@@ -313,6 +308,26 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
         _combine_splits[(b, hkv)](part, out, shared, prefix, out.stride(0), out.stride(1), G=g, BLOCK_G=block_g,
                                   D=d, SPLITS=splits, CASCADE=cascade is not None, PS=ps, num_warps=4)
     return out
+
+
+def shared_prefix_parts(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, shared: torch.Tensor,
+                        groups: torch.Tensor, scale: float, softcap: float | None, prefix_splits: int = 4,
+                        block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """The first kernel of the cascade (`decode_attention`'s `cascade`): each group's shared entries read once for
+    all its members. Returns the flat fp32 buffer of the members' unnormalized parts (`_prefix_offset`), which
+    the per-slot kernel merges; a slot in no group has none written."""
+    b, hkv, g, d = q.shape
+    if prefix_splits < 1:
+        raise ValueError(f"prefix_splits={prefix_splits} must be >= 1")
+    m = groups.shape[1]
+    prefix = torch.empty(b * hkv * prefix_splits * g * (d + 2), dtype=torch.float32, device=q.device)
+    _shared_prefix_attention[(groups.shape[0], hkv, prefix_splits)](
+        q, kv_layer, prefix, shared, groups, block_table, scale, softcap or 1.0, q.stride(0), q.stride(1),
+        *kv_layer.stride()[:4], block_table.stride(0), groups.stride(0), G=g, D=d, M=m,
+        BLOCK_R=max(16, triton.next_power_of_2(m * g)), BLOCK_N=block_n, PS=prefix_splits,
+        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, BS=kv_layer.shape[3], num_warps=num_warps,
+        num_stages=num_stages)
+    return prefix
 
 
 @triton.jit
