@@ -406,7 +406,7 @@ phase_s21_olmoe() {
 # tests of the prefill and decode kernels after they came to share their steps, and OLMoE's; the 7B LoRA step with
 # the base gathered a layer at a time against it kept whole (nvidia-smi's peak)
 #   s21_cascade s21_tests s21_lora s21_olmoe
-phase_s21_cascade() { limit 300 python3 bench/profile_cascade.py --out $RES; }
+phase_s21_cascade() { limit 400 python3 bench/profile_cascade.py --out $RES; }
 phase_s21_lora() { limit 480 python3 bench/lora.py steps --cases 7b_lora_least,7b_lora_unmerged_gc --steps 3 --out $RES; }
 
 case "${1:-}" in

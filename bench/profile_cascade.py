@@ -92,22 +92,32 @@ def main() -> None:
     def cascade(m=default_m, **kw):
         return lambda: decode_attention(q, kv, positions, k_new, v_new, block_table=table, cascade=cascades[m], **kw)
 
-    def prefix_only(m=default_m, ps=4, block_n=64, warps=4, stages=2):
+    def prefix_only(m=default_m, ps=4, block_n=64, warps=4, stages=2, groups_last=False, compact=False):
         shared, groups = cascades[m]
-        return lambda: shared_prefix_parts(q, kv, table, shared, groups, scale, None, ps, block_n, warps, stages)
+        if compact:  # only the live groups' rows: no program of an empty group launched
+            groups = groups[: (groups[:, 0] >= 0).sum()]
+        return lambda: shared_prefix_parts(q, kv, table, shared, groups, scale, None, ps, block_n, warps, stages,
+                                           groups_last)
 
-    rows = {"flat": flat(), "flat_split2": flat(splits=2), "flat_split4": flat(splits=4),
-            "cascade (default: ps4 w4 n64 s2)": cascade(), "prefix_only (default)": prefix_only()}
-    sweep = [(ps, w, bn, st) for ps, w, bn, st in itertools.product((1, 2, 4, 8, 16), (4, 8), (32, 64, 128), (1, 2, 3))
-             if not args.quick or (w == 4 and st == 2 and bn == 64)]
-    for ps, w, bn, st in sweep:
-        rows[f"cascade ps{ps} w{w} n{bn} s{st}"] = cascade(prefix_splits=ps, prefix_warps=w, prefix_block_n=bn,
-                                                          prefix_stages=st)
+    rows = {"flat": flat(), "flat n128 s1": flat(block_n=128, num_stages=1), "flat_split2": flat(splits=2),
+            "cascade (default)": cascade(), "prefix_only (default)": prefix_only()}
+    settings = [(4, 64, 2), (4, 128, 1), (8, 128, 1), (8, 64, 1), (2, 128, 1), (4, 256, 1), (16, 64, 1), (16, 128, 1),
+                (8, 32, 2), (16, 32, 2)]
+    if args.quick:
+        settings = settings[:2]
+    for ps, bn, st in settings:  # the shared-prefix kernel: its grid's order, and its programs of empty groups
+        for layout, kw in (("", {}), (" groups_last", dict(groups_last=True)), (" compact", dict(compact=True))):
+            rows[f"prefix_only ps{ps} n{bn} s{st}{layout}"] = prefix_only(ps=ps, block_n=bn, stages=st, **kw)
+        for last in (False, True):
+            rows[f"cascade ps{ps} n{bn} s{st}{' groups_last' if last else ''}"] = cascade(
+                prefix_splits=ps, prefix_block_n=bn, prefix_stages=st, groups_last=last)
+    for bn, st in itertools.product((32, 64, 128), (1, 2, 3)):  # the per-slot kernel's own settings under a cascade
+        rows[f"cascade ps4 n128 s1 groups_last, per-slot n{bn} s{st}"] = cascade(
+            prefix_splits=4, prefix_block_n=128, prefix_stages=1, groups_last=True, block_n=bn, num_stages=st)
     for m in cascades:
         if m != default_m:
             rows[f"cascade members{m}"] = cascade(m)
             rows[f"prefix_only members{m}"] = prefix_only(m)
-    rows["cascade split2"] = cascade(splits=2)
     own = (positions - args.shared + 1).sum().item()
     bytes_per_entry = 2 * args.kv_heads * args.head_dim * kv.element_size()
     floor_bytes = (args.prompts * args.shared + own) * bytes_per_entry

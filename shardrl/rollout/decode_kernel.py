@@ -220,12 +220,17 @@ def _shared_prefix_attention(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, 
                              stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs, stride_tb,
                              stride_gg, G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_N: tl.constexpr, PS: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
-                             BS: tl.constexpr):
+                             BS: tl.constexpr, GROUPS_LAST: tl.constexpr):
     """One program per (group, KV head, split): the group's member slots (`groups` row, -1 past them) share their
     first `shared[first member]` cache entries (the first member's blocks); their M x G query rows are multiplied
     against those entries together, and each row's unnormalized result, running max and sum are stored for the
     per-slot kernel to merge. An empty group stores nothing."""
-    grp, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if GROUPS_LAST:  # grid (Hkv, PS, groups): the programs of the first groups (the live ones) are dispatched first
+        h, split, grp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        num_heads = tl.num_programs(0)
+    else:
+        grp, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        num_heads = tl.num_programs(1)
     rows, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
     member, head = rows // G, rows % G
     slot = tl.load(groups_ptr + grp * stride_gg + member, mask=member < M, other=-1)
@@ -246,7 +251,7 @@ def _shared_prefix_attention(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, 
     running_max, running_sum, acc = _attend_entries(q, k_base, v_base, table, first, stop, running_max, running_sum,
                                                     acc, scale, softcap, stride_kvb, stride_kvs, D, BLOCK_N, IEEE,
                                                     SOFTCAP, BS)
-    base = prefix_ptr + _prefix_offset(tl.maximum(slot, 0), h, split, tl.num_programs(1), G, D, PS)
+    base = prefix_ptr + _prefix_offset(tl.maximum(slot, 0), h, split, num_heads, G, D, PS)
     tl.store(base[:, None] + head[:, None] * D + dims[None, :], acc, mask=live[:, None])
     tl.store(base + G * D + head, running_max, mask=live)
     tl.store(base + G * D + G + head, running_sum, mask=live)
@@ -258,7 +263,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
                      window: int | None = None, block_table: torch.Tensor | None = None,
                      cascade: tuple[torch.Tensor, torch.Tensor] | None = None, prefix_splits: int = 4,
                      prefix_warps: int = 4, prefix_block_n: int | None = None,
-                     prefix_stages: int | None = None) -> torch.Tensor:
+                     prefix_stages: int | None = None, groups_last: bool = False) -> torch.Tensor:
     """q (B, Hkv, G, D) contiguous, kv_layer (2, B, Hkv, max_seq, D) with unit stride in D, positions (B,):
     softmax(q k^T * scale) v over each slot's entries 0..position (scale: 1 / sqrt(D) unless given); with
     `softcap`, the logits are softcap * tanh(logits / softcap); with `window`, only the entries j with
@@ -296,7 +301,8 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
         shared, groups = cascade
         ps = prefix_splits
         prefix = shared_prefix_parts(q, kv_layer, block_table, shared, groups, scale, softcap, ps,
-                                     prefix_block_n or block_n, prefix_warps, prefix_stages or num_stages)
+                                     prefix_block_n or block_n, prefix_warps, prefix_stages or num_stages,
+                                     groups_last)
     _decode_attention[(b, hkv, splits)](
         q, kv_layer, out, part, positions, block_table, k_new, v_new, shared, prefix, scale,
         softcap or 1.0, window or 0, q.stride(0), q.stride(1), *kv_layer.stride()[:4], block_table.stride(0),
@@ -312,7 +318,8 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
 
 def shared_prefix_parts(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, shared: torch.Tensor,
                         groups: torch.Tensor, scale: float, softcap: float | None, prefix_splits: int = 4,
-                        block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                        block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                        groups_last: bool = False) -> torch.Tensor:
     """The first kernel of the cascade (`decode_attention`'s `cascade`): each group's shared entries read once for
     all its members. Returns the flat fp32 buffer of the members' unnormalized parts (`_prefix_offset`), which
     the per-slot kernel merges; a slot in no group has none written."""
@@ -321,12 +328,13 @@ def shared_prefix_parts(q: torch.Tensor, kv_layer: torch.Tensor, block_table: to
         raise ValueError(f"prefix_splits={prefix_splits} must be >= 1")
     m = groups.shape[1]
     prefix = torch.empty(b * hkv * prefix_splits * g * (d + 2), dtype=torch.float32, device=q.device)
-    _shared_prefix_attention[(groups.shape[0], hkv, prefix_splits)](
+    grid = (hkv, prefix_splits, groups.shape[0]) if groups_last else (groups.shape[0], hkv, prefix_splits)
+    _shared_prefix_attention[grid](
         q, kv_layer, prefix, shared, groups, block_table, scale, softcap or 1.0, q.stride(0), q.stride(1),
         *kv_layer.stride()[:4], block_table.stride(0), groups.stride(0), G=g, D=d, M=m,
         BLOCK_R=max(16, triton.next_power_of_2(m * g)), BLOCK_N=block_n, PS=prefix_splits,
-        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, BS=kv_layer.shape[3], num_warps=num_warps,
-        num_stages=num_stages)
+        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, BS=kv_layer.shape[3], GROUPS_LAST=groups_last,
+        num_warps=num_warps, num_stages=num_stages)
     return prefix
 
 
