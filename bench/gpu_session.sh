@@ -405,8 +405,11 @@ phase_s21_olmoe() {
 # session 21 (one H200): the shared-prefix decode's kernels alone, swept (where its 4.2 ms a step goes); the CUDA
 # tests of the prefill and decode kernels after they came to share their steps, and OLMoE's; the 7B LoRA step with
 # the base gathered a layer at a time against it kept whole (nvidia-smi's peak)
-#   s21_cascade s21_tests s21_lora s21_olmoe
+#   s21_cascade s21_tests s21_lora s21_olmoe; then, with the shared-prefix kernel beside the per-slot one and its
+#   programs walking the live groups: s21_cascade s21_tests s21_prefix
 phase_s21_cascade() { limit 400 python3 bench/profile_cascade.py --out $RES; }
+phase_s21_prefix() { limit 300 python3 bench/prefix_reuse.py --trees new=.,old=.baseline_tree \
+    --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
 phase_s21_lora() { limit 480 python3 bench/lora.py steps --cases 7b_lora_least,7b_lora_unmerged_gc --steps 3 --out $RES; }
 
 case "${1:-}" in

@@ -2,10 +2,11 @@
 GPU: one layer's attention for 256 slots (32 prompts of 2,048 tokens, n = 8, each slot 1-256 entries of its own), as
 the fast rollout runs it (paged blocks of 64, the new K/V written by the kernel), timed in CUDA graphs of 28 calls.
 
-Rows: the per-slot kernel reading every entry (`flat`, the cascade off), the cascade with its tuning knobs swept
-(prefix splits, warps, entries per step, pipeline stages of the shared-prefix kernel), the shared-prefix kernel alone
-(so the per-slot kernel and the merge are the difference), and groups of fewer members (fewer rows per product, the
-prefix read more times). Each row's output is checked against `flat`. The floor: the K/V bytes a step must read
+Rows: the per-slot kernel reading every entry (`flat`, the cascade off), the cascade at its defaults and at session
+20's settings, with its knobs varied (the shared-prefix kernel beside the per-slot one on a second stream or after
+it, its programs per (KV head, split), prefix splits, the per-slot kernel's entries per step and stages), the
+shared-prefix kernel alone (the per-slot kernel and the merge are the difference), and groups of fewer members (more
+groups, fewer rows per product, the prefix read more times). Each row's output is checked against `flat`. The floor: the K/V bytes a step must read
 (each prompt's shared entries once, each slot's own entries) at 4.3 TB/s.
 
     python bench/profile_cascade.py --out results.jsonl
@@ -70,7 +71,6 @@ def main() -> None:
     parser.add_argument("--shared", type=int, default=2048)
     parser.add_argument("--own", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="a few rows only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -92,32 +92,35 @@ def main() -> None:
     def cascade(m=default_m, **kw):
         return lambda: decode_attention(q, kv, positions, k_new, v_new, block_table=table, cascade=cascades[m], **kw)
 
-    def prefix_only(m=default_m, ps=4, block_n=64, warps=4, stages=2, groups_last=False, compact=False):
+    def prefix_only(m=default_m, **kw):
         shared, groups = cascades[m]
-        if compact:  # only the live groups' rows: no program of an empty group launched
-            groups = groups[: (groups[:, 0] >= 0).sum()]
-        return lambda: shared_prefix_parts(q, kv, table, shared, groups, scale, None, ps, block_n, warps, stages,
-                                           groups_last)
+        return lambda: shared_prefix_parts(q, kv, table, shared, groups, scale, None, **kw)
 
-    rows = {"flat": flat(), "flat n128 s1": flat(block_n=128, num_stages=1), "flat_split2": flat(splits=2),
-            "cascade (default)": cascade(), "prefix_only (default)": prefix_only()}
-    settings = [(4, 64, 2), (4, 128, 1), (8, 128, 1), (8, 64, 1), (2, 128, 1), (4, 256, 1), (16, 64, 1), (16, 128, 1),
-                (8, 32, 2), (16, 32, 2)]
-    if args.quick:
-        settings = settings[:2]
-    for ps, bn, st in settings:  # the shared-prefix kernel: its grid's order, and its programs of empty groups
-        for layout, kw in (("", {}), (" groups_last", dict(groups_last=True)), (" compact", dict(compact=True))):
-            rows[f"prefix_only ps{ps} n{bn} s{st}{layout}"] = prefix_only(ps=ps, block_n=bn, stages=st, **kw)
-        for last in (False, True):
-            rows[f"cascade ps{ps} n{bn} s{st}{' groups_last' if last else ''}"] = cascade(
-                prefix_splits=ps, prefix_block_n=bn, prefix_stages=st, groups_last=last)
-    for bn, st in itertools.product((32, 64, 128), (1, 2, 3)):  # the per-slot kernel's own settings under a cascade
-        rows[f"cascade ps4 n128 s1 groups_last, per-slot n{bn} s{st}"] = cascade(
-            prefix_splits=4, prefix_block_n=128, prefix_stages=1, groups_last=True, block_n=bn, num_stages=st)
+    rows_of = {m: c[1].shape[0] for m, c in cascades.items()}  # one program per row of groups (empty ones too)
+    session20 = dict(prefix_block_n=64, prefix_stages=2, prefix_programs=rows_of[default_m], overlap=False)
+    rows = {"flat": flat(), "flat_split2": flat(splits=2),
+            "cascade (defaults)": cascade(),
+            "cascade, session 20's settings (n64 s2, a program per row, one stream)": cascade(**session20),
+            "cascade overlap=False": cascade(overlap=False),
+            "cascade programs=rows": cascade(prefix_programs=rows_of[default_m]),
+            "cascade programs=rows overlap=False": cascade(prefix_programs=rows_of[default_m], overlap=False),
+            "prefix_only (defaults)": prefix_only(),
+            "prefix_only programs=rows": prefix_only(programs=rows_of[default_m]),
+            "prefix_only n64 s2": prefix_only(block_n=64, num_stages=2)}
+    for programs in (8, 16, 32, 64):
+        rows[f"cascade programs={programs}"] = cascade(prefix_programs=programs)
+        rows[f"prefix_only programs={programs}"] = prefix_only(programs=programs)
+    for ps in (1, 2, 8):
+        rows[f"cascade ps{ps}"] = cascade(prefix_splits=ps)
+        rows[f"cascade ps{ps} overlap=False"] = cascade(prefix_splits=ps, overlap=False)
+    for bn, st in itertools.product((32, 64, 128), (1, 2, 3)):  # the per-slot kernel's own settings
+        rows[f"cascade, per-slot n{bn} s{st}"] = cascade(block_n=bn, num_stages=st)
     for m in cascades:
-        if m != default_m:
+        if m != default_m:  # more groups (of fewer members): the programs walk several rows each
             rows[f"cascade members{m}"] = cascade(m)
-            rows[f"prefix_only members{m}"] = prefix_only(m)
+            rows[f"cascade members{m} programs=rows"] = cascade(m, prefix_programs=rows_of[m])
+            rows[f"cascade members{m} programs=rows overlap=False"] = cascade(m, prefix_programs=rows_of[m],
+                                                                             overlap=False)
     own = (positions - args.shared + 1).sum().item()
     bytes_per_entry = 2 * args.kv_heads * args.head_dim * kv.element_size()
     floor_bytes = (args.prompts * args.shared + own) * bytes_per_entry

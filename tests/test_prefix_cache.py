@@ -16,6 +16,28 @@ from test_rollout_fast import (PROMPTS, assert_same_output, encode, make_rollout
 from test_rollout_hf import recomputed_log_probs
 
 
+def test_shared_prefix_groups_reach_the_device_live_rows_first():
+    """The decode kernel walks the group rows up to the first empty one: after a group dissolves, the groups after
+    it move up, with their members and shared lengths intact."""
+    from shardrl.rollout.paged import SharedPrefixGroups
+
+    shared, groups = torch.zeros(8, dtype=torch.long), torch.full((4, 3), -1, dtype=torch.long)
+    g = SharedPrefixGroups(8, 3, shared, groups)
+    g.add([0, 1], 64)
+    g.add([2, 3, 4], 128)
+    g.add([5, 6], 64)
+    g.push()
+    assert groups.tolist() == [[0, 1, -1], [2, 3, 4], [5, 6, -1], [-1, -1, -1]]
+    g.remove(0)  # the first group dissolves (one slot left)
+    g.move(4, 7)
+    g.push()
+    assert groups.tolist() == [[2, 3, 7], [5, 6, -1], [-1, -1, -1], [-1, -1, -1]]
+    assert shared.tolist() == [0, 0, 128, 128, 0, 64, 64, 128]
+    g.add([0, 1], 64)  # takes the free id 0 on the host, the first free row on the device
+    g.push()
+    assert groups.tolist() == [[0, 1, -1], [2, 3, 7], [5, 6, -1], [-1, -1, -1]]
+
+
 def test_the_pool_counts_holders_keeps_finished_prefixes_and_evicts_the_least_recent():
     pool = BlockPool(7, 2)  # blocks 1..6 (0 is scratch)
     a = pool.allocate(3)

@@ -89,11 +89,13 @@ def check_cascade(dtype, atol, gen) -> None:
     paged[:, table.flatten()] = kv.view(2, b, hkv, per_slot, size, d).transpose(2, 3).flatten(1, 2)
     for s in (2, 3, 5):  # own copies of the shared blocks, poisoned; the table keeps pointing at them
         paged[:, table[s, : int(shared[s]) // size]] = float("nan")
-    for splits in (1, 3):
-        for prefix_splits in (1, 3):
-            got = decode_attention(q, paged.clone(), positions, k_new, v_new, block_n=16, splits=splits,
-                                   block_table=table, cascade=(shared, groups), prefix_splits=prefix_splits)
-            torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+    # one split merged in the per-slot kernel (overlap off) or by the combine kernel; one program walking every group
+    for splits, prefix_splits, overlap, programs in ((1, 1, False, None), (1, 3, False, 1), (1, 3, True, None),
+                                                     (3, 1, True, 1), (3, 3, False, None)):
+        got = decode_attention(q, paged.clone(), positions, k_new, v_new, block_n=16, splits=splits,
+                               block_table=table, cascade=(shared, groups), prefix_splits=prefix_splits,
+                               prefix_block_n=16, overlap=overlap, prefix_programs=programs)
+        torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
     # a soft-cap and a scale of their own (Gemma 2's layers): the group's programs apply them as the slot's do
     plain = paged.clone()
     for s, first in ((2, 0), (3, 0), (5, 4)):  # the members' own copies of the shared blocks, unpoisoned

@@ -30,6 +30,8 @@ the keys past the tile's last position are not read.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -89,7 +91,8 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_ne
                       stride_kvs, stride_tb, stride_kb, stride_kh, stride_vb, stride_vh,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLITS: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr, SOFTCAP: tl.constexpr,
-                      WINDOW: tl.constexpr, BS: tl.constexpr, CASCADE: tl.constexpr, PS: tl.constexpr):
+                      WINDOW: tl.constexpr, BS: tl.constexpr, CASCADE: tl.constexpr, PS: tl.constexpr,
+                      PARTS: tl.constexpr):
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     position = tl.load(pos_ptr + b)
     end = position if WRITE else position + 1  # the entries read from the cache
@@ -131,7 +134,7 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_ne
             running_sum = running_sum * rescale + p_new
             acc = acc * rescale[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
             running_max = new_max
-    if SPLITS == 1:
+    if not PARTS:  # one split, merged here (with CASCADE: with its group's parts)
         if CASCADE:
             acc, running_max, running_sum = _merge_prefix(acc, running_max, running_sum, prefix_ptr, b, h,
                                                           tl.num_programs(1), shared, G, BLOCK_G, D, PS)
@@ -216,27 +219,18 @@ def _merge_prefix(acc, running_max, running_sum, prefix_ptr, b, h, num_heads, sh
 
 
 @triton.jit
-def _shared_prefix_attention(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, table_ptr, scale, softcap,
-                             stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs, stride_tb,
-                             stride_gg, G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_N: tl.constexpr, PS: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
-                             BS: tl.constexpr, GROUPS_LAST: tl.constexpr):
-    """One program per (group, KV head, split): the group's member slots (`groups` row, -1 past them) share their
-    first `shared[first member]` cache entries (the first member's blocks); their M x G query rows are multiplied
-    against those entries together, and each row's unnormalized result, running max and sum are stored for the
-    per-slot kernel to merge. An empty group stores nothing."""
-    if GROUPS_LAST:  # grid (Hkv, PS, groups): the programs of the first groups (the live ones) are dispatched first
-        h, split, grp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        num_heads = tl.num_programs(0)
-    else:
-        grp, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        num_heads = tl.num_programs(1)
+def _shared_group(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, table_ptr, grp, first_slot, h, split, num_heads,
+                  scale, softcap, stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs, stride_tb,
+                  stride_gg, G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PS: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, BS: tl.constexpr):
+    """Group `grp` (its first member `first_slot`), KV head h, split `split`: the members' M x G query rows against
+    the group's shared entries (the first member's blocks), each row's unnormalized result, running max and sum
+    stored for the per-slot kernel to merge."""
     rows, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
     member, head = rows // G, rows % G
     slot = tl.load(groups_ptr + grp * stride_gg + member, mask=member < M, other=-1)
     live = slot >= 0
-    first_slot = tl.load(groups_ptr + grp * stride_gg)
-    length = tl.load(shared_ptr + tl.maximum(first_slot, 0), mask=first_slot >= 0, other=0)
+    length = tl.load(shared_ptr + first_slot)
     chunk = tl.cdiv(tl.cdiv(length, PS), BLOCK_N) * BLOCK_N
     first = split * chunk
     stop = tl.minimum(first + chunk, length)
@@ -244,7 +238,7 @@ def _shared_prefix_attention(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, 
                 mask=live[:, None], other=0.0)
     k_base = kv_ptr + h * stride_kvh
     v_base = k_base + stride_kvkind
-    table = table_ptr + tl.maximum(first_slot, 0) * stride_tb
+    table = table_ptr + first_slot * stride_tb
     running_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
@@ -256,14 +250,54 @@ def _shared_prefix_attention(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, 
     tl.store(base + G * D + head, running_max, mask=live)
     tl.store(base + G * D + G + head, running_sum, mask=live)
 
+
+@triton.jit
+def _shared_prefix_attention(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, table_ptr, num_groups, scale, softcap,
+                             stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs, stride_tb,
+                             stride_gg, G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_N: tl.constexpr, PS: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
+                             BS: tl.constexpr):
+    """Grid (KV heads, PS splits, P programs): program p takes the groups in rows p, p + P, ... of `groups` (each row a
+    group's member slots, -1 past them) up to the first empty row. The live rows come first (`SharedPrefixGroups`),
+    so no program is spent on an empty group beyond one load."""
+    h, split, grp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    first_slot = tl.load(groups_ptr + grp * stride_gg, mask=grp < num_groups, other=-1)
+    while first_slot >= 0:
+        _shared_group(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, table_ptr, grp, first_slot, h, split,
+                      tl.num_programs(0), scale, softcap, stride_qb, stride_qh, stride_kvkind, stride_kvb,
+                      stride_kvh, stride_kvs, stride_tb, stride_gg, G, D, M, BLOCK_R, BLOCK_N, PS, IEEE, SOFTCAP, BS)
+        grp += tl.num_programs(2)
+        first_slot = tl.load(groups_ptr + grp * stride_gg, mask=grp < num_groups, other=-1)
+
+
+_SIDE_STREAMS: dict = {}  # device -> the stream the shared-prefix kernel runs on beside the per-slot kernel
+_SM_COUNTS: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def _group_programs(device: torch.device, rows: int, hkv: int, splits: int) -> int:
+    """Programs per (KV head, split) of the shared-prefix kernel: enough for about two per SM over the grid (more
+    would wait for an SM anyway), at most one per row of groups."""
+    if device.type != "cuda":
+        return rows
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(rows, -(-2 * _SM_COUNTS[device] // (hkv * splits))))
+
+
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.Tensor,
                      k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                      block_n: int = 64, splits: int = 1, num_warps: int = 4, num_stages: int = 2,
                      scale: float | None = None, softcap: float | None = None,
                      window: int | None = None, block_table: torch.Tensor | None = None,
                      cascade: tuple[torch.Tensor, torch.Tensor] | None = None, prefix_splits: int = 4,
-                     prefix_warps: int = 4, prefix_block_n: int | None = None,
-                     prefix_stages: int | None = None, groups_last: bool = False) -> torch.Tensor:
+                     prefix_warps: int = 4, prefix_block_n: int = 128, prefix_stages: int = 1,
+                     prefix_programs: int | None = None, overlap: bool = True) -> torch.Tensor:
     """q (B, Hkv, G, D) contiguous, kv_layer (2, B, Hkv, max_seq, D) with unit stride in D, positions (B,):
     softmax(q k^T * scale) v over each slot's entries 0..position (scale: 1 / sqrt(D) unless given); with
     `softcap`, the logits are softcap * tanh(logits / softcap); with `window`, only the entries j with
@@ -277,8 +311,11 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
 
     `cascade` = (shared (>= B,) long, groups (num_groups, M) long): slots that share their first shared[slot] cache
     entries (a multiple of the block size, the same blocks in their table rows) are listed together in a row of
-    `groups` (slot ids from column 0 on, -1 after; a slot in no group has shared 0); each group's entries are read
-    once, by `prefix_splits` programs per KV head (module docstring). Not with `window`."""
+    `groups` (slot ids from column 0 on, -1 after; the live rows first, then only empty ones; a slot in no group has
+    shared 0); each group's entries are read once, by `prefix_splits` programs per KV head (module docstring;
+    `shared_prefix_parts` takes the prefix_* settings, timed by bench/profile_cascade.py). With `overlap` (CUDA), that
+    kernel runs on a second stream beside the per-slot kernel, which then leaves its result unnormalized for the
+    merge kernel that waits for both. Not with `window`."""
     b, hkv, g, d = q.shape
     if not triton_head_dim(d) or kv_layer.stride(-1) != 1 or not q.is_contiguous():
         raise ValueError(f"decode_attention needs a contiguous q and a power-of-two head dim >= 16, got {d}")
@@ -288,10 +325,12 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
     k_new, v_new = (k_new, v_new) if write else (q, q)  # placeholders the kernel does not read
     if block_table is None:  # one block per slot
         block_table = torch.arange(b, dtype=torch.long, device=q.device)[:, None]
+    overlap = overlap and cascade is not None
+    parts = splits > 1 or overlap  # the per-slot kernel leaves its result to `_combine_splits`
+    streams = overlap and q.is_cuda  # (elsewhere, Triton's interpreter: the same kernels, one after the other)
     out = torch.empty_like(q)
     block_g = max(16, triton.next_power_of_2(g))
-    part = torch.empty(b * hkv * splits * block_g * (d + 2) if splits > 1 else 1, dtype=torch.float32,
-                       device=q.device)
+    part = torch.empty(b * hkv * splits * block_g * (d + 2) if parts else 1, dtype=torch.float32, device=q.device)
     scale = d**-0.5 if scale is None else scale
     ieee, bs = q.dtype == torch.float32, kv_layer.shape[3]
     shared, prefix, ps = positions, part, 1  # placeholders the kernels do not read without a cascade
@@ -300,17 +339,23 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
             raise ValueError("decode_attention: a shared-prefix cascade on a sliding-window layer is not supported")
         shared, groups = cascade
         ps = prefix_splits
-        prefix = shared_prefix_parts(q, kv_layer, block_table, shared, groups, scale, softcap, ps,
-                                     prefix_block_n or block_n, prefix_warps, prefix_stages or num_stages,
-                                     groups_last)
+        prefix = torch.empty(b * hkv * ps * g * (d + 2), dtype=torch.float32, device=q.device)
+        if streams:
+            main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if streams else contextlib.nullcontext():
+            shared_prefix_parts(q, kv_layer, block_table, shared, groups, scale, softcap, ps, prefix_block_n,
+                                prefix_warps, prefix_stages, prefix_programs, prefix)
     _decode_attention[(b, hkv, splits)](
         q, kv_layer, out, part, positions, block_table, k_new, v_new, shared, prefix, scale,
         softcap or 1.0, window or 0, q.stride(0), q.stride(1), *kv_layer.stride()[:4], block_table.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         G=g, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SPLITS=splits, IEEE=ieee, WRITE=write,
         SOFTCAP=softcap is not None, WINDOW=window is not None, BS=bs, CASCADE=cascade is not None, PS=ps,
-        num_warps=num_warps, num_stages=num_stages)
-    if splits > 1:
+        PARTS=parts, num_warps=num_warps, num_stages=num_stages)
+    if streams:
+        main.wait_stream(side)
+    if parts:
         _combine_splits[(b, hkv)](part, out, shared, prefix, out.stride(0), out.stride(1), G=g, BLOCK_G=block_g,
                                   D=d, SPLITS=splits, CASCADE=cascade is not None, PS=ps, num_warps=4)
     return out
@@ -318,23 +363,25 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
 
 def shared_prefix_parts(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, shared: torch.Tensor,
                         groups: torch.Tensor, scale: float, softcap: float | None, prefix_splits: int = 4,
-                        block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                        groups_last: bool = False) -> torch.Tensor:
+                        block_n: int = 128, num_warps: int = 4, num_stages: int = 1, programs: int | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """The first kernel of the cascade (`decode_attention`'s `cascade`): each group's shared entries read once for
-    all its members. Returns the flat fp32 buffer of the members' unnormalized parts (`_prefix_offset`), which
-    the per-slot kernel merges; a slot in no group has none written."""
+    all its members, by `prefix_splits` x `programs` programs per KV head (None: `_group_programs`). Returns the flat
+    fp32 buffer (`out`, if given) of the members' unnormalized parts (`_prefix_offset`), which the per-slot kernel
+    or `_combine_splits` merges; a slot in no group has none written."""
     b, hkv, g, d = q.shape
     if prefix_splits < 1:
         raise ValueError(f"prefix_splits={prefix_splits} must be >= 1")
-    m = groups.shape[1]
-    prefix = torch.empty(b * hkv * prefix_splits * g * (d + 2), dtype=torch.float32, device=q.device)
-    grid = (hkv, prefix_splits, groups.shape[0]) if groups_last else (groups.shape[0], hkv, prefix_splits)
-    _shared_prefix_attention[grid](
-        q, kv_layer, prefix, shared, groups, block_table, scale, softcap or 1.0, q.stride(0), q.stride(1),
+    rows, m = groups.shape
+    prefix = torch.empty(b * hkv * prefix_splits * g * (d + 2), dtype=torch.float32, device=q.device) \
+        if out is None else out
+    programs = programs or _group_programs(q.device, rows, hkv, prefix_splits)
+    _shared_prefix_attention[(hkv, prefix_splits, programs)](
+        q, kv_layer, prefix, shared, groups, block_table, rows, scale, softcap or 1.0, q.stride(0), q.stride(1),
         *kv_layer.stride()[:4], block_table.stride(0), groups.stride(0), G=g, D=d, M=m,
         BLOCK_R=max(16, triton.next_power_of_2(m * g)), BLOCK_N=block_n, PS=prefix_splits,
-        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, BS=kv_layer.shape[3], GROUPS_LAST=groups_last,
-        num_warps=num_warps, num_stages=num_stages)
+        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, BS=kv_layer.shape[3], num_warps=num_warps,
+        num_stages=num_stages)
     return prefix
 
 

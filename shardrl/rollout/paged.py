@@ -163,7 +163,8 @@ class SharedPrefixGroups:
     """Which decode slots read a shared prefix together (`decode_kernel`'s cascade): a group is up to `members`
     slots whose first `shared` cache entries are the same blocks (the n samples of a prompt, admitted together).
     Kept on the host; `push` writes it to the device tensors the decode step reads: `shared` (B,) the entries a
-    slot's group reads for it (0: none), `groups` (num_groups, members) each group's slots, -1 after them. A group
+    slot's group reads for it (0: none), `groups` (num_groups, members) each live group's slots, -1 after them, in
+    the first rows (the rows after them all -1; a group's row on the device is not its id here). A group
     that drops to one slot is dissolved (its slot reads its whole cache itself)."""
 
     def __init__(self, num_slots: int, members: int, shared: torch.Tensor, groups: torch.Tensor):
@@ -223,9 +224,8 @@ class SharedPrefixGroups:
         if not self.dirty:
             return
         rows = torch.full(tuple(self.groups.shape), -1, dtype=torch.long)
-        for gid, members in enumerate(self.slots):
-            if members:
-                rows[gid, : len(members)] = torch.tensor(members, dtype=torch.long)
+        for row, members in enumerate(m for m in self.slots if m):  # the live groups first: the kernel stops at the
+            rows[row, : len(members)] = torch.tensor(members, dtype=torch.long)  # first empty row
         self.groups.copy_(rows)
         self.shared.copy_(torch.tensor(self.length, dtype=torch.long))
         self.dirty = False
