@@ -410,12 +410,6 @@ phase_s21_olmoe() {
 phase_s21_cascade() { limit 400 python3 bench/profile_cascade.py --out $RES; }
 phase_s21_prefix() { limit 300 python3 bench/prefix_reuse.py --trees new=.,old=.baseline_tree \
     --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
-phase_s21_prefix2() {  # the values read with the keys in the shared-prefix kernel (the default), or after the scores
-    rm -rf /tmp/tree_late_v && cp -a . /tmp/tree_late_v
-    sed -i 's/prefix_early_v: bool = True/prefix_early_v: bool = False/' /tmp/tree_late_v/shardrl/rollout/decode_kernel.py
-    limit 330 python3 bench/prefix_reuse.py --trees new=.,late_v=/tmp/tree_late_v,old=.baseline_tree \
-        --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES
-}
 phase_s21_lora() { limit 480 python3 bench/lora.py steps --cases 7b_lora_least,7b_lora_unmerged_gc --steps 3 --out $RES; }
 
 case "${1:-}" in

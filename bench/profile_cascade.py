@@ -107,20 +107,14 @@ def main() -> None:
             "prefix_only (defaults)": prefix_only(),
             "prefix_only programs=rows": prefix_only(programs=rows_of[default_m]),
             "prefix_only n64 s2": prefix_only(block_n=64, num_stages=2)}
-    for pe, e in itertools.product((True, False), (True, False)):  # the values read with the keys, or after the scores
-        rows[f"cascade prefix_early_v={pe} early_v={e}"] = cascade(prefix_early_v=pe, early_v=e)
-    rows["prefix_only early_v=False"] = prefix_only(early_v=False)
-    rows["prefix_only n64 s1 early_v"] = prefix_only(block_n=64, num_stages=1)
-    rows["prefix_only n64 s2 early_v=False"] = prefix_only(block_n=64, num_stages=2, early_v=False)
-    rows["flat early_v"] = flat(early_v=True)
-    for programs in (16, 32, 64):
+    for programs in (8, 16, 32, 64):
         rows[f"cascade programs={programs}"] = cascade(prefix_programs=programs)
         rows[f"prefix_only programs={programs}"] = prefix_only(programs=programs)
-    for ps in (2, 8):
+    for ps in (1, 2, 8):
         rows[f"cascade ps{ps}"] = cascade(prefix_splits=ps)
         rows[f"cascade ps{ps} overlap=False"] = cascade(prefix_splits=ps, overlap=False)
-    for bn, st, e in itertools.product((32, 64), (2, 3), (True, False)):  # the per-slot kernel's own settings
-        rows[f"cascade, per-slot n{bn} s{st} early_v={e}"] = cascade(block_n=bn, num_stages=st, early_v=e)
+    for bn, st in itertools.product((32, 64, 128), (1, 2, 3)):  # the per-slot kernel's own settings
+        rows[f"cascade, per-slot n{bn} s{st}"] = cascade(block_n=bn, num_stages=st)
     for m in cascades:
         if m != default_m:  # more groups (of fewer members): the programs walk several rows each
             rows[f"cascade members{m}"] = cascade(m)

@@ -64,10 +64,9 @@ def _accumulate(acc, rescale, p, v, IEEE: tl.constexpr):
 @triton.jit
 def _attend_entries(q, k_base, v_base, table, first, stop, running_max, running_sum, acc, scale, softcap, stride_kvb,
                     stride_kvs, D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
-                    BS: tl.constexpr, EARLY_V: tl.constexpr):
+                    BS: tl.constexpr):
     """The rows of `q` attend to cache entries [first, stop) (their blocks through `table`), BLOCK_N at a time, the
-    softmax kept online: (running max, running sum, unnormalized accumulator) carried in and returned. EARLY_V: the
-    values are loaded with the keys (both reads in flight at once), not after the scores."""
+    softmax kept online: (running max, running sum, unnormalized accumulator) carried in and returned."""
     dims, cols = tl.arange(0, D), tl.arange(0, BLOCK_N)
     for start in range(first, stop, BLOCK_N):
         entries = start + cols
@@ -75,15 +74,12 @@ def _attend_entries(q, k_base, v_base, table, first, stop, running_max, running_
         blocks = tl.load(table + entries // BS, mask=live, other=0)  # (int64: no overflow past 2**31 elements)
         offsets = blocks[:, None] * stride_kvb + (entries % BS)[:, None] * stride_kvs + dims[None, :]
         k = tl.load(k_base + offsets, mask=live[:, None], other=0.0)
-        if EARLY_V:
-            v = tl.load(v_base + offsets, mask=live[:, None], other=0.0)
         scores = tl.where(live[None, :], _scores(q, k, scale, softcap, IEEE, SOFTCAP), float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         rescale = tl.exp(running_max - new_max)
         p = tl.exp(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(p, 1)
-        if not EARLY_V:
-            v = tl.load(v_base + offsets, mask=live[:, None], other=0.0)
+        v = tl.load(v_base + offsets, mask=live[:, None], other=0.0)
         acc = _accumulate(acc, rescale, p, v, IEEE)
         running_max = new_max
     return running_max, running_sum, acc
@@ -96,7 +92,7 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_ne
                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLITS: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr, SOFTCAP: tl.constexpr,
                       WINDOW: tl.constexpr, BS: tl.constexpr, CASCADE: tl.constexpr, PS: tl.constexpr,
-                      PARTS: tl.constexpr, EARLY_V: tl.constexpr):
+                      PARTS: tl.constexpr):
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     position = tl.load(pos_ptr + b)
     end = position if WRITE else position + 1  # the entries read from the cache
@@ -121,7 +117,7 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_ne
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     running_max, running_sum, acc = _attend_entries(q, k_base, v_base, table, first, stop, running_max, running_sum,
                                                     acc, scale, softcap, stride_kvb, stride_kvs, D, BLOCK_N, IEEE,
-                                                    SOFTCAP, BS, EARLY_V)
+                                                    SOFTCAP, BS)
     if WRITE:  # the new entry, in the last split: into the cache, and into the softmax from registers
         if split == SPLITS - 1:
             k_new = tl.load(k_new_ptr + b * stride_kb + h * stride_kh + dims)
@@ -226,8 +222,7 @@ def _merge_prefix(acc, running_max, running_sum, prefix_ptr, b, h, num_heads, sh
 def _shared_group(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, table_ptr, grp, first_slot, h, split, num_heads,
                   scale, softcap, stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs, stride_tb,
                   stride_gg, G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PS: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, BS: tl.constexpr,
-                  EARLY_V: tl.constexpr):
+                  BLOCK_N: tl.constexpr, PS: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, BS: tl.constexpr):
     """Group `grp` (its first member `first_slot`), KV head h, split `split`: the members' M x G query rows against
     the group's shared entries (the first member's blocks), each row's unnormalized result, running max and sum
     stored for the per-slot kernel to merge."""
@@ -249,7 +244,7 @@ def _shared_group(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, table_ptr, 
     acc = tl.zeros([BLOCK_R, D], tl.float32)
     running_max, running_sum, acc = _attend_entries(q, k_base, v_base, table, first, stop, running_max, running_sum,
                                                     acc, scale, softcap, stride_kvb, stride_kvs, D, BLOCK_N, IEEE,
-                                                    SOFTCAP, BS, EARLY_V)
+                                                    SOFTCAP, BS)
     base = prefix_ptr + _prefix_offset(tl.maximum(slot, 0), h, split, num_heads, G, D, PS)
     tl.store(base[:, None] + head[:, None] * D + dims[None, :], acc, mask=live[:, None])
     tl.store(base + G * D + head, running_max, mask=live)
@@ -261,7 +256,7 @@ def _shared_prefix_attention(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, 
                              stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs, stride_tb,
                              stride_gg, G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_N: tl.constexpr, PS: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
-                             BS: tl.constexpr, EARLY_V: tl.constexpr):
+                             BS: tl.constexpr):
     """Grid (KV heads, PS splits, P programs): program p takes the groups in rows p, p + P, ... of `groups` (each row a
     group's member slots, -1 past them) up to the first empty row. The live rows come first (`SharedPrefixGroups`),
     so no program is spent on an empty group beyond one load."""
@@ -270,8 +265,7 @@ def _shared_prefix_attention(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, 
     while first_slot >= 0:
         _shared_group(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, table_ptr, grp, first_slot, h, split,
                       tl.num_programs(0), scale, softcap, stride_qb, stride_qh, stride_kvkind, stride_kvb,
-                      stride_kvh, stride_kvs, stride_tb, stride_gg, G, D, M, BLOCK_R, BLOCK_N, PS, IEEE, SOFTCAP, BS,
-                      EARLY_V)
+                      stride_kvh, stride_kvs, stride_tb, stride_gg, G, D, M, BLOCK_R, BLOCK_N, PS, IEEE, SOFTCAP, BS)
         grp += tl.num_programs(2)
         first_slot = tl.load(groups_ptr + grp * stride_gg, mask=grp < num_groups, other=-1)
 
@@ -303,8 +297,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
                      window: int | None = None, block_table: torch.Tensor | None = None,
                      cascade: tuple[torch.Tensor, torch.Tensor] | None = None, prefix_splits: int = 4,
                      prefix_warps: int = 4, prefix_block_n: int = 128, prefix_stages: int = 1,
-                     prefix_programs: int | None = None, overlap: bool = True, early_v: bool = False,
-                     prefix_early_v: bool = True) -> torch.Tensor:
+                     prefix_programs: int | None = None, overlap: bool = True) -> torch.Tensor:
     """q (B, Hkv, G, D) contiguous, kv_layer (2, B, Hkv, max_seq, D) with unit stride in D, positions (B,):
     softmax(q k^T * scale) v over each slot's entries 0..position (scale: 1 / sqrt(D) unless given); with
     `softcap`, the logits are softcap * tanh(logits / softcap); with `window`, only the entries j with
@@ -352,14 +345,14 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
             side.wait_stream(main)
         with torch.cuda.stream(side) if streams else contextlib.nullcontext():
             shared_prefix_parts(q, kv_layer, block_table, shared, groups, scale, softcap, ps, prefix_block_n,
-                                prefix_warps, prefix_stages, prefix_programs, prefix, prefix_early_v)
+                                prefix_warps, prefix_stages, prefix_programs, prefix)
     _decode_attention[(b, hkv, splits)](
         q, kv_layer, out, part, positions, block_table, k_new, v_new, shared, prefix, scale,
         softcap or 1.0, window or 0, q.stride(0), q.stride(1), *kv_layer.stride()[:4], block_table.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         G=g, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SPLITS=splits, IEEE=ieee, WRITE=write,
         SOFTCAP=softcap is not None, WINDOW=window is not None, BS=bs, CASCADE=cascade is not None, PS=ps,
-        PARTS=parts, EARLY_V=early_v, num_warps=num_warps, num_stages=num_stages)
+        PARTS=parts, num_warps=num_warps, num_stages=num_stages)
     if streams:
         main.wait_stream(side)
     if parts:
@@ -371,7 +364,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
 def shared_prefix_parts(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, shared: torch.Tensor,
                         groups: torch.Tensor, scale: float, softcap: float | None, prefix_splits: int = 4,
                         block_n: int = 128, num_warps: int = 4, num_stages: int = 1, programs: int | None = None,
-                        out: torch.Tensor | None = None, early_v: bool = True) -> torch.Tensor:
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """The first kernel of the cascade (`decode_attention`'s `cascade`): each group's shared entries read once for
     all its members, by `prefix_splits` x `programs` programs per KV head (None: `_group_programs`). Returns the flat
     fp32 buffer (`out`, if given) of the members' unnormalized parts (`_prefix_offset`), which the per-slot kernel
@@ -387,8 +380,8 @@ def shared_prefix_parts(q: torch.Tensor, kv_layer: torch.Tensor, block_table: to
         q, kv_layer, prefix, shared, groups, block_table, rows, scale, softcap or 1.0, q.stride(0), q.stride(1),
         *kv_layer.stride()[:4], block_table.stride(0), groups.stride(0), G=g, D=d, M=m,
         BLOCK_R=max(16, triton.next_power_of_2(m * g)), BLOCK_N=block_n, PS=prefix_splits,
-        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, BS=kv_layer.shape[3], EARLY_V=early_v,
-        num_warps=num_warps, num_stages=num_stages)
+        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, BS=kv_layer.shape[3], num_warps=num_warps,
+        num_stages=num_stages)
     return prefix
 
 
