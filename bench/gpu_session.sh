@@ -410,6 +410,8 @@ phase_s21_olmoe() {
 phase_s21_cascade() { limit 400 python3 bench/profile_cascade.py --out $RES; }
 phase_s21_prefix() { limit 300 python3 bench/prefix_reuse.py --trees new=.,old=.baseline_tree \
     --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
+phase_s21_profile() { limit 240 python3 bench/prefix_reuse.py --trees new=.,old=.baseline_tree --profile --repeats 1 \
+    --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
 phase_s21_lora() { limit 480 python3 bench/lora.py steps --cases 7b_lora_least,7b_lora_unmerged_gc --steps 3 --out $RES; }
 
 case "${1:-}" in

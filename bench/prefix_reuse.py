@@ -124,6 +124,20 @@ def worker(args) -> None:
 
     first, long_prompt = timed(calls, mask, sampling)
     print(json.dumps({"tree": args.tree, "case": "long_prompt", **long_prompt}), flush=True)
+    if args.profile and device == "cuda":  # one more long-prompt call, its kernels by device time
+        from torch.profiler import ProfilerActivity, profile
+
+        fresh = torch.randint(0, config.vocab_size - 2, (args.prompts, args.prompt_len), generator=gen)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            rollout.generate(fresh.to(device), mask.to(device), sampling)
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        events.sort(key=lambda e: -e.self_device_time_total)
+        total = sum(e.self_device_time_total for e in events)
+        top = [dict(kernel=e.key[:90], calls=e.count, ms=round(e.self_device_time_total / 1e3, 2),
+                    share=round(e.self_device_time_total / max(total, 1), 4)) for e in events[:25]]
+        print(json.dumps({"tree": args.tree, "case": "long_prompt_profile", "device_ms": round(total / 1e3, 1),
+                          "top": top}), flush=True)
     # next turns: each row's prompt and response, then extra tokens (the new tree's index holds the contexts of the
     # last call above)
     rows = []
@@ -155,6 +169,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny model, short prompts, CPU: a smoke run")
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    parser.add_argument("--profile", action="store_true", help="one more long-prompt call profiled (CUDA)")
     parser.add_argument("--extra", default="", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree", default="new", help=argparse.SUPPRESS)
@@ -170,7 +185,8 @@ def main() -> None:
         path, _, extra = spec.partition("@")
         env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k not in ("trees", "quick", "out", "worker", "tree", "extra") and v is not None]
+                 if k not in ("trees", "quick", "out", "worker", "tree", "extra", "profile") and v is not None]
+        flags += ["--profile"] if args.profile else []
         flags.append(f"--extra={extra}")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--tree={name}", *flags]
         run = subprocess.run(cmd, env=env, capture_output=True, text=True)
