@@ -132,6 +132,9 @@ def check_cascade_rollout() -> None:
     kwargs = dict(block_size=4, max_batch=8, sync_every=3, min_width=2, width_step=2, attention="triton",
                   sampler="torch", prefix_splits=2)
     fast = make_rollout("fast", tok, model, **kwargs)
+    # one program per (KV head, split) walks every group: the groups must reach the device live rows first (on the
+    # CPU the kernel's own choice is a program per row, which never walks)
+    fast._block.attention.prefix_programs = 1
     plain = make_rollout("fast", tok, model, **{**kwargs, "cascade": False})
     greedy = SamplingParams(n=2, greedy=True, max_new_tokens=12)
     got = fast.generate(ids, mask, greedy)

@@ -276,7 +276,9 @@ _SM_COUNTS: dict = {}
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        # high priority: a stream of its own pool (not one the capture or default streams could be handed), and the
+        # kernel the merge waits for goes first
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
     return _SIDE_STREAMS[device]
 
 
@@ -296,7 +298,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
                      scale: float | None = None, softcap: float | None = None,
                      window: int | None = None, block_table: torch.Tensor | None = None,
                      cascade: tuple[torch.Tensor, torch.Tensor] | None = None, prefix_splits: int = 4,
-                     prefix_warps: int = 4, prefix_block_n: int = 128, prefix_stages: int = 1,
+                     prefix_warps: int = 4, prefix_block_n: int | None = None, prefix_stages: int = 1,
                      prefix_programs: int | None = None, overlap: bool = True) -> torch.Tensor:
     """q (B, Hkv, G, D) contiguous, kv_layer (2, B, Hkv, max_seq, D) with unit stride in D, positions (B,):
     softmax(q k^T * scale) v over each slot's entries 0..position (scale: 1 / sqrt(D) unless given); with
@@ -313,7 +315,8 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
     entries (a multiple of the block size, the same blocks in their table rows) are listed together in a row of
     `groups` (slot ids from column 0 on, -1 after; the live rows first, then only empty ones; a slot in no group has
     shared 0); each group's entries are read once, by `prefix_splits` programs per KV head (module docstring;
-    `shared_prefix_parts` takes the prefix_* settings, timed by bench/profile_cascade.py). With `overlap` (CUDA), that
+    `shared_prefix_parts` takes the prefix_* settings, timed by bench/profile_cascade.py; prefix_block_n None: 128
+    entries a step, 64 past D = 128, whose tiles would outgrow the shared memory of smaller GPUs). With `overlap` (CUDA), that
     kernel runs on a second stream beside the per-slot kernel, which then leaves its result unnormalized for the
     merge kernel that waits for both. Not with `window`."""
     b, hkv, g, d = q.shape
@@ -339,22 +342,28 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
             raise ValueError("decode_attention: a shared-prefix cascade on a sliding-window layer is not supported")
         shared, groups = cascade
         ps = prefix_splits
+        if ps < 1:  # (before the fork: an error between it and the join would leave a graph capture unjoined)
+            raise ValueError(f"prefix_splits={ps} must be >= 1")
         prefix = torch.empty(b * hkv * ps * g * (d + 2), dtype=torch.float32, device=q.device)
         if streams:
             main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
             side.wait_stream(main)
-        with torch.cuda.stream(side) if streams else contextlib.nullcontext():
-            shared_prefix_parts(q, kv_layer, block_table, shared, groups, scale, softcap, ps, prefix_block_n,
-                                prefix_warps, prefix_stages, prefix_programs, prefix)
-    _decode_attention[(b, hkv, splits)](
-        q, kv_layer, out, part, positions, block_table, k_new, v_new, shared, prefix, scale,
-        softcap or 1.0, window or 0, q.stride(0), q.stride(1), *kv_layer.stride()[:4], block_table.stride(0),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        G=g, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SPLITS=splits, IEEE=ieee, WRITE=write,
-        SOFTCAP=softcap is not None, WINDOW=window is not None, BS=bs, CASCADE=cascade is not None, PS=ps,
-        PARTS=parts, num_warps=num_warps, num_stages=num_stages)
-    if streams:
-        main.wait_stream(side)
+    try:
+        if cascade is not None:
+            with torch.cuda.stream(side) if streams else contextlib.nullcontext():
+                shared_prefix_parts(q, kv_layer, block_table, shared, groups, scale, softcap, ps,
+                                    prefix_block_n or (128 if d <= 128 else 64), prefix_warps, prefix_stages,
+                                    prefix_programs, prefix)
+        _decode_attention[(b, hkv, splits)](
+            q, kv_layer, out, part, positions, block_table, k_new, v_new, shared, prefix, scale,
+            softcap or 1.0, window or 0, q.stride(0), q.stride(1), *kv_layer.stride()[:4], block_table.stride(0),
+            k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+            G=g, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SPLITS=splits, IEEE=ieee, WRITE=write,
+            SOFTCAP=softcap is not None, WINDOW=window is not None, BS=bs, CASCADE=cascade is not None, PS=ps,
+            PARTS=parts, num_warps=num_warps, num_stages=num_stages)
+    finally:
+        if streams:
+            main.wait_stream(side)
     if parts:
         _combine_splits[(b, hkv)](part, out, shared, prefix, out.stride(0), out.stride(1), G=g, BLOCK_G=block_g,
                                   D=d, SPLITS=splits, CASCADE=cascade is not None, PS=ps, num_warps=4)

@@ -452,6 +452,7 @@ class TritonDecodeAttention:
         # rollout for the steps that have such groups; full-attention layers only
         self.cascade: tuple[torch.Tensor, torch.Tensor] | None = None
         self.prefix_splits = 4
+        self.prefix_programs: int | None = None  # the shared-prefix kernel's programs per (KV head, split); None: its own
 
     def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
         return positions
@@ -467,7 +468,7 @@ class TritonDecodeAttention:
         """As `SDPADecodeAttention`; the kernel reads the blocks through `table`."""
         limits = dict(scale=c.scale, softcap=c.softcap, window=c.window, block_table=table)
         if self.cascade is not None and c.window is None:
-            limits.update(cascade=self.cascade, prefix_splits=self.prefix_splits)
+            limits.update(cascade=self.cascade, prefix_splits=self.prefix_splits, prefix_programs=self.prefix_programs)
         if self.fuse_kv_write:
             return self.attend(q.contiguous(), kv_layer, positions, k, v, **limits)
         write_kv(k, v, kv_layer, torch.arange(q.shape[0], device=q.device), positions, table)
