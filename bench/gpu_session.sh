@@ -310,8 +310,8 @@ phase_s18_prefix() { limit 520 python3 bench/prefix_reuse.py --trees new=.,flat=
 
 # next session (one H200): the cascade kernel's launch settings alone, then the long prompts with the best of them;
 # the multi-turn prefills profiled; what session 18 did not reach (s18_moe, the LoRA peaks in one measure)
-#   s19_cascade_kernel s19_prefix s19_mt_profile s18_moe (s19_mt_profile's first half after s16_agent)
-phase_s19_cascade_kernel() { limit 300 python3 bench/cascade_kernel.py --out $RES; }
+#   s21_cascade s19_prefix s19_mt_profile s18_moe (s19_mt_profile's first half after s16_agent; the kernel's settings
+#   alone: bench/profile_cascade.py, which replaced session 19's bench/cascade_kernel.py, never run)
 phase_s19_mt_profile() {  # the real multi-turn workload profiled (needs the agent phase's warm start under /tmp)
     limit 300 python3 bench/multiturn.py --backend fast --model /tmp/agent_run/warm_sft/hf_model \
         --data /tmp/agent_run/data/train.jsonl --prompts 64 --n 8 --max-response-tokens 384 --profile
