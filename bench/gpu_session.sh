@@ -414,6 +414,11 @@ phase_s21_profile() { limit 240 python3 bench/prefix_reuse.py --trees new=.,old=
     --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
 phase_s21_lora() { limit 480 python3 bench/lora.py steps --cases 7b_lora_least,7b_lora_unmerged_gc --steps 3 --out $RES; }
 
+# next session (one H200), issue 36's long prompts (1.43x, target 1.5x): the shared-prefix kernel is 233 of the call's
+# 1,309 ms of kernels at about 2x its floor, one wave of two programs per SM, each latency-bound over 4 tiles (see
+# bench/RESULTS.md, session 21); a variant that keeps more bytes in flight per SM (fewer registers per row, or TMA
+# loads of whole blocks) would be timed by `s21_cascade`, then `s21_prefix` against the old tree; `s21_tests` after.
+
 case "${1:-}" in
 start)
     shift
