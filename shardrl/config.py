@@ -927,6 +927,13 @@ class Config:
     def validate(self, prefix: str) -> None:
         require(self, prefix, "trainer.export_lora_adapter", not self.trainer.export_lora_adapter
                 or self.model.lora.rank > 0, "needs model.lora.rank > 0 (there are no adapters to write)")
+        if self.model.lora.rank > 0:  # (the engine refuses these too; here `shardrl plan` does, before any ledger)
+            require(self, prefix, "actor.engine.strategy", self.actor.engine.strategy == "fsdp2",
+                    "must be fsdp2 with model.lora (FSDP1's flat parameters cannot hold a frozen base beside "
+                    "trained adapters)")
+            require(self, prefix, "actor.engine.offload_params", not self.actor.engine.offload_params,
+                    "is not supported with model.lora (the frozen base is stored in param_dtype already, half an fp32 "
+                    "model): set it false")
         for role in ("actor", "ref", "critic"):
             require(self, prefix, "model.load_weights", self.model.load_weights != "random_shards"
                     or getattr(self, role).engine.strategy == "fsdp2",

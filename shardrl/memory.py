@@ -308,13 +308,23 @@ def largest_term(phase: dict) -> dict:
     return max(phase["items"], key=lambda i: i["gib"])
 
 
-def fit_advice(ledger: dict, gpu_mem_gib: float, engine: str = "actor.engine") -> list[str]:
-    """Lines saying, for each phase over `gpu_mem_gib`, by how much and what to change; [] when all fit."""
+# with model.lora the base is frozen in param_dtype and cannot be offloaded (a config error)
+LORA_ADVICE = {
+    "actor params": "{engine}.accumulate_unsharded=false (on one GPU: the frozen base gathered a layer at a time, not "
+                    "held twice), or more GPUs to shard over (offload_params is not supported with model.lora)",
+    "actor grads": "more GPUs to shard over (offload_params is not supported with model.lora)",
+}
+
+
+def fit_advice(ledger: dict, gpu_mem_gib: float, engine: str = "actor.engine", lora: bool = False) -> list[str]:
+    """Lines saying, for each phase over `gpu_mem_gib`, by how much and what to change; [] when all fit. `lora`:
+    the advice for a LoRA engine (no offload_params)."""
     lines = []
     for name, phase in ledger["phases"].items():
         if phase["total_gib"] > gpu_mem_gib:
             top = largest_term(phase)
-            advice = ADVICE.get(top["name"], "see the terms above").format(engine=engine)
+            advice = ((LORA_ADVICE if lora else {}).get(top["name"]) or ADVICE.get(top["name"], "see the terms above")
+                      ).format(engine=engine)
             lines.append(f"{name} needs {phase['total_gib']:.1f} GiB > {gpu_mem_gib:g} GiB; the largest term is "
                          f"{top['name']} ({top['gib']:.1f} GiB): {advice}")
     return lines

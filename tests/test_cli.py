@@ -61,6 +61,21 @@ def test_plan_says_what_to_change_when_a_phase_does_not_fit(capsys):
     assert "rollout.free_cache_engine" not in capsys.readouterr().out  # set: nothing to decide
 
 
+def test_plan_advises_a_lora_run_without_offloading_its_frozen_base(capsys):
+    """Where the params are the largest term, a full fine-tuning run is told offload_params; a LoRA run cannot take
+    it and is told to gather the base a layer at a time or to shard over more GPUs."""
+    big = TINY.replace("hidden_size: 64", "hidden_size: 4096").replace("intermediate_size: 128", "intermediate_size: 16384")
+    args = ["plan", big, "data.max_prompt_length=64", "rollout.max_new_tokens=64", "rollout.max_batch=8",
+            "model.gradient_checkpointing=true", "actor.engine.offload_optimizer=true", "--gpu-mem-gib", "0.5", "--json"]
+    assert main(args) == 1
+    full = json.loads(capsys.readouterr().out)["advice"]
+    assert any("actor.engine.offload_params=true" in line for line in full), full
+    assert main(args + ["model.lora.rank=8"]) == 1
+    lora = json.loads(capsys.readouterr().out)["advice"]
+    assert lora and not any("offload_params=true" in line for line in lora), lora
+    assert any("actor.engine.accumulate_unsharded=false" in line for line in lora), lora
+
+
 def test_plan_settles_a_null_lora_sync_as_the_run_would_on_that_gpu(capsys):
     """With LoRA and --gpu-mem-gib, rollout.lora_sync left null is chosen as on that GPU (merged where the copy
     fits, else unmerged) and the ledger's rollout holds what that choice holds."""
@@ -87,6 +102,11 @@ def test_plan_settles_a_null_lora_sync_as_the_run_would_on_that_gpu(capsys):
      "nearest valid: 8 or 12"),
     (["plan", "actor.engine.fsdp_sise=2"], "unknown config key"),
     (["plan", "no/such/file.yaml"], "config file not found"),
+    # what `shardrl train` refuses, plan refuses too (before any ledger)
+    (["plan", "model.lora.rank=8", "actor.engine.strategy=fsdp"], "actor.engine.strategy='fsdp': must be fsdp2 "
+                                                                  "with model.lora"),
+    (["plan", "model.lora.rank=8", "actor.engine.offload_params=true"],
+     "actor.engine.offload_params=True: is not supported with model.lora"),
 ])
 def test_plan_bad_config_exits_2_with_error_line(argv, expected, capsys):
     assert main(argv) == 2

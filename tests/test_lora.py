@@ -223,8 +223,8 @@ def _save_lora(path, values):
     return {k: v.float() for k, v in engine.export_weights()}
 
 
-def _load_lora(path, lora: bool):
-    model_cfg = ModelConfig(tiny=TINY_MODELS["qwen2"], lora=LoRAConfig(rank=RANK if lora else 0, alpha=ALPHA,
+def _load_lora(path, lora: bool, alpha: float = ALPHA):
+    model_cfg = ModelConfig(tiny=TINY_MODELS["qwen2"], lora=LoRAConfig(rank=RANK if lora else 0, alpha=alpha,
                                                                      target_modules=TARGETS))
     engine = build_engine(model_cfg, EngineConfig(param_dtype="float32"), OptimConfig(**OPTIM))
     engine.load(path)
@@ -248,6 +248,10 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_at_another_world_size(
         torch.testing.assert_close(loaded[k], saved[k], rtol=0, atol=1e-6)
     with pytest.raises(Exception, match=r"holds LoRA adapters, but this run has no model.lora"):
         run_distributed(_load_lora, 1, str(tmp_path / "ckpt"), False)
+    # another scale would change the trained policy without a shape to tell: the checkpoint's settings are checked
+    with pytest.raises(Exception, match=rf"other LoRA settings: model.lora.alpha={float(ALPHA)!r} in the checkpoint, "
+                                        rf"{float(ALPHA) * 2!r} here"):
+        run_distributed(_load_lora, 1, str(tmp_path / "ckpt"), True, ALPHA * 2)
 
 
 def test_the_memory_ledger_counts_the_frozen_base_and_the_adapters():

@@ -32,7 +32,7 @@ from shardrl.batch import Batch
 from shardrl.distributed import MeshLayout, all_reduce_sum, build_device_mesh, device_type
 from shardrl.metrics import Sum, accumulate, reduce_metrics
 from shardrl.engine.attention import resolve_attn_implementation
-from shardrl.engine.checkpoint import load_engine_state, save_engine_state
+from shardrl.engine.checkpoint import load_engine_state, lora_settings, save_engine_state
 from shardrl.engine.loading import (compute_non_persistent_buffers, copy_full_into, load_sharded, random_shards,
                                     sharded_load_problem)
 from shardrl.engine.lora import LORA_MARK, adapters_off, hf_base_name, inject_lora, lora_init, save_peft_adapter
@@ -505,9 +505,11 @@ class Engine(abc.ABC):
     def save(self, path) -> None:
         """This engine's model, optimizer, LR schedule and step as a DCP checkpoint folder (all ranks call it)."""
         save_engine_state(path, self.module, self.optimizer, self.lr_scheduler, self.global_step,
-                          trained_only=self.lora is not None)  # LoRA: the adapters and their optimizer only
+                          trained_only=self.lora is not None,  # LoRA: the adapters and their optimizer only
+                          lora=None if self.lora is None else lora_settings(self.lora))
 
     def load(self, path) -> None:
         """Loads `save`'s folder, written at any world size; a checkpoint of another model is a ValueError."""
         self.global_step = load_engine_state(path, self.module, self.optimizer, self.lr_scheduler,
-                                             trained_only=self.lora is not None)
+                                             trained_only=self.lora is not None,
+                                             lora=None if self.lora is None else lora_settings(self.lora))

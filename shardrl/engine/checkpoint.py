@@ -12,6 +12,7 @@ folder per engine, RNG, trainer state, atomic renames) are `shardrl.checkpoint`'
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -50,14 +51,41 @@ def engine_state_dict(module: nn.Module, optimizer=None, lr_scheduler=None, glob
 
 
 def save_engine_state(path: str | os.PathLike, module: nn.Module, optimizer=None, lr_scheduler=None,
-                      global_step: int = 0, trained_only: bool = False) -> None:
-    """Writes the engine's state as a DCP checkpoint at `path` (a folder); every rank must call it."""
-    dcp.save(engine_state_dict(module, optimizer, lr_scheduler, global_step, trained_only), checkpoint_id=str(path))
+                      global_step: int = 0, trained_only: bool = False, lora: Mapping | None = None) -> None:
+    """Writes the engine's state as a DCP checkpoint at `path` (a folder); every rank must call it. `lora`: the
+    settings that make the adapters' function (`lora_settings`), kept beside them for `load_engine_state` to check."""
+    state = engine_state_dict(module, optimizer, lr_scheduler, global_step, trained_only)
+    if lora is not None:
+        state["lora"] = json.dumps(dict(lora), sort_keys=True)
+    dcp.save(state, checkpoint_id=str(path))
+
+
+def lora_settings(lora) -> dict[str, Any]:
+    """The `model.lora` keys a checkpoint's adapters only mean under (the scale alpha / rank, or / sqrt(rank) with
+    rslora, multiplies them; rank and targets shape them); dropout and seed do not change a trained adapter's output."""
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else sorted(lora.target_modules)
+    return {"rank": lora.rank, "alpha": float(lora.alpha), "use_rslora": bool(lora.use_rslora),
+            "target_modules": targets}
+
+
+def _check_lora_settings(path: Path, saved: Mapping[str, Any], lora: Mapping | None) -> None:
+    """A checkpoint that recorded its LoRA settings (session 21 on) resumed under others is an error naming them."""
+    if lora is None or "lora" not in saved:
+        return
+    record = {"lora": ""}
+    dcp.load(record, checkpoint_id=str(path))
+    then = json.loads(record["lora"])
+    differ = [f"model.lora.{k}={then.get(k)!r} in the checkpoint, {v!r} here" for k, v in dict(lora).items()
+              if then.get(k) != v]
+    if differ:
+        raise ValueError(f"checkpoint {path} was trained with other LoRA settings: {'; '.join(differ)}; resume it "
+                         "with the settings it was trained with")
 
 
 def load_engine_state(path: str | os.PathLike, module: nn.Module, optimizer=None, lr_scheduler=None,
-                      trained_only: bool = False) -> int:
-    """Loads a folder `save_engine_state` wrote, at any world size and layout; returns its global step."""
+                      trained_only: bool = False, lora: Mapping | None = None) -> int:
+    """Loads a folder `save_engine_state` wrote, at any world size and layout; returns its global step. `lora`: this
+    run's `lora_settings`, checked against those the checkpoint recorded."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise ValueError(f"{path} is not a DCP checkpoint (no .metadata); expected a folder save_engine_state wrote")
@@ -68,6 +96,7 @@ def load_engine_state(path: str | os.PathLike, module: nn.Module, optimizer=None
         raise ValueError(f"checkpoint {path} holds {'LoRA adapters' if saved_lora else 'a whole model'}, but this run "
                          f"{'trains LoRA adapters (model.lora.rank > 0)' if trained_only else 'has no model.lora'}: "
                          "resume it with the model.lora settings it was trained with")
+    _check_lora_settings(path, saved, lora)
     check_matches(state, saved, path)
     if "lr_scheduler" in state:  # entries another torch version's scheduler does not have keep their value
         state["lr_scheduler"] = {k: v for k, v in state["lr_scheduler"].items() if f"lr_scheduler.{k}" in saved}
