@@ -922,6 +922,13 @@ class Config:
                      if mt.interaction_path else "rollout.multi_turn.tool_config_path")
             lines.append(f"{given} is set but rollout.multi_turn.enable=false: the rollout is single-turn and uses no "
                          "tools (set rollout.multi_turn.enable=true)")
+        lora, off = self.model.lora, LoRAConfig()
+        if not lora.rank:
+            given = [f"model.lora.{k}" for k in ("alpha", "dropout", "target_modules", "use_rslora")
+                     if getattr(lora, k) != getattr(off, k)]
+            if given:
+                lines.append(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but model.lora.rank=0: "
+                             "LoRA is off and every weight trains (set model.lora.rank to train adapters)")
         return lines
 
     def validate(self, prefix: str) -> None:

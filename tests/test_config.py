@@ -272,6 +272,10 @@ def test_settings_nothing_reads_are_named():
     assert lines[1].startswith("rollout.multi_turn.tools is set but rollout.multi_turn.enable=false")
     assert load_config(None, ["rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.enable=true",
                               "data.val_files=[v.jsonl]", "trainer.val_freq=5"]).ignored_settings() == []
+    lines = load_config(None, ["model.lora.alpha=32", "model.lora.target_modules=[q_proj]"]).ignored_settings()
+    assert lines == ["model.lora.alpha, model.lora.target_modules are set but model.lora.rank=0: LoRA is off and "
+                     "every weight trains (set model.lora.rank to train adapters)"]
+    assert load_config(None, ["model.lora.alpha=32", "model.lora.rank=8"]).ignored_settings() == []
 
 
 def test_messages_that_used_to_mislead(tmp_path, capsys, caplog):
