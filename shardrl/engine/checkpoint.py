@@ -69,7 +69,8 @@ def lora_settings(lora) -> dict[str, Any]:
 
 
 def _check_lora_settings(path: Path, saved: Mapping[str, Any], lora: Mapping | None) -> None:
-    """A checkpoint that recorded its LoRA settings (session 21 on) resumed under others is an error naming them."""
+    """A checkpoint that recorded its LoRA settings, resumed under others, is an error naming them (a checkpoint
+    written before they were recorded is not checked)."""
     if lora is None or "lora" not in saved:
         return
     record = {"lora": ""}

@@ -315,10 +315,9 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
     entries (a multiple of the block size, the same blocks in their table rows) are listed together in a row of
     `groups` (slot ids from column 0 on, -1 after; the live rows first, then only empty ones; a slot in no group has
     shared 0); each group's entries are read once, by `prefix_splits` programs per KV head (module docstring;
-    `shared_prefix_parts` takes the prefix_* settings, timed by bench/profile_cascade.py; prefix_block_n None: 128
-    entries a step, 64 past D = 128, whose tiles would outgrow the shared memory of smaller GPUs). With `overlap` (CUDA), that
-    kernel runs on a second stream beside the per-slot kernel, which then leaves its result unnormalized for the
-    merge kernel that waits for both. Not with `window`."""
+    `shared_prefix_parts` takes the prefix_* settings, timed by bench/profile_cascade.py). With `overlap` (CUDA),
+    that kernel runs on a second stream beside the per-slot kernel, which then leaves its result unnormalized for
+    the merge kernel that waits for both. Not with `window`."""
     b, hkv, g, d = q.shape
     if not triton_head_dim(d) or kv_layer.stride(-1) != 1 or not q.is_contiguous():
         raise ValueError(f"decode_attention needs a contiguous q and a power-of-two head dim >= 16, got {d}")
@@ -351,9 +350,8 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
     try:
         if cascade is not None:
             with torch.cuda.stream(side) if streams else contextlib.nullcontext():
-                shared_prefix_parts(q, kv_layer, block_table, shared, groups, scale, softcap, ps,
-                                    prefix_block_n or (128 if d <= 128 else 64), prefix_warps, prefix_stages,
-                                    prefix_programs, prefix)
+                shared_prefix_parts(q, kv_layer, block_table, shared, groups, scale, softcap, ps, prefix_block_n,
+                                    prefix_warps, prefix_stages, prefix_programs, prefix)
         _decode_attention[(b, hkv, splits)](
             q, kv_layer, out, part, positions, block_table, k_new, v_new, shared, prefix, scale,
             softcap or 1.0, window or 0, q.stride(0), q.stride(1), *kv_layer.stride()[:4], block_table.stride(0),
@@ -372,10 +370,11 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
 
 def shared_prefix_parts(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, shared: torch.Tensor,
                         groups: torch.Tensor, scale: float, softcap: float | None, prefix_splits: int = 4,
-                        block_n: int = 128, num_warps: int = 4, num_stages: int = 1, programs: int | None = None,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        block_n: int | None = None, num_warps: int = 4, num_stages: int = 1,
+                        programs: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The first kernel of the cascade (`decode_attention`'s `cascade`): each group's shared entries read once for
-    all its members, by `prefix_splits` x `programs` programs per KV head (None: `_group_programs`). Returns the flat
+    all its members, `block_n` at a time (None: 128, or 64 past D = 128, whose tiles would outgrow the shared memory
+    of smaller GPUs), by `prefix_splits` x `programs` programs per KV head (None: `_group_programs`). Returns the flat
     fp32 buffer (`out`, if given) of the members' unnormalized parts (`_prefix_offset`), which the per-slot kernel
     or `_combine_splits` merges; a slot in no group has none written."""
     b, hkv, g, d = q.shape
@@ -385,6 +384,7 @@ def shared_prefix_parts(q: torch.Tensor, kv_layer: torch.Tensor, block_table: to
     prefix = torch.empty(b * hkv * prefix_splits * g * (d + 2), dtype=torch.float32, device=q.device) \
         if out is None else out
     programs = programs or _group_programs(q.device, rows, hkv, prefix_splits)
+    block_n = block_n or (128 if d <= 128 else 64)
     _shared_prefix_attention[(hkv, prefix_splits, programs)](
         q, kv_layer, prefix, shared, groups, block_table, rows, scale, softcap or 1.0, q.stride(0), q.stride(1),
         *kv_layer.stride()[:4], block_table.stride(0), groups.stride(0), G=g, D=d, M=m,
