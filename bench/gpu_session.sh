@@ -419,6 +419,19 @@ phase_s21_lora() { limit 480 python3 bench/lora.py steps --cases 7b_lora_least,7
 # bench/RESULTS.md, session 21); a variant that keeps more bytes in flight per SM (fewer registers per row, or TMA
 # loads of whole blocks) would be timed by `s21_cascade`, then `s21_prefix` against the old tree; `s21_tests` after.
 
+# session 22 (one H200): the shared-prefix and per-slot kernels reading a cache block a step (the next block's id a
+# step ahead, three blocks in flight), the per-slot kernel at 2 warps under a cascade and its new entry's loads
+# first; the long prompts against session 21's tree (.s21_tree: `git archive 983ddd9 shardrl bench`) and the old one
+#   s22_cascade s22_prefix s21_tests; then, two prefix splits the default (one program per SM, beside the per-slot
+#   kernel's): s22_prefix2; s21_tests s22_prefix3
+phase_s22_cascade() { limit 300 python3 bench/profile_cascade.py --out $RES; }
+phase_s22_prefix2() { limit 400 python3 bench/prefix_reuse.py --trees new=.,ps4=.@prefix_splits=4,old=.baseline_tree \
+    --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
+phase_s22_prefix3() { limit 300 python3 bench/prefix_reuse.py --trees new=.,old=.baseline_tree \
+    --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
+phase_s22_prefix() { limit 400 python3 bench/prefix_reuse.py --trees new=.,s21=.s21_tree,old=.baseline_tree \
+    --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
+
 case "${1:-}" in
 start)
     shift

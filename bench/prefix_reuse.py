@@ -4,8 +4,10 @@ whole), in the same run, on the same GPU.
 
 Cases (random-init weights, random prompt ids; the trees are imported in worker processes of their own):
     long_prompt  GRPO-shaped: --prompts prompts of --prompt-len tokens, n = --n samples each, --new-tokens new
-                 tokens (sampled, seeded: both trees draw the same noise, so the tokens must agree), all rows
-                 through --slots decode slots; new prompts for every call
+                 tokens (sampled, seeded: both trees draw the same noise, but in bf16 kernels that sum in
+                 another order can tip a close draw, after which that row's tokens part, so the digests need not
+                 agree; the CUDA tests compare greedy tokens), all rows through --slots decode slots; new prompts
+                 for every call
     next_turn    the same prompts once more, each extended by its first response and --extra-len more tokens
                  (a conversation's next turn): the new tree reads the cached context, the old prefills it again
 

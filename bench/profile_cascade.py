@@ -106,11 +106,16 @@ def main() -> None:
             "cascade programs=rows overlap=False": cascade(prefix_programs=rows_of[default_m], overlap=False),
             "prefix_only (defaults)": prefix_only(),
             "prefix_only programs=rows": prefix_only(programs=rows_of[default_m]),
-            "prefix_only n64 s2": prefix_only(block_n=64, num_stages=2)}
+            "prefix_only n64 s2": prefix_only(block_n=64, num_stages=2),
+            "cascade, the prefix kernel as session 21's (128 entries a step, one stage)": cascade(
+                prefix_block_n=128, prefix_stages=1),
+            "cascade, per-slot at 4 warps": cascade(num_warps=4),
+            "prefix_only n128 s1 (session 21's)": prefix_only(block_n=128, num_stages=1),
+            "prefix_only blocks s2": prefix_only(num_stages=2)}
     for programs in (8, 16, 32, 64):
         rows[f"cascade programs={programs}"] = cascade(prefix_programs=programs)
         rows[f"prefix_only programs={programs}"] = prefix_only(programs=programs)
-    for ps in (1, 2, 8):
+    for ps in (1, 4, 8):
         rows[f"cascade ps{ps}"] = cascade(prefix_splits=ps)
         rows[f"cascade ps{ps} overlap=False"] = cascade(prefix_splits=ps, overlap=False)
     for bn, st in itertools.product((32, 64, 128), (1, 2, 3)):  # the per-slot kernel's own settings

@@ -44,33 +44,37 @@ def check_attention() -> None:
             fused[:, s, :, p:] = float("nan")
         assert not decode_attention(q, written, positions, block_n=16).isnan().any()
         assert not decode_attention(q, fused, positions, k_new, v_new, block_n=16, splits=3).isnan().any()
-        # paged: blocks of 8 positions in a shuffled order (block 0 unused), so a block_n=16 load spans two
-        size, per_slot = 8, max_seq // 8
-        table = (torch.randperm(b * per_slot, generator=gen) + 1).view(b, per_slot)
-        paged = torch.zeros(2, b * per_slot + 1, hkv, size, d, dtype=dtype)
-        paged[:, table.flatten()] = kv.view(2, b, hkv, per_slot, size, d).transpose(2, 3).flatten(1, 2)
-        for splits in (1, 3):
-            got = decode_attention(q, paged.clone(), positions, k_new, v_new, block_n=16, splits=splits,
-                                   block_table=table)
-            torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
-        fused = paged.clone()
-        decode_attention(q, fused, positions, k_new, v_new, block_n=16, block_table=table)
-        back = fused[:, table.flatten()].view(2, b, per_slot, hkv, size, d).transpose(2, 3).reshape(kv.shape)
-        expected = kv.clone()
-        write_kv(k_new, v_new, expected, torch.arange(b), positions)
-        assert torch.equal(back, expected), "the paged K/V write differs from the indexed copy"
-        check_cascade(dtype, atol, gen)
+        # paged: blocks in a shuffled order (block 0 unused); of 8 positions a block_n=16 load spans two, of 16 the
+        # kernel reads a block a step (`_attend_blocks`)
+        for size in (8, 16):
+            per_slot = max_seq // size
+            table = (torch.randperm(b * per_slot, generator=gen) + 1).view(b, per_slot)
+            paged = torch.zeros(2, b * per_slot + 1, hkv, size, d, dtype=dtype)
+            paged[:, table.flatten()] = kv.view(2, b, hkv, per_slot, size, d).transpose(2, 3).flatten(1, 2)
+            for splits in (1, 3):
+                got = decode_attention(q, paged.clone(), positions, k_new, v_new, block_n=16, splits=splits,
+                                       block_table=table)
+                torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+            fused = paged.clone()
+            decode_attention(q, fused, positions, k_new, v_new, block_n=16, block_table=table)
+            back = fused[:, table.flatten()].view(2, b, per_slot, hkv, size, d).transpose(2, 3).reshape(kv.shape)
+            expected = kv.clone()
+            write_kv(k_new, v_new, expected, torch.arange(b), positions)
+            assert torch.equal(back, expected), "the paged K/V write differs from the indexed copy"
+            check_cascade(dtype, atol, gen, size)
     print("attention: ok")
 
 
-def check_cascade(dtype, atol, gen) -> None:
+def check_cascade(dtype, atol, gen, size: int) -> None:
     """Shared-prefix groups: slots 0, 2, 3 share their first 16 entries, 4 and 5 their first 32, slot 1 none. The
     members after a group's first point their prefix's table entries at NaN blocks: the group's program reads the
-    first member's blocks, and no slot reads its own entries below `shared`."""
+    first member's blocks, and no slot reads its own entries below `shared`. Blocks of `size` entries: of 16, both
+    kernels read a block a step (no `block_n` other than the block size given)."""
     from shardrl.rollout.decode_kernel import decode_attention
     from shardrl.rollout.fast_model import write_kv
 
-    b, hkv, g, d, size, per_slot = 6, 2, 3, 16, 8, 10
+    b, hkv, g, d, per_slot = 6, 2, 3, 16, 80 // size
+    prefix_block_n = 16 if size < 16 else None
     positions = torch.tensor([20, 3, 17, 40, 79, 33])
     groups = torch.tensor([[0, 2, 3, -1], [4, 5, -1, -1], [-1, -1, -1, -1]])
     shared = torch.tensor([16, 0, 16, 16, 32, 32])
@@ -94,7 +98,7 @@ def check_cascade(dtype, atol, gen) -> None:
                                                      (3, 1, True, 1), (3, 3, False, None)):
         got = decode_attention(q, paged.clone(), positions, k_new, v_new, block_n=16, splits=splits,
                                block_table=table, cascade=(shared, groups), prefix_splits=prefix_splits,
-                               prefix_block_n=16, overlap=overlap, prefix_programs=programs)
+                               prefix_block_n=prefix_block_n, overlap=overlap, prefix_programs=programs)
         torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
     # a soft-cap and a scale of their own (Gemma 2's layers): the group's programs apply them as the slot's do
     plain = paged.clone()

@@ -86,13 +86,48 @@ def _attend_entries(q, k_base, v_base, table, first, stop, running_max, running_
 
 
 @triton.jit
+def _attend_blocks(q, k_base, v_base, table, first, stop, running_max, running_sum, acc, scale, softcap, stride_kvb,
+                   stride_kvs, D: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, BS: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """As `_attend_entries`, a whole cache block a step: one block id read per step (the next one's a step ahead),
+    its BS entries at consecutive addresses. MASKED: entries outside [first, stop) are left out (without it, first
+    and stop must be multiples of BS)."""
+    dims, cols = tl.arange(0, D), tl.arange(0, BS)
+    begin = first // BS
+    end = tl.where(stop > first, tl.cdiv(stop, BS), begin)  # (an empty range reads no block)
+    blk = tl.load(table + begin, mask=begin < end, other=0)
+    for i in range(begin, end):
+        offsets = blk * stride_kvb + cols[:, None] * stride_kvs + dims[None, :]
+        if MASKED:
+            entries = i * BS + cols
+            live = (entries >= first) & (entries < stop)
+            k = tl.load(k_base + offsets, mask=live[:, None], other=0.0)
+            scores = tl.where(live[None, :], _scores(q, k, scale, softcap, IEEE, SOFTCAP), float("-inf"))
+        else:
+            k = tl.load(k_base + offsets)
+            scores = _scores(q, k, scale, softcap, IEEE, SOFTCAP)
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        rescale = tl.exp(running_max - new_max)
+        p = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_base + offsets, mask=live[:, None], other=0.0)
+        else:
+            v = tl.load(v_base + offsets)
+        acc = _accumulate(acc, rescale, p, v, IEEE)
+        running_max = new_max
+        blk = tl.load(table + i + 1, mask=i + 1 < end, other=0)
+    return running_max, running_sum, acc
+
+
+@triton.jit
 def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_new_ptr, v_new_ptr, shared_ptr,
                       prefix_ptr, scale, softcap, window, stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh,
                       stride_kvs, stride_tb, stride_kb, stride_kh, stride_vb, stride_vh,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLITS: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr, SOFTCAP: tl.constexpr,
                       WINDOW: tl.constexpr, BS: tl.constexpr, CASCADE: tl.constexpr, PS: tl.constexpr,
-                      PARTS: tl.constexpr):
+                      PARTS: tl.constexpr, BLOCKWISE: tl.constexpr):
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     position = tl.load(pos_ptr + b)
     end = position if WRITE else position + 1  # the entries read from the cache
@@ -112,17 +147,23 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_ne
     k_base = kv_ptr + h * stride_kvh
     v_base = k_base + stride_kvkind
     table = table_ptr + b * stride_tb
+    if WRITE:  # (the new entry's loads first: they wait beside the cache's)
+        k_new = tl.load(k_new_ptr + b * stride_kb + h * stride_kh + dims)
+        v_new = tl.load(v_new_ptr + b * stride_vb + h * stride_vh + dims)
+        at = tl.load(table + position // BS) * stride_kvb + (position % BS) * stride_kvs + dims
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    running_max, running_sum, acc = _attend_entries(q, k_base, v_base, table, first, stop, running_max, running_sum,
-                                                    acc, scale, softcap, stride_kvb, stride_kvs, D, BLOCK_N, IEEE,
-                                                    SOFTCAP, BS)
+    if BLOCKWISE:
+        running_max, running_sum, acc = _attend_blocks(q, k_base, v_base, table, first, stop, running_max,
+                                                       running_sum, acc, scale, softcap, stride_kvb, stride_kvs, D,
+                                                       IEEE, SOFTCAP, BS, True)
+    else:
+        running_max, running_sum, acc = _attend_entries(q, k_base, v_base, table, first, stop, running_max,
+                                                        running_sum, acc, scale, softcap, stride_kvb, stride_kvs, D,
+                                                        BLOCK_N, IEEE, SOFTCAP, BS)
     if WRITE:  # the new entry, in the last split: into the cache, and into the softmax from registers
         if split == SPLITS - 1:
-            k_new = tl.load(k_new_ptr + b * stride_kb + h * stride_kh + dims)
-            v_new = tl.load(v_new_ptr + b * stride_vb + h * stride_vh + dims)
-            at = tl.load(table + position // BS) * stride_kvb + (position % BS) * stride_kvs + dims
             tl.store(k_base + at, k_new)
             tl.store(v_base + at, v_new)
             score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # (BLOCK_G,)
@@ -222,10 +263,11 @@ def _merge_prefix(acc, running_max, running_sum, prefix_ptr, b, h, num_heads, sh
 def _shared_group(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, table_ptr, grp, first_slot, h, split, num_heads,
                   scale, softcap, stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs, stride_tb,
                   stride_gg, G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PS: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, BS: tl.constexpr):
+                  BLOCK_N: tl.constexpr, PS: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, BS: tl.constexpr,
+                  BLOCKWISE: tl.constexpr):
     """Group `grp` (its first member `first_slot`), KV head h, split `split`: the members' M x G query rows against
-    the group's shared entries (the first member's blocks), each row's unnormalized result, running max and sum
-    stored for the per-slot kernel to merge."""
+    the group's shared entries (the first member's blocks; BLOCKWISE: a block a step, BLOCK_N = BS), each row's
+    unnormalized result, running max and sum stored for the per-slot kernel to merge."""
     rows, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
     member, head = rows // G, rows % G
     slot = tl.load(groups_ptr + grp * stride_gg + member, mask=member < M, other=-1)
@@ -242,9 +284,14 @@ def _shared_group(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, table_ptr, 
     running_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
-    running_max, running_sum, acc = _attend_entries(q, k_base, v_base, table, first, stop, running_max, running_sum,
-                                                    acc, scale, softcap, stride_kvb, stride_kvs, D, BLOCK_N, IEEE,
-                                                    SOFTCAP, BS)
+    if BLOCKWISE:  # (the shared length is a multiple of BS, and so are the splits' bounds)
+        running_max, running_sum, acc = _attend_blocks(q, k_base, v_base, table, first, stop, running_max,
+                                                       running_sum, acc, scale, softcap, stride_kvb, stride_kvs, D,
+                                                       IEEE, SOFTCAP, BS, False)
+    else:
+        running_max, running_sum, acc = _attend_entries(q, k_base, v_base, table, first, stop, running_max,
+                                                        running_sum, acc, scale, softcap, stride_kvb, stride_kvs, D,
+                                                        BLOCK_N, IEEE, SOFTCAP, BS)
     base = prefix_ptr + _prefix_offset(tl.maximum(slot, 0), h, split, num_heads, G, D, PS)
     tl.store(base[:, None] + head[:, None] * D + dims[None, :], acc, mask=live[:, None])
     tl.store(base + G * D + head, running_max, mask=live)
@@ -256,7 +303,7 @@ def _shared_prefix_attention(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, 
                              stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh, stride_kvs, stride_tb,
                              stride_gg, G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_N: tl.constexpr, PS: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
-                             BS: tl.constexpr):
+                             BS: tl.constexpr, BLOCKWISE: tl.constexpr):
     """Grid (KV heads, PS splits, P programs): program p takes the groups in rows p, p + P, ... of `groups` (each row a
     group's member slots, -1 past them) up to the first empty row. The live rows come first (`SharedPrefixGroups`),
     so no program is spent on an empty group beyond one load."""
@@ -265,7 +312,8 @@ def _shared_prefix_attention(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, 
     while first_slot >= 0:
         _shared_group(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, table_ptr, grp, first_slot, h, split,
                       tl.num_programs(0), scale, softcap, stride_qb, stride_qh, stride_kvkind, stride_kvb,
-                      stride_kvh, stride_kvs, stride_tb, stride_gg, G, D, M, BLOCK_R, BLOCK_N, PS, IEEE, SOFTCAP, BS)
+                      stride_kvh, stride_kvs, stride_tb, stride_gg, G, D, M, BLOCK_R, BLOCK_N, PS, IEEE, SOFTCAP, BS,
+                      BLOCKWISE)
         grp += tl.num_programs(2)
         first_slot = tl.load(groups_ptr + grp * stride_gg, mask=grp < num_groups, other=-1)
 
@@ -294,11 +342,11 @@ def _group_programs(device: torch.device, rows: int, hkv: int, splits: int) -> i
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.Tensor,
                      k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                     block_n: int = 64, splits: int = 1, num_warps: int = 4, num_stages: int = 2,
+                     block_n: int = 64, splits: int = 1, num_warps: int | None = None, num_stages: int = 2,
                      scale: float | None = None, softcap: float | None = None,
                      window: int | None = None, block_table: torch.Tensor | None = None,
-                     cascade: tuple[torch.Tensor, torch.Tensor] | None = None, prefix_splits: int = 4,
-                     prefix_warps: int = 4, prefix_block_n: int | None = None, prefix_stages: int = 1,
+                     cascade: tuple[torch.Tensor, torch.Tensor] | None = None, prefix_splits: int = 2,
+                     prefix_warps: int = 4, prefix_block_n: int | None = None, prefix_stages: int | None = None,
                      prefix_programs: int | None = None, overlap: bool = True) -> torch.Tensor:
     """q (B, Hkv, G, D) contiguous, kv_layer (2, B, Hkv, max_seq, D) with unit stride in D, positions (B,):
     softmax(q k^T * scale) v over each slot's entries 0..position (scale: 1 / sqrt(D) unless given); with
@@ -309,7 +357,8 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
     that many programs (more parallel loads) whose partial results a second kernel combines; it and the
     launch settings are tuning knobs that bench/profile_decode.py times. With `block_table` (B, max_blocks) long,
     kv_layer is paged, (2, num_blocks, Hkv, block_size, D): slot b's entry j at block block_table[b, j // block_size],
-    offset j % block_size.
+    offset j % block_size; where `block_n` is the block size, the kernel reads a block a step (`_attend_blocks`).
+    `num_warps` None: 2 with a cascade (a slot's own entries are few), else 4.
 
     `cascade` = (shared (>= B,) long, groups (num_groups, M) long): slots that share their first shared[slot] cache
     entries (a multiple of the block size, the same blocks in their table rows) are listed together in a row of
@@ -358,7 +407,8 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
             k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             G=g, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SPLITS=splits, IEEE=ieee, WRITE=write,
             SOFTCAP=softcap is not None, WINDOW=window is not None, BS=bs, CASCADE=cascade is not None, PS=ps,
-            PARTS=parts, num_warps=num_warps, num_stages=num_stages)
+            PARTS=parts, BLOCKWISE=block_n == bs, num_warps=num_warps or (2 if cascade is not None else 4),
+            num_stages=num_stages)
     finally:
         if streams:
             main.wait_stream(side)
@@ -369,12 +419,14 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
 
 
 def shared_prefix_parts(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, shared: torch.Tensor,
-                        groups: torch.Tensor, scale: float, softcap: float | None, prefix_splits: int = 4,
-                        block_n: int | None = None, num_warps: int = 4, num_stages: int = 1,
+                        groups: torch.Tensor, scale: float, softcap: float | None, prefix_splits: int = 2,
+                        block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                         programs: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The first kernel of the cascade (`decode_attention`'s `cascade`): each group's shared entries read once for
-    all its members, `block_n` at a time (None: 128, or 64 past D = 128, whose tiles would outgrow the shared memory
-    of smaller GPUs), by `prefix_splits` x `programs` programs per KV head (None: `_group_programs`). Returns the flat
+    all its members, by `prefix_splits` x `programs` programs per KV head (None: `_group_programs`). `block_n` None:
+    a cache block a step (`_attend_blocks`), `num_stages` (None: 3, or 2 where a block's K tile passes 16 KB) in
+    flight; blocks under 16 or over 128 entries, or a `block_n` given, `block_n` entries a step (None: 128, or 64 past D = 128,
+    whose tiles would outgrow the shared memory of smaller GPUs; `num_stages` None: 1). Returns the flat
     fp32 buffer (`out`, if given) of the members' unnormalized parts (`_prefix_offset`), which the per-slot kernel
     or `_combine_splits` merges; a slot in no group has none written."""
     b, hkv, g, d = q.shape
@@ -384,12 +436,17 @@ def shared_prefix_parts(q: torch.Tensor, kv_layer: torch.Tensor, block_table: to
     prefix = torch.empty(b * hkv * prefix_splits * g * (d + 2), dtype=torch.float32, device=q.device) \
         if out is None else out
     programs = programs or _group_programs(q.device, rows, hkv, prefix_splits)
-    block_n = block_n or (128 if d <= 128 else 64)
+    bs = kv_layer.shape[3]
+    blockwise = block_n is None and 16 <= bs <= 128  # (a product's side is at least 16)
+    if blockwise:  # a block a step, three in flight where two blocks' K and V tiles stay under 64 KB
+        block_n, num_stages = bs, num_stages or (3 if bs * d * kv_layer.element_size() <= 16384 else 2)
+    else:
+        block_n, num_stages = block_n or (128 if d <= 128 else 64), num_stages or 1
     _shared_prefix_attention[(hkv, prefix_splits, programs)](
         q, kv_layer, prefix, shared, groups, block_table, rows, scale, softcap or 1.0, q.stride(0), q.stride(1),
         *kv_layer.stride()[:4], block_table.stride(0), groups.stride(0), G=g, D=d, M=m,
         BLOCK_R=max(16, triton.next_power_of_2(m * g)), BLOCK_N=block_n, PS=prefix_splits,
-        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, BS=kv_layer.shape[3], num_warps=num_warps,
+        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, BS=bs, BLOCKWISE=blockwise, num_warps=num_warps,
         num_stages=num_stages)
     return prefix
 

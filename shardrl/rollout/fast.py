@@ -178,7 +178,7 @@ class FastRollout(Rollout):
                  seq_bucket: int = 128, prefill_tokens: int = 16384, release_weights: bool = False, seed: int = 0,
                  attention: str = "auto", sampler: str = "auto", min_width: int = 32, width_step: int | None = None,
                  lazy_weights: bool = False, record_routing: bool = False, block_size: int = 64,
-                 prefix_cache: bool = True, cascade: bool = True, prefix_splits: int = 4,
+                 prefix_cache: bool = True, cascade: bool = True, prefix_splits: int = 2,
                  kv_cache_tokens: int | None = None):
         for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every), ("min_width", min_width),
                             ("width_step", 1 if width_step is None else width_step),

@@ -451,7 +451,7 @@ class TritonDecodeAttention:
         # (shared, groups) of the slots that read a shared prefix together (`decode_kernel`, cascade), set by the
         # rollout for the steps that have such groups; full-attention layers only
         self.cascade: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.prefix_splits = 4
+        self.prefix_splits = 2
         self.prefix_programs: int | None = None  # the shared-prefix kernel's programs per (KV head, split); None: its own
 
     def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
