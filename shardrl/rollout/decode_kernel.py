@@ -121,6 +121,26 @@ def _attend_blocks(q, k_base, v_base, table, first, stop, running_max, running_s
 
 
 @triton.jit
+def _attend(q, k_base, v_base, table, first, stop, scale, softcap, stride_kvb, stride_kvs, ROWS: tl.constexpr,
+            D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, BS: tl.constexpr,
+            BLOCKWISE: tl.constexpr, MASKED: tl.constexpr):
+    """The ROWS rows of `q` against cache entries [first, stop): (running max, running sum, unnormalized
+    accumulator), a block a step (`_attend_blocks`) with BLOCKWISE, else BLOCK_N entries a step."""
+    running_max = tl.full([ROWS], float("-inf"), tl.float32)
+    running_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    if BLOCKWISE:
+        running_max, running_sum, acc = _attend_blocks(q, k_base, v_base, table, first, stop, running_max,
+                                                       running_sum, acc, scale, softcap, stride_kvb, stride_kvs, D,
+                                                       IEEE, SOFTCAP, BS, MASKED)
+    else:
+        running_max, running_sum, acc = _attend_entries(q, k_base, v_base, table, first, stop, running_max,
+                                                        running_sum, acc, scale, softcap, stride_kvb, stride_kvs, D,
+                                                        BLOCK_N, IEEE, SOFTCAP, BS)
+    return running_max, running_sum, acc
+
+
+@triton.jit
 def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_new_ptr, v_new_ptr, shared_ptr,
                       prefix_ptr, scale, softcap, window, stride_qb, stride_qh, stride_kvkind, stride_kvb, stride_kvh,
                       stride_kvs, stride_tb, stride_kb, stride_kh, stride_vb, stride_vh,
@@ -151,17 +171,8 @@ def _decode_attention(q_ptr, kv_ptr, out_ptr, part_ptr, pos_ptr, table_ptr, k_ne
         k_new = tl.load(k_new_ptr + b * stride_kb + h * stride_kh + dims)
         v_new = tl.load(v_new_ptr + b * stride_vb + h * stride_vh + dims)
         at = tl.load(table + position // BS) * stride_kvb + (position % BS) * stride_kvs + dims
-    running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    if BLOCKWISE:
-        running_max, running_sum, acc = _attend_blocks(q, k_base, v_base, table, first, stop, running_max,
-                                                       running_sum, acc, scale, softcap, stride_kvb, stride_kvs, D,
-                                                       IEEE, SOFTCAP, BS, True)
-    else:
-        running_max, running_sum, acc = _attend_entries(q, k_base, v_base, table, first, stop, running_max,
-                                                        running_sum, acc, scale, softcap, stride_kvb, stride_kvs, D,
-                                                        BLOCK_N, IEEE, SOFTCAP, BS)
+    running_max, running_sum, acc = _attend(q, k_base, v_base, table, first, stop, scale, softcap, stride_kvb,
+                                            stride_kvs, BLOCK_G, D, BLOCK_N, IEEE, SOFTCAP, BS, BLOCKWISE, True)
     if WRITE:  # the new entry, in the last split: into the cache, and into the softmax from registers
         if split == SPLITS - 1:
             tl.store(k_base + at, k_new)
@@ -281,17 +292,9 @@ def _shared_group(q_ptr, kv_ptr, prefix_ptr, shared_ptr, groups_ptr, table_ptr, 
     k_base = kv_ptr + h * stride_kvh
     v_base = k_base + stride_kvkind
     table = table_ptr + first_slot * stride_tb
-    running_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, D], tl.float32)
-    if BLOCKWISE:  # (the shared length is a multiple of BS, and so are the splits' bounds)
-        running_max, running_sum, acc = _attend_blocks(q, k_base, v_base, table, first, stop, running_max,
-                                                       running_sum, acc, scale, softcap, stride_kvb, stride_kvs, D,
-                                                       IEEE, SOFTCAP, BS, False)
-    else:
-        running_max, running_sum, acc = _attend_entries(q, k_base, v_base, table, first, stop, running_max,
-                                                        running_sum, acc, scale, softcap, stride_kvb, stride_kvs, D,
-                                                        BLOCK_N, IEEE, SOFTCAP, BS)
+    # (unmasked: the shared length is a multiple of BS, and so are the splits' bounds)
+    running_max, running_sum, acc = _attend(q, k_base, v_base, table, first, stop, scale, softcap, stride_kvb,
+                                            stride_kvs, BLOCK_R, D, BLOCK_N, IEEE, SOFTCAP, BS, BLOCKWISE, False)
     base = prefix_ptr + _prefix_offset(tl.maximum(slot, 0), h, split, num_heads, G, D, PS)
     tl.store(base[:, None] + head[:, None] * D + dims[None, :], acc, mask=live[:, None])
     tl.store(base + G * D + head, running_max, mask=live)
