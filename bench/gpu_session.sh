@@ -424,6 +424,11 @@ phase_s21_lora() { limit 480 python3 bench/lora.py steps --cases 7b_lora_least,7
 # first; the long prompts against session 21's tree (.s21_tree: `git archive 983ddd9 shardrl bench`) and the old one
 #   s22_cascade s22_prefix s21_tests; then, two prefix splits the default (one program per SM, beside the per-slot
 #   kernel's): s22_prefix2; s21_tests s22_prefix3
+# next session (one H200), issue 36's long prompts at 1.48-1.51x (target 1.5x, no margin): the runs differ in the
+# admission (0.353-0.375 s of 1.34-1.41), where the decode is steady (0.914-0.920 s): `s21_profile` on the new tree
+# puts numbers on the admission's prefill (GEMMs, SDPA, norms, the chunks of 16,384 tokens) and on the decode's
+# non-attention kernels; the plain paged decode (no groups) now reads a block a step too: `profile_decode` and
+# `rollout256` would re-measure the fast rollout's figures of bench/RESULTS.md under it.
 phase_s22_cascade() { limit 300 python3 bench/profile_cascade.py --out $RES; }
 phase_s22_prefix2() { limit 400 python3 bench/prefix_reuse.py --trees new=.,ps4=.@prefix_splits=4,old=.baseline_tree \
     --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
