@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.shared % args.block_size:
+        parser.error(f"--shared {args.shared} must be whole blocks of --block-size {args.block_size}")
 
     from shardrl.rollout.decode_kernel import decode_attention, shared_prefix_parts
     from shardrl.rollout.kernel_support import cascade_members

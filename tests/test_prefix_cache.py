@@ -36,6 +36,11 @@ def test_shared_prefix_groups_reach_the_device_live_rows_first():
     g.add([0, 1], 64)  # takes the free id 0 on the host, the first free row on the device
     g.push()
     assert groups.tolist() == [[0, 1, -1], [2, 3, 7], [5, 6, -1], [-1, -1, -1]]
+    # the shared-prefix kernel reads whole blocks unmasked: a prefix that ends inside a block is refused
+    blocks = SharedPrefixGroups(8, 3, shared, groups, block_size=64)
+    with pytest.raises(ValueError, match="100 entries is not whole blocks of 64"):
+        blocks.add([0, 1], 100)
+    blocks.add([0, 1], 128)
 
 
 def test_the_pool_counts_holders_keeps_finished_prefixes_and_evicts_the_least_recent():

@@ -55,6 +55,21 @@ def check_attention() -> None:
                 got = decode_attention(q, paged.clone(), positions, k_new, v_new, block_n=16, splits=splits,
                                        block_table=table)
                 torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+            if size == 16:  # a block a step: a sliding window's first entry mid-block, and the cache read without
+                # the fused write (the last entry read is the position's)
+                window, clean = 5, kv.clone()
+                write_kv(k_new, v_new, clean, torch.arange(b), positions)
+                near = visible & (torch.arange(max_seq) > positions[:, None] - window)[:, None, None, :]
+                want_w = F.scaled_dot_product_attention(q.float(), clean[0].float(), clean[1].float(), attn_mask=near)
+                paged_written = paged.clone()  # (NaN past each position, as `written`: never read)
+                paged_written[:, table.flatten()] = written.view(2, b, hkv, per_slot, size, d).transpose(2, 3) \
+                    .flatten(1, 2)
+                for splits in (1, 3):
+                    got = decode_attention(q, paged.clone(), positions, k_new, v_new, block_n=16, splits=splits,
+                                           block_table=table, window=window)
+                    torch.testing.assert_close(got.float(), want_w, atol=atol, rtol=0)
+                    got = decode_attention(q, paged_written, positions, block_n=16, splits=splits, block_table=table)
+                    torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
             fused = paged.clone()
             decode_attention(q, fused, positions, k_new, v_new, block_n=16, block_table=table)
             back = fused[:, table.flatten()].view(2, b, per_slot, hkv, size, d).transpose(2, 3).reshape(kv.shape)
@@ -62,6 +77,7 @@ def check_attention() -> None:
             write_kv(k_new, v_new, expected, torch.arange(b), positions)
             assert torch.equal(back, expected), "the paged K/V write differs from the indexed copy"
             check_cascade(dtype, atol, gen, size)
+        check_cascade_odd_blocks(dtype, atol, gen)
     print("attention: ok")
 
 
@@ -116,6 +132,23 @@ def check_cascade(dtype, atol, gen, size: int) -> None:
                            cascade=(torch.zeros(b, dtype=torch.long), groups_off))
     ref = decode_attention(q, plain.clone(), positions, k_new, v_new, block_n=16, block_table=table)
     torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
+def check_cascade_odd_blocks(dtype, atol, gen) -> None:
+    """Blocks of 24 entries (not a power of 2, so no kernel reads a block a step): two slots that share two blocks
+    read them through the cascade as the plain kernel reads them."""
+    from shardrl.rollout.decode_kernel import decode_attention
+
+    hkv, g, d, size = 2, 3, 16, 24
+    table = torch.tensor([[1, 2, 3, 4], [1, 2, 5, 6]])
+    paged = torch.randn(2, 7, hkv, size, d, generator=gen).to(dtype)
+    positions, shared = torch.tensor([60, 90]), torch.tensor([48, 48])
+    q = torch.randn(2, hkv, g, d, generator=gen).to(dtype)
+    k_new, v_new = torch.randn(2, 2, hkv, d, generator=gen).to(dtype)
+    ref = decode_attention(q, paged.clone(), positions, k_new, v_new, block_n=16, block_table=table)
+    got = decode_attention(q, paged.clone(), positions, k_new, v_new, block_n=16, block_table=table,
+                           cascade=(shared, torch.tensor([[0, 1]])))
+    torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=0)
 
 
 def check_cascade_rollout() -> None:

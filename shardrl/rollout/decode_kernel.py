@@ -428,10 +428,10 @@ def shared_prefix_parts(q: torch.Tensor, kv_layer: torch.Tensor, block_table: to
     """The first kernel of the cascade (`decode_attention`'s `cascade`): each group's shared entries read once for
     all its members, by `prefix_splits` x `programs` programs per KV head (None: `_group_programs`). `block_n` None:
     a cache block a step (`_attend_blocks`), `num_stages` (None: 3, or 2 where a block's K tile passes 16 KB) in
-    flight; blocks under 16 or over 128 entries, or a `block_n` given, `block_n` entries a step (None: 128, or 64 past D = 128,
-    whose tiles would outgrow the shared memory of smaller GPUs; `num_stages` None: 1). Returns the flat
-    fp32 buffer (`out`, if given) of the members' unnormalized parts (`_prefix_offset`), which the per-slot kernel
-    or `_combine_splits` merges; a slot in no group has none written."""
+    flight; blocks under 16 or over 128 entries or not a power of 2, or a `block_n` given: `block_n` entries a step
+    (None: 128, or 64 past D = 128, whose tiles would outgrow the shared memory of smaller GPUs; `num_stages` None:
+    1). Returns the flat fp32 buffer (`out`, if given) of the members' unnormalized parts (`_prefix_offset`), which
+    the per-slot kernel or `_combine_splits` merges; a slot in no group has none written."""
     b, hkv, g, d = q.shape
     if prefix_splits < 1:
         raise ValueError(f"prefix_splits={prefix_splits} must be >= 1")
@@ -440,7 +440,7 @@ def shared_prefix_parts(q: torch.Tensor, kv_layer: torch.Tensor, block_table: to
         if out is None else out
     programs = programs or _group_programs(q.device, rows, hkv, prefix_splits)
     bs = kv_layer.shape[3]
-    blockwise = block_n is None and 16 <= bs <= 128  # (a product's side is at least 16)
+    blockwise = block_n is None and 16 <= bs <= 128 and bs & (bs - 1) == 0  # (a tile's sides: powers of 2, >= 16)
     if blockwise:  # a block a step, three in flight where two blocks' K and V tiles stay under 64 KB
         block_n, num_stages = bs, num_stages or (3 if bs * d * kv_layer.element_size() <= 16384 else 2)
     else:

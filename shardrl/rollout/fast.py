@@ -412,7 +412,7 @@ class FastRollout(Rollout):
             **routes,
         )
         if self.cascade:
-            self._groups = SharedPrefixGroups(b, state.groups.shape[1], state.shared, state.groups)
+            self._groups = SharedPrefixGroups(b, state.groups.shape[1], state.shared, state.groups, self.block_size)
         return state
 
     def _ensure_capacity(self, num_rows: int, n: int, need_seq: int, num_slots: int | None = None) -> None:

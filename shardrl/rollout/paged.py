@@ -167,8 +167,8 @@ class SharedPrefixGroups:
     the first rows (the rows after them all -1; a group's row on the device is not its id here). A group
     that drops to one slot is dissolved (its slot reads its whole cache itself)."""
 
-    def __init__(self, num_slots: int, members: int, shared: torch.Tensor, groups: torch.Tensor):
-        self.members, self.shared, self.groups = members, shared, groups
+    def __init__(self, num_slots: int, members: int, shared: torch.Tensor, groups: torch.Tensor, block_size: int = 1):
+        self.members, self.shared, self.groups, self.block_size = members, shared, groups, block_size
         self.of = [-1] * num_slots  # slot -> its group, -1: none
         self.length = [0] * num_slots  # slot -> shared entries
         self.slots: list[list[int]] = [[] for _ in range(groups.shape[0])]  # group -> its slots
@@ -184,7 +184,10 @@ class SharedPrefixGroups:
         self.dirty = True
 
     def add(self, slots: list[int], shared: int) -> None:
-        """`slots` share their first `shared` entries: groups of up to `members` of them (a lone leftover none)."""
+        """`slots` share their first `shared` entries, whole blocks (the kernel reads them unmasked): groups of up to
+        `members` of them (a lone leftover none)."""
+        if shared % self.block_size:
+            raise ValueError(f"a shared prefix of {shared} entries is not whole blocks of {self.block_size}")
         if shared <= 0:
             return
         for i in range(0, len(slots), self.members):
