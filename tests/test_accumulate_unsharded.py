@@ -47,9 +47,29 @@ def _two_steps(accumulate, fsdp_size):
     return dict(grads=grads, resolved=engine._accumulate_unsharded, seen=seen, losses=losses)
 
 
-@pytest.mark.parametrize("world,fsdp_size,default", [(1, -1, True), (2, 1, True), (2, -1, False)])
-def test_unsharded_accumulation_gives_the_same_gradients(world, fsdp_size, default):
-    out = {flag: run_distributed(_two_steps, world, flag, fsdp_size) for flag in (None, not default)}
+CASES = [(1, -1, True), (2, 1, True), (2, -1, False)]  # world, fsdp_size, accumulate_unsharded's default there
+
+
+def _each_two_steps(settings: list[tuple]) -> dict:
+    """`_two_steps` for each (accumulate, fsdp_size), one engine after the other on the same processes."""
+    return {(accumulate, fsdp_size): _two_steps(accumulate, fsdp_size) for accumulate, fsdp_size in settings}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """world size -> (accumulate, fsdp_size) -> `_two_steps`; each world is spawned once, on first use, for
+    all its cases (left null and set against its default)."""
+    class Lazy(dict):
+        def __missing__(self, world):
+            settings = [(flag, fsdp) for w, fsdp, default in CASES if w == world for flag in (None, not default)]
+            self[world] = run_distributed(_each_two_steps, world, settings)
+            return self[world]
+    return Lazy()
+
+
+@pytest.mark.parametrize("world,fsdp_size,default", CASES)
+def test_unsharded_accumulation_gives_the_same_gradients(runs, world, fsdp_size, default):
+    out = {flag: runs[world][flag, fsdp_size] for flag in (None, not default)}
     on, off = (out[None], out[not default]) if default else (out[not default], out[None])
     assert out[None]["resolved"] is default and out[not default]["resolved"] is (not default)
     assert len(on["grads"]) == len(off["grads"]) == 2

@@ -165,20 +165,23 @@ def test_async_runs_match_sync_and_keep_the_staleness_bound(assets, tmp_path):
 
 def run_partial(overrides: list[str], last_push: int) -> dict | None:
     """`run_recording` with partial rollouts made certain to happen: on its 4th poll of a generate call the
-    rollout rank waits for the next push when one is still to come (versions 1..last_push are pushed), so
-    weights change in the middle of those responses whatever the speeds of the two sides."""
+    rollout rank waits for the next push when one is still to come (versions 1..last_push are pushed) and can
+    come during that call (version v + 1 is pushed after step v trains, so only once this rank has sent step
+    v's batch: never during step 0's generation), so weights change in the middle of those responses whatever
+    the speeds of the two sides."""
     from shardrl.trainer import async_rl
 
-    calls = [0]
+    calls, sent = [0], [-1]  # polls in this generate call; batches generated before it
     generate_batch, poll = async_rl.generate_batch, async_rl.RolloutWeights.poll
 
     def counted_generate(*args, **kwargs):
         calls[0] = 0
+        sent[0] += 1
         return generate_batch(*args, **kwargs)
 
     def waiting_poll(self):
         calls[0] += 1
-        if calls[0] == 4 and self.version < last_push:
+        if calls[0] == 4 and self.version < min(last_push, sent[0]):
             deadline = time.perf_counter() + 60
             while self._pushed() <= self.received and time.perf_counter() < deadline:
                 time.sleep(0.005)

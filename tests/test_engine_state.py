@@ -114,15 +114,26 @@ def export_worker(tmp: str):
 
 
 # ---- fixtures -----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def offload_world2():
-    return run_distributed(offload_worker, 2, "qwen2")
+def offload_and_export_worker(kind: str, tmp: str) -> tuple:
+    """`offload_worker` then `export_worker`, one after the other on the same processes."""
+    return offload_worker(kind), export_worker(tmp)
 
 
 @pytest.fixture(scope="module")
-def export_world2(tmp_path_factory):
+def world2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("export")
-    return tmp, run_distributed(export_worker, 2, str(tmp))
+    return tmp, run_distributed(offload_and_export_worker, 2, "qwen2", str(tmp))  # one spawn of 2 for both
+
+
+@pytest.fixture(scope="module")
+def offload_world2(world2):
+    return world2[1][0]
+
+
+@pytest.fixture(scope="module")
+def export_world2(world2):
+    tmp, (_, export) = world2
+    return tmp, export
 
 
 def reference_model(kind: str):
@@ -210,9 +221,19 @@ def bucketed_export_worker(kind: str):
     return out
 
 
+def bucketed_export_each(kinds: tuple[str, ...]) -> dict:
+    """`bucketed_export_worker` for each model kind, one after the other on the same 4 processes."""
+    return {kind: bucketed_export_worker(kind) for kind in kinds}
+
+
+@pytest.fixture(scope="module")
+def bucketed_world4():
+    return run_distributed(bucketed_export_each, 4, ("qwen2", "llama"))  # both kinds in one spawn of 4
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
-def test_bucketed_export_at_world_4_full_shard_and_hsdp(kind):
-    res = run_distributed(bucketed_export_worker, 4, kind)
+def test_bucketed_export_at_world_4_full_shard_and_hsdp(bucketed_world4, kind):
+    res = bucketed_world4[kind]
     want = {n: w.detach().to(torch.bfloat16) for n, w in reference_model(kind).named_parameters()}
     for (layout, bucket_bytes), (got, num_gathers, num_params) in res.items():
         assert got.keys() == want.keys(), (layout, bucket_bytes)

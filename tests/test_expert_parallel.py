@@ -207,14 +207,19 @@ def _ep_checkpoint(world: int, ep: int, folder: str, save: bool) -> dict:
     return dict(metrics=metrics, weights=weights)
 
 
+def _ep_resumes(world: int, eps: tuple[int, ...], folder: str) -> dict:
+    """`_ep_checkpoint` loading `folder` at each ep in `eps`, one engine after the other on the same processes."""
+    return {ep: _ep_checkpoint(world, ep, folder, False) for ep in eps}
+
+
 def test_an_expert_parallel_checkpoint_resumes_at_another_world_size_and_ep(tmp_path):
     """Saved at world 4 with ep 2 (the experts' state on a (2, 2) mesh), resumed at world 2 with ep 2 and at world
     2 without expert parallelism: the second step's loss, LR and weights are those of the run that never stopped
     (the optimizer's moments of every expert restored where that layout keeps them)."""
     folder = str(tmp_path / "ckpt")
     want = run_distributed(_ep_checkpoint, 4, 4, 2, folder, True)
-    for world, ep in ((2, 2), (2, 1)):
-        got = run_distributed(_ep_checkpoint, world, world, ep, folder, False)
+    world = 2  # both resumes on one pair of processes, one engine after the other
+    for ep, got in run_distributed(_ep_resumes, world, world, (2, 1), folder).items():
         assert got["metrics"]["loss"] == pytest.approx(want["metrics"]["loss"], rel=1e-5), (world, ep)
         assert got["metrics"]["lr"] == want["metrics"]["lr"]
         for name, w in want["weights"].items():

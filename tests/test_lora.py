@@ -5,6 +5,8 @@ line naming the key."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -158,18 +160,28 @@ def test_bad_lora_settings_are_one_line_naming_the_key():
             load_config(None, [override])
 
 
-def _build(model_kwargs, engine_kwargs):
-    build_engine(ModelConfig(tiny=TINY_MODELS["qwen2"], lora=LoRAConfig(**model_kwargs)), EngineConfig(**engine_kwargs),
-                 OptimConfig())
+def _build_errors(cases: list[tuple[dict, dict]]) -> list[str | None]:
+    """Builds an engine for each (lora kwargs, engine kwargs), one after the other on this process: the error each
+    build raised, as "Type: message" (None for a build that went through)."""
+    errors = []
+    for model_kwargs, engine_kwargs in cases:
+        try:
+            build_engine(ModelConfig(tiny=TINY_MODELS["qwen2"], lora=LoRAConfig(**model_kwargs)),
+                         EngineConfig(**engine_kwargs), OptimConfig())
+            errors.append(None)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
 
 
 @pytest.mark.multiproc
 def test_lora_that_cannot_run_is_refused_when_the_engine_is_built():
-    with pytest.raises(Exception, match=r"model.lora.target_modules=\['qkv'\]: \['qkv'\] match no linear layer of the "
-                                        r"model; its linear layers are \['down_proj', 'gate_proj', 'k_proj'"):
-        run_distributed(_build, 1, dict(rank=4, target_modules=["qkv"]), {})
-    with pytest.raises(Exception, match=r"model.lora with offload_params=true is not supported yet"):
-        run_distributed(_build, 1, dict(rank=4), dict(offload_params=True))
+    cases = {r"model.lora.target_modules=\['qkv'\]: \['qkv'\] match no linear layer of the model; its linear layers "
+             r"are \['down_proj', 'gate_proj', 'k_proj'": (dict(rank=4, target_modules=["qkv"]), {}),
+             r"model.lora with offload_params=true is not supported yet": (dict(rank=4), dict(offload_params=True))}
+    errors = run_distributed(_build_errors, 1, list(cases.values()))  # both builds on one process
+    for message, error in zip(cases, errors, strict=True):
+        assert error is not None and re.search(message, error), (message, error)
 
 
 def test_a_lora_run_trains_with_the_base_as_reference_and_exports_a_merged_model(tmp_path):
@@ -231,6 +243,21 @@ def _load_lora(path, lora: bool, alpha: float = ALPHA):
     return {k: v.float() for k, v in engine.export_weights()}, engine.global_step
 
 
+def _load_lora_three_ways(path):
+    """On this process, one engine after another loads the checkpoint: with the saved LoRA settings (its weights
+    and step), without model.lora, and with another alpha (the error each of those two raised, "Type: message",
+    or None)."""
+    loaded = _load_lora(path, True)
+    errors = []
+    for lora, alpha in ((False, ALPHA), (True, ALPHA * 2)):
+        try:
+            _load_lora(path, lora, alpha)
+            errors.append(None)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return loaded, errors
+
+
 @pytest.mark.multiproc
 def test_a_lora_checkpoint_holds_the_adapters_and_resumes_at_another_world_size(tmp_path):
     import torch.distributed.checkpoint as dcp
@@ -242,16 +269,15 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_at_another_world_size(
     assert keys and all(LORA_MARK in k for k in keys)  # no base weight: it is the model folder's
     moments = [k for k in meta if k.startswith("optimizer.state.")]
     assert moments and all(LORA_MARK in k for k in moments)  # AdamW state of the adapters only
-    loaded, step = run_distributed(_load_lora, 1, str(tmp_path / "ckpt"), True)
+    # the three loads at world 1 run on one process, one engine after the other
+    (loaded, step), (no_lora, other_alpha) = run_distributed(_load_lora_three_ways, 1, str(tmp_path / "ckpt"))
     assert step == 1 and sorted(loaded) == sorted(saved)
     for k in saved:
         torch.testing.assert_close(loaded[k], saved[k], rtol=0, atol=1e-6)
-    with pytest.raises(Exception, match=r"holds LoRA adapters, but this run has no model.lora"):
-        run_distributed(_load_lora, 1, str(tmp_path / "ckpt"), False)
+    assert no_lora is not None and re.search(r"holds LoRA adapters, but this run has no model.lora", no_lora), no_lora
     # another scale would change the trained policy without a shape to tell: the checkpoint's settings are checked
-    with pytest.raises(Exception, match=rf"other LoRA settings: model.lora.alpha={float(ALPHA)!r} in the checkpoint, "
-                                        rf"{float(ALPHA) * 2!r} here"):
-        run_distributed(_load_lora, 1, str(tmp_path / "ckpt"), True, ALPHA * 2)
+    assert other_alpha is not None and re.search(rf"other LoRA settings: model.lora.alpha={float(ALPHA)!r} in the "
+                                                 rf"checkpoint, {float(ALPHA) * 2!r} here", other_alpha), other_alpha
 
 
 def test_the_memory_ledger_counts_the_frozen_base_and_the_adapters():
@@ -494,3 +520,26 @@ def test_the_ledger_counts_a_kept_cache_through_prep_and_the_update():
         assert b["phases"][phase]["total_gib"] == pytest.approx(a["phases"][phase]["total_gib"] + cache), phase
     assert b["phases"]["gen"]["total_gib"] == pytest.approx(a["phases"]["gen"]["total_gib"])
     assert update_and_cache_gib(b) == pytest.approx(update_and_cache_gib(a))  # counted once
+
+
+@pytest.mark.parametrize("rank,small", [(4, None), (16, "k_proj, v_proj")])
+def test_the_start_up_line_counts_the_adapters_and_warns_of_a_rank_as_large_as_a_layer(rank, small):
+    """The adapters' parameters are r * (in + out) for each wrapped layer; the tiny model's k/v projections are 32 ->
+    16, so rank 16 is no smaller than them (warned), rank 4 is (no warning)."""
+    from shardrl.engine.lora import inject_lora, lora_summary
+
+    config = load_hf_config(None, TINY_MODELS["qwen2"])
+    lm = build_causal_lm(config, None, "cpu", torch.float32, seed=0)
+    base = sum(p.numel() for p in lm.parameters())
+    h, kv, inter, layers = 32, 16, 64, TINY_MODELS["qwen2"]["num_hidden_layers"]
+    sides = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]  # q k v o gate up down
+    want = layers * sum(rank * (i + o) for i, o in sides)
+    cfg = LoRAConfig(rank=rank)
+    inject_lora(lm, cfg)
+    line, warning = lora_summary(lm, cfg)
+    assert f"LoRA rank {rank} on {7 * layers} linear layers" in line
+    assert f"{want:,} trainable parameters, {100 * want / base:.2f}% of the base's {base:,}" in line
+    if small is None:
+        assert warning is None
+    else:
+        assert warning.startswith(f"model.lora.rank={rank} is at least the smaller side of {small}:")

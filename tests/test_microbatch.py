@@ -237,10 +237,20 @@ def _infer_with_an_empty_rank(dynamic: bool):
     return shapes
 
 
-@pytest.mark.multiproc
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_infer_on_a_rank_without_samples(dynamic):
-    # the empty rank runs placeholder micro-batches for the collectives and returns no rows
+def _infer_with_an_empty_rank_each(settings: tuple[bool, ...]) -> dict:
+    """`_infer_with_an_empty_rank` for each setting of `dynamic`, one engine after the other on the same processes."""
+    return {dynamic: _infer_with_an_empty_rank(dynamic) for dynamic in settings}
+
+
+@pytest.fixture(scope="module")
+def empty_rank_shapes():
     from shardrl.testing import run_distributed
 
-    assert run_distributed(_infer_with_an_empty_rank, 2, dynamic) == [(5, 8), (0, 8)]
+    return run_distributed(_infer_with_an_empty_rank_each, 2, (False, True))  # both on one pair of processes
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_infer_on_a_rank_without_samples(empty_rank_shapes, dynamic):
+    # the empty rank runs placeholder micro-batches for the collectives and returns no rows
+    assert empty_rank_shapes[dynamic] == [(5, 8), (0, 8)]

@@ -369,6 +369,11 @@ def _aux_loss_grads(kind: str, coef: float) -> dict:
     return {"grads": grads[0], "aux": metrics.get("actor/router_aux_loss")}
 
 
+def _aux_loss_grads_each(kind: str, coefs: tuple[float, ...]) -> dict:
+    """`_aux_loss_grads` for each coefficient, one engine after the other on the same process."""
+    return {coef: _aux_loss_grads(kind, coef) for coef in coefs}
+
+
 def test_the_load_balancing_loss_is_hfs_added_with_its_coefficient():
     """actor.router_aux_loss_coef: the update's gradient is that of the policy loss plus coef x HF's
     load_balancing_loss_func over the batch's real tokens (a plain loop here, on the padded batch); the logged
@@ -394,10 +399,11 @@ def test_the_load_balancing_loss_is_hfs_added_with_its_coefficient():
     aux = sys.modules[type(model).__module__].load_balancing_loss_func(out.router_logits, 8, 2, am)
     (agg_loss(-logp * batch["advantages"], batch["loss_mask"], "token-mean") + coef * aux).backward()
     want = {k: v.grad for k, v in model.named_parameters()}
-    got = run_distributed(_aux_loss_grads, 1, kind, coef)
+    runs = run_distributed(_aux_loss_grads_each, 1, kind, (coef, 0.0))  # both engines on one process
+    got = runs[coef]
     assert got["aux"] == pytest.approx(float(aux), rel=1e-5)
     assert_same_grads(got["grads"], want)
-    without = run_distributed(_aux_loss_grads, 1, kind, 0.0)["grads"]
+    without = runs[0.0]["grads"]
     with pytest.raises(AssertionError, match="grad diff"):
         assert_same_grads(without, want)
 

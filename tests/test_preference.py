@@ -253,10 +253,33 @@ def _assert_like_plain(out: dict, names) -> None:
                                        msg=f"{name}: {key}")
 
 
+PAIR_STEPS = {  # world size -> the (kind, layouts, loss type) cases the tests below compare with the plain loop
+    1: [("dpo", "one process", "sigmoid"), ("rm", "one process", "sigmoid")],
+    2: [("dpo", "two processes", "sigmoid"), ("rm", "two processes", "sigmoid"), ("dpo", "dynamic", "ipo"),
+        ("dpo", "dynamic", "simpo")],
+}
+PAIR_LAYOUTS = {"one process": LAYOUTS, "two processes": LAYOUTS | SP2, "dynamic": {"dynamic": LAYOUTS["dynamic"]}}
+
+
+def _each_preference_gradients(cases: list[tuple[str, str, str]]) -> dict:
+    """`_preference_gradients` for each (kind, layouts' name, loss type), one after the other on the same processes."""
+    return {case: _preference_gradients(case[0], PAIR_LAYOUTS[case[1]], case[2]) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def pair_steps():
+    """world size -> case -> `_preference_gradients`; each world is spawned once, on first use, for all its cases."""
+    class Lazy(dict):
+        def __missing__(self, world):
+            self[world] = run_distributed(_each_preference_gradients, world, PAIR_STEPS[world])
+            return self[world]
+    return Lazy()
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("kind", ["dpo", "rm"])
-def test_the_pair_step_is_a_plain_loops_on_one_process(kind):
-    out = run_distributed(_preference_gradients, 1, kind, LAYOUTS)
+def test_the_pair_step_is_a_plain_loops_on_one_process(pair_steps, kind):
+    out = pair_steps[1][kind, "one process", "sigmoid"]
     assert out["pair_each"]["metrics"]["num_micro_batches"] == 8  # a pair per micro-batch: both rows together
     assert 1 < out["dynamic"]["metrics"]["num_micro_batches"] < 8
     _assert_like_plain(out, LAYOUTS)
@@ -264,15 +287,15 @@ def test_the_pair_step_is_a_plain_loops_on_one_process(kind):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("kind", ["dpo", "rm"])
-def test_the_pair_step_is_the_same_on_two_processes_and_with_sequence_parallelism(kind):
-    out = run_distributed(_preference_gradients, 2, kind, LAYOUTS | SP2)
+def test_the_pair_step_is_the_same_on_two_processes_and_with_sequence_parallelism(pair_steps, kind):
+    out = pair_steps[2][kind, "two processes", "sigmoid"]
     _assert_like_plain(out, [*LAYOUTS, "sp2"])
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("loss_type", ["ipo", "simpo"])
-def test_ipo_and_simpo_steps_are_a_plain_loops(loss_type):
-    out = run_distributed(_preference_gradients, 2, "dpo", {"dynamic": LAYOUTS["dynamic"]}, loss_type)
+def test_ipo_and_simpo_steps_are_a_plain_loops(pair_steps, loss_type):
+    out = pair_steps[2]["dpo", "dynamic", loss_type]
     _assert_like_plain(out, ["dynamic"])
 
 

@@ -37,15 +37,22 @@ def engine_scores(path: str, remove_padding: bool):
     return torch.cat(gathered)
 
 
+def engine_scores_each(path: str, remove_padding: tuple[bool, ...]) -> dict[bool, torch.Tensor]:
+    """`engine_scores` for each setting of `remove_padding`, one engine after the other on the same processes."""
+    return {packed: engine_scores(path, packed) for packed in remove_padding}
+
+
 def test_scores_equal_plain_hf_model(rm_dir):
     model = transformers.AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
     batch = random_batch(8, 12, 101, seed=5)
     with torch.no_grad():
         want = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
-    for world, packed in ((1, True), (2, True), (2, False)):
-        got = run_distributed(engine_scores, world, str(rm_dir), packed)
-        assert got.shape == (8,)
-        assert (got - want).abs().max() < 1e-5, (world, packed)
+    for world, settings in ((1, (True,)), (2, (True, False))):  # packed and padded on one pair of processes
+        runs = run_distributed(engine_scores_each, world, str(rm_dir), settings)
+        assert sorted(runs) == sorted(settings)
+        for packed, got in runs.items():
+            assert got.shape == (8,)
+            assert (got - want).abs().max() < 1e-5, (world, packed)
 
 
 def test_causal_lm_folder_is_not_a_reward_model(tmp_path):

@@ -158,18 +158,19 @@ def test_validation_samples_n_and_reports_each_data_source():
                                "val/b/c/reward_mean@1": 1 / 3, "val/b/c/pass@1": 1 / 3})
 
 
-def _validation_on_two_ranks(n: int) -> dict:
+def _validation_on_two_ranks(ns: tuple[int, ...]) -> list[dict]:
     import torch.distributed as dist
 
-    return fake_validation(2, dist.get_rank(), n, dist.group.WORLD)
+    return [fake_validation(2, dist.get_rank(), n, dist.group.WORLD) for n in ns]
 
 
 @pytest.mark.multiproc
 def test_validation_metrics_do_not_depend_on_the_ranks():
     from shardrl.testing import run_distributed
 
-    for n in (1, 2):
-        assert run_distributed(_validation_on_two_ranks, 2, n) == pytest.approx(fake_validation(1, 0, n))
+    ns = (1, 2)  # both on the same two processes, one after the other
+    for n, got in zip(ns, run_distributed(_validation_on_two_ranks, 2, ns), strict=True):
+        assert got == pytest.approx(fake_validation(1, 0, n)), n
 
 
 def test_a_metrics_file_cut_short_drops_its_last_line_and_resumes(tmp_path, caplog):

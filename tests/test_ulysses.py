@@ -41,10 +41,29 @@ def _exchange_and_attend(num_kv_heads: int):
     return ok_exchange, float((part - full[:, piece]).abs().max())
 
 
+SP_CASES = [(2, 2), (4, 2), (4, 4)]  # world (the sp group), KV heads
+
+
+def _each_exchange_and_attend(kv_heads: list[int]) -> dict:
+    """`_exchange_and_attend` for each KV head count, one after the other on the same processes."""
+    return {n: _exchange_and_attend(n) for n in kv_heads}
+
+
+@pytest.fixture(scope="module")
+def sp_runs():
+    """world size -> KV heads -> `_exchange_and_attend`; each world is spawned once, on first use, for all its
+    cases."""
+    class Lazy(dict):
+        def __missing__(self, world):
+            self[world] = run_distributed(_each_exchange_and_attend, world, [n for w, n in SP_CASES if w == world])
+            return self[world]
+    return Lazy()
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world,kv_heads", [(2, 2), (4, 2), (4, 4)])
-def test_sp_attention_equals_whole_row_attention(world, kv_heads):
-    ok_exchange, diff = run_distributed(_exchange_and_attend, world, kv_heads)
+@pytest.mark.parametrize("world,kv_heads", SP_CASES)
+def test_sp_attention_equals_whole_row_attention(sp_runs, world, kv_heads):
+    ok_exchange, diff = sp_runs[world][kv_heads]
     assert ok_exchange
     assert diff < 1e-6
 

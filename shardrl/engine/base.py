@@ -35,7 +35,8 @@ from shardrl.engine.attention import resolve_attn_implementation
 from shardrl.engine.checkpoint import load_engine_state, lora_settings, save_engine_state
 from shardrl.engine.loading import (compute_non_persistent_buffers, copy_full_into, load_sharded, random_shards,
                                     sharded_load_problem)
-from shardrl.engine.lora import LORA_MARK, adapters_off, hf_base_name, inject_lora, lora_init, save_peft_adapter
+from shardrl.engine.lora import (LORA_MARK, adapters_off, hf_base_name, inject_lora, lora_init, lora_summary,
+                                 save_peft_adapter)
 from shardrl.engine.microbatch import restore_order, split_micro_batches
 from shardrl.engine.moe import apply_experts_implementation, expert_intermediate_size, num_experts
 from shardrl.engine.model import (DTYPES, PolicyModel, build_causal_lm, check_model_weights, disable_dropout,
@@ -160,6 +161,10 @@ class Engine(abc.ABC):
                                   trust_remote_code=mc.trust_remote_code, sequence_classification=head == "score")
         if self.lora is not None:
             inject_lora(lm_meta, self.lora)
+            line, warning = lora_summary(lm_meta, self.lora)
+            log.info(line)
+            if warning:
+                log.warning(warning)
         module = PolicyModel(lm_meta, head, self.cfg.logprob_chunk_size)
         self.sharded_load = sharded = self._sharded_load(module)
         # otherwise rank 0 reads the weights once; the others start on meta and receive their shards

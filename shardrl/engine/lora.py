@@ -75,6 +75,22 @@ def inject_lora(lm: nn.Module, lora_cfg) -> list[str]:
     return names
 
 
+def lora_summary(lm: nn.Module, lora_cfg) -> tuple[str, str | None]:
+    """Start-up lines for a model with adapters: (how many layers carry them and the trainable parameters against
+    the base's; a warning where the rank is at least a wrapped layer's smaller side, since that adapter is no
+    smaller than the weight it adapts (peft takes such a rank), else None)."""
+    layers = {id(m): m for m in lora_modules(lm)}
+    named = [(n.rsplit(".", 1)[-1], m) for n, m in lm.named_modules() if id(m) in layers]
+    trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
+    total = sum(p.numel() for n, p in lm.named_parameters() if LORA_MARK not in n)
+    line = (f"LoRA rank {lora_cfg.rank} on {len(named)} linear layers ({', '.join(sorted({k for k, _ in named}))}): "
+            f"{trainable:,} trainable parameters, {100 * trainable / max(total, 1):.2f}% of the base's {total:,}")
+    small = sorted({k for k, m in named if min(m.base_layer.in_features, m.base_layer.out_features) <= lora_cfg.rank})
+    warning = (f"model.lora.rank={lora_cfg.rank} is at least the smaller side of {', '.join(small)}: those adapters "
+               f"are no smaller than the weights they adapt" if small else None)
+    return line, warning
+
+
 def lora_init(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     """The initial value of adapter `name`, the same on every rank and in every process: A Kaiming-uniform (as
     peft's default, from a generator seeded by `seed` and the name), B zeros, so training starts at the base."""
