@@ -437,6 +437,24 @@ phase_s22_prefix3() { limit 300 python3 bench/prefix_reuse.py --trees new=.,old=
 phase_s22_prefix() { limit 400 python3 bench/prefix_reuse.py --trees new=.,s21=.s21_tree,old=.baseline_tree \
     --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
 
+# session 23 (one H200): where the long-prompt call's time goes (kernels by kind, the device's idle time, the admission
+# alone at several chunk sizes, sync_every), the decode GEMMs at 256 rows under cuBLAS, cuBLASLt and max-autotune, the
+# prefill's attention backends; the whole rollout with max-autotune GEMMs and with cuBLASLt
+#   s23_gemm s23_rollout s23_autotune s23_lt
+phase_s23_gemm() { limit 300 python3 bench/exp_long_prompt.py --parts gemm --out $RES; }
+phase_s23_rollout() { limit 300 python3 bench/exp_long_prompt.py --parts rollout --out $RES; }
+phase_s23_autotune() { TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 limit 420 python3 bench/exp_long_prompt.py --parts rollout \
+    --tag autotune --no-sweep --no-profile --out $RES; }
+phase_s23_lt() { limit 240 python3 bench/exp_long_prompt.py --parts rollout --tag cublaslt --blas cublaslt --no-sweep \
+    --no-profile --out $RES; }
+# then, the admission's copies from pinned memory (no wait for the device), the end of a call's host work cut:
+#   s23_prefix s23_profile s23_tests
+phase_s23_prefix() { limit 420 python3 bench/prefix_reuse.py --trees new=.,old=.baseline_tree --repeats 3 \
+    --shape 1.5b --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
+phase_s23_profile() { limit 240 python3 bench/exp_long_prompt.py --parts rollout --tag pinned --no-sweep --out $RES; }
+phase_s23_tests() { limit 480 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs \
+    tests/test_prefix_cache.py tests/test_rollout_fast.py tests/test_rollout_fast_families.py; }
+
 case "${1:-}" in
 start)
     shift

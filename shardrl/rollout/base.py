@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from shardrl.batch import Batch
 
@@ -182,14 +183,12 @@ def assemble_output(prompt_ids: torch.Tensor, attention_mask: torch.Tensor, n: i
                     responses: list[tuple[torch.Tensor, torch.Tensor]], texts: list[str], pad_id: int) -> RolloutOutput:
     """The `RolloutOutput` of B prompts from their B*n responses (prompt-major), each given as its token ids
     (L,) and sampled log-probs (L,), already cut to its length; right-padded to the longest."""
-    width = max((len(ids) for ids, _ in responses), default=0)
-    response_ids = torch.full((len(responses), width), pad_id, dtype=torch.long)  # (B*n, R)
-    response_mask = torch.zeros(len(responses), width, dtype=torch.long)  # (B*n, R)
-    log_probs = torch.zeros(len(responses), width, dtype=torch.float32)  # (B*n, R)
-    for r, (ids, logp) in enumerate(responses):
-        response_ids[r, : len(ids)] = ids
-        response_mask[r, : len(ids)] = 1
-        log_probs[r, : len(ids)] = logp
+    # (on the host; an empty row more, so that no responses give width 0)
+    ids = [i.long().cpu() for i, _ in responses] + [torch.zeros(0, dtype=torch.long)]
+    response_ids = pad_sequence(ids, batch_first=True, padding_value=pad_id)[:-1]  # (B*n, R)
+    log_probs = pad_sequence([lp.float().cpu() for _, lp in responses] + [torch.zeros(0)], batch_first=True)[:-1]
+    lengths = torch.tensor([len(i) for i, _ in responses], dtype=torch.long)
+    response_mask = (torch.arange(response_ids.shape[1]) < lengths[:, None]).long()  # (B*n, R)
     device = prompt_ids.device
     return RolloutOutput(
         prompt_ids=prompt_ids.repeat_interleave(n, dim=0),
@@ -250,10 +249,12 @@ def cut_responses(tokenizer, stop_ids, generated: torch.Tensor, stop: list[str])
     """Each row of `generated` (rows, L): its response length (through EOS, or through the token completing a
     stop string) and its text (special tokens skipped, cut before the stop string)."""
     lengths, texts = [], []
-    for row in generated.tolist():
-        end = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
+    width = generated.shape[1]
+    hit = torch.isin(generated, torch.tensor(sorted(stop_ids), dtype=generated.dtype, device=generated.device))
+    ends = torch.where(hit.any(1), hit.to(torch.uint8).argmax(1), width).tolist()  # the first EOS, else the width
+    for row, end in zip(generated.tolist(), ends):
         body = row[:end]  # before EOS (or the end-of-turn token)
-        length = len(body) + 1 if len(body) < len(row) else len(row)  # EOS counts as a response token
+        length = end + 1 if end < width else width  # EOS counts as a response token
         if stop:
             stop_at = stop_length(tokenizer, body, stop)
             if stop_at is not None:

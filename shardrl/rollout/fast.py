@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from shardrl.engine.lora import merged_weight
 from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_prompts,
@@ -781,11 +782,14 @@ class FastRollout(Rollout):
         # but a chunk stays bounded by its whole contexts too: an estimated cached prefix may be evicted by the
         # chunk's own allocations before its lookup, and then runs whole
         wide = (16 if self._block.attention.prefix_from_blocks else 4) * self.prefill_tokens
+        estimate: dict[int, int] = {}  # prompt b -> positions its longest cached prefix would give it now
         for slot, row in admitted:
             b = row // n
             toks = self._tokens_of(prompts, b)  # (the same tokens as prompt a's)
-            a = same.setdefault(b, first_of.setdefault(tuple(toks), b))
-            cached = pool.match(toks, len(toks) - 1, self._keys_of(b)) * size if lookup else 0  # (an estimate)
+            if b not in same:  # once per prompt, not per sample: nothing below changes the pool
+                same[b] = first_of.setdefault(tuple(toks), b)
+                estimate[b] = pool.match(toks, len(toks) - 1, self._keys_of(b)) * size if lookup else 0
+            a, cached = same[b], estimate[b]
             grown = len(distinct | {a})
             if current and (max(longest, len(toks) - cached) * grown > self.prefill_tokens
                             or max(widest, len(toks)) * grown > wide):
@@ -795,7 +799,7 @@ class FastRollout(Rollout):
             distinct.add(a)
             longest, widest = max(longest, len(toks) - cached), max(widest, len(toks))
         chunks.append(current)
-        to_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        to_dev = self._to_device
         for chunk in chunks:
             order = list(dict.fromkeys(same[row // n] for _, row in chunk))  # distinct prompts, in order
             index = {b: i for i, b in enumerate(order)}
@@ -811,14 +815,14 @@ class FastRollout(Rollout):
                 owned.append(hit + pool.allocate(self._blocks_for(len(toks), first_limit[i]) - len(hit)))
                 starts.append(len(hit) * size)
             lens = [len(t) - c for t, c in zip(tokens, starts)]
-            ids = torch.full((len(order), max(lens)), self.pad_id, dtype=torch.long)
-            for i, (toks, c) in enumerate(zip(tokens, starts)):
-                ids[i, : lens[i]] = torch.tensor(toks[c:], dtype=torch.long)
-            ids, tables, lens_t = ids.to(self.device), self._table_rows(owned), to_dev(lens)
+            # the prompts' ids past their cached prefixes, right-padded: from their copies on the device
+            ids = pad_sequence([prompts[b][c:] for b, c in zip(order, starts)], batch_first=True,
+                               padding_value=self.pad_id).long()
             routes = None
             if st.out_routes is not None:
                 routes = torch.empty((ids.numel(), *st.step_routes.shape[1:]), dtype=torch.long, device=self.device)
-            logits = self.model.prefill(ids, lens_t, st.kv, tables, starts, self._block, routes)
+            logits = self.model.prefill(ids, lens, st.kv, self._table_rows(owned), starts, self._block, routes,
+                                        to_device=to_dev)
             if self._registering and lookup:
                 for b, toks, blocks in zip(order, tokens, owned):
                     pool.register(toks, blocks, len(toks), self._keys_of(b))
@@ -891,10 +895,17 @@ class FastRollout(Rollout):
 
     def _table_rows(self, block_lists: list[list[int]]) -> torch.Tensor:
         """Block-table rows (on the device) for lists of blocks: each list, then the scratch block 0."""
-        rows = torch.zeros(len(block_lists), self._state.table.shape[1], dtype=torch.long)
-        for i, blocks in enumerate(block_lists):
-            rows[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        return rows.to(self.device)
+        width = self._state.table.shape[1]
+        return self._to_device([blocks + [0] * (width - len(blocks)) for blocks in block_lists])
+
+    def _to_device(self, values) -> torch.Tensor:
+        """Integers (a list, nested lists, or a CPU tensor) on the device, sent without waiting for it: a copy from
+        pinned memory is queued behind the kernels already launched, where a copy from pageable memory makes the
+        host wait for all of them (in the admission, the device then idles while the host prepares each chunk)."""
+        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _tokens_of(self, prompts, b: int) -> list[int]:
         """Prompt b's ids on the host (read once per call)."""
@@ -915,12 +926,12 @@ class FastRollout(Rollout):
         row's cache holds (prompt and fed tokens; `prefix_cache`), releases the rows' blocks and marks the slots
         empty."""
         st = self._state
-        idx = torch.tensor(finished, dtype=torch.long, device=self.device)
+        idx = self._to_device(finished)
         width = max(generated[s] for s in finished)
-        tokens = st.out_tokens[idx, :width].cpu()
+        tokens = st.out_tokens[idx, :width].tolist()
         log_probs = st.out_log_probs[idx, :width].cpu()
         for i, s in enumerate(finished):
-            results[slot_row[s]] = (tokens[i, : generated[s]].tolist(), log_probs[i, : generated[s]])
+            results[slot_row[s]] = (tokens[i][: generated[s]], log_probs[i, : generated[s]])
             blocks = self._slot_blocks[s]
             if self.prefix_cache and self._registering and not self.record_routing:
                 prompt = self._tokens_of(prompts, slot_row[s] // n)
@@ -959,10 +970,8 @@ class FastRollout(Rollout):
 
     def _assemble(self, prompt_ids, attention_mask, rows, n, stop) -> RolloutOutput:
         """The `RolloutOutput` of the uncut rows, cut by the HF reference's own rule (`cut_responses`)."""
-        num_rows = len(rows)
-        full = torch.full((num_rows, max(len(t) for t, _ in rows)), self.pad_id, dtype=torch.long)
-        for r, (tokens, _) in enumerate(rows):
-            full[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        width = max(len(t) for t, _ in rows)
+        full = torch.tensor([tokens + [self.pad_id] * (width - len(tokens)) for tokens, _ in rows], dtype=torch.long)
         lengths, texts = cut_responses(self.tokenizer, self.stop_ids, full, stop)
         # a row shorter than `full` without EOS ended at its own limit (or a stop string): padding is no response
         lengths = [min(length, len(tokens)) for length, (tokens, _) in zip(lengths, rows)]

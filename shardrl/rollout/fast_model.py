@@ -745,28 +745,32 @@ class FastCausalLM(nn.Module):
         """The layers with routed experts, in order (the L of a routing record (..., L, k))."""
         return [i for i, c in enumerate(self.layer_consts) if c.top_k]
 
-    def prefill(self, ids, lengths, kv, tables, starts: list[int] | None = None, block: DecoderBlock | None = None,
-                routes: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(self, ids, lengths: list[int], kv, tables, starts: list[int] | None = None,
+                block: DecoderBlock | None = None, routes: torch.Tensor | None = None,
+                to_device=None) -> torch.Tensor:
         """ids (U, L): U prompts' tokens from position starts[i] on (default 0; a multiple of the block size, the
-        positions before it already in the blocks), right-padded, with `lengths` (U,) tokens each; writes their
-        K/V into the blocks of `tables` (U, max_blocks) and returns the logits after each prompt's last token,
-        (U, V). `routes` (U * L, len(routed_layers), k) receives each token's experts per routed layer."""
+        positions before it already in the blocks), right-padded, with `lengths` (U ints, on the host) tokens each;
+        writes their K/V into the blocks of `tables` (U, max_blocks) and returns the logits after each prompt's
+        last token, (U, V). `routes` (U * L, len(routed_layers), k) receives each token's experts per routed layer.
+        `to_device` moves host integers to the device (default: a plain copy); nothing here waits for the device."""
         u, length = ids.shape
         dev, size = ids.device, kv.shape[4]
-        starts_t = torch.tensor(starts or [0] * u, dtype=torch.long, device=dev)
+        to_device = to_device or (lambda xs: torch.as_tensor(xs, dtype=torch.long).to(dev))
+        starts = list(starts or [0] * u)
+        # the real tokens' indices in the flattened chunk, made on the host (a nonzero on the device would wait)
+        index = to_device(torch.cat([torch.arange(i * length, i * length + n) for i, n in enumerate(lengths)]))
+        starts_t, lengths = to_device(starts), to_device(list(lengths))
         positions = starts_t[:, None] + torch.arange(length, device=dev)  # (U, L)
         x = self.embed(ids.flatten())  # (U * L, hidden)
         rotary = {key: (cos.flatten(0, 1)[:, None], sin.flatten(0, 1)[:, None])  # (U * L, 1, D)
                   for key, (cos, sin) in self.rotary(positions, x.dtype).items()}
-        real = (torch.arange(length, device=dev) < lengths[:, None]).flatten()
-        index = real.nonzero().squeeze(1)
         flat = positions.flatten()[index]
         write_at = (index, tables[index // length, flat // size], flat % size)
         block = block or DecoderBlock()
         prefixes = {}
-        if starts and max(starts) > 0 and block.attention.prefix_from_blocks:  # read through the block table
+        if max(starts) > 0 and block.attention.prefix_from_blocks:  # read through the block table
             prefixes = {c.window: (tables, starts_t, lengths) for c in self.layer_consts}
-        elif starts and max(starts) > 0:  # the cached prefixes' blocks and each window's visibility
+        elif max(starts) > 0:  # the cached prefixes' blocks and each window's visibility
             cached = max(starts)
             keys = torch.cat([torch.arange(cached, device=dev).expand(u, -1), positions], 1)  # (U, C + L)
             known = torch.cat([torch.arange(cached, device=dev) < starts_t[:, None],

@@ -143,7 +143,7 @@ class BlockPool:
         """Every block without a holder but the sessions' (a call starts: no row holds any, whatever a failed call
         left behind)."""
         self.refs = [0] * self.num_blocks
-        self.free = [b for b in range(self.num_blocks - 1, 0, -1) if b not in self.key_of]
+        self.free = sorted(set(range(1, self.num_blocks)).difference(self.key_of), reverse=True)
         self.idle = OrderedDict((b, None) for b in self.key_of)
         for blocks in self.pins.values():
             self.hold(blocks)
