@@ -454,6 +454,13 @@ phase_s23_prefix() { limit 420 python3 bench/prefix_reuse.py --trees new=.,old=.
 phase_s23_profile() { limit 240 python3 bench/exp_long_prompt.py --parts rollout --tag pinned --no-sweep --out $RES; }
 phase_s23_tests() { limit 480 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs \
     tests/test_prefix_cache.py tests/test_rollout_fast.py tests/test_rollout_fast_families.py; }
+# then the long prompts twice more against the old tree, and the server under 256 clients against direct calls
+#   s23_final s23_serve   (carry .baseline_tree and .whl/oai)
+phase_s23_final() { phase_s23_prefix; phase_s23_prefix; }
+phase_s23_serve() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    limit 300 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --out $RES
+}
 
 case "${1:-}" in
 start)
