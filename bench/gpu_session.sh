@@ -461,6 +461,14 @@ phase_s23_serve() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
     limit 300 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --out $RES
 }
+# then the server again, with its responses serialized by json (not FastAPI's encoder) and at most 32 disconnect
+# checks a tick; and with 512 clients of one request each (no client waits for its first answer)
+#   s23_serve2   (carry .whl/oai)
+phase_s23_serve2() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    limit 240 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --out $RES
+    limit 240 python3 bench/serve.py --shape 1.5b --clients 512 --requests 1 --out $RES
+}
 
 case "${1:-}" in
 start)

@@ -249,12 +249,11 @@ def cut_responses(tokenizer, stop_ids, generated: torch.Tensor, stop: list[str])
     """Each row of `generated` (rows, L): its response length (through EOS, or through the token completing a
     stop string) and its text (special tokens skipped, cut before the stop string)."""
     lengths, texts = [], []
-    width = generated.shape[1]
-    hit = torch.isin(generated, torch.tensor(sorted(stop_ids), dtype=generated.dtype, device=generated.device))
-    ends = torch.where(hit.any(1), hit.to(torch.uint8).argmax(1), width).tolist()  # the first EOS, else the width
-    for row, end in zip(generated.tolist(), ends):
+    stops = set(stop_ids)
+    for row in generated.tolist():
+        end = next((i for i, t in enumerate(row) if t in stops), len(row))
         body = row[:end]  # before EOS (or the end-of-turn token)
-        length = end + 1 if end < width else width  # EOS counts as a response token
+        length = len(body) + 1 if len(body) < len(row) else len(row)  # EOS counts as a response token
         if stop:
             stop_at = stop_length(tokenizer, body, stop)
             if stop_at is not None:

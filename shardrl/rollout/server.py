@@ -46,6 +46,8 @@ MAX_N = 128
 STREAM_SEQ = 4096
 """Cache positions a stream's slot holds at least (up to the context), for the requests that join it."""
 
+ALIVE_CHECKS = 32
+"""How many waiting requests a running stream checks for a client that left, every 0.1 s (in turn, when more wait)."""
 SWITCH_INTERVAL_S = 0.0005
 """The interpreter's thread switch interval while a batcher runs (`sys.setswitchinterval`; Python's default is 5 ms).
 The generation thread gives up the interpreter lock at every CUDA call it waits on and needs it back to launch the
@@ -393,7 +395,7 @@ class Batcher:
             stream.close()
         self.current, self.later = stream, later
         run = asyncio.create_task(asyncio.to_thread(self._stream_generate, stream))
-        checked = time.monotonic()
+        checked, turn = time.monotonic(), 0
         while not run.done():
             await asyncio.wait({run}, timeout=0.01)
             while not self.queue.empty():
@@ -405,7 +407,13 @@ class Batcher:
                     stream.close()  # (it drains; the next stream takes them)
             if time.monotonic() - checked > 0.1:  # clients that left: their rows end at the next sync
                 checked = time.monotonic()
-                for item in list(stream.unanswered()):
+                # at most ALIVE_CHECKS a tick, in turn: each check takes the interpreter lock from the generation
+                # thread (hundreds of waiting clients, all checked ten times a second, slowed its decode steps)
+                waiting = stream.unanswered()
+                if len(waiting) > ALIVE_CHECKS:
+                    turn = turn % len(waiting)
+                    waiting, turn = (waiting + waiting)[turn:turn + ALIVE_CHECKS], turn + ALIVE_CHECKS
+                for item in list(waiting):
                     if item.alive is not None and not await item.alive() and not item.future.done():
                         stream.cancel(item)
                         self.stats["cancelled"] += 1
@@ -646,8 +654,9 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
                     {"token": tok.convert_ids_to_tokens(t), "logprob": lp, "bytes": None, "top_logprobs": []}
                     for t, lp in zip(o["token_ids"], o["log_probs"])]}
             choices.append(choice)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": model_name, "choices": choices, "prompt_token_ids": ids, "usage": usage([ids], outs)}
+        return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                             "created": int(time.time()), "model": model_name, "choices": choices,
+                             "prompt_token_ids": ids, "usage": usage([ids], outs)})
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -673,8 +682,9 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
                                           "token_logprobs": o["log_probs"], "top_logprobs": None,
                                           "text_offset": None}
                 choices.append(choice)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model_name, "choices": choices, "usage": usage(prompts, flat)}
+        return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                             "created": int(time.time()), "model": model_name, "choices": choices,
+                             "usage": usage(prompts, flat)})
 
     app.state.batcher, app.state.records = batcher, app_records
     return app
