@@ -469,6 +469,12 @@ phase_s23_serve2() {
     limit 240 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --out $RES
     limit 240 python3 bench/serve.py --shape 1.5b --clients 512 --requests 1 --out $RES
 }
+# then the server at a 0.05 ms switch interval (does the generation thread wait for the interpreter lock?)
+#   s23_serve3   (carry .whl/oai)
+phase_s23_serve3() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    limit 150 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --switch-interval-ms 0.05 --out $RES
+}
 
 case "${1:-}" in
 start)
