@@ -85,7 +85,8 @@ def part_gemm(rows: int) -> None:
         emit(part="gemm", shape=name, rows=rows, k=k, n=n, copies=copies, compile_s=round(compile_s, 1),
              **{f"{lib}_us": round(ms * 1e3 / copies, 2) for lib, ms in res.items()},
              **{f"{lib}_tflops": round(flops / (ms * 1e-3) / 1e12, 1) for lib, ms in res.items()},
-             floor_us_788=round(2 * rows * k * n / 788e12 * 1e6, 2), floor_us_hbm=round(nbytes / copies / 4.8e12 * 1e6, 2))
+             floor_us_788=round(2 * rows * k * n / 788e12 * 1e6, 2),
+             floor_us_hbm=round(nbytes / copies / 4.8e12 * 1e6, 2))
     # the prefill's causal attention: 8 prompts of 2,048 tokens, 12 query heads over 2 K/V heads
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F

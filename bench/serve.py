@@ -75,8 +75,8 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="the interpreter's thread switch interval while the server runs (default: the server's "
-                        "SWITCH_INTERVAL_S, 0.5 ms; Python's own is 5 ms): how long the generation thread may wait for "
-                        "the interpreter lock while the HTTP thread holds it")
+                        "SWITCH_INTERVAL_S, 0.05 ms; Python's own is 5 ms): how long the generation thread may wait "
+                        "for the interpreter lock while the HTTP thread holds it")
     p.add_argument("--clients-of", default=None, help=argparse.SUPPRESS)  # (the client process: the server's URL)
     p.add_argument("--prompt-set", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()

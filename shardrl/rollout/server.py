@@ -48,12 +48,13 @@ STREAM_SEQ = 4096
 
 ALIVE_CHECKS = 32
 """How many waiting requests a running stream checks for a client that left, every 0.1 s (in turn, when more wait)."""
-SWITCH_INTERVAL_S = 0.0005
+SWITCH_INTERVAL_S = 0.00005
 """The interpreter's thread switch interval while a batcher runs (`sys.setswitchinterval`; Python's default is 5 ms).
 The generation thread gives up the interpreter lock at every CUDA call it waits on and needs it back to launch the
 next decode step; with the HTTP thread busy on requests it waited up to the interval each time, and the GPU sat idle
-between steps. One H200, 256 clients (bench/serve.py, Qwen2-1.5B shape): 3.37 ms a decode step at 5 ms, 2.43 at
-0.5 ms against 2.41 for direct calls; throughput 0.662 of direct calls at 5 ms, 0.857 at 0.5 ms."""
+between steps. One H200, Qwen2-1.5B shape, bench/serve.py: at 64 slots (session 18), 3.37 ms a decode step at 5 ms
+against 2.41 for direct calls, 2.43 at 0.5 ms; at 256 slots (session 23), 5.4 ms a step at 0.5 ms and 2.96 at
+0.05 ms, against 3.06 for direct calls (bench/RESULTS.md, "Current figures: Prefix reuse and the server")."""
 
 
 class Message(BaseModel):
