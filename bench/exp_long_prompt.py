@@ -13,6 +13,9 @@ Parts (each prints JSON lines; `--parts` picks them):
     TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 python bench/exp_long_prompt.py --parts rollout --tag autotune
     python bench/exp_long_prompt.py --parts rollout --tag cublaslt --blas cublaslt
     python bench/exp_long_prompt.py --parts rollout --quick        # CPU smoke run, tiny model
+
+(Session 23's GEMM and SDPA figures were timed by a median of 20 graph replays; the script now takes
+`bench.profile_decode.graph_ms`, their mean.)
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import append_jsonl  # noqa: E402
 from bench.prefix_reuse import SHAPES, IdTokenizer  # noqa: E402
+from bench.profile_decode import graph_ms  # noqa: E402
 
 OUT: str | None = None
 
@@ -37,28 +41,6 @@ def emit(**row) -> None:
     print(json.dumps(row), flush=True)
     if OUT:
         append_jsonl(OUT, [{"bench": "exp_long_prompt", **row}])
-
-
-def graph_time_ms(fn, iters: int = 20) -> float:
-    """Median ms of one replay of a CUDA graph of `fn` (after a warm-up outside it)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def part_gemm(rows: int) -> None:
@@ -74,14 +56,14 @@ def part_gemm(rows: int) -> None:
         res = {}
         for lib in ("cublas", "cublaslt"):
             torch.backends.cuda.preferred_blas_library(lib)
-            res[lib] = graph_time_ms(lambda: [torch.mm(x, w.t(), out=out) for w in ws])
+            res[lib] = graph_ms(lambda: [torch.mm(x, w.t(), out=out) for w in ws], reps=1)
         torch.backends.cuda.preferred_blas_library("cublas")
         mm = torch.compile(lambda a, b: a @ b.t(), mode="max-autotune-no-cudagraphs", dynamic=False)
         t0 = time.perf_counter()
         mm(x, ws[0])
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - t0
-        res["max_autotune"] = graph_time_ms(lambda: [mm(x, w) for w in ws])
+        res["max_autotune"] = graph_ms(lambda: [mm(x, w) for w in ws], reps=1)
         emit(part="gemm", shape=name, rows=rows, k=k, n=n, copies=copies, compile_s=round(compile_s, 1),
              **{f"{lib}_us": round(ms * 1e3 / copies, 2) for lib, ms in res.items()},
              **{f"{lib}_tflops": round(flops / (ms * 1e-3) / 1e12, 1) for lib, ms in res.items()},
@@ -102,7 +84,7 @@ def part_gemm(rows: int) -> None:
                 with sdpa_kernel([backend]):
                     fn = lambda: F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa)  # noqa
                     got = fn()
-                    ms = graph_time_ms(fn)
+                    ms = graph_ms(fn, reps=1)
                 ref = got if ref is None else ref
                 err = float((got.float() - ref.float()).norm() / ref.float().norm())
                 emit(part="sdpa", backend=backend.name, gqa=gqa, ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
