@@ -421,3 +421,45 @@ def test_a_session_id_pins_the_conversation(server):
     choice = res.choices[0].model_extra
     assert pinned == [("conv-1", choice["prompt_token_ids"] + choice["token_ids"])]
     assert "conv-1" in b.rollout._pool.pins
+
+
+def test_every_waiting_client_is_checked_for_having_left_while_answered_ones_leave_the_list():
+    """A running stream checks at most 32 clients a tick, in turn; with 256 waiting, the 32 oldest answered each
+    tick and 32 new ones arriving, every request is checked before it is answered (a cursor into the shrinking list
+    skipped half of them, and checking new ones first would spend every check on them), and no request twice while
+    another that arrived with it waits unchecked."""
+    from shardrl.rollout.server import ALIVE_CHECKS, due_for_check
+
+    class Item:
+        pass
+
+    waiting, last_check, checks, answered = [Item() for _ in range(256)], {}, {}, []
+    for tick in range(64):
+        due, last_check = due_for_check(waiting, last_check, float(tick))
+        assert len(due) == ALIVE_CHECKS == len(set(map(id, due)))
+        assert sorted(last_check) == sorted(map(id, waiting))  # nothing kept for requests that left the list
+        for item in due:
+            checks[id(item)] = checks.get(id(item), 0) + 1
+        answered += waiting[:32]
+        waiting = waiting[32:] + [Item() for _ in range(32)]
+    assert all(checks.get(id(item), 0) >= 1 for item in answered)
+    assert max(checks.values()) == 1  # each checked once in its 8 ticks: 256 waiting, 32 checks a tick
+
+
+def test_clients_still_waiting_are_checked_again_while_new_ones_keep_coming():
+    """256 waiting, all checked once in 8 ticks; then 32 arrive a tick and none is answered: the first 256 are each
+    checked a second time in the next 8 ticks (new requests do not take every check)."""
+    from shardrl.rollout.server import due_for_check
+
+    class Item:
+        pass
+
+    first, last_check, checks = [Item() for _ in range(256)], {}, {}
+    waiting = list(first)
+    for tick in range(16):
+        due, last_check = due_for_check(waiting, last_check, float(tick))
+        for item in due:
+            checks[id(item)] = checks.get(id(item), 0) + 1
+        if tick >= 7:
+            waiting += [Item() for _ in range(32)]
+    assert [checks.get(id(item), 0) for item in first] == [2] * 256

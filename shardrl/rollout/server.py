@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import heapq
 import inspect
 import logging
 import sys
@@ -223,6 +224,22 @@ class _Stream:
         return self.items
 
 
+def due_for_check(waiting: list, last_check: dict[int, tuple], now: float,
+                  limit: int = ALIVE_CHECKS) -> tuple[list, dict[int, tuple]]:
+    """The waiting requests whose clients to check for having left now: at most `limit` (each check takes the
+    interpreter lock from the generation thread; hundreds of clients checked ten times a second slowed its decode
+    steps), in turn: those checked longest ago first, a new one as if checked when first seen (requests keep coming
+    and must not take every check), ties in arrival order. Kept by request, not by position: answered requests leave
+    the list, and a cursor into it skipped those behind them. Returns them and `last_check` (id(request) -> when it
+    was last checked or first seen, as below) for the requests still waiting."""
+    # (when, 0) first seen then, (when, 1) checked then: one seen at a tick goes before one checked at it
+    last_check = {id(item): last_check.get(id(item), (now, 0)) for item in waiting}
+    due = heapq.nsmallest(limit, waiting, key=lambda item: last_check[id(item)])
+    for item in due:
+        last_check[id(item)] = (now, 1)
+    return due, last_check
+
+
 class Batcher:
     """Runs the waiting requests through the rollout in a worker thread (the event loop keeps taking requests
     meanwhile).
@@ -396,7 +413,7 @@ class Batcher:
             stream.close()
         self.current, self.later = stream, later
         run = asyncio.create_task(asyncio.to_thread(self._stream_generate, stream))
-        checked, turn = time.monotonic(), 0
+        checked, last_check = time.monotonic(), {}  # id(request) -> when its client was last checked (due_for_check)
         while not run.done():
             await asyncio.wait({run}, timeout=0.01)
             while not self.queue.empty():
@@ -408,13 +425,8 @@ class Batcher:
                     stream.close()  # (it drains; the next stream takes them)
             if time.monotonic() - checked > 0.1:  # clients that left: their rows end at the next sync
                 checked = time.monotonic()
-                # at most ALIVE_CHECKS a tick, in turn: each check takes the interpreter lock from the generation
-                # thread (hundreds of waiting clients, all checked ten times a second, slowed its decode steps)
-                waiting = stream.unanswered()
-                if len(waiting) > ALIVE_CHECKS:
-                    turn = turn % len(waiting)
-                    waiting, turn = (waiting + waiting)[turn:turn + ALIVE_CHECKS], turn + ALIVE_CHECKS
-                for item in list(waiting):
+                waiting, last_check = due_for_check(stream.unanswered(), last_check, checked)
+                for item in waiting:
                     if item.alive is not None and not await item.alive() and not item.future.done():
                         stream.cancel(item)
                         self.stats["cancelled"] += 1
