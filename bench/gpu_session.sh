@@ -476,6 +476,58 @@ phase_s23_serve3() {
     limit 150 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --switch-interval-ms 0.05 --out $RES
 }
 
+# session 24: where the server's time goes: the clients over 1 and 8 processes, and the batcher without HTTP
+#   s24_diag   (carry .whl/oai)
+phase_s24_diag() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --in-process --out $RES
+    limit 150 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --out $RES
+}
+
+# then every admission of the batcher's stream (without HTTP) and of direct calls timed, one of each profiled
+#   s24_admit
+phase_s24_admit() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    limit 300 python3 bench/exp_admit.py --out $RES
+}
+
+# then the same with the U = 1 recompile gone and the prefill's small chunks on flash (no cuDNN plan a new shape)
+#   s24_admit2   (carry .whl/oai)
+phase_s24_admit2() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    limit 300 python3 bench/exp_admit.py --profile-at -1 --out $RES
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --in-process --flash-below 16384 --out $RES
+}
+
+# then the server with its HTTP front end in a process of its own (now the default), and in a thread; the CUDA tests
+#   s24_serve   (carry .whl/oai)
+phase_s24_serve() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --in-process --out $RES
+    limit 150 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --front-end thread --out $RES
+    limit 300 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore tests/test_prefix_cache.py \
+        tests/test_rollout_fast.py tests/test_rollout_fast_families.py
+}
+# then the long-prompt GRPO call against the old tree (carry .baseline_tree)
+phase_s24_prefix() { limit 400 python3 bench/prefix_reuse.py --trees new=.,old=.baseline_tree --repeats 2 --shape 1.5b \
+    --prompts 32 --n 8 --prompt-len 2048 --new-tokens 256 --out $RES; }
+
+# then where the served decode steps wait: the host's launch time and every thread's frames sampled
+#   s24_stacks   (carry .whl/oai)
+phase_s24_stacks() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --sample-stacks --out $RES
+}
+
+# then the server after two warm-up runs (its steady state: the decode graphs captured), front end in a process and
+# in a thread
+#   s24_steady   (carry .whl/oai)
+phase_s24_steady() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --warm-ups 2 --out $RES
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --warm-ups 2 --front-end thread --out $RES
+}
+
 case "${1:-}" in
 start)
     shift

@@ -36,14 +36,62 @@ def prompts_of(k: int, n_requests: int, prompt_len: int, vocab_size: int) -> lis
             for i in range(n_requests * k, n_requests * (k + 1))]
 
 
+def model_folder(shape_name: str, root: str, prompt_len: int, max_tokens: int, cuda: bool):
+    """(folder, config dict, tokenizer) of the bench's model of `shape_name` under `root`, written the first time."""
+    import bench.e2e as e2e
+
+    shape = dict(getattr(e2e, SHAPES[shape_name]))
+    shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0), prompt_len + max_tokens + 8)
+    folder = Path(root) / f"model_{shape_name}"
+    tok = e2e.build_tokenizer(shape["vocab_size"])
+    if not (folder / "config.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        e2e.make_model(folder, shape, "eos_hazard", "cuda" if cuda else "cpu", tok)
+        tok.save_pretrained(folder)
+    return folder, shape, tok
+
+
+class StackSampler:
+    """Every `every_s`, each other thread's innermost frame (file:line function), counted per thread name."""
+
+    def __init__(self, every_s: float = 0.002):
+        import collections
+        import threading
+
+        self.counts = collections.defaultdict(collections.Counter)
+        self.every_s, self.running = every_s, True
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        import threading
+
+        me = threading.get_ident()
+        while self.running:
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    code = frame.f_code
+                    where = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}"
+                    self.counts[names.get(ident, str(ident))][where] += 1
+            time.sleep(self.every_s)
+
+    def stop(self) -> dict:
+        self.running = False
+        self.thread.join()
+        return {name: counter.most_common(12) for name, counter in self.counts.items()}
+
+
 def run_clients(args) -> None:
-    """The client process: C concurrent `openai` clients, R requests each; prints (tokens, seconds) as JSON."""
+    """A client process: C concurrent `openai` clients, R requests each, from the wall-clock time --start-at (the
+    processes start together); prints its tokens, its first request's and last answer's wall times as JSON."""
     import openai
 
     import bench.e2e as e2e
 
     vocab_size = getattr(e2e, SHAPES[args.shape])["vocab_size"]
     prompts = prompts_of(args.prompt_set, args.clients * args.requests, args.prompt_len, vocab_size)
+    mine = range(args.proc_index, args.clients, args.client_procs)  # (this process's clients)
 
     async def client(c: int, aclient) -> int:
         made = 0
@@ -55,11 +103,12 @@ def run_clients(args) -> None:
 
     async def everyone() -> int:
         aclient = openai.AsyncOpenAI(base_url=args.clients_of, api_key="unused", max_retries=0, timeout=3600)
-        return sum(await asyncio.gather(*[client(c, aclient) for c in range(args.clients)]))
+        return sum(await asyncio.gather(*[client(c, aclient) for c in mine]))
 
-    t0 = time.perf_counter()
+    time.sleep(max(0.0, args.start_at - time.time()))
+    t0 = time.time()
     tokens = asyncio.run(everyone())
-    print(json.dumps(dict(tokens=tokens, seconds=time.perf_counter() - t0)), flush=True)
+    print(json.dumps(dict(tokens=tokens, start=t0, end=time.time())), flush=True)
 
 
 def main():
@@ -79,6 +128,27 @@ def main():
                         "for the interpreter lock while the HTTP thread holds it")
     p.add_argument("--clients-of", default=None, help=argparse.SUPPRESS)  # (the client process: the server's URL)
     p.add_argument("--prompt-set", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--proc-index", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="client processes the clients are spread over (one asyncio `openai` client can spend ~1 ms "
+                        "of its own CPU a request: with hundreds of clients in one process, the clients are the limit)")
+    p.add_argument("--flash-below", type=int, default=None,
+                   help="the prefill's SDPA on flash below this many tokens a chunk (`DecoderBlock.flash_below`)")
+    p.add_argument("--front-end", default="process", choices=["process", "thread"],
+                   help="the server's HTTP front end: a process of its own (`shardrl serve`'s default) or a thread of "
+                        "the engine's process")
+    p.add_argument("--warm-ups", type=int, default=2,
+                   help="served runs before the timed one (each on prompts of its own): the first compiles and "
+                        "captures what the workload meets first, later ones the decode graphs of the (length, width) "
+                        "pairs an arrival order of their own meets (a server's steady state)")
+    p.add_argument("--sample-stacks", action="store_true",
+                   help="sample every thread's innermost frame every 2 ms while the clients run (what holds the "
+                        "interpreter besides the generation thread)")
+    p.add_argument("--in-process", action="store_true",
+                   help="also time the server's batcher without HTTP: the clients as coroutines calling "
+                        "`Batcher.submit` with token ids in this process (what a front end in another process "
+                        "could reach at best)")
     args = p.parse_args()
     if args.clients_of:
         return run_clients(args)
@@ -88,27 +158,22 @@ def main():
     import bench.e2e as e2e
     from shardrl.config import load_config
     from shardrl.rollout import SamplingParams
-    from shardrl.serve import ServerThread as Server, build_server
+    from shardrl.serve import ServerProcess, ServerThread, build_app, build_engine
 
     if args.switch_interval_ms is not None:
         import shardrl.rollout.server as server_module
 
         server_module.SWITCH_INTERVAL_S = args.switch_interval_ms / 1000
     cuda = torch.cuda.is_available()
-    shape = dict(getattr(e2e, SHAPES[args.shape]))
-    shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0),
-                                           args.prompt_len + args.max_tokens + 8)
-    folder = Path(args.root) / f"model_{args.shape}"
-    tok = e2e.build_tokenizer(shape["vocab_size"])
-    if not (folder / "config.json").is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        e2e.make_model(folder, shape, "eos_hazard", "cuda" if cuda else "cpu", tok)
-        tok.save_pretrained(folder)
+    folder, shape, tok = model_folder(args.shape, args.root, args.prompt_len, args.max_tokens, cuda)
     # the rollout's slots = the server's max_batch, so that the direct calls decode in as many as the stream
     overrides = [f"model.path={folder}", f"rollout.max_batch={args.max_batch}"] + (
         [f"rollout.backend={args.backend}"] if args.backend else [])
-    server = Server(build_server(load_config(None, overrides), served_name="m", max_batch=args.max_batch))
+    engine = build_engine(load_config(None, overrides), served_name="m", max_batch=args.max_batch)
+    server = ServerProcess(*engine) if args.front_end == "process" else ServerThread(build_app(*engine))
     batcher = server.batcher
+    if args.flash_below is not None:
+        batcher.rollout._block.flash_below = args.flash_below
     n_requests = args.clients * args.requests
     def profile(rollout) -> dict:
         """Where the last generate call's time went, and how full its slots were (fast backend)."""
@@ -117,6 +182,7 @@ def main():
             return {}
         keep = {k: round(v, 3) for k, v in st.items() if k.endswith("_s")}
         keep.update(decode_steps=st["decode_steps"], syncs=st["syncs"], num_slots=st["num_slots"],
+                    admissions=st.get("admissions"), captures=st.get("captures"),
                     occupancy=round(st["row_steps"] / (st["decode_steps"] * st["num_slots"]), 3),
                     ms_per_step=round(1000 * st["decode_s"] / st["decode_steps"], 2))
         return keep
@@ -125,18 +191,34 @@ def main():
         return prompts_of(k, n_requests, args.prompt_len, shape["vocab_size"])
 
     def all_clients(k: int) -> tuple[int, float]:
-        """(new tokens, seconds) of the clients on prompt set k, run in a process of their own as real clients
-        are (in this one they would take the interpreter's lock from the server and its generation thread)."""
-        cmd = [sys.executable, os.path.abspath(__file__), "--clients-of", server.url, "--prompt-set", str(k),
-               "--shape", args.shape, "--clients", str(args.clients), "--requests", str(args.requests),
-               "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        res = json.loads(out.strip().splitlines()[-1])
-        return res["tokens"], res["seconds"]
+        """(new tokens, seconds from the first request to the last answer) of the clients on prompt set k, run in
+        processes of their own as real clients are (in this one they would take the interpreter's lock from the
+        server and its generation thread), started together."""
+        start_at = time.time() + 5.0  # (each process imports openai first)
+        cmds = [[sys.executable, os.path.abspath(__file__), "--clients-of", server.url, "--prompt-set", str(k),
+                 "--shape", args.shape, "--clients", str(args.clients), "--requests", str(args.requests),
+                 "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
+                 "--client-procs", str(args.client_procs), "--proc-index", str(i), "--start-at", str(start_at)]
+                for i in range(args.client_procs)]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for cmd in cmds]
+        res = []
+        for proc in procs:
+            out, _ = proc.communicate()
+            if proc.returncode:
+                raise RuntimeError(f"a client process failed ({proc.returncode})")
+            res.append(json.loads(out.strip().splitlines()[-1]))
+        return sum(r["tokens"] for r in res), max(r["end"] for r in res) - min(r["start"] for r in res)
 
-    all_clients(0)  # warm-up: compile, CUDA graphs
+    warm_captures = []
+    for k in range(args.warm_ups):  # compiles, CUDA graphs
+        all_clients(-1 - k)
+        batcher.pause()  # (the stream ends: its stats are the run's)
+        batcher.unpause()
+        warm_captures.append((getattr(batcher.rollout, "last_stats", None) or {}).get("captures"))
     before = dict(batcher.stats)
+    sampler = StackSampler() if args.sample_stacks else None
     served_tokens, served_s = all_clients(1)
+    stacks = sampler.stop() if sampler else None
     batches = batcher.stats["batches"] - before["batches"]
     streams = batcher.stats["streams"] - before["streams"]
     switch_ms = round(sys.getswitchinterval() * 1000, 3)  # (while the server ran)
@@ -160,6 +242,40 @@ def main():
             torch.cuda.synchronize()
         return made
 
+    def batcher_alone(prompts) -> tuple[int, float]:
+        """(new tokens, seconds) of the clients as coroutines of this process calling the batcher with token ids."""
+        from shardrl.rollout.server import Batcher
+
+        ids = [tok(x, add_special_tokens=False)["input_ids"] for x in prompts]
+        plain = SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens, seed=None)  # (as the server makes)
+
+        async def run() -> tuple[int, float]:
+            alone = Batcher(rollout, tok, args.max_batch, batcher.max_model_len)
+            await alone.start()
+
+            async def client(c: int) -> int:
+                made = 0
+                for r in range(args.requests):
+                    made += len((await alone.submit([ids[c * args.requests + r]], plain))[0]["token_ids"])
+                return made
+
+            t0 = time.perf_counter()
+            made = sum(await asyncio.gather(*[client(c) for c in range(args.clients)]))
+            took = time.perf_counter() - t0
+            alone_streams.append(dict(alone.stats))
+            await asyncio.to_thread(alone.pause)  # (its stream ends before the loop does)
+            await alone.stop()
+            return made, took
+
+        return asyncio.run(run())
+
+    alone, alone_streams = {}, []
+    if args.in_process:
+        batcher_alone(prompt_set(4))
+        alone_tokens, alone_s = batcher_alone(prompt_set(5))
+        alone = dict(in_process_s=round(alone_s, 3), in_process_tokens_per_s=round(alone_tokens / alone_s),
+                     in_process_profile=profile(rollout), in_process_stats=alone_streams[-1])
+
     direct_stats: dict = {}
     direct(prompt_set(2))
     t0 = time.perf_counter()
@@ -171,8 +287,11 @@ def main():
                server_batches=batches, server_streams=streams, direct_s=round(direct_s, 3),
                direct_tokens_per_s=round(direct_tokens / direct_s),
                ratio=round((served_tokens / served_s) / (direct_tokens / direct_s), 3),
-               served_profile=served_stats, direct_profile=direct_stats,
-               switch_interval_ms=switch_ms)
+               served_profile=served_stats, direct_profile=direct_stats, client_procs=args.client_procs, **alone,
+               switch_interval_ms=switch_ms, front_end=args.front_end, warm_up_captures=warm_captures,
+               **({"stacks": stacks} if stacks else {}))
+    if alone:
+        rec["in_process_ratio"] = round(rec["in_process_tokens_per_s"] / rec["direct_tokens_per_s"], 3)
     print(json.dumps(rec), flush=True)
     append_jsonl(args.out, [rec])
 

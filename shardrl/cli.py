@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model's name in requests (default: the model folder's name)")
     serve.add_argument("--max-batch", type=int, default=None, metavar="N",
                        help="requests generated together at most (default: rollout.max_batch)")
+    serve.add_argument("--front-end", choices=["process", "thread"], default="process",
+                       help="where HTTP is served: a process of its own (default; the generation never waits for it "
+                            "on the interpreter lock), or a thread of the engine's")
 
     plot = sub.add_parser("plot", help="plot the metrics of a run folder")
     plot.add_argument("run_dir", metavar="RUN_DIR")
@@ -266,13 +269,23 @@ def offline_main(args: argparse.Namespace) -> int:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from shardrl.config import load_config
-    from shardrl.serve import build_server
+    from shardrl.serve import ServerProcess, build_app, build_engine
 
-    app = build_server(load_config(args.config, args.overrides), args.served_model_name, args.max_batch)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    engine = build_engine(load_config(args.config, args.overrides), args.served_model_name, args.max_batch)
+    if args.front_end == "thread":
+        import uvicorn
+
+        uvicorn.run(build_app(*engine), host=args.host, port=args.port, log_level="info")
+        return 0
+    server = ServerProcess(*engine, host=args.host, port=args.port, log_level="info")
+    print(f"serving {engine[1]!r} at {server.url} (front end: process {server.process.pid})", flush=True)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
     return 0
 
 

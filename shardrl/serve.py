@@ -1,18 +1,24 @@
 """`shardrl serve`: a config's model on an OpenAI-compatible endpoint (the server itself is
-`shardrl.rollout.server`)."""
+`shardrl.rollout.server`; its front end in a process of its own, `shardrl.rollout.frontend`)."""
 
 from __future__ import annotations
 
 import logging
 
+from shardrl.rollout.frontend import ServerProcess  # noqa: F401  (for callers)
 from shardrl.rollout.server import Batcher, ServerThread, build_app  # noqa: F401  (ServerThread: for callers)
 
 log = logging.getLogger(__name__)
 
 
 def build_server(cfg, served_name: str | None = None, max_batch: int | None = None, stream: bool | None = None):
-    """The app serving a config's model (`model.path`, or `model.tiny` with `model.tokenizer_path`) on its
-    rollout backend (`rollout.backend`; null: fast on CUDA where it supports the model, else hf) on this
+    """The app of `build_engine`'s batcher (served in this process: `ServerThread`, or uvicorn)."""
+    return build_app(*build_engine(cfg, served_name, max_batch, stream))
+
+
+def build_engine(cfg, served_name: str | None = None, max_batch: int | None = None, stream: bool | None = None):
+    """(batcher, served name, context length, default max_tokens): what serves a config's model (`model.path`, or
+    `model.tiny` with `model.tokenizer_path`) on its rollout backend (`rollout.backend`; null: fast on CUDA where it supports the model, else hf) on this
     machine's GPU, or the CPU; the context length is the model's `max_position_embeddings`; a chat request without
     max_tokens gets `rollout.max_new_tokens`. `stream`: continuous batching (`Batcher`; null: where the backend can)."""
     from pathlib import Path
@@ -40,4 +46,4 @@ def build_server(cfg, served_name: str | None = None, max_batch: int | None = No
     name = served_name or (Path(cfg.model.path).name if cfg.model.path else "shardrl-tiny")
     context = int(getattr(text_config(hf_config), "max_position_embeddings", 2048))
     batcher = Batcher(rollout, tokenizer, max_batch or cfg.rollout.max_batch or 64, context, stream=stream)
-    return build_app(batcher, name, context, cfg.rollout.max_new_tokens)
+    return batcher, name, context, cfg.rollout.max_new_tokens

@@ -215,6 +215,7 @@ class FastRollout(Rollout):
         self._routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (prompt's, response's) routes
         compile = self.device.type == "cuda" if compile is None else compile
         self._block = DecoderBlock(compile, self._attention(attention, head_dim_of(hf_config)))
+        self._block.flash_below = prefill_tokens  # (a chunk short of full: flash, no cuDNN plan for its new shape)
         # the n samples of a prompt read its shared blocks once a step (Triton attention only)
         self.cascade = cascade and isinstance(self._block.attention, TritonDecodeAttention)
         if self.cascade:
@@ -224,6 +225,7 @@ class FastRollout(Rollout):
         self._fused_sample = self._sampler(sampler)
         self._state: SlotState | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (mode, seq_len, width, cascade)
+        self.captures = 0  # decode graphs captured so far (each a new (mode, seq_len, width, cascade))
         self._graph_keys: set[tuple] = set()  # recaptured by resume()
         self._capture_stream = None  # the warm-up stream of every capture (see `_capture`)
         self._graph_pool = None
@@ -516,6 +518,7 @@ class FastRollout(Rollout):
         with torch.cuda.graph(graph, pool=self._graph_pool):
             self._decode_step(mode, seq_len, width)
         self._graphs[(mode, seq_len, width, cascade)] = graph
+        self.captures += 1
         self._graph_keys.add((mode, seq_len, width, cascade))
         return graph
 
@@ -614,8 +617,11 @@ class FastRollout(Rollout):
         self._prompt_keys: dict[int, list[bytes]] = {}
         stats = dict(decode_steps=0, syncs=0, prefill_tokens=0, cached_tokens=0, num_slots=num_slots,
                      max_seq=st.max_seq, slot_steps=0, row_steps=0, compactions=0, cascade_steps=0, peak_rows=0,
-                     decode_s=0.0, admit_s=0.0, feed_wait_s=0.0, host_s=0.0)  # (seconds: where the wall time went)
+                     admissions=0,
+                     decode_s=0.0, launch_s=0.0, admit_s=0.0, feed_wait_s=0.0,
+                     host_s=0.0)  # (seconds: where the wall time went)
         widths = self._widths(num_slots)
+        captures = self.captures
         clock = time.perf_counter()
         while True:
             done, lengths, generated = torch.stack([st.done.long(), st.lengths, st.num_generated]).tolist()
@@ -672,6 +678,7 @@ class FastRollout(Rollout):
                 t0 = time.perf_counter()
                 run, cached = self._admit(admitted, prompts, limits, n, mode, generator)
                 stats["admit_s"] += (took := time.perf_counter() - t0)
+                stats["admissions"] += 1
                 inner += took
                 stats["prefill_tokens"] += run
                 stats["cached_tokens"] += cached
@@ -700,10 +707,12 @@ class FastRollout(Rollout):
             clock = now
             for _ in range(num_steps):
                 self._run_step(mode, seq_len, generator, width, cascade)
+            stats["launch_s"] += time.perf_counter() - clock  # (of decode_s: the host's share, launching the steps)
             stats["decode_steps"] += num_steps
             stats["slot_steps"] += num_steps * width
             stats["row_steps"] += num_steps * len(live)
             stats["peak_rows"] = max(stats["peak_rows"], len(live))
+        stats["captures"] = self.captures - captures
         self.last_stats = stats
         return results
 

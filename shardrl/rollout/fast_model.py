@@ -24,6 +24,7 @@ from typing import Iterable, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shardrl.rollout.families import (FAMILIES, activation, attention_scale, attention_softcap, check_supported,
                                       family_of, final_softcap, head_dim_of, layer_rope_keys, layer_windows,
@@ -508,6 +509,10 @@ def _prefill_output(*args):
     return attention_output_and_mlp(*args)
 
 
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH]
+
+
 class DecoderBlock:
     """A decoder layer as functions of tensors only (one compilation serves every layer), for the N tokens
     of a prefill chunk or the one token per slot of a decode step. `compile` runs the parts before and after
@@ -517,7 +522,13 @@ class DecoderBlock:
     no compiled layer code mutates the cache or sees the attended length. `attention` is the decode step's
     (`SDPADecodeAttention` by default, or `TritonDecodeAttention`); a prefill attends with causal SDPA (or
     `softcapped_attention`), masked to the window on a sliding-window layer, and after a cached prefix through the
-    attention's own `prefill` (the Triton kernel reads the blocks; SDPA a gathered copy)."""
+    attention's own `prefill` (the Triton kernel reads the blocks; SDPA a gathered copy).
+
+    `flash_below`: a causal prefill of fewer tokens (U * L) than this runs on flash attention, whatever SDPA would
+    pick. SDPA picks cuDNN here, which builds a plan for every shape it has not seen: 45-60 ms each (the first
+    1.1 s), against 0.1 ms for flash (one H200, 12 query and 2 K/V heads of 128, 256 tokens; bench/exp_admit.py,
+    session 24). A server admits a few prompts at a time, each admission a new shape; full chunks (the long
+    prompts of an RL batch) repeat their shapes and keep cuDNN, the faster kernel there (0.21 against 0.39 ms)."""
 
     # the decode parts compile once per slot width (a call's widths, `FastRollout._widths`: 9 at 512 slots, more
     # over calls of other slot counts); past dynamo's per-function limit (8 by default) a new width would run its
@@ -534,6 +545,7 @@ class DecoderBlock:
         self.prefill_inputs, self.prefill_output = free(_prefill_inputs), free(_prefill_output)
         self.compiled = compile
         self.attention = attention or SDPADecodeAttention()
+        self.flash_below = 0
 
     def decode(self, x, cos, sin, kv_layer, table, positions, mask, weights: tuple, c: LayerConsts,
                with_route: bool = False):
@@ -576,12 +588,16 @@ class DecoderBlock:
             elif c.softcap is not None or (c.window is not None and c.window < length):
                 pos = torch.arange(length, device=x.device)
                 attn = softcapped_attention(q, k, v, visible_keys(pos, pos, c.window), c.scale, c.softcap)
+            elif q.is_cuda and u * length < self.flash_below:  # (flash first; the others where it cannot run)
+                with sdpa_kernel(PREFILL_BACKENDS, set_priority=True):
+                    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.scale, enable_gqa=True)
             else:
                 attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.scale, enable_gqa=True)
             attn = attn.transpose(1, 2)
+        # (U * L, heads * head_dim): one dynamic size, never 1 for U = 1 (a size-1 dimension compiles anew)
+        attn = attn.reshape(x.shape[0], -1)
         if self.compiled:
-            torch._dynamo.maybe_mark_dynamic(attn, 0)  # (U, L, heads, head_dim)
-            torch._dynamo.maybe_mark_dynamic(attn, 1)
+            torch._dynamo.maybe_mark_dynamic(attn, 0)
         return self.prefill_output(x, attn, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w,
                                    down_b, post_ff_ln, c.eps, c.gemma, c.act, o_lora, mlp_lora, scale, c.top_k,
                                    c.normalize_top_k, c.fp32_route, with_route)

@@ -1,0 +1,235 @@
+"""The HTTP front end of `shardrl serve` in a process of its own (as vLLM's API server is): it parses requests,
+applies the chat template, tokenizes, checks and answers them (`build_app`), and hands each request's token ids to
+the engine (the rollout and its `Batcher`, in the serving process) over a local connection.
+
+Why: in one process, the HTTP thread and the generation thread take turns on the interpreter lock. One H200,
+Qwen2-1.5B shape, 256 clients (bench/serve.py, session 24): the batcher alone, its clients coroutines submitting
+token ids, reached 0.98 of direct `generate` calls, the same batcher behind HTTP in its own process 0.38-0.61:
+every admission's prefill (hundreds of kernel launches from Python) waited on the HTTP thread.
+
+Messages (pickled, `multiprocessing.connection`): the front end sends ("submit", id, prompts, sampling, session)
+and ("cancel", id) for a request whose client left; the engine answers ("ok", id, outputs), ("dropped", id) or
+("error", id, message)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import threading
+import time
+import urllib.request
+from multiprocessing.connection import Client, Listener
+
+from shardrl.rollout.base import SamplingParams
+from shardrl.rollout.server import Batcher, Dropped, build_app
+
+log = logging.getLogger(__name__)
+
+ALIVE_EVERY_S = 0.1
+"""How often the front end checks whether a waiting request's client is still connected."""
+
+
+class EngineService:
+    """The engine's side: takes requests from front ends over local connections and runs them through `batcher`
+    on an event loop of its own (a thread of this process); each answer goes back over its connection. A front end
+    that goes away has its requests cancelled (their rows end at the stream's next sync)."""
+
+    def __init__(self, batcher: Batcher):
+        self.batcher = batcher
+        self.authkey = os.urandom(16)
+        self.listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
+        self.address = self.listener.address
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="shardrl-engine-loop", daemon=True).start()
+        asyncio.run_coroutine_threadsafe(batcher.start(), self.loop).result()
+        threading.Thread(target=self._accept, name="shardrl-engine-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+            except (OSError, EOFError):  # closed (or a connection that failed its handshake: the next one)
+                if self.listener._listener is None:  # (close() sets it)
+                    return
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="shardrl-engine-conn", daemon=True).start()
+
+    def _serve(self, conn) -> None:
+        lock, pending, cancelled = threading.Lock(), set(), set()
+
+        def send(message) -> None:
+            with lock:
+                try:
+                    conn.send(message)
+                except (OSError, EOFError, ValueError):  # the front end went away: nobody reads it
+                    pass
+
+        def answer(rid: int, future) -> None:
+            pending.discard(rid)
+            cancelled.discard(rid)
+            error = future.exception()
+            if error is None:
+                send(("ok", rid, future.result()))
+            elif isinstance(error, Dropped):
+                send(("dropped", rid))
+            else:
+                send(("error", rid, f"{type(error).__name__}: {error}"))
+
+        while True:
+            try:
+                message = conn.recv()
+            except (OSError, EOFError):
+                cancelled.update(pending)  # (their clients went with it)
+                return
+            if message[0] == "cancel":
+                cancelled.add(message[1])
+                continue
+            _, rid, prompts, sampling, session = message
+            pending.add(rid)
+
+            async def alive(rid=rid) -> bool:
+                return rid not in cancelled
+
+            future = asyncio.run_coroutine_threadsafe(self.batcher.submit(prompts, sampling, alive, session),
+                                                      self.loop)
+            future.add_done_callback(lambda f, rid=rid: answer(rid, f))
+
+    def close(self) -> None:
+        self.listener.close()
+        if self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.batcher.stop(), self.loop).result(timeout=10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class RemoteBatcher:
+    """What `build_app` needs of a `Batcher` (submit, start, stop, the tokenizer), for an engine in another
+    process (`EngineService` at `address`)."""
+
+    def __init__(self, address, authkey: bytes, tokenizer):
+        self.address, self.authkey, self.tokenizer = address, authkey, tokenizer
+        self.stats: dict = {}
+        self.ids = itertools.count()
+        self.waiting: dict[int, asyncio.Future] = {}
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.conn = Client(self.address, authkey=self.authkey)
+        self.lock = threading.Lock()
+        threading.Thread(target=self._read, name="shardrl-front-read", daemon=True).start()
+
+    async def stop(self) -> None:
+        self.conn.close()
+
+    def _send(self, message) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (OSError, EOFError):
+                self.loop.call_soon_threadsafe(self._engine_gone)
+                return
+            self.loop.call_soon_threadsafe(self._answer, message)
+
+    def _answer(self, message) -> None:
+        future = self.waiting.pop(message[1], None)
+        if future is None or future.done():
+            return
+        if message[0] == "ok":
+            future.set_result(message[2])
+        elif message[0] == "dropped":
+            future.set_exception(Dropped())
+        else:
+            future.set_exception(RuntimeError(message[2]))
+
+    def _engine_gone(self) -> None:
+        for future in self.waiting.values():
+            if not future.done():
+                future.set_exception(RuntimeError("the engine process closed its connection"))
+        self.waiting.clear()
+
+    async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None,
+                     session: str | None = None) -> list[dict]:
+        rid = next(self.ids)
+        future = self.waiting[rid] = self.loop.create_future()
+        self._send(("submit", rid, prompts, sampling, session))
+        try:
+            while True:
+                done, _ = await asyncio.wait({future}, timeout=ALIVE_EVERY_S)
+                if done:
+                    return future.result()
+                if alive is not None and not await alive():
+                    raise Dropped()
+        except (Dropped, asyncio.CancelledError):
+            if self.waiting.pop(rid, None) is not None:  # (still running there: its rows end)
+                self._send(("cancel", rid))
+            raise
+
+
+def run_front_end(address, authkey: bytes, tokenizer, model_name: str, max_model_len: int, default_max_tokens: int,
+                  host: str, port: int, log_level: str) -> None:
+    """The front-end process: `build_app` on a `RemoteBatcher`, served by uvicorn at host:port."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO)
+    app = build_app(RemoteBatcher(address, authkey, tokenizer), model_name, max_model_len, default_max_tokens)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`batcher`'s rollout served as `model_name` by a front end in a process of its own (`run_front_end`) at
+    host:port (a free loopback port by default; `url`: its /v1 base); the engine (`EngineService`) runs in this one.
+    The same endpoint as `ServerThread` (`build_app`), without the interpreter lock shared with HTTP."""
+
+    def __init__(self, batcher: Batcher, model_name: str, max_model_len: int, default_max_tokens: int = 256,
+                 host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning",
+                 timeout_s: float = 120):
+        self.engine = EngineService(batcher)
+        port = port or free_port(host)
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_front_end, name="shardrl-front-end", daemon=True,
+            args=(self.engine.address, self.engine.authkey, batcher.tokenizer, model_name, max_model_len,
+                  default_max_tokens, host, port, log_level))
+        self.process.start()
+        self.url = f"http://{host}:{port}/v1"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/models", timeout=5):
+                    break
+            except OSError:
+                if not self.process.is_alive():
+                    self.engine.close()
+                    raise RuntimeError(f"the front-end process exited ({self.process.exitcode}) before it served "
+                                       f"{host}:{port} (its error is above: a port in use, for one)")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"the front end on {host}:{port} did not answer within {timeout_s:g} s")
+                time.sleep(0.1)
+
+    @property
+    def batcher(self) -> Batcher:
+        return self.engine.batcher
+
+    def wait(self) -> None:
+        """Until the front-end process ends."""
+        self.process.join()
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=30)
+        self.engine.close()
