@@ -528,6 +528,13 @@ phase_s24_steady() {
     limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --warm-ups 2 --front-end thread --out $RES
 }
 
+# then the server's stream admitting after it launches the decode steps (overlap), steady state, process front end
+#   s24_overlap   (carry .whl/oai)
+phase_s24_overlap() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    limit 190 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --warm-ups 2 --out $RES
+}
+
 case "${1:-}" in
 start)
     shift

@@ -512,3 +512,50 @@ def test_compiled_blocks_raise_dynamo_recompile_limit_above_the_widths_a_call_us
         assert config.recompile_limit == 1000
     finally:
         config.recompile_limit = before
+
+
+class DripFeed:
+    """A `RowFeed` that hands over one more prompt at every host sync (the rows keep coming while others decode),
+    recording the order of syncs (`take`), admissions and decode steps."""
+
+    def __init__(self, prompts: list[torch.Tensor], limit: int, events: list[str]):
+        self.waiting, self.limit, self.events, self.out = list(prompts), limit, events, {}
+
+    def take(self, block: bool):
+        self.events.append("take")
+        return [(self.waiting.pop(0), self.limit)] if self.waiting else []
+
+    def finished(self, row: int, tokens: list[int], log_probs: torch.Tensor) -> None:
+        self.out[row] = tokens
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_stream_admitting_while_rows_decode_equals_generate(tok, overlap, monkeypatch):
+    """generate_stream with rows joining at every sync: each row's greedy tokens are those of `generate` on its
+    prompt alone. With `overlap`, a sync with rows decoding launches their steps before it admits (the admission's
+    host work runs while the device decodes); without, it admits first."""
+    model = reference_model(tok, seed=1)
+    eos_tok = with_eos_at_different_steps(tok, model)
+    fast = make_rollout("fast", eos_tok, model, max_batch=4, sync_every=3)
+    greedy = SamplingParams(greedy=True, max_new_tokens=12)
+    want = []
+    for p in PROMPTS:
+        ids, mask = encode(eos_tok, [p])
+        out = fast.generate(ids, mask, greedy)
+        want.append(out.response_ids[0, : int(out.response_mask[0].sum())].tolist())
+    events: list[str] = []
+    admit, step = fast._admit, fast._run_step
+    monkeypatch.setattr(fast, "_admit", lambda *a: (events.append("admit"), admit(*a))[1])
+    monkeypatch.setattr(fast, "_run_step", lambda *a: (events.append("step"), step(*a))[1])
+    prompts = [encode(eos_tok, [p])[0][0] for p in PROMPTS]
+    feed = DripFeed(prompts[1:], 12, events)
+    fast.generate_stream(prompts[:1], [12], greedy, feed, need_seq=64, overlap=overlap)
+    for row, tokens in feed.out.items():  # (uncut: through the end token, which `generate` keeps too)
+        assert tokens == want[row], row
+    assert sorted(feed.out) == list(range(len(PROMPTS)))
+    # after each sync (take) that admits while rows decode: steps first with overlap, the admission first without
+    syncs = [i for i, e in enumerate(events) if e == "take"] + [len(events)]
+    between = [events[a + 1:b] for a, b in zip(syncs, syncs[1:])]
+    first = [seg[0] for seg in between if "admit" in seg and "step" in seg]
+    # (the first sync has nothing decoding: it admits first either way)
+    assert len(first) >= 4 and first[0] == "admit" and set(first[1:]) == ({"step"} if overlap else {"admit"}), between

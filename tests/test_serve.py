@@ -19,21 +19,25 @@ import torch
 
 from shardrl.config import load_config
 from shardrl.rollout import SamplingParams
-from shardrl.serve import ServerThread as Server, build_server
+from shardrl.serve import ServerProcess, ServerThread as Server, build_engine, build_server
 from shardrl.testing import save_char_model
 
 PROMPTS = ["1+2=", "hello world ", "what is 7*6? "]
 
 
-# fast: continuous batching (requests join the running generate_stream); fast_batches and hf: one batch at a time
-@pytest.fixture(scope="module", params=["fast", "fast_batches", "hf"])
+# fast: continuous batching (requests join the running generate_stream); fast_batches and hf: one batch at a time;
+# fast_process: as fast, the HTTP front end in a process of its own (`shardrl serve`'s default)
+@pytest.fixture(scope="module", params=["fast", "fast_batches", "hf", "fast_process"])
 def server(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"model_{request.param}")
     save_char_model(folder)
     backend = request.param.split("_")[0]
     cfg = load_config(None, [f"model.path={folder}", f"rollout.backend={backend}"])
-    stream = {"fast": True, "fast_batches": False, "hf": None}[request.param]
-    srv = Server(build_server(cfg, served_name="tiny", max_batch=8, stream=stream))
+    stream = {"fast": True, "fast_batches": False, "hf": None, "fast_process": True}[request.param]
+    if request.param == "fast_process":
+        srv = ServerProcess(*build_engine(cfg, served_name="tiny", max_batch=8, stream=stream))
+    else:
+        srv = Server(build_server(cfg, served_name="tiny", max_batch=8, stream=stream))
     yield srv
     srv.stop()
 
@@ -329,7 +333,7 @@ def test_a_failing_request_fails_alone(server, monkeypatch):
     assert got[8].choices[0].model_extra["token_ids"] and got[10].choices[0].model_extra["token_ids"]
 
 
-@pytest.mark.parametrize("server", ["fast"], indirect=True)  # (a batch runs to its end: the client is checked first)
+@pytest.mark.parametrize("server", ["fast", "fast_process"], indirect=True)  # (a batch runs to its end: the client is checked first)
 def test_a_client_that_leaves_while_it_generates_ends_its_rows(server, monkeypatch):
     """Streaming: a request whose client gives up while its rows decode ends at the engine's next host sync, its
     slot free (counted as cancelled; nothing answered); the server answers the next request."""

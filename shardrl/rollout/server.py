@@ -449,7 +449,7 @@ class Batcher:
                                   max_new_tokens=max(1, stream.need_seq), stop=s.stop, seed=s.seed, greedy=s.greedy)
         # slots: max_batch, fewer for a long context (at most max_batch * STREAM_SEQ cache positions in all)
         slots = max(1, min(self.max_batch, self.max_batch * STREAM_SEQ // stream.need_seq))
-        self.rollout.generate_stream([], [], sampling, stream, stream.need_seq, num_slots=slots)
+        self.rollout.generate_stream([], [], sampling, stream, stream.need_seq, num_slots=slots, overlap=True)
 
     async def _run(self, chunk: list[Pending]) -> None:
         try:
