@@ -132,7 +132,8 @@ def main():
     def summary(name: str, seconds: float) -> None:
         admits = list(log)
         rec = dict(bench="exp_admit", case=name, seconds=round(seconds, 3), admissions=len(admits),
-                   admit_ms=round(sum(a["ms"] for a in admits), 1), admit_host_ms=round(sum(a["host_ms"] for a in admits), 1),
+                   admit_ms=round(sum(a["ms"] for a in admits), 1),
+                   admit_host_ms=round(sum(a["host_ms"] for a in admits), 1),
                    prefill_ms=round(sum(p["ms"] for a in admits for p in a["prefills"]), 1),
                    tokens=sum(a["tokens"] for a in admits), each=admits, stats=getattr(rollout, "last_stats", None),
                    profiled=state["profiled"])

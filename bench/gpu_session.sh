@@ -528,11 +528,14 @@ phase_s24_steady() {
     limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --warm-ups 2 --front-end thread --out $RES
 }
 
-# then the server's stream admitting after it launches the decode steps (overlap), steady state, process front end
+# not run yet (session 24's device time ran out): the server's stream admitting after it launches the decode steps
+# (overlap) against admitting first, steady state, front end in a process; and the batcher alone
 #   s24_overlap   (carry .whl/oai)
 phase_s24_overlap() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
-    limit 190 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --warm-ups 2 --out $RES
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --warm-ups 2 --overlap --in-process \
+        --out $RES
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --warm-ups 2 --out $RES
 }
 
 case "${1:-}" in

@@ -1,11 +1,15 @@
 """`shardrl serve` under concurrent clients against direct `generate` calls of the same work (issue 36's server
 throughput): new tokens/s of C concurrent `openai` clients each sending R completions requests (one prompt each),
 against the server's rollout called directly on as many prompts of the same shape and max_tokens in batches of the
-server's `--max-batch`. The clients run in a process of their own (as real ones do). Every run (warm-up and timed, each side) has prompts of its own, so that none reads
-another's from the fast rollout's prefix cache. On the fast backend the server batches continuously.
+server's `--max-batch`. The clients run in processes of their own (as real ones do), started together; the server's
+HTTP front end runs in a process of its own (`--front-end process`, `shardrl serve`'s default) or in a thread of the
+engine's. Every run (warm-up and timed, each side) has prompts of its own, so that none reads another's from the fast
+rollout's prefix cache. On the fast backend the server batches continuously. `--warm-ups` served runs come before the
+timed one: the server's steady state (its decode graphs of every (length, width) pair it meets captured).
 
     python bench/serve.py --shape 1.5b --clients 256 --requests 2 --out results.jsonl   # one H200
-    python bench/serve.py --shape tiny --clients 8 --requests 2 --prompt-len 16 --max-tokens 16   # CPU check
+    python bench/serve.py --shape 1.5b --clients 256 --requests 2 --in-process --overlap   # + the batcher alone
+    python bench/serve.py --shape tiny --clients 8 --requests 2 --prompt-len 16 --max-tokens 16 --backend fast  # CPU
 
 The model is the Qwen2-1.5B shape of bench/e2e.py with random weights ("eos_hazard": each new token ends the reply
 with probability 1/400, so replies have uneven lengths), written once under --root. Both sides sample at
@@ -142,6 +146,8 @@ def main():
                    help="served runs before the timed one (each on prompts of its own): the first compiles and "
                         "captures what the workload meets first, later ones the decode graphs of the (length, width) "
                         "pairs an arrival order of their own meets (a server's steady state)")
+    p.add_argument("--overlap", action="store_true",
+                   help="the server's stream admits after it launches the decode steps (`Batcher(overlap=True)`)")
     p.add_argument("--sample-stacks", action="store_true",
                    help="sample every thread's innermost frame every 2 ms while the clients run (what holds the "
                         "interpreter besides the generation thread)")
@@ -155,7 +161,6 @@ def main():
 
     import torch
 
-    import bench.e2e as e2e
     from shardrl.config import load_config
     from shardrl.rollout import SamplingParams
     from shardrl.serve import ServerProcess, ServerThread, build_app, build_engine
@@ -172,6 +177,7 @@ def main():
     engine = build_engine(load_config(None, overrides), served_name="m", max_batch=args.max_batch)
     server = ServerProcess(*engine) if args.front_end == "process" else ServerThread(build_app(*engine))
     batcher = server.batcher
+    batcher.overlap = args.overlap
     if args.flash_below is not None:
         batcher.rollout._block.flash_below = args.flash_below
     n_requests = args.clients * args.requests
@@ -250,7 +256,7 @@ def main():
         plain = SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens, seed=None)  # (as the server makes)
 
         async def run() -> tuple[int, float]:
-            alone = Batcher(rollout, tok, args.max_batch, batcher.max_model_len)
+            alone = Batcher(rollout, tok, args.max_batch, batcher.max_model_len, overlap=args.overlap)
             await alone.start()
 
             async def client(c: int) -> int:
@@ -289,6 +295,7 @@ def main():
                ratio=round((served_tokens / served_s) / (direct_tokens / direct_s), 3),
                served_profile=served_stats, direct_profile=direct_stats, client_procs=args.client_procs, **alone,
                switch_interval_ms=switch_ms, front_end=args.front_end, warm_up_captures=warm_captures,
+               overlap=args.overlap,
                **({"stacks": stacks} if stacks else {}))
     if alone:
         rec["in_process_ratio"] = round(rec["in_process_tokens_per_s"] / rec["direct_tokens_per_s"], 3)

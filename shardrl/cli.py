@@ -278,8 +278,12 @@ def serve_main(args: argparse.Namespace) -> int:
 
         uvicorn.run(build_app(*engine), host=args.host, port=args.port, log_level="info")
         return 0
+    import signal
+    import sys
+
     server = ServerProcess(*engine, host=args.host, port=args.port, log_level="info")
     print(f"serving {engine[1]!r} at {server.url} (front end: process {server.process.pid})", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # (the front end stops with this process, not after it)
     try:
         server.wait()
     except KeyboardInterrupt:

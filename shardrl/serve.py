@@ -18,9 +18,10 @@ def build_server(cfg, served_name: str | None = None, max_batch: int | None = No
 
 def build_engine(cfg, served_name: str | None = None, max_batch: int | None = None, stream: bool | None = None):
     """(batcher, served name, context length, default max_tokens): what serves a config's model (`model.path`, or
-    `model.tiny` with `model.tokenizer_path`) on its rollout backend (`rollout.backend`; null: fast on CUDA where it supports the model, else hf) on this
-    machine's GPU, or the CPU; the context length is the model's `max_position_embeddings`; a chat request without
-    max_tokens gets `rollout.max_new_tokens`. `stream`: continuous batching (`Batcher`; null: where the backend can)."""
+    `model.tiny` with `model.tokenizer_path`) on its rollout backend (`rollout.backend`; null: fast on CUDA where it
+    supports the model, else hf) on this machine's GPU, or the CPU; the context length is the model's
+    `max_position_embeddings`; a chat request without max_tokens gets `rollout.max_new_tokens`. `stream`:
+    continuous batching (`Batcher`; null: where the backend can)."""
     from pathlib import Path
 
     from shardrl.engine.model import build_causal_lm, load_hf_config

@@ -26,7 +26,7 @@ PROMPTS = ["1+2=", "hello world ", "what is 7*6? "]
 
 
 # fast: continuous batching (requests join the running generate_stream); fast_batches and hf: one batch at a time;
-# fast_process: as fast, the HTTP front end in a process of its own (`shardrl serve`'s default)
+# fast_process: as fast, the HTTP front end in a process of its own (`shardrl serve`'s default), overlap on
 @pytest.fixture(scope="module", params=["fast", "fast_batches", "hf", "fast_process"])
 def server(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"model_{request.param}")
@@ -34,8 +34,10 @@ def server(request, tmp_path_factory):
     backend = request.param.split("_")[0]
     cfg = load_config(None, [f"model.path={folder}", f"rollout.backend={backend}"])
     stream = {"fast": True, "fast_batches": False, "hf": None, "fast_process": True}[request.param]
-    if request.param == "fast_process":
-        srv = ServerProcess(*build_engine(cfg, served_name="tiny", max_batch=8, stream=stream))
+    if request.param == "fast_process":  # (its stream admits after it launches the decode steps: overlap)
+        engine = build_engine(cfg, served_name="tiny", max_batch=8, stream=stream)
+        engine[0].overlap = True
+        srv = ServerProcess(*engine)
     else:
         srv = Server(build_server(cfg, served_name="tiny", max_batch=8, stream=stream))
     yield srv
@@ -467,3 +469,20 @@ def test_clients_still_waiting_are_checked_again_while_new_ones_keep_coming():
         if tick >= 7:
             waiting += [Item() for _ in range(32)]
     assert [checks.get(id(item), 0) for item in first] == [2] * 256
+
+
+def test_a_front_end_process_stops_when_its_engine_goes(tmp_path):
+    """`shardrl serve`'s front end in its own process: when the engine closes its side (its process ended), the
+    front end stops and frees its port instead of answering errors forever."""
+    save_char_model(tmp_path)
+    cfg = load_config(None, [f"model.path={tmp_path}", "rollout.backend=fast"])
+    srv = ServerProcess(*build_engine(cfg, served_name="tiny", max_batch=4))
+    try:
+        assert client(srv).models.list().data[0].id == "tiny"
+        srv.engine.close()
+        srv.process.join(timeout=30)
+        assert srv.process.exitcode is not None
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(f"{srv.url}/models", timeout=5)
+    finally:
+        srv.stop()

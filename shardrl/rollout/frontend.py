@@ -18,6 +18,8 @@ import itertools
 import logging
 import multiprocessing
 import os
+import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -42,6 +44,7 @@ class EngineService:
         self.authkey = os.urandom(16)
         self.listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
         self.address = self.listener.address
+        self.conns: list = []
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="shardrl-engine-loop", daemon=True).start()
         asyncio.run_coroutine_threadsafe(batcher.start(), self.loop).result()
@@ -55,6 +58,7 @@ class EngineService:
                 if self.listener._listener is None:  # (close() sets it)
                     return
                 continue
+            self.conns.append(conn)
             threading.Thread(target=self._serve, args=(conn,), name="shardrl-engine-conn", daemon=True).start()
 
     def _serve(self, conn) -> None:
@@ -98,7 +102,16 @@ class EngineService:
             future.add_done_callback(lambda f, rid=rid: answer(rid, f))
 
     def close(self) -> None:
+        """Stops taking requests; the front ends see their connections close (and stop)."""
         self.listener.close()
+        for conn in self.conns:  # (shut down first: a close alone does not wake the thread reading it)
+            try:
+                sock = socket.socket(fileno=conn.fileno())
+                sock.shutdown(socket.SHUT_RDWR)
+                sock.detach()
+            except OSError:
+                pass
+            conn.close()
         if self.loop.is_running():
             asyncio.run_coroutine_threadsafe(self.batcher.stop(), self.loop).result(timeout=10)
             self.loop.call_soon_threadsafe(self.loop.stop)
@@ -113,6 +126,7 @@ class RemoteBatcher:
         self.stats: dict = {}
         self.ids = itertools.count()
         self.waiting: dict[int, asyncio.Future] = {}
+        self.closing = False
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -121,6 +135,7 @@ class RemoteBatcher:
         threading.Thread(target=self._read, name="shardrl-front-read", daemon=True).start()
 
     async def stop(self) -> None:
+        self.closing = True
         self.conn.close()
 
     def _send(self, message) -> None:
@@ -148,10 +163,15 @@ class RemoteBatcher:
             future.set_exception(RuntimeError(message[2]))
 
     def _engine_gone(self) -> None:
+        """The engine's process ended (or closed its side): the waiting requests fail and this front end stops
+        (uvicorn ends on SIGTERM, as it would for Ctrl-C), freeing its port."""
         for future in self.waiting.values():
             if not future.done():
                 future.set_exception(RuntimeError("the engine process closed its connection"))
         self.waiting.clear()
+        if not self.closing:
+            log.error("the engine process closed its connection: this front end stops")
+            os.kill(os.getpid(), signal.SIGTERM)
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None,
                      session: str | None = None) -> list[dict]:
@@ -182,8 +202,6 @@ def run_front_end(address, authkey: bytes, tokenizer, model_name: str, max_model
 
 
 def free_port(host: str) -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -258,9 +258,12 @@ class Batcher:
     prompt plus that within `max_model_len`."""
 
     def __init__(self, rollout, tokenizer, max_batch: int = 64, max_model_len: int | None = None,
-                 stream: bool | None = None, idle_s: float = 0.2):
+                 stream: bool | None = None, idle_s: float = 0.2, overlap: bool = False):
         from shardrl.tokenizer import stop_token_ids
 
+        # `overlap`: the stream admits new rows after it launches the decode steps of those already decoding
+        # (`FastRollout.generate_stream`); off until measured on a GPU (session 24 ran out of device time)
+        self.overlap = overlap
         self.rollout, self.tokenizer, self.max_batch, self.max_model_len = rollout, tokenizer, max_batch, max_model_len
         self.per_row_limits = "max_new_tokens" in inspect.signature(rollout.generate).parameters
         self.stop_ids = set(getattr(rollout, "stop_ids", None) or stop_token_ids(tokenizer))
@@ -449,7 +452,7 @@ class Batcher:
                                   max_new_tokens=max(1, stream.need_seq), stop=s.stop, seed=s.seed, greedy=s.greedy)
         # slots: max_batch, fewer for a long context (at most max_batch * STREAM_SEQ cache positions in all)
         slots = max(1, min(self.max_batch, self.max_batch * STREAM_SEQ // stream.need_seq))
-        self.rollout.generate_stream([], [], sampling, stream, stream.need_seq, num_slots=slots, overlap=True)
+        self.rollout.generate_stream([], [], sampling, stream, stream.need_seq, num_slots=slots, overlap=self.overlap)
 
     async def _run(self, chunk: list[Pending]) -> None:
         try:
