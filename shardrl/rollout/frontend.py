@@ -89,7 +89,8 @@ class EngineService:
                 cancelled.update(pending)  # (their clients went with it)
                 return
             if message[0] == "cancel":
-                cancelled.add(message[1])
+                if message[1] in pending:  # (one answered meanwhile is forgotten: nothing to end)
+                    cancelled.add(message[1])
                 continue
             _, rid, prompts, sampling, session = message
             pending.add(rid)
