@@ -547,12 +547,17 @@ def test_a_stream_admitting_while_rows_decode_equals_generate(tok, overlap, monk
     admit, step = fast._admit, fast._run_step
     monkeypatch.setattr(fast, "_admit", lambda *a: (events.append("admit"), admit(*a))[1])
     monkeypatch.setattr(fast, "_run_step", lambda *a: (events.append("step"), step(*a))[1])
+    read_back = []  # fed prompts whose ids the admission read from the device (waiting for queued steps on a GPU)
+    tokens_of = fast._tokens_of
+    monkeypatch.setattr(fast, "_tokens_of", lambda prompts, b: (
+        read_back.append(b) if b > 0 and b not in fast._prompt_tokens else None, tokens_of(prompts, b))[1])
     prompts = [encode(eos_tok, [p])[0][0] for p in PROMPTS]
     feed = DripFeed(prompts[1:], 12, events)
     fast.generate_stream(prompts[:1], [12], greedy, feed, need_seq=64, overlap=overlap)
     for row, tokens in feed.out.items():  # (uncut: through the end token, which `generate` keeps too)
         assert tokens == want[row], row
     assert sorted(feed.out) == list(range(len(PROMPTS)))
+    assert not read_back
     # after each sync (take) that admits while rows decode: steps first with overlap, the admission first without
     syncs = [i for i, e in enumerate(events) if e == "take"] + [len(events)]
     between = [events[a + 1:b] for a, b in zip(syncs, syncs[1:])]

@@ -215,7 +215,7 @@ class FastRollout(Rollout):
         self._routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (prompt's, response's) routes
         compile = self.device.type == "cuda" if compile is None else compile
         self._block = DecoderBlock(compile, self._attention(attention, head_dim_of(hf_config)))
-        self._block.flash_below = prefill_tokens  # (a chunk short of full: flash, no cuDNN plan for its new shape)
+        self._block.flash_below = prefill_tokens  # (a chunk short of the budget: flash, no cuDNN plan per new shape)
         # the n samples of a prompt read its shared blocks once a step (Triton attention only)
         self.cascade = cascade and isinstance(self._block.attention, TritonDecodeAttention)
         if self.cascade:
@@ -686,6 +686,9 @@ class FastRollout(Rollout):
                 stats["feed_wait_s"] += (waited := time.perf_counter() - t0)
                 inner += waited
                 for prompt, limit in taken:
+                    # its ids on the host now: read back from the device in the admission, they would wait for
+                    # the decode steps queued before it (`overlap`)
+                    self._prompt_tokens[len(prompts)] = prompt.tolist()
                     prompts.append(prompt.to(self.device))
                     limits.append(int(limit))
                     results.append(None)

@@ -524,11 +524,15 @@ class DecoderBlock:
     `softcapped_attention`), masked to the window on a sliding-window layer, and after a cached prefix through the
     attention's own `prefill` (the Triton kernel reads the blocks; SDPA a gathered copy).
 
-    `flash_below`: a causal prefill of fewer tokens (U * L) than this runs on flash attention, whatever SDPA would
-    pick. SDPA picks cuDNN here, which builds a plan for every shape it has not seen: 45-60 ms each (the first
+    `flash_below`: a causal prefill of fewer tokens (U * L) than this runs on flash attention first, whatever SDPA
+    would pick. SDPA picks cuDNN here, which builds a plan for every shape it has not seen: 45-60 ms each (the first
     1.1 s), against 0.1 ms for flash (one H200, 12 query and 2 K/V heads of 128, 256 tokens; bench/exp_admit.py,
-    session 24). A server admits a few prompts at a time, each admission a new shape; full chunks (the long
-    prompts of an RL batch) repeat their shapes and keep cuDNN, the faster kernel there (0.21 against 0.39 ms)."""
+    session 24). A server admits a few prompts at a time, nearly each admission a new shape. `FastRollout` sets it
+    to `prefill_tokens`: every chunk runs on flash but one that fills the budget exactly (equal prompt lengths, as
+    in the benches, whose shapes repeat), which keeps cuDNN, faster once planned (0.21 against 0.39 ms for
+    8 x 2,048 tokens). Where prompt lengths vary (RL batches), nearly every chunk is a new shape: flash. The flags
+    are set through `sdpa_kernel`, process-wide while the call runs: no other thread should pick SDPA backends
+    meanwhile."""
 
     # the decode parts compile once per slot width (a call's widths, `FastRollout._widths`: 9 at 512 slots, more
     # over calls of other slot counts); past dynamo's per-function limit (8 by default) a new width would run its

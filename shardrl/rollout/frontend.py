@@ -45,6 +45,7 @@ class EngineService:
         self.listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
         self.address = self.listener.address
         self.conns: list = []
+        self.closed = False
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="shardrl-engine-loop", daemon=True).start()
         asyncio.run_coroutine_threadsafe(batcher.start(), self.loop).result()
@@ -63,6 +64,7 @@ class EngineService:
 
     def _serve(self, conn) -> None:
         lock, pending, cancelled = threading.Lock(), set(), set()
+        book = threading.Lock()  # (pending and cancelled: this thread and the event loop's callbacks)
 
         def send(message) -> None:
             with lock:
@@ -72,28 +74,36 @@ class EngineService:
                     pass
 
         def answer(rid: int, future) -> None:
-            pending.discard(rid)
-            cancelled.discard(rid)
-            error = future.exception()
-            if error is None:
-                send(("ok", rid, future.result()))
-            elif isinstance(error, Dropped):
-                send(("dropped", rid))
-            else:
-                send(("error", rid, f"{type(error).__name__}: {error}"))
+            with book:
+                pending.discard(rid)
+                cancelled.discard(rid)
+            try:
+                error = future.exception()
+                if error is None:
+                    send(("ok", rid, future.result()))
+                elif isinstance(error, Dropped):
+                    send(("dropped", rid))
+                else:
+                    send(("error", rid, f"{type(error).__name__}: {error}"))
+            except BaseException as e:  # noqa: BLE001 (an answer that cannot be sent: the request still ends)
+                log.exception("request %d: its answer could not be sent", rid)
+                send(("error", rid, f"the answer could not be sent: {type(e).__name__}: {e}"))
 
         while True:
             try:
                 message = conn.recv()
             except (OSError, EOFError):
-                cancelled.update(pending)  # (their clients went with it)
+                with book:
+                    cancelled.update(pending)  # (their clients went with it)
                 return
             if message[0] == "cancel":
-                if message[1] in pending:  # (one answered meanwhile is forgotten: nothing to end)
-                    cancelled.add(message[1])
+                with book:
+                    if message[1] in pending:  # (one answered meanwhile is forgotten: nothing to end)
+                        cancelled.add(message[1])
                 continue
             _, rid, prompts, sampling, session = message
-            pending.add(rid)
+            with book:
+                pending.add(rid)
 
             async def alive(rid=rid) -> bool:
                 return rid not in cancelled
@@ -103,7 +113,10 @@ class EngineService:
             future.add_done_callback(lambda f, rid=rid: answer(rid, f))
 
     def close(self) -> None:
-        """Stops taking requests; the front ends see their connections close (and stop)."""
+        """Stops taking requests; the front ends see their connections close (and stop). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         self.listener.close()
         for conn in self.conns:  # (shut down first: a close alone does not wake the thread reading it)
             try:
@@ -113,8 +126,9 @@ class EngineService:
             except OSError:
                 pass
             conn.close()
-        if self.loop.is_running():
+        try:
             asyncio.run_coroutine_threadsafe(self.batcher.stop(), self.loop).result(timeout=10)
+        finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
 
 
@@ -147,7 +161,9 @@ class RemoteBatcher:
         while True:
             try:
                 message = self.conn.recv()
-            except (OSError, EOFError):
+            except Exception as e:  # noqa: BLE001 (closed, or unreadable: either way nothing more comes)
+                if not isinstance(e, (OSError, EOFError)):
+                    log.exception("the engine's connection gave an unreadable message")
                 self.loop.call_soon_threadsafe(self._engine_gone)
                 return
             self.loop.call_soon_threadsafe(self._answer, message)
@@ -178,7 +194,11 @@ class RemoteBatcher:
                      session: str | None = None) -> list[dict]:
         rid = next(self.ids)
         future = self.waiting[rid] = self.loop.create_future()
-        self._send(("submit", rid, prompts, sampling, session))
+        try:
+            self._send(("submit", rid, prompts, sampling, session))
+        except BaseException:
+            self.waiting.pop(rid, None)
+            raise
         try:
             while True:
                 done, _ = await asyncio.wait({future}, timeout=ALIVE_EVERY_S)
@@ -222,7 +242,11 @@ class ServerProcess:
             target=run_front_end, name="shardrl-front-end", daemon=True,
             args=(self.engine.address, self.engine.authkey, batcher.tokenizer, model_name, max_model_len,
                   default_max_tokens, host, port, log_level))
-        self.process.start()
+        try:
+            self.process.start()
+        except BaseException:
+            self.engine.close()
+            raise
         self.url = f"http://{host}:{port}/v1"
         deadline = time.monotonic() + timeout_s
         while True:
@@ -251,4 +275,7 @@ class ServerProcess:
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(timeout=30)
+            if self.process.is_alive():  # (uvicorn still waiting on requests)
+                self.process.kill()
+                self.process.join(timeout=10)
         self.engine.close()
