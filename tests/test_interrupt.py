@@ -168,3 +168,35 @@ def test_a_killed_rank_is_one_line_and_its_signal_in_the_exit_status(assets, tmp
     assert len(errors) == 1 and errors[0].startswith("error: rank ") and " was killed by SIGKILL (out of memory?" \
         in errors[0], err[-3000:]
     assert "Traceback" not in err and "Connection" not in err
+
+
+def test_a_finalizer_interrupted_by_ctrl_c_prints_nothing_in_the_launcher(monkeypatch, capsys):
+    """torchrun raises its SignalException in the launcher's main thread, which may be running a weakref finalizer
+    (the rendezvous keep-alive thread's) just then: Python would print "Exception ignored" and a traceback after the
+    one Ctrl-C line. The launcher's hook drops exactly those; another finalizer's error is still printed."""
+    import gc
+    import sys
+    import weakref
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from shardrl.trainer.main import _quiet_interrupted_finalizers
+
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+    _quiet_interrupted_finalizers()
+    _quiet_interrupted_finalizers()  # (idempotent)
+
+    class Holder:
+        pass
+
+    def raising(error):
+        raise error
+
+    for error in (SignalException("Process 1 got signal: 2", sigval=2), KeyboardInterrupt(), ValueError("real")):
+        holder = Holder()
+        weakref.finalize(holder, raising, error)
+        del holder
+        gc.collect()
+    err = capsys.readouterr().err
+    assert "ValueError: real" in err and err.count("Traceback") == 1
+    assert "SignalException" not in err and "KeyboardInterrupt" not in err

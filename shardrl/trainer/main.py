@@ -217,6 +217,7 @@ def train_main(args) -> int:
         # torchrun forwards Ctrl-C to the ranks and raises here once they are down; rank 0 said how far it got
         for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
             logging.getLogger(name).addFilter(_not_about_sigint)
+        _quiet_interrupted_finalizers()
         try:
             torchrun(parse_args(argv))
         except ChildFailedError as e:  # the ranks have said why (a user error: rank 0's `error:` line)
@@ -275,6 +276,25 @@ def _not_about_sigint(record: logging.LogRecord) -> bool:
     text = record.getMessage()
     return not ("death signal" in text or "closing signal SIGINT" in text or "closing signal SIGTERM" in text
                 or "failed (exitcode: -" in text)
+
+
+def _quiet_interrupted_finalizers() -> None:
+    """In the launcher: a finalizer that Ctrl-C itself interrupted (torchrun raises its SignalException in the main
+    thread, which may be joining the rendezvous keep-alive thread in a weakref finalizer just then) prints nothing;
+    Python would print it as "Exception ignored in ..." with a traceback. Anything else goes to the usual hook."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    default = sys.unraisablehook
+    if getattr(default, "quiet_interrupts", False):  # (installed already: a process may launch more than once)
+        return
+
+    def hook(unraisable) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, (KeyboardInterrupt, SignalException)):
+            return
+        default(unraisable)
+
+    hook.quiet_interrupts = True
+    sys.unraisablehook = hook
 
 
 def _interrupted_line(e: KeyboardInterrupt) -> str:

@@ -260,6 +260,7 @@ def offline_main(trainer_cls: type[OfflineTrainer], args) -> int:
         argv = [f"--nproc-per-node={nproc}", "--nnodes=1", "--standalone", "-m", trainer_cls.module]
         for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
             logging.getLogger(name).addFilter(m._not_about_sigint)
+        m._quiet_interrupted_finalizers()
         try:
             torchrun(parse_args(argv + ([args.config] if args.config else []) + list(args.overrides)))
         except ChildFailedError as e:
