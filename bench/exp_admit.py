@@ -11,7 +11,6 @@ server throughput). Runs the server's batcher without HTTP (clients as coroutine
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import append_jsonl  # noqa: E402
-from bench.serve import model_folder, prompts_of  # noqa: E402
+from bench.serve import closed_loop, model_folder, prompts_of  # noqa: E402
 
 OUT: str | None = None
 
@@ -46,7 +45,6 @@ def main():
 
     from shardrl.config import load_config
     from shardrl.rollout import SamplingParams
-    from shardrl.rollout.server import Batcher
     from shardrl.serve import build_server
 
     cuda = torch.cuda.is_available()
@@ -99,25 +97,8 @@ def main():
                         for x in prompts_of(k, n_requests, args.prompt_len, shape["vocab_size"])]
 
     def stream(k: int) -> float:
-        ids = ids_of(k)
-        plain = SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens, seed=None)
-
-        async def run() -> float:
-            b = Batcher(rollout, tok, args.max_batch, 4096)
-            await b.start()
-
-            async def client(c: int) -> None:
-                for r in range(args.requests):
-                    await b.submit([ids[c * args.requests + r]], plain)
-
-            t0 = time.perf_counter()
-            await asyncio.gather(*[client(c) for c in range(args.clients)])
-            took = time.perf_counter() - t0
-            await asyncio.to_thread(b.pause)
-            await b.stop()
-            return took
-
-        return asyncio.run(run())
+        return closed_loop(rollout, tok, ids_of(k), args.clients, args.requests, args.max_tokens, args.max_batch,
+                           4096)[1]
 
     def direct(k: int, batch: int) -> float:
         ids = ids_of(k)

@@ -55,6 +55,37 @@ def model_folder(shape_name: str, root: str, prompt_len: int, max_tokens: int, c
     return folder, shape, tok
 
 
+def closed_loop(rollout, tokenizer, ids: list[list[int]], clients: int, requests: int, max_tokens: int,
+                max_batch: int, max_model_len: int, overlap: bool = False) -> tuple[int, float, dict]:
+    """The server's batcher without HTTP: `clients` coroutines of this process, each submitting `requests` prompts
+    (token ids, client c's the c-th run of `requests` in `ids`) one after another, sampled as the server samples a
+    completion at temperature 1. Returns (new tokens, seconds, the batcher's stats)."""
+    from shardrl.rollout import SamplingParams
+    from shardrl.rollout.server import Batcher
+
+    plain = SamplingParams(temperature=1.0, max_new_tokens=max_tokens, seed=None)  # (as the server makes)
+
+    async def run() -> tuple[int, float, dict]:
+        alone = Batcher(rollout, tokenizer, max_batch, max_model_len, overlap=overlap)
+        await alone.start()
+
+        async def client(c: int) -> int:
+            made = 0
+            for r in range(requests):
+                made += len((await alone.submit([ids[c * requests + r]], plain))[0]["token_ids"])
+            return made
+
+        t0 = time.perf_counter()
+        made = sum(await asyncio.gather(*[client(c) for c in range(clients)]))
+        took = time.perf_counter() - t0
+        stats = dict(alone.stats)
+        await asyncio.to_thread(alone.pause)  # (its stream ends before the loop does)
+        await alone.stop()
+        return made, took, stats
+
+    return asyncio.run(run())
+
+
 class StackSampler:
     """Every `every_s`, each other thread's innermost frame (file:line function), counted per thread name."""
 
@@ -249,31 +280,11 @@ def main():
         return made
 
     def batcher_alone(prompts) -> tuple[int, float]:
-        """(new tokens, seconds) of the clients as coroutines of this process calling the batcher with token ids."""
-        from shardrl.rollout.server import Batcher
-
         ids = [tok(x, add_special_tokens=False)["input_ids"] for x in prompts]
-        plain = SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens, seed=None)  # (as the server makes)
-
-        async def run() -> tuple[int, float]:
-            alone = Batcher(rollout, tok, args.max_batch, batcher.max_model_len, overlap=args.overlap)
-            await alone.start()
-
-            async def client(c: int) -> int:
-                made = 0
-                for r in range(args.requests):
-                    made += len((await alone.submit([ids[c * args.requests + r]], plain))[0]["token_ids"])
-                return made
-
-            t0 = time.perf_counter()
-            made = sum(await asyncio.gather(*[client(c) for c in range(args.clients)]))
-            took = time.perf_counter() - t0
-            alone_streams.append(dict(alone.stats))
-            await asyncio.to_thread(alone.pause)  # (its stream ends before the loop does)
-            await alone.stop()
-            return made, took
-
-        return asyncio.run(run())
+        made, took, stats = closed_loop(rollout, tok, ids, args.clients, args.requests, args.max_tokens,
+                                        args.max_batch, batcher.max_model_len, args.overlap)
+        alone_streams.append(stats)
+        return made, took
 
     alone, alone_streams = {}, []
     if args.in_process:

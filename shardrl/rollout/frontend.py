@@ -26,7 +26,7 @@ import urllib.request
 from multiprocessing.connection import Client, Listener
 
 from shardrl.rollout.base import SamplingParams
-from shardrl.rollout.server import Batcher, Dropped, build_app
+from shardrl.rollout.server import Batcher, Dropped, build_app, free_port
 
 log = logging.getLogger(__name__)
 
@@ -220,12 +220,6 @@ def run_front_end(address, authkey: bytes, tokenizer, model_name: str, max_model
     logging.basicConfig(level=logging.INFO)
     app = build_app(RemoteBatcher(address, authkey, tokenizer), model_name, max_model_len, default_max_tokens)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

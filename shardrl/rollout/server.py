@@ -707,18 +707,24 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
 
 
 
+def free_port(host: str) -> int:
+    """A port on `host` that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class ServerThread:
     """An app served by uvicorn in a thread of this process on a free loopback port (`url`: its /v1 base)."""
 
     def __init__(self, app, host: str = "127.0.0.1", timeout_s: float = 60):
-        import socket
         import threading
 
         import uvicorn
 
-        with socket.socket() as s:
-            s.bind((host, 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port(host)
         self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
