@@ -538,6 +538,17 @@ phase_s24_overlap() {
     limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --warm-ups 2 --out $RES
 }
 
+# session 25 (issue 36's server): the client processes and the overlapped admission; the GPU tests after
+#   s25_a   (carry .whl/oai)
+phase_s25_a() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --in-process --out $RES
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --overlap --in-process \
+        --out $RES
+    limit 400 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_prefix_cache.py \
+        tests/test_rollout_fast.py tests/test_rollout_fast_families.py
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --out $RES
+}
 case "${1:-}" in
 start)
     shift

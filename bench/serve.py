@@ -117,6 +117,50 @@ class StackSampler:
         return {name: counter.most_common(12) for name, counter in self.counts.items()}
 
 
+class ArrivalTracer:
+    """When each request of `prompts` (client c's r-th: index c * requests + r) reached the engine's batcher and
+    when its answer left it (wall clock, the engine's process): how spread out the clients' first requests arrived,
+    and each client's turnaround from an answer to its next request's arrival (the HTTP path's round trip)."""
+
+    def __init__(self, batcher, prompts: list[str], tokenizer, requests: int):
+        self.index = {tuple(tokenizer(x, add_special_tokens=False)["input_ids"][-16:]): i
+                      for i, x in enumerate(prompts)}
+        self.requests, self.came, self.went = requests, {}, {}
+        submit = batcher.submit
+
+        async def traced(prompts, *rest, **kwargs):
+            i = self.index.get(tuple(prompts[0][-16:]))
+            if i is not None:
+                self.came[i] = time.time()
+            try:
+                return await submit(prompts, *rest, **kwargs)
+            finally:
+                if i is not None:
+                    self.went[i] = time.time()
+
+        batcher.submit = traced
+
+    def summary(self, span: dict) -> dict:
+        """`span`: the clients' first start and last end (wall clock)."""
+        import statistics
+
+        if not self.came:
+            return {}
+        t0 = min(self.came.values())
+        firsts = sorted(t - t0 for i, t in self.came.items() if i % self.requests == 0)
+        turn = sorted(1000 * (self.came[i] - self.went[i - 1]) for i in self.came
+                      if i % self.requests and i - 1 in self.went)
+        out = dict(traced=len(self.came), first_wave_spread_s=round(firsts[-1], 3),
+                   first_wave_half_s=round(firsts[len(firsts) // 2], 3),
+                   last_answer_s=round(max(self.went.values()) - t0, 3),
+                   first_arrival_after_start_s=round(t0 - span["start"], 3),
+                   clients_end_after_last_answer_s=round(span["end"] - max(self.went.values()), 3))
+        if turn:
+            out.update(turnaround_ms_median=round(statistics.median(turn), 2),
+                       turnaround_ms_p90=round(turn[int(0.9 * (len(turn) - 1))], 2), turnaround_ms_max=round(turn[-1], 2))
+        return out
+
+
 def run_clients(args) -> None:
     """A client process: C concurrent `openai` clients, R requests each, from the wall-clock time --start-at (the
     processes start together); prints its tokens, its first request's and last answer's wall times as JSON."""
@@ -244,9 +288,10 @@ def main():
             if proc.returncode:
                 raise RuntimeError(f"a client process failed ({proc.returncode})")
             res.append(json.loads(out.strip().splitlines()[-1]))
-        return sum(r["tokens"] for r in res), max(r["end"] for r in res) - min(r["start"] for r in res)
+        span.update(start=min(r["start"] for r in res), end=max(r["end"] for r in res))
+        return sum(r["tokens"] for r in res), span["end"] - span["start"]
 
-    warm_captures = []
+    warm_captures, span = [], {}
     for k in range(args.warm_ups):  # compiles, CUDA graphs
         all_clients(-1 - k)
         batcher.pause()  # (the stream ends: its stats are the run's)
@@ -254,7 +299,9 @@ def main():
         warm_captures.append((getattr(batcher.rollout, "last_stats", None) or {}).get("captures"))
     before = dict(batcher.stats)
     sampler = StackSampler() if args.sample_stacks else None
+    tracer = ArrivalTracer(batcher, prompt_set(1), tok, args.requests)
     served_tokens, served_s = all_clients(1)
+    arrivals = tracer.summary(span)
     stacks = sampler.stop() if sampler else None
     batches = batcher.stats["batches"] - before["batches"]
     streams = batcher.stats["streams"] - before["streams"]
@@ -306,7 +353,7 @@ def main():
                ratio=round((served_tokens / served_s) / (direct_tokens / direct_s), 3),
                served_profile=served_stats, direct_profile=direct_stats, client_procs=args.client_procs, **alone,
                switch_interval_ms=switch_ms, front_end=args.front_end, warm_up_captures=warm_captures,
-               overlap=args.overlap,
+               overlap=args.overlap, arrivals=arrivals,
                **({"stacks": stacks} if stacks else {}))
     if alone:
         rec["in_process_ratio"] = round(rec["in_process_tokens_per_s"] / rec["direct_tokens_per_s"], 3)
