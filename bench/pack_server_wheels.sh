@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # HERE (the development machine, in the repository root, with the project installed): the wheels the device
-# image lacks for the server and agent phases (openai, fastapi, uvicorn and what they need, at the versions
+# image lacks for the server and agent phases (openai, fastapi, uvicorn, httptools, uvloop and what they need, at the versions
 # installed here), for Python 3.12 on x86-64, under .whl/oai (git-ignored). THERE, before those phases:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
 # (carry=[".whl/oai"]; already-installed packages are left as they are, since there is no --upgrade).
@@ -8,7 +8,7 @@ set -eu
 mkdir -p .whl/oai
 pins=$(python3 - <<'PY'
 import importlib.metadata as md, re
-seen, todo = {}, ["openai", "fastapi", "uvicorn"]
+seen, todo = {}, ["openai", "fastapi", "uvicorn", "httptools", "uvloop"]
 while todo:
     name = todo.pop()
     key = name.lower().replace("_", "-")

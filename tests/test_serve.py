@@ -26,7 +26,7 @@ PROMPTS = ["1+2=", "hello world ", "what is 7*6? "]
 
 
 # fast: continuous batching (requests join the running generate_stream); fast_batches and hf: one batch at a time;
-# fast_process: as fast, the HTTP front end in a process of its own (`shardrl serve`'s default), overlap on
+# fast_process: as fast, the HTTP front end in two processes of its own (`shardrl serve`'s default is one), overlap on
 @pytest.fixture(scope="module", params=["fast", "fast_batches", "hf", "fast_process"])
 def server(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"model_{request.param}")
@@ -37,7 +37,7 @@ def server(request, tmp_path_factory):
     if request.param == "fast_process":  # (its stream admits after it launches the decode steps: overlap)
         engine = build_engine(cfg, served_name="tiny", max_batch=8, stream=stream)
         engine[0].overlap = True
-        srv = ServerProcess(*engine)
+        srv = ServerProcess(*engine, front_ends=2)
     else:
         srv = Server(build_server(cfg, served_name="tiny", max_batch=8, stream=stream))
     yield srv
@@ -476,13 +476,49 @@ def test_a_front_end_process_stops_when_its_engine_goes(tmp_path):
     front end stops and frees its port instead of answering errors forever."""
     save_char_model(tmp_path)
     cfg = load_config(None, [f"model.path={tmp_path}", "rollout.backend=fast"])
-    srv = ServerProcess(*build_engine(cfg, served_name="tiny", max_batch=4))
+    srv = ServerProcess(*build_engine(cfg, served_name="tiny", max_batch=4), front_ends=2)
     try:
         assert client(srv).models.list().data[0].id == "tiny"
         srv.engine.close()
-        srv.process.join(timeout=30)
-        assert srv.process.exitcode is not None
+        for process in srv.processes:
+            process.join(timeout=30)
+            assert process.exitcode is not None
         with pytest.raises(urllib.error.URLError):
             urllib.request.urlopen(f"{srv.url}/models", timeout=5)
     finally:
         srv.stop()
+
+
+def test_front_ends_share_the_port_and_all_serve(tmp_path):
+    """Several front-end processes accept on one socket bound by the engine's process: requests on many connections
+    reach the engine through every front end, each answered as one front end answers it; a port already served
+    is refused with an error that names it, before any front end starts."""
+    save_char_model(tmp_path)
+    cfg = load_config(None, [f"model.path={tmp_path}", "rollout.backend=fast"])
+    engine = build_engine(cfg, served_name="tiny", max_batch=8)
+    srv = ServerProcess(*engine, front_ends=3)
+    try:
+        assert len(srv.pids) == 3 and len(srv.engine.conns) == 3
+
+        async def many() -> list:
+            async def one(i: int):  # (a client of its own: a connection of its own)
+                async with openai.AsyncOpenAI(base_url=srv.url, api_key="unused", max_retries=0) as c:
+                    return await c.completions.create(model="tiny", prompt=PROMPTS[i % 3], max_tokens=3,
+                                                      temperature=0)
+            return await asyncio.gather(*[one(i) for i in range(48)])
+
+        answers = asyncio.run(many())
+        assert all(len(a.choices[0].token_ids) == 3 for a in answers)
+        assert sum(srv.engine.served) == 48
+        print("requests per front end", srv.engine.served)
+        assert all(n > 0 for n in srv.engine.served), srv.engine.served  # (each front end took some)
+        for i in range(3):  # greedy: the same prompt, the same tokens, whichever front end served it
+            assert len({tuple(a.choices[0].token_ids) for a in answers[i::3]}) == 1
+        port = int(srv.url.rsplit(":", 1)[1].split("/")[0])
+        for n in (1, 2):  # (two: sockets that share a port with SO_REUSEPORT must not join this server's)
+            with pytest.raises(RuntimeError, match=f"cannot serve on 127.0.0.1:{port}.*--port"):
+                ServerProcess(*engine, port=port, front_ends=n)
+    finally:
+        srv.stop()
+    with pytest.raises(ValueError, match="at least one front-end"):
+        ServerProcess(*engine, front_ends=0)

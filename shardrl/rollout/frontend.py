@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -45,6 +46,7 @@ class EngineService:
         self.listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
         self.address = self.listener.address
         self.conns: list = []
+        self.served: list[int] = []  # requests taken, per front end (connection), in the order they connected
         self.closed = False
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="shardrl-engine-loop", daemon=True).start()
@@ -60,9 +62,11 @@ class EngineService:
                     return
                 continue
             self.conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="shardrl-engine-conn", daemon=True).start()
+            self.served.append(0)
+            threading.Thread(target=self._serve, args=(conn, len(self.conns) - 1), name="shardrl-engine-conn",
+                             daemon=True).start()
 
-    def _serve(self, conn) -> None:
+    def _serve(self, conn, index: int) -> None:
         lock, pending, cancelled = threading.Lock(), set(), set()
         book = threading.Lock()  # (pending and cancelled: this thread and the event loop's callbacks)
 
@@ -104,6 +108,7 @@ class EngineService:
             _, rid, prompts, sampling, session = message
             with book:
                 pending.add(rid)
+            self.served[index] += 1
 
             async def alive(rid=rid) -> bool:
                 return rid not in cancelled
@@ -213,63 +218,127 @@ class RemoteBatcher:
 
 
 def run_front_end(address, authkey: bytes, tokenizer, model_name: str, max_model_len: int, default_max_tokens: int,
-                  host: str, port: int, log_level: str) -> None:
-    """The front-end process: `build_app` on a `RemoteBatcher`, served by uvicorn at host:port."""
+                  sock: socket.socket, log_level: str, uvicorn_options: dict | None = None) -> None:
+    """A front-end process: `build_app` on a `RemoteBatcher`, served by uvicorn on the listening socket `sock`
+    (bound by the engine's process, `listening_sockets`)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO)
     app = build_app(RemoteBatcher(address, authkey, tokenizer), model_name, max_model_len, default_max_tokens)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.Server(uvicorn.Config(app, log_level=log_level, **(uvicorn_options or {}))).run(sockets=[sock])
+
+
+def listening_sockets(host: str, port: int | None, n: int) -> list[socket.socket]:
+    """`n` TCP sockets listening on host:port (a free port for None), or a clear error for a port taken. Several
+    share the port through SO_REUSEPORT: the kernel spreads new connections over them evenly (one socket accepted
+    by several processes is not: the first awake takes a burst whole), and the port is checked free first with a
+    plain bind (which fails on any listener, so a second server cannot join the group)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    def bind(at: int, reuse_port: bool) -> socket.socket:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (a port whose last server just ended)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((host, at))
+        except OSError as e:
+            sock.close()
+            raise RuntimeError(f"cannot serve on {host}:{at}: {e.strerror or e} (another server there? pick a free "
+                               f"port with --port)") from None
+        return sock
+
+    if port and n > 1:
+        bind(port, False).close()
+    socks = [bind(port or 0, n > 1)]
+    try:
+        socks += [bind(socks[0].getsockname()[1], True) for _ in range(n - 1)]
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    for sock in socks:
+        sock.listen(2048)
+    return socks
 
 
 class ServerProcess:
-    """`batcher`'s rollout served as `model_name` by a front end in a process of its own (`run_front_end`) at
-    host:port (a free loopback port by default; `url`: its /v1 base); the engine (`EngineService`) runs in this one.
-    The same endpoint as `ServerThread` (`build_app`), without the interpreter lock shared with HTTP."""
+    """`batcher`'s rollout served as `model_name` by `front_ends` front-end processes (`run_front_end`) at host:port
+    (a free loopback port by default; `url`: its /v1 base); the engine (`EngineService`) runs in this process. The
+    same endpoint as `ServerThread` (`build_app`), without the interpreter lock shared with HTTP.
+
+    Several front ends (as vLLM's API-server count): each parses, tokenizes and answers requests on a core of its
+    own, on a socket of its own bound here to the shared port (`listening_sockets`), all feeding the one engine. One front end spends about
+    1 ms of its core a request (bench/front_end.py), so a single one caps a server near 1,000 requests/s.
+    `uvicorn_options`: more of `uvicorn.Config`'s settings (e.g. {"http": "h11", "loop": "asyncio"})."""
 
     def __init__(self, batcher: Batcher, model_name: str, max_model_len: int, default_max_tokens: int = 256,
                  host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning",
-                 timeout_s: float = 120):
+                 timeout_s: float = 120, front_ends: int = 1, uvicorn_options: dict | None = None):
+        if front_ends < 1:
+            raise ValueError(f"front_ends={front_ends}: serve with at least one front-end process")
+        socks = listening_sockets(host, port, front_ends)
+        port = socks[0].getsockname()[1]
         self.engine = EngineService(batcher)
-        port = port or free_port(host)
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_front_end, name="shardrl-front-end", daemon=True,
+        spawn = multiprocessing.get_context("spawn")
+        self.processes = [spawn.Process(
+            target=run_front_end, name=f"shardrl-front-end-{i}", daemon=True,
             args=(self.engine.address, self.engine.authkey, batcher.tokenizer, model_name, max_model_len,
-                  default_max_tokens, host, port, log_level))
+                  default_max_tokens, sock, log_level, uvicorn_options)) for i, sock in enumerate(socks)]
         try:
-            self.process.start()
+            for process in self.processes:
+                process.start()
         except BaseException:
-            self.engine.close()
+            self.stop()
             raise
+        finally:
+            for sock in socks:  # (each front end holds its own: once it is gone, its share goes to the others)
+                sock.close()
         self.url = f"http://{host}:{port}/v1"
         deadline = time.monotonic() + timeout_s
+        while len(self.engine.conns) < front_ends:  # (each front end connects to the engine as its app starts)
+            if not all(p.is_alive() for p in self.processes):
+                self.stop()
+                raise RuntimeError(f"a front-end process exited ({self.exit_codes()}) before it served "
+                                   f"{host}:{port} (its error is above)")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the front ends on {host}:{port} did not start within {timeout_s:g} s")
+            time.sleep(0.05)
         while True:
             try:
                 with urllib.request.urlopen(f"{self.url}/models", timeout=5):
                     break
             except OSError:
-                if not self.process.is_alive():
-                    self.engine.close()
-                    raise RuntimeError(f"the front-end process exited ({self.process.exitcode}) before it served "
-                                       f"{host}:{port} (its error is above: a port in use, for one)")
                 if time.monotonic() > deadline:
                     self.stop()
                     raise RuntimeError(f"the front end on {host}:{port} did not answer within {timeout_s:g} s")
                 time.sleep(0.1)
 
+    def exit_codes(self) -> str:
+        return ", ".join(f"{p.name}: {p.exitcode}" for p in self.processes if p.exitcode is not None)
+
     @property
     def batcher(self) -> Batcher:
         return self.engine.batcher
 
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
     def wait(self) -> None:
-        """Until the front-end process ends."""
-        self.process.join()
+        """Until a front-end process ends (the others are stopped by `stop`)."""
+        multiprocessing.connection.wait([p.sentinel for p in self.processes if p.pid is not None])
 
     def stop(self) -> None:
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=30)
-            if self.process.is_alive():  # (uvicorn still waiting on requests)
-                self.process.kill()
-                self.process.join(timeout=10)
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            if process.pid is None:  # (never started)
+                continue
+            process.join(timeout=30)
+            if process.is_alive():  # (uvicorn still waiting on requests)
+                process.kill()
+                process.join(timeout=10)
         self.engine.close()
