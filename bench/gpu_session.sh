@@ -538,16 +538,19 @@ phase_s24_overlap() {
     limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --warm-ups 2 --out $RES
 }
 
-# session 25 (issue 36's server): the client processes and the overlapped admission; the GPU tests after
-#   s25_a   (carry .whl/oai)
+# session 25 (issue 36's server): the clients spread over processes (one `openai` process spends ~1.8 ms of a core
+# a request: bench/front_end.py), two front ends, the overlapped admission; the GPU tests after
+#   s25_a   (carry .whl/oai, rebuilt by bench/pack_server_wheels.sh: httptools and uvloop too)
 phase_s25_a() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
     limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --in-process --out $RES
-    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --overlap --in-process \
-        --out $RES
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --front-ends 2 \
+        --overlap --in-process --out $RES
     limit 400 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_prefix_cache.py \
         tests/test_rollout_fast.py tests/test_rollout_fast_families.py
     limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --out $RES
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --front-ends 2 --out $RES
+    limit 120 python3 bench/front_end.py --front-ends 1,2,4 --load-procs 4 --out $RES
 }
 case "${1:-}" in
 start)

@@ -217,6 +217,8 @@ def main():
     p.add_argument("--front-end", default="process", choices=["process", "thread"],
                    help="the server's HTTP front end: a process of its own (`shardrl serve`'s default) or a thread of "
                         "the engine's process")
+    p.add_argument("--front-ends", type=int, default=1,
+                   help="front-end processes sharing the port (`shardrl serve --front-ends`; with --front-end process)")
     p.add_argument("--warm-ups", type=int, default=2,
                    help="served runs before the timed one (each on prompts of its own): the first compiles and "
                         "captures what the workload meets first, later ones the decode graphs of the (length, width) "
@@ -250,7 +252,8 @@ def main():
     overrides = [f"model.path={folder}", f"rollout.max_batch={args.max_batch}"] + (
         [f"rollout.backend={args.backend}"] if args.backend else [])
     engine = build_engine(load_config(None, overrides), served_name="m", max_batch=args.max_batch)
-    server = ServerProcess(*engine) if args.front_end == "process" else ServerThread(build_app(*engine))
+    server = (ServerProcess(*engine, front_ends=args.front_ends) if args.front_end == "process"
+              else ServerThread(build_app(*engine)))
     batcher = server.batcher
     batcher.overlap = args.overlap
     if args.flash_below is not None:
@@ -352,7 +355,8 @@ def main():
                direct_tokens_per_s=round(direct_tokens / direct_s),
                ratio=round((served_tokens / served_s) / (direct_tokens / direct_s), 3),
                served_profile=served_stats, direct_profile=direct_stats, client_procs=args.client_procs, **alone,
-               switch_interval_ms=switch_ms, front_end=args.front_end, warm_up_captures=warm_captures,
+               switch_interval_ms=switch_ms, front_end=args.front_end, front_ends=args.front_ends,
+               warm_up_captures=warm_captures,
                overlap=args.overlap, arrivals=arrivals,
                **({"stacks": stacks} if stacks else {}))
     if alone:
