@@ -161,6 +161,26 @@ class ArrivalTracer:
         return out
 
 
+def sequential_latency(url: str, prompts: list[str], n: int) -> dict:
+    """Median and fastest milliseconds of `n` completions sent one after another by one `openai` client, for
+    max_tokens 1 and 8 (the first 3 of each not counted)."""
+    import statistics
+
+    import openai
+
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    out = {}
+    for max_tokens in (1, 8):
+        took = []
+        for i in range(n + 3):
+            t0 = time.perf_counter()
+            client.completions.create(model="m", prompt=prompts[i % len(prompts)], max_tokens=max_tokens,
+                                      temperature=1.0)
+            took.append(1000 * (time.perf_counter() - t0))
+        out[f"max_tokens_{max_tokens}"] = dict(median=round(statistics.median(took[3:]), 2), min=round(min(took[3:]), 2))
+    return out
+
+
 def run_clients(args) -> None:
     """A client process: C concurrent `openai` clients, R requests each, from the wall-clock time --start-at (the
     processes start together); prints its tokens, its first request's and last answer's wall times as JSON."""
@@ -228,6 +248,9 @@ def main():
     p.add_argument("--sample-stacks", action="store_true",
                    help="sample every thread's innermost frame every 2 ms while the clients run (what holds the "
                         "interpreter besides the generation thread)")
+    p.add_argument("--latency-requests", type=int, default=0, metavar="N",
+                   help="also time N completions sent one after another by one client (max_tokens 1 and 8, after the "
+                        "warm-ups): a request's latency through the server, as an agent's turn meets it")
     p.add_argument("--in-process", action="store_true",
                    help="also time the server's batcher without HTTP: the clients as coroutines calling "
                         "`Batcher.submit` with token ids in this process (what a front end in another process "
@@ -300,6 +323,7 @@ def main():
         batcher.pause()  # (the stream ends: its stats are the run's)
         batcher.unpause()
         warm_captures.append((getattr(batcher.rollout, "last_stats", None) or {}).get("captures"))
+    latency = sequential_latency(server.url, prompt_set(6), args.latency_requests) if args.latency_requests else {}
     before = dict(batcher.stats)
     sampler = StackSampler() if args.sample_stacks else None
     tracer = ArrivalTracer(batcher, prompt_set(1), tok, args.requests)
@@ -357,7 +381,7 @@ def main():
                served_profile=served_stats, direct_profile=direct_stats, client_procs=args.client_procs, **alone,
                switch_interval_ms=switch_ms, front_end=args.front_end, front_ends=args.front_ends,
                warm_up_captures=warm_captures,
-               overlap=args.overlap, arrivals=arrivals,
+               overlap=args.overlap, arrivals=arrivals, **({"latency_ms": latency} if latency else {}),
                **({"stacks": stacks} if stacks else {}))
     if alone:
         rec["in_process_ratio"] = round(rec["in_process_tokens_per_s"] / rec["direct_tokens_per_s"], 3)

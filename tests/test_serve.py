@@ -522,3 +522,52 @@ def test_front_ends_share_the_port_and_all_serve(tmp_path):
         srv.stop()
     with pytest.raises(ValueError, match="at least one front-end"):
         ServerProcess(*engine, front_ends=0)
+
+
+def test_requests_arriving_as_streams_end_are_all_answered(tmp_path):
+    """The stream's loop wakes on a request's arrival (no poll); a request that arrives just as its stream ends goes
+    to the next stream. Here streams end after 0.2 ms idle, and whenever a request of the other temperature comes,
+    while 16 clients (two temperatures) send 20 requests each with no pause: every request is answered with its own
+    rows (an echo rollout: each row's tokens are its prompt's last token)."""
+    from shardrl.rollout.server import Batcher
+    from shardrl.testing import save_char_model
+
+    tok = save_char_model(tmp_path)
+
+    class EchoRollout:
+        stop_ids = [tok.eos_token_id]
+        streams = 0
+
+        def generate(self, ids, mask, sampling, max_new_tokens=None):  # (per-row limits: a stream can serve it)
+            raise AssertionError("every request here joins a stream")
+
+        def generate_stream(self, prompts, limits, sampling, feed, need_seq, num_slots, overlap=False):
+            EchoRollout.streams += 1
+            row = 0
+            while new := feed.take(block=True):
+                for prompt, limit in new:
+                    feed.finished(row, [int(prompt[-1])] * limit, torch.zeros(limit))
+                    row += 1
+
+    async def run() -> list:
+        batcher = Batcher(EchoRollout(), tok, max_batch=8, max_model_len=64, idle_s=0.0002)
+        await batcher.start()
+
+        async def client(c: int) -> list:
+            got = []
+            for r in range(20):
+                sampling = SamplingParams(temperature=(1.0, 0.7)[c % 2], max_new_tokens=1 + r % 3, seed=None)
+                ids = [5 + (c * 20 + r) % 40]
+                outs = await asyncio.wait_for(batcher.submit([[3, *ids]], sampling), timeout=10)
+                got.append((ids[0], r, outs[0]["token_ids"]))
+            return got
+
+        try:
+            return await asyncio.gather(*[client(c) for c in range(16)])
+        finally:
+            await batcher.stop()
+
+    answers = [a for got in asyncio.run(run()) for a in got]
+    assert len(answers) == 320
+    assert all(tokens == [last] * (1 + r % 3) for last, r, tokens in answers)
+    assert EchoRollout.streams > 20  # (the streams did end and restart under the clients)

@@ -417,10 +417,17 @@ class Batcher:
         self.current, self.later = stream, later
         run = asyncio.create_task(asyncio.to_thread(self._stream_generate, stream))
         checked, last_check = time.monotonic(), {}  # id(request) -> when its client was last checked (due_for_check)
+        getter = None  # (a request's arrival wakes this loop: it joins the stream at once, not at a poll)
         while not run.done():
-            await asyncio.wait({run}, timeout=0.01)
+            getter = getter or asyncio.ensure_future(self.queue.get())
+            await asyncio.wait({run, getter}, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+            arrived = []
+            if getter.done():
+                arrived.append(getter.result())
+                getter = None
             while not self.queue.empty():
-                item = self.queue.get_nowait()
+                arrived.append(self.queue.get_nowait())
+            for item in arrived:
                 if item.future.done():
                     continue
                 if not stream.add(item):
@@ -434,6 +441,11 @@ class Batcher:
                         stream.cancel(item)
                         self.stats["cancelled"] += 1
                         _resolve(item.future, Dropped())
+        if getter is not None:
+            if getter.done():  # (it came as the stream ended: the next stream's)
+                later.append(getter.result())
+            else:
+                getter.cancel()  # (a request that arrives meanwhile stays in the queue)
         try:
             run.result()
         except Exception:  # noqa: BLE001 (the server stays up; one bad request must not fail the others)
