@@ -3,7 +3,8 @@
 `--max-tokens` tokens back without generating), under a light load generator (keep-alive HTTP/1.1 written by hand, a
 few tens of µs a request, in processes of its own), and what each side spends of a core a request: the front ends
 (parse, validate, tokenize, answer), the engine's process (the connection's thread and its event loop) and, for the
-`openai` rows, the `openai` client itself (what bench/serve.py's client processes pay).
+`openai` rows, the `openai` client itself (what bench/serve.py's client processes pay); then the cores used while
+`--waiting` requests wait for answers an engine holds back.
 
     python bench/front_end.py --front-ends 1,2 --out results.jsonl
 """
@@ -38,6 +39,39 @@ class InstantEngine:
         k = sampling.max_new_tokens
         return [dict(prompt_token_ids=p, token_ids=[7] * k, text="w" * k, log_probs=[-0.5] * k,
                      finish_reason="length") for p in prompts for _ in range(sampling.n)]
+
+
+class HoldingEngine(InstantEngine):
+    """Answers each request after `hold_s` (requests that wait, as they do while a GPU generates)."""
+
+    hold_s = 3.0
+
+    async def submit(self, prompts, sampling, alive=None, session=None) -> list[dict]:
+        await asyncio.sleep(self.hold_s)
+        return await super().submit(prompts, sampling)
+
+
+def waiting_cost(tokenizer, n: int, args) -> dict:
+    """Cores the front end and the engine's process use while `n` requests wait for their answers (the clients'
+    connections watched for leaving, not polled: 0 at any n)."""
+    from shardrl.serve import ServerProcess
+
+    server = ServerProcess(HoldingEngine(tokenizer), "m", 1 << 16)
+    try:
+        start_at = time.time() + 3.0
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--load-of", server.url.split("//")[1].split(
+            "/")[0], "--connections", str(n), "--prompt-words", str(args.prompt_words), "--max-tokens", "1",
+            "--start-at", str(start_at), "--until", str(start_at + 0.5)], stdout=subprocess.PIPE, text=True)
+        time.sleep(max(0.0, start_at - time.time()) + 1.0)  # (sent; their answers come 3 s after each)
+        fe0, engine0, t0 = cpu_s(server.pids[0]), time.process_time(), time.time()
+        time.sleep(1.5)
+        took = time.time() - t0
+        rec = dict(bench="front_end_waiting", waiting=n, front_end_cores=round((cpu_s(server.pids[0]) - fe0) / took, 3),
+                   engine_cores=round((time.process_time() - engine0) / took, 3))
+        proc.communicate()
+        return rec
+    finally:
+        server.stop()
 
 
 def prompt_of(i: int, words: int) -> str:
@@ -124,6 +158,8 @@ def main():
     p.add_argument("--plain", action="store_true",
                    help="the front ends on uvicorn's pure-Python HTTP parser and asyncio's loop (h11, asyncio), as "
                         "without httptools and uvloop installed")
+    p.add_argument("--waiting", default="256", help="also the cores used while this many requests wait (comma-"
+                   "separated counts; empty: none)")
     p.add_argument("--out", default=None)
     p.add_argument("--load-of", default=None, help=argparse.SUPPRESS)  # (a load process: host:port)
     p.add_argument("--kind", default="raw", help=argparse.SUPPRESS)
@@ -177,6 +213,9 @@ def main():
                 recs.append(rec)
         finally:
             server.stop()
+    for n in [int(x) for x in args.waiting.split(",") if x]:
+        recs.append(waiting_cost(tokenizer, n, args))
+        print(json.dumps(recs[-1]), flush=True)
     append_jsonl(args.out, recs)
 
 

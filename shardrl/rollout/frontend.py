@@ -32,7 +32,8 @@ from shardrl.rollout.server import Batcher, Dropped, build_app, free_port
 log = logging.getLogger(__name__)
 
 ALIVE_EVERY_S = 0.1
-"""How often the front end checks whether a waiting request's client is still connected."""
+"""How often the front end asks whether a waiting request's client is still connected, where its `alive` cannot be
+awaited (build_app's can: no polling there)."""
 
 
 class EngineService:
@@ -204,10 +205,14 @@ class RemoteBatcher:
         except BaseException:
             self.waiting.pop(rid, None)
             raise
+        gone = getattr(alive, "gone", None)  # (build_app's: the client's leaving, awaitable)
         try:
             while True:
-                done, _ = await asyncio.wait({future}, timeout=ALIVE_EVERY_S)
-                if done:
+                if gone is not None:
+                    await asyncio.wait({future, gone}, return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await asyncio.wait({future}, timeout=ALIVE_EVERY_S)
+                if future.done():
                     return future.result()
                 if alive is not None and not await alive():
                     raise Dropped()

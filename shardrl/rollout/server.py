@@ -624,10 +624,22 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         except ValueError as e:  # SamplingParams names the field
             raise RequestError(str(e).replace("SamplingParams.", "").replace("max_new_tokens", "max_tokens"))
 
-    def alive(request: Request):
+    async def submit(request: Request, req, prompts: list[list[int]], sampling: SamplingParams) -> list[dict]:
+        """`batcher.submit`, the client's connection watched meanwhile (not polled: an ASGI receive after the body
+        returns only when the client disconnects or the response is complete) and `connected` telling it."""
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
         async def connected() -> bool:
-            return not await request.is_disconnected()
-        return connected
+            return not watcher.done()
+
+        watcher = asyncio.ensure_future(watch())
+        connected.gone = watcher  # (a waiter can wait on it instead of asking)
+        try:
+            return await batcher.submit(prompts, sampling, connected, session(request, req))
+        finally:
+            watcher.cancel()
 
     app_records: dict[str, list[dict]] = {}
 
@@ -670,7 +682,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = given if given is not None else max(1, min(default_max_tokens, max_model_len - len(ids)))
         sampling = check(req, [ids], max_tokens)
-        outs = await batcher.submit([ids], sampling, alive(request), session(request, req))
+        outs = await submit(request, req, [ids], sampling)
         record(request, outs)
         choices = []
         for i, o in enumerate(outs):
@@ -697,7 +709,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
             prompts = [list(x) if isinstance(x, list) else tok(x, add_special_tokens=False)["input_ids"] for x in p]
         sampling = check(req, prompts, 16 if req.max_tokens is None else req.max_tokens)
         n = sampling.n
-        flat = await batcher.submit(prompts, sampling, alive(request), session(request, req))  # prompt-major
+        flat = await submit(request, req, prompts, sampling)  # prompt-major
         record(request, flat)
         choices = []
         for outs in [flat[i * n:(i + 1) * n] for i in range(len(prompts))]:
