@@ -6,6 +6,7 @@ failures are counted and scored, a rewritten history trains only what follows it
 from __future__ import annotations
 
 import json
+import time
 import textwrap
 
 import pytest
@@ -264,3 +265,75 @@ def test_weights_that_change_during_episodes_are_recorded_per_token(setup):
                        recomputed_log_probs(model, out, 1.0)[:, width:])
     got = batch["sampled_log_probs"][:, width:]
     torch.testing.assert_close(got[trained[:, width:]], want[trained[:, width:]], atol=1e-4, rtol=0)
+
+
+def test_what_an_episode_returns_or_raises_is_scored_and_counted(tmp_path):
+    """A non-finite return, sys.exit and a CancelledError raised by the agent are episode errors (scored and
+    counted, the step goes on); numpy's numbers are rewards; an entrypoint that cannot take (sample, client) is
+    refused when the file loads; an agent that blocks the event loop past the timeout is named in the log."""
+    import asyncio
+    import logging
+
+    import numpy as np
+
+    from shardrl.rollout.agent import LoopWatch, episode_reward, load_entrypoint
+
+    assert episode_reward(np.float32(0.5)) == (0.5, None) and episode_reward(3) == (3.0, None)
+    assert episode_reward(None) == (None, None)
+    for bad, said in [(float("nan"), "nan: a reward must be finite"), (float("-inf"), "must be finite"),
+                      (True, "returned bool"), ("1", "returned str")]:
+        assert episode_reward(bad)[0] is None and said in episode_reward(bad)[1]
+    for signature in ["sample", "sample, *, client", "sample, client, extra"]:
+        (tmp_path / "a.py").write_text(f"async def run({signature}):\n    return 1.0\n")
+        with pytest.raises(ValueError, match=r"cannot be called as run\(sample, client\)"):
+            load_entrypoint(f"{tmp_path / 'a.py'}:run")
+    for signature in ["sample, client", "sample, client, extra=None", "*args"]:
+        (tmp_path / "a.py").write_text(f"async def run({signature}):\n    return 1.0\n")
+        load_entrypoint(f"{tmp_path / 'a.py'}:run")
+
+    class Records(logging.Handler):
+        said: list = []
+
+        def emit(self, record):
+            Records.said.append(record.getMessage())
+
+    handler = Records()
+    logging.getLogger("shardrl.rollout.agent").addHandler(handler)
+    try:
+        async def blocked():
+            with LoopWatch(asyncio.get_running_loop(), 0.2):
+                await asyncio.sleep(0.05)
+                time.sleep(0.8)  # (an agent's blocking call)
+        asyncio.run(blocked())
+    finally:
+        logging.getLogger("shardrl.rollout.agent").removeHandler(handler)
+    assert any("blocked the event loop" in m and "timeout_s=0.2" in m for m in Records.said), Records.said
+
+
+def test_episodes_that_exit_cancel_or_return_nan_fail_alone(setup, tmp_path):
+    tok, model, _ = setup
+    agent = tmp_path / "odd.py"
+    agent.write_text(textwrap.dedent('''
+        import asyncio, sys
+        import numpy as np
+
+        async def run(sample, client):
+            await client.completions.create(model="policy", prompt=sample["prompt"], max_tokens=2)
+            kind = sample["extra"]["kind"]
+            if kind == "exit":
+                sys.exit(3)
+            if kind == "cancel":
+                raise asyncio.CancelledError()
+            return float("nan") if kind == "nan" else np.float32(1.5)
+    '''))
+    inner = build_rollout("hf", model.config, tok, "cpu", torch.float32)
+    inner.load_weights(model.named_parameters())
+    rollout = AgentRollout(inner, tok, f"{agent}:run", context=512, failure_reward=-1.0)
+    try:
+        out = run_episodes(rollout, tok, ["a", "b", "c", "d"], ["exit", "cancel", "nan", "ok"], n=1)
+    finally:
+        rollout.server.stop()
+    batch = out.to_batch()
+    assert batch["agent_errors"].tolist() == [1, 1, 1, 0]
+    assert batch["interaction_score"][:3] == [-1.0, -1.0, -1.0]
+    assert batch["interaction_score"][3] == 1.5

@@ -192,3 +192,28 @@ def test_a_fresh_run_refuses_a_folder_that_holds_another_run(assets, tmp_path, c
     assert "is at step 4, past trainer.total_steps=2: there is nothing to train" in capsys.readouterr().err
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     assert cli_main(["train", *small(assets, f"trainer.output_dir={tmp_path / 'empty'}")]) == 0
+
+
+def test_a_run_that_stopped_in_its_first_step_leaves_no_folder_and_blocks_no_rerun(assets, tmp_path):
+    """The loggers open metrics.jsonl before the first step: a run that fails in that step leaves it empty, which
+    is no record of a run (the folder goes, as for a run that failed earlier), and a folder holding only empty
+    records is free for a fresh run."""
+    from shardrl.trainer.run_folder import check_fresh, claim_run_dir, held_run_records, release_run_dir
+
+    cfg = load_config(None, small(assets))
+    run_dir = tmp_path / "run"
+    claim_run_dir(cfg, run_dir)
+    (run_dir / "metrics.jsonl").touch()
+    (run_dir / "checkpoints").mkdir()
+    release_run_dir(run_dir, failed=True)
+    assert not run_dir.exists()
+
+    kept = tmp_path / "kept"  # (made by the user before: kept, and free)
+    kept.mkdir()
+    (kept / "metrics.jsonl").touch()
+    assert held_run_records(kept) == []
+    check_fresh(cfg, kept)
+    (kept / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert held_run_records(kept) == ["metrics.jsonl"]
+    with pytest.raises(ValueError, match="holds another run"):
+        check_fresh(cfg, kept)

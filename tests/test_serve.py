@@ -403,12 +403,21 @@ def test_a_request_with_other_settings_is_not_starved_by_a_busy_stream(server):
 
 
 def test_seeded_requests_are_reproducible(server):
-    """A request with a seed is generated in a batch of its own settings (not joined to a running stream, whose
-    noise depends on when rows arrive): the same request twice gives the same tokens."""
+    """A request with a seed is generated in a generate call of its own (not joined to a running stream, whose
+    noise depends on when rows arrive, nor to another seeded request, whose rows would take the seed's first draws):
+    the same request gives the same tokens, alone or with copies of it arriving together."""
     c = client(server)
     first, second = (c.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=1.0, seed=7)
                      for _ in range(2))
-    assert first.choices[0].model_extra["token_ids"] == second.choices[0].model_extra["token_ids"]
+    alone = first.choices[0].model_extra["token_ids"]
+    assert second.choices[0].model_extra["token_ids"] == alone
+
+    async def together() -> list:
+        async with openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0) as ac:
+            return await asyncio.gather(*[ac.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12,
+                                                                temperature=1.0, seed=7) for _ in range(4)])
+
+    assert [r.choices[0].model_extra["token_ids"] for r in asyncio.run(together())] == [alone] * 4
 
 
 @pytest.mark.parametrize("server", ["fast", "fast_batches"], indirect=True)  # (hf keeps no cache across calls)

@@ -21,10 +21,12 @@ trajectory (the agent rewrote its history) starts the trajectory afresh from tha
 context only, untrained; counted in `agent/prefix_breaks`). The trajectory after the prompt is cut at
 `rollout.agent.max_response_tokens`.
 
-Failures: an episode that raises, runs past `rollout.agent.timeout_s`, returns something other than a number or
-None, or never calls the model is scored `rollout.agent.failure_reward` (its trajectory: what it sampled, or the
-row's prompt and an empty reply) and counted (`agent/num_errors`, `agent/num_timeouts`); a step whose every
-episode failed stops the run with the first error.
+Failures: an episode that raises (sys.exit included), runs past `rollout.agent.timeout_s`, returns something other
+than a finite number or None, or never calls the model is scored `rollout.agent.failure_reward` (its trajectory:
+what it sampled, or the row's prompt and an empty reply) and counted (`agent/num_errors`, `agent/num_timeouts`); a
+step whose every episode failed stops the run with the first error. Episodes share one event loop: one that blocks
+it (time.sleep, a synchronous HTTP client, subprocess.run) stalls them all and no timeout can fire until it returns
+(the log says so once the loop has stalled past the timeout); await async calls, or use asyncio.to_thread.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ import dataclasses
 import importlib.util
 import inspect
 import logging
+import math
+import numbers
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -61,7 +67,62 @@ def load_entrypoint(spec: str):
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"rollout.agent.entrypoint={spec!r}: {name} must be an async function "
                          "(async def run(sample, client))")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError as e:
+        raise ValueError(f"rollout.agent.entrypoint={spec!r}: {name} cannot be called as {name}(sample, client) "
+                         f"({e}); define it as async def {name}(sample, client)") from None
     return fn
+
+
+def episode_reward(result) -> tuple[float | None, str | None]:
+    """(reward, error) of what an episode returned: a finite real number (numpy's too) or None, else an error."""
+    if result is None:
+        return None, None
+    if isinstance(result, bool) or not isinstance(result, numbers.Real):
+        return None, f"the agent returned {type(result).__name__}, not a number or None"
+    reward = float(result)
+    if not math.isfinite(reward):
+        return None, f"the agent returned {reward}: a reward must be finite"
+    return reward, None
+
+
+class _EpisodeStop(Exception):
+    """An episode's sys.exit or its own CancelledError, as an error of that episode."""
+
+
+class LoopWatch:
+    """While it is entered, a thread that says once (an error in the log) when the event loop has not run for
+    `timeout_s`: an episode is blocking it (time.sleep, a synchronous HTTP client, subprocess.run), and no
+    episode's timeout can fire until it returns."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float):
+        self.loop, self.timeout_s, self.beat = loop, timeout_s, time.monotonic()
+        self.done = threading.Event()
+
+    def __enter__(self) -> LoopWatch:
+        self.ticker = self.loop.create_task(self._tick())
+        threading.Thread(target=self._watch, name="shardrl-agent-loop-watch", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.ticker.cancel()
+
+    async def _tick(self) -> None:
+        while True:
+            self.beat = time.monotonic()
+            await asyncio.sleep(min(1.0, self.timeout_s / 4))
+
+    def _watch(self) -> None:
+        while not self.done.wait(min(1.0, self.timeout_s / 4)):
+            stalled = time.monotonic() - self.beat
+            if stalled > self.timeout_s:
+                log.error("an agent episode has blocked the event loop for %.0f s (a blocking call in async code: "
+                          "time.sleep, a synchronous HTTP client, subprocess.run): no episode's timeout "
+                          "(rollout.agent.timeout_s=%g) can fire until it returns; await async calls instead, or "
+                          "run blocking ones with asyncio.to_thread", stalled, self.timeout_s)
+                return
 
 
 @dataclasses.dataclass
@@ -178,6 +239,19 @@ class AgentRollout(Rollout):
             raise RuntimeError(f"every agent episode of this step failed (rollout.agent.entrypoint); the first: {first}")
         return self._assemble(prompt_ids, attention_mask, n, episodes, calls)
 
+    async def _episode(self, sample: dict, client):
+        """The agent's episode, with its sys.exit and a CancelledError of its own made episode errors (out of the
+        episode's task, the one would stop the event loop and the other read as the step's cancellation)."""
+        try:
+            return await self.entrypoint(sample, client)
+        except SystemExit as exc:
+            raise _EpisodeStop(f"the agent called sys.exit({exc.code!r})") from None
+        except asyncio.CancelledError:
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)  # (Python 3.11+)
+            if cancelling is None or cancelling():  # (cancelled from outside: its timeout, or the step's end)
+                raise
+            raise _EpisodeStop("the agent raised CancelledError") from None
+
     async def _run_all(self, episodes: list[_Episode], url: str) -> None:
         import openai
 
@@ -188,23 +262,30 @@ class AgentRollout(Rollout):
             async with gate:
                 episode_client = client.with_options(default_headers={"x-shardrl-episode": e.key})
                 try:
-                    result = await asyncio.wait_for(self.entrypoint(e.sample, episode_client), self.timeout_s)
+                    result = await asyncio.wait_for(self._episode(e.sample, episode_client), self.timeout_s)
                 except asyncio.TimeoutError:
                     e.timed_out = True
                     return
                 except Exception as exc:  # noqa: BLE001 (an episode's failure is scored, not raised)
-                    e.error = f"{type(exc).__name__}: {exc}"
-                    log.warning("agent episode failed: %s", e.error)
+                    failed(e, str(exc) if isinstance(exc, _EpisodeStop) else f"{type(exc).__name__}: {exc}")
                     return
-                if result is not None and not isinstance(result, (int, float)) or isinstance(result, bool):
-                    e.error = f"the agent returned {type(result).__name__}, not a number or None"
-                    return
-                e.reward = None if result is None else float(result)
+                e.reward, e.error = episode_reward(result)
+
+        logged = []
+
+        def failed(e: _Episode, error: str) -> None:
+            e.error = error
+            logged.append(error)
+            if len(logged) <= 3:  # (the rest in one line after the step's episodes)
+                log.warning("agent episode failed: %s", error)
 
         try:
-            await asyncio.gather(*[one(e) for e in episodes])
+            with LoopWatch(asyncio.get_running_loop(), self.timeout_s):
+                await asyncio.gather(*[one(e) for e in episodes])
         finally:
             await client.close()
+        if len(logged) > 3:
+            log.warning("%d more agent episodes failed this step (agent/errors_mean counts them)", len(logged) - 3)
 
     def _assemble(self, prompt_ids, attention_mask, n: int, episodes: list[_Episode], calls: list[list[dict]]
                   ) -> MultiTurnOutput:

@@ -401,7 +401,8 @@ class Batcher:
         for item in live:
             groups.setdefault(self.settings(item.sampling), []).append(item)
         for items in groups.values():
-            for chunk in self._chunks(items):
+            seeded = items[0].sampling.seed is not None  # (each such request a call of its own: reproducible)
+            for chunk in ([[item] for item in items] if seeded else self._chunks(items)):
                 await self._run(chunk)
 
     async def _run_stream(self, live: list[Pending]) -> list[Pending]:

@@ -177,7 +177,8 @@ def release_run_dir(run_dir: Path, failed: bool = False) -> None:
     if claim is None:
         return
     try:
-        leftover = {p.name for p in run_dir.iterdir()} - {LOCK_FILE, CONFIG_FILE} if run_dir.is_dir() else set()
+        leftover = ({p.name for p in run_dir.iterdir() if _holds_something(p)} - {LOCK_FILE, CONFIG_FILE}
+                    if run_dir.is_dir() else set())
         if failed and claim.created and not leftover:
             shutil.rmtree(run_dir, ignore_errors=True)
     finally:
@@ -188,14 +189,15 @@ RUN_RECORDS = ("metrics.jsonl", "summary.json", "generations.jsonl", "checkpoint
 """What a run leaves in its folder: a folder holding any of these holds a run."""
 
 
+def _holds_something(path: Path) -> bool:
+    """A file with bytes in it, or a folder with anything in it (an empty metrics.jsonl, as a logger opens it
+    before the first step, is no record)."""
+    return path.stat().st_size > 0 if path.is_file() else path.is_dir() and any(path.iterdir())
+
+
 def held_run_records(run_dir: Path) -> list[str]:
-    """The records of an earlier run in `run_dir` (an empty checkpoints folder does not count)."""
-    found = []
-    for name in RUN_RECORDS:
-        path = run_dir / name
-        if path.is_file() or (path.is_dir() and any(path.iterdir())):
-            found.append(name)
-    return found
+    """The records of an earlier run in `run_dir` (an empty file or checkpoints folder does not count)."""
+    return [name for name in RUN_RECORDS if _holds_something(run_dir / name)]
 
 
 def _locked_by_another(run_dir: Path) -> bool:
