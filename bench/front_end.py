@@ -56,7 +56,8 @@ def waiting_cost(tokenizer, n: int, args) -> dict:
     connections watched for leaving, not polled: 0 at any n)."""
     from shardrl.serve import ServerProcess
 
-    server = ServerProcess(HoldingEngine(tokenizer), "m", 1 << 16)
+    server = ServerProcess(HoldingEngine(tokenizer), "m", 1 << 16,
+                           uvicorn_options=dict(http="h11", loop="asyncio") if args.plain else None)
     try:
         start_at = time.time() + 3.0
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--load-of", server.url.split("//")[1].split(

@@ -139,11 +139,13 @@ class ArrivalTracer:
                     self.went[i] = time.time()
 
         batcher.submit = traced
+        self.batcher, self.submit = batcher, submit
 
     def summary(self, span: dict) -> dict:
-        """`span`: the clients' first start and last end (wall clock)."""
+        """`span`: the clients' first start and last end (wall clock). The batcher's own submit is put back."""
         import statistics
 
+        self.batcher.submit = self.submit
         if not self.came:
             return {}
         t0 = min(self.came.values())

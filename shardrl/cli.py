@@ -276,12 +276,18 @@ def serve_main(args: argparse.Namespace) -> int:
     import sys
 
     from shardrl.config import load_config
+    from shardrl.rollout.frontend import listening_sockets
     from shardrl.serve import ServerProcess, build_app, build_engine
 
     if args.front_ends < 1:
         raise SystemExit(f"shardrl serve: --front-ends {args.front_ends}: serve with at least one front-end process")
     if args.front_end == "thread" and args.front_ends != 1:
         raise SystemExit("shardrl serve: --front-ends needs --front-end process (a thread front end is one)")
+    try:  # (the port checked before the model loads, which can take minutes)
+        listening_sockets(args.host, args.port, 1)[0].close()
+    except RuntimeError as e:
+        print(f"shardrl serve: {e}", file=sys.stderr)
+        return 1
     engine = build_engine(load_config(args.config, args.overrides), args.served_model_name, args.max_batch)
     if args.front_end == "thread":
         import uvicorn
@@ -293,18 +299,20 @@ def serve_main(args: argparse.Namespace) -> int:
     except RuntimeError as e:  # (a port taken, a front end that did not start: said in one line)
         print(f"shardrl serve: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # (while it started: it stopped what it had started)
+        return 0
     pids = ", ".join(map(str, server.pids))
     print(f"serving {engine[1]!r} at {server.url} (front end{'s' if len(server.pids) > 1 else ''}: process "
           f"{pids})", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # (the front ends stop with this process, not after it)
     try:
         server.wait()
+        ended = server.exit_codes()  # (before stop ends the others)
     except KeyboardInterrupt:
         return 0
     finally:
         server.stop()
-    print(f"shardrl serve: a front-end process ended on its own ({server.exit_codes()}): the server stopped",
-          file=sys.stderr)
+    print(f"shardrl serve: a front-end process ended on its own ({ended}): the server stopped", file=sys.stderr)
     return 1
 
 

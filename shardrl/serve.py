@@ -24,7 +24,7 @@ def build_engine(cfg, served_name: str | None = None, max_batch: int | None = No
     continuous batching (`Batcher`; null: where the backend can)."""
     from pathlib import Path
 
-    from shardrl.engine.model import build_causal_lm, load_hf_config
+    from shardrl.engine.model import build_causal_lm, check_model_weights, load_hf_config
     from shardrl.modelconfig import text_config
     from shardrl.rollout import build_rollout
     from shardrl.tokenizer import load_tokenizer
@@ -32,6 +32,8 @@ def build_engine(cfg, served_name: str | None = None, max_batch: int | None = No
     from shardrl.trainer.generation import fast_rollout_kwargs, rollout_dtype, the_device
 
     hf_config = load_hf_config(cfg.model.path, cfg.model.tiny)
+    if cfg.model.path:
+        check_model_weights(cfg.model.path)
     cfg, choices = resolve_device_defaults(cfg, hf_config)
     for line in choices:
         log.info(line)

@@ -10,6 +10,7 @@ import threading
 import time
 
 import json
+import os
 import urllib.error
 import urllib.request
 
@@ -232,7 +233,33 @@ def test_bad_requests_get_4xx_json_errors(server):
         c.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True)
     with pytest.raises(urllib.error.HTTPError) as e:
         post(server, "chat/completions", b"{not json", timeout=10)
-    assert e.value.code == 400 and "error" in json.loads(e.value.read())
+    assert e.value.code == 400 and "is not valid JSON (at character 1" in json.loads(e.value.read())["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post(server, "completions", b"", timeout=10)
+    assert e.value.code == 400 and "the body is missing" in json.loads(e.value.read())["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="x", max_tokens=2, top_p=2.0)
+    assert e.value.body["param"] == "top_p"
+    for option in [dict(logit_bias={"5": -100}), dict(presence_penalty=0.5), dict(frequency_penalty=1.0),
+                   dict(best_of=3), dict(echo=True), dict(suffix="end")]:  # (sampling they would change)
+        with pytest.raises(openai.BadRequestError, match="is not supported by this server") as e:
+            c.completions.create(model="tiny", prompt="x", max_tokens=2, **option)
+        assert e.value.body["param"] == next(iter(option))
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                  response_format={"type": "json_object"})
+    c.completions.create(model="tiny", prompt="x", max_tokens=2, presence_penalty=0, logit_bias={}, best_of=1,
+                         extra_body={"top_k": -1})  # (the values clients send by default: taken)
+    with pytest.raises(openai.BadRequestError, match="prompt must be a string, a list of strings, a list of token"):
+        c.completions.create(model="tiny", prompt=[True, False], max_tokens=2)  # (a bool is no token id)
+    assert c.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.models.retrieve("gpt-9")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{server.url}/no/such/route", timeout=10)
+    assert e.value.code == 404 and "/v1/no/such/route" in json.loads(e.value.read())["error"]["message"]
+    short = c.completions.create(model="tiny", prompt="y" * (server.batcher.max_model_len - 4))  # (default: 16)
+    assert 1 <= len(short.choices[0].model_extra["token_ids"]) <= 4  # (what is left of the context)
 
 
 def test_a_client_that_went_away_is_dropped_before_its_batch(server, monkeypatch):
@@ -499,12 +526,16 @@ def test_a_front_end_process_stops_when_its_engine_goes(tmp_path):
 
 
 def test_front_ends_share_the_port_and_all_serve(tmp_path):
-    """Several front-end processes accept on one socket bound by the engine's process: requests on many connections
-    reach the engine through every front end, each answered as one front end answers it; a port already served
-    is refused with an error that names it, before any front end starts."""
+    """Several front-end processes, each on a socket of its own bound by the engine's process to one port: requests
+    on many connections reach the engine through every front end, each answered as one front end answers it; a
+    port already served is refused with an error that names it; a stopped server leaves no thread or open file of
+    its own behind."""
     save_char_model(tmp_path)
     cfg = load_config(None, [f"model.path={tmp_path}", "rollout.backend=fast"])
     engine = build_engine(cfg, served_name="tiny", max_batch=8)
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
+    ServerProcess(*engine, front_ends=2).stop()  # (once before, so the count below sees only what a server leaks)
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
     srv = ServerProcess(*engine, front_ends=3)
     try:
         assert len(srv.pids) == 3 and len(srv.engine.conns) == 3
@@ -529,6 +560,8 @@ def test_front_ends_share_the_port_and_all_serve(tmp_path):
                 ServerProcess(*engine, port=port, front_ends=n)
     finally:
         srv.stop()
+    time.sleep(0.5)  # (threads that were told to end)
+    assert threading.active_count() <= threads and len(os.listdir("/proc/self/fd")) <= fds
     with pytest.raises(ValueError, match="at least one front-end"):
         ServerProcess(*engine, front_ends=0)
 

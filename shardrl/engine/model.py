@@ -109,7 +109,13 @@ def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool 
     folder = require_folder("model.path", path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"model.path={path!r} has no config.json; is it a Hugging Face model folder?")
-    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        if e.errno is not None:  # (the disk's: said as it is)
+            raise
+        raise ValueError(f"model.path={path!r}: its config.json cannot be read ({e}); copy or save the model "
+                         "folder again") from None
     archs = getattr(config, "architectures", None) or []
     if task == "seq_cls" and new_head_ok and archs and all(a.endswith("ForCausalLM") for a in archs):
         config.num_labels = 1  # a reward model to train from a causal LM: a new score head

@@ -27,14 +27,9 @@ import urllib.request
 from multiprocessing.connection import Client, Listener
 
 from shardrl.rollout.base import SamplingParams
-from shardrl.rollout.server import Batcher, Dropped, build_app, free_port
+from shardrl.rollout.server import ALIVE_EVERY_S, Batcher, Dropped, build_app, free_port
 
 log = logging.getLogger(__name__)
-
-ALIVE_EVERY_S = 0.1
-"""How often the front end asks whether a waiting request's client is still connected, where its `alive` cannot be
-awaited (build_app's can: no polling there)."""
-
 
 class EngineService:
     """The engine's side: takes requests from front ends over local connections and runs them through `batcher`
@@ -50,7 +45,8 @@ class EngineService:
         self.served: list[int] = []  # requests taken, per front end (connection), in the order they connected
         self.closed = False
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="shardrl-engine-loop", daemon=True).start()
+        self.loop_thread = threading.Thread(target=self.loop.run_forever, name="shardrl-engine-loop", daemon=True)
+        self.loop_thread.start()
         asyncio.run_coroutine_threadsafe(batcher.start(), self.loop).result()
         threading.Thread(target=self._accept, name="shardrl-engine-accept", daemon=True).start()
 
@@ -123,6 +119,12 @@ class EngineService:
         if self.closed:
             return
         self.closed = True
+        sock = getattr(getattr(self.listener, "_listener", None), "_socket", None)
+        if sock is not None:  # (a close alone does not wake the thread blocked in accept: a shutdown does)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self.listener.close()
         for conn in self.conns:  # (shut down first: a close alone does not wake the thread reading it)
             try:
@@ -136,6 +138,9 @@ class EngineService:
             asyncio.run_coroutine_threadsafe(self.batcher.stop(), self.loop).result(timeout=10)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
+            self.loop_thread.join(timeout=10)
+            if not self.loop.is_running():
+                self.loop.close()  # (its executor shut down without waiting: a generation still running ends alone)
 
 
 class RemoteBatcher:
@@ -210,7 +215,7 @@ class RemoteBatcher:
             while True:
                 if gone is not None:
                     await asyncio.wait({future, gone}, return_when=asyncio.FIRST_COMPLETED)
-                else:
+                else:  # (an alive() that can only be asked: asked every ALIVE_EVERY_S)
                     await asyncio.wait({future}, timeout=ALIVE_EVERY_S)
                 if future.done():
                     return future.result()
@@ -284,13 +289,15 @@ class ServerProcess:
             raise ValueError(f"front_ends={front_ends}: serve with at least one front-end process")
         socks = listening_sockets(host, port, front_ends)
         port = socks[0].getsockname()[1]
-        self.engine = EngineService(batcher)
-        spawn = multiprocessing.get_context("spawn")
-        self.processes = [spawn.Process(
-            target=run_front_end, name=f"shardrl-front-end-{i}", daemon=True,
-            args=(self.engine.address, self.engine.authkey, batcher.tokenizer, model_name, max_model_len,
-                  default_max_tokens, sock, log_level, uvicorn_options)) for i, sock in enumerate(socks)]
+        self.url = f"http://{host}:{port}/v1"
+        self.engine, self.processes = None, []
         try:
+            self.engine = EngineService(batcher)
+            spawn = multiprocessing.get_context("spawn")
+            self.processes = [spawn.Process(
+                target=run_front_end, name=f"shardrl-front-end-{i}", daemon=True,
+                args=(self.engine.address, self.engine.authkey, batcher.tokenizer, model_name, max_model_len,
+                      default_max_tokens, sock, log_level, uvicorn_options)) for i, sock in enumerate(socks)]
             for process in self.processes:
                 process.start()
         except BaseException:
@@ -299,29 +306,36 @@ class ServerProcess:
         finally:
             for sock in socks:  # (each front end holds its own: once it is gone, its share goes to the others)
                 sock.close()
-        self.url = f"http://{host}:{port}/v1"
-        deadline = time.monotonic() + timeout_s
-        while len(self.engine.conns) < front_ends:  # (each front end connects to the engine as its app starts)
+        try:
+            self._wait_ready(host, port, front_ends, time.monotonic() + timeout_s, timeout_s)
+        except BaseException:  # (Ctrl-C too: nothing is left running)
+            self.stop()
+            raise
+
+    def _wait_ready(self, host: str, port: int, front_ends: int, deadline: float, timeout_s: float) -> None:
+        """Until every front end has connected to the engine and one answers /v1/models."""
+        connected = False
+        while True:
             if not all(p.is_alive() for p in self.processes):
-                self.stop()
                 raise RuntimeError(f"a front-end process exited ({self.exit_codes()}) before it served "
                                    f"{host}:{port} (its error is above)")
             if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the front ends on {host}:{port} did not start within {timeout_s:g} s")
+                raise RuntimeError(f"the front ends on {host}:{port} did not answer within {timeout_s:g} s")
+            connected = connected or len(self.engine.conns) >= front_ends  # (each connects as its app starts)
+            if connected:
+                try:
+                    with urllib.request.urlopen(f"{self.url}/models", timeout=5):
+                        return
+                except OSError:
+                    pass
             time.sleep(0.05)
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/models", timeout=5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"the front end on {host}:{port} did not answer within {timeout_s:g} s")
-                time.sleep(0.1)
 
     def exit_codes(self) -> str:
-        return ", ".join(f"{p.name}: {p.exitcode}" for p in self.processes if p.exitcode is not None)
+        """The exit codes of the front ends that have ended (after `stop`: as they were then)."""
+        try:
+            return ", ".join(f"{p.name}: {p.exitcode}" for p in self.processes if p.exitcode is not None)
+        except ValueError:  # (closed by stop)
+            return self.final_codes
 
     @property
     def batcher(self) -> Batcher:
@@ -339,11 +353,17 @@ class ServerProcess:
         for process in self.processes:
             if process.is_alive():
                 process.terminate()
+        deadline = time.monotonic() + 30  # (one for all: uvicorn may still be waiting on requests)
         for process in self.processes:
             if process.pid is None:  # (never started)
                 continue
-            process.join(timeout=30)
-            if process.is_alive():  # (uvicorn still waiting on requests)
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
                 process.kill()
                 process.join(timeout=10)
-        self.engine.close()
+        self.final_codes = self.exit_codes()
+        for process in self.processes:
+            if process.pid is not None and not process.is_alive():
+                process.close()  # (its sentinel pipes)
+        if self.engine is not None:
+            self.engine.close()

@@ -23,6 +23,7 @@ import dataclasses
 import heapq
 import inspect
 import logging
+import re
 import sys
 import threading
 import time
@@ -34,7 +35,8 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictInt
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardrl.rollout.base import SamplingParams, cut_responses
 
@@ -79,6 +81,7 @@ class Common(BaseModel):
     model: str
     temperature: float | None = None  # (null as the client sends an unset value: the default, 1)
     top_p: float | None = None
+    top_k: int | None = None  # (vLLM's extension; 0 or -1: off)
     n: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -95,9 +98,21 @@ class ChatRequest(Common):
 
 
 class CompletionRequest(Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # (strict: true is no token id)
     max_tokens: int | None = None  # (null: 16, as OpenAI's)
     logprobs: int | None = None
+
+
+UNSUPPORTED = {  # option -> whether a value asks for something (the defaults clients send are no ask)
+    "logit_bias": bool, "presence_penalty": bool, "frequency_penalty": bool, "echo": bool, "suffix": bool,
+    "best_of": lambda v: v not in (None, 1),
+    "response_format": lambda v: bool(v) and v != {"type": "text"},
+}
+"""OpenAI's request options this server does not apply: a request that asks for one is refused (400)."""
+
+
+ALIVE_EVERY_S = 0.1
+"""How often a running stream asks whether its waiting clients are still connected (`due_for_check`)."""
 
 
 class RequestError(ValueError):
@@ -419,34 +434,37 @@ class Batcher:
         run = asyncio.create_task(asyncio.to_thread(self._stream_generate, stream))
         checked, last_check = time.monotonic(), {}  # id(request) -> when its client was last checked (due_for_check)
         getter = None  # (a request's arrival wakes this loop: it joins the stream at once, not at a poll)
-        while not run.done():
-            getter = getter or asyncio.ensure_future(self.queue.get())
-            await asyncio.wait({run, getter}, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
-            arrived = []
-            if getter.done():
-                arrived.append(getter.result())
-                getter = None
-            while not self.queue.empty():
-                arrived.append(self.queue.get_nowait())
-            for item in arrived:
-                if item.future.done():
-                    continue
-                if not stream.add(item):
-                    later.append(item)
-                    stream.close()  # (it drains; the next stream takes them)
-            if time.monotonic() - checked > 0.1:  # clients that left: their rows end at the next sync
-                checked = time.monotonic()
-                waiting, last_check = due_for_check(stream.unanswered(), last_check, checked)
-                for item in waiting:
-                    if item.alive is not None and not await item.alive() and not item.future.done():
-                        stream.cancel(item)
-                        self.stats["cancelled"] += 1
-                        _resolve(item.future, Dropped())
-        if getter is not None:
-            if getter.done():  # (it came as the stream ended: the next stream's)
-                later.append(getter.result())
-            else:
-                getter.cancel()  # (a request that arrives meanwhile stays in the queue)
+        try:
+            while not run.done():
+                getter = getter or asyncio.ensure_future(self.queue.get())
+                due = max(0.0, ALIVE_EVERY_S - (time.monotonic() - checked))  # (the next check of the clients)
+                await asyncio.wait({run, getter}, timeout=due, return_when=asyncio.FIRST_COMPLETED)
+                arrived = []
+                if getter.done():
+                    arrived.append(getter.result())
+                    getter = None
+                while not self.queue.empty():
+                    arrived.append(self.queue.get_nowait())
+                for item in arrived:
+                    if item.future.done():
+                        continue
+                    if not stream.add(item):
+                        later.append(item)
+                        stream.close()  # (it drains; the next stream takes them)
+                if time.monotonic() - checked >= ALIVE_EVERY_S:  # clients that left: rows end at the next sync
+                    checked = time.monotonic()
+                    waiting, last_check = due_for_check(stream.unanswered(), last_check, checked)
+                    for item in waiting:
+                        if item.alive is not None and not await item.alive() and not item.future.done():
+                            stream.cancel(item)
+                            self.stats["cancelled"] += 1
+                            _resolve(item.future, Dropped())
+        finally:  # (also when this task is cancelled: no getter left waiting on the queue)
+            if getter is not None:
+                if getter.done() and not getter.cancelled():  # (an alive() that awaited let one in: the next's)
+                    later.append(getter.result())
+                else:
+                    getter.cancel()  # (a request that arrives meanwhile stays in the queue)
         try:
             run.result()
         except Exception:  # noqa: BLE001 (the server stays up; one bad request must not fail the others)
@@ -567,8 +585,21 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc):
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # (its loc: the character where the JSON broke)
+            at = first.get("loc", ("body", "?"))[-1]
+            return error(400, f"invalid request: the body is not valid JSON (at character {at}: "
+                              f"{first.get('ctx', {}).get('error', first.get('msg'))})")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}", where or None)
+        if not where:  # (no body at all)
+            return error(400, "invalid request: the body is missing: send a JSON object")
+        if where.startswith("prompt."):  # (a union: pydantic names its first form only)
+            return error(400, "invalid request: prompt must be a string, a list of strings, a list of token ids "
+                              "(integers) or a list of lists of token ids", "prompt")
+        return error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}", where)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):  # (an unknown route or method: in OpenAI's error shape too)
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
 
     @app.exception_handler(RequestError)
     async def refused(request, exc: RequestError):
@@ -587,6 +618,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
     vocab = len(tok)
 
     def check(req: Common, prompts: list[list[int]], max_tokens: int) -> SamplingParams:
+        refuse_unsupported(req)
         if req.model != model_name:
             raise RequestError(f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                                "model", 404, "model_not_found")
@@ -620,10 +652,20 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         try:
             temperature = 1.0 if req.temperature is None else req.temperature
             return SamplingParams(n=n, temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                                  max_new_tokens=max_tokens, stop=_stop_list(req.stop), seed=req.seed,
-                                  greedy=temperature == 0)
+                                  top_k=0 if req.top_k in (None, -1) else req.top_k, max_new_tokens=max_tokens,
+                                  stop=_stop_list(req.stop), seed=req.seed, greedy=temperature == 0)
         except ValueError as e:  # SamplingParams names the field
-            raise RequestError(str(e).replace("SamplingParams.", "").replace("max_new_tokens", "max_tokens"))
+            field = re.match(r"SamplingParams\.(\w+)", str(e))
+            param = None if field is None else field.group(1).replace("max_new_tokens", "max_tokens")
+            raise RequestError(str(e).replace("SamplingParams.", "").replace("max_new_tokens", "max_tokens"), param)
+
+    def refuse_unsupported(req: Common) -> None:
+        """OpenAI's options that would change what is sampled, which this server does not apply: refused, not
+        ignored (a trainer must not think a bias or penalty shaped the tokens it trains on)."""
+        extra = req.model_extra or {}
+        for name, applies in UNSUPPORTED.items():
+            if name in extra and applies(extra[name]):
+                raise RequestError(f"{name}={extra[name]!r} is not supported by this server; leave it out", name)
 
     async def submit(request: Request, req, prompts: list[list[int]], sampling: SamplingParams) -> list[dict]:
         """`batcher.submit`, the client's connection watched meanwhile (not polled: an ASGI receive after the body
@@ -662,10 +704,20 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         completion = sum(len(c["token_ids"]) for c in choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "shardrl",
+                "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "shardrl", "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise RequestError(f"the model {model_id!r} does not exist; this server serves {model_name!r}",
+                               "model", 404, "model_not_found")
+        return card()
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -708,7 +760,8 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
             prompts = [list(p)]
         else:
             prompts = [list(x) if isinstance(x, list) else tok(x, add_special_tokens=False)["input_ids"] for x in p]
-        sampling = check(req, prompts, 16 if req.max_tokens is None else req.max_tokens)
+        default = max(1, min(16, max_model_len - max((len(x) for x in prompts), default=0)))  # (OpenAI's 16, in context)
+        sampling = check(req, prompts, default if req.max_tokens is None else req.max_tokens)
         n = sampling.n
         flat = await submit(request, req, prompts, sampling)  # prompt-major
         record(request, flat)
