@@ -613,3 +613,32 @@ def test_requests_arriving_as_streams_end_are_all_answered(tmp_path):
     assert len(answers) == 320
     assert all(tokens == [last] * (1 + r % 3) for last, r, tokens in answers)
     assert EchoRollout.streams > 20  # (the streams did end and restart under the clients)
+
+
+def test_shardrl_serve_says_what_is_wrong_in_one_line(tmp_path, capsys):
+    """A model folder with a broken config.json or without weights, a port already served, and --front-ends out of
+    range: one line each, before the model loads where it can be checked first."""
+    import shutil
+    import socket
+
+    from shardrl.cli import main as cli_main
+
+    good = tmp_path / "good"
+    save_char_model(good)
+    broken, bare = tmp_path / "broken", tmp_path / "bare"
+    shutil.copytree(good, broken)
+    (broken / "config.json").write_text("{not json")
+    shutil.copytree(good, bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    capsys.readouterr()  # (the model's writing)
+    for folder, says in [(broken, "its config.json cannot be read"), (bare, "has a config.json but no weights")]:
+        assert cli_main(["serve", f"model.path={folder}", "--port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and "Traceback" not in err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli_main(["serve", f"model.path={tmp_path / 'no_such_folder'}", "--port", str(port)]) == 1
+        assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err  # (before the model: none here)
+    with pytest.raises(SystemExit, match="at least one front-end"):
+        cli_main(["serve", f"model.path={good}", "--front-ends", "0"])

@@ -165,6 +165,10 @@ class AgentRollout(Rollout):
         self.max_batch, self.context = max_batch, context
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.server = None
+        for name in ("httpx", "httpx2"):  # (the openai client's HTTP library logs every call at INFO: hundreds a
+            quiet = logging.getLogger(name)  # step would bury the run's own lines; a level set by the user stays)
+            if quiet.level == logging.NOTSET:
+                quiet.setLevel(logging.WARNING)
 
     @classmethod
     def from_config(cls, rollout: Rollout, tokenizer, ro, hf_config) -> AgentRollout:
