@@ -86,30 +86,36 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def completion_request(host: str, prompt: str, max_tokens: int) -> bytes:
+    """A /v1/completions POST (HTTP/1.1, keep-alive), as bytes to write."""
+    body = json.dumps(dict(model="m", prompt=prompt, max_tokens=max_tokens, temperature=1.0)).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def exchange(reader, writer, request: bytes) -> bytes:
+    """Writes `request` on a keep-alive connection and reads its 200 answer's body (an error status raises)."""
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(head.decode(errors="replace"))
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    return await reader.readexactly(length)
+
+
 def raw_load(args) -> None:
     """A load process: --connections keep-alive connections, each sending completions requests one after another
     until --until (wall clock); prints its requests and CPU seconds as JSON."""
     host, port = args.load_of.split(":")
-
-    def request(i: int) -> bytes:
-        body = json.dumps(dict(model="m", prompt=prompt_of(i, args.prompt_words), max_tokens=args.max_tokens,
-                               temperature=1.0)).encode()
-        return (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-
-    bodies = [request(args.proc_index * 1000 + i) for i in range(64)]
+    bodies = [completion_request(host, prompt_of(args.proc_index * 1000 + i, args.prompt_words), args.max_tokens)
+              for i in range(64)]
 
     async def connection(c: int) -> int:
         reader, writer = await asyncio.open_connection(host, int(port))
         done = 0
         while time.time() < args.until:
-            writer.write(bodies[(c + done) % len(bodies)])
-            head = await reader.readuntil(b"\r\n\r\n")
-            if not head.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(head.decode(errors="replace"))
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:"))
-            await reader.readexactly(length)
+            await exchange(reader, writer, bodies[(c + done) % len(bodies)])
             done += 1
         writer.close()
         return done

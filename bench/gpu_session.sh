@@ -550,6 +550,7 @@ phase_s25_a() {
         tests/test_rollout_fast.py tests/test_rollout_fast_families.py
     limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --out $RES
     limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --front-ends 2 --out $RES
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --client raw --out $RES
     limit 120 python3 bench/front_end.py --front-ends 1,2,4 --load-procs 4 --out $RES
 }
 case "${1:-}" in

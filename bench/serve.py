@@ -202,7 +202,22 @@ def run_clients(args) -> None:
             made += res.usage.completion_tokens
         return made
 
+    async def raw_client(c: int) -> int:  # (HTTP written by hand: ~0.08 ms of a core a request, not ~1.5)
+        from bench.front_end import completion_request, exchange
+
+        host, port = args.clients_of.split("//")[1].split("/")[0].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        made = 0
+        for r in range(args.requests):
+            answer = await exchange(reader, writer, completion_request(host, prompts[c * args.requests + r],
+                                                                       args.max_tokens))
+            made += json.loads(answer)["usage"]["completion_tokens"]
+        writer.close()
+        return made
+
     async def everyone() -> int:
+        if args.client == "raw":
+            return sum(await asyncio.gather(*[raw_client(c) for c in mine]))
         aclient = openai.AsyncOpenAI(base_url=args.clients_of, api_key="unused", max_retries=0, timeout=3600)
         return sum(await asyncio.gather(*[client(c, aclient) for c in mine]))
 
@@ -234,6 +249,9 @@ def main():
     p.add_argument("--client-procs", type=int, default=1,
                    help="client processes the clients are spread over (one asyncio `openai` client can spend ~1 ms "
                         "of its own CPU a request: with hundreds of clients in one process, the clients are the limit)")
+    p.add_argument("--client", default="openai", choices=["openai", "raw"],
+                   help="the clients: `openai.AsyncOpenAI` (what users run), or keep-alive HTTP written by hand "
+                        "(bench/front_end.py's, ~20x less of a core a request: the server alone)")
     p.add_argument("--flash-below", type=int, default=None,
                    help="the prefill's SDPA on flash below this many tokens a chunk (`DecoderBlock.flash_below`)")
     p.add_argument("--front-end", default="process", choices=["process", "thread"],
@@ -307,7 +325,8 @@ def main():
         cmds = [[sys.executable, os.path.abspath(__file__), "--clients-of", server.url, "--prompt-set", str(k),
                  "--shape", args.shape, "--clients", str(args.clients), "--requests", str(args.requests),
                  "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
-                 "--client-procs", str(args.client_procs), "--proc-index", str(i), "--start-at", str(start_at)]
+                 "--client-procs", str(args.client_procs), "--proc-index", str(i), "--start-at", str(start_at),
+                 "--client", args.client]
                 for i in range(args.client_procs)]
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for cmd in cmds]
         res = []
@@ -380,7 +399,8 @@ def main():
                server_batches=batches, server_streams=streams, direct_s=round(direct_s, 3),
                direct_tokens_per_s=round(direct_tokens / direct_s),
                ratio=round((served_tokens / served_s) / (direct_tokens / direct_s), 3),
-               served_profile=served_stats, direct_profile=direct_stats, client_procs=args.client_procs, **alone,
+               served_profile=served_stats, direct_profile=direct_stats, client_procs=args.client_procs,
+               client=args.client, **alone,
                switch_interval_ms=switch_ms, front_end=args.front_end, front_ends=args.front_ends,
                warm_up_captures=warm_captures,
                overlap=args.overlap, arrivals=arrivals, **({"latency_ms": latency} if latency else {}),
