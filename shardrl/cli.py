@@ -292,6 +292,8 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.front_end == "thread":
         import uvicorn
 
+        print(f"serving {engine[1]!r} at http://{args.host}:{args.port}/v1 (front end: a thread of this process)",
+              flush=True)
         uvicorn.run(build_app(*engine), host=args.host, port=args.port, log_level="info")
         return 0
     try:

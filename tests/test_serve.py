@@ -250,6 +250,9 @@ def test_bad_requests_get_4xx_json_errors(server):
                                   response_format={"type": "json_object"})
     c.completions.create(model="tiny", prompt="x", max_tokens=2, presence_penalty=0, logit_bias={}, best_of=1,
                          extra_body={"top_k": -1})  # (the values clients send by default: taken)
+    greedy = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    top_p_0 = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=1.0, top_p=0)
+    assert top_p_0.choices[0].model_extra["token_ids"] == greedy.choices[0].model_extra["token_ids"]
     with pytest.raises(openai.BadRequestError, match="prompt must be a string, a list of strings, a list of token"):
         c.completions.create(model="tiny", prompt=[True, False], max_tokens=2)  # (a bool is no token id)
     assert c.models.retrieve("tiny").id == "tiny"

@@ -651,9 +651,11 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
                                        stop=_stop_list(req.stop) or policy.stop)
         try:
             temperature = 1.0 if req.temperature is None else req.temperature
-            return SamplingParams(n=n, temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
+            top_p = 1.0 if req.top_p is None else req.top_p
+            greedy = temperature == 0 or top_p == 0  # (top_p 0 keeps only the likeliest token, as OpenAI's)
+            return SamplingParams(n=n, temperature=temperature, top_p=top_p or 1.0,
                                   top_k=0 if req.top_k in (None, -1) else req.top_k, max_new_tokens=max_tokens,
-                                  stop=_stop_list(req.stop), seed=req.seed, greedy=temperature == 0)
+                                  stop=_stop_list(req.stop), seed=req.seed, greedy=greedy)
         except ValueError as e:  # SamplingParams names the field
             field = re.match(r"SamplingParams\.(\w+)", str(e))
             param = None if field is None else field.group(1).replace("max_new_tokens", "max_tokens")
