@@ -6,6 +6,7 @@ failures are counted and scored, a rewritten history trains only what follows it
 from __future__ import annotations
 
 import json
+import sys
 import time
 import textwrap
 
@@ -281,7 +282,7 @@ def test_what_an_episode_returns_or_raises_is_scored_and_counted(tmp_path):
     assert episode_reward(np.float32(0.5)) == (0.5, None) and episode_reward(3) == (3.0, None)
     assert episode_reward(None) == (None, None)
     for bad, said in [(float("nan"), "nan: a reward must be finite"), (float("-inf"), "must be finite"),
-                      (True, "returned bool"), ("1", "returned str")]:
+                      (True, "returned bool"), ("1", "returned str"), (10**400, "which is no float")]:
         assert episode_reward(bad)[0] is None and said in episode_reward(bad)[1]
     for signature in ["sample", "sample, *, client", "sample, client, extra"]:
         (tmp_path / "a.py").write_text(f"async def run({signature}):\n    return 1.0\n")
@@ -310,6 +311,8 @@ def test_what_an_episode_returns_or_raises_is_scored_and_counted(tmp_path):
     assert any("blocked the event loop" in m and "timeout_s=0.2" in m for m in Records.said), Records.said
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="an agent's own CancelledError is told apart by "
+                    "Task.cancelling (Python 3.11+); before, it stops the step")
 def test_episodes_that_exit_cancel_or_return_nan_fail_alone(setup, tmp_path):
     tok, model, _ = setup
     agent = tmp_path / "odd.py"

@@ -23,7 +23,7 @@ context only, untrained; counted in `agent/prefix_breaks`). The trajectory after
 
 Failures: an episode that raises (sys.exit included), runs past `rollout.agent.timeout_s`, returns something other
 than a finite number or None, or never calls the model is scored `rollout.agent.failure_reward` (its trajectory:
-what it sampled, or the row's prompt and an empty reply) and counted (`agent/num_errors`, `agent/num_timeouts`); a
+what it sampled, or the row's prompt and an empty reply) and counted (`agent/errors_mean`, `agent/timeouts_mean`); a
 step whose every episode failed stops the run with the first error. Episodes share one event loop: one that blocks
 it (time.sleep, a synchronous HTTP client, subprocess.run) stalls them all and no timeout can fire until it returns
 (the log says so once the loop has stalled past the timeout); await async calls, or use asyncio.to_thread.
@@ -81,7 +81,10 @@ def episode_reward(result) -> tuple[float | None, str | None]:
         return None, None
     if isinstance(result, bool) or not isinstance(result, numbers.Real):
         return None, f"the agent returned {type(result).__name__}, not a number or None"
-    reward = float(result)
+    try:
+        reward = float(result)
+    except (OverflowError, ValueError):
+        return None, f"the agent returned {result!r:.40}, which is no float"
     if not math.isfinite(reward):
         return None, f"the agent returned {reward}: a reward must be finite"
     return reward, None
@@ -273,7 +276,9 @@ class AgentRollout(Rollout):
                 except Exception as exc:  # noqa: BLE001 (an episode's failure is scored, not raised)
                     failed(e, str(exc) if isinstance(exc, _EpisodeStop) else f"{type(exc).__name__}: {exc}")
                     return
-                e.reward, e.error = episode_reward(result)
+                e.reward, error = episode_reward(result)
+                if error is not None:
+                    failed(e, error)
 
         logged = []
 

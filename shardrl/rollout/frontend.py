@@ -54,8 +54,8 @@ class EngineService:
         while True:
             try:
                 conn = self.listener.accept()
-            except (OSError, EOFError):  # closed (or a connection that failed its handshake: the next one)
-                if self.listener._listener is None:  # (close() sets it)
+            except (OSError, EOFError, AttributeError):  # closed (or a handshake that failed: the next one)
+                if self.closed or self.listener._listener is None:  # (close() sets them)
                     return
                 continue
             self.conns.append(conn)
@@ -347,9 +347,15 @@ class ServerProcess:
 
     def wait(self) -> None:
         """Until a front-end process ends (the others are stopped by `stop`)."""
-        multiprocessing.connection.wait([p.sentinel for p in self.processes if p.pid is not None])
+        sentinels = {p.sentinel: p for p in self.processes if p.pid is not None}
+        for ready in multiprocessing.connection.wait(list(sentinels)):
+            sentinels[ready].join(5)  # (reaped: its exit code known)
 
     def stop(self) -> None:
+        """Ends the front ends and the engine. Idempotent."""
+        if getattr(self, "stopped", False):
+            return
+        self.stopped = True
         for process in self.processes:
             if process.is_alive():
                 process.terminate()
