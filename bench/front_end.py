@@ -104,6 +104,17 @@ async def exchange(reader, writer, request: bytes) -> bytes:
     return await reader.readexactly(length)
 
 
+def last_json_lines(procs, what: str) -> list[dict]:
+    """Each process's last line of output, as JSON, once it has ended (one that failed: an error naming `what`)."""
+    outs = []
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"{what} failed ({proc.returncode})")
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
 def raw_load(args) -> None:
     """A load process: --connections keep-alive connections, each sending completions requests one after another
     until --until (wall clock); prints its requests and CPU seconds as JSON."""
@@ -198,12 +209,7 @@ def main():
                 time.sleep(max(0.0, start_at - time.time()))
                 fe0 = sum(cpu_s(pid) for pid in server.pids)
                 engine0 = time.process_time()
-                outs = []
-                for proc in procs:
-                    out, _ = proc.communicate()
-                    if proc.returncode:
-                        raise RuntimeError(f"a load process failed ({proc.returncode})")
-                    outs.append(json.loads(out.strip().splitlines()[-1]))
+                outs = last_json_lines(procs, "a load process")
                 took = time.time() - start_at
                 fe = sum(cpu_s(pid) for pid in server.pids) - fe0
                 engine = time.process_time() - engine0

@@ -281,6 +281,7 @@ def main():
 
     import torch
 
+    from bench.front_end import last_json_lines
     from shardrl.config import load_config
     from shardrl.rollout import SamplingParams
     from shardrl.serve import ServerProcess, ServerThread, build_app, build_engine
@@ -329,12 +330,7 @@ def main():
                  "--client", args.client]
                 for i in range(args.client_procs)]
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for cmd in cmds]
-        res = []
-        for proc in procs:
-            out, _ = proc.communicate()
-            if proc.returncode:
-                raise RuntimeError(f"a client process failed ({proc.returncode})")
-            res.append(json.loads(out.strip().splitlines()[-1]))
+        res = last_json_lines(procs, "a client process")
         span.update(start=min(r["start"] for r in res), end=max(r["end"] for r in res))
         return sum(r["tokens"] for r in res), span["end"] - span["start"]
 
