@@ -291,6 +291,20 @@ def test_what_an_episode_returns_or_raises_is_scored_and_counted(tmp_path):
     for signature in ["sample, client", "sample, client, extra=None", "*args"]:
         (tmp_path / "a.py").write_text(f"async def run({signature}):\n    return 1.0\n")
         load_entrypoint(f"{tmp_path / 'a.py'}:run")
+    (tmp_path / "a.py").write_text(textwrap.dedent('''
+        import functools
+
+        def with_session(fn):  # a decorator that passes the wrapped function one more argument
+            @functools.wraps(fn)
+            async def call(sample, client):
+                return await fn(sample, client, "session")
+            return call
+
+        @with_session
+        async def run(sample, client, session):
+            return 1.0
+    '''))
+    load_entrypoint(f"{tmp_path / 'a.py'}:run")
 
     class Records(logging.Handler):
         said: list = []
@@ -327,16 +341,20 @@ def test_episodes_that_exit_cancel_or_return_nan_fail_alone(setup, tmp_path):
                 sys.exit(3)
             if kind == "cancel":
                 raise asyncio.CancelledError()
+            if kind == "timeout":  # (its own: e.g. a tool's wait_for; not the episode's timeout)
+                await asyncio.wait_for(asyncio.sleep(5), 0.01)
             return float("nan") if kind == "nan" else np.float32(1.5)
     '''))
     inner = build_rollout("hf", model.config, tok, "cpu", torch.float32)
     inner.load_weights(model.named_parameters())
     rollout = AgentRollout(inner, tok, f"{agent}:run", context=512, failure_reward=-1.0)
     try:
-        out = run_episodes(rollout, tok, ["a", "b", "c", "d"], ["exit", "cancel", "nan", "ok"], n=1)
+        out = run_episodes(rollout, tok, ["a", "b", "c", "d", "e"], ["exit", "cancel", "nan", "timeout", "ok"],
+                           n=1)
     finally:
         rollout.server.stop()
     batch = out.to_batch()
-    assert batch["agent_errors"].tolist() == [1, 1, 1, 0]
-    assert batch["interaction_score"][:3] == [-1.0, -1.0, -1.0]
-    assert batch["interaction_score"][3] == 1.5
+    assert batch["agent_errors"].tolist() == [1, 1, 1, 1, 0]
+    assert batch["agent_timeouts"].tolist() == [0, 0, 0, 0, 0]
+    assert batch["interaction_score"][:4] == [-1.0] * 4
+    assert batch["interaction_score"][4] == 1.5

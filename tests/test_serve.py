@@ -150,10 +150,12 @@ def wait_for(condition, what: str, timeout_s: float = 30):
         time.sleep(0.01)
 
 
-def test_a_shorter_max_tokens_in_the_same_batch_is_a_prefix_of_a_longer_one(server, monkeypatch):
+@pytest.mark.parametrize("seed", [None, 3])
+def test_a_shorter_max_tokens_in_the_same_batch_is_a_prefix_of_a_longer_one(server, monkeypatch, seed):
     """Two requests that wait together share one generate call (batches: of the longer length, the shorter cut at
     its own max_tokens; a stream: they join the held one, each row with its own limit): the shorter one ends at its
-    max_tokens (finish_reason length) and is the longer one's prefix."""
+    max_tokens (finish_reason length) and is the longer one's prefix. Greedy requests with a seed (as lm-eval sends
+    them) too: greedy draws nothing, so the seed does not keep them in calls of their own."""
     release = hold(server.batcher, monkeypatch)
     busy = threading.Thread(target=lambda: client(server).completions.create(model="tiny", prompt="x", max_tokens=2,
                                                                              temperature=0))
@@ -162,7 +164,8 @@ def test_a_shorter_max_tokens_in_the_same_batch_is_a_prefix_of_a_longer_one(serv
     got = {}
 
     def ask(n):
-        got[n] = client(server).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=n, temperature=0)
+        got[n] = client(server).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=n, temperature=0,
+                                                   seed=seed)
 
     asks = [threading.Thread(target=ask, args=(n,)) for n in (10, 4)]
     for t in asks:
@@ -237,6 +240,15 @@ def test_bad_requests_get_4xx_json_errors(server):
     with pytest.raises(urllib.error.HTTPError) as e:
         post(server, "completions", b"", timeout=10)
     assert e.value.code == 400 and "the body is missing" in json.loads(e.value.read())["error"]["message"]
+    for body, kind in [(b"[1, 2]", "list"), (b'"x"', "str"), (b"null", "null")]:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post(server, "completions", body, timeout=10)
+        assert e.value.code == 400
+        assert f"the body must be a JSON object, not {kind}" in json.loads(e.value.read())["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as e:  # (a GET where only POST is served: 405 and its Allow)
+        urllib.request.urlopen(f"{server.url}/completions", timeout=10)
+    assert e.value.code == 405 and "POST" in e.value.headers["allow"]
+    assert "GET /v1/completions" in json.loads(e.value.read())["error"]["message"]
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model="tiny", prompt="x", max_tokens=2, top_p=2.0)
     assert e.value.body["param"] == "top_p"
@@ -245,6 +257,14 @@ def test_bad_requests_get_4xx_json_errors(server):
         with pytest.raises(openai.BadRequestError, match="is not supported by this server") as e:
             c.completions.create(model="tiny", prompt="x", max_tokens=2, **option)
         assert e.value.body["param"] == next(iter(option))
+    for option in [dict(repetition_penalty=1.2), dict(min_p=0.1), dict(min_tokens=3), dict(ignore_eos=True),
+                   dict(stop_token_ids=[5]), dict(guided_json={"type": "object"}), dict(guided_choice=["a", "b"])]:
+        with pytest.raises(openai.BadRequestError, match="is not supported by this server") as e:  # (vLLM's)
+            c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=option)
+        assert e.value.body["param"] == next(iter(option))
+    c.completions.create(model="tiny", prompt="x", max_tokens=2,  # (their defaults: taken)
+                         extra_body=dict(repetition_penalty=1.0, min_p=0.0, min_tokens=0, ignore_eos=False,
+                                         stop_token_ids=[]))
     with pytest.raises(openai.BadRequestError, match="response_format"):
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                   response_format={"type": "json_object"})
@@ -616,6 +636,73 @@ def test_requests_arriving_as_streams_end_are_all_answered(tmp_path):
     assert len(answers) == 320
     assert all(tokens == [last] * (1 + r % 3) for last, r, tokens in answers)
     assert EchoRollout.streams > 20  # (the streams did end and restart under the clients)
+
+
+def test_stopping_the_batcher_ends_its_stream_and_answers_every_request(tmp_path):
+    """`Batcher.stop` while a stream decodes long requests, another waits for it to drain and one is queued: the
+    stream's rows end at its next sync (the generation thread returns at once, not after 10,000 tokens), every
+    request gets an error, and one submitted after gets an error at once. Also: an engine service whose batcher
+    fails to start raises and leaves no thread running."""
+    from shardrl.rollout.frontend import EngineService
+    from shardrl.rollout.server import Batcher
+
+    tok = save_char_model(tmp_path)
+    ended = threading.Event()
+
+    class SlowRollout:  # (a token a row every 5 ms; rows of clients that left end at the next step, as FastRollout's)
+        stop_ids = [tok.eos_token_id]
+
+        def generate(self, ids, mask, sampling, max_new_tokens=None):
+            raise AssertionError("every request here joins a stream")
+
+        def generate_stream(self, prompts, limits, sampling, feed, need_seq, num_slots, overlap=False):
+            rows, added = {}, 0  # row -> [tokens made, limit]
+            while True:
+                for prompt, limit in feed.take(block=not rows):
+                    rows[added], added = [0, limit], added + 1
+                if not rows:
+                    break
+                for row in feed.cancelled():
+                    rows[row][1] = rows[row][0]
+                time.sleep(0.005)
+                for row in list(rows):
+                    rows[row][0] += 1
+                    if rows[row][0] >= rows[row][1]:
+                        made = rows.pop(row)[0]
+                        feed.finished(row, [5] * made, torch.zeros(made))
+            ended.set()
+
+    async def run() -> tuple[list, float]:
+        batcher = Batcher(SlowRollout(), tok, max_batch=8, max_model_len=20000)
+        await batcher.start()
+        long = [asyncio.ensure_future(batcher.submit([[3, 4]], SamplingParams(max_new_tokens=10000, seed=None)))
+                for _ in range(3)]
+        await asyncio.sleep(0.2)  # (the stream decodes them)
+        other = asyncio.ensure_future(batcher.submit([[3]], SamplingParams(temperature=0.5, max_new_tokens=2, seed=None)))
+        await asyncio.sleep(0.05)  # (it waits for the stream to drain)
+        assert batcher.current is not None and not ended.is_set()
+        started = time.monotonic()
+        await batcher.stop()
+        answers = await asyncio.wait_for(asyncio.gather(*long, other, return_exceptions=True), timeout=5)
+        assert await asyncio.to_thread(ended.wait, 2), "the stream kept generating after stop"
+        with pytest.raises(RuntimeError, match="takes no more requests"):
+            await batcher.submit([[3]], SamplingParams(max_new_tokens=2))
+        return answers, time.monotonic() - started
+
+    answers, took = asyncio.run(run())
+    assert all(isinstance(a, RuntimeError) and "stopped before this request was answered" in str(a)
+               for a in answers), answers
+    assert took < 2
+
+    class Failing(Batcher):
+        async def start(self):
+            raise OSError("no device")
+
+    threads = threading.active_count()
+    with pytest.raises(OSError, match="no device"):
+        EngineService(Failing(SlowRollout(), tok))
+    time.sleep(0.2)
+    assert threading.active_count() == threads
 
 
 def test_shardrl_serve_says_what_is_wrong_in_one_line(tmp_path, capsys):

@@ -70,8 +70,11 @@ def load_entrypoint(spec: str):
     try:
         inspect.signature(fn).bind(None, None)
     except TypeError as e:
-        raise ValueError(f"rollout.agent.entrypoint={spec!r}: {name} cannot be called as {name}(sample, client) "
-                         f"({e}); define it as async def {name}(sample, client)") from None
+        try:  # (a decorator's own signature: one that passes more arguments to the function it wraps)
+            inspect.signature(fn, follow_wrapped=False).bind(None, None)
+        except TypeError:
+            raise ValueError(f"rollout.agent.entrypoint={spec!r}: {name} cannot be called as {name}(sample, client) "
+                             f"({e}); define it as async def {name}(sample, client)") from None
     return fn
 
 
@@ -247,12 +250,16 @@ class AgentRollout(Rollout):
         return self._assemble(prompt_ids, attention_mask, n, episodes, calls)
 
     async def _episode(self, sample: dict, client):
-        """The agent's episode, with its sys.exit and a CancelledError of its own made episode errors (out of the
-        episode's task, the one would stop the event loop and the other read as the step's cancellation)."""
+        """The agent's episode, with its sys.exit, a CancelledError and a TimeoutError of its own made episode errors
+        (out of the episode's task, the first would stop the event loop, the second read as the step's cancellation,
+        the third as the episode's timeout)."""
         try:
             return await self.entrypoint(sample, client)
         except SystemExit as exc:
             raise _EpisodeStop(f"the agent called sys.exit({exc.code!r})") from None
+        except (TimeoutError, asyncio.TimeoutError) as exc:  # (the episode's own timeout cancels it: this is not it)
+            raise _EpisodeStop(f"{type(exc).__name__}: {exc} (raised by the agent, within "
+                               f"rollout.agent.timeout_s={self.timeout_s:g})") from exc
         except asyncio.CancelledError:
             cancelling = getattr(asyncio.current_task(), "cancelling", None)  # (Python 3.11+)
             if cancelling is None or cancelling():  # (cancelled from outside: its timeout, or the step's end)

@@ -47,7 +47,14 @@ class EngineService:
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="shardrl-engine-loop", daemon=True)
         self.loop_thread.start()
-        asyncio.run_coroutine_threadsafe(batcher.start(), self.loop).result()
+        try:
+            asyncio.run_coroutine_threadsafe(batcher.start(), self.loop).result()
+        except BaseException:  # (nothing left running: its loop's thread, its listener)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.loop_thread.join(timeout=10)
+            self.loop.close()
+            self.listener.close()
+            raise
         threading.Thread(target=self._accept, name="shardrl-engine-accept", daemon=True).start()
 
     def _accept(self) -> None:

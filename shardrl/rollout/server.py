@@ -107,8 +107,13 @@ UNSUPPORTED = {  # option -> whether a value asks for something (the defaults cl
     "logit_bias": bool, "presence_penalty": bool, "frequency_penalty": bool, "echo": bool, "suffix": bool,
     "best_of": lambda v: v not in (None, 1),
     "response_format": lambda v: bool(v) and v != {"type": "text"},
+    # vLLM's extensions that change what is sampled
+    "repetition_penalty": lambda v: v not in (None, 1), "min_p": bool, "min_tokens": bool, "ignore_eos": bool,
+    "stop_token_ids": bool, "guided_json": bool, "guided_regex": bool, "guided_choice": bool,
+    "guided_grammar": bool, "structured_outputs": bool,
 }
-"""OpenAI's request options this server does not apply: a request that asks for one is refused (400)."""
+"""OpenAI's (and vLLM's) request options this server does not apply: a request that asks for one is refused (400),
+not answered as if it had been applied."""
 
 
 ALIVE_EVERY_S = 0.1
@@ -295,6 +300,8 @@ class Batcher:
         self.busy = False  # a generation runs
         self.held: list[Pending] = []  # requests taken from the queue while paused
         self.stats = {"batches": 0, "streams": 0, "requests": 0, "dropped": 0, "cancelled": 0, "failed": 0}
+        self.open: dict[int, Pending] = {}  # id -> every request not answered yet (`stop` answers them)
+        self.stopped = False
 
     @staticmethod
     def settings(s: SamplingParams) -> tuple:
@@ -338,21 +345,38 @@ class Batcher:
                     finish_reason="stop" if ended else "length")
 
     async def start(self) -> None:
+        self.stopped = False
         self.queue = asyncio.Queue()
         self.task = asyncio.create_task(self._loop())
         self._switch_interval = sys.getswitchinterval()  # (restored by stop)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     async def stop(self) -> None:
+        """Stops taking requests: the running stream's rows end at its next host sync (a batch already generating
+        runs to its end, unread), and every request not answered yet gets an error."""
+        self.stopped = True
         if getattr(self, "_switch_interval", None) is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
         if self.task is not None:
             self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        stream = self.current
+        if stream is not None:
+            stream.close()
+            for item in stream.unanswered():
+                stream.cancel(item)
+        stopped = RuntimeError("the server stopped before this request was answered")
+        for item in list(self.open.values()):
+            _resolve(item.future, stopped)
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None,
                      session: str | None = None) -> list[dict]:
+        if self.stopped:
+            raise RuntimeError("the server is stopping: it takes no more requests")
         item = Pending(prompts, sampling, asyncio.get_running_loop().create_future(), alive, session)
+        self.open[id(item)] = item
+        item.future.add_done_callback(lambda _, key=id(item): self.open.pop(key, None))
         await self.queue.put(item)
         return await item.future
 
@@ -577,7 +601,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
     app.state.policy = policy  # (an RL run's endpoint sets it per generate call: training, validation)
     tok = batcher.tokenizer
 
-    def error(status: int, message: str, param: str | None = None, code: str | None = None):
+    def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
         kind = "not_found_error" if status == 404 else "invalid_request_error"
         return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind,
                                                                    "param": param, "code": code}})
@@ -590,8 +614,11 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
             return error(400, f"invalid request: the body is not valid JSON (at character {at}: "
                               f"{first.get('ctx', {}).get('error', first.get('msg'))})")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        if not where:  # (no body at all)
-            return error(400, "invalid request: the body is missing: send a JSON object")
+        if not where:  # (no body at all, or JSON that is no object)
+            if first.get("type") == "missing":
+                return error(400, "invalid request: the body is missing: send a JSON object")
+            got = type(first.get("input")).__name__.replace("NoneType", "null")
+            return error(400, f"invalid request: the body must be a JSON object, not {got}")
         if where.startswith("prompt."):  # (a union: pydantic names its first form only)
             return error(400, "invalid request: prompt must be a string, a list of strings, a list of token ids "
                               "(integers) or a list of lists of token ids", "prompt")
@@ -599,7 +626,9 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):  # (an unknown route or method: in OpenAI's error shape too)
-        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        response = error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        response.headers.update(exc.headers or {})  # (a 405's Allow)
+        return response
 
     @app.exception_handler(RequestError)
     async def refused(request, exc: RequestError):
@@ -653,9 +682,10 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
             temperature = 1.0 if req.temperature is None else req.temperature
             top_p = 1.0 if req.top_p is None else req.top_p
             greedy = temperature == 0 or top_p == 0  # (top_p 0 keeps only the likeliest token, as OpenAI's)
+            # (greedy draws nothing: its seed is dropped, so it batches with the rest, not in a call of its own)
             return SamplingParams(n=n, temperature=temperature, top_p=top_p or 1.0,
                                   top_k=0 if req.top_k in (None, -1) else req.top_k, max_new_tokens=max_tokens,
-                                  stop=_stop_list(req.stop), seed=req.seed, greedy=greedy)
+                                  stop=_stop_list(req.stop), seed=None if greedy else req.seed, greedy=greedy)
         except ValueError as e:  # SamplingParams names the field
             field = re.match(r"SamplingParams\.(\w+)", str(e))
             param = None if field is None else field.group(1).replace("max_new_tokens", "max_tokens")
