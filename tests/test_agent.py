@@ -305,6 +305,21 @@ def test_what_an_episode_returns_or_raises_is_scored_and_counted(tmp_path):
             return 1.0
     '''))
     load_entrypoint(f"{tmp_path / 'a.py'}:run")
+    (tmp_path / "a.py").write_text(textwrap.dedent('''
+        import functools
+
+        def logged(fn):  # a generic decorator: its (*args, **kwargs) says nothing of what fn takes
+            @functools.wraps(fn)
+            async def call(*args, **kwargs):
+                return await fn(*args, **kwargs)
+            return call
+
+        @logged
+        async def run(sample):  # (client forgotten)
+            return 1.0
+    '''))
+    with pytest.raises(ValueError, match=r"cannot be called as run\(sample, client\)"):
+        load_entrypoint(f"{tmp_path / 'a.py'}:run")
 
     class Records(logging.Handler):
         said: list = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 import json
 import os
@@ -163,9 +164,10 @@ def test_a_shorter_max_tokens_in_the_same_batch_is_a_prefix_of_a_longer_one(serv
     assert release.started.wait(30)
     got = {}
 
-    def ask(n):
-        got[n] = client(server).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=n, temperature=0,
-                                                   seed=seed)
+    def ask(n):  # (with a seed: one greedy by temperature 0, the other by top_p 0)
+        greedy = dict(temperature=1.0, top_p=0) if seed is not None and n == 4 else dict(temperature=0)
+        got[n] = client(server).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=n, seed=seed,
+                                                   **greedy)
 
     asks = [threading.Thread(target=ask, args=(n,)) for n in (10, 4)]
     for t in asks:
@@ -245,6 +247,11 @@ def test_bad_requests_get_4xx_json_errors(server):
             post(server, "completions", body, timeout=10)
         assert e.value.code == 400
         assert f"the body must be a JSON object, not {kind}" in json.loads(e.value.read())["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as e:  # (JSON sent as a form, as curl -d does without -H)
+        request = urllib.request.Request(f"{server.url}/completions", data=b'{"model": "tiny", "prompt": "x"}',
+                                         headers={"content-type": "application/x-www-form-urlencoded"})
+        urllib.request.urlopen(request, timeout=10)
+    assert e.value.code == 400 and "Content-Type: application/json" in json.loads(e.value.read())["error"]["message"]
     with pytest.raises(urllib.error.HTTPError) as e:  # (a GET where only POST is served: 405 and its Allow)
         urllib.request.urlopen(f"{server.url}/completions", timeout=10)
     assert e.value.code == 405 and "POST" in e.value.headers["allow"]
@@ -258,13 +265,14 @@ def test_bad_requests_get_4xx_json_errors(server):
             c.completions.create(model="tiny", prompt="x", max_tokens=2, **option)
         assert e.value.body["param"] == next(iter(option))
     for option in [dict(repetition_penalty=1.2), dict(min_p=0.1), dict(min_tokens=3), dict(ignore_eos=True),
-                   dict(stop_token_ids=[5]), dict(guided_json={"type": "object"}), dict(guided_choice=["a", "b"])]:
+                   dict(guided_json={"type": "object"}), dict(guided_choice=["a", "b"]), dict(allowed_token_ids=[3]),
+                   dict(bad_words=["x"]), dict(use_beam_search=True)]:
         with pytest.raises(openai.BadRequestError, match="is not supported by this server") as e:  # (vLLM's)
             c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=option)
         assert e.value.body["param"] == next(iter(option))
     c.completions.create(model="tiny", prompt="x", max_tokens=2,  # (their defaults: taken)
                          extra_body=dict(repetition_penalty=1.0, min_p=0.0, min_tokens=0, ignore_eos=False,
-                                         stop_token_ids=[]))
+                                         stop_token_ids=[], use_beam_search=False))
     with pytest.raises(openai.BadRequestError, match="response_format"):
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                   response_format={"type": "json_object"})
@@ -470,6 +478,30 @@ def test_seeded_requests_are_reproducible(server):
     assert [r.choices[0].model_extra["token_ids"] for r in asyncio.run(together())] == [alone] * 4
 
 
+def test_stop_token_ids_end_a_reply_at_the_first_of_them(server):
+    """vLLM's `stop_token_ids`: the reply ends at the first of them (kept in token_ids, out of the text), its
+    log-probs and the usage cut alike, finish_reason stop; an id outside the vocabulary is refused."""
+    c = client(server)
+    full = c.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0, logprobs=0)
+    ids = full.choices[0].model_extra["token_ids"]
+    assert len(ids) >= 4, "too short a reply to cut"
+    first = ids.index(ids[2])  # (where the reply ends: the first place that id is made)
+    absent = next(t for t in range(3, 100) if t not in ids)
+    res = c.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0, logprobs=0,
+                               extra_body={"stop_token_ids": [absent, ids[2]]})
+    cut = res.choices[0]
+    assert cut.model_extra["token_ids"] == ids[:first + 1] and cut.finish_reason == "stop"
+    assert cut.logprobs.token_logprobs == full.choices[0].logprobs.token_logprobs[:first + 1]
+    assert cut.text == server.batcher.tokenizer.decode(ids[:first], skip_special_tokens=True)
+    assert res.usage.completion_tokens == first + 1
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                     temperature=0, extra_body={"stop_token_ids": [ids[2]]})
+    assert ids[2] not in chat.choices[0].model_extra["token_ids"][:-1]
+    with pytest.raises(openai.BadRequestError, match="stop token id 99999999 is outside") as e:
+        c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"stop_token_ids": [99999999]})
+    assert e.value.body["param"] == "stop_token_ids"
+
+
 @pytest.mark.parametrize("server", ["fast", "fast_batches"], indirect=True)  # (hf keeps no cache across calls)
 def test_a_session_id_pins_the_conversation(server):
     """`session_id` (and an RL run's episode header): the fast backend keeps the conversation's cached blocks for the
@@ -638,11 +670,13 @@ def test_requests_arriving_as_streams_end_are_all_answered(tmp_path):
     assert EchoRollout.streams > 20  # (the streams did end and restart under the clients)
 
 
-def test_stopping_the_batcher_ends_its_stream_and_answers_every_request(tmp_path):
-    """`Batcher.stop` while a stream decodes long requests, another waits for it to drain and one is queued: the
-    stream's rows end at its next sync (the generation thread returns at once, not after 10,000 tokens), every
-    request gets an error, and one submitted after gets an error at once. Also: an engine service whose batcher
-    fails to start raises and leaves no thread running."""
+@pytest.mark.parametrize("waiting", [False, True])
+def test_stopping_the_batcher_ends_its_stream_and_answers_every_request(tmp_path, waiting):
+    """`Batcher.stop` while a stream decodes long requests (and, `waiting`, another waits for it to drain): the
+    stream ends at its next sync (its rows cancelled, no wait for more: the generation thread returns at once, not
+    after 10,000 tokens or its idle wait), every request gets an error, and one submitted after gets an error at
+    once. A batcher started again waits for the last generation of its stop to end (never two at once on one
+    rollout). An engine service whose batcher fails to start raises and leaves no thread running."""
     from shardrl.rollout.frontend import EngineService
     from shardrl.rollout.server import Batcher
 
@@ -672,37 +706,74 @@ def test_stopping_the_batcher_ends_its_stream_and_answers_every_request(tmp_path
                         feed.finished(row, [5] * made, torch.zeros(made))
             ended.set()
 
+    def plain(**kwargs) -> SamplingParams:
+        return SamplingParams(seed=None, **kwargs)
+
     async def run() -> tuple[list, float]:
-        batcher = Batcher(SlowRollout(), tok, max_batch=8, max_model_len=20000)
+        batcher = Batcher(SlowRollout(), tok, max_batch=8, max_model_len=20000, idle_s=30)
         await batcher.start()
-        long = [asyncio.ensure_future(batcher.submit([[3, 4]], SamplingParams(max_new_tokens=10000, seed=None)))
-                for _ in range(3)]
+        asks = [asyncio.ensure_future(batcher.submit([[3, 4]], plain(max_new_tokens=10000))) for _ in range(3)]
         await asyncio.sleep(0.2)  # (the stream decodes them)
-        other = asyncio.ensure_future(batcher.submit([[3]], SamplingParams(temperature=0.5, max_new_tokens=2, seed=None)))
-        await asyncio.sleep(0.05)  # (it waits for the stream to drain)
+        if waiting:  # (another temperature: it waits for the stream to drain)
+            asks.append(asyncio.ensure_future(batcher.submit([[3]], plain(temperature=0.5, max_new_tokens=2))))
+            await asyncio.sleep(0.05)
         assert batcher.current is not None and not ended.is_set()
         started = time.monotonic()
         await batcher.stop()
-        answers = await asyncio.wait_for(asyncio.gather(*long, other, return_exceptions=True), timeout=5)
+        answers = await asyncio.wait_for(asyncio.gather(*asks, return_exceptions=True), timeout=5)
         assert await asyncio.to_thread(ended.wait, 2), "the stream kept generating after stop"
         with pytest.raises(RuntimeError, match="takes no more requests"):
-            await batcher.submit([[3]], SamplingParams(max_new_tokens=2))
+            await asyncio.wait_for(batcher.submit([[3]], plain(max_new_tokens=2)), timeout=5)
         return answers, time.monotonic() - started
 
     answers, took = asyncio.run(run())
+    assert len(answers) == 3 + waiting
     assert all(isinstance(a, RuntimeError) and "stopped before this request was answered" in str(a)
                for a in answers), answers
     assert took < 2
+
+    running, peak = [0], [0]
+
+    class SlowBatches:  # (one generate call takes 0.5 s: a batch stop cannot end early)
+        stop_ids = [tok.eos_token_id]
+
+        def generate(self, ids, mask, sampling):
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            time.sleep(0.5)
+            running[0] -= 1
+            return SimpleNamespace(response_mask=torch.ones(len(ids), 2, dtype=torch.long),
+                                   response_ids=torch.full((len(ids), 2), 5), sampled_log_probs=torch.zeros(len(ids), 2),
+                                   response_text=["x"] * len(ids), token_version=None)
+
+    async def restart() -> list:
+        batcher = Batcher(SlowBatches(), tok, max_batch=8, max_model_len=64)
+        await batcher.start()
+        first = asyncio.ensure_future(batcher.submit([[3]], plain(max_new_tokens=2)))
+        await asyncio.sleep(0.1)
+        await batcher.stop()
+        await batcher.start()  # (the first call still runs)
+        try:
+            return [await asyncio.gather(first, return_exceptions=True),
+                    await batcher.submit([[3]], plain(max_new_tokens=2))]
+        finally:
+            await batcher.stop()
+
+    first, second = asyncio.run(restart())
+    assert isinstance(first[0], RuntimeError) and second[0]["token_ids"] == [5, 5]
+    assert peak[0] == 1, "two generate calls ran at once on one rollout"
 
     class Failing(Batcher):
         async def start(self):
             raise OSError("no device")
 
-    threads = threading.active_count()
+    def loops() -> set:  # (another test's server may have one running: only a new one counts)
+        return {t for t in threading.enumerate() if t.name == "shardrl-engine-loop"}
+
+    before = loops()
     with pytest.raises(OSError, match="no device"):
         EngineService(Failing(SlowRollout(), tok))
-    time.sleep(0.2)
-    assert threading.active_count() == threads
+    wait_for(lambda: loops() <= before, "the failed engine's loop thread ended", timeout_s=5)
 
 
 def test_shardrl_serve_says_what_is_wrong_in_one_line(tmp_path, capsys):

@@ -71,7 +71,10 @@ def load_entrypoint(spec: str):
         inspect.signature(fn).bind(None, None)
     except TypeError as e:
         try:  # (a decorator's own signature: one that passes more arguments to the function it wraps)
-            inspect.signature(fn, follow_wrapped=False).bind(None, None)
+            own = inspect.signature(fn, follow_wrapped=False)
+            own.bind(None, None)
+            if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in own.parameters.values()):
+                raise TypeError  # (a generic wrapper tells nothing: the wrapped function's signature stands)
         except TypeError:
             raise ValueError(f"rollout.agent.entrypoint={spec!r}: {name} cannot be called as {name}(sample, client) "
                              f"({e}); define it as async def {name}(sample, client)") from None
@@ -258,8 +261,9 @@ class AgentRollout(Rollout):
         except SystemExit as exc:
             raise _EpisodeStop(f"the agent called sys.exit({exc.code!r})") from None
         except (TimeoutError, asyncio.TimeoutError) as exc:  # (the episode's own timeout cancels it: this is not it)
-            raise _EpisodeStop(f"{type(exc).__name__}: {exc} (raised by the agent, within "
-                               f"rollout.agent.timeout_s={self.timeout_s:g})") from exc
+            said = f": {exc}" if str(exc) else ""
+            raise _EpisodeStop(f"{type(exc).__name__} raised inside the agent (not the episode's timeout, "
+                               f"rollout.agent.timeout_s){said}") from exc
         except asyncio.CancelledError:
             cancelling = getattr(asyncio.current_task(), "cancelling", None)  # (Python 3.11+)
             if cancelling is None or cancelling():  # (cancelled from outside: its timeout, or the step's end)

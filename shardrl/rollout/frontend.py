@@ -52,7 +52,8 @@ class EngineService:
         except BaseException:  # (nothing left running: its loop's thread, its listener)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.loop_thread.join(timeout=10)
-            self.loop.close()
+            if not self.loop.is_running():
+                self.loop.close()
             self.listener.close()
             raise
         threading.Thread(target=self._accept, name="shardrl-engine-accept", daemon=True).start()

@@ -87,6 +87,7 @@ class Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool | None = None
     session_id: str | None = None  # (shardrl's: the fast backend keeps the conversation's K/V for its next request)
+    stop_token_ids: list[StrictInt] | None = None  # (vLLM's: a reply ends at the first of them, kept in token_ids)
 
 
 class ChatRequest(Common):
@@ -109,8 +110,9 @@ UNSUPPORTED = {  # option -> whether a value asks for something (the defaults cl
     "response_format": lambda v: bool(v) and v != {"type": "text"},
     # vLLM's extensions that change what is sampled
     "repetition_penalty": lambda v: v not in (None, 1), "min_p": bool, "min_tokens": bool, "ignore_eos": bool,
-    "stop_token_ids": bool, "guided_json": bool, "guided_regex": bool, "guided_choice": bool,
-    "guided_grammar": bool, "structured_outputs": bool,
+    "guided_json": bool, "guided_regex": bool, "guided_choice": bool, "guided_grammar": bool,
+    "structured_outputs": bool, "allowed_token_ids": bool, "bad_words": bool, "use_beam_search": bool,
+    "logits_processors": bool,
 }
 """OpenAI's (and vLLM's) request options this server does not apply: a request that asks for one is refused (400),
 not answered as if it had been applied."""
@@ -236,7 +238,10 @@ class _Stream:
             b.stats["requests"] += 1
             self.left.pop(id(item))
             b.keep_session(item, self.outs[id(item)])
-            self.loop.call_soon_threadsafe(_resolve, item.future, self.outs.pop(id(item)))
+            try:
+                self.loop.call_soon_threadsafe(_resolve, item.future, self.outs.pop(id(item)))
+            except RuntimeError:  # (the loop closed: the server stopped, and answered it)
+                pass
 
     def unanswered(self) -> list[Pending]:
         """The requests not answered yet (the answered ones are forgotten: a stream may run for hours)."""
@@ -298,6 +303,8 @@ class Batcher:
         self.later: list[Pending] = []  # requests that wait for it to drain
         self.paused = False  # (`pause`): no generation starts
         self.busy = False  # a generation runs
+        self.idle = threading.Event()  # no generation thread runs (one of a cancelled task runs on to its end)
+        self.idle.set()
         self.held: list[Pending] = []  # requests taken from the queue while paused
         self.stats = {"batches": 0, "streams": 0, "requests": 0, "dropped": 0, "cancelled": 0, "failed": 0}
         self.open: dict[int, Pending] = {}  # id -> every request not answered yet (`stop` answers them)
@@ -317,9 +324,9 @@ class Batcher:
         if stream is not None:
             stream.close()
         deadline = time.monotonic() + timeout_s
-        while self.busy and time.monotonic() < deadline:
+        while (self.busy or not self.idle.is_set()) and time.monotonic() < deadline:
             time.sleep(0.001)
-        if self.busy:
+        if self.busy or not self.idle.is_set():
             raise RuntimeError(f"the endpoint's generation did not end within {timeout_s:g} s")
 
     def unpause(self) -> None:
@@ -345,6 +352,8 @@ class Batcher:
                     finish_reason="stop" if ended else "length")
 
     async def start(self) -> None:
+        if not await asyncio.to_thread(self.idle.wait, 60):  # (started again: the last generation ends first)
+            raise RuntimeError("the batcher's last generation did not end within 60 s of its stop")
         self.stopped = False
         self.queue = asyncio.Queue()
         self.task = asyncio.create_task(self._loop())
@@ -352,8 +361,8 @@ class Batcher:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     async def stop(self) -> None:
-        """Stops taking requests: the running stream's rows end at its next host sync (a batch already generating
-        runs to its end, unread), and every request not answered yet gets an error."""
+        """Stops taking requests: the running stream's rows end at its next host sync (waited for, up to 5 s; a batch
+        already generating runs to its end, unread), and every request not answered yet gets an error."""
         self.stopped = True
         if getattr(self, "_switch_interval", None) is not None:
             sys.setswitchinterval(self._switch_interval)
@@ -366,9 +375,10 @@ class Batcher:
             stream.close()
             for item in stream.unanswered():
                 stream.cancel(item)
-        stopped = RuntimeError("the server stopped before this request was answered")
         for item in list(self.open.values()):
-            _resolve(item.future, stopped)
+            _resolve(item.future, RuntimeError("the server stopped before this request was answered"))
+        if stream is not None:
+            await asyncio.wait({self.stream_task}, timeout=5)  # (it ends at its next sync)
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None,
                      session: str | None = None) -> list[dict]:
@@ -455,7 +465,8 @@ class Batcher:
         if later:  # (they wait for this one to drain; new requests go to the next stream)
             stream.close()
         self.current, self.later = stream, later
-        run = asyncio.create_task(asyncio.to_thread(self._stream_generate, stream))
+        run = self.stream_task = asyncio.create_task(asyncio.to_thread(self._generating, self._stream_generate,
+                                                                        stream))
         checked, last_check = time.monotonic(), {}  # id(request) -> when its client was last checked (due_for_check)
         getter = None  # (a request's arrival wakes this loop: it joins the stream at once, not at a poll)
         try:
@@ -500,6 +511,14 @@ class Batcher:
             _resolve(item.future, RuntimeError("the generation ended without this request's responses"))
         return later
 
+    def _generating(self, generate, *args):
+        """`generate(*args)` (on a worker thread), `idle` clear meanwhile."""
+        self.idle.clear()
+        try:
+            return generate(*args)
+        finally:
+            self.idle.set()
+
     def _stream_generate(self, stream: _Stream) -> None:
         self.stats["streams"] += 1
         s = stream.sampling
@@ -511,7 +530,7 @@ class Batcher:
 
     async def _run(self, chunk: list[Pending]) -> None:
         try:
-            outs = await asyncio.to_thread(self._generate, chunk)
+            outs = await asyncio.to_thread(self._generating, self._generate, chunk)
         except Exception as e:  # noqa: BLE001 (the requests fail, the server stays up)
             if len(chunk) > 1:  # one bad request must not fail the others: each alone
                 for item in chunk:
@@ -617,6 +636,10 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         if not where:  # (no body at all, or JSON that is no object)
             if first.get("type") == "missing":
                 return error(400, "invalid request: the body is missing: send a JSON object")
+            kind = request.headers.get("content-type", "")
+            if isinstance(first.get("input"), (bytes, str)) and "json" not in kind:  # (FastAPI did not parse it)
+                return error(400, f"invalid request: the body was sent as {kind or 'no content type'}: send it as "
+                                  "JSON with the header Content-Type: application/json")
             got = type(first.get("input")).__name__.replace("NoneType", "null")
             return error(400, f"invalid request: the body must be a JSON object, not {got}")
         if where.startswith("prompt."):  # (a union: pydantic names its first form only)
@@ -661,6 +684,9 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         bad = next((t for p in prompts for t in p if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        bad = next((t for t in req.stop_token_ids or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids")
         longest = max(len(p) for p in prompts)
         if longest >= max_model_len:
             raise RequestError(f"this model's context is {max_model_len} tokens and the prompt has {longest}: "
@@ -682,8 +708,9 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
             temperature = 1.0 if req.temperature is None else req.temperature
             top_p = 1.0 if req.top_p is None else req.top_p
             greedy = temperature == 0 or top_p == 0  # (top_p 0 keeps only the likeliest token, as OpenAI's)
-            # (greedy draws nothing: its seed is dropped, so it batches with the rest, not in a call of its own)
-            return SamplingParams(n=n, temperature=temperature, top_p=top_p or 1.0,
+            # (greedy draws nothing: its seed and temperature are dropped, so it batches with the other greedy
+            # requests, not in a call of its own; its log-probs are at temperature 1 whatever was sent)
+            return SamplingParams(n=n, temperature=1.0 if greedy else temperature, top_p=top_p or 1.0,
                                   top_k=0 if req.top_k in (None, -1) else req.top_k, max_new_tokens=max_tokens,
                                   stop=_stop_list(req.stop), seed=None if greedy else req.seed, greedy=greedy)
         except ValueError as e:  # SamplingParams names the field
@@ -717,6 +744,24 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
             watcher.cancel()
 
     app_records: dict[str, list[dict]] = {}
+
+    def cut_at_stop_ids(req: Common, outs: list[dict]) -> list[dict]:
+        """Each reply ended at the first of the request's `stop_token_ids` (generated past it, then cut: the stop
+        token stays in token_ids, out of the text, as vLLM's): its log-probs and versions cut alike."""
+        ends = set(req.stop_token_ids or ())
+        for o in outs if ends else ():
+            at = next((i for i, t in enumerate(o["token_ids"]) if t in ends), None)
+            if at is None:
+                continue
+            keep = at + 1
+            for key in ("token_ids", "log_probs", "token_versions"):
+                if key in o:
+                    o[key] = o[key][:keep]
+            text = tok.decode(o["token_ids"][:at], skip_special_tokens=True)
+            for x in _stop_list(req.stop):  # (a stop string before it cuts the text as before)
+                text = text.split(x, 1)[0]
+            o["text"], o["finish_reason"] = text, "stop"
+        return outs
 
     def session(request: Request, req: Common) -> str | None:
         """The conversation a request continues: its `session_id`, or an RL run's episode."""
@@ -767,7 +812,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = given if given is not None else max(1, min(default_max_tokens, max_model_len - len(ids)))
         sampling = check(req, [ids], max_tokens)
-        outs = await submit(request, req, [ids], sampling)
+        outs = cut_at_stop_ids(req, await submit(request, req, [ids], sampling))
         record(request, outs)
         choices = []
         for i, o in enumerate(outs):
@@ -795,7 +840,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         default = max(1, min(16, max_model_len - max((len(x) for x in prompts), default=0)))  # (OpenAI's 16, in context)
         sampling = check(req, prompts, default if req.max_tokens is None else req.max_tokens)
         n = sampling.n
-        flat = await submit(request, req, prompts, sampling)  # prompt-major
+        flat = cut_at_stop_ids(req, await submit(request, req, prompts, sampling))  # prompt-major
         record(request, flat)
         choices = []
         for outs in [flat[i * n:(i + 1) * n] for i in range(len(prompts))]:
