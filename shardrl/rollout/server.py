@@ -95,6 +95,7 @@ class ChatRequest(Common):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None  # (alternatives: not given; 0 or null taken)
     tools: list[dict] | None = None
 
 
@@ -671,6 +672,14 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
 
     def check(req: Common, prompts: list[list[int]], max_tokens: int) -> SamplingParams:
         refuse_unsupported(req)
+        if isinstance(req, ChatRequest) and req.top_logprobs:
+            raise RequestError(f"top_logprobs={req.top_logprobs} is not supported by this server (it gives no "
+                               "alternative tokens): logprobs=true gives each sampled token's log-prob; leave "
+                               "top_logprobs out", "top_logprobs")
+        if isinstance(req, CompletionRequest) and req.logprobs is not None and not 0 <= req.logprobs <= 1:
+            raise RequestError(f"logprobs={req.logprobs} is not supported by this server (it gives no alternative "
+                               "tokens): send logprobs=0 or 1 for each sampled token's log-prob (token_logprobs)",
+                               "logprobs")
         if req.model != model_name:
             raise RequestError(f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                                "model", 404, "model_not_found")
