@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 import textwrap
 
@@ -162,6 +163,9 @@ def test_bad_entrypoints_are_refused(tmp_path):
         load_entrypoint(f"{tmp_path / 'sync.py'}:go")
     with pytest.raises(ValueError, match="no file"):
         load_entrypoint(f"{tmp_path / 'missing.py'}:run")
+    for spec in [str(tmp_path / "sync.py"), f"{tmp_path / 'sync.py'}:", ":run"]:
+        with pytest.raises(ValueError, match=r"as path/to/agent.py:function"):
+            load_entrypoint(spec)
 
 
 def test_a_run_with_a_bad_entrypoint_stops_before_building_models(tmp_path, monkeypatch):
@@ -359,18 +363,55 @@ def test_episodes_that_exit_cancel_or_return_nan_fail_alone(setup, tmp_path):
                 raise asyncio.CancelledError()
             if kind == "timeout":  # (its own: e.g. a tool's wait_for; not the episode's timeout)
                 await asyncio.wait_for(asyncio.sleep(5), 0.01)
+            if kind == "base":  # (a library's own BaseException subclass)
+                class Aborted(BaseException):
+                    pass
+                raise Aborted("the sandbox gave up")
             return float("nan") if kind == "nan" else np.float32(1.5)
     '''))
     inner = build_rollout("hf", model.config, tok, "cpu", torch.float32)
     inner.load_weights(model.named_parameters())
     rollout = AgentRollout(inner, tok, f"{agent}:run", context=512, failure_reward=-1.0)
     try:
-        out = run_episodes(rollout, tok, ["a", "b", "c", "d", "e"], ["exit", "cancel", "nan", "timeout", "ok"],
-                           n=1)
+        out = run_episodes(rollout, tok, ["a", "b", "c", "d", "e", "f"],
+                           ["exit", "cancel", "nan", "timeout", "base", "ok"], n=1)
     finally:
         rollout.server.stop()
     batch = out.to_batch()
-    assert batch["agent_errors"].tolist() == [1, 1, 1, 1, 0]
-    assert batch["agent_timeouts"].tolist() == [0, 0, 0, 0, 0]
-    assert batch["interaction_score"][:4] == [-1.0] * 4
-    assert batch["interaction_score"][4] == 1.5
+    assert batch["agent_errors"].tolist() == [1, 1, 1, 1, 1, 0]
+    assert batch["agent_timeouts"].tolist() == [0] * 6
+    assert batch["interaction_score"][:5] == [-1.0] * 5
+    assert batch["interaction_score"][5] == 1.5
+
+
+def test_a_blocking_call_in_a_thread_does_not_hold_the_step_past_its_timeout(setup, tmp_path):
+    """An episode whose asyncio.to_thread call outlives the episode's timeout: the episode times out, the step ends
+    then (not when the thread's call returns), and the thread is left to finish on its own; a step whose every
+    episode times out says the timeout."""
+    tok, model, _ = setup
+    agent = tmp_path / "blocking.py"
+    agent.write_text(textwrap.dedent('''
+        import asyncio, time
+
+        async def run(sample, client):
+            await client.completions.create(model="policy", prompt=sample["prompt"], max_tokens=2)
+            if sample["extra"]["kind"] == "hang":
+                await asyncio.to_thread(time.sleep, 20)  # (a tool's blocking call that hangs)
+            return await asyncio.to_thread(lambda: 1.0)
+    '''))
+    inner = build_rollout("hf", model.config, tok, "cpu", torch.float32)
+    inner.load_weights(model.named_parameters())
+    rollout = AgentRollout(inner, tok, f"{agent}:run", context=512, timeout_s=1.5, failure_reward=-1.0)
+    try:
+        start = time.monotonic()
+        out = run_episodes(rollout, tok, ["a", "b"], ["hang", "ok"], n=1)
+        took = time.monotonic() - start
+        with pytest.raises(RuntimeError, match=r"every agent episode.*timed out \(rollout.agent.timeout_s=1.5 s\)"):
+            run_episodes(rollout, tok, ["a"], ["hang"], n=1)
+    finally:
+        rollout.server.stop()
+    assert took < 10, took  # (20 s: the step waited for the thread)
+    batch = out.to_batch()
+    assert batch["agent_timeouts"].tolist() == [1, 0] and batch["interaction_score"] == [-1.0, 1.0]
+    assert sum(t.name == "shardrl-agent-call" for t in threading.enumerate()) == 2  # (still sleeping, daemons)
+    assert all(t.daemon for t in threading.enumerate() if t.name == "shardrl-agent-call")

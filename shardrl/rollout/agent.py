@@ -26,12 +26,14 @@ than a finite number or None, or never calls the model is scored `rollout.agent.
 what it sampled, or the row's prompt and an empty reply) and counted (`agent/errors_mean`, `agent/timeouts_mean`); a
 step whose every episode failed stops the run with the first error. Episodes share one event loop: one that blocks
 it (time.sleep, a synchronous HTTP client, subprocess.run) stalls them all and no timeout can fire until it returns
-(the log says so once the loop has stalled past the timeout); await async calls, or use asyncio.to_thread.
+(the log says so once the loop has stalled past the timeout); await async calls, or use asyncio.to_thread (a
+thread's call still running when its episode times out is left to finish: the step does not wait for it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import importlib.util
 import inspect
@@ -54,7 +56,10 @@ MODEL_NAME = "policy"
 
 def load_entrypoint(spec: str):
     """`path.py:function` -> the async function."""
-    path, _, name = spec.rpartition(":")
+    path, colon, name = spec.rpartition(":")
+    if not colon or not path or not name:
+        raise ValueError(f"rollout.agent.entrypoint={spec!r}: name the file and its async function as "
+                         "path/to/agent.py:function (e.g. my_agent.py:run)")
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"rollout.agent.entrypoint={spec!r}: no file {path!r}")
@@ -98,6 +103,45 @@ def episode_reward(result) -> tuple[float | None, str | None]:
 
 class _EpisodeStop(Exception):
     """An episode's sys.exit or its own CancelledError, as an error of that episode."""
+
+
+class _CallThreads(concurrent.futures.ThreadPoolExecutor):
+    """The episodes' loop's default executor (`asyncio.to_thread`, `run_in_executor(None, ...)`): each call in a
+    daemon thread of its own, and a shutdown that does not wait for them. A call whose episode timed out keeps
+    running in its thread until it returns, but the step does not wait for it (asyncio.run would, however long
+    it blocks), nor does the process at its exit."""
+
+    def __init__(self):
+        super().__init__(thread_name_prefix="shardrl-agent-call")
+        self.running: set[threading.Thread] = set()
+        self.guard = threading.Lock()
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = concurrent.futures.Future()
+
+        def call() -> None:
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args, **kwargs))
+                    except BaseException as exc:  # noqa: BLE001 (handed to the awaiting episode)
+                        future.set_exception(exc)
+            finally:
+                with self.guard:
+                    self.running.discard(threading.current_thread())
+
+        thread = threading.Thread(target=call, name="shardrl-agent-call", daemon=True)
+        with self.guard:
+            self.running.add(thread)
+        thread.start()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self.guard:
+            left = len(self.running)
+        if left:
+            log.warning("%d blocking call(s) of agent episodes that ended (asyncio.to_thread, run_in_executor) are "
+                        "still running in threads; the step goes on without them", left)
 
 
 class LoopWatch:
@@ -248,7 +292,8 @@ class AgentRollout(Rollout):
                 e.error = "the episode never called the model"
         failed = [e for e in episodes if e.error is not None or e.timed_out]
         if failed and len(failed) == len(episodes):
-            first = next((e.error for e in failed if e.error), "timed out")
+            first = next((e.error for e in failed if e.error),
+                         f"timed out (rollout.agent.timeout_s={self.timeout_s:g} s)")
             raise RuntimeError(f"every agent episode of this step failed (rollout.agent.entrypoint); the first: {first}")
         return self._assemble(prompt_ids, attention_mask, n, episodes, calls)
 
@@ -269,10 +314,15 @@ class AgentRollout(Rollout):
             if cancelling is None or cancelling():  # (cancelled from outside: its timeout, or the step's end)
                 raise
             raise _EpisodeStop("the agent raised CancelledError") from None
+        except (Exception, KeyboardInterrupt, GeneratorExit):  # (Ctrl-C stops the run)
+            raise
+        except BaseException as exc:  # (a library's own BaseException subclass: this episode's error)
+            raise _EpisodeStop(f"{type(exc).__name__} (a BaseException) raised inside the agent: {exc}") from None
 
     async def _run_all(self, episodes: list[_Episode], url: str) -> None:
         import openai
 
+        asyncio.get_running_loop().set_default_executor(_CallThreads())
         client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=self.timeout_s)
         gate = asyncio.Semaphore(self.max_concurrency)
 
