@@ -304,6 +304,57 @@ def test_bad_requests_get_4xx_json_errors(server):
     assert 1 <= len(short.choices[0].model_extra["token_ids"]) <= 4  # (what is left of the context)
 
 
+def test_numbers_out_of_range_and_asks_the_server_cannot_honour_get_400s(server):
+    """A temperature too small to divide by is greedy, one too large, a seed past 64 bits and values of the wrong
+    JSON type are 400s (were 500s or coerced); a top_k past the vocabulary is off; image parts, a forced tool choice,
+    audio and reasoning effort are refused; tool-call arguments sent as OpenAI's JSON string reach the template as an
+    object; vLLM's continue_final_message and chat_template_kwargs are applied."""
+    c = client(server)
+    greedy = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=1)
+    for tiny in (1e-300, 5e-324, 1e-6):
+        res = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=tiny, logprobs=1)
+        assert res.choices[0].model_extra["token_ids"] == greedy.choices[0].model_extra["token_ids"]
+        assert res.choices[0].logprobs.token_logprobs == pytest.approx(greedy.choices[0].logprobs.token_logprobs)
+    for option, param in [(dict(temperature=1e300), "temperature"), (dict(seed=10**23), "seed"),
+                          (dict(max_tokens="3"), "max_tokens"), (dict(n=True), "n"),
+                          (dict(temperature="0.5"), "temperature"), (dict(logprobs=True), "logprobs")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(**{"model": "tiny", "prompt": "x", "max_tokens": 2, **option})
+        assert e.value.body["param"] == param, e.value.body
+    seeded = dict(model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=1.0, seed=5)
+    assert (c.completions.create(**seeded, extra_body={"top_k": 10**23}).choices[0].model_extra["token_ids"]
+            == c.completions.create(**seeded).choices[0].model_extra["token_ids"])
+    user = {"role": "user", "content": "x"}
+    image = {"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    for messages, option, param in [
+            ([image], {}, "messages"), ([user], dict(tools=tools, tool_choice="required"), "tool_choice"),
+            ([user], dict(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+            ([user], dict(modalities=["text", "audio"]), "modalities"), ([user], dict(reasoning_effort="high"),
+                                                                         "reasoning_effort")]:
+        with pytest.raises(openai.BadRequestError, match="not supported by this server") as e:
+            c.chat.completions.create(model="tiny", messages=messages, max_tokens=2, **option)
+        assert e.value.body["param"] == param
+    c.chat.completions.create(model="tiny", messages=[user], max_tokens=2, tools=tools, tool_choice="auto",
+                              modalities=["text"], parallel_tool_calls=False)
+    tok = server.batcher.tokenizer
+    template = "{% for m in messages %}{{ m['role'] }}:{{ m.tool_calls[0].function.arguments.x if m.tool_calls " \
+               "else m['content'] }}:{% endfor %}{{ flag }}"
+    called = [user, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": "yz"}'}}]}]
+    res = c.chat.completions.create(model="tiny", messages=called, max_tokens=2,
+                                    extra_body={"chat_template_kwargs": {"chat_template": template, "flag": "ok"}})
+    assert tok.decode(res.model_extra["prompt_token_ids"]) == "user:x:assistant:yz:ok"
+    res = c.chat.completions.create(model="tiny", messages=[user, {"role": "assistant", "content": "ab"}],
+                                    max_tokens=2, extra_body={"continue_final_message": True,
+                                                              "add_generation_prompt": False})
+    assert tok.decode(res.model_extra["prompt_token_ids"]) == "user: x\nassistant: ab"
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt=false"):
+        c.chat.completions.create(model="tiny", messages=[user, {"role": "assistant", "content": "ab"}],
+                                  max_tokens=2, extra_body={"continue_final_message": True})
+
+
 def test_a_client_that_went_away_is_dropped_before_its_batch(server, monkeypatch):
     """While a request generates (held until the second client is gone), a second client gives up (timeout) and
     disconnects: its request is not generated (counted as dropped; a stream took it in and ended it: cancelled)

@@ -54,11 +54,13 @@ class SamplingParams:
     def __post_init__(self):
         checks = [
             (self.n >= 1, "n", "must be >= 1"),
-            (self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)"),
+            (self.temperature == 0 or 1e-5 <= self.temperature <= 1e4, "temperature",
+             "must be 0 (greedy) or in [1e-5, 1e4] (the logits are divided by it)"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.top_k >= 0, "top_k", "must be >= 0 (0 = off)"),
+            (0 <= self.top_k < 2**31, "top_k", "must be in [0, 2**31) (0 = off)"),
             (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (self.seed is None or -2**63 <= self.seed < 2**64, "seed", "must be in [-2**63, 2**64)"),
         ]
         for ok, name, why in checks:
             if not ok:

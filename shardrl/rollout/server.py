@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import heapq
 import inspect
+import json
 import logging
 import re
 import sys
@@ -35,7 +36,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardrl.rollout.base import SamplingParams, cut_responses
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 
 MAX_N = 128
 """Samples a request may ask for (n) at most."""
+GREEDY_BELOW = 1e-5
+"""A requested temperature below this is greedy (as vLLM's): dividing the logits by it would overflow them."""
 
 STREAM_SEQ = 4096
 """Cache positions a stream's slot holds at least (up to the context), for the requests that join it."""
@@ -70,8 +73,21 @@ class Message(BaseModel):
     def for_template(self) -> dict:
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            message["content"] = "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            others = [part.get("type") for part in self.content if part.get("type") != "text"]
+            if others:
+                raise RequestError(f"a content part of type {others[0]!r} is not supported by this server (it serves "
+                                   "a text model): send text parts only", "messages")
+            message["content"] = "".join(part.get("text", "") for part in self.content)
         message.setdefault("content", "")
+        for call in message.get("tool_calls") or ():  # (OpenAI's arguments are a JSON string; templates render an
+            function = call.get("function") if isinstance(call, dict) else None  # object: parsed, as vLLM does)
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    parsed = json.loads(function["arguments"])
+                except ValueError:
+                    continue  # (not JSON: rendered as sent)
+                if isinstance(parsed, dict):
+                    function["arguments"] = parsed
         return message
 
 
@@ -79,11 +95,11 @@ class Common(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share (unknown ones are accepted and ignored)."""
     model_config = ConfigDict(extra="allow")
     model: str
-    temperature: float | None = None  # (null as the client sends an unset value: the default, 1)
-    top_p: float | None = None
-    top_k: int | None = None  # (vLLM's extension; 0 or -1: off)
-    n: int | None = None
-    seed: int | None = None
+    temperature: StrictFloat | None = None  # (null as the client sends an unset value: the default, 1)
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None  # (vLLM's extension; 0 or -1: off)
+    n: StrictInt | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None
     session_id: str | None = None  # (shardrl's: the fast backend keeps the conversation's K/V for its next request)
@@ -92,17 +108,20 @@ class Common(BaseModel):
 
 class ChatRequest(Common):
     messages: list[Message]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None  # (alternatives: not given; 0 or null taken)
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None  # (alternatives: not given; 0 or null taken)
     tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None  # (vLLM's: e.g. {"enable_thinking": false})
+    add_generation_prompt: StrictBool = True  # (vLLM's)
+    continue_final_message: StrictBool = False  # (vLLM's: the last message's text is continued, not closed)
 
 
 class CompletionRequest(Common):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # (strict: true is no token id)
-    max_tokens: int | None = None  # (null: 16, as OpenAI's)
-    logprobs: int | None = None
+    max_tokens: StrictInt | None = None  # (null: 16, as OpenAI's)
+    logprobs: StrictInt | None = None
 
 
 UNSUPPORTED = {  # option -> whether a value asks for something (the defaults clients send are no ask)
@@ -114,6 +133,9 @@ UNSUPPORTED = {  # option -> whether a value asks for something (the defaults cl
     "guided_json": bool, "guided_regex": bool, "guided_choice": bool, "guided_grammar": bool,
     "structured_outputs": bool, "allowed_token_ids": bool, "bad_words": bool, "use_beam_search": bool,
     "logits_processors": bool,
+    # OpenAI's that a text model served without tool-call parsing cannot honour (tool calls stay in the text)
+    "tool_choice": lambda v: v not in (None, "auto", "none"), "modalities": lambda v: v not in (None, ["text"]),
+    "audio": bool, "reasoning_effort": bool, "prediction": bool, "web_search_options": bool,
 }
 """OpenAI's (and vLLM's) request options this server does not apply: a request that asks for one is refused (400),
 not answered as if it had been applied."""
@@ -716,11 +738,13 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         try:
             temperature = 1.0 if req.temperature is None else req.temperature
             top_p = 1.0 if req.top_p is None else req.top_p
-            greedy = temperature == 0 or top_p == 0  # (top_p 0 keeps only the likeliest token, as OpenAI's)
+            # (top_p 0 keeps only the likeliest token, as OpenAI's; a temperature below 1e-5 is greedy, as vLLM's)
+            greedy = 0 <= temperature < GREEDY_BELOW or top_p == 0
             # (greedy draws nothing: its seed and temperature are dropped, so it batches with the other greedy
             # requests, not in a call of its own; its log-probs are at temperature 1 whatever was sent)
             return SamplingParams(n=n, temperature=1.0 if greedy else temperature, top_p=top_p or 1.0,
-                                  top_k=0 if req.top_k in (None, -1) else req.top_k, max_new_tokens=max_tokens,
+                                  top_k=0 if req.top_k in (None, -1) or req.top_k >= vocab else req.top_k,
+                                  max_new_tokens=max_tokens,
                                   stop=_stop_list(req.stop), seed=None if greedy else req.seed, greedy=greedy)
         except ValueError as e:  # SamplingParams names the field
             field = re.match(r"SamplingParams\.(\w+)", str(e))
@@ -813,8 +837,15 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         if not getattr(tok, "chat_template", None):
             raise RequestError("this model's tokenizer has no chat template; use /v1/completions", "messages")
         try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                          **({"tools": req.tools} if req.tools else {}))
+            if req.continue_final_message and req.add_generation_prompt:
+                raise RequestError("continue_final_message=true continues the last message: send it with "
+                                   "add_generation_prompt=false", "continue_final_message")
+            ids = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True,
+                                          continue_final_message=req.continue_final_message,
+                                          **({"tools": req.tools} if req.tools else {}),
+                                          **(req.chat_template_kwargs or {}))
+        except RequestError:
+            raise
         except Exception as e:  # noqa: BLE001 (the template's own checks, e.g. alternating roles)
             raise RequestError(f"the chat template refused the messages: {e}", "messages")
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
