@@ -40,6 +40,17 @@ def _count(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
+    return value
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
                    help="an optional YAML config file, then dotted key=value overrides")
@@ -89,10 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a config's model on an OpenAI-compatible HTTP endpoint")
     _add_config_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model's name in requests (default: the model folder's name)")
-    serve.add_argument("--max-batch", type=int, default=None, metavar="N",
+    serve.add_argument("--max-batch", type=_count, default=None, metavar="N",
                        help="requests generated together at most (default: rollout.max_batch)")
     serve.add_argument("--front-end", choices=["process", "thread"], default="process",
                        help="where HTTP is served: a process of its own (default; the generation never waits for it "

@@ -355,6 +355,15 @@ def test_numbers_out_of_range_and_asks_the_server_cannot_honour_get_400s(server)
                                   max_tokens=2, extra_body={"continue_final_message": True})
 
 
+@pytest.mark.parametrize("server", ["hf"], indirect=True)
+def test_a_plain_server_keeps_no_records_of_an_agents_calls(server):
+    """Only an RL run's endpoint (a policy set) keeps each episode's calls for its trainer: a plain server answered
+    with the episode header keeps nothing (was: every such request's choices, for good)."""
+    c = client(server).with_options(default_headers={"x-shardrl-episode": "e1"})
+    c.completions.create(model="tiny", prompt="a", max_tokens=2)
+    assert server.app.state.records == {}
+
+
 def test_a_client_that_went_away_is_dropped_before_its_batch(server, monkeypatch):
     """While a request generates (held until the second client is gone), a second client gives up (timeout) and
     disconnects: its request is not generated (counted as dropped; a stream took it in and ended it: cancelled)
@@ -865,3 +874,8 @@ def test_shardrl_serve_says_what_is_wrong_in_one_line(tmp_path, capsys):
         assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err  # (before the model: none here)
     with pytest.raises(SystemExit, match="at least one front-end"):
         cli_main(["serve", f"model.path={good}", "--front-ends", "0"])
+    for option, says in [(["--port", "99999"], "a port is 0 to 65535, got 99999"),
+                         (["--max-batch", "0"], "must be >= 1, got 0")]:
+        with pytest.raises(SystemExit):  # (argparse's usage error: exit status 2, one line)
+            cli_main(["serve", f"model.path={good}", *option])
+        assert says in capsys.readouterr().err

@@ -802,7 +802,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
 
     def record(request: Request, outs: list[dict]) -> None:
         episode = request.headers.get(EPISODE_HEADER)
-        if episode is not None:
+        if episode is not None and app.state.policy is not None:  # (an RL run's endpoint: its agent reads them)
             app_records.setdefault(episode, []).extend(outs)
 
     def versions(o: dict) -> dict:
