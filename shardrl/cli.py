@@ -288,6 +288,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     from shardrl.config import load_config
     from shardrl.rollout.frontend import listening_sockets
+    from shardrl.rollout.server import uvicorn_server
     from shardrl.serve import ServerProcess, build_app, build_engine
 
     if args.front_ends < 1:
@@ -305,7 +306,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
         print(f"serving {engine[1]!r} at http://{args.host}:{args.port}/v1 (front end: a thread of this process)",
               flush=True)
-        uvicorn.run(build_app(*engine), host=args.host, port=args.port, log_level="info")
+        uvicorn_server(uvicorn.Config(build_app(*engine), host=args.host, port=args.port, log_level="info")).run()
         return 0
     try:
         server = ServerProcess(*engine, host=args.host, port=args.port, log_level="info", front_ends=args.front_ends)

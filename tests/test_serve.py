@@ -741,6 +741,46 @@ def test_requests_arriving_as_streams_end_are_all_answered(tmp_path):
     assert EchoRollout.streams > 20  # (the streams did end and restart under the clients)
 
 
+@pytest.mark.parametrize("backend, front_end", [("hf", "process"), ("hf", "thread"), ("fast", "process")])
+def test_a_server_stopped_with_requests_in_flight_answers_them_503_and_ends_soon(tmp_path, backend, front_end):
+    """A long request generating (greedy, 20,000 tokens: minutes here) and another waiting behind it (other
+    settings) when the server stops: both clients get a 503 `server_stopping` within seconds, and the generation
+    ends (hf: its batch at the next step) instead of the front end waiting for it (was: 30 s, then the connections
+    cut without a response; a thread front end waited for the clients to give up)."""
+    save_char_model(tmp_path)
+    cfg = load_config(None, [f"model.path={tmp_path}", f"rollout.backend={backend}"])
+    if front_end == "process":
+        srv = ServerProcess(*build_engine(cfg, served_name="tiny", max_batch=8, stream=backend == "fast"))
+    else:
+        srv = Server(build_server(cfg, served_name="tiny", max_batch=8, stream=backend == "fast"))
+    batcher, answers = srv.batcher, {}
+
+    def ask(name: str, **options) -> None:
+        body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 20000, **options}).encode()
+        try:
+            answers[name] = post(srv, "completions", body, timeout=60)
+        except urllib.error.HTTPError as e:
+            answers[name] = (e.code, json.loads(e.read())["error"])
+        except Exception as e:  # noqa: BLE001 (a cut connection: what the test is against)
+            answers[name] = e
+
+    clients = [threading.Thread(target=ask, args=("long",), kwargs=dict(temperature=0))]
+    clients[0].start()
+    wait_for(lambda: not batcher.idle.is_set(), "the long request generating")
+    clients.append(threading.Thread(target=ask, args=("behind",), kwargs=dict(temperature=0.5, max_tokens=3)))
+    clients[1].start()
+    time.sleep(0.5)  # (it waits for the long one: other settings)
+    started = time.monotonic()
+    srv.stop()
+    for c in clients:
+        c.join(timeout=30)
+    took = time.monotonic() - started
+    assert answers.get("long", (None, {}))[0] == 503 and answers.get("behind", (None, {}))[0] == 503, answers
+    assert answers["long"][1]["code"] == "server_stopping" and "stopped" in answers["long"][1]["message"]
+    assert took < 15, took
+    assert batcher.idle.wait(10), "the generation kept running after the server stopped"
+
+
 @pytest.mark.parametrize("waiting", [False, True])
 def test_stopping_the_batcher_ends_its_stream_and_answers_every_request(tmp_path, waiting):
     """`Batcher.stop` while a stream decodes long requests (and, `waiting`, another waits for it to drain): the

@@ -27,7 +27,7 @@ import urllib.request
 from multiprocessing.connection import Client, Listener
 
 from shardrl.rollout.base import SamplingParams
-from shardrl.rollout.server import ALIVE_EVERY_S, Batcher, Dropped, build_app, free_port
+from shardrl.rollout.server import ALIVE_EVERY_S, Batcher, Dropped, Stopped, build_app, free_port, uvicorn_server
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,8 @@ class EngineService:
                     send(("ok", rid, future.result()))
                 elif isinstance(error, Dropped):
                     send(("dropped", rid))
+                elif isinstance(error, Stopped):
+                    send(("stopped", rid, str(error)))
                 else:
                     send(("error", rid, f"{type(error).__name__}: {error}"))
             except BaseException as e:  # noqa: BLE001 (an answer that cannot be sent: the request still ends)
@@ -122,6 +124,12 @@ class EngineService:
                                                       self.loop)
             future.add_done_callback(lambda f, rid=rid: answer(rid, f))
 
+    def stop_batcher(self) -> None:
+        """Every open request answered (503: the server is stopping) and the running rows ended; the answers go out
+        over the front ends' connections, which stay open."""
+        if not self.closed and not getattr(self.batcher, "stopped", False) and self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.batcher.stop(), self.loop).result(timeout=10)
+
     def close(self) -> None:
         """Stops taking requests; the front ends see their connections close (and stop). Idempotent."""
         if self.closed:
@@ -143,7 +151,8 @@ class EngineService:
                 pass
             conn.close()
         try:
-            asyncio.run_coroutine_threadsafe(self.batcher.stop(), self.loop).result(timeout=10)
+            if not getattr(self.batcher, "stopped", False):
+                asyncio.run_coroutine_threadsafe(self.batcher.stop(), self.loop).result(timeout=10)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.loop_thread.join(timeout=10)
@@ -169,7 +178,11 @@ class RemoteBatcher:
         threading.Thread(target=self._read, name="shardrl-front-read", daemon=True).start()
 
     async def stop(self) -> None:
-        self.closing = True
+        self.stopped = self.closing = True
+        for future in self.waiting.values():  # (the engine may answer them no more: said now, 503)
+            if not future.done():
+                future.set_exception(Stopped("the server stopped before this request was answered"))
+        self.waiting.clear()
         self.conn.close()
 
     def _send(self, message) -> None:
@@ -195,6 +208,8 @@ class RemoteBatcher:
             future.set_result(message[2])
         elif message[0] == "dropped":
             future.set_exception(Dropped())
+        elif message[0] == "stopped":
+            future.set_exception(Stopped(message[2]))
         else:
             future.set_exception(RuntimeError(message[2]))
 
@@ -243,7 +258,7 @@ def run_front_end(address, authkey: bytes, tokenizer, model_name: str, max_model
 
     logging.basicConfig(level=logging.INFO)
     app = build_app(RemoteBatcher(address, authkey, tokenizer), model_name, max_model_len, default_max_tokens)
-    uvicorn.Server(uvicorn.Config(app, log_level=log_level, **(uvicorn_options or {}))).run(sockets=[sock])
+    uvicorn_server(uvicorn.Config(app, log_level=log_level, **(uvicorn_options or {}))).run(sockets=[sock])
 
 
 def listening_sockets(host: str, port: int | None, n: int) -> list[socket.socket]:
@@ -364,6 +379,11 @@ class ServerProcess:
         if getattr(self, "stopped", False):
             return
         self.stopped = True
+        if self.engine is not None:  # (first: the front ends then answer their waiting clients, 503, and end)
+            try:
+                self.engine.stop_batcher()
+            except Exception:  # noqa: BLE001 (the processes are ended all the same)
+                log.exception("stopping the batcher failed")
         for process in self.processes:
             if process.is_alive():
                 process.terminate()

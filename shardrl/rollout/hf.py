@@ -84,6 +84,16 @@ class _StopStringCriteria(StoppingCriteria):
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
+class _Abort(StoppingCriteria):
+    """Ends every row once `abort()` (`Rollout.abort`) is true."""
+
+    def __init__(self, abort):
+        self.abort = abort
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), bool(self.abort()), dtype=torch.bool, device=input_ids.device)
+
+
 class HFRollout(Rollout):
     """Generation with `transformers`' `generate` on a model built from `hf_config` (weights arrive by
     `load_weights`). `micro_batch_size` prompts (times n samples) go into one `generate` call."""
@@ -174,6 +184,8 @@ class HFRollout(Rollout):
             processors.append(_WeightPoll(track, rows, ids.shape[1]))
         stopping = StoppingCriteriaList(
             [_StopStringCriteria(self.tokenizer, sampling.stop, ids.shape[1])] if sampling.stop else [])
+        if self.abort is not None:
+            stopping.append(_Abort(self.abort))
         sequences = self.model.generate(
             input_ids=ids, attention_mask=mask, generation_config=self._generation_config(sampling),
             logits_processor=LogitsProcessorList(processors), stopping_criteria=stopping,

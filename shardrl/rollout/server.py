@@ -145,6 +145,10 @@ ALIVE_EVERY_S = 0.1
 """How often a running stream asks whether its waiting clients are still connected (`due_for_check`)."""
 
 
+class Stopped(RuntimeError):
+    """A request the server did not answer because it is stopping: a 503 (code `server_stopping`)."""
+
+
 class RequestError(ValueError):
     """A bad request: answered with `status` and an OpenAI-style JSON error naming `param`."""
 
@@ -385,7 +389,8 @@ class Batcher:
 
     async def stop(self) -> None:
         """Stops taking requests: the running stream's rows end at its next host sync (waited for, up to 5 s; a batch
-        already generating runs to its end, unread), and every request not answered yet gets an error."""
+        already generating ends at its next step where the backend can (`Rollout.abort`), else runs to its end, unread),
+        and every request not answered yet gets an error (`Stopped`)."""
         self.stopped = True
         if getattr(self, "_switch_interval", None) is not None:
             sys.setswitchinterval(self._switch_interval)
@@ -399,14 +404,14 @@ class Batcher:
             for item in stream.unanswered():
                 stream.cancel(item)
         for item in list(self.open.values()):
-            _resolve(item.future, RuntimeError("the server stopped before this request was answered"))
+            _resolve(item.future, Stopped("the server stopped before this request was answered"))
         if stream is not None:
             await asyncio.wait({self.stream_task}, timeout=5)  # (it ends at its next sync)
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None,
                      session: str | None = None) -> list[dict]:
         if self.stopped:
-            raise RuntimeError("the server is stopping: it takes no more requests")
+            raise Stopped("the server is stopping: it takes no more requests")
         item = Pending(prompts, sampling, asyncio.get_running_loop().create_future(), alive, session)
         self.open[id(item)] = item
         item.future.add_done_callback(lambda _, key=id(item): self.open.pop(key, None))
@@ -591,7 +596,11 @@ class Batcher:
             ids[j, width - len(r):] = torch.tensor(r, dtype=torch.long)
             mask[j, width - len(r):] = 1
         kwargs = {"max_new_tokens": limits} if self.per_row_limits else {}
-        out = self.rollout.generate(ids, mask, sampling, **kwargs)
+        self.rollout.abort = lambda: self.stopped  # (a stop ends the batch where the backend can: nobody reads it)
+        try:
+            out = self.rollout.generate(ids, mask, sampling, **kwargs)
+        finally:
+            self.rollout.abort = None
         self.stats["batches"] += 1
         self.stats["requests"] += len(items)
         results: list[list[dict]] = [[] for _ in items]
@@ -679,6 +688,11 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
     @app.exception_handler(RequestError)
     async def refused(request, exc: RequestError):
         return error(exc.status, str(exc), exc.param, exc.code)
+
+    @app.exception_handler(Stopped)
+    async def stopping(request, exc):
+        return JSONResponse(status_code=503, content={"error": {
+            "message": str(exc), "type": "server_error", "param": None, "code": "server_stopping"}})
 
     @app.exception_handler(Dropped)
     async def dropped(request, exc):  # (nobody reads it: the client is gone)
@@ -911,6 +925,23 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def uvicorn_server(config):
+    """A `uvicorn.Server` for `config` (its app: `build_app`'s) that, when told to stop (SIGTERM, Ctrl-C,
+    `should_exit`), first stops the app's batcher: the requests still waiting are answered (503) and a running
+    generation ends, so that uvicorn's wait for the open connections is short (it waited for the generation)."""
+    import uvicorn
+
+    class StoppingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            try:
+                await config.app.state.batcher.stop()
+            except Exception:  # noqa: BLE001 (the rest of the shutdown still runs)
+                log.exception("stopping the batcher failed")
+            await super().shutdown(sockets=sockets)
+
+    return StoppingServer(config)
+
+
 class ServerThread:
     """An app served by uvicorn in a thread of this process on a free loopback port (`url`: its /v1 base)."""
 
@@ -921,7 +952,7 @@ class ServerThread:
 
         self.port = free_port(host)
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
+        self.server = uvicorn_server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + timeout_s
