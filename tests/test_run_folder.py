@@ -215,5 +215,15 @@ def test_a_run_that_stopped_in_its_first_step_leaves_no_folder_and_blocks_no_rer
     check_fresh(cfg, kept)
     (kept / "metrics.jsonl").write_text('{"step": 1}\n')
     assert held_run_records(kept) == ["metrics.jsonl"]
-    with pytest.raises(ValueError, match="holds another run"):
+    with pytest.raises(ValueError, match="holds another run") as e:
+        check_fresh(cfg, kept)
+    assert "resume=auto" not in str(e.value)  # (no checkpoint: nothing to continue)
+    # resume=auto with no checkpoint to continue from would start afresh over that run's records: refused too
+    auto = load_config(None, small(assets, "trainer.resume=auto"))
+    with pytest.raises(ValueError, match="no complete checkpoint to continue it from.*trainer.save_freq=0"):
+        check_fresh(auto, kept)
+    (kept / "checkpoints" / "step_000001").mkdir(parents=True)
+    (kept / "checkpoints" / "step_000001" / "COMPLETE").write_text("1\n")
+    check_fresh(auto, kept)  # (it continues that run)
+    with pytest.raises(ValueError, match="set trainer.resume=auto to continue that run"):
         check_fresh(cfg, kept)

@@ -214,15 +214,24 @@ def _locked_by_another(run_dir: Path) -> bool:
 
 
 def check_fresh(cfg: Config, run_dir: Path) -> None:
-    """A fresh run (`trainer.resume=never`) refuses a folder that holds another run: it would delete that run's
-    metrics and summary, and its checkpoint rotation would count the old run's checkpoints as its own."""
+    """A run that starts fresh in a folder holding another run refuses it: it would delete that run's metrics and
+    summary, and its checkpoint rotation would count the old run's checkpoints as its own. That is
+    `trainer.resume=never`, and `auto` where the folder has no complete checkpoint to continue from."""
     error = None
-    if _rank() == 0 and cfg.trainer.resume == "never" and run_dir.is_dir() and not _locked_by_another(run_dir):
+    if (_rank() == 0 and cfg.trainer.resume in ("never", "auto") and run_dir.is_dir()
+            and not _locked_by_another(run_dir)):
         held = held_run_records(run_dir)
-        if held:
+        resumable = has_complete_checkpoint(run_dir)
+        if held and cfg.trainer.resume == "never":
             error = (f"the run folder {run_dir} holds another run ({', '.join(held)}), and trainer.resume=never "
-                     "starts a fresh one, which would overwrite it: set trainer.resume=auto to continue that run, "
-                     "set trainer.output_dir to another folder, or move that run away first")
+                     "starts a fresh one, which would overwrite it: "
+                     + ("set trainer.resume=auto to continue that run, " if resumable else "")
+                     + "set trainer.output_dir to another folder, or move that run away first")
+        elif held and not resumable:
+            error = (f"the run folder {run_dir} holds another run ({', '.join(held)}) but no complete checkpoint to "
+                     "continue it from (it saved none: trainer.save_freq=0, or it stopped before its first save), so "
+                     "trainer.resume=auto would start afresh and overwrite it: set trainer.output_dir to another "
+                     "folder, or move that run away first")
     error = _from_rank_0(error)
     if error:
         raise ValueError(error)
