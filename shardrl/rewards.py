@@ -209,7 +209,19 @@ def _as_score(value) -> float:
 def check_ground_truths(dataset) -> None:
     """A ValueError when rows of `dataset` (a `data.PromptDataset`) whose data_source a built-in
     scorer scores have no ground truth: that scorer would compare every response with None and score 0 without
-    a word. The error names the fields those rows do have."""
+    a word. The error names the fields those rows do have. Rows whose data_source no built-in scorer scores are
+    refused too (at load, not when the first of them is drawn, perhaps hours in)."""
+    unknown: dict[str, int] = {}
+    for item in dataset.items:
+        if builtin_scorer(item["data_source"]) is None:
+            unknown[item["data_source"]] = unknown.get(item["data_source"], 0) + 1
+    if unknown:
+        said = ", ".join(f"{source!r} ({count} rows)" for source, count in sorted(unknown.items())[:5])
+        raise ValueError(
+            f"{', '.join(map(str, dataset.files))}: no built-in reward function scores the data_source of "
+            f"{sum(unknown.values())} of {len(dataset)} rows: {said}{' and more' if len(unknown) > 5 else ''}; "
+            f"known: {sorted(REWARD_FUNCTIONS)} and aime*. Set those rows' data_source to one of these, or score "
+            "with your own reward.function_path")
     missing = [item for item in dataset.items if builtin_scorer(item["data_source"]) is not None
                and (item["extra"] or {}).get("ground_truth") is None]
     if missing:

@@ -128,4 +128,11 @@ def test_rows_without_a_ground_truth_for_a_built_in_scorer_are_an_error_at_load(
         run(None, base + [f"data.train_files=[{rows}]"])
     with pytest.raises(ValueError, match=r"answers.jsonl: 2 of 2 rows have no ground truth"):  # validation rows too
         run(None, base + [f"data.val_files=[{rows}]"])
+    # one row of a data_source no built-in scores, among good ones: refused at load (it failed the step that drew it)
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(f'{{"prompt": "{a}+1=", "data_source": "arith", "ground_truth": "{a + 1}"}}\n'
+                             for a in range(6)) + '{"prompt": "x", "data_source": "gsm8k_strict", "ground_truth": "1"}\n')
+    with pytest.raises(ValueError, match=r"mixed.jsonl: no built-in reward function scores the data_source of 1 of 7 "
+                                         r"rows: 'gsm8k_strict' \(1 rows\); known: .*reward.function_path"):
+        run(None, base + [f"data.train_files=[{mixed}]"])
     assert not (tmp_path / "run").exists()  # refused before the run folder was made
