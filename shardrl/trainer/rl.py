@@ -31,6 +31,7 @@ from shardrl.metric_names import with_verl_names
 from shardrl.metrics import Max, Min, Sum, SumCount, reduce_metrics
 from shardrl.perf import model_shape, rl_step_flops, throughput_metrics
 from shardrl.reward_pool import RewardPool
+from shardrl.modelconfig import check_context
 from shardrl.rewards import RewardManager, check_ground_truths, load_reward_function
 from shardrl.rollout import SamplingParams
 from shardrl.rollout.interactions import prompt_tool_schemas
@@ -161,6 +162,13 @@ class RLTrainer:
                 check_ground_truths(dataset)
         check_vocab_sizes(cfg, len(self.tokenizer))
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
+        longest = max(len(item["prompt_ids"]) for dataset in filter(None, (self.train_set, self.val_set))
+                      for item in dataset.items)
+        check_context(policy_config, longest + cfg.rollout.max_new_tokens,
+                      f"the longest prompt ({longest} tokens) plus rollout.max_new_tokens={cfg.rollout.max_new_tokens}",
+                      f"model.path={cfg.model.path!r}" if cfg.model.path else "model.tiny",
+                      "lower rollout.max_new_tokens, or data.max_prompt_length (longer prompts are then dropped or cut: "
+                      "data.truncation)")
         check_router_replay(cfg, policy_config, self._say)
         if cfg.rollout.agent.entrypoint:  # a missing file or a sync function: refused before any model is built
             from shardrl.rollout.agent import load_entrypoint
