@@ -142,10 +142,12 @@ def save_char_model(folder: Path, seed: int = 0, **shape):
     return tok
 
 
-def interrupt_after_first_step(argv: list[str], run_dir: Path, stderr_path: Path, timeout_s: float = 300) -> int:
+def interrupt_after_first_step(argv: list[str], run_dir: Path, stderr_path: Path, timeout_s: float = 300,
+                               sigterm: bool = False) -> int:
     """Runs `python -m shardrl.cli *argv` in a session of its own, sends its process group SIGINT (what a terminal's
     Ctrl-C reaches: the launcher and its ranks) once `run_dir/metrics.jsonl` holds a step, and returns the exit
-    status; stderr goes to `stderr_path`."""
+    status; stderr goes to `stderr_path`. `sigterm`: SIGTERM to the launcher's process alone instead (what
+    `timeout`, `kill` and a scheduler send)."""
     import signal
     import subprocess
     import sys
@@ -162,7 +164,10 @@ def interrupt_after_first_step(argv: list[str], run_dir: Path, stderr_path: Path
                 assert proc.poll() is None, stderr_path.read_text()[-3000:]
                 assert time.time() < deadline, f"no step within {timeout_s} s"
                 time.sleep(0.05)
-            os.killpg(proc.pid, signal.SIGINT)
+            if sigterm:
+                os.kill(proc.pid, signal.SIGTERM)
+            else:
+                os.killpg(proc.pid, signal.SIGINT)
             return proc.wait(timeout=120)
         finally:
             if proc.poll() is None:

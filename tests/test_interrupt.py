@@ -47,6 +47,25 @@ def test_ctrl_c_is_one_line_status_130_and_still_writes_the_summary(assets, tmp_
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_to_the_launcher_stops_the_run_as_ctrl_c_does_with_status_143(assets, tmp_path, nproc):
+    """SIGTERM (a scheduler's, `timeout`'s, `kill`'s) to the process the user started: the run stops where it is
+    and writes its summary and curve, says so in one line, and exits 128 + SIGTERM (was: 143 with no summary in one
+    process, 130 with no line and no summary from the launcher)."""
+    run_dir = tmp_path / "run"
+    code = interrupt_after_first_step(
+        ["train", *small_demo_run(assets, run_dir, "trainer.total_steps=1000", "trainer.logger=[jsonl]"),
+         "--nproc-per-node", str(nproc)], run_dir, tmp_path / "stderr.txt", sigterm=True)
+    err = (tmp_path / "stderr.txt").read_text()
+    assert code == 143, err[-3000:]
+    steps = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    lines = [line for line in err.splitlines() if "stopped by" in line]
+    assert lines == [f"stopped by SIGTERM after {steps} of 1000 steps; summary {run_dir / 'summary.json'}, "
+                     f"reward curve {run_dir / 'reward_curve.png'}"], err[-3000:]
+    assert "Traceback" not in err
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps >= 1
+
+
 def train_and_list(overrides: list[str]) -> list[str]:
     from shardrl.trainer.main import run
 

@@ -21,6 +21,9 @@ _STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 def is_storage_error(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS
 _sigint_seen = False
+_stop_signal: int | None = None  # the signal that stopped the run (SIGINT or SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""Ctrl-C, and what schedulers, `timeout` and `kill` send: both stop the run where it is, with its summary."""
 
 
 def _setup_logging() -> None:
@@ -32,14 +35,39 @@ def _setup_logging() -> None:
 
 
 def _on_sigint(signum, frame) -> None:
-    """Ctrl-C (torchrun forwards it to every rank): stop where we are, once. Later SIGINTs are ignored so they
-    cannot cut the summary short; one landing while an exception already unwinds (a collective a stopped
+    """Ctrl-C or SIGTERM (torchrun forwards either to every rank): stop where we are, once. Later ones are ignored
+    so they cannot cut the summary short; one landing while an exception already unwinds (a collective a stopped
     peer left) lets that exception stop the run instead of replacing it mid-clean-up."""
-    global _sigint_seen
-    _sigint_seen = True
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    global _sigint_seen, _stop_signal
+    _sigint_seen, _stop_signal = True, signum
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     if sys.exc_info()[1] is None:
         raise KeyboardInterrupt
+
+
+def catch_stop_signals() -> dict:
+    """`_on_sigint` for SIGINT and SIGTERM (from the main thread); returns the handlers before, for
+    `restore_signals`."""
+    global _sigint_seen, _stop_signal
+    _sigint_seen, _stop_signal = False, None  # (a caller's process may run more than one training)
+    return {sig: signal.signal(sig, _on_sigint) for sig in STOP_SIGNALS}
+
+
+def restore_signals(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def interrupted_exit() -> int:
+    """128 + the signal that stopped the run, as a shell reports a program it stopped (Ctrl-C: 130, SIGTERM: 143)."""
+    return 128 + int(_stop_signal or signal.SIGINT)
+
+
+def launcher_interrupted_exit(e: BaseException) -> int:
+    """The launcher's status when torchrun stopped on a signal (its SignalException carries it) or Ctrl-C."""
+    sig = getattr(e, "sigval", None)
+    return 128 + int(sig) if sig is not None else INTERRUPTED_EXIT
 
 
 def _was_interrupted(e: BaseException) -> bool:
@@ -222,23 +250,20 @@ def train_main(args) -> int:
             torchrun(parse_args(argv))
         except ChildFailedError as e:  # the ranks have said why (a user error: rank 0's `error:` line)
             return _failed_ranks_status(e)
-        except (SignalException, KeyboardInterrupt):
-            return INTERRUPTED_EXIT
+        except (SignalException, KeyboardInterrupt) as e:
+            return launcher_interrupted_exit(e)
         return 0
-    global _sigint_seen
-    _sigint_seen = False  # a caller's process may run more than one training
     main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
-    previous = signal.signal(signal.SIGINT, _on_sigint) if main_thread else None
+    previous = catch_stop_signals() if main_thread else {}
     try:
         run(args.config, overrides)
     except BaseException as e:
         if not _was_interrupted(e):
             raise
         print(_interrupted_line(e if isinstance(e, KeyboardInterrupt) else KeyboardInterrupt()), file=sys.stderr)
-        return INTERRUPTED_EXIT
+        return interrupted_exit()
     finally:
-        if main_thread:
-            signal.signal(signal.SIGINT, previous)
+        restore_signals(previous)
     return 0
 
 
@@ -299,7 +324,9 @@ def _quiet_interrupted_finalizers() -> None:
 
 def _interrupted_line(e: KeyboardInterrupt) -> str:
     done = f"after {e}" if isinstance(e, RunInterrupted) else "before the first step"
-    return f"interrupted (Ctrl-C) {done}"
+    how = ("interrupted (Ctrl-C)" if _stop_signal in (None, signal.SIGINT)
+           else f"stopped by {signal.Signals(_stop_signal).name}")
+    return f"{how} {done}"
 
 
 def _die_with_launcher() -> None:
@@ -336,7 +363,7 @@ def _rank_main(argv: list[str]) -> int:
     config = None if argv and argv[0] == "--no-config" else (argv[0] if argv and "=" not in argv[0] else None)
     overrides = [a for a in argv if "=" in a]
     rank0 = int(os.environ.get("RANK", 0)) == 0
-    signal.signal(signal.SIGINT, _on_sigint)
+    catch_stop_signals()
     try:
         run(config, overrides)
     except BaseException as e:
@@ -344,7 +371,7 @@ def _rank_main(argv: list[str]) -> int:
             if rank0:
                 print(_interrupted_line(e if isinstance(e, KeyboardInterrupt) else KeyboardInterrupt()),
                       file=sys.stderr)
-            return INTERRUPTED_EXIT
+            return interrupted_exit()
         if isinstance(e, ValueError):
             if rank0:
                 print(f"error: {e}", file=sys.stderr)
