@@ -326,6 +326,10 @@ def derive_offline_layout(cfg, trainer: str, nnodes: int, nproc_per_node: int) -
     (a pair's two sequences always share one), and the token budget against data.max_length."""
     if nnodes < 1 or nproc_per_node < 1:
         raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must both be >= 1")
+    if trainer == "rm" and cfg.model.lora.rank > 0:  # here, so that `shardrl plan --trainer rm` says it too
+        raise ValueError(f"model.lora.rank={cfg.model.lora.rank}: the reward-model trainer (shardrl rm) does not "
+                         "support LoRA (it trains the whole model and its new score head); remove model.lora "
+                         "(set model.lora.rank=0 or drop it)")
     world, engine = nnodes * nproc_per_node, cfg.engine
     sp = engine.ulysses_sequence_parallel_size
     if sp < 1 or world % sp != 0:

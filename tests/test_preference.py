@@ -317,6 +317,48 @@ def _common(model_dir, pairs, run_dir) -> list[str]:
             f"trainer.output_dir={run_dir}", "trainer.device=cpu"]
 
 
+def test_a_bad_dpo_reference_or_rm_with_lora_is_one_error_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """dpo.ref_model_path is checked as model.path is, under its own key: a missing folder, and a vocabulary smaller
+    than the tokenizer's (was: "model.path=... is not a folder", and an IndexError mid-step). `shardrl rm` with
+    model.lora is refused as `shardrl plan --trainer rm` refuses it (was: the plan passed it, the run failed on
+    "this engine has a 'score' head")."""
+    import transformers
+
+    import shardrl.trainer.offline as offline
+    from shardrl.cli import main
+    from shardrl.testing import save_char_model
+
+    monkeypatch.setattr(offline, "build_engine", lambda *a, **k: pytest.fail("a model was loaded"))
+    save_char_model(tmp_path / "model")  # 53 tokens
+    small_vocab = tmp_path / "small_vocab"
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "model")
+    config.vocab_size = 20
+    config.save_pretrained(small_vocab)
+    common = _common(tmp_path / "model", _sum_pairs(tmp_path), tmp_path / "run") + ["trainer.total_steps=1"]
+
+    def error_of(argv: list[str]) -> str:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        return [line for line in err.splitlines() if line.startswith("error: ")][0]
+
+    assert error_of(["dpo", *common, "dpo.ref_model_path=/nonexistent"]) == (
+        "error: dpo.ref_model_path='/nonexistent' is not a folder; give a local Hugging Face model folder (nothing "
+        "is downloaded from the hub)")
+    resize = (f"has a vocabulary of 20 tokens, smaller than the tokenizer's 53 (from '{tmp_path / 'model'}'): ids >= "
+              "20 have no embedding. Use the tokenizer made for this model (model.tokenizer_path), or grow the model's "
+              "embeddings to match: model.resize_token_embeddings(53); model.save_pretrained(folder)")
+    assert error_of(["dpo", *common, f"dpo.ref_model_path={small_vocab}"]) == (
+        f"error: dpo.ref_model_path='{small_vocab}' {resize}")
+    assert error_of(["dpo", *common, f"model.path={small_vocab}", f"model.tokenizer_path={tmp_path / 'model'}"]) == (
+        f"error: model.path='{small_vocab}' {resize}")
+    no_lora = ("error: model.lora.rank=4: the reward-model trainer (shardrl rm) does not support LoRA (it trains the "
+               "whole model and its new score head); remove model.lora (set model.lora.rank=0 or drop it)")
+    assert error_of(["plan", *common, "--trainer", "rm", "model.lora.rank=4"]) == no_lora
+    assert error_of(["rm", *common, "model.lora.rank=4"]) == no_lora
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.multiproc
 def test_dpo_learns_the_preferences_resumes_and_exports(tmp_path):
     import transformers

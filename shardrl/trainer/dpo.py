@@ -20,7 +20,7 @@ from shardrl.config import DPOConfig, LoRAConfig
 from shardrl.engine import build_engine
 from shardrl.metrics import SumCount, row_means
 from shardrl.trainer.offline import PairTrainer, rank_main
-from shardrl.trainer.roles import AdaptersOff
+from shardrl.trainer.roles import AdaptersOff, ModelPath
 
 
 def pair_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> dict:
@@ -65,6 +65,11 @@ class DPOTrainer(PairTrainer):
             ref_model = self.cfg.model if s.ref_model_path is None else dataclasses.replace(
                 self.cfg.model, path=s.ref_model_path, tiny=None, lora=LoRAConfig())
             self.ref = build_engine(ref_model, self.cfg.engine, None, mesh=self.mesh)
+
+    def model_paths(self):
+        s = self.cfg.dpo
+        ref = [ModelPath("dpo.ref_model_path", s.ref_model_path)]
+        return super().model_paths() + (ref if PREFERENCE_LOSSES[s.loss_type].uses_ref and s.ref_model_path else [])
 
     def before_update(self, batch):
         if self.ref is not None:

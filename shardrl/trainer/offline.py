@@ -37,6 +37,7 @@ from shardrl.metrics import Sum, reduce_metrics
 from shardrl.tokenizer import load_tokenizer
 from shardrl.trainer.generation import the_device
 from shardrl.trainer.logger import MetricsLogger, check_sinks_installed
+from shardrl.trainer.roles import ModelPath, check_vocabularies
 from shardrl.trainer.state import resolve_total_epochs
 from shardrl.trainer.run_folder import claim_run_dir, prepare_run_dir, release_run_dir, write_summary
 
@@ -69,6 +70,7 @@ class OfflineTrainer(abc.ABC):
                              "e.g. data.train_files=[rows.jsonl]")
         self.train_set = self.load_rows(d.train_files)  # the cheap checks before any model loads
         self.val_set = self.load_rows(d.val_files) if d.val_files else None
+        check_vocabularies(cfg, self.model_paths(), len(self.tokenizer))
         if cfg.trainer.total_epochs is not None:  # before the LR schedule reads total_steps
             line = resolve_total_epochs(cfg.trainer, len(self.train_set), d.batch_size)
             if self.rank == 0:
@@ -107,6 +109,11 @@ class OfflineTrainer(abc.ABC):
 
     def build_more(self) -> None:
         """Engines beyond the trained one (a reference model)."""
+
+    def model_paths(self) -> list[ModelPath]:
+        """The models the run loads (`build_more`'s too), checked before any loads."""
+        task = "seq_cls" if self.head == "score" else "causal_lm"
+        return [ModelPath("model.path", self.cfg.model.path, self.cfg.model.tiny, task, new_head_ok=True)]
 
     # ---- the loop -----------------------------------------------------------------------------------
     def _say(self, text: str) -> None:

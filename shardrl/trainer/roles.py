@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from shardrl.config import Config, LoRAConfig
 from shardrl.distributed import ParallelDims
@@ -12,23 +13,40 @@ from shardrl.engine.model import check_tiny_shape, load_hf_config
 from shardrl.modelconfig import text_config
 from shardrl.step_plan import StepPlan
 
+
+class ModelPath(NamedTuple):
+    """A model a run loads, by the config key that names its folder (`path`; None: `tiny`, model.tiny)."""
+
+    key: str
+    path: str | None
+    tiny: dict | None = None
+    task: str = "causal_lm"
+    """`load_hf_config`'s: "causal_lm", or "seq_cls" (a reward model)."""
+    new_head_ok: bool = False
+
+
 def check_vocab_sizes(cfg: Config, tokenizer_size: int) -> None:
-    """Every model that reads the tokenizer's ids (policy, critic, reward model) has an embedding row for
-    each: a token id past the vocabulary fails only mid-run (an index error, or a CUDA device assert)."""
-    tokenizer_at = cfg.model.tokenizer_path or cfg.model.path
+    """The RL run's models that read the tokenizer's ids (policy, critic, reward model): `check_vocabularies`."""
     plan = StepPlan.from_config(cfg)
-    models = [("model.path", cfg.model.path, cfg.model.tiny, "causal_lm")]
+    models = [ModelPath("model.path", cfg.model.path, cfg.model.tiny)]
     if plan.needs_critic and cfg.critic.model_path:
-        models.append(("critic.model_path", cfg.critic.model_path, None, "causal_lm"))
+        models.append(ModelPath("critic.model_path", cfg.critic.model_path))
     if plan.reward_model:
-        models.append(("reward.model_path", cfg.reward.model_path, None, "seq_cls"))
-    for key, path, tiny, task in models:
-        config = load_hf_config(path, tiny, cfg.model.trust_remote_code, task)
-        if tiny:  # heads that do not cut the width fail only at the first forward, as a tensor-size error
-            check_tiny_shape(text_config(config), "head_dim" in tiny)
+        models.append(ModelPath("reward.model_path", cfg.reward.model_path, task="seq_cls"))
+    check_vocabularies(cfg, models, tokenizer_size)
+
+
+def check_vocabularies(cfg: Config, models: list[ModelPath], tokenizer_size: int) -> None:
+    """Every model in `models` is a model folder (its errors name its key) with an embedding row for each of the
+    tokenizer's ids: a token id past the vocabulary fails only mid-run (an index error, or a CUDA device assert)."""
+    tokenizer_at = cfg.model.tokenizer_path or cfg.model.path
+    for m in models:
+        config = load_hf_config(m.path, m.tiny, cfg.model.trust_remote_code, m.task, m.new_head_ok, key=m.key)
+        if m.tiny:  # heads that do not cut the width fail only at the first forward, as a tensor-size error
+            check_tiny_shape(text_config(config), "head_dim" in m.tiny)
         vocab = getattr(text_config(config), "vocab_size", None)
         if vocab is not None and vocab < tokenizer_size:
-            where = f"{key}={path!r}" if path else "model.tiny"
+            where = f"{m.key}={m.path!r}" if m.path else "model.tiny"
             raise ValueError(
                 f"{where} has a vocabulary of {vocab} tokens, smaller than the tokenizer's {tokenizer_size} "
                 f"(from {tokenizer_at!r}): ids >= {vocab} have no embedding. Use the tokenizer made for this model "
