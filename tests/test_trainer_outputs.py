@@ -197,6 +197,34 @@ def test_a_metrics_file_cut_short_drops_its_last_line_and_resumes(tmp_path, capl
         read_metrics(path)
 
 
+def test_plot_draws_the_loss_of_a_run_without_rewards(tmp_path, monkeypatch, capsys):
+    """`shardrl plot` on an sft/dpo/rm run drew an empty reward chart (and matplotlib's no-legend warning)."""
+    import warnings
+
+    import matplotlib.axes
+
+    from shardrl.cli import main as cli_main
+    from shardrl.plot import choose_curves
+
+    drawn, plot = [], matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *a, **k: drawn.append((a, k)) or plot(ax, *a, **k))
+    log_steps(tmp_path, ["jsonl"], [{"dpo/loss": loss, "rewards/accuracies": 0.5} for loss in (0.7, 0.6, 0.4)])
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "val/loss": 0.5}) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cli_main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "loss_curve.png").is_file() and not (tmp_path / "reward_curve.png").exists()
+    assert [(list(a[0]), list(a[1]), k["label"]) for a, k in drawn] == [
+        ([1, 2, 3], [0.7, 0.6, 0.4], "train loss (dpo/loss)"), ([3], [0.5], "validation loss")]
+    assert choose_curves([{"step": 1, "reward/mean": 0.2, "actor/loss": 1.0}], tmp_path)[0] == "reward"
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "timing/step_s": 1.0}) + "\n")
+    capsys.readouterr()
+    assert cli_main(["plot", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
+    assert (f"error: {tmp_path / 'metrics.jsonl'} holds no reward (reward/mean) and no loss (sft/loss, dpo/loss, "
+            "rm/loss) to plot" in capsys.readouterr().err) and not (tmp_path / "x.png").exists()
+
+
 def test_a_full_disk_while_logging_names_the_metrics_file(tmp_path):
     import errno
 
