@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, TypeVar
 
@@ -29,6 +31,7 @@ from shardrl.configload import (
     nearest,
     require,
     save_config,
+    unknown_keys,
     validate_config,
 )
 
@@ -860,8 +863,93 @@ class TrainerConfig:
         require(self, prefix, "nproc_per_node", self.nproc_per_node >= 1, "must be >= 1")
 
 
+KEY_ALIASES = {
+    "learning_rate": "lr", "max_grad_norm": "clip_grad", "grad_clip": "clip_grad", "clip_grad_norm": "clip_grad",
+    "adam_epsilon": "eps", "epsilon": "eps", "adam_betas": "betas", "lr_scheduler_type": "lr_schedule",
+    "lr_scheduler": "lr_schedule", "scheduler": "lr_schedule", "num_warmup_steps": "warmup_steps",
+    "lr_warmup_steps": "warmup_steps", "lr_warmup_steps_ratio": "warmup_ratio", "max_steps": "total_steps",
+    "total_training_steps": "total_steps", "num_train_epochs": "total_epochs", "epochs": "total_epochs",
+    "save_steps": "save_freq", "eval_steps": "val_freq", "test_freq": "val_freq", "save_total_limit": "keep_last",
+    "per_device_train_batch_size": "micro_batch_size_per_gpu",
+    "ppo_micro_batch_size_per_gpu": "micro_batch_size_per_gpu", "r": "rank", "lora_rank": "rank",
+    "lora_alpha": "alpha", "lora_dropout": "dropout", "max_seq_length": "max_length", "max_seq_len": "max_length",
+    "model_name_or_path": "path", "enable_gradient_checkpointing": "gradient_checkpointing",
+}
+"""Names other frameworks (Hugging Face's Trainer, TRL, peft, verl) give a key of ours, by its last part: an unknown
+key's error suggests ours in the same section (`actor.optim.learning_rate` -> `actor.optim.lr`), where spelling
+alone would point elsewhere (`clip_grad`)."""
+
+
+class _Command:
+    """What the config of each training command (`COMMAND_CONFIGS`) shares."""
+
+    key_aliases = KEY_ALIASES
+    validates_before_train = False
+    """Whether trainer.val_before_train is read (`shardrl train` only)."""
+
+    @classmethod
+    def other_command_hint(cls, path: str, data: dict) -> str | None:
+        """For a file the loader refused: when its top-level keys are another command's (a `shardrl dpo` file given
+        to `shardrl train` has engine, optim and dpo), which command reads it and how to run it; else None."""
+        names = {str(k) for k in data}
+        mine = {f.name for f in dataclasses.fields(cls)}
+        if names <= mine:
+            return None
+        fits = [c for c, other in COMMAND_CONFIGS.items()
+                if other is not cls and names <= {f.name for f in dataclasses.fields(other)}]
+        whole = [c for c in fits if not unknown_keys(COMMAND_CONFIGS[c], data)]  # rm.yaml: dpo and rm, not sft
+        if not (fits := whole or fits):
+            return None
+        named = set(re.split(r"[^a-z]+", os.path.basename(path).lower()))
+        first, *others = sorted(fits, key=lambda c: c not in named)  # rm.yaml fits sft, dpo and rm: rm first
+        this = next(c for c, other in COMMAND_CONFIGS.items() if other is cls)
+        foreign = sorted(names - mine)
+        plan = "" if first == "train" else f" --trainer {first}"
+        also = f" (or {', '.join(f'`shardrl {c}`' for c in others)})" if others else ""
+        return (f"config file {path!r} looks like a `shardrl {first}`{also} config, not a "
+                f"`shardrl {this}` one ({', '.join(foreign)} {'is' if len(foreign) == 1 else 'are'} no "
+                f"`shardrl {this}` key{'' if len(foreign) == 1 else 's'}): run it with `shardrl {first} {path}`, "
+                f"or plan it with `shardrl plan {path}{plan}`")
+
+    def ignored_settings(self) -> list[str]:
+        """Settings this config gives that nothing will read, each as a line to warn with (a run goes on)."""
+        lines = []
+        validates = self.trainer.val_freq or (self.trainer.val_before_train and self.validates_before_train)
+        if self.data.val_files and not validates:
+            lines.append(f"data.val_files={self.data.val_files} is never read: trainer.val_freq=0 turns validation "
+                         "off (set trainer.val_freq to validate every that many steps)")
+        if validates and not self.data.val_files:
+            given = (f"trainer.val_freq={self.trainer.val_freq}" if self.trainer.val_freq
+                     else "trainer.val_before_train=true")
+            lines.append(f"{given} is never used: data.val_files is empty, so there is nothing to validate on (give "
+                         "data.val_files=[...] to validate)")
+        lora, off = self.model.lora, LoRAConfig()
+        if not lora.rank:
+            given = [f"model.lora.{k}" for k in ("alpha", "dropout", "target_modules", "use_rslora")
+                     if getattr(lora, k) != getattr(off, k)]
+            if given:
+                lines.append(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but model.lora.rank=0: "
+                             "LoRA is off and every weight trains (set model.lora.rank to train adapters)")
+        default_budget = EngineConfig().max_token_len_per_gpu
+        seen = set()
+        for key, engine in self.engines():
+            setting = (engine.use_dynamic_bsz, engine.max_token_len_per_gpu)
+            if engine.use_dynamic_bsz or engine.max_token_len_per_gpu == default_budget or setting in seen:
+                continue  # (a role that took the actor's engine settings is the actor's line)
+            seen.add(setting)
+            lines.append(f"{key}.max_token_len_per_gpu={engine.max_token_len_per_gpu} is never read: it is the token "
+                         f"budget of dynamic micro-batches, and {key}.use_dynamic_bsz=false cuts micro-batches by "
+                         f"{key}.micro_batch_size_per_gpu={engine.micro_batch_size_per_gpu} samples instead (set "
+                         f"{key}.use_dynamic_bsz=true to cut them by tokens)")
+        return lines
+
+    def engines(self) -> list[tuple[str, EngineConfig]]:
+        """Each engine section of this config and its key."""
+        return [("engine", self.engine)]
+
+
 @dataclass
-class Config:
+class Config(_Command):
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model (and tokenizer)."""
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -910,25 +998,19 @@ class Config:
                 elif f"{role}.{name}" not in given:
                     setattr(section, name, value)
 
+    validates_before_train = True
+
+    def engines(self) -> list[tuple[str, EngineConfig]]:
+        return [(f"{role}.engine", getattr(self, role).engine) for role in ("actor", "ref", "critic", "reward")]
+
     def ignored_settings(self) -> list[str]:
-        """Settings this config gives that nothing will read, each as a line to warn with (a run goes on)."""
-        lines = []
-        if self.data.val_files and not self.trainer.val_freq and not self.trainer.val_before_train:
-            lines.append(f"data.val_files={self.data.val_files} is never read: trainer.val_freq=0 turns validation "
-                         "off (set trainer.val_freq to validate every that many steps)")
+        lines = super().ignored_settings()
         mt = self.rollout.multi_turn
         if not mt.enable and (mt.tools or mt.interaction_path or mt.tool_config_path):
             given = ("rollout.multi_turn.tools" if mt.tools else "rollout.multi_turn.interaction_path"
                      if mt.interaction_path else "rollout.multi_turn.tool_config_path")
             lines.append(f"{given} is set but rollout.multi_turn.enable=false: the rollout is single-turn and uses no "
                          "tools (set rollout.multi_turn.enable=true)")
-        lora, off = self.model.lora, LoRAConfig()
-        if not lora.rank:
-            given = [f"model.lora.{k}" for k in ("alpha", "dropout", "target_modules", "use_rslora")
-                     if getattr(lora, k) != getattr(off, k)]
-            if given:
-                lines.append(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but model.lora.rank=0: "
-                             "LoRA is off and every weight trains (set model.lora.rank to train adapters)")
         return lines
 
     def validate(self, prefix: str) -> None:
@@ -997,7 +1079,7 @@ def epochs_decide(trainer: TrainerConfig, given: set[str]) -> None:
         trainer.total_steps = None
 
 
-class _OfflineRunLength:
+class _OfflineRunLength(_Command):
     def inherit(self, given: set[str]) -> None:
         epochs_decide(self.trainer, given)
 
@@ -1131,6 +1213,10 @@ class RMConfig(_OfflineRunLength):
     """The loss."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run length (optimizer steps), checkpoints, logging, launch."""
+
+
+COMMAND_CONFIGS = {"train": Config, "sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig}
+"""The config each training command reads (`shardrl train` also `plan` and `serve`)."""
 
 
 def load_config(path: str | None = None, overrides: Iterable[str] = (), cls: type[T] = Config) -> T:

@@ -18,6 +18,7 @@ the root) so messages name the full key. Every user mistake is a `ConfigError` (
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -88,10 +89,12 @@ def _unknown_key(key: str, cls: type, prefix: str) -> ConfigError:
     if hint:
         return ConfigError(f"unknown config key {key!r}: {hint}")
     candidates = [join_key(prefix, k) for k in config_keys(cls)]
-    close = difflib.get_close_matches(key, candidates, n=1)
+    parent, _, leaf = key.rpartition(".")
+    ours = getattr(cls, "key_aliases", {}).get(leaf)  # HF's `learning_rate` is closer to `clip_grad` than to `lr`
+    close = [join_key(parent, ours)] if ours and join_key(parent, ours) in candidates else []
+    close = close or difflib.get_close_matches(key, candidates, n=1)
     if not close:  # `lr=1e-5` at the root: offer the keys that end the same way
-        leaf = key.rsplit(".", 1)[-1]
-        close = [c for c in candidates if c.rsplit(".", 1)[-1] == leaf][:3]
+        close = [c for c in candidates if c.rsplit(".", 1)[-1] in (leaf, ours)][:3]
     if close:
         hint = "; did you mean " + " or ".join(repr(c) for c in close) + "?"
     else:
@@ -220,8 +223,36 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
 
 
 def _merge(section: Any, data: dict, prefix: str, scope: tuple[type, str] | None = None) -> None:
+    scope = scope or (type(section), prefix)
     for name, value in data.items():
-        _set(section, [str(name)], value, None, prefix, scope or (type(section), prefix))
+        name = str(name)
+        if "." in name and all(name.split(".")):
+            raise _dotted_in_yaml(section, name, value, prefix, scope)
+        _set(section, [name], value, None, prefix, scope)
+
+
+def _dotted_in_yaml(section: Any, name: str, value: Any, prefix: str, scope: tuple[type, str]) -> ConfigError:
+    """The error for a dotted key inside YAML (`model.lora.rank: 4`): YAML keys nest, dots are for overrides. Read
+    as one key it is unknown, and the nearest known key is itself; so the message shows it nested."""
+    parts = name.split(".")
+    try:  # on a copy: is it a key at all, and which?
+        _set(copy.deepcopy(section), parts, value, None, prefix, scope)
+    except ConfigError as e:
+        if str(e).startswith("unknown config key"):
+            return ConfigError(f"{e} (and in a YAML file keys nest, one level per line; dots are for key=value "
+                               "overrides)")
+    nested: Any = value
+    for part in reversed(parts):
+        nested = {part: nested}
+    where = f" under {prefix!r}" if prefix else ""
+    return ConfigError(f"config key {name!r}{where} is dotted, but in a YAML file keys nest: write {parts[0]}: {_flow(nested[parts[0]])} "
+                       f"(or {', '.join(p + ':' for p in parts)} each on a line of its own, indented under the one "
+                       f"before); dotted keys are for key=value overrides ({join_key(prefix, name)}={_flow(value)})")
+
+
+def _flow(value: Any) -> str:
+    """`value` as one line of YAML (`{lora: {rank: 4}}`)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=float("inf")).removesuffix("\n...\n").strip()
 
 
 def _set(section: Any, parts: list[str], value: Any, raw: str | None, prefix: str, scope: tuple[type, str]) -> None:
@@ -324,6 +355,18 @@ def validate_config(cfg: Any, prefix: str = "") -> None:
         cfg.validate(prefix)
 
 
+def unknown_keys(cls: type, data: dict, prefix: str = "") -> list[str]:
+    """The dotted keys of a nested mapping that `cls` has no field for (a plain dict field takes any key below it)."""
+    hints, unknown = _hints(cls), []
+    for name, value in data.items():
+        key = join_key(prefix, str(name))
+        if str(name) not in hints:
+            unknown.append(key)
+        elif dataclasses.is_dataclass(hints[str(name)]) and isinstance(value, dict):
+            unknown += unknown_keys(hints[str(name)], value, key)
+    return unknown
+
+
 def given_keys(data: dict, prefix: str = "") -> set[str]:
     """The dotted keys a nested mapping sets, sections included (`{"ref": {"engine": {...}}}` -> ref, ref.engine,
     ...)."""
@@ -344,7 +387,14 @@ def load(cls: type[T], path: str | None = None, overrides: Iterable[str] = ()) -
     if isinstance(overrides, str):
         raise ConfigError(f"overrides must be a list of key=value strings, got the string {overrides!r}")
     data = read_yaml(path) if path is not None else {}
-    cfg = from_dict(cls, data) if path is not None else cls()
+    try:
+        cfg = from_dict(cls, data) if path is not None else cls()
+    except ConfigError:
+        other_command = getattr(cls, "other_command_hint", None)  # a `shardrl dpo` file given to `shardrl train`
+        hint = other_command(path, data) if other_command else None
+        if hint:
+            raise ConfigError(hint) from None
+        raise
     given = given_keys(data)
     for override in overrides:
         apply_override(cfg, override)

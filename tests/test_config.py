@@ -108,6 +108,11 @@ def test_no_file_gives_defaults_and_other_top_level_classes_load():
     ("data.train_batch_size=6",
      "invalid config value actor.ppo_mini_batch_size=4: must divide data.train_batch_size=6"),
     ("rollout.n=1", "invalid config value rollout.n=1: algorithm.adv_estimator='grpo'"),
+    # another framework's name for a key: ours, not the nearest spelling (learning_rate is nearer clip_grad)
+    ("actor.optim.learning_rate=1e-5", "unknown config key 'actor.optim.learning_rate'; did you mean 'actor.optim.lr'?"),
+    ("critic.optim.max_grad_norm=1", "did you mean 'critic.optim.clip_grad'?"),
+    ("model.lora.lora_alpha=16", "did you mean 'model.lora.alpha'?"),
+    ("learning_rate=1e-5", "did you mean 'actor.optim.lr' or 'critic.optim.lr'?"),
 ])
 def test_bad_override_message(override, expected):
     with pytest.raises(ConfigError) as info:
@@ -263,6 +268,56 @@ def test_plan_refuses_a_misspelt_model_tiny_key(capsys):
     assert "['hiden_size'] are not keys of the 'qwen2' config" in capsys.readouterr().err
 
 
+def test_a_file_of_another_command_says_which_command_reads_it(tmp_path):
+    """`shardrl train sft.yaml` or `shardrl plan dpo.yaml` (no --trainer dpo) named 'ref.engine' for the file's
+    'engine'; the file's top-level keys are another command's, and the error says which and how to run it."""
+    from shardrl.config import DPOConfig, RMConfig, SFTConfig
+
+    dpo = write_yaml(tmp_path / "dpo.yaml", {"model": {"path": "m"}, "engine": {"use_dynamic_bsz": True},
+                                             "optim": {"lr": 1e-6}, "dpo": {"beta": 0.1}})
+    with pytest.raises(ConfigError) as info:
+        load_config(dpo)
+    assert str(info.value) == (f"config file {dpo!r} looks like a `shardrl dpo` config, not a `shardrl train` one "
+                               f"(dpo, engine, optim are no `shardrl train` keys): run it with `shardrl dpo {dpo}`, "
+                               f"or plan it with `shardrl plan {dpo} --trainer dpo`")
+    with pytest.raises(ConfigError, match=r"looks like a `shardrl dpo` config, not a `shardrl rm` one \(dpo is no "):
+        load_config(dpo, cls=RMConfig)
+    sft = write_yaml(tmp_path / "sft.yaml", {"engine": {"max_token_len_per_gpu": 4096}, "optim": {"lr": 1e-5},
+                                             "data": {"messages_key": "chat"}})
+    with pytest.raises(ConfigError, match=r"looks like a `shardrl sft` config, .* `shardrl sft .*sft.yaml`"):
+        load_config(sft)
+    # pairs fit both dpo and rm: the one the file is named after comes first
+    rm = write_yaml(tmp_path / "my_rm.yaml", {"engine": {}, "optim": {}, "data": {"chosen_key": "good"}})
+    with pytest.raises(ConfigError, match=r"looks like a `shardrl rm` \(or `shardrl dpo`\) config, .*--trainer rm`$"):
+        load_config(rm)
+    rl = write_yaml(tmp_path / "rl.yaml", {"actor": {"ppo_epochs": 1}, "rollout": {"n": 4}, "trainer": {}})
+    with pytest.raises(ConfigError, match=r"looks like a `shardrl train` config, not a `shardrl sft` one \(actor, "
+                                          r"rollout are no `shardrl sft` keys\): .* `shardrl plan [^ ]*rl.yaml`$"):
+        load_config(rl, cls=SFTConfig)
+    # a file of this command with a misspelt key keeps the plain message
+    with pytest.raises(ConfigError, match=r"^unknown config key 'dpo\.bta'; did you mean 'dpo\.beta'\?$"):
+        load_config(write_yaml(tmp_path / "typo.yaml", {"dpo": {"bta": 0.1}}), cls=DPOConfig)
+
+
+def test_a_dotted_key_in_yaml_says_that_yaml_keys_nest(tmp_path):
+    """`model.lora.rank: 4` in a file was 'unknown config key 'model.lora.rank'; did you mean 'model.lora.rank'?'."""
+    path = write_yaml(tmp_path / "run.yaml", {"model.lora.rank": 4})
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == ("config key 'model.lora.rank' is dotted, but in a YAML file keys nest: write model: "
+                               "{lora: {rank: 4}} (or model:, lora:, rank: each on a line of its own, indented under "
+                               "the one before); dotted keys are for key=value overrides (model.lora.rank=4)")
+    path = write_yaml(tmp_path / "run.yaml", {"actor": {"optim.lr": 1e-5}})
+    with pytest.raises(ConfigError, match=r"config key 'optim\.lr' under 'actor' is dotted, .*write optim: \{lr: "
+                                          r"1\.0e-05\} .*\(actor\.optim\.lr=1\.0e-05\)$"):
+        load_config(path)
+    path = write_yaml(tmp_path / "run.yaml", {"model.lora.rnk": 4})  # misspelt too: the nearest key, and the nesting
+    with pytest.raises(ConfigError, match=r"^unknown config key 'model\.lora\.rnk'; did you mean 'model\.lora\.rank'"
+                                          r"\? \(and in a YAML file keys nest"):
+        load_config(path)
+    assert load_config(write_yaml(tmp_path / "run.yaml", {"model": {"lora": {"rank": 4}}})).model.lora.rank == 4
+
+
 def test_settings_nothing_reads_are_named():
     assert load_config(None, []).ignored_settings() == []
     lines = load_config(None, ["data.val_files=[v.jsonl]", "trainer.val_freq=0",
@@ -276,6 +331,38 @@ def test_settings_nothing_reads_are_named():
     assert lines == ["model.lora.alpha, model.lora.target_modules are set but model.lora.rank=0: LoRA is off and "
                      "every weight trains (set model.lora.rank to train adapters)"]
     assert load_config(None, ["model.lora.alpha=32", "model.lora.rank=8"]).ignored_settings() == []
+
+
+def test_validation_without_files_and_a_token_budget_without_dynamic_batches_are_named():
+    from shardrl.config import DPOConfig, SFTConfig
+
+    no_files = ("trainer.val_freq=1 is never used: data.val_files is empty, so there is nothing to validate on (give "
+                "data.val_files=[...] to validate)")
+    assert load_config(None, ["trainer.val_freq=1"]).ignored_settings() == [no_files]
+    assert load_config(None, ["trainer.val_freq=1"], cls=SFTConfig).ignored_settings() == [no_files]
+    assert load_config(None, ["trainer.val_before_train=true"]).ignored_settings() == [
+        no_files.replace("trainer.val_freq=1", "trainer.val_before_train=true")]
+    assert load_config(None, ["trainer.val_freq=1", "data.val_files=[v.jsonl]"], cls=SFTConfig).ignored_settings() == []
+    assert load_config(None, ["data.val_files=[v.jsonl]"], cls=SFTConfig).ignored_settings()[0].startswith(
+        "data.val_files=['v.jsonl'] is never read: trainer.val_freq=0")
+    # the actor's budget without dynamic batches: one line (ref, critic and reward take the actor's engine settings)
+    assert load_config(None, ["actor.engine.max_token_len_per_gpu=5"]).ignored_settings() == [
+        "actor.engine.max_token_len_per_gpu=5 is never read: it is the token budget of dynamic micro-batches, and "
+        "actor.engine.use_dynamic_bsz=false cuts micro-batches by actor.engine.micro_batch_size_per_gpu=1 samples "
+        "instead (set actor.engine.use_dynamic_bsz=true to cut them by tokens)"]
+    assert load_config(None, ["actor.engine.max_token_len_per_gpu=5",
+                              "actor.engine.use_dynamic_bsz=true"]).ignored_settings() == []
+    lines = load_config(None, ["ref.engine.max_token_len_per_gpu=6"]).ignored_settings()
+    assert [line.split(" ")[0] for line in lines] == ["ref.engine.max_token_len_per_gpu=6"]
+    lines = load_config(None, ["actor.engine.use_dynamic_bsz=true", "critic.engine.use_dynamic_bsz=false",
+                               "critic.engine.max_token_len_per_gpu=7"]).ignored_settings()
+    assert [line.split(" ")[0] for line in lines] == ["critic.engine.max_token_len_per_gpu=7"]
+    lines = load_config(None, ["engine.use_dynamic_bsz=false", "engine.max_token_len_per_gpu=5"],
+                        cls=DPOConfig).ignored_settings()
+    assert lines == ["engine.max_token_len_per_gpu=5 is never read: it is the token budget of dynamic micro-batches, "
+                     "and engine.use_dynamic_bsz=false cuts micro-batches by engine.micro_batch_size_per_gpu=1 samples "
+                     "instead (set engine.use_dynamic_bsz=true to cut them by tokens)"]
+    assert load_config(None, ["engine.max_token_len_per_gpu=5"], cls=DPOConfig).ignored_settings() == []
 
 
 def test_messages_that_used_to_mislead(tmp_path, capsys, caplog):

@@ -118,6 +118,17 @@ def test_the_sft_step_is_the_same_on_two_processes_and_with_sequence_parallelism
 
 
 @pytest.mark.multiproc
+def test_a_setting_sft_does_not_read_is_warned_about(tmp_path, caplog):
+    """trainer.val_freq with no data.val_files validated nothing, silently (the files without val_freq warned)."""
+    from shardrl.cli import main
+    from shardrl.testing import save_char_model
+
+    save_char_model(tmp_path / "model")
+    with caplog.at_level("WARNING"):  # (no train_files: it stops right after the warnings, before any model loads)
+        assert main(["sft", f"model.path={tmp_path / 'model'}", "trainer.val_freq=5", "trainer.device=cpu"]) == 2
+    assert "trainer.val_freq=5 is never used: data.val_files is empty" in caplog.text
+
+
 def test_sft_learns_checkpoints_resumes_and_exports(tmp_path):
     from shardrl.cli import main
 
@@ -142,5 +153,6 @@ def test_sft_learns_checkpoints_resumes_and_exports(tmp_path):
     assert len(val) == 4 and val[0] > val[1] > val[-1]  # held-out loss falls at every validation
     # from a random model's ln(vocab) to well under half of it: the answers (and their end) got far likelier
     assert records[0]["sft/loss"] > 3.5 and records[-1]["sft/loss"] < 0.5 * records[0]["sft/loss"]
+    assert main(["plot", str(run_dir)]) == 0 and (run_dir / "loss_curve.png").is_file()  # sft/loss: no reward
     hf = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf_model")
     assert sum(p.numel() for p in hf.parameters()) > 0

@@ -64,6 +64,9 @@ class OfflineTrainer(abc.ABC):
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         self.layout = derive_offline_layout(cfg, self.name, world // per_node, per_node)
         if cfg.trainer.export_lora_adapter and cfg.model.lora.rank == 0:
+        for line in cfg.ignored_settings():
+            if self.rank == 0:
+                log.warning(line)
             raise ValueError("trainer.export_lora_adapter needs model.lora.rank > 0 (there are no adapters to write)")
         if not d.train_files:
             raise ValueError("data.train_files is empty; give the files to train on (jsonl, json or parquet), "
