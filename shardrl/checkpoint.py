@@ -285,20 +285,40 @@ class CheckpointManager:
             if not (path / name).is_dir():
                 saved = sorted(p.name for p in path.iterdir() if (p / ".metadata").is_file())
                 raise ValueError(f"checkpoint {path} has no engine {name!r}; it holds {saved}")
-        for name, engine in engines.items():
-            engine.load(path / name)
-        if restore_rng:
-            rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
-            if rng_file.is_file():
-                set_rng_state(torch.load(rng_file, weights_only=False))
-            else:  # saved on fewer ranks: this rank keeps its own seeding
-                log.warning("checkpoint %s has no RNG state for rank %d (saved at a smaller world size)",
-                            path, _rank())
-        extra = torch.load(path / "extra.pt", weights_only=False)
+        try:
+            for name, engine in engines.items():
+                engine.load(path / name)
+            if restore_rng:
+                rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+                if rng_file.is_file():
+                    set_rng_state(torch.load(rng_file, weights_only=False))
+                else:  # saved on fewer ranks: this rank keeps its own seeding
+                    log.warning("checkpoint %s has no RNG state for rank %d (saved at a smaller world size)",
+                                path, _rank())
+            extra = torch.load(path / "extra.pt", weights_only=False)
+        except (ValueError, KeyboardInterrupt, SystemExit):  # (ValueError: a checkpoint of another model, named)
+            raise
+        except BaseException as e:  # noqa: BLE001 (a file cut short or corrupt, DCP's CheckpointException a
+            raise self._unreadable(path, e) from e  # BaseException: said with what to do)
         m = STEP_RE.match(path.name)
         step = int(m.group(1)) if m else int(json.loads((path / "trainer_state.json").read_text())["step"])
         _barrier()
         return Checkpoint(step=step, path=path, extra=extra)
+
+    def _unreadable(self, path: Path, error: BaseException) -> ValueError:
+        """Why the complete checkpoint `path` could not be read, and the other complete ones to resume from."""
+        failures = getattr(error, "failures", None)  # (DCP's CheckpointException: each rank's own error)
+        if failures:
+            rank, (inner, _) = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+            said = f"rank {rank}: {type(inner).__name__}: {' '.join(str(inner).split())}"
+        else:
+            said = f"{type(error).__name__}: {' '.join(str(error).split())}"
+        said = said if len(said) <= 300 else said[:300] + " ..."
+        others = [str(p) for _, p in self.complete_checkpoints() if p.resolve() != path.resolve()]
+        fix = (f"resume from an earlier one with trainer.resume=<path> ({', '.join(others[-3:])})" if others
+               else "there is no other complete checkpoint here; start afresh in another trainer.output_dir")
+        return ValueError(f"checkpoint {path} is marked complete but cannot be read ({said}); its files may be "
+                          f"damaged (a disk or copy that cut them short): {fix}")
 
     def load_latest(self, engines: Mapping[str, "Engine"], restore_rng: bool = True) -> Checkpoint | None:
         """Loads the newest complete checkpoint; None when there is none (a fresh start)."""

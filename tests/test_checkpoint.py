@@ -10,6 +10,7 @@ restored shows.
 from __future__ import annotations
 
 import os
+import shutil
 import random
 import signal
 import time
@@ -136,6 +137,14 @@ def mismatch_run(root: str, other_root: str):
         manager.load_latest({"critic": engine})
     except ValueError as e:
         errors["no_such_engine"] = str(e)
+    damaged = Path(root).parent / "damaged"  # (the newest checkpoint's weights cut short, as a full disk leaves them)
+    shutil.copytree(root, damaged)
+    for shard in (damaged / "step_000003" / "actor").glob("*.distcp"):
+        os.truncate(shard, 100)
+    try:
+        CheckpointManager(damaged).load_latest({"actor": make_engine()})
+    except ValueError as e:
+        errors["damaged"] = str(e)
     out["errors"] = errors
     engine = make_engine()
     CheckpointManager(Path(root).parent / "from_hsdp").load_latest({"actor": engine})
@@ -249,6 +258,9 @@ def test_checkpoint_of_other_model_is_a_clear_error(mismatch):
     msg = mismatch["errors"]["other_vocab"]
     assert "of another shape" in msg and "embed_tokens.weight: checkpoint (101, 32), model (103, 32)" in msg
     assert "has no engine 'critic'" in mismatch["errors"]["no_such_engine"]
+    msg = mismatch["errors"]["damaged"]  # (a file cut short: named, with the checkpoint before it to resume from)
+    assert msg.startswith("checkpoint ") and "step_000003 is marked complete but cannot be read" in msg, msg
+    assert "trainer.resume=<path>" in msg and "step_000002" in msg and "(rank 0: EOFError: Ran out of input)" in msg
 
 
 def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):

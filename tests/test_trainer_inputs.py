@@ -159,3 +159,30 @@ def test_rows_without_a_ground_truth_for_a_built_in_scorer_are_an_error_at_load(
                                          r"rows: 'gsm8k_strict' \(1 rows\); known: .*reward.function_path"):
         run(None, base + [f"data.train_files=[{mixed}]"])
     assert not (tmp_path / "run").exists()  # refused before the run folder was made
+
+
+def test_sequences_past_the_models_context_are_refused_at_load(assets, tmp_path, capsys):
+    """A prompt plus rollout.max_new_tokens (RL), or a conversation (SFT), longer than the model's context: refused
+    at load, naming the config key that says the context (was: an index error mid-step for absolute positions,
+    positions the model never learned for rotary ones)."""
+    import json
+
+    from shardrl.testing import save_char_model
+    from shardrl.trainer.main import run
+
+    base = small(assets, tmp_path / "run")
+    with pytest.raises(ValueError, match=r"the longest prompt \(\d+ tokens\) plus rollout.max_new_tokens=70 is \d+ "
+                                         r"tokens, past the context of model.path=.*\(max_position_embeddings=64 in "
+                                         r"its config.json\): lower rollout.max_new_tokens"):
+        run(None, base + ["rollout.max_new_tokens=70"])
+    assert not (tmp_path / "run").exists()
+    model = tmp_path / "short"
+    save_char_model(model, max_position_embeddings=8)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "response": str(2 * a)}) + "\n" for a in range(4)))
+    capsys.readouterr()
+    assert cli_main(["sft", f"model.path={model}", f"data.train_files=[{rows}]", "data.batch_size=2",
+                     f"trainer.output_dir={tmp_path / 'sft'}", "trainer.device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "the longest sequence of the data is" in err and "max_position_embeddings=8" in err, err
+    assert "lower data.max_length=1024" in err and not (tmp_path / "sft").exists()

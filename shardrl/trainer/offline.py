@@ -16,7 +16,6 @@ from __future__ import annotations
 import abc
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -32,8 +31,10 @@ from shardrl.config import config_to_dict, load_config
 from shardrl.data import PromptLoader
 from shardrl.distributed import ParallelDims, init_distributed
 from shardrl.engine import build_engine
+from shardrl.engine.model import load_hf_config
 from shardrl.layout import derive_offline_layout
 from shardrl.metrics import Sum, reduce_metrics
+from shardrl.modelconfig import check_context
 from shardrl.tokenizer import load_tokenizer
 from shardrl.trainer.generation import the_device
 from shardrl.trainer.logger import MetricsLogger, check_sinks_installed
@@ -63,16 +64,23 @@ class OfflineTrainer(abc.ABC):
         world = dist.get_world_size()  # the layout as torchrun made it, checked as `shardrl plan --trainer` does
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         self.layout = derive_offline_layout(cfg, self.name, world // per_node, per_node)
-        if cfg.trainer.export_lora_adapter and cfg.model.lora.rank == 0:
         for line in cfg.ignored_settings():
             if self.rank == 0:
                 log.warning(line)
+        if cfg.trainer.export_lora_adapter and cfg.model.lora.rank == 0:
             raise ValueError("trainer.export_lora_adapter needs model.lora.rank > 0 (there are no adapters to write)")
         if not d.train_files:
             raise ValueError("data.train_files is empty; give the files to train on (jsonl, json or parquet), "
                              "e.g. data.train_files=[rows.jsonl]")
         self.train_set = self.load_rows(d.train_files)  # the cheap checks before any model loads
         self.val_set = self.load_rows(d.val_files) if d.val_files else None
+        longest = max(len(item[ids]) for dataset in filter(None, (self.train_set, self.val_set))
+                      for item in dataset.items for ids in ("input_ids", "chosen_ids", "rejected_ids") if ids in item)
+        model_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code,
+                                      "seq_cls" if self.head == "score" else "causal_lm", new_head_ok=True)
+        check_context(model_config, longest, "the longest sequence of the data",
+                      f"model.path={cfg.model.path!r}" if cfg.model.path else "model.tiny",
+                      f"lower data.max_length={d.max_length} with data.truncation=drop or right")
         check_vocabularies(cfg, self.model_paths(), len(self.tokenizer))
         if cfg.trainer.total_epochs is not None:  # before the LR schedule reads total_steps
             line = resolve_total_epochs(cfg.trainer, len(self.train_set), d.batch_size)
@@ -275,22 +283,20 @@ def offline_main(trainer_cls: type[OfflineTrainer], args) -> int:
             torchrun(parse_args(argv + ([args.config] if args.config else []) + list(args.overrides)))
         except ChildFailedError as e:
             return m._failed_ranks_status(e)
-        except (SignalException, KeyboardInterrupt):
-            return m.INTERRUPTED_EXIT
+        except (SignalException, KeyboardInterrupt) as e:
+            return m.launcher_interrupted_exit(e)
         return 0
-    m._sigint_seen = False
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, m._on_sigint) if main_thread else None
+    previous = m.catch_stop_signals() if main_thread else {}
     try:
         run_offline(trainer_cls, args.config, list(args.overrides))
     except BaseException as e:
         if not m._was_interrupted(e):
             raise
         print(m._interrupted_line(e if isinstance(e, KeyboardInterrupt) else KeyboardInterrupt()), file=sys.stderr)
-        return m.INTERRUPTED_EXIT
+        return m.interrupted_exit()
     finally:
-        if main_thread:
-            signal.signal(signal.SIGINT, previous)
+        m.restore_signals(previous)
     return 0
 
 
@@ -301,7 +307,7 @@ def rank_main(trainer_cls: type[OfflineTrainer], argv: list[str]) -> int:
     m._die_with_launcher()
     m._setup_logging()
     rank0 = int(os.environ.get("RANK", 0)) == 0
-    signal.signal(signal.SIGINT, m._on_sigint)
+    m.catch_stop_signals()
     try:
         run_offline(trainer_cls, argv[0] if argv and "=" not in argv[0] else None, [a for a in argv if "=" in a])
     except BaseException as e:
@@ -309,7 +315,7 @@ def rank_main(trainer_cls: type[OfflineTrainer], argv: list[str]) -> int:
             if rank0:
                 print(m._interrupted_line(e if isinstance(e, KeyboardInterrupt) else KeyboardInterrupt()),
                       file=sys.stderr)
-            return m.INTERRUPTED_EXIT
+            return m.interrupted_exit()
         if isinstance(e, ValueError):
             if rank0:
                 print(f"error: {e}", file=sys.stderr)
