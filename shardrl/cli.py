@@ -141,6 +141,8 @@ def plan_main(args: argparse.Namespace) -> int:
         cfg = load_config(None, verl_overrides(args.config, list(args.overrides), args.config_path, args.config_name))
     else:  # the config train would run (the demo's, without a config or a model: its assets are made by its first run)
         cfg = load_config(args.config, resolve_overrides(args.config, list(args.overrides), make_demo_assets=False))
+    for line in cfg.ignored_settings():  # (as the run would warn)
+        print(f"warning: {line}", file=sys.stderr)
     nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
     nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc_per_node
     layout = derive_offline_layout(cfg, args.trainer, nnodes, nproc) if offline else derive_layout(cfg, nnodes, nproc)

@@ -22,6 +22,13 @@ def test_plan_json_holds_the_derived_numbers(capsys):
     assert out["memory_skipped"] is None
 
 
+def test_plan_warns_of_settings_the_run_would_ignore_as_the_run_does(capsys):
+    assert main(["plan", TINY, "trainer.val_freq=5", "--json"]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)  # (the JSON stays clean: the warning goes to stderr)
+    assert "warning: " in captured.err and "trainer.val_freq" in captured.err and "data.val_files" in captured.err
+
+
 def test_plan_reads_a_yaml_file_and_the_trainer_world(tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"trainer": {"nproc_per_node": 2}, "data": {"train_batch_size": 4},
