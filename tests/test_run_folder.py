@@ -225,5 +225,15 @@ def test_a_run_that_stopped_in_its_first_step_leaves_no_folder_and_blocks_no_rer
     (kept / "checkpoints" / "step_000001").mkdir(parents=True)
     (kept / "checkpoints" / "step_000001" / "COMPLETE").write_text("1\n")
     check_fresh(auto, kept)  # (it continues that run)
+    # ... with the model it trained: another model.path is refused (it would load that run's weights as this model)
+    from shardrl.trainer.run_folder import check_same_model
+
+    (kept / "config.yaml").write_text(f"model:\n  path: {tmp_path / 'other_model'}\n")
+    with pytest.raises(ValueError, match=r"trained model.path=.*other_model.*, with model.path=.*: set "
+                                         r"trainer.output_dir"):
+        check_same_model(auto, kept)
+    check_same_model(cfg, kept)  # (resume=never: nothing is continued)
+    (kept / "config.yaml").write_text(f"model:\n  path: {auto.model.path}\n")
+    check_same_model(auto, kept)
     with pytest.raises(ValueError, match="set trainer.resume=auto to continue that run"):
         check_fresh(cfg, kept)

@@ -237,6 +237,29 @@ def check_fresh(cfg: Config, run_dir: Path) -> None:
         raise ValueError(error)
 
 
+def check_same_model(cfg: Config, run_dir: Path) -> None:
+    """`trainer.resume=auto` continues the run in `run_dir` only with the model that run trained (its config.yaml's
+    model.path): resuming another model's checkpoint would load its weights under this run's name, and the
+    folder's config.yaml would then name a model the weights never came from."""
+    error = None
+    if _rank() == 0 and cfg.trainer.resume == "auto" and has_complete_checkpoint(run_dir):
+        try:
+            import yaml
+
+            saved = (yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}).get("model") or {}
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            saved = {}  # (no readable config: nothing to compare)
+        before, now = saved.get("path"), getattr(cfg.model, "path", None)
+        if before and now and Path(before).resolve() != Path(now).resolve():
+            error = (f"trainer.resume=auto would continue the run in {run_dir}, which trained model.path={before!r}, "
+                     f"with model.path={now!r}: set trainer.output_dir (or trainer.experiment_name) for a new run "
+                     f"of this model, or resume that run with its own model.path (if it is the same model moved, "
+                     f"edit model.path in {run_dir / CONFIG_FILE})")
+    error = _from_rank_0(error)
+    if error:
+        raise ValueError(error)
+
+
 def prepare_run_dir(cfg: Config) -> Path:
     """The run folder (`run_folder.choose_run_dir`), the same on every rank, checked writable (and, for a fresh
     run, free of another run) before anything loads. Nothing is created here: the trainer claims the folder once
@@ -244,6 +267,7 @@ def prepare_run_dir(cfg: Config) -> Path:
     run_dir = choose_run_dir(cfg)
     check_writable(run_dir)
     check_fresh(cfg, run_dir)
+    check_same_model(cfg, run_dir)
     return run_dir
 
 
