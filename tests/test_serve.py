@@ -496,6 +496,22 @@ def test_a_client_that_leaves_while_it_generates_ends_its_rows(server, monkeypat
     assert batcher.stats["requests"] - before["requests"] == 1
 
 
+@pytest.mark.parametrize("server", ["hf"], indirect=True)
+def test_a_batch_whose_every_client_left_ends_at_its_next_step(server):
+    """A batch (hf) whose only client gave up: it ends at its next step (`Rollout.abort`), counted as cancelled,
+    and the next request is answered in seconds (was: after the 20,000 tokens nobody would read)."""
+    batcher = server.batcher
+    before = dict(batcher.stats)
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 20000, "temperature": 0}).encode()
+    with pytest.raises(TimeoutError):
+        post(server, "completions", body, timeout=1)
+    started = time.monotonic()
+    res = client(server).with_options(timeout=30).completions.create(model="tiny", prompt="b", max_tokens=2,
+                                                                     temperature=0)
+    assert res.choices[0].model_extra["token_ids"] and time.monotonic() - started < 15
+    wait_for(lambda: batcher.stats["cancelled"] > before["cancelled"], "the abandoned request counted")
+
+
 @pytest.mark.parametrize("server", ["fast"], indirect=True)  # (batches take every waiting request in turn)
 def test_a_request_with_other_settings_is_not_starved_by_a_busy_stream(server):
     """Streaming: requests at one temperature keep a stream busy; one at another temperature, waiting with them when

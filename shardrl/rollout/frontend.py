@@ -120,6 +120,8 @@ class EngineService:
             async def alive(rid=rid) -> bool:
                 return rid not in cancelled
 
+            alive.left = lambda rid=rid: rid in cancelled  # (asked by a generation thread: `server._left`)
+
             future = asyncio.run_coroutine_threadsafe(self.batcher.submit(prompts, sampling, alive, session),
                                                       self.loop)
             future.add_done_callback(lambda f, rid=rid: answer(rid, f))

@@ -157,6 +157,13 @@ class RequestError(ValueError):
         self.param, self.status, self.code = param, status, code
 
 
+def _left(item) -> bool:
+    """Whether `item`'s client has left, asked from any thread (an `alive` with a `left` attribute: build_app's,
+    the engine service's); False where it cannot be told without the event loop."""
+    left = getattr(item.alive, "left", None)
+    return left is not None and left()
+
+
 @dataclass
 class Pending:
     """One request's prompts waiting for a batch."""
@@ -570,6 +577,10 @@ class Batcher:
         for item, out in zip(chunk, outs):
             if item.future.done():
                 continue
+            if _left(item):  # (its client gone: the batch may have ended early for it, `Rollout.abort`)
+                self.stats["cancelled"] += 1
+                _resolve(item.future, Dropped())
+                continue
             if isinstance(out, Exception):
                 item.future.set_exception(out)
             else:
@@ -596,7 +607,8 @@ class Batcher:
             ids[j, width - len(r):] = torch.tensor(r, dtype=torch.long)
             mask[j, width - len(r):] = 1
         kwargs = {"max_new_tokens": limits} if self.per_row_limits else {}
-        self.rollout.abort = lambda: self.stopped  # (a stop ends the batch where the backend can: nobody reads it)
+        # a stop, or every client of the batch gone, ends it where the backend can (hf): nobody would read it
+        self.rollout.abort = lambda: self.stopped or all(_left(item) for item in items)
         try:
             out = self.rollout.generate(ids, mask, sampling, **kwargs)
         finally:
@@ -785,6 +797,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
 
         watcher = asyncio.ensure_future(watch())
         connected.gone = watcher  # (a waiter can wait on it instead of asking)
+        connected.left = watcher.done  # (and a generation thread ask without the loop: `_left`)
         try:
             return await batcher.submit(prompts, sampling, connected, session(request, req))
         finally:
