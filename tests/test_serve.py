@@ -563,6 +563,12 @@ def test_seeded_requests_are_reproducible(server):
                                                                 temperature=1.0, seed=7) for _ in range(4)])
 
     assert [r.choices[0].model_extra["token_ids"] for r in asyncio.run(together())] == [alone] * 4
+    # a prompt's samples do not depend on the request's other prompts (each prompt a call of its own, as vLLM's)
+    many = c.completions.create(model="tiny", prompt=[PROMPTS[0], PROMPTS[2]], max_tokens=12, temperature=1.0, seed=7,
+                                n=2)
+    pair = c.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=1.0, seed=7, n=2)
+    assert ([ch.model_extra["token_ids"] for ch in many.choices[2:]]
+            == [ch.model_extra["token_ids"] for ch in pair.choices])
 
 
 def test_stop_token_ids_end_a_reply_at_the_first_of_them(server):

@@ -587,7 +587,11 @@ class Batcher:
                 item.future.set_result(out)
 
     def _generate(self, items: list[Pending]) -> list[list[dict]]:
-        """One `generate` over every prompt of `items` (each prompt once per sample: n may differ per request)."""
+        """One `generate` over every prompt of `items` (each prompt once per sample: n may differ per request); a
+        seeded request (alone) one call per prompt, so that a prompt's samples do not depend on the others."""
+        if items[0].sampling.seed is not None and len(items) == 1 and len(items[0].prompts) > 1:
+            parts = [self._generate([dataclasses.replace(items[0], prompts=[p])])[0] for p in items[0].prompts]
+            return [[out for part in parts for out in part]]
         rows, owners = [], []
         for i, item in enumerate(items):
             for p in item.prompts:
