@@ -29,10 +29,12 @@ import errno
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -101,6 +103,21 @@ def _world() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _damaged(error: BaseException) -> bool:
+    """Whether `error`, raised reading a checkpoint, says its files are cut short or corrupt (DCP's
+    CheckpointException: whether every rank's own error does), not that something else failed."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        return all(_damaged(inner) for inner, _ in failures.values())
+    if isinstance(error, (EOFError, pickle.UnpicklingError, zipfile.BadZipFile)):
+        return True
+    if isinstance(error, OSError):  # (a file missing or unreadable; not a full or read-only disk's kind)
+        return error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENOMEM)
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in (
+        "PytorchStreamReader", "failed finding central directory", "unexpected EOF", "invalid header",
+        "Ran out of input"))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -296,10 +313,10 @@ class CheckpointManager:
                     log.warning("checkpoint %s has no RNG state for rank %d (saved at a smaller world size)",
                                 path, _rank())
             extra = torch.load(path / "extra.pt", weights_only=False)
-        except (ValueError, KeyboardInterrupt, SystemExit):  # (ValueError: a checkpoint of another model, named)
-            raise
-        except BaseException as e:  # noqa: BLE001 (a file cut short or corrupt, DCP's CheckpointException a
-            raise self._unreadable(path, e) from e  # BaseException: said with what to do)
+        except BaseException as e:  # (DCP's CheckpointException is a BaseException)
+            if _damaged(e):  # a file cut short or corrupt: said with what to do
+                raise self._unreadable(path, e) from e
+            raise  # (a checkpoint of another model, out of memory, a lost peer: as they are)
         m = STEP_RE.match(path.name)
         step = int(m.group(1)) if m else int(json.loads((path / "trainer_state.json").read_text())["step"])
         _barrier()

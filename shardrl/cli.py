@@ -308,8 +308,12 @@ def serve_main(args: argparse.Namespace) -> int:
 
         print(f"serving {engine[1]!r} at http://{args.host}:{args.port}/v1 (front end: a thread of this process)",
               flush=True)
-        uvicorn_server(uvicorn.Config(build_app(*engine), host=args.host, port=args.port, log_level="info")).run()
-        return 0
+        server = uvicorn_server(uvicorn.Config(build_app(*engine), host=args.host, port=args.port, log_level="info"))
+        try:
+            server.run()
+        except KeyboardInterrupt:  # (uvicorn raises Ctrl-C again after its graceful stop)
+            pass
+        return 0 if server.started else 3  # (3: its app did not start, as uvicorn.run says)
     try:
         server = ServerProcess(*engine, host=args.host, port=args.port, log_level="info", front_ends=args.front_ends)
     except RuntimeError as e:  # (a port taken, a front end that did not start: said in one line)

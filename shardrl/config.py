@@ -501,9 +501,10 @@ class ValSamplingConfig:
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "n", self.n >= 1, "must be >= 1")
-        require(self, prefix, "temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)")
+        require(self, prefix, "temperature", self.temperature == 0 or 1e-5 <= self.temperature <= 1e4,
+                "must be 0 (greedy) or in [1e-5, 1e4]")
         require(self, prefix, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
-        require(self, prefix, "top_k", self.top_k >= 0, "must be >= 0 (0 = off)")
+        require(self, prefix, "top_k", 0 <= self.top_k < 2**31, "must be in [0, 2**31) (0 = off)")
 
 
 @dataclass
@@ -592,9 +593,10 @@ class RolloutConfig:
         for key in self.fast_only_keys() if self.backend == "hf" else ():  # null: checked once resolved
             require(self, prefix, key, False, "applies to backend=fast only; set rollout.backend=fast or drop it")
         require(self, prefix, "n", self.n >= 1, "must be >= 1")
-        require(self, prefix, "temperature", self.temperature >= 0, "must be >= 0")
+        require(self, prefix, "temperature", self.temperature == 0 or 1e-5 <= self.temperature <= 1e4,
+                "must be 0 (greedy) or in [1e-5, 1e4]")
         require(self, prefix, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
-        require(self, prefix, "top_k", self.top_k >= 0, "must be >= 0 (0 = off)")
+        require(self, prefix, "top_k", 0 <= self.top_k < 2**31, "must be in [0, 2**31) (0 = off)")
         require(self, prefix, "max_new_tokens", self.max_new_tokens >= 1, "must be >= 1")
         require(self, prefix, "micro_batch_size", self.micro_batch_size >= 1, "must be >= 1")
         require(self, prefix, "agent", not (self.agent.entrypoint and self.multi_turn.enable),

@@ -261,6 +261,14 @@ def test_checkpoint_of_other_model_is_a_clear_error(mismatch):
     msg = mismatch["errors"]["damaged"]  # (a file cut short: named, with the checkpoint before it to resume from)
     assert msg.startswith("checkpoint ") and "step_000003 is marked complete but cannot be read" in msg, msg
     assert "trainer.resume=<path>" in msg and "step_000002" in msg and "(rank 0: EOFError: Ran out of input)" in msg
+    # only a file's damage is said so: out of memory or a lost peer is raised as it is (not "resume an earlier one")
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    assert ckpt._damaged(EOFError("Ran out of input")) and ckpt._damaged(FileNotFoundError(2, "gone"))
+    assert not ckpt._damaged(RuntimeError("CUDA out of memory")) and not ckpt._damaged(OSError(28, "disk full"))
+    assert ckpt._damaged(CheckpointException("load", {0: (EOFError(), None), 1: (EOFError(), None)}))
+    assert not ckpt._damaged(CheckpointException("load", {0: (EOFError(), None),
+                                                          1: (RuntimeError("Connection closed by peer"), None)}))
 
 
 def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):

@@ -102,6 +102,10 @@ def test_no_file_gives_defaults_and_other_top_level_classes_load():
     ("actor.clip_ratio_low=1.5", "invalid config value actor.clip_ratio_low=1.5: must be in [0, 1)"),
     ("actor.clip_ratio_c=1", "invalid config value actor.clip_ratio_c=1.0: must be > 1"),
     ("rollout.top_p=0", "invalid config value rollout.top_p=0.0"),
+    # the sampler's bounds, at load (not when the first rollout or validation samples with them)
+    ("rollout.temperature=1e-9", "invalid config value rollout.temperature=1e-09: must be 0 (greedy) or in [1e-5"),
+    ("rollout.val_kwargs.temperature=1e5", "rollout.val_kwargs.temperature=100000.0: must be 0 (greedy) or in"),
+    ("rollout.top_k=3000000000", "invalid config value rollout.top_k=3000000000: must be in [0, 2**31)"),
     ("rollout.attention=flash", "config key 'rollout.attention' must be one of 'auto', 'triton', 'sdpa'"),
     # fast-only keys with backend=hf: tests/test_defaults.py
     ("rollout.max_batch=0", "invalid config value rollout.max_batch=0: must be >= 1 or null"),

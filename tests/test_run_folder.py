@@ -218,21 +218,30 @@ def test_a_run_that_stopped_in_its_first_step_leaves_no_folder_and_blocks_no_rer
     with pytest.raises(ValueError, match="holds another run") as e:
         check_fresh(cfg, kept)
     assert "resume=auto" not in str(e.value)  # (no checkpoint: nothing to continue)
-    # resume=auto with no checkpoint to continue from would start afresh over that run's records: refused too
+    # resume=auto with no checkpoint to continue from (a requeued job stopped before its first save) starts afresh,
+    # that run's records kept aside in the folder, not overwritten
     auto = load_config(None, small(assets, "trainer.resume=auto"))
-    with pytest.raises(ValueError, match="no complete checkpoint to continue it from.*trainer.save_freq=0"):
-        check_fresh(auto, kept)
+    check_fresh(auto, kept)
+    claim_run_dir(auto, kept)
+    release_run_dir(kept)
+    aside = [p for p in kept.iterdir() if p.name.startswith("earlier_")]
+    assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert held_run_records(kept) == []
+    (kept / "metrics.jsonl").write_text('{"step": 1}\n')
     (kept / "checkpoints" / "step_000001").mkdir(parents=True)
     (kept / "checkpoints" / "step_000001" / "COMPLETE").write_text("1\n")
     check_fresh(auto, kept)  # (it continues that run)
     # ... with the model it trained: another model.path is refused (it would load that run's weights as this model)
     from shardrl.trainer.run_folder import check_same_model
 
+    (tmp_path / "other_model").mkdir()
     (kept / "config.yaml").write_text(f"model:\n  path: {tmp_path / 'other_model'}\n")
     with pytest.raises(ValueError, match=r"trained model.path=.*other_model.*, with model.path=.*: set "
                                          r"trainer.output_dir"):
         check_same_model(auto, kept)
     check_same_model(cfg, kept)  # (resume=never: nothing is continued)
+    (kept / "config.yaml").write_text("model:\n  path: models/moved\n")  # (relative, found nowhere here: no proof)
+    check_same_model(auto, kept)
     (kept / "config.yaml").write_text(f"model:\n  path: {auto.model.path}\n")
     check_same_model(auto, kept)
     with pytest.raises(ValueError, match="set trainer.resume=auto to continue that run"):

@@ -350,6 +350,12 @@ def test_numbers_out_of_range_and_asks_the_server_cannot_honour_get_400s(server)
                                     max_tokens=2, extra_body={"continue_final_message": True,
                                                               "add_generation_prompt": False})
     assert tok.decode(res.model_extra["prompt_token_ids"]) == "user: x\nassistant: ab"
+    res = c.chat.completions.create(model="tiny", messages=[user], max_tokens=2,  # (the kwargs win, as vLLM's)
+                                    extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert tok.decode(res.model_extra["prompt_token_ids"]) == "user: x\n"
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}  # (an assistant's refusal)
+    res = c.chat.completions.create(model="tiny", messages=[user, refused, user], max_tokens=2)
+    assert "assistant: no\n" in tok.decode(res.model_extra["prompt_token_ids"])
     with pytest.raises(openai.BadRequestError, match="add_generation_prompt=false"):
         c.chat.completions.create(model="tiny", messages=[user, {"role": "assistant", "content": "ab"}],
                                   max_tokens=2, extra_body={"continue_final_message": True})
@@ -941,3 +947,43 @@ def test_shardrl_serve_says_what_is_wrong_in_one_line(tmp_path, capsys):
         with pytest.raises(SystemExit):  # (argparse's usage error: exit status 2, one line)
             cli_main(["serve", f"model.path={good}", *option])
         assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("front_end", ["thread", "process"])
+def test_ctrl_c_stops_shardrl_serve_quietly(tmp_path, front_end):
+    """Ctrl-C on `shardrl serve` (its process group, as a terminal sends it): exit status 0 and no traceback (uvicorn
+    raises the Ctrl-C again after its graceful stop; a thread front end let it out as a KeyboardInterrupt)."""
+    import signal
+    import subprocess
+    import sys
+
+    save_char_model(tmp_path / "model")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "-m", "shardrl.cli", "serve", f"model.path={tmp_path / 'model'}",
+                             "--port", "0", "--front-end", front_end], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    try:
+        line = ""
+        while not line.startswith("serving "):  # (the model loaded; uvicorn's access lines may come first)
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, proc.stderr.read()[-2000:]
+        time.sleep(2)  # (a thread front end starts its uvicorn after that line)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
+def test_a_front_end_that_stopped_answers_a_new_request_503_not_500():
+    """A request reaching a front end between its stop and the closing of its sockets: `Stopped` (503), not an
+    OSError on the engine's closed connection (500)."""
+    from shardrl.rollout.frontend import RemoteBatcher
+    from shardrl.rollout.server import Stopped
+
+    remote = RemoteBatcher(("127.0.0.1", 1), b"key", tokenizer=None)
+    remote.stopped = True
+    with pytest.raises(Stopped, match="takes no more requests"):
+        asyncio.run(remote.submit([[3]], SamplingParams(max_new_tokens=2)))

@@ -167,13 +167,16 @@ def test_sequences_past_the_models_context_are_refused_at_load(assets, tmp_path,
     positions the model never learned for rotary ones)."""
     import json
 
+    import transformers
+
     from shardrl.testing import save_char_model
     from shardrl.trainer.main import run
 
     base = small(assets, tmp_path / "run")
     with pytest.raises(ValueError, match=r"the longest prompt \(\d+ tokens\) plus rollout.max_new_tokens=70 is \d+ "
-                                         r"tokens, past the context of model.path=.*\(max_position_embeddings=64 in "
-                                         r"its config.json\): lower rollout.max_new_tokens"):
+                                         r"tokens, past the context of model.path=.*\(64 positions: "
+                                         r"max_position_embeddings=64 in its config.json\): lower "
+                                         r"rollout.max_new_tokens"):
         run(None, base + ["rollout.max_new_tokens=70"])
     assert not (tmp_path / "run").exists()
     model = tmp_path / "short"
@@ -186,3 +189,12 @@ def test_sequences_past_the_models_context_are_refused_at_load(assets, tmp_path,
     err = capsys.readouterr().err
     assert "the longest sequence of the data is" in err and "max_position_embeddings=8" in err, err
     assert "lower data.max_length=1024" in err and not (tmp_path / "sft").exists()
+    # a rotary model scaled past its trained length (YaRN x4 over 8 positions): 32 fit
+    from shardrl.modelconfig import check_context, context_length
+
+    config = transformers.Qwen2Config(max_position_embeddings=8, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
+    assert context_length(config) == (32, "max_position_embeddings=8, rope scaling x4 of 8")
+    check_context(config, 32, "x", "y", "z")
+    with pytest.raises(ValueError, match=r"33 tokens, past the context of y \(32 positions"):
+        check_context(config, 33, "x", "y", "z")

@@ -133,12 +133,17 @@ class _CallThreads(concurrent.futures.ThreadPoolExecutor):
         thread = threading.Thread(target=call, name="shardrl-agent-call", daemon=True)
         with self.guard:
             self.running.add(thread)
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            with self.guard:
+                self.running.discard(thread)
+            raise
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self.guard:
-            left = len(self.running)
+        with self.guard:  # (asyncio.run asks twice: its executor's shutdown, then the loop's close; said once)
+            left, self.said = (0 if getattr(self, "said", False) else len(self.running)), True
         if left:
             log.warning("%d blocking call(s) of agent episodes that ended (asyncio.to_thread, run_in_executor) are "
                         "still running in threads; the step goes on without them", left)

@@ -228,6 +228,8 @@ class RemoteBatcher:
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None,
                      session: str | None = None) -> list[dict]:
+        if getattr(self, "stopped", False):
+            raise Stopped("the server is stopping: it takes no more requests")
         rid = next(self.ids)
         future = self.waiting[rid] = self.loop.create_future()
         try:

@@ -73,11 +73,11 @@ class Message(BaseModel):
     def for_template(self) -> dict:
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            others = [part.get("type") for part in self.content if part.get("type") != "text"]
+            others = [part.get("type") for part in self.content if part.get("type") not in ("text", "refusal")]
             if others:
                 raise RequestError(f"a content part of type {others[0]!r} is not supported by this server (it serves "
                                    "a text model): send text parts only", "messages")
-            message["content"] = "".join(part.get("text", "") for part in self.content)
+            message["content"] = "".join(part.get("text", part.get("refusal", "")) for part in self.content)
         message.setdefault("content", "")
         for call in message.get("tool_calls") or ():  # (OpenAI's arguments are a JSON string; templates render an
             function = call.get("function") if isinstance(call, dict) else None  # object: parsed, as vLLM does)
@@ -398,6 +398,8 @@ class Batcher:
         """Stops taking requests: the running stream's rows end at its next host sync (waited for, up to 5 s; a batch
         already generating ends at its next step where the backend can (`Rollout.abort`), else runs to its end, unread),
         and every request not answered yet gets an error (`Stopped`)."""
+        if self.stopped:  # (once: a uvicorn server stops it, then its lifespan again)
+            return
         self.stopped = True
         if getattr(self, "_switch_interval", None) is not None:
             sys.setswitchinterval(self._switch_interval)
@@ -871,10 +873,10 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
             if req.continue_final_message and req.add_generation_prompt:
                 raise RequestError("continue_final_message=true continues the last message: send it with "
                                    "add_generation_prompt=false", "continue_final_message")
-            ids = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True,
-                                          continue_final_message=req.continue_final_message,
-                                          **({"tools": req.tools} if req.tools else {}),
-                                          **(req.chat_template_kwargs or {}))
+            options = {"add_generation_prompt": req.add_generation_prompt,  # (the kwargs win, as vLLM's)
+                       "continue_final_message": req.continue_final_message,
+                       **({"tools": req.tools} if req.tools else {}), **(req.chat_template_kwargs or {})}
+            ids = tok.apply_chat_template(messages, tokenize=True, **options)
         except RequestError:
             raise
         except Exception as e:  # noqa: BLE001 (the template's own checks, e.g. alternating roles)

@@ -39,6 +39,8 @@ def _on_sigint(signum, frame) -> None:
     so they cannot cut the summary short; one landing while an exception already unwinds (a collective a stopped
     peer left) lets that exception stop the run instead of replacing it mid-clean-up."""
     global _sigint_seen, _stop_signal
+    if signum == signal.SIGTERM and sys.exc_info()[1] is not None:
+        return  # (the launcher stopping this rank after a peer failed: that failure, unwinding here, stops the run)
     _sigint_seen, _stop_signal = True, signum
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
@@ -49,14 +51,26 @@ def _on_sigint(signum, frame) -> None:
 def catch_stop_signals() -> dict:
     """`_on_sigint` for SIGINT and SIGTERM (from the main thread); returns the handlers before, for
     `restore_signals`."""
-    global _sigint_seen, _stop_signal
-    _sigint_seen, _stop_signal = False, None  # (a caller's process may run more than one training)
+    reset_stop_signal()
     return {sig: signal.signal(sig, _on_sigint) for sig in STOP_SIGNALS}
+
+
+def reset_stop_signal() -> None:
+    """No stop signal seen yet (a caller's process may run more than one training, from any thread)."""
+    global _sigint_seen, _stop_signal
+    _sigint_seen, _stop_signal = False, None
+
+
+def end_of_run_signals() -> None:
+    """A rank whose run is over only exits: SIGTERM (the launcher stopping it, say after a peer died) ends it at once
+    again; `_on_sigint` would raise KeyboardInterrupt in an exit finalizer and print its traceback."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def restore_signals(previous: dict) -> None:
     for sig, handler in previous.items():
-        signal.signal(sig, handler)
+        if handler is not None:  # (None: one set outside Python, which cannot be put back)
+            signal.signal(sig, handler)
 
 
 def interrupted_exit() -> int:
@@ -254,6 +268,7 @@ def train_main(args) -> int:
             return launcher_interrupted_exit(e)
         return 0
     main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    reset_stop_signal()
     previous = catch_stop_signals() if main_thread else {}
     try:
         run(args.config, overrides)
@@ -339,9 +354,10 @@ def _die_with_launcher() -> None:
     import ctypes
 
     launcher = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    # SIGKILL: a rank blocked in a collective (no Python runs there to take a SIGTERM) ends all the same
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != launcher:  # it died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _peer_gone(e: BaseException) -> bool:
@@ -386,6 +402,8 @@ def _rank_main(argv: list[str]) -> int:
         if _peer_gone(e):  # another rank died mid-collective: the launcher names it in one line
             return 1
         raise
+    finally:
+        end_of_run_signals()
     return 0
 
 

@@ -287,6 +287,7 @@ def offline_main(trainer_cls: type[OfflineTrainer], args) -> int:
             return m.launcher_interrupted_exit(e)
         return 0
     main_thread = threading.current_thread() is threading.main_thread()
+    m.reset_stop_signal()
     previous = m.catch_stop_signals() if main_thread else {}
     try:
         run_offline(trainer_cls, args.config, list(args.overrides))
@@ -323,4 +324,6 @@ def rank_main(trainer_cls: type[OfflineTrainer], argv: list[str]) -> int:
         if m._peer_gone(e):
             return 1
         raise
+    finally:
+        m.end_of_run_signals()
     return 0

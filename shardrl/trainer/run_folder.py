@@ -159,6 +159,8 @@ def claim_run_dir(cfg: Config, run_dir: Path) -> None:
                     if created:
                         shutil.rmtree(run_dir, ignore_errors=True)
                     raise
+                if cfg.trainer.resume == "auto" and not has_complete_checkpoint(run_dir):
+                    keep_earlier_records(run_dir)
             save_config(cfg, str(run_dir / CONFIG_FILE))
         except ValueError as e:
             error = str(e)
@@ -213,25 +215,36 @@ def _locked_by_another(run_dir: Path) -> bool:
     return False
 
 
+def keep_earlier_records(run_dir: Path) -> Path | None:
+    """A run that `trainer.resume=auto` starts afresh in a folder whose run left records but no complete checkpoint
+    to continue from (it saved none, or was stopped before its first save: a requeued job): those records are moved
+    into `earlier_<time>/` in the folder, not overwritten. Returns that folder, or None when there was nothing."""
+    held = held_run_records(run_dir)
+    if not held:
+        return None
+    aside = run_dir / time.strftime("earlier_%Y%m%d-%H%M%S")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "_")
+    aside.mkdir()
+    for name in held:
+        (run_dir / name).rename(aside / name)
+    log.warning("the run folder %s held a run (%s) with no complete checkpoint to continue from: trainer.resume=auto "
+                "starts afresh, and that run's records are kept in %s", run_dir, ", ".join(held), aside)
+    return aside
+
+
 def check_fresh(cfg: Config, run_dir: Path) -> None:
-    """A run that starts fresh in a folder holding another run refuses it: it would delete that run's metrics and
-    summary, and its checkpoint rotation would count the old run's checkpoints as its own. That is
-    `trainer.resume=never`, and `auto` where the folder has no complete checkpoint to continue from."""
+    """A fresh run (`trainer.resume=never`) refuses a folder that holds another run: it would delete that run's
+    metrics and summary, and its checkpoint rotation would count the old run's checkpoints as its own. (`auto`
+    continues that run, or where it left no complete checkpoint keeps its records aside: `keep_earlier_records`.)"""
     error = None
-    if (_rank() == 0 and cfg.trainer.resume in ("never", "auto") and run_dir.is_dir()
-            and not _locked_by_another(run_dir)):
+    if _rank() == 0 and cfg.trainer.resume == "never" and run_dir.is_dir() and not _locked_by_another(run_dir):
         held = held_run_records(run_dir)
-        resumable = has_complete_checkpoint(run_dir)
-        if held and cfg.trainer.resume == "never":
+        if held:
             error = (f"the run folder {run_dir} holds another run ({', '.join(held)}), and trainer.resume=never "
                      "starts a fresh one, which would overwrite it: "
-                     + ("set trainer.resume=auto to continue that run, " if resumable else "")
+                     + ("set trainer.resume=auto to continue that run, " if has_complete_checkpoint(run_dir) else "")
                      + "set trainer.output_dir to another folder, or move that run away first")
-        elif held and not resumable:
-            error = (f"the run folder {run_dir} holds another run ({', '.join(held)}) but no complete checkpoint to "
-                     "continue it from (it saved none: trainer.save_freq=0, or it stopped before its first save), so "
-                     "trainer.resume=auto would start afresh and overwrite it: set trainer.output_dir to another "
-                     "folder, or move that run away first")
     error = _from_rank_0(error)
     if error:
         raise ValueError(error)
@@ -250,7 +263,9 @@ def check_same_model(cfg: Config, run_dir: Path) -> None:
         except (OSError, ValueError, AttributeError, yaml.YAMLError):
             saved = {}  # (no readable config: nothing to compare)
         before, now = saved.get("path"), getattr(cfg.model, "path", None)
-        if before and now and Path(before).resolve() != Path(now).resolve():
+        # (both folders there and not one: a relative path saved from elsewhere that finds nothing here is no proof)
+        if (before and now and Path(before).is_dir() and Path(now).is_dir()
+                and Path(before).resolve() != Path(now).resolve()):
             error = (f"trainer.resume=auto would continue the run in {run_dir}, which trained model.path={before!r}, "
                      f"with model.path={now!r}: set trainer.output_dir (or trainer.experiment_name) for a new run "
                      f"of this model, or resume that run with its own model.path (if it is the same model moved, "
