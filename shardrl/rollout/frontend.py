@@ -171,7 +171,7 @@ class RemoteBatcher:
         self.stats: dict = {}
         self.ids = itertools.count()
         self.waiting: dict[int, asyncio.Future] = {}
-        self.closing = False
+        self.closing = self.stopped = False
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -228,7 +228,7 @@ class RemoteBatcher:
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None,
                      session: str | None = None) -> list[dict]:
-        if getattr(self, "stopped", False):
+        if self.stopped:
             raise Stopped("the server is stopping: it takes no more requests")
         rid = next(self.ids)
         future = self.waiting[rid] = self.loop.create_future()

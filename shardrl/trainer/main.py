@@ -51,7 +51,6 @@ def _on_sigint(signum, frame) -> None:
 def catch_stop_signals() -> dict:
     """`_on_sigint` for SIGINT and SIGTERM (from the main thread); returns the handlers before, for
     `restore_signals`."""
-    reset_stop_signal()
     return {sig: signal.signal(sig, _on_sigint) for sig in STOP_SIGNALS}
 
 

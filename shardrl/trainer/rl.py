@@ -29,9 +29,9 @@ from shardrl.engine.model import load_hf_config
 from shardrl.layout import derive_layout, format_layout
 from shardrl.metric_names import with_verl_names
 from shardrl.metrics import Max, Min, Sum, SumCount, reduce_metrics
+from shardrl.modelconfig import check_context
 from shardrl.perf import model_shape, rl_step_flops, throughput_metrics
 from shardrl.reward_pool import RewardPool
-from shardrl.modelconfig import check_context
 from shardrl.rewards import RewardManager, check_ground_truths, load_reward_function
 from shardrl.rollout import SamplingParams
 from shardrl.rollout.interactions import prompt_tool_schemas
