@@ -219,3 +219,29 @@ def test_a_finalizer_interrupted_by_ctrl_c_prints_nothing_in_the_launcher(monkey
     err = capsys.readouterr().err
     assert "ValueError: real" in err and err.count("Traceback") == 1
     assert "SignalException" not in err and "KeyboardInterrupt" not in err
+
+
+def test_a_stop_signal_landing_in_a_handled_exception_stops_the_run_half_a_second_later():
+    """SIGTERM arriving while a library's own exception is being handled (caught and gone after): not lost (the run
+    would go on and the launcher's SIGTERM was its only one); it comes again and stops the run."""
+    import os
+    import signal
+    import time
+
+    from shardrl.trainer import main as m
+
+    previous = m.catch_stop_signals()
+    m.reset_stop_signal()
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            try:
+                raise KeyError("a library's own")
+            except KeyError:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.01)
+            while time.monotonic() - started < 5:
+                time.sleep(0.01)
+    finally:
+        m.restore_signals(previous)
+    assert 0.4 < time.monotonic() - started < 2 and m.interrupted_exit() == 143

@@ -22,6 +22,7 @@ def is_storage_error(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS
 _sigint_seen = False
 _stop_signal: int | None = None  # the signal that stopped the run (SIGINT or SIGTERM)
+_run_over = True  # no run catching stop signals (`catch_stop_signals` to `restore_signals`/`end_of_run_signals`)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """Ctrl-C, and what schedulers, `timeout` and `kill` send: both stop the run where it is, with its summary."""
 
@@ -37,20 +38,30 @@ def _setup_logging() -> None:
 def _on_sigint(signum, frame) -> None:
     """Ctrl-C or SIGTERM (torchrun forwards either to every rank): stop where we are, once. Later ones are ignored
     so they cannot cut the summary short; one landing while an exception already unwinds (a collective a stopped
-    peer left) lets that exception stop the run instead of replacing it mid-clean-up."""
+    peer left) lets that exception stop the run instead of replacing it mid-clean-up; if that exception was only a
+    library's own, caught and gone, the signal comes again half a second later and stops the run then."""
     global _sigint_seen, _stop_signal
-    if signum == signal.SIGTERM and sys.exc_info()[1] is not None:
-        return  # (the launcher stopping this rank after a peer failed: that failure, unwinding here, stops the run)
     _sigint_seen, _stop_signal = True, signum
+    if sys.exc_info()[1] is not None:
+        again = threading.Timer(0.5, _signal_again, (signum,))
+        again.daemon = True
+        again.start()
+        return
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    if sys.exc_info()[1] is None:
-        raise KeyboardInterrupt
+    raise KeyboardInterrupt
+
+
+def _signal_again(signum: int) -> None:
+    if not _run_over:  # (a run that ended meanwhile only exits: nothing to stop)
+        os.kill(os.getpid(), signum)
 
 
 def catch_stop_signals() -> dict:
     """`_on_sigint` for SIGINT and SIGTERM (from the main thread); returns the handlers before, for
     `restore_signals`."""
+    global _run_over
+    _run_over = False
     return {sig: signal.signal(sig, _on_sigint) for sig in STOP_SIGNALS}
 
 
@@ -63,10 +74,14 @@ def reset_stop_signal() -> None:
 def end_of_run_signals() -> None:
     """A rank whose run is over only exits: SIGTERM (the launcher stopping it, say after a peer died) ends it at once
     again; `_on_sigint` would raise KeyboardInterrupt in an exit finalizer and print its traceback."""
+    global _run_over
+    _run_over = True
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def restore_signals(previous: dict) -> None:
+    global _run_over
+    _run_over = True
     for sig, handler in previous.items():
         if handler is not None:  # (None: one set outside Python, which cannot be put back)
             signal.signal(sig, handler)
