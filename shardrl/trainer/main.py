@@ -417,7 +417,10 @@ def _rank_main(argv: list[str]) -> int:
             return 1
         raise
     finally:
-        end_of_run_signals()
+        try:
+            end_of_run_signals()
+        except KeyboardInterrupt:  # (a SIGTERM landing just before it: the run is over, it only exits)
+            pass
     return 0
 
 

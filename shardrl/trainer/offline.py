@@ -325,5 +325,8 @@ def rank_main(trainer_cls: type[OfflineTrainer], argv: list[str]) -> int:
             return 1
         raise
     finally:
-        m.end_of_run_signals()
+        try:
+            m.end_of_run_signals()
+        except KeyboardInterrupt:  # (a SIGTERM landing just before it: the run is over, it only exits)
+            pass
     return 0
