@@ -546,10 +546,10 @@ phase_s25_a() {
     limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --in-process --out $RES
     limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --front-ends 2 \
         --overlap --in-process --out $RES
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --front-ends 2 --out $RES
     limit 400 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_prefix_cache.py \
         tests/test_rollout_fast.py tests/test_rollout_fast_families.py
     limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --out $RES
-    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --front-ends 2 --out $RES
     limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --client raw --out $RES
     limit 120 python3 bench/front_end.py --front-ends 1,2,4 --load-procs 4 --out $RES
 }
