@@ -175,6 +175,29 @@ def test_n_samples_are_prompt_major(tok):
         assert len(set(group)) > 1, group
 
 
+def test_abort_ends_the_call_at_its_next_sync(tok):
+    """`Rollout.abort` (a server whose clients left): once true, the rows decoding end at the next host sync with the
+    tokens they have (a prefix of the full call's), the rows not started yet with none; the rollout serves the next
+    call as before."""
+    rollout = make_rollout("fast", tok, reference_model(tok, seed=3), max_batch=2, sync_every=4)
+    ids, mask = encode(tok)
+    sampling = SamplingParams(n=2, temperature=0.0, greedy=True, max_new_tokens=40)
+    full = rollout.generate(ids, mask, sampling)
+    asked = []
+    rollout.abort = lambda: asked.append(1) or len(asked) > 2  # true at the third sync
+    try:
+        cut = rollout.generate(ids, mask, sampling)
+    finally:
+        rollout.abort = None
+    got = cut.response_mask.sum(1).tolist()
+    assert len(asked) == 3 and len(got) == len(PROMPTS) * 2
+    # two slots: the first two rows decoded 1 + 2 * 4 tokens (admission, two syncs of 4 steps), the others none
+    assert got[:2] == [9, 9] and set(got[2:]) == {0}, got
+    assert torch.equal(cut.response_ids[:2, :9], full.response_ids[:2, :9])
+    again = rollout.generate(ids, mask, sampling)
+    assert torch.equal(again.response_ids, full.response_ids)
+
+
 def test_eos_ends_a_response(tok):
     model = reference_model(tok, seed=6)
     eos_tok = with_eos_at_different_steps(tok, model)

@@ -502,13 +502,14 @@ def test_a_client_that_leaves_while_it_generates_ends_its_rows(server, monkeypat
     assert batcher.stats["requests"] - before["requests"] == 1
 
 
-@pytest.mark.parametrize("server", ["hf"], indirect=True)
+@pytest.mark.parametrize("server", ["hf", "fast"], indirect=True)
 def test_a_batch_whose_every_client_left_ends_at_its_next_step(server):
-    """A batch (hf) whose only client gave up: it ends at its next step (`Rollout.abort`), counted as cancelled,
-    and the next request is answered in seconds (was: after the 20,000 tokens nobody would read)."""
+    """A batch (hf; fast: a seeded request, generated alone, not streamed) whose only client gave up: it ends at its
+    next step or sync (`Rollout.abort`), counted as cancelled, and the next request is answered in seconds (was: after
+    the 20,000 tokens nobody would read)."""
     batcher = server.batcher
     before = dict(batcher.stats)
-    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 20000, "temperature": 0}).encode()
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 20000, "temperature": 0.001, "seed": 1}).encode()
     with pytest.raises(TimeoutError):
         post(server, "completions", body, timeout=1)
     started = time.monotonic()

@@ -131,8 +131,9 @@ class Rollout(abc.ABC):
     the policy version now loaded. Tokens sampled after a change belong to the new version
     (`RolloutOutput.token_version`); the KV cache of the tokens before it is kept, not recomputed."""
     abort: Callable[[], bool] | None = None
-    """Asked between decode steps by the backends that can (hf): once true, the call's rows end where they are (a
-    server that stops ends the batch nobody will read). None: never."""
+    """Asked between decode steps (hf: each step; fast: each host sync, `generate` only): once true, the call's rows
+    end where they are, those not started yet with no tokens (a server that stops ends the batch nobody will read).
+    None: never."""
 
     @abc.abstractmethod
     def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -657,6 +657,13 @@ class FastRollout(Rollout):
                 for s in self._find_stops([s for s in range(num_slots) if slot_row[s] >= 0 and not done[s]],
                                           generated, stop):
                     done[s] = True
+            if feed is None and self.abort is not None and self.abort():  # nobody will read the rest (a server)
+                for row in queue:  # never admitted: no tokens
+                    results[row] = ([], torch.empty(0))
+                queue.clear()
+                for s in range(num_slots):
+                    if slot_row[s] >= 0:
+                        done[s] = True  # (`_retire` marks them on the device)
             if feed is not None and hasattr(feed, "cancelled"):
                 gone = set(feed.cancelled())
                 if gone:
