@@ -509,7 +509,8 @@ def test_a_batch_whose_every_client_left_ends_at_its_next_step(server):
     the 20,000 tokens nobody would read)."""
     batcher = server.batcher
     before = dict(batcher.stats)
-    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 20000, "temperature": 0.001, "seed": 1}).encode()
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 20000, "temperature": 0.001,
+                       "seed": 1}).encode()
     with pytest.raises(TimeoutError):
         post(server, "completions", body, timeout=1)
     started = time.monotonic()
