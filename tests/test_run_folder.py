@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -222,11 +223,20 @@ def test_a_run_that_stopped_in_its_first_step_leaves_no_folder_and_blocks_no_rer
     # that run's records kept aside in the folder, not overwritten
     auto = load_config(None, small(assets, "trainer.resume=auto"))
     check_fresh(auto, kept)
+    (kept / "config.yaml").write_text("# the earlier run's\n")  # (its config and curve go with its records)
+    (kept / "reward_curve.png").write_bytes(b"png")
     claim_run_dir(auto, kept)
     release_run_dir(kept)
     aside = [p for p in kept.iterdir() if p.name.startswith("earlier_")]
     assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (aside[0] / "config.yaml").read_text() == "# the earlier run's\n"
+    assert (aside[0] / "reward_curve.png").read_bytes() == b"png" and not (kept / "reward_curve.png").exists()
+    assert (kept / "config.yaml").read_text() != "# the earlier run's\n"  # (this run's own)
     assert held_run_records(kept) == []
+    (kept / "lora_adapter").mkdir()  # (a LoRA run's product is a run's record too)
+    (kept / "lora_adapter" / "adapter_config.json").write_text("{}")
+    assert held_run_records(kept) == ["lora_adapter"]
+    shutil.rmtree(kept / "lora_adapter")
     (kept / "metrics.jsonl").write_text('{"step": 1}\n')
     (kept / "checkpoints" / "step_000001").mkdir(parents=True)
     (kept / "checkpoints" / "step_000001" / "COMPLETE").write_text("1\n")

@@ -187,8 +187,12 @@ def release_run_dir(run_dir: Path, failed: bool = False) -> None:
         claim.handle.close()  # closing the file drops the flock
 
 
-RUN_RECORDS = ("metrics.jsonl", "summary.json", "generations.jsonl", "checkpoints", "hf_model", "tensorboard")
+RUN_RECORDS = ("metrics.jsonl", "summary.json", "generations.jsonl", "checkpoints", "hf_model", "lora_adapter",
+               "tensorboard")
 """What a run leaves in its folder: a folder holding any of these holds a run."""
+RUN_COMPANIONS = (CONFIG_FILE, "*_curve.png")
+"""What goes with a run's records (not a run by itself: config.yaml is written before the first step, a curve can be
+drawn from any metrics): moved with them by `keep_earlier_records`."""
 
 
 def _holds_something(path: Path) -> bool:
@@ -226,7 +230,8 @@ def keep_earlier_records(run_dir: Path) -> Path | None:
     while aside.exists():
         aside = aside.with_name(aside.name + "_")
     aside.mkdir()
-    for name in held:
+    companions = [p.name for pattern in RUN_COMPANIONS for p in run_dir.glob(pattern) if p.is_file()]
+    for name in held + companions:
         (run_dir / name).rename(aside / name)
     log.warning("the run folder %s held a run (%s) with no complete checkpoint to continue from: trainer.resume=auto "
                 "starts afresh, and that run's records are kept in %s", run_dir, ", ".join(held), aside)
