@@ -553,6 +553,17 @@ phase_s25_a() {
     limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --client raw --out $RES
     limit 120 python3 bench/front_end.py --front-ends 1,2,4 --load-procs 4 --out $RES
 }
+# the least of s25_a (a session short of device time): the clients over 8 processes, with the batcher alone and the
+# direct calls in the same run; then the same with two front ends and the overlapped admission; the fast rollout's tests
+#   s25_b   (carry .whl/oai)
+phase_s25_b() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --in-process --out $RES
+    limit 160 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --front-ends 2 \
+        --overlap --in-process --out $RES
+    limit 200 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_prefix_cache.py \
+        tests/test_rollout_fast.py
+}
 case "${1:-}" in
 start)
     shift
