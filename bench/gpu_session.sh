@@ -564,6 +564,20 @@ phase_s25_b() {
     limit 200 python3 -m pytest -q -p no:cacheprovider -m cuda -W ignore -rs tests/test_prefix_cache.py \
         tests/test_rollout_fast.py
 }
+# session 28 (issue 36's server): TCP_NODELAY on the engine connection, every request's legs timed (`arrivals.hops`);
+# the GPU's stand-in on the device host (does the host alone spread the first wave?); overlap again; the front-end
+# bench on 16 cores; every CUDA test
+#   s28   (carry .whl/oai, from bench/pack_server_wheels.sh)
+phase_s28() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    limit 200 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --in-process --out $RES
+    limit 150 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --client raw --out $RES
+    limit 120 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --client raw \
+        --backend sim --in-process --out $RES
+    limit 150 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --overlap --out $RES
+    limit 100 python3 bench/front_end.py --front-ends 1,2,4 --load-procs 4 --out $RES
+    limit 420 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore -rs tests/
+}
 case "${1:-}" in
 start)
     shift

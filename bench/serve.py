@@ -10,6 +10,7 @@ timed one: the server's steady state (its decode graphs of every (length, width)
     python bench/serve.py --shape 1.5b --clients 256 --requests 2 --out results.jsonl   # one H200
     python bench/serve.py --shape 1.5b --clients 256 --requests 2 --in-process --overlap   # + the batcher alone
     python bench/serve.py --shape tiny --clients 8 --requests 2 --prompt-len 16 --max-tokens 16 --backend fast  # CPU
+    python bench/serve.py --clients 256 --requests 2 --backend sim --client raw --in-process  # no GPU: the path alone
 
 The model is the Qwen2-1.5B shape of bench/e2e.py with random weights ("eos_hazard": each new token ends the reply
 with probability 1/400, so replies have uneven lengths), written once under --root. Both sides sample at
@@ -140,12 +141,29 @@ class ArrivalTracer:
 
         batcher.submit = traced
         self.batcher, self.submit = batcher, submit
+        # when the engine's process read each request from a front end's connection (`EngineService`)
+        import multiprocessing.connection as connection
+
+        self.recvd, self.front_sent, self.recv = {}, {}, connection.Connection.recv
+
+        def recv(conn):
+            message = self.recv(conn)
+            if isinstance(message, tuple) and message and message[0] == "submit":
+                i = self.index.get(tuple(message[2][0][-16:]))
+                if i is not None:
+                    self.recvd[i] = time.time()
+                    self.front_sent[i] = message[5]
+            return message
+
+        connection.Connection.recv = recv
 
     def summary(self, span: dict) -> dict:
         """`span`: the clients' first start and last end (wall clock). The batcher's own submit is put back."""
         import statistics
 
-        self.batcher.submit = self.submit
+        import multiprocessing.connection as connection
+
+        self.batcher.submit, connection.Connection.recv = self.submit, self.recv
         if not self.came:
             return {}
         t0 = min(self.came.values())
@@ -160,6 +178,29 @@ class ArrivalTracer:
         if turn:
             out.update(turnaround_ms_median=round(statistics.median(turn), 2),
                        turnaround_ms_p90=round(turn[int(0.9 * (len(turn) - 1))], 2), turnaround_ms_max=round(turn[-1], 2))
+        out["hops"] = self.hops(span.get("sent", {}), span.get("got", {}))
+        return out
+
+    def hops(self, sent: dict, got: dict) -> dict:
+        """Milliseconds (p50, p90, max) of each leg of a request, per wave (a client's r-th request): client to the
+        engine's process (`up`: the client's send, HTTP, the front end, the engine connection; a thread front end:
+        to the batcher), of it the front end's part (`front_end`: from the client's send to the front end's send to
+        the engine) and the connection's (`link`: to the engine's reading it), the engine's own threads (`engine`:
+        from its connection to the batcher), the answer's way back (`down`: from the batcher to the client's
+        read)."""
+        def q(xs):
+            xs = sorted(1000 * x for x in xs)
+            return [round(xs[int(f * (len(xs) - 1))], 1) for f in (0.5, 0.9, 1.0)] if xs else []
+
+        recvd = self.recvd or self.came
+        out = {}
+        for r in range(self.requests):
+            mine = [i for i in sent if i % self.requests == r and i in recvd and i in self.came]
+            out[f"wave_{r}"] = dict(up=q(recvd[i] - sent[i] for i in mine),
+                                    front_end=q(self.front_sent[i] - sent[i] for i in mine if i in self.front_sent),
+                                    link=q(recvd[i] - self.front_sent[i] for i in mine if i in self.front_sent),
+                                    engine=q(self.came[i] - recvd[i] for i in mine),
+                                    down=q(got[i] - self.went[i] for i in mine if i in got and i in self.went))
         return out
 
 
@@ -194,11 +235,16 @@ def run_clients(args) -> None:
     prompts = prompts_of(args.prompt_set, args.clients * args.requests, args.prompt_len, vocab_size)
     mine = range(args.proc_index, args.clients, args.client_procs)  # (this process's clients)
 
+    sent, got = {}, {}  # request -> wall time it was sent, its answer read (`ArrivalTracer.hops`)
+
     async def client(c: int, aclient) -> int:
         made = 0
         for r in range(args.requests):
-            res = await aclient.completions.create(model="m", prompt=prompts[c * args.requests + r],
-                                                   max_tokens=args.max_tokens, temperature=1.0)
+            i = c * args.requests + r
+            sent[i] = time.time()
+            res = await aclient.completions.create(model="m", prompt=prompts[i], max_tokens=args.max_tokens,
+                                                   temperature=1.0)
+            got[i] = time.time()
             made += res.usage.completion_tokens
         return made
 
@@ -209,8 +255,10 @@ def run_clients(args) -> None:
         reader, writer = await asyncio.open_connection(host, int(port))
         made = 0
         for r in range(args.requests):
-            answer = await exchange(reader, writer, completion_request(host, prompts[c * args.requests + r],
-                                                                       args.max_tokens))
+            i = c * args.requests + r
+            sent[i] = time.time()
+            answer = await exchange(reader, writer, completion_request(host, prompts[i], args.max_tokens))
+            got[i] = time.time()
             made += json.loads(answer)["usage"]["completion_tokens"]
         writer.close()
         return made
@@ -224,7 +272,7 @@ def run_clients(args) -> None:
     time.sleep(max(0.0, args.start_at - time.time()))
     t0 = time.time()
     tokens = asyncio.run(everyone())
-    print(json.dumps(dict(tokens=tokens, start=t0, end=time.time())), flush=True)
+    print(json.dumps(dict(tokens=tokens, start=t0, end=time.time(), sent=sent, got=got)), flush=True)
 
 
 def main():
@@ -235,7 +283,11 @@ def main():
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-batch", type=int, default=256)
-    p.add_argument("--backend", default=None, choices=["fast", "hf"])
+    p.add_argument("--backend", default=None, choices=["fast", "hf", "sim"],
+                   help="sim: no model, a stand-in with the fast rollout's timing on one H100 (bench/sim_rollout.py): "
+                        "the server's path timed on a machine without a GPU")
+    p.add_argument("--sim", default="", metavar="K=V,...",
+                   help="the stand-in's settings (bench/sim_rollout.py's SimRollout arguments), e.g. step_ms=3.3")
     p.add_argument("--root", default="/tmp/serve_bench")
     p.add_argument("--out", default=None)
     p.add_argument("--switch-interval-ms", type=float, default=None,
@@ -290,12 +342,28 @@ def main():
         import shardrl.rollout.server as server_module
 
         server_module.SWITCH_INTERVAL_S = args.switch_interval_ms / 1000
-    cuda = torch.cuda.is_available()
-    folder, shape, tok = model_folder(args.shape, args.root, args.prompt_len, args.max_tokens, cuda)
+    cuda = torch.cuda.is_available() and args.backend != "sim"
+    if args.backend == "sim":  # (no model: the shape's tokenizer alone)
+        import bench.e2e as e2e
+
+        shape = dict(getattr(e2e, SHAPES[args.shape]))
+        folder, tok = None, e2e.build_tokenizer(shape["vocab_size"])
+    else:
+        folder, shape, tok = model_folder(args.shape, args.root, args.prompt_len, args.max_tokens, cuda)
     # the rollout's slots = the server's max_batch, so that the direct calls decode in as many as the stream
     overrides = [f"model.path={folder}", f"rollout.max_batch={args.max_batch}"] + (
         [f"rollout.backend={args.backend}"] if args.backend else [])
-    engine = build_engine(load_config(None, overrides), served_name="m", max_batch=args.max_batch)
+    if args.backend == "sim":
+        from bench.sim_rollout import SimRollout
+        from shardrl.rollout.server import Batcher
+
+        settings = {k: float(v) for k, v in (kv.split("=") for kv in args.sim.split(",") if kv)}
+        if "sync_every" in settings:
+            settings["sync_every"] = int(settings["sync_every"])
+        context = args.prompt_len + args.max_tokens + 8
+        engine = (Batcher(SimRollout(args.max_batch, **settings), tok, args.max_batch, context), "m", context, 256)
+    else:
+        engine = build_engine(load_config(None, overrides), served_name="m", max_batch=args.max_batch)
     server = (ServerProcess(*engine, front_ends=args.front_ends) if args.front_end == "process"
               else ServerThread(build_app(*engine)))
     batcher = server.batcher
@@ -331,7 +399,9 @@ def main():
                 for i in range(args.client_procs)]
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for cmd in cmds]
         res = last_json_lines(procs, "a client process")
-        span.update(start=min(r["start"] for r in res), end=max(r["end"] for r in res))
+        span.update(start=min(r["start"] for r in res), end=max(r["end"] for r in res),
+                    sent={int(i): t for r in res for i, t in r["sent"].items()},
+                    got={int(i): t for r in res for i, t in r["got"].items()})
         return sum(r["tokens"] for r in res), span["end"] - span["start"]
 
     warm_captures, span = [], {}
