@@ -333,7 +333,7 @@ def main():
 
     import torch
 
-    from bench.front_end import last_json_lines
+    from bench.front_end import cpu_s, last_json_lines
     from shardrl.config import load_config
     from shardrl.rollout import SamplingParams
     from shardrl.serve import ServerProcess, ServerThread, build_app, build_engine
@@ -414,7 +414,12 @@ def main():
     before = dict(batcher.stats)
     sampler = StackSampler() if args.sample_stacks else None
     tracer = ArrivalTracer(batcher, prompt_set(1), tok, args.requests)
+    front_pids = list(getattr(server, "pids", []))
+    cpu0 = [cpu_s(pid) for pid in front_pids], time.process_time()
     served_tokens, served_s = all_clients(1)
+    # cores each front end and the engine's process kept busy while the clients ran (1.0: a core all the time)
+    cores = dict(front_ends=[round((cpu_s(pid) - c) / served_s, 2) for pid, c in zip(front_pids, cpu0[0])],
+                 engine=round((time.process_time() - cpu0[1]) / served_s, 2))
     arrivals = tracer.summary(span)
     stacks = sampler.stop() if sampler else None
     batches = batcher.stats["batches"] - before["batches"]
@@ -469,7 +474,7 @@ def main():
                client=args.client, **alone,
                switch_interval_ms=switch_ms, front_end=args.front_end, front_ends=args.front_ends,
                warm_up_captures=warm_captures,
-               overlap=args.overlap, arrivals=arrivals, **({"latency_ms": latency} if latency else {}),
+               overlap=args.overlap, arrivals=arrivals, served_cores=cores, **({"latency_ms": latency} if latency else {}),
                **({"stacks": stacks} if stacks else {}))
     if alone:
         rec["in_process_ratio"] = round(rec["in_process_tokens_per_s"] / rec["direct_tokens_per_s"], 3)
