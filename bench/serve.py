@@ -178,6 +178,10 @@ class ArrivalTracer:
         if turn:
             out.update(turnaround_ms_median=round(statistics.median(turn), 2),
                        turnaround_ms_p90=round(turn[int(0.9 * (len(turn) - 1))], 2), turnaround_ms_max=round(turn[-1], 2))
+        firsts_sent = [t for i, t in span.get("sent", {}).items() if i % self.requests == 0]
+        if firsts_sent:  # (how spread the clients sent them: what the server cannot help)
+            out.update(first_wave_sent_spread_s=round(max(firsts_sent) - min(firsts_sent), 3),
+                       client_procs_late_s=round(span["late"], 3))
         out["hops"] = self.hops(span.get("sent", {}), span.get("got", {}))
         return out
 
@@ -227,12 +231,8 @@ def sequential_latency(url: str, prompts: list[str], n: int) -> dict:
 def run_clients(args) -> None:
     """A client process: C concurrent `openai` clients, R requests each, from the wall-clock time --start-at (the
     processes start together); prints its tokens, its first request's and last answer's wall times as JSON."""
-    import openai
-
-    import bench.e2e as e2e
-
-    vocab_size = getattr(e2e, SHAPES[args.shape])["vocab_size"]
-    prompts = prompts_of(args.prompt_set, args.clients * args.requests, args.prompt_len, vocab_size)
+    # (no torch here: eight processes importing it at once on a busy host could miss the common start)
+    prompts = prompts_of(args.prompt_set, args.clients * args.requests, args.prompt_len, args.vocab_size)
     mine = range(args.proc_index, args.clients, args.client_procs)  # (this process's clients)
 
     sent, got = {}, {}  # request -> wall time it was sent, its answer read (`ArrivalTracer.hops`)
@@ -266,13 +266,18 @@ def run_clients(args) -> None:
     async def everyone() -> int:
         if args.client == "raw":
             return sum(await asyncio.gather(*[raw_client(c) for c in mine]))
+        import openai
+
         aclient = openai.AsyncOpenAI(base_url=args.clients_of, api_key="unused", max_retries=0, timeout=3600)
         return sum(await asyncio.gather(*[client(c, aclient) for c in mine]))
 
+    if args.client == "openai":
+        import openai  # noqa: F401  (imported before the start)
     time.sleep(max(0.0, args.start_at - time.time()))
     t0 = time.time()
     tokens = asyncio.run(everyone())
-    print(json.dumps(dict(tokens=tokens, start=t0, end=time.time(), sent=sent, got=got)), flush=True)
+    print(json.dumps(dict(tokens=tokens, start=t0, end=time.time(), late=t0 - args.start_at, sent=sent, got=got)),
+          flush=True)
 
 
 def main():
@@ -296,6 +301,7 @@ def main():
                         "for the interpreter lock while the HTTP thread holds it")
     p.add_argument("--clients-of", default=None, help=argparse.SUPPRESS)  # (the client process: the server's URL)
     p.add_argument("--prompt-set", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--vocab-size", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--proc-index", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--client-procs", type=int, default=1,
@@ -395,11 +401,12 @@ def main():
                  "--shape", args.shape, "--clients", str(args.clients), "--requests", str(args.requests),
                  "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
                  "--client-procs", str(args.client_procs), "--proc-index", str(i), "--start-at", str(start_at),
-                 "--client", args.client]
+                 "--client", args.client, "--vocab-size", str(shape["vocab_size"])]
                 for i in range(args.client_procs)]
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for cmd in cmds]
         res = last_json_lines(procs, "a client process")
         span.update(start=min(r["start"] for r in res), end=max(r["end"] for r in res),
+                    late=max(r["late"] for r in res),
                     sent={int(i): t for r in res for i, t in r["sent"].items()},
                     got={int(i): t for r in res for i, t in r["got"].items()})
         return sum(r["tokens"] for r in res), span["end"] - span["start"]
