@@ -157,13 +157,17 @@ class ArrivalTracer:
 
         connection.Connection.recv = recv
 
+    def restore(self) -> None:
+        """The batcher's own submit and the library's own `Connection.recv` put back."""
+        import multiprocessing.connection as connection
+
+        self.batcher.submit, connection.Connection.recv = self.submit, self.recv
+
     def summary(self, span: dict) -> dict:
         """`span`: the clients' first start and last end (wall clock). The batcher's own submit is put back."""
         import statistics
 
-        import multiprocessing.connection as connection
-
-        self.batcher.submit, connection.Connection.recv = self.submit, self.recv
+        self.restore()
         if not self.came:
             return {}
         t0 = min(self.came.values())
@@ -177,7 +181,8 @@ class ArrivalTracer:
                    clients_end_after_last_answer_s=round(span["end"] - max(self.went.values()), 3))
         if turn:
             out.update(turnaround_ms_median=round(statistics.median(turn), 2),
-                       turnaround_ms_p90=round(turn[int(0.9 * (len(turn) - 1))], 2), turnaround_ms_max=round(turn[-1], 2))
+                       turnaround_ms_p90=round(turn[int(0.9 * (len(turn) - 1))], 2),
+                       turnaround_ms_max=round(turn[-1], 2))
         firsts_sent = [t for i, t in span.get("sent", {}).items() if i % self.requests == 0]
         if firsts_sent:  # (how spread the clients sent them: what the server cannot help)
             out.update(first_wave_sent_spread_s=round(max(firsts_sent) - min(firsts_sent), 3),
@@ -224,7 +229,8 @@ def sequential_latency(url: str, prompts: list[str], n: int) -> dict:
             client.completions.create(model="m", prompt=prompts[i % len(prompts)], max_tokens=max_tokens,
                                       temperature=1.0)
             took.append(1000 * (time.perf_counter() - t0))
-        out[f"max_tokens_{max_tokens}"] = dict(median=round(statistics.median(took[3:]), 2), min=round(min(took[3:]), 2))
+        out[f"max_tokens_{max_tokens}"] = dict(median=round(statistics.median(took[3:]), 2),
+                                               min=round(min(took[3:]), 2))
     return out
 
 
@@ -363,11 +369,11 @@ def main():
         from bench.sim_rollout import SimRollout
         from shardrl.rollout.server import Batcher
 
-        settings = {k: float(v) for k, v in (kv.split("=") for kv in args.sim.split(",") if kv)}
-        if "sync_every" in settings:
-            settings["sync_every"] = int(settings["sync_every"])
+        sim_settings = {k: float(v) for k, v in (kv.split("=") for kv in args.sim.split(",") if kv)}
+        if "sync_every" in sim_settings:
+            sim_settings["sync_every"] = int(sim_settings["sync_every"])
         context = args.prompt_len + args.max_tokens + 8
-        engine = (Batcher(SimRollout(args.max_batch, **settings), tok, args.max_batch, context), "m", context, 256)
+        engine = (Batcher(SimRollout(args.max_batch, **sim_settings), tok, args.max_batch, context), "m", context, 256)
     else:
         engine = build_engine(load_config(None, overrides), served_name="m", max_batch=args.max_batch)
     server = (ServerProcess(*engine, front_ends=args.front_ends) if args.front_end == "process"
@@ -423,7 +429,10 @@ def main():
     tracer = ArrivalTracer(batcher, prompt_set(1), tok, args.requests)
     front_pids = list(getattr(server, "pids", []))
     cpu0 = [cpu_s(pid) for pid in front_pids], time.process_time()
-    served_tokens, served_s = all_clients(1)
+    try:
+        served_tokens, served_s = all_clients(1)
+    finally:
+        tracer.restore()
     # cores each front end and the engine's process kept busy while the clients ran (1.0: a core all the time)
     cores = dict(front_ends=[round((cpu_s(pid) - c) / served_s, 2) for pid, c in zip(front_pids, cpu0[0])],
                  engine=round((time.process_time() - cpu0[1]) / served_s, 2))
@@ -481,8 +490,9 @@ def main():
                client=args.client, **alone,
                switch_interval_ms=switch_ms, front_end=args.front_end, front_ends=args.front_ends,
                warm_up_captures=warm_captures,
-               overlap=args.overlap, arrivals=arrivals, served_cores=cores, **({"latency_ms": latency} if latency else {}),
-               **({"stacks": stacks} if stacks else {}))
+               overlap=args.overlap, arrivals=arrivals, served_cores=cores,
+               **({"sim": sim_settings} if args.backend == "sim" else {}),
+               **({"latency_ms": latency} if latency else {}), **({"stacks": stacks} if stacks else {}))
     if alone:
         rec["in_process_ratio"] = round(rec["in_process_tokens_per_s"] / rec["direct_tokens_per_s"], 3)
     print(json.dumps(rec), flush=True)

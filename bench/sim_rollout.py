@@ -78,8 +78,10 @@ class SimRollout:
                     if feed is not None:
                         feed.finished(row, [self.token_id] * target, torch.full((target,), -1.0))
             if feed is not None:
-                for row in feed.cancelled() if hasattr(feed, "cancelled") else []:
-                    if row in live:
+                gone = set(feed.cancelled()) if hasattr(feed, "cancelled") else set()
+                if gone:  # (as the fast rollout: queued rows dropped unreported, live ones end at this sync)
+                    queue = deque(row for row in queue if row not in gone)
+                    for row in gone & live.keys():
                         live[row] = (live[row][1], live[row][1])
                 t0 = time.perf_counter()
                 taken = feed.take(block=not queue and not live)

@@ -250,6 +250,33 @@ def test_fast_family_moe_records_the_routing_the_engine_computes(tok, name):
     assert fast.generate(*encode(tok), SamplingParams(greedy=True, max_new_tokens=4)).routed_experts is None
 
 
+def test_an_aborted_call_records_the_routing_of_what_it_ran(tok):
+    """`Rollout.abort` with record_routing (an agent's R3 rollout behind the server, its clients gone): the rows
+    admitted before the abort keep the routing of every token they ran, equal to the full call's; rows never admitted
+    read -1 everywhere (nothing was run); an abort before any admission gives all -1 (was: StopIteration or
+    KeyError, which left the server's request hanging)."""
+    model = hf_model(family_config(tok, "mixtral"))
+    fast = fast_rollout(tok, model, record_routing=True, min_width=2, width_step=2)
+    sampling = SamplingParams(greedy=True, max_new_tokens=20)
+    full = fast.generate(*encode(tok), sampling).to_batch()
+    for syncs, admitted in ((0, 0), (2, 4)):  # (4 slots: the first 4 rows admitted at the first sync)
+        asked = []
+        fast.abort = lambda: asked.append(1) or len(asked) > syncs
+        try:
+            out = fast.generate(*encode(tok), sampling)
+        finally:
+            fast.abort = None
+        batch = out.to_batch()
+        routed, made = batch["routed_experts"], batch["response_mask"].sum(1)
+        assert (made[:admitted] > 0).all() and (made[admitted:] == 0).all(), made
+        assert (routed[admitted:] == -1).all()
+        for r in range(admitted):  # (the full call's tokens, as far as this one ran them)
+            ran = (routed[r] >= 0).all(-1).all(-1)
+            width = routed.shape[1]
+            assert ran.sum() >= made[r]
+            assert torch.equal(routed[r][ran], full["routed_experts"][r, :width][ran])
+
+
 def test_fast_family_engine_applies_the_final_softcap(tok):
     """Gemma 2's final_logit_softcapping: the training engine's log-probs (with and without entropy, under
     autograd or not) are the sampler's (it applied the cap; before the fix the engine's were up to 5.7 off)."""

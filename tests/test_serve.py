@@ -1012,7 +1012,7 @@ def test_the_engine_connection_sends_small_messages_at_once():
         async def submit(self, prompts, sampling, alive=None, session=None):
             return [dict(token_ids=p[::-1]) for p in prompts]
 
-    def no_delay(conn) -> int:
+    def nodelay_is_on(conn) -> int:
         sock = socket.socket(fileno=conn.fileno())
         try:
             return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
@@ -1026,7 +1026,7 @@ def test_the_engine_connection_sends_small_messages_at_once():
             await remote.start()
             try:
                 answer = await remote.submit([[3, 4, 5]], SamplingParams(max_new_tokens=2))
-                return answer, no_delay(remote.conn), [no_delay(conn) for conn in engine.conns]
+                return answer, nodelay_is_on(remote.conn), [nodelay_is_on(conn) for conn in engine.conns]
             finally:
                 await remote.stop()
 
@@ -1051,7 +1051,40 @@ def test_the_serve_bench_runs_on_its_gpu_stand_in(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec["backend"] == "SimRollout" and rec["requests"] == 12 and rec["ratio"] > 0
+    assert rec["sim"] == dict(step_ms=1.0, admit_host_ms=1.0)
     assert rec["in_process_stats"]["requests"] == 12 and rec["served_profile"]["decode_steps"] > 0
     hops = rec["arrivals"]["hops"]
     assert rec["arrivals"]["traced"] == 12 and sorted(hops) == ["wave_0", "wave_1"]
     assert all(len(hops[w][leg]) == 3 for w in hops for leg in ("up", "front_end", "link", "engine", "down"))
+
+
+def test_a_generation_raising_stop_iteration_fails_its_request_not_the_batcher(tmp_path):
+    """A backend whose generate raises StopIteration (a `next()` on an empty iterator, as an aborted R3 call once
+    did): the request fails with an error and the batcher serves the next one (StopIteration cannot cross into the
+    awaiting coroutine: the request hung, and every request after it)."""
+    from shardrl.rollout.server import Batcher
+
+    tok = save_char_model(tmp_path)
+    calls = []
+
+    class Broken:
+        def generate(self, ids, mask, sampling):
+            calls.append(1)
+            if len(calls) == 1:
+                next(iter([]))
+            return SimpleNamespace(response_mask=torch.ones(len(ids), 1, dtype=torch.long),
+                                   response_ids=torch.full((len(ids), 1), 5),
+                                   sampled_log_probs=torch.zeros(len(ids), 1), response_text=["x"] * len(ids),
+                                   token_version=None)
+
+    async def run():
+        batcher = Batcher(Broken(), tok, 4, 64)
+        await batcher.start()
+        try:
+            with pytest.raises(RuntimeError, match="StopIteration"):
+                await asyncio.wait_for(batcher.submit([[3, 4]], SamplingParams(max_new_tokens=1)), 10)
+            return await asyncio.wait_for(batcher.submit([[3, 4]], SamplingParams(max_new_tokens=1)), 10)
+        finally:
+            await batcher.stop()
+
+    assert asyncio.run(run())[0]["token_ids"] == [5]

@@ -1021,9 +1021,11 @@ class FastRollout(Rollout):
         """(N, P+R, L, k) int16: the recorded routing of each row laid out as `out.to_batch()`'s input_ids; -1
         where nothing was run (padding; the last response token, never fed)."""
         width = out.prompt_ids.shape[1]
-        some = next(iter(self._routes.values()))[0]
-        routed = torch.full((len(out), width + out.response_ids.shape[1], *some.shape[1:]), -1, dtype=torch.int16)
+        routed = torch.full((len(out), width + out.response_ids.shape[1], *self._state.step_routes.shape[1:]), -1,
+                            dtype=torch.int16)
         for r, length in enumerate(lengths):
+            if r not in self._routes:  # (never admitted: a call ended by `abort`)
+                continue
             prompt, response = self._routes[r]
             routed[r, width - prompt.shape[0]:width] = prompt
             fed = min(length, response.shape[0])

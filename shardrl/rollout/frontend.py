@@ -8,8 +8,8 @@ token ids, reached 0.98 of direct `generate` calls, the same batcher behind HTTP
 every admission's prefill (hundreds of kernel launches from Python) waited on the HTTP thread.
 
 Messages (pickled, `multiprocessing.connection`): the front end sends ("submit", id, prompts, sampling, session,
-wall time sent: bench/serve.py's `hops`) and ("cancel", id) for a request whose client left; the engine answers ("ok", id, outputs), ("dropped", id) or
-("error", id, message)."""
+wall time sent: bench/serve.py's `hops`) and ("cancel", id) for a request whose client left; the engine answers
+("ok", id, outputs), ("dropped", id), ("stopped", id, message) or ("error", id, message)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from shardrl.rollout.base import SamplingParams
 from shardrl.rollout.server import ALIVE_EVERY_S, Batcher, Dropped, Stopped, build_app, free_port, uvicorn_server
 
 log = logging.getLogger(__name__)
+
 
 def no_delay(conn) -> None:
     """Sends `conn`'s (a `multiprocessing.connection` over TCP) small messages at once. With Nagle's algorithm on,
@@ -73,10 +74,14 @@ class EngineService:
         while True:
             try:
                 conn = self.listener.accept()
-                no_delay(conn)
             except (OSError, EOFError, AttributeError):  # closed (or a handshake that failed: the next one)
                 if self.closed or self.listener._listener is None:  # (close() sets them)
                     return
+                continue
+            try:
+                no_delay(conn)
+            except OSError:  # (gone already)
+                conn.close()
                 continue
             self.conns.append(conn)
             self.served.append(0)
@@ -325,8 +330,9 @@ class ServerProcess:
     same endpoint as `ServerThread` (`build_app`), without the interpreter lock shared with HTTP.
 
     Several front ends (as vLLM's API-server count): each parses, tokenizes and answers requests on a core of its
-    own, on a socket of its own bound here to the shared port (`listening_sockets`), all feeding the one engine. One front end spends about
-    1 ms of its core a request (bench/front_end.py), so a single one caps a server near 1,000 requests/s.
+    own, on a socket of its own bound here to the shared port (`listening_sockets`), all feeding the one engine.
+    One front end spends about 1 ms of its core a request (bench/front_end.py), so a single one caps a server near
+    1,000 requests/s.
     `uvicorn_options`: more of `uvicorn.Config`'s settings (e.g. {"http": "h11", "loop": "asyncio"})."""
 
     def __init__(self, batcher: Batcher, model_name: str, max_model_len: int, default_max_tokens: int = 256,

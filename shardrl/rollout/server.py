@@ -553,6 +553,8 @@ class Batcher:
         self.idle.clear()
         try:
             return generate(*args)
+        except StopIteration as e:  # (it cannot cross into the awaiting coroutine: the request would hang)
+            raise RuntimeError(f"the generation raised StopIteration: {e!r}") from e
         finally:
             self.idle.set()
 
