@@ -272,13 +272,11 @@ def run_clients(args) -> None:
     async def everyone() -> int:
         if args.client == "raw":
             return sum(await asyncio.gather(*[raw_client(c) for c in mine]))
-        import openai
-
         aclient = openai.AsyncOpenAI(base_url=args.clients_of, api_key="unused", max_retries=0, timeout=3600)
         return sum(await asyncio.gather(*[client(c, aclient) for c in mine]))
 
     if args.client == "openai":
-        import openai  # noqa: F401  (imported before the start)
+        import openai  # (before the common start)
     time.sleep(max(0.0, args.start_at - time.time()))
     t0 = time.time()
     tokens = asyncio.run(everyone())
@@ -355,26 +353,21 @@ def main():
 
         server_module.SWITCH_INTERVAL_S = args.switch_interval_ms / 1000
     cuda = torch.cuda.is_available() and args.backend != "sim"
-    if args.backend == "sim":  # (no model: the shape's tokenizer alone)
+    if args.backend == "sim":  # (no model: the shape's tokenizer alone, in front of the stand-in)
         import bench.e2e as e2e
-
-        shape = dict(getattr(e2e, SHAPES[args.shape]))
-        folder, tok = None, e2e.build_tokenizer(shape["vocab_size"])
-    else:
-        folder, shape, tok = model_folder(args.shape, args.root, args.prompt_len, args.max_tokens, cuda)
-    # the rollout's slots = the server's max_batch, so that the direct calls decode in as many as the stream
-    overrides = [f"model.path={folder}", f"rollout.max_batch={args.max_batch}"] + (
-        [f"rollout.backend={args.backend}"] if args.backend else [])
-    if args.backend == "sim":
         from bench.sim_rollout import SimRollout
         from shardrl.rollout.server import Batcher
 
+        shape = dict(getattr(e2e, SHAPES[args.shape]))
+        tok = e2e.build_tokenizer(shape["vocab_size"])
         sim_settings = {k: float(v) for k, v in (kv.split("=") for kv in args.sim.split(",") if kv)}
-        if "sync_every" in sim_settings:
-            sim_settings["sync_every"] = int(sim_settings["sync_every"])
         context = args.prompt_len + args.max_tokens + 8
         engine = (Batcher(SimRollout(args.max_batch, **sim_settings), tok, args.max_batch, context), "m", context, 256)
     else:
+        folder, shape, tok = model_folder(args.shape, args.root, args.prompt_len, args.max_tokens, cuda)
+        # the rollout's slots = the server's max_batch, so that the direct calls decode in as many as the stream
+        overrides = [f"model.path={folder}", f"rollout.max_batch={args.max_batch}"] + (
+            [f"rollout.backend={args.backend}"] if args.backend else [])
         engine = build_engine(load_config(None, overrides), served_name="m", max_batch=args.max_batch)
     server = (ServerProcess(*engine, front_ends=args.front_ends) if args.front_end == "process"
               else ServerThread(build_app(*engine)))

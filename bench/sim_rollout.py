@@ -38,7 +38,7 @@ class SimRollout:
 
     def __init__(self, max_batch: int = 256, step_ms: float = 3.3, sync_every: int = 16, admit_host_ms: float = 15.0,
                  admit_ms_per_row: float = 1.38, hazard: float = 1 / 400, seed: int = 0, token_id: int = 5):
-        self.max_batch, self.step_ms, self.sync_every = max_batch, step_ms, sync_every
+        self.max_batch, self.step_ms, self.sync_every = max_batch, step_ms, int(sync_every)
         self.admit_host_ms, self.admit_ms_per_row, self.hazard = admit_host_ms, admit_ms_per_row, hazard
         self.rng, self.token_id = random.Random(seed), token_id
         self.last_stats: dict = {}

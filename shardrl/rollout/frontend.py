@@ -218,14 +218,18 @@ class RemoteBatcher:
                     return
                 if not isinstance(e, (OSError, EOFError)):
                     log.exception("the engine's connection gave an unreadable message")
-                message = None
-            try:
-                if message is None:
-                    self.loop.call_soon_threadsafe(self._engine_gone)
-                    return
-                self.loop.call_soon_threadsafe(self._answer, message)
-            except RuntimeError:  # (the loop closed: this front end has ended)
+                self._on_loop(self._engine_gone)
                 return
+            if not self._on_loop(self._answer, message):
+                return
+
+    def _on_loop(self, callback, *args) -> bool:
+        """`callback(*args)` handed to the front end's loop; False if that loop has closed (the front end ended)."""
+        try:
+            self.loop.call_soon_threadsafe(callback, *args)
+            return True
+        except RuntimeError:
+            return False
 
     def _answer(self, message) -> None:
         future = self.waiting.pop(message[1], None)
