@@ -578,6 +578,21 @@ phase_s28() {
     limit 100 python3 bench/front_end.py --front-ends 1,2,4 --load-procs 4 --out $RES
     limit 420 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore -rs tests/
 }
+# session 29 (issue 36's server): s28's server runs, plus clients warmed before the common start (`--warm-clients`:
+# their connections open, as an agent loop's long-lived client), overlap and two front ends each alone, the
+# threads' stacks sampled; the CUDA tests in the next call (tests_all)
+#   s29   (carry .whl/oai, from bench/pack_server_wheels.sh)
+phase_s29() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    local S="python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --out $RES"
+    limit 200 $S --in-process
+    limit 120 $S --warm-clients
+    limit 120 $S --warm-clients --client raw
+    limit 120 $S --warm-clients --overlap
+    limit 120 $S --warm-clients --front-ends 2
+    limit 120 $S --warm-clients --sample-stacks
+    limit 100 $S --client raw --backend sim --in-process
+}
 case "${1:-}" in
 start)
     shift

@@ -254,11 +254,10 @@ def run_clients(args) -> None:
             made += res.usage.completion_tokens
         return made
 
-    async def raw_client(c: int) -> int:  # (HTTP written by hand: ~0.08 ms of a core a request, not ~1.5)
+    async def raw_client(c: int, conn) -> int:  # (HTTP written by hand: ~0.08 ms of a core a request, not ~1.5)
         from bench.front_end import completion_request, exchange
 
-        host, port = args.clients_of.split("//")[1].split("/")[0].split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
+        reader, writer = conn
         made = 0
         for r in range(args.requests):
             i = c * args.requests + r
@@ -269,17 +268,46 @@ def run_clients(args) -> None:
         writer.close()
         return made
 
-    async def everyone() -> int:
+    host, port = args.clients_of.split("//")[1].split("/")[0].split(":")
+
+    async def connected(c: int):
+        """Client c's connection (raw), opened, and with --warm-clients used once (a /v1/models GET)."""
+        from bench.front_end import exchange
+
+        conn = await asyncio.open_connection(host, int(port))
+        if args.warm_clients:
+            await exchange(*conn, f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        return conn
+
+    async def everyone() -> tuple[int, float]:
+        """(tokens, wall time of the common start). With --warm-clients, each client has opened its connection and
+        been answered once (`/v1/models`) before it: the timed part starts as a long-lived client's next call does."""
+        async def at_start() -> float:
+            await asyncio.sleep(max(0.0, args.start_at - time.time()))
+            return time.time()
+
         if args.client == "raw":
-            return sum(await asyncio.gather(*[raw_client(c) for c in mine]))
+            if args.warm_clients:
+                conns = await asyncio.gather(*[connected(c) for c in mine])
+                t0 = await at_start()
+            else:
+                t0 = await at_start()
+                conns = [None] * len(mine)
+
+            async def one(c, conn):
+                return await raw_client(c, conn or await connected(c))
+
+            return sum(await asyncio.gather(*[one(c, conn) for c, conn in zip(mine, conns)])), t0
         aclient = openai.AsyncOpenAI(base_url=args.clients_of, api_key="unused", max_retries=0, timeout=3600)
-        return sum(await asyncio.gather(*[client(c, aclient) for c in mine]))
+        if args.warm_clients:  # (as many pooled connections as clients; the completions resource loaded)
+            await asyncio.gather(*[aclient.models.list() for _ in mine])
+            aclient.completions
+        t0 = await at_start()
+        return sum(await asyncio.gather(*[client(c, aclient) for c in mine])), t0
 
     if args.client == "openai":
         import openai  # (before the common start)
-    time.sleep(max(0.0, args.start_at - time.time()))
-    t0 = time.time()
-    tokens = asyncio.run(everyone())
+    tokens, t0 = asyncio.run(everyone())
     print(json.dumps(dict(tokens=tokens, start=t0, end=time.time(), late=t0 - args.start_at, sent=sent, got=got)),
           flush=True)
 
@@ -314,6 +342,10 @@ def main():
     p.add_argument("--client", default="openai", choices=["openai", "raw"],
                    help="the clients: `openai.AsyncOpenAI` (what users run), or keep-alive HTTP written by hand "
                         "(bench/front_end.py's, ~20x less of a core a request: the server alone)")
+    p.add_argument("--warm-clients", action="store_true",
+                   help="each client opens its connection and is answered once (GET /v1/models) before the common "
+                        "start, as the long-lived client of an agent loop is (without: the timed part includes each "
+                        "client's connecting and the `openai` client's first-call set-up)")
     p.add_argument("--flash-below", type=int, default=None,
                    help="the prefill's SDPA on flash below this many tokens a chunk (`DecoderBlock.flash_below`)")
     p.add_argument("--front-end", default="process", choices=["process", "thread"],
@@ -401,6 +433,7 @@ def main():
                  "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
                  "--client-procs", str(args.client_procs), "--proc-index", str(i), "--start-at", str(start_at),
                  "--client", args.client, "--vocab-size", str(shape["vocab_size"])]
+                + (["--warm-clients"] if args.warm_clients else [])
                 for i in range(args.client_procs)]
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for cmd in cmds]
         res = last_json_lines(procs, "a client process")
@@ -480,7 +513,7 @@ def main():
                direct_tokens_per_s=round(direct_tokens / direct_s),
                ratio=round((served_tokens / served_s) / (direct_tokens / direct_s), 3),
                served_profile=served_stats, direct_profile=direct_stats, client_procs=args.client_procs,
-               client=args.client, **alone,
+               client=args.client, warm_clients=args.warm_clients, **alone,
                switch_interval_ms=switch_ms, front_end=args.front_end, front_ends=args.front_ends,
                warm_up_captures=warm_captures,
                overlap=args.overlap, arrivals=arrivals, served_cores=cores,
