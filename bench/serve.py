@@ -8,7 +8,7 @@ rollout's prefix cache. On the fast backend the server batches continuously. `--
 timed one: the server's steady state (its decode graphs of every (length, width) pair it meets captured).
 
     python bench/serve.py --shape 1.5b --clients 256 --requests 2 --out results.jsonl   # one H200
-    python bench/serve.py --shape 1.5b --clients 256 --requests 2 --in-process --overlap   # + the batcher alone
+    python bench/serve.py --shape 1.5b --clients 256 --requests 2 --in-process   # + the batcher alone
     python bench/serve.py --shape tiny --clients 8 --requests 2 --prompt-len 16 --max-tokens 16 --backend fast  # CPU
     python bench/serve.py --clients 256 --requests 2 --backend sim --client raw --in-process  # no GPU: the path alone
 
@@ -357,8 +357,9 @@ def main():
                    help="served runs before the timed one (each on prompts of its own): the first compiles and "
                         "captures what the workload meets first, later ones the decode graphs of the (length, width) "
                         "pairs an arrival order of their own meets (a server's steady state)")
-    p.add_argument("--overlap", action="store_true",
-                   help="the server's stream admits after it launches the decode steps (`Batcher(overlap=True)`)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="the server's stream admits after it launches the decode steps (`Batcher(overlap=True)`, "
+                        "the default since session 29)")
     p.add_argument("--sample-stacks", action="store_true",
                    help="sample every thread's innermost frame every 2 ms while the clients run (what holds the "
                         "interpreter besides the generation thread)")

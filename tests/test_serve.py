@@ -30,7 +30,8 @@ PROMPTS = ["1+2=", "hello world ", "what is 7*6? "]
 
 
 # fast: continuous batching (requests join the running generate_stream); fast_batches and hf: one batch at a time;
-# fast_process: as fast, the HTTP front end in two processes of its own (`shardrl serve`'s default is one), overlap on
+# fast_process: as fast, the HTTP front end in two processes of its own (`shardrl serve`'s default is one); fast
+# admits before it launches the decode steps (overlap off), fast_process after (on: the default)
 @pytest.fixture(scope="module", params=["fast", "fast_batches", "hf", "fast_process"])
 def server(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"model_{request.param}")
@@ -38,12 +39,11 @@ def server(request, tmp_path_factory):
     backend = request.param.split("_")[0]
     cfg = load_config(None, [f"model.path={folder}", f"rollout.backend={backend}"])
     stream = {"fast": True, "fast_batches": False, "hf": None, "fast_process": True}[request.param]
-    if request.param == "fast_process":  # (its stream admits after it launches the decode steps: overlap)
-        engine = build_engine(cfg, served_name="tiny", max_batch=8, stream=stream)
-        engine[0].overlap = True
-        srv = ServerProcess(*engine, front_ends=2)
+    if request.param == "fast_process":
+        srv = ServerProcess(*build_engine(cfg, served_name="tiny", max_batch=8, stream=stream), front_ends=2)
     else:
         srv = Server(build_server(cfg, served_name="tiny", max_batch=8, stream=stream))
+        srv.batcher.overlap = request.param != "fast"
     yield srv
     srv.stop()
 
