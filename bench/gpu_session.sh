@@ -599,13 +599,11 @@ phase_s29_b() {  # the overlapped admission again, with cold clients (as s28 had
     limit 120 $S --warm-clients --overlap
     limit 330 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore -rs tests/
 }
-phase_s29_c() {  # the overlapped admission as the server's default now; the fast rollout's CUDA tests (overlap path)
+phase_s29_c() {  # the fast rollout's CUDA tests (abort, overlap path); the overlapped admission as the server's default
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
-    local S="python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --out $RES"
-    limit 150 $S --in-process
-    limit 110 $S --warm-clients
-    limit 200 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore -rs tests/test_rollout_fast.py \
-        tests/test_prefix_cache.py
+    limit 170 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore -rs tests/test_rollout_fast.py \
+        tests/test_rollout_fast_families.py
+    limit 150 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --in-process --out $RES
 }
 case "${1:-}" in
 start)
