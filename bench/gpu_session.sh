@@ -605,6 +605,20 @@ phase_s29_c() {  # the fast rollout's CUDA tests (abort, overlap path); the over
         tests/test_rollout_fast_families.py
     limit 150 python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --in-process --out $RES
 }
+# owed by session 29: the server with the engine connection's lists (frontend.Outbox) and overlap as defaults, three
+# runs; the fast rollout's CUDA tests, whole; then every CUDA test
+#   s30   (carry .whl/oai, from bench/pack_server_wheels.sh)
+phase_s30() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
+    local S="python3 bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --out $RES"
+    limit 150 $S --in-process
+    limit 110 $S
+    limit 110 $S --warm-clients
+    limit 400 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore -rs tests/test_rollout_fast.py \
+        tests/test_rollout_fast_families.py tests/test_prefix_cache.py
+    limit 560 python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore -rs tests/ --deselect tests/test_rollout_fast.py \
+        --deselect tests/test_rollout_fast_families.py --deselect tests/test_prefix_cache.py
+}
 case "${1:-}" in
 start)
     shift

@@ -147,13 +147,14 @@ class ArrivalTracer:
         self.recvd, self.front_sent, self.recv = {}, {}, connection.Connection.recv
 
         def recv(conn):
-            message = self.recv(conn)
-            if isinstance(message, tuple) and message and message[0] == "submit":
-                i = self.index.get(tuple(message[2][0][-16:]))
-                if i is not None:
-                    self.recvd[i] = time.time()
-                    self.front_sent[i] = message[5]
-            return message
+            batch = self.recv(conn)  # (a list of messages: frontend.py's `Outbox`)
+            for message in batch if isinstance(batch, list) else []:
+                if isinstance(message, tuple) and message and message[0] == "submit":
+                    i = self.index.get(tuple(message[2][0][-16:]))
+                    if i is not None:
+                        self.recvd[i] = time.time()
+                        self.front_sent[i] = message[5]
+            return batch
 
         connection.Connection.recv = recv
 

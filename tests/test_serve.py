@@ -1088,3 +1088,69 @@ def test_a_generation_raising_stop_iteration_fails_its_request_not_the_batcher(t
             await batcher.stop()
 
     assert asyncio.run(run())[0]["token_ids"] == [5]
+
+
+def test_the_engine_connection_sends_a_turns_messages_as_one_list():
+    """What one turn of the event loop puts in an `Outbox` crosses as one list (16 at most: the first of a burst
+    does not wait for the rest), in order; a list that cannot be sent fails its requests, not the others."""
+    from shardrl.rollout.frontend import EngineService, Outbox, RemoteBatcher
+
+    class Conn:
+        def __init__(self):
+            self.sent, self.broken = [], False
+
+        def send(self, batch):
+            if self.broken:
+                raise OSError("gone")
+            self.sent.append(list(batch))
+
+    async def turns():
+        conn, failed = Conn(), []
+        box = Outbox(conn, asyncio.get_running_loop(), failed=lambda batch, e: failed.append((batch, str(e))))
+        for i in range(40):  # (one turn)
+            box.put(i)
+        await asyncio.sleep(0)
+        box.put("alone")
+        await asyncio.sleep(0)
+        conn.broken = True
+        box.put("lost")
+        await asyncio.sleep(0)
+        return conn.sent, failed
+
+    sent, failed = asyncio.run(turns())
+    assert sent == [list(range(16)), list(range(16, 32)), list(range(32, 40)), ["alone"]]
+    assert failed == [(["lost"], "gone")]
+
+    class Echo:  # (what EngineService needs of a Batcher)
+        async def start(self):
+            pass
+
+        async def stop(self):
+            pass
+
+        async def submit(self, prompts, sampling, alive=None, session=None):
+            await asyncio.sleep(0.01 * (prompts[0][0] % 3))  # (answered out of order)
+            return [dict(token_ids=p[::-1]) for p in prompts]
+
+    engine = EngineService(Echo())
+    try:
+        async def front_end():
+            remote = RemoteBatcher(engine.address, engine.authkey, tokenizer=None)
+            await remote.start()
+            try:
+                answers = await asyncio.gather(*[remote.submit([[i, i + 1]], SamplingParams(max_new_tokens=2))
+                                                 for i in range(50)])
+                remote.outbox.conn = broken = Conn()  # (a send that fails: that request fails, with a message)
+                broken.broken = True
+                with pytest.raises(RuntimeError, match="could not reach the engine"):
+                    await asyncio.wait_for(remote.submit([[1]], SamplingParams(max_new_tokens=2)), 5)
+                assert not remote.waiting
+                return answers
+            finally:
+                await remote.stop()
+
+        answers = asyncio.run(front_end())
+        assert answers == [[dict(token_ids=[i + 1, i])] for i in range(50)]
+        assert engine.served == [50]
+    finally:
+        engine.close()

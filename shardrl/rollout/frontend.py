@@ -9,7 +9,9 @@ every admission's prefill (hundreds of kernel launches from Python) waited on th
 
 Messages (pickled, `multiprocessing.connection`): the front end sends ("submit", id, prompts, sampling, session,
 wall time sent: bench/serve.py's `hops`) and ("cancel", id) for a request whose client left; the engine answers
-("ok", id, outputs), ("dropped", id), ("stopped", id, message) or ("error", id, message)."""
+("ok", id, outputs), ("dropped", id), ("stopped", id, message) or ("error", id, message). Each side sends what one
+turn of its event loop produced as one list (`Outbox`): a burst of requests or of answers crosses in a few writes,
+and the other side's reader takes the interpreter lock once a list, not once a message."""
 
 from __future__ import annotations
 
@@ -41,6 +43,34 @@ def no_delay(conn) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     finally:
         sock.detach()  # (the connection keeps its descriptor)
+
+
+class Outbox:
+    """Messages for `conn`, sent as one list per turn of `loop` (the only thread that adds to it), `most` at a time:
+    the first message of a turn schedules the send after that turn's ready callbacks, which add theirs; a list of
+    `most` goes at once (a burst of requests is handled in lockstep, each task a step a turn: without a cap, the
+    first request of 256 would wait for the 256th's tokenizing). `failed(batch, error)` is called (on the loop) with
+    a list that could not be sent."""
+
+    def __init__(self, conn, loop, failed=None, most: int = 16):
+        self.conn, self.loop, self.failed, self.most, self.batch = conn, loop, failed, most, []
+
+    def put(self, message) -> None:
+        self.batch.append(message)
+        if len(self.batch) == 1:
+            self.loop.call_soon(self.flush)
+        elif len(self.batch) >= self.most:
+            self.flush()
+
+    def flush(self) -> None:
+        batch, self.batch = self.batch, []
+        if not batch:  # (sent already: a full list)
+            return
+        try:
+            self.conn.send(batch)
+        except Exception as e:  # noqa: BLE001 (closed, or unpicklable: its requests fail, the others go on)
+            if self.failed is not None:
+                self.failed(batch, e)
 
 
 class EngineService:
@@ -89,59 +119,63 @@ class EngineService:
                              daemon=True).start()
 
     def _serve(self, conn, index: int) -> None:
-        lock, pending, cancelled = threading.Lock(), set(), set()
+        pending, cancelled = set(), set()
         book = threading.Lock()  # (pending and cancelled: this thread and the event loop's callbacks)
+        outbox = Outbox(conn, self.loop)  # (a front end gone: nobody reads its answers)
 
-        def send(message) -> None:
-            with lock:
-                try:
-                    conn.send(message)
-                except (OSError, EOFError, ValueError):  # the front end went away: nobody reads it
-                    pass
-
-        def answer(rid: int, future) -> None:
+        def answer(rid: int, task) -> None:  # (on the loop)
             with book:
                 pending.discard(rid)
                 cancelled.discard(rid)
             try:
-                error = future.exception()
+                error = task.exception()
                 if error is None:
-                    send(("ok", rid, future.result()))
+                    outbox.put(("ok", rid, task.result()))
                 elif isinstance(error, Dropped):
-                    send(("dropped", rid))
+                    outbox.put(("dropped", rid))
                 elif isinstance(error, Stopped):
-                    send(("stopped", rid, str(error)))
+                    outbox.put(("stopped", rid, str(error)))
                 else:
-                    send(("error", rid, f"{type(error).__name__}: {error}"))
-            except BaseException as e:  # noqa: BLE001 (an answer that cannot be sent: the request still ends)
-                log.exception("request %d: its answer could not be sent", rid)
-                send(("error", rid, f"the answer could not be sent: {type(e).__name__}: {e}"))
+                    outbox.put(("error", rid, f"{type(error).__name__}: {error}"))
+            except BaseException as e:  # noqa: BLE001 (an answer that cannot be made: the request still ends)
+                log.exception("request %d: its answer could not be made", rid)
+                outbox.put(("error", rid, f"the answer could not be made: {type(e).__name__}: {e}"))
+
+        def start(submits) -> None:  # (on the loop: one hand-over a list read)
+            for rid, coro in submits:
+                self.loop.create_task(coro).add_done_callback(lambda task, rid=rid: answer(rid, task))
 
         while True:
             try:
-                message = conn.recv()
+                batch = conn.recv()
             except (OSError, EOFError):
                 with book:
                     cancelled.update(pending)  # (their clients went with it)
                 return
-            if message[0] == "cancel":
+            submits = []
+            for message in batch:
+                if message[0] == "cancel":
+                    with book:
+                        if message[1] in pending:  # (one answered meanwhile is forgotten: nothing to end)
+                            cancelled.add(message[1])
+                    continue
+                rid, prompts, sampling, session = message[1:5]  # (then the front end's wall time of sending it)
                 with book:
-                    if message[1] in pending:  # (one answered meanwhile is forgotten: nothing to end)
-                        cancelled.add(message[1])
-                continue
-            rid, prompts, sampling, session = message[1:5]  # (then the front end's wall time of sending it)
-            with book:
-                pending.add(rid)
-            self.served[index] += 1
+                    pending.add(rid)
+                self.served[index] += 1
 
-            async def alive(rid=rid) -> bool:
-                return rid not in cancelled
+                async def alive(rid=rid) -> bool:
+                    return rid not in cancelled
 
-            alive.left = lambda rid=rid: rid in cancelled  # (asked by a generation thread: `server._left`)
-
-            future = asyncio.run_coroutine_threadsafe(self.batcher.submit(prompts, sampling, alive, session),
-                                                      self.loop)
-            future.add_done_callback(lambda f, rid=rid: answer(rid, f))
+                alive.left = lambda rid=rid: rid in cancelled  # (asked by a generation thread: `server._left`)
+                submits.append((rid, self.batcher.submit(prompts, sampling, alive, session)))
+            if submits:
+                try:
+                    self.loop.call_soon_threadsafe(start, submits)
+                except RuntimeError:  # (the loop closed: the service is closing)
+                    for _, coro in submits:
+                        coro.close()
+                    return
 
     def stop_batcher(self) -> None:
         """Every open request answered (503: the server is stopping) and the running rows ended; the answers go out
@@ -194,7 +228,7 @@ class RemoteBatcher:
         self.loop = asyncio.get_running_loop()
         self.conn = Client(self.address, authkey=self.authkey)
         no_delay(self.conn)
-        self.lock = threading.Lock()
+        self.outbox = Outbox(self.conn, self.loop, self._not_sent)
         threading.Thread(target=self._read, name="shardrl-front-read", daemon=True).start()
 
     async def stop(self) -> None:
@@ -205,14 +239,16 @@ class RemoteBatcher:
         self.waiting.clear()
         self.conn.close()
 
-    def _send(self, message) -> None:
-        with self.lock:
-            self.conn.send(message)
+    def _not_sent(self, batch: list, error: Exception) -> None:
+        for message in batch:  # (cancels: nothing waits on them)
+            future = self.waiting.pop(message[1], None) if message[0] == "submit" else None
+            if future is not None and not future.done():
+                future.set_exception(RuntimeError(f"the request could not reach the engine: {error!r}"))
 
     def _read(self) -> None:
         while True:
             try:
-                message = self.conn.recv()
+                batch = self.conn.recv()
             except Exception as e:  # noqa: BLE001 (closed, or unreadable: either way nothing more comes)
                 if self.closing:  # (stopped: its loop may be closed already)
                     return
@@ -220,7 +256,7 @@ class RemoteBatcher:
                     log.exception("the engine's connection gave an unreadable message")
                 self._on_loop(self._engine_gone)
                 return
-            if not self._on_loop(self._answer, message):
+            if not self._on_loop(self._answer, batch):
                 return
 
     def _on_loop(self, callback, *args) -> bool:
@@ -231,18 +267,19 @@ class RemoteBatcher:
         except RuntimeError:
             return False
 
-    def _answer(self, message) -> None:
-        future = self.waiting.pop(message[1], None)
-        if future is None or future.done():
-            return
-        if message[0] == "ok":
-            future.set_result(message[2])
-        elif message[0] == "dropped":
-            future.set_exception(Dropped())
-        elif message[0] == "stopped":
-            future.set_exception(Stopped(message[2]))
-        else:
-            future.set_exception(RuntimeError(message[2]))
+    def _answer(self, batch: list) -> None:
+        for message in batch:
+            future = self.waiting.pop(message[1], None)
+            if future is None or future.done():
+                continue
+            if message[0] == "ok":
+                future.set_result(message[2])
+            elif message[0] == "dropped":
+                future.set_exception(Dropped())
+            elif message[0] == "stopped":
+                future.set_exception(Stopped(message[2]))
+            else:
+                future.set_exception(RuntimeError(message[2]))
 
     def _engine_gone(self) -> None:
         """The engine's process ended (or closed its side): the waiting requests fail and this front end stops
@@ -261,11 +298,7 @@ class RemoteBatcher:
             raise Stopped("the server is stopping: it takes no more requests")
         rid = next(self.ids)
         future = self.waiting[rid] = self.loop.create_future()
-        try:
-            self._send(("submit", rid, prompts, sampling, session, time.time()))
-        except BaseException:
-            self.waiting.pop(rid, None)
-            raise
+        self.outbox.put(("submit", rid, prompts, sampling, session, time.time()))
         gone = getattr(alive, "gone", None)  # (build_app's: the client's leaving, awaitable)
         try:
             while True:
@@ -279,7 +312,7 @@ class RemoteBatcher:
                     raise Dropped()
         except (Dropped, asyncio.CancelledError):
             if self.waiting.pop(rid, None) is not None:  # (still running there: its rows end)
-                self._send(("cancel", rid))
+                self.outbox.put(("cancel", rid))
             raise
 
 
