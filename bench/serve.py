@@ -403,13 +403,21 @@ def main():
         overrides = [f"model.path={folder}", f"rollout.max_batch={args.max_batch}"] + (
             [f"rollout.backend={args.backend}"] if args.backend else [])
         engine = build_engine(load_config(None, overrides), served_name="m", max_batch=args.max_batch)
+    n_requests = args.clients * args.requests
+
+    def prompt_set(k: int) -> list[str]:
+        return prompts_of(k, n_requests, args.prompt_len, shape["vocab_size"])
+
+    # the timed run's requests traced from before the server starts: its connections' reader threads then read
+    # through the tracer's `recv` from their first message (one installed later would miss the list each reader
+    # was already waiting on)
+    tracer = ArrivalTracer(engine[0], prompt_set(1), tok, args.requests)
     server = (ServerProcess(*engine, front_ends=args.front_ends) if args.front_end == "process"
               else ServerThread(build_app(*engine)))
     batcher = server.batcher
     batcher.overlap = args.overlap
     if args.flash_below is not None:
         batcher.rollout._block.flash_below = args.flash_below
-    n_requests = args.clients * args.requests
     def profile(rollout) -> dict:
         """Where the last generate call's time went, and how full its slots were (fast backend)."""
         st = dict(getattr(rollout, "last_stats", {}) or {})
@@ -421,9 +429,6 @@ def main():
                     occupancy=round(st["row_steps"] / (st["decode_steps"] * st["num_slots"]), 3),
                     ms_per_step=round(1000 * st["decode_s"] / st["decode_steps"], 2))
         return keep
-
-    def prompt_set(k: int) -> list[str]:
-        return prompts_of(k, n_requests, args.prompt_len, shape["vocab_size"])
 
     def all_clients(k: int) -> tuple[int, float]:
         """(new tokens, seconds from the first request to the last answer) of the clients on prompt set k, run in
@@ -454,7 +459,6 @@ def main():
     latency = sequential_latency(server.url, prompt_set(6), args.latency_requests) if args.latency_requests else {}
     before = dict(batcher.stats)
     sampler = StackSampler() if args.sample_stacks else None
-    tracer = ArrivalTracer(batcher, prompt_set(1), tok, args.requests)
     front_pids = list(getattr(server, "pids", []))
     cpu0 = [cpu_s(pid) for pid in front_pids], time.process_time()
     try:

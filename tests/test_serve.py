@@ -1138,8 +1138,8 @@ def test_the_engine_connection_sends_a_turns_messages_as_one_list():
             remote = RemoteBatcher(engine.address, engine.authkey, tokenizer=None)
             await remote.start()
             try:
-                answers = await asyncio.gather(*[remote.submit([[i, i + 1]], SamplingParams(max_new_tokens=2))
-                                                 for i in range(50)])
+                answers = await asyncio.wait_for(asyncio.gather(*[
+                    remote.submit([[i, i + 1]], SamplingParams(max_new_tokens=2)) for i in range(50)]), 30)
                 remote.outbox.conn = broken = Conn()  # (a send that fails: that request fails, with a message)
                 broken.broken = True
                 with pytest.raises(RuntimeError, match="could not reach the engine"):
@@ -1152,5 +1152,53 @@ def test_the_engine_connection_sends_a_turns_messages_as_one_list():
         answers = asyncio.run(front_end())
         assert answers == [[dict(token_ids=[i + 1, i])] for i in range(50)]
         assert engine.served == [50]
+    finally:
+        engine.close()
+
+
+def test_an_answer_that_cannot_be_sent_fails_its_request_alone():
+    """An answer the engine cannot pickle, sent in one list with others: the others are answered, its request gets
+    an error (it does not wait for ever); and a request the front end cannot pickle fails alone too."""
+    from shardrl.rollout.frontend import EngineService, RemoteBatcher
+
+    class Odd:  # (what EngineService needs of a Batcher)
+        async def start(self):
+            pass
+
+        async def stop(self):
+            pass
+
+        async def submit(self, prompts, sampling, alive=None, session=None):
+            return [dict(token_ids=prompts[0], bad=(lambda: 0) if prompts[0][0] == 3 else None)]
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise TypeError("not picklable")
+
+    engine = EngineService(Odd())
+    try:
+        async def front_end():
+            remote = RemoteBatcher(engine.address, engine.authkey, tokenizer=None)
+            await remote.start()
+            try:
+                async def one(i):
+                    try:
+                        return (await remote.submit([[i]], SamplingParams(max_new_tokens=2)))[0]["token_ids"]
+                    except RuntimeError as e:
+                        return str(e)
+
+                answers = await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(8)]), 30)
+                sent = [remote.submit([[10 + i]], SamplingParams(max_new_tokens=2),
+                                      session=Unpicklable() if i == 1 else None) for i in range(4)]
+                results = await asyncio.wait_for(asyncio.gather(*sent, return_exceptions=True), 30)
+                return answers, results
+            finally:
+                await remote.stop()
+
+        answers, results = asyncio.run(front_end())
+        assert [a for i, a in enumerate(answers) if i != 3] == [[i] for i in range(8) if i != 3]
+        assert "the answer could not be sent" in answers[3]
+        assert [r[0]["token_ids"] for i, r in enumerate(results) if i != 1] == [[10], [12], [13]]
+        assert isinstance(results[1], RuntimeError) and "could not reach the engine" in str(results[1])
     finally:
         engine.close()

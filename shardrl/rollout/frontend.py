@@ -49,8 +49,9 @@ class Outbox:
     """Messages for `conn`, sent as one list per turn of `loop` (the only thread that adds to it), `most` at a time:
     the first message of a turn schedules the send after that turn's ready callbacks, which add theirs; a list of
     `most` goes at once (a burst of requests is handled in lockstep, each task a step a turn: without a cap, the
-    first request of 256 would wait for the 256th's tokenizing). `failed(batch, error)` is called (on the loop) with
-    a list that could not be sent."""
+    first request of 256 would wait for the 256th's tokenizing). `failed(messages, error)` is called (on the loop)
+    with what could not be sent: the whole list when the connection failed (OSError, EOFError), else (a message that
+    cannot be pickled) each message that fails alone, the others sent one by one."""
 
     def __init__(self, conn, loop, failed=None, most: int = 16):
         self.conn, self.loop, self.failed, self.most, self.batch = conn, loop, failed, most, []
@@ -68,9 +69,18 @@ class Outbox:
             return
         try:
             self.conn.send(batch)
-        except Exception as e:  # noqa: BLE001 (closed, or unpicklable: its requests fail, the others go on)
-            if self.failed is not None:
-                self.failed(batch, e)
+        except (OSError, EOFError) as e:
+            self._failed(batch, e)
+        except Exception:  # noqa: BLE001 (pickling: the list is not sent at all, so each goes alone)
+            for message in batch:
+                try:
+                    self.conn.send([message])
+                except Exception as e:  # noqa: BLE001
+                    self._failed([message], e)
+
+    def _failed(self, messages: list, error: Exception) -> None:
+        if self.failed is not None:
+            self.failed(messages, error)
 
 
 class EngineService:
@@ -121,7 +131,18 @@ class EngineService:
     def _serve(self, conn, index: int) -> None:
         pending, cancelled = set(), set()
         book = threading.Lock()  # (pending and cancelled: this thread and the event loop's callbacks)
-        outbox = Outbox(conn, self.loop)  # (a front end gone: nobody reads its answers)
+
+        def not_sent(answers: list, error: Exception) -> None:  # (on the loop)
+            if isinstance(error, (OSError, EOFError)):  # (the front end went away: nobody reads them)
+                return
+            for message in answers:  # (an answer that cannot be pickled: its request still ends, with an error)
+                log.error("request %d: its answer could not be sent: %r", message[1], error)
+                try:
+                    conn.send([("error", message[1], f"the answer could not be sent: {type(error).__name__}: {error}")])
+                except Exception:  # noqa: BLE001 (gone meanwhile)
+                    pass
+
+        outbox = Outbox(conn, self.loop, not_sent)
 
         def answer(rid: int, task) -> None:  # (on the loop)
             with book:
@@ -171,8 +192,10 @@ class EngineService:
                 submits.append((rid, self.batcher.submit(prompts, sampling, alive, session)))
             if submits:
                 try:
+                    if not self.loop.is_running():  # (stopped: the service is closing)
+                        raise RuntimeError("the engine's loop stopped")
                     self.loop.call_soon_threadsafe(start, submits)
-                except RuntimeError:  # (the loop closed: the service is closing)
+                except RuntimeError:  # (or closed)
                     for _, coro in submits:
                         coro.close()
                     return
@@ -239,8 +262,8 @@ class RemoteBatcher:
         self.waiting.clear()
         self.conn.close()
 
-    def _not_sent(self, batch: list, error: Exception) -> None:
-        for message in batch:  # (cancels: nothing waits on them)
+    def _not_sent(self, messages: list, error: Exception) -> None:
+        for message in messages:  # (cancels: nothing waits on them)
             future = self.waiting.pop(message[1], None) if message[0] == "submit" else None
             if future is not None and not future.done():
                 future.set_exception(RuntimeError(f"the request could not reach the engine: {error!r}"))
