@@ -993,24 +993,52 @@ def test_a_front_end_that_stopped_answers_a_new_request_503_not_500():
         asyncio.run(remote.submit([[3]], SamplingParams(max_new_tokens=2)))
 
 
+class EchoEngine:
+    """What `EngineService` needs of a Batcher: each prompt answered reversed (`outputs`), after `delay_s`."""
+
+    async def start(self):
+        pass
+
+    async def stop(self):
+        pass
+
+    def delay_s(self, prompt) -> float:
+        return 0.0
+
+    def outputs(self, prompts) -> list[dict]:
+        return [dict(token_ids=p[::-1]) for p in prompts]
+
+    async def submit(self, prompts, sampling, alive=None, session=None):
+        await asyncio.sleep(self.delay_s(prompts[0]))
+        return self.outputs(prompts)
+
+
+def through_engine_service(batcher, body):
+    """The result of `body(remote, engine)` (a coroutine function), run from a `RemoteBatcher` connected to an
+    `EngineService` over `batcher`."""
+    from shardrl.rollout.frontend import EngineService, RemoteBatcher
+
+    engine = EngineService(batcher)
+    try:
+        async def front_end():
+            remote = RemoteBatcher(engine.address, engine.authkey, tokenizer=None)
+            await remote.start()
+            try:
+                return await body(remote, engine)
+            finally:
+                await remote.stop()
+
+        return asyncio.run(front_end())
+    finally:
+        engine.close()
+
+
 def test_the_engine_connection_sends_small_messages_at_once():
     """Both ends of a front end's connection to the engine have Nagle's algorithm off (TCP_NODELAY): with many
     requests in flight on the one connection, a message written while the last waits for its acknowledgement was
     held up to Linux's 40 ms delayed ACK (bench/serve.py's `hops`: 44 ms median a request on the way up, 9 without);
     and a request still goes there and back."""
     import socket
-
-    from shardrl.rollout.frontend import EngineService, RemoteBatcher
-
-    class Echo:  # (what EngineService needs of a Batcher)
-        async def start(self):
-            pass
-
-        async def stop(self):
-            pass
-
-        async def submit(self, prompts, sampling, alive=None, session=None):
-            return [dict(token_ids=p[::-1]) for p in prompts]
 
     def nodelay_is_on(conn) -> int:
         sock = socket.socket(fileno=conn.fileno())
@@ -1019,22 +1047,13 @@ def test_the_engine_connection_sends_small_messages_at_once():
         finally:
             sock.detach()
 
-    engine = EngineService(Echo())
-    try:
-        async def front_end():
-            remote = RemoteBatcher(engine.address, engine.authkey, tokenizer=None)
-            await remote.start()
-            try:
-                answer = await remote.submit([[3, 4, 5]], SamplingParams(max_new_tokens=2))
-                return answer, nodelay_is_on(remote.conn), [nodelay_is_on(conn) for conn in engine.conns]
-            finally:
-                await remote.stop()
+    async def body(remote, engine):
+        answer = await remote.submit([[3, 4, 5]], SamplingParams(max_new_tokens=2))
+        return answer, nodelay_is_on(remote.conn), [nodelay_is_on(conn) for conn in engine.conns]
 
-        answer, front, engine_ends = asyncio.run(front_end())
-        assert answer == [dict(token_ids=[5, 4, 3])]
-        assert front and len(engine_ends) == 1 and all(engine_ends)
-    finally:
-        engine.close()
+    answer, front, engine_ends = through_engine_service(EchoEngine(), body)
+    assert answer == [dict(token_ids=[5, 4, 3])]
+    assert front and len(engine_ends) == 1 and all(engine_ends)
 
 
 def test_the_serve_bench_runs_on_its_gpu_stand_in(tmp_path):
@@ -1093,7 +1112,7 @@ def test_a_generation_raising_stop_iteration_fails_its_request_not_the_batcher(t
 def test_the_engine_connection_sends_a_turns_messages_as_one_list():
     """What one turn of the event loop puts in an `Outbox` crosses as one list (16 at most: the first of a burst
     does not wait for the rest), in order; a list that cannot be sent fails its requests, not the others."""
-    from shardrl.rollout.frontend import EngineService, Outbox, RemoteBatcher
+    from shardrl.rollout.frontend import Outbox
 
     class Conn:
         def __init__(self):
@@ -1121,84 +1140,51 @@ def test_the_engine_connection_sends_a_turns_messages_as_one_list():
     assert sent == [list(range(16)), list(range(16, 32)), list(range(32, 40)), ["alone"]]
     assert failed == [(["lost"], "gone")]
 
-    class Echo:  # (what EngineService needs of a Batcher)
-        async def start(self):
-            pass
+    class OutOfOrder(EchoEngine):
+        def delay_s(self, prompt) -> float:
+            return 0.01 * (prompt[0] % 3)
 
-        async def stop(self):
-            pass
+    async def body(remote, engine):
+        answers = await asyncio.wait_for(asyncio.gather(*[
+            remote.submit([[i, i + 1]], SamplingParams(max_new_tokens=2)) for i in range(50)]), 30)
+        remote.outbox.conn = broken = Conn()  # (a send that fails: that request fails, with a message)
+        broken.broken = True
+        with pytest.raises(RuntimeError, match="could not reach the engine"):
+            await asyncio.wait_for(remote.submit([[1]], SamplingParams(max_new_tokens=2)), 5)
+        assert not remote.waiting
+        return answers, list(engine.served)
 
-        async def submit(self, prompts, sampling, alive=None, session=None):
-            await asyncio.sleep(0.01 * (prompts[0][0] % 3))  # (answered out of order)
-            return [dict(token_ids=p[::-1]) for p in prompts]
-
-    engine = EngineService(Echo())
-    try:
-        async def front_end():
-            remote = RemoteBatcher(engine.address, engine.authkey, tokenizer=None)
-            await remote.start()
-            try:
-                answers = await asyncio.wait_for(asyncio.gather(*[
-                    remote.submit([[i, i + 1]], SamplingParams(max_new_tokens=2)) for i in range(50)]), 30)
-                remote.outbox.conn = broken = Conn()  # (a send that fails: that request fails, with a message)
-                broken.broken = True
-                with pytest.raises(RuntimeError, match="could not reach the engine"):
-                    await asyncio.wait_for(remote.submit([[1]], SamplingParams(max_new_tokens=2)), 5)
-                assert not remote.waiting
-                return answers
-            finally:
-                await remote.stop()
-
-        answers = asyncio.run(front_end())
-        assert answers == [[dict(token_ids=[i + 1, i])] for i in range(50)]
-        assert engine.served == [50]
-    finally:
-        engine.close()
+    answers, served = through_engine_service(OutOfOrder(), body)
+    assert answers == [[dict(token_ids=[i + 1, i])] for i in range(50)]
+    assert served == [50]
 
 
 def test_an_answer_that_cannot_be_sent_fails_its_request_alone():
     """An answer the engine cannot pickle, sent in one list with others: the others are answered, its request gets
     an error (it does not wait for ever); and a request the front end cannot pickle fails alone too."""
-    from shardrl.rollout.frontend import EngineService, RemoteBatcher
 
-    class Odd:  # (what EngineService needs of a Batcher)
-        async def start(self):
-            pass
-
-        async def stop(self):
-            pass
-
-        async def submit(self, prompts, sampling, alive=None, session=None):
+    class Odd(EchoEngine):
+        def outputs(self, prompts) -> list[dict]:
             return [dict(token_ids=prompts[0], bad=(lambda: 0) if prompts[0][0] == 3 else None)]
 
     class Unpicklable:
         def __reduce__(self):
             raise TypeError("not picklable")
 
-    engine = EngineService(Odd())
-    try:
-        async def front_end():
-            remote = RemoteBatcher(engine.address, engine.authkey, tokenizer=None)
-            await remote.start()
+    async def body(remote, engine):
+        async def one(i):
             try:
-                async def one(i):
-                    try:
-                        return (await remote.submit([[i]], SamplingParams(max_new_tokens=2)))[0]["token_ids"]
-                    except RuntimeError as e:
-                        return str(e)
+                return (await remote.submit([[i]], SamplingParams(max_new_tokens=2)))[0]["token_ids"]
+            except RuntimeError as e:
+                return str(e)
 
-                answers = await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(8)]), 30)
-                sent = [remote.submit([[10 + i]], SamplingParams(max_new_tokens=2),
-                                      session=Unpicklable() if i == 1 else None) for i in range(4)]
-                results = await asyncio.wait_for(asyncio.gather(*sent, return_exceptions=True), 30)
-                return answers, results
-            finally:
-                await remote.stop()
+        answers = await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(8)]), 30)
+        sent = [remote.submit([[10 + i]], SamplingParams(max_new_tokens=2), session=Unpicklable() if i == 1 else None)
+                for i in range(4)]
+        return answers, await asyncio.wait_for(asyncio.gather(*sent, return_exceptions=True), 30)
 
-        answers, results = asyncio.run(front_end())
-        assert [a for i, a in enumerate(answers) if i != 3] == [[i] for i in range(8) if i != 3]
-        assert "the answer could not be sent" in answers[3]
-        assert [r[0]["token_ids"] for i, r in enumerate(results) if i != 1] == [[10], [12], [13]]
-        assert isinstance(results[1], RuntimeError) and "could not reach the engine" in str(results[1])
-    finally:
-        engine.close()
+    answers, results = through_engine_service(Odd(), body)
+    assert [a for i, a in enumerate(answers) if i != 3] == [[i] for i in range(8) if i != 3]
+    assert "the answer could not be sent" in answers[3]
+    assert [r[0]["token_ids"] for i, r in enumerate(results) if i != 1] == [[10], [12], [13]]
+    assert isinstance(results[1], RuntimeError) and "could not reach the engine" in str(results[1])
