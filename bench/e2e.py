@@ -22,7 +22,7 @@ model (bf16 weights, grads and AdamW state), HF `generate`, `per_device_train_ba
 Each system runs in a process of its own (a clean GPU for the memory figures). One JSON line per run: median
 step time over the steps after the first (warm-up), per phase, peak GPU memory per phase (PyTorch's
 allocator, `max_memory_allocated`), tokens/s per GPU; and per case the floor (`floor`): the training FLOPs
-(forward + backward, model FLOPs of `shardrl.perf`) at the measured 788 TFLOP/s per GPU, plus
+(forward + backward, model FLOPs of `shardrl.plan.perf`) at the measured 788 TFLOP/s per GPU, plus
 generation's floor (`bench/profile_decode.py`'s GEMMs in CUDA graphs + reading the live K/V once at 4.3 TB/s),
 for the response lengths the run produced.
 """
@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import append_jsonl  # noqa: E402
 from bench.rollout import HBM_BYTES_PER_S, QWEN2_1P5B as _ROLLOUT_SHAPE  # noqa: E402
-from shardrl.perf import H200_BF16_MEASURED_TFLOPS as MEASURED_TFLOPS  # noqa: E402
+from shardrl.plan.perf import H200_BF16_MEASURED_TFLOPS as MEASURED_TFLOPS  # noqa: E402
 
 QWEN2_1P5B = {k: v for k, v in _ROLLOUT_SHAPE.items() if k != "model_type"}  # the rollout benchmark's shape
 TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -330,13 +330,13 @@ def floor(root: Path, case: str, cases: dict, response_lengths: list[int], gpus:
     import transformers
 
     from bench.profile_decode import graph_ms
-    from shardrl.perf import forward_flops, model_shape
+    from shardrl.plan.perf import forward_flops, model_shape
 
     prompts, n, prompt_len, new, kind = cases[case]
     c = transformers.AutoConfig.from_pretrained(root / f"model_{kind}")
     lens = torch.tensor(sorted(response_lengths, reverse=True), dtype=torch.float64)
     seq = lens + prompt_len
-    # the head where a response token is scored (as the engine and generation run it; `shardrl.perf`)
+    # the head where a response token is scored (as the engine and generation run it; `shardrl.plan.perf`)
     train_s = 3 * forward_flops(model_shape(c), seq, lens) / (MEASURED_TFLOPS * 1e12) / gpus
     train_all_s = 3 * forward_flops(model_shape(c), seq) / (MEASURED_TFLOPS * 1e12) / gpus  # sessions 4-6's
     dev, dtype = torch.device("cuda"), torch.bfloat16

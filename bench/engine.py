@@ -141,7 +141,7 @@ def plain_step_fn(world: int, seqs: int, micro: int, ckpt: bool, ragged: bool = 
 
 def engine_step_fn(strategy: str, world: int, seqs: int, micro: int, ckpt: bool, extra: dict):
     from shardrl.batch import Batch
-    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
 
     import shardrl.engine.logprob as logprob

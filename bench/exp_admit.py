@@ -43,9 +43,9 @@ def main():
     global OUT
     OUT = args.out
 
-    from shardrl.config import load_config
+    from shardrl.config.schema import load_config
     from shardrl.rollout import SamplingParams
-    from shardrl.serve import build_server
+    from shardrl.rollout.serving.command import build_server
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -54,7 +54,7 @@ class HoldingEngine(InstantEngine):
 def waiting_cost(tokenizer, n: int, args) -> dict:
     """Cores the front end and the engine's process use while `n` requests wait for their answers (the clients'
     connections watched for leaving, not polled: 0 at any n)."""
-    from shardrl.serve import ServerProcess
+    from shardrl.rollout.serving.command import ServerProcess
 
     server = ServerProcess(HoldingEngine(tokenizer), "m", 1 << 16,
                            uvicorn_options=dict(http="h11", loop="asyncio") if args.plain else None)
@@ -189,7 +189,7 @@ def main():
         return (openai_load if args.kind == "openai" else raw_load)(args)
 
     import bench.e2e as e2e
-    from shardrl.serve import ServerProcess
+    from shardrl.rollout.serving.command import ServerProcess
 
     tokenizer = e2e.build_tokenizer(4096 + 8)
     recs = []

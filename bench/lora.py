@@ -125,7 +125,7 @@ def run_sync(args) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from shardrl.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
     from shardrl.engine.lora import LORA_MARK
     from shardrl.rollout import FastRollout, SamplingParams
@@ -216,7 +216,7 @@ def run_update(args) -> list[dict]:
     import torch.distributed as dist
 
     from shardrl.algos.aggregate import agg_loss
-    from shardrl.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
     from shardrl.testing import random_batch
 

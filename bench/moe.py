@@ -13,7 +13,7 @@ for the decode, Qwen3-MoE layers at OLMoE's size (`qwen3_moe_7b`: the fast rollo
 
 `update`: one FSDP2 engine per experts implementation, `train_batch` of prompts x n sequences of prompt_len +
 new_tokens with a policy-gradient loss, the median of 3 calls after a warm-up; tokens/s and MFU on the active
-parameters (`shardrl.perf.model_shape`, forward + backward = 3 forwards; with LoRA the weight gradients of the
+parameters (`shardrl.plan.perf.model_shape`, forward + backward = 3 forwards; with LoRA the weight gradients of the
 frozen base are not computed, and the FLOPs are still counted as 3 forwards, the convention of the MFU figures).
 `rollout`: the fast rollout and HF's rollout on the same weights and prompts (256 rows), new tokens/s, against the
 floor of one decode step reading every expert's weights once (all are hit at this batch) and the KV cache.
@@ -30,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import append_jsonl  # noqa: E402
 from bench.lora import _median_s  # noqa: E402
-from shardrl.perf import H200_BF16_MEASURED_TFLOPS as H200_MEASURED  # noqa: E402
-from shardrl.perf import H200_BF16_SPEC_TFLOPS as H200_SPEC  # noqa: E402
+from shardrl.plan.perf import H200_BF16_MEASURED_TFLOPS as H200_MEASURED  # noqa: E402
+from shardrl.plan.perf import H200_BF16_SPEC_TFLOPS as H200_SPEC  # noqa: E402
 
 SHAPES = {
     "olmoe": dict(model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024,
@@ -77,7 +77,7 @@ def _init(port: str):
 
 
 def _engine(shape_name: str, experts: str, cuda: bool, tokens: int, optim: bool = True, compile: bool = False):
-    from shardrl.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
 
     lora = LoRAConfig(rank=64, alpha=128, target_modules="all-linear") if shape_name in LORA_SHAPES else LoRAConfig()
@@ -96,7 +96,7 @@ def run_update(args) -> list[dict]:
 
     from shardrl.algos.aggregate import agg_loss
     from shardrl.engine.model import load_hf_config
-    from shardrl.perf import forward_flops, model_shape
+    from shardrl.plan.perf import forward_flops, model_shape
     from shardrl.testing import random_batch
 
     cuda = _init("29521")

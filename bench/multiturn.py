@@ -1,4 +1,4 @@
-"""Multi-turn rollout throughput: the agent loop (`shardrl.rollout.multiturn`) against single-turn generation
+"""Multi-turn rollout throughput: the agent loop (`shardrl.rollout.episodes.multiturn`) against single-turn generation
 of the same prompts, on the same backend, in the same run.
 
 Two workloads:
@@ -41,7 +41,7 @@ import transformers
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shardrl.rollout import SamplingParams, build_rollout  # noqa: E402
-from shardrl.rollout.multiturn import Interaction, MultiTurnRollout, load_interaction  # noqa: E402
+from shardrl.rollout.episodes.multiturn import Interaction, MultiTurnRollout, load_interaction  # noqa: E402
 from shardrl.tokenizer import build_char_tokenizer  # noqa: E402
 from shardrl.tools import ToolCall  # noqa: E402
 

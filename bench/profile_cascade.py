@@ -76,8 +76,8 @@ def main() -> None:
     if args.shared % args.block_size:
         parser.error(f"--shared {args.shared} must be whole blocks of --block-size {args.block_size}")
 
-    from shardrl.rollout.decode_kernel import decode_attention, shared_prefix_parts
-    from shardrl.rollout.kernel_support import cascade_members
+    from shardrl.rollout.fast.decode_kernel import decode_attention, shared_prefix_parts
+    from shardrl.rollout.fast.kernel_support import cascade_members
 
     dtype = torch.bfloat16
     kv, table, positions, q, k_new, v_new = build(args.prompts, args.n, args.kv_heads, args.group, args.head_dim,

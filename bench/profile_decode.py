@@ -57,8 +57,8 @@ def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int,
     to them, the others read `seq` positions)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from shardrl.rollout.decode_kernel import decode_attention
-    from shardrl.rollout.fast_model import write_kv
+    from shardrl.rollout.fast.decode_kernel import decode_attention
+    from shardrl.rollout.fast.model import write_kv
 
     kv = torch.randn(2, b, hkv, max_seq, d, device="cuda", dtype=dtype)
     keys, values = kv[0][:, :, :seq], kv[1][:, :, :seq]
@@ -153,8 +153,8 @@ def main():
     from transformers import AutoConfig
 
     from shardrl.rollout.base import SamplingParams
-    from shardrl.rollout.fast import SAMPLE, FastRollout, sample_tokens
-    from shardrl.rollout.fast_model import TritonDecodeAttention
+    from shardrl.rollout.fast.rollout import SAMPLE, FastRollout, sample_tokens
+    from shardrl.rollout.fast.model import TritonDecodeAttention
 
     records = []
 
@@ -230,7 +230,7 @@ def main():
     noise = torch.empty(b, c.vocab_size, device=dev).exponential_()
     one = torch.ones((), device=dev)
     compiled = torch.compile(sample_tokens)
-    from shardrl.rollout.sample_kernel import fused_sample
+    from shardrl.rollout.fast.sample_kernel import fused_sample
 
     seed = torch.zeros(1, dtype=torch.long, device=dev)
     fused = {f"fused_splits{s}_block{k}_ms": round(graph_ms(lambda: fused_sample(logits, False, one, seed, s, k), 4), 4)

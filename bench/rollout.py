@@ -1,4 +1,4 @@
-"""Rollout throughput on one GPU: the fast engine (`shardrl.rollout.fast`) against HF `generate` in the same run.
+"""Rollout throughput on one GPU: the fast engine (`shardrl.rollout.fast.rollout`) against HF `generate` in the same run.
 
 Model: Qwen2-1.5B-shaped, random init (hidden 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960, vocab
 151936, tied embeddings, as bench/engine.py), bf16. Prompts: random token ids, no padding. Sampling at
@@ -126,7 +126,7 @@ def decode_bytes(limits: torch.Tensor, prompt_len: int, steps: int, weight_bytes
 
 def run_fast(row: str, hf_model, config, prompts, limits, batch, args, device, dtype) -> dict:
     from shardrl.rollout.base import SamplingParams
-    from shardrl.rollout.fast import FastRollout
+    from shardrl.rollout.fast.rollout import FastRollout
 
     class HalvingRollout(FastRollout):  # the baseline of `fast_halving`: session 6's widths
         def _widths(self, num_slots):
@@ -230,7 +230,7 @@ def run_hf(row: str, hf_model, config, prompts, limits, batch, args, device, dty
 
 def _greedy_fast(model, config, ids, mask, new_tokens, device, dtype, **kwargs) -> torch.Tensor:
     from shardrl.rollout.base import SamplingParams
-    from shardrl.rollout.fast import FastRollout
+    from shardrl.rollout.fast.rollout import FastRollout
 
     rollout = FastRollout(config, IdTokenizer(), device, dtype, micro_batch_size=ids.shape[0], max_batch=ids.shape[0],
                           **kwargs)

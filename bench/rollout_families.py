@@ -93,7 +93,7 @@ def family_floor(rollout, config, b: int, prompt_len: int, new_tokens: int, dtyp
     layer; the LM head per step) timed in CUDA graphs, plus each step's live K/V read once; a layer with a
     window reads at most `window` entries."""
     from bench.profile_decode import graph_ms
-    from shardrl.rollout.families import head_dim_of, layer_windows
+    from shardrl.models.families import head_dim_of, layer_windows
 
     dev, d = torch.device("cuda"), head_dim_of(config)
     model = rollout.model
@@ -129,7 +129,7 @@ def family_floor(rollout, config, b: int, prompt_len: int, new_tokens: int, dtyp
 
 def run_fast(hf_model, config, prompts, new_tokens: int, device, dtype) -> tuple[dict, object]:
     from shardrl.rollout.base import SamplingParams
-    from shardrl.rollout.fast import FastRollout
+    from shardrl.rollout.fast.rollout import FastRollout
 
     b = prompts.shape[0]
     # the cache sized for the timed run from the start: the warm-up (2 new tokens) captures its graphs

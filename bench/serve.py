@@ -62,7 +62,7 @@ def closed_loop(rollout, tokenizer, ids: list[list[int]], clients: int, requests
     (token ids, client c's the c-th run of `requests` in `ids`) one after another, sampled as the server samples a
     completion at temperature 1. Returns (new tokens, seconds, the batcher's stats)."""
     from shardrl.rollout import SamplingParams
-    from shardrl.rollout.server import Batcher
+    from shardrl.rollout.serving.server import Batcher
 
     plain = SamplingParams(temperature=1.0, max_new_tokens=max_tokens, seed=None)  # (as the server makes)
 
@@ -370,19 +370,19 @@ def main():
     import torch
 
     from bench.front_end import cpu_s, last_json_lines
-    from shardrl.config import load_config
+    from shardrl.config.schema import load_config
     from shardrl.rollout import SamplingParams
-    from shardrl.serve import ServerProcess, ServerThread, build_app, build_engine
+    from shardrl.rollout.serving.command import ServerProcess, ServerThread, build_app, build_engine
 
     if args.switch_interval_ms is not None:
-        import shardrl.rollout.server as server_module
+        import shardrl.rollout.serving.server as server_module
 
         server_module.SWITCH_INTERVAL_S = args.switch_interval_ms / 1000
     cuda = torch.cuda.is_available() and args.backend != "sim"
     if args.backend == "sim":  # (no model: the shape's tokenizer alone, in front of the stand-in)
         import bench.e2e as e2e
         from bench.sim_rollout import SimRollout
-        from shardrl.rollout.server import Batcher
+        from shardrl.rollout.serving.server import Batcher
 
         shape = dict(getattr(e2e, SHAPES[args.shape]))
         tok = e2e.build_tokenizer(shape["vocab_size"])

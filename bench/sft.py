@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script runs")
     args = parser.parse_args()
 
-    from shardrl.config import SFTConfig, load_config
+    from shardrl.config.schema import SFTConfig, load_config
     from shardrl.distributed import init_distributed
     from shardrl.tokenizer import build_char_tokenizer
     from shardrl.trainer.run_folder import prepare_run_dir
@@ -78,7 +78,7 @@ def main() -> None:
                              f"trainer.output_dir={tmp / 'run'}", f"trainer.total_steps={2 * args.steps + 4}",
                              "trainer.save_freq=0", "trainer.logger=[jsonl]"], cls=SFTConfig)
     trainer = SFTTrainer(cfg, prepare_run_dir(cfg))
-    from shardrl.chat_data import collate_chats
+    from shardrl.data.chat import collate_chats
 
     fixed = [collate_chats(next(trainer.loader), trainer.pad_id) for _ in range(args.steps + 2)]
     times = {"engine": [], "sft": []}

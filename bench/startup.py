@@ -91,7 +91,7 @@ def _gib_rss() -> float:
 def build_once(folder: str, mode: str) -> list[dict]:
     import torch.distributed as dist
 
-    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))  # the launcher's 1 is for tests

@@ -39,7 +39,7 @@ def run_strategy(strategy: str):
     from torch.distributed.tensor import DTensor
 
     from shardrl.batch import Batch
-    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
 
     engine = build_engine(ModelConfig(tiny=QWEN2_1P5B), EngineConfig(strategy=strategy, micro_batch_size_per_gpu=2),

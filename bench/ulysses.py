@@ -30,7 +30,7 @@ def run_sp(sp: int, lengths: list[int], steps: int, warmup: int = 1):
     import torch.distributed as dist
 
     from shardrl.batch import Batch
-    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
 
     tiny = dict(QWEN2_1P5B, max_position_embeddings=max(lengths))

@@ -119,19 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def plan_main(args: argparse.Namespace) -> int:
-    from shardrl.config import ConfigError, load_config
+    from shardrl.config.schema import ConfigError, load_config
     from shardrl.engine.model import check_tiny_shape, load_hf_config
-    from shardrl.modelconfig import text_config
-    from shardrl.layout import check_model_heads, derive_layout, format_layout
-    from shardrl.memory import fit_advice, format_phase_ledger, phase_ledger, update_and_cache_gib
-    from shardrl.trainer.defaults import free_cache_choice, lora_sync_choice
+    from shardrl.models.config import text_config
+    from shardrl.plan.layout import check_model_heads, derive_layout, format_layout
+    from shardrl.plan.memory import fit_advice, format_phase_ledger, phase_ledger, update_and_cache_gib
+    from shardrl.plan.defaults import free_cache_choice, lora_sync_choice
     from shardrl.trainer.main import resolve_overrides
 
     offline = args.trainer != "train"
     if offline:
-        from shardrl.config import DPOConfig, RMConfig, SFTConfig
-        from shardrl.layout import derive_offline_layout, format_offline_layout
-        from shardrl.memory import offline_ledger
+        from shardrl.config.schema import DPOConfig, RMConfig, SFTConfig
+        from shardrl.plan.layout import derive_offline_layout, format_offline_layout
+        from shardrl.plan.memory import offline_ledger
 
         cfg = load_config(args.config, list(args.overrides),
                           cls={"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig}[args.trainer])
@@ -288,10 +288,10 @@ def serve_main(args: argparse.Namespace) -> int:
     import signal
     import sys
 
-    from shardrl.config import load_config
-    from shardrl.rollout.frontend import listening_sockets
-    from shardrl.rollout.server import uvicorn_server
-    from shardrl.serve import ServerProcess, build_app, build_engine
+    from shardrl.config.schema import load_config
+    from shardrl.rollout.serving.frontend import listening_sockets
+    from shardrl.rollout.serving.server import uvicorn_server
+    from shardrl.rollout.serving.command import ServerProcess, build_app, build_engine
 
     if args.front_ends < 1:
         raise SystemExit(f"shardrl serve: --front-ends {args.front_ends}: serve with at least one front-end process")
@@ -337,7 +337,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def plot_main(args: argparse.Namespace) -> int:
-    from shardrl.plot import plot_main as run
+    from shardrl.trainer.plot import plot_main as run
 
     return run(args) or 0
 

@@ -100,7 +100,7 @@ def load_tokenizer(cfg):
     """The run's tokenizer (`model.tokenizer_path`, else `model.path`), left-padding, with a pad token."""
     import transformers
 
-    from shardrl.userfile import refuse_gguf_folder, require_folder
+    from shardrl.config.userfile import refuse_gguf_folder, require_folder
 
     path = cfg.model.tokenizer_path or cfg.model.path
     if path is None:

@@ -21,7 +21,7 @@ def _two_steps(accumulate, fsdp_size):
     from torch.distributed.tensor import DTensor
 
     from shardrl.algos.aggregate import agg_loss
-    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
 
     engine = build_engine(ModelConfig(tiny=TINY_MODELS["qwen2"]),

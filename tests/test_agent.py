@@ -1,4 +1,4 @@
-"""Agent episodes (`rollout.agent.entrypoint`, `shardrl.rollout.agent`): the user's async function calls the run's
+"""Agent episodes (`rollout.agent.entrypoint`, `shardrl.rollout.episodes.agent`): the user's async function calls the run's
 OpenAI-compatible endpoint with the real `openai` client; the trajectories are token-exact (the sampler's
 log-probs equal a plain forward of the assembled sequence at the trained positions), the rewards are the agent's,
 failures are counted and scored, a rewritten history trains only what follows it, and an RL run trains on it."""
@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from shardrl.rollout import SamplingParams, build_rollout
-from shardrl.rollout.agent import AgentRollout
+from shardrl.rollout.episodes.agent import AgentRollout
 from shardrl.testing import save_char_model
 from test_rollout_hf import recomputed_log_probs
 
@@ -154,7 +154,7 @@ def test_a_rewritten_history_trains_only_what_follows_it(setup):
 
 
 def test_bad_entrypoints_are_refused(tmp_path):
-    from shardrl.rollout.agent import load_entrypoint
+    from shardrl.rollout.episodes.agent import load_entrypoint
 
     (tmp_path / "sync.py").write_text("def run(sample, client):\n    return 1.0\n")
     with pytest.raises(ValueError, match="must be an async function"):
@@ -207,7 +207,7 @@ def test_the_calculator_agent_example_runs_its_tool_loop():
     import types
     from pathlib import Path
 
-    from shardrl.rollout.agent import load_entrypoint
+    from shardrl.rollout.episodes.agent import load_entrypoint
 
     run = load_entrypoint(str(Path(__file__).parent.parent / "examples/agent/calculator_agent.py") + ":run")
     replies = ['<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 * 4"}}\n', "#### 12"]
@@ -282,7 +282,7 @@ def test_what_an_episode_returns_or_raises_is_scored_and_counted(tmp_path):
 
     import numpy as np
 
-    from shardrl.rollout.agent import LoopWatch, episode_reward, load_entrypoint
+    from shardrl.rollout.episodes.agent import LoopWatch, episode_reward, load_entrypoint
 
     assert episode_reward(np.float32(0.5)) == (0.5, None) and episode_reward(3) == (3.0, None)
     assert episode_reward(None) == (None, None)
@@ -333,7 +333,7 @@ def test_what_an_episode_returns_or_raises_is_scored_and_counted(tmp_path):
             Records.said.append(record.getMessage())
 
     handler = Records()
-    logging.getLogger("shardrl.rollout.agent").addHandler(handler)
+    logging.getLogger("shardrl.rollout.episodes.agent").addHandler(handler)
     try:
         async def blocked():
             with LoopWatch(asyncio.get_running_loop(), 0.2):
@@ -341,7 +341,7 @@ def test_what_an_episode_returns_or_raises_is_scored_and_counted(tmp_path):
                 time.sleep(0.8)  # (an agent's blocking call)
         asyncio.run(blocked())
     finally:
-        logging.getLogger("shardrl.rollout.agent").removeHandler(handler)
+        logging.getLogger("shardrl.rollout.episodes.agent").removeHandler(handler)
     assert any("blocked the event loop" in m and "timeout_s=0.2" in m for m in Records.said), Records.said
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardrl.config import ConfigError, load_config
+from shardrl.config.schema import ConfigError, load_config
 from shardrl.testing import run_distributed, small_demo_run
 from shardrl.trainer.async_rl import generating_version, pushes_after_step
 from shardrl.trainer.demo import prepare_demo_assets

@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import shardrl.checkpoint as ckpt
-from shardrl.checkpoint import CheckpointManager
-from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+import shardrl.trainer.checkpoint as ckpt
+from shardrl.trainer.checkpoint import CheckpointManager
+from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
 from shardrl.engine import build_engine
 from shardrl.testing import TINY_MODELS, random_batch, run_distributed
 

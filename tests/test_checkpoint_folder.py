@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-import shardrl.checkpoint as ckpt
-from shardrl.checkpoint import CheckpointManager
+import shardrl.trainer.checkpoint as ckpt
+from shardrl.trainer.checkpoint import CheckpointManager
 
 
 def saved_value(folder) -> int:

@@ -141,11 +141,11 @@ def test_train_and_plot_hand_their_arguments_on(monkeypatch):
     trainer = types.ModuleType("shardrl.trainer")
     trainer_main = types.ModuleType("shardrl.trainer.main")
     trainer_main.train_main = lambda args: seen.setdefault("train", args) and 0
-    plot = types.ModuleType("shardrl.plot")
+    plot = types.ModuleType("shardrl.trainer.plot")
     plot.plot_main = lambda args: seen.setdefault("plot", args) and 0
     monkeypatch.setitem(sys.modules, "shardrl.trainer", trainer)
     monkeypatch.setitem(sys.modules, "shardrl.trainer.main", trainer_main)
-    monkeypatch.setitem(sys.modules, "shardrl.plot", plot)
+    monkeypatch.setitem(sys.modules, "shardrl.trainer.plot", plot)
 
     assert main(["train", "run.yaml", "rollout.n=8", "--nproc-per-node", "2", "actor.optim.lr=1e-5"]) == 0
     args = seen["train"]
@@ -229,7 +229,7 @@ def test_a_full_disk_is_one_error_line_not_a_traceback(monkeypatch, capsys):
 
 
 def test_a_command_line_run_starts_from_the_plain_defaults_not_the_demo(tmp_path, monkeypatch, capsys):
-    from shardrl.config import Config, load_config
+    from shardrl.config.schema import Config, load_config
     from shardrl.trainer.main import resolve_overrides
 
     monkeypatch.chdir(tmp_path)  # the demo's assets would go to ./outputs/demo_assets

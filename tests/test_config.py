@@ -6,8 +6,8 @@ import re
 import pytest
 import yaml
 
-from shardrl import config as config_module
-from shardrl.config import (
+from shardrl.config import schema as config_module
+from shardrl.config.schema import (
     Config,
     ConfigError,
     EngineConfig,
@@ -275,7 +275,7 @@ def test_plan_refuses_a_misspelt_model_tiny_key(capsys):
 def test_a_file_of_another_command_says_which_command_reads_it(tmp_path):
     """`shardrl train sft.yaml` or `shardrl plan dpo.yaml` (no --trainer dpo) named 'ref.engine' for the file's
     'engine'; the file's top-level keys are another command's, and the error says which and how to run it."""
-    from shardrl.config import DPOConfig, RMConfig, SFTConfig
+    from shardrl.config.schema import DPOConfig, RMConfig, SFTConfig
 
     dpo = write_yaml(tmp_path / "dpo.yaml", {"model": {"path": "m"}, "engine": {"use_dynamic_bsz": True},
                                              "optim": {"lr": 1e-6}, "dpo": {"beta": 0.1}})
@@ -338,7 +338,7 @@ def test_settings_nothing_reads_are_named():
 
 
 def test_validation_without_files_and_a_token_budget_without_dynamic_batches_are_named():
-    from shardrl.config import DPOConfig, SFTConfig
+    from shardrl.config.schema import DPOConfig, SFTConfig
 
     no_files = ("trainer.val_freq=1 is never used: data.val_files is empty, so there is nothing to validate on (give "
                 "data.val_files=[...] to validate)")
@@ -372,10 +372,10 @@ def test_validation_without_files_and_a_token_budget_without_dynamic_batches_are
 def test_messages_that_used_to_mislead(tmp_path, capsys, caplog):
     """Issue 31's list: each bad input gets a line that says what is wrong."""
     from shardrl.cli import main
-    from shardrl.data import load_prompt_dataset
+    from shardrl.data.prompts import load_prompt_dataset
     from shardrl.engine.model import load_hf_config
     from shardrl.tokenizer import build_char_tokenizer
-    from shardrl.placement import check_rollout_ranks
+    from shardrl.trainer.placement import check_rollout_ranks
     from shardrl.trainer.main import warn_oversubscribed
 
     # heads that do not cut the width: said by plan (and the trainer), not as a tensor-size error at the first forward
@@ -404,7 +404,7 @@ def test_messages_that_used_to_mislead(tmp_path, capsys, caplog):
     # resume=Auto is not a path, and a missing checkpoint path is "not found"
     with pytest.raises(ConfigError, match=r'trainer.resume=\'Auto\': is read as a checkpoint path; did you mean "auto"'):
         load_config(None, ["trainer.resume=Auto"])
-    from shardrl.checkpoint import CheckpointManager
+    from shardrl.trainer.checkpoint import CheckpointManager
 
     with pytest.raises(ValueError, match=r"checkpoint '.*nowhere' not found"):
         CheckpointManager(tmp_path / "ckpts").load(tmp_path / "nowhere", {})
@@ -445,7 +445,7 @@ def test_total_epochs_alone_leaves_total_steps_to_the_data():
     assert load_config(None, ["trainer.total_epochs=2", "trainer.total_steps=5"]).trainer.total_steps == 5
     with pytest.raises(ConfigError, match=r"trainer.total_steps=None: must be set"):
         load_config(None, ["trainer.total_steps=null"])
-    from shardrl.config import SFTConfig
+    from shardrl.config.schema import SFTConfig
 
     assert load_config(None, ["trainer.total_epochs=2"], cls=SFTConfig).trainer.total_steps is None  # offline too
 

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from shardrl.data import PromptLoader, collate_prompts, load_prompt_dataset
+from shardrl.data.prompts import PromptLoader, collate_prompts, load_prompt_dataset
 from shardrl.tokenizer import build_char_tokenizer
 
 
@@ -120,9 +120,9 @@ def test_truncation_left_and_right(tokenizer, lengths_file):
 
 
 def test_stats_logged_once(tokenizer, lengths_file, caplog):
-    with caplog.at_level(logging.INFO, logger="shardrl.data"):
+    with caplog.at_level(logging.INFO, logger="shardrl.data.prompts"):
         load_prompt_dataset([lengths_file], tokenizer, max_prompt_length=6)
-    records = [r for r in caplog.records if r.name == "shardrl.data"]
+    records = [r for r in caplog.records if r.name == "shardrl.data.prompts"]
     assert len(records) == 1
     assert "loaded 2 prompts" in records[0].getMessage() and "1 too long dropped" in records[0].getMessage()
 

@@ -1,4 +1,4 @@
-"""Choices made once at start-up (`shardrl.trainer.defaults`): `rollout.backend` and `*.engine.compile` by
+"""Choices made once at start-up (`shardrl.plan.defaults`): `rollout.backend` and `*.engine.compile` by
 device when left null, and whether the old log-probs come from the update's own forward."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 import transformers
 
-from shardrl.config import ConfigError, load_config
+from shardrl.config.schema import ConfigError, load_config
 from shardrl.testing import TINY_MODELS
-from shardrl.step_plan import old_log_probs_from_update
-from shardrl.trainer.defaults import resolve_device_defaults
+from shardrl.plan.step_plan import old_log_probs_from_update
+from shardrl.plan.defaults import resolve_device_defaults
 
 QWEN2 = transformers.AutoConfig.for_model(**TINY_MODELS["qwen2"])
 GPT2 = transformers.AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2)
@@ -108,8 +108,8 @@ def test_when_the_old_log_prob_pass_is_skipped(overrides, reuse, why):
 
 
 def test_the_rollout_keeps_its_cache_through_the_update_when_the_ledger_says_it_fits(monkeypatch):
-    from shardrl.layout import derive_layout
-    from shardrl.memory import phase_ledger, update_and_cache_gib
+    from shardrl.plan.layout import derive_layout
+    from shardrl.plan.memory import phase_ledger, update_and_cache_gib
 
     big = transformers.Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                                    num_attention_heads=12, num_key_value_heads=2, vocab_size=151936)
@@ -142,9 +142,9 @@ def test_the_rollout_keeps_its_cache_through_the_update_when_the_ledger_says_it_
 def test_the_trainer_asks_the_ledger_on_cuda_only(monkeypatch):
     from types import SimpleNamespace
 
-    from shardrl.layout import derive_layout
-    from shardrl.memory import phase_ledger, update_and_cache_gib
-    from shardrl.trainer.defaults import memory_gib
+    from shardrl.plan.layout import derive_layout
+    from shardrl.plan.memory import phase_ledger, update_and_cache_gib
+    from shardrl.plan.defaults import memory_gib
 
     cfg = load_config(None, [])
     layout = derive_layout(cfg, 1, 1)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardrl.algos.aggregate import agg_loss
-from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
 from shardrl.engine import build_engine
 from shardrl.engine.model import build_causal_lm, load_hf_config
 from shardrl.testing import TINY_MODELS, random_batch, record_grads, run_distributed, tiny_config

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from shardrl.algos.aggregate import agg_loss
-from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
 from shardrl.engine import build_engine
 from shardrl.engine.model import build_causal_lm, load_hf_config
 from shardrl.engine.state import state_devices

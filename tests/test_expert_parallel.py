@@ -227,7 +227,7 @@ def test_an_expert_parallel_checkpoint_resumes_at_another_world_size_and_ep(tmp_
 
 
 def test_bad_expert_parallel_settings_are_named():
-    from shardrl.config import EngineConfig, ModelConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig
     from shardrl.distributed import init_distributed
     from shardrl.engine import build_engine
 

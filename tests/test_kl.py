@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardrl.algos import KL_ESTIMATORS, kl_penalty
-from shardrl.config import load_config
+from shardrl.config.schema import load_config
 
 T64 = torch.float64
 # d = log p - log ref for three tokens: 0.5, -1.5, and -30 (ref far above the policy)

@@ -3,9 +3,9 @@ import re
 import pytest
 import transformers
 
-from shardrl.config import Config, load_config
-from shardrl.layout import GIB, derive_layout, format_layout
-from shardrl.memory import format_phase_ledger, phase_ledger
+from shardrl.config.schema import Config, load_config
+from shardrl.plan.layout import GIB, derive_layout, format_layout
+from shardrl.plan.memory import format_phase_ledger, phase_ledger
 
 TINY = ("model.tiny={model_type: qwen2, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
         "num_key_value_heads: 2, intermediate_size: 128, vocab_size: 1000, tie_word_embeddings: false}")
@@ -196,7 +196,7 @@ def _hf(heads: int, kv_heads: int):
 ])
 def test_heads_that_sp_cannot_split_name_the_full_key_and_the_nearest_sp(heads, kv_heads, sp, world, nearest):
     from shardrl.engine.ulysses import check_heads
-    from shardrl.layout import check_model_heads
+    from shardrl.plan.layout import check_model_heads
 
     L = derive_layout(cfg(f"actor.engine.ulysses_sequence_parallel_size={sp}"), 1, world)
     with pytest.raises(ValueError) as info:
@@ -210,7 +210,7 @@ def test_heads_that_sp_cannot_split_name_the_full_key_and_the_nearest_sp(heads, 
 
 
 def test_heads_that_fit_pass():
-    from shardrl.layout import check_model_heads
+    from shardrl.plan.layout import check_model_heads
 
     for heads, kv_heads, sp in ((12, 2, 4), (12, 4, 2), (8, 8, 8), (4, 1, 2)):
         check_model_heads(derive_layout(cfg(f"actor.engine.ulysses_sequence_parallel_size={sp}"), 1, 8),

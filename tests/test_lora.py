@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardrl.algos.aggregate import agg_loss
-from shardrl.config import ConfigError, EngineConfig, LoRAConfig, ModelConfig, OptimConfig, load_config
+from shardrl.config.schema import ConfigError, EngineConfig, LoRAConfig, ModelConfig, OptimConfig, load_config
 from shardrl.engine import build_engine
 from shardrl.engine.loading import copy_full_into
 from shardrl.engine.lora import LORA_MARK
@@ -281,8 +281,8 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_at_another_world_size(
 
 
 def test_the_memory_ledger_counts_the_frozen_base_and_the_adapters():
-    from shardrl.layout import derive_layout
-    from shardrl.memory import model_numbers, phase_ledger
+    from shardrl.plan.layout import derive_layout
+    from shardrl.plan.memory import model_numbers, phase_ledger
 
     shapes = peft_reference()
     num_adapters = sum(s.numel() for s in shapes.values())
@@ -481,8 +481,8 @@ def test_lora_sync_left_null_takes_merged_where_the_ledger_says_the_copy_fits(mo
     explicit unmerged with rollout ranks of their own is refused."""
     from types import SimpleNamespace
 
-    from shardrl.layout import derive_layout
-    from shardrl.trainer.defaults import lora_sync_choice
+    from shardrl.plan.layout import derive_layout
+    from shardrl.plan.defaults import lora_sync_choice
 
     config = load_hf_config(None, TINY_MODELS["qwen2"])
     base = [f"model.tiny={TINY_MODELS['qwen2']}".replace("'", '"'), f"model.lora.rank={RANK}"]
@@ -507,8 +507,8 @@ def test_lora_sync_left_null_takes_merged_where_the_ledger_says_the_copy_fits(mo
 def test_the_ledger_counts_a_kept_cache_through_prep_and_the_update():
     """rollout.free_cache_engine=false: the KV cache and sampler logits stay through prep and the update (what
     the 7B and 32B runs held: bench/RESULTS.md, "LoRA"); freed, they are the generation phase's alone."""
-    from shardrl.layout import derive_layout
-    from shardrl.memory import phase_ledger, update_and_cache_gib
+    from shardrl.plan.layout import derive_layout
+    from shardrl.plan.memory import phase_ledger, update_and_cache_gib
 
     config = load_hf_config(None, TINY_MODELS["qwen2"])
     base = [f"model.tiny={TINY_MODELS['qwen2']}".replace("'", '"'), "rollout.backend=fast"]

@@ -292,7 +292,7 @@ def test_dynamic_sampling_concat_keeps_prompt_indices_apart():
 
 
 def test_dynamic_sampling_config_needs_a_group_baseline():
-    from shardrl.config import ConfigError, load_config
+    from shardrl.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="filter_groups"):
         load_config(None, ["algorithm.filter_groups.enable=true", "algorithm.adv_estimator=gae"])
@@ -320,7 +320,7 @@ def test_overlong_penalty_matches_reference():
 
 
 def test_overlong_config_checks_buffer_against_max_new_tokens():
-    from shardrl.config import ConfigError, load_config
+    from shardrl.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="reward.overlong_buffer.len"):
         load_config(None, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=40",

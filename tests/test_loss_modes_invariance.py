@@ -44,7 +44,7 @@ def make_batch():
 
 def _steps(layouts: dict) -> dict:
     from shardrl.algos.rollout_correction import rollout_is_weights
-    from shardrl.config import ActorConfig, EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import ActorConfig, EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
     from shardrl.testing import record_grads
     from shardrl.trainer.updates import actor_loss_fn

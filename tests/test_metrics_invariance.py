@@ -62,7 +62,7 @@ def assets(tmp_path_factory):
 # the built-in arith score, failing (scored 0 all the same) on wrong answers to odd sums, with a key of its own:
 # reward/num_errors and reward/correct must not depend on the layout either
 REWARD = """
-from shardrl.rewards import arith_score
+from shardrl.rewards.manager import arith_score
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     score = arith_score(data_source, solution_str, ground_truth)
@@ -148,7 +148,7 @@ def _rank_checks(tmp: str) -> dict:
     import torch.distributed as dist
 
     from shardrl.algos import policy_loss
-    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
     from shardrl.engine.base import NonFiniteParametersError
     from shardrl.testing import TINY_MODELS, random_batch
@@ -214,7 +214,7 @@ def _kl_coefficients(overrides: list[str]) -> tuple[list[float], list[dict]]:
     """Each rank's KL coefficient after the run, and the run's records."""
     import torch.distributed as dist
 
-    from shardrl.config import load_config
+    from shardrl.config.schema import load_config
     from shardrl.metrics import read_metrics
     from shardrl.trainer.rl import RLTrainer
     from shardrl.trainer.run_folder import prepare_run_dir

@@ -225,7 +225,7 @@ def test_fixed_micro_batch_count_agreed_across_ranks():
 
 
 def _infer_with_an_empty_rank(dynamic: bool):
-    from shardrl.config import EngineConfig, ModelConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig
     from shardrl.engine import build_engine
     from shardrl.testing import TINY_MODELS
 

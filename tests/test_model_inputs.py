@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import transformers
 
 from shardrl.algos.aggregate import agg_loss
-from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
 from shardrl.engine.model import build_causal_lm, check_model_weights, load_hf_config
 from shardrl.testing import random_batch, run_distributed
 

@@ -11,11 +11,11 @@ import logging
 import pytest
 import torch
 
-from shardrl.config import ConfigError, EngineConfig, ModelConfig, load_config
+from shardrl.config.schema import ConfigError, EngineConfig, ModelConfig, load_config
 from shardrl.engine import build_engine
 from shardrl.engine.model import load_hf_config
 from shardrl.engine.moe import apply_experts_implementation, moe_layer_count, resolve_experts_implementation
-from shardrl.perf import model_shape
+from shardrl.plan.perf import model_shape
 from shardrl.testing import TINY_MOE_MODELS, run_distributed, tiny_config
 from test_engine_equivalence import assert_same_grads, engine_step, reference_step
 
@@ -99,8 +99,8 @@ def test_experts_implementation_auto_takes_grouped_mm_where_the_shapes_allow(cap
 
 
 def test_flops_and_ledger_count_the_active_experts():
-    from shardrl.layout import derive_layout
-    from shardrl.memory import activation_bytes_per_token_layer, phase_ledger
+    from shardrl.plan.layout import derive_layout
+    from shardrl.plan.memory import activation_bytes_per_token_layer, phase_ledger
 
     kwargs = TINY_MOE_MODELS["qwen3_moe"]
     config = load_hf_config(None, kwargs)
@@ -199,7 +199,7 @@ def _replay_runs(kind: str, forced: torch.Tensor) -> dict:
     for name, routed in (("own", None), ("forced", forced), ("forced_checkpointing", forced)):
         model = ModelConfig(tiny=tiny_config(kind), gradient_checkpointing=name == "forced_checkpointing")
         engine = build_engine(model, EngineConfig(param_dtype="float32", **engine_kw),
-                              __import__("shardrl.config", fromlist=["OptimConfig"]).OptimConfig(lr=1e-3, clip_grad=0.0))
+                              __import__("shardrl.config.schema", fromlist=["OptimConfig"]).OptimConfig(lr=1e-3, clip_grad=0.0))
         grads = record_grads(engine)
         batch = make_batch(kind)
         if routed is None:
@@ -301,7 +301,7 @@ def test_an_rl_run_replays_the_routing_its_fast_rollout_recorded(tmp_path, monke
     and its old log-probs leave the sampler's. Multi-turn, the hf backend and dense models are config errors."""
     import json
 
-    from shardrl.rollout.fast import FastRollout
+    from shardrl.rollout.fast.rollout import FastRollout
     from shardrl.testing import small_demo_run
     from shardrl.tokenizer import build_char_tokenizer
     from shardrl.trainer.demo import prepare_demo_assets
@@ -348,7 +348,7 @@ def test_an_rl_run_replays_the_routing_its_fast_rollout_recorded(tmp_path, monke
 def _aux_loss_grads(kind: str, coef: float) -> dict:
     from test_engine_equivalence import make_batch
 
-    from shardrl.config import ActorConfig, OptimConfig
+    from shardrl.config.schema import ActorConfig, OptimConfig
     from shardrl.testing import record_grads
     from shardrl.trainer.updates import actor_loss_fn
 
@@ -409,7 +409,7 @@ def test_the_load_balancing_loss_is_hfs_added_with_its_coefficient():
 
 
 def _lora_moe_samples() -> dict:
-    from shardrl.config import LoRAConfig, OptimConfig
+    from shardrl.config.schema import LoRAConfig, OptimConfig
     from shardrl.rollout import FastRollout, SamplingParams
     from shardrl.tokenizer import build_char_tokenizer
     from shardrl.trainer.generation import LoRASync, export_for_rollout
@@ -506,7 +506,7 @@ def test_grouped_mm_on_cuda_in_bf16_follows_the_fp32_plain_loop():
 def _compiled_replay_runs(forced: torch.Tensor) -> dict:
     from test_engine_equivalence import make_batch, pg_loss_fn
 
-    from shardrl.config import OptimConfig
+    from shardrl.config.schema import OptimConfig
     from shardrl.testing import record_grads
 
     torch.backends.cuda.matmul.allow_tf32 = False

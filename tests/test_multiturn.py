@@ -15,11 +15,11 @@ import torch
 import transformers
 
 from shardrl.algos.advantages import compute_grpo, compute_reinforce_plus_plus, scores_to_token_rewards
-from shardrl.config import ConfigError, load_config
+from shardrl.config.schema import ConfigError, load_config
 from shardrl.engine.model import PolicyModel, build_causal_lm
 from shardrl.rollout import SamplingParams, build_rollout
 from shardrl.rollout.base import Rollout, assemble_output, cut_at_stop
-from shardrl.rollout.multiturn import (CHATML_TOOL_TURN, BuiltinToolsInteraction, Interaction, MultiTurnRollout,
+from shardrl.rollout.episodes.multiturn import (CHATML_TOOL_TURN, BuiltinToolsInteraction, Interaction, MultiTurnRollout,
                                        load_interaction, score_with_interaction)
 from shardrl.testing import TINY_MODELS
 from shardrl.tokenizer import build_char_tokenizer
@@ -458,7 +458,7 @@ def test_python_tool_limits_time_memory_and_environment():
 
 def test_interaction_files_load_like_reward_files(tmp_path):
     path = tmp_path / "inter.py"
-    path.write_text("from shardrl.rollout.multiturn import Interaction\n"
+    path.write_text("from shardrl.rollout.episodes.multiturn import Interaction\n"
                     "from shardrl.tools import CalculatorTool\n"
                     "class Calc(Interaction):\n    tools = [CalculatorTool()]\n")
     interaction = load_interaction(str(path), "Calc")
@@ -541,7 +541,7 @@ def test_the_trainer_runs_multi_turn_rollouts(tmp_path):
 
 
 def test_the_layout_bounds_a_multi_turn_sequence_by_its_response_budget():
-    from shardrl.layout import derive_layout
+    from shardrl.plan.layout import derive_layout
 
     base = ["rollout.max_new_tokens=32", "data.max_prompt_length=64", "actor.engine.use_dynamic_bsz=true",
             "actor.engine.max_token_len_per_gpu=200"]
@@ -590,8 +590,8 @@ def test_a_tool_class_without_call_or_acall_is_refused_when_defined():
 
 def test_overlong_shaping_of_a_conversation_counts_against_its_budget_not_the_turn_limit():
     from shardrl.batch import Batch
-    from shardrl.config import OverlongBufferConfig
-    from shardrl.rewards import RewardManager
+    from shardrl.config.schema import OverlongBufferConfig
+    from shardrl.rewards.manager import RewardManager
     from shardrl.trainer.scoring import Scorer
 
     # two conversations of 600 and 400 response tokens (model and tool tokens), a prompt of 4; budget 640
@@ -639,7 +639,7 @@ GSM8K_TOOL_CONFIG = "tests/data/verl/examples/sglang_multiturn/config/tool_confi
 def test_verls_gsm8k_tool_config_runs_verls_tool(tok):
     """verl's own gsm8k tool (from verl's tool config, verbatim): created per conversation with the row's
     extra_info.tools_kwargs, it answers as verl's does and keeps verl's tool rewards."""
-    from shardrl.rollout.interactions import VerlToolsInteraction
+    from shardrl.rollout.episodes.interactions import VerlToolsInteraction
     from shardrl.tools.verl_tools import load_tool_config
 
     interaction = VerlToolsInteraction(load_tool_config(GSM8K_TOOL_CONFIG))
@@ -665,8 +665,8 @@ def test_verls_gsm8k_tool_config_runs_verls_tool(tok):
 def test_tool_schemas_reach_the_chat_template(tmp_path):
     import json as json_module
 
-    from shardrl.data import load_prompt_dataset
-    from shardrl.rollout.interactions import prompt_tool_schemas
+    from shardrl.data.prompts import load_prompt_dataset
+    from shardrl.rollout.episodes.interactions import prompt_tool_schemas
 
     tok = build_char_tokenizer(ALPHABET)
     tok.chat_template = ("{% if tools %}TOOLS {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"

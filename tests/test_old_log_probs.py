@@ -20,7 +20,7 @@ pytestmark = pytest.mark.multiproc
 def _one_update_each_way() -> dict:
     from torch.distributed.tensor import DTensor
 
-    from shardrl.config import ActorConfig, EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import ActorConfig, EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
     from shardrl.trainer.updates import actor_loss_fn
 
@@ -93,7 +93,7 @@ def test_the_update_is_identical_either_way():
 
 def _rollout_is_each_way(level: str) -> dict:
     from shardrl.algos.rollout_correction import rollout_is_weights
-    from shardrl.config import ActorConfig, AlgorithmConfig, EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import ActorConfig, AlgorithmConfig, EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
     from shardrl.trainer.updates import actor_loss_fn
 

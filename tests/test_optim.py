@@ -26,7 +26,7 @@ def test_warmup_then_cosine_to_min_ratio():
 
 
 def _steps(clip: float):
-    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
 
     engine = build_engine(ModelConfig(tiny=TINY_MODELS["qwen2"]),

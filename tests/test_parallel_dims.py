@@ -16,7 +16,7 @@ def _num_groups() -> int:
 
 
 def _share() -> dict:
-    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
     from shardrl.distributed import ParallelDims
     from shardrl.engine import build_engine
 

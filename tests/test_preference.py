@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shardrl.algos.preference import PREFERENCE_LOSSES, PreferenceParams, bradley_terry_loss
-from shardrl.chat_data import collate_pairs, load_preference_dataset
+from shardrl.data.chat import collate_pairs, load_preference_dataset
 from shardrl.testing import TINY_MODELS, run_distributed
 from shardrl.tokenizer import build_char_tokenizer
 
@@ -154,7 +154,7 @@ PAIRS = [({"role": "user", "content": f"{a}+{b}="}, str(a + b), str(a + b + 1 + 
 
 
 def _pair_items(tok):
-    from shardrl.chat_data import tokenize_chat
+    from shardrl.data.chat import tokenize_chat
 
     items = []
     for prompt, chosen, rejected in PAIRS:
@@ -176,7 +176,7 @@ def _plain_log_probs(model, batch) -> torch.Tensor:
 def _preference_gradients(kind: str, layouts: dict, loss_type: str = "sigmoid") -> dict:
     """The DPO (`kind` "dpo", a reference other than the policy) or reward-model ("rm") step's loss, metrics and
     gradients per engine layout on this rank's share of PAIRS, and a plain loop's on all of them."""
-    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
     from shardrl.engine.model import build_causal_lm, load_hf_config
     from shardrl.testing import record_grads

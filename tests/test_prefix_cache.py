@@ -1,4 +1,4 @@
-"""The fast rollout's paged KV cache and its prefix index (`shardrl.rollout.paged`): rows of a prompt share its
+"""The fast rollout's paged KV cache and its prefix index (`shardrl.rollout.fast.paged`): rows of a prompt share its
 blocks, a prompt that starts with what an earlier row's cache held (a conversation's next turn, the n samples
 admitted later) prefills only the rest, and the tokens and log-probs are those of a rollout without the index
 (greedy tokens equal, sampled log-probs equal a plain forward's), at block sizes from 1 to a whole row; new
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardrl.rollout import SamplingParams
-from shardrl.rollout.paged import BlockPool
+from shardrl.rollout.fast.paged import BlockPool
 from test_rollout_fast import (PROMPTS, assert_same_output, encode, make_rollout, reference_model, tok,  # noqa: F401
                                with_eos_at_different_steps)
 from test_rollout_hf import recomputed_log_probs
@@ -19,7 +19,7 @@ from test_rollout_hf import recomputed_log_probs
 def test_shared_prefix_groups_reach_the_device_live_rows_first():
     """The decode kernel walks the group rows up to the first empty one: after a group dissolves, the groups after
     it move up, with their members and shared lengths intact."""
-    from shardrl.rollout.paged import SharedPrefixGroups
+    from shardrl.rollout.fast.paged import SharedPrefixGroups
 
     shared, groups = torch.zeros(8, dtype=torch.long), torch.full((4, 3), -1, dtype=torch.long)
     g = SharedPrefixGroups(8, 3, shared, groups)
@@ -123,7 +123,7 @@ def test_a_failed_call_leaves_no_block_held_and_no_cached_prefix_wrong(tok, monk
     """A call that raises in the middle (rows admitted, blocks held) leaves nothing behind: the next call starts
     with every block free or idle, and prompts that read what the failed call cached give the tokens of a fresh
     rollout."""
-    from shardrl.rollout.fast import FastRollout
+    from shardrl.rollout.fast.rollout import FastRollout
 
     model = reference_model(tok, seed=1)
     kwargs = dict(block_size=4, max_batch=4, sync_every=2, max_seq_len=128)
@@ -212,7 +212,7 @@ def test_a_kv_budget_admits_rows_as_blocks_free_and_changes_no_token(tok):
 def test_multi_turn_rounds_decode_all_conversations_at_once(tok):
     """The multi-turn rollout's rounds call the fast backend with n = 1 rows of every conversation: the slots are
     those of a single-turn call of the prompts' n samples (min(rows, micro_batch_size * n)), not micro_batch_size."""
-    from shardrl.rollout.multiturn import Interaction, MultiTurnRollout
+    from shardrl.rollout.episodes.multiturn import Interaction, MultiTurnRollout
 
     model = reference_model(tok, seed=1)
     fast = make_rollout("fast", tok, model, micro_batch_size=2)

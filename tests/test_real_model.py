@@ -26,8 +26,8 @@ pytest.importorskip("accelerate")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "smollm2"))
 import prepare  # noqa: E402
 
-from shardrl.data import collate_prompts, load_prompt_dataset  # noqa: E402
-from shardrl.rewards import gsm8k_score  # noqa: E402
+from shardrl.data.prompts import collate_prompts, load_prompt_dataset  # noqa: E402
+from shardrl.rewards.manager import gsm8k_score  # noqa: E402
 from shardrl.rollout import SamplingParams, build_rollout  # noqa: E402
 
 QUESTIONS = ["What is 2+3?", "Tom has 4 apples and buys 5 more. How many apples does he have now?",
@@ -132,7 +132,7 @@ def engine_gap(folder: str, questions: list[str], prompt_path: str) -> dict:
     """Rollout (fast, fp32) log-probs against the training engine's recomputation on the same tokens."""
     import transformers
 
-    from shardrl.config import EngineConfig, ModelConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig
     from shardrl.engine import build_engine
 
     tok = transformers.AutoTokenizer.from_pretrained(folder)
@@ -187,8 +187,8 @@ def test_tool_warm_start_trains_the_models_turns_as_the_rollout_lays_them_out(to
     """examples/tools/warm_start.py's conversations, tokenized by `shardrl sft`: the chat prompt, the model's call,
     the rollout's tool turn (the default template), the final answer and <|im_end|>; the loss mask is on exactly
     the model's two turns (each with the end of its turn)."""
-    from shardrl.chat_data import tokenize_chat
-    from shardrl.config import MultiTurnConfig
+    from shardrl.data.chat import tokenize_chat
+    from shardrl.config.schema import MultiTurnConfig
     from shardrl.tools import parse_tool_call
 
     spec = importlib.util.spec_from_file_location(
@@ -225,7 +225,7 @@ def test_tool_warm_start_trains_the_models_turns_as_the_rollout_lays_them_out(to
 def test_a_preference_completion_ends_where_a_sampled_response_ends(tok, tmp_path):
     """SmolLM2's ChatML template writes a newline after <|im_end|>; a sampled response stops at <|im_end|>, so a
     pair's sequences end there too (a reward model's score is read at the last token)."""
-    from shardrl.chat_data import load_preference_dataset
+    from shardrl.data.chat import load_preference_dataset
 
     rows = tmp_path / "pairs.jsonl"
     rows.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1+1?"}],

@@ -78,7 +78,7 @@ def test_the_head_runs_on_response_predicting_positions_only(remove_padding, mon
 
 def _engine_scores(_=None):
     from shardrl.batch import Batch
-    from shardrl.config import EngineConfig, ModelConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig
     from shardrl.engine import build_engine
     from shardrl.testing import TINY_MODELS
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from shardrl.config import EngineConfig, ModelConfig
+from shardrl.config.schema import EngineConfig, ModelConfig
 from shardrl.engine import build_engine
 from shardrl.testing import TINY_MODELS, random_batch, run_distributed
 
@@ -86,7 +86,7 @@ def test_missing_eos_penalty_lowers_only_responses_cut_at_the_limit():
     """`reward.missing_eos_penalty`: a response that reached rollout.max_new_tokens (it never ended) loses the
     penalty; one that ended earlier keeps its score, and validation (shape=False) reports raw scores."""
     from shardrl.batch import Batch
-    from shardrl.rewards import RewardManager
+    from shardrl.rewards.manager import RewardManager
     from shardrl.trainer.scoring import Scorer
 
     response_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])

@@ -3,7 +3,7 @@ import logging
 import pytest
 import torch
 
-from shardrl.rewards import (
+from shardrl.rewards.manager import (
     REWARD_FUNCTIONS,
     RewardManager,
     arith_score,
@@ -79,7 +79,7 @@ def test_gsm8k_score():
 def test_verls_data_sources_score_as_verl_and_the_lenient_reading_keeps_its_name():
     """openai/gsm8k, the data_source verl's preprocessing writes, scores as verl's own gsm8k scorer (a reward
     curve compares with verl's); shardrl's lenient reading stays the built-in of data_source gsm8k."""
-    from shardrl.rewards import builtin_scorer
+    from shardrl.rewards.manager import builtin_scorer
 
     cases = [("#### 66.", "66"), ("####66", "66"), ("#### 66.00", "66"), ("#### $66", "66"), ("#### 66", "66.0"),
              ("#### 66", "66")]
@@ -196,13 +196,13 @@ def test_manager_tolerates_errors_and_logs_once(caplog):
         return 1.0
 
     manager = RewardManager(fn, on_error_score=-0.5)
-    with caplog.at_level(logging.WARNING, logger="shardrl.rewards"):
+    with caplog.at_level(logging.WARNING, logger="shardrl.rewards.manager"):
         scores, metrics = manager.score([item("ok", ""), item("boom", ""), item("nodict", ""), item("nan", "")])
         scores2, metrics2 = manager.score([item("boom", ""), item("ok", "")])
     assert scores.tolist() == [1.0, -0.5, -0.5, -0.5]
     assert metrics["reward/num_errors"] == 3 and metrics2["reward/num_errors"] == 1
     assert scores2.tolist() == [-0.5, 1.0]
-    warnings = [r for r in caplog.records if r.name == "shardrl.rewards"]
+    warnings = [r for r in caplog.records if r.name == "shardrl.rewards.manager"]
     assert len(warnings) == 1
     text = warnings[0].getMessage()
     assert "RuntimeError: parser exploded" in text and "Traceback" in text
@@ -308,7 +308,7 @@ def test_called_by_keyword_like_verl_or_by_position():
 
 
 def test_reward_extra_info_is_the_rows_own_with_the_rest_merged_in():
-    from shardrl.rewards import reward_extra_info
+    from shardrl.rewards.manager import reward_extra_info
 
     row_extra = {"extra_info": {"split": "train", "index": 0, "ability": "kept"},
                  "reward_model": {"style": "rule", "ground_truth": "4"}, "ability": "math", "ground_truth": "4"}
@@ -322,7 +322,7 @@ def test_a_verl_reward_file_scores_a_verl_parquet_row_unchanged(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shardrl.data import load_prompt_dataset
+    from shardrl.data.prompts import load_prompt_dataset
     from shardrl.tokenizer import build_char_tokenizer
 
     rows = [{"data_source": "my_math", "prompt": [{"role": "user", "content": f"{i}+2=?"}], "ability": "math",
@@ -363,7 +363,7 @@ def compute_score(solution_str, ground_truth, extra_info=None, pid_file=None):
 
 @pytest.mark.multiproc
 def test_reward_workers_score_in_parallel_and_stop_a_sample_past_its_time_limit(tmp_path):
-    from shardrl.reward_pool import RewardPool
+    from shardrl.rewards.pool import RewardPool
 
     path = tmp_path / "slow.py"
     path.write_text(SLOW_REWARD)

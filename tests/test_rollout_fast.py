@@ -12,8 +12,8 @@ import transformers
 
 from shardrl.engine.model import build_causal_lm
 from shardrl.rollout import FastRollout, RolloutOutput, SamplingParams, build_rollout
-from shardrl.rollout.fast import GREEDY, SAMPLE, TRUNCATED, sample_tokens
-from shardrl.rollout.fast_model import TritonDecodeAttention
+from shardrl.rollout.fast.rollout import GREEDY, SAMPLE, TRUNCATED, sample_tokens
+from shardrl.rollout.fast.model import TritonDecodeAttention
 from shardrl.testing import TINY_MODELS
 from shardrl.tokenizer import build_char_tokenizer
 from test_rollout_hf import (assert_sampled_log_probs_recomputed, assert_seeded_sampling, assert_some_rows_end_at_eos,
@@ -405,8 +405,8 @@ def test_triton_decode_attention_matches_sdpa_in_bf16():
     positions at and around 64-entry block edges; it reads nothing past a slot's position. With the new K/V
     given, it writes them at the positions as the indexed copy does and attends as after that copy; the
     same with each slot's entries split over several programs."""
-    from shardrl.rollout.decode_kernel import decode_attention
-    from shardrl.rollout.fast_model import write_kv
+    from shardrl.rollout.fast.decode_kernel import decode_attention
+    from shardrl.rollout.fast.model import write_kv
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, hkv, g, d, max_seq = 16, 2, 6, 128, 512
@@ -442,7 +442,7 @@ def test_fused_sampler_draws_the_right_distribution():
     """The one-pass Triton sampler: greedy = argmax (lowest index on a tie) over a Qwen-sized vocabulary cut
     into splits, log-probs = log softmax(logits / T) of the token, sample frequencies = softmax(logits / T)
     over 200k rows, the seed reproduces, and a captured graph draws fresh noise when the seed tensor changes."""
-    from shardrl.rollout.sample_kernel import fused_sample
+    from shardrl.rollout.fast.sample_kernel import fused_sample
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     vocab = 151_936  # not a multiple of the kernel's block
@@ -518,8 +518,8 @@ def test_compaction_widths_step_down_by_an_eighth_of_the_slots():
 def test_compiled_blocks_raise_dynamo_recompile_limit_above_the_widths_a_call_uses():
     """The decode parts compile once per slot width: 512 slots give 9 widths, past dynamo's default limit of 8,
     beyond which a width's layers would run uncompiled. A compiled block raises the limit (and never lowers it)."""
-    from shardrl.rollout.fast import FastRollout
-    from shardrl.rollout.fast_model import DecoderBlock
+    from shardrl.rollout.fast.rollout import FastRollout
+    from shardrl.rollout.fast.model import DecoderBlock
 
     widths = FastRollout._widths(type("R", (), {"min_width": 8, "width_step": None})(), 512)
     config = torch._dynamo.config

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from shardrl.config import RolloutConfig
+from shardrl.config.schema import RolloutConfig
 from shardrl.engine.model import PolicyModel, build_causal_lm
 from shardrl.rollout import HFRollout, RolloutOutput, SamplingParams, build_rollout
 from shardrl.testing import TINY_MODELS

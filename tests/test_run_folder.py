@@ -17,8 +17,8 @@ import pytest
 import torch.distributed as dist
 
 from shardrl.cli import main as cli_main
-from shardrl.checkpoint import COMPLETE
-from shardrl.config import load_config
+from shardrl.trainer.checkpoint import COMPLETE
+from shardrl.config.schema import load_config
 from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
 
 
@@ -36,7 +36,7 @@ def small(assets: Path, *extra: str) -> list[str]:
 HOLDER = """
 import sys
 from pathlib import Path
-from shardrl.config import load_config
+from shardrl.config.schema import load_config
 from shardrl.trainer.run_folder import claim_run_dir
 claim_run_dir(load_config(None, sys.argv[2:]), Path(sys.argv[1]))
 print("holding", flush=True)

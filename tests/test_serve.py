@@ -21,9 +21,9 @@ import openai
 import pytest
 import torch
 
-from shardrl.config import load_config
+from shardrl.config.schema import load_config
 from shardrl.rollout import SamplingParams
-from shardrl.serve import ServerProcess, ServerThread as Server, build_engine, build_server
+from shardrl.rollout.serving.command import ServerProcess, ServerThread as Server, build_engine, build_server
 from shardrl.testing import save_char_model
 
 PROMPTS = ["1+2=", "hello world ", "what is 7*6? "]
@@ -90,7 +90,7 @@ def test_the_server_shortens_the_thread_switch_interval_while_it_runs(tmp_path):
     setting back."""
     import sys
 
-    from shardrl.rollout.server import SWITCH_INTERVAL_S
+    from shardrl.rollout.serving.server import SWITCH_INTERVAL_S
 
     save_char_model(tmp_path)
     original = sys.getswitchinterval()  # (another test's server may be running: its own setting, put back here)
@@ -476,7 +476,7 @@ def test_a_failing_request_fails_alone(server, monkeypatch):
 def test_a_client_that_leaves_while_it_generates_ends_its_rows(server, monkeypatch):
     """Streaming: a request whose client gives up while its rows decode ends at the engine's next host sync, its
     slot free (counted as cancelled; nothing answered); the server answers the next request."""
-    from shardrl.rollout import server as server_module
+    from shardrl.rollout.serving import server as server_module
 
     batcher = server.batcher
     assert batcher.streaming()
@@ -628,7 +628,7 @@ def test_every_waiting_client_is_checked_for_having_left_while_answered_ones_lea
     tick and 32 new ones arriving, every request is checked before it is answered (a cursor into the shrinking list
     skipped half of them, and checking new ones first would spend every check on them), and no request twice while
     another that arrived with it waits unchecked."""
-    from shardrl.rollout.server import ALIVE_CHECKS, due_for_check
+    from shardrl.rollout.serving.server import ALIVE_CHECKS, due_for_check
 
     class Item:
         pass
@@ -649,7 +649,7 @@ def test_every_waiting_client_is_checked_for_having_left_while_answered_ones_lea
 def test_clients_still_waiting_are_checked_again_while_new_ones_keep_coming():
     """256 waiting, all checked once in 8 ticks; then 32 arrive a tick and none is answered: the first 256 are each
     checked a second time in the next 8 ticks (new requests do not take every check)."""
-    from shardrl.rollout.server import due_for_check
+    from shardrl.rollout.serving.server import due_for_check
 
     class Item:
         pass
@@ -729,7 +729,7 @@ def test_requests_arriving_as_streams_end_are_all_answered(tmp_path):
     to the next stream. Here streams end after 0.2 ms idle, and whenever a request of the other temperature comes,
     while 16 clients (two temperatures) send 20 requests each with no pause: every request is answered with its own
     rows (an echo rollout: each row's tokens are its prompt's last token)."""
-    from shardrl.rollout.server import Batcher
+    from shardrl.rollout.serving.server import Batcher
     from shardrl.testing import save_char_model
 
     tok = save_char_model(tmp_path)
@@ -820,8 +820,8 @@ def test_stopping_the_batcher_ends_its_stream_and_answers_every_request(tmp_path
     after 10,000 tokens or its idle wait), every request gets an error, and one submitted after gets an error at
     once. A batcher started again waits for the last generation of its stop to end (never two at once on one
     rollout). An engine service whose batcher fails to start raises and leaves no thread running."""
-    from shardrl.rollout.frontend import EngineService
-    from shardrl.rollout.server import Batcher
+    from shardrl.rollout.serving.frontend import EngineService
+    from shardrl.rollout.serving.server import Batcher
 
     tok = save_char_model(tmp_path)
     ended = threading.Event()
@@ -984,8 +984,8 @@ def test_ctrl_c_stops_shardrl_serve_quietly(tmp_path, front_end):
 def test_a_front_end_that_stopped_answers_a_new_request_503_not_500():
     """A request reaching a front end between its stop and the closing of its sockets: `Stopped` (503), not an
     OSError on the engine's closed connection (500)."""
-    from shardrl.rollout.frontend import RemoteBatcher
-    from shardrl.rollout.server import Stopped
+    from shardrl.rollout.serving.frontend import RemoteBatcher
+    from shardrl.rollout.serving.server import Stopped
 
     remote = RemoteBatcher(("127.0.0.1", 1), b"key", tokenizer=None)
     remote.stopped = True
@@ -1016,7 +1016,7 @@ class EchoEngine:
 def through_engine_service(batcher, body):
     """The result of `body(remote, engine)` (a coroutine function), run from a `RemoteBatcher` connected to an
     `EngineService` over `batcher`."""
-    from shardrl.rollout.frontend import EngineService, RemoteBatcher
+    from shardrl.rollout.serving.frontend import EngineService, RemoteBatcher
 
     engine = EngineService(batcher)
     try:
@@ -1081,7 +1081,7 @@ def test_a_generation_raising_stop_iteration_fails_its_request_not_the_batcher(t
     """A backend whose generate raises StopIteration (a `next()` on an empty iterator, as an aborted R3 call once
     did): the request fails with an error and the batcher serves the next one (StopIteration cannot cross into the
     awaiting coroutine: the request hung, and every request after it)."""
-    from shardrl.rollout.server import Batcher
+    from shardrl.rollout.serving.server import Batcher
 
     tok = save_char_model(tmp_path)
     calls = []
@@ -1112,7 +1112,7 @@ def test_a_generation_raising_stop_iteration_fails_its_request_not_the_batcher(t
 def test_the_engine_connection_sends_a_turns_messages_as_one_list():
     """What one turn of the event loop puts in an `Outbox` crosses as one list (16 at most: the first of a burst
     does not wait for the rest), in order; a list that cannot be sent fails its requests, not the others."""
-    from shardrl.rollout.frontend import Outbox
+    from shardrl.rollout.serving.frontend import Outbox
 
     class Conn:
         def __init__(self):

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from shardrl.chat_data import collate_chats, load_chat_dataset, tokenize_chat
+from shardrl.data.chat import collate_chats, load_chat_dataset, tokenize_chat
 from shardrl.testing import TINY_MODELS, run_distributed
 from shardrl.tokenizer import build_char_tokenizer
 
@@ -62,7 +62,7 @@ CHATS = [[{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "conte
 def _sft_gradients(layouts: dict) -> dict:
     """The SFT step's loss and gradients per engine layout on this rank's share of CHATS, and a plain HF loop's
     (rank 0 of the world only, on all of them)."""
-    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
     from shardrl.engine.model import build_causal_lm, load_hf_config
     from shardrl.testing import record_grads

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardrl.config import ConfigError, load_config
+from shardrl.config.schema import ConfigError, load_config
 from shardrl.testing import TINY_MODELS, run_distributed
 
 pytestmark = pytest.mark.multiproc
@@ -41,7 +41,7 @@ def _engine_state(engine) -> dict[str, torch.Tensor]:
 
 def _compare() -> dict:
     import shardrl.engine.base as base
-    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
 
     cpu_builds = []
@@ -108,7 +108,7 @@ def test_sharded_load_gives_the_parameters_of_rank0_load():
 
 
 def _random_shard_stats():
-    from shardrl.config import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
     from shardrl.engine import build_engine
     from shardrl.testing import TINY_MODELS
 

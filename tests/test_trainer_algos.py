@@ -83,7 +83,7 @@ def test_each_mode_learns_on_the_demo(assets, tmp_path):
 
 
 def test_dapo_example_config_loads():
-    from shardrl.config import load_config
+    from shardrl.config.schema import load_config
 
     cfg = load_config(str(Path(__file__).parent.parent / "examples" / "smollm2" / "dapo.yaml"))
     assert cfg.algorithm.filter_groups.enable and cfg.reward.overlong_buffer.enable
@@ -91,8 +91,8 @@ def test_dapo_example_config_loads():
 
 
 def test_rollout_is_mask_mode_needs_the_old_log_prob_pass():
-    from shardrl.config import load_config
-    from shardrl.step_plan import old_log_probs_from_update
+    from shardrl.config.schema import load_config
+    from shardrl.plan.step_plan import old_log_probs_from_update
 
     base = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"]
     assert old_log_probs_from_update(load_config(None, base))[0]

@@ -177,7 +177,7 @@ def test_killed_run_resumes_like_an_uninterrupted_one(assets, tmp_path):
 
     import torch
 
-    from shardrl.config import load_config
+    from shardrl.config.schema import load_config
 
     reward = tmp_path / "varied_reward.py"
     reward.write_text(VARIED_REWARD)

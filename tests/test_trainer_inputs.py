@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardrl.cli import main as cli_main
-from shardrl.rewards import RewardManager
+from shardrl.rewards.manager import RewardManager
 from shardrl.testing import small_demo_run, run_distributed
 from shardrl.trainer.demo import prepare_demo_assets
 
@@ -190,7 +190,7 @@ def test_sequences_past_the_models_context_are_refused_at_load(assets, tmp_path,
     assert "the longest sequence of the data is" in err and "max_position_embeddings=8" in err, err
     assert "lower data.max_length=1024" in err and not (tmp_path / "sft").exists()
     # a rotary model scaled past its trained length (YaRN x4 over 8 positions): 32 fit
-    from shardrl.modelconfig import check_context, context_length
+    from shardrl.models.config import check_context, context_length
 
     config = transformers.Qwen2Config(max_position_embeddings=8, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardrl.config import load_config
+from shardrl.config.schema import load_config
 from shardrl.trainer.main import write_results
 from shardrl.trainer.logger import MetricsLogger
 from shardrl.trainer.run_folder import summarize
@@ -204,7 +204,7 @@ def test_plot_draws_the_loss_of_a_run_without_rewards(tmp_path, monkeypatch, cap
     import matplotlib.axes
 
     from shardrl.cli import main as cli_main
-    from shardrl.plot import choose_curves
+    from shardrl.trainer.plot import choose_curves
 
     drawn, plot = [], matplotlib.axes.Axes.plot
     monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *a, **k: drawn.append((a, k)) or plot(ax, *a, **k))

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardrl.config import config_keys, Config, load_config
-from shardrl.verl_compat import VERL_KEYS, VerlKeyError, translate
+from shardrl.config.schema import config_keys, Config, load_config
+from shardrl.compat.verl.translate import VERL_KEYS, VerlKeyError, translate
 
 DATA = Path(__file__).parent / "data" / "verl"
 
@@ -305,7 +305,7 @@ def test_more_of_what_shardrl_cannot_run_is_refused(args, message):
 
 
 def test_verls_tool_answer_cuts_and_the_epoch_limit():
-    from shardrl.rollout.multiturn import cut_tool_answer
+    from shardrl.rollout.episodes.multiturn import cut_tool_answer
     from shardrl.trainer.state import resolve_total_epochs
 
     assert cut_tool_answer("abcdefgh", 4, "left") == "abcd...(truncated)"

@@ -1,4 +1,4 @@
-"""shardrl.verl_scorers scores as verl's built-in rule scorers do.
+"""shardrl.rewards.scorers scores as verl's built-in rule scorers do.
 
 Every expected figure in this file was produced by running verl's own functions (verl commit b178a3cd:
 verl/utils/reward_score/gsm8k.py, math_reward.py, math_dapo.py, and default_compute_score for the rows without
@@ -9,7 +9,7 @@ import inspect
 
 import pytest
 
-from shardrl.verl_scorers import (
+from shardrl.rewards.scorers import (
     VERL_SCORERS,
     dapo_reward,
     gsm8k_reward,

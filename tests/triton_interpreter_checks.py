@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 
 def check_attention() -> None:
-    from shardrl.rollout.decode_kernel import decode_attention
-    from shardrl.rollout.fast_model import write_kv
+    from shardrl.rollout.fast.decode_kernel import decode_attention
+    from shardrl.rollout.fast.model import write_kv
 
     gen = torch.Generator().manual_seed(0)
     b, hkv, g, d, max_seq = 6, 2, 3, 16, 80
@@ -86,8 +86,8 @@ def check_cascade(dtype, atol, gen, size: int) -> None:
     members after a group's first point their prefix's table entries at NaN blocks: the group's program reads the
     first member's blocks, and no slot reads its own entries below `shared`. Blocks of `size` entries: of 16, both
     kernels read a block a step (no `block_n` other than the block size given)."""
-    from shardrl.rollout.decode_kernel import decode_attention
-    from shardrl.rollout.fast_model import write_kv
+    from shardrl.rollout.fast.decode_kernel import decode_attention
+    from shardrl.rollout.fast.model import write_kv
 
     b, hkv, g, d, per_slot = 6, 2, 3, 16, 80 // size
     prefix_block_n = 16 if size < 16 else None
@@ -137,7 +137,7 @@ def check_cascade(dtype, atol, gen, size: int) -> None:
 def check_cascade_odd_blocks(dtype, atol, gen) -> None:
     """Blocks of 24 entries (not a power of 2, so no kernel reads a block a step): two slots that share two blocks
     read them through the cascade as the plain kernel reads them."""
-    from shardrl.rollout.decode_kernel import decode_attention
+    from shardrl.rollout.fast.decode_kernel import decode_attention
 
     hkv, g, d, size = 2, 3, 16, 24
     table = torch.tensor([[1, 2, 3, 4], [1, 2, 5, 6]])
@@ -191,7 +191,7 @@ def check_cascade_rollout() -> None:
 
 
 def check_sampler() -> None:
-    from shardrl.rollout.sample_kernel import fused_sample
+    from shardrl.rollout.fast.sample_kernel import fused_sample
 
     gen = torch.Generator().manual_seed(0)
     temperature, seed = torch.tensor(0.7), torch.tensor([11])
@@ -280,8 +280,8 @@ def check_prefill_case(dtype, atol, hkv, g, d, size, starts, lens, cases, block_
     prompts cached from `starts` (multiples of `size`) with `lens` new tokens, for each (block_r, window, softcap,
     scale) of `cases`. The padding's rows are zero; the entries past each prompt's last position are NaN: never
     read. Also run by the CUDA test in tests/test_prefix_cache.py."""
-    from shardrl.rollout.decode_kernel import prefill_attention
-    from shardrl.rollout.fast_model import softcapped_attention, visible_keys
+    from shardrl.rollout.fast.decode_kernel import prefill_attention
+    from shardrl.rollout.fast.model import softcapped_attention, visible_keys
 
     starts, lens = torch.tensor(starts), torch.tensor(lens)
     u, length = len(starts), int(lens.max())

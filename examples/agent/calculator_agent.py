@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 
-from shardrl.rewards import gsm8k_score
+from shardrl.rewards.manager import gsm8k_score
 from shardrl.tools import CalculatorTool
 
 MAX_TURNS = 4

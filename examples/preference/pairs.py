@@ -22,8 +22,8 @@ def make_pairs(model_path: str, prompt_file: str, n: int = 8, max_new_tokens: in
     import torch
     import transformers
 
-    from shardrl.data import collate_prompts, load_prompt_dataset, read_rows
-    from shardrl.rewards import RewardManager
+    from shardrl.data.prompts import collate_prompts, load_prompt_dataset, read_rows
+    from shardrl.rewards.manager import RewardManager
     from shardrl.rollout import SamplingParams, build_rollout
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,8 +16,8 @@ def evaluate(model_path: str, prompt_file: str, max_new_tokens: int = 128, max_p
     import torch
     import transformers
 
-    from shardrl.data import collate_prompts, load_prompt_dataset
-    from shardrl.rewards import RewardManager
+    from shardrl.data.prompts import collate_prompts, load_prompt_dataset
+    from shardrl.rewards.manager import RewardManager
     from shardrl.rollout import SamplingParams, build_rollout
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -2,7 +2,7 @@
 `gsm8k_flexible` scorer). The 135M model rarely reaches "#### n" within the CPU run's short responses;
 the last number is a signal it can improve on within a few steps. The GPU run scores strictly ("####")."""
 
-from shardrl.rewards import gsm8k_flexible_score
+from shardrl.rewards.manager import gsm8k_flexible_score
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):

@@ -3,8 +3,8 @@ up to rollout.multi_turn.max_turns turns); the final turn is scored like the Smo
 after '####', or with `lenient` the last number), plus a small bonus for a conversation whose calls all
 worked (a format signal a 135M model can pick up before it gets answers right)."""
 
-from shardrl.rewards import gsm8k_flexible_score, gsm8k_score
-from shardrl.rollout.multiturn import Interaction
+from shardrl.rewards.manager import gsm8k_flexible_score, gsm8k_score
+from shardrl.rollout.episodes.multiturn import Interaction
 from shardrl.tools import CalculatorTool
 
 TOOL_BONUS = 0.1

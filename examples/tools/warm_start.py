@@ -75,7 +75,7 @@ def evaluate(model, tok, rows: list[dict], mt_cfg, max_new_tokens: int) -> dict:
     """Greedy multi-turn rollouts on `rows` with the example's calculator interaction (HF generate, on the
     model's device)."""
     from shardrl.rollout import SamplingParams, build_rollout
-    from shardrl.rollout.multiturn import MultiTurnRollout, load_interaction
+    from shardrl.rollout.episodes.multiturn import MultiTurnRollout, load_interaction
 
     interaction = load_interaction(str(HERE / "interaction.py"), "CalculatorInteraction")
     device = next(model.parameters()).device

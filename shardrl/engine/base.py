@@ -42,7 +42,7 @@ from shardrl.engine.moe import apply_experts_implementation, expert_intermediate
 from shardrl.engine.model import (DTYPES, PolicyModel, build_causal_lm, check_model_weights, disable_dropout,
                                   load_hf_config, strip_prefix)
 from shardrl.engine.ulysses import check_heads
-from shardrl.modelconfig import text_config
+from shardrl.models.config import text_config
 from shardrl.engine.optim import build_lr_scheduler, build_optimizer
 from shardrl.engine.state import CPU, move_optimizer_state, persistent_buffers, release_accelerator_memory, save_hf
 

@@ -7,7 +7,7 @@ folder's keys and shapes are compared with the engine's and any difference is a 
 
 The functions take the engine's parts (module, optimizer, schedule), not the engine, so this module sits
 below `shardrl.engine.base`, which calls it from `Engine.save` / `Engine.load`. A run's checkpoints (one
-folder per engine, RNG, trainer state, atomic renames) are `shardrl.checkpoint`'s job.
+folder per engine, RNG, trainer state, atomic renames) are `shardrl.trainer.checkpoint`'s job.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ from shardrl.engine.attention import ATTN_NAME, attention_kwargs
 from shardrl.engine.logprob import chunked_log_probs, pack, shift_to_scored_token, unpack
 from shardrl.engine.moe import RouterReplay, is_moe, load_balancing_loss
 from shardrl.engine.ulysses import gather_seq, pad_to_multiple
-from shardrl.modelconfig import text_config
-from shardrl.userfile import refuse_gguf_folder, require_folder
+from shardrl.models.config import text_config
+from shardrl.config.userfile import refuse_gguf_folder, require_folder
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def check_tiny_keys(model_type: str, kwargs: dict) -> None:
     import difflib
     import inspect
 
-    from shardrl.configload import ConfigError
+    from shardrl.config.load import ConfigError
 
     try:
         default = transformers.AutoConfig.for_model(model_type)
@@ -68,7 +68,7 @@ def check_tiny_keys(model_type: str, kwargs: dict) -> None:
 def check_tiny_shape(config, explicit_head_dim: bool) -> None:
     """A `ConfigError` for a `model.tiny` whose heads do not cut its width: the model would fail at its first
     forward with a tensor-size mismatch."""
-    from shardrl.configload import ConfigError
+    from shardrl.config.load import ConfigError
 
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from shardrl.modelconfig import text_config
+from shardrl.models.config import text_config
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams
-from shardrl.rollout.fast import FastRollout
+from shardrl.rollout.fast.rollout import FastRollout
 from shardrl.rollout.hf import HFRollout
 
 ROLLOUTS: dict[str, type[Rollout]] = {"hf": HFRollout, "fast": FastRollout}

@@ -13,7 +13,7 @@ A tool class has verl's `BaseTool` methods, all async: `create(instance_id, **cr
 verl's preprocessing writes them. verl's own gsm8k tool is here (`Gsm8kTool`, the same answers and rewards), so
 verl's gsm8k tool example runs without verl; another class is imported by its dotted name (one written for verl
 imports `verl.tools.base_tool`: derive it from this module's `BaseTool` instead, which has the same methods).
-`shardrl.rollout.interactions.VerlToolsInteraction` runs them; their schemas go into the chat template (`tools=`).
+`shardrl.rollout.episodes.interactions.VerlToolsInteraction` runs them; their schemas go into the chat template (`tools=`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from shardrl.verl_scorers import score_gsm8k
+from shardrl.rewards.scorers import score_gsm8k
 
 
 @dataclass

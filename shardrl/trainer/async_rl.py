@@ -20,7 +20,7 @@ bound still holds: a push only ever makes tokens newer.
 
 Left out: validation and DAPO dynamic sampling (config errors); partial rollouts with multi-turn tools
 (a config error). Several rollout ranks each serve the training dp ranks d with d % rollout_ranks == their
-index, one batch per dp rank per step. The rank split and its channels are `shardrl.placement`'s.
+index, one batch per dp rank per step. The rank split and its channels are `shardrl.trainer.placement`'s.
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ import time
 
 import torch
 
-from shardrl.config import Config
-from shardrl.data import PromptLoader
+from shardrl.config.schema import Config
+from shardrl.data.prompts import PromptLoader
 from shardrl.engine.model import load_hf_config
-from shardrl.placement import PUSHED_KEY, WorldSplit, recv_object, send_object, stopped_if_broken
+from shardrl.trainer.placement import PUSHED_KEY, WorldSplit, recv_object, send_object, stopped_if_broken
 from shardrl.rollout.weight_sync import SyncStats, WeightChannel, broadcast_object
 from shardrl.tokenizer import load_tokenizer
-from shardrl.trainer.defaults import resolve_device_defaults
-from shardrl.trainer.generation import Generation, export_for_rollout, sampling_seed, the_device
+from shardrl.plan.defaults import resolve_device_defaults
+from shardrl.rollout.build import the_device
+from shardrl.trainer.generation import Generation, export_for_rollout, sampling_seed
 from shardrl.trainer.rl import load_datasets
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import dataclasses
 import sys
 
 from shardrl.algos.preference import PREFERENCE_LOSSES, PreferenceParams, sequence_log_probs
-from shardrl.config import DPOConfig, LoRAConfig
+from shardrl.config.schema import DPOConfig, LoRAConfig
 from shardrl.engine import build_engine
 from shardrl.metrics import SumCount, row_means
 from shardrl.trainer.offline import PairTrainer, rank_main

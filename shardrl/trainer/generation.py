@@ -14,12 +14,11 @@ from typing import Iterable
 import torch
 
 from shardrl.batch import Batch
-from shardrl.config import Config
-from shardrl.data import collate_prompts
+from shardrl.config.schema import Config
+from shardrl.data.prompts import collate_prompts
 from shardrl.engine.lora import scaling_of
-from shardrl.rollout import SamplingParams, build_rollout
-from shardrl.rollout.interactions import build_interaction
-from shardrl.rollout.multiturn import MultiTurnRollout
+from shardrl.rollout import SamplingParams
+from shardrl.rollout.build import rollout_dtype, rollout_from_config
 
 log = logging.getLogger(__name__)
 
@@ -90,22 +89,6 @@ def lora_sync_for(cfg: Config, actor, rollout, device: torch.device) -> LoRASync
     return LoRASync(actor, backend, cfg.rollout.lora_sync or "unmerged", rollout_dtype(device))
 
 
-def fast_rollout_kwargs(ro) -> dict:
-    """The fast backend's settings from `rollout` (the trainer's and `shardrl serve`'s)."""
-    return dict(max_batch=ro.max_batch, kv_cache_tokens=ro.kv_cache_tokens, sync_every=ro.sync_every, compile=ro.compile, attention=ro.attention,
-                sampler=ro.sampler, prefix_cache=ro.prefix_cache, cascade=ro.cascade)
-
-
-def rollout_dtype(device: torch.device) -> torch.dtype:
-    """What the rollout computes in: bf16 on CUDA, fp32 on the CPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def the_device() -> torch.device:
-    """This process's device: its current GPU, or the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 class Generation:
     """The rollout of a run (`rollout.backend`, wrapped in the agent loop when `rollout.multi_turn.enable`)
     and the step's sampling settings."""
@@ -114,22 +97,8 @@ class Generation:
         """`colocated`: generation shares the trainer's GPUs; with LoRA's adapter-only sync the fast rollout then
         takes no memory for weights until the first sync (which may share the trainer's base)."""
         ro = cfg.rollout
-        fast_kwargs = fast_rollout_kwargs(ro) if ro.backend == "fast" else {}
-        if fast_kwargs:
-            fast_kwargs["record_routing"] = cfg.actor.router_replay.mode == "R3"
-        if fast_kwargs and colocated and cfg.model.lora.rank > 0 and ro.lora_sync != "full":
-            fast_kwargs["lazy_weights"] = True
-        dtype = rollout_dtype(device)
-        self.rollout = build_rollout(ro.backend, hf_config, tokenizer, device, dtype,
-                                     micro_batch_size=ro.micro_batch_size, **fast_kwargs)
+        self.rollout = rollout_from_config(cfg, hf_config, tokenizer, device, colocated)
         self.multi_turn = ro.multi_turn.enable or bool(ro.agent.entrypoint)
-        if ro.multi_turn.enable:  # the agent loop drives the backend's generate in rounds, tools in between
-            self.rollout = MultiTurnRollout.from_config(self.rollout, tokenizer, ro.multi_turn,
-                                                        build_interaction(ro.multi_turn))
-        elif ro.agent.entrypoint:  # the user's episodes call an endpoint on the backend
-            from shardrl.rollout.agent import AgentRollout
-
-            self.rollout = AgentRollout.from_config(self.rollout, tokenizer, ro, hf_config)
         self.tokenizer, self.device, self.seed = tokenizer, device, ro.seed
         self.sampling = SamplingParams.from_config(ro)
 

@@ -107,7 +107,7 @@ class MetricsLogger:
 def check_sinks_installed(sinks: list[str]) -> None:
     """A `ConfigError` naming `trainer.logger` when a sink's package cannot be imported; call it before the
     model loads (importing is the check: a package that is there but broken fails too)."""
-    from shardrl.configload import ConfigError
+    from shardrl.config.load import ConfigError
 
     imports = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
     for sink in sinks:

@@ -114,7 +114,7 @@ def write_results(run_dir: Path, records: list[dict], total_steps: int) -> str:
     summary = write_summary(run_dir, records)
     if not records:
         return f"0 of {total_steps} steps; {run_dir / 'summary.json'} is empty and there is no reward curve"
-    from shardrl.plot import plot_rewards
+    from shardrl.trainer.plot import plot_rewards
 
     png = plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward_curve.png", records)
     return f"{summary['steps']} of {total_steps} steps; summary {run_dir / 'summary.json'}, reward curve {png}"
@@ -142,8 +142,8 @@ def resolve_overrides(config: str | None, overrides: list[str], make_demo_assets
 def verl_overrides(config: str | None, args: list[str], config_path: str | None = None,
                    config_name: str | None = None) -> list[str]:
     """`shardrl train --verl`: verl's key=value arguments (after those of verl's `--config-path/--config-name` YAML)
-    translated (`shardrl.verl_compat`), the translation shown."""
-    from shardrl.verl_compat import config_file_args, translate
+    translated (`shardrl.compat.verl.translate`), the translation shown."""
+    from shardrl.compat.verl.translate import config_file_args, translate
 
     if config is not None:
         raise ValueError(f"--verl takes verl's key=value arguments only, not a config file ({config!r}); drop "
@@ -169,9 +169,9 @@ def run(config: str | None, overrides: list[str]) -> Path | None:
     or None on a rank that only generates (async_rl.rollout_ranks)."""
     import torch.distributed as dist
 
-    from shardrl.config import load_config
+    from shardrl.config.schema import load_config
     from shardrl.distributed import init_distributed
-    from shardrl.layout import derive_layout
+    from shardrl.plan.layout import derive_layout
     from shardrl.trainer.logger import check_sinks_installed
     from shardrl.trainer.rl import RLTrainer
     from shardrl.trainer.run_folder import prepare_run_dir
@@ -185,7 +185,7 @@ def run(config: str | None, overrides: list[str]) -> Path | None:
     init_distributed()
     split, ok = None, False
     if cfg.async_rl.rollout_ranks:  # disaggregated: from here the default group holds this rank's side only
-        from shardrl.placement import split_world
+        from shardrl.trainer.placement import split_world
         from shardrl.trainer.async_rl import RemoteBatches, run_rollout_side
 
         split = split_world(cfg)
@@ -235,7 +235,7 @@ def train_main(args) -> int:
                                    getattr(args, "config_name", None))
     else:
         overrides = resolve_overrides(args.config, list(args.overrides))
-    from shardrl.config import load_config
+    from shardrl.config.schema import load_config
 
     cfg = load_config(args.config, overrides)  # bad config: a clear error before anything starts
     nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc_per_node
@@ -258,11 +258,11 @@ def train_main(args) -> int:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run as torchrun
 
-        from shardrl.layout import derive_layout
+        from shardrl.plan.layout import derive_layout
 
         # batch sizes that do not divide: one clear error, before any process (rollout ranks do not train)
         if cfg.async_rl.rollout_ranks:
-            from shardrl.placement import check_rollout_ranks
+            from shardrl.trainer.placement import check_rollout_ranks
 
             check_rollout_ranks(cfg.async_rl.rollout_ranks, nnodes * nproc)
             derive_layout(cfg, 1, nnodes * nproc - cfg.async_rl.rollout_ranks)

@@ -25,18 +25,18 @@ import torch
 import torch.distributed as dist
 
 from shardrl.batch import Batch
-from shardrl.chat_data import collate_pairs, load_preference_dataset
-from shardrl.checkpoint import CheckpointManager
-from shardrl.config import config_to_dict, load_config
-from shardrl.data import PromptLoader
+from shardrl.data.chat import collate_pairs, load_preference_dataset
+from shardrl.trainer.checkpoint import CheckpointManager
+from shardrl.config.schema import config_to_dict, load_config
+from shardrl.data.prompts import PromptLoader
 from shardrl.distributed import ParallelDims, init_distributed
 from shardrl.engine import build_engine
 from shardrl.engine.model import load_hf_config
-from shardrl.layout import derive_offline_layout
+from shardrl.plan.layout import derive_offline_layout
 from shardrl.metrics import Sum, reduce_metrics
-from shardrl.modelconfig import check_context
+from shardrl.models.config import check_context
 from shardrl.tokenizer import load_tokenizer
-from shardrl.trainer.generation import the_device
+from shardrl.rollout.build import the_device
 from shardrl.trainer.logger import MetricsLogger, check_sinks_installed
 from shardrl.trainer.roles import ModelPath, check_vocabularies
 from shardrl.trainer.state import resolve_total_epochs

@@ -16,7 +16,7 @@ from shardrl.algos.aggregate import masked_metric
 from shardrl.batch import Batch
 from shardrl.distributed import all_reduce_sum
 from shardrl.metrics import Max, Min, SumCount
-from shardrl.step_plan import StepPlan
+from shardrl.plan.step_plan import StepPlan
 from shardrl.trainer.sampling import apply_rollout_is, mismatch_step_metrics
 
 

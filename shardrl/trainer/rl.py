@@ -21,24 +21,25 @@ import torch
 import torch.distributed as dist
 
 from shardrl.batch import Batch
-from shardrl.checkpoint import CheckpointManager
-from shardrl.config import Config, config_to_dict
-from shardrl.configload import ConfigError
-from shardrl.data import PromptLoader, load_prompt_dataset
+from shardrl.trainer.checkpoint import CheckpointManager
+from shardrl.config.schema import Config, config_to_dict
+from shardrl.config.load import ConfigError
+from shardrl.data.prompts import PromptLoader, load_prompt_dataset
 from shardrl.engine.model import load_hf_config
-from shardrl.layout import derive_layout, format_layout
-from shardrl.metric_names import with_verl_names
+from shardrl.plan.layout import derive_layout, format_layout
+from shardrl.compat.verl.metric_names import with_verl_names
 from shardrl.metrics import Max, Min, Sum, SumCount, reduce_metrics
-from shardrl.modelconfig import check_context
-from shardrl.perf import model_shape, rl_step_flops, throughput_metrics
-from shardrl.reward_pool import RewardPool
-from shardrl.rewards import RewardManager, check_ground_truths, load_reward_function
+from shardrl.models.config import check_context
+from shardrl.plan.perf import model_shape, rl_step_flops, throughput_metrics
+from shardrl.rewards.pool import RewardPool
+from shardrl.rewards.manager import RewardManager, check_ground_truths, load_reward_function
 from shardrl.rollout import SamplingParams
-from shardrl.rollout.interactions import prompt_tool_schemas
-from shardrl.step_plan import StepPlan
+from shardrl.rollout.episodes.interactions import prompt_tool_schemas
+from shardrl.plan.step_plan import StepPlan
 from shardrl.tokenizer import load_tokenizer
-from shardrl.trainer.defaults import lora_sync_choice, memory_gib, resolve_device_defaults
-from shardrl.trainer.generation import Generation, export_for_rollout, lora_sync_for, the_device
+from shardrl.plan.defaults import lora_sync_choice, memory_gib, resolve_device_defaults
+from shardrl.rollout.build import the_device
+from shardrl.trainer.generation import Generation, export_for_rollout, lora_sync_for
 from shardrl.trainer.logger import MetricsLogger
 from shardrl.trainer.prepare import prepare
 from shardrl.trainer.roles import Roles, check_vocab_sizes
@@ -78,7 +79,7 @@ def check_router_replay(cfg: Config, policy_config, say) -> None:
         if cfg.rollout.multi_turn.enable or cfg.rollout.agent.entrypoint:
             raise ConfigError("actor.router_replay.mode=R3 records single-turn rollouts only (multi-turn and agent "
                               "turns are prefilled again); use mode R2")
-        from shardrl.rollout.families import check_supported
+        from shardrl.models.families import check_supported
 
         try:
             check_supported(policy_config)
@@ -171,7 +172,7 @@ class RLTrainer:
                       "data.truncation)")
         check_router_replay(cfg, policy_config, self._say)
         if cfg.rollout.agent.entrypoint:  # a missing file or a sync function: refused before any model is built
-            from shardrl.rollout.agent import load_entrypoint
+            from shardrl.rollout.episodes.agent import load_entrypoint
 
             load_entrypoint(cfg.rollout.agent.entrypoint)
         lora_choice = []

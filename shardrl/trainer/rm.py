@@ -16,7 +16,7 @@ import sys
 import torch
 
 from shardrl.algos.preference import bradley_terry_loss
-from shardrl.config import RMConfig
+from shardrl.config.schema import RMConfig
 from shardrl.metrics import SumCount, row_means
 from shardrl.trainer.offline import PairTrainer, rank_main
 

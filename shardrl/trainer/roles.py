@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from shardrl.config import Config, LoRAConfig
+from shardrl.config.schema import Config, LoRAConfig
 from shardrl.distributed import ParallelDims
 from shardrl.engine import build_engine
 from shardrl.engine.model import check_tiny_shape, load_hf_config
-from shardrl.modelconfig import text_config
-from shardrl.step_plan import StepPlan
+from shardrl.models.config import text_config
+from shardrl.plan.step_plan import StepPlan
 
 
 class ModelPath(NamedTuple):

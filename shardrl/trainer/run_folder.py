@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from shardrl.checkpoint import CheckpointManager
-from shardrl.config import Config, save_config
+from shardrl.trainer.checkpoint import CheckpointManager
+from shardrl.config.schema import Config, save_config
 from shardrl.metrics import read_metrics
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ import torch
 
 from shardrl.algos.dapo import overlong_penalty
 from shardrl.metrics import Sum, reduce_metrics
-from shardrl.rewards import RewardManager
-from shardrl.rollout.multiturn import score_with_interaction
+from shardrl.rewards.manager import RewardManager
+from shardrl.rollout.episodes.multiturn import score_with_interaction
 
 
 class Scorer:

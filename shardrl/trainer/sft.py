@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 
 from shardrl.algos.aggregate import agg_loss, masked_metric
-from shardrl.chat_data import collate_chats, load_chat_dataset
-from shardrl.config import SFTConfig
+from shardrl.data.chat import collate_chats, load_chat_dataset
+from shardrl.config.schema import SFTConfig
 from shardrl.metrics import SumCount
 from shardrl.trainer.offline import OfflineTrainer, rank_main
 

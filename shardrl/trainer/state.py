@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from shardrl.algos import AdaptiveKLController, FixedKLController
-from shardrl.data import PromptLoader
+from shardrl.data.prompts import PromptLoader
 
 
 class TrainState:

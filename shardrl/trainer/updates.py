@@ -13,7 +13,7 @@ from shardrl.algos.rollout_correction import mismatch_metrics, rollout_is_weight
 from shardrl.batch import Batch
 from shardrl.engine.base import NonFiniteParametersError
 from shardrl.metrics import Sum
-from shardrl.step_plan import StepPlan
+from shardrl.plan.step_plan import StepPlan
 
 
 def actor_loss_from_plan(actor_cfg, algo_cfg, plan: StepPlan):

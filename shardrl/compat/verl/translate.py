@@ -1,0 +1,238 @@
+"""verl's command lines in shardrl: `shardrl train --verl key=value ...` takes the `key=value` lines of a
+`python3 -m verl.trainer.main_ppo` script and runs them as native overrides.
+
+`VERL_KEYS` (`shardrl.compat.verl.keys`) is the one table: each verl key (its full dotted name) -> a `Rule` saying which shardrl key it sets and
+how its value converts, or why it is dropped (it tunes vLLM/SGLang, Ray or a kernel shardrl does not have, and
+changes no number of the run) or refused (it would change the run, and shardrl cannot do it). A key not in the
+table is refused by its full verl name. verl's value conventions are converted: a string file list, -1 for
+off/all, `resume_mode`, `do_sample`, `kl_ctrl.type`, `rollout.name`. Keys the command line does not give take
+verl's default where it differs from shardrl's (`VERL_DEFAULTS`: a verl script relies on them), and roles take the
+actor's settings as verl's config does (`Config.inherit`). The translated native overrides are printed at
+start-up so that a user can move to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+from typing import Any
+
+import yaml
+
+from shardrl.compat.verl.defaults import VERL_PPO_DEFAULTS
+from shardrl.compat.verl.keys import DICT_KEYS, VERL_DEFAULTS, VERL_KEYS
+
+
+class VerlKeyError(ValueError):
+    """A verl key or value shardrl cannot run; the message names the full verl key."""
+
+
+@dataclasses.dataclass
+class Translation:
+    overrides: list[str]
+    """The native `key=value` overrides, in the table's order."""
+    dropped: dict[str, str]
+    """verl keys given and dropped -> why."""
+
+    def describe(self) -> str:
+        lines = ["verl command line as shardrl overrides (run these natively with `shardrl train KEY=VALUE ...`):"]
+        lines += [f"  {o}" for o in self.overrides]
+        if self.dropped:
+            lines.append("dropped verl keys (they change nothing here):")
+            lines += [f"  {k}: {why}" for k, why in self.dropped.items()]
+        return "\n".join(lines)
+
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+class _HydraLikeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader reading scalars closer to Hydra's (OmegaConf's): no dates or times (an experiment
+    named 2025-01-31 stays a string), no sexagesimal numbers (12:30), only true/false as booleans (yes, no, on,
+    off stay strings)."""
+
+
+_HydraLikeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if tag not in ("tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int",
+                           "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _tag, _regexp, _first in (
+        ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+        ("tag:yaml.org,2002:int", r"^[-+]?(?:0|[1-9][0-9_]*)$", "-+0123456789"),
+        ("tag:yaml.org,2002:float", r"^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]*(?:[eE][-+]?[0-9]+)?$|^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"
+                                    r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$", "-+0123456789.")):
+    _HydraLikeLoader.add_implicit_resolver(_tag, re.compile(_regexp), list(_first))
+
+
+def _read_value(text: str):
+    return yaml.load(text, Loader=_HydraLikeLoader) if text.strip() else None
+
+
+def parse_verl_args(args: list[str]) -> dict[str, Any]:
+    """verl's `key=value` arguments (Hydra's `+key=value` too) -> {key: value}, values read as YAML as Hydra does."""
+    given: dict[str, Any] = {}
+    for arg in args:
+        key, sep, text = arg.partition("=")
+        key = key.strip().lstrip("+")
+        if not sep or not key or key.startswith("~"):
+            raise VerlKeyError(f"bad verl argument {arg!r}: expected key=value (Hydra's ~key deletion is not supported)")
+        try:
+            value = _read_value(text)
+        except yaml.YAMLError as e:
+            raise VerlKeyError(f"bad verl argument {arg!r}: cannot read {text!r} ({e})") from None
+        if isinstance(value, str) and _FLOAT.fullmatch(value):  # PyYAML reads 1e-6 as a string; Hydra as a float
+            value = float(value)
+        if isinstance(value, str) and "${" in value:
+            raise VerlKeyError(f"verl argument {arg!r} is a Hydra interpolation; give the value itself")
+        given[key] = value
+    return given
+
+
+def config_file_args(config_path: str, config_name: str) -> list[str]:
+    """The keys of verl's `--config-path DIR --config-name NAME` YAML as key=value arguments (they come before the
+    command line's, which win). Its Hydra `defaults:` (verl's ppo_trainer, whose defaults shardrl applies itself)
+    and `hydra:` sections are left out; a `${...}` interpolation is refused."""
+    path = os.path.join(os.path.expanduser(config_path), config_name if config_name.endswith(".yaml")
+                        else f"{config_name}.yaml")
+    if not os.path.isfile(path):
+        raise VerlKeyError(f"--config-path {config_path!r} --config-name {config_name!r}: no file {path!r}")
+    with open(path) as f:
+        data = yaml.load(f, Loader=_HydraLikeLoader) or {}
+    args = []
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            full = f"{prefix}.{key}" if prefix else str(key)
+            if not prefix and key in ("defaults", "hydra"):
+                continue
+            if isinstance(value, dict) and value:
+                walk(value, full)
+            elif isinstance(value, str) and "${" in value:
+                raise VerlKeyError(f"{path}: {full}={value!r} is a Hydra interpolation; give the value itself")
+            else:
+                args.append(f"{full}={json.dumps(value)}")
+    walk(data, "")
+    return args
+
+
+def translate(args: list[str]) -> Translation:
+    """verl's `key=value` arguments as shardrl overrides; a `VerlKeyError` naming the full verl key for a key
+    shardrl does not know or a value it cannot run."""
+    given = parse_verl_args(args)
+    for key in [k for k in given if k.startswith(tuple(f"{d}." for d in DICT_KEYS))]:  # Hydra's +dict.key=value
+        section, _, name = key.rpartition(".")
+        given.setdefault(section, {})
+        if not isinstance(given[section], dict):
+            raise VerlKeyError(f"verl key {key}: {section} is {given[section]!r}, not a mapping")
+        given[section][name] = given.pop(key)
+    at_default = {}
+    refused = []
+    for key in [k for k in given if k not in VERL_KEYS]:
+        value = given.pop(key)
+        if _is_megatron(key, value):
+            raise VerlKeyError(f"verl key {key}: Megatron is not supported (shardrl trains with FSDP2/FSDP1)")
+        if key.startswith(DROPPED_PREFIXES) and key in VERL_PPO_DEFAULTS:
+            at_default[key] = "a profiler, Ray or reward-model-server setting; shardrl has none of these"
+        elif key in VERL_PPO_DEFAULTS and _same(value, VERL_PPO_DEFAULTS[key]):
+            at_default[key] = f"at verl's default ({VERL_PPO_DEFAULTS[key]!r}): no shardrl setting needed"
+        elif key in VERL_PPO_DEFAULTS:
+            refused.append(f"{key}={value!r} (verl's default {VERL_PPO_DEFAULTS[key]!r}; shardrl has no such setting, "
+                           "so only verl's default runs)")
+        else:
+            close = difflib.get_close_matches(key, sorted({*VERL_KEYS, *VERL_PPO_DEFAULTS}), n=1, cutoff=0.8)
+            refused.append(f"{key} (verl has no such key" + (f"; did you mean {close[0]}?)" if close else ")"))
+    if refused:
+        raise VerlKeyError(f"verl key(s) shardrl cannot run: {'; '.join(refused)}. The verl keys shardrl takes are "
+                           "listed in shardrl/compat/verl/keys.py (README, 'For verl users')")
+    values = {**{k: v for k, v in VERL_DEFAULTS.items() if k not in given}, **given}
+    out: dict[str, Any] = {}
+    dropped_keys: dict[str, str] = dict(at_default)
+    applies = []
+    for key, value in values.items():
+        rule = VERL_KEYS[key]
+        try:
+            if value is None and rule.target is not None:  # null: verl's "unset"; shardrl's default, unless the
+                try:                                        # conversion gives null a meaning (keep all, no limit)
+                    converted = rule.convert(None) if rule.convert else None
+                except (TypeError, ValueError, AttributeError):
+                    converted = None
+                if converted is not None or (rule.convert is not None and _means_none(rule)):
+                    out[rule.target] = converted
+                continue
+            if rule.apply is not None:
+                applies.append((key, rule, value))
+            elif rule.drop is not None:
+                if key in given:
+                    dropped_keys[key] = rule.drop
+            elif rule.refuse is not None:
+                if value not in rule.neutral:
+                    raise ValueError(rule.refuse)
+            else:
+                out[rule.target] = rule.convert(value) if rule.convert else value
+        except (ValueError, TypeError) as e:
+            raise VerlKeyError(f"verl key {key}={value!r}: {e}") from None
+    for key, rule, value in applies:  # after the plain keys: they may override them (filter_overlong_prompts)
+        try:
+            rule.apply(value, out, values)
+        except (ValueError, TypeError) as e:
+            raise VerlKeyError(f"verl key {key}={value!r}: {e}") from None
+    out["trainer.verl_metric_names"] = True  # the run logs verl's names too: a verl dashboard reads it
+    out["rollout.multi_turn.reward_text"] = "conversation"  # verl's reward reads the whole response
+    return Translation([f"{k}={json.dumps(v, default=str)}" for k, v in out.items()], dropped_keys)
+
+
+DROPPED_PREFIXES = ("global_profiler.", "actor_rollout_ref.actor.profiler.", "actor_rollout_ref.ref.profiler.",
+                    "actor_rollout_ref.rollout.profiler.", "critic.profiler.", "reward_model.profiler.",
+                    "ray_kwargs.", "reward_model.rollout.", "transfer_queue.")
+
+
+def _is_megatron(key: str, value) -> bool:
+    return ".megatron." in f".{key}." or (key.endswith("strategy") and value == "megatron")
+
+
+def _same(value, default) -> bool:
+    """Whether `value` is verl's default (a `${...}` default: whatever it refers to, taken as given)."""
+    if isinstance(default, str) and default.startswith("${"):
+        return False
+    return value == default or (isinstance(default, (int, float)) and isinstance(value, (int, float))
+                                and float(value) == float(default))
+
+
+def _means_none(rule) -> bool:
+    """Whether a rule's conversion returns None for null on purpose (an optional shardrl key such as
+    optim.total_steps or trainer.output_dir)."""
+    return rule.target in ("actor.optim.total_steps", "critic.optim.total_steps", "trainer.output_dir",
+                           "model.tokenizer_path", "reward.function_path")
+
+
+def native_hint(key: str) -> str | None:
+    """For an unknown native key that is verl's name (`trainer.test_freq`, `actor.clip_ratio`, with or without
+    `actor_rollout_ref.`): the shardrl key to use, or why there is none; None when `key` is no verl name."""
+    def short(verl_key: str) -> str:
+        return verl_key.removeprefix("actor_rollout_ref.")
+    matches = [k for k in VERL_KEYS if key in (k, short(k))]
+    if not matches and key.count(".") >= 1:  # a section's key under another role: `optim.lr_warmup_steps_ratio`
+        tail = ".".join(key.split(".")[-2:])
+        matches = [k for k in VERL_KEYS if short(k).endswith("." + tail) and short(k).split(".")[0] == key.split(".")[0]]
+        matches = matches or [k for k in VERL_KEYS if short(k).endswith("." + tail)]
+    if not matches:
+        return None
+    verl_key = matches[0]
+    rule = VERL_KEYS[verl_key]
+    name = f"{key!r} is verl's name" + (f" ({verl_key})" if verl_key != key else "")
+    if rule.target:
+        target = rule.target
+        # the same key under the role the user wrote (critic.optim.x, not actor.optim.x)
+        user_root, target_root = key.split(".")[0], target.split(".")[0]
+        if user_root != target_root and user_root in ("actor", "critic", "ref") and target_root in ("actor", "critic"):
+            target = user_root + target[len(target_root):]
+        return f"{name}; shardrl's is {target!r}"
+    if rule.apply is not None:
+        return f"{name}; shardrl's is {rule.hint}" if rule.hint else f"{name}; `shardrl train --verl` translates it"
+    if rule.drop is not None:
+        return f"{name}; shardrl has none: {rule.drop}"
+    return f"{name}; shardrl has none: {rule.refuse}"

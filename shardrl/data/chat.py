@@ -1,0 +1,266 @@
+"""Supervised rows: conversations tokenized with the loss on the assistant's tokens only.
+
+A row is either
+- `messages`: a chat, a list of {"role", "content"} (verl's multi-turn SFT parquet, TRL's conversational format);
+  every assistant turn is trained on, every other turn (system, user, tool) is context; or
+- `prompt` and `response` columns: the prompt a string (rendered with the chat template when the tokenizer has one)
+  or a list of messages, the response the assistant's reply.
+
+The chat is rendered turn by turn with the tokenizer's chat template: before an assistant turn the template's
+generation prompt (its assistant header) is context, and what the turn adds after it (the reply and its
+end-of-turn marker) is the target. Each piece is tokenized on its own and the pieces are concatenated, so the mask
+is exact whatever the tokenizer's merges do at the seams.
+
+A preference row (DPO, reward models) is `prompt`, `chosen` and `rejected` columns, each a string or a list of
+messages (TRL's plain and conversational formats); without a prompt column the prompt is the messages the two
+conversations share. Each of chosen and rejected is tokenized as prompt + completion, its loss mask on the
+completion's assistant tokens only. Three strings are plain text, as in TRL and as `shardrl train` takes a string
+prompt: the prompt's tokens, then the completion's and EOS, no chat template (an SFT prompt/response row follows
+verl's SFT data instead: its string prompt is a user turn).
+
+Bad rows (a missing column, an empty reply, chosen equal to rejected, a template that is not prefix-consistent or
+leaves no assistant token, a row longer than `max_length` when truncation is "error") are counted; `skip_bad_rows` drops them with a warning,
+otherwise the first is an error naming the file and row.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from shardrl.data.prompts import read_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChatDataset:
+    """Tokenized conversations: item i is {"input_ids": list[int], "loss_mask": list[int], "index": int}."""
+
+    items: list[dict]
+    stats: dict
+    files: list[str]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    # no template: the plain concatenation of the contents (a prompt/response row of plain text)
+    return "".join(m["content"] for m in messages)
+
+
+def tokenize_chat(tokenizer, messages: list[dict], train_from: int = 0) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of a chat: 1 on each assistant turn's reply and end-of-turn from message
+    `train_from` on (a preference pair's completion follows a prompt that may hold assistant turns), 0 elsewhere."""
+    ids, mask, text = [], [], ""
+    if not any(m.get("role") == "assistant" for m in messages[train_from:]):
+        raise ValueError("the chat has no assistant turn to train on")
+    for i, message in enumerate(messages):
+        if message.get("role") == "assistant" and i >= train_from:
+            context = _render(tokenizer, messages[:i], generation_prompt=True) if i else ""
+            pieces = [(context, 0), (_render(tokenizer, messages[: i + 1], generation_prompt=False), 1)]
+        else:
+            pieces = [(_render(tokenizer, messages[: i + 1], generation_prompt=False), 0)]
+        for rendered, target in pieces:
+            if not rendered.startswith(text):
+                raise ValueError("the chat template renders an earlier part of the chat differently once later turns "
+                                 "follow, so the assistant's tokens cannot be told apart; use a prefix-consistent "
+                                 "template")
+            piece = rendered[len(text):]
+            if target and not piece.strip():
+                raise ValueError(f"assistant turn {i + 1} is empty")
+            new = tokenizer.encode(piece, add_special_tokens=False) if piece else []
+            ids += new
+            mask += [target] * len(new)
+            text = rendered
+    if not any(mask):
+        raise ValueError("the chat template leaves no assistant token to train on")
+    return ids, mask
+
+
+def row_messages(row, messages_key: str, prompt_key: str, response_key: str) -> list[dict]:
+    """A row as a chat (see the module docstring), or a ValueError saying which column is wrong."""
+    if not isinstance(row, dict):
+        raise ValueError(f"a row must be an object, got {type(row).__name__}")
+    if messages_key in row:
+        messages = row[messages_key]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and isinstance(
+                m.get("content"), str) for m in messages):
+            raise ValueError(f"'{messages_key}' must be a list of {{'role', 'content'}} messages")
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    missing = [k for k in (prompt_key, response_key) if k not in row]
+    if missing:
+        raise ValueError(f"the row has neither '{messages_key}' nor {missing}; its columns: {sorted(row)}")
+    prompt, response = row[prompt_key], row[response_key]
+    if not isinstance(response, str) or not response.strip():
+        raise ValueError(f"'{response_key}' must be a non-empty string")
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not isinstance(prompt, list):
+        raise ValueError(f"'{prompt_key}' must be a string or a list of messages")
+    return [*prompt, {"role": "assistant", "content": response}]
+
+
+def _as_messages(value, key: str, role: str = "user") -> list[dict]:
+    """A column that holds a string (one `role` message) or a list of {'role', 'content'} messages."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"'{key}' is empty")
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list) or not value or not all(
+            isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in value):
+        raise ValueError(f"'{key}' must be a string or a non-empty list of {{'role', 'content'}} messages")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def pair_messages(row, prompt_key: str, chosen_key: str, rejected_key: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """A preference row as (prompt, chosen, rejected) messages (TRL's formats: plain strings or conversations,
+    the prompt explicit or, without a prompt column, the messages the two conversations share)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"a row must be an object, got {type(row).__name__}")
+    missing = [k for k in (chosen_key, rejected_key) if k not in row]
+    if missing:
+        raise ValueError(f"the row has no {missing}; its columns: {sorted(row)}")
+    chosen = _as_messages(row[chosen_key], chosen_key, "assistant")
+    rejected = _as_messages(row[rejected_key], rejected_key, "assistant")
+    if prompt_key in row:
+        prompt = _as_messages(row[prompt_key], prompt_key)
+    else:  # implicit prompt: the shared leading messages
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    if chosen == rejected:
+        raise ValueError("chosen and rejected are the same")
+    return prompt, chosen, rejected
+
+
+def _tokenize_pair(tokenizer, row, keys) -> dict:
+    prompt, chosen, rejected = pair_messages(row, *keys)
+    prompt_key, chosen_key, rejected_key = keys
+    if all(isinstance(row.get(k), str) for k in keys):  # plain text, as TRL and shardrl's RL prompts take it
+        return _plain_pair(tokenizer, row[prompt_key], row[chosen_key], row[rejected_key])
+    out = {}
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        ids, mask = tokenize_chat(tokenizer, prompt + completion, train_from=len(prompt))
+        out[f"{name}_ids"], out[f"{name}_mask"] = _end_at_eos(tokenizer, ids, mask)
+    return out
+
+
+def _plain_pair(tokenizer, prompt: str, chosen: str, rejected: str) -> dict:
+    """A plain-text pair: the prompt's tokens, then the completion's and the end-of-sequence token, no template
+    (an RL run's string prompt is its text as it is, and a sampled response ends at EOS)."""
+    context = tokenizer.encode(prompt, add_special_tokens=False)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    out = {}
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        target = tokenizer.encode(completion, add_special_tokens=False) + eos
+        out[f"{name}_ids"], out[f"{name}_mask"] = context + target, [0] * len(context) + [1] * len(target)
+    return out
+
+
+def _end_at_eos(tokenizer, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+    """A completion ends at its end-of-sequence token, as a sampled one does: what a template writes after the last
+    EOS (ChatML's newline) is dropped, so a reward model reads its score where an RL rollout's response ends."""
+    eos = tokenizer.eos_token_id
+    if eos is None or eos not in ids:
+        return ids, mask
+    end = len(ids) - ids[::-1].index(eos)
+    if tokenizer.decode(ids[end:]).strip():
+        return ids, mask
+    return ids[:end], mask[:end]
+
+
+def _tokenize_sft(tokenizer, row, keys) -> dict:
+    ids, mask = tokenize_chat(tokenizer, row_messages(row, *keys))
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+SEQUENCES = {"sft": (("input_ids", "loss_mask"),), "pairs": (("chosen_ids", "chosen_mask"), ("rejected_ids", "rejected_mask"))}
+
+
+def load_chat_dataset(files: list[str], tokenizer, max_length: int, truncation: str = "error",
+                      skip_bad_rows: bool = False, messages_key: str = "messages", prompt_key: str = "prompt",
+                      response_key: str = "response") -> ChatDataset:
+    """Every row of `files` (JSONL, JSON or Parquet) tokenized; `truncation` of a row over `max_length`:
+    "error", "drop" (counted), or "right" (cut at max_length; it keeps its first assistant tokens)."""
+    return _load(files, tokenizer, _tokenize_sft, (messages_key, prompt_key, response_key), "sft", max_length,
+                 truncation, skip_bad_rows)
+
+
+def load_preference_dataset(files: list[str], tokenizer, max_length: int, truncation: str = "error",
+                            skip_bad_rows: bool = False, prompt_key: str = "prompt", chosen_key: str = "chosen",
+                            rejected_key: str = "rejected") -> ChatDataset:
+    """Preference pairs of `files`: item i holds chosen_ids/chosen_mask and rejected_ids/rejected_mask, the
+    masks on the completions only; `max_length` and `truncation` apply to each of the two sequences."""
+    return _load(files, tokenizer, _tokenize_pair, (prompt_key, chosen_key, rejected_key), "pairs", max_length,
+                 truncation, skip_bad_rows)
+
+
+def _load(files, tokenizer, tokenize_row, keys, kind: str, max_length: int, truncation: str,
+          skip_bad_rows: bool) -> ChatDataset:
+    items, stats = [], {"rows": 0, "bad": 0, "too_long": 0, "truncated": 0, "loss_tokens": 0}
+    for path in files:
+        for number, row in read_rows(path):
+            stats["rows"] += 1
+            try:
+                item = tokenize_row(tokenizer, row, keys)
+            except ValueError as e:
+                stats["bad"] += 1
+                if not skip_bad_rows:
+                    raise ValueError(f"{path}: row {number}: {e} (data.skip_bad_rows=true drops such rows)") from None
+                if stats["bad"] == 1:
+                    log.warning("%s: row %d: %s; dropping it (later bad rows are only counted)", path, number, e)
+                continue
+            longest = max(len(item[ids]) for ids, _ in SEQUENCES[kind])
+            if longest > max_length:
+                if truncation == "error":
+                    raise ValueError(f"{path}: row {number} has {longest} tokens, more than data.max_length="
+                                     f"{max_length}; raise it, or set data.truncation to drop or right")
+                if truncation == "drop" or not all(any(item[m][:max_length]) for _, m in SEQUENCES[kind]):
+                    stats["too_long"] += 1
+                    continue
+                for ids, m in SEQUENCES[kind]:
+                    item[ids], item[m] = item[ids][:max_length], item[m][:max_length]
+                stats["truncated"] += 1
+            stats["loss_tokens"] += sum(sum(item[m]) for _, m in SEQUENCES[kind])
+            items.append({**item, "index": len(items)})
+    if not items:
+        raise ValueError(f"no usable rows in {files} (stats: {stats})")
+    log.info("loaded %d %s from %d file(s): %d rows, %d bad, %d too long, %d truncated; %d loss tokens",
+             len(items), "conversations" if kind == "sft" else "preference pairs", len(files), stats["rows"],
+             stats["bad"], stats["too_long"], stats["truncated"], stats["loss_tokens"])
+    return ChatDataset(items, stats, list(files))
+
+
+def collate_chats(items: list[dict], pad_id: int):
+    """A right-padded `Batch` of `input_ids`, `attention_mask` and `loss_mask`, each (B, T)."""
+    return _collate([(item["input_ids"], item["loss_mask"]) for item in items], pad_id)
+
+
+def collate_pairs(items: list[dict], pad_id: int):
+    """Preference pairs as a right-padded `Batch` of 2 x len(items) rows: chosen, rejected, chosen, ... (the
+    engine's `group_size=2` keeps each pair in one micro-batch)."""
+    return _collate([(item[f"{name}_ids"], item[f"{name}_mask"]) for item in items for name in ("chosen", "rejected")],
+                    pad_id)
+
+
+def _collate(rows: list[tuple[list[int], list[int]]], pad_id: int):
+    import torch
+
+    from shardrl.batch import Batch
+
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, (ids, mask) in enumerate(rows):
+        input_ids[r, :len(ids)] = torch.tensor(ids)
+        attention[r, :len(ids)] = 1
+        loss_mask[r, :len(ids)] = torch.tensor(mask)
+    return Batch({"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask})

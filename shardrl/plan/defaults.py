@@ -1,0 +1,163 @@
+"""Choices a run makes once at start-up, from the machine and the config: the defaults that depend on the
+device (`rollout.backend`, `*.engine.compile` and `rollout.free_cache_engine` left null). Each returns what it
+chose and a line saying why, for the log. What a step does is `shardrl.plan.step_plan`'s.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from shardrl.config.schema import Config, ConfigError
+
+ENGINE_SECTIONS = ("actor", "ref", "critic", "reward")
+COMPILE_MIN_PARAMS = 500_000_000
+"""`engine.compile` left null is on, on CUDA, for a policy of this many matmul parameters and more: compiling
+costs tens of seconds once and pays back on models whose steps take seconds (see `resolve_device_defaults`)."""
+
+
+KEEP_CACHE_FRACTION = 0.85
+"""`rollout.free_cache_engine` left null keeps the rollout's cache through the update when the ledger's update
+peak plus the cache is at most this share of the GPU's memory (the ledger's error against measured peaks:
+bench/RESULTS.md, "Current figures: Memory ledger")."""
+
+
+def resolve_device_defaults(cfg: Config, hf_config=None,
+                            memory_gib: tuple[float, float] | None = None) -> tuple[Config, list[str]]:
+    """A copy of `cfg` with the device-dependent nulls filled in, and one line per choice.
+
+    On CUDA: `rollout.backend` = fast when the fast rollout supports the policy's `hf_config` (hf otherwise,
+    or when `hf_config` is None). On CPU: hf, or fast under actor.router_replay.mode=R3. `<section>.engine.compile` = true on CUDA with FSDP2 for a policy of
+    `COMPILE_MIN_PARAMS` or more, false otherwise. `rollout.free_cache_engine`: false when `memory_gib` =
+    (the memory ledger's update peak plus the rollout's cache, the GPU's size; `memory.update_and_cache_gib`)
+    says the first is at most `KEEP_CACHE_FRACTION` of the second; true on CPU or without `memory_gib`."""
+    cfg = copy.deepcopy(cfg)
+    cuda = torch.cuda.is_available()
+    where = "CUDA" if cuda else "CPU"
+    lines = []
+    ro = cfg.rollout
+    if ro.backend is None:
+        reason = f"on {where}"
+        ro.backend = "hf"
+        r3 = cfg.actor.router_replay.mode == "R3"
+        if r3 and not cuda:
+            reason = "on CPU, as router replay R3 needs the routing the fast rollout records"
+        if (cuda or r3) and hf_config is not None:
+            from shardrl.models.families import check_supported
+
+            try:
+                check_supported(hf_config)
+                ro.backend = "fast"
+            except ValueError as e:
+                reason = f"on CUDA, as the fast rollout cannot run this model ({e})"
+        if ro.backend == "hf" and (keys := ro.fast_only_keys()):
+            raise ConfigError(f"rollout.{keys[0]} applies to backend=fast only, and rollout.backend=null chose hf "
+                              f"{reason}; set rollout.backend=fast or drop rollout.{keys[0]}")
+        lines.append(f"rollout.backend={ro.backend} (null: by device, {reason})")
+    size = None
+    if hf_config is not None:
+        from shardrl.plan.perf import model_shape
+
+        try:
+            size = model_shape(hf_config).num_params
+        except ValueError:  # a config without the usual names: no size, no compile
+            size = None
+    for section in ENGINE_SECTIONS:
+        engine = getattr(cfg, section).engine
+        if engine.compile is None:
+            # on CUDA for models of COMPILE_MIN_PARAMS and more, with FSDP2 (bench/RESULTS.md, "Current figures:
+            # Whole step settings"); off for small ones (compiled, the built-in demo with its dynamic
+            # micro-batch shapes did not finish a first step in minutes) and on CPU
+            engine.compile = bool(cuda and engine.strategy == "fsdp2" and size is not None
+                                  and size >= COMPILE_MIN_PARAMS and engine.expert_parallel_size == 1)
+            if not cuda:
+                why = "off on CPU"
+            elif engine.strategy != "fsdp2":
+                why = "FSDP1 does not compile"
+            elif engine.expert_parallel_size > 1:
+                why = "expert parallelism does not compile yet"
+            elif size is None:
+                why = "on CUDA, but the model's size is unknown"
+            else:
+                why = f"on CUDA, the model's {size / 1e9:.2f}B matmul parameters {'>=' if engine.compile else '<'} " \
+                      f"{COMPILE_MIN_PARAMS / 1e9:g}B"
+            lines.append(f"{section}.engine.compile={str(engine.compile).lower()} (null: {why}; "
+                         "see EngineConfig.compile)")
+    if ro.free_cache_engine is None:
+        ro.free_cache_engine, why = free_cache_choice(memory_gib, cuda)
+        lines.append(f"rollout.free_cache_engine={str(ro.free_cache_engine).lower()} (null: {why})")
+    return cfg, lines
+
+
+def free_cache_choice(memory_gib: tuple[float, float] | None, cuda: bool) -> tuple[bool, str]:
+    """`rollout.free_cache_engine` left null, and why: `memory_gib` as `resolve_device_defaults` takes it."""
+    if not cuda:
+        return True, "not on CUDA"
+    if memory_gib is None:
+        return True, "the run's memory is not known here"
+    need, gpu = memory_gib
+    verdict = "fits in" if need <= KEEP_CACHE_FRACTION * gpu else "exceeds"
+    return need > KEEP_CACHE_FRACTION * gpu, (f"the ledger's update peak plus the rollout's cache, {need:.1f} GiB, "
+                                              f"{verdict} {KEEP_CACHE_FRACTION:.0%} of the GPU's {gpu:.0f} GiB")
+
+
+def memory_gib(cfg: Config, layout, hf_config, device: torch.device, say=None) -> tuple[float, float] | None:
+    """(the memory ledger's update peak plus the rollout's cache, this GPU's size) in GiB, for
+    `resolve_device_defaults`; None on CPU, when `rollout.free_cache_engine` is set, or for a model the ledger
+    cannot size (and `say` a line why)."""
+    from shardrl.plan.layout import GIB
+    from shardrl.plan.memory import phase_ledger, update_and_cache_gib
+
+    if device.type != "cuda" or cfg.rollout.free_cache_engine is not None:
+        return None
+    try:
+        need = update_and_cache_gib(phase_ledger(cfg, layout, hf_config))
+    except (ValueError, AttributeError, KeyError) as e:
+        if say is not None:
+            say(f"the memory ledger cannot size this model ({e}); the rollout frees its cache for training")
+        return None
+    return need, torch.cuda.get_device_properties(device).total_memory / GIB
+
+
+def lora_sync_choice(cfg: Config, layout, hf_config, device: torch.device,
+                     gpu_gib: float | None = None) -> tuple[str, str]:
+    """`rollout.lora_sync` left null (with model.lora), and why. full where nothing else applies (the hf backend,
+    which `rollout.backend` left null takes on CPU and for models the fast rollout cannot run; rollout ranks of
+    their own). Else merged (the plain model's decode step, measured faster: bench/RESULTS.md, "LoRA") where the
+    memory ledger's peak with the rollout's own merged copy is at most `KEEP_CACHE_FRACTION` of this GPU, and
+    unmerged (the rollout reads the actor's base: the model held once) where it is not. Settled before
+    `memory_gib`, so that the cache's choice counts the copy. `gpu_gib`: the GPU's size where `device` is not
+    this machine's (`shardrl plan --gpu-mem-gib`)."""
+    from shardrl.plan.layout import GIB
+    from shardrl.plan.memory import phase_ledger
+
+    if cfg.async_rl.rollout_ranks > 0:
+        return "full", "the rollout ranks of their own receive the merged model whole"
+    backend = cfg.rollout.backend
+    if backend is None:  # as resolve_device_defaults will resolve it
+        backend = "hf"
+        if device.type == "cuda":
+            from shardrl.models.families import check_supported
+
+            try:
+                check_supported(hf_config)
+                backend = "fast"
+            except ValueError:
+                pass
+    if backend != "fast":
+        return "full", f"the {backend} rollout loads the merged model whole"
+    if device.type != "cuda":
+        return "unmerged", "not on CUDA"
+    merged = copy.deepcopy(cfg)
+    merged.rollout.lora_sync = "merged"
+    try:
+        peak = phase_ledger(merged, layout, hf_config)["peak_gib"]
+    except (ValueError, AttributeError, KeyError) as e:
+        return "unmerged", f"the memory ledger cannot size this model ({e})"
+    gpu = gpu_gib if gpu_gib is not None else torch.cuda.get_device_properties(device).total_memory / GIB
+    if peak <= KEEP_CACHE_FRACTION * gpu:
+        return "merged", (f"the ledger's peak with a merged copy, {peak:.1f} GiB, fits in {KEEP_CACHE_FRACTION:.0%} "
+                          f"of the GPU's {gpu:.0f} GiB")
+    return "unmerged", (f"the ledger's peak with a merged copy, {peak:.1f} GiB, exceeds {KEEP_CACHE_FRACTION:.0%} "
+                        f"of the GPU's {gpu:.0f} GiB: the rollout reads the actor's base")

@@ -1,0 +1,348 @@
+"""Peak GPU memory per phase of an RL step, predicted from the model config and the run config (`shardrl
+plan`): what PyTorch's allocator holds at most (`torch.cuda.max_memory_allocated`, the trainer's
+`memory/<phase>_peak_gib`), not nvidia-smi's figure (which adds the allocator's cache and CUDA's context).
+
+The phases are the trainer's: `gen` (weight sync + generation), `prep` (rewards, inference passes,
+advantages), `update` (critic and actor updates). Each is the memory held all step long (`resident`: sharded
+master weights and optimizer state, the rollout's bf16 copy of the weights, reference and critic models)
+plus that phase's own terms. Every term carries the arithmetic behind it.
+
+Activations are counted per token and layer as what autograd keeps for the backward of a Llama/Qwen-style
+decoder layer with FlashAttention-style attention (bf16 compute): each RMSNorm keeps its fp32 input and its
+normalized output; attention keeps q and k after rotary, v, its output and o_proj's input; a gated MLP keeps
+gate, up, the activation and the product (an ungated one: its two). Checkpointing keeps only each layer's
+input, plus one layer's full set during its recomputation.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardrl.config.schema import Config
+from shardrl.plan.layout import DTYPE_BYTES, GIB, Layout
+from shardrl.models.config import text_config
+from shardrl.plan.step_plan import old_log_probs_from_update
+
+SEQ_BUCKET = 128  # the fast rollout's cache length granularity (FastRollout.seq_bucket)
+PREFILL_TOKENS = 16384  # FastRollout.prefill_tokens
+
+
+def model_numbers(hf_config, trust_remote_code: bool = False, lora=None) -> dict:
+    """Parameter counts of the model (built on the meta device): total, largest FSDP unit, largest tensor, and
+    `trained` (with `lora`, a `model.lora` section of rank > 0: the adapters; else every parameter)."""
+    import torch
+    import transformers
+
+    from shardrl.engine.model import decoder_blocks
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    trained = None
+    if lora is not None and lora.rank > 0:
+        from shardrl.engine.lora import LORA_MARK, inject_lora
+
+        inject_lora(model, lora)
+        trained = sum(p.numel() for n, p in model.named_parameters() if LORA_MARK in n)
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params) - (trained or 0)  # the model's own parameters
+    blocks = [sum(p.numel() for p in b.parameters()) for b in decoder_blocks(model)]
+    return dict(total=total, largest_unit=max([*blocks, total - sum(blocks)]), largest_block=max(blocks, default=0),
+                root_unit=total - sum(blocks), largest_tensor=max(p.numel() for p in params), trained=trained)
+
+
+def activation_bytes_per_token_layer(hf_config, compute: int) -> tuple[int, str]:
+    """Bytes autograd keeps per token per decoder layer (see the module docstring), and the formula."""
+    c = text_config(hf_config)
+    h = c.hidden_size
+    heads = c.num_attention_heads
+    d = getattr(c, "head_dim", None) or h // heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    inter = getattr(c, "intermediate_size", None) or 4 * h
+    from shardrl.engine.moe import expert_intermediate_size, is_moe, num_experts
+    from shardrl.plan.perf import UNGATED_MLP
+
+    mlp_tensors = 2 if getattr(c, "model_type", None) in UNGATED_MLP else 4
+    norms = 2 * (4 * h + compute * h)
+    attn = compute * (3 * heads * d + 2 * kv * d) + compute * heads * d  # q, out, o_proj input; k, v; + spare
+    attn_how = f"2 norms x (4+{compute}) B x {h} + attention {compute} B x (4 x {heads * d} + 2 x {kv * d})"
+    if is_moe(c):  # each of a token's k experts keeps its hidden units, its copy of the token's input and output
+        k, expert, experts = c.num_experts_per_tok, expert_intermediate_size(c), num_experts(c)
+        mlp = k * (mlp_tensors * compute * expert + 2 * compute * h) + 4 * experts
+        return norms + attn + mlp, (f"{attn_how} + MLP {k} experts x ({mlp_tensors} x {compute} B x {expert} + "
+                                    f"2 x {compute} B x {h}) + router 4 B x {experts}")
+    mlp = mlp_tensors * compute * inter
+    return norms + attn + mlp, f"{attn_how} + MLP {mlp_tensors} x {compute} B x {inter}"
+
+
+def _engine_resident(name, numbers, master, shard, offload_params, offload_optimizer, optimizer: bool,
+                     compute: int = 2):
+    p, lora = numbers["total"], numbers.get("trained")
+    out = []
+    if lora and optimizer:  # LoRA: the frozen base in param_dtype, the fp32 adapters; only those are optimized
+        out.append((f"{name} params", (p * compute + lora * 4) / shard,
+                    f"({p / 1e9:.3f}B frozen x {compute} B + {lora / 1e6:.2f}M adapters x 4 B) / {shard} (shard)"))
+        out.append((f"{name} optimizer state", 0 if offload_optimizer else 2 * lora * 4 / shard,
+                    "on CPU between updates (offload_optimizer)" if offload_optimizer else
+                    f"AdamW 2 x {lora / 1e6:.2f}M adapters x 4 B / {shard}"))
+        return out
+    out.append((f"{name} params", 0 if offload_params else p * master / shard,
+                "on CPU (offload_params)" if offload_params else
+                f"{p / 1e9:.3f}B x {master} B / {shard} (shard)"))
+    if optimizer:
+        out.append((f"{name} optimizer state", 0 if offload_optimizer else 2 * p * master / shard,
+                    "on CPU between updates (offload_optimizer)" if offload_optimizer else
+                    f"AdamW 2 x {p / 1e9:.3f}B x {master} B / {shard}"))
+    return out
+
+
+def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shard: int, tokens: int,
+                  gradient_checkpointing: bool) -> list[tuple[str, float, str]]:
+    """An update's own terms: grads, activations of a micro-batch of `tokens`, unsharded units, the logits chunk,
+    and the optimizer state brought back from the CPU."""
+    c = text_config(hf_config)
+    p, layers, h, vocab = numbers["total"], c.num_hidden_layers, c.hidden_size, c.vocab_size
+    compute = DTYPE_BYTES[engine.param_dtype]
+    per_tok, formula = activation_bytes_per_token_layer(hf_config, compute)
+    if gradient_checkpointing:
+        act = tokens * (layers * compute * h + per_tok)
+        act_how = f"checkpointing: {tokens} tokens x ({layers} layer inputs x {compute} B x {h} + one layer: {formula})"
+    else:
+        act = tokens * layers * per_tok
+        act_how = f"{tokens} tokens x {layers} layers x {per_tok} B ({formula})"
+    how_tokens = "max_token_len_per_gpu" if engine.use_dynamic_bsz else "micro_batch_size_per_gpu x sequence"
+    unit, unit_how = numbers["largest_unit"], ""
+    ep = engine.expert_parallel_size
+    from shardrl.engine.moe import expert_intermediate_size, is_moe, num_experts
+
+    if ep > 1 and is_moe(c):  # a rank gathers its E / ep experts of a layer, not all E
+        experts = 3 * num_experts(c) * h * expert_intermediate_size(c)
+        block = numbers["largest_block"] - (experts - experts // ep)
+        if block >= numbers["root_unit"]:  # (else the root's unit, the embeddings and head, stays the largest)
+            unit, unit_how = block, f", {experts // ep / 1e6:.1f}M of them a layer's experts / ep={ep}"
+        else:
+            unit = numbers["root_unit"]
+    kept = engine.accumulates_unsharded(shard)  # params gathered over the micro-batches
+    per_unit = engine.reshard_after_forward and not kept
+    whole_why = "accumulate_unsharded: gathered over the micro-batches" if kept else "reshard_after_forward=false"
+    chunk = engine.logprob_chunk_size
+    lora = numbers.get("trained")
+    grads = ((f"{name} grads", lora * 4 / shard, f"{lora / 1e6:.2f}M adapters x 4 B / {shard}") if lora else
+             (f"{name} grads", 0 if engine.offload_params else p * master / shard,
+              "on CPU (offload_params)" if engine.offload_params else f"{p / 1e9:.3f}B x {master} B / {shard}"))
+    update = [
+        grads,
+        ("activations", act, f"{act_how}; tokens: {how_tokens}"),
+        ("unsharded params", (2 * unit if per_unit else p) * compute,
+         f"2 units of {unit / 1e6:.0f}M (one prefetched{unit_how}) x {compute} B" if per_unit
+         else f"the whole model x {compute} B ({whole_why})"),
+        ("logits chunk", chunk * vocab * (compute + 4 + 4),
+         f"{chunk} tokens x {vocab} x ({compute} + 4 + 4) B (logits, log-softmax, its grad)"),
+    ]
+    if engine.offload_optimizer and not engine.offload_params:  # (offloaded params keep their state on the CPU)
+        update.append((f"{name} optimizer state", 2 * (lora or p) * (4 if lora else master) / shard,
+                       "back on GPU for the step"))
+    return update
+
+
+def _phases(resident: list, own_terms: dict) -> dict:
+    phases = {}
+    for name, own in own_terms.items():
+        items = [{"name": n, "gib": b / GIB, "how": how, "resident": True} for n, b, how in resident]
+        items += [{"name": n, "gib": b / GIB, "how": how, "resident": False} for n, b, how in own]
+        phases[name] = {"items": items, "total_gib": sum(i["gib"] for i in items)}
+    return phases
+
+
+def offline_ledger(cfg, layout, hf_config) -> dict:
+    """`phase_ledger` for `shardrl sft|dpo|rm` (`layout`: `OfflineLayout`): the trained model's resident state
+    (and a DPO reference's weights), plus one update phase."""
+    numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora)
+    master, e = DTYPE_BYTES[cfg.model.dtype], cfg.engine
+    shard = layout.engine.shard_size
+    resident = _engine_resident("model", numbers, master, shard, e.offload_params, e.offload_optimizer, True,
+                                DTYPE_BYTES[e.param_dtype])
+    if layout.ref and not numbers["trained"]:  # with LoRA the reference is the model with its adapters off
+        resident += _engine_resident("ref", numbers, master, shard, e.offload_params, False, False)
+    tokens = e.max_token_len_per_gpu if e.use_dynamic_bsz else \
+        e.micro_batch_size_per_gpu * layout.group_size * layout.seq_tokens_per_rank
+    update = _update_terms("model", e, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing)
+    phases = _phases(resident, {"update": update})
+    return {"num_params": numbers["total"], "phases": phases, "peak_phase": "update",
+            "peak_gib": phases["update"]["total_gib"],
+            "not_counted": "CUDA context and allocator cache (nvidia-smi shows more); a reward model's head"}
+
+
+def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> dict:
+    """{"phases": {phase: {"items": [(name, GiB, how)], "total_gib"}}, "peak_phase", "peak_gib"} for one GPU of
+    the run `cfg` laid out as `layout` (the busiest rank's share). `cuda`: the rollout keeps a bf16 copy of
+    the weights (on CPU the HF rollout's fp32 one)."""
+    c = text_config(hf_config)
+    numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora)
+    p = numbers["total"]
+    master = DTYPE_BYTES[cfg.model.dtype]
+    actor = cfg.actor.engine
+    compute = DTYPE_BYTES[actor.param_dtype]
+    shard = layout.actor.shard_size
+    resident = _engine_resident("actor", numbers, master, shard, actor.offload_params, actor.offload_optimizer, True,
+                                compute)
+    rollout_bytes = 2 if cuda else 4
+    adapters = numbers["trained"]
+    # LoRA's adapter-only sync (a fast rollout on CUDA, rollout.lora_sync unmerged or merged)
+    # (null, as `shardrl plan` sees it before a run resolves it by this ledger: counted as unmerged, the least)
+    lora_sync = (cfg.rollout.lora_sync or "unmerged") if adapters and cuda and cfg.rollout.backend != "hf" else "full"
+    full_copy = ("rollout weights", p * rollout_bytes, f"a full copy: {p / 1e9:.3f}B x {rollout_bytes} B")
+    if lora_sync == "unmerged":
+        resident.append(("rollout adapters", adapters * 4, f"{adapters / 1e6:.1f}M x fp32, added at run time"))
+        if shard > 1 or compute != rollout_bytes:  # no rank holds the base whole, or not in the rollout's dtype:
+            resident.append(full_copy)  # the rollout keeps a copy, sent once
+        # else the rollout reads the actor's own base tensors: no copy
+    else:
+        resident.append(full_copy)
+        if lora_sync == "merged" and shard > 1:
+            resident.append(("rollout's unmerged base", p * rollout_bytes, "the adapted layers' base (at most a "
+                             "full copy), what each sync merges into"))
+    plain = {**numbers, "trained": None}  # the critic (and a separate reference) train without the adapters
+    if layout.ref is not None and not numbers["trained"]:  # with LoRA the reference is the actor, adapters off
+        e = cfg.ref.engine
+        resident += _engine_resident("ref", plain, master, layout.ref.shard_size, e.offload_params, False, False)
+    if layout.critic is not None:
+        e = cfg.critic.engine
+        resident += _engine_resident("critic", plain, master, layout.critic.shard_size, e.offload_params,
+                                     e.offload_optimizer, True)
+
+    # gen: the weight export's transient, the KV cache, the sampler's logits, one prefill chunk
+    layers, h, vocab = c.num_hidden_layers, c.hidden_size, c.vocab_size
+    d = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    slots = layout.samples_per_rank if cfg.rollout.max_batch is None else min(cfg.rollout.max_batch,
+                                                                              layout.samples_per_rank)
+    max_seq = math.ceil(layout.max_seq_len / SEQ_BUCKET) * SEQ_BUCKET
+    per_position = layers * 2 * kv_heads * d * rollout_bytes
+    from shardrl.engine.moe import expert_intermediate_size, is_moe, moe_layer_count
+
+    # a token's MLP width: its k experts' (each computed on the token's own copy) in a mixture of experts
+    inter = (c.num_experts_per_tok * expert_intermediate_size(c) if is_moe(c)
+             else getattr(c, "intermediate_size", None) or 4 * h)
+    prefill = min(PREFILL_TOKENS, slots * layout.max_prompt_length)
+    positions, what = slots * max_seq, f"{slots} slots x {max_seq} positions"
+    if cfg.rollout.kv_cache_tokens is not None and cfg.rollout.kv_cache_tokens < positions:
+        positions = cfg.rollout.kv_cache_tokens
+        what = f"rollout.kv_cache_tokens={positions} positions (of {what})"
+    gen = [
+        ("KV cache", positions * per_position,
+         f"{what} x {layers} layers x 2 x {kv_heads} x {d} x {rollout_bytes} B"),
+        ("sampler logits", slots * vocab * 4 * 2, f"{slots} x {vocab} vocab x fp32 x 2 (logits, noise)"),
+        ("prefill chunk", prefill * (4 * h + 2 * inter) * rollout_bytes,
+         f"{prefill} tokens x (4 x {h} + 2 x {inter}) x {rollout_bytes} B"),
+        ("weight export", numbers["largest_tensor"] * (master + rollout_bytes),
+         f"largest tensor {numbers['largest_tensor'] / 1e6:.0f}M gathered x ({master} + {rollout_bytes}) B")
+        if lora_sync == "full" else ("adapter sync", adapters * 4, f"the {adapters / 1e6:.1f}M adapters gathered, fp32"),
+    ]
+
+    # prep: an inference pass (old log-probs, reference, values) holds one micro-batch's layer and logits chunk
+    tokens = actor.max_token_len_per_gpu if actor.use_dynamic_bsz else actor.micro_batch_size_per_gpu * \
+        layout.seq_tokens_per_rank
+    chunk = actor.logprob_chunk_size
+    passes = [name for name, runs in (("old log-probs", not old_log_probs_from_update(cfg)[0]),
+                                      ("reference", layout.ref is not None), ("values", layout.critic is not None))
+              if runs]
+    prep = [("inference micro-batch", tokens * (4 * h + 2 * inter) * compute + chunk * vocab * 4 * 2,
+             f"{tokens} tokens x one layer's (4 x {h} + 2 x {inter}) x {compute} B + logits chunk "
+             f"({', '.join(passes)})")] if passes else []
+
+    update = _update_terms("actor", actor, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing)
+    if cfg.actor.router_replay.mode == "R2" and is_moe(hf_config):  # the routing recorded, then replayed
+        routed = tokens * moe_layer_count(hf_config) * c.num_experts_per_tok
+        prep.append(("recorded routing", routed * (8 + 2), f"{tokens} tokens x {moe_layer_count(hf_config)} MoE "
+                     f"layers x top-{c.num_experts_per_tok} x (8 B as recorded + 2 B stacked as int16)"))
+        update.append(("replayed routing", routed * 2, f"{tokens} tokens x {moe_layer_count(hf_config)} MoE layers x "
+                       f"top-{c.num_experts_per_tok} x 2 B (int16)"))
+    if cuda and cfg.rollout.free_cache_engine is False:  # the rollout keeps its cache through prep and the update
+        kept = [(f"{name} (kept)", size, f"{how}; rollout.free_cache_engine=false") for name, size, how in gen
+                if name in KEPT_CACHE]
+        prep, update = prep + kept, update + kept
+
+    phases = _phases(resident, {"gen": gen, "prep": prep, "update": update})
+    peak = max(phases, key=lambda k: phases[k]["total_gib"])
+    return {"num_params": p, "phases": phases, "peak_phase": peak, "peak_gib": phases[peak]["total_gib"],
+            "not_counted": "CUDA context and allocator cache (nvidia-smi shows more), a reward model, CUDA graphs"}
+
+
+KEPT_CACHE = ("KV cache", "sampler logits")
+"""What a rollout that keeps its cache (`rollout.free_cache_engine=false`) holds through prep and the update."""
+
+
+def update_and_cache_gib(ledger: dict) -> float:
+    """A `phase_ledger`'s update GiB plus the rollout's KV cache and sampler logits: what the GPU holds when the
+    rollout keeps its cache through the update (`rollout.free_cache_engine`; a ledger made with it false
+    counts them already)."""
+    update = ledger["phases"]["update"]
+    if any(i["name"].endswith("(kept)") for i in update["items"]):
+        return update["total_gib"]
+    cache = sum(i["gib"] for i in ledger["phases"]["gen"]["items"] if i["name"] in KEPT_CACHE)
+    return update["total_gib"] + cache
+
+
+ADVICE = {
+    "KV cache": "fewer decode slots (rollout.max_batch), a cache budget (rollout.kv_cache_tokens) or a shorter "
+                "data.max_prompt_length / rollout.max_new_tokens",
+    "activations": "model.gradient_checkpointing=true, or a smaller {engine}.max_token_len_per_gpu "
+                   "(micro_batch_size_per_gpu without dynamic batching)",
+    "actor optimizer state": "actor.engine.offload_optimizer=true, or more GPUs to shard it over",
+    "actor params": "actor.engine.offload_params=true, or more GPUs to shard over",
+    "actor grads": "actor.engine.offload_params=true (grads follow the params), or more GPUs",
+    "rollout weights": "a smaller model: every GPU holds the rollout's full copy",
+    "sampler logits": "fewer decode slots (rollout.max_batch)",
+    "KV cache (kept)": "rollout.free_cache_engine=true (the cache freed for the update), or fewer decode slots "
+                       "(rollout.max_batch)",
+    "logits chunk": "a smaller {engine}.logprob_chunk_size",
+    # the offline trainers' (`offline_ledger`)
+    "model optimizer state": "engine.offload_optimizer=true, or more GPUs to shard it over",
+    "model params": "engine.offload_params=true, or more GPUs to shard over",
+    "model grads": "engine.offload_params=true (grads follow the params), or more GPUs",
+    "ref params": "engine.offload_params=true, or more GPUs to shard over",
+}
+
+
+def largest_term(phase: dict) -> dict:
+    return max(phase["items"], key=lambda i: i["gib"])
+
+
+# with model.lora the base is frozen in param_dtype and cannot be offloaded (a config error)
+LORA_ADVICE = {
+    "actor params": "{engine}.accumulate_unsharded=false (on one GPU: the frozen base gathered a layer at a time, not "
+                    "held twice), or more GPUs to shard over (offload_params is not supported with model.lora)",
+    "actor grads": "more GPUs to shard over (offload_params is not supported with model.lora)",
+}
+
+
+def fit_advice(ledger: dict, gpu_mem_gib: float, engine: str = "actor.engine", lora: bool = False) -> list[str]:
+    """Lines saying, for each phase over `gpu_mem_gib`, by how much and what to change; [] when all fit. `lora`:
+    the advice for a LoRA engine (no offload_params)."""
+    lines = []
+    for name, phase in ledger["phases"].items():
+        if phase["total_gib"] > gpu_mem_gib:
+            top = largest_term(phase)
+            advice = ((LORA_ADVICE if lora else {}).get(top["name"]) or ADVICE.get(top["name"], "see the terms above")
+                      ).format(engine=engine)
+            lines.append(f"{name} needs {phase['total_gib']:.1f} GiB > {gpu_mem_gib:g} GiB; the largest term is "
+                         f"{top['name']} ({top['gib']:.1f} GiB): {advice}")
+    return lines
+
+
+def format_phase_ledger(ledger: dict) -> str:
+    lines = [f"peak GPU memory per phase (one GPU; {ledger['num_params'] / 1e9:.3f}B params):"]
+    first = next(iter(ledger["phases"]))  # the resident terms are listed under the first phase only
+    width = max(len(i["name"]) for ph in ledger["phases"].values() for i in ph["items"])
+    for name, phase in ledger["phases"].items():
+        top = largest_term(phase)
+        lines.append(f"  {name}: {phase['total_gib']:.2f} GiB (largest: {top['name']})")
+        for i in phase["items"]:
+            if i["resident"] and name != first:
+                continue
+            tag = "resident " if i["resident"] else ""
+            lines.append(f"    {tag + i['name']:<{width + 9}} {i['gib']:8.3f} GiB  # {i['how']}")
+        if name != first:
+            lines.append(f"    {'(+ the resident terms above)':<{width + 9}}")
+    lines.append(f"  peak: {ledger['peak_phase']} {ledger['peak_gib']:.2f} GiB; not counted: {ledger['not_counted']}")
+    return "\n".join(lines)

@@ -1,0 +1,445 @@
+"""Agent episodes: the user's own async code runs each episode and calls the policy through an OpenAI-compatible
+endpoint served from the run's rollout (`shardrl.rollout.serving.server`, on loopback, in this process); the trajectory the trainer
+trains on is assembled from what the endpoint sampled, token for token.
+
+    # my_agent.py
+    async def run(sample, client):             # sample: {"prompt", "data_source", "extra"}; client: openai.AsyncOpenAI
+        messages = list(sample["prompt"])
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=64)
+        ...                                    # tools, parsing, more calls: anything
+        return 1.0 if ok else 0.0              # the reward (None: the reward function scores the last reply)
+
+`rollout.agent.entrypoint=my_agent.py:run`. Each prompt row runs `rollout.n` episodes, at most
+`rollout.agent.max_concurrency` at once. The endpoint samples with the run's temperature, top-p and top-k whatever
+a call asks (the trainer's log-probs assume them), at most `rollout.max_new_tokens` a call.
+
+Assembly (token-exact): an episode's first call gives the trajectory's prompt (its prompt ids) and its first reply
+(the sampled ids, trained, with the sampler's log-probs). Each later call's prompt must begin with the trajectory
+so far, as a chat template renders an ongoing conversation: what it adds (tool output, the user's next turn, the
+template's markers) is appended untrained, then the call's reply, trained. A call whose prompt does not extend the
+trajectory (the agent rewrote its history) starts the trajectory afresh from that call (the earlier replies are
+context only, untrained; counted in `agent/prefix_breaks`). The trajectory after the prompt is cut at
+`rollout.agent.max_response_tokens`.
+
+Failures: an episode that raises (sys.exit included), runs past `rollout.agent.timeout_s`, returns something other
+than a finite number or None, or never calls the model is scored `rollout.agent.failure_reward` (its trajectory:
+what it sampled, or the row's prompt and an empty reply) and counted (`agent/errors_mean`, `agent/timeouts_mean`); a
+step whose every episode failed stops the run with the first error. Episodes share one event loop: one that blocks
+it (time.sleep, a synchronous HTTP client, subprocess.run) stalls them all and no timeout can fire until it returns
+(the log says so once the loop has stalled past the timeout); await async calls, or use asyncio.to_thread (a
+thread's call still running when its episode times out is left to finish: the step does not wait for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import importlib.util
+import inspect
+import logging
+import math
+import numbers
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts
+from shardrl.rollout.episodes.multiturn import MultiTurnOutput
+
+log = logging.getLogger(__name__)
+MODEL_NAME = "policy"
+
+
+def load_entrypoint(spec: str):
+    """`path.py:function` -> the async function."""
+    path, colon, name = spec.rpartition(":")
+    if not colon or not path or not name:
+        raise ValueError(f"rollout.agent.entrypoint={spec!r}: name the file and its async function as "
+                         "path/to/agent.py:function (e.g. my_agent.py:run)")
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"rollout.agent.entrypoint={spec!r}: no file {path!r}")
+    module_spec = importlib.util.spec_from_file_location(f"shardrl_agent_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ValueError(f"rollout.agent.entrypoint={spec!r}: {path} defines no {name!r}")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.agent.entrypoint={spec!r}: {name} must be an async function "
+                         "(async def run(sample, client))")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError as e:
+        try:  # (a decorator's own signature: one that passes more arguments to the function it wraps)
+            own = inspect.signature(fn, follow_wrapped=False)
+            own.bind(None, None)
+            if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in own.parameters.values()):
+                raise TypeError  # (a generic wrapper tells nothing: the wrapped function's signature stands)
+        except TypeError:
+            raise ValueError(f"rollout.agent.entrypoint={spec!r}: {name} cannot be called as {name}(sample, client) "
+                             f"({e}); define it as async def {name}(sample, client)") from None
+    return fn
+
+
+def episode_reward(result) -> tuple[float | None, str | None]:
+    """(reward, error) of what an episode returned: a finite real number (numpy's too) or None, else an error."""
+    if result is None:
+        return None, None
+    if isinstance(result, bool) or not isinstance(result, numbers.Real):
+        return None, f"the agent returned {type(result).__name__}, not a number or None"
+    try:
+        reward = float(result)
+    except (OverflowError, ValueError):
+        return None, f"the agent returned {result!r:.40}, which is no float"
+    if not math.isfinite(reward):
+        return None, f"the agent returned {reward}: a reward must be finite"
+    return reward, None
+
+
+class _EpisodeStop(Exception):
+    """An episode's sys.exit or its own CancelledError, as an error of that episode."""
+
+
+class _CallThreads(concurrent.futures.ThreadPoolExecutor):
+    """The episodes' loop's default executor (`asyncio.to_thread`, `run_in_executor(None, ...)`): each call in a
+    daemon thread of its own, and a shutdown that does not wait for them. A call whose episode timed out keeps
+    running in its thread until it returns, but the step does not wait for it (asyncio.run would, however long
+    it blocks), nor does the process at its exit."""
+
+    def __init__(self):
+        super().__init__(thread_name_prefix="shardrl-agent-call")
+        self.running: set[threading.Thread] = set()
+        self.guard = threading.Lock()
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = concurrent.futures.Future()
+
+        def call() -> None:
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args, **kwargs))
+                    except BaseException as exc:  # noqa: BLE001 (handed to the awaiting episode)
+                        future.set_exception(exc)
+            finally:
+                with self.guard:
+                    self.running.discard(threading.current_thread())
+
+        thread = threading.Thread(target=call, name="shardrl-agent-call", daemon=True)
+        with self.guard:
+            self.running.add(thread)
+        try:
+            thread.start()
+        except BaseException:
+            with self.guard:
+                self.running.discard(thread)
+            raise
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self.guard:  # (asyncio.run asks twice: its executor's shutdown, then the loop's close; said once)
+            left, self.said = (0 if getattr(self, "said", False) else len(self.running)), True
+        if left:
+            log.warning("%d blocking call(s) of agent episodes that ended (asyncio.to_thread, run_in_executor) are "
+                        "still running in threads; the step goes on without them", left)
+
+
+class LoopWatch:
+    """While it is entered, a thread that says once (an error in the log) when the event loop has not run for
+    `timeout_s`: an episode is blocking it (time.sleep, a synchronous HTTP client, subprocess.run), and no
+    episode's timeout can fire until it returns."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float):
+        self.loop, self.timeout_s, self.beat = loop, timeout_s, time.monotonic()
+        self.done = threading.Event()
+
+    def __enter__(self) -> LoopWatch:
+        self.ticker = self.loop.create_task(self._tick())
+        threading.Thread(target=self._watch, name="shardrl-agent-loop-watch", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.ticker.cancel()
+
+    async def _tick(self) -> None:
+        while True:
+            self.beat = time.monotonic()
+            await asyncio.sleep(min(1.0, self.timeout_s / 4))
+
+    def _watch(self) -> None:
+        while not self.done.wait(min(1.0, self.timeout_s / 4)):
+            stalled = time.monotonic() - self.beat
+            if stalled > self.timeout_s:
+                log.error("an agent episode has blocked the event loop for %.0f s (a blocking call in async code: "
+                          "time.sleep, a synchronous HTTP client, subprocess.run): no episode's timeout "
+                          "(rollout.agent.timeout_s=%g) can fire until it returns; await async calls instead, or "
+                          "run blocking ones with asyncio.to_thread", stalled, self.timeout_s)
+                return
+
+
+@dataclasses.dataclass
+class AgentOutput(MultiTurnOutput):
+    """A `MultiTurnOutput` of agent episodes: per row, a score fixed before the reward function (a failed
+    episode's), and the episode's errors, timeouts, prefix breaks and model calls."""
+
+    fixed_scores: list[float | None] = dataclasses.field(default_factory=list)
+    counts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+    def to_batch(self):
+        batch = super().to_batch()
+        if any(s is not None for s in self.fixed_scores):
+            batch["fixed_score"] = list(self.fixed_scores)
+        for key, values in self.counts.items():
+            batch[f"agent_{key}"] = torch.tensor(values, dtype=torch.float32)
+        return batch
+
+
+@dataclasses.dataclass
+class _Episode:
+    sample: dict
+    key: str
+    reward: float | None = None
+    error: str | None = None
+    timed_out: bool = False
+
+
+class AgentRollout(Rollout):
+    """Runs `entrypoint` episodes against an endpoint on `rollout` (see the module docstring); weights and
+    memory calls go to `rollout`."""
+
+    def __init__(self, rollout: Rollout, tokenizer, entrypoint, timeout_s: float = 300.0,
+                 failure_reward: float = 0.0, max_concurrency: int = 256, max_response_tokens: int = 1024,
+                 max_batch: int = 256, context: int | None = None):
+        self.rollout, self.tokenizer = rollout, tokenizer
+        self.entrypoint = load_entrypoint(entrypoint) if isinstance(entrypoint, str) else entrypoint
+        self.timeout_s, self.failure_reward = timeout_s, failure_reward
+        self.max_concurrency, self.max_response_tokens = max_concurrency, max_response_tokens
+        self.max_batch, self.context = max_batch, context
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.server = None
+        for name in ("httpx", "httpx2"):  # (the openai client's HTTP library logs every call at INFO: hundreds a
+            quiet = logging.getLogger(name)  # step would bury the run's own lines; a level set by the user stays)
+            if quiet.level == logging.NOTSET:
+                quiet.setLevel(logging.WARNING)
+
+    @classmethod
+    def from_config(cls, rollout: Rollout, tokenizer, ro, hf_config) -> AgentRollout:
+        from shardrl.models.config import text_config
+
+        a = ro.agent
+        return cls(rollout, tokenizer, a.entrypoint, a.timeout_s, a.failure_reward, a.max_concurrency,
+                   a.max_response_tokens, ro.max_batch or 256,
+                   int(getattr(text_config(hf_config), "max_position_embeddings", 4096)))
+
+    # ---- the inner rollout's weights and memory --------------------------------------------------
+    def load_weights(self, weights) -> None:
+        self.rollout.load_weights(weights)
+
+    def release(self) -> None:
+        self.rollout.release()
+
+    def resume(self) -> None:
+        self.rollout.resume()
+
+    @property
+    def weight_hook(self):
+        return self.rollout.weight_hook
+
+    @weight_hook.setter
+    def weight_hook(self, hook) -> None:  # (partial rollouts: the backend calls it while it generates)
+        self.rollout.weight_hook = hook
+
+    def __getattr__(self, name: str):
+        if name == "rollout":
+            raise AttributeError(name)
+        return getattr(self.rollout, name)
+
+    # ---- episodes --------------------------------------------------------------------------------
+    def _endpoint(self, sampling: SamplingParams):
+        """The loopback server on the rollout (started once); its policy sampling set for this call."""
+        from shardrl.rollout.serving.server import Batcher, ServerThread, build_app
+
+        policy = dataclasses.replace(sampling, n=1, seed=None)  # per-batch draws: episodes of a prompt differ
+        if self.server is None:
+            batcher = Batcher(self.rollout, self.tokenizer, self.max_batch, self.context or 4096)
+            app = build_app(batcher, MODEL_NAME, self.context or 4096, sampling.max_new_tokens, policy)
+            self.server = ServerThread(app)
+        self.server.app.state.policy = policy  # this call's: training's, or validation's
+        self.server.app.state.records.clear()  # (what episodes of an earlier call left)
+        self.server.batcher.unpause()
+        return self.server
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingParams,
+                 samples: list[dict] | None = None) -> MultiTurnOutput:
+        check_prompts(prompt_ids, attention_mask)
+        num_prompts, n = prompt_ids.shape[0], sampling.n
+        samples = samples if samples is not None else [{} for _ in range(num_prompts)]
+        server = self._endpoint(sampling)
+        episodes = [_Episode({"prompt": samples[b].get("prompt"), "data_source": samples[b].get("data_source"),
+                              "extra": samples[b].get("extra")}, uuid.uuid4().hex)
+                    for b in range(num_prompts) for _ in range(n)]
+        asyncio.run(self._run_all(episodes, server.url))
+        server.batcher.pause()  # (the backend free: the trainer moves weights next)
+        unpin = getattr(self.rollout, "unpin_session", None)
+        for e in episodes if unpin is not None else ():  # (the episodes are over: their K/V need not stay)
+            unpin(e.key)
+        records = server.app.state.records
+        calls = [records.pop(e.key, []) for e in episodes]
+        for e, c in zip(episodes, calls):
+            if not c and e.error is None and not e.timed_out:
+                e.error = "the episode never called the model"
+        failed = [e for e in episodes if e.error is not None or e.timed_out]
+        if failed and len(failed) == len(episodes):
+            first = next((e.error for e in failed if e.error),
+                         f"timed out (rollout.agent.timeout_s={self.timeout_s:g} s)")
+            raise RuntimeError(f"every agent episode of this step failed (rollout.agent.entrypoint); the first: {first}")
+        return self._assemble(prompt_ids, attention_mask, n, episodes, calls)
+
+    async def _episode(self, sample: dict, client):
+        """The agent's episode, with its sys.exit, a CancelledError and a TimeoutError of its own made episode errors
+        (out of the episode's task, the first would stop the event loop, the second read as the step's cancellation,
+        the third as the episode's timeout)."""
+        try:
+            return await self.entrypoint(sample, client)
+        except SystemExit as exc:
+            raise _EpisodeStop(f"the agent called sys.exit({exc.code!r})") from None
+        except (TimeoutError, asyncio.TimeoutError) as exc:  # (the episode's own timeout cancels it: this is not it)
+            said = f": {exc}" if str(exc) else ""
+            raise _EpisodeStop(f"{type(exc).__name__} raised inside the agent (not the episode's timeout, "
+                               f"rollout.agent.timeout_s){said}") from exc
+        except asyncio.CancelledError:
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)  # (Python 3.11+)
+            if cancelling is None or cancelling():  # (cancelled from outside: its timeout, or the step's end)
+                raise
+            raise _EpisodeStop("the agent raised CancelledError") from None
+        except (Exception, KeyboardInterrupt, GeneratorExit):  # (Ctrl-C stops the run)
+            raise
+        except BaseException as exc:  # (a library's own BaseException subclass: this episode's error)
+            raise _EpisodeStop(f"{type(exc).__name__} (a BaseException) raised inside the agent: {exc}") from None
+
+    async def _run_all(self, episodes: list[_Episode], url: str) -> None:
+        import openai
+
+        asyncio.get_running_loop().set_default_executor(_CallThreads())
+        client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=self.timeout_s)
+        gate = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(e: _Episode):
+            async with gate:
+                episode_client = client.with_options(default_headers={"x-shardrl-episode": e.key})
+                try:
+                    result = await asyncio.wait_for(self._episode(e.sample, episode_client), self.timeout_s)
+                except asyncio.TimeoutError:
+                    e.timed_out = True
+                    return
+                except Exception as exc:  # noqa: BLE001 (an episode's failure is scored, not raised)
+                    failed(e, str(exc) if isinstance(exc, _EpisodeStop) else f"{type(exc).__name__}: {exc}")
+                    return
+                e.reward, error = episode_reward(result)
+                if error is not None:
+                    failed(e, error)
+
+        logged = []
+
+        def failed(e: _Episode, error: str) -> None:
+            e.error = error
+            logged.append(error)
+            if len(logged) <= 3:  # (the rest in one line after the step's episodes)
+                log.warning("agent episode failed: %s", error)
+
+        try:
+            with LoopWatch(asyncio.get_running_loop(), self.timeout_s):
+                await asyncio.gather(*[one(e) for e in episodes])
+        finally:
+            await client.close()
+        if len(logged) > 3:
+            log.warning("%d more agent episodes failed this step (agent/errors_mean counts them)", len(logged) - 3)
+
+    def _assemble(self, prompt_ids, attention_mask, n: int, episodes: list[_Episode], calls: list[list[dict]]
+                  ) -> MultiTurnOutput:
+        stop_ids = set(getattr(self.rollout, "stop_ids", None) or [self.tokenizer.eos_token_id])
+        prompts, responses, masks, texts, breaks, versions = [], [], [], [], [], []
+        versioned = any("token_versions" in call for c in calls for call in c)  # partial rollouts
+        for row, (e, c) in enumerate(zip(episodes, calls)):
+            if not c:  # a failed episode without a call: the row's prompt, an empty reply
+                b = row // n
+                prompts.append(prompt_ids[b][attention_mask[b].bool()].tolist())
+                responses.append(([], []))
+                masks.append([])
+                versions.append([])
+                texts.append("")
+                breaks.append(0)
+                continue
+            prompt, ids, logp, trained, version = list(c[0]["prompt_token_ids"]), [], [], [], []
+            breaks.append(0)
+            for call in c:
+                context = prompt + ids
+                p = list(call["prompt_token_ids"])
+                if (p[:len(context)] != context and ids and trained[-1] and ids[-1] in stop_ids
+                        and p[:len(context) - 1] == context[:-1]):
+                    # the reply's end-of-turn token is not in the next prompt (a template that renders the turn's
+                    # end otherwise): dropped, untrained, so that what follows sees exactly what the sampler saw
+                    ids, logp, trained, version = ids[:-1], logp[:-1], trained[:-1], version[:-1]
+                    context = context[:-1]
+                if p[:len(context)] != context:  # the agent rewrote its history: start afresh from this call
+                    if call is not c[0]:
+                        breaks[-1] += 1
+                    prompt, ids, logp, trained, version = p, [], [], [], []
+                    context = p
+                extra = p[len(context):]
+                ids += extra + call["token_ids"]
+                logp += [0.0] * len(extra) + call["log_probs"]
+                trained += [0] * len(extra) + [1] * len(call["token_ids"])
+                if versioned:  # what the prompt added was run by the weights of the reply after it
+                    own = call.get("token_versions") or [call.get("policy_version") or 0] * len(call["token_ids"])
+                    before = own[0] if own else (version[-1] if version else 0)  # (an empty reply: the last)
+                    version += [before] * len(extra) + list(own)
+            cut = self.max_response_tokens
+            prompts.append(prompt)
+            responses.append((ids[:cut], logp[:cut]))
+            masks.append(trained[:cut])
+            versions.append(version[:cut])
+            texts.append(c[-1]["text"])
+        width = max(map(len, prompts))
+        p_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        p_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            p_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            p_mask[r, width - len(p):] = 1
+        # one "prompt" per row (an episode's own first prompt): n=1 over the rows
+        base = assemble_output(p_ids, p_mask, 1, [(torch.tensor(i, dtype=torch.long),
+                                                    torch.tensor(lp, dtype=torch.float32)) for i, lp in responses],
+                               texts, self.pad_id)
+        model_mask = torch.zeros_like(base.response_mask)
+        for r, m in enumerate(masks):
+            model_mask[r, :len(m)] = torch.tensor(m, dtype=torch.long)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(RolloutOutput)}
+        fields["prompt_index"] = torch.arange(len(episodes)) // n  # the row each episode came from
+        failed = [e.error is not None or e.timed_out for e in episodes]
+        given = [e.reward for e, f in zip(episodes, failed) if not f]
+        if any(r is None for r in given) and any(r is not None for r in given):
+            raise ValueError("the agent (rollout.agent.entrypoint) returned a reward for some episodes and None for "
+                             "others; return a number for every episode, or None for every one (the reward "
+                             "function then scores them)")
+        by_agent = bool(given) and given[0] is not None
+        scores = [self.failure_reward if f else e.reward for e, f in zip(episodes, failed)]
+        counts = {"errors": [int(e.error is not None) for e in episodes],
+                  "timeouts": [int(e.timed_out) for e in episodes], "prefix_breaks": breaks,
+                  "calls": [len(c) for c in calls]}
+        if versioned:  # (N, R): each token's policy version, -1 on padding (as a partial rollout's token_version)
+            fields["token_version"] = torch.full_like(base.response_ids, -1)
+            for r, v in enumerate(versions):
+                fields["token_version"][r, :len(v)] = torch.tensor(v, dtype=torch.long)
+        return AgentOutput(**{**fields, "response_mask": model_mask}, response_attention_mask=base.response_mask,
+                           num_turns=[len(c) for c in calls], num_tool_calls=[max(len(c) - 1, 0) for c in calls],
+                           num_tool_errors=[int(f) for f in failed],
+                           interaction_scores=scores if by_agent else None,
+                           fixed_scores=[] if by_agent else [self.failure_reward if f else None for f in failed],
+                           counts=counts)

@@ -1,0 +1,877 @@
+"""The decoder of the fast rollout's model families (`shardrl.models.families`: Llama, Qwen2/3, Mistral,
+Gemma 2/3, and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE) in plain PyTorch, for generation against a
+static KV cache.
+
+Parameters are named exactly as in Hugging Face's `*ForCausalLM` of each family
+(`model.layers.{i}.self_attn.q_proj.weight`, ...), so `(hf_name, tensor)` pairs from
+`Engine.export_weights()` copy straight in. The math follows HF's step for step (RMSNorm in fp32, rotary
+angles in fp32 cast to the compute dtype, rotary tables from HF's own rotary class, GQA, gated MLP,
+Gemma's extra norms, soft-caps and sliding windows), so greedy decoding matches HF's in fp32.
+
+KV cache layout, one tensor for the whole model:
+
+    kv  (num_layers, 2, num_slots, num_kv_heads, max_seq, head_dim)     [:, 0] keys, [:, 1] values
+
+Slot s holds one sequence from position 0 (no padding); its length lives with the caller. Positions past
+a slot's length hold stale values that attention masks out and the next write replaces.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from shardrl.models.families import (FAMILIES, activation, attention_scale, attention_softcap, check_supported,
+                                      family_of, final_softcap, head_dim_of, layer_rope_keys, layer_windows,
+                                      max_rope_positions, moe_layers, rope_tables, top_k_normalized)
+from shardrl.engine.moe import grouped_mm_usable
+from shardrl.rollout.fast.kernel_support import triton_head_dim  # noqa: F401  (fast.py asks it here too)
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """HF's RMSNorm: normalized in fp32, then scaled by `weight` after the cast back (Llama, Qwen, Mistral)
+    or, with `offset` (Gemma), by (1 + weight) in fp32 before it."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (x * (1.0 + weight.float())).to(dtype)
+    return weight * x.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, offset: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.offset)
+
+
+def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scaling: float = 1.0):
+    """cos, sin (*positions.shape, head_dim) in `dtype`; angles in fp32, times `scaling` (yarn's attention
+    factor, 1 otherwise), as HF computes them."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def lora_delta(x, adapter, scale: float):
+    """scale * B (A x) computed in the adapters' fp32 (x cast to it), or None without an adapter. (The trainer's
+    FSDP2 mixed precision computes it in param_dtype; in fp32 the rollout came closer to the trainer's log-probs
+    than a merged bf16 weight: bench/RESULTS.md, "LoRA".)"""
+    if adapter is None:
+        return None
+    a, b = adapter
+    return F.linear(F.linear(x.to(a.dtype), a), b) * scale
+
+
+def plus(y, delta):
+    """y + delta, added in fp32 and rounded to y's dtype."""
+    return y if delta is None else (y.float() + delta).to(y.dtype)
+
+
+def project_qkv(x, qkv_w, qkv_b, num_heads: int, num_kv_heads: int, head_dim: int, lora=None, scale: float = 1.0):
+    """q (..., Hq*D), k, v (..., Hkv*D): one GEMM on the fused q/k/v weight, or three where `qkv_w` is the
+    tuple (q, k, v) (a base shared with the trainer, see `FastCausalLM.share_weights`); `lora`: the (A, B)
+    adapters of q, k, v (or None), added times `scale`."""
+    if isinstance(qkv_w, tuple):
+        q, k, v = (F.linear(x, w, b) for w, b in zip(qkv_w, qkv_b))
+    else:
+        kv_size = num_kv_heads * head_dim
+        q, k, v = F.linear(x, qkv_w, qkv_b).split([num_heads * head_dim, kv_size, kv_size], dim=-1)
+    if lora is not None:
+        q, k, v = (plus(y, lora_delta(x, ab, scale)) for y, ab in zip((q, k, v), lora))
+    return q, k, v
+
+
+def gated_mlp(x, gate_up_w, gate_up_b, down_w, down_b, act: str = "silu", lora=None, scale: float = 1.0):
+    """down(act(gate(x)) * up(x)) with gate and up as one GEMM on the fused weight (or two where `gate_up_w` is
+    the tuple (gate, up)): SwiGLU, or GeGLU with act='gelu_tanh' (Gemma); `lora`: the adapters of gate, up,
+    down (or None)."""
+    if isinstance(gate_up_w, tuple):
+        gate, up = (F.linear(x, w, b) for w, b in zip(gate_up_w, gate_up_b))
+    else:
+        gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
+    if lora is not None:
+        gate, up = plus(gate, lora_delta(x, lora[0], scale)), plus(up, lora_delta(x, lora[1], scale))
+    gate = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    h = gate * up
+    out = F.linear(h, down_w, down_b)
+    return out if lora is None else plus(out, lora_delta(h, lora[2], scale))
+
+
+def dense_experts(x, weights, experts, gate_up, down, act: str):
+    """The routed experts' weighted sum with static shapes and no grouped products: every expert on every token,
+    the experts a token did not choose weighted 0 (weights, experts (T, k) from `route`)."""
+    gate, up = torch.einsum("th,eoh->eto", x, gate_up).chunk(2, dim=-1)
+    gated = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+    y = torch.einsum("eti,ehi->eth", gated, down)  # (E, T, hidden)
+    dense = torch.zeros(x.shape[0], gate_up.shape[0], dtype=weights.dtype, device=x.device)
+    dense.scatter_(1, experts, weights)
+    return (y * dense.t()[..., None]).sum(0, dtype=torch.float32).to(x.dtype)
+
+
+_DENSE_WARNED: list[bool] = []
+
+
+def _warn_dense_experts(num_experts: int, top_k: int):
+    if not _DENSE_WARNED:
+        _DENSE_WARNED.append(True)
+        logger.warning("the fast rollout's MoE layers run every expert on every token on this GPU (%d / %d "
+                       "times the expert work): torch._grouped_mm needs bf16 on an SM80+ GPU and 16-byte aligned "
+                       "rows", num_experts, top_k)
+
+
+def route(x, router_w, top_k: int, normalize: bool, fp32_weights: bool):
+    """HF's top-k router: softmax over the experts in fp32, the k largest, renormalized to sum 1 when `normalize`;
+    (weights (T, k) in fp32 or x's dtype, experts (T, k))."""
+    probs = F.linear(x, router_w).float().softmax(-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return (weights if fp32_weights else weights.to(x.dtype)), experts
+
+
+def moe_mlp(x, router_w, gate_up, down, act: str, top_k: int, normalize: bool, fp32_weights: bool,
+            with_route: bool = False):
+    """Routed experts, as HF's `*SparseMoeBlock`: each token's k experts' SwiGLU outputs, weighted by the
+    router, summed. x (T, hidden); router_w (E, hidden); gate_up (E, 2I, hidden) (gate rows, then up rows);
+    down (E, hidden, I). The (token, expert) pairs are sorted by expert and each projection is one grouped
+    matrix product over them (`torch._grouped_mm`; static shapes, so a decode step captures in a CUDA graph);
+    where it cannot run, a loop over the experts computes the same. `with_route`: (output, experts (T, k))."""
+    t, num_experts = x.shape[0], gate_up.shape[0]
+    weights, experts = route(x, router_w, top_k, normalize, fp32_weights)
+    grouped = grouped_mm_usable(x, gate_up, down)
+    if not grouped and x.is_cuda:
+        # on a GPU without grouped products (fp32, or rows not 16-byte aligned): every expert on every token
+        # (static shapes, so a decode step still captures in a CUDA graph; E / k times the work), the experts a
+        # token did not choose weighted 0. Decided by the operands alone, so the warm-up before a capture traces
+        # the branch the capture runs.
+        _warn_dense_experts(num_experts, top_k)
+        out = dense_experts(x, weights, experts, gate_up, down, act)
+        return (out, experts) if with_route else out
+    flat = experts.reshape(-1)  # (T * k,): pair j is token j // k's (j % k)-th choice
+    order = flat.argsort(stable=True)
+    token = order // top_k
+    rows = x[token]  # (T * k, hidden), grouped by expert
+    if grouped:
+        counts = F.one_hot(flat, num_experts).sum(0)  # (E,), static shape: no host sync
+        offs = counts.cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        gated = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+        out = torch._grouped_mm(gated, down.transpose(1, 2), offs=offs)
+    else:
+        out = rows.new_empty(rows.shape)
+        sorted_experts = flat[order]
+        for e in range(num_experts):
+            mask = sorted_experts == e
+            gate, up = F.linear(rows[mask], gate_up[e]).chunk(2, dim=-1)
+            gated = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+            out[mask] = F.linear(gated, down[e])
+    # as HF's grouped path: weighted, back in token order, each token's k summed (accumulated in fp32, and
+    # deterministic: no atomic adds)
+    weighted = out * weights.reshape(-1)[order, None]
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    out = weighted[inverse].view(t, top_k, -1).sum(1).to(x.dtype)
+    return (out, experts) if with_route else out
+
+
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding the rows of `linears`, which become views into it: a GEMM instead of
+    several, while each parameter keeps its HF name and an in-place copy into it lands in the fused tensor.
+    A missing bias is zeros in the fused one."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = None
+    if any(lin.bias is not None for lin in linears):
+        bias = torch.cat([lin.bias.detach() if lin.bias is not None else
+                          lin.weight.new_zeros(lin.weight.shape[0]) for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = weight[start : start + rows]
+        if lin.bias is not None:
+            lin.bias.data = bias[start : start + rows]
+        start += rows
+    return weight, bias
+
+
+class Attention(nn.Module):
+    def __init__(self, config, bias: dict[str, bool]):
+        super().__init__()
+        hidden, d = config.hidden_size, head_dim_of(config)
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=bias["q_proj"])
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias["k_proj"])
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias["v_proj"])
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias["o_proj"])
+        family = family_of(config)
+        if family.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's q and k; OLMoE: over all heads' at once
+            whole = family.qk_norm_whole
+            self.q_norm = RMSNorm(self.num_heads * d if whole else d, config.rms_norm_eps, family.gemma)
+            self.k_norm = RMSNorm(self.num_kv_heads * d if whole else d, config.rms_norm_eps, family.gemma)
+        self.qkv_weight = self.qkv_bias = None  # set by FastCausalLM.fuse_projections
+
+
+class MLP(nn.Module):
+    def __init__(self, config, bias: dict[str, bool]):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias["gate_proj"])
+        self.up_proj = nn.Linear(hidden, inter, bias=bias["up_proj"])
+        self.down_proj = nn.Linear(inter, hidden, bias=bias["down_proj"])
+        self.gate_up_weight = self.gate_up_bias = None  # set by FastCausalLM.fuse_projections
+
+
+class Router(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts_of(config), config.hidden_size))
+
+
+class Experts(nn.Module):
+    """A layer's experts as HF stores them: gate_up_proj (E, 2I, hidden), down_proj (E, hidden, I)."""
+
+    def __init__(self, config):
+        super().__init__()
+        e, h = num_experts_of(config), config.hidden_size
+        i = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+
+class SparseMoE(nn.Module):
+    """Routed experts in place of the MLP (`moe_mlp`), under HF's names (`mlp.gate.weight`, `mlp.experts.*`)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+
+
+def num_experts_of(config) -> int:
+    return getattr(config, "num_experts", None) or config.num_local_experts
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, bias: dict[str, bool], moe: bool = False):
+        super().__init__()
+        self.self_attn = Attention(config, bias)
+        self.mlp = SparseMoE(config) if moe else MLP(config, bias)
+        hidden, eps, gemma = config.hidden_size, config.rms_norm_eps, family_of(config).gemma
+        self.input_layernorm = RMSNorm(hidden, eps, gemma)
+        # Llama's post_attention_layernorm is the MLP's input norm; Gemma's norms the attention output, and
+        # its MLP sits between pre_ and post_feedforward_layernorm
+        self.post_attention_layernorm = RMSNorm(hidden, eps, gemma)
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, gemma)
+        self.lora: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # see `FastCausalLM.set_lora`
+        self.lora_scale = 1.0
+
+    def block_weights(self) -> tuple:
+        """The weights a `DecoderBlock` reads, in its order (None where the family has no such weight)."""
+        a, m = self.self_attn, self.mlp
+        weight = lambda owner, name: getattr(owner, name).weight if hasattr(owner, name) else None  # noqa: E731
+        gemma = hasattr(self, "pre_feedforward_layernorm")
+        post_attn = self.post_attention_layernorm.weight if gemma else None
+        ln2 = self.pre_feedforward_layernorm.weight if gemma else self.post_attention_layernorm.weight
+        if a.qkv_weight is None:  # unfused: the base is shared with the trainer (`FastCausalLM.share_weights`)
+            qkv = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+        else:
+            qkv = (a.qkv_weight, a.qkv_bias)
+        if isinstance(m, SparseMoE):  # the MLP slots carry the router and the experts (LayerConsts.top_k > 0)
+            gate_up, down = (m.gate.weight, m.experts.gate_up_proj), (m.experts.down_proj, None)
+        elif m.gate_up_weight is None:
+            gate_up = (m.gate_proj.weight, m.up_proj.weight), (m.gate_proj.bias, m.up_proj.bias)
+            down = (m.down_proj.weight, m.down_proj.bias)
+        else:
+            gate_up, down = (m.gate_up_weight, m.gate_up_bias), (m.down_proj.weight, m.down_proj.bias)
+        lora = self.lora
+        qkv_lora = o_lora = mlp_lora = None
+        if lora is not None:  # (A, B) per projection, None where that projection has no adapter
+            get = lambda names: (tuple(lora.get(n) for n in names)  # noqa: E731
+                                 if any(n in lora for n in names) else None)
+            qkv_lora, mlp_lora = get(("q_proj", "k_proj", "v_proj")), get(("gate_proj", "up_proj", "down_proj"))
+            o_lora = lora.get("o_proj")
+        return (self.input_layernorm.weight, *qkv, weight(a, "q_norm"), weight(a, "k_norm"),
+                a.o_proj.weight, a.o_proj.bias, post_attn, ln2, *gate_up,
+                *down, weight(self, "post_feedforward_layernorm"),
+                qkv_lora, o_lora, mlp_lora, self.lora_scale)
+
+
+def attention_inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, eps: float, num_heads: int,
+                     num_kv_heads: int, head_dim: int, gemma: bool, lora=None, scale: float = 1.0):
+    """RMSNorm, q/k/v projection, q/k norms (if given) and rotary for N tokens: x (N, hidden), cos, sin
+    (N, 1, D) -> q (N, Hkv, G, D) (in decode, the G query heads sharing a KV head are its "query positions":
+    GQA without copying the cache), k, v (N, Hkv, D). `gemma`: norms scale by (1 + weight); `lora`, `scale`: as
+    `project_qkv`."""
+    b = x.shape[0]
+    q, k, v = project_qkv(rms_norm(x, ln1, eps, gemma), qkv_w, qkv_b, num_heads, num_kv_heads, head_dim, lora, scale)
+    if q_norm is not None and q_norm.shape[0] != head_dim:  # OLMoE: one norm over all heads (shapes decide)
+        q, k = rms_norm(q, q_norm, eps, gemma), rms_norm(k, k_norm, eps, gemma)
+        q_norm = k_norm = None
+    q, k = q.view(b, num_heads, head_dim), k.view(b, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps, gemma), rms_norm(k, k_norm, eps, gemma)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v.view(b, num_kv_heads, head_dim)
+
+
+def write_kv(k, v, kv_layer, slots, positions, table: torch.Tensor | None = None) -> None:
+    """Writes one token's k, v (B, Hkv, D) per slot at `positions` into kv_layer (2, B, Hkv, max_seq, D); with
+    `table` (B, max_blocks), into the paged kv_layer (2, num_blocks, Hkv, block_size, D) at each slot's block."""
+    if table is not None:
+        size = kv_layer.shape[3]
+        slots, positions = table[slots, positions // size], positions % size
+    kv_layer[0][slots, :, positions] = k
+    kv_layer[1][slots, :, positions] = v
+
+
+def gather_blocks(kv_layer, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (B, Hkv, length, D) of the first `length` positions of each row of `table` (B, >= blocks)."""
+    size = kv_layer.shape[3]
+    blocks = kv_layer[:, table[:, : -(-length // size)]]  # (2, B, nb, Hkv, size, D)
+    kv = blocks.transpose(2, 3).flatten(3, 4)[:, :, :, :length]  # (2, B, Hkv, nb * size, D) -> length
+    return kv[0], kv[1]
+
+
+class LayerConsts(NamedTuple):
+    """What a layer's code needs besides tensors (one compilation per distinct value)."""
+
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    gemma: bool  # Gemma's layout: (1 + weight) norms, norms after attention and MLP
+    act: str  # the MLP's gate activation: 'silu' or 'gelu_tanh'
+    scale: float  # attention logits scale
+    softcap: float | None  # attention logits soft-cap: cap * tanh(logits / cap) (Gemma 2)
+    window: int | None  # sliding window: a query at i sees keys j with i - window < j <= i
+    top_k: int = 0  # routed experts per token (0: a dense MLP)
+    normalize_top_k: bool = False  # the k routing weights renormalized to sum 1
+    fp32_route: bool = False  # the routing weights scale the experts' outputs in fp32
+
+
+def softcapped_attention(q, k, v, mask, scale: float, softcap: float | None):
+    """HF's eager attention: softmax(cap * tanh(q k^T * scale / cap) + mask) v, the softmax in fp32.
+    q (..., Hq, L, D), k, v (..., Hkv, S, D) with Hkv dividing Hq; `mask` boolean (True: visible) or additive,
+    broadcastable to (..., Hq, L, S). SDPA has no soft-cap, so Gemma 2's layers attend here."""
+    groups = q.shape[-3] // k.shape[-3]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def visible_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean (*queries.shape, *keys.shape): key position j is visible from query position i (j <= i, and
+    within the window if any, as HF's `sliding_window_overlay`)."""
+    i, j = queries[..., None], keys
+    visible = j <= i
+    return visible if window is None else visible & (j > i - window)
+
+
+class SDPADecodeAttention:
+    """Decode attention over the first `seq_len` cache positions of every slot, with an additive mask
+    (-inf past each slot's position, and before its window on a sliding-window layer): SDPA, any device
+    (or `softcapped_attention` for a soft-capped layer). The attended length is a static shape, so the
+    caller buckets it (one CUDA graph per bucket)."""
+
+    bucketed = True
+    prefix_from_blocks = False  # a prefill over cached prefixes gathers them and attends with a mask (`prefill`)
+
+    def prefill(self, q, k, v, kv_layer, prefix: tuple, c: LayerConsts) -> torch.Tensor:
+        """A prefill chunk's attention over its cached prefixes: q (U, H, L, D), the chunk's own k, v (U, Hkv, L, D),
+        `prefix` = (blocks (U, nb), visible (U, L, C + L) boolean for the layer's window): the prefixes' C positions
+        are gathered from the blocks, the chunk's keys follow them. -> (U, H, L, D)."""
+        table, visible = prefix
+        length = q.shape[2]
+        keys, values = gather_blocks(kv_layer, table, visible.shape[-1] - length)
+        keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+        if c.softcap is not None:
+            return softcapped_attention(q, keys, values, visible[:, None], c.scale, c.softcap)
+        # the K/V heads repeated: SDPA's fused kernels take a mask, but not with enable_gqa
+        groups = c.num_heads // c.num_kv_heads
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], scale=c.scale)
+
+    def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
+        """(B, 1, 1, seq_len); made once per step and window: SDPA converts a boolean mask in every layer, and
+        ran slower with one (measured: bench/RESULTS.md, "Current figures: Decode step")."""
+        visible = visible_keys(positions, torch.arange(seq_len, device=positions.device), window)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
+        return mask[:, None, None, :]
+
+    def __call__(self, q, k, v, kv_layer, table, positions, mask, c: LayerConsts) -> torch.Tensor:
+        """Writes k, v (B, Hkv, D) into the paged cache at each slot's position (`write_kv`), then attends to the
+        slot's first `seq_len` positions (gathered from its blocks, `table` (B, max_blocks)): q (B, Hkv, G, D)
+        (the G query heads of a KV head as its "query positions": GQA without copying the cache) -> (B, Hkv, G, D)."""
+        slots = torch.arange(q.shape[0], device=q.device)
+        write_kv(k, v, kv_layer, slots, positions, table)
+        keys, values = gather_blocks(kv_layer, table, mask.shape[-1])
+        if c.softcap is not None:
+            return softcapped_attention(q, keys, values, mask, c.scale, c.softcap)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=c.scale)
+
+
+class TritonDecodeAttention:
+    """Decode attention in which each slot reads its cache only from its window's start (0 on a full
+    layer) up to its own position: one Triton kernel (`shardrl.rollout.fast.decode_kernel`, CUDA only), which
+    also applies the soft-cap. The attended length plays no part, so one CUDA graph serves every length.
+    Measured against `SDPADecodeAttention`: bench/RESULTS.md, "Current figures: Decode step". `fuse_kv_write`:
+    the kernel writes the new K/V itself, a shorter step than two indexed copies (measured: the same table)."""
+
+    bucketed = False
+    prefix_from_blocks = True  # a prefill over cached prefixes reads them through the block table (`prefill`)
+
+    def __init__(self, fuse_kv_write: bool = True):
+        from shardrl.rollout.fast.decode_kernel import decode_attention, prefill_attention
+
+        self.attend, self.attend_prefill, self.fuse_kv_write = decode_attention, prefill_attention, fuse_kv_write
+        # (shared, groups) of the slots that read a shared prefix together (`decode_kernel`, cascade), set by the
+        # rollout for the steps that have such groups; full-attention layers only
+        self.cascade: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.prefix_splits = 2
+        self.prefix_programs: int | None = None  # the shared-prefix kernel's programs per (KV head, split); None: its own
+
+    def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
+        return positions
+
+    def prefill(self, q, kv_layer, prefix: tuple, c: LayerConsts) -> torch.Tensor:
+        """A prefill chunk's attention over its cached prefixes, its own K/V already in the blocks: q (U * L, Hkv,
+        G, D), `prefix` = (blocks (U, nb), starts (U,), lengths (U,)) -> (U * L, Hkv, G, D) (`prefill_attention`)."""
+        table, starts, lengths = prefix
+        return self.attend_prefill(q.contiguous(), kv_layer, table, starts, lengths, scale=c.scale, softcap=c.softcap,
+                                   window=c.window)
+
+    def __call__(self, q, k, v, kv_layer, table, positions, mask, c: LayerConsts) -> torch.Tensor:
+        """As `SDPADecodeAttention`; the kernel reads the blocks through `table`."""
+        limits = dict(scale=c.scale, softcap=c.softcap, window=c.window, block_table=table)
+        if self.cascade is not None and c.window is None:
+            limits.update(cascade=self.cascade, prefix_splits=self.prefix_splits, prefix_programs=self.prefix_programs)
+        if self.fuse_kv_write:
+            return self.attend(q.contiguous(), kv_layer, positions, k, v, **limits)
+        write_kv(k, v, kv_layer, torch.arange(q.shape[0], device=q.device), positions, table)
+        return self.attend(q.contiguous(), kv_layer, positions, **limits)
+
+
+def attention_output_and_mlp(x, attn, o_w, o_b, post_attn_ln, ln2, gate_up_w, gate_up_b, down_w, down_b,
+                             post_ff_ln, eps: float, gemma: bool, act: str, o_lora=None, mlp_lora=None,
+                             scale: float = 1.0, top_k: int = 0, normalize_top_k: bool = False,
+                             fp32_route: bool = False, with_route: bool = False):
+    """o_proj and the residual add, then the MLP and its residual add; Gemma norms each output first. `o_lora`,
+    `mlp_lora`: LoRA adapters (see `project_qkv`). `top_k` > 0: routed experts (`moe_mlp`), gate_up_w the
+    router's weight, gate_up_b the experts' gate_up_proj, down_w their down_proj; `with_route` (routed experts
+    only) returns (x, experts (T, k))."""
+    attn = attn.reshape(x.shape[0], -1)
+    h = plus(F.linear(attn, o_w, o_b), lora_delta(attn, o_lora, scale))
+    if post_attn_ln is not None:
+        h = rms_norm(h, post_attn_ln, eps, gemma)
+    x = x + h
+    experts = None
+    if top_k:
+        h = moe_mlp(rms_norm(x, ln2, eps, gemma), gate_up_w, gate_up_b, down_w, act, top_k, normalize_top_k,
+                    fp32_route, with_route)
+        h, experts = h if with_route else (h, None)
+    else:
+        h = gated_mlp(rms_norm(x, ln2, eps, gemma), gate_up_w, gate_up_b, down_w, down_b, act, mlp_lora, scale)
+    if post_ff_ln is not None:
+        h = rms_norm(h, post_ff_ln, eps, gemma)
+    return (x + h, experts) if with_route else x + h
+
+
+def _prefill_inputs(*args):
+    return attention_inputs(*args)
+
+
+def _prefill_output(*args):
+    return attention_output_and_mlp(*args)
+
+
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH]
+
+
+class DecoderBlock:
+    """A decoder layer as functions of tensors only (one compilation serves every layer), for the N tokens
+    of a prefill chunk or the one token per slot of a decode step. `compile` runs the parts before and after
+    attention through `torch.compile` (fusing the norms, rotary, residuals and the gated MLP around the
+    GEMMs): decode with static shapes, the same at every attended length; prefill separately (its own
+    compiled code, shapes free to vary with the chunk). The cache writes and attention stay outside them, so
+    no compiled layer code mutates the cache or sees the attended length. `attention` is the decode step's
+    (`SDPADecodeAttention` by default, or `TritonDecodeAttention`); a prefill attends with causal SDPA (or
+    `softcapped_attention`), masked to the window on a sliding-window layer, and after a cached prefix through the
+    attention's own `prefill` (the Triton kernel reads the blocks; SDPA a gathered copy).
+
+    `flash_below`: a causal prefill of fewer tokens (U * L) than this runs on flash attention first, whatever SDPA
+    would pick. SDPA picks cuDNN here, which builds a plan for every shape it has not seen: 45-60 ms each (the first
+    1.1 s), against 0.1 ms for flash (one H200, 12 query and 2 K/V heads of 128, 256 tokens; bench/exp_admit.py,
+    session 24). A server admits a few prompts at a time, nearly each admission a new shape. `FastRollout` sets it
+    to `prefill_tokens`: every chunk runs on flash but one that fills the budget exactly (equal prompt lengths, as
+    in the benches, whose shapes repeat), which keeps cuDNN, faster once planned (0.21 against 0.39 ms for
+    8 x 2,048 tokens). Where prompt lengths vary (RL batches), nearly every chunk is a new shape: flash. The flags
+    are set through `sdpa_kernel`, process-wide while the call runs: no other thread should pick SDPA backends
+    meanwhile."""
+
+    # the decode parts compile once per slot width (a call's widths, `FastRollout._widths`: 9 at 512 slots, more
+    # over calls of other slot counts); past dynamo's per-function limit (8 by default) a new width would run its
+    # layers uncompiled, so the limit is raised to this while compiled blocks exist (never lowered)
+    RECOMPILE_LIMIT = 64
+
+    def __init__(self, compile: bool = False, attention: SDPADecodeAttention | TritonDecodeAttention | None = None):
+        if compile:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, self.RECOMPILE_LIMIT)
+        static = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
+        self.inputs, self.output = static(attention_inputs), static(attention_output_and_mlp)
+        # distinct functions: their compiled code and shape history are their own
+        free = torch.compile if compile else (lambda fn: fn)
+        self.prefill_inputs, self.prefill_output = free(_prefill_inputs), free(_prefill_output)
+        self.compiled = compile
+        self.attention = attention or SDPADecodeAttention()
+        self.flash_below = 0
+
+    def decode(self, x, cos, sin, kv_layer, table, positions, mask, weights: tuple, c: LayerConsts,
+               with_route: bool = False):
+        """x (B, hidden) at `positions` (B,); `table` (B, max_blocks) the slots' blocks; `mask` from
+        `self.attention.mask` for the layer's window; `weights` from `DecoderLayer.block_weights`. `with_route`
+        (a routed layer): (x, experts)."""
+        (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
+         qkv_lora, o_lora, mlp_lora, scale) = weights
+        q, k, v = self.inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5], qkv_lora, scale)
+        attn = self.attention(q, k, v, kv_layer, table, positions, mask, c)
+        return self.output(x, attn, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
+                           c.eps, c.gemma, c.act, o_lora, mlp_lora, scale, c.top_k, c.normalize_top_k,
+                           c.fp32_route, with_route)
+
+    def prefill(self, x, cos, sin, kv_layer, write_at: tuple, prefix: tuple | None, length: int, weights: tuple,
+                c: LayerConsts, with_route: bool = False):
+        """x (U * length, hidden): the U prompts' tokens past their cached prefixes, right-padded, flattened;
+        writes their K/V at `write_at` = (token index, block, offset) of the real ones. `prefix` None: no prompt
+        has a cached prefix (causal attention over the chunk); else the prefixes are read from the blocks, by the
+        attention's `prefill` (what `prefix` holds is its own: `FastCausalLM.prefill` makes it)."""
+        (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w, down_b, post_ff_ln,
+         qkv_lora, o_lora, mlp_lora, scale) = weights
+        if self.compiled:  # the chunk's token count varies: one compilation for every count, from the first call
+            for t in (x, cos, sin):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        q, k, v = self.prefill_inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, *c[:5], qkv_lora, scale)
+        u = x.shape[0] // length
+        index, blocks, offsets = write_at  # k, v (U * L, Hkv, D): the real tokens' into the blocks
+        kv_layer[0][blocks, :, offsets] = k[index]
+        kv_layer[1][blocks, :, offsets] = v[index]
+        if prefix is not None and self.attention.prefix_from_blocks:
+            attn = self.attention.prefill(q, kv_layer, prefix, c).view(u, length, c.num_heads, c.head_dim)
+        else:
+            q = q.view(u, length, c.num_heads, c.head_dim).transpose(1, 2)  # (U, H, L, D)
+            k = k.view(u, length, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (U, Hkv, L, D)
+            v = v.view(u, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            if prefix is not None:  # keys: the cached prefix, then the chunk's own
+                attn = self.attention.prefill(q, k, v, kv_layer, prefix, c)
+            # causal suffices: padding sits after each prompt, so no real query sees it
+            elif c.softcap is not None or (c.window is not None and c.window < length):
+                pos = torch.arange(length, device=x.device)
+                attn = softcapped_attention(q, k, v, visible_keys(pos, pos, c.window), c.scale, c.softcap)
+            elif q.is_cuda and u * length < self.flash_below:  # (flash first; the others where it cannot run)
+                with sdpa_kernel(PREFILL_BACKENDS, set_priority=True):
+                    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.scale, enable_gqa=True)
+            else:
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.scale, enable_gqa=True)
+            attn = attn.transpose(1, 2)
+        # (U * L, heads * head_dim): one dynamic size, never 1 for U = 1 (a size-1 dimension compiles anew)
+        attn = attn.reshape(x.shape[0], -1)
+        if self.compiled:
+            torch._dynamo.maybe_mark_dynamic(attn, 0)
+        return self.prefill_output(x, attn, o_w, o_b, post_attn_ln, ln2, gu_w, gu_b, down_w,
+                                   down_b, post_ff_ln, c.eps, c.gemma, c.act, o_lora, mlp_lora, scale, c.top_k,
+                                   c.normalize_top_k, c.fp32_route, with_route)
+
+
+class Decoder(nn.Module):
+    def __init__(self, config, bias: dict[str, bool]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, bias, moe) for moe in moe_layers(config))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, family_of(config).gemma)
+
+
+class FastCausalLM(nn.Module):
+    """`model.*` and `lm_head` as in HF; `prefill` and `decode` read and write a KV cache laid out as in
+    the module docstring. Build it with `build_fast_lm`, which checks the names against HF's model.
+
+    q/k/v and gate/up projections run as one GEMM each: their weights are views into fused tensors
+    (`fuse_projections`), re-made after every move of the module (`_apply`). Rotary tables are per key of
+    `families.rope_tables` (one, or Gemma 3's local and global), fp32 buffers `inv_freq_{key}`."""
+
+    def __init__(self, config, bias: dict[str, bool], rope: dict[str, tuple[torch.Tensor, float]]):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config, bias)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope_scaling = {key: scaling for key, (_, scaling) in rope.items()}
+        self.rope_source = rope  # the CPU tables, for `materialize`
+        self.shared = False  # `share_weights`: the parameters are another module's tensors, never fused
+        for key, (inv_freq, _) in rope.items():
+            self.register_buffer(f"inv_freq_{key}", inv_freq, persistent=False)
+        self.layer_rope = layer_rope_keys(config)
+        gemma = family_of(config).gemma
+        family = family_of(config)
+        self.layer_consts = [
+            LayerConsts(config.rms_norm_eps, config.num_attention_heads, config.num_key_value_heads,
+                        head_dim_of(config), gemma, activation(config), attention_scale(config),
+                        attention_softcap(config), window, config.num_experts_per_tok if moe else 0,
+                        moe and top_k_normalized(config), moe and family.moe_fp32_weights)
+            for window, moe in zip(layer_windows(config), moe_layers(config))]
+        self.embed_scale = config.hidden_size**0.5 if gemma else None
+        self.final_softcap = final_softcap(config)
+        self.max_positions = max_rope_positions(config)  # None, or where HF's dynamic rope would change
+
+    def set_rope(self, rope: dict[str, tuple[torch.Tensor, float]], device) -> None:
+        """(Re)sets the fp32 rotary buffers, whatever the weights' dtype."""
+        for key, (inv_freq, _) in rope.items():
+            setattr(self, f"inv_freq_{key}", inv_freq.to(device))
+
+    def fuse_projections(self) -> None:
+        if self.shared:
+            return
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            a.qkv_weight, a.qkv_bias = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
+            if isinstance(m, MLP):  # (experts are fused already: HF stores gate and up as one tensor)
+                m.gate_up_weight, m.gate_up_bias = fuse_linears([m.gate_proj, m.up_proj])
+
+    def _apply(self, fn, recurse=True):
+        # a move or cast gives each parameter its own storage again: fuse anew (meta modules are not fused)
+        out = super()._apply(fn, recurse)
+        if not self.model.norm.weight.is_meta:
+            self.fuse_projections()
+        return out
+
+    def materialize(self, device: torch.device) -> None:
+        """Storage on `device` for a model built on meta (`build_fast_lm(..., materialize=False)`): uninitialised,
+        every parameter to be loaded; the rotary tables set."""
+        self.to_empty(device=device)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.set_rope(self.rope_source, device)
+
+    @torch.no_grad()
+    def share_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Every parameter becomes the tensor given under its HF name, itself (no copy): the rollout reads a
+        frozen base where the trainer holds it whole on this device. The tensors must have the parameters'
+        shapes and dtype; q/k/v and gate/up then run as separate GEMMs (nothing is fused into a copy)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        given = dict(weights)
+        missing = sorted(set(params) - set(given) - ({"lm_head.weight"} if self.config.tie_word_embeddings else set()))
+        if missing or set(given) - set(params):
+            raise ValueError(f"share_weights: the shared tensors do not match the rollout's parameters (missing "
+                             f"{missing[:4]}, unknown {sorted(set(given) - set(params))[:4]})")
+        dtype = self.model.norm.weight.dtype
+        device = next(iter(given.values())).device
+        for name, tensor in given.items():
+            p = params[name]
+            if tuple(tensor.shape) != tuple(p.shape) or tensor.dtype != dtype:
+                raise ValueError(f"share_weights: {name!r} is {tuple(tensor.shape)} {tensor.dtype}, the rollout "
+                                 f"needs {tuple(p.shape)} {dtype}")
+            owner, leaf = self.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+            setattr(owner, leaf, nn.Parameter(tensor, requires_grad=False))  # the same storage, no copy
+        self.shared = True
+        for layer in self.model.layers:  # the fused copies go; each layer reads the shared tensors themselves
+            a, m = layer.self_attn, layer.mlp
+            a.qkv_weight = a.qkv_bias = None
+            if isinstance(m, MLP):
+                m.gate_up_weight = m.gate_up_bias = None
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.set_rope(self.rope_source, device)
+
+    @torch.no_grad()
+    def set_lora(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+        """LoRA adapters, added at run time (out = base(x) + scale * B (A x), in fp32): `adapters` maps a linear
+        layer's HF name (`model.layers.3.self_attn.q_proj`) to its (A (r, in), B (out, r)). The first call
+        allocates fp32 buffers on the model's device; later calls with the same layers copy into them in place
+        (so captured CUDA graphs stay valid). Layers not named keep no adapter."""
+        device = self.model.norm.weight.device
+        projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        layers = self.model.layers
+        for name, (a, b) in adapters.items():
+            parts = name.split(".")
+            if (len(parts) != 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit()
+                    or int(parts[2]) >= len(layers) or parts[4] not in projections):
+                raise ValueError(f"set_lora: {name!r} is not a q/k/v/o or gate/up/down projection of a decoder layer")
+            layer = layers[int(parts[2])]
+            if parts[3] == "mlp" and isinstance(layer.mlp, SparseMoE):
+                raise ValueError(f"set_lora: {name!r}: the fast rollout adds no adapters to routed experts")
+            module = getattr(getattr(layer, parts[3]), parts[4])
+            if a.shape[1] != module.in_features or b.shape[0] != module.out_features or a.shape[0] != b.shape[1]:
+                raise ValueError(f"set_lora: {name!r} has A {tuple(a.shape)}, B {tuple(b.shape)}; the layer is "
+                                 f"{module.in_features} -> {module.out_features}")
+            if layer.lora is None:
+                layer.lora = {}
+            held = layer.lora.get(parts[4])
+            if held is None or held[0].shape != a.shape:
+                layer.lora[parts[4]] = (a.to(device, torch.float32, copy=True), b.to(device, torch.float32, copy=True))
+            else:
+                held[0].copy_(a)
+                held[1].copy_(b)
+            layer.lora_scale = float(scale)
+
+    def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The paged cache: per layer, K and V of `num_blocks` blocks of `block_size` positions."""
+        c = self.config
+        return (c.num_hidden_layers, 2, num_blocks, c.num_key_value_heads, block_size, head_dim_of(c))
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{rope key: (cos, sin) (*positions.shape, D)}."""
+        return {key: rotary_cos_sin(getattr(self, f"inv_freq_{key}"), positions, dtype, scaling)
+                for key, scaling in self.rope_scaling.items()}
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(ids)
+        if self.embed_scale is not None:  # Gemma: times sqrt(hidden) rounded to the weights' dtype, as HF
+            x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.model.norm(x))
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    @property
+    def routed_layers(self) -> list[int]:
+        """The layers with routed experts, in order (the L of a routing record (..., L, k))."""
+        return [i for i, c in enumerate(self.layer_consts) if c.top_k]
+
+    def prefill(self, ids, lengths: list[int], kv, tables, starts: list[int] | None = None,
+                block: DecoderBlock | None = None, routes: torch.Tensor | None = None,
+                to_device=None) -> torch.Tensor:
+        """ids (U, L): U prompts' tokens from position starts[i] on (default 0; a multiple of the block size, the
+        positions before it already in the blocks), right-padded, with `lengths` (U ints, on the host) tokens each;
+        writes their K/V into the blocks of `tables` (U, max_blocks) and returns the logits after each prompt's
+        last token, (U, V). `routes` (U * L, len(routed_layers), k) receives each token's experts per routed layer.
+        `to_device` moves host integers to the device (default: a plain copy); nothing here waits for the device."""
+        u, length = ids.shape
+        dev, size = ids.device, kv.shape[4]
+        to_device = to_device or (lambda xs: torch.as_tensor(xs, dtype=torch.long).to(dev))
+        starts = list(starts or [0] * u)
+        # the real tokens' indices in the flattened chunk, made on the host (a nonzero on the device would wait)
+        index = to_device(torch.cat([torch.arange(i * length, i * length + n) for i, n in enumerate(lengths)]))
+        starts_t, lengths = to_device(starts), to_device(list(lengths))
+        positions = starts_t[:, None] + torch.arange(length, device=dev)  # (U, L)
+        x = self.embed(ids.flatten())  # (U * L, hidden)
+        rotary = {key: (cos.flatten(0, 1)[:, None], sin.flatten(0, 1)[:, None])  # (U * L, 1, D)
+                  for key, (cos, sin) in self.rotary(positions, x.dtype).items()}
+        flat = positions.flatten()[index]
+        write_at = (index, tables[index // length, flat // size], flat % size)
+        block = block or DecoderBlock()
+        prefixes = {}
+        if max(starts) > 0 and block.attention.prefix_from_blocks:  # read through the block table
+            prefixes = {c.window: (tables, starts_t, lengths) for c in self.layer_consts}
+        elif max(starts) > 0:  # the cached prefixes' blocks and each window's visibility
+            cached = max(starts)
+            keys = torch.cat([torch.arange(cached, device=dev).expand(u, -1), positions], 1)  # (U, C + L)
+            known = torch.cat([torch.arange(cached, device=dev) < starts_t[:, None],
+                               torch.ones(u, length, dtype=torch.bool, device=dev)], 1)
+            for window in {c.window for c in self.layer_consts}:
+                visible = (keys[:, None, :] <= positions[:, :, None]) & known[:, None, :]  # (U, L, C + L)
+                if window is not None:
+                    visible &= keys[:, None, :] > positions[:, :, None] - window
+                prefixes[window] = (tables, visible)
+        routed = {layer: j for j, layer in enumerate(self.routed_layers)} if routes is not None else {}
+        for i, layer in enumerate(self.model.layers):
+            c = self.layer_consts[i]
+            x = block.prefill(x, *rotary[self.layer_rope[i]], kv[i], write_at, prefixes.get(c.window), length,
+                              layer.block_weights(), c, i in routed)
+            if i in routed:
+                x, experts = x
+                routes[:, routed[i]] = experts
+        last = x.view(u, length, -1)[torch.arange(u, device=x.device), lengths - 1]  # (U, hidden)
+        return self.logits(last)
+
+    def decode(self, tokens, positions, kv, table, seq_len: int, block: DecoderBlock | None = None,
+               routes: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per slot: tokens, positions (B,) for the B slots whose blocks `table` (B, max_blocks) names
+        in the paged cache `kv` (`kv_shape`); attends to cache entries
+        [0, positions] (from the window's start on a sliding-window layer) within the first `seq_len`
+        (`TritonDecodeAttention` reads no further than positions). `block`: how to run a layer (default:
+        eager, SDPA). Returns logits (B, V); `routes` (B, len(routed_layers), k) receives each token's experts."""
+        x = self.embed(tokens)  # (B, hidden)
+        rotary = {key: (cos[:, None], sin[:, None])  # broadcast over heads
+                  for key, (cos, sin) in self.rotary(positions, x.dtype).items()}
+        block = block or DecoderBlock()
+        masks = {c.window: block.attention.mask(positions, seq_len, x.dtype, c.window) for c in self.layer_consts}
+        routed = {layer: j for j, layer in enumerate(self.routed_layers)} if routes is not None else {}
+        for i, layer in enumerate(self.model.layers):
+            c = self.layer_consts[i]
+            x = block.decode(x, *rotary[self.layer_rope[i]], kv[i], table, positions, masks[c.window],
+                             layer.block_weights(), c, i in routed)
+            if i in routed:
+                x, experts = x
+                routes[:, routed[i]] = experts
+        return self.logits(x)
+
+
+def build_fast_lm(config, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                  materialize: bool = True) -> FastCausalLM:
+    """The decoder for `config` on `device`, randomly initialised (weights arrive by `load_weights`).
+    Its parameter names and shapes are checked against HF's model for the same config, and its rotary
+    tables come from that model's own rotary class. `materialize=False`: left on meta in `dtype`, no memory
+    taken (`FastCausalLM.materialize` or `share_weights` later)."""
+    import transformers
+
+    check_supported(config)
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(config)
+    rope = rope_tables(config, type(reference.model.rotary_emb))
+    hf_params = {n: tuple(p.shape) for n, p in reference.named_parameters(remove_duplicate=False)}
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    block = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+    bias = {n: f"model.layers.0.{block.get(n, 'mlp')}.{n}.bias" in hf_params for n in names}
+    with torch.device("meta"):
+        model = FastCausalLM(config, bias, rope)
+    ours = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    if ours != hf_params:
+        diff = sorted(set(ours.items()) ^ set(hf_params.items()))[:6]
+        raise ValueError(f"the fast rollout's {config.model_type} decoder does not mirror HF's parameters "
+                         f"(differences, e.g.: {diff}); use rollout.backend=hf")
+    if not materialize:
+        return model.to(dtype).eval().requires_grad_(False)
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    gen = torch.Generator(device=device).manual_seed(seed)
+    std = getattr(config, "initializer_range", 0.02)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(0.0 if family_of(config).gemma else 1.0)  # Gemma's norms scale by (1 + weight)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+    model = model.to(dtype).eval().requires_grad_(False)
+    model.set_rope(rope, device)  # fp32 whatever the weights' dtype
+    return model
