@@ -14,7 +14,8 @@ import torch
 from shardrl.config.schema import ConfigError, EngineConfig, ModelConfig, load_config
 from shardrl.engine import build_engine
 from shardrl.engine.model import load_hf_config
-from shardrl.engine.moe import apply_experts_implementation, moe_layer_count, resolve_experts_implementation
+from shardrl.engine.moe import apply_experts_implementation, resolve_experts_implementation
+from shardrl.models.families import moe_layer_count
 from shardrl.plan.perf import model_shape
 from shardrl.testing import TINY_MOE_MODELS, run_distributed, tiny_config
 from test_engine_equivalence import assert_same_grads, engine_step, reference_step
@@ -451,7 +452,7 @@ def test_lora_on_a_mixture_of_experts_adapts_its_linear_layers_and_syncs_to_the_
 def test_a_router_shardrl_does_not_know_builds_when_nothing_is_replayed():
     """Replay's renormalization rule is asked for at the first replay, so MoE families without one still train."""
     from shardrl.engine.model import PolicyModel, build_causal_lm
-    from shardrl.engine.moe import router_rule
+    from shardrl.models.families import router_rule
 
     config = load_hf_config(None, dict(model_type="granitemoe", vocab_size=101, hidden_size=32, intermediate_size=16,
                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

@@ -373,7 +373,7 @@ def test_an_rl_run_logs_the_share_of_prompt_tokens_read_from_the_cache(tmp_path,
     apart, and the later pair reads the first's full block (the demo's prompts are 4 tokens: 2 of them)."""
     import json
 
-    import shardrl.trainer.generation as generation
+    import shardrl.rollout.build as generation
     from shardrl.testing import small_demo_run
     from shardrl.trainer.demo import prepare_demo_assets
     from shardrl.trainer.main import run

@@ -38,7 +38,8 @@ from shardrl.engine.loading import (compute_non_persistent_buffers, copy_full_in
 from shardrl.engine.lora import (LORA_MARK, adapters_off, hf_base_name, inject_lora, lora_init, lora_summary,
                                  save_peft_adapter)
 from shardrl.engine.microbatch import restore_order, split_micro_batches
-from shardrl.engine.moe import apply_experts_implementation, expert_intermediate_size, num_experts
+from shardrl.engine.moe import apply_experts_implementation
+from shardrl.models.families import expert_intermediate_size, num_experts
 from shardrl.engine.model import (DTYPES, PolicyModel, build_causal_lm, check_model_weights, disable_dropout,
                                   load_hf_config, strip_prefix)
 from shardrl.engine.ulysses import check_heads

@@ -57,7 +57,7 @@ def inject_lora(lm: nn.Module, lora_cfg) -> list[str]:
                              f"of the model; its linear layers are {known} (or give \"all-linear\")")
     # a mixture of experts: peft's all-linear would also wrap the routers and the experts' 3-D weights, which the
     # rollouts' adapter sync and the merged export do not handle; its linear layers (attention, dense MLPs) only
-    from shardrl.engine.moe import is_moe
+    from shardrl.models.families import is_moe
 
     explicit = known if targets == "all-linear" and is_moe(lm.config) else None
     inject_adapter_in_model(peft_lora_config(lora_cfg, explicit), lm)

@@ -28,7 +28,8 @@ import transformers
 
 from shardrl.engine.attention import ATTN_NAME, attention_kwargs
 from shardrl.engine.logprob import chunked_log_probs, pack, shift_to_scored_token, unpack
-from shardrl.engine.moe import RouterReplay, is_moe, load_balancing_loss
+from shardrl.engine.moe import RouterReplay, load_balancing_loss
+from shardrl.models.families import is_moe
 from shardrl.engine.ulysses import gather_seq, pad_to_multiple
 from shardrl.models.config import text_config
 from shardrl.config.userfile import refuse_gguf_folder, require_folder

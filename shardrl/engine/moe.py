@@ -20,6 +20,7 @@ import logging
 import torch
 
 from shardrl.models.config import text_config
+from shardrl.models.families import expert_intermediate_size, is_moe, num_experts, router_rule
 
 log = logging.getLogger(__name__)
 
@@ -38,33 +39,6 @@ def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     if x.device.type == "cuda":  # (as HF's check: Hopper only before torch 2.9)
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= (8 if version >= (2, 9) else 9)
     return x.device.type == "cpu" and version >= (2, 9)
-
-
-def is_moe(hf_config) -> bool:
-    """Whether the model routes tokens to experts (a config with a per-token expert count)."""
-    c = text_config(hf_config)
-    return bool(getattr(c, "num_experts_per_tok", None)) and bool(num_experts(c))
-
-
-def num_experts(hf_config) -> int:
-    c = text_config(hf_config)
-    return int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0)
-
-
-def expert_intermediate_size(hf_config) -> int:
-    c = text_config(hf_config)
-    return int(getattr(c, "moe_intermediate_size", None) or c.intermediate_size)
-
-
-def moe_layer_count(hf_config) -> int:
-    """Decoder layers with a routed MLP (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step` keep some
-    dense)."""
-    c = text_config(hf_config)
-    if not is_moe(c):
-        return 0
-    dense = set(getattr(c, "mlp_only_layers", None) or [])
-    step = getattr(c, "decoder_sparse_step", None) or 1
-    return sum(1 for i in range(c.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
 
 
 def resolve_experts_implementation(name: str, hf_config) -> str:
@@ -100,15 +74,6 @@ def apply_experts_implementation(hf_config, name: str) -> str | None:
 
 
 # ---- router replay ------------------------------------------------------------------------------------
-def router_rule(hf_config) -> tuple[bool, bool]:
-    """(top-k weights renormalized to sum 1, weights kept in fp32) of the model's router, as HF computes them."""
-    c = text_config(hf_config)
-    if c.model_type == "mixtral":
-        return True, True
-    if c.model_type in ("qwen3_moe", "olmoe", "qwen2_moe"):
-        return bool(getattr(c, "norm_topk_prob", False)), False
-    raise ValueError(f"router replay: the {c.model_type!r} router is not known to shardrl (known: mixtral, qwen3_moe, "
-                     "olmoe); set actor.router_replay.mode=disabled")
 
 
 class RouterReplay:

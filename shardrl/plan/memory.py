@@ -21,6 +21,7 @@ import math
 from shardrl.config.schema import Config
 from shardrl.plan.layout import DTYPE_BYTES, GIB, Layout
 from shardrl.models.config import text_config
+from shardrl.models.families import expert_intermediate_size, gated_mlp, is_moe, moe_layer_count, num_experts
 from shardrl.plan.step_plan import old_log_probs_from_update
 
 SEQ_BUCKET = 128  # the fast rollout's cache length granularity (FastRollout.seq_bucket)
@@ -58,10 +59,7 @@ def activation_bytes_per_token_layer(hf_config, compute: int) -> tuple[int, str]
     d = getattr(c, "head_dim", None) or h // heads
     kv = getattr(c, "num_key_value_heads", None) or heads
     inter = getattr(c, "intermediate_size", None) or 4 * h
-    from shardrl.engine.moe import expert_intermediate_size, is_moe, num_experts
-    from shardrl.plan.perf import UNGATED_MLP
-
-    mlp_tensors = 2 if getattr(c, "model_type", None) in UNGATED_MLP else 4
+    mlp_tensors = 4 if gated_mlp(c) else 2
     norms = 2 * (4 * h + compute * h)
     attn = compute * (3 * heads * d + 2 * kv * d) + compute * heads * d  # q, out, o_proj input; k, v; + spare
     attn_how = f"2 norms x (4+{compute}) B x {h} + attention {compute} B x (4 x {heads * d} + 2 x {kv * d})"
@@ -112,7 +110,6 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
     how_tokens = "max_token_len_per_gpu" if engine.use_dynamic_bsz else "micro_batch_size_per_gpu x sequence"
     unit, unit_how = numbers["largest_unit"], ""
     ep = engine.expert_parallel_size
-    from shardrl.engine.moe import expert_intermediate_size, is_moe, num_experts
 
     if ep > 1 and is_moe(c):  # a rank gathers its E / ep experts of a layer, not all E
         experts = 3 * num_experts(c) * h * expert_intermediate_size(c)
@@ -218,7 +215,6 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
                                                                               layout.samples_per_rank)
     max_seq = math.ceil(layout.max_seq_len / SEQ_BUCKET) * SEQ_BUCKET
     per_position = layers * 2 * kv_heads * d * rollout_bytes
-    from shardrl.engine.moe import expert_intermediate_size, is_moe, moe_layer_count
 
     # a token's MLP width: its k experts' (each computed on the token's own copy) in a mixture of experts
     inter = (c.num_experts_per_tok * expert_intermediate_size(c) if is_moe(c)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardrl.engine.moe import moe_layer_count, num_experts
+from shardrl.models.families import gated_mlp, moe_layer_count, num_experts
 from shardrl.models.config import text_config
 
 H200_BF16_MEASURED_TFLOPS = 788.0
@@ -31,8 +31,6 @@ H200_BF16_MEASURED_TFLOPS = 788.0
 H200_BF16_SPEC_TFLOPS = 989.0
 """NVIDIA's dense bf16 spec of an H200 (and H100 SXM), without sparsity; `perf/mfu_spec`."""
 
-# architectures whose MLP is two matrices (up, down) rather than a gated three (gate, up, down)
-UNGATED_MLP = frozenset({"gpt2", "gpt_bigcode", "gpt_neox", "gptj", "opt", "phi", "falcon", "bloom", "codegen"})
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,7 @@ def model_shape(hf_config, head_outputs: int | None = None) -> ModelShape:
     kv_heads = first("num_key_value_heads", default=heads)
     head_dim = first("head_dim", default=hidden // heads)
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o; k and v (fewer heads with GQA)
-    matrices = 2 if getattr(c, "model_type", None) in UNGATED_MLP else 3
+    matrices = 3 if gated_mlp(c) else 2
     dense = matrices * hidden * first("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)
     routed = moe_layer_count(c)
     if routed:  # MoE: the router, the experts a token is routed to, and a shared expert if there is one

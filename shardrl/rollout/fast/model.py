@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shardrl.models.families import (FAMILIES, activation, attention_scale, attention_softcap, check_supported,
+from shardrl.models.families import (FAST_ROLLOUT_TYPES, activation, attention_scale, attention_softcap, check_supported,
                                       family_of, final_softcap, head_dim_of, layer_rope_keys, layer_windows,
                                       max_rope_positions, moe_layers, rope_tables, top_k_normalized)
 from shardrl.engine.moe import grouped_mm_usable
@@ -34,7 +34,7 @@ from shardrl.rollout.fast.kernel_support import triton_head_dim  # noqa: F401  (
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+SUPPORTED_MODEL_TYPES = FAST_ROLLOUT_TYPES
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
