@@ -1,0 +1,230 @@
+"""The RL roles and the algorithm: `ActorConfig` (with `RouterReplayConfig`), `RefConfig`, `CriticConfig`,
+`AlgorithmConfig` (with `FilterGroupsConfig`) and `AsyncConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from shardrl.config.engine import EngineConfig, OptimConfig
+from shardrl.config.load import require
+from shardrl.algos import ADVANTAGE_ESTIMATORS, LOSS_MODES
+
+KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+                      "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
+"""verl's KL estimator names (shardrl.algos.kl): k3 = low_var_kl (clamped); a "+" takes k2's gradient."""
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+EstimatorName = Literal[tuple(ADVANTAGE_ESTIMATORS)]  # the registries are the lists of names
+LossModeName = Literal[tuple(LOSS_MODES)]
+
+
+def _validate_ppo_loop(section: Any, prefix: str) -> None:
+    require(section, prefix, "ppo_mini_batch_size", section.ppo_mini_batch_size >= 1, "must be >= 1 (prompts)")
+    require(section, prefix, "ppo_epochs", section.ppo_epochs >= 1, "must be >= 1")
+
+
+@dataclass
+class RouterReplayConfig:
+    mode: Literal["disabled", "R2", "R3"] = "disabled"
+    """A mixture of experts' routing in the update (verl's actor.router_replay.mode). "R2": the old-log-prob
+    pass records each token's experts per MoE layer and every update forward is routed as it was (the expert
+    choice stays the old policy's; the weights are this forward's, so the router still learns); logs
+    actor/router_replay_mismatch, the share of (token, layer) routings the update would have chosen
+    otherwise. It replays nothing when the old log-probs come from the update's own forward (one optimizer
+    step per training step). "R3": the fast rollout records each token's experts as it generates, and the
+    old-log-prob pass and every update forward are routed as the rollout was (single-turn, rollout.backend
+    fast); the mismatch then counts the routings the trainer would have chosen otherwise than the rollout."""
+
+
+@dataclass
+class ActorConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Sharding and batching of the policy."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer of the policy."""
+    ppo_mini_batch_size: int = 4
+    """Prompts per optimizer step (global); a step's batch gives train_batch_size / this updates per epoch."""
+    ppo_epochs: int = 1
+    """Passes over each step's batch."""
+    shuffle: bool = True
+    """Shuffle samples before cutting mini-batches."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: the ratio is kept above 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: the ratio is kept below 1 + clip_ratio_high (larger = "clip-higher")."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound on the loss for negative advantages; must be > 1."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus."""
+    use_kl_loss: bool = False
+    """Add KL(policy || ref) to the actor loss (GRPO style)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How per-token policy, entropy and KL losses are reduced to one number (verl's actor.loss_agg_mode)."""
+    kl_loss_type: KLEstimator = "low_var_kl"
+    """KL estimator of the KL loss: kl/k1, abs, mse/k2, low_var_kl/k3 (clamped), a "+" suffix for k2's gradient."""
+    router_aux_loss_coef: float = 0.0
+    """A mixture of experts: weight of HF's load-balancing loss (HF's name; `load_balancing_loss_func` over each
+    micro-batch's tokens, weighted by its share of the mini-batch's loss tokens) added to the actor's loss; logs
+    actor/router_aux_loss. 0: off (RL post-training usually leaves the router's balance alone). Being a function
+    of a whole micro-batch, not a sum over tokens, its value depends on how the batch is cut."""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """Mixtures of experts: replay a recorded routing in the update (`RouterReplayConfig`)."""
+    recompute_old_log_probs: Literal["auto", "always"] = "auto"
+    """"always": a forward pass over the step's batch computes the old log-probs before the update. "auto":
+    skip that pass when it provably equals the update's own forward (one optimizer step per training step:
+    ppo_mini_batch_size == data.train_batch_size and ppo_epochs == 1; no KL in the reward, which needs the
+    old log-probs before the advantages; dropout off); the PPO ratio is then exactly 1, so the update uses
+    the detached log-probs of its own forward as the old ones. The choice is logged at start-up."""
+    loss_mode: LossModeName = "vanilla"
+    """Policy loss (verl's actor.policy_loss.loss_mode): "vanilla" PPO clip (per-token ratio, dual-clip);
+    "gspo": GSPO, one length-normalized ratio per sequence, clipped per sequence; "gspo_token": GSPO-token,
+    that ratio's value with a gradient per token and each token's own advantage (verl's "gspo"). GSPO's paper
+    uses loss_agg_mode=seq-mean-token-mean and tight clips (clip_ratio_low=3e-4, clip_ratio_high=4e-4);
+    clip_ratio_c is not used by the GSPO modes. A sequence's ratio needs the whole sequence in one loss call,
+    which holds for every layout: micro-batches (fixed or dynamic, packed or padded) are cut between sequences,
+    and under Ulysses sp the loss sees the gathered whole rows. `shardrl.algos.gspo`."""
+
+    def validate(self, prefix: str) -> None:
+        _validate_ppo_loop(self, prefix)
+        require(self, prefix, "clip_ratio_low", 0 <= self.clip_ratio_low < 1, "must be in [0, 1)")
+        require(self, prefix, "clip_ratio_high", self.clip_ratio_high >= 0, "must be >= 0")
+        require(self, prefix, "clip_ratio_c", self.clip_ratio_c > 1, "must be > 1 (dual-clip bound)")
+        require(self, prefix, "kl_loss_coef", self.kl_loss_coef >= 0, "must be >= 0")
+        require(self, prefix, "router_aux_loss_coef", self.router_aux_loss_coef >= 0, "must be >= 0")
+
+
+@dataclass
+class RefConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Sharding and batching of the frozen reference policy (used for KL)."""
+
+
+@dataclass
+class CriticConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Sharding and batching of the value model (used by GAE)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer of the value model."""
+    ppo_mini_batch_size: int = 4
+    """Prompts per critic optimizer step (global)."""
+    ppo_epochs: int = 1
+    """Passes over each step's batch."""
+    shuffle: bool = True
+    """Shuffle samples before cutting the critic's mini-batches (taken from actor.shuffle unless set)."""
+    cliprange_value: float = 0.5
+    """Value clip: new values stay within this of the old ones."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How per-token value losses are reduced to one number (verl's critic.loss_agg_mode)."""
+    model_path: str | None = None
+    """Model folder of the critic; None starts from the actor's model."""
+
+    def validate(self, prefix: str) -> None:
+        _validate_ppo_loop(self, prefix)
+        require(self, prefix, "cliprange_value", self.cliprange_value > 0, "must be > 0")
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO's dynamic sampling: drop the groups (a prompt's rollout.n responses) whose rewards are all equal
+    (no advantage, no gradient) and generate more batches until the step has data.train_batch_size informative
+    groups. Logs dynamic_sampling/num_gen_batches (batches drawn) and dynamic_sampling/informative_frac."""
+    max_num_gen_batches: int = 10
+    """At most this many batches drawn per step; if they hold too few informative groups, the step tops up
+    with uninformative ones (zero advantage under GRPO/RLOO) and counts them in dynamic_sampling/num_filler_groups."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "max_num_gen_batches", self.max_num_gen_batches >= 1, "must be >= 1 (batches per step)")
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: EstimatorName = "grpo"
+    """How advantages are estimated (`shardrl.algos.ADVANTAGE_ESTIMATORS`); "gae" needs the critic."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's reward std (False is Dr. GRPO)."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    use_kl_in_reward: bool = False
+    """Subtract a KL(policy || ref) penalty from the token rewards."""
+    kl_penalty: KLEstimator = "k1"
+    """KL estimator of the in-reward penalty (names as `actor.kl_loss_type`)."""
+    kl_coef: float = 0.001
+    """Weight of the in-reward KL penalty (initial value when adaptive)."""
+    kl_target: float | None = None
+    """Target KL of the adaptive controller; None keeps `kl_coef` fixed."""
+    kl_horizon: int = 10000
+    """Horizon of the adaptive KL controller, in samples."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups); needs a group baseline (grpo, rloo, ...)."""
+    rollout_is: bool = False
+    """Correct for the rollout-training mismatch (the sampler's log-probs differ from the trainer's, e.g. bf16
+    fast rollout): weight each token's policy loss by pi_trainer(old) / pi_sampler, detached
+    (`shardrl.algos.rollout_correction`). In truncate mode with actor.recompute_old_log_probs=auto's shortcut
+    (one mini-batch, one epoch) the weights come from the update's own forward; mask mode needs the old
+    log-probs before the update, so it turns the shortcut off. Mismatch metrics (rollout/logprob_abs_diff, _max, rollout/kl
+    per sequence, rollout/k3_kl) are logged either way; with this on also rollout_is/weight_mean,
+    rollout_is/truncated_frac and rollout_is/masked_frac."""
+    rollout_is_level: Literal["token", "sequence", "geometric"] = "token"
+    """"token": a ratio per token (TIS); "sequence": the product of a sequence's token ratios; "geometric":
+    their geometric mean (length-independent); the sequence levels put one weight on all of a sequence's tokens."""
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    """"truncate": cap the weights at rollout_is_threshold; "mask": drop from the loss (MIS, rejection) the
+    tokens (level token) or whole sequences whose weight leaves [rollout_is_threshold_lower, rollout_is_threshold]."""
+    rollout_is_threshold: float = 2.0
+    """The cap (truncate) or upper bound of the band (mask)."""
+    rollout_is_threshold_lower: float | None = None
+    """The lower bound of the band (mask); null is 1 / rollout_is_threshold."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "gamma", 0 <= self.gamma <= 1, "must be in [0, 1]")
+        require(self, prefix, "lam", 0 <= self.lam <= 1, "must be in [0, 1]")
+        require(self, prefix, "kl_coef", self.kl_coef >= 0, "must be >= 0")
+        require(self, prefix, "kl_target", self.kl_target is None or self.kl_target > 0, "must be > 0 or null")
+        require(self, prefix, "kl_horizon", self.kl_horizon >= 1, "must be >= 1")
+        require(self, prefix, "rollout_is_threshold", self.rollout_is_threshold > 1, "must be > 1 (e.g. 2.0)")
+        lower = self.rollout_is_threshold_lower
+        require(self, prefix, "rollout_is_threshold_lower", lower is None or 0 <= lower < 1,
+                "must be in [0, 1) or null (1 / rollout_is_threshold)")
+
+
+@dataclass
+class AsyncConfig:
+    """Disaggregated, asynchronous RL (shardrl.trainer.async_rl): some ranks only generate, the others only
+    train, and generation runs ahead of training within a staleness bound."""
+
+    rollout_ranks: int = 0
+    """Ranks (processes, GPUs) that only generate: the last `rollout_ranks` of the world; the others train
+    (FSDP/HSDP/sp as configured, over their own ranks). 0 = colocated: every rank generates and trains in
+    turn, synchronously."""
+    max_staleness: int = 0
+    """How many updates behind the policy being trained the policy that generated a batch is: the batch of
+    step k is generated with the weights of update max(k - max_staleness, first). 0 = the rollout waits for
+    the newest weights (the synchronous run's numbers, on separate ranks); 1 = one-step off-policy
+    (generating step k+1 while step k trains); 2+ = a deeper queue. Needs algorithm.rollout_is (the sampler's
+    log-probs as the behaviour policy) when > 0."""
+    weight_bucket_mb: int = 256
+    """Weights stream to the rollout ranks in buckets of about this many MiB (one broadcast each)."""
+    partial_rollout: bool = False
+    """Weights that the training ranks push while a rollout rank generates are loaded at once, between two
+    decode steps (the fast engine's host syncs; every step with rollout.backend=hf), instead of after the
+    generate call: responses in flight continue under the new weights (their KV cache so far is kept), and
+    each token records the version that sampled it (`token_version`; the batch's `policy_version` is each
+    response's first). The training ranks then wait less for the rollout to take the weights. Needs
+    max_staleness >= 1 to change anything (at 0 the rollout never generates while weights are pushed)."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "rollout_ranks", self.rollout_ranks >= 0,
+                "must be >= 0 (0 = colocated; k = the last k ranks only generate)")
+        require(self, prefix, "max_staleness", self.max_staleness >= 0, "must be >= 0 (0 = on-policy)")
+        require(self, prefix, "max_staleness", self.max_staleness == 0 or self.rollout_ranks >= 1,
+                "needs rollout ranks of its own to generate ahead of training: set async_rl.rollout_ranks >= 1 "
+                "(e.g. 1 of 2 GPUs), or max_staleness=0")
+        require(self, prefix, "weight_bucket_mb", self.weight_bucket_mb >= 1, "must be >= 1 (MiB)")
+        require(self, prefix, "partial_rollout", not self.partial_rollout or self.rollout_ranks >= 1,
+                "needs rollout ranks of their own (weights change under a running rollout only there): set "
+                "async_rl.rollout_ranks >= 1, or partial_rollout=false")
