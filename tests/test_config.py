@@ -463,3 +463,55 @@ def test_a_verl_key_name_gets_the_native_key():
     for override, hint in cases.items():
         with pytest.raises(ConfigError, match=re.escape(hint)):
             load_config(None, [override])
+
+
+def test_loading_and_checking_a_config_imports_no_torch(tmp_path):
+    """`shardrl.config` is the bottom layer: importing it, loading a demo-like file (and another command's), and
+    the errors of a bad key and a bad value bring in no torch (a subprocess, so that this one's torch is not seen)."""
+    import subprocess
+    import sys
+
+    demo = write_yaml(tmp_path / "run.yaml", {
+        "model": {"tiny": {"model_type": "qwen2", "hidden_size": 64}}, "data": {"train_batch_size": 4},
+        "rollout": {"n": 4, "max_new_tokens": 16},
+        "actor": {"ppo_mini_batch_size": 2, "use_kl_loss": True, "engine": {"use_dynamic_bsz": True}},
+        "algorithm": {"adv_estimator": "rloo"}, "trainer": {"total_steps": 3, "device": "cpu"}})
+    dpo = write_yaml(tmp_path / "dpo.yaml", {"dpo": {"loss_type": "ipo"}, "data": {"batch_size": 4}})
+    code = f"""if True:
+        import sys
+        import shardrl.config
+        assert 'torch' not in sys.modules, 'import shardrl.config'
+        from shardrl.config import ConfigError, DPOConfig, load_config
+        cfg = load_config({demo!r}, ["rollout.n=2"])
+        assert cfg.rollout.n == 2 and cfg.algorithm.adv_estimator == "rloo"
+        load_config({dpo!r}, cls=DPOConfig)
+        for bad in (["trainer.test_freq=2"], ["data.train_batch_size=3"], ["algorithm.adv_estimator=nope"]):
+            try:
+                load_config({demo!r}, bad)
+            except ConfigError:
+                pass
+            else:
+                raise AssertionError(bad)
+        try:
+            load_config({dpo!r})
+        except ConfigError:
+            pass
+        torch = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+        assert not torch, torch
+    """
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_config_s_algorithm_names_are_the_registries():
+    """The config reads the algorithms' names (and what each estimator needs) from a torch-free table; the
+    registries in `shardrl.algos` hold the functions under the same names and declare the same needs."""
+    from shardrl.algos import ADVANTAGE_ESTIMATORS, LOSS_MODES
+    from shardrl.algos.preference import PREFERENCE_LOSSES
+    from shardrl.config import names
+
+    assert list(names.ADVANTAGE_ESTIMATORS) == list(ADVANTAGE_ESTIMATORS)
+    for name, needs in names.ADVANTAGE_ESTIMATORS.items():
+        estimator = ADVANTAGE_ESTIMATORS[name]
+        assert (needs.needs_critic, needs.group_baseline) == (estimator.needs_critic, estimator.group_baseline), name
+    assert list(names.LOSS_MODES) == list(LOSS_MODES)
+    assert list(names.PREFERENCE_LOSSES) == list(PREFERENCE_LOSSES)

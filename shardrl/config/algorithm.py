@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from shardrl.config.engine import EngineConfig, OptimConfig
 from shardrl.config.load import require
-from shardrl.algos import ADVANTAGE_ESTIMATORS, LOSS_MODES
+from shardrl.config.names import ADVANTAGE_ESTIMATORS, LOSS_MODES
 
 KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                       "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]

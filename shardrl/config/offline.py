@@ -9,7 +9,7 @@ from typing import Literal
 from shardrl.config.command import OfflineCommandConfig, TrainerConfig
 from shardrl.config.engine import EngineConfig, ModelConfig, OptimConfig
 from shardrl.config.load import require
-from shardrl.algos.preference import PREFERENCE_LOSSES
+from shardrl.config.names import PREFERENCE_LOSSES
 
 PreferenceLossName = Literal[tuple(PREFERENCE_LOSSES)]
 

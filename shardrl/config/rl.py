@@ -11,7 +11,7 @@ from typing import Literal
 from shardrl.config.algorithm import ActorConfig, AlgorithmConfig, AsyncConfig, CriticConfig, RefConfig
 from shardrl.config.command import CommandConfig, TrainerConfig, epochs_decide
 from shardrl.config.engine import EngineConfig, ModelConfig
-from shardrl.algos import ADVANTAGE_ESTIMATORS
+from shardrl.config.names import ADVANTAGE_ESTIMATORS
 from shardrl.config.load import divisors, nearest, require
 from shardrl.config.rollout import RolloutConfig
 

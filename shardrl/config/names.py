@@ -1,0 +1,33 @@
+"""The algorithms a config may name, without torch: the names of `shardrl.algos`' registries and what the
+config's rules need to know of each estimator. The registries hold the functions under the same names
+(tests/test_config.py checks that the two agree)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an advantage estimator needs from the run (`shardrl.algos.advantages.Estimator` declares the same)."""
+
+    needs_critic: bool = False
+    """Takes values: the run trains a critic."""
+    group_baseline: bool = False
+    """Compares the responses to one prompt: needs rollout.n >= 2."""
+
+
+ADVANTAGE_ESTIMATORS = {
+    "gae": EstimatorNeeds(needs_critic=True),
+    "grpo": EstimatorNeeds(group_baseline=True),
+    "rloo": EstimatorNeeds(group_baseline=True),
+    "reinforce_plus_plus": EstimatorNeeds(),
+    "reinforce_plus_plus_baseline": EstimatorNeeds(group_baseline=True),
+}
+"""`algorithm.adv_estimator`'s choices (`shardrl.algos.ADVANTAGE_ESTIMATORS`)."""
+
+LOSS_MODES = ("vanilla", "gspo", "gspo_token")
+"""`actor.loss_mode`'s choices (`shardrl.algos.LOSS_MODES`)."""
+
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
+"""`dpo.loss_type`'s choices (`shardrl.algos.preference.PREFERENCE_LOSSES`)."""
