@@ -117,7 +117,7 @@ def test_invalid_layouts_name_the_numbers_and_the_fix(overrides, nnodes, nproc, 
 
 def test_mini_batch_that_does_not_divide_the_batch():
     # config validation rejects this too; the layout checks it for configs built in code
-    with pytest.raises(ValueError, match=r"actor.ppo_mini_batch_size=5 prompts .* data.train_batch_size=12 .*nearest valid: 4 or 6"):
+    with pytest.raises(ValueError, match=r"actor.ppo_mini_batch_size=5: must divide data.train_batch_size=12 .*nearest valid: 4 or 6"):
         derive_layout(raw_cfg(data__train_batch_size=12, actor__ppo_mini_batch_size=5), 1, 1)
 
 

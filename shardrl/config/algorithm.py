@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shardrl.config.engine import EngineConfig, OptimConfig
+from shardrl.config.checks import check_async
 from shardrl.config.load import require
 from shardrl.config.names import ADVANTAGE_ESTIMATORS, LOSS_MODES
 
@@ -221,10 +222,5 @@ class AsyncConfig:
         require(self, prefix, "rollout_ranks", self.rollout_ranks >= 0,
                 "must be >= 0 (0 = colocated; k = the last k ranks only generate)")
         require(self, prefix, "max_staleness", self.max_staleness >= 0, "must be >= 0 (0 = on-policy)")
-        require(self, prefix, "max_staleness", self.max_staleness == 0 or self.rollout_ranks >= 1,
-                "needs rollout ranks of its own to generate ahead of training: set async_rl.rollout_ranks >= 1 "
-                "(e.g. 1 of 2 GPUs), or max_staleness=0")
         require(self, prefix, "weight_bucket_mb", self.weight_bucket_mb >= 1, "must be >= 1 (MiB)")
-        require(self, prefix, "partial_rollout", not self.partial_rollout or self.rollout_ranks >= 1,
-                "needs rollout ranks of their own (weights change under a running rollout only there): set "
-                "async_rl.rollout_ranks >= 1, or partial_rollout=false")
+        check_async(self, prefix)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shardrl.config.checks import check_command, check_trainer
 from shardrl.config.engine import EngineConfig, LoRAConfig
 from shardrl.config.load import require
 
@@ -62,8 +63,6 @@ class TrainerConfig:
     """Where to run; "auto" picks CUDA when present."""
 
     def validate(self, prefix: str) -> None:
-        require(self, prefix, "total_steps", self.total_steps is not None or self.total_epochs is not None,
-                "must be set (>= 1), or trainer.total_epochs")
         require(self, prefix, "total_steps", self.total_steps is None or self.total_steps >= 1, "must be >= 1")
         require(self, prefix, "total_epochs", self.total_epochs is None or self.total_epochs >= 1, "must be >= 1 or null")
         require(self, prefix, "save_freq", self.save_freq >= 0, "must be >= 0 (0 = never)")
@@ -75,6 +74,7 @@ class TrainerConfig:
         require(self, prefix, "log_val_generations", self.log_val_generations >= 0, "must be >= 0 (0 = off)")
         require(self, prefix, "nnodes", self.nnodes >= 1, "must be >= 1")
         require(self, prefix, "nproc_per_node", self.nproc_per_node >= 1, "must be >= 1")
+        check_trainer(self, prefix)
 
 
 KEY_ALIASES = {
@@ -146,5 +146,10 @@ def epochs_decide(trainer: TrainerConfig, given: set[str]) -> None:
 
 
 class OfflineCommandConfig(CommandConfig):
+    """What an offline trainer's config (`shardrl sft|dpo|rm`) shares: one engine, data from files."""
+
     def inherit(self, given: set[str]) -> None:
         epochs_decide(self.trainer, given)
+
+    def validate(self, prefix: str) -> None:
+        check_command(self, prefix, {"engine": self.engine})

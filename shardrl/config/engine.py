@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shardrl.config.checks import check_engine, check_model, check_optim
 from shardrl.config.load import require
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -79,12 +80,9 @@ class ModelConfig:
     disk; the numbers depend on the layout (unlike `tiny`'s HF init on rank 0)."""
 
     def validate(self, prefix: str) -> None:
-        require(self, prefix, "tiny", self.path is None or self.tiny is None,
-                "set only one of model.path (a model folder) and model.tiny (a random-init config)")
         require(self, prefix, "tiny", self.tiny is None or "model_type" in self.tiny,
                 'needs a "model_type" entry, e.g. {"model_type": "qwen2", ...}')
-        require(self, prefix, "load_weights", self.load_weights != "random_shards" or self.tiny is not None,
-                "random_shards draws a random model.tiny; with model.path use sharded or rank0")
+        check_model(self, prefix)
 
 
 @dataclass
@@ -118,10 +116,9 @@ class OptimConfig:
         require(self, prefix, "weight_decay", self.weight_decay >= 0, "must be >= 0")
         require(self, prefix, "warmup_steps", self.warmup_steps >= 0, "must be >= 0")
         require(self, prefix, "warmup_ratio", 0 <= self.warmup_ratio < 1, "must be in [0, 1)")
-        require(self, prefix, "warmup_ratio", self.warmup_steps == 0 or self.warmup_ratio == 0,
-                "set only one of warmup_steps and warmup_ratio")
         require(self, prefix, "min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
         require(self, prefix, "total_steps", self.total_steps is None or self.total_steps >= 1, "must be >= 1 or null")
+        check_optim(self, prefix)
 
 
 @dataclass
@@ -199,20 +196,7 @@ class EngineConfig:
         require(self, prefix, "fsdp_size", self.fsdp_size == -1 or self.fsdp_size >= 1,
                 "must be -1 (shard over all ranks) or >= 1")
         require(self, prefix, "micro_batch_size_per_gpu", self.micro_batch_size_per_gpu >= 1, "must be >= 1")
-        require(self, prefix, "max_token_len_per_gpu", not self.use_dynamic_bsz or self.max_token_len_per_gpu >= 1,
-                "must be >= 1 when use_dynamic_bsz is on")
         require(self, prefix, "ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size >= 1, "must be >= 1")
         require(self, prefix, "expert_parallel_size", self.expert_parallel_size >= 1, "must be >= 1 (1: off)")
         require(self, prefix, "logprob_chunk_size", self.logprob_chunk_size >= 1, "must be >= 1")
-        require(self, prefix, "compile", not (self.compile and self.strategy == "fsdp"),
-                "is implemented for strategy=fsdp2 only; set compile=false with FSDP1 (strategy=fsdp)")
-        # FSDP1's CPU offload gave wrong gradient norms against the plain loop on one GPU, and its gradients cannot
-        # be gathered on two; FSDP2's offload matches the loop (bench/RESULTS.md, "Current figures: GPU tests")
-        require(self, prefix, "offload_params", not (self.offload_params and self.strategy == "fsdp"),
-                "is supported with strategy=fsdp2 only (FSDP1's CPU offload gave wrong gradients on GPU); "
-                "use strategy=fsdp2, or offload_optimizer=true with FSDP1")
-        require(self, prefix, "accumulate_unsharded", not (self.accumulate_unsharded and self.strategy == "fsdp"),
-                "is implemented for strategy=fsdp2 only; leave it null (or false) with FSDP1")
-        require(self, prefix, "accumulate_unsharded", not (self.accumulate_unsharded and self.offload_params),
-                "keeps the whole model gathered on the GPU, which offload_params=true exists to avoid; set one of "
-                "them false (or leave accumulate_unsharded null)")
+        check_engine(self, prefix)

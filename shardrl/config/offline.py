@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shardrl.config.checks import check_reward_model_trainer
 from shardrl.config.command import OfflineCommandConfig, TrainerConfig
 from shardrl.config.engine import EngineConfig, ModelConfig, OptimConfig
 from shardrl.config.load import require
@@ -143,3 +144,6 @@ class RMConfig(OfflineCommandConfig):
     """The loss."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run length (optimizer steps), checkpoints, logging, launch."""
+
+    def validate(self, prefix: str) -> None:
+        check_reward_model_trainer(self, prefix)

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shardrl.config.algorithm import ActorConfig, AlgorithmConfig, AsyncConfig, CriticConfig, RefConfig
+from shardrl.config.checks import check_reward, check_rl
 from shardrl.config.command import CommandConfig, TrainerConfig, epochs_decide
 from shardrl.config.engine import EngineConfig, ModelConfig
-from shardrl.config.names import ADVANTAGE_ESTIMATORS
-from shardrl.config.load import divisors, nearest, require
+from shardrl.config.load import require
 from shardrl.config.rollout import RolloutConfig
 
 
@@ -96,17 +96,11 @@ class RewardConfig:
     cut one, and RL learns to write to the limit when that token scores well; None: no penalty."""
 
     def validate(self, prefix: str) -> None:
-        require(self, prefix, "model_path", not (self.model_path and self.function_path),
-                "cannot be set together with reward.function_path; choose a reward model or a function")
         require(self, prefix, "num_workers", self.num_workers >= 0, "must be >= 0 (0: score in the training process)")
         require(self, prefix, "timeout_s", self.timeout_s is None or self.timeout_s > 0, "must be > 0 (seconds) or null")
-        require(self, prefix, "num_workers", not (self.model_path and (self.num_workers or self.timeout_s)),
-                "and reward.timeout_s apply to reward functions; a reward model (reward.model_path) scores on the "
-                "GPU: drop them")
-        require(self, prefix, "reward_kwargs", not self.reward_kwargs or bool(self.function_path),
-                "is passed to your reward function only; set reward.function_path too, or drop reward_kwargs")
         require(self, prefix, "missing_eos_penalty", self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
                 "must be >= 0 (it is subtracted) or null")
+        check_reward(self, prefix)
 
 
 @dataclass
@@ -175,59 +169,4 @@ class Config(CommandConfig):
         return lines
 
     def validate(self, prefix: str) -> None:
-        require(self, prefix, "trainer.export_lora_adapter", not self.trainer.export_lora_adapter
-                or self.model.lora.rank > 0, "needs model.lora.rank > 0 (there are no adapters to write)")
-        if self.model.lora.rank > 0:  # (the engine refuses these too; here `shardrl plan` does, before any ledger)
-            require(self, prefix, "actor.engine.strategy", self.actor.engine.strategy == "fsdp2",
-                    "must be fsdp2 with model.lora (FSDP1's flat parameters cannot hold a frozen base beside "
-                    "trained adapters)")
-            require(self, prefix, "actor.engine.offload_params", not self.actor.engine.offload_params,
-                    "is not supported with model.lora (the frozen base is stored in param_dtype already, half an fp32 "
-                    "model): set it false")
-        for role in ("actor", "ref", "critic"):
-            require(self, prefix, "model.load_weights", self.model.load_weights != "random_shards"
-                    or getattr(self, role).engine.strategy == "fsdp2",
-                    f"random_shards needs FSDP2 (each rank draws its own shards); {role}.engine.strategy is fsdp")
-        require(self, prefix, "rollout.lora_sync", self.rollout.lora_sync in (None, "full")
-                or self.async_rl.rollout_ranks == 0, "unmerged and merged sync a colocated rollout; rollout ranks of "
-                "their own (async_rl.rollout_ranks > 0) receive the merged model whole: set full or drop it")
-        batch = self.data.train_batch_size
-        estimator = ADVANTAGE_ESTIMATORS[self.algorithm.adv_estimator]
-        for section in ("actor", "critic") if estimator.needs_critic else ("actor",):
-            mini = getattr(self, section).ppo_mini_batch_size
-            require(self, prefix, f"{section}.ppo_mini_batch_size", mini <= batch and batch % mini == 0,
-                    f"must divide data.train_batch_size={batch} (both count prompts); nearest valid: "
-                    f"{nearest(mini, divisors(batch))}")
-        group_baseline = [name for name, e in ADVANTAGE_ESTIMATORS.items() if e.group_baseline]
-        require(self, prefix, "rollout.n", not estimator.group_baseline or self.rollout.n >= 2,
-                f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares responses within a prompt's "
-                "group, so it needs rollout.n >= 2")
-        require(self, prefix, "algorithm.filter_groups.enable",
-                not self.algorithm.filter_groups.enable or estimator.group_baseline,
-                f"drops groups whose rewards are all equal, which only a group baseline ({', '.join(group_baseline)}) "
-                f"leaves without advantage; set algorithm.adv_estimator to one, or filter_groups.enable=false")
-        if self.async_rl.rollout_ranks:
-            require(self, prefix, "async_rl.partial_rollout", not (self.async_rl.partial_rollout
-                                                               and self.rollout.multi_turn.enable),
-                    "is not supported with rollout.multi_turn.enable (weights change between generate calls "
-                    "only there, i.e. between turns); set one of them to false")
-            require(self, prefix, "algorithm.filter_groups.enable", not self.algorithm.filter_groups.enable,
-                    "dynamic sampling is not supported with async_rl.rollout_ranks > 0 (the rollout ranks generate "
-                    "one batch per step); set filter_groups.enable=false or async_rl.rollout_ranks=0")
-            require(self, prefix, "trainer.val_freq", self.trainer.val_freq == 0 or not self.data.val_files,
-                    "validation is not supported with async_rl.rollout_ranks > 0 (the training ranks hold no "
-                    "rollout); set trainer.val_freq=0 or async_rl.rollout_ranks=0")
-        require(self, prefix, "trainer.total_epochs", self.trainer.total_epochs is None or not self.async_rl.rollout_ranks,
-                "is not supported with async_rl.rollout_ranks > 0 (the rollout ranks do not read the training set); "
-                "set trainer.total_steps")
-        require(self, prefix, "algorithm.rollout_is", self.async_rl.max_staleness == 0 or self.algorithm.rollout_is,
-                f"async_rl.max_staleness={self.async_rl.max_staleness} trains on samples of an older policy: set "
-                "algorithm.rollout_is=true so the loss weighs them by the sampler's log-probs (the behaviour "
-                "policy), or async_rl.max_staleness=0")
-        ob, mt = self.reward.overlong_buffer, self.rollout.multi_turn
-        # the limit a response is shaped against: a conversation's budget for multi-turn rollouts
-        limit_key, limit = (("rollout.multi_turn.max_response_tokens", mt.max_response_tokens) if mt.enable
-                            else ("rollout.max_new_tokens", self.rollout.max_new_tokens))
-        require(self, prefix, "reward.overlong_buffer.len", not ob.enable or ob.len <= limit,
-                f"must be <= {limit_key}={limit} (the penalty spans the last len tokens before it); lower it or "
-                f"raise {limit_key}")
+        check_rl(self, prefix)

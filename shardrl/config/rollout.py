@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shardrl.config.checks import check_multi_turn, check_rollout
 from shardrl.config.load import require
 
 
@@ -77,16 +78,7 @@ class MultiTurnConfig:
         builtin = ("calculator", "python")  # shardrl.tools.BUILTIN_TOOLS
         bad = [t for t in self.tools if t not in builtin]
         require(self, prefix, "tools", not bad, f"unknown built-in tool(s) {bad}; choose from {list(builtin)}")
-        require(self, prefix, "enable", not self.enable or bool(self.interaction_path or self.tools
-                                                              or self.tool_config_path),
-                "multi-turn rollouts need tools: set rollout.multi_turn.tools (e.g. [calculator]), "
-                "rollout.multi_turn.interaction_path (a Python file defining an Interaction) or "
-                "rollout.multi_turn.tool_config_path (verl's tool config)")
-        require(self, prefix, "tool_config_path", not (self.tool_config_path and self.interaction_path),
-                "and interaction_path both define the tools; set one of them")
         require(self, prefix, "max_calls_per_turn", self.max_calls_per_turn >= 1, "must be >= 1")
-        require(self, prefix, "max_calls_per_turn", self.max_calls_per_turn == 1 or not self.overlap_tools,
-                "must be 1 with overlap_tools=true (a turn there ends at its first call); set one of them back")
         require(self, prefix, "max_turns", self.max_turns >= 0, "must be >= 0 (0: no limit but max_response_tokens)")
         require(self, prefix, "max_response_tokens", self.max_response_tokens >= 1, "must be >= 1")
         require(self, prefix, "tool_timeout_s", self.tool_timeout_s > 0, "must be > 0 (seconds)")
@@ -95,6 +87,7 @@ class MultiTurnConfig:
         require(self, prefix, "tool_turn_template", "{output}" in self.tool_turn_template,
                 "must hold the placeholder {output} (where the tool's answer goes)")
         require(self, prefix, "call_end", bool(self.call_end), "must be a non-empty string (it ends a model turn)")
+        check_multi_turn(self, prefix)
 
 
 @dataclass
@@ -231,8 +224,6 @@ class RolloutConfig:
         require(self, prefix, "sync_every", self.sync_every >= 1, "must be >= 1")
         require(self, prefix, "kv_cache_tokens", self.kv_cache_tokens is None or self.kv_cache_tokens >= 1,
                 "must be >= 1 or null")
-        for key in self.fast_only_keys() if self.backend == "hf" else ():  # null: checked once resolved
-            require(self, prefix, key, False, "applies to backend=fast only; set rollout.backend=fast or drop it")
         require(self, prefix, "n", self.n >= 1, "must be >= 1")
         require(self, prefix, "temperature", self.temperature == 0 or 1e-5 <= self.temperature <= 1e4,
                 "must be 0 (greedy) or in [1e-5, 1e4]")
@@ -240,5 +231,4 @@ class RolloutConfig:
         require(self, prefix, "top_k", 0 <= self.top_k < 2**31, "must be in [0, 2**31) (0 = off)")
         require(self, prefix, "max_new_tokens", self.max_new_tokens >= 1, "must be >= 1")
         require(self, prefix, "micro_batch_size", self.micro_batch_size >= 1, "must be >= 1")
-        require(self, prefix, "agent", not (self.agent.entrypoint and self.multi_turn.enable),
-                "and multi_turn both run the episodes; set rollout.agent.entrypoint or rollout.multi_turn.enable")
+        check_rollout(self, prefix)

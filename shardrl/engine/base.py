@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from shardrl.config.checks import check_lora_engine
 from shardrl.batch import Batch
 from shardrl.distributed import MeshLayout, all_reduce_sum, build_device_mesh, device_type
 from shardrl.metrics import Sum, accumulate, reduce_metrics
@@ -113,12 +114,7 @@ class Engine(abc.ABC):
 
     # ---- building -------------------------------------------------------------------------------
     def _check_lora(self, head: str) -> None:
-        if self.strategy != "fsdp2":
-            raise ValueError(f"model.lora.rank={self.lora.rank} needs strategy=fsdp2 (FSDP1's flat parameters cannot "
-                             "hold a frozen base beside trained adapters); set engine.strategy=fsdp2")
-        if self.cfg.offload_params:
-            raise ValueError("model.lora with offload_params=true is not supported yet; the frozen base is stored in "
-                             "param_dtype already (half an fp32 model): set offload_params=false")
+        check_lora_engine(self.lora, self.cfg, "engine")  # the config's rule, for an engine built in code
         if head != "lm":
             raise ValueError(f"model.lora is for the policy (and its reference); this engine has a {head!r} head")
 
@@ -496,8 +492,8 @@ class Engine(abc.ABC):
     def save_lora_adapter(self, path) -> str:
         """The adapters as a peft adapter folder at `path` (rank 0 writes; every rank must call: the gathers are
         collectives); `PeftModel.from_pretrained(base model, path)` loads it."""
-        if self.lora is None:
-            raise ValueError("trainer.export_lora_adapter needs model.lora (rank > 0): this model has no adapters")
+        if self.lora is None:  # (the config refuses trainer.export_lora_adapter without model.lora)
+            raise RuntimeError("save_lora_adapter: this engine has no LoRA adapters (model.lora.rank=0)")
         adapters = {}
         for name, p in self.module.named_parameters():
             if LORA_MARK in name:

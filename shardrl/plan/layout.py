@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from shardrl.algos.preference import PREFERENCE_LOSSES
+from shardrl.config.checks import check_mini_batch
 from shardrl.config.schema import Config, EngineConfig
 from shardrl.config.load import divisors as _divisors, nearest as _nearest
 from shardrl.models.config import text_config
@@ -115,11 +116,7 @@ def _train_role(cfg: Config, role: str, engine: EngineConfig, dp: int, n: int, s
                 sharding: tuple[int, str, int, int]) -> RoleLayout:
     section = getattr(cfg, role)
     batch, mini = cfg.data.train_batch_size, section.ppo_mini_batch_size
-    if mini < 1 or batch % mini != 0:
-        raise ValueError(
-            f"{role}.ppo_mini_batch_size={mini} prompts does not divide data.train_batch_size={batch} prompts; "
-            f"nearest valid: {_nearest(mini, _divisors(batch))}"
-        )
+    check_mini_batch(cfg, role)  # the config's rule, for a config built in code
     if (mini * n) % dp != 0:
         valid = [m for m in _divisors(batch) if (m * n) % dp == 0]
         raise ValueError(
@@ -326,10 +323,6 @@ def derive_offline_layout(cfg, trainer: str, nnodes: int, nproc_per_node: int) -
     (a pair's two sequences always share one), and the token budget against data.max_length."""
     if nnodes < 1 or nproc_per_node < 1:
         raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must both be >= 1")
-    if trainer == "rm" and cfg.model.lora.rank > 0:  # here, so that `shardrl plan --trainer rm` says it too
-        raise ValueError(f"model.lora.rank={cfg.model.lora.rank}: the reward-model trainer (shardrl rm) does not "
-                         "support LoRA (it trains the whole model and its new score head); remove model.lora "
-                         "(set model.lora.rank=0 or drop it)")
     world, engine = nnodes * nproc_per_node, cfg.engine
     sp = engine.ulysses_sequence_parallel_size
     if sp < 1 or world % sp != 0:

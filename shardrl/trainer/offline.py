@@ -67,8 +67,6 @@ class OfflineTrainer(abc.ABC):
         for line in cfg.ignored_settings():
             if self.rank == 0:
                 log.warning(line)
-        if cfg.trainer.export_lora_adapter and cfg.model.lora.rank == 0:
-            raise ValueError("trainer.export_lora_adapter needs model.lora.rank > 0 (there are no adapters to write)")
         if not d.train_files:
             raise ValueError("data.train_files is empty; give the files to train on (jsonl, json or parquet), "
                              "e.g. data.train_files=[rows.jsonl]")

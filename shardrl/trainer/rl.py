@@ -23,6 +23,7 @@ import torch.distributed as dist
 from shardrl.batch import Batch
 from shardrl.trainer.checkpoint import CheckpointManager
 from shardrl.config.schema import Config, config_to_dict
+from shardrl.config.checks import check_router_replay_settings
 from shardrl.config.load import ConfigError
 from shardrl.data.prompts import PromptLoader, load_prompt_dataset
 from shardrl.engine.model import load_hf_config
@@ -58,14 +59,10 @@ def check_router_replay(cfg: Config, policy_config, say) -> None:
     shardrl knows); with no old-log-prob pass R2 replays nothing (said)."""
     from shardrl.engine.moe import is_moe, router_rule
 
+    check_router_replay_settings(cfg)  # what the config alone decides; the rest needs the model
     if cfg.actor.router_aux_loss_coef > 0 and not is_moe(policy_config):
         raise ConfigError(f"actor.router_aux_loss_coef={cfg.actor.router_aux_loss_coef:g} needs a mixture-of-experts "
                           f"model; {policy_config.model_type!r} is dense: set it to 0")
-    sp = cfg.actor.engine.ulysses_sequence_parallel_size
-    if sp > 1 and (cfg.actor.router_aux_loss_coef > 0 or cfg.actor.router_replay.mode != "disabled"):
-        raise ConfigError(f"actor.engine.ulysses_sequence_parallel_size={sp}: router replay and the load-balancing loss "
-                          "need every token of a sequence on one rank; set it to 1 (or actor.router_replay.mode="
-                          "disabled and actor.router_aux_loss_coef=0)")
     mode = cfg.actor.router_replay.mode
     if mode == "disabled":
         return
@@ -73,12 +70,6 @@ def check_router_replay(cfg: Config, policy_config, say) -> None:
         raise ConfigError(f"actor.router_replay.mode={mode} needs a mixture-of-experts model; "
                           f"{policy_config.model_type!r} is dense: set actor.router_replay.mode=disabled")
     if mode == "R3":
-        if cfg.rollout.backend == "hf":
-            raise ConfigError("actor.router_replay.mode=R3 replays the routing the fast rollout records; set "
-                              "rollout.backend=fast (or null), or use mode R2")
-        if cfg.rollout.multi_turn.enable or cfg.rollout.agent.entrypoint:
-            raise ConfigError("actor.router_replay.mode=R3 records single-turn rollouts only (multi-turn and agent "
-                              "turns are prefilled again); use mode R2")
         from shardrl.models.families import check_supported
 
         try:
