@@ -17,6 +17,8 @@ import shutil
 import sys
 from importlib import metadata
 
+from shardrl.config.registry import TRAINERS
+
 
 def _gib(text: str) -> float:
     """An argparse type: a GPU's memory in GiB, a finite number > 0."""
@@ -84,18 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-mem-gib", type=_gib, default=None, metavar="GIB",
                       help="say whether each phase's predicted peak fits a GPU of this size, and what to change "
                            "when one does not (exit status 1)")
-    plan.add_argument("--trainer", choices=("train", "sft", "dpo", "rm"), default="train",
+    plan.add_argument("--trainer", choices=tuple(TRAINERS), default="train",
                       help="the command the config is for (default: train, the RL trainer)")
 
     sub.add_parser("doctor", help="report what this machine can run")
 
-    train = sub.add_parser("train", help="train (launches torchrun itself with --nproc-per-node > 1)")
+    train = sub.add_parser("train", help=TRAINERS["train"].help)
     _add_config_args(train)
     for p in (plan, train):
         _add_verl_args(p)
 
-    for name, what in OFFLINE_TRAINERS.items():
-        _add_config_args(sub.add_parser(name, help=what))
+    for name, trainer in TRAINERS.items():
+        if trainer.offline:
+            _add_config_args(sub.add_parser(name, help=trainer.help))
 
     serve = sub.add_parser("serve", help="serve a config's model on an OpenAI-compatible HTTP endpoint")
     _add_config_args(serve)
@@ -127,14 +130,13 @@ def plan_main(args: argparse.Namespace) -> int:
     from shardrl.plan.defaults import free_cache_choice, lora_sync_choice
     from shardrl.trainer.main import resolve_overrides
 
-    offline = args.trainer != "train"
+    trainer = TRAINERS[args.trainer]
+    offline = trainer.offline
     if offline:
-        from shardrl.config.schema import DPOConfig, RMConfig, SFTConfig
         from shardrl.plan.layout import derive_offline_layout, format_offline_layout
         from shardrl.plan.memory import offline_ledger
 
-        cfg = load_config(args.config, list(args.overrides),
-                          cls={"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig}[args.trainer])
+        cfg = load_config(args.config, list(args.overrides), cls=trainer.config)
     elif args.verl:  # a verl command line, as `shardrl train --verl` runs it
         from shardrl.trainer.main import verl_overrides
 
@@ -149,7 +151,7 @@ def plan_main(args: argparse.Namespace) -> int:
     ledger, skipped, hf_config = None, None, None
     try:
         hf_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code,
-                                   task="seq_cls" if args.trainer == "rm" else "causal_lm", new_head_ok=True)
+                                   task="seq_cls" if trainer.head == "score" else "causal_lm", new_head_ok=True)
     except ConfigError:  # a bad key, as training would refuse it
         raise
     except ValueError as e:  # no usable model config: the layout still stands on its own
@@ -268,20 +270,13 @@ def train_main(args: argparse.Namespace) -> int:
     return run(args) or 0
 
 
-OFFLINE_TRAINERS = {
-    "sft": "supervised fine-tuning on chat data (the keys of config.SFTConfig)",
-    "dpo": "preference training: DPO, IPO, SimPO on prompt/chosen/rejected rows (config.DPOConfig)",
-    "rm": "a Bradley-Terry reward model on prompt/chosen/rejected rows (config.RMConfig)",
-}
-
-
 def offline_main(args: argparse.Namespace) -> int:
     import importlib
 
     from shardrl.trainer.offline import offline_main as run
 
-    trainer = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "rm": "RMTrainer"}[args.command]
-    return run(getattr(importlib.import_module(f"shardrl.trainer.{args.command}"), trainer), args) or 0
+    module, name = TRAINERS[args.command].entry.split(":")  # (imported only now: the config imports no trainer)
+    return run(getattr(importlib.import_module(module), name), args) or 0
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -343,7 +338,7 @@ def plot_main(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"plan": plan_main, "doctor": doctor_main, "train": train_main, "plot": plot_main, "serve": serve_main,
-            **{name: offline_main for name in OFFLINE_TRAINERS}}
+            **{name: offline_main for name, trainer in TRAINERS.items() if trainer.offline}}
 
 
 def main(argv: list[str] | None = None) -> int:

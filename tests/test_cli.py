@@ -281,3 +281,23 @@ def test_plan_lays_out_the_offline_trainers(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "micro-batches per step = ceil(4 / 3 (micro_batch_size_per_gpu)) = 2 of <= 3 conversations" in out
     assert "resident model params" in out and "KV cache" not in out
+
+
+def test_the_trainer_subcommands_come_from_the_registry():
+    """`shardrl sft|dpo|rm` and `shardrl plan --trainer` are the registry's rows; each row's entry is its trainer
+    class, which reads the row's config, group size and head."""
+    import importlib
+
+    from shardrl.cli import COMMANDS, build_parser
+    from shardrl.config.registry import TRAINERS
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    plan = next(a for a in commands["plan"]._actions if a.dest == "trainer")
+    assert list(plan.choices) == list(TRAINERS) == ["train", "sft", "dpo", "rm"]
+    for name, row in TRAINERS.items():
+        assert name in commands and name in COMMANDS
+        module, attr = row.entry.split(":")
+        cls = getattr(importlib.import_module(module), attr)
+        if row.offline:
+            assert (cls.name, cls.config_cls, cls.group_size, cls.head) == (name, row.config, row.group_size, row.head)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from shardrl.algos.preference import PREFERENCE_LOSSES
 from shardrl.config.checks import check_mini_batch
-from shardrl.config.schema import Config, EngineConfig
+from shardrl.config.registry import TRAINERS
+from shardrl.config.schema import Config, DPOConfig, EngineConfig
 from shardrl.config.load import divisors as _divisors, nearest as _nearest
 from shardrl.models.config import text_config
 from shardrl.plan.step_plan import StepPlan
@@ -329,8 +330,7 @@ def derive_offline_layout(cfg, trainer: str, nnodes: int, nproc_per_node: int) -
         raise ValueError(f"engine.ulysses_sequence_parallel_size={sp} does not divide the world size {world} "
                          f"({nnodes} nodes x {nproc_per_node} procs); valid sp: {_divisors(world)}")
     dp = world // sp
-    batch, group = cfg.data.batch_size, 1 if trainer == "sft" else 2
-    what = "conversations" if trainer == "sft" else "pairs"
+    batch, group, what = cfg.data.batch_size, TRAINERS[trainer].group_size, TRAINERS[trainer].rows
     if batch % dp:
         raise ValueError(f"data.batch_size={batch} {what} cannot be split over dp={dp} data-parallel ranks "
                          f"(world {world} / sp {sp}); nearest valid: {_nearest_multiples(batch, dp)}")
@@ -350,14 +350,14 @@ def derive_offline_layout(cfg, trainer: str, nnodes: int, nproc_per_node: int) -
         count = math.ceil(rows / micro)
         role = RoleLayout("engine", *sharding, micro, None, f"{count} of <= {micro} {what}", None,
                           num_micro_batches=count)
-    uses_ref = trainer == "dpo" and PREFERENCE_LOSSES[cfg.dpo.loss_type].uses_ref
+    uses_ref = isinstance(cfg, DPOConfig) and PREFERENCE_LOSSES[cfg.dpo.loss_type].uses_ref
     return OfflineLayout(trainer, nnodes, nproc_per_node, world, sp, dp, role, batch, rows, rows * group, group,
                          cfg.data.max_length, math.ceil(cfg.data.max_length / sp), uses_ref)
 
 
 def format_offline_layout(layout: OfflineLayout) -> str:
     L, e = layout, layout.engine
-    what = "conversations" if L.group_size == 1 else "pairs"
+    what = TRAINERS[L.trainer].rows
     lines: list[tuple[str, str, object]] = [
         ("world size", f"{L.nnodes} nodes x {L.nproc_per_node} procs", L.world_size),
         ("sp", "engine.ulysses_sequence_parallel_size", L.sp),
