@@ -50,7 +50,7 @@ def main():
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     folder, shape, tok = model_folder(args.shape, args.root, args.prompt_len, args.max_tokens, cuda)
-    app = build_server(load_config(None, [f"model.path={folder}", f"rollout.max_batch={args.max_batch}",
+    app = build_server(load_config(None, [f"model.path={folder}", f"rollout.fast.max_batch={args.max_batch}",
                                           "rollout.backend=fast"]), served_name="m", max_batch=args.max_batch)
     rollout = app.state.batcher.rollout
     n_requests = args.clients * args.requests

@@ -74,7 +74,7 @@ CASES = {
                                         "rollout.lora_sync=unmerged", "model.gradient_checkpointing=true",
                                         "actor.engine.accumulate_unsharded=false"]),
     # a second, gathered copy of the 65 GB base over the micro-batches would not fit: gather a layer at a time
-    "32b_lora": ("32b", 16, LORA + ["rollout.max_batch=64", "model.gradient_checkpointing=true",
+    "32b_lora": ("32b", 16, LORA + ["rollout.fast.max_batch=64", "model.gradient_checkpointing=true",
                                     "actor.engine.accumulate_unsharded=false"]),
     "tiny_full": ("tiny", 4, []),
     "tiny_lora": ("tiny", 4, LORA),

@@ -4,7 +4,7 @@ token-level truncation at 2 by default). One JSON line per run: the mismatch met
 difference| and its max, KL of sampler to trainer per sequence, k3 per token; with the correction also the
 mean weight and the truncated/masked fractions) averaged over the steps, and the reward curve (means of
 consecutive blocks of steps), the last validation reward, and the wall time. The rollout is not compiled
-(`rollout.compile=false`: no compile time at start-up; for the demo's tiny model it made no difference to the step,
+(`rollout.fast.compile=false`: no compile time at start-up; for the demo's tiny model it made no difference to the step,
 bench/RESULTS.md, "Current figures: Demo and host overhead").
 
     python bench/rollout_mismatch.py --steps 80 --root /tmp/mismatch           # both runs, < 4 min on an H200
@@ -43,7 +43,7 @@ def main() -> None:
     assets = prepare_demo_assets(root / "assets")
     common = demo_overrides(assets) + [
         f"trainer.total_steps={args.steps}", f"trainer.val_freq={args.steps}", "trainer.logger=[jsonl]",
-        "trainer.log_val_generations=0", *(["trainer.device=cpu"] if args.cpu else ["rollout.backend=fast", "rollout.compile=false"])]
+        "trainer.log_val_generations=0", *(["trainer.device=cpu"] if args.cpu else ["rollout.backend=fast", "rollout.fast.compile=false"])]
     for name in args.variants.split(","):
         t0 = time.perf_counter()
         run_dir = run(None, common + [f"trainer.output_dir={root / name}", *args.extra, *VARIANTS[name]])

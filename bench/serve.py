@@ -15,7 +15,7 @@ timed one: the server's steady state (its decode graphs of every (length, width)
 The model is the Qwen2-1.5B shape of bench/e2e.py with random weights ("eos_hazard": each new token ends the reply
 with probability 1/400, so replies have uneven lengths), written once under --root. Both sides sample at
 temperature 1 with their own seeds, so their replies differ; tokens/s counts the tokens each actually made.
-Both decode in `--max-batch` slots (`rollout.max_batch`; before session 18's last commit the rollout's default, 64).
+Both decode in `--max-batch` slots (`rollout.fast.max_batch`; before session 18's last commit the rollout's default, 64).
 """
 
 from __future__ import annotations
@@ -392,7 +392,7 @@ def main():
     else:
         folder, shape, tok = model_folder(args.shape, args.root, args.prompt_len, args.max_tokens, cuda)
         # the rollout's slots = the server's max_batch, so that the direct calls decode in as many as the stream
-        overrides = [f"model.path={folder}", f"rollout.max_batch={args.max_batch}"] + (
+        overrides = [f"model.path={folder}", f"rollout.fast.max_batch={args.max_batch}"] + (
             [f"rollout.backend={args.backend}"] if args.backend else [])
         engine = build_engine(load_config(None, overrides), served_name="m", max_batch=args.max_batch)
     n_requests = args.clients * args.requests

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model's name in requests (default: the model folder's name)")
     serve.add_argument("--max-batch", type=_count, default=None, metavar="N",
-                       help="requests generated together at most (default: rollout.max_batch)")
+                       help="requests generated together at most (default: rollout.fast.max_batch)")
     serve.add_argument("--front-end", choices=["process", "thread"], default="process",
                        help="where HTTP is served: a process of its own (default; the generation never waits for it "
                             "on the interpreter lock), or a thread of the engine's")

@@ -317,7 +317,7 @@ def test_two_gpus_one_step_off_streams_weights_over_nccl(assets, tmp_path):
     same run with max_staleness=0 samples step 0 as the one-GPU synchronous run does (the same weights and
     seeds; later steps may differ by the GPU's nondeterministic reductions in training)."""
     args = ("trainer.logger=[jsonl]", "trainer.total_steps=3", "algorithm.rollout_is=true", "rollout.backend=fast",
-            "rollout.compile=false", "async_rl.weight_bucket_mb=1")
+            "rollout.fast.compile=false", "async_rl.weight_bucket_mb=1")
     sync = run_distributed(run_recording, 1, small_demo_run(assets, tmp_path / "sync", *args))
     on_policy = run_distributed(run_recording, 2, small_demo_run(assets, tmp_path / "s0", *args,
                                                                 "async_rl.rollout_ranks=1"))

@@ -72,7 +72,7 @@ def test_plan_advises_a_lora_run_without_offloading_its_frozen_base(capsys):
     """Where the params are the largest term, a full fine-tuning run is told offload_params; a LoRA run cannot take
     it and is told to gather the base a layer at a time or to shard over more GPUs."""
     big = TINY.replace("hidden_size: 64", "hidden_size: 4096").replace("intermediate_size: 128", "intermediate_size: 16384")
-    args = ["plan", big, "data.max_prompt_length=64", "rollout.max_new_tokens=64", "rollout.max_batch=8",
+    args = ["plan", big, "data.max_prompt_length=64", "rollout.max_new_tokens=64", "rollout.fast.max_batch=8",
             "model.gradient_checkpointing=true", "actor.engine.offload_optimizer=true", "--gpu-mem-gib", "0.5", "--json"]
     assert main(args) == 1
     full = json.loads(capsys.readouterr().out)["advice"]

@@ -106,9 +106,9 @@ def test_no_file_gives_defaults_and_other_top_level_classes_load():
     ("rollout.temperature=1e-9", "invalid config value rollout.temperature=1e-09: must be 0 (greedy) or in [1e-5"),
     ("rollout.val_kwargs.temperature=1e5", "rollout.val_kwargs.temperature=100000.0: must be 0 (greedy) or in"),
     ("rollout.top_k=3000000000", "invalid config value rollout.top_k=3000000000: must be in [0, 2**31)"),
-    ("rollout.attention=flash", "config key 'rollout.attention' must be one of 'auto', 'triton', 'sdpa'"),
+    ("rollout.fast.attention=flash", "config key 'rollout.fast.attention' must be one of 'auto', 'triton', 'sdpa'"),
     # fast-only keys with backend=hf: tests/test_defaults.py
-    ("rollout.max_batch=0", "invalid config value rollout.max_batch=0: must be >= 1 or null"),
+    ("rollout.fast.max_batch=0", "invalid config value rollout.fast.max_batch=0: must be >= 1 or null"),
     ("data.train_batch_size=6",
      "invalid config value actor.ppo_mini_batch_size=4: must divide data.train_batch_size=6"),
     ("rollout.n=1", "invalid config value rollout.n=1: algorithm.adv_estimator='grpo'"),
@@ -473,7 +473,7 @@ def test_loading_and_checking_a_config_imports_no_torch(tmp_path):
 
     demo = write_yaml(tmp_path / "run.yaml", {
         "model": {"tiny": {"model_type": "qwen2", "hidden_size": 64}}, "data": {"train_batch_size": 4},
-        "rollout": {"n": 4, "max_new_tokens": 16},
+        "rollout": {"n": 4, "max_new_tokens": 16, "fast": {"max_batch": 8}},
         "actor": {"ppo_mini_batch_size": 2, "use_kl_loss": True, "engine": {"use_dynamic_bsz": True}},
         "algorithm": {"adv_estimator": "rloo"}, "trainer": {"total_steps": 3, "device": "cpu"}})
     dpo = write_yaml(tmp_path / "dpo.yaml", {"dpo": {"loss_type": "ipo"}, "data": {"batch_size": 4}})
@@ -515,3 +515,26 @@ def test_the_config_s_algorithm_names_are_the_registries():
         assert (needs.needs_critic, needs.group_baseline) == (estimator.needs_critic, estimator.group_baseline), name
     assert list(names.LOSS_MODES) == list(LOSS_MODES)
     assert list(names.PREFERENCE_LOSSES) == list(PREFERENCE_LOSSES)
+
+
+def test_the_fast_backends_keys_moved_under_rollout_fast_and_the_old_ones_still_work(tmp_path, caplog):
+    """rollout.max_batch (and the other fast-only keys) is rollout.fast.max_batch now: the new key works; the old
+    one, in an override or a file, lands in the new field with a one-line note; a saved config has the new keys."""
+    moved = {"max_batch": 8, "kv_cache_tokens": 4096, "sync_every": 4, "compile": False, "attention": "sdpa",
+             "sampler": "torch", "prefix_cache": False, "cascade": False}
+    new = load_config(None, [f"rollout.fast.{k}={str(v).lower()}" for k, v in moved.items()])
+    assert {k: getattr(new.rollout.fast, k) for k in moved} == moved
+    assert not caplog.records
+    old = load_config(None, [f"rollout.{k}={str(v).lower()}" for k, v in moved.items()])
+    assert old == new
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == len(moved) and all("\n" not in n for n in notes)
+    assert "config key 'rollout.max_batch' is deprecated: it is 'rollout.fast.max_batch' now" in notes[0]
+    old_yaml = write_yaml(tmp_path / "old.yaml", {"rollout": {"max_batch": 3, "n": 2}})
+    assert load_config(old_yaml).rollout.fast.max_batch == 3
+    with pytest.raises(ConfigError, match=r"'rollout\.fast\.max_batch' expects int, got 'many'"):
+        load_config(None, ["rollout.max_batch=many"])
+    save_config(old, str(tmp_path / "config.yaml"))
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["rollout"]["fast"] == moved and not set(moved) & set(saved["rollout"])
+    assert load_config(str(tmp_path / "config.yaml")) == old

@@ -70,18 +70,18 @@ def test_cuda_falls_back_where_the_fast_paths_do_not_apply(monkeypatch):
 
 
 def test_fast_only_keys_need_the_fast_backend(monkeypatch):
-    for key, value in [("compile", "true"), ("attention", "triton"), ("sampler", "triton"), ("max_batch", "8"),
-                       ("multi_turn.overlap_tools", "true")]:
+    for key, value in [("fast.compile", "true"), ("fast.attention", "triton"), ("fast.sampler", "triton"),
+                       ("fast.max_batch", "8"), ("multi_turn.overlap_tools", "true")]:
         with pytest.raises(ConfigError, match=rf"rollout\.{key}=.*: applies to backend=fast only"):
             load_config(None, ["rollout.backend=hf", f"rollout.{key}={value}"])
     # backend null: valid as a config whatever the machine; where it resolves to hf, the key is an error
-    cfg = load_config(None, ["rollout.max_batch=8"])
+    cfg = load_config(None, ["rollout.fast.max_batch=8"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ConfigError, match=r"rollout\.max_batch applies to backend=fast only, and "
+    with pytest.raises(ConfigError, match=r"rollout\.fast\.max_batch applies to backend=fast only, and "
                                           r"rollout\.backend=null chose hf on CPU; set rollout\.backend=fast"):
         resolve_device_defaults(cfg, QWEN2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_device_defaults(cfg, QWEN2)[0].rollout.max_batch == 8
+    assert resolve_device_defaults(cfg, QWEN2)[0].rollout.fast.max_batch == 8
 
 
 @pytest.mark.parametrize("overrides, reuse, why", [

@@ -149,7 +149,7 @@ def test_memory_ledger_terms_are_the_arithmetic_of_the_config():
         assert phase["total_gib"] == pytest.approx(sum(i["gib"] for i in phase["items"]))
     assert ledger["peak_gib"] == max(p["total_gib"] for p in ledger["phases"].values())
     assert "KV cache" in format_phase_ledger(ledger)
-    budget = cfg(TINY, "rollout.kv_cache_tokens=1000")  # a cache budget below slots x positions is what it holds
+    budget = cfg(TINY, "rollout.fast.kv_cache_tokens=1000")  # a cache budget below slots x positions is what it holds
     kv = next(i for i in phase_ledger(budget, derive_layout(budget, 1, 4), hf)["phases"]["gen"]["items"]
               if i["name"] == "KV cache")
     assert kv["gib"] * GIB == pytest.approx(1000 * 2 * 2 * 2 * 16 * 2) and "kv_cache_tokens" in kv["how"]

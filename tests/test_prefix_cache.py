@@ -205,7 +205,7 @@ def test_a_kv_budget_admits_rows_as_blocks_free_and_changes_no_token(tok):
     keep = sampled.response_mask.bool()  # (the noise a row draws depends on when it is admitted: not want's tokens)
     recomputed = recomputed_log_probs(model, sampled, 1.0)[:, sampled.prompt_ids.shape[1]:]
     assert torch.allclose(sampled.sampled_log_probs[keep], recomputed[keep], atol=1e-4)
-    with pytest.raises(ValueError, match=r"kv_cache_tokens=16 \(rollout.kv_cache_tokens\) cannot hold one row of 40 positions"):
+    with pytest.raises(ValueError, match=r"kv_cache_tokens=16 \(rollout.fast.kv_cache_tokens\) cannot hold one row of 40 positions"):
         make_rollout("fast", tok, model, kv_cache_tokens=16, **kwargs).generate(*encode(tok), greedy)
 
 
@@ -383,6 +383,6 @@ def test_an_rl_run_logs_the_share_of_prompt_tokens_read_from_the_cache(tmp_path,
         name, *a, **({**k, "block_size": 2} if name == "fast" else k)))
     assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=0)
     run_dir = run(None, small_demo_run(assets, tmp_path / "run", "trainer.logger=[jsonl]", "trainer.total_steps=2",
-                                       "rollout.backend=fast", "rollout.max_batch=2"))
+                                       "rollout.backend=fast", "rollout.fast.max_batch=2"))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(0.2 < r["rollout/prompt_cached_frac"] < 1 for r in records), [r.get("rollout/prompt_cached_frac") for r in records]

@@ -57,8 +57,8 @@ def test_grpo_two_processes_trains_and_logs(assets, tmp_path):
 def test_grpo_with_the_fast_rollout(assets, tmp_path):
     # 8 rows per rank on 3 decode slots: finished rows hand their slots to waiting ones between syncs
     records = run_distributed(run_training, 2, small(assets, tmp_path / "fast", "trainer.total_steps=3",
-                                                     "rollout.backend=fast", "rollout.max_batch=3",
-                                                     "rollout.sync_every=2", "actor.entropy_coeff=0.01"))
+                                                     "rollout.backend=fast", "rollout.fast.max_batch=3",
+                                                     "rollout.fast.sync_every=2", "actor.entropy_coeff=0.01"))
     assert [r["step"] for r in records] == [1, 2, 3]
     # after every update the sampler runs the actor's new weights: its log-probs equal the recomputation
     assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in records)

@@ -13,7 +13,9 @@ The dataclasses are the only schema. A YAML file (nested mappings -> nested data
 
 After filling, `validate_config` re-checks every field's type and calls each section's
 `validate(prefix)`, children first; `prefix` is the section's dotted key ("actor.optim", or "" for
-the root) so messages name the full key. Every user mistake is a `ConfigError` (a `ValueError`).
+the root) so messages name the full key. Every user mistake is a `ConfigError` (a `ValueError`). A key that
+moved stays readable where a section's `renamed_keys` says it went (old name -> new dotted name under the
+section), with a one-line deprecation note; `moved_key` names a key that no longer works and where it went.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import logging
 import os
 import types
 import typing
@@ -30,6 +33,7 @@ from typing import Any, Callable, Iterable, Literal, TypeVar, Union
 import yaml
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 OVERRIDE_FORM = "expected key=value with a dotted key, e.g. actor.optim.lr=1e-5"
 
@@ -265,6 +269,12 @@ def _set(section: Any, parts: list[str], value: Any, raw: str | None, prefix: st
     key = join_key(prefix, name)
     full_key = join_key(key, ".".join(rest)) if rest else key
     hints = _hints(type(section))
+    renamed = getattr(type(section), "renamed_keys", {}).get(name)
+    if name not in hints and renamed:  # an old key that still works where it moved to, with a note
+        log.warning("config key %r is deprecated: it is %r now (it still works, for a while)", key,
+                    join_key(prefix, renamed))
+        _set(section, renamed.split(".") + rest, value, raw, prefix, scope)
+        return
     if name not in hints:
         moved = getattr(type(section), "moved_key", None)
         where = moved(name, prefix) if moved else None
@@ -360,7 +370,7 @@ def unknown_keys(cls: type, data: dict, prefix: str = "") -> list[str]:
     hints, unknown = _hints(cls), []
     for name, value in data.items():
         key = join_key(prefix, str(name))
-        if str(name) not in hints:
+        if str(name) not in hints and str(name) not in getattr(cls, "renamed_keys", {}):
             unknown.append(key)
         elif dataclasses.is_dataclass(hints[str(name)]) and isinstance(value, dict):
             unknown += unknown_keys(hints[str(name)], value, key)

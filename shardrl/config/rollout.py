@@ -1,8 +1,9 @@
-"""Generation: `RolloutConfig` (sampling, the backend's settings), with its multi-turn (`MultiTurnConfig`),
-agent (`AgentConfig`) and validation-sampling (`ValSamplingConfig`) sections."""
+"""Generation: `RolloutConfig` (sampling), with the fast backend's settings (`FastRolloutConfig`), its multi-turn
+(`MultiTurnConfig`), agent (`AgentConfig`) and validation-sampling (`ValSamplingConfig`) sections."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -142,27 +143,10 @@ class ValSamplingConfig:
 
 
 @dataclass
-class RolloutConfig:
-    backend: Literal["hf", "fast"] | None = None
-    """Generation engine: HF `generate`, or the static-KV-cache fast engine (Llama/Qwen2-style models).
-    null = by device, resolved once when a run starts (`shardrl.plan.defaults`): fast on CUDA when it
-    supports the model (bench/RESULTS.md, "Current figures: Fast rollout"), hf otherwise and on CPU."""
-    n: int = 4
-    """Responses sampled per prompt (the GRPO group size)."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 is greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling mass; 1 is off."""
-    top_k: int = 0
-    """Top-k sampling; 0 is off."""
-    max_new_tokens: int = 32
-    """Response length limit in tokens."""
-    stop: list[str] = field(default_factory=list)
-    """Strings that end a response (besides EOS)."""
-    seed: int = 0
-    """Seed of sampling."""
-    micro_batch_size: int = 64
-    """Prompts per generate call (hf); with `fast`, prompts x n sets the decode slots unless max_batch does."""
+class FastRolloutConfig:
+    """The fast backend's settings (`rollout.backend=fast`, `shardrl.rollout.fast`): its decode slots, cache, host
+    syncs and kernels. The hf backend reads none of them."""
+
     max_batch: int | None = None
     """fast backend: decode slots (rows decoded together; a finished row's slot goes to a waiting one)."""
     kv_cache_tokens: int | None = None
@@ -191,6 +175,38 @@ class RolloutConfig:
     """fast backend, Triton attention: the n samples of a prompt read the K/V blocks of their shared prompt once a
     decode step, together, instead of once per sample (`shardrl.rollout.fast.decode_kernel`; the same tokens up to
     rounding: in bf16 a sum in another order can part sampled paths)."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "max_batch", self.max_batch is None or self.max_batch >= 1, "must be >= 1 or null")
+        require(self, prefix, "sync_every", self.sync_every >= 1, "must be >= 1")
+        require(self, prefix, "kv_cache_tokens", self.kv_cache_tokens is None or self.kv_cache_tokens >= 1,
+                "must be >= 1 or null")
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["hf", "fast"] | None = None
+    """Generation engine: HF `generate`, or the static-KV-cache fast engine (Llama/Qwen2-style models).
+    null = by device, resolved once when a run starts (`shardrl.plan.defaults`): fast on CUDA when it
+    supports the model (bench/RESULTS.md, "Current figures: Fast rollout"), hf otherwise and on CPU."""
+    n: int = 4
+    """Responses sampled per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 is off."""
+    top_k: int = 0
+    """Top-k sampling; 0 is off."""
+    max_new_tokens: int = 32
+    """Response length limit in tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a response (besides EOS)."""
+    seed: int = 0
+    """Seed of sampling."""
+    micro_batch_size: int = 64
+    """Prompts per generate call (hf); with `fast`, prompts x n sets the decode slots unless fast.max_batch does."""
+    fast: FastRolloutConfig = field(default_factory=FastRolloutConfig)
+    """The fast backend's settings (`rollout.fast.max_batch`, ...)."""
     free_cache_engine: bool | None = None
     """CUDA, rollout and training on the same GPUs: free the rollout's KV cache and CUDA graphs while the
     actor trains, and rebuild them before the next generation (a cost per step: bench/RESULTS.md, "Current
@@ -212,18 +228,19 @@ class RolloutConfig:
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     """Sampling of validation (greedy, n=1 by default)."""
 
+    renamed_keys = {name: f"fast.{name}" for name in (
+        "max_batch", "kv_cache_tokens", "sync_every", "compile", "attention", "sampler", "prefix_cache", "cascade")}
+    """Keys that moved under `rollout.fast`: the loader still takes them here, with a note."""
+
     def fast_only_keys(self) -> list[str]:
         """The fast-backend-only keys set away from their defaults."""
-        unset = {"max_batch": (None,), "kv_cache_tokens": (None,), "compile": (None,), "attention": ("auto",),
-                 "sampler": ("auto",), "lora_sync": (None, "full")}  # full: what the hf backend does anyway
-        keys = [k for k, defaults in unset.items() if getattr(self, k) not in defaults]
+        unset = {"fast.max_batch": (None,), "fast.kv_cache_tokens": (None,), "fast.compile": (None,),
+                 "fast.attention": ("auto",), "fast.sampler": ("auto",),
+                 "lora_sync": (None, "full")}  # full: what the hf backend does anyway
+        keys = [k for k, defaults in unset.items() if operator.attrgetter(k)(self) not in defaults]
         return keys + (["multi_turn.overlap_tools"] if self.multi_turn.overlap_tools else [])
 
     def validate(self, prefix: str) -> None:
-        require(self, prefix, "max_batch", self.max_batch is None or self.max_batch >= 1, "must be >= 1 or null")
-        require(self, prefix, "sync_every", self.sync_every >= 1, "must be >= 1")
-        require(self, prefix, "kv_cache_tokens", self.kv_cache_tokens is None or self.kv_cache_tokens >= 1,
-                "must be >= 1 or null")
         require(self, prefix, "n", self.n >= 1, "must be >= 1")
         require(self, prefix, "temperature", self.temperature == 0 or 1e-5 <= self.temperature <= 1e4,
                 "must be 0 (greedy) or in [1e-5, 1e4]")

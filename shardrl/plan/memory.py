@@ -211,8 +211,8 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     layers, h, vocab = c.num_hidden_layers, c.hidden_size, c.vocab_size
     d = getattr(c, "head_dim", None) or h // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    slots = layout.samples_per_rank if cfg.rollout.max_batch is None else min(cfg.rollout.max_batch,
-                                                                              layout.samples_per_rank)
+    fast = cfg.rollout.fast
+    slots = layout.samples_per_rank if fast.max_batch is None else min(fast.max_batch, layout.samples_per_rank)
     max_seq = math.ceil(layout.max_seq_len / SEQ_BUCKET) * SEQ_BUCKET
     per_position = layers * 2 * kv_heads * d * rollout_bytes
 
@@ -221,9 +221,9 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
              else getattr(c, "intermediate_size", None) or 4 * h)
     prefill = min(PREFILL_TOKENS, slots * layout.max_prompt_length)
     positions, what = slots * max_seq, f"{slots} slots x {max_seq} positions"
-    if cfg.rollout.kv_cache_tokens is not None and cfg.rollout.kv_cache_tokens < positions:
-        positions = cfg.rollout.kv_cache_tokens
-        what = f"rollout.kv_cache_tokens={positions} positions (of {what})"
+    if fast.kv_cache_tokens is not None and fast.kv_cache_tokens < positions:
+        positions = fast.kv_cache_tokens
+        what = f"rollout.fast.kv_cache_tokens={positions} positions (of {what})"
     gen = [
         ("KV cache", positions * per_position,
          f"{what} x {layers} layers x 2 x {kv_heads} x {d} x {rollout_bytes} B"),
@@ -280,17 +280,17 @@ def update_and_cache_gib(ledger: dict) -> float:
 
 
 ADVICE = {
-    "KV cache": "fewer decode slots (rollout.max_batch), a cache budget (rollout.kv_cache_tokens) or a shorter "
-                "data.max_prompt_length / rollout.max_new_tokens",
+    "KV cache": "fewer decode slots (rollout.fast.max_batch), a cache budget (rollout.fast.kv_cache_tokens) or a "
+                "shorter data.max_prompt_length / rollout.max_new_tokens",
     "activations": "model.gradient_checkpointing=true, or a smaller {engine}.max_token_len_per_gpu "
                    "(micro_batch_size_per_gpu without dynamic batching)",
     "actor optimizer state": "actor.engine.offload_optimizer=true, or more GPUs to shard it over",
     "actor params": "actor.engine.offload_params=true, or more GPUs to shard over",
     "actor grads": "actor.engine.offload_params=true (grads follow the params), or more GPUs",
     "rollout weights": "a smaller model: every GPU holds the rollout's full copy",
-    "sampler logits": "fewer decode slots (rollout.max_batch)",
+    "sampler logits": "fewer decode slots (rollout.fast.max_batch)",
     "KV cache (kept)": "rollout.free_cache_engine=true (the cache freed for the update), or fewer decode slots "
-                       "(rollout.max_batch)",
+                       "(rollout.fast.max_batch)",
     "logits chunk": "a smaller {engine}.logprob_chunk_size",
     # the offline trainers' (`offline_ledger`)
     "model optimizer state": "engine.offload_optimizer=true, or more GPUs to shard it over",

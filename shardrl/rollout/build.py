@@ -4,6 +4,7 @@ theirs here, so serving a model imports no trainer."""
 
 from __future__ import annotations
 
+import dataclasses
 import torch
 
 from shardrl.config.schema import Config
@@ -13,10 +14,8 @@ from shardrl.rollout.episodes.multiturn import MultiTurnRollout
 
 
 def fast_rollout_kwargs(ro) -> dict:
-    """The fast backend's settings from `rollout` (the trainer's and `shardrl serve`'s)."""
-    return dict(max_batch=ro.max_batch, kv_cache_tokens=ro.kv_cache_tokens, sync_every=ro.sync_every,
-                compile=ro.compile, attention=ro.attention, sampler=ro.sampler, prefix_cache=ro.prefix_cache,
-                cascade=ro.cascade)
+    """The fast backend's settings from `rollout.fast` (the trainer's and `shardrl serve`'s)."""
+    return dataclasses.asdict(ro.fast)
 
 
 def rollout_dtype(device: torch.device) -> torch.dtype:

@@ -350,7 +350,7 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.rollout.response_length": Rule(apply=_response_length, hint=RESPONSE_KEYS),
     "actor_rollout_ref.rollout.prompt_length": dropped(VLLM + " (data.max_prompt_length filters the prompts)"),
     "actor_rollout_ref.rollout.free_cache_engine": same("rollout.free_cache_engine"),
-    "actor_rollout_ref.rollout.enable_prefix_caching": same("rollout.prefix_cache"),
+    "actor_rollout_ref.rollout.enable_prefix_caching": same("rollout.fast.prefix_cache"),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": dropped(MICRO),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": dropped(MICRO),
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": dropped(MICRO),

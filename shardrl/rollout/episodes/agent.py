@@ -234,7 +234,7 @@ class AgentRollout(Rollout):
 
         a = ro.agent
         return cls(rollout, tokenizer, a.entrypoint, a.timeout_s, a.failure_reward, a.max_concurrency,
-                   a.max_response_tokens, ro.max_batch or 256,
+                   a.max_response_tokens, ro.fast.max_batch or 256,
                    int(getattr(text_config(hf_config), "max_position_embeddings", 4096)))
 
     # ---- the inner rollout's weights and memory --------------------------------------------------

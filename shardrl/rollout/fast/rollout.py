@@ -389,7 +389,7 @@ class FastRollout(Rollout):
         blocks = b * per_row  # every slot's longest row (and the scratch block), or the budget
         if self.kv_cache_tokens is not None:
             if self.kv_cache_tokens < max_seq:
-                raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} (rollout.kv_cache_tokens) cannot hold one "
+                raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} (rollout.fast.kv_cache_tokens) cannot hold one "
                                  f"row of {max_seq} positions (prompt + max_new_tokens, rounded up); raise it, or "
                                  "shorten prompts or responses")
             blocks = min(blocks, -(-self.kv_cache_tokens // self.block_size))

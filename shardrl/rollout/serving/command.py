@@ -48,5 +48,5 @@ def build_engine(cfg, served_name: str | None = None, max_batch: int | None = No
     del lm
     name = served_name or (Path(cfg.model.path).name if cfg.model.path else "shardrl-tiny")
     context = int(getattr(text_config(hf_config), "max_position_embeddings", 2048))
-    batcher = Batcher(rollout, tokenizer, max_batch or cfg.rollout.max_batch or 64, context, stream=stream)
+    batcher = Batcher(rollout, tokenizer, max_batch or cfg.rollout.fast.max_batch or 64, context, stream=stream)
     return batcher, name, context, cfg.rollout.max_new_tokens
