@@ -64,11 +64,13 @@ class TrainerConfig:
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "total_steps", self.total_steps is None or self.total_steps >= 1, "must be >= 1")
-        require(self, prefix, "total_epochs", self.total_epochs is None or self.total_epochs >= 1, "must be >= 1 or null")
+        require(self, prefix, "total_epochs", self.total_epochs is None or self.total_epochs >= 1,
+                "must be >= 1 or null")
         require(self, prefix, "save_freq", self.save_freq >= 0, "must be >= 0 (0 = never)")
         require(self, prefix, "keep_last", self.keep_last >= 0, "must be >= 0 (0 = keep all)")
         require(self, prefix, "resume", bool(self.resume), 'must be "auto", "never" or a checkpoint path')
-        require(self, prefix, "resume", self.resume in ("auto", "never") or self.resume.lower() not in ("auto", "never"),
+        require(self, prefix, "resume",
+                self.resume in ("auto", "never") or self.resume.lower() not in ("auto", "never"),
                 f'is read as a checkpoint path; did you mean "{self.resume.lower()}"? (the values are lower case)')
         require(self, prefix, "val_freq", self.val_freq >= 0, "must be >= 0 (0 = never)")
         require(self, prefix, "log_val_generations", self.log_val_generations >= 0, "must be >= 0 (0 = off)")

@@ -196,7 +196,8 @@ class EngineConfig:
         require(self, prefix, "fsdp_size", self.fsdp_size == -1 or self.fsdp_size >= 1,
                 "must be -1 (shard over all ranks) or >= 1")
         require(self, prefix, "micro_batch_size_per_gpu", self.micro_batch_size_per_gpu >= 1, "must be >= 1")
-        require(self, prefix, "ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size >= 1, "must be >= 1")
+        require(self, prefix, "ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size >= 1,
+                "must be >= 1")
         require(self, prefix, "expert_parallel_size", self.expert_parallel_size >= 1, "must be >= 1 (1: off)")
         require(self, prefix, "logprob_chunk_size", self.logprob_chunk_size >= 1, "must be >= 1")
         check_engine(self, prefix)

@@ -249,7 +249,8 @@ def _dotted_in_yaml(section: Any, name: str, value: Any, prefix: str, scope: tup
     for part in reversed(parts):
         nested = {part: nested}
     where = f" under {prefix!r}" if prefix else ""
-    return ConfigError(f"config key {name!r}{where} is dotted, but in a YAML file keys nest: write {parts[0]}: {_flow(nested[parts[0]])} "
+    return ConfigError(f"config key {name!r}{where} is dotted, but in a YAML file keys nest: write "
+                       f"{parts[0]}: {_flow(nested[parts[0]])} "
                        f"(or {', '.join(p + ':' for p in parts)} each on a line of its own, indented under the one "
                        f"before); dotted keys are for key=value overrides ({join_key(prefix, name)}={_flow(value)})")
 
@@ -348,7 +349,8 @@ def read_yaml(path: str) -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path!r} must hold a mapping of keys at the top level, got {type(data).__name__}")
+        raise ConfigError(f"config file {path!r} must hold a mapping of keys at the top level, got "
+                          f"{type(data).__name__}")
     return data
 
 

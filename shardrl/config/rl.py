@@ -133,14 +133,15 @@ class Config(CommandConfig):
 
         return native_hint(key)
 
-    INHERITED = {"ref": ("engine",), "critic": ("engine", "ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "shuffle"),
-                 "reward": ("engine",)}
+    INHERITED = {"ref": ("engine",), "reward": ("engine",),
+                 "critic": ("engine", "ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "shuffle")}
     """What a role takes from the actor unless set for it (verl's `oc.select` defaults): every engine setting
     (dtype, micro-batching, dynamic batches, sharding, offload, sequence parallel) and the critic's loop."""
 
     def inherit(self, given: set[str]) -> None:
-        """Let total_epochs alone decide the run's length unless total_steps is given too; fill each role's `INHERITED` settings that `given` (the keys the file and overrides set) does not name
-        from the actor's: with an fp32 actor the reference computes in fp32 too, so the on-policy KL is 0."""
+        """Let total_epochs alone decide the run's length unless total_steps is given too; fill each role's
+        `INHERITED` settings that `given` (the keys the file and overrides set) does not name from the actor's:
+        with an fp32 actor the reference computes in fp32 too, so the on-policy KL is 0."""
         epochs_decide(self.trainer, given)
         for role, names in self.INHERITED.items():
             section = getattr(self, role)
