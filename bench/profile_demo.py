@@ -34,7 +34,8 @@ def main():
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-    from shardrl.trainer.main import resolve_overrides, run
+    from shardrl.launch.overrides import resolve_overrides
+    from shardrl.launch.rank import run
     from shardrl.trainer.rl import RLTrainer
 
     run_dir = Path(tempfile.mkdtemp(prefix="profile_demo_"))

@@ -37,7 +37,7 @@ def main() -> None:
     args = p.parse_args()
 
     from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     root = Path(args.root)
     assets = prepare_demo_assets(root / "assets")

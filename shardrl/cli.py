@@ -125,20 +125,21 @@ def plan_main(args: argparse.Namespace) -> int:
     from shardrl.config.schema import ConfigError, load_config
     from shardrl.engine.model import check_tiny_shape, load_hf_config
     from shardrl.models.config import text_config
-    from shardrl.plan.layout import check_model_heads, derive_layout, format_layout
-    from shardrl.plan.memory import fit_advice, format_phase_ledger, phase_ledger, update_and_cache_gib
+    from shardrl.launch.overrides import resolve_overrides
     from shardrl.plan.defaults import free_cache_choice, lora_sync_choice
-    from shardrl.trainer.main import resolve_overrides
+    from shardrl.plan.layout import check_model_heads, format_layout
+    from shardrl.plan.memory import fit_advice, format_phase_ledger, phase_ledger, update_and_cache_gib
+    from shardrl.plan.plan import Plan
 
     trainer = TRAINERS[args.trainer]
     offline = trainer.offline
     if offline:
-        from shardrl.plan.layout import derive_offline_layout, format_offline_layout
+        from shardrl.plan.layout import format_offline_layout
         from shardrl.plan.memory import offline_ledger
 
         cfg = load_config(args.config, list(args.overrides), cls=trainer.config)
     elif args.verl:  # a verl command line, as `shardrl train --verl` runs it
-        from shardrl.trainer.main import verl_overrides
+        from shardrl.launch.overrides import verl_overrides
 
         cfg = load_config(None, verl_overrides(args.config, list(args.overrides), args.config_path, args.config_name))
     else:  # the config train would run (the demo's, without a config or a model: its assets are made by its first run)
@@ -147,7 +148,8 @@ def plan_main(args: argparse.Namespace) -> int:
         print(f"warning: {line}", file=sys.stderr)
     nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
     nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc_per_node
-    layout = derive_offline_layout(cfg, args.trainer, nnodes, nproc) if offline else derive_layout(cfg, nnodes, nproc)
+    plan = Plan.for_offline(cfg, args.trainer, nnodes, nproc) if offline else Plan.for_rl(cfg, nnodes, nproc)
+    layout = plan.layout
     ledger, skipped, hf_config = None, None, None
     try:
         hf_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code,
@@ -265,18 +267,10 @@ def doctor_main(args: argparse.Namespace) -> int:
 
 
 def train_main(args: argparse.Namespace) -> int:
-    from shardrl.trainer.main import train_main as run
+    """`shardrl train|sft|dpo|rm`: the trainer of the command's registry row (`shardrl.launch`)."""
+    from shardrl.launch.command import launch_main
 
-    return run(args) or 0
-
-
-def offline_main(args: argparse.Namespace) -> int:
-    import importlib
-
-    from shardrl.trainer.offline import offline_main as run
-
-    module, name = TRAINERS[args.command].entry.split(":")  # (imported only now: the config imports no trainer)
-    return run(getattr(importlib.import_module(module), name), args) or 0
+    return launch_main(args.command, args) or 0
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -338,7 +332,7 @@ def plot_main(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"plan": plan_main, "doctor": doctor_main, "train": train_main, "plot": plot_main, "serve": serve_main,
-            **{name: offline_main for name, trainer in TRAINERS.items() if trainer.offline}}
+            **{name: train_main for name, trainer in TRAINERS.items() if trainer.offline}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        from shardrl.trainer.main import STORAGE_EXIT, is_storage_error
+        from shardrl.launch.signals import STORAGE_EXIT, is_storage_error
 
         if not is_storage_error(e):
             raise

@@ -170,7 +170,8 @@ def test_bad_entrypoints_are_refused(tmp_path):
 
 def test_a_run_with_a_bad_entrypoint_stops_before_building_models(tmp_path, monkeypatch):
     from shardrl.trainer import rl
-    from shardrl.trainer.main import resolve_overrides, run
+    from shardrl.launch.overrides import resolve_overrides
+    from shardrl.launch.rank import run
 
     (tmp_path / "sync.py").write_text("def run(sample, client):\n    return 1.0\n")
     built = []
@@ -183,7 +184,8 @@ def test_a_run_with_a_bad_entrypoint_stops_before_building_models(tmp_path, monk
 
 def test_an_rl_run_trains_on_agent_episodes(tmp_path, monkeypatch):
     """The demo's task through an agent that asks once by completions and scores the reply itself."""
-    from shardrl.trainer.main import resolve_overrides, run
+    from shardrl.launch.overrides import resolve_overrides
+    from shardrl.launch.rank import run
 
     agent = tmp_path / "agent.py"
     agent.write_text(textwrap.dedent('''

@@ -86,7 +86,7 @@ def run_recording(overrides: list[str]) -> dict | None:
     import torch.distributed as dist
 
     from shardrl.trainer import async_rl, rl
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     steps = []
     batch_sync, batch_async = rl.LocalBatches.batch, async_rl.RemoteBatches.batch
@@ -258,7 +258,7 @@ def _failing_worker(rank: int, world: int, port: int, overrides: list[str], out:
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     from shardrl.distributed import init_distributed
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     init_distributed(timeout_s=120)
     t0 = time.perf_counter()

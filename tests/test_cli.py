@@ -139,12 +139,12 @@ def test_doctor_reports_torch_and_gloo(capsys):
 def test_train_and_plot_hand_their_arguments_on(monkeypatch):
     seen = {}
     trainer = types.ModuleType("shardrl.trainer")
-    trainer_main = types.ModuleType("shardrl.trainer.main")
-    trainer_main.train_main = lambda args: seen.setdefault("train", args) and 0
+    command = types.ModuleType("shardrl.launch.command")
+    command.launch_main = lambda name, args: seen.setdefault(name, args) and 0
     plot = types.ModuleType("shardrl.trainer.plot")
     plot.plot_main = lambda args: seen.setdefault("plot", args) and 0
     monkeypatch.setitem(sys.modules, "shardrl.trainer", trainer)
-    monkeypatch.setitem(sys.modules, "shardrl.trainer.main", trainer_main)
+    monkeypatch.setitem(sys.modules, "shardrl.launch.command", command)
     monkeypatch.setitem(sys.modules, "shardrl.trainer.plot", plot)
 
     assert main(["train", "run.yaml", "rollout.n=8", "--nproc-per-node", "2", "actor.optim.lr=1e-5"]) == 0
@@ -184,13 +184,13 @@ def test_process_counts_below_one_are_refused(command, flag, value, capsys):
 def test_train_main_refuses_zero_processes_given_in_code(tmp_path):
     import argparse
 
-    from shardrl.trainer.main import train_main
+    from shardrl.launch.command import launch_main
 
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"model": {"path": str(tmp_path / "no_model")}}))
     args = argparse.Namespace(config=str(config), overrides=[], nproc_per_node=0, nnodes=None)
     with pytest.raises(ValueError, match="--nproc-per-node 0: must be >= 1"):
-        train_main(args)
+        launch_main("train", args)
 
 
 @pytest.mark.parametrize("logger, module", [("wandb", "wandb"), ("tensorboard", "torch.utils.tensorboard")])
@@ -230,7 +230,7 @@ def test_a_full_disk_is_one_error_line_not_a_traceback(monkeypatch, capsys):
 
 def test_a_command_line_run_starts_from_the_plain_defaults_not_the_demo(tmp_path, monkeypatch, capsys):
     from shardrl.config.schema import Config, load_config
-    from shardrl.trainer.main import resolve_overrides
+    from shardrl.launch.overrides import resolve_overrides
 
     monkeypatch.chdir(tmp_path)  # the demo's assets would go to ./outputs/demo_assets
     defaults = Config()

@@ -376,7 +376,7 @@ def test_messages_that_used_to_mislead(tmp_path, capsys, caplog):
     from shardrl.engine.model import load_hf_config
     from shardrl.tokenizer import build_char_tokenizer
     from shardrl.trainer.placement import check_rollout_ranks
-    from shardrl.trainer.main import warn_oversubscribed
+    from shardrl.launch.torchrun import warn_oversubscribed
 
     # heads that do not cut the width: said by plan (and the trainer), not as a tensor-size error at the first forward
     bad_heads = "model.tiny={model_type: qwen2, hidden_size: 30, num_attention_heads: 4, num_key_value_heads: 2}"

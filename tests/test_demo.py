@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from shardrl.trainer.main import resolve_overrides, run
+from shardrl.launch.overrides import resolve_overrides
+from shardrl.launch.rank import run
 
 
 def test_demo_learns(tmp_path, monkeypatch):

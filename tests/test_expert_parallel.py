@@ -256,7 +256,7 @@ def _rl_run(overrides: list[str]) -> list[dict]:
     import json
     from pathlib import Path
 
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     run_dir = run(None, overrides)
     if dist.get_rank() != 0:

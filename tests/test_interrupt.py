@@ -67,7 +67,7 @@ def test_sigterm_to_the_launcher_stops_the_run_as_ctrl_c_does_with_status_143(as
 
 
 def train_and_list(overrides: list[str]) -> list[str]:
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     return sorted(p.name for p in run(None, overrides).iterdir())
 
@@ -83,7 +83,7 @@ def test_console_logger_alone_trains_and_writes_summary_and_curve(assets, tmp_pa
 def train_and_record_steps(overrides: list[str]) -> list[int]:
     """The steps of the trainer's records (what summary.json and the reward curve are made from) after a run."""
     from shardrl.trainer import rl
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     seen, fit = [], rl.RLTrainer.fit
 
@@ -199,11 +199,11 @@ def test_a_finalizer_interrupted_by_ctrl_c_prints_nothing_in_the_launcher(monkey
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from shardrl.trainer.main import _quiet_interrupted_finalizers
+    from shardrl.launch.torchrun import quiet_interrupted_finalizers
 
     monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
-    _quiet_interrupted_finalizers()
-    _quiet_interrupted_finalizers()  # (idempotent)
+    quiet_interrupted_finalizers()
+    quiet_interrupted_finalizers()  # (idempotent)
 
     class Holder:
         pass
@@ -228,7 +228,7 @@ def test_a_stop_signal_landing_in_a_handled_exception_stops_the_run_half_a_secon
     import signal
     import time
 
-    from shardrl.trainer import main as m
+    from shardrl.launch import signals as m
 
     previous = m.catch_stop_signals()
     m.reset_stop_signal()

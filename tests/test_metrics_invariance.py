@@ -93,7 +93,7 @@ def _train_runs(runs: list[list[str]]) -> list[dict]:
     """Runs each override list as a whole training run on these processes; returns each step-1 record."""
     import torch.distributed as dist
 
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     records = []
     for overrides in runs:

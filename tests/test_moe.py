@@ -273,7 +273,7 @@ def test_an_rl_run_of_a_mixture_of_experts_replays_its_routing(tmp_path):
     from shardrl.testing import small_demo_run
     from shardrl.tokenizer import build_char_tokenizer
     from shardrl.trainer.demo import prepare_demo_assets
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=0)
     tiny = {**TINY_MOE_MODELS["qwen3_moe"], "vocab_size": len(build_char_tokenizer()), "initializer_range": 0.3}
@@ -306,7 +306,7 @@ def test_an_rl_run_replays_the_routing_its_fast_rollout_recorded(tmp_path, monke
     from shardrl.testing import small_demo_run
     from shardrl.tokenizer import build_char_tokenizer
     from shardrl.trainer.demo import prepare_demo_assets
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=0)
     tiny = {**TINY_MOE_MODELS["qwen3_moe"], "vocab_size": len(build_char_tokenizer()), "initializer_range": 0.3}

@@ -498,7 +498,7 @@ def test_config_checks():
 def _train_multi_turn(overrides):
     import json
 
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     run_dir = run(None, overrides)
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]

@@ -144,7 +144,7 @@ def _train(overrides: list[str]) -> tuple[list[dict], dict]:
     import torch.distributed as dist
 
     from shardrl.engine.base import Engine
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     calls = []  # infer_batch calls on the actor (the ref and critic engines are other objects)
     original = Engine.infer_batch

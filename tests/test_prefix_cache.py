@@ -376,7 +376,7 @@ def test_an_rl_run_logs_the_share_of_prompt_tokens_read_from_the_cache(tmp_path,
     import shardrl.rollout.build as generation
     from shardrl.testing import small_demo_run
     from shardrl.trainer.demo import prepare_demo_assets
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     build = generation.build_rollout
     monkeypatch.setattr(generation, "build_rollout", lambda name, *a, **k: build(

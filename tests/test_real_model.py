@@ -167,7 +167,7 @@ def test_real_model_rollout_log_probs_match_the_engine(folder, tmp_path):
 
 
 def test_real_model_one_grpo_step(folder, tmp_path):
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     data = prompt_file(tmp_path / "p.jsonl", QUESTIONS[:2], ["5", "9"])
     run_dir = run(None, [

@@ -66,7 +66,7 @@ def test_causal_lm_folder_is_not_a_reward_model(tmp_path):
 def test_trainer_scores_with_reward_model(tmp_path):
     from shardrl.tokenizer import build_char_tokenizer
     from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=2)
     tok = build_char_tokenizer()

@@ -107,7 +107,7 @@ def test_a_read_only_output_folder_is_an_error_before_anything_loads(assets, tmp
 def test_a_run_that_fails_before_it_starts_leaves_no_run_folder(assets, tmp_path, monkeypatch):
     import transformers
 
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     missing = tmp_path / "missing.jsonl"
     bad_rows = tmp_path / "rows.jsonl"

@@ -127,7 +127,7 @@ def _run_and_record(overrides: list[str]) -> dict:
     import torch.distributed as dist
 
     from shardrl.engine.base import Engine
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
     from shardrl.trainer.rl import LocalBatches, RLTrainer
 
     batches, entropies, shapes = [], [], []
@@ -228,7 +228,7 @@ def test_two_process_run_logs_global_lengths_throughput_entropy_and_generations(
 
 
 def _one_gpu_run(overrides: list[str]) -> list[dict]:
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     run_dir = run(None, overrides)
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]

@@ -20,7 +20,7 @@ def assets(tmp_path_factory):
 
 
 def train(assets: Path, run_dir: Path, *extra: str) -> list[dict]:
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     out = run(None, small_demo_run(assets, run_dir, "trainer.logger=[jsonl]", *extra))
     return [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -106,7 +106,7 @@ def test_rollout_is_mask_mode_needs_the_old_log_prob_pass():
 def _dapo_two_ranks(overrides: list[str]) -> list[dict]:
     import torch.distributed as dist
 
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     run_dir = run(None, overrides)
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")] if dist.get_rank() == 0 else []

@@ -32,7 +32,7 @@ def small(assets: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 def run_training(overrides: list[str]) -> list[dict]:
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     run_dir = run(None, overrides)
     with open(run_dir / "metrics.jsonl") as f:
@@ -146,7 +146,7 @@ def run_recording(overrides: list[str]) -> dict:
     from torch.distributed.tensor import DTensor
 
     from shardrl.trainer import rl
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     steps, trainers = [], []
     train_step, fit = rl.RLTrainer.train_step, rl.RLTrainer.fit

@@ -29,7 +29,7 @@ def test_cheap_checks_come_before_any_model_loads(assets, tmp_path, monkeypatch)
     import transformers
 
     import shardrl.trainer.roles as roles
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded before the inputs were checked")
@@ -73,7 +73,7 @@ def test_a_critic_or_reward_model_path_is_named_by_its_own_key(assets, tmp_path,
     import transformers
 
     import shardrl.trainer.roles as roles
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     monkeypatch.setattr(roles, "build_engine", lambda *a, **k: pytest.fail("a model was loaded"))
     base = small(assets, tmp_path / "run")
@@ -139,7 +139,7 @@ def test_all_samples_failing_is_decided_over_all_ranks():
 
 
 def test_rows_without_a_ground_truth_for_a_built_in_scorer_are_an_error_at_load(assets, tmp_path):
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     rows = tmp_path / "answers.jsonl"
     rows.write_text('{"prompt": "1+2=", "data_source": "arith", "answer": "3"}\n'
@@ -170,7 +170,7 @@ def test_sequences_past_the_models_context_are_refused_at_load(assets, tmp_path,
     import transformers
 
     from shardrl.testing import save_char_model
-    from shardrl.trainer.main import run
+    from shardrl.launch.rank import run
 
     base = small(assets, tmp_path / "run")
     with pytest.raises(ValueError, match=r"the longest prompt \(\d+ tokens\) plus rollout.max_new_tokens=70 is \d+ "

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardrl.config.schema import load_config
-from shardrl.trainer.main import write_results
+from shardrl.trainer.run_folder import write_results
 from shardrl.trainer.logger import MetricsLogger
 from shardrl.trainer.run_folder import summarize
 from shardrl.trainer.validation import validate

@@ -183,10 +183,8 @@ def check_rl(cfg, prefix: str = "") -> None:
             f"async_rl.max_staleness={cfg.async_rl.max_staleness} trains on samples of an older policy: set "
             "algorithm.rollout_is=true so the loss weighs them by the sampler's log-probs (the behaviour "
             "policy), or async_rl.max_staleness=0")
-    ob, mt = cfg.reward.overlong_buffer, cfg.rollout.multi_turn
-    # the limit a response is shaped against: a conversation's budget for multi-turn rollouts
-    limit_key, limit = (("rollout.multi_turn.max_response_tokens", mt.max_response_tokens) if mt.enable
-                        else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens))
+    ob = cfg.reward.overlong_buffer
+    limit_key, limit = cfg.rollout.response_budget()  # the limit a response is shaped against
     require(cfg, prefix, "reward.overlong_buffer.len", not ob.enable or ob.len <= limit,
             f"must be <= {limit_key}={limit} (the penalty spans the last len tokens before it); lower it or "
             f"raise {limit_key}")

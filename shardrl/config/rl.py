@@ -54,8 +54,10 @@ class OverlongBufferConfig:
     """DAPO's overlong reward shaping: add a soft length penalty to each response's reward."""
     len: int = 16
     """Tokens before the length limit over which the penalty grows from 0 to -penalty_factor (reached by a
-    response cut at the limit). The limit is rollout.max_new_tokens; for multi-turn rollouts, the conversation's
-    budget rollout.multi_turn.max_response_tokens (model and tool tokens together, not the per-turn limit)."""
+    response cut at the limit). The limit is the response budget (`RolloutConfig.response_budget`):
+    rollout.max_new_tokens; for multi-turn rollouts, the conversation's budget
+    rollout.multi_turn.max_response_tokens (model and tool tokens together, not the per-turn limit); for agent
+    episodes, rollout.agent.max_response_tokens."""
     penalty_factor: float = 1.0
     """The penalty at the limit."""
 

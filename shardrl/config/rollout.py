@@ -232,6 +232,17 @@ class RolloutConfig:
         "max_batch", "kv_cache_tokens", "sync_every", "compile", "attention", "sampler", "prefix_cache", "cascade")}
     """Keys that moved under `rollout.fast`: the loader still takes them here, with a note."""
 
+    def response_budget(self) -> tuple[str, int]:
+        """The tokens a response may reach, and the key that sets them: an agent's episode is bounded by
+        agent.max_response_tokens, a multi-turn conversation (model and tool turns) by multi_turn.max_response_tokens,
+        a single turn by max_new_tokens. The run's `Plan` holds it; the layout, the token-budget checks, the memory
+        ledger and overlong shaping read it there."""
+        if self.agent.entrypoint:
+            return "rollout.agent.max_response_tokens", self.agent.max_response_tokens
+        if self.multi_turn.enable:
+            return "rollout.multi_turn.max_response_tokens", self.multi_turn.max_response_tokens
+        return "rollout.max_new_tokens", self.max_new_tokens
+
     def fast_only_keys(self) -> list[str]:
         """The fast-backend-only keys set away from their defaults."""
         unset = {"fast.max_batch": (None,), "fast.kv_cache_tokens": (None,), "fast.compile": (None,),

@@ -68,7 +68,8 @@ class Layout:
     samples_per_rank: int
     max_prompt_length: int
     max_new_tokens: int
-    """Response tokens at most: rollout.max_new_tokens, or multi_turn.max_response_tokens for multi-turn rollouts."""
+    """Response tokens at most: the response budget (`RolloutConfig.response_budget`): rollout.max_new_tokens, or
+    multi_turn.max_response_tokens for multi-turn rollouts, agent.max_response_tokens for an agent's."""
     max_seq_len: int
     seq_tokens_per_rank: int
     """Tokens of one max-length sequence on one rank: ceil(max_seq_len / sp)."""
@@ -87,8 +88,8 @@ def _nearest_multiples(value: int, step: int) -> str:
     return _nearest(value, [v for v in (below, below + step) if v > 0])
 
 
-def _role_engines(cfg: Config) -> dict[str, EngineConfig]:
-    roles = StepPlan.from_config(cfg).roles()  # the roles that train or score log-probs (not the reward model)
+def _role_engines(cfg: Config, steps: StepPlan) -> dict[str, EngineConfig]:
+    roles = steps.roles()  # the roles that train or score log-probs (not the reward model)
     return {role: getattr(cfg, role).engine for role in ("actor", "critic", "ref") if role in roles}
 
 
@@ -151,12 +152,15 @@ def _train_role(cfg: Config, role: str, engine: EngineConfig, dp: int, n: int, s
     return layout
 
 
-def derive_layout(cfg: Config, nnodes: int, nproc_per_node: int) -> Layout:
-    """Per-rank sizes of one step on `nnodes x nproc_per_node` ranks; `ValueError` for a layout that cannot work."""
+def derive_layout(cfg: Config, nnodes: int, nproc_per_node: int, steps: StepPlan | None = None,
+                  response: tuple[str, int] | None = None) -> Layout:
+    """Per-rank sizes of one step on `nnodes x nproc_per_node` ranks; `ValueError` for a layout that cannot work.
+    `steps` and `response` (the response budget, `RolloutConfig.response_budget`): the run's `Plan`'s; a caller
+    without a plan has them derived from `cfg`."""
     if nnodes < 1 or nproc_per_node < 1:
         raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must both be >= 1")
     world = nnodes * nproc_per_node
-    roles = _role_engines(cfg)
+    roles = _role_engines(cfg, steps or StepPlan.from_config(cfg))
     sp = cfg.actor.engine.ulysses_sequence_parallel_size
     if sp < 1 or world % sp != 0:
         raise ValueError(
@@ -179,10 +183,8 @@ def derive_layout(cfg: Config, nnodes: int, nproc_per_node: int) -> Layout:
         )
     prompts_per_rank = batch // dp
     samples_per_rank = prompts_per_rank * n
-    # a multi-turn response (model and tool turns) is bounded by its own budget, not by one turn's limit
-    mt = cfg.rollout.multi_turn
-    response_key, response_len = (("rollout.multi_turn.max_response_tokens", mt.max_response_tokens) if mt.enable
-                                  else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens))
+    # a multi-turn or agent response (model and tool turns) is bounded by its own budget, not by one turn's limit
+    response_key, response_len = response or cfg.rollout.response_budget()
     max_seq_len = cfg.data.max_prompt_length + response_len
     why = f"data.max_prompt_length {cfg.data.max_prompt_length} + {response_key} {response_len}"
 

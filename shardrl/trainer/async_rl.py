@@ -41,7 +41,7 @@ from shardrl.tokenizer import load_tokenizer
 from shardrl.plan.defaults import resolve_device_defaults
 from shardrl.rollout.build import the_device
 from shardrl.trainer.generation import Generation, export_for_rollout, sampling_seed
-from shardrl.trainer.rl import load_datasets
+from shardrl.trainer.datasets import load_datasets
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class RemoteBatches:
     def __init__(self, trainer, split: WorldSplit):
         cfg = trainer.cfg
         self.cfg, self.split, self.actor, self.device = cfg, split, trainer.roles.actor, trainer.device
-        self.dp_rank, self.partial = trainer.mesh.dp_rank, trainer.plan.partial_rollout
+        self.dp_rank, self.partial = trainer.mesh.dp_rank, trainer.steps.partial_rollout
         self.seed = cfg.rollout.seed
         self.src = rollout_rank_of(self.dp_rank, split.num_train, split.num_rollout)
         self.weights = None

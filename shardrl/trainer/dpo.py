@@ -13,13 +13,11 @@ Left out: the reference's log-probs precomputed once, and the base model with ad
 from __future__ import annotations
 
 import dataclasses
-import sys
-
 from shardrl.algos.preference import PREFERENCE_LOSSES, PreferenceParams, sequence_log_probs
 from shardrl.config.schema import DPOConfig, LoRAConfig
 from shardrl.engine import build_engine
 from shardrl.metrics import SumCount, row_means
-from shardrl.trainer.offline import PairTrainer, rank_main
+from shardrl.trainer.offline import PairTrainer
 from shardrl.trainer.roles import AdaptersOff, ModelPath
 
 
@@ -52,7 +50,7 @@ def dpo_loss_fn(loss_type: str, params: PreferenceParams):
 
 
 class DPOTrainer(PairTrainer):
-    name, module, config_cls = "dpo", "shardrl.trainer.dpo", DPOConfig
+    name, config_cls = "dpo", DPOConfig
 
     def build_more(self):
         s = self.cfg.dpo
@@ -87,6 +85,3 @@ class DPOTrainer(PairTrainer):
                                           self.cfg.dpo.loss_type, self.params)
         return {"loss": SumCount(float(losses.sum()), float(len(losses)))} | metrics
 
-
-if __name__ == "__main__":  # torchrun ... -m shardrl.trainer.dpo CONFIG key=value ...
-    sys.exit(rank_main(DPOTrainer, sys.argv[1:]))

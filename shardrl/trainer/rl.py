@@ -5,14 +5,16 @@
     -> old/ref log-probs, values, advantages, rollout correction (`prepare`) -> critic update -> actor update
     (`updates`) -> metrics over the dp ranks -> checkpoint every k steps -> validation every k steps
 
-What each step does is the `StepPlan`, decided once at start-up; the parts (generation, scoring, preparation,
-update, train state) do not know about each other. Left out here: the placement of generation (the batch
-source's), device defaults (`defaults`), the run folder and its lock (`run_folder`), launch (`main`).
+What each step does is the run's `Plan` (its `StepPlan`, layout and response budget), decided once at start-up;
+the parts (generation, scoring, preparation, update, train state) do not know about each other. The loop around the
+step (resume, validation, checkpoints, logging, export) is `trainer.base.Trainer.fit`. Left out here: the
+placement of generation (the batch source's), device defaults (`plan.defaults`), the run folder and its lock
+(`run_folder`), launch (`shardrl.launch`).
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -22,12 +24,14 @@ import torch.distributed as dist
 
 from shardrl.batch import Batch
 from shardrl.trainer.checkpoint import CheckpointManager
-from shardrl.config.schema import Config, config_to_dict
+from shardrl.trainer.datasets import load_datasets
+from shardrl.config.schema import Config
 from shardrl.config.checks import check_router_replay_settings
 from shardrl.config.load import ConfigError
-from shardrl.data.prompts import PromptLoader, load_prompt_dataset
+from shardrl.data.prompts import PromptLoader
 from shardrl.engine.model import load_hf_config
-from shardrl.plan.layout import derive_layout, format_layout
+from shardrl.plan.layout import format_layout
+from shardrl.plan.plan import Plan
 from shardrl.compat.verl.metric_names import with_verl_names
 from shardrl.metrics import Max, Min, Sum, SumCount, reduce_metrics
 from shardrl.models.config import check_context
@@ -35,13 +39,11 @@ from shardrl.plan.perf import model_shape, rl_step_flops, throughput_metrics
 from shardrl.rewards.pool import RewardPool
 from shardrl.rewards.manager import RewardManager, check_ground_truths, load_reward_function
 from shardrl.rollout import SamplingParams
-from shardrl.rollout.episodes.interactions import prompt_tool_schemas
 from shardrl.plan.step_plan import StepPlan
 from shardrl.tokenizer import load_tokenizer
-from shardrl.plan.defaults import lora_sync_choice, memory_gib, resolve_device_defaults
 from shardrl.rollout.build import the_device
 from shardrl.trainer.generation import Generation, export_for_rollout, lora_sync_for
-from shardrl.trainer.logger import MetricsLogger
+from shardrl.trainer.base import Placement, Trainer
 from shardrl.trainer.prepare import prepare
 from shardrl.trainer.roles import Roles, check_vocab_sizes
 from shardrl.trainer.run_folder import claim_run_dir
@@ -131,11 +133,14 @@ class LocalBatches:
         return {}
 
 
-class RLTrainer:
-    def __init__(self, cfg: Config, run_dir: Path, batch_source=None):
+class RLTrainer(Trainer):
+    name, config_cls = "train", Config
+    demo_without_config = draws_curve = True
+
+    def __init__(self, cfg: Config, run_dir: Path, batch_source=None, plan: Plan | None = None):
         """`batch_source(trainer)` makes the step's batch source (default: `LocalBatches`, colocated)."""
-        self.run_dir, self.rank, self.world = run_dir, dist.get_rank(), dist.get_world_size()
-        self.layout = derive_layout(cfg, cfg.trainer.nnodes, self.world // cfg.trainer.nnodes)
+        super().__init__(cfg, run_dir, plan)
+        cfg, self.steps = self.cfg, self.plan.steps
         self.device = the_device()
         self.tokenizer = load_tokenizer(cfg)
         self._say(format_layout(self.layout))
@@ -152,7 +157,7 @@ class RLTrainer:
                 and not cfg.rollout.agent.entrypoint:  # (an agent may score its episodes itself)
             for dataset in filter(None, (self.train_set, self.val_set)):  # the built-in scorers need the answers
                 check_ground_truths(dataset)
-        check_vocab_sizes(cfg, len(self.tokenizer))
+        check_vocab_sizes(cfg, len(self.tokenizer), self.steps)
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
         longest = max(len(item["prompt_ids"]) for dataset in filter(None, (self.train_set, self.val_set))
                       for item in dataset.items)
@@ -166,21 +171,14 @@ class RLTrainer:
             from shardrl.rollout.episodes.agent import load_entrypoint
 
             load_entrypoint(cfg.rollout.agent.entrypoint)
-        lora_choice = []
-        if cfg.rollout.lora_sync is None and cfg.model.lora.rank > 0:  # first: the cache's choice counts a copy
-            cfg = copy.deepcopy(cfg)
-            cfg.rollout.lora_sync, why = lora_sync_choice(cfg, self.layout, policy_config, self.device)
-            lora_choice.append(f"rollout.lora_sync={cfg.rollout.lora_sync} (null: {why})")
-        cfg, choices = resolve_device_defaults(cfg, policy_config, memory_gib(cfg, self.layout, policy_config,
-                                                                              self.device, self._say))
-        choices = lora_choice + choices
-        self.cfg, self.plan = cfg, StepPlan.from_config(cfg)  # before config.yaml is written
-        self._say("\n".join([*choices, self.plan.describe()]))
+        self.plan.resolve_device(policy_config, self.device, self._say)
+        self.cfg = cfg = self.plan.config  # (resolved: before config.yaml is written)
+        self._say("\n".join([*self.plan.choices, self.steps.describe()]))
         claim_run_dir(cfg, run_dir)  # the run can start: its folder is created and locked only now
 
         num_updates = {"actor": self.layout.actor.num_updates,
                        "critic": self.layout.critic.num_updates if self.layout.critic else 0}
-        self.roles = Roles.build(cfg, self.plan, num_updates)
+        self.roles = Roles.build(cfg, self.steps, num_updates)
         if cfg.actor.router_aux_loss_coef > 0:
             self.roles.actor.enable_router_aux_loss()
         self.mesh = self.roles.mesh
@@ -192,32 +190,69 @@ class RLTrainer:
                   f"per-rank prompts {self.layout.prompts_per_rank}, samples {self.layout.samples_per_rank}")
         loader = PromptLoader(self.train_set, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed,
                               dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
-        self.generation = None if self.plan.disaggregated else Generation(cfg, self.roles.actor.hf_config,
-                                                                          self.tokenizer, self.device,
-                                                                          colocated=True)
-        if self.plan.reward_model:
+        self.generation = None if self.steps.disaggregated else Generation(cfg, self.roles.actor.hf_config,
+                                                                           self.tokenizer, self.device,
+                                                                           colocated=True)
+        if self.steps.reward_model:
             self.roles.add_reward_model(cfg)
         r = cfg.reward
         pool = (RewardPool(max(r.num_workers, 1), r.timeout_s, r.function_path, r.function_name, r.reward_kwargs)
                 if (r.num_workers or r.timeout_s) and not r.model_path else None)
         self.scorer = Scorer(RewardManager(fn, r.on_error_score, r.reward_kwargs, pool), self.roles.reward_model,
-                             self.mesh.dp_group, self.plan.multi_turn, cfg.reward.overlong_buffer,
-                             cfg.rollout.agent.max_response_tokens if cfg.rollout.agent.entrypoint
-                             else cfg.rollout.multi_turn.max_response_tokens if self.plan.multi_turn
-                             else cfg.rollout.max_new_tokens, cfg.reward.missing_eos_penalty)
+                             self.mesh.dp_group, self.steps.multi_turn, cfg.reward.overlong_buffer,
+                             self.plan.max_response_tokens, cfg.reward.missing_eos_penalty)
         self.state = TrainState(cfg, loader, self.mesh.dp_rank, self.mesh.dp_size, self.mesh.sp_rank)
         self.checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_last)
         self.source = (batch_source or (lambda t: LocalBatches(t.cfg, t.generation, t.roles.actor, t.mesh,
                                                                t.device)))(self)
         self.logprob_temperature = SamplingParams.from_config(cfg.rollout).logprob_temperature  # the sampler's
-        self.val_generations: list[dict] = []  # rank 0: the last validation's samples, for the logger
-        self._resumed_records: list[dict] = []  # a resumed checkpoint's logged steps, when no metrics.jsonl has them
-        self._checkpoint_record: dict | None = None  # the resumed checkpoint's own step's record
 
-    def _say(self, text: str) -> None:
-        if self.rank == 0:
-            for line in text.splitlines():
-                log.info(line)
+    # ---- what the launcher asks -------------------------------------------------------------------
+    @classmethod
+    def build_plan(cls, cfg: Config, nnodes: int, nproc_per_node: int) -> Plan:
+        return Plan.for_rl(cfg, nnodes, nproc_per_node)
+
+    @classmethod
+    def check_launch(cls, cfg: Config, nnodes: int, nproc_per_node: int) -> None:
+        if cfg.async_rl.rollout_ranks:  # (rollout ranks do not train)
+            from shardrl.trainer.placement import check_rollout_ranks
+
+            check_rollout_ranks(cfg.async_rl.rollout_ranks, nnodes * nproc_per_node)
+            cls.build_plan(cfg, 1, nnodes * nproc_per_node - cfg.async_rl.rollout_ranks)
+        else:
+            cls.build_plan(cfg, nnodes, nproc_per_node)
+
+    @classmethod
+    @contextlib.contextmanager
+    def placement(cls, cfg: Config, owns_group: bool):
+        """Colocated: every rank trains and generates. Disaggregated (async_rl.rollout_ranks): from here the default
+        group holds this rank's side only; a rollout rank runs its whole side here (and yields None), a training
+        rank trains on the batches the rollout ranks send."""
+        if not cfg.async_rl.rollout_ranks:
+            yield Placement()
+            return
+        from shardrl.trainer.async_rl import RemoteBatches, run_rollout_side
+        from shardrl.trainer.placement import split_world
+
+        split, ok = split_world(cfg), False
+        try:
+            if split.is_rollout:
+                run_rollout_side(cfg, split)
+                ok = True
+                yield None
+            else:
+                yield Placement({"batch_source": lambda t: RemoteBatches(t, split)}, one_node=True)
+                ok = True
+        finally:  # after a failure the other side may be gone: no world group again then
+            split.close(restore_world=ok and not owns_group, failed=not ok)
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
 
     def _prefix_counts(self) -> tuple[int, int] | None:
         generation = getattr(self.source, "generation", None)  # (a colocated rollout; not the rollout ranks')
@@ -234,7 +269,7 @@ class RLTrainer:
 
     # ---- one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        cfg, plan, step, t0 = self.cfg, self.plan, self.state.step, time.perf_counter()
+        cfg, plan, step, t0 = self.cfg, self.steps, self.state.step, time.perf_counter()
         self._phase_peak_gib()  # each phase's peak from here on
         counts = self._prefix_counts()
         batch = self.source.batch(step, next(self.state.loader))
@@ -293,10 +328,10 @@ class RLTrainer:
             metrics["timing/update_critic_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         with roles.actor.training():
-            metrics.update(run_updates(roles.actor, batch, actor_loss_from_plan(cfg.actor, cfg.algorithm, self.plan),
+            metrics.update(run_updates(roles.actor, batch, actor_loss_from_plan(cfg.actor, cfg.algorithm, self.steps),
                                        self.layout.actor.mini_batch_samples_per_rank, cfg.actor.ppo_epochs,
                                        cfg.actor.shuffle, self.state.shuffle_gen, "actor", temperature=temp,
-                                       with_entropy=self.plan.update_entropy))
+                                       with_entropy=self.steps.update_entropy))
         metrics["timing/update_actor_s"] = time.perf_counter() - t0
         return metrics
 
@@ -307,7 +342,7 @@ class RLTrainer:
         out = {"perf/total_num_tokens": Sum(float(seq_lens.sum()))}
         if self.flop_shapes is not None:
             policy, critic = self.flop_shapes
-            inference = int(not self.plan.old_from_update) + int(self.plan.uses_ref)  # old log-probs, reference
+            inference = int(not self.steps.old_from_update) + int(self.steps.uses_ref)  # old log-probs, reference
             flops = rl_step_flops(seq_lens, policy, inference, self.cfg.actor.ppo_epochs, critic,
                                   self.cfg.critic.ppo_epochs, batch["response_mask"].sum(-1).float())
             out["perf/step_tflop"] = Sum(flops / 1e12)
@@ -323,97 +358,33 @@ class RLTrainer:
         keep = self.cfg.trainer.log_val_generations if self.rank == 0 else 0
         metrics, self.val_generations = validate(
             self.cfg, self.val_set, self.source.generate, lambda b: self.scorer.score(b, shape=False),
-            self.mesh.dp_rank, self.mesh.dp_size, self.mesh.dp_group, self.plan.multi_turn, keep)
+            self.mesh.dp_rank, self.mesh.dp_size, self.mesh.dp_group, self.steps.multi_turn, keep)
         return metrics
 
-    # ---- the loop ---------------------------------------------------------------------------------
-    def save(self, pending: dict | None = None) -> None:
-        """A checkpoint of this step; `pending`: its record, logged after the save (it carries the save's time)."""
-        extra = self.state.state_dict()
-        # this step's record: a run killed after the checkpoint is complete but before the line reached
-        # metrics.jsonl logs it when it resumes
-        extra["step_record"] = pending
-        if "jsonl" not in self.cfg.trainer.logger:  # no metrics.jsonl: the steps logged so far, for the summary
-            extra["records"] = list(self.records) + ([pending] if pending else [])  # of a resumed run (rank 0's)
-        path = self.checkpoints.save(self.state.step, self.roles.trained(), extra, self.state.rank_state_dicts())
-        self._say(f"saved checkpoint {path}")
+    # ---- what the loop asks (`Trainer.fit`) ---------------------------------------------------------
+    def checkpoint_engines(self) -> dict:
+        return self.roles.trained()
 
-    def maybe_resume(self) -> None:
-        resume = self.cfg.trainer.resume
-        if resume != "never":
-            ckpt = (self.checkpoints.load_latest(self.roles.trained()) if resume == "auto"
-                    else self.checkpoints.load(resume, self.roles.trained()))
-            if ckpt is None:
-                self._say("resume=auto: no complete checkpoint yet, starting fresh")
-            else:
-                note = self.state.load(ckpt)
-                self._resumed_records = [r for r in ckpt.extra.get("records", []) if r["step"] <= self.state.step]
-                if Path(ckpt.path).resolve().is_relative_to(Path(self.run_dir).resolve()):  # (this folder's step)
-                    self._checkpoint_record = ckpt.extra.get("step_record")
-                total = self.cfg.trainer.total_steps
-                if self.state.step > total:
-                    raise ValueError(f"checkpoint {ckpt.path} is at step {self.state.step}, past trainer.total_steps="
-                                     f"{total}: there is nothing to train; set trainer.total_steps above "
-                                     f"{self.state.step} to go on, or start a fresh run in another folder")
-                if note:
-                    self._say(note)
-                self._say(f"resumed from {ckpt.path} at step {self.state.step}" + (
-                    f": the run is complete (trainer.total_steps={total}); raise it to train on"
-                    if self.state.step == total else ""))
+    def state_dict(self) -> tuple[dict, dict]:
+        return self.state.state_dict(), self.state.rank_state_dicts()
+
+    def load_state(self, ckpt) -> str | None:
+        return self.state.load(ckpt)
+
+    def start(self) -> None:
         self.source.start(self.state)
 
-    def fit(self) -> Path:
-        cfg, state = self.cfg, self.state
-        self.checkpoints.clean_stale()  # what a crash mid-save or mid-delete left
-        self.maybe_resume()
-        logger = MetricsLogger(self.run_dir, cfg.trainer.logger, cfg.trainer.total_steps, state.step,
-                               cfg.trainer.project_name, cfg.trainer.experiment_name, config_to_dict(cfg))
-        self.records = logger.records  # rank 0: the steps logged, for summary.json and the reward curve
-        if not self.records:  # a resumed run without metrics.jsonl: the steps before the checkpoint
-            self.records.extend(self._resumed_records)
-        last = self._checkpoint_record
-        if last is not None and last["step"] == state.step and not any(r["step"] == state.step for r in self.records):
-            logger.log(state.step, {k: v for k, v in last.items() if k != "step"}, advance=False)
-        total, val_freq, save_freq = cfg.trainer.total_steps, cfg.trainer.val_freq, cfg.trainer.save_freq
-        try:
-            if cfg.trainer.val_before_train and self.val_set is not None and state.step == 0:
-                val = self.validate()
-                logger.log(0, with_verl_names(val, 0) if cfg.trainer.verl_metric_names else val, advance=False)
-                logger.log_generations(0, self.val_generations)
-            while state.step < total:
-                metrics = self.train_step()
-                state.step += 1
-                if self.val_set is not None and val_freq and (state.step % val_freq == 0 or state.step == total):
-                    t0 = time.perf_counter()
-                    metrics.update(self.validate())
-                    metrics["timing/testing_s"] = time.perf_counter() - t0
-                    logger.log_generations(state.step, self.val_generations)
-                if save_freq and (state.step % save_freq == 0 or state.step == total):
-                    t0 = time.perf_counter()
-                    self.save(pending={"step": state.step, **metrics})  # logged after, with the save's time
-                    metrics["timing/save_checkpoint_s"] = time.perf_counter() - t0
-                logger.log(state.step, with_verl_names(metrics, state.step) if cfg.trainer.verl_metric_names else metrics)
-        finally:
-            logger.close()
-            self.scorer.rewards.close()  # the reward workers, if any
-        if cfg.trainer.export_hf:
-            path = self.roles.actor.save_hf(self.run_dir / "hf_model", self.tokenizer)
-            self._say(f"wrote the trained actor as a Hugging Face model folder: {path}")
-        if cfg.trainer.export_lora_adapter:
-            path = self.roles.actor.save_lora_adapter(self.run_dir / "lora_adapter")
-            self._say(f"wrote the trained adapters as a peft adapter folder: {path}")
-        return self.run_dir
+    def before_first_step(self, logger) -> None:
+        if self.cfg.trainer.val_before_train and self.val_set is not None and self.step == 0:
+            val = self.validate()
+            logger.log(0, with_verl_names(val, 0) if self.cfg.trainer.verl_metric_names else val, advance=False)
+            logger.log_generations(0, self.val_generations)
 
+    def close(self) -> None:
+        self.scorer.rewards.close()  # the reward workers, if any
 
-def load_datasets(cfg: Config, tokenizer) -> tuple[list, list | None]:
-    """The training and validation prompt sets (None without `data.val_files`)."""
-    d = cfg.data
-    tools = prompt_tool_schemas(cfg.rollout.multi_turn)  # the tools a multi-turn prompt shows, if any
-
-    def load(files):
-        return load_prompt_dataset(files, tokenizer, d.prompt_key, d.max_prompt_length, d.truncation, d.skip_bad_rows,
-                                   tools)
-    return load(d.train_files), (load(d.val_files) if d.val_files else None)
+    def exported_engine(self):
+        return self.roles.actor
 
 
 def flop_shapes(roles: Roles, say):

@@ -11,14 +11,12 @@ export (`trainer.export_hf`) is a *ForSequenceClassification folder that `reward
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from shardrl.algos.preference import bradley_terry_loss
 from shardrl.config.schema import RMConfig
 from shardrl.metrics import SumCount, row_means
-from shardrl.trainer.offline import PairTrainer, rank_main
+from shardrl.trainer.offline import PairTrainer
 
 
 def reward_pair_step(scores: torch.Tensor, center_coefficient: float):
@@ -37,7 +35,7 @@ def rm_loss_fn(center_coefficient: float):
 
 
 class RMTrainer(PairTrainer):
-    name, module, config_cls, head = "rm", "shardrl.trainer.rm", RMConfig, "score"
+    name, config_cls, head = "rm", RMConfig, "score"
 
     def loss_fn(self):
         return rm_loss_fn(self.cfg.rm.center_rewards_coefficient)
@@ -47,6 +45,3 @@ class RMTrainer(PairTrainer):
         losses, metrics = reward_pair_step(scores, self.cfg.rm.center_rewards_coefficient)
         return {"loss": SumCount(float(losses.sum()), float(len(losses)))} | metrics
 
-
-if __name__ == "__main__":  # torchrun ... -m shardrl.trainer.rm CONFIG key=value ...
-    sys.exit(rank_main(RMTrainer, sys.argv[1:]))

@@ -25,9 +25,10 @@ class ModelPath(NamedTuple):
     new_head_ok: bool = False
 
 
-def check_vocab_sizes(cfg: Config, tokenizer_size: int) -> None:
-    """The RL run's models that read the tokenizer's ids (policy, critic, reward model): `check_vocabularies`."""
-    plan = StepPlan.from_config(cfg)
+def check_vocab_sizes(cfg: Config, tokenizer_size: int, plan: StepPlan | None = None) -> None:
+    """The RL run's models that read the tokenizer's ids (policy, critic, reward model): `check_vocabularies`.
+    `plan`: the run's step plan (None: derived from `cfg`)."""
+    plan = plan or StepPlan.from_config(cfg)
     models = [ModelPath("model.path", cfg.model.path, cfg.model.tiny)]
     if plan.needs_critic and cfg.critic.model_path:
         models.append(ModelPath("critic.model_path", cfg.critic.model_path))

@@ -314,3 +314,19 @@ def write_summary(run_dir: Path, records: list[dict] | None = None) -> dict:
     summary = summarize(records)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def write_results(run_dir: Path, records: list[dict], total_steps: int, curve: bool = True) -> str:
+    """summary.json and, with `curve`, reward_curve.png of the steps logged (rank 0's in-memory records, so any
+    logger will do); a sentence saying what was written."""
+    summary = write_summary(run_dir, records)
+    if not records:
+        return (f"0 of {total_steps} steps; {run_dir / 'summary.json'} is empty"
+                + (" and there is no reward curve" if curve else ""))
+    done = f"{summary['steps']} of {total_steps} steps; summary {run_dir / 'summary.json'}"
+    if not curve:
+        return done
+    from shardrl.trainer.plot import plot_rewards
+
+    png = plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward_curve.png", records)
+    return f"{done}, reward curve {png}"

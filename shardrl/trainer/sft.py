@@ -9,13 +9,11 @@ row (the engine packs a micro-batch's rows without padding, which is what packin
 
 from __future__ import annotations
 
-import sys
-
 from shardrl.algos.aggregate import agg_loss, masked_metric
 from shardrl.data.chat import collate_chats, load_chat_dataset
 from shardrl.config.schema import SFTConfig
 from shardrl.metrics import SumCount
-from shardrl.trainer.offline import OfflineTrainer, rank_main
+from shardrl.trainer.offline import OfflineTrainer
 
 
 def sft_loss(outputs, mb, num_tokens, num_seqs):
@@ -25,7 +23,7 @@ def sft_loss(outputs, mb, num_tokens, num_seqs):
 
 
 class SFTTrainer(OfflineTrainer):
-    name, module, config_cls = "sft", "shardrl.trainer.sft", SFTConfig
+    name, config_cls = "sft", SFTConfig
 
     def load_rows(self, files):
         d = self.cfg.data
@@ -45,6 +43,3 @@ class SFTTrainer(OfflineTrainer):
         total, count = masked_metric(-out["log_probs"][:real_rows].cpu(), mask.cpu())
         return {"loss": SumCount(float(total), float(count))}
 
-
-if __name__ == "__main__":  # torchrun ... -m shardrl.trainer.sft CONFIG key=value ...
-    sys.exit(rank_main(SFTTrainer, sys.argv[1:]))
