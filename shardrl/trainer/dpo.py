@@ -13,6 +13,7 @@ Left out: the reference's log-probs precomputed once, and the base model with ad
 from __future__ import annotations
 
 import dataclasses
+
 from shardrl.algos.preference import PREFERENCE_LOSSES, PreferenceParams, sequence_log_probs
 from shardrl.config.schema import DPOConfig, LoRAConfig
 from shardrl.engine import build_engine
