@@ -1,0 +1,45 @@
+"""The one rank entry (`python -m shardrl.launch`): every trainer's rank ends the same way, by the same table of
+exit statuses (an offline trainer's rank once had no disk-full and no peer-stopped branch)."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+import shardrl.launch.rank as rank
+
+
+class PeerStopped(RuntimeError):
+    """As async_rl's: the other side of the run stopped."""
+
+
+@pytest.mark.parametrize("trainer", ["train", "sft", "dpo", "rm"])
+def test_every_trainer_s_rank_ends_by_one_table(trainer, monkeypatch, capsys):
+    for name in ("die_with_launcher", "setup_logging", "catch_stop_signals", "end_of_run_signals"):
+        monkeypatch.setattr(rank, name, lambda: None)
+    monkeypatch.setenv("RANK", "0")
+    seen = []
+
+    def failing(error):
+        def run(config, overrides, name):
+            seen.append((config, overrides, name))
+            raise error
+        return run
+
+    argv = ["--trainer", trainer, "run.yaml", "trainer.total_steps=3"]
+    disk_full = OSError(errno.ENOSPC, "disk full: saving the checkpoint of step 3 failed")
+    for error, status, line in ((ValueError("data.train_files is empty"), 2, "error: data.train_files is empty"),
+                                (disk_full, 1, f"error: {disk_full}"),
+                                (PeerStopped("the rollout ranks stopped"), 1, "rank 0: the rollout ranks stopped"),
+                                (RuntimeError("Connection closed by peer"), 1, None)):
+        monkeypatch.setattr(rank, "run", failing(error))
+        assert rank.rank_main(argv) == status, error
+        err = capsys.readouterr().err.strip()
+        assert err == (line or ""), err
+    assert seen[-1] == ("run.yaml", ["trainer.total_steps=3"], trainer)
+    monkeypatch.setattr(rank, "run", failing(KeyError("ours")))  # anything else: a traceback, as before
+    with pytest.raises(KeyError):
+        rank.rank_main(argv)
+    monkeypatch.setattr(rank, "run", lambda config, overrides, name: seen.append(name))
+    assert rank.rank_main(["--no-config", "x=1"]) == 0 and seen[-1] == "train"  # (no --trainer: train)
