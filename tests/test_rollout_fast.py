@@ -13,7 +13,7 @@ import transformers
 from shardrl.engine.model import build_causal_lm
 from shardrl.rollout import FastRollout, RolloutOutput, SamplingParams, build_rollout
 from shardrl.rollout.fast.rollout import GREEDY, SAMPLE, TRUNCATED, sample_tokens
-from shardrl.rollout.fast.model import TritonDecodeAttention
+from shardrl.rollout.fast.attention import TritonDecodeAttention
 from shardrl.testing import TINY_MODELS
 from shardrl.tokenizer import build_char_tokenizer
 from test_rollout_hf import (assert_sampled_log_probs_recomputed, assert_seeded_sampling, assert_some_rows_end_at_eos,
@@ -107,9 +107,10 @@ def test_a_capture_warm_up_mid_generate_changes_nothing(tok):
     ids, mask = encode(tok)
     plain = make_rollout("fast", tok, model, max_batch=3, sync_every=5, seq_bucket=8)
     warmed = make_rollout("fast", tok, model, max_batch=3, sync_every=5, seq_bucket=8)
-    step = warmed._decode_step
-    warmed._decode_step = lambda mode, seq_len, width: (warmed._warm_up(step, mode, seq_len, width),
-                                                        step(mode, seq_len, width))
+    runner = warmed._steps
+    step = runner.step
+    runner.step = lambda st, mode, seq_len, width: (runner.warm_up(step, st, mode, seq_len, width),
+                                                    step(st, mode, seq_len, width))
     for sampling in (SamplingParams(n=2, greedy=True, max_new_tokens=20),
                      SamplingParams(n=2, temperature=1.0, top_k=8, max_new_tokens=20, seed=1)):
         assert_same_output(warmed.generate(ids, mask, sampling), plain.generate(ids, mask, sampling))
@@ -406,7 +407,7 @@ def test_triton_decode_attention_matches_sdpa_in_bf16():
     given, it writes them at the positions as the indexed copy does and attends as after that copy; the
     same with each slot's entries split over several programs."""
     from shardrl.rollout.fast.decode_kernel import decode_attention
-    from shardrl.rollout.fast.model import write_kv
+    from shardrl.rollout.fast.attention import write_kv
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, hkv, g, d, max_seq = 16, 2, 6, 128, 512

@@ -167,7 +167,7 @@ def test_fast_family_matches_hf_generate_and_the_engine(tok, name, caplog):
 def test_the_dense_expert_path_of_cuda_graphs_equals_the_grouped_one(normalize):
     """Where a CUDA graph cannot take grouped products (fp32, unaligned rows), a decode step runs every expert on
     every token: the same sums as the grouped path (and the loop), per token, to fp32 rounding."""
-    from shardrl.rollout.fast.model import dense_experts, moe_mlp, route
+    from shardrl.rollout.fast.moe import dense_experts, moe_mlp, route
 
     g = torch.Generator().manual_seed(0)
     x, router = torch.randn(13, 32, generator=g), torch.randn(8, 32, generator=g)
@@ -185,7 +185,7 @@ def test_fast_family_moe_routing_decides_the_tokens(tok, name, monkeypatch):
     """The routed experts as grouped matrix products and as a loop over the experts decode the same tokens as
     HF; routing weights normalized otherwise than the config says (or the router's choice ignored)
     decode others."""
-    import shardrl.rollout.fast.model as fm
+    import shardrl.rollout.fast.moe as fm
 
     model = hf_model(family_config(tok, name))
     want = hf_greedy(tok, model, max_new_tokens=36)
@@ -348,7 +348,7 @@ def test_fast_family_backend_null_picks_fast_where_supported(tok, monkeypatch):
 
 def reference_decode_attention(q, kv, positions, scale, softcap, window):
     """What the Triton kernel computes, by `softcapped_attention` over a boolean mask (fp32)."""
-    from shardrl.rollout.fast.model import softcapped_attention, visible_keys
+    from shardrl.rollout.fast.attention import softcapped_attention, visible_keys
 
     visible = visible_keys(positions, torch.arange(kv.shape[-2], device=kv.device), window)[:, None, None, :]
     return softcapped_attention(q.float(), kv[0].float(), kv[1].float(), visible, scale, softcap)
@@ -358,7 +358,7 @@ def check_triton_window_and_softcap(device: str, dtypes, block_n: int) -> None:
     """The Triton decode kernel with a window and a soft-cap (and either alone) against the reference, with
     the fused K/V write and with splits; entries before each window's start are never read (NaN there)."""
     from shardrl.rollout.fast.decode_kernel import decode_attention
-    from shardrl.rollout.fast.model import write_kv
+    from shardrl.rollout.fast.attention import write_kv
 
     gen = torch.Generator(device=device).manual_seed(0)
     b, hkv, g, d, max_seq = 6, 2, 3, 16, 80

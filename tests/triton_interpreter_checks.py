@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 def check_attention() -> None:
     from shardrl.rollout.fast.decode_kernel import decode_attention
-    from shardrl.rollout.fast.model import write_kv
+    from shardrl.rollout.fast.attention import write_kv
 
     gen = torch.Generator().manual_seed(0)
     b, hkv, g, d, max_seq = 6, 2, 3, 16, 80
@@ -87,7 +87,7 @@ def check_cascade(dtype, atol, gen, size: int) -> None:
     first member's blocks, and no slot reads its own entries below `shared`. Blocks of `size` entries: of 16, both
     kernels read a block a step (no `block_n` other than the block size given)."""
     from shardrl.rollout.fast.decode_kernel import decode_attention
-    from shardrl.rollout.fast.model import write_kv
+    from shardrl.rollout.fast.attention import write_kv
 
     b, hkv, g, d, per_slot = 6, 2, 3, 16, 80 // size
     prefix_block_n = 16 if size < 16 else None
@@ -281,7 +281,7 @@ def check_prefill_case(dtype, atol, hkv, g, d, size, starts, lens, cases, block_
     scale) of `cases`. The padding's rows are zero; the entries past each prompt's last position are NaN: never
     read. Also run by the CUDA test in tests/test_prefix_cache.py."""
     from shardrl.rollout.fast.decode_kernel import prefill_attention
-    from shardrl.rollout.fast.model import softcapped_attention, visible_keys
+    from shardrl.rollout.fast.attention import softcapped_attention, visible_keys
 
     starts, lens = torch.tensor(starts), torch.tensor(lens)
     u, length = len(starts), int(lens.max())

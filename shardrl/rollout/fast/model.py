@@ -18,8 +18,7 @@ a slot's length hold stale values that attention masks out and the next write re
 
 from __future__ import annotations
 
-import logging
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -29,10 +28,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from shardrl.models.families import (FAST_ROLLOUT_TYPES, activation, attention_scale, attention_softcap, check_supported,
                                       family_of, final_softcap, head_dim_of, layer_rope_keys, layer_windows,
                                       max_rope_positions, moe_layers, rope_tables, top_k_normalized)
-from shardrl.engine.moe import grouped_mm_usable
-from shardrl.rollout.fast.kernel_support import triton_head_dim  # noqa: F401  (fast.py asks it here too)
-
-logger = logging.getLogger(__name__)
+from shardrl.rollout.fast.attention import (LayerConsts, SDPADecodeAttention, TritonDecodeAttention,  # noqa: F401
+                                            softcapped_attention, visible_keys, write_kv)  # (write_kv: for callers)
+from shardrl.rollout.fast.moe import SparseMoE, moe_mlp
 
 SUPPORTED_MODEL_TYPES = FAST_ROLLOUT_TYPES
 
@@ -117,83 +115,6 @@ def gated_mlp(x, gate_up_w, gate_up_b, down_w, down_b, act: str = "silu", lora=N
     return out if lora is None else plus(out, lora_delta(h, lora[2], scale))
 
 
-def dense_experts(x, weights, experts, gate_up, down, act: str):
-    """The routed experts' weighted sum with static shapes and no grouped products: every expert on every token,
-    the experts a token did not choose weighted 0 (weights, experts (T, k) from `route`)."""
-    gate, up = torch.einsum("th,eoh->eto", x, gate_up).chunk(2, dim=-1)
-    gated = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
-    y = torch.einsum("eti,ehi->eth", gated, down)  # (E, T, hidden)
-    dense = torch.zeros(x.shape[0], gate_up.shape[0], dtype=weights.dtype, device=x.device)
-    dense.scatter_(1, experts, weights)
-    return (y * dense.t()[..., None]).sum(0, dtype=torch.float32).to(x.dtype)
-
-
-_DENSE_WARNED: list[bool] = []
-
-
-def _warn_dense_experts(num_experts: int, top_k: int):
-    if not _DENSE_WARNED:
-        _DENSE_WARNED.append(True)
-        logger.warning("the fast rollout's MoE layers run every expert on every token on this GPU (%d / %d "
-                       "times the expert work): torch._grouped_mm needs bf16 on an SM80+ GPU and 16-byte aligned "
-                       "rows", num_experts, top_k)
-
-
-def route(x, router_w, top_k: int, normalize: bool, fp32_weights: bool):
-    """HF's top-k router: softmax over the experts in fp32, the k largest, renormalized to sum 1 when `normalize`;
-    (weights (T, k) in fp32 or x's dtype, experts (T, k))."""
-    probs = F.linear(x, router_w).float().softmax(-1)
-    weights, experts = probs.topk(top_k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return (weights if fp32_weights else weights.to(x.dtype)), experts
-
-
-def moe_mlp(x, router_w, gate_up, down, act: str, top_k: int, normalize: bool, fp32_weights: bool,
-            with_route: bool = False):
-    """Routed experts, as HF's `*SparseMoeBlock`: each token's k experts' SwiGLU outputs, weighted by the
-    router, summed. x (T, hidden); router_w (E, hidden); gate_up (E, 2I, hidden) (gate rows, then up rows);
-    down (E, hidden, I). The (token, expert) pairs are sorted by expert and each projection is one grouped
-    matrix product over them (`torch._grouped_mm`; static shapes, so a decode step captures in a CUDA graph);
-    where it cannot run, a loop over the experts computes the same. `with_route`: (output, experts (T, k))."""
-    t, num_experts = x.shape[0], gate_up.shape[0]
-    weights, experts = route(x, router_w, top_k, normalize, fp32_weights)
-    grouped = grouped_mm_usable(x, gate_up, down)
-    if not grouped and x.is_cuda:
-        # on a GPU without grouped products (fp32, or rows not 16-byte aligned): every expert on every token
-        # (static shapes, so a decode step still captures in a CUDA graph; E / k times the work), the experts a
-        # token did not choose weighted 0. Decided by the operands alone, so the warm-up before a capture traces
-        # the branch the capture runs.
-        _warn_dense_experts(num_experts, top_k)
-        out = dense_experts(x, weights, experts, gate_up, down, act)
-        return (out, experts) if with_route else out
-    flat = experts.reshape(-1)  # (T * k,): pair j is token j // k's (j % k)-th choice
-    order = flat.argsort(stable=True)
-    token = order // top_k
-    rows = x[token]  # (T * k, hidden), grouped by expert
-    if grouped:
-        counts = F.one_hot(flat, num_experts).sum(0)  # (E,), static shape: no host sync
-        offs = counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        gated = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
-        out = torch._grouped_mm(gated, down.transpose(1, 2), offs=offs)
-    else:
-        out = rows.new_empty(rows.shape)
-        sorted_experts = flat[order]
-        for e in range(num_experts):
-            mask = sorted_experts == e
-            gate, up = F.linear(rows[mask], gate_up[e]).chunk(2, dim=-1)
-            gated = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
-            out[mask] = F.linear(gated, down[e])
-    # as HF's grouped path: weighted, back in token order, each token's k summed (accumulated in fp32, and
-    # deterministic: no atomic adds)
-    weighted = out * weights.reshape(-1)[order, None]
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    out = weighted[inverse].view(t, top_k, -1).sum(1).to(x.dtype)
-    return (out, experts) if with_route else out
-
-
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) holding the rows of `linears`, which become views into it: a GEMM instead of
     several, while each parameter keeps its HF name and an in-place copy into it lands in the fused tensor.
@@ -238,36 +159,6 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=bias["up_proj"])
         self.down_proj = nn.Linear(inter, hidden, bias=bias["down_proj"])
         self.gate_up_weight = self.gate_up_bias = None  # set by FastCausalLM.fuse_projections
-
-
-class Router(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts_of(config), config.hidden_size))
-
-
-class Experts(nn.Module):
-    """A layer's experts as HF stores them: gate_up_proj (E, 2I, hidden), down_proj (E, hidden, I)."""
-
-    def __init__(self, config):
-        super().__init__()
-        e, h = num_experts_of(config), config.hidden_size
-        i = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
-
-
-class SparseMoE(nn.Module):
-    """Routed experts in place of the MLP (`moe_mlp`), under HF's names (`mlp.gate.weight`, `mlp.experts.*`)."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.gate = Router(config)
-        self.experts = Experts(config)
-
-
-def num_experts_of(config) -> int:
-    return getattr(config, "num_experts", None) or config.num_local_experts
 
 
 class DecoderLayer(nn.Module):
@@ -335,147 +226,6 @@ def attention_inputs(x, cos, sin, ln1, qkv_w, qkv_b, q_norm, k_norm, eps: float,
     return q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v.view(b, num_kv_heads, head_dim)
 
 
-def write_kv(k, v, kv_layer, slots, positions, table: torch.Tensor | None = None) -> None:
-    """Writes one token's k, v (B, Hkv, D) per slot at `positions` into kv_layer (2, B, Hkv, max_seq, D); with
-    `table` (B, max_blocks), into the paged kv_layer (2, num_blocks, Hkv, block_size, D) at each slot's block."""
-    if table is not None:
-        size = kv_layer.shape[3]
-        slots, positions = table[slots, positions // size], positions % size
-    kv_layer[0][slots, :, positions] = k
-    kv_layer[1][slots, :, positions] = v
-
-
-def gather_blocks(kv_layer, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values (B, Hkv, length, D) of the first `length` positions of each row of `table` (B, >= blocks)."""
-    size = kv_layer.shape[3]
-    blocks = kv_layer[:, table[:, : -(-length // size)]]  # (2, B, nb, Hkv, size, D)
-    kv = blocks.transpose(2, 3).flatten(3, 4)[:, :, :, :length]  # (2, B, Hkv, nb * size, D) -> length
-    return kv[0], kv[1]
-
-
-class LayerConsts(NamedTuple):
-    """What a layer's code needs besides tensors (one compilation per distinct value)."""
-
-    eps: float
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    gemma: bool  # Gemma's layout: (1 + weight) norms, norms after attention and MLP
-    act: str  # the MLP's gate activation: 'silu' or 'gelu_tanh'
-    scale: float  # attention logits scale
-    softcap: float | None  # attention logits soft-cap: cap * tanh(logits / cap) (Gemma 2)
-    window: int | None  # sliding window: a query at i sees keys j with i - window < j <= i
-    top_k: int = 0  # routed experts per token (0: a dense MLP)
-    normalize_top_k: bool = False  # the k routing weights renormalized to sum 1
-    fp32_route: bool = False  # the routing weights scale the experts' outputs in fp32
-
-
-def softcapped_attention(q, k, v, mask, scale: float, softcap: float | None):
-    """HF's eager attention: softmax(cap * tanh(q k^T * scale / cap) + mask) v, the softmax in fp32.
-    q (..., Hq, L, D), k, v (..., Hkv, S, D) with Hkv dividing Hq; `mask` boolean (True: visible) or additive,
-    broadcastable to (..., Hq, L, S). SDPA has no soft-cap, so Gemma 2's layers attend here."""
-    groups = q.shape[-3] // k.shape[-3]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
-
-
-def visible_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Boolean (*queries.shape, *keys.shape): key position j is visible from query position i (j <= i, and
-    within the window if any, as HF's `sliding_window_overlay`)."""
-    i, j = queries[..., None], keys
-    visible = j <= i
-    return visible if window is None else visible & (j > i - window)
-
-
-class SDPADecodeAttention:
-    """Decode attention over the first `seq_len` cache positions of every slot, with an additive mask
-    (-inf past each slot's position, and before its window on a sliding-window layer): SDPA, any device
-    (or `softcapped_attention` for a soft-capped layer). The attended length is a static shape, so the
-    caller buckets it (one CUDA graph per bucket)."""
-
-    bucketed = True
-    prefix_from_blocks = False  # a prefill over cached prefixes gathers them and attends with a mask (`prefill`)
-
-    def prefill(self, q, k, v, kv_layer, prefix: tuple, c: LayerConsts) -> torch.Tensor:
-        """A prefill chunk's attention over its cached prefixes: q (U, H, L, D), the chunk's own k, v (U, Hkv, L, D),
-        `prefix` = (blocks (U, nb), visible (U, L, C + L) boolean for the layer's window): the prefixes' C positions
-        are gathered from the blocks, the chunk's keys follow them. -> (U, H, L, D)."""
-        table, visible = prefix
-        length = q.shape[2]
-        keys, values = gather_blocks(kv_layer, table, visible.shape[-1] - length)
-        keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-        if c.softcap is not None:
-            return softcapped_attention(q, keys, values, visible[:, None], c.scale, c.softcap)
-        # the K/V heads repeated: SDPA's fused kernels take a mask, but not with enable_gqa
-        groups = c.num_heads // c.num_kv_heads
-        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], scale=c.scale)
-
-    def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
-        """(B, 1, 1, seq_len); made once per step and window: SDPA converts a boolean mask in every layer, and
-        ran slower with one (measured: bench/RESULTS.md, "Current figures: Decode step")."""
-        visible = visible_keys(positions, torch.arange(seq_len, device=positions.device), window)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
-        return mask[:, None, None, :]
-
-    def __call__(self, q, k, v, kv_layer, table, positions, mask, c: LayerConsts) -> torch.Tensor:
-        """Writes k, v (B, Hkv, D) into the paged cache at each slot's position (`write_kv`), then attends to the
-        slot's first `seq_len` positions (gathered from its blocks, `table` (B, max_blocks)): q (B, Hkv, G, D)
-        (the G query heads of a KV head as its "query positions": GQA without copying the cache) -> (B, Hkv, G, D)."""
-        slots = torch.arange(q.shape[0], device=q.device)
-        write_kv(k, v, kv_layer, slots, positions, table)
-        keys, values = gather_blocks(kv_layer, table, mask.shape[-1])
-        if c.softcap is not None:
-            return softcapped_attention(q, keys, values, mask, c.scale, c.softcap)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=c.scale)
-
-
-class TritonDecodeAttention:
-    """Decode attention in which each slot reads its cache only from its window's start (0 on a full
-    layer) up to its own position: one Triton kernel (`shardrl.rollout.fast.decode_kernel`, CUDA only), which
-    also applies the soft-cap. The attended length plays no part, so one CUDA graph serves every length.
-    Measured against `SDPADecodeAttention`: bench/RESULTS.md, "Current figures: Decode step". `fuse_kv_write`:
-    the kernel writes the new K/V itself, a shorter step than two indexed copies (measured: the same table)."""
-
-    bucketed = False
-    prefix_from_blocks = True  # a prefill over cached prefixes reads them through the block table (`prefill`)
-
-    def __init__(self, fuse_kv_write: bool = True):
-        from shardrl.rollout.fast.decode_kernel import decode_attention, prefill_attention
-
-        self.attend, self.attend_prefill, self.fuse_kv_write = decode_attention, prefill_attention, fuse_kv_write
-        # (shared, groups) of the slots that read a shared prefix together (`decode_kernel`, cascade), set by the
-        # rollout for the steps that have such groups; full-attention layers only
-        self.cascade: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.prefix_splits = 2
-        self.prefix_programs: int | None = None  # the shared-prefix kernel's programs per (KV head, split); None: its own
-
-    def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
-        return positions
-
-    def prefill(self, q, kv_layer, prefix: tuple, c: LayerConsts) -> torch.Tensor:
-        """A prefill chunk's attention over its cached prefixes, its own K/V already in the blocks: q (U * L, Hkv,
-        G, D), `prefix` = (blocks (U, nb), starts (U,), lengths (U,)) -> (U * L, Hkv, G, D) (`prefill_attention`)."""
-        table, starts, lengths = prefix
-        return self.attend_prefill(q.contiguous(), kv_layer, table, starts, lengths, scale=c.scale, softcap=c.softcap,
-                                   window=c.window)
-
-    def __call__(self, q, k, v, kv_layer, table, positions, mask, c: LayerConsts) -> torch.Tensor:
-        """As `SDPADecodeAttention`; the kernel reads the blocks through `table`."""
-        limits = dict(scale=c.scale, softcap=c.softcap, window=c.window, block_table=table)
-        if self.cascade is not None and c.window is None:
-            limits.update(cascade=self.cascade, prefix_splits=self.prefix_splits, prefix_programs=self.prefix_programs)
-        if self.fuse_kv_write:
-            return self.attend(q.contiguous(), kv_layer, positions, k, v, **limits)
-        write_kv(k, v, kv_layer, torch.arange(q.shape[0], device=q.device), positions, table)
-        return self.attend(q.contiguous(), kv_layer, positions, **limits)
-
-
 def attention_output_and_mlp(x, attn, o_w, o_b, post_attn_ln, ln2, gate_up_w, gate_up_b, down_w, down_b,
                              post_ff_ln, eps: float, gemma: bool, act: str, o_lora=None, mlp_lora=None,
                              scale: float = 1.0, top_k: int = 0, normalize_top_k: bool = False,
@@ -534,7 +284,7 @@ class DecoderBlock:
     are set through `sdpa_kernel`, process-wide while the call runs: no other thread should pick SDPA backends
     meanwhile."""
 
-    # the decode parts compile once per slot width (a call's widths, `FastRollout._widths`: 9 at 512 slots, more
+    # the decode parts compile once per slot width (a call's widths, `scheduler.slot_widths`: 9 at 512 slots, more
     # over calls of other slot counts); past dynamo's per-function limit (8 by default) a new width would run its
     # layers uncompiled, so the limit is raised to this while compiled blocks exist (never lowered)
     RECOMPILE_LIMIT = 64

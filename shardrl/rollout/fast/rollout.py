@@ -31,17 +31,18 @@ are captured on first use and again by `resume()`. `load_weights` copies in plac
 Tokens, log-probs (log softmax(logits / T) of the sampled token, no top-k/top-p truncation) and output
 fields mean exactly what they mean for the HF reference (`shardrl.rollout.hf`), whose helpers cut the
 responses at EOS and stop strings here too.
+
+The parts: the host-side decisions (which rows are admitted into which slots, stopped, retired, compacted; how
+many steps to the next sync) are `shardrl.rollout.fast.scheduler`'s, plain host code; the device side (the slots'
+state, the decode step as a function over it, its CUDA graphs) is `shardrl.rollout.fast.step`'s; `FastRollout`
+composes them with the paged cache (`paged`) and the model (`model`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 import time
-from collections import deque
-from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -51,87 +52,15 @@ from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, Versio
                                    contains_stop, copy_weights_in_place, cut_responses)
 from shardrl.rollout.fast.kernel_support import cascade_members
 from shardrl.rollout.fast.paged import BlockPool, SharedPrefixGroups
-from shardrl.rollout.fast.model import (DecoderBlock, FastCausalLM, SDPADecodeAttention, TritonDecodeAttention,
-                                        build_fast_lm, head_dim_of, triton_head_dim)
+from shardrl.rollout.fast.attention import TritonDecodeAttention
+from shardrl.rollout.fast.model import DecoderBlock, FastCausalLM, build_fast_lm, head_dim_of
+from shardrl.rollout.fast.scheduler import (RowFeed, RowScheduler, blocks_for, prefill_chunks, rows_that_fit,
+                                            shared_prefix_groups, slot_widths)
+from shardrl.rollout.fast.step import (GREEDY, SAMPLE, TRUNCATED, DecodeRunner, SlotState,  # noqa: F401 (for callers)
+                                       decode_attention, fused_sampler, sample_tokens, sampling_mode)
 from shardrl.tokenizer import stop_token_ids
 
 log = logging.getLogger(__name__)
-
-GREEDY, SAMPLE, TRUNCATED = "greedy", "sample", "truncated"  # sampling modes; one graph each
-
-
-class RowFeed(Protocol):
-    """What `FastRollout.generate_stream` talks to (the multi-turn rollout's agent loop)."""
-
-    def finished(self, row: int, tokens: list[int], log_probs: torch.Tensor) -> None:
-        """Row `row` ended: its uncut tokens (through EOS, its limit, or past a stop string) and log-probs."""
-
-    def take(self, block: bool) -> list[tuple[torch.Tensor, int]]:
-        """New rows (prompt ids, limit), numbered on from the last; `block`: wait for at least one, or return
-        [] when none will come any more."""
-
-    # optional: def cancelled(self) -> list[int]: rows to end now (their slots free at once; `finished` still
-    # reports what they made), asked at every host sync
-
-
-def sample_tokens(logits, mode: str, noise, temperature, top_k, top_p):
-    """Tokens (B,) and their log softmax(logits / T) (B,) from logits (B, V) (taken in fp32), without a host sync.
-    Sampling is Gumbel-max: argmax(log p - log E) with E ~ Exp(1) in `noise` (B, V). TRUNCATED keeps
-    the `top_k` best tokens, then those whose better-ranked mass is below `top_p` (HF's order)."""
-    logits = logits.float()  # here, so that a compiled sampler fuses the cast into its first pass
-    scaled = logits if mode == GREEDY else logits / temperature
-    if mode == GREEDY:
-        tokens = logits.argmax(-1)
-    elif mode == SAMPLE:
-        tokens = (scaled - noise.log()).argmax(-1)
-    else:
-        ranked, order = scaled.sort(-1, descending=True)  # (B, V)
-        rank = torch.arange(ranked.shape[-1], device=ranked.device)
-        ranked = ranked.masked_fill(rank >= top_k, float("-inf"))
-        probs = torch.softmax(ranked, -1)
-        ranked = ranked.masked_fill(probs.cumsum(-1) - probs >= top_p, float("-inf"))
-        choice = (ranked - noise.log()).argmax(-1, keepdim=True)
-        tokens = order.gather(-1, choice).squeeze(-1)
-    # the sampled token's log softmax, without writing the (B, V) log-probs
-    return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - scaled.logsumexp(-1)
-
-
-def sampling_mode(sampling: SamplingParams) -> str:
-    if sampling.is_greedy:
-        return GREEDY
-    return TRUNCATED if sampling.top_k > 0 or sampling.top_p < 1 else SAMPLE
-
-
-@dataclass
-class SlotState:
-    """All a decode step reads and writes, on the device, for B slots. Addresses never change while it
-    lives (the CUDA graphs point at them). W = the cache's max_seq bounds a slot's generated tokens."""
-
-    kv: torch.Tensor  # (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim), see fast_model and paged
-    table: torch.Tensor  # (B, max_seq / block_size) long: each slot's blocks (0, the scratch block, past them)
-    tokens: torch.Tensor  # (B,) long: the token each slot feeds next (sampled, not yet in the cache)
-    lengths: torch.Tensor  # (B,) long: tokens in the slot's cache = position of the token fed next
-    done: torch.Tensor  # (B,) bool: finished, or empty
-    num_generated: torch.Tensor  # (B,) long
-    max_new: torch.Tensor  # (B,) long: the slot's response limit
-    out_tokens: torch.Tensor  # (B, W) long
-    out_log_probs: torch.Tensor  # (B, W) float32
-    noise: torch.Tensor | None  # (B, V) float32: Exp(1) noise of the next step the torch sampler samples
-    seed: torch.Tensor  # (1,) long: the fused sampler's noise key for the next sampled step
-    temperature: torch.Tensor  # () float32
-    top_k: torch.Tensor  # () long; V when off
-    top_p: torch.Tensor  # () float32; 2 when off
-    eos: torch.Tensor  # (k,) long: the ids that end a response (`stop_token_ids`)
-    max_seq: int  # cache positions a slot may use
-    step_routes: torch.Tensor | None = None  # (B, L, k) long: a step's experts per routed layer (record_routing)
-    out_routes: torch.Tensor | None = None  # (B, W, L, k) int16: response token j's experts, as it was fed
-    shared: torch.Tensor | None = None  # (B,) long: entries a slot's shared-prefix group reads for it (cascade)
-    groups: torch.Tensor | None = None  # (B / 2, M) long: each group's slots, -1 after them (cascade)
-
-    @property
-    def num_slots(self) -> int:
-        return self.tokens.shape[0]
-
 
 
 class FastRollout(Rollout):
@@ -214,60 +143,30 @@ class FastRollout(Rollout):
         self._registering = True  # whether finished rows index their blocks (not while weights change in a call)
         self._routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (prompt's, response's) routes
         compile = self.device.type == "cuda" if compile is None else compile
-        self._block = DecoderBlock(compile, self._attention(attention, head_dim_of(hf_config)))
+        self._block = DecoderBlock(compile, decode_attention(attention, self.device, head_dim_of(hf_config)))
         self._block.flash_below = prefill_tokens  # (a chunk short of the budget: flash, no cuDNN plan per new shape)
         # the n samples of a prompt read its shared blocks once a step (Triton attention only)
         self.cascade = cascade and isinstance(self._block.attention, TritonDecodeAttention)
         if self.cascade:
             self._block.attention.prefix_splits = prefix_splits
         self._groups: SharedPrefixGroups | None = None  # with the cache, when `cascade`
-        self._sample = torch.compile(sample_tokens) if compile else sample_tokens
-        self._fused_sample = self._sampler(sampler)
+        self._steps = DecodeRunner(self.model, self._block, torch.compile(sample_tokens) if compile else sample_tokens,
+                                   fused_sampler(sampler, self.device, self._block.attention), self.cuda_graphs,
+                                   self.device, self.vocab_size)
         self._state: SlotState | None = None
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (mode, seq_len, width, cascade)
-        self.captures = 0  # decode graphs captured so far (each a new (mode, seq_len, width, cascade))
-        self._graph_keys: set[tuple] = set()  # recaptured by resume()
-        self._capture_stream = None  # the warm-up stream of every capture (see `_capture`)
-        self._graph_pool = None
         self._released, self._weights_on_cpu, self._kept_shape = False, False, None
         self.last_stats: dict = {}  # the last generate call's counts
         # prompt tokens prefilled (padding not counted) and read from the prefix cache, over every call so far
         self.totals = {"prompt_tokens": 0, "cached_tokens": 0}
 
-    def _attention(self, name: str, head_dim: int) -> SDPADecodeAttention | TritonDecodeAttention:
-        """The decode attention `name` asks for; "auto" takes triton where it can run, else sdpa."""
-        if name not in ("auto", "triton", "sdpa"):
-            raise ValueError(f"attention={name!r} must be 'auto', 'triton' or 'sdpa'")
-        if name == "sdpa" or (name == "auto" and self.device.type != "cuda"):  # (the interpreter: asked by name)
-            return SDPADecodeAttention()
-        problem = self._triton_problem(head_dim)
-        if problem is None:
-            return TritonDecodeAttention()
-        if name == "auto":
-            return SDPADecodeAttention()
-        raise ValueError(f"attention='triton' needs {problem}; use attention='sdpa'")
+    @property
+    def captures(self) -> int:
+        """Decode graphs captured so far (each a new (mode, seq_len, width, cascade))."""
+        return self._steps.captures
 
-    def _triton_problem(self, head_dim: int | None = None) -> str | None:
-        """What a Triton kernel lacks here (None if it can run); `head_dim` for the attention kernel."""
-        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            return f"a CUDA device (here {self.device.type}; on the CPU only under Triton's interpreter)"
-        if head_dim is not None and not triton_head_dim(head_dim):
-            return f"a power-of-two head dim >= 16 (here {head_dim})"
-        if importlib.util.find_spec("triton") is None:
-            return "the triton package (it comes with PyTorch's CUDA wheels on Linux)"
-        return None
-
-    def _sampler(self, name: str):
-        """`fused_sample` if the sampler `name` asks for it (or "auto" finds the Triton attention), else None."""
-        if name not in ("auto", "triton", "torch"):
-            raise ValueError(f"sampler={name!r} must be 'auto', 'triton' or 'torch'")
-        if name == "triton" and (problem := self._triton_problem()) is not None:
-            raise ValueError(f"sampler='triton' needs {problem}; use sampler='torch'")
-        if name == "torch" or (name == "auto" and not isinstance(self._block.attention, TritonDecodeAttention)):
-            return None
-        from shardrl.rollout.fast.sample_kernel import fused_sample
-
-        return fused_sample
+    @property
+    def _graphs(self) -> dict[tuple, torch.cuda.CUDAGraph]:
+        return self._steps.graphs
 
     # ---- weights and memory ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -301,18 +200,12 @@ class FastRollout(Rollout):
         if self._pool is not None:
             self._pool.clear_index()
 
-    def _drop_graphs(self) -> None:
-        """Drops the captured graphs (stale once the weights' addresses or the decode step's structure change)."""
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
-
     @torch.no_grad()
     def share_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The model reads these tensors (hf_name -> the trainer's own, on this device, in the rollout's dtype)
         instead of holding a copy (`FastCausalLM.share_weights`); `release` then leaves them in place."""
         self.model.share_weights(weights)
-        self._drop_graphs()
+        self._steps.drop_graphs()
         self._forget_prefixes()
 
     @torch.no_grad()
@@ -322,7 +215,7 @@ class FastRollout(Rollout):
         self.model.set_lora(adapters, scale)
         self._forget_prefixes()
         if first:
-            self._drop_graphs()
+            self._steps.drop_graphs()
 
     @torch.no_grad()
     def merge_lora(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float,
@@ -363,59 +256,40 @@ class FastRollout(Rollout):
             self._weights_on_cpu = False
         if self._kept_shape is not None:
             self._state = self._allocate(*self._kept_shape)
-            for mode, seq_len, width, cascade in sorted(self._graph_keys):
+            for mode, seq_len, width, cascade in sorted(self._steps.keys):
                 if self.cuda_graphs and seq_len <= self._state.max_seq and width <= self._state.num_slots:
-                    self._capture(mode, seq_len, width, cascade)
+                    self._steps.capture(self._state, mode, seq_len, width, cascade)
         self._released = False
 
     def _drop_state(self) -> None:
-        self._drop_graphs()
-        self._graph_pool = None
+        self._steps.drop_graphs()
+        self._steps.pool = None
         self._state = None
         self._pool, self._slot_blocks, self._groups = None, [], None
 
     def _allocate(self, num_slots: int, max_seq: int) -> SlotState:
-        dev, b = self.device, num_slots
-        first = next(self.model.parameters())
-        long = dict(dtype=torch.long, device=dev)
         if self.cuda_graphs:
-            self._graph_pool = torch.cuda.graph_pool_handle()  # shared: a step keeps nothing between replays
-        routes = {}
-        if self.record_routing:
-            shape = (len(self.model.routed_layers), self.model.layer_consts[self.model.routed_layers[0]].top_k)
-            routes = dict(step_routes=torch.zeros(b, *shape, **long),
-                          out_routes=torch.full((b, max_seq, *shape), -1, dtype=torch.int16, device=dev))
-        per_row = -(-max_seq // self.block_size)
-        blocks = b * per_row  # every slot's longest row (and the scratch block), or the budget
-        if self.kv_cache_tokens is not None:
+            self._steps.pool = torch.cuda.graph_pool_handle()
+        blocks = num_slots * -(-max_seq // self.block_size)  # every slot's longest row (and the scratch block)
+        if self.kv_cache_tokens is not None:  # or the budget
             if self.kv_cache_tokens < max_seq:
                 raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} (rollout.fast.kv_cache_tokens) cannot hold one "
                                  f"row of {max_seq} positions (prompt + max_new_tokens, rounded up); raise it, or "
                                  "shorten prompts or responses")
             blocks = min(blocks, -(-self.kv_cache_tokens // self.block_size))
         self._pool = BlockPool(blocks + 1, self.block_size)
-        self._slot_blocks = [[] for _ in range(b)]
+        self._slot_blocks = [[] for _ in range(num_slots)]
+        route_shape = members = None
+        if self.record_routing:
+            route_shape = (len(self.model.routed_layers), self.model.layer_consts[self.model.routed_layers[0]].top_k)
         if self.cascade:
             heads = self.model.layer_consts[0]
             members = cascade_members(heads.num_heads // heads.num_kv_heads)
-            routes.update(shared=torch.zeros(b, **long), groups=torch.full((max(1, b // 2), members), -1, **long))
-        state = SlotState(
-            kv=torch.zeros(self.model.kv_shape(self._pool.num_blocks, self.block_size), dtype=first.dtype,
-                           device=dev),
-            table=torch.zeros(b, per_row, **long), max_seq=max_seq,
-            tokens=torch.zeros(b, **long), lengths=torch.zeros(b, **long),
-            done=torch.ones(b, dtype=torch.bool, device=dev), num_generated=torch.zeros(b, **long),
-            max_new=torch.ones(b, **long), out_tokens=torch.zeros(b, max_seq, **long),
-            out_log_probs=torch.zeros(b, max_seq, dtype=torch.float32, device=dev),
-            noise=None,  # made by _torch_sampler_noise when a step first needs it
-            seed=torch.zeros(1, **long),
-            temperature=torch.ones((), device=dev), top_k=torch.full((), self.vocab_size, **long),
-            top_p=torch.full((), 2.0, device=dev),
-            eos=torch.tensor(self.stop_ids or [-1], **long),  # -1: no EOS, never sampled
-            **routes,
-        )
+        state = SlotState.allocate(self.model.kv_shape(self._pool.num_blocks, self.block_size),
+                                   next(self.model.parameters()).dtype, self.device, num_slots, max_seq,
+                                   self.block_size, self.vocab_size, self.stop_ids, route_shape, members)
         if self.cascade:
-            self._groups = SharedPrefixGroups(b, state.groups.shape[1], state.shared, state.groups, self.block_size)
+            self._groups = SharedPrefixGroups(num_slots, members, state.shared, state.groups, self.block_size)
         return state
 
     def _ensure_capacity(self, num_rows: int, n: int, need_seq: int, num_slots: int | None = None) -> None:
@@ -440,99 +314,11 @@ class FastRollout(Rollout):
         self._state = self._allocate(slots, seq)
 
     # ---- the decode step --------------------------------------------------------------------------
-    def _decode_step(self, mode: str, seq_len: int, width: int | None = None) -> None:
-        """One token for every live slot among the first `width` (default: all; the others must be empty);
-        reads and writes only views of `self._state` (capturable)."""
-        st = self._state
-        w = st.num_slots if width is None else width
-        tokens_in, lengths, done, num_generated = st.tokens[:w], st.lengths[:w], st.done[:w], st.num_generated[:w]
-        out_tokens, out_log_probs = st.out_tokens[:w], st.out_log_probs[:w]
-        active = ~done
-        routes = None if st.out_routes is None else st.step_routes[:w]
-        logits = self.model.decode(tokens_in, lengths, st.kv, st.table[:w], seq_len, self._block, routes)  # (w, V)
-        if self._uses_fused_sampler(mode):
-            tokens, log_probs = self._fused_sample(logits, mode == GREEDY, st.temperature, st.seed)
-        else:
-            noise = None if st.noise is None else st.noise[:w]
-            tokens, log_probs = self._sample(logits, mode, noise, st.temperature, st.top_k, st.top_p)
-        tokens = torch.where(active, tokens, tokens_in)
-        slots = torch.arange(w, device=tokens.device)
-        if routes is not None:  # the fed token is response token num_generated - 1
-            fed = (num_generated - 1).clamp(min=0, max=st.out_routes.shape[1] - 1)
-            out_routes = st.out_routes[:w]
-            out_routes[slots, fed] = torch.where(active[:, None, None], routes.to(torch.int16), out_routes[slots, fed])
-        col = num_generated.clamp(max=out_tokens.shape[1] - 1)
-        out_tokens[slots, col] = torch.where(active, tokens, out_tokens[slots, col])
-        out_log_probs[slots, col] = torch.where(active, log_probs, out_log_probs[slots, col])
-        num_generated.add_(active.long())
-        lengths.add_(active.long())
-        done.logical_or_((tokens[:, None] == st.eos).any(-1) | (num_generated >= st.max_new[:w]))
-        tokens_in.copy_(tokens)
-
     def _run_step(self, mode: str, seq_len: int, generator: torch.Generator, width: int | None = None,
                   cascade: bool = False) -> None:
-        width = self._state.num_slots if width is None else width
-        if mode == GREEDY:
-            pass  # no noise
-        elif self._uses_fused_sampler(mode):
-            self._state.seed.random_(0, 2**62, generator=generator)  # the fused sampler's fresh noise
-        else:
-            self._torch_sampler_noise()[:width].exponential_(generator=generator)
-        if not self.cuda_graphs:
-            self._set_cascade(cascade)
-            self._decode_step(mode, seq_len, width)
-            return
-        graph = self._graphs.get((mode, seq_len, width, cascade)) or self._capture(mode, seq_len, width, cascade)
-        graph.replay()
-
-    def _set_cascade(self, on: bool) -> None:
-        """Whether the next decode steps run (or are captured) with the shared-prefix groups."""
-        if self.cascade:
-            st = self._state
-            self._block.attention.cascade = (st.shared, st.groups) if on else None
-
-    def _uses_fused_sampler(self, mode: str) -> bool:
-        return self._fused_sample is not None and mode != TRUNCATED  # top-k/top-p sort in torch
-
-    def _torch_sampler_noise(self) -> torch.Tensor:
-        """The noise buffer of the torch sampler, made at its first use (the fused sampler needs none)."""
-        st = self._state
-        if st.noise is None:
-            st.noise = torch.ones(st.num_slots, self.vocab_size, dtype=torch.float32, device=self.device)
-        return st.noise
-
-    def _capture(self, mode: str, seq_len: int, width: int, cascade: bool = False) -> torch.cuda.CUDAGraph:
-        if mode != GREEDY and not self._uses_fused_sampler(mode):
-            self._torch_sampler_noise()  # before the graph takes its address (resume() recaptures here)
-        if self._capture_stream is None:
-            # one side stream for every capture: cuBLAS keeps a workspace (32 MiB on an H200) per stream it has
-            # run on, for the life of the process, so a new stream per resume() leaked 32 MiB a step
-            self._capture_stream = torch.cuda.Stream(self.device)
-        stream = self._capture_stream
-        self._set_cascade(cascade)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._warm_up(self._decode_step, mode, seq_len, width)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._decode_step(mode, seq_len, width)
-        self._graphs[(mode, seq_len, width, cascade)] = graph
-        self.captures += 1
-        self._graph_keys.add((mode, seq_len, width, cascade))
-        return graph
-
-    def _warm_up(self, step_fn, mode: str, seq_len: int, width: int, num_steps: int = 2) -> None:
-        """Runs `step_fn` (lazy init, compilation) and puts the per-slot counters back, so a capture may
-        happen in the middle of a generate: what the steps wrote past the counters (cache entries, tokens)
-        is rewritten by the next real step or lies beyond the lengths, masked."""
-        st = self._state
-        counters = (st.tokens, st.lengths, st.done, st.num_generated)
-        saved = [t.clone() for t in counters]
-        for _ in range(num_steps):
-            step_fn(mode, seq_len, width)
-        for t, s in zip(counters, saved):
-            t.copy_(s)
+        """One decode step over the first `width` slots (default: all): `DecodeRunner.run`."""
+        self._steps.run(self._state, mode, seq_len, generator, self._state.num_slots if width is None else width,
+                        cascade)
 
     # ---- generation -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -607,122 +393,41 @@ class FastRollout(Rollout):
         """(tokens, log-probs) of every row b*n+j, uncut: through EOS, the limit, or past a stop string.
         With `track`, its weight hook runs at every host sync (between decode steps: the next step reads the
         new weights) and records which rows it splits where. With `feed` (n == 1; `prompts` and `limits` grow),
-        finished rows are reported at each sync and new rows taken: waited for when nothing else is left."""
+        finished rows are reported at each sync and new rows taken: waited for when nothing else is left.
+        The decisions are the scheduler's (`RowScheduler`); here they are applied to the device state."""
         st = self._state
-        num_slots = st.num_slots
-        queue = deque(range(len(prompts) * n))
-        slot_row = [-1] * num_slots
-        results: list = [None] * len(queue)
+        sched = RowScheduler(len(prompts) * n, st.num_slots, self._widths(st.num_slots), st.max_seq)
+        stats = sched.stats
         self._routes = {}
         self._registering = track is None  # a row that saw a weight change holds K/V of two versions
         self._prompt_tokens: dict[int, list[int]] = {}
         self._prompt_keys: dict[int, list[bytes]] = {}
-        stats = dict(decode_steps=0, syncs=0, prefill_tokens=0, cached_tokens=0, num_slots=num_slots,
-                     max_seq=st.max_seq, slot_steps=0, row_steps=0, compactions=0, cascade_steps=0, peak_rows=0,
-                     admissions=0,
-                     decode_s=0.0, launch_s=0.0, admit_s=0.0, feed_wait_s=0.0,
-                     host_s=0.0)  # (seconds: where the wall time went)
-        widths = self._widths(num_slots)
         captures = self.captures
-
-        def admit() -> float:
-            """Prefills the queue's head into the free slots, as many as the pool holds; returns the seconds taken."""
-            free = [s for s in range(num_slots) if slot_row[s] < 0]
-            fits = self._fitting(queue, prompts, limits, n, len(free), len(free) < num_slots) if queue and free else 0
-            admitted = [(s, queue.popleft()) for s in free[:fits]]
-            if not admitted:
-                return 0.0
-            if track is not None:
-                for _, row in admitted:
-                    track.begin(row)
-            t0 = time.perf_counter()
-            run, cached = self._admit(admitted, prompts, limits, n, mode, generator)
-            took = time.perf_counter() - t0
-            stats["admit_s"] += took
-            stats["admissions"] += 1
-            stats["prefill_tokens"] += run
-            stats["cached_tokens"] += cached
-            for s, row in admitted:
-                slot_row[s], lengths[s], generated[s] = row, len(prompts[row // n]), 1
-            return took
-
         clock = time.perf_counter()
         while True:
-            done, lengths, generated = torch.stack([st.done.long(), st.lengths, st.num_generated]).tolist()
+            sched.sync(*torch.stack([st.done.long(), st.lengths, st.num_generated]).tolist())
             now = time.perf_counter()
             stats["decode_s"] += now - clock  # the steps since the last sync, to their end (launches included)
             clock, inner = now, 0.0
-            stats["syncs"] += 1
-            if stop:
-                for s in self._find_stops([s for s in range(num_slots) if slot_row[s] >= 0 and not done[s]],
-                                          generated, stop):
-                    done[s] = True
-            if feed is None and self.abort is not None and self.abort():  # nobody will read the rest (a server)
-                for row in queue:  # never admitted: no tokens
-                    results[row] = ([], torch.empty(0))
-                queue.clear()
-                for s in range(num_slots):
-                    if slot_row[s] >= 0:
-                        done[s] = True  # (`_retire` marks them on the device)
-            if feed is not None and hasattr(feed, "cancelled"):
-                gone = set(feed.cancelled())
-                if gone:
-                    queue = deque(row for row in queue if row not in gone)  # (never admitted, never reported)
-                    ended = [s for s in range(num_slots) if slot_row[s] in gone and not done[s]]
-                    for s in ended:
-                        done[s] = True
-                    if ended:
-                        st.done[torch.tensor(ended, dtype=torch.long, device=self.device)] = True
-            finished = [s for s in range(num_slots) if slot_row[s] >= 0 and done[s]]
-            if finished:
-                self._retire(finished, slot_row, generated, results, prompts, n)
-                if feed is not None:
-                    for s in finished:
-                        row = slot_row[s]
-                        feed.finished(row, *results[row])
-                        # a stream may run for hours: what a finished row held goes (its prompt, its output)
-                        prompts[row] = results[row] = None
-                        self._prompt_tokens.pop(row, None)
-                        self._prompt_keys.pop(row, None)
-                for s in finished:
-                    slot_row[s], lengths[s] = -1, 0
-            if feed is not None:  # wait for new rows only when nothing is queued or decoding
-                idle = not queue and all(row < 0 for row in slot_row)
-                t0 = time.perf_counter()
-                taken = feed.take(block=idle)
-                stats["feed_wait_s"] += (waited := time.perf_counter() - t0)
-                inner += waited
-                for prompt, limit in taken:
-                    # its ids on the host now: read back from the device in the admission, they would wait for
-                    # the decode steps queued before it (`overlap`)
-                    self._prompt_tokens[len(prompts)] = prompt.tolist()
-                    prompts.append(prompt.to(self.device))
-                    limits.append(int(limit))
-                    results.append(None)
-                    queue.append(len(prompts) - 1)
+            self._end_rows(sched, prompts, n, stop, feed)
+            if feed is not None:
+                inner += self._take_rows(sched, prompts, limits, feed)
             if track is not None:
-                track.poll(lambda: [(slot_row[s], generated[s]) for s in range(num_slots) if slot_row[s] >= 0])
+                track.poll(sched.rows_in_flight)
             # `overlap` with rows decoding: their next steps are launched first and the admission runs while the
             # device runs them. Its host work (a prefill's launches: 20-40 ms for a few prompts of the Qwen2-1.5B
             # shape on one H200, of a few ms on the device) then leaves the device idle no longer; its rows decode
             # from the next sync on
-            later = overlap and any(row >= 0 for row in slot_row)
+            later = overlap and bool(sched.live())
             if not later:
-                inner += admit()
-            live = [s for s in range(num_slots) if slot_row[s] >= 0]
-            if not live:
+                inner += self._admit_waiting(sched, prompts, limits, n, mode, generator, track)
+            if not sched.live():
                 break
-            width = next(w for w in widths if w >= len(live))
-            if live[-1] >= width:  # rows left decoding in slots past the narrowest prefix that holds them
-                self._compact(width, slot_row, lengths, generated)
-                stats["compactions"] += 1
-                live = [s for s in range(num_slots) if slot_row[s] >= 0]
-            width = next(w for w in widths if w > live[-1])
-            num_steps = min(self.sync_every, max(limits[slot_row[s] // n] - generated[s] for s in live))
-            # every position written in these steps lies below seq_len; empty slots sit at 0
-            seq_len = min(st.max_seq, -(-(max(lengths) + num_steps) // self.seq_bucket) * self.seq_bucket)
-            if not self._block.attention.bucketed:
-                seq_len = st.max_seq
+            move = sched.compaction()  # rows left decoding in slots past the narrowest prefix that holds them
+            if move is not None:
+                self._compact(*move, sched)
+            width, num_steps, seq_len = sched.plan(limits, n, self.sync_every, self.seq_bucket, st.max_seq,
+                                                   self._block.attention.bucketed)
             cascade = self._groups is not None and self._groups.active()
             if cascade:
                 self._groups.push()
@@ -733,57 +438,89 @@ class FastRollout(Rollout):
             for _ in range(num_steps):
                 self._run_step(mode, seq_len, generator, width, cascade)
             stats["launch_s"] += time.perf_counter() - clock  # (of decode_s: the host's share, launching the steps)
-            stats["decode_steps"] += num_steps
-            stats["slot_steps"] += num_steps * width
-            stats["row_steps"] += num_steps * len(live)
-            stats["peak_rows"] = max(stats["peak_rows"], len(live))
+            sched.count_steps(num_steps, width)
             if later:
-                clock += admit()  # (its host time is admit_s, not decode_s)
+                clock += self._admit_waiting(sched, prompts, limits, n, mode, generator, track)  # (admit_s)
         stats["captures"] = self.captures - captures
         self.last_stats = stats
-        return results
+        return sched.results
 
-    def _fitting(self, queue, prompts, limits, n: int, free: int, busy: bool) -> int:
-        """How many rows from the head of `queue` (at most `free`) the blocks the pool can hand out hold at their
-        longest (prompt + limit; a prompt's later rows in the same admission without its full blocks, which they
-        share), so that no row runs out of cache while it decodes. With nothing decoding (`busy` false), the head
-        row is admitted whatever it needs (the pool then says how short it is)."""
-        left, size, seen, count = self._pool.reclaimable(), self.block_size, set(), 0
-        for row in queue:
-            if count == free:
-                break
-            b = row // n
-            plen = len(prompts[b])
-            need = self._blocks_for(plen, limits[b]) - (plen // size if b in seen else 0)
-            if need > left and (count or busy):
-                break
-            left, count = left - need, count + 1
-            seen.add(b)
-        return count
+    def _end_rows(self, sched: RowScheduler, prompts, n: int, stop, feed: RowFeed | None) -> None:
+        """A sync's endings: the rows a stop string ends, all of them once the caller aborts (`generate` only),
+        those the feed cancels; then every done row is retired (its output to `sched.results`, and to the feed)."""
+        if stop:
+            sched.stop(self._find_stops(sched.running(), sched.generated, stop))
+        if feed is None and self.abort is not None and self.abort():  # nobody will read the rest (a server)
+            sched.abort()  # (`_retire` marks the slots done on the device)
+        if feed is not None and hasattr(feed, "cancelled"):
+            gone = set(feed.cancelled())
+            ended = sched.cancel(gone) if gone else []
+            if ended:
+                self._state.done[torch.tensor(ended, dtype=torch.long, device=self.device)] = True
+        finished = sched.finished()
+        if not finished:
+            return
+        self._retire(finished, sched.slot_row, sched.generated, sched.results, prompts, n)
+        if feed is not None:
+            for s in finished:
+                row = sched.slot_row[s]
+                feed.finished(row, *sched.results[row])
+                # a stream may run for hours: what a finished row held goes (its prompt, its output)
+                prompts[row] = sched.results[row] = None
+                self._prompt_tokens.pop(row, None)
+                self._prompt_keys.pop(row, None)
+        sched.free(finished)
+
+    def _take_rows(self, sched: RowScheduler, prompts, limits, feed: RowFeed) -> float:
+        """Queues the rows the feed hands over, waiting for them only when nothing is queued or decoding; returns
+        the seconds waited."""
+        idle = sched.idle()
+        t0 = time.perf_counter()
+        taken = feed.take(block=idle)
+        sched.stats["feed_wait_s"] += (waited := time.perf_counter() - t0)
+        for prompt, limit in taken:
+            # its ids on the host now: read back from the device in the admission, they would wait for the decode
+            # steps queued before it (`overlap`)
+            self._prompt_tokens[len(prompts)] = prompt.tolist()
+            prompts.append(prompt.to(self.device))
+            limits.append(int(limit))
+            sched.add_row()
+        return waited
+
+    def _admit_waiting(self, sched: RowScheduler, prompts, limits, n, mode, generator,
+                       track: VersionTrack | None) -> float:
+        """Prefills the queue's head into the free slots, as many as the pool holds; returns the seconds taken."""
+        admitted = sched.admit(lambda free, busy: rows_that_fit(sched.queue, lambda b: len(prompts[b]), limits, n,
+                                                                free, busy, self._pool.reclaimable(),
+                                                                self.block_size))
+        if not admitted:
+            return 0.0
+        if track is not None:
+            for _, row in admitted:
+                track.begin(row)
+        t0 = time.perf_counter()
+        run, cached = self._admit(admitted, prompts, limits, n, mode, generator)
+        took = time.perf_counter() - t0
+        stats = sched.stats
+        stats["admit_s"] += took
+        stats["admissions"] += 1
+        stats["prefill_tokens"] += run
+        stats["cached_tokens"] += cached
+        sched.place(admitted, lambda row: len(prompts[row // n]))
+        return took
 
     def _widths(self, num_slots: int) -> list[int]:
-        """The slot prefixes a decode step may run on, narrowest first: `min_width`, the multiples of
-        `width_step` above it, and num_slots. A step's cost grows with its width (the K/V it reads, the logits it
-        samples), so the finer the steps the less the tail pays for finished rows; each width costs a graph
-        capture."""
-        if self.min_width >= num_slots:
-            return [num_slots]
-        step = self.width_step
-        if step is None:  # an eighth of the slots; above 8, rounded up to a multiple of 8
-            step = -(-num_slots // 8)
-            step = step if step <= 8 else -(-step // 8) * 8
-        return sorted({num_slots, *range(step * (-(-self.min_width // step)), num_slots, step), self.min_width})
+        """The slot prefixes a decode step may run on (`slot_widths`)."""
+        return slot_widths(num_slots, self.min_width, self.width_step)
 
-    def _compact(self, width: int, slot_row: list[int], lengths: list[int], generated: list[int]) -> None:
-        """Moves the rows decoding in slots >= `width` into the free slots below it: their block-table rows (the K/V
-        stays where it is), next token, counters and outputs, in one indexed copy per tensor; the host lists follow."""
+    def _compact(self, src: list[int], dst: list[int], sched: RowScheduler) -> None:
+        """Moves the rows decoding in slots `src` into the free slots `dst` (`RowScheduler.compaction`): their
+        block-table rows (the K/V stays where it is), next token, counters and outputs, in one indexed copy per
+        tensor; the scheduler, the slots' blocks and the shared-prefix groups follow."""
         st = self._state
-        src = [s for s in range(width, st.num_slots) if slot_row[s] >= 0]
-        dst = [s for s in range(width) if slot_row[s] < 0][: len(src)]
-        assert len(dst) == len(src), "compaction needs as many free slots below the width as rows above it"
         s_t = torch.tensor(src, dtype=torch.long, device=self.device)
         d_t = torch.tensor(dst, dtype=torch.long, device=self.device)
-        made = max(generated[s] for s in src)
+        made = max(sched.generated[s] for s in src)
         for t in (st.table, st.tokens, st.lengths, st.done, st.num_generated, st.max_new):
             t[d_t] = t[s_t]
         st.table[s_t] = 0
@@ -794,11 +531,10 @@ class FastRollout(Rollout):
         st.lengths[s_t] = 0
         st.done[s_t] = True
         for s, d in zip(src, dst):
-            slot_row[d], lengths[d], generated[d] = slot_row[s], lengths[s], generated[s]
             if self._groups is not None:
                 self._groups.move(s, d)
-            slot_row[s], lengths[s], generated[s] = -1, 0, 0
             self._slot_blocks[d], self._slot_blocks[s] = self._slot_blocks[s], []
+        sched.move(src, dst)
 
     def _admit(self, admitted, prompts, limits, n, mode, generator) -> tuple[int, int]:
         """Prefills the prompts of `admitted` (slot, row) pairs into their slots' blocks and samples each row's
@@ -808,126 +544,98 @@ class FastRollout(Rollout):
         cache where SDPA attends to a gathered copy of the cached prefixes, sixteen with the Triton prefill); its
         rows share its full blocks (each gets its own copy of the last, partly filled one). Returns (tokens run,
         prompt tokens read from the cache)."""
-        st, pool, size = self._state, self._pool, self.block_size
         lookup = self.prefix_cache and not self.record_routing  # (R3 records the routing of every prompt token)
-        run = cached_total = 0
-        same: dict[int, int] = {}  # prompt b -> the first admitted prompt with the same tokens
-        first_of: dict[tuple, int] = {}
-        chunks, current, distinct, longest, widest = [], [], set(), 0, 0
         # a chunk's reads of the cache are bounded when they gather it (SDPA); the Triton prefill reads the blocks,
         # but a chunk stays bounded by its whole contexts too: an estimated cached prefix may be evicted by the
         # chunk's own allocations before its lookup, and then runs whole
         wide = (16 if self._block.attention.prefix_from_blocks else 4) * self.prefill_tokens
-        estimate: dict[int, int] = {}  # prompt b -> positions its longest cached prefix would give it now
-        for slot, row in admitted:
-            b = row // n
-            toks = self._tokens_of(prompts, b)  # (the same tokens as prompt a's)
-            if b not in same:  # once per prompt, not per sample: nothing below changes the pool
-                same[b] = first_of.setdefault(tuple(toks), b)
-                estimate[b] = pool.match(toks, len(toks) - 1, self._keys_of(b)) * size if lookup else 0
-            a, cached = same[b], estimate[b]
-            grown = len(distinct | {a})
-            if current and (max(longest, len(toks) - cached) * grown > self.prefill_tokens
-                            or max(widest, len(toks)) * grown > wide):
-                chunks.append(current)
-                current, distinct, longest, widest = [], set(), 0, 0
-            current.append((slot, row))
-            distinct.add(a)
-            longest, widest = max(longest, len(toks) - cached), max(widest, len(toks))
-        chunks.append(current)
-        to_dev = self._to_device
+
+        def cached_of(b: int, toks: list[int]) -> int:  # (nothing in the chunking changes the pool)
+            return self._pool.match(toks, len(toks) - 1, self._keys_of(b)) * self.block_size if lookup else 0
+
+        chunks, same = prefill_chunks(admitted, n, lambda b: self._tokens_of(prompts, b), cached_of,
+                                      self.prefill_tokens, wide)
+        run = cached = 0
         for chunk in chunks:
-            order = list(dict.fromkeys(same[row // n] for _, row in chunk))  # distinct prompts, in order
-            index = {b: i for i, b in enumerate(order)}
-            index.update({row // n: index[same[row // n]] for _, row in chunk})
-            tokens = [self._tokens_of(prompts, b) for b in order]
-            first_limit = {}  # each prompt's first row in the chunk takes its blocks: room for that row's limit
-            for _, row in chunk:
-                first_limit.setdefault(index[row // n], limits[row // n])
-            owned, starts = [], []
-            for i, toks in enumerate(tokens):  # the first row of each prompt prefills it into its blocks
-                # (its last token is run: the logits)
-                hit = pool.lookup(toks, len(toks) - 1, self._keys_of(order[i])) if lookup else []
-                owned.append(hit + pool.allocate(self._blocks_for(len(toks), first_limit[i]) - len(hit)))
-                starts.append(len(hit) * size)
-            lens = [len(t) - c for t, c in zip(tokens, starts)]
-            # the prompts' ids past their cached prefixes, right-padded: from their copies on the device
-            ids = pad_sequence([prompts[b][c:] for b, c in zip(order, starts)], batch_first=True,
-                               padding_value=self.pad_id).long()
-            routes = None
-            if st.out_routes is not None:
-                routes = torch.empty((ids.numel(), *st.step_routes.shape[1:]), dtype=torch.long, device=self.device)
-            logits = self.model.prefill(ids, lens, st.kv, self._table_rows(owned), starts, self._block, routes,
-                                        to_device=to_dev)
-            if self._registering and lookup:
-                for b, toks, blocks in zip(order, tokens, owned):
-                    pool.register(toks, blocks, len(toks), self._keys_of(b))
-            # the rows: a prompt's first takes its blocks; the others share its full blocks and copy the partial one
-            copies, rows_blocks, firsts = [], [], set()
-            for _, row in chunk:
-                b = row // n
-                i, plen = index[b], len(tokens[index[b]])
-                if i not in firsts:
-                    firsts.add(i)
-                    rows_blocks.append(owned[i])
-                    continue
-                full = owned[i][: plen // size]
-                pool.hold(full)
-                own = pool.allocate(self._blocks_for(plen, limits[b]) - len(full))
-                if plen % size:
-                    copies.append((owned[i][len(full)], own[0]))
-                rows_blocks.append(full + own)
-            if copies:
-                src, dst = to_dev([c[0] for c in copies]), to_dev([c[1] for c in copies])
-                st.kv[:, :, dst] = st.kv[:, :, src]
-            if self._groups is not None:
-                self._group_shared_prefixes([s for s, _ in chunk], rows_blocks)
-            slots = to_dev([s for s, _ in chunk])
-            source = to_dev([index[row // n] for _, row in chunk])
-            for (slot, _), blocks in zip(chunk, rows_blocks):
-                self._slot_blocks[slot] = blocks
-            st.table[slots] = self._table_rows(rows_blocks)
-            logits = logits.float()[source]  # (k, V)
-            if routes is not None:  # each row's prompt: the routing of the prefill that wrote its K/V
-                routes = routes.view(*ids.shape, *routes.shape[1:]).to(torch.int16).cpu()
-                for (_, row), i in zip(chunk, source.tolist()):
-                    self._routes[row] = (routes[i, : lens[i]], None)
-            limit_t = to_dev([limits[row // n] for _, row in chunk])
-            noise = None if mode == GREEDY else torch.empty_like(logits).exponential_(generator=generator)
-            tokens_out, log_probs = sample_tokens(logits, mode, noise, st.temperature, st.top_k, st.top_p)
-            st.tokens[slots] = tokens_out
-            st.lengths[slots] = to_dev([len(tokens[index[row // n]]) for _, row in chunk])
-            st.num_generated[slots] = 1
-            st.max_new[slots] = limit_t
-            st.out_tokens[slots, 0] = tokens_out
-            st.out_log_probs[slots, 0] = log_probs
-            st.done[slots] = (tokens_out[:, None] == st.eos).any(-1) | (limit_t <= 1)
-            run += ids.numel()
-            cached_total += sum(starts)
-            self.totals["prompt_tokens"] += sum(lens)
-            self.totals["cached_tokens"] += sum(starts)
-        return run, cached_total
+            chunk_run, chunk_cached = self._prefill_chunk(chunk, same, prompts, limits, n, mode, generator, lookup)
+            run, cached = run + chunk_run, cached + chunk_cached
+        return run, cached
 
-    def _group_shared_prefixes(self, slots: list[int], rows_blocks: list[list[int]]) -> None:
-        """Rows admitted together whose caches start with the same blocks (a prompt's n samples; prompts that read
-        one cached prefix, such as a shared system prompt or a conversation's earlier turns) read those blocks
-        together in the decode steps (`SharedPrefixGroups`). Blocks two rows both hold are full and never written
-        again: only a row's own blocks are."""
-        by_first: dict[int, list[int]] = {}
-        for i, blocks in enumerate(rows_blocks):
-            if blocks:
-                by_first.setdefault(blocks[0], []).append(i)
-        for members in by_first.values():
-            if len(members) < 2:
+    def _prefill_chunk(self, chunk, same: dict[int, int], prompts, limits, n, mode, generator,
+                       lookup: bool) -> tuple[int, int]:
+        """One chunk of `_admit`: its distinct prompts prefilled, its rows given their blocks and first tokens.
+        Returns (tokens run, prompt tokens read from the cache)."""
+        st, pool, size, to_dev = self._state, self._pool, self.block_size, self._to_device
+        order = list(dict.fromkeys(same[row // n] for _, row in chunk))  # distinct prompts, in order
+        index = {b: i for i, b in enumerate(order)}
+        index.update({row // n: index[same[row // n]] for _, row in chunk})
+        tokens = [self._tokens_of(prompts, b) for b in order]
+        first_limit = {}  # each prompt's first row in the chunk takes its blocks: room for that row's limit
+        for _, row in chunk:
+            first_limit.setdefault(index[row // n], limits[row // n])
+        owned, starts = [], []
+        for i, toks in enumerate(tokens):  # the first row of each prompt prefills it into its blocks
+            # (its last token is run: the logits)
+            hit = pool.lookup(toks, len(toks) - 1, self._keys_of(order[i])) if lookup else []
+            owned.append(hit + pool.allocate(blocks_for(len(toks), first_limit[i], size) - len(hit)))
+            starts.append(len(hit) * size)
+        lens = [len(t) - c for t, c in zip(tokens, starts)]
+        # the prompts' ids past their cached prefixes, right-padded: from their copies on the device
+        ids = pad_sequence([prompts[b][c:] for b, c in zip(order, starts)], batch_first=True,
+                           padding_value=self.pad_id).long()
+        routes = None
+        if st.out_routes is not None:
+            routes = torch.empty((ids.numel(), *st.step_routes.shape[1:]), dtype=torch.long, device=self.device)
+        logits = self.model.prefill(ids, lens, st.kv, self._table_rows(owned), starts, self._block, routes,
+                                    to_device=to_dev)
+        if self._registering and lookup:
+            for b, toks, blocks in zip(order, tokens, owned):
+                pool.register(toks, blocks, len(toks), self._keys_of(b))
+        # the rows: a prompt's first takes its blocks; the others share its full blocks and copy the partial one
+        copies, rows_blocks, firsts = [], [], set()
+        for _, row in chunk:
+            b = row // n
+            i, plen = index[b], len(tokens[index[b]])
+            if i not in firsts:
+                firsts.add(i)
+                rows_blocks.append(owned[i])
                 continue
-            first = rows_blocks[members[0]]
-            common = min(next((j for j, (x, y) in enumerate(zip(first, rows_blocks[i])) if x != y),
-                              min(len(first), len(rows_blocks[i]))) for i in members[1:])
-            self._groups.add([slots[i] for i in members], common * self.block_size)
-
-    def _blocks_for(self, prompt_len: int, limit: int) -> int:
-        """Blocks a row of a `prompt_len`-token prompt and up to `limit` new tokens holds."""
-        return -(-(prompt_len + limit) // self.block_size)
+            full = owned[i][: plen // size]
+            pool.hold(full)
+            own = pool.allocate(blocks_for(plen, limits[b], size) - len(full))
+            if plen % size:
+                copies.append((owned[i][len(full)], own[0]))
+            rows_blocks.append(full + own)
+        if copies:
+            src, dst = to_dev([c[0] for c in copies]), to_dev([c[1] for c in copies])
+            st.kv[:, :, dst] = st.kv[:, :, src]
+        if self._groups is not None:  # rows starting with the same blocks read them together in the decode steps
+            # (blocks two rows both hold are full and never written again: only a row's own blocks are)
+            for members, common in shared_prefix_groups([s for s, _ in chunk], rows_blocks):
+                self._groups.add(members, common * size)
+        slots = to_dev([s for s, _ in chunk])
+        source = to_dev([index[row // n] for _, row in chunk])
+        for (slot, _), blocks in zip(chunk, rows_blocks):
+            self._slot_blocks[slot] = blocks
+        st.table[slots] = self._table_rows(rows_blocks)
+        logits = logits.float()[source]  # (k, V)
+        if routes is not None:  # each row's prompt: the routing of the prefill that wrote its K/V
+            routes = routes.view(*ids.shape, *routes.shape[1:]).to(torch.int16).cpu()
+            for (_, row), i in zip(chunk, source.tolist()):
+                self._routes[row] = (routes[i, : lens[i]], None)
+        limit_t = to_dev([limits[row // n] for _, row in chunk])
+        noise = None if mode == GREEDY else torch.empty_like(logits).exponential_(generator=generator)
+        tokens_out, log_probs = sample_tokens(logits, mode, noise, st.temperature, st.top_k, st.top_p)
+        st.tokens[slots] = tokens_out
+        st.lengths[slots] = to_dev([len(tokens[index[row // n]]) for _, row in chunk])
+        st.num_generated[slots] = 1
+        st.max_new[slots] = limit_t
+        st.out_tokens[slots, 0] = tokens_out
+        st.out_log_probs[slots, 0] = log_probs
+        st.done[slots] = (tokens_out[:, None] == st.eos).any(-1) | (limit_t <= 1)
+        self.totals["prompt_tokens"] += sum(lens)
+        self.totals["cached_tokens"] += sum(starts)
+        return ids.numel(), sum(starts)
 
     def _table_rows(self, block_lists: list[list[int]]) -> torch.Tensor:
         """Block-table rows (on the device) for lists of blocks: each list, then the scratch block 0."""
