@@ -375,7 +375,7 @@ def main():
     from shardrl.rollout.serving.command import ServerProcess, ServerThread, build_app, build_engine
 
     if args.switch_interval_ms is not None:
-        import shardrl.rollout.serving.server as server_module
+        import shardrl.rollout.serving.batcher as server_module
 
         server_module.SWITCH_INTERVAL_S = args.switch_interval_ms / 1000
     cuda = torch.cuda.is_available() and args.backend != "sim"

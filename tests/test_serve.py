@@ -476,7 +476,7 @@ def test_a_failing_request_fails_alone(server, monkeypatch):
 def test_a_client_that_leaves_while_it_generates_ends_its_rows(server, monkeypatch):
     """Streaming: a request whose client gives up while its rows decode ends at the engine's next host sync, its
     slot free (counted as cancelled; nothing answered); the server answers the next request."""
-    from shardrl.rollout.serving import server as server_module
+    from shardrl.rollout.serving import batcher as server_module
 
     batcher = server.batcher
     assert batcher.streaming()

@@ -1,12 +1,13 @@
 """`shardrl serve`: a config's model on an OpenAI-compatible endpoint (the server itself is
-`shardrl.rollout.serving.server`; its front end in a process of its own, `shardrl.rollout.serving.frontend`)."""
+`shardrl.rollout.serving.app`; its front end in a process of its own, `shardrl.rollout.serving.frontend`)."""
 
 from __future__ import annotations
 
 import logging
 
 from shardrl.rollout.serving.frontend import ServerProcess  # noqa: F401  (for callers)
-from shardrl.rollout.serving.server import Batcher, ServerThread, build_app  # noqa: F401  (ServerThread: for callers)
+from shardrl.rollout.serving.app import ServerThread, build_app  # noqa: F401  (ServerThread: for callers)
+from shardrl.rollout.serving.batcher import Batcher
 
 log = logging.getLogger(__name__)
 

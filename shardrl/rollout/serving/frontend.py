@@ -29,7 +29,8 @@ import urllib.request
 from multiprocessing.connection import Client, Listener
 
 from shardrl.rollout.base import SamplingParams
-from shardrl.rollout.serving.server import ALIVE_EVERY_S, Batcher, Dropped, Stopped, build_app, free_port, uvicorn_server
+from shardrl.rollout.serving.app import build_app, uvicorn_server
+from shardrl.rollout.serving.batcher import ALIVE_EVERY_S, Batcher, Dropped, Stopped
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,237 @@
+"""The serving stack's HTTP app (FastAPI): the OpenAI routes (`Routes`, one small method per endpoint) over a
+`Batcher` (`shardrl.rollout.serving.batcher`), the wire schema's checks and bodies
+(`shardrl.rollout.serving.schema`), errors in OpenAI's JSON shape, and the uvicorn server that runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shardrl.rollout.base import SamplingParams
+from shardrl.rollout.serving.batcher import Batcher, Dropped, Stopped
+from shardrl.rollout.serving.schema import (ChatRequest, Common, CompletionRequest, RequestError, chat_max_tokens,
+                                            chat_prompt, chat_response, check_request, completion_prompts,
+                                            completion_response, cut_at_stop_ids, error_body, sampling_of)
+
+log = logging.getLogger(__name__)
+
+
+EPISODE_HEADER = "x-shardrl-episode"
+"""A request carrying this header is recorded under its value (`app.state.records`: episode -> calls)."""
+
+
+def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max_tokens: int = 256,
+              policy: SamplingParams | None = None) -> FastAPI:
+    """The FastAPI app serving `batcher`'s rollout as `model_name`; prompts plus `max_tokens` are limited to
+    `max_model_len` tokens; a chat request without max_tokens gets `default_max_tokens` (what is left of the
+    context if less). `policy` (an RL run's endpoint): every request samples with its temperature, top-p, top-k
+    and seed whatever it asks (the trainer's log-probs assume them), at most its max_new_tokens a call, n=1."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await batcher.start()
+        yield
+        await batcher.stop()
+
+    app = FastAPI(title="shardrl", lifespan=lifespan)
+    app.state.policy = policy  # (an RL run's endpoint sets it per generate call: training, validation)
+    for exc, handler in ((RequestValidationError, invalid_body), (StarletteHTTPException, http_error),
+                         (RequestError, refused), (Stopped, stopping), (Dropped, dropped), (Exception, failed)):
+        app.add_exception_handler(exc, handler)
+    routes = Routes(app, batcher, model_name, max_model_len, default_max_tokens)
+    app.get("/v1/models")(routes.models)
+    app.get("/v1/models/{model_id:path}")(routes.model)
+    app.post("/v1/chat/completions")(routes.chat)
+    app.post("/v1/completions")(routes.completions)
+    app.state.batcher, app.state.records = batcher, routes.records
+    return app
+
+
+class Routes:
+    """The endpoints of one app: the wire schema's checks turn a request into prompts and `SamplingParams`, the
+    batcher generates (the client's connection watched meanwhile), the schema's bodies answer. Requests of an RL
+    run's episode (`EPISODE_HEADER`, on an endpoint with a policy) are recorded in `records`."""
+
+    def __init__(self, app: FastAPI, batcher: Batcher, model_name: str, max_model_len: int,
+                 default_max_tokens: int):
+        self.app, self.batcher, self.model_name = app, batcher, model_name
+        self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
+        self.tok = batcher.tokenizer
+        self.vocab = len(self.tok)
+        self.records: dict[str, list[dict]] = {}  # episode -> its calls' choices
+
+    def card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "shardrl",
+                "max_model_len": self.max_model_len}
+
+    async def models(self):
+        return {"object": "list", "data": [self.card()]}
+
+    async def model(self, model_id: str):
+        if model_id != self.model_name:
+            raise RequestError(f"the model {model_id!r} does not exist; this server serves {self.model_name!r}",
+                               "model", 404, "model_not_found")
+        return self.card()
+
+    async def chat(self, req: ChatRequest, request: Request):
+        ids = chat_prompt(req, self.tok)
+        max_tokens = chat_max_tokens(req, len(ids), self.default_max_tokens, self.max_model_len)
+        sampling = self.sampling(req, [ids], max_tokens)
+        outs = cut_at_stop_ids(req, await self.submit(request, req, [ids], sampling), self.tok)
+        self.record(request, outs)
+        return JSONResponse(chat_response(req, ids, outs, self.model_name, self.tok))
+
+    async def completions(self, req: CompletionRequest, request: Request):
+        prompts = completion_prompts(req, self.tok)
+        # (OpenAI's 16, in context)
+        default = max(1, min(16, self.max_model_len - max((len(x) for x in prompts), default=0)))
+        sampling = self.sampling(req, prompts, default if req.max_tokens is None else req.max_tokens)
+        flat = cut_at_stop_ids(req, await self.submit(request, req, prompts, sampling), self.tok)  # prompt-major
+        self.record(request, flat)
+        return JSONResponse(completion_response(req, prompts, flat, sampling.n, self.model_name, self.tok))
+
+    def sampling(self, req: Common, prompts: list[list[int]], max_tokens: int) -> SamplingParams:
+        """The checked request's sampling (`check_request`, `sampling_of`; the app's policy as it is now)."""
+        n = check_request(req, prompts, max_tokens, self.model_name, self.max_model_len, self.vocab)
+        return sampling_of(req, n, max_tokens, self.vocab, self.app.state.policy)
+
+    async def submit(self, request: Request, req: Common, prompts: list[list[int]],
+                     sampling: SamplingParams) -> list[dict]:
+        """`batcher.submit`, the client's connection watched meanwhile (not polled: an ASGI receive after the body
+        returns only when the client disconnects or the response is complete) and `connected` telling it."""
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        async def connected() -> bool:
+            return not watcher.done()
+
+        watcher = asyncio.ensure_future(watch())
+        connected.gone = watcher  # (a waiter can wait on it instead of asking)
+        connected.left = watcher.done  # (and a generation thread ask without the loop: `_left`)
+        try:
+            # the conversation a request continues: its `session_id`, or an RL run's episode
+            session = req.session_id or request.headers.get(EPISODE_HEADER)
+            return await self.batcher.submit(prompts, sampling, connected, session)
+        finally:
+            watcher.cancel()
+
+    def record(self, request: Request, outs: list[dict]) -> None:
+        episode = request.headers.get(EPISODE_HEADER)
+        if episode is not None and self.app.state.policy is not None:  # (an RL run's endpoint: its agent reads them)
+            self.records.setdefault(episode, []).extend(outs)
+
+
+# ---- errors, in OpenAI's JSON shape ----------------------------------------------------------------------
+def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(status, message, param, code))
+
+
+async def invalid_body(request, exc):
+    first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":  # (its loc: the character where the JSON broke)
+        at = first.get("loc", ("body", "?"))[-1]
+        return error(400, f"invalid request: the body is not valid JSON (at character {at}: "
+                          f"{first.get('ctx', {}).get('error', first.get('msg'))})")
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    if not where:  # (no body at all, or JSON that is no object)
+        if first.get("type") == "missing":
+            return error(400, "invalid request: the body is missing: send a JSON object")
+        kind = request.headers.get("content-type", "")
+        if isinstance(first.get("input"), (bytes, str)) and "json" not in kind:  # (FastAPI did not parse it)
+            return error(400, f"invalid request: the body was sent as {kind or 'no content type'}: send it as "
+                              "JSON with the header Content-Type: application/json")
+        got = type(first.get("input")).__name__.replace("NoneType", "null")
+        return error(400, f"invalid request: the body must be a JSON object, not {got}")
+    if where.startswith("prompt."):  # (a union: pydantic names its first form only)
+        return error(400, "invalid request: prompt must be a string, a list of strings, a list of token ids "
+                          "(integers) or a list of lists of token ids", "prompt")
+    return error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}", where)
+
+
+async def http_error(request, exc):  # (an unknown route or method: in OpenAI's error shape too)
+    response = error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    response.headers.update(exc.headers or {})  # (a 405's Allow)
+    return response
+
+
+async def refused(request, exc: RequestError):
+    return error(exc.status, str(exc), exc.param, exc.code)
+
+
+async def stopping(request, exc):
+    return JSONResponse(status_code=503, content={"error": {
+        "message": str(exc), "type": "server_error", "param": None, "code": "server_stopping"}})
+
+
+async def dropped(request, exc):  # (nobody reads it: the client is gone)
+    return error(499, "the client closed the request before its batch started")
+
+
+async def failed(request, exc):
+    return JSONResponse(status_code=500, content={"error": {
+        "message": f"generation failed: {type(exc).__name__}: {exc}", "type": "server_error", "param": None,
+        "code": None}})
+
+
+# ---- running it ------------------------------------------------------------------------------------------
+def free_port(host: str) -> int:
+    """A port on `host` that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def uvicorn_server(config):
+    """A `uvicorn.Server` for `config` (its app: `build_app`'s) that, when told to stop (SIGTERM, Ctrl-C,
+    `should_exit`), first stops the app's batcher: the requests still waiting are answered (503) and a running
+    generation ends, so that uvicorn's wait for the open connections is short (it waited for the generation)."""
+    import uvicorn
+
+    class StoppingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            try:
+                await config.app.state.batcher.stop()
+            except Exception:  # noqa: BLE001 (the rest of the shutdown still runs)
+                log.exception("stopping the batcher failed")
+            await super().shutdown(sockets=sockets)
+
+    return StoppingServer(config)
+
+
+class ServerThread:
+    """An app served by uvicorn in a thread of this process on a free loopback port (`url`: its /v1 base)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", timeout_s: float = 60):
+        import threading
+
+        import uvicorn
+
+        self.port = free_port(host)
+        self.app = app
+        self.server = uvicorn_server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + timeout_s
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the server on {host}:{self.port} did not start")
+            time.sleep(0.05)
+        self.url = f"http://{host}:{self.port}/v1"
+
+    @property
+    def batcher(self) -> Batcher:
+        return self.app.state.batcher
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

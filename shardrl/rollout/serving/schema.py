@@ -1,0 +1,299 @@
+"""The OpenAI wire schema of the serving stack: the request bodies (`ChatRequest`, `CompletionRequest`) and their
+checks, each turned into the `SamplingParams` it asks for (or refused with a `RequestError`: an OpenAI-style JSON
+error naming the field), the prompts a request holds, and the response bodies built from the batcher's choices.
+Plain functions of the request, the tokenizer and the served model's limits; the routes that call them are
+`shardrl.rollout.serving.app`'s."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+
+from shardrl.rollout.base import SamplingParams
+
+
+MAX_N = 128
+"""Samples a request may ask for (n) at most."""
+GREEDY_BELOW = 1e-5
+"""A requested temperature below this is greedy (as vLLM's): dividing the logits by it would overflow them."""
+
+class RequestError(ValueError):
+    """A bad request: answered with `status` and an OpenAI-style JSON error naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+class Message(BaseModel):
+    """A chat message (tool calls and names pass as extra fields: the chat template reads them). `content`: a
+    string, a list of parts (the text parts are joined), or null (an assistant turn that only calls tools)."""
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+    def for_template(self) -> dict:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            others = [part.get("type") for part in self.content if part.get("type") not in ("text", "refusal")]
+            if others:
+                raise RequestError(f"a content part of type {others[0]!r} is not supported by this server (it serves "
+                                   "a text model): send text parts only", "messages")
+            message["content"] = "".join(part.get("text", part.get("refusal", "")) for part in self.content)
+        message.setdefault("content", "")
+        for call in message.get("tool_calls") or ():  # (OpenAI's arguments are a JSON string; templates render an
+            function = call.get("function") if isinstance(call, dict) else None  # object: parsed, as vLLM does)
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    parsed = json.loads(function["arguments"])
+                except ValueError:
+                    continue  # (not JSON: rendered as sent)
+                if isinstance(parsed, dict):
+                    function["arguments"] = parsed
+        return message
+
+
+class Common(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share (unknown ones are accepted and ignored)."""
+    model_config = ConfigDict(extra="allow")
+    model: str
+    temperature: StrictFloat | None = None  # (null as the client sends an unset value: the default, 1)
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None  # (vLLM's extension; 0 or -1: off)
+    n: StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    session_id: str | None = None  # (shardrl's: the fast backend keeps the conversation's K/V for its next request)
+    stop_token_ids: list[StrictInt] | None = None  # (vLLM's: a reply ends at the first of them, kept in token_ids)
+
+
+class ChatRequest(Common):
+    messages: list[Message]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None  # (alternatives: not given; 0 or null taken)
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None  # (vLLM's: e.g. {"enable_thinking": false})
+    add_generation_prompt: StrictBool = True  # (vLLM's)
+    continue_final_message: StrictBool = False  # (vLLM's: the last message's text is continued, not closed)
+
+
+class CompletionRequest(Common):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # (strict: true is no token id)
+    max_tokens: StrictInt | None = None  # (null: 16, as OpenAI's)
+    logprobs: StrictInt | None = None
+
+
+UNSUPPORTED = {  # option -> whether a value asks for something (the defaults clients send are no ask)
+    "logit_bias": bool, "presence_penalty": bool, "frequency_penalty": bool, "echo": bool, "suffix": bool,
+    "best_of": lambda v: v not in (None, 1),
+    "response_format": lambda v: bool(v) and v != {"type": "text"},
+    # vLLM's extensions that change what is sampled
+    "repetition_penalty": lambda v: v not in (None, 1), "min_p": bool, "min_tokens": bool, "ignore_eos": bool,
+    "guided_json": bool, "guided_regex": bool, "guided_choice": bool, "guided_grammar": bool,
+    "structured_outputs": bool, "allowed_token_ids": bool, "bad_words": bool, "use_beam_search": bool,
+    "logits_processors": bool,
+    # OpenAI's that a text model served without tool-call parsing cannot honour (tool calls stay in the text)
+    "tool_choice": lambda v: v not in (None, "auto", "none"), "modalities": lambda v: v not in (None, ["text"]),
+    "audio": bool, "reasoning_effort": bool, "prediction": bool, "web_search_options": bool,
+}
+"""OpenAI's (and vLLM's) request options this server does not apply: a request that asks for one is refused (400),
+not answered as if it had been applied."""
+
+
+def stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error shape: 404s are `not_found_error`, other refusals `invalid_request_error`."""
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def refuse_unsupported(req: Common) -> None:
+    """OpenAI's options that would change what is sampled, which this server does not apply: refused, not
+    ignored (a trainer must not think a bias or penalty shaped the tokens it trains on)."""
+    extra = req.model_extra or {}
+    for name, applies in UNSUPPORTED.items():
+        if name in extra and applies(extra[name]):
+            raise RequestError(f"{name}={extra[name]!r} is not supported by this server; leave it out", name)
+
+
+def check_request(req: Common, prompts: list[list[int]], max_tokens: int, model_name: str, max_model_len: int,
+                  vocab: int) -> int:
+    """Refuses what this server cannot answer as asked (`RequestError`); returns the request's n."""
+    refuse_unsupported(req)
+    if isinstance(req, ChatRequest) and req.top_logprobs:
+        raise RequestError(f"top_logprobs={req.top_logprobs} is not supported by this server (it gives no "
+                           "alternative tokens): logprobs=true gives each sampled token's log-prob; leave "
+                           "top_logprobs out", "top_logprobs")
+    if isinstance(req, CompletionRequest) and req.logprobs is not None and not 0 <= req.logprobs <= 1:
+        raise RequestError(f"logprobs={req.logprobs} is not supported by this server (it gives no alternative "
+                           "tokens): send logprobs=0 or 1 for each sampled token's log-prob (token_logprobs)",
+                           "logprobs")
+    if req.model != model_name:
+        raise RequestError(f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                           "model", 404, "model_not_found")
+    if req.stream:
+        raise RequestError("stream=true is not supported by this server; leave it false", "stream")
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise RequestError(f"n={n} must be in [1, {MAX_N}]", "n")
+    if not prompts or any(not p for p in prompts):
+        raise RequestError("the prompt is empty", "prompt")
+    bad = next((t for p in prompts for t in p if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+    bad = next((t for t in req.stop_token_ids or () if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids")
+    longest = max(len(p) for p in prompts)
+    if longest >= max_model_len:
+        raise RequestError(f"this model's context is {max_model_len} tokens and the prompt has {longest}: "
+                           "shorten the prompt", "messages" if isinstance(req, ChatRequest) else "prompt",
+                           code="context_length_exceeded")
+    if max_tokens < 1:
+        raise RequestError(f"max_tokens={max_tokens} must be >= 1", "max_tokens")
+    if longest + max_tokens > max_model_len:
+        raise RequestError(f"this model's context is {max_model_len} tokens; the prompt has {longest} and "
+                           f"max_tokens asks {max_tokens} more: shorten the prompt or lower max_tokens",
+                           "max_tokens", code="context_length_exceeded")
+    return n
+
+
+def sampling_of(req: Common, n: int, max_tokens: int, vocab: int, policy: SamplingParams | None) -> SamplingParams:
+    """What a checked request samples with. `policy` (an RL run's endpoint): its temperature, top-p, top-k and
+    seed whatever the request asks, at most its max_new_tokens, n=1."""
+    if policy is not None:
+        if n != 1:
+            raise RequestError(f"n={n}: an RL run's endpoint samples one reply a call; send n=1", "n")
+        return dataclasses.replace(policy, n=1, max_new_tokens=min(max_tokens, policy.max_new_tokens),
+                                   stop=stop_list(req.stop) or policy.stop)
+    try:
+        temperature = 1.0 if req.temperature is None else req.temperature
+        top_p = 1.0 if req.top_p is None else req.top_p
+        # (top_p 0 keeps only the likeliest token, as OpenAI's; a temperature below 1e-5 is greedy, as vLLM's)
+        greedy = 0 <= temperature < GREEDY_BELOW or top_p == 0
+        # (greedy draws nothing: its seed and temperature are dropped, so it batches with the other greedy
+        # requests, not in a call of its own; its log-probs are at temperature 1 whatever was sent)
+        return SamplingParams(n=n, temperature=1.0 if greedy else temperature, top_p=top_p or 1.0,
+                              top_k=0 if req.top_k in (None, -1) or req.top_k >= vocab else req.top_k,
+                              max_new_tokens=max_tokens,
+                              stop=stop_list(req.stop), seed=None if greedy else req.seed, greedy=greedy)
+    except ValueError as e:  # SamplingParams names the field
+        field = re.match(r"SamplingParams\.(\w+)", str(e))
+        param = None if field is None else field.group(1).replace("max_new_tokens", "max_tokens")
+        raise RequestError(str(e).replace("SamplingParams.", "").replace("max_new_tokens", "max_tokens"), param)
+
+
+def chat_prompt(req: ChatRequest, tok) -> list[int]:
+    """The chat request's prompt ids: its messages through the tokenizer's chat template."""
+    messages = [m.for_template() for m in req.messages]
+    if not messages:
+        raise RequestError("messages is empty: send at least one message", "messages")
+    if not getattr(tok, "chat_template", None):
+        raise RequestError("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    try:
+        if req.continue_final_message and req.add_generation_prompt:
+            raise RequestError("continue_final_message=true continues the last message: send it with "
+                               "add_generation_prompt=false", "continue_final_message")
+        options = {"add_generation_prompt": req.add_generation_prompt,  # (the kwargs win, as vLLM's)
+                   "continue_final_message": req.continue_final_message,
+                   **({"tools": req.tools} if req.tools else {}), **(req.chat_template_kwargs or {})}
+        ids = tok.apply_chat_template(messages, tokenize=True, **options)
+    except RequestError:
+        raise
+    except Exception as e:  # noqa: BLE001 (the template's own checks, e.g. alternating roles)
+        raise RequestError(f"the chat template refused the messages: {e}", "messages")
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def chat_max_tokens(req: ChatRequest, prompt_len: int, default_max_tokens: int, max_model_len: int) -> int:
+    """max_completion_tokens, else max_tokens, else `default_max_tokens` (what is left of the context if less)."""
+    given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return given if given is not None else max(1, min(default_max_tokens, max_model_len - prompt_len))
+
+
+def completion_prompts(req: CompletionRequest, tok) -> list[list[int]]:
+    """The completion request's prompts: a string, token ids, or a list of either."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [tok(p, add_special_tokens=False)["input_ids"]]
+    if p and all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return [list(x) if isinstance(x, list) else tok(x, add_special_tokens=False)["input_ids"] for x in p]
+
+
+def cut_at_stop_ids(req: Common, outs: list[dict], tok) -> list[dict]:
+    """Each reply ended at the first of the request's `stop_token_ids` (generated past it, then cut: the stop
+    token stays in token_ids, out of the text, as vLLM's): its log-probs and versions cut alike."""
+    ends = set(req.stop_token_ids or ())
+    for o in outs if ends else ():
+        at = next((i for i, t in enumerate(o["token_ids"]) if t in ends), None)
+        if at is None:
+            continue
+        keep = at + 1
+        for key in ("token_ids", "log_probs", "token_versions"):
+            if key in o:
+                o[key] = o[key][:keep]
+        text = tok.decode(o["token_ids"][:at], skip_special_tokens=True)
+        for x in stop_list(req.stop):  # (a stop string before it cuts the text as before)
+            text = text.split(x, 1)[0]
+        o["text"], o["finish_reason"] = text, "stop"
+    return outs
+
+
+def versions(o: dict) -> dict:
+    """A choice's policy versions, where the weights may change while it generates (partial rollouts)."""
+    return {k: o[k] for k in ("policy_version", "token_versions") if k in o}
+
+
+def usage(prompts, choices) -> dict:
+    prompt = sum(len(p) for p in prompts)
+    completion = sum(len(c["token_ids"]) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def chat_response(req: ChatRequest, ids: list[int], outs: list[dict], model_name: str, tok) -> dict:
+    """The chat.completion body of the batcher's choices `outs` for the prompt `ids`."""
+    choices = []
+    for i, o in enumerate(outs):
+        choice = {"index": i, "message": {"role": "assistant", "content": o["text"]},
+                  "finish_reason": o["finish_reason"], "token_ids": o["token_ids"], "logprobs": None,
+                  **versions(o)}
+        if req.logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": tok.convert_ids_to_tokens(t), "logprob": lp, "bytes": None, "top_logprobs": []}
+                for t, lp in zip(o["token_ids"], o["log_probs"])]}
+        choices.append(choice)
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model_name, "choices": choices, "prompt_token_ids": ids, "usage": usage([ids], outs)}
+
+
+def completion_response(req: CompletionRequest, prompts: list[list[int]], flat: list[dict], n: int,
+                        model_name: str, tok) -> dict:
+    """The text_completion body of the batcher's choices `flat` (prompt-major, n a prompt)."""
+    choices = []
+    for outs in [flat[i * n:(i + 1) * n] for i in range(len(prompts))]:
+        for o in outs:
+            choice = {"index": len(choices), "text": o["text"], "finish_reason": o["finish_reason"],
+                      "token_ids": o["token_ids"], "prompt_token_ids": o["prompt_token_ids"], "logprobs": None,
+                      **versions(o)}
+            if req.logprobs is not None:
+                choice["logprobs"] = {"tokens": tok.convert_ids_to_tokens(o["token_ids"]),
+                                      "token_logprobs": o["log_probs"], "top_logprobs": None,
+                                      "text_offset": None}
+            choices.append(choice)
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model_name, "choices": choices, "usage": usage(prompts, flat)}
