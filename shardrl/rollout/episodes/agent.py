@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts
+from shardrl.rollout.episodes.base import EpisodeRollout
 from shardrl.rollout.episodes.multiturn import MultiTurnOutput
 
 log = logging.getLogger(__name__)
@@ -209,19 +210,18 @@ class _Episode:
     timed_out: bool = False
 
 
-class AgentRollout(Rollout):
+class AgentRollout(EpisodeRollout):
     """Runs `entrypoint` episodes against an endpoint on `rollout` (see the module docstring); weights and
     memory calls go to `rollout`."""
 
     def __init__(self, rollout: Rollout, tokenizer, entrypoint, timeout_s: float = 300.0,
                  failure_reward: float = 0.0, max_concurrency: int = 256, max_response_tokens: int = 1024,
                  max_batch: int = 256, context: int | None = None):
-        self.rollout, self.tokenizer = rollout, tokenizer
+        super().__init__(rollout, tokenizer)
         self.entrypoint = load_entrypoint(entrypoint) if isinstance(entrypoint, str) else entrypoint
         self.timeout_s, self.failure_reward = timeout_s, failure_reward
         self.max_concurrency, self.max_response_tokens = max_concurrency, max_response_tokens
         self.max_batch, self.context = max_batch, context
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.server = None
         for name in ("httpx", "httpx2"):  # (the openai client's HTTP library logs every call at INFO: hundreds a
             quiet = logging.getLogger(name)  # step would bury the run's own lines; a level set by the user stays)
@@ -237,16 +237,6 @@ class AgentRollout(Rollout):
                    a.max_response_tokens, ro.fast.max_batch or 256,
                    int(getattr(text_config(hf_config), "max_position_embeddings", 4096)))
 
-    # ---- the inner rollout's weights and memory --------------------------------------------------
-    def load_weights(self, weights) -> None:
-        self.rollout.load_weights(weights)
-
-    def release(self) -> None:
-        self.rollout.release()
-
-    def resume(self) -> None:
-        self.rollout.resume()
-
     @property
     def weight_hook(self):
         return self.rollout.weight_hook
@@ -255,15 +245,11 @@ class AgentRollout(Rollout):
     def weight_hook(self, hook) -> None:  # (partial rollouts: the backend calls it while it generates)
         self.rollout.weight_hook = hook
 
-    def __getattr__(self, name: str):
-        if name == "rollout":
-            raise AttributeError(name)
-        return getattr(self.rollout, name)
-
     # ---- episodes --------------------------------------------------------------------------------
     def _endpoint(self, sampling: SamplingParams):
         """The loopback server on the rollout (started once); its policy sampling set for this call."""
-        from shardrl.rollout.serving.server import Batcher, ServerThread, build_app
+        from shardrl.rollout.serving.app import ServerThread, build_app
+        from shardrl.rollout.serving.batcher import Batcher
 
         policy = dataclasses.replace(sampling, n=1, seed=None)  # per-batch draws: episodes of a prompt differ
         if self.server is None:

@@ -60,6 +60,7 @@ import torch
 
 from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts,
                                    cut_responses)
+from shardrl.rollout.episodes.base import EpisodeRollout
 from shardrl.tools import (BUILTIN_TOOLS, CALL_END, CALL_START, DaemonThreadPool, Tool, ToolCall, call_tool,
                            parse_tool_call, parse_tool_calls, run_tool_calls)
 from shardrl.config.userfile import import_user_file
@@ -157,7 +158,7 @@ class _Conversation:
     done: bool = False
 
 
-class MultiTurnRollout(Rollout):
+class MultiTurnRollout(EpisodeRollout):
     """The agent loop over `rollout` (see the module docstring). `generate` takes `samples` (B dicts with
     data_source and extra) for the interaction's `start`; weights and memory calls go to `rollout`."""
 
@@ -173,7 +174,8 @@ class MultiTurnRollout(Rollout):
             max_turns = max_response_tokens
         if "{output}" not in tool_turn_template:
             raise ValueError(f"tool_turn_template {tool_turn_template!r} has no {{output}} placeholder")
-        self.rollout, self.tokenizer, self.interaction = rollout, tokenizer, interaction
+        super().__init__(rollout, tokenizer)
+        self.interaction = interaction
         self.max_turns, self.max_response_tokens = max_turns, max_response_tokens
         self.tool_timeout_s, self.max_tool_output_chars = tool_timeout_s, max_tool_output_chars
         self.tool_turn_template, self.call_start, self.call_end = tool_turn_template, call_start, call_end
@@ -191,7 +193,6 @@ class MultiTurnRollout(Rollout):
             raise ValueError(f"tool_output_truncate_side must be left, right or middle, got {tool_output_truncate_side!r}")
         self.tool_output_truncate_side = tool_output_truncate_side
         self.pool = DaemonThreadPool(num_tool_workers)  # a hung tool cannot keep the process from exiting
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     @classmethod
     def from_config(cls, rollout: Rollout, tokenizer, mt_cfg, interaction: Interaction | None = None) -> MultiTurnRollout:
@@ -204,21 +205,6 @@ class MultiTurnRollout(Rollout):
                    mt_cfg.max_tool_output_chars, mt_cfg.tool_turn_template, mt_cfg.call_start, mt_cfg.call_end,
                    mt_cfg.num_tool_workers, mt_cfg.overlap_tools, mt_cfg.max_calls_per_turn,
                    mt_cfg.tool_answer_separator, mt_cfg.reward_text, mt_cfg.tool_output_truncate_side)
-
-    # ---- the inner rollout's weights and memory --------------------------------------------------
-    def load_weights(self, weights) -> None:
-        self.rollout.load_weights(weights)
-
-    def release(self) -> None:
-        self.rollout.release()
-
-    def resume(self) -> None:
-        self.rollout.resume()
-
-    def __getattr__(self, name: str):  # anything else a trainer asks of the backend (e.g. its device)
-        if name == "rollout":
-            raise AttributeError(name)
-        return getattr(self.rollout, name)
 
     # ---- the loop --------------------------------------------------------------------------------
     @torch.no_grad()

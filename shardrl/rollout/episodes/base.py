@@ -1,0 +1,40 @@
+"""The base of the episode drivers: a rollout whose `generate` runs episodes (multi-turn conversations with tools,
+`shardrl.rollout.episodes.multiturn`; agent episodes against an endpoint, `shardrl.rollout.episodes.agent`) on
+another rollout, the backend, which generates every model turn."""
+
+from __future__ import annotations
+
+from shardrl.rollout.base import Rollout
+
+
+class EpisodeRollout(Rollout):
+    """Drives episodes on `rollout` (the backend: fast, hf, or another driver). What is not about episodes goes
+    to the backend: its weights and memory (`load_weights`, `release`, `resume`) and, through attribute lookup,
+    anything else a trainer asks of it (its device, `totals`, `stop_ids`, `load_lora`, ...)."""
+
+    def __init__(self, rollout: Rollout, tokenizer):
+        self.rollout, self.tokenizer = rollout, tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    @property
+    def backend(self) -> Rollout:
+        """The generation engine under every driver."""
+        inner = self.rollout
+        while isinstance(inner, EpisodeRollout):
+            inner = inner.rollout
+        return inner
+
+    # ---- the backend's weights and memory --------------------------------------------------------
+    def load_weights(self, weights) -> None:
+        self.rollout.load_weights(weights)
+
+    def release(self) -> None:
+        self.rollout.release()
+
+    def resume(self) -> None:
+        self.rollout.resume()
+
+    def __getattr__(self, name: str):  # anything else a trainer asks of the backend (e.g. its device)
+        if name == "rollout":  # (not set yet: no recursion)
+            raise AttributeError(name)
+        return getattr(self.rollout, name)
