@@ -78,7 +78,8 @@ class _StopStringCriteria(StoppingCriteria):
         response = input_ids[:, self.prompt_width :]
         tails = self.tokenizer.batch_decode(response[:, -self.window :], skip_special_tokens=True)
         done = [
-            contains_stop(tail, self.stop) and contains_stop(self.tokenizer.decode(row, skip_special_tokens=True), self.stop)
+            contains_stop(tail, self.stop)
+            and contains_stop(self.tokenizer.decode(row, skip_special_tokens=True), self.stop)
             for tail, row in zip(tails, response)
         ]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)

@@ -1,6 +1,6 @@
 """Agent episodes: the user's own async code runs each episode and calls the policy through an OpenAI-compatible
-endpoint served from the run's rollout (`shardrl.rollout.serving.server`, on loopback, in this process); the trajectory the trainer
-trains on is assembled from what the endpoint sampled, token for token.
+endpoint served from the run's rollout (`shardrl.rollout.serving.app`, on loopback, in this process); the trajectory
+the trainer trains on is assembled from what the endpoint sampled, token for token.
 
     # my_agent.py
     async def run(sample, client):             # sample: {"prompt", "data_source", "extra"}; client: openai.AsyncOpenAI
@@ -285,7 +285,8 @@ class AgentRollout(EpisodeRollout):
         if failed and len(failed) == len(episodes):
             first = next((e.error for e in failed if e.error),
                          f"timed out (rollout.agent.timeout_s={self.timeout_s:g} s)")
-            raise RuntimeError(f"every agent episode of this step failed (rollout.agent.entrypoint); the first: {first}")
+            raise RuntimeError("every agent episode of this step failed (rollout.agent.entrypoint); the first: "
+                               f"{first}")
         return self._assemble(prompt_ids, attention_mask, n, episodes, calls)
 
     async def _episode(self, sample: dict, client):

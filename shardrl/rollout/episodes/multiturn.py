@@ -169,7 +169,8 @@ class MultiTurnRollout(EpisodeRollout):
                  tool_answer_separator: str = "\n</tool_response>\n<tool_response>\n",
                  reward_text: str = "last_turn", tool_output_truncate_side: str = "left"):
         if max_turns < 0 or max_response_tokens < 1 or tool_timeout_s <= 0 or num_tool_workers < 1:
-            raise ValueError("max_turns must be >= 0, max_response_tokens and num_tool_workers >= 1, tool_timeout_s > 0")
+            raise ValueError("max_turns must be >= 0, max_response_tokens and num_tool_workers >= 1, "
+                             "tool_timeout_s > 0")
         if max_turns == 0:  # no turn limit: a turn takes a token at least, so the budget bounds them
             max_turns = max_response_tokens
         if "{output}" not in tool_turn_template:
@@ -190,12 +191,14 @@ class MultiTurnRollout(EpisodeRollout):
         self.max_calls_per_turn, self.tool_answer_separator = max_calls_per_turn, tool_answer_separator
         self.reward_text = reward_text
         if tool_output_truncate_side not in ("left", "right", "middle"):
-            raise ValueError(f"tool_output_truncate_side must be left, right or middle, got {tool_output_truncate_side!r}")
+            raise ValueError("tool_output_truncate_side must be left, right or middle, got "
+                             f"{tool_output_truncate_side!r}")
         self.tool_output_truncate_side = tool_output_truncate_side
         self.pool = DaemonThreadPool(num_tool_workers)  # a hung tool cannot keep the process from exiting
 
     @classmethod
-    def from_config(cls, rollout: Rollout, tokenizer, mt_cfg, interaction: Interaction | None = None) -> MultiTurnRollout:
+    def from_config(cls, rollout: Rollout, tokenizer, mt_cfg,
+                    interaction: Interaction | None = None) -> MultiTurnRollout:
         """From a `MultiTurnConfig` (rollout.multi_turn) and its interaction (`rollout.interactions.build_interaction`;
         None: the interaction file's, or the built-in tools')."""
         if interaction is None:

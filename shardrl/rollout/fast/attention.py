@@ -130,7 +130,8 @@ class TritonDecodeAttention:
         # rollout for the steps that have such groups; full-attention layers only
         self.cascade: tuple[torch.Tensor, torch.Tensor] | None = None
         self.prefix_splits = 2
-        self.prefix_programs: int | None = None  # the shared-prefix kernel's programs per (KV head, split); None: its own
+        # the shared-prefix kernel's programs per (KV head, split); None: its own
+        self.prefix_programs: int | None = None
 
     def mask(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype, window: int | None = None):
         return positions

@@ -25,9 +25,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shardrl.models.families import (FAST_ROLLOUT_TYPES, activation, attention_scale, attention_softcap, check_supported,
-                                      family_of, final_softcap, head_dim_of, layer_rope_keys, layer_windows,
-                                      max_rope_positions, moe_layers, rope_tables, top_k_normalized)
+from shardrl.models.families import (FAST_ROLLOUT_TYPES, activation, attention_scale, attention_softcap,
+                                      check_supported, family_of, final_softcap, head_dim_of, layer_rope_keys,
+                                      layer_windows, max_rope_positions, moe_layers, rope_tables, top_k_normalized)
 from shardrl.rollout.fast.attention import (LayerConsts, SDPADecodeAttention, TritonDecodeAttention,  # noqa: F401
                                             softcapped_attention, visible_keys, write_kv)  # (write_kv: for callers)
 from shardrl.rollout.fast.moe import SparseMoE, moe_mlp

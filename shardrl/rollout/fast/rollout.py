@@ -110,8 +110,8 @@ class FastRollout(Rollout):
                  lazy_weights: bool = False, record_routing: bool = False, block_size: int = 64,
                  prefix_cache: bool = True, cascade: bool = True, prefix_splits: int = 2,
                  kv_cache_tokens: int | None = None):
-        for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every), ("min_width", min_width),
-                            ("width_step", 1 if width_step is None else width_step),
+        for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every),
+                            ("min_width", min_width), ("width_step", 1 if width_step is None else width_step),
                             ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens), ("block_size", block_size),
                             ("prefix_splits", prefix_splits),
                             ("max_batch", max_batch or 1), ("max_seq_len", max_seq_len or 1),
@@ -273,9 +273,9 @@ class FastRollout(Rollout):
         blocks = num_slots * -(-max_seq // self.block_size)  # every slot's longest row (and the scratch block)
         if self.kv_cache_tokens is not None:  # or the budget
             if self.kv_cache_tokens < max_seq:
-                raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} (rollout.fast.kv_cache_tokens) cannot hold one "
-                                 f"row of {max_seq} positions (prompt + max_new_tokens, rounded up); raise it, or "
-                                 "shorten prompts or responses")
+                raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} (rollout.fast.kv_cache_tokens) cannot "
+                                 f"hold one row of {max_seq} positions (prompt + max_new_tokens, rounded up); raise "
+                                 "it, or shorten prompts or responses")
             blocks = min(blocks, -(-self.kv_cache_tokens // self.block_size))
         self._pool = BlockPool(blocks + 1, self.block_size)
         self._slot_blocks = [[] for _ in range(num_slots)]

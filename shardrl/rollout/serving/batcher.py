@@ -519,8 +519,8 @@ class Batcher:
             token_ids = out.response_ids[j, :min(length, limit)].tolist()
             log_probs = out.sampled_log_probs[j, :len(token_ids)].tolist()
             if length > limit:  # generated for a longer request of the batch: cut at this one's limit
-                result = dict(prompt_token_ids=rows[j], token_ids=token_ids, log_probs=log_probs, finish_reason="length",
-                              text=self.tokenizer.decode(token_ids, skip_special_tokens=True))
+                result = dict(prompt_token_ids=rows[j], token_ids=token_ids, log_probs=log_probs,
+                              finish_reason="length", text=self.tokenizer.decode(token_ids, skip_special_tokens=True))
             else:
                 result = self.choice(rows[j], token_ids, log_probs, out.response_text[j], limit, s.stop, False)
             if out.token_version is not None:  # weights that change while it generates (partial rollouts)
