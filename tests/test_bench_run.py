@@ -1,0 +1,68 @@
+"""bench/run.py, the benchmarks' one runner: its sets name scripts that exist, a step's JSON lines are collected and
+tagged, a pytest step becomes its counts, and a step past its time limit is ended with what it spawned."""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from bench import run
+
+
+def test_every_step_of_every_set_names_a_script_that_exists():
+    for name, (about, steps) in run.SETS.items():
+        assert about and steps, name
+        for step in steps:
+            script = step.argv[1] if not step.pytest else None
+            if script is not None:
+                assert os.path.isfile(script), (name, step.name, script)
+            else:
+                paths = [a for a in step.argv if a.startswith("tests/")]
+                assert paths and all(os.path.exists(p) for p in paths), (name, step.name)
+    assert {"check", "cuda-tests", "whole-step", "rollout", "server", "lora", "moe"} <= set(run.SETS)
+
+
+def test_a_steps_json_lines_are_collected_with_its_set_and_step(tmp_path):
+    printing = run.Step("prints", (sys.executable, "-c", "print('noise'); print('{\"x\": 1}'); print('{bad')"),
+                        limit_s=60, out_flag=False)
+    summary = run.run_step(printing, "demo", str(tmp_path))
+    assert summary["rc"] == 0 and summary["results"] == 1 and not summary["timed_out"]
+    lines = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    assert lines == [{"set": "demo", "step": "prints", "x": 1}]
+
+
+def test_a_pytest_step_becomes_its_counts(tmp_path):
+    log = tmp_path / "logs" / "t.log"
+    log.parent.mkdir()
+    log.write_text("FAILED tests/test_a.py::test_b - boom\n1 failed, 3 passed, 2 skipped in 4.20s\n")
+    counts = run._pytest_counts(str(log))
+    assert counts == {"failed": 1, "passed": 3, "skipped": 2, "failures": ["tests/test_a.py::test_b"]}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="process groups as on the GPU machines")
+def test_a_step_past_its_limit_is_ended_with_the_processes_it_spawned(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    summary = run.run_step(run.Step("sleeps", (sys.executable, "-c", code), limit_s=2, out_flag=False),
+                           "demo", str(tmp_path))
+    assert summary["timed_out"] and summary["seconds"] < 30
+    child = int(pid_file.read_text())
+    assert _ended(child, within_s=5.0)  # the grandchild went with the group
+
+
+def _ended(pid: int, within_s: float) -> bool:
+    """Whether `pid` is gone (or a zombie no one reaped yet) within `within_s` seconds."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
