@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -134,6 +135,18 @@ def _max_token_chars(tokenizer) -> int:
         return 256
 
 
+class _Prompt(NamedTuple):
+    """A row whose prompt passed the checks, rendered to text (not yet tokenized)."""
+
+    path: str
+    row_number: int
+    text: str
+    is_chat: bool
+    data_source: str
+    extra: dict
+    prompt: object  # the row's own prompt: a string or chat messages
+
+
 def load_prompt_dataset(
     files: list[str] | str,
     tokenizer,
@@ -157,13 +170,37 @@ def load_prompt_dataset(
     files = [files] if isinstance(files, str) else list(files)
     if not files:
         raise ValueError("no prompt files given")
+    stats = {"num_rows_read": 0, "num_skipped_bad": 0, "num_dropped_too_long": 0, "num_truncated": 0}
+    prompts = _render_prompts(files, tokenizer, prompt_key, max_prompt_length, truncation, skip_bad_rows, tools,
+                              stats)
+    items, shortest_dropped = _tokenized_items(prompts, tokenizer, max_prompt_length, truncation, skip_bad_rows,
+                                               stats)
+    stats["num_rows"] = len(items)
+    logger.info(
+        "loaded %d prompts from %d file(s): %d rows read, %d bad rows skipped, %d too long dropped, %d truncated",
+        stats["num_rows"], len(files), stats["num_rows_read"], stats["num_skipped_bad"],
+        stats["num_dropped_too_long"], stats["num_truncated"],
+    )
+    if not items and stats["num_dropped_too_long"]:
+        shortest = f"the shortest prompt is {shortest_dropped} tokens" if shortest_dropped else "all are far longer"
+        raise ValueError(
+            f"no usable prompts in {files}: every one is longer than max_prompt_length={max_prompt_length}, "
+            f"{shortest} (a chat template adds its own tokens: role markers, a default system prompt); raise "
+            "data.max_prompt_length")
+    if not items:
+        raise ValueError(f"no usable prompts in {files} (stats: {stats})")
+    return PromptDataset(items, stats, files)
+
+
+def _render_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length: int, truncation: str,
+                    skip_bad_rows: bool, tools: list[dict] | None, stats: dict) -> list[_Prompt]:
+    """Every usable row of `files` with its prompt as text (chat messages through the tokenizer's template); a
+    text too long for any tokenization to fit is dropped, refused or cut here, before the tokenizer sees it."""
     has_chat_template = getattr(tokenizer, "chat_template", None) is not None
     # a prompt of more characters than this is surely too long: it is dropped, refused or cut to this many
     # characters before the tokenizer sees it (a 20 MB row would otherwise be tokenized in full first)
     max_chars = 2 * max_prompt_length * _max_token_chars(tokenizer)
-
-    stats = {"num_rows_read": 0, "num_skipped_bad": 0, "num_dropped_too_long": 0, "num_truncated": 0}
-    kept = []  # (path, row_number, text, is_chat, data_source, extra)
+    prompts = []
     for path in files:
         for row_number, row in read_rows(path):
             stats["num_rows_read"] += 1
@@ -172,7 +209,8 @@ def load_prompt_dataset(
                 if skip_bad_rows:
                     stats["num_skipped_bad"] += 1
                     continue
-                raise ValueError(f"{path}: row {row_number}: {problem} (set data.skip_bad_rows=true to skip and count such rows)")
+                raise ValueError(f"{path}: row {row_number}: {problem} (set data.skip_bad_rows=true to skip and "
+                                 "count such rows)")
             prompt = row[prompt_key]
             if isinstance(prompt, list):
                 if not has_chat_template:
@@ -193,20 +231,26 @@ def load_prompt_dataset(
                 prompt = prompt[-max_chars:] if truncation == "left" else prompt[:max_chars]  # cut below as usual
             data_source = row.get("data_source")
             data_source = "default" if data_source is None else str(data_source)
-            kept.append((path, row_number, prompt, isinstance(row[prompt_key], list), data_source, _extra_fields(row, prompt_key),
-                         row[prompt_key]))
+            prompts.append(_Prompt(path, row_number, prompt, isinstance(row[prompt_key], list), data_source,
+                                   _extra_fields(row, prompt_key), row[prompt_key]))
+    return prompts
 
+
+def _tokenized_items(prompts: list[_Prompt], tokenizer, max_prompt_length: int, truncation: str,
+                     skip_bad_rows: bool, stats: dict) -> tuple[list[dict], int | None]:
+    """The dataset's items: each prompt tokenized, checked and fitted to `max_prompt_length`; and the length of the
+    shortest prompt dropped as too long (None if none was)."""
     # Templated text already holds the model's special tokens; a raw string gets the tokenizer's own (e.g. BOS).
-    all_ids = [None] * len(kept)
+    all_ids = [None] * len(prompts)
     for is_chat in (True, False):
-        positions = [i for i, k in enumerate(kept) if k[3] == is_chat]
+        positions = [i for i, p in enumerate(prompts) if p.is_chat == is_chat]
         if positions:
-            encoded = tokenizer([kept[i][2] for i in positions], add_special_tokens=not is_chat)["input_ids"]
+            encoded = tokenizer([prompts[i].text for i in positions], add_special_tokens=not is_chat)["input_ids"]
             for i, ids in zip(positions, encoded):
                 all_ids[i] = ids
 
     items, shortest_dropped = [], None
-    for (path, row_number, text, _, data_source, extra, raw), ids in zip(kept, all_ids):
+    for (path, row_number, text, _, data_source, extra, raw), ids in zip(prompts, all_ids):
         if not ids:
             if skip_bad_rows:
                 stats["num_skipped_bad"] += 1
@@ -227,24 +271,10 @@ def load_prompt_dataset(
             text = tokenizer.decode(ids)
             stats["num_truncated"] += 1
         items.append(
-            {"prompt_ids": list(ids), "prompt_text": text, "data_source": data_source, "extra": extra, "index": len(items),
-             "prompt": raw}  # the row's own prompt (a string or chat messages), for agent episodes
+            {"prompt_ids": list(ids), "prompt_text": text, "data_source": data_source, "extra": extra,
+             "index": len(items), "prompt": raw}  # the row's own prompt (a string or chat messages), for agents
         )
-
-    stats["num_rows"] = len(items)
-    logger.info(
-        "loaded %d prompts from %d file(s): %d rows read, %d bad rows skipped, %d too long dropped, %d truncated",
-        stats["num_rows"], len(files), stats["num_rows_read"], stats["num_skipped_bad"],
-        stats["num_dropped_too_long"], stats["num_truncated"],
-    )
-    if not items and stats["num_dropped_too_long"]:
-        shortest = f"the shortest prompt is {shortest_dropped} tokens" if shortest_dropped else "all are far longer"
-        raise ValueError(
-            f"no usable prompts in {files}: every one is longer than max_prompt_length={max_prompt_length}, {shortest} (a chat "
-            "template adds its own tokens: role markers, a default system prompt); raise data.max_prompt_length")
-    if not items:
-        raise ValueError(f"no usable prompts in {files} (stats: {stats})")
-    return PromptDataset(items, stats, files)
+    return items, shortest_dropped
 
 
 class PromptLoader:
