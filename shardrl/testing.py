@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
+from multiprocessing import reduction
 
 from shardrl.batch import Batch
 from shardrl.models.tiny import TINY_MODELS, TINY_MOE_MODELS, tiny_config  # noqa: F401  (tests read them here)
@@ -40,7 +42,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_path: str):
+class _CallerFd:
+    """One of the caller's file descriptors, handed to a rank as it starts: a rank forked from the fork server would
+    otherwise inherit the server's (the stdout of whichever test started it), not the caller's."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):  # pickled as the rank starts: multiprocessing sends the descriptor along
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(dup) -> int:
+    return dup.detach()
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_path: str,
+            caller: tuple | None = None):
+    if caller is not None:  # the caller's environment and stdout/stderr (a fork server's are its own)
+        environ, stdout_fd, stderr_fd = caller
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for received, fd in ((stdout_fd, 1), (stderr_fd, 2)):
+            if received != fd:
+                os.dup2(received, fd)
+                os.close(received)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -57,11 +85,25 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
         dist.destroy_process_group()
 
 
+# What a rank of `run_distributed` imports anyway, imported once into a fork server: a rank forked from it starts in
+# a tenth of a second instead of the ~3-4 s a fresh interpreter takes to import torch, transformers and the engine
+# (a test suite of tiny models spends much of its time there). Nothing here touches CUDA, so a forked rank can.
+FORK_SERVER_PRELOAD = ["shardrl.testing", "shardrl.engine.build", "transformers"]
+
+
 def run_distributed(fn: Callable, world_size: int, *args) -> Any:
-    """Runs `fn(*args)` on `world_size` local processes; returns what rank 0's call returned."""
+    """Runs `fn(*args)` on `world_size` local processes; returns what rank 0's call returned. Each process starts
+    with this process's environment variables as they are now and writes to its stdout and stderr, as a process
+    spawned from here would."""
+    methods = mp.get_all_start_methods()
+    method = "forkserver" if "forkserver" in methods else "spawn"
+    if method == "forkserver":
+        mp.get_context(method).set_forkserver_preload(FORK_SERVER_PRELOAD)  # no effect once the server runs
     with tempfile.TemporaryDirectory() as tmp:
         out_path = str(Path(tmp) / "result.pt")
-        mp.spawn(_worker, args=(world_size, _free_port(), fn, args, out_path), nprocs=world_size, join=True)
+        caller = (dict(os.environ), _CallerFd(1), _CallerFd(2))
+        mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, out_path, caller),
+                           nprocs=world_size, join=True, start_method=method)
         return torch.load(out_path, weights_only=False)
 
 
