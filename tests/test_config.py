@@ -538,3 +538,24 @@ def test_the_fast_backends_keys_moved_under_rollout_fast_and_the_old_ones_still_
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["rollout"]["fast"] == moved and not set(moved) & set(saved["rollout"])
     assert load_config(str(tmp_path / "config.yaml")) == old
+
+
+def test_a_file_with_a_deprecated_key_and_its_new_name_is_refused(tmp_path):
+    """`max_batch: 8` beside `fast: {max_batch: 16}` would keep one of the two by the order of the lines."""
+    for rollout in ({"max_batch": 8, "fast": {"max_batch": 16}}, {"fast": {"max_batch": 16}, "max_batch": 8}):
+        path = write_yaml(tmp_path / "both.yaml", {"rollout": rollout})
+        with pytest.raises(ConfigError, match=r"'rollout\.max_batch' and 'rollout\.fast\.max_batch' are both set"):
+            load_config(path)
+    path = write_yaml(tmp_path / "other.yaml", {"rollout": {"max_batch": 8, "fast": {"sync_every": 2}}})
+    cfg = load_config(path)
+    assert (cfg.rollout.fast.max_batch, cfg.rollout.fast.sync_every) == (8, 2)
+
+
+def test_an_old_rl_file_given_to_another_trainer_names_the_wrong_command(tmp_path):
+    """A deprecated key in a file loaded as another trainer's config reaches the wrong-command hint, not a
+    KeyError."""
+    from shardrl.config.offline import SFTConfig
+
+    path = write_yaml(tmp_path / "rl.yaml", {"rollout": {"max_batch": 8}, "actor": {"optim": {"lr": 1e-5}}})
+    with pytest.raises(ConfigError):
+        load_config(path, cls=SFTConfig)

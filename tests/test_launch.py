@@ -43,3 +43,31 @@ def test_every_trainer_s_rank_ends_by_one_table(trainer, monkeypatch, capsys):
         rank.rank_main(argv)
     monkeypatch.setattr(rank, "run", lambda config, overrides, name: seen.append(name))
     assert rank.rank_main(["--no-config", "x=1"]) == 0 and seen[-1] == "train"  # (no --trainer: train)
+
+
+def test_a_rank_s_arguments_are_read_or_refused_never_dropped():
+    assert rank.rank_args(["--trainer", "sft", "a.yaml", "x=1"]) == ("sft", "a.yaml", ["x=1"])
+    assert rank.rank_args(["--no-config", "x=1", "y=2"]) == ("train", None, ["x=1", "y=2"])
+    assert rank.rank_args(["x=1"]) == ("train", None, ["x=1"])
+    for argv, what in ((["--trainer"], "--trainer needs a trainer's name"),
+                       (["--trainer", "x=1"], "--trainer needs a trainer's name"),
+                       (["run.yaml", "--trainer", "sft"], "unexpected argument.s. --trainer sft"),
+                       (["a.yaml", "b.yaml"], "unexpected argument.s. b.yaml")):
+        with pytest.raises(ValueError, match=what):
+            rank.rank_args(argv)
+
+
+@pytest.mark.parametrize("module", ["shardrl.trainer.main", "shardrl.trainer.sft", "shardrl.launch"])
+def test_the_cluster_entries_of_every_release_run_their_trainer(module, tmp_path):
+    """`torchrun ... -m shardrl.trainer.sft CONFIG` (earlier releases' offline entries) reaches the sft trainer:
+    a missing config file is its one error line and status 2, not a silent exit 0."""
+    import os
+    import subprocess
+    import sys
+
+    missing = tmp_path / "missing.yaml"
+    args = [sys.executable, "-m", module] + (["--trainer", "sft"] if module == "shardrl.launch" else []) + [str(missing)]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "error:" in out.stderr and "missing.yaml" in out.stderr

@@ -538,6 +538,8 @@ def test_the_trainer_runs_multi_turn_rollouts(tmp_path):
     assert all(r["multi_turn/num_tool_calls_mean"] > 0 and r["multi_turn/num_turns_mean"] > 1 for r in records)
     # the actor's recomputation of the model's tokens, with the tool turns in their context, is the sampler's
     assert all(r["rollout/logprob_abs_diff"] < 1e-4 and r["actor/grad_norm"] > 0 for r in records)
+    # a conversation is cut at its response budget (40 tokens), not at one turn's max_new_tokens
+    assert all((r["response/clip_frac"] > 0) == (r["response/length_max"] >= 40) for r in records), records
 
 
 def test_the_layout_bounds_a_multi_turn_sequence_by_its_response_budget():

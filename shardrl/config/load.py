@@ -228,11 +228,29 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
 
 def _merge(section: Any, data: dict, prefix: str, scope: tuple[type, str] | None = None) -> None:
     scope = scope or (type(section), prefix)
+    _refuse_old_and_new(type(section), data, prefix)
     for name, value in data.items():
         name = str(name)
         if "." in name and all(name.split(".")):
             raise _dotted_in_yaml(section, name, value, prefix, scope)
         _set(section, [name], value, None, prefix, scope)
+
+
+def _refuse_old_and_new(cls: type, data: dict, prefix: str) -> None:
+    """A mapping that sets a deprecated key and the key it moved to (`max_batch: 8` and `fast: {max_batch: 16}`)
+    is refused: one of the two would be dropped without a word, by the order of the lines."""
+    for old, new in getattr(cls, "renamed_keys", {}).items():
+        if old not in data:
+            continue
+        value: Any = data
+        for part in new.split("."):
+            value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
+        if value is not _MISSING:
+            raise ConfigError(f"config keys {join_key(prefix, old)!r} and {join_key(prefix, new)!r} are both set: "
+                              f"they are one setting ({old!r} is its deprecated name); keep {new!r} only")
+
+
+_MISSING = object()
 
 
 def _dotted_in_yaml(section: Any, name: str, value: Any, prefix: str, scope: tuple[type, str]) -> ConfigError:
@@ -374,7 +392,7 @@ def unknown_keys(cls: type, data: dict, prefix: str = "") -> list[str]:
         key = join_key(prefix, str(name))
         if str(name) not in hints and str(name) not in getattr(cls, "renamed_keys", {}):
             unknown.append(key)
-        elif dataclasses.is_dataclass(hints[str(name)]) and isinstance(value, dict):
+        elif str(name) in hints and dataclasses.is_dataclass(hints[str(name)]) and isinstance(value, dict):
             unknown += unknown_keys(hints[str(name)], value, key)
     return unknown
 

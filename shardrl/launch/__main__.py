@@ -5,4 +5,5 @@ import sys
 
 from shardrl.launch.rank import rank_main
 
-sys.exit(rank_main(sys.argv[1:]))
+if __name__ == "__main__":
+    sys.exit(rank_main(sys.argv[1:]))

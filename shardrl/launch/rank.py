@@ -97,19 +97,35 @@ def _fit(cls, cfg, place) -> Path:
     return run_dir
 
 
+def rank_args(argv: list[str]) -> tuple[str, str | None, list[str]]:
+    """(trainer, config file or None, overrides) of a rank's arguments, `[--trainer NAME] [CONFIG | --no-config]
+    key=value ...`; anything else is refused (a ValueError), never dropped."""
+    usage = "a rank takes [--trainer NAME] [CONFIG | --no-config] key=value ..."
+    trainer, rest = "train", list(argv)
+    if rest[:1] == ["--trainer"]:
+        if len(rest) < 2 or rest[1].startswith("-") or "=" in rest[1]:
+            raise ValueError(f"--trainer needs a trainer's name; {usage}")
+        trainer, rest = rest[1], rest[2:]
+    config = None
+    if rest[:1] == ["--no-config"]:
+        rest = rest[1:]
+    elif rest and "=" not in rest[0]:
+        config, rest = rest[0], rest[1:]
+    stray = [a for a in rest if "=" not in a]
+    if stray:
+        raise ValueError(f"unexpected argument(s) {' '.join(stray)}: {usage}")
+    return trainer, config, rest
+
+
 def rank_main(argv: list[str]) -> int:
     """A rank torchrun started: `[--trainer NAME] [CONFIG | --no-config] key=value ...`. A user's mistake found
     here is one `error:` line from rank 0 and exit status 2 on every rank, as in a single process."""
     die_with_launcher()
     setup_logging()
-    trainer = "train"
-    if argv[:1] == ["--trainer"]:
-        trainer, argv = argv[1], argv[2:]
-    config = None if argv and argv[0] == "--no-config" else (argv[0] if argv and "=" not in argv[0] else None)
-    overrides = [a for a in argv if "=" in a]
     rank0 = int(os.environ.get("RANK", 0)) == 0
     catch_stop_signals()
     try:
+        trainer, config, overrides = rank_args(argv)
         run(config, overrides, trainer)
     except BaseException as e:
         return _exit_status(e, rank0)

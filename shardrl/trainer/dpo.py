@@ -86,3 +86,10 @@ class DPOTrainer(PairTrainer):
                                           self.cfg.dpo.loss_type, self.params)
         return {"loss": SumCount(float(losses.sum()), float(len(losses)))} | metrics
 
+
+if __name__ == "__main__":  # `torchrun ... -m shardrl.trainer.dpo CONFIG`, the entry of earlier releases
+    import runpy
+    import sys
+
+    sys.argv[1:1] = ["--trainer", "dpo"]
+    runpy.run_module("shardrl.launch", run_name="__main__", alter_sys=True)

@@ -56,9 +56,9 @@ from shardrl.trainer.validation import validate
 log = logging.getLogger(__name__)
 
 
-def check_router_replay(cfg: Config, policy_config, say) -> None:
+def check_router_replay(cfg: Config, policy_config, say, steps: StepPlan | None = None) -> None:
     """actor.router_replay.mode=R2 and actor.router_aux_loss_coef need a mixture of experts (R2: with routers
-    shardrl knows); with no old-log-prob pass R2 replays nothing (said)."""
+    shardrl knows); with no old-log-prob pass R2 replays nothing (said). `steps`: the run's step plan."""
     from shardrl.engine.moe import is_moe, router_rule
 
     check_router_replay_settings(cfg)  # what the config alone decides; the rest needs the model
@@ -84,7 +84,7 @@ def check_router_replay(cfg: Config, policy_config, say) -> None:
         router_rule(policy_config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if mode == "R2" and StepPlan.from_config(cfg).old_from_update:
+    if mode == "R2" and (steps or StepPlan.from_config(cfg)).old_from_update:
         say(f"actor.router_replay.mode={mode} replays nothing here: the old log-probs come from the update's own "
             "forward (one optimizer step per training step), which routes as the policy that is trained")
 
@@ -161,12 +161,12 @@ class RLTrainer(Trainer):
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
         longest = max(len(item["prompt_ids"]) for dataset in filter(None, (self.train_set, self.val_set))
                       for item in dataset.items)
-        check_context(policy_config, longest + cfg.rollout.max_new_tokens,
-                      f"the longest prompt ({longest} tokens) plus rollout.max_new_tokens={cfg.rollout.max_new_tokens}",
+        budget_key, budget = self.plan.response  # (an agent's episode, a conversation: their own budget)
+        check_context(policy_config, longest + budget, f"the longest prompt ({longest} tokens) plus {budget_key}={budget}",
                       f"model.path={cfg.model.path!r}" if cfg.model.path else "model.tiny",
-                      "lower rollout.max_new_tokens, or data.max_prompt_length (longer prompts are then dropped or cut: "
+                      f"lower {budget_key}, or data.max_prompt_length (longer prompts are then dropped or cut: "
                       "data.truncation)")
-        check_router_replay(cfg, policy_config, self._say)
+        check_router_replay(cfg, policy_config, self._say, self.steps)
         if cfg.rollout.agent.entrypoint:  # a missing file or a sync function: refused before any model is built
             from shardrl.rollout.episodes.agent import load_entrypoint
 
@@ -298,7 +298,7 @@ class RLTrainer(Trainer):
         metrics.update(self._update(batch, temp))
         t_end = time.perf_counter()
         peaks["update"] = self._phase_peak_gib()
-        metrics.update(batch_metrics(batch, scores, reward_metrics, cfg.rollout.max_new_tokens,
+        metrics.update(batch_metrics(batch, scores, reward_metrics, self.plan.max_response_tokens,
                                      cfg.data.max_prompt_length))
         metrics.update(self._perf_metrics(batch, peaks))
         metrics.update({"timing/gen_s": t_gen - t0, "timing/prep_s": t_prep - t_gen,
@@ -398,7 +398,7 @@ def flop_shapes(roles: Roles, say):
         return None
 
 
-def batch_metrics(batch: Batch, scores: torch.Tensor, reward_metrics: dict, max_new_tokens: int,
+def batch_metrics(batch: Batch, scores: torch.Tensor, reward_metrics: dict, max_response_tokens: int,
                   max_prompt_length: int | None = None) -> dict:
     """This rank's reward and length metrics of a step's batch, for `reduce_metrics`."""
     lengths = batch["response_mask"].sum(-1).float()
@@ -420,7 +420,7 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, reward_metrics: dict, max_
         "prompt/length_mean": SumCount(float((seq_lens - lengths).sum()), n),
         "prompt/length_max": Max(float((seq_lens - lengths).max())),
         "prompt/length_min": Min(float((seq_lens - lengths).min())),
-        "response/clip_frac": SumCount(float((lengths >= max_new_tokens).sum()), n),
+        "response/clip_frac": SumCount(float((lengths >= max_response_tokens).sum()), n),  # hit the budget
         "response/num_tokens": Sum(float(lengths.sum())),
         **({"prompt/clip_frac": SumCount(float(((seq_lens - lengths) >= max_prompt_length).sum()), n)}
            if max_prompt_length else {}),

@@ -45,3 +45,10 @@ class RMTrainer(PairTrainer):
         losses, metrics = reward_pair_step(scores, self.cfg.rm.center_rewards_coefficient)
         return {"loss": SumCount(float(losses.sum()), float(len(losses)))} | metrics
 
+
+if __name__ == "__main__":  # `torchrun ... -m shardrl.trainer.rm CONFIG`, the entry of earlier releases
+    import runpy
+    import sys
+
+    sys.argv[1:1] = ["--trainer", "rm"]
+    runpy.run_module("shardrl.launch", run_name="__main__", alter_sys=True)

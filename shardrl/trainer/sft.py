@@ -43,3 +43,10 @@ class SFTTrainer(OfflineTrainer):
         total, count = masked_metric(-out["log_probs"][:real_rows].cpu(), mask.cpu())
         return {"loss": SumCount(float(total), float(count))}
 
+
+if __name__ == "__main__":  # `torchrun ... -m shardrl.trainer.sft CONFIG`, the entry of earlier releases
+    import runpy
+    import sys
+
+    sys.argv[1:1] = ["--trainer", "sft"]
+    runpy.run_module("shardrl.launch", run_name="__main__", alter_sys=True)
