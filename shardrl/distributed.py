@@ -1,6 +1,6 @@
 """Process group start-up and the device mesh every engine shards on.
 
-Layout rules (see DESIGN.md):
+Layout rules (docs/design.md):
 - `fsdp_size` -1 or >= world: a 1-D `("fsdp",)` mesh, parameters fully sharded over all ranks.
 - `fsdp_size` < world: a 2-D `("ddp", "fsdp")` mesh (HSDP): sharded within groups of `fsdp_size`,
   replicated across the `world // fsdp_size` groups.

@@ -5,7 +5,7 @@ their names.
 
     cfg = load_config("run.yaml", ["actor.optim.lr=1e-5", "rollout.n=8"])
 
-Batch sizes follow DESIGN.md: `data.train_batch_size` and `*.ppo_mini_batch_size` count prompts and
+Batch sizes follow docs/design.md: `data.train_batch_size` and `*.ppo_mini_batch_size` count prompts and
 are global; per-rank sizes are derived from them and the world size elsewhere. Each section's
 `validate(prefix)` rejects values that cannot work whatever the world size; checks that need the
 world size run when the run is laid out.

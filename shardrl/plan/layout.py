@@ -1,9 +1,9 @@
 """The batch-size arithmetic of one step, done once, up front, before anything is built.
 
-Global sizes in the config count prompts (DESIGN.md "Data-parallel layout per step"); `derive_layout`
+Global sizes in the config count prompts (docs/design.md); `derive_layout`
 turns them into per-rank sample counts for a world of `nnodes x nproc_per_node` ranks and checks every
 divisibility rule, raising a `ValueError` that shows the numbers and the nearest valid values.
-`memory_ledger` estimates the actor's per-GPU memory for that layout (DESIGN.md "Memory ledger").
+`memory_ledger` estimates the actor's per-GPU memory for that layout (docs/design.md).
 """
 
 from __future__ import annotations

@@ -271,7 +271,7 @@ class RewardManager:
     def __init__(self, fn=None, on_error_score: float = 0.0, reward_kwargs: dict | None = None, pool=None):
         """`fn`: the user's reward function (None: each row's built-in by data_source); `reward_kwargs` are
         passed to it on every call (verl's custom_reward_function.reward_kwargs); `pool`: a
-        `reward_pool.RewardPool` that scores the samples instead, in parallel and with a time limit each (it
+        `rewards.pool.RewardPool` that scores the samples instead, in parallel and with a time limit each (it
         loads the same function itself)."""
         self.fn = None if fn is None else bind_reward_function(fn, reward_kwargs)
         self.pool = pool

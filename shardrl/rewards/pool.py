@@ -45,7 +45,7 @@ class RewardPool:
                                 context=multiprocessing.get_context("spawn"))
 
     def score(self, items: list[dict]) -> list:
-        """Per item: (score, metrics) as `rewards.score_item` returns them, or the exception it ended with (a
+        """Per item: (score, metrics) as `rewards.manager.score_item` returns them, or the exception it ended with (a
         `TimeoutError` past `timeout_s`, `SystemExit` when the function called sys.exit)."""
         import pebble
 

@@ -1,1 +1,2 @@
-"""The RL trainer: `RLTrainer` runs the step loop of DESIGN.md; `train_main` is `shardrl train`."""
+"""The trainers: one `Trainer` base (`base`) whose `fit` every trainer shares; `RLTrainer` (`rl`), the offline
+trainers (`offline`: sft, dpo, rm). The launcher (`shardrl.launch`) starts them by their `config.registry` names."""

@@ -86,7 +86,7 @@ class OfflineTrainer(Trainer):
     # ---- what a trainer says ------------------------------------------------------------------------
     @abc.abstractmethod
     def load_rows(self, files: list[str]):
-        """The tokenized rows of `files` (a `chat_data.ChatDataset`)."""
+        """The tokenized rows of `files` (a `data.chat.ChatDataset`)."""
 
     @abc.abstractmethod
     def collate(self, items: list[dict]) -> Batch:

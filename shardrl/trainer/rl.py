@@ -1,4 +1,4 @@
-"""The RL step loop of DESIGN.md, one SPMD program per rank: `RLTrainer`.
+"""The RL step loop of docs/design.md, one SPMD program per rank: `RLTrainer`.
 
     prompts (this rank's share) -> a batch from the batch source (colocated: generated here with the actor's
     newest weights; disaggregated: received from a rollout rank, `async_rl`) -> scores (`Scorer`) -> DAPO rounds

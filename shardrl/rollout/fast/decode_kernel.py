@@ -367,7 +367,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.T
     entries (a multiple of the block size, the same blocks in their table rows) are listed together in a row of
     `groups` (slot ids from column 0 on, -1 after; the live rows first, then only empty ones; a slot in no group has
     shared 0); each group's entries are read once, by `prefix_splits` programs per KV head (module docstring;
-    `shared_prefix_parts` takes the prefix_* settings, timed by bench/profile_cascade.py). With `overlap` (CUDA),
+    `shared_prefix_parts` takes the prefix_* settings, timed by bench/profile_cascade.py at 0a7d397). With `overlap` (CUDA),
     that kernel runs on a second stream beside the per-slot kernel, which then leaves its result unnormalized for
     the merge kernel that waits for both. Not with `window`."""
     b, hkv, g, d = q.shape

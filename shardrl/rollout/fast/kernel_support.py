@@ -1,6 +1,6 @@
 """What the rollout's Triton kernels accept, importable without Triton (the CPU path asks it too).
 
-Its own module so that the kernels (`decode_kernel`) and the model that calls them (`fast_model`) both
+Its own module so that the kernels (`decode_kernel`) and the model that calls them (`fast.model`) both
 import it from below, instead of importing each other.
 """
 

@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 
 class FastRollout(Rollout):
-    """Static-KV-cache generation for the configs `families.check_supported` accepts (module docstring).
+    """Static-KV-cache generation for the configs `models.families.check_supported` accepts (module docstring).
 
     `max_batch`: decode slots (the static batch); default min(rows, micro_batch_size * n) at first use,
     grown when a later call has more rows. `max_seq_len`: cache positions per slot; default the longest

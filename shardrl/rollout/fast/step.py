@@ -57,7 +57,7 @@ class SlotState:
     """All a decode step reads and writes, on the device, for B slots. Addresses never change while it
     lives (the CUDA graphs point at them). W = the cache's max_seq bounds a slot's generated tokens."""
 
-    kv: torch.Tensor  # (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim), see fast_model and paged
+    kv: torch.Tensor  # (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim), see fast.model and fast.paged
     table: torch.Tensor  # (B, max_seq / block_size) long: each slot's blocks (0, the scratch block, past them)
     tokens: torch.Tensor  # (B,) long: the token each slot feeds next (sampled, not yet in the cache)
     lengths: torch.Tensor  # (B,) long: tokens in the slot's cache = position of the token fed next
