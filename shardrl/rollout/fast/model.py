@@ -276,7 +276,7 @@ class DecoderBlock:
 
     `flash_below`: a causal prefill of fewer tokens (U * L) than this runs on flash attention first, whatever SDPA
     would pick. SDPA picks cuDNN here, which builds a plan for every shape it has not seen: 45-60 ms each (the first
-    1.1 s), against 0.1 ms for flash (one H200, 12 query and 2 K/V heads of 128, 256 tokens; bench/exp_admit.py at 0a7d397,
+    1.1 s), against 0.1 ms for flash (one H200, 12 query and 2 K/V heads of 128, 256 tokens; exp_admit.py at 0a7d397,
     session 24). A server admits a few prompts at a time, nearly each admission a new shape. `FastRollout` sets it
     to `prefill_tokens`: every chunk runs on flash but one that fills the budget exactly (equal prompt lengths, as
     in the benches, whose shapes repeat), which keeps cuDNN, faster once planned (0.21 against 0.39 ms for
