@@ -121,6 +121,15 @@ class AgentConfig:
         require(self, prefix, "max_response_tokens", self.max_response_tokens >= 1, "must be >= 1")
 
 
+def check_sampling(section, prefix: str) -> None:
+    """The sampler's bounds, for training's sampling and validation's alike."""
+    require(section, prefix, "n", section.n >= 1, "must be >= 1")
+    require(section, prefix, "temperature", section.temperature == 0 or 1e-5 <= section.temperature <= 1e4,
+            "must be 0 (greedy) or in [1e-5, 1e4]")
+    require(section, prefix, "top_p", 0 < section.top_p <= 1, "must be in (0, 1]")
+    require(section, prefix, "top_k", 0 <= section.top_k < 2**31, "must be in [0, 2**31) (0 = off)")
+
+
 @dataclass
 class ValSamplingConfig:
     """How validation samples (verl's rollout.val_kwargs): greedy and one response per prompt by default."""
@@ -135,11 +144,7 @@ class ValSamplingConfig:
     """Top-k sampling; 0 is off."""
 
     def validate(self, prefix: str) -> None:
-        require(self, prefix, "n", self.n >= 1, "must be >= 1")
-        require(self, prefix, "temperature", self.temperature == 0 or 1e-5 <= self.temperature <= 1e4,
-                "must be 0 (greedy) or in [1e-5, 1e4]")
-        require(self, prefix, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
-        require(self, prefix, "top_k", 0 <= self.top_k < 2**31, "must be in [0, 2**31) (0 = off)")
+        check_sampling(self, prefix)
 
 
 @dataclass
@@ -252,11 +257,7 @@ class RolloutConfig:
         return keys + (["multi_turn.overlap_tools"] if self.multi_turn.overlap_tools else [])
 
     def validate(self, prefix: str) -> None:
-        require(self, prefix, "n", self.n >= 1, "must be >= 1")
-        require(self, prefix, "temperature", self.temperature == 0 or 1e-5 <= self.temperature <= 1e4,
-                "must be 0 (greedy) or in [1e-5, 1e4]")
-        require(self, prefix, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
-        require(self, prefix, "top_k", 0 <= self.top_k < 2**31, "must be in [0, 2**31) (0 = off)")
+        check_sampling(self, prefix)
         require(self, prefix, "max_new_tokens", self.max_new_tokens >= 1, "must be >= 1")
         require(self, prefix, "micro_batch_size", self.micro_batch_size >= 1, "must be >= 1")
         check_rollout(self, prefix)
