@@ -161,10 +161,11 @@ class RLTrainer(Trainer):
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
         longest = max(len(item["prompt_ids"]) for dataset in filter(None, (self.train_set, self.val_set))
                       for item in dataset.items)
-        budget_key, budget = self.plan.response  # (an agent's episode, a conversation: their own budget)
-        check_context(policy_config, longest + budget, f"the longest prompt ({longest} tokens) plus {budget_key}={budget}",
+        # one generate call's reach (a conversation or an episode longer than the context ends where it fills it)
+        check_context(policy_config, longest + cfg.rollout.max_new_tokens,
+                      f"the longest prompt ({longest} tokens) plus rollout.max_new_tokens={cfg.rollout.max_new_tokens}",
                       f"model.path={cfg.model.path!r}" if cfg.model.path else "model.tiny",
-                      f"lower {budget_key}, or data.max_prompt_length (longer prompts are then dropped or cut: "
+                      "lower rollout.max_new_tokens, or data.max_prompt_length (longer prompts are then dropped or cut: "
                       "data.truncation)")
         check_router_replay(cfg, policy_config, self._say, self.steps)
         if cfg.rollout.agent.entrypoint:  # a missing file or a sync function: refused before any model is built
