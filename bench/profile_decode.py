@@ -203,7 +203,7 @@ def main():
     at(st, max_seq - 48)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            rollout._decode_step(SAMPLE, max_seq)
+            rollout._steps.step(st, SAMPLE, max_seq, st.num_slots)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     kernels = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
