@@ -105,10 +105,7 @@ class Generation:
     def prefix_counts(self) -> tuple[int, int] | None:
         """(prompt tokens read from the fast rollout's prefix cache, prompt tokens prefilled) over every call so
         far; None for a backend without the cache."""
-        inner = self.rollout
-        while hasattr(inner, "rollout") and not hasattr(inner, "totals"):  # (the multi-turn or agent wrapper)
-            inner = inner.rollout
-        totals = getattr(inner, "totals", None)
+        totals = getattr(self.rollout, "totals", None)  # (a multi-turn or agent wrapper: its backend's)
         return (totals["cached_tokens"], totals["prompt_tokens"]) if totals is not None else None
 
     def step_sampling(self, step: int, dp_rank: int, round_index: int = 0) -> SamplingParams:

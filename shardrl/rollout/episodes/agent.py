@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts
+from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output
 from shardrl.rollout.episodes.base import EpisodeRollout
 from shardrl.rollout.episodes.multiturn import MultiTurnOutput
 
@@ -264,9 +264,8 @@ class AgentRollout(EpisodeRollout):
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingParams,
                  samples: list[dict] | None = None) -> MultiTurnOutput:
-        check_prompts(prompt_ids, attention_mask)
+        samples = self.episode_samples(prompt_ids, attention_mask, samples)
         num_prompts, n = prompt_ids.shape[0], sampling.n
-        samples = samples if samples is not None else [{} for _ in range(num_prompts)]
         server = self._endpoint(sampling)
         episodes = [_Episode({"prompt": samples[b].get("prompt"), "data_source": samples[b].get("data_source"),
                               "extra": samples[b].get("extra")}, uuid.uuid4().hex)

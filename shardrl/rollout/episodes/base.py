@@ -4,7 +4,7 @@ another rollout, the backend, which generates every model turn."""
 
 from __future__ import annotations
 
-from shardrl.rollout.base import Rollout
+from shardrl.rollout.base import Rollout, check_prompts
 
 
 class EpisodeRollout(Rollout):
@@ -23,6 +23,16 @@ class EpisodeRollout(Rollout):
         while isinstance(inner, EpisodeRollout):
             inner = inner.rollout
         return inner
+
+    @staticmethod
+    def episode_samples(prompt_ids, attention_mask, samples: list[dict] | None) -> list[dict]:
+        """Each prompt's row (its prompt, data_source, extra; `{}` each when not given), after the prompts' checks."""
+        check_prompts(prompt_ids, attention_mask)
+        num_prompts = prompt_ids.shape[0]
+        samples = samples if samples is not None else [{} for _ in range(num_prompts)]
+        if len(samples) != num_prompts:
+            raise ValueError(f"{len(samples)} samples for {num_prompts} prompts")
+        return samples
 
     # ---- the backend's weights and memory --------------------------------------------------------
     def load_weights(self, weights) -> None:

@@ -58,7 +58,7 @@ from typing import Any, Iterable
 
 import torch
 
-from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, assemble_output, check_prompts,
+from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, assemble_output,
                                    cut_responses)
 from shardrl.rollout.episodes.base import EpisodeRollout
 from shardrl.tools import (BUILTIN_TOOLS, CALL_END, CALL_START, DaemonThreadPool, Tool, ToolCall, call_tool,
@@ -213,11 +213,8 @@ class MultiTurnRollout(EpisodeRollout):
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingParams,
                  samples: list[dict] | None = None) -> MultiTurnOutput:
-        check_prompts(prompt_ids, attention_mask)
+        samples = self.episode_samples(prompt_ids, attention_mask, samples)
         num_prompts, n = prompt_ids.shape[0], sampling.n
-        samples = samples if samples is not None else [{} for _ in range(num_prompts)]
-        if len(samples) != num_prompts:
-            raise ValueError(f"{len(samples)} samples for {num_prompts} prompts")
         convs = []
         for b in range(num_prompts):
             prompt = prompt_ids[b][attention_mask[b].bool()].tolist()
