@@ -121,7 +121,23 @@ def load_tokenizer(cfg):
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if cfg.model.chat_template is not None:
+        tok.chat_template = read_chat_template(cfg.model.chat_template)
     return tok
+
+
+def read_chat_template(value: str) -> str:
+    """`model.chat_template`: a Jinja template's text, or the path of a file holding one."""
+    if "{%" in value or "{{" in value:  # a template, not a file name
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"model.chat_template={value!r} is neither a file nor a Jinja template (no '{{%' or '{{{{'); "
+                         "give the template's text or the path of a file holding it")
+    text = path.read_text()
+    if "{%" not in text and "{{" not in text:
+        raise ValueError(f"model.chat_template={value!r}: the file holds no Jinja template (no '{{%' or '{{{{')")
+    return text
 
 
 def _generic_tokenizer(folder: Path) -> bool:

@@ -168,7 +168,8 @@ def test_wrong_prompt_type_names_what_was_found(tokenizer, tmp_path):
                                          r"available keys: \['data_source', 'prompt'\]"):
         load_prompt_dataset([path], tokenizer)
     messages_path = write_jsonl(tmp_path / "bad2.jsonl", [{"prompt": [{"role": "user"}]}])
-    with pytest.raises(ValueError, match=r"row 1: .*found list \[\{'role': 'user'\}\]"):
+    with pytest.raises(ValueError, match=r"row 1: prompt\[0\]: content must be a string .*it has none "
+                                         r"\(keys: \['role'\]\)"):
         load_prompt_dataset([messages_path], tokenizer)
 
 
@@ -181,8 +182,41 @@ def test_parquet_row_number_in_error(tokenizer, tmp_path):
 def test_invalid_json_line(tokenizer, tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"prompt": "1+1="}\n\n{"prompt": \n')
-    with pytest.raises(ValueError, match=r"broken\.jsonl: row 3 is not valid JSON"):
+    with pytest.raises(ValueError, match=r"broken\.jsonl: row 3: not valid JSON \(Expecting value at column 12\)"):
         load_prompt_dataset([str(path)], tokenizer)
+
+
+def test_skip_bad_rows_drops_and_counts_an_unparsable_line(tokenizer, tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "1+1="}\n{"prompt": \n{"prompt": "2+2="}\n')
+    ds = load_prompt_dataset([str(path)], tokenizer, skip_bad_rows=True)
+    assert [item["prompt_text"] for item in ds.items] == ["1+1=", "2+2="]
+    assert (ds.stats["num_skipped_bad"], ds.stats["num_rows_read"]) == (1, 3)
+
+
+def test_a_prompt_key_no_row_has_is_named_with_the_rows_keys_not_skip_bad_rows(tokenizer, tmp_path):
+    """data.prompt_key=question on rows without it: skip_bad_rows would drop every row (and --verl refuses it)."""
+    path = write_jsonl(tmp_path / "q.jsonl", [{"prompt": "1+1=", "data_source": "x"}] * 2)
+    for skip in (False, True):
+        with pytest.raises(ValueError) as error:
+            load_prompt_dataset([path], tokenizer, prompt_key="question", skip_bad_rows=skip)
+        assert str(error.value) == (f"{path}: no row has the columns for shardrl train: the prompt under 'question' "
+                                    "(data.prompt_key: set it to the key that holds the prompts); the rows' keys: "
+                                    "['data_source', 'prompt']")
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"messages": [{"role": "user", "content": "1+1="}]}])
+    with pytest.raises(ValueError, match=r"the rows' keys: \['messages'\]; this looks like an SFT file \(messages\), "
+                                         r"a file for shardrl sft$"):
+        load_prompt_dataset([sft], tokenizer)
+
+
+@pytest.mark.parametrize("role, hint", [("robot", ""), (None, ""), ("User", "; roles are lower case: 'user'")])
+def test_a_prompt_messages_role_is_checked(tokenizer, tmp_path, role, hint):
+    path = write_jsonl(tmp_path / "r.jsonl", [{"prompt": [{"role": "system", "content": "add"},
+                                                          {"role": role, "content": "1+1="}]}])
+    with pytest.raises(ValueError) as error:
+        load_prompt_dataset([path], tokenizer)
+    assert str(error.value) == (f"{path}: row 1: prompt[1]: role {role!r} is not one of system, user, assistant, "
+                                f"tool{hint} (set data.skip_bad_rows=true to skip and count such rows)")
 
 
 def test_skip_bad_rows_counts(tokenizer, tmp_path):

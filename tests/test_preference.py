@@ -149,6 +149,39 @@ def test_preference_rows_of_each_format_and_bad_rows_are_counted(tok, tmp_path):
         load_preference_dataset([str(rows)], tok, 10, skip_bad_rows=True)
 
 
+def test_an_sft_file_given_to_dpo_says_what_dpo_reads_not_skip_bad_rows(tok, tmp_path):
+    """skip_bad_rows would drop every row of it: the error says which columns the trainer reads and which the
+    file has."""
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="},
+                                             {"role": "assistant", "content": "2"}]}) + "\n")
+    for skip in (False, True):
+        with pytest.raises(ValueError) as error:
+            load_preference_dataset([str(rows)], tok, 64, skip_bad_rows=skip)
+        assert str(error.value) == (
+            f"{rows}: no row has the columns for shardrl dpo and shardrl rm: 'chosen' and 'rejected' "
+            "(data.chosen_key, data.rejected_key), 'prompt' (data.prompt_key) optional; the rows' keys: ['messages']; "
+            "this looks like an SFT file (messages), a file for shardrl sft")
+
+
+def test_chat_pairs_need_a_template_and_known_roles(tok, tmp_path):
+    rows = tmp_path / "pairs.jsonl"
+    prompt = [{"role": "user", "content": "1+1="}]
+    rows.write_text(json.dumps({"chosen": prompt + [{"role": "assistant", "content": "2"}],
+                                "rejected": prompt + [{"role": "Assistant", "content": "3"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"row 1: rejected\[1\]: role 'Assistant' is not one of system, user, "
+                                         r"assistant, tool; roles are lower case: 'assistant'"):
+        load_preference_dataset([str(rows)], tok, 64)
+    rows.write_text(json.dumps({"prompt": prompt, "chosen": "2", "rejected": "3"}) + "\n")
+    bare = build_char_tokenizer()
+    bare.chat_template = None
+    with pytest.raises(ValueError, match=r"pairs\.jsonl: row 1: the row is chat messages but the tokenizer has no "
+                                         r"chat template.*set model\.chat_template"):
+        load_preference_dataset([str(rows)], bare, 64, skip_bad_rows=True)
+    rows.write_text(json.dumps({"chosen": "2", "rejected": "3"}) + "\n")  # plain strings stay plain text
+    assert bare.decode(load_preference_dataset([str(rows)], bare, 64).items[0]["chosen_ids"]) == "2"
+
+
 PAIRS = [({"role": "user", "content": f"{a}+{b}="}, str(a + b), str(a + b + 1 + b) + "?" * (a % 3))
          for a in range(4) for b in range(2)]  # 8 pairs; completions of different lengths
 

@@ -54,6 +54,132 @@ def test_rows_of_either_format_and_bad_rows_are_counted(tok, tmp_path):
         load_chat_dataset([str(rows)], tok, 23, truncation="drop", skip_bad_rows=True)
 
 
+def _write(path, rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_prompt_holding_assistant_turns_trains_the_response_only(tok, tmp_path):
+    """TRL trains a prompt/completion row's completion only; the prompt's earlier assistant turn is context. A
+    `messages` row trains every assistant turn."""
+    prompt = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+              {"role": "user", "content": "again"}]
+    rows = _write(tmp_path / "rows.jsonl", [{"prompt": prompt, "response": "2 again"},
+                                            {"messages": [*prompt, {"role": "assistant", "content": "2 again"}]}])
+    data = load_chat_dataset([rows], tok, 64)
+    assert [masked_text(tok, it["input_ids"], it["loss_mask"], 1) for it in data.items] == ["2 again\n",
+                                                                                          "2\n2 again\n"]
+    assert data.items[0]["input_ids"] == data.items[1]["input_ids"]  # the same text, only the mask differs
+
+
+def test_chat_rows_without_a_chat_template_are_refused_naming_model_chat_template(tmp_path):
+    """Without a template a chat trained as its contents run together ('1+1=2'): no roles, no end of turn. A row
+    of plain strings stays plain text."""
+    bare = build_char_tokenizer()
+    bare.chat_template = None
+    chat = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
+    listed = {"prompt": [{"role": "user", "content": "1+1="}], "response": "2"}
+    for row in (chat, listed):
+        rows = _write(tmp_path / "chat.jsonl", [row])
+        for skip in (False, True):  # a setting to fix, not a row to drop
+            with pytest.raises(ValueError, match=r"chat\.jsonl: row 1: the row is chat messages but the tokenizer "
+                                                 r"has no chat template.*set model\.chat_template"):
+                load_chat_dataset([rows], bare, 64, skip_bad_rows=skip)
+    plain = load_chat_dataset([_write(tmp_path / "plain.jsonl", [{"prompt": "1+1=", "response": "2"}])], bare, 64)
+    assert bare.decode(plain.items[0]["input_ids"]) == "1+1=2"
+
+
+def test_model_chat_template_sets_the_tokenizers_template_from_text_or_a_file(tmp_path):
+    from shardrl.config.schema import SFTConfig
+    from shardrl.tokenizer import CHAT_TEMPLATE, load_tokenizer
+
+    bare = build_char_tokenizer()
+    bare.chat_template = None
+    bare.save_pretrained(tmp_path / "tok")
+    cfg = SFTConfig()
+    cfg.model.tokenizer_path = str(tmp_path / "tok")
+    assert not getattr(load_tokenizer(cfg), "chat_template", None)
+    (tmp_path / "template.jinja").write_text(CHAT_TEMPLATE)
+    for value in (CHAT_TEMPLATE, str(tmp_path / "template.jinja")):
+        cfg.model.chat_template = value
+        tokenizer = load_tokenizer(cfg)
+        item = load_chat_dataset([_write(tmp_path / "c.jsonl", [{"messages": [
+            {"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}])], tokenizer, 64).items[0]
+        assert tokenizer.decode(item["input_ids"]) == "user: 1+1=\nassistant: 2\n"
+    cfg.model.chat_template = str(tmp_path / "missing.jinja")
+    with pytest.raises(ValueError, match=r"model\.chat_template='.*missing\.jinja' is neither a file nor a Jinja"):
+        load_tokenizer(cfg)
+
+
+@pytest.mark.parametrize("role, message", [
+    ("robot", r"row 1: messages\[1\]: role 'robot' is not one of system, user, assistant, tool \("),
+    (None, r"row 1: messages\[1\]: role None is not one of system, user, assistant, tool \("),
+    ("Assistant", r"row 1: messages\[1\]: role 'Assistant' is not one of system, user, assistant, tool; roles "
+                  r"are lower case: 'assistant' \(")])
+def test_an_unknown_role_is_refused_naming_row_and_message(tok, tmp_path, role, message):
+    rows = _write(tmp_path / "rows.jsonl", [{"messages": [{"role": "user", "content": "1+1="},
+                                                          {"role": role, "content": "2"}]},
+                                            {"prompt": [{"role": role, "content": "x"}], "response": "2"},
+                                            {"prompt": "1+1=", "response": "2"}])
+    with pytest.raises(ValueError, match=message):
+        load_chat_dataset([rows], tok, 64)
+    data = load_chat_dataset([rows], tok, 64, skip_bad_rows=True)
+    assert (len(data), data.stats["bad"]) == (1, 2)
+
+
+# renders an assistant's tool calls as `call name(arguments)`, as a tool model's template does (the newline is an
+# expression: one right after a block tag is trimmed, HF rendering with trim_blocks)
+TOOL_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m.tool_calls %}{% for c in m.tool_calls %}call "
+    "{{ c['function']['name'] }}({{ c['function']['arguments'] }}){% endfor %}{% else %}{{ m['content'] }}{% endif %}"
+    "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_an_assistant_turn_of_tool_calls_is_trained_on(tmp_path):
+    """OpenAI's / TRL's tool-calling rows: an assistant turn whose content is null and whose tool_calls the template
+    renders; a tool turn answers it."""
+    tool_tok = build_char_tokenizer()
+    tool_tok.chat_template = TOOL_TEMPLATE
+    call = {"type": "function", "function": {"name": "add", "arguments": "1,1"}}
+    chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "2", "tool_call_id": "c1"}, {"role": "assistant", "content": "2"}]
+    bad = [{"messages": [chat[0], {"role": "assistant", "content": None}]},
+           {"messages": [chat[0], {"role": "user", "content": None, "tool_calls": [call]}]},
+           {"messages": [chat[0], {"role": "assistant", "content": " "}]}]
+    rows = _write(tmp_path / "tools.jsonl", [{"messages": chat}, *bad])
+    data = load_chat_dataset([rows], tool_tok, 128, skip_bad_rows=True)
+    item = data.items[0]
+    assert tool_tok.decode(item["input_ids"]) == "user: 1+1=\nassistant: call add(1,1)\ntool: 2\nassistant: 2\n"
+    assert masked_text(tool_tok, item["input_ids"], item["loss_mask"], 1) == "call add(1,1)\n2\n"
+    assert data.stats["bad"] == 3
+    for number, message in ((2, r"messages\[1\]: content must be a string \(null only on an assistant message "
+                                 r"with tool_calls\); found None"),
+                            (3, r"messages\[1\]: only an assistant message calls tools; this one's role is 'user'"),
+                            (4, r"messages\[1\]: the assistant's reply is empty")):
+        only = _write(tmp_path / "one.jsonl", [bad[number - 2]])
+        with pytest.raises(ValueError, match=rf"one\.jsonl: row 1: {message}"):
+            load_chat_dataset([only], tool_tok, 128)
+
+
+def test_an_unparsable_line_is_dropped_and_counted_with_skip_bad_rows(tok, tmp_path):
+    good = json.dumps({"prompt": "1+1=", "response": "2"})
+    rows = _write(tmp_path / "rows.jsonl", [good, '{"prompt": "2+2=", "response": ', good])
+    with pytest.raises(ValueError, match=r"rows\.jsonl: row 2: not valid JSON \(Expecting value at column 32\) "
+                                         r"\(data\.skip_bad_rows=true drops such rows\)"):
+        load_chat_dataset([rows], tok, 64)
+    data = load_chat_dataset([rows], tok, 64, skip_bad_rows=True)
+    assert (len(data), data.stats["bad"], data.stats["rows"]) == (2, 1, 3)
+
+
+def test_a_preference_file_given_to_sft_says_what_sft_reads(tok, tmp_path):
+    rows = _write(tmp_path / "pairs.jsonl", [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 2)
+    with pytest.raises(ValueError, match=r"pairs\.jsonl: no row has the columns for shardrl sft: 'messages' "
+                                         r"\(data\.messages_key\), or 'prompt' and 'response' .*; the rows' keys: "
+                                         r"\['chosen', 'prompt', 'rejected'\]; this looks like a preference file "
+                                         r"\(prompt/chosen/rejected\), a file for shardrl dpo and shardrl rm$"):
+        load_chat_dataset([rows], tok, 64, skip_bad_rows=True)
+
+
 CHATS = [[{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)},
           {"role": "user", "content": "again"}, {"role": "assistant", "content": f"{a + b} again" * (a % 3 + 1)}]
          for a in range(4) for b in range(2)]  # 8 chats, two assistant turns each, lengths vary

@@ -320,3 +320,28 @@ def test_verls_tool_answer_cuts_and_the_epoch_limit():
     steps_first = load_config(None, ["trainer.total_epochs=3", "trainer.total_steps=5"]).trainer
     assert "stopped first by trainer.total_steps=5" in resolve_total_epochs(steps_first, 16, 4)
     assert load_config(None, ["actor.shuffle=false"]).critic.shuffle is False  # the critic takes the actor's
+
+
+def test_a_prompt_key_the_data_lacks_names_the_key_not_skip_bad_rows(tmp_path, capsys):
+    """data.prompt_key=question on verl's gsm8k parquet (its prompts under `prompt`): the error advised
+    data.skip_bad_rows, which --verl refuses (it is no verl key) and which would drop every row."""
+    from shardrl.cli import main
+
+    home = tmp_path / "home"
+    write_verl_assets(home)
+    train = home / "data" / "gsm8k" / "train.parquet"
+    args = [f"actor_rollout_ref.model.path={home / 'model'}", f"data.train_files={train}", "data.val_files=[]",
+            "data.prompt_key=question", "algorithm.adv_estimator=grpo", f"trainer.default_local_dir={tmp_path / 'run'}",
+            *SMALL]
+    assert main(["train", "--verl", *args]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (f"error: {train}: no row has the columns for shardrl train: the prompt under 'question' "
+                     "(data.prompt_key: set it to the key that holds the prompts); the rows' keys: ['ability', "
+                     "'data_source', 'extra_info', 'prompt', 'reward_model']")
+
+
+def test_verls_custom_chat_template_is_model_chat_template():
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    overrides = translate(["actor_rollout_ref.model.path=/m",
+                           f"actor_rollout_ref.model.custom_chat_template='{template}'"]).overrides
+    assert f"model.chat_template={json.dumps(template)}" in overrides

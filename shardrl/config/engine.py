@@ -52,6 +52,9 @@ class ModelConfig:
     """HF config kwargs for a random-init model when `path` is unset, e.g. {"model_type": "qwen2", "hidden_size": 64}."""
     tokenizer_path: str | None = None
     """Tokenizer folder; None uses `path`."""
+    chat_template: str | None = None
+    """A Jinja chat template set on the tokenizer in place of its own (e.g. for a base model's folder, which has
+    none): the template's text, or the path of a file holding it. None: the tokenizer's own."""
     trust_remote_code: bool = False
     """Allow model/tokenizer code shipped inside the model folder to run."""
     attn_implementation: str = "auto"

@@ -47,9 +47,10 @@ class SFTDataConfig(OfflineDataConfig):
     messages_key: str = "messages"
     """Column holding a chat: a list of {role, content} messages; every assistant turn is trained on."""
     prompt_key: str = "prompt"
-    """Without a messages column: the prompt (a string, or a list of messages)."""
+    """Without a messages column: the prompt (a string, or a list of messages), context only (its assistant turns
+    are not trained on)."""
     response_key: str = "response"
-    """Without a messages column: the assistant's reply."""
+    """Without a messages column: the assistant's reply, the only part trained on."""
 
 
 @dataclass

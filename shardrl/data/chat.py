@@ -4,12 +4,16 @@ A row is either
 - `messages`: a chat, a list of {"role", "content"} (verl's multi-turn SFT parquet, TRL's conversational format);
   every assistant turn is trained on, every other turn (system, user, tool) is context; or
 - `prompt` and `response` columns: the prompt a string (rendered with the chat template when the tokenizer has one)
-  or a list of messages, the response the assistant's reply.
+  or a list of messages, the response the assistant's reply. Only the response is trained on (as TRL trains a
+  completion): assistant turns inside the prompt are context.
+Messages are checked by `data.messages` (roles system, user, assistant, tool; an assistant turn may be tool calls
+with null content, which the template renders); an error names the message (`messages[2]: ...`).
 
 The chat is rendered turn by turn with the tokenizer's chat template: before an assistant turn the template's
 generation prompt (its assistant header) is context, and what the turn adds after it (the reply and its
 end-of-turn marker) is the target. Each piece is tokenized on its own and the pieces are concatenated, so the mask
-is exact whatever the tokenizer's merges do at the seams.
+is exact whatever the tokenizer's merges do at the seams. Chat rows and a tokenizer without a template are refused
+(`model.chat_template` sets one): they would train as bare text, without roles or an end of turn.
 
 A preference row (DPO, reward models) is `prompt`, `chosen` and `rejected` columns, each a string or a list of
 messages (TRL's plain and conversational formats); without a prompt column the prompt is the messages the two
@@ -18,9 +22,11 @@ completion's assistant tokens only. Three strings are plain text, as in TRL and 
 prompt: the prompt's tokens, then the completion's and EOS, no chat template (an SFT prompt/response row follows
 verl's SFT data instead: its string prompt is a user turn).
 
-Bad rows (a missing column, an empty reply, chosen equal to rejected, a template that is not prefix-consistent or
-leaves no assistant token, a row longer than `max_length` when truncation is "error") are counted; `skip_bad_rows` drops them with a warning,
-otherwise the first is an error naming the file and row.
+Bad rows (an unparsable JSON line, a missing column, an unknown role, an empty reply, chosen equal to rejected, a
+template that is not prefix-consistent or leaves no assistant token, a row longer than `max_length` when truncation
+is "error") are counted; `skip_bad_rows` drops them with a warning, otherwise the first is an error naming the file
+and row. A file none of whose rows has the columns the trainer reads is an error naming them and the file's keys
+(skip_bad_rows would drop every row).
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from shardrl.data.prompts import read_rows
+from jinja2 import TemplateError
+
+from shardrl.data.messages import check_messages, is_empty_reply
+from shardrl.data.prompts import SET_TEMPLATE, UnreadableRow, check_columns, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +57,37 @@ class ChatDataset:
         return self.items[i]
 
 
+class MissingTemplate(ValueError):
+    """Chat rows and a tokenizer without a chat template: a setting to fix, not a row to drop."""
+
+
+def require_template(tokenizer) -> None:
+    """A `MissingTemplate` unless the tokenizer has a chat template: without one a chat trains as bare text, its
+    contents run together with no roles and no end of turn (TRL refuses it too)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise MissingTemplate("the row is chat messages but the tokenizer has no chat template, so it would train "
+                              f"as bare text without roles or an end of turn; {SET_TEMPLATE}")
+
+
 def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
-    if getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None):
+        # a prompt/response row of plain text (chat rows were refused by `require_template`)
+        return "".join(m["content"] for m in messages)
+    try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    # no template: the plain concatenation of the contents (a prompt/response row of plain text)
-    return "".join(m["content"] for m in messages)
+    except TemplateError as e:  # the template's own raise_exception (e.g. roles out of order), or a bad message
+        raise ValueError(f"the chat template fails on this chat: {e}") from None
 
 
-def tokenize_chat(tokenizer, messages: list[dict], train_from: int = 0) -> tuple[list[int], list[int]]:
+def tokenize_chat(tokenizer, messages: list[dict], train_from: int = 0,
+                  names: list[str] | None = None) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of a chat: 1 on each assistant turn's reply and end-of-turn from message
-    `train_from` on (a preference pair's completion follows a prompt that may hold assistant turns), 0 elsewhere."""
+    `train_from` on (an SFT row's response, or a preference pair's completion, follows a prompt that may hold
+    assistant turns), 0 elsewhere. `names[i]` is message i as an error names it (default "message i")."""
+    names = names or [f"message {i}" for i in range(len(messages))]
     ids, mask, text = [], [], ""
     if not any(m.get("role") == "assistant" for m in messages[train_from:]):
-        raise ValueError("the chat has no assistant turn to train on")
+        raise ValueError(f"no assistant message to train on (roles: {[m.get('role') for m in messages]})")
     for i, message in enumerate(messages):
         if message.get("role") == "assistant" and i >= train_from:
             context = _render(tokenizer, messages[:i], generation_prompt=True) if i else ""
@@ -69,12 +96,12 @@ def tokenize_chat(tokenizer, messages: list[dict], train_from: int = 0) -> tuple
             pieces = [(_render(tokenizer, messages[: i + 1], generation_prompt=False), 0)]
         for rendered, target in pieces:
             if not rendered.startswith(text):
-                raise ValueError("the chat template renders an earlier part of the chat differently once later turns "
-                                 "follow, so the assistant's tokens cannot be told apart; use a prefix-consistent "
-                                 "template")
+                raise ValueError(f"{names[i]}: the chat template renders an earlier part of the chat differently "
+                                 "once this message follows, so the assistant's tokens cannot be told apart; use a "
+                                 "prefix-consistent template")
             piece = rendered[len(text):]
             if target and not piece.strip():
-                raise ValueError(f"assistant turn {i + 1} is empty")
+                raise ValueError(f"{names[i]}: the assistant's turn renders empty")
             new = tokenizer.encode(piece, add_special_tokens=False) if piece else []
             ids += new
             mask += [target] * len(new)
@@ -84,26 +111,39 @@ def tokenize_chat(tokenizer, messages: list[dict], train_from: int = 0) -> tuple
     return ids, mask
 
 
-def row_messages(row, messages_key: str, prompt_key: str, response_key: str) -> list[dict]:
-    """A row as a chat (see the module docstring), or a ValueError saying which column is wrong."""
+def _replies(messages: list[dict], names: list[str]) -> list[dict]:
+    """`messages` whose assistant turns are trained on: an empty one is an error naming it."""
+    for message, name in zip(messages, names):
+        if message["role"] == "assistant" and is_empty_reply(message):
+            raise ValueError(f"{name}: the assistant's reply is empty (no content and no tool_calls)")
+    return messages
+
+
+def row_messages(row, messages_key: str, prompt_key: str, response_key: str
+                 ) -> tuple[list[dict], int, list[str]]:
+    """A row as (chat, the index of its first trained message, each message's name for errors) (see the module
+    docstring), or a ValueError saying which column or message is wrong."""
     if not isinstance(row, dict):
         raise ValueError(f"a row must be an object, got {type(row).__name__}")
     if messages_key in row:
-        messages = row[messages_key]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and isinstance(
-                m.get("content"), str) for m in messages):
-            raise ValueError(f"'{messages_key}' must be a list of {{'role', 'content'}} messages")
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
+        messages = check_messages(row[messages_key], messages_key)
+        names = [f"{messages_key}[{i}]" for i in range(len(messages))]
+        return _replies(messages, names), 0, names
     missing = [k for k in (prompt_key, response_key) if k not in row]
     if missing:
         raise ValueError(f"the row has neither '{messages_key}' nor {missing}; its columns: {sorted(row)}")
     prompt, response = row[prompt_key], row[response_key]
     if not isinstance(response, str) or not response.strip():
         raise ValueError(f"'{response_key}' must be a non-empty string")
-    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if not isinstance(prompt, list):
+    if isinstance(prompt, str):
+        prompt, names = [{"role": "user", "content": prompt}], [prompt_key]
+    elif isinstance(prompt, list):
+        prompt = check_messages(prompt, prompt_key)
+        names = [f"{prompt_key}[{i}]" for i in range(len(prompt))]
+    else:
         raise ValueError(f"'{prompt_key}' must be a string or a list of messages")
-    return [*prompt, {"role": "assistant", "content": response}]
+    # the response alone is trained on (as TRL trains a completion): the prompt's assistant turns are context
+    return [*prompt, {"role": "assistant", "content": response}], len(prompt), [*names, response_key]
 
 
 def _as_messages(value, key: str, role: str = "user") -> list[dict]:
@@ -112,10 +152,9 @@ def _as_messages(value, key: str, role: str = "user") -> list[dict]:
         if not value.strip():
             raise ValueError(f"'{key}' is empty")
         return [{"role": role, "content": value}]
-    if not isinstance(value, list) or not value or not all(
-            isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in value):
+    if not isinstance(value, list):
         raise ValueError(f"'{key}' must be a string or a non-empty list of {{'role', 'content'}} messages")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return check_messages(value, key)
 
 
 def pair_messages(row, prompt_key: str, chosen_key: str, rejected_key: str) -> tuple[list[dict], list[dict], list[dict]]:
@@ -145,11 +184,25 @@ def _tokenize_pair(tokenizer, row, keys) -> dict:
     prompt_key, chosen_key, rejected_key = keys
     if all(isinstance(row.get(k), str) for k in keys):  # plain text, as TRL and shardrl's RL prompts take it
         return _plain_pair(tokenizer, row[prompt_key], row[chosen_key], row[rejected_key])
+    if any(isinstance(row.get(k), list) for k in keys):  # (two strings without a prompt may be plain text)
+        require_template(tokenizer)
     out = {}
-    for name, completion in (("chosen", chosen), ("rejected", rejected)):
-        ids, mask = tokenize_chat(tokenizer, prompt + completion, train_from=len(prompt))
+    for name, key, completion in (("chosen", chosen_key, chosen), ("rejected", rejected_key, rejected)):
+        # a completion's messages are named by their place in the column (its first ones may be the prompt)
+        first = len(row[key]) - len(completion) if isinstance(row[key], list) else None
+        names = _prompt_names(row, prompt_key, chosen_key, len(prompt)) + [
+            key if first is None else f"{key}[{first + j}]" for j in range(len(completion))]
+        _replies(completion, names[len(prompt):])
+        ids, mask = tokenize_chat(tokenizer, prompt + completion, train_from=len(prompt), names=names)
         out[f"{name}_ids"], out[f"{name}_mask"] = _end_at_eos(tokenizer, ids, mask)
     return out
+
+
+def _prompt_names(row: dict, prompt_key: str, chosen_key: str, n: int) -> list[str]:
+    """A pair's n prompt messages as errors name them: the prompt column's, or the leading ones of chosen."""
+    if prompt_key not in row:
+        return [f"{chosen_key}[{i}]" for i in range(n)]
+    return [f"{prompt_key}[{i}]" for i in range(n)] if isinstance(row[prompt_key], list) else [prompt_key] * n
 
 
 def _plain_pair(tokenizer, prompt: str, chosen: str, rejected: str) -> dict:
@@ -177,10 +230,25 @@ def _end_at_eos(tokenizer, ids: list[int], mask: list[int]) -> tuple[list[int], 
 
 
 def _tokenize_sft(tokenizer, row, keys) -> dict:
-    ids, mask = tokenize_chat(tokenizer, row_messages(row, *keys))
+    messages, train_from, names = row_messages(row, *keys)
+    messages_key, prompt_key, _ = keys
+    if messages_key in row or not isinstance(row[prompt_key], str):  # (a string prompt may be plain text)
+        require_template(tokenizer)
+    ids, mask = tokenize_chat(tokenizer, messages, train_from, names)
     return {"input_ids": ids, "loss_mask": mask}
 
 
+# what a file of each kind must hold in some row (`check_columns`): (usable(row), the columns, their reader)
+COLUMNS = {
+    "sft": lambda messages, prompt, response: (
+        lambda row: messages in row or (prompt in row and response in row),
+        f"{messages!r} (data.messages_key), or {prompt!r} and {response!r} (data.prompt_key, data.response_key)",
+        "shardrl sft"),
+    "pairs": lambda prompt, chosen, rejected: (
+        lambda row: chosen in row and rejected in row,
+        f"{chosen!r} and {rejected!r} (data.chosen_key, data.rejected_key), {prompt!r} (data.prompt_key) optional",
+        "shardrl dpo and shardrl rm"),
+}
 SEQUENCES = {"sft": (("input_ids", "loss_mask"),), "pairs": (("chosen_ids", "chosen_mask"), ("rejected_ids", "rejected_mask"))}
 
 
@@ -206,10 +274,16 @@ def _load(files, tokenizer, tokenize_row, keys, kind: str, max_length: int, trun
           skip_bad_rows: bool) -> ChatDataset:
     items, stats = [], {"rows": 0, "bad": 0, "too_long": 0, "truncated": 0, "loss_tokens": 0}
     for path in files:
-        for number, row in read_rows(path):
+        rows = read_rows(path, keep_bad_lines=True)
+        check_columns(path, rows, *COLUMNS[kind](*keys))
+        for number, row in rows:
             stats["rows"] += 1
             try:
+                if isinstance(row, UnreadableRow):
+                    raise ValueError(row.problem)
                 item = tokenize_row(tokenizer, row, keys)
+            except MissingTemplate as e:  # the tokenizer's, not the row's: no row of the file would do
+                raise ValueError(f"{path}: row {number}: {e}") from None
             except ValueError as e:
                 stats["bad"] += 1
                 if not skip_bad_rows:

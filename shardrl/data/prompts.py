@@ -1,8 +1,9 @@
 """Prompt datasets: load JSONL/Parquet prompt files, tokenize once, and serve dp-sharded batches.
 
 A row holds the prompt under `prompt_key` (a string, or a list of chat messages rendered with the
-tokenizer's chat template), an optional `data_source` (picks the reward function) and any other fields,
-which travel along as the row's `extra` (e.g. `ground_truth`). verl-style rows that keep the answer in
+tokenizer's chat template and checked by `data.messages`: roles system, user, assistant, tool), an optional
+`data_source` (picks the reward function) and any other fields, which travel along as the row's `extra` (e.g.
+`ground_truth`). verl-style rows that keep the answer in
 `reward_model: {ground_truth: ...}` get `extra["ground_truth"]` too. A reward function's `extra_info` is
 the row's own `extra_info` field with the rest of `extra` merged in (`shardrl.rewards.manager.reward_extra_info`).
 
@@ -18,9 +19,13 @@ from typing import NamedTuple
 
 import torch
 
+from shardrl.data.messages import check_messages
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")
+SET_TEMPLATE = ("set model.chat_template to the model's Jinja chat template (the text, or a file holding it), or "
+                "use a tokenizer folder that has one")
 TRUNCATION_MODES = ("drop", "error", "left", "right")
 
 
@@ -47,8 +52,16 @@ def _one_object(text: str) -> bool:
         return False
 
 
-def read_rows(path: str) -> list[tuple[int, object]]:
-    """(1-based row number, row) pairs of one file; rows are whatever the file holds (checked later)."""
+class UnreadableRow(NamedTuple):
+    """A JSON line that does not parse, in place of its row (`read_rows(keep_bad_lines=True)`): a bad row that
+    data.skip_bad_rows drops and counts like any other."""
+
+    problem: str
+
+
+def read_rows(path: str, keep_bad_lines: bool = False) -> list[tuple[int, object]]:
+    """(1-based row number, row) pairs of one file; rows are whatever the file holds (checked later). A JSONL
+    line that does not parse is an error, or with `keep_bad_lines` an `UnreadableRow` for the caller to count."""
     if os.path.isdir(path):
         raise ValueError(f"{path!r} is a folder, not a data file: list its files (data.train_files=[a.parquet, "
                          f"b.parquet]) or name one")
@@ -84,7 +97,10 @@ def read_rows(path: str) -> list[tuple[int, object]]:
                     raise ValueError(f"{path}: holds one JSON object, not rows: a .json data file is one array "
                                      "of row objects ([{...}, {...}]), or use JSON lines (.jsonl, one row object a "
                                      "line)") from None
-                raise ValueError(f"{path}: row {line_number} is not valid JSON: {e}") from e
+                problem = f"not valid JSON ({e.msg} at column {e.colno})"
+                if not keep_bad_lines:
+                    raise ValueError(f"{path}: row {line_number}: {problem}") from None
+                rows.append((line_number, UnreadableRow(problem)))
         return rows
     raise ValueError(
         f"unsupported data file type {ext or '(no extension)'!r} for {path!r}; "
@@ -99,6 +115,8 @@ def _short_repr(value, limit: int = 80) -> str:
 
 def _check_row(row, prompt_key: str) -> str | None:
     """None if the row is usable, else what is wrong with it (for the error message)."""
+    if isinstance(row, UnreadableRow):
+        return row.problem
     if not isinstance(row, dict):
         return f"expected a JSON object, found {type(row).__name__} {_short_repr(row)}"
     if prompt_key not in row:
@@ -106,15 +124,37 @@ def _check_row(row, prompt_key: str) -> str | None:
     prompt = row[prompt_key]
     if isinstance(prompt, str):
         return None if prompt.strip() else f"the {prompt_key!r} string is empty; a prompt needs text"
-    if isinstance(prompt, list) and prompt and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in prompt
-    ):
+    if isinstance(prompt, list):
+        try:
+            check_messages(prompt, prompt_key)
+        except ValueError as e:
+            return str(e)
         return None
     return (
         f"{prompt_key!r} must be a string or a non-empty list of {{'role': str, 'content': str}} messages, "
         f"found {type(prompt).__name__} {_short_repr(prompt)}; available keys: {sorted(row)}"
     )
+
+
+# (keys a row holds, what a file of such rows is, the command that reads it), the first that fits
+FILE_KINDS = ((("chosen", "rejected"), "a preference file (prompt/chosen/rejected)", "shardrl dpo and shardrl rm"),
+              (("messages",), "an SFT file (messages)", "shardrl sft"),
+              (("prompt", "response"), "an SFT file (prompt/response)", "shardrl sft"),
+              (("prompt",), "an RL prompt file (prompt)", "shardrl train"))
+
+
+def check_columns(path: str, rows: list, usable, wanted: str, reader: str) -> None:
+    """A ValueError when no row of the file holds the columns its trainer reads (`usable(row)` false for every
+    row): what `reader` (e.g. "shardrl dpo") reads (`wanted`), the keys the rows have, and which command reads
+    such a file. Said once for the file, where data.skip_bad_rows would drop every row."""
+    objects = [row for _, row in rows if isinstance(row, dict)]
+    if not objects or any(usable(row) for row in objects):
+        return
+    keys = set().union(*objects)
+    kind = next(((what, by) for needed, what, by in FILE_KINDS if set(needed) <= keys), None)
+    looks = f"; this looks like {kind[0]}, a file for {kind[1]}" if kind and reader not in kind[1] else ""
+    raise ValueError(f"{path}: no row has the columns for {reader}: {wanted}; the rows' keys: "
+                     f"{sorted(map(str, keys))[:30]}{looks}")
 
 
 def _extra_fields(row: dict, prompt_key: str) -> dict:
@@ -202,7 +242,10 @@ def _render_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_len
     max_chars = 2 * max_prompt_length * _max_token_chars(tokenizer)
     prompts = []
     for path in files:
-        for row_number, row in read_rows(path):
+        rows = read_rows(path, keep_bad_lines=True)
+        check_columns(path, rows, lambda row: prompt_key in row, f"the prompt under {prompt_key!r} "
+                      "(data.prompt_key: set it to the key that holds the prompts)", "shardrl train")
+        for row_number, row in rows:
             stats["num_rows_read"] += 1
             problem = _check_row(row, prompt_key)
             if problem is not None:
@@ -216,7 +259,7 @@ def _render_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_len
                 if not has_chat_template:
                     raise ValueError(
                         f"{path}: row {row_number}: the prompt is a list of chat messages but the tokenizer "
-                        "has no chat template; give plain-string prompts or a tokenizer with a chat_template"
+                        f"has no chat template; {SET_TEMPLATE}, or give plain-string prompts"
                     )
                 prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
                                                        **({"tools": tools} if tools else {}))

@@ -1,10 +1,11 @@
 """Supervised fine-tuning: `shardrl sft CONFIG [key=value ...]`, a loop of `trainer.offline`.
 
 The loss is the token mean of -log p over the assistant's tokens of the whole global batch (`data.chat`: every
-assistant turn of a chat, tool and user turns masked), so the step equals a plain HF loop's `labels=` loss however
-the batch is cut into micro-batches or spread over ranks. Micro-batches are dynamic by default (packed up to
-engine.max_token_len_per_gpu tokens). Left out: loss weights per turn, and packing several conversations into one
-row (the engine packs a micro-batch's rows without padding, which is what packing buys).
+assistant turn of a `messages` chat, tool and user turns masked; a prompt/response row's response only), so the
+step equals a plain HF loop's `labels=` loss however the batch is cut into micro-batches or spread over ranks.
+Micro-batches are dynamic by default (packed up to engine.max_token_len_per_gpu tokens). Left out: loss weights per
+turn, and packing several conversations into one row (the engine packs a micro-batch's rows without padding, which
+is what packing buys).
 """
 
 from __future__ import annotations

@@ -282,8 +282,7 @@ VERL_KEYS: dict[str, Rule] = {
                                                                "yet"),
     "actor_rollout_ref.model.external_lib": only((None,), "shardrl imports no extra model library; register the "
                                                           "model with transformers' Auto classes instead"),
-    "actor_rollout_ref.model.custom_chat_template": only((None,), "not supported; put the template in the "
-                                                                  "tokenizer's folder"),
+    "actor_rollout_ref.model.custom_chat_template": same("model.chat_template"),
     "actor_rollout_ref.model.use_liger": dropped(KERNEL),
     "actor_rollout_ref.model.use_fused_kernels": dropped(KERNEL),
     "actor_rollout_ref.model.use_shm": dropped(RAY),
