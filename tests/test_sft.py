@@ -142,7 +142,8 @@ def test_an_assistant_turn_of_tool_calls_is_trained_on(tmp_path):
     tool_tok.chat_template = TOOL_TEMPLATE
     call = {"type": "function", "function": {"name": "add", "arguments": "1,1"}}
     chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "content": "2", "tool_call_id": "c1"}, {"role": "assistant", "content": "2"}]
+            {"role": "tool", "content": "2", "tool_call_id": "c1"},
+            {"role": "assistant", "content": "2", "tool_calls": []}]  # (an empty list, as some exports write: no calls)
     bad = [{"messages": [chat[0], {"role": "assistant", "content": None}]},
            {"messages": [chat[0], {"role": "user", "content": None, "tool_calls": [call]}]},
            {"messages": [chat[0], {"role": "assistant", "content": " "}]}]

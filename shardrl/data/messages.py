@@ -36,6 +36,8 @@ def check_message(message, where: str) -> dict:
                          f"{_short(message)}")
     role, content, calls = message.get("role"), message.get("content"), message.get("tool_calls")
     check_role(role, where)
+    if calls == []:  # some exports write an empty list on every message: no calls
+        message, calls = {k: v for k, v in message.items() if k != "tool_calls"}, None
     if calls is not None:
         if role != "assistant":
             raise ValueError(f"{where}: only an assistant message calls tools; this one's role is {role!r}")
