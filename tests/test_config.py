@@ -369,6 +369,18 @@ def test_validation_without_files_and_a_token_budget_without_dynamic_batches_are
     assert load_config(None, ["engine.max_token_len_per_gpu=5"], cls=DPOConfig).ignored_settings() == []
 
 
+def test_a_reference_model_with_a_reference_free_loss_is_named():
+    from shardrl.config.schema import DPOConfig
+
+    lines = load_config(None, ["dpo.loss_type=simpo", "dpo.ref_model_path=/models/ref"], cls=DPOConfig
+                        ).ignored_settings()
+    assert lines == ["dpo.ref_model_path='/models/ref' is never read: dpo.loss_type=simpo is reference-free (no "
+                     "reference model is loaded); drop it, or set dpo.loss_type=sigmoid or ipo to train against it"]
+    assert load_config(None, ["dpo.loss_type=ipo", "dpo.ref_model_path=/models/ref"], cls=DPOConfig
+                       ).ignored_settings() == []
+    assert load_config(None, ["dpo.loss_type=simpo"], cls=DPOConfig).ignored_settings() == []
+
+
 def test_messages_that_used_to_mislead(tmp_path, capsys, caplog):
     """Issue 31's list: each bad input gets a line that says what is wrong."""
     from shardrl.cli import main
@@ -515,6 +527,7 @@ def test_the_config_s_algorithm_names_are_the_registries():
         assert (needs.needs_critic, needs.group_baseline) == (estimator.needs_critic, estimator.group_baseline), name
     assert list(names.LOSS_MODES) == list(LOSS_MODES)
     assert list(names.PREFERENCE_LOSSES) == list(PREFERENCE_LOSSES)
+    assert [n for n, loss in PREFERENCE_LOSSES.items() if not loss.uses_ref] == list(names.REFERENCE_FREE_LOSSES)
 
 
 def test_the_fast_backends_keys_moved_under_rollout_fast_and_the_old_ones_still_work(tmp_path, caplog):

@@ -31,3 +31,7 @@ LOSS_MODES = ("vanilla", "gspo", "gspo_token")
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
 """`dpo.loss_type`'s choices (`shardrl.algos.preference.PREFERENCE_LOSSES`)."""
+
+REFERENCE_FREE_LOSSES = ("simpo",)
+"""The preference losses that read no reference policy (`PreferenceLoss.uses_ref` is false): dpo.ref_model_path is
+unused with them."""

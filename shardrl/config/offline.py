@@ -10,7 +10,7 @@ from shardrl.config.checks import check_reward_model_trainer
 from shardrl.config.command import OfflineCommandConfig, TrainerConfig
 from shardrl.config.engine import EngineConfig, ModelConfig, OptimConfig
 from shardrl.config.load import require
-from shardrl.config.names import PREFERENCE_LOSSES
+from shardrl.config.names import PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES
 
 PreferenceLossName = Literal[tuple(PREFERENCE_LOSSES)]
 
@@ -116,6 +116,16 @@ class DPOConfig(OfflineCommandConfig):
     """The loss."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run length (optimizer steps), checkpoints, logging, launch."""
+
+    def ignored_settings(self) -> list[str]:
+        lines = super().ignored_settings()
+        s = self.dpo
+        if s.ref_model_path and s.loss_type in REFERENCE_FREE_LOSSES:
+            lines.append(f"dpo.ref_model_path={s.ref_model_path!r} is never read: dpo.loss_type={s.loss_type} is "
+                         "reference-free (no reference model is loaded); drop it, or set dpo.loss_type="
+                         f"{' or '.join(n for n in PREFERENCE_LOSSES if n not in REFERENCE_FREE_LOSSES)} to train "
+                         "against it")
+        return lines
 
 
 @dataclass
