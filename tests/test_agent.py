@@ -119,18 +119,71 @@ def test_trajectories_are_token_exact_and_rewards_the_agents(setup, backend):
         assert not rollout.rollout._pool.pins  # each episode's blocks were kept between its calls, then let go
 
 
-def test_failed_episodes_are_counted_and_scored_and_all_failing_stops(setup):
-    tok, _, _ = setup
+def test_failed_episodes_are_counted_scored_and_placed_and_all_failing_stops(setup, caplog):
+    """Each failure is logged with its place in the agent's file (where it raised; where it waited when it timed
+    out; the function for a bad return); a step whose every episode failed is a ValueError (one `error:` line, exit
+    status 2) quoting the first, from the scorer."""
+    from shardrl.rewards.manager import RewardManager
+    from shardrl.trainer.scoring import Scorer
+
+    tok, _, agent_file = setup
     rollout = agent_rollout(setup, timeout_s=2.0, failure_reward=-1.0)
     try:
-        out = run_episodes(rollout, tok, ["a", "b", "c", "d"], ["ok", "raise", "slow", "bad"], n=1)
+        with caplog.at_level("WARNING", logger="shardrl.rollout.episodes.agent"):
+            out = run_episodes(rollout, tok, ["a", "b", "c", "d"], ["ok", "raise", "slow", "bad"], n=1)
         batch = out.to_batch()
         assert batch["agent_errors"].tolist() == [0, 1, 0, 1]
         assert batch["agent_timeouts"].tolist() == [0, 0, 1, 0]
         assert batch["interaction_score"][1:] == [-1.0, -1.0, -1.0]
         assert batch["interaction_score"][0] in (0.0, 1.0, 2.0)
-        with pytest.raises(RuntimeError, match="every agent episode of this step failed.*the tool broke"):
-            run_episodes(rollout, tok, ["a", "b"], ["raise", "raise"], n=1)
+        lines = AGENT.splitlines()  # (line 1 is the empty first line of the string)
+        raised = lines.index('        raise RuntimeError("the tool broke")')
+        waited = lines.index("        await asyncio.sleep(30)")
+        defined = lines.index("async def run(sample, client):")
+        assert batch["agent_error"] == [
+            None, f"{agent_file}:{raised + 1}: RuntimeError: the tool broke",
+            f"{agent_file}:{waited + 1}: timed out after 2 s (rollout.agent.timeout_s)",
+            f"{agent_file}:{defined + 1}: the agent returned str, not a number or None"]
+        assert [r.getMessage() for r in caplog.records] == [f"agent episode failed at {e}"
+                                                            for e in batch["agent_error"][1:]]
+        assert "agent_calls" in batch and "num_tool_calls" not in batch and "num_turns" not in batch
+        scorer = Scorer(RewardManager(), multi_turn=True)
+        scores, metrics = scorer.score(batch)
+        assert scores.tolist()[1:] == [-1.0, -1.0, -1.0]
+        assert not any(k.startswith("multi_turn/") for k in metrics)  # (an agent calls no tools of ours)
+        assert metrics["agent/errors_mean"] == 0.5 and metrics["agent/timeouts_mean"] == 0.25
+        failed = run_episodes(rollout, tok, ["a", "b"], ["raise", "raise"], n=1).to_batch()
+        with pytest.raises(ValueError, match=r"^every agent episode of this step failed \(2 of them\), so there is "
+                           rf"nothing to learn from; the first at {agent_file}:{raised + 1}: RuntimeError: the tool "
+                           r"broke\. Fix the agent"):
+            scorer.score(failed)
+    finally:
+        rollout.server.stop()
+
+
+def test_a_none_among_numbers_is_a_failed_episode(setup, tmp_path):
+    """An agent that returns None for one episode and numbers for the others: that episode fails (scored
+    failure_reward, counted, placed at the agent's function), the step goes on; None from every episode leaves the
+    scores to the reward function (fixed only for failures)."""
+    tok, model, _ = setup
+    agent = tmp_path / "maybe.py"
+    agent.write_text(textwrap.dedent('''
+        async def run(sample, client):
+            await client.completions.create(model="policy", prompt=sample["prompt"], max_tokens=2)
+            return None if sample["extra"]["kind"] == "none" else 0.5
+    '''))
+    inner = build_rollout("hf", model.config, tok, "cpu", torch.float32)
+    inner.load_weights(model.named_parameters())
+    rollout = AgentRollout(inner, tok, f"{agent}:run", context=512, failure_reward=-1.0)
+    try:
+        batch = run_episodes(rollout, tok, ["a", "b", "c"], ["ok", "none", "ok"], n=1).to_batch()
+        assert batch["interaction_score"] == [0.5, -1.0, 0.5]
+        assert batch["agent_errors"].tolist() == [0, 1, 0]
+        assert batch["agent_error"][1] == (f"{agent}:2: the agent returned None where other episodes of this step "
+                                           "returned numbers; return a number from every episode (or None from "
+                                           "every one: the reward function then scores them)")
+        batch = run_episodes(rollout, tok, ["a", "b"], ["none", "none"], n=1).to_batch()
+        assert "interaction_score" not in batch and batch["agent_errors"].tolist() == [0, 0]
     finally:
         rollout.server.stop()
 
@@ -183,7 +236,8 @@ def test_a_run_with_a_bad_entrypoint_stops_before_building_models(tmp_path, monk
 
 
 def test_an_rl_run_trains_on_agent_episodes(tmp_path, monkeypatch):
-    """The demo's task through an agent that asks once by completions and scores the reply itself."""
+    """The demo's task through an agent that asks once by completions and scores the reply itself; training and
+    validation log what an agent run counts (agent/*, val/agent/*), and no tool counts (it calls no tools of ours)."""
     from shardrl.launch.overrides import resolve_overrides
     from shardrl.launch.rank import run
 
@@ -193,13 +247,41 @@ def test_an_rl_run_trains_on_agent_episodes(tmp_path, monkeypatch):
             reply = await client.completions.create(model="policy", prompt=sample["prompt"], max_tokens=4)
             return float(reply.choices[0].text.strip()[:1] == str(sample["extra"]["ground_truth"]))
     '''))
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"prompt": f"{a}+1=", "data_source": "arith", "ground_truth": str(a + 1)})
+                           + "\n" for a in range(3)))
     monkeypatch.chdir(tmp_path)
-    run_dir = run(None, resolve_overrides(None, ["trainer.logger=[jsonl]", "trainer.total_steps=3",
-                                                 "trainer.val_freq=0", f"rollout.agent.entrypoint={agent}:run"]))
+    overrides = resolve_overrides(None, ["trainer.logger=[jsonl]", "trainer.total_steps=3", "trainer.val_freq=0",
+                                         "trainer.val_before_train=true", f"rollout.agent.entrypoint={agent}:run"])
+    run_dir = run(None, overrides + [f"data.val_files=[{val}]"])  # (after the demo's)
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert len(records) == 3
-    assert all(r["agent/calls_mean"] == 1.0 and r["agent/errors_mean"] == 0.0 for r in records)
-    assert all("reward/mean" in r and "actor/pg_loss" in r for r in records)
+    assert len(records) == 4 and records[0]["step"] == 0
+    assert {k: v for k, v in records[0].items() if k.startswith("val/agent/")} == {
+        "val/agent/errors_mean": 0.0, "val/agent/timeouts_mean": 0.0, "val/agent/prefix_breaks_mean": 0.0,
+        "val/agent/calls_mean": 1.0}
+    assert all(r["agent/calls_mean"] == 1.0 and r["agent/errors_mean"] == 0.0 for r in records[1:])
+    assert all("reward/mean" in r and "actor/pg_loss" in r for r in records[1:])
+    assert not [k for r in records for k in r if "multi_turn/" in k]
+
+
+def test_an_agent_run_whose_every_episode_fails_is_one_error_line(tmp_path, monkeypatch, capsys):
+    """`shardrl train` with an agent that always raises: one `error:` line naming the first episode's error and its
+    place in the agent's file, exit status 2 (no traceback)."""
+    from shardrl.cli import main
+
+    agent = tmp_path / "agent.py"
+    agent.write_text("async def run(sample, client):\n    x = {}\n    return x['score']\n")
+    monkeypatch.chdir(tmp_path)
+    status = main(["train", "trainer.logger=[jsonl]", "trainer.total_steps=2", "trainer.val_freq=0",
+                   "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=4",
+                   f"rollout.agent.entrypoint={agent}:run"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: every agent episode of this step failed (8 of them), so there is nothing to learn from; the first "
+        f"at {agent}:3: KeyError: 'score'. Fix the agent (rollout.agent.entrypoint; an episode that fails scores "
+        "rollout.agent.failure_reward only while others succeed)"]
 
 
 def test_the_calculator_agent_example_runs_its_tool_loop():
@@ -390,6 +472,9 @@ def test_a_blocking_call_in_a_thread_does_not_hold_the_step_past_its_timeout(set
     """An episode whose asyncio.to_thread call outlives the episode's timeout: the episode times out, the step ends
     then (not when the thread's call returns), and the thread is left to finish on its own; a step whose every
     episode times out says the timeout."""
+    from shardrl.rewards.manager import RewardManager
+    from shardrl.trainer.scoring import Scorer
+
     tok, model, _ = setup
     agent = tmp_path / "blocking.py"
     agent.write_text(textwrap.dedent('''
@@ -408,8 +493,10 @@ def test_a_blocking_call_in_a_thread_does_not_hold_the_step_past_its_timeout(set
         start = time.monotonic()
         out = run_episodes(rollout, tok, ["a", "b"], ["hang", "ok"], n=1)
         took = time.monotonic() - start
-        with pytest.raises(RuntimeError, match=r"every agent episode.*timed out \(rollout.agent.timeout_s=1.5 s\)"):
-            run_episodes(rollout, tok, ["a"], ["hang"], n=1)
+        hung = run_episodes(rollout, tok, ["a"], ["hang"], n=1).to_batch()
+        with pytest.raises(ValueError, match=r"every agent episode.*the first at .*blocking.py:7: timed out after "
+                           r"1.5 s \(rollout.agent.timeout_s\)"):  # (where it waited: the thread's call)
+            Scorer(RewardManager(), multi_turn=True).score(hung)
     finally:
         rollout.server.stop()
     assert took < 10, took  # (20 s: the step waited for the thread)

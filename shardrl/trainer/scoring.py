@@ -2,7 +2,8 @@
 
 A batch's scores come from the reward model (`reward.model_path`), or a multi-turn interaction's own final
 rewards, or the reward function (a user file, or the built-in of each row's data_source); then DAPO's overlong
-shaping. Whether every sample failed is decided on the global count, so every rank stops together.
+shaping. Whether every sample failed (or every agent episode) is decided on the global count, so every rank stops
+together.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Scorer:
     def score(self, batch, shape: bool = True) -> tuple[torch.Tensor, dict]:
         """(scores (B,), this rank's reward metrics: "reward/num_errors" a count, the others means over its
         samples). `shape=False` leaves out the overlong shaping (validation reports the raw reward)."""
+        if "agent_error" in batch:
+            self.stop_if_every_episode_failed(batch["agent_error"])
         if self.multi_turn:  # the interaction's rewards, or the reward function's
             scores, metrics = score_with_interaction(batch, self._score_responses)
         else:
@@ -47,6 +50,18 @@ class Scorer:
             scores = scores - self.missing_eos_penalty * cut.to(scores.dtype)
             metrics["reward/missing_eos_frac"] = float(cut.float().mean()) if len(cut) else 0.0
         return scores, metrics
+
+    def stop_if_every_episode_failed(self, errors: list[str | None]) -> None:
+        """A `ValueError` quoting this rank's first failure when every agent episode of the step failed, on every
+        rank (nothing to learn; decided on the global count). `errors`: per row, a failed episode's error and its
+        place in the agent's file, else None."""
+        failures = [e for e in errors if e is not None]
+        counts = reduce_metrics({"failed": Sum(len(failures)), "episodes": Sum(len(errors))}, self.dp_group)
+        if counts["episodes"] > 0 and counts["failed"] == counts["episodes"]:
+            raise ValueError(f"every agent episode of this step failed ({round(counts['episodes'])} of them), so "
+                             f"there is nothing to learn from; the first at {failures[0] if failures else '?'}. "
+                             "Fix the agent (rollout.agent.entrypoint; an episode that fails scores "
+                             "rollout.agent.failure_reward only while others succeed)")
 
     def response_lengths(self, batch) -> torch.Tensor:
         """Tokens per response `(N,)` as the length limit counts them: a conversation's tool tokens too."""

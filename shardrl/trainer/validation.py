@@ -7,14 +7,16 @@ from __future__ import annotations
 import torch
 
 from shardrl.metrics import SumCount, reduce_metrics
+from shardrl.rollout.episodes.base import AGENT_COUNTS
 
 
 def validate(cfg, val_set, generate, score, dp_rank: int, dp_size: int, dp_group=None, multi_turn: bool = False,
              keep: int = 0) -> tuple[dict[str, float], list[dict]]:
     """The mean reward over all validation responses (all ranks), per data source too, and for multi-turn rollouts
     the shares of conversations that called a tool and that called tools without an error, and the mean tool
-    calls; and this rank's first `keep` samples (prompt, response, reward, ground truth). `generate(items,
-    sampling)` -> batch and `score(batch)` -> (scores, metrics) are the run's (`Generation`, `Scorer`)."""
+    calls (agent episodes: the means of what they count, `val/agent/<name>_mean`); and this rank's first `keep`
+    samples (prompt, response, reward, ground truth). `generate(items, sampling)` -> batch and `score(batch)` ->
+    (scores, metrics) are the run's (`Generation`, `Scorer`)."""
     from shardrl.rollout import SamplingParams
 
     vk = cfg.rollout.val_kwargs
@@ -27,6 +29,7 @@ def validate(cfg, val_set, generate, score, dp_rank: int, dp_size: int, dp_group
     index += [index[0] if index else 0] * (-(-len(val_set) // dp_size) - real)
     items = [val_set[i] for i in index]
     scores, calls, errors, kept, prompt_of = [], [], [], [], []
+    agent = {key: [] for key in AGENT_COUNTS}
     # data.val_batch_size prompts per round over all ranks (ceil(that / dp) per rank); None: one round
     val_batch = cfg.data.val_batch_size
     per_round = -(-val_batch // dp_size) if val_batch else max(len(items), 1)
@@ -36,7 +39,10 @@ def validate(cfg, val_set, generate, score, dp_rank: int, dp_size: int, dp_group
         s, _ = score(batch)
         scores.append(s)
         prompt_of.append(batch["prompt_index"].cpu() + start)  # (chunk x n,) this rank's prompt of each response
-        if multi_turn:
+        if multi_turn and "agent_calls" in batch:  # agent episodes: no tool calls of ours, their own counts
+            for key, values in agent.items():
+                values.append(torch.as_tensor(batch[f"agent_{key}"]).float())
+        elif multi_turn:
             calls.append(torch.as_tensor(batch["num_tool_calls"]).float())
             errors.append(torch.as_tensor(batch["num_tool_errors"]).float())
         for row in range(len(batch)):  # real prompts only
@@ -58,6 +64,8 @@ def validate(cfg, val_set, generate, score, dp_rank: int, dp_size: int, dp_group
         metrics.update({"val/multi_turn/tool_call_rate": SumCount(float((c > 0).sum()), n),
                         "val/multi_turn/clean_call_rate": SumCount(float(((c > 0) & (e == 0)).sum()), n),
                         "val/multi_turn/num_tool_calls_mean": SumCount(float(c.sum()), n)})
+    for key, values in agent.items() if agent["calls"] else ():
+        metrics[f"val/agent/{key}_mean"] = SumCount(float(torch.cat(values)[is_real].sum()), n)
     return reduce_metrics(metrics, dp_group), kept
 
 

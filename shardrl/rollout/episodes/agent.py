@@ -22,12 +22,19 @@ context only, untrained; counted in `agent/prefix_breaks`). The trajectory after
 `rollout.agent.max_response_tokens`.
 
 Failures: an episode that raises (sys.exit included), runs past `rollout.agent.timeout_s`, returns something other
-than a finite number or None, or never calls the model is scored `rollout.agent.failure_reward` (its trajectory:
-what it sampled, or the row's prompt and an empty reply) and counted (`agent/errors_mean`, `agent/timeouts_mean`); a
-step whose every episode failed stops the run with the first error. Episodes share one event loop: one that blocks
-it (time.sleep, a synchronous HTTP client, subprocess.run) stalls them all and no timeout can fire until it returns
-(the log says so once the loop has stalled past the timeout); await async calls, or use asyncio.to_thread (a
-thread's call still running when its episode times out is left to finish: the step does not wait for it).
+than a finite number or None (or None where other episodes of the step return numbers), or never calls the model is
+scored `rollout.agent.failure_reward` (its trajectory: what it sampled, or the row's prompt and an empty reply),
+counted (`agent/errors_mean`, `agent/timeouts_mean`) and logged with its place in the agent's file (`agent.py:12`:
+where it raised, or where it was waiting when it timed out); a step whose every episode failed stops the run with
+the first error (a `ValueError`: one `error:` line; the trainer's scorer decides it on every rank's count).
+
+Episodes share one event loop: one that blocks it (time.sleep, a synchronous HTTP client, subprocess.run) stalls
+them all and no timeout can fire until it returns (the log says so once the loop has stalled past the timeout);
+await async calls, or use asyncio.to_thread (a thread's call still running when its episode times out is left to
+finish: the step does not wait for it).
+
+The endpoint samples without a seed: concurrent episodes' calls share batches whose makeup depends on timing, and
+a seeded call is generated alone (`serving.batcher`), so an agent run is not reproducible from rollout.seed.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import math
 import numbers
 import threading
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -100,6 +108,17 @@ def episode_reward(result) -> tuple[float | None, str | None]:
     if not math.isfinite(reward):
         return None, f"the agent returned {reward}: a reward must be finite"
     return reward, None
+
+
+def agent_place(fn, exc: BaseException | None = None) -> str:
+    """`file:line` in the agent's file (`fn`: the entrypoint): of the deepest frame there of `exc`'s traceback (where
+    the episode raised, or where it waited when its timeout cancelled it), else of the function's definition."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is None:
+        return getattr(fn, "__qualname__", repr(fn))
+    frames = traceback.extract_tb(exc.__traceback__) if exc is not None else []
+    lines = [f.lineno for f in frames if f.filename == code.co_filename]
+    return f"{code.co_filename}:{lines[-1] if lines else code.co_firstlineno}"
 
 
 class _EpisodeStop(Exception):
@@ -191,13 +210,16 @@ class AgentOutput(MultiTurnOutput):
 
     fixed_scores: list[float | None] = dataclasses.field(default_factory=list)
     counts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    errors: list[str | None] = dataclasses.field(default_factory=list)
+    """Per row: a failed episode's error and its place in the agent's file, else None."""
 
     def to_batch(self):
-        batch = super().to_batch()
+        batch = self.episode_batch()  # (no tool counts: an agent's calls are counted under agent/)
         if any(s is not None for s in self.fixed_scores):
             batch["fixed_score"] = list(self.fixed_scores)
         for key, values in self.counts.items():
             batch[f"agent_{key}"] = torch.tensor(values, dtype=torch.float32)
+        batch["agent_error"] = list(self.errors)
         return batch
 
 
@@ -208,6 +230,13 @@ class _Episode:
     reward: float | None = None
     error: str | None = None
     timed_out: bool = False
+    place: str | None = None  # where in the agent's file it failed
+
+    def failure(self) -> str | None:
+        """The error (a timeout's too) and where, or None for an episode that did not fail."""
+        if self.error is None:
+            return None
+        return f"{self.place}: {self.error}" if self.place else self.error
 
 
 class AgentRollout(EpisodeRollout):
@@ -277,16 +306,29 @@ class AgentRollout(EpisodeRollout):
             unpin(e.key)
         records = server.app.state.records
         calls = [records.pop(e.key, []) for e in episodes]
-        for e, c in zip(episodes, calls):
-            if not c and e.error is None and not e.timed_out:
-                e.error = "the episode never called the model"
-        failed = [e for e in episodes if e.error is not None or e.timed_out]
-        if failed and len(failed) == len(episodes):
-            first = next((e.error for e in failed if e.error),
-                         f"timed out (rollout.agent.timeout_s={self.timeout_s:g} s)")
-            raise RuntimeError("every agent episode of this step failed (rollout.agent.entrypoint); the first: "
-                               f"{first}")
+        self._judge(episodes, calls)
         return self._assemble(prompt_ids, attention_mask, n, episodes, calls)
+
+    def _judge(self, episodes: list[_Episode], calls: list[list[dict]]) -> None:
+        """The failures only the whole step shows (no call to the model; None where other episodes returned
+        numbers: the agent scores this step, so a None is a bad return), then each failure logged: the first
+        three, and how many more."""
+        scored = any(e.reward is not None for e in episodes)
+        for e, c in zip(episodes, calls):
+            if e.failure() is not None:
+                continue
+            if not c:
+                e.error, e.place = "the episode never called the model", agent_place(self.entrypoint)
+            elif scored and e.reward is None:
+                e.error, e.place = ("the agent returned None where other episodes of this step returned numbers; "
+                                    "return a number from every episode (or None from every one: the reward "
+                                    "function then scores them)"), agent_place(self.entrypoint)
+        failures = [e.failure() for e in episodes if e.failure() is not None]
+        for failure in failures[:3]:
+            log.warning("agent episode failed at %s", failure)
+        if len(failures) > 3:
+            log.warning("%d more agent episodes failed this step (agent/errors_mean and agent/timeouts_mean count "
+                        "them)", len(failures) - 3)
 
     async def _episode(self, sample: dict, client):
         """The agent's episode, with its sys.exit, a CancelledError and a TimeoutError of its own made episode errors
@@ -322,31 +364,25 @@ class AgentRollout(EpisodeRollout):
                 episode_client = client.with_options(default_headers={"x-shardrl-episode": e.key})
                 try:
                     result = await asyncio.wait_for(self._episode(e.sample, episode_client), self.timeout_s)
-                except asyncio.TimeoutError:
+                except asyncio.TimeoutError as exc:  # (its cause: the cancellation, raised where the agent waited)
                     e.timed_out = True
+                    e.error = f"timed out after {self.timeout_s:g} s (rollout.agent.timeout_s)"
+                    e.place = agent_place(self.entrypoint, exc.__cause__)
                     return
                 except Exception as exc:  # noqa: BLE001 (an episode's failure is scored, not raised)
-                    failed(e, str(exc) if isinstance(exc, _EpisodeStop) else f"{type(exc).__name__}: {exc}")
+                    stop = isinstance(exc, _EpisodeStop)  # (raised from the agent's own exception)
+                    e.error = str(exc) if stop else f"{type(exc).__name__}: {exc}"
+                    e.place = agent_place(self.entrypoint, (exc.__cause__ or exc.__context__) if stop else exc)
                     return
-                e.reward, error = episode_reward(result)
-                if error is not None:
-                    failed(e, error)
-
-        logged = []
-
-        def failed(e: _Episode, error: str) -> None:
-            e.error = error
-            logged.append(error)
-            if len(logged) <= 3:  # (the rest in one line after the step's episodes)
-                log.warning("agent episode failed: %s", error)
+                e.reward, e.error = episode_reward(result)
+                if e.error is not None:
+                    e.place = agent_place(self.entrypoint)
 
         try:
             with LoopWatch(asyncio.get_running_loop(), self.timeout_s):
                 await asyncio.gather(*[one(e) for e in episodes])
         finally:
             await client.close()
-        if len(logged) > 3:
-            log.warning("%d more agent episodes failed this step (agent/errors_mean counts them)", len(logged) - 3)
 
     def _assemble(self, prompt_ids, attention_mask, n: int, episodes: list[_Episode], calls: list[list[dict]]
                   ) -> MultiTurnOutput:
@@ -408,15 +444,10 @@ class AgentRollout(EpisodeRollout):
             model_mask[r, :len(m)] = torch.tensor(m, dtype=torch.long)
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(RolloutOutput)}
         fields["prompt_index"] = torch.arange(len(episodes)) // n  # the row each episode came from
-        failed = [e.error is not None or e.timed_out for e in episodes]
-        given = [e.reward for e, f in zip(episodes, failed) if not f]
-        if any(r is None for r in given) and any(r is not None for r in given):
-            raise ValueError("the agent (rollout.agent.entrypoint) returned a reward for some episodes and None for "
-                             "others; return a number for every episode, or None for every one (the reward "
-                             "function then scores them)")
-        by_agent = bool(given) and given[0] is not None
+        failed = [e.failure() is not None for e in episodes]
+        by_agent = any(e.reward is not None for e in episodes)  # (then every other one failed: `_judge`)
         scores = [self.failure_reward if f else e.reward for e, f in zip(episodes, failed)]
-        counts = {"errors": [int(e.error is not None) for e in episodes],
+        counts = {"errors": [int(e.error is not None and not e.timed_out) for e in episodes],
                   "timeouts": [int(e.timed_out) for e in episodes], "prefix_breaks": breaks,
                   "calls": [len(c) for c in calls]}
         if versioned:  # (N, R): each token's policy version, -1 on padding (as a partial rollout's token_version)
@@ -424,8 +455,6 @@ class AgentRollout(EpisodeRollout):
             for r, v in enumerate(versions):
                 fields["token_version"][r, :len(v)] = torch.tensor(v, dtype=torch.long)
         return AgentOutput(**{**fields, "response_mask": model_mask}, response_attention_mask=base.response_mask,
-                           num_turns=[len(c) for c in calls], num_tool_calls=[max(len(c) - 1, 0) for c in calls],
-                           num_tool_errors=[int(f) for f in failed],
                            interaction_scores=scores if by_agent else None,
                            fixed_scores=[] if by_agent else [self.failure_reward if f else None for f in failed],
-                           counts=counts)
+                           counts=counts, errors=[e.failure() for e in episodes])

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from shardrl.rollout.base import Rollout, check_prompts
 
+AGENT_COUNTS = ("errors", "timeouts", "prefix_breaks", "calls")
+"""What an agent run counts per episode (the batch's `agent_<name>`, logged as `agent/<name>_mean` and in validation
+`val/agent/<name>_mean`): failed episodes (raised or returned no reward), timed-out ones, rewritten histories, model
+calls."""
+
 
 class EpisodeRollout(Rollout):
     """Drives episodes on `rollout` (the backend: fast, hf, or another driver). What is not about episodes goes

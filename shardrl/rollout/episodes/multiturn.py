@@ -60,7 +60,7 @@ import torch
 
 from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, assemble_output,
                                    cut_responses)
-from shardrl.rollout.episodes.base import EpisodeRollout
+from shardrl.rollout.episodes.base import AGENT_COUNTS, EpisodeRollout
 from shardrl.tools import (BUILTIN_TOOLS, CALL_END, CALL_START, DaemonThreadPool, Tool, ToolCall, call_tool,
                            parse_tool_call, parse_tool_calls, run_tool_calls)
 from shardrl.config.userfile import import_user_file
@@ -132,14 +132,19 @@ class MultiTurnOutput(RolloutOutput):
     interaction_scores: list[float | None] | None = None  # the interaction's final rewards, if it gives them
 
     def to_batch(self):
+        batch = self.episode_batch()
+        batch["num_turns"] = torch.tensor(self.num_turns, dtype=torch.float32)  # (N,)
+        batch["num_tool_calls"] = torch.tensor(self.num_tool_calls, dtype=torch.float32)
+        batch["num_tool_errors"] = torch.tensor(self.num_tool_errors, dtype=torch.float32)
+        return batch
+
+    def episode_batch(self):
+        """The batch without the tool counts (an agent's output counts its own, `AgentOutput`)."""
         batch = super().to_batch()
         attention = self.response_attention_mask.to(self.prompt_mask.dtype)
         batch["attention_mask"] = torch.cat([self.prompt_mask, attention], dim=1)  # (N, P+R) tool tokens too
         if self.interaction_scores is not None:
             batch["interaction_score"] = list(self.interaction_scores)
-        batch["num_turns"] = torch.tensor(self.num_turns, dtype=torch.float32)  # (N,)
-        batch["num_tool_calls"] = torch.tensor(self.num_tool_calls, dtype=torch.float32)
-        batch["num_tool_errors"] = torch.tensor(self.num_tool_errors, dtype=torch.float32)
         return batch
 
 
@@ -454,9 +459,10 @@ def score_with_interaction(batch, score_fn) -> tuple[torch.Tensor, dict]:
         for i, s in enumerate(batch["fixed_score"]):
             if s is not None:
                 scores[i] = s
-    for key in ("num_turns", "num_tool_calls", "num_tool_errors"):
-        metrics[f"multi_turn/{key}_mean"] = float(batch[key].mean()) if len(batch) else 0.0
-    for key in ("errors", "timeouts", "prefix_breaks", "calls"):
+    for key in ("num_turns", "num_tool_calls", "num_tool_errors"):  # (multi-turn's; an agent's are below)
+        if key in batch:
+            metrics[f"multi_turn/{key}_mean"] = float(batch[key].mean()) if len(batch) else 0.0
+    for key in AGENT_COUNTS:
         if f"agent_{key}" in batch:
             metrics[f"agent/{key}_mean"] = float(batch[f"agent_{key}"].mean()) if len(batch) else 0.0
     return scores, metrics
