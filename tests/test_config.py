@@ -301,6 +301,31 @@ def test_a_file_of_another_command_says_which_command_reads_it(tmp_path):
     # a file of this command with a misspelt key keeps the plain message
     with pytest.raises(ConfigError, match=r"^unknown config key 'dpo\.bta'; did you mean 'dpo\.beta'\?$"):
         load_config(write_yaml(tmp_path / "typo.yaml", {"dpo": {"bta": 0.1}}), cls=DPOConfig)
+    with pytest.raises(ConfigError, match=r"^unknown config key 'data\.batch_sise'; did you mean 'data\.batch_size'"
+                                          r"\?$"):
+        load_config(write_yaml(tmp_path / "typo.yaml", {"data": {"batch_sise": 2}}), cls=DPOConfig)
+
+
+def test_a_file_whose_nested_keys_are_another_command_s_says_which_command_reads_it(tmp_path):
+    """`shardrl train dpo.yaml` of model, data and trainer only (every top-level key is train's too) said only
+    "unknown config key 'data.batch_size'; did you mean 'data.val_batch_size'?": the error now adds which commands
+    read the file whole, the one it is named after first; and the other way round (`shardrl dpo` on a train file)."""
+    from shardrl.config.schema import DPOConfig
+
+    dpo = write_yaml(tmp_path / "dpo.yaml", {"model": {"path": "m"}, "data": {"train_files": ["p.jsonl"],
+                                                                              "batch_size": 8},
+                                             "trainer": {"total_steps": 3}})
+    with pytest.raises(ConfigError) as info:
+        load_config(dpo)
+    assert str(info.value) == (
+        "unknown config key 'data.batch_size'; did you mean 'data.val_batch_size'? (the file's keys are those of a "
+        f"`shardrl dpo` (or `shardrl sft`, `shardrl rm`) config: run it with `shardrl dpo {dpo}`, or plan it with "
+        f"`shardrl plan {dpo} --trainer dpo`)")
+    rl = write_yaml(tmp_path / "rl.yaml", {"data": {"train_batch_size": 8}, "trainer": {"total_steps": 3}})
+    with pytest.raises(ConfigError, match=r"^unknown config key 'data.train_batch_size'.*\(the file's keys are those "
+                                          rf"of a `shardrl train` config: run it with `shardrl train {rl}`, or plan "
+                                          rf"it with `shardrl plan {rl}`\)$"):
+        load_config(rl, cls=DPOConfig)
 
 
 def test_a_dotted_key_in_yaml_says_that_yaml_keys_nest(tmp_path):

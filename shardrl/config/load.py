@@ -410,20 +410,20 @@ def given_keys(data: dict, prefix: str = "") -> set[str]:
 
 
 def load(cls: type[T], path: str | None = None, overrides: Iterable[str] = (),
-         file_hint: Callable[[str, dict], str | None] | None = None) -> T:
+         file_hint: Callable[[str, dict, str], str | None] | None = None) -> T:
     """Defaults of `cls`, then the YAML file at `path`, then `overrides` in order; validated.
 
     A config class with `inherit(given)` gets the set of keys the file and the overrides gave, before validation,
     to fill the others from its own values (the reference takes the actor's engine settings it does not set).
-    `file_hint(path, data)`, for a file whose keys `cls` refuses, may say what the file is instead (another
+    `file_hint(path, data, error)`, for a file `cls` refuses with `error`, may say what the file is instead (another
     command's config); its line replaces the error."""
     if isinstance(overrides, str):
         raise ConfigError(f"overrides must be a list of key=value strings, got the string {overrides!r}")
     data = read_yaml(path) if path is not None else {}
     try:
         cfg = from_dict(cls, data) if path is not None else cls()
-    except ConfigError:
-        hint = file_hint(path, data) if file_hint else None  # a `shardrl dpo` file given to `shardrl train`
+    except ConfigError as e:
+        hint = file_hint(path, data, str(e)) if file_hint else None  # a `shardrl dpo` file given to `shardrl train`
         if hint:
             raise ConfigError(hint) from None
         raise

@@ -62,28 +62,45 @@ COMMAND_CONFIGS = {name: t.config for name, t in TRAINERS.items()}
 """The config each training command reads (`shardrl train` also `plan` and `serve`)."""
 
 
-def other_command_hint(cls: type, path: str, data: dict) -> str | None:
-    """For a file the loader refused: when its top-level keys are another command's (a `shardrl dpo` file given
-    to `shardrl train` has engine, optim and dpo), which command reads it and how to run it; else None."""
+def other_command_hint(cls: type, path: str, data: dict, error: str) -> str | None:
+    """For a file the loader refused with `error`: when its keys are another command's, which command reads it and
+    how to run it; else None. A file whose top-level keys are another command's (a `shardrl dpo` file given to
+    `shardrl train` has engine, optim and dpo) gets this line instead of the error; one whose top-level keys are
+    this command's too but whose keys below them are another's alone (a dpo file of model, data and trainer only:
+    data.batch_size is no key of `shardrl train`) gets it after the error, which may be a typo."""
     names = {str(k) for k in data}
     mine = {f.name for f in dataclasses.fields(cls)}
+    this = next(c for c, other in COMMAND_CONFIGS.items() if other is cls)
+    whole = [c for c, other in COMMAND_CONFIGS.items() if other is not cls and not unknown_keys(other, data)]
     if names <= mine:
-        return None
+        if not unknown_keys(cls, data) or not whole:
+            return None
+        first, also = _ranked(whole, path)
+        return (f"{error} (the file's keys are those of a `shardrl {first}`{also} config: run it with "
+                f"`shardrl {first} {path}`, or plan it with `shardrl plan {path}{_plan_flag(first)}`)")
     fits = [c for c, other in COMMAND_CONFIGS.items()
             if other is not cls and names <= {f.name for f in dataclasses.fields(other)}]
-    whole = [c for c in fits if not unknown_keys(COMMAND_CONFIGS[c], data)]  # rm.yaml: dpo and rm, not sft
+    whole = [c for c in fits if c in whole]  # rm.yaml: dpo and rm, not sft
     if not (fits := whole or fits):
         return None
-    named = set(re.split(r"[^a-z]+", os.path.basename(path).lower()))
-    first, *others = sorted(fits, key=lambda c: c not in named)  # rm.yaml fits sft, dpo and rm: rm first
-    this = next(c for c, other in COMMAND_CONFIGS.items() if other is cls)
+    first, also = _ranked(fits, path)
     foreign = sorted(names - mine)
-    plan = "" if first == "train" else f" --trainer {first}"
-    also = f" (or {', '.join(f'`shardrl {c}`' for c in others)})" if others else ""
     return (f"config file {path!r} looks like a `shardrl {first}`{also} config, not a "
             f"`shardrl {this}` one ({', '.join(foreign)} {'is' if len(foreign) == 1 else 'are'} no "
             f"`shardrl {this}` key{'' if len(foreign) == 1 else 's'}): run it with `shardrl {first} {path}`, "
-            f"or plan it with `shardrl plan {path}{plan}`")
+            f"or plan it with `shardrl plan {path}{_plan_flag(first)}`")
+
+
+def _ranked(commands: list[str], path: str) -> tuple[str, str]:
+    """The command a file most likely is (the one it is named after: rm.yaml fits sft, dpo and rm, rm first) and
+    the others, as " (or `shardrl dpo`, ...)"."""
+    named = set(re.split(r"[^a-z]+", os.path.basename(path).lower()))
+    first, *others = sorted(commands, key=lambda c: c not in named)
+    return first, (f" (or {', '.join(f'`shardrl {c}`' for c in others)})" if others else "")
+
+
+def _plan_flag(command: str) -> str:
+    return "" if command == "train" else f" --trainer {command}"
 
 
 def load_config(path: str | None = None, overrides: Iterable[str] = (), cls: type[T] = Config) -> T:
