@@ -127,7 +127,7 @@ def plan_main(args: argparse.Namespace) -> int:
     from shardrl.models.config import text_config
     from shardrl.launch.overrides import resolve_overrides
     from shardrl.plan.defaults import free_cache_choice, lora_sync_choice
-    from shardrl.plan.layout import check_model_heads, format_layout
+    from shardrl.plan.layout import check_model_heads, format_layout, format_size
     from shardrl.plan.memory import fit_advice, format_phase_ledger, phase_ledger, update_and_cache_gib
     from shardrl.plan.plan import Plan
 
@@ -200,7 +200,8 @@ def plan_main(args: argparse.Namespace) -> int:
         print(format_phase_ledger(ledger) if ledger else f"memory ledger: skipped ({skipped})")
         if ledger and args.gpu_mem_gib:
             print(f"\ndoes not fit {args.gpu_mem_gib:g} GiB:\n  " + "\n  ".join(advice) if advice
-                  else f"\nfits {args.gpu_mem_gib:g} GiB (peak {ledger['peak_phase']} {ledger['peak_gib']:.1f} GiB)")
+                  else f"\nfits {args.gpu_mem_gib:g} GiB (peak {ledger['peak_phase']} "
+                       f"{format_size(ledger['peak_gib'])})")
         if lora_choice:
             print(lora_choice)
         if keep_cache is not None:

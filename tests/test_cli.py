@@ -83,6 +83,41 @@ def test_plan_advises_a_lora_run_without_offloading_its_frozen_base(capsys):
     assert any("actor.engine.accumulate_unsharded=false" in line for line in lora), lora
 
 
+def test_plan_advises_what_changes_the_phase_that_does_not_fit(capsys):
+    """A LoRA run whose generation does not fit was told accumulate_unsharded=false (which changes the update only):
+    a phase whose largest term is held all step is told what shrinks that term and what shrinks the phase's own
+    largest (generation: the decode slots; the update: the model gathered whole), each in its own phase."""
+    big = TINY.replace("hidden_size: 64", "hidden_size: 4096").replace("intermediate_size: 128", "intermediate_size: 16384")
+    args = ["plan", big, "model.lora.rank=8", "rollout.lora_sync=unmerged", "rollout.free_cache_engine=true",
+            "--gpu-mem-gib", "0.9", "--json"]
+    assert main(args) == 1
+    advice = {line.split(" ")[0]: line for line in json.loads(capsys.readouterr().out)["advice"]}
+    assert set(advice) == {"gen", "prep", "update"}
+    assert advice["gen"] == (
+        "gen needs 1.9 GiB > 0.9 GiB; the largest term is actor params (1.0 GiB, held all step): more GPUs to shard "
+        "over (offload_params is not supported with model.lora); this phase's own largest is prefill chunk (0.8 GiB): "
+        "fewer decode slots (rollout.fast.max_batch) or a shorter data.max_prompt_length (a prefill takes at most the "
+        "slots' prompts)")
+    assert "accumulate_unsharded" not in advice["prep"]
+    assert "this phase's own largest is unsharded params" in advice["update"]
+    assert "actor.engine.accumulate_unsharded=false" in advice["update"]
+
+
+def test_plan_prints_small_sizes_and_counts_in_units_that_show_them(capsys):
+    """The demo's plan said "0.000B params" and "0.0 GiB" for every size under 0.1 GiB."""
+    from shardrl.plan.layout import format_count, format_size
+
+    assert [format_size(g) for g in (24.0, 0.1, 0.05, 3 / 1024, 5 / 2**20, 100 / 2**30, 0.0)] == [
+        "24.0 GiB", "0.1 GiB", "51.2 MiB", "3.0 MiB", "5.0 KiB", "100 B", "0.0 GiB"]
+    assert [format_count(n) for n in (7_615_616_512, 40_370_176, 262_144, 6784)] == [
+        "7.616B", "40.37M", "0.26M", "6784"]
+    assert main(["plan", TINY, "--gpu-mem-gib", "0.001"]) == 1
+    out = capsys.readouterr().out
+    assert "(one GPU; 0.20M params)" in out and "0.000B" not in out and " 0.0 GiB" not in out, out
+    assert "update needs 15.0 MiB > 0.001 GiB; the largest term is logits chunk (9.8 MiB)" in out, out
+    assert "    logits chunk                        9.8 MiB  # 1024 tokens x 1000" in out, out
+
+
 def test_plan_settles_a_null_lora_sync_as_the_run_would_on_that_gpu(capsys):
     """With LoRA and --gpu-mem-gib, rollout.lora_sync left null is chosen as on that GPU (merged where the copy
     fits, else unmerged) and the ledger's rollout holds what that choice holds."""

@@ -10,6 +10,7 @@ import copy
 import torch
 
 from shardrl.config.schema import Config, ConfigError
+from shardrl.plan.layout import format_size
 
 ENGINE_SECTIONS = ("actor", "ref", "critic", "reward")
 COMPILE_MIN_PARAMS = 500_000_000
@@ -98,8 +99,9 @@ def free_cache_choice(memory_gib: tuple[float, float] | None, cuda: bool) -> tup
         return True, "the run's memory is not known here"
     need, gpu = memory_gib
     verdict = "fits in" if need <= KEEP_CACHE_FRACTION * gpu else "exceeds"
-    return need > KEEP_CACHE_FRACTION * gpu, (f"the ledger's update peak plus the rollout's cache, {need:.1f} GiB, "
-                                              f"{verdict} {KEEP_CACHE_FRACTION:.0%} of the GPU's {gpu:.0f} GiB")
+    return need > KEEP_CACHE_FRACTION * gpu, (f"the ledger's update peak plus the rollout's cache, "
+                                              f"{format_size(need)}, {verdict} {KEEP_CACHE_FRACTION:.0%} of the GPU's "
+                                              f"{format_size(gpu, 0)}")
 
 
 def memory_gib(cfg: Config, layout, hf_config, device: torch.device, say=None) -> tuple[float, float] | None:
@@ -157,7 +159,8 @@ def lora_sync_choice(cfg: Config, layout, hf_config, device: torch.device,
         return "unmerged", f"the memory ledger cannot size this model ({e})"
     gpu = gpu_gib if gpu_gib is not None else torch.cuda.get_device_properties(device).total_memory / GIB
     if peak <= KEEP_CACHE_FRACTION * gpu:
-        return "merged", (f"the ledger's peak with a merged copy, {peak:.1f} GiB, fits in {KEEP_CACHE_FRACTION:.0%} "
-                          f"of the GPU's {gpu:.0f} GiB")
-    return "unmerged", (f"the ledger's peak with a merged copy, {peak:.1f} GiB, exceeds {KEEP_CACHE_FRACTION:.0%} "
-                        f"of the GPU's {gpu:.0f} GiB: the rollout reads the actor's base")
+        return "merged", (f"the ledger's peak with a merged copy, {format_size(peak)}, fits in "
+                          f"{KEEP_CACHE_FRACTION:.0%} of the GPU's {format_size(gpu, 0)}")
+    return "unmerged", (f"the ledger's peak with a merged copy, {format_size(peak)}, exceeds "
+                        f"{KEEP_CACHE_FRACTION:.0%} of the GPU's {format_size(gpu, 0)}: the rollout reads the actor's "
+                        "base")

@@ -24,6 +24,26 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1024**3
 
 
+def format_size(gib: float, digits: int = 1) -> str:
+    """A size given in GiB, in a unit that shows it: GiB (`digits` decimals) from 0.1 GiB, else MiB, KiB or bytes
+    (a tiny model's 3 MiB is not "0.0 GiB")."""
+    if gib >= 0.1 or gib <= 0:
+        return f"{gib:.{digits}f} GiB"
+    for unit, scale in (("MiB", 2**10), ("KiB", 2**20)):
+        if gib * scale >= 1:
+            return f"{gib * scale:.1f} {unit}"
+    return f"{gib * GIB:.0f} B"
+
+
+def format_count(n: float) -> str:
+    """A parameter count: 7.616B, 40.37M, 0.26M; exact under 10 thousand (a tiny model's are not "0.000B")."""
+    if n >= 1e9:
+        return f"{n / 1e9:.3f}B"
+    if n >= 1e4:
+        return f"{n / 1e6:.2f}M"
+    return f"{n:.0f}"
+
+
 @dataclass
 class RoleLayout:
     """How one model (actor, critic or ref) is sharded and how its per-rank batch is cut."""

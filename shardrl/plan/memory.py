@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from shardrl.config.schema import Config
-from shardrl.plan.layout import DTYPE_BYTES, GIB, Layout
+from shardrl.plan.layout import DTYPE_BYTES, GIB, Layout, format_count, format_size
 from shardrl.models.config import text_config
 from shardrl.models.families import expert_intermediate_size, gated_mlp, is_moe, moe_layer_count, num_experts
 from shardrl.plan.step_plan import old_log_probs_from_update
@@ -78,18 +78,19 @@ def _engine_resident(name, numbers, master, shard, offload_params, offload_optim
     out = []
     if lora and optimizer:  # LoRA: the frozen base in param_dtype, the fp32 adapters; only those are optimized
         out.append((f"{name} params", (p * compute + lora * 4) / shard,
-                    f"({p / 1e9:.3f}B frozen x {compute} B + {lora / 1e6:.2f}M adapters x 4 B) / {shard} (shard)"))
+                    f"({format_count(p)} frozen x {compute} B + {format_count(lora)} adapters x 4 B) / {shard} "
+                    "(shard)"))
         out.append((f"{name} optimizer state", 0 if offload_optimizer else 2 * lora * 4 / shard,
                     "on CPU between updates (offload_optimizer)" if offload_optimizer else
-                    f"AdamW 2 x {lora / 1e6:.2f}M adapters x 4 B / {shard}"))
+                    f"AdamW 2 x {format_count(lora)} adapters x 4 B / {shard}"))
         return out
     out.append((f"{name} params", 0 if offload_params else p * master / shard,
                 "on CPU (offload_params)" if offload_params else
-                f"{p / 1e9:.3f}B x {master} B / {shard} (shard)"))
+                f"{format_count(p)} x {master} B / {shard} (shard)"))
     if optimizer:
         out.append((f"{name} optimizer state", 0 if offload_optimizer else 2 * p * master / shard,
                     "on CPU between updates (offload_optimizer)" if offload_optimizer else
-                    f"AdamW 2 x {p / 1e9:.3f}B x {master} B / {shard}"))
+                    f"AdamW 2 x {format_count(p)} x {master} B / {shard}"))
     return out
 
 
@@ -115,7 +116,7 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
         experts = 3 * num_experts(c) * h * expert_intermediate_size(c)
         block = numbers["largest_block"] - (experts - experts // ep)
         if block >= numbers["root_unit"]:  # (else the root's unit, the embeddings and head, stays the largest)
-            unit, unit_how = block, f", {experts // ep / 1e6:.1f}M of them a layer's experts / ep={ep}"
+            unit, unit_how = block, f", {format_count(experts // ep)} of them a layer's experts / ep={ep}"
         else:
             unit = numbers["root_unit"]
     kept = engine.accumulates_unsharded(shard)  # params gathered over the micro-batches
@@ -123,14 +124,14 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
     whole_why = "accumulate_unsharded: gathered over the micro-batches" if kept else "reshard_after_forward=false"
     chunk = engine.logprob_chunk_size
     lora = numbers.get("trained")
-    grads = ((f"{name} grads", lora * 4 / shard, f"{lora / 1e6:.2f}M adapters x 4 B / {shard}") if lora else
+    grads = ((f"{name} grads", lora * 4 / shard, f"{format_count(lora)} adapters x 4 B / {shard}") if lora else
              (f"{name} grads", 0 if engine.offload_params else p * master / shard,
-              "on CPU (offload_params)" if engine.offload_params else f"{p / 1e9:.3f}B x {master} B / {shard}"))
+              "on CPU (offload_params)" if engine.offload_params else f"{format_count(p)} x {master} B / {shard}"))
     update = [
         grads,
         ("activations", act, f"{act_how}; tokens: {how_tokens}"),
         ("unsharded params", (2 * unit if per_unit else p) * compute,
-         f"2 units of {unit / 1e6:.0f}M (one prefetched{unit_how}) x {compute} B" if per_unit
+         f"2 units of {format_count(unit)} (one prefetched{unit_how}) x {compute} B" if per_unit
          else f"the whole model x {compute} B ({whole_why})"),
         ("logits chunk", chunk * vocab * (compute + 4 + 4),
          f"{chunk} tokens x {vocab} x ({compute} + 4 + 4) B (logits, log-softmax, its grad)"),
@@ -187,9 +188,9 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     # LoRA's adapter-only sync (a fast rollout on CUDA, rollout.lora_sync unmerged or merged)
     # (null, as `shardrl plan` sees it before a run resolves it by this ledger: counted as unmerged, the least)
     lora_sync = (cfg.rollout.lora_sync or "unmerged") if adapters and cuda and cfg.rollout.backend != "hf" else "full"
-    full_copy = ("rollout weights", p * rollout_bytes, f"a full copy: {p / 1e9:.3f}B x {rollout_bytes} B")
+    full_copy = ("rollout weights", p * rollout_bytes, f"a full copy: {format_count(p)} x {rollout_bytes} B")
     if lora_sync == "unmerged":
-        resident.append(("rollout adapters", adapters * 4, f"{adapters / 1e6:.1f}M x fp32, added at run time"))
+        resident.append(("rollout adapters", adapters * 4, f"{format_count(adapters)} x fp32, added at run time"))
         if shard > 1 or compute != rollout_bytes:  # no rank holds the base whole, or not in the rollout's dtype:
             resident.append(full_copy)  # the rollout keeps a copy, sent once
         # else the rollout reads the actor's own base tensors: no copy
@@ -231,8 +232,9 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
         ("prefill chunk", prefill * (4 * h + 2 * inter) * rollout_bytes,
          f"{prefill} tokens x (4 x {h} + 2 x {inter}) x {rollout_bytes} B"),
         ("weight export", numbers["largest_tensor"] * (master + rollout_bytes),
-         f"largest tensor {numbers['largest_tensor'] / 1e6:.0f}M gathered x ({master} + {rollout_bytes}) B")
-        if lora_sync == "full" else ("adapter sync", adapters * 4, f"the {adapters / 1e6:.1f}M adapters gathered, fp32"),
+         f"largest tensor {format_count(numbers['largest_tensor'])} gathered x ({master} + {rollout_bytes}) B")
+        if lora_sync == "full" else ("adapter sync", adapters * 4,
+                                     f"the {format_count(adapters)} adapters gathered, fp32"),
     ]
 
     # prep: an inference pass (old log-probs, reference, values) holds one micro-batch's layer and logits chunk
@@ -282,8 +284,14 @@ def update_and_cache_gib(ledger: dict) -> float:
 ADVICE = {
     "KV cache": "fewer decode slots (rollout.fast.max_batch), a cache budget (rollout.fast.kv_cache_tokens) or a "
                 "shorter data.max_prompt_length / rollout.max_new_tokens",
+    "prefill chunk": "fewer decode slots (rollout.fast.max_batch) or a shorter data.max_prompt_length (a prefill "
+                     "takes at most the slots' prompts)",
     "activations": "model.gradient_checkpointing=true, or a smaller {engine}.max_token_len_per_gpu "
                    "(micro_batch_size_per_gpu without dynamic batching)",
+    "inference micro-batch": "a smaller {engine}.max_token_len_per_gpu (micro_batch_size_per_gpu without dynamic "
+                             "batching)",
+    "unsharded params": "{engine}.accumulate_unsharded=false and {engine}.reshard_after_forward=true (the model "
+                        "gathered a unit at a time, not whole over the micro-batches)",
     "actor optimizer state": "actor.engine.offload_optimizer=true, or more GPUs to shard it over",
     "actor params": "actor.engine.offload_params=true, or more GPUs to shard over",
     "actor grads": "actor.engine.offload_params=true (grads follow the params), or more GPUs",
@@ -291,6 +299,7 @@ ADVICE = {
     "sampler logits": "fewer decode slots (rollout.fast.max_batch)",
     "KV cache (kept)": "rollout.free_cache_engine=true (the cache freed for the update), or fewer decode slots "
                        "(rollout.fast.max_batch)",
+    "sampler logits (kept)": "rollout.free_cache_engine=true (the cache freed for the update)",
     "logits chunk": "a smaller {engine}.logprob_chunk_size",
     # the offline trainers' (`offline_ledger`)
     "model optimizer state": "engine.offload_optimizer=true, or more GPUs to shard it over",
@@ -298,6 +307,8 @@ ADVICE = {
     "model grads": "engine.offload_params=true (grads follow the params), or more GPUs",
     "ref params": "engine.offload_params=true, or more GPUs to shard over",
 }
+"""What shrinks each term of the ledger; a term held all step (resident) is in every phase, so a phase whose largest
+term is resident is also told what shrinks its own largest (`fit_advice`)."""
 
 
 def largest_term(phase: dict) -> dict:
@@ -306,39 +317,49 @@ def largest_term(phase: dict) -> dict:
 
 # with model.lora the base is frozen in param_dtype and cannot be offloaded (a config error)
 LORA_ADVICE = {
-    "actor params": "{engine}.accumulate_unsharded=false (on one GPU: the frozen base gathered a layer at a time, not "
-                    "held twice), or more GPUs to shard over (offload_params is not supported with model.lora)",
+    "actor params": "more GPUs to shard over (offload_params is not supported with model.lora)",
     "actor grads": "more GPUs to shard over (offload_params is not supported with model.lora)",
 }
 
 
 def fit_advice(ledger: dict, gpu_mem_gib: float, engine: str = "actor.engine", lora: bool = False) -> list[str]:
     """Lines saying, for each phase over `gpu_mem_gib`, by how much and what to change; [] when all fit. `lora`:
-    the advice for a LoRA engine (no offload_params)."""
+    the advice for a LoRA engine (no offload_params). Where the largest term is held all step, the line also names
+    the phase's own largest term and what shrinks it: what changes that phase alone."""
+    def advice(term: dict) -> str:
+        said = (LORA_ADVICE if lora else {}).get(term["name"]) or ADVICE.get(term["name"], "see the terms above")
+        return said.format(engine=engine)
+
     lines = []
     for name, phase in ledger["phases"].items():
-        if phase["total_gib"] > gpu_mem_gib:
-            top = largest_term(phase)
-            advice = ((LORA_ADVICE if lora else {}).get(top["name"]) or ADVICE.get(top["name"], "see the terms above")
-                      ).format(engine=engine)
-            lines.append(f"{name} needs {phase['total_gib']:.1f} GiB > {gpu_mem_gib:g} GiB; the largest term is "
-                         f"{top['name']} ({top['gib']:.1f} GiB): {advice}")
+        if phase["total_gib"] <= gpu_mem_gib:
+            continue
+        top = largest_term(phase)
+        line = (f"{name} needs {format_size(phase['total_gib'])} > {gpu_mem_gib:g} GiB; the largest term is "
+                f"{top['name']} ({format_size(top['gib'])}{', held all step' if top['resident'] else ''}): "
+                f"{advice(top)}")
+        own = [i for i in phase["items"] if not i["resident"] and i["name"] in ADVICE]  # (what can be changed)
+        if top["resident"] and own:
+            mine = max(own, key=lambda i: i["gib"])
+            line += f"; this phase's own largest is {mine['name']} ({format_size(mine['gib'])}): {advice(mine)}"
+        lines.append(line)
     return lines
 
 
 def format_phase_ledger(ledger: dict) -> str:
-    lines = [f"peak GPU memory per phase (one GPU; {ledger['num_params'] / 1e9:.3f}B params):"]
+    lines = [f"peak GPU memory per phase (one GPU; {format_count(ledger['num_params'])} params):"]
     first = next(iter(ledger["phases"]))  # the resident terms are listed under the first phase only
     width = max(len(i["name"]) for ph in ledger["phases"].values() for i in ph["items"])
     for name, phase in ledger["phases"].items():
         top = largest_term(phase)
-        lines.append(f"  {name}: {phase['total_gib']:.2f} GiB (largest: {top['name']})")
+        lines.append(f"  {name}: {format_size(phase['total_gib'], 2)} (largest: {top['name']})")
         for i in phase["items"]:
             if i["resident"] and name != first:
                 continue
             tag = "resident " if i["resident"] else ""
-            lines.append(f"    {tag + i['name']:<{width + 9}} {i['gib']:8.3f} GiB  # {i['how']}")
+            lines.append(f"    {tag + i['name']:<{width + 9}} {format_size(i['gib'], 3):>12}  # {i['how']}")
         if name != first:
             lines.append(f"    {'(+ the resident terms above)':<{width + 9}}")
-    lines.append(f"  peak: {ledger['peak_phase']} {ledger['peak_gib']:.2f} GiB; not counted: {ledger['not_counted']}")
+    lines.append(f"  peak: {ledger['peak_phase']} {format_size(ledger['peak_gib'], 2)}; not counted: "
+                 f"{ledger['not_counted']}")
     return "\n".join(lines)
