@@ -464,6 +464,7 @@ def test_ctrl_c_stops_an_offline_trainer_as_it_stops_train(tmp_path, nproc):
     assert code == 130, err[-3000:]
     steps = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert [line for line in err.splitlines() if "interrupted" in line.lower()] == [
-        f"interrupted (Ctrl-C) after {steps} of 100000 steps; summary {run_dir / 'summary.json'}"]
+        f"interrupted (Ctrl-C) after {steps} of 100000 steps; summary {run_dir / 'summary.json'}, "
+        f"loss curve {run_dir / 'loss_curve.png'}"]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps >= 1

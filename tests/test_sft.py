@@ -283,3 +283,26 @@ def test_sft_learns_checkpoints_resumes_and_exports(tmp_path):
     assert main(["plot", str(run_dir)]) == 0 and (run_dir / "loss_curve.png").is_file()  # sft/loss: no reward
     hf = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf_model")
     assert sum(p.numel() for p in hf.parameters()) > 0
+
+
+def test_an_sft_run_ends_with_the_summary_and_curve_train_gives(tmp_path):
+    """sft/dpo/rm wrote summary.json as {"steps": N} and no curve (only `shardrl plot` drew one): the end of a run is
+    the one `Trainer.fit` gives every trainer, with the loss where `shardrl train` has the reward."""
+    from shardrl.cli import main
+    from shardrl.testing import save_char_model
+
+    save_char_model(tmp_path / "model")
+    rows = tmp_path / "sums.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "response": str(a + b)}) + "\n"
+                            for a in range(3) for b in range(3)))
+    run_dir = tmp_path / "run"
+    assert main(["sft", f"model.path={tmp_path / 'model'}", f"data.train_files=[{rows}]", f"data.val_files=[{rows}]",
+                 "data.batch_size=4", "trainer.total_steps=2", "trainer.val_freq=2", "trainer.logger=[jsonl]",
+                 f"trainer.output_dir={run_dir}", "trainer.device=cpu"]) == 0
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # the first and last step's loss (a quarter of 2 steps rounds up to one), the last validation loss
+    assert summary == pytest.approx({"steps": 2, "loss_first": records[0]["sft/loss"],
+                                     "loss_last": records[1]["sft/loss"], "val_loss_last": records[1]["val/loss"]})
+    assert summary["loss_first"] != summary["loss_last"]
+    assert (run_dir / "loss_curve.png").stat().st_size > 1000 and not (run_dir / "reward_curve.png").exists()

@@ -48,8 +48,6 @@ class Trainer(abc.ABC):
     head = "lm"
     demo_without_config = False
     """Without a config file or a model, the command runs the built-in demo (`shardrl train`)."""
-    draws_curve = False
-    """Rank 0 draws the reward curve beside summary.json at the end of a run."""
 
     # ---- what the launcher asks of a trainer class ----------------------------------------------------
     @classmethod
@@ -206,4 +204,4 @@ class Trainer(abc.ABC):
 
     def write_results(self) -> str:
         """Rank 0: summary.json (and the curve) of the steps logged; a sentence saying what was written."""
-        return write_results(self.run_dir, self.records, self.cfg.trainer.total_steps, self.draws_curve)
+        return write_results(self.run_dir, self.records, self.cfg.trainer.total_steps)

@@ -135,7 +135,7 @@ class LocalBatches:
 
 class RLTrainer(Trainer):
     name, config_cls = "train", Config
-    demo_without_config = draws_curve = True
+    demo_without_config = True
 
     def __init__(self, cfg: Config, run_dir: Path, batch_source=None, plan: Plan | None = None):
         """`batch_source(trainer)` makes the step's batch source (default: `LocalBatches`, colocated)."""

@@ -292,18 +292,35 @@ def prepare_run_dir(cfg: Config) -> Path:
 
 
 def summarize(records: list[dict]) -> dict:
-    """Steps done, mean train reward of the first and last few steps, last validation reward; {} if no step."""
+    """Steps done; the mean train reward of the first and last few steps and the last validation reward, or for a
+    run without rewards (sft, dpo, rm) its loss likewise (`plot.OFFLINE_LOSSES`); {} if no step."""
     if not records:
         return {}
+    from shardrl.trainer.plot import OFFLINE_LOSSES
+
     summary = {"steps": records[-1]["step"]}
     rewards = [r["reward/mean"] for r in records if r.get("reward/mean") is not None]
     if rewards:
-        k = max(1, min(5, len(rewards) // 4))
-        summary.update(reward_first=sum(rewards[:k]) / k, reward_last=sum(rewards[-k:]) / k)
-    val = [r["val/reward_mean"] for r in records if r.get("val/reward_mean") is not None]
-    if val:
-        summary["val_last"] = val[-1]
+        summary.update(_first_last("reward", rewards))
+        val = [r["val/reward_mean"] for r in records if r.get("val/reward_mean") is not None]
+        if val:
+            summary["val_last"] = val[-1]
+        return summary
+    for key in OFFLINE_LOSSES:
+        losses = [r[key] for r in records if r.get(key) is not None]
+        if losses:
+            summary.update(_first_last("loss", losses))
+            val = [r["val/loss"] for r in records if r.get("val/loss") is not None]
+            if val:
+                summary["val_loss_last"] = val[-1]
+            break
     return summary
+
+
+def _first_last(name: str, values: list[float]) -> dict:
+    """The mean of the first and of the last few values (a quarter of them, 1 to 5): less noisy than one step's."""
+    k = max(1, min(5, len(values) // 4))
+    return {f"{name}_first": sum(values[:k]) / k, f"{name}_last": sum(values[-k:]) / k}
 
 
 def write_summary(run_dir: Path, records: list[dict] | None = None) -> dict:
@@ -316,17 +333,20 @@ def write_summary(run_dir: Path, records: list[dict] | None = None) -> dict:
     return summary
 
 
-def write_results(run_dir: Path, records: list[dict], total_steps: int, curve: bool = True) -> str:
-    """summary.json and, with `curve`, reward_curve.png of the steps logged (rank 0's in-memory records, so any
-    logger will do); a sentence saying what was written."""
+def write_results(run_dir: Path, records: list[dict], total_steps: int) -> str:
+    """summary.json and the curve (reward_curve.png, or loss_curve.png for a run without rewards:
+    `plot.choose_curves`) of the steps logged (rank 0's in-memory records, so any logger will do); a sentence saying
+    what was written."""
     summary = write_summary(run_dir, records)
     if not records:
-        return (f"0 of {total_steps} steps; {run_dir / 'summary.json'} is empty"
-                + (" and there is no reward curve" if curve else ""))
+        return f"0 of {total_steps} steps; {run_dir / 'summary.json'} is empty and there is no curve"
     done = f"{summary['steps']} of {total_steps} steps; summary {run_dir / 'summary.json'}"
-    if not curve:
-        return done
-    from shardrl.trainer.plot import plot_rewards
+    from shardrl.trainer.plot import choose_curves, plot_rewards
 
-    png = plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward_curve.png", records)
-    return f"{done}, reward curve {png}"
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        what = choose_curves(records, metrics)[0]
+    except ValueError:  # (steps that logged neither a reward nor a loss: nothing to draw)
+        return done
+    png = plot_rewards(metrics, run_dir / f"{what}_curve.png", records)
+    return f"{done}, {what} curve {png}"
