@@ -306,3 +306,35 @@ def test_an_sft_run_ends_with_the_summary_and_curve_train_gives(tmp_path):
                                      "loss_last": records[1]["sft/loss"], "val_loss_last": records[1]["val/loss"]})
     assert summary["loss_first"] != summary["loss_last"]
     assert (run_dir / "loss_curve.png").stat().st_size > 1000 and not (run_dir / "reward_curve.png").exists()
+
+
+def test_a_lora_adapter_export_loads_with_auto_peft(tmp_path, monkeypatch):
+    """`trainer.export_lora_adapter` wrote task_type null and model.path as given (relative): peft's
+    AutoPeftModelForCausalLM could not load the folder. It loads, from another folder, and gives the merged export's
+    logits."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from shardrl.cli import main
+    from shardrl.testing import save_char_model
+
+    monkeypatch.chdir(tmp_path)
+    save_char_model(tmp_path / "model")
+    rows = tmp_path / "sums.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "response": str(a + b)}) + "\n" for a in range(3)
+                            for b in range(3)))
+    assert main(["sft", "model.path=model", f"data.train_files=[{rows}]", "data.batch_size=4", "optim.lr=1e-2",
+                 "model.lora.rank=4", "engine.param_dtype=float32", "trainer.total_steps=2", "trainer.logger=[]",
+                 "trainer.output_dir=run", "trainer.export_hf=true", "trainer.export_lora_adapter=true",
+                 "trainer.device=cpu"]) == 0
+    saved = json.loads((tmp_path / "run" / "lora_adapter" / "adapter_config.json").read_text())
+    assert saved["task_type"] == "CAUSAL_LM" and saved["base_model_name_or_path"] == str(tmp_path / "model")
+    monkeypatch.chdir(tmp_path / "run")  # (the base is found from anywhere)
+    adapted = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "run" / "lora_adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf_model").eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
+    with torch.no_grad():
+        logits = adapted(input_ids=ids).logits
+        torch.testing.assert_close(logits, merged(input_ids=ids).logits, atol=1e-4, rtol=0)
+        assert (logits - base(input_ids=ids).logits).abs().max() > 1e-3  # (the adapters moved it)

@@ -32,8 +32,8 @@ class TrainerConfig:
     `model.dtype`, config, tokenizer): what `from_pretrained`, another run's `model.path` or an evaluation loads."""
     export_lora_adapter: bool = False
     """With model.lora: at the end of training, also write the adapters as a peft adapter folder,
-    `<run_dir>/lora_adapter` (`PeftModel.from_pretrained(base, folder)` loads it; export_hf writes the merged
-    model)."""
+    `<run_dir>/lora_adapter`: `AutoPeftModelForCausalLM.from_pretrained(folder)` loads it (its config names the
+    base's absolute path), as does `PeftModel.from_pretrained(base, folder)`; export_hf writes the merged model."""
     keep_last: int = 2
     """Checkpoints kept on disk; 0 keeps all."""
     resume: Literal["auto", "never"] | str = "never"

@@ -171,7 +171,8 @@ def scaling_of(lora_cfg) -> float:
 
 def save_peft_adapter(path, adapters: dict[str, torch.Tensor], lora_cfg, base_model_path: str | None) -> None:
     """A peft adapter folder (adapter_config.json, adapter_model.safetensors) of the full adapter tensors
-    `adapters` (by HF name, `...q_proj.lora_A.default.weight`): `PeftModel.from_pretrained(base, path)` loads it."""
+    `adapters` (by HF name, `...q_proj.lora_A.default.weight`) of a causal LM (LoRA is the policy's only):
+    `PeftModel.from_pretrained(base, path)` and `AutoPeftModelForCausalLM.from_pretrained(path)` load it."""
     from pathlib import Path
 
     from safetensors.torch import save_file
@@ -180,6 +181,11 @@ def save_peft_adapter(path, adapters: dict[str, torch.Tensor], lora_cfg, base_mo
     path.mkdir(parents=True, exist_ok=True)
     # the layers that hold adapters, by leaf name (what peft's all-linear would pick for a dense model)
     config = peft_lora_config(lora_cfg, sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in adapters}))
+    config.task_type = "CAUSAL_LM"  # what AutoPeftModelForCausalLM checks, and what peft's own causal-LM save writes
+    # a local folder as an absolute path (a relative one would be read from the loader's working folder, not the
+    # run's); a hub id as given
+    if base_model_path and Path(base_model_path).exists():
+        base_model_path = str(Path(base_model_path).resolve())
     config.base_model_name_or_path = base_model_path
     config.save_pretrained(str(path))
     tensors = {"base_model.model." + name.replace(".default.", "."): t.detach().float().contiguous().cpu()
