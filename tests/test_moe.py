@@ -540,3 +540,62 @@ def test_router_replay_under_compile_on_cuda_records_and_replays_as_without():
     assert torch.equal(got[True]["recorded"], got[False]["recorded"])
     assert got[True]["mismatch"] == pytest.approx(got[False]["mismatch"]) and got[True]["mismatch"] > 0.5
     assert_same_grads(got[True]["grads"], got[False]["grads"], rtol=1e-4)
+
+
+def _moe_exports(folder: str) -> dict:
+    """A Mixtral and a Qwen3-MoE engine after one update: the weights the rollout is sent, and their HF export."""
+    from pathlib import Path
+
+    from test_engine_equivalence import make_batch, pg_loss_fn
+
+    from shardrl.config.schema import OptimConfig
+
+    out = {}
+    for kind in HUB_EXPERTS:
+        engine = build_engine(ModelConfig(tiny=tiny_config(kind)), EngineConfig(param_dtype="float32"),
+                              OptimConfig(lr=1e-2, clip_grad=0.0))
+        with engine.training():
+            engine.train_batch(make_batch(kind), pg_loss_fn("token-mean"))
+        out[kind] = {name: t.clone() for name, t in engine.export_weights(torch.float32)}
+        engine.save_hf(Path(folder) / kind, dtype=torch.float32)
+    return out
+
+
+# layer 0's experts as each family publishes them (and transformers' save_pretrained writes them): the name of an
+# expert's gate, up and down projection
+HUB_EXPERTS = {"mixtral": "model.layers.0.block_sparse_moe.experts.{}.w{}.weight",
+               "qwen3_moe": "model.layers.0.mlp.experts.{}.{}_proj.weight"}
+
+
+def test_an_hf_export_of_a_mixture_of_experts_is_in_its_familys_hub_layout(tmp_path):
+    """`trainer.export_hf` of a Mixtral or Qwen3-MoE wrote the in-memory fused experts (`mlp.experts.gate_up_proj`
+    (E, 2I, H)), which vLLM, SGLang and transformers 4.x do not read: it writes one tensor per expert and projection
+    under the family's names (as save_pretrained does), each the fused tensor's slice, and from_pretrained gives the
+    trained model's logits. The weights sent to the rollout stay fused."""
+    from safetensors.torch import load_file
+    import transformers
+
+    from shardrl.engine.model import build_causal_lm
+
+    sent = run_distributed(_moe_exports, 1, str(tmp_path))
+    for kind, name in HUB_EXPERTS.items():
+        fused = sent[kind]
+        assert "model.layers.0.mlp.experts.gate_up_proj" in fused  # the rollout's layout, unchanged
+        files = load_file(tmp_path / kind / "model.safetensors")
+        assert not any("gate_up_proj" in n or n.endswith("experts.down_proj") for n in files), kind
+        gate_up, down = fused["model.layers.0.mlp.experts.gate_up_proj"], fused["model.layers.0.mlp.experts.down_proj"]
+        width = gate_up.shape[1] // 2  # (E, 2I, H): gate rows then up rows
+        parts = ("1", "3", "2") if kind == "mixtral" else ("gate", "up", "down")
+        for e in range(gate_up.shape[0]):
+            for part, want in zip(parts, (gate_up[e, :width], gate_up[e, width:], down[e]), strict=True):
+                assert torch.equal(files[name.format(e, part)], want), (kind, e, part)
+        router = f"model.layers.0.{'block_sparse_moe' if kind == 'mixtral' else 'mlp'}.gate.weight"
+        assert torch.equal(files[router], fused["model.layers.0.mlp.gate.weight"])
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32).eval()
+        trained = build_causal_lm(load_hf_config(None, tiny_config(kind)), None, "cpu", torch.float32, seed=1).eval()
+        trained.load_state_dict(fused)
+        trained.save_pretrained(tmp_path / f"{kind}_hf")  # transformers' own export of the same model
+        assert set(files) == set(load_file(tmp_path / f"{kind}_hf" / "model.safetensors"))
+        ids = torch.tensor([[3, 5, 7, 9, 11, 13, 15, 17]])
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, trained(input_ids=ids).logits, atol=1e-5, rtol=0)

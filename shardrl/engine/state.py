@@ -12,8 +12,8 @@ objects never change (the optimizer keeps pointing at them); only their storage 
   (AdamW's `step`) stay where they are: they are tiny and the optimizer wants them on the CPU.
 
 `save_hf` writes a Hugging Face model folder from `export_weights`, one tensor at a time: every rank takes
-part in each gather, rank 0 alone keeps the tensors, at most `max_shard_bytes` of them before a
-safetensors file is written.
+part in each gather, rank 0 alone keeps the tensors, in the layout the model's family publishes (`hub_layout`),
+at most `max_shard_bytes` of them before a safetensors file is written.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -266,6 +266,24 @@ def replace_folder(tmp: Path, path: Path) -> None:
         shutil.rmtree(old)
 
 
+def hub_layout(lm: nn.Module) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(name, tensor) -> {name: tensor} in the layout the model's family publishes, which `save_pretrained` writes
+    and inference engines read. transformers 5 loads a Mixtral's or Qwen3-MoE's per-expert checkpoint tensors
+    (`experts.0.gate_proj.weight`) into fused ones (`mlp.experts.gate_up_proj` (E, 2I, H)) by the model's conversion
+    mapping, and `save_pretrained` writes them back by its reverse, `revert_weight_conversion`, taken here one tensor
+    at a time (each reverse conversion of the families shardrl knows splits or renames one tensor). transformers 4
+    holds the published layout in memory: nothing to convert."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return lambda name, tensor: {name: tensor}
+
+    def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        # the parts of a split are views of one storage, which a safetensors file refuses: each its own copy
+        return {k: v if v is tensor else v.clone() for k, v in revert_weight_conversion(lm, {name: tensor}).items()}
+    return convert
+
+
 def save_hf(path: str | os.PathLike, weights: Iterable[tuple[str, torch.Tensor]],
             buffers: Iterable[tuple[str, torch.Tensor]], hf_config, lm: nn.Module, head: str, dtype: torch.dtype,
             tokenizer=None, max_shard_bytes: int = 5 * 2**30) -> Path:
@@ -273,8 +291,9 @@ def save_hf(path: str | os.PathLike, weights: Iterable[tuple[str, torch.Tensor]]
     (sharded with an index past `max_shard_bytes`), config.json, generation_config.json and the tokenizer
     if given. `weights` is an engine's `export_weights(dtype)` (every rank must iterate it: collectives),
     `buffers` its `persistent_buffers`, `lm` the HF model inside it. Every rank must call it; rank 0
-    writes, into a temporary folder renamed into place at the end. A tied output head is not written, as
-    in `save_pretrained`."""
+    writes, into a temporary folder renamed into place at the end. As in `save_pretrained`, a tied output head
+    is not written, and the tensors are in the layout the model's family publishes (`hub_layout`: a mixture of
+    experts' per-expert tensors, where the engine and the rollout hold them fused)."""
     path = Path(path)
     writer = tmp = None
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -282,13 +301,16 @@ def save_hf(path: str | os.PathLike, weights: Iterable[tuple[str, torch.Tensor]]
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         writer = SafetensorsShardWriter(tmp, max_shard_bytes)
+        to_hub = hub_layout(lm)
     for name, tensor in weights:
         if writer is not None:
-            writer.add(name, tensor)
+            for hub_name, part in to_hub(name, tensor).items():
+                writer.add(hub_name, part)
         del tensor  # other ranks drop each gathered tensor at once
     if writer is not None:
         for name, buf in buffers:
-            writer.add(name, buf.to(dtype) if buf.is_floating_point() else buf)
+            for hub_name, part in to_hub(name, buf.to(dtype) if buf.is_floating_point() else buf).items():
+                writer.add(hub_name, part)
         writer.close()
         config = copy.deepcopy(hf_config)
         config.use_cache = True  # the engine turns the KV cache off for training; generation wants it
