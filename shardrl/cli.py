@@ -17,7 +17,13 @@ import shutil
 import sys
 from importlib import metadata
 
+from shardrl import __version__
 from shardrl.config.registry import TRAINERS
+
+TRAIN_EPILOG = ("With no arguments, `shardrl train` runs the built-in demo: GRPO teaches a tiny model single-digit "
+                "addition on the CPU. Overrides alone (`shardrl train trainer.total_steps=50`) change the demo, unless "
+                "one names a model or data (model.path, model.tiny, data.train_files, ...): then the run starts from "
+                "the plain defaults. `shardrl config` lists every key.")
 
 
 def _gib(text: str) -> float:
@@ -78,6 +84,7 @@ def _split_config_args(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardrl", description="RL post-training for LLMs on FSDP2")
+    parser.add_argument("--version", action="version", version=f"shardrl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="print the per-rank batch layout and memory ledger of a config")
@@ -91,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("doctor", help="report what this machine can run")
 
-    train = sub.add_parser("train", help=TRAINERS["train"].help)
+    train = sub.add_parser("train", help=TRAINERS["train"].help, epilog=TRAIN_EPILOG)
     _add_config_args(train)
     for p in (plan, train):
         _add_verl_args(p)
@@ -102,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve a config's model on an OpenAI-compatible HTTP endpoint")
     _add_config_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=_port, default=8000, help="the TCP port (default: %(default)s; 0: any free one)")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model's name in requests (default: the model folder's name)")
     serve.add_argument("--max-batch", type=_count, default=None, metavar="N",
@@ -114,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--front-ends", type=int, default=1, metavar="N",
                        help="front-end processes sharing the port (default 1; each parses and tokenizes requests on a "
                             "core of its own, about 1,000 requests/s apiece)")
+
+    _add_config_parser(sub)
 
     plot = sub.add_parser("plot", help="plot the metrics of a run folder")
     plot.add_argument("run_dir", metavar="RUN_DIR")
@@ -326,6 +335,24 @@ def serve_main(args: argparse.Namespace) -> int:
     return 1
 
 
+def _add_config_parser(sub) -> None:
+    config = sub.add_parser("config", help="list every config key with its default and docstring",
+                            description="Every key of a command's config, `key = default`, its docstring under it; "
+                                        "a PREFIX (a section such as actor.optim, or one key) lists only those.")
+    config.add_argument("--trainer", choices=tuple(TRAINERS), default="train",
+                        help="the command whose config is listed (default: %(default)s, the RL trainer)")
+    config.add_argument("prefix", nargs="?", default="", metavar="PREFIX",
+                        help="a section or key, e.g. actor.optim (default: every key)")
+
+
+def config_main(args: argparse.Namespace) -> int:
+    """`shardrl config [--trainer NAME] [PREFIX]`: the config's keys, defaults and docstrings (no torch import)."""
+    from shardrl.config.docs import describe_keys, format_keys
+
+    print(format_keys(describe_keys(TRAINERS[args.trainer].config, args.prefix)))
+    return 0
+
+
 def plot_main(args: argparse.Namespace) -> int:
     from shardrl.trainer.plot import plot_main as run
 
@@ -333,6 +360,7 @@ def plot_main(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"plan": plan_main, "doctor": doctor_main, "train": train_main, "plot": plot_main, "serve": serve_main,
+            "config": config_main,
             **{name: train_main for name, trainer in TRAINERS.items() if trainer.offline}}
 
 

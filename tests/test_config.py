@@ -1,12 +1,11 @@
-import ast
 import dataclasses
-import inspect
 import re
 
 import pytest
 import yaml
 
 from shardrl.config import schema as config_module
+from shardrl.config.docs import field_docs
 from shardrl.config.schema import (
     Config,
     ConfigError,
@@ -195,20 +194,8 @@ def test_every_schema_field_has_a_docstring():
                 if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__.startswith("shardrl.config.")]
     assert len(sections) == 28  # with model.lora, actor.router_replay, rollout.val_kwargs, rollout.agent, algorithm.filter_groups, reward.overlong_buffer, async_rl, rollout.multi_turn,
     # and the offline trainers' configs with their data sections and settings (`shardrl sft|dpo|rm`)
-    for cls in sections:
-        documented = set()
-        for klass in cls.__mro__:  # a field may be documented where an offline data section's base declares it
-            if not dataclasses.is_dataclass(klass):
-                continue
-            body = ast.parse(inspect.getsource(klass)).body[0].body
-            documented |= {
-                stmt.target.id
-                for stmt, after in zip(body, body[1:])
-                if isinstance(stmt, ast.AnnAssign)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)
-            }
-        missing = {f.name for f in dataclasses.fields(cls)} - documented
+    for cls in sections:  # (a field may be documented where an offline data section's base declares it)
+        missing = {f.name for f in dataclasses.fields(cls)} - set(field_docs(cls))
         assert not missing, f"{cls.__name__}: fields without a docstring: {sorted(missing)}"
     assert "actor.engine.fsdp_size" in config_keys(Config)
 

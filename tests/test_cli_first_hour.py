@@ -1,0 +1,56 @@
+"""The first hour at the command line: `--version`, `shardrl config`, the help texts, `shardrl doctor`'s verdict,
+`shardrl plot` over a folder of runs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import shardrl
+from shardrl.cli import main
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"shardrl {shardrl.__version__}"
+
+
+def test_config_lists_a_sections_keys_with_defaults_and_docstrings(capsys):
+    assert main(["config", "actor.optim"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "actor.optim.lr = 1e-06" and lines[1] == "    Peak learning rate of AdamW."
+    assert "actor.optim.betas = [0.9, 0.999]" in lines and "actor.optim.total_steps = null" in lines
+    assert not any(line.startswith("critic.") for line in lines)
+    assert main(["config"]) == 0
+    everything = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
+    assert len(everything) > 200 and "trainer.logger = [console, jsonl]" in everything
+
+
+def test_config_shows_each_trainers_own_defaults(capsys):
+    assert main(["config", "--trainer", "dpo", "dpo.beta"]) == 0
+    assert capsys.readouterr().out.splitlines()[:2] == ["dpo.beta = 0.1", "    The inverse temperature of the "
+                                                        "implicit reward (TRL's `beta`)."]
+    assert main(["config", "--trainer", "sft", "engine.use_dynamic_bsz"]) == 0  # the offline engine's default
+    assert capsys.readouterr().out.startswith("engine.use_dynamic_bsz = true\n")
+    assert main(["config", "engine.use_dynamic_bsz"]) == 2  # the RL config has actor.engine, not engine
+    assert "no config key or section 'engine.use_dynamic_bsz'" in capsys.readouterr().err
+
+
+def test_config_imports_no_torch():
+    code = ("import sys; from shardrl.cli import main; main(['config', 'rollout.n']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("rollout.n = ")
+
+
+def test_train_help_says_no_arguments_run_the_demo_and_serve_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "With no arguments, `shardrl train` runs the built-in demo" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 127.0.0.1)" in out and "(default: 8000;" in out
