@@ -268,11 +268,40 @@ def doctor_lines() -> list[tuple[str, str]]:
     return lines
 
 
+def doctor_verdict(status: dict[str, str], num_gpus: int) -> str:
+    """One line saying what a machine can run, from `doctor_lines`' statuses and its visible CUDA devices."""
+    ok = {name for name, text in status.items() if text.startswith("ok")}
+    if "torch" not in ok:
+        return "nothing runs here yet: install torch (pip install -e . installs it with shardrl)"
+    if "transformers" not in ok:
+        return "nothing runs here yet: install transformers (pip install -e . installs it with shardrl)"
+    if num_gpus == 0:
+        if "gloo" not in ok:
+            return ("CPU only, one process: the demo and single-process runs work here; several processes need gloo, "
+                    "GPU runs need CUDA")
+        return ("CPU only: the demo, the tests and gloo runs (several processes, --nproc-per-node N) work here; GPU "
+                "runs need CUDA")
+    fsdp = " and ".join(name.upper() for name in ("fsdp2", "fsdp1") if name in ok) or "no FSDP"
+    gpus = f"{num_gpus} GPU{'s' if num_gpus > 1 else ''}"
+    if "nccl" not in ok:
+        return (f"{gpus} but no NCCL: one-GPU runs ({fsdp}) and CPU runs work here; several GPUs need a torch built "
+                "with NCCL")
+    return (f"{gpus}: GPU runs with {fsdp} over NCCL, up to --nproc-per-node {num_gpus} a node, work here, as do "
+            "the demo, the tests and gloo runs")
+
+
 def doctor_main(args: argparse.Namespace) -> int:
     lines = doctor_lines()
     width = max(len(name) for name, _ in lines)
     for name, status in lines:
         print(f"{name:<{width}}  {status}")
+    status = dict(lines)
+    num_gpus = 0
+    if status.get("cuda", "").startswith("ok"):
+        import torch
+
+        num_gpus = torch.cuda.device_count()
+    print(f"\n{doctor_verdict(status, num_gpus)}")
     return 0
 
 

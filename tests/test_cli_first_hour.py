@@ -54,3 +54,33 @@ def test_train_help_says_no_arguments_run_the_demo_and_serve_help_shows_defaults
         main(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: 127.0.0.1)" in out and "(default: 8000;" in out
+
+
+def test_doctor_ends_with_what_this_machine_can_run(capsys):
+    from shardrl.cli import doctor_lines, doctor_verdict
+
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    table, verdict = out.rstrip("\n").split("\n\n")
+    assert verdict == doctor_verdict(dict(doctor_lines()), 0)  # (the tests run on the CPU)
+    assert verdict.startswith("CPU only: the demo, the tests and gloo runs")
+    assert verdict.endswith("GPU runs need CUDA")
+
+
+@pytest.mark.parametrize("status, num_gpus, expected", [
+    ({"torch": "missing"}, 0, "nothing runs here yet: install torch"),
+    ({"torch": "ok", "transformers": "ok", "gloo": "missing"}, 0, "CPU only, one process: the demo and single-"),
+    ({"torch": "ok", "transformers": "ok", "gloo": "ok", "nccl": "ok", "fsdp2": "ok", "fsdp1": "ok"}, 8,
+     "8 GPUs: GPU runs with FSDP2 and FSDP1 over NCCL, up to --nproc-per-node 8 a node, work here, as do the demo"),
+    ({"torch": "ok (2.11.0+cu130, CUDA build 13.0)", "cuda": "ok (1 device(s): NVIDIA H100 80GB HBM3 79 GiB)",
+      "nccl": "ok", "gloo": "ok", "transformers": "ok (5.17.0)", "fsdp2": "ok (fully_shard; gloo on CPU, NCCL on GPU)",
+      "fsdp1": "ok"}, 1,  # (an H100's, as `shardrl doctor` lists it)
+     "1 GPU: GPU runs with FSDP2 and FSDP1 over NCCL, up to --nproc-per-node 1 a node, work here, as do the demo, "
+     "the tests and gloo runs"),
+    ({"torch": "ok", "transformers": "ok", "gloo": "ok", "nccl": "missing", "fsdp2": "ok", "fsdp1": "ok"}, 1,
+     "1 GPU but no NCCL: one-GPU runs (FSDP2 and FSDP1) and CPU runs work here"),
+])
+def test_doctors_verdict_follows_the_parts(status, num_gpus, expected):
+    from shardrl.cli import doctor_verdict
+
+    assert doctor_verdict(status, num_gpus).startswith(expected)
