@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_config_parser(sub)
 
-    plot = sub.add_parser("plot", help="plot the metrics of a run folder")
-    plot.add_argument("run_dir", metavar="RUN_DIR")
+    plot = sub.add_parser("plot", help="plot the metrics of a run folder, or overlay every run of a folder of runs")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, or a folder of them (outputs/EXPERIMENT, "
+                                                         "outputs): its runs overlaid, a legend entry each")
     plot.add_argument("--out", metavar="PNG", default=None, help="image path (default: inside RUN_DIR)")
     return parser
 

@@ -84,3 +84,49 @@ def test_doctors_verdict_follows_the_parts(status, num_gpus, expected):
     from shardrl.cli import doctor_verdict
 
     assert doctor_verdict(status, num_gpus).startswith(expected)
+
+
+def _write_run(folder, records):
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_plot_overlays_the_runs_of_a_folder_with_a_legend(tmp_path, monkeypatch, capsys):
+    import matplotlib.axes
+
+    drawn, plot = [], matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda ax, *a, **k: drawn.append((ax, list(a[0]), list(a[1]), k["label"], k.get("color")))
+                        or plot(ax, *a, **k))
+    runs = tmp_path / "outputs"
+    _write_run(runs / "demo" / "20261201-100000", [{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.3},
+                                                    {"step": 2, "val/reward_mean": 0.25}])
+    _write_run(runs / "demo" / "20261202-100000", [{"step": 1, "reward/mean": 0.2}])
+    _write_run(runs / "sft" / "20261203-100000", [{"step": 1, "sft/loss": 2.0}, {"step": 2, "sft/loss": 1.5}])
+    (runs / "demo" / "20261204-100000").mkdir()  # a run that has not logged yet: not a run folder of the listing
+    _write_run(runs / "demo" / "20261205-100000", [{"step": 1, "timing/step_s": 1.0}])  # nothing to plot: skipped
+
+    assert main(["plot", str(runs)]) == 0  # outputs/<experiment>/<timestamp>: two levels down
+    out = capsys.readouterr()
+    assert out.out.strip() == str(runs / "reward_loss_curves.png") and (runs / "reward_loss_curves.png").is_file()
+    assert "skipped " + str(runs / "demo" / "20261205-100000") in out.err
+    assert [d[1:] for d in drawn] == [
+        ([1, 2], [0.1, 0.3], "demo/20261201-100000", "C0"),
+        ([2], [0.25], "demo/20261201-100000 (validation)", "C0"),
+        ([1], [0.2], "demo/20261202-100000", "C1"),
+        ([1, 2], [2.0, 1.5], "sft/20261203-100000", "C0"),
+    ]
+    reward, loss = drawn[0][0], drawn[3][0]  # a chart per kind, each with its legend
+    assert drawn[2][0] is reward and (reward.get_ylabel(), loss.get_ylabel()) == ("reward", "loss")
+    assert reward.get_legend() is not None and loss.get_legend() is not None
+    drawn.clear()
+    assert main(["plot", str(runs / "demo"), "--out", str(tmp_path / "demo.png")]) == 0  # one level down
+    assert [d[3] for d in drawn] == ["20261201-100000", "20261201-100000 (validation)", "20261202-100000"]
+    assert (tmp_path / "demo.png").is_file()
+    drawn.clear()
+    assert main(["plot", str(runs / "demo" / "20261202-100000")]) == 0  # one run: as before
+    assert [d[3] for d in drawn] == ["train reward (mean)"]
+    assert (runs / "demo" / "20261202-100000" / "reward_curve.png").is_file()
+    capsys.readouterr()
+    assert main(["plot", str(tmp_path / "empty")]) == 2
+    assert "no run folder under it holds one" in capsys.readouterr().err
