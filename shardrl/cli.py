@@ -158,6 +158,7 @@ def plan_main(args: argparse.Namespace) -> int:
         print(f"warning: {line}", file=sys.stderr)
     nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
     nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc_per_node
+    hub_error = _plan_hub_path(cfg)
     plan = Plan.for_offline(cfg, args.trainer, nnodes, nproc) if offline else Plan.for_rl(cfg, nnodes, nproc)
     layout = plan.layout
     ledger, skipped, hf_config = None, None, None
@@ -167,7 +168,7 @@ def plan_main(args: argparse.Namespace) -> int:
     except ConfigError:  # a bad key, as training would refuse it
         raise
     except ValueError as e:  # no usable model config: the layout still stands on its own
-        skipped = str(e)
+        skipped = hub_error or str(e)
         from shardrl.trainer.demo import DEMO_ASSETS
 
         if not offline and cfg.model.path == str((DEMO_ASSETS / "model").resolve()) and not os.path.isdir(cfg.model.path):
@@ -313,6 +314,28 @@ def train_main(args: argparse.Namespace) -> int:
     return launch_main(args.command, args) or 0
 
 
+def _serve_hub_paths(cfg) -> str | None:
+    """The config's hub ids resolved to local folders; the model's name in requests when model.path was one (its id,
+    not the snapshot folder's hash)."""
+    from shardrl.config.hub import resolve_hub_paths
+
+    given = cfg.model.path
+    resolve_hub_paths(cfg)
+    return given if cfg.model.path != given else None
+
+
+def _plan_hub_path(cfg) -> str | None:
+    """model.path as a hub id: its config.json (all the plan reads) from the hub's cache or downloaded; why it cannot
+    be had, else None (the plan goes on without the memory ledger, as for a folder that is not there)."""
+    from shardrl.config.hub import resolve_hub_paths
+
+    try:
+        resolve_hub_paths(cfg, files="config", keys=("model.path",))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def serve_main(args: argparse.Namespace) -> int:
     import signal
     import sys
@@ -331,7 +354,9 @@ def serve_main(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"shardrl serve: {e}", file=sys.stderr)
         return 1
-    engine = build_engine(load_config(args.config, args.overrides), args.served_model_name, args.max_batch)
+    cfg = load_config(args.config, args.overrides)
+    hub_id = _serve_hub_paths(cfg)
+    engine = build_engine(cfg, args.served_model_name or hub_id, args.max_batch)
     if args.front_end == "thread":
         import uvicorn
 

@@ -376,8 +376,8 @@ def test_a_bad_dpo_reference_or_rm_with_lora_is_one_error_line_before_any_model_
         return [line for line in err.splitlines() if line.startswith("error: ")][0]
 
     assert error_of(["dpo", *common, "dpo.ref_model_path=/nonexistent"]) == (
-        "error: dpo.ref_model_path='/nonexistent' is not a folder; give a local Hugging Face model folder (nothing "
-        "is downloaded from the hub)")
+        "error: dpo.ref_model_path='/nonexistent' is not a folder; give a local Hugging Face model folder, or a hub "
+        "id (org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct)")
     resize = (f"has a vocabulary of 20 tokens, smaller than the tokenizer's 53 (from '{tmp_path / 'model'}'): ids >= "
               "20 have no embedding. Use the tokenizer made for this model (model.tokenizer_path), or grow the model's "
               "embeddings to match: model.resize_token_embeddings(53); model.save_pretrained(folder)")

@@ -119,7 +119,7 @@ class CriticConfig:
     loss_agg_mode: LossAggMode = "token-mean"
     """How per-token value losses are reduced to one number (verl's critic.loss_agg_mode)."""
     model_path: str | None = None
-    """Model folder of the critic; None starts from the actor's model."""
+    """Model folder (or hub id) of the critic; None starts from the actor's model."""
 
     def validate(self, prefix: str) -> None:
         _validate_ppo_loop(self, prefix)

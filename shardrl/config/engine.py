@@ -47,11 +47,12 @@ class LoRAConfig:
 @dataclass
 class ModelConfig:
     path: str | None = None
-    """Local Hugging Face model folder (config, weights, usually the tokenizer)."""
+    """Hugging Face model folder (config, weights, usually the tokenizer), or a hub id (org/name) resolved to its
+    folder in the hub's cache, downloaded when not there (`shardrl.config.hub`)."""
     tiny: dict | None = None
     """HF config kwargs for a random-init model when `path` is unset, e.g. {"model_type": "qwen2", "hidden_size": 64}."""
     tokenizer_path: str | None = None
-    """Tokenizer folder; None uses `path`."""
+    """Tokenizer folder or hub id; None uses `path`."""
     chat_template: str | None = None
     """A Jinja chat template set on the tokenizer in place of its own (e.g. for a base model's folder, which has
     none): the template's text, or the path of a file holding it. None: the tokenizer's own."""

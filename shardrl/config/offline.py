@@ -92,7 +92,7 @@ class DPOSettings:
     simpo_gamma: float = 0.5
     """SimPO's target reward margin (TRL's `simpo_gamma`)."""
     ref_model_path: str | None = None
-    """The reference policy's folder; None: model.path (the policy before training). Unused by simpo."""
+    """The reference policy's folder or hub id; None: model.path (the policy before training). Unused by simpo."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "beta", self.beta > 0, "must be > 0")

@@ -76,7 +76,7 @@ class RewardConfig:
     """Keyword arguments passed to the reward function on every call (verl's custom_reward_function.reward_kwargs),
     e.g. {method: flexible}; the function must take them."""
     model_path: str | None = None
-    """Reward model folder (a *ForSequenceClassification with one label, same tokenizer as the policy),
+    """Reward model folder or hub id (a *ForSequenceClassification with one label, same tokenizer as the policy),
     scored through a forward-only engine, instead of a function."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine of the reward model (forward only)."""

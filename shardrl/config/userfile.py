@@ -37,8 +37,8 @@ def import_user_file(path: str, what: str, prefix: str) -> ModuleType:
 def require_folder(key: str, path: str) -> Path:
     """`path`, the value of config key `key`, as a folder that exists."""
     if not Path(path).is_dir():
-        raise ValueError(f"{key}={path!r} is not a folder; give a local Hugging Face model folder "
-                         "(nothing is downloaded from the hub)")
+        raise ValueError(f"{key}={path!r} is not a folder; give a local Hugging Face model folder, or a hub id "
+                         "(org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct)")
     return Path(path)
 
 

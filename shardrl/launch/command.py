@@ -15,6 +15,7 @@ from shardrl.launch.signals import (catch_stop_signals, interrupted_exit, interr
 def launch_main(trainer: str, args) -> int:
     """The command of trainer `trainer` (a `config.registry` name): a bad config or a layout that cannot work is
     one error before any process starts; Ctrl-C is one line and 130."""
+    from shardrl.config.hub import resolve_hub_paths
     from shardrl.config.schema import load_config
     from shardrl.launch.overrides import resolve_overrides, verl_overrides
     from shardrl.trainer.logger import check_sinks_installed
@@ -34,6 +35,8 @@ def launch_main(trainer: str, args) -> int:
         if value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1 (processes per node / nodes)")
     check_sinks_installed(cfg.trainer.logger)  # a missing tensorboard/wandb: said now, not after the model loads
+    # hub ids: local folders of the hub's cache, downloaded here once before any rank starts; the ranks get the folders
+    overrides += resolve_hub_paths(cfg)
     overrides += [f"trainer.nproc_per_node={nproc}", f"trainer.nnodes={nnodes}"]
     if nnodes > 1 and "RANK" not in os.environ:
         raise ValueError(

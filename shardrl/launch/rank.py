@@ -45,12 +45,14 @@ def run(config: str | None, overrides: list[str], trainer: str = "train") -> Pat
     torchrun's environment); the run folder, or None on a rank that only generates (async_rl.rollout_ranks)."""
     import torch.distributed as dist
 
+    from shardrl.config.hub import resolve_hub_paths
     from shardrl.config.schema import load_config
     from shardrl.distributed import init_distributed
     from shardrl.trainer.logger import check_sinks_installed
 
     cls = trainer_class(trainer)
     cfg = load_config(config, overrides, cls=cls.config_cls)
+    resolve_hub_paths(cfg)  # (ranks torchrun started directly; `shardrl train` hands them local folders already)
     check_sinks_installed(cfg.trainer.logger)  # before the model loads
     if cfg.trainer.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
