@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+
 def _options(trained_only: bool) -> StateDictOptions:
     # flattened optimizer state: per-parameter keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") that
     # do not depend on how parameters are grouped or sharded
@@ -68,6 +69,17 @@ def lora_settings(lora) -> dict[str, Any]:
             "target_modules": targets}
 
 
+def check_settings(path, then: Mapping[str, Any], now: Mapping[str, Any], what: str, fix: str,
+                   prefix: str = "") -> None:
+    """A checkpoint resumed under settings other than those it recorded (`then`) is a ValueError naming each key
+    (`prefix` + key) with both values, then `fix`; a key the checkpoint did not record (it was written before the key
+    was) is not checked. The one check for LoRA settings (here) and a trainer's (`trainer.checkpoint`)."""
+    differ = [f"{prefix}{k}={then[k]!r} in the checkpoint, {v!r} here" for k, v in now.items()
+              if k in then and then[k] != v]
+    if differ:
+        raise ValueError(f"checkpoint {path} was trained with other {what}: {'; '.join(differ)}; {fix}")
+
+
 def _check_lora_settings(path: Path, saved: Mapping[str, Any], lora: Mapping | None) -> None:
     """A checkpoint that recorded its LoRA settings, resumed under others, is an error naming them (a checkpoint
     written before they were recorded is not checked)."""
@@ -75,12 +87,8 @@ def _check_lora_settings(path: Path, saved: Mapping[str, Any], lora: Mapping | N
         return
     record = {"lora": ""}
     dcp.load(record, checkpoint_id=str(path))
-    then = json.loads(record["lora"])
-    differ = [f"model.lora.{k}={then.get(k)!r} in the checkpoint, {v!r} here" for k, v in dict(lora).items()
-              if then.get(k) != v]
-    if differ:
-        raise ValueError(f"checkpoint {path} was trained with other LoRA settings: {'; '.join(differ)}; resume it "
-                         "with the settings it was trained with")
+    check_settings(path, json.loads(record["lora"]), lora, "LoRA settings",
+                   "resume it with the settings it was trained with", prefix="model.lora.")
 
 
 def load_engine_state(path: str | os.PathLike, module: nn.Module, optimizer=None, lr_scheduler=None,

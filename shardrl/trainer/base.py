@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from shardrl.compat.verl.metric_names import with_verl_names
 from shardrl.config.schema import config_to_dict
+from shardrl.trainer.checkpoint import CheckpointManager, check_resumable
 from shardrl.trainer.logger import MetricsLogger
 from shardrl.trainer.run_folder import write_results
 
@@ -48,6 +50,10 @@ class Trainer(abc.ABC):
     head = "lm"
     demo_without_config = False
     """Without a config file or a model, the command runs the built-in demo (`shardrl train`)."""
+    resume_settings: tuple[str, ...] = ()
+    """The config keys a checkpoint's steps mean under (the loss and what it is computed from): each checkpoint
+    records their values, and a resume under others is refused naming them (`checkpoint.check_resumable`; the
+    README's list). Settings of how to go on (the LR, sampling, batch sizes) may change on resume."""
 
     # ---- what the launcher asks of a trainer class ----------------------------------------------------
     @classmethod
@@ -81,6 +87,16 @@ class Trainer(abc.ABC):
         self.val_generations: list[dict] = []  # rank 0: the last validation's samples, for the logger
         self._resumed_records: list[dict] = []  # a resumed checkpoint's logged steps, when no metrics.jsonl has them
         self._checkpoint_record: dict | None = None  # the resumed checkpoint's own step's record
+        self.checkpoints = CheckpointManager(run_dir / "checkpoints", self.cfg.trainer.keep_last)
+        # before the subclass claims the folder (rewriting its config.yaml) and loads any model
+        resume = self.cfg.trainer.resume
+        check_resumable(self.checkpoints.resume_target(resume), self.name, self.recorded_settings(),
+                        "set trainer.output_dir to another folder for a new run" if resume == "auto" else
+                        f"start a new run without trainer.resume={resume}")
+
+    def recorded_settings(self) -> dict:
+        """This run's values of `resume_settings`, by key."""
+        return {key: functools.reduce(getattr, key.split("."), self.cfg) for key in self.resume_settings}
 
     def _say(self, text: str) -> None:
         if self.rank == 0:
@@ -129,7 +145,8 @@ class Trainer(abc.ABC):
         extra["step_record"] = pending
         if "jsonl" not in self.cfg.trainer.logger:  # no metrics.jsonl: the steps logged so far, for the summary
             extra["records"] = list(self.records) + ([pending] if pending else [])  # of a resumed run (rank 0's)
-        path = self.checkpoints.save(self.step, self.checkpoint_engines(), extra, rank_extra)
+        record = {"trainer": self.name, "settings": self.recorded_settings()}
+        path = self.checkpoints.save(self.step, self.checkpoint_engines(), extra, rank_extra, record)
         self._say(f"saved checkpoint {path}")
 
     def resume(self) -> None:

@@ -7,7 +7,9 @@ Layout of one checkpoint, `root/step_000010/`:
     ranks/dp_rank_0.pt      per-rank trainer state under fixed keys the trainer chooses (`rank_extra`:
                             torchtitan's `dp_rank_{r}`), each key written by one rank
     extra.pt                the trainer's global state (dataloader position, step, ...), from rank 0
-    trainer_state.json      step, world size and engine names, for people
+    trainer_state.json      step, world size and engine names, for people; the trainer that wrote it and the
+                            settings its steps mean under (`record`), read before anything loads
+                            (`check_resumable`)
     COMPLETE                written last
 
 Atomicity: everything is written into `root/.tmp_step_000010/`; after a barrier rank 0 writes COMPLETE
@@ -35,13 +37,15 @@ import re
 import shutil
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+
+from shardrl.engine.checkpoint import check_settings
 
 if TYPE_CHECKING:
     from shardrl.engine.base import Engine
@@ -84,6 +88,8 @@ class Checkpoint:
     path: Path
     extra: dict
     """What the trainer passed to `save` (dataloader state, ...)."""
+    record: dict = field(default_factory=dict)
+    """Its trainer_state.json: what `save`'s `record` added (the trainer, its settings)."""
 
     def rank_extra(self, key: str) -> Any | None:
         """What some rank saved under `key` in `save(rank_extra={key: ...})`; None when no rank did (saved
@@ -181,9 +187,10 @@ class CheckpointManager:
         return found[-1][1] if found else None
 
     def save(self, step: int, engines: Mapping[str, "Engine"], extra: dict | None = None,
-             rank_extra: Mapping[str, Any] | None = None) -> Path:
+             rank_extra: Mapping[str, Any] | None = None, record: Mapping[str, Any] | None = None) -> Path:
         """Writes `engines` (name -> engine), `extra` (rank 0's) and `rank_extra` (key -> state, each key
-        written by one rank: the state only that rank holds) as the checkpoint of `step`; returns its folder."""
+        written by one rank: the state only that rank holds) as the checkpoint of `step`; returns its folder.
+        `record`: plain values for trainer_state.json (`read_record` gives them back without loading anything)."""
         for key in rank_extra or {}:
             if not re.fullmatch(r"[A-Za-z0-9_\-]+", key):
                 raise ValueError(f"rank_extra key {key!r}: use letters, digits, '_' or '-'")
@@ -212,7 +219,8 @@ class CheckpointManager:
                 torch.save(value, tmp / "ranks" / f"{key}.pt")
             if rank == 0:
                 torch.save(dict(extra or {}), tmp / "extra.pt")
-                summary = {"step": step, "world_size": _world(), "engines": sorted(engines), "time": time.time()}
+                summary = {"step": step, "world_size": _world(), "engines": sorted(engines), "time": time.time(),
+                           **dict(record or {})}
                 (tmp / "trainer_state.json").write_text(json.dumps(summary, indent=2) + "\n")
         except (Exception, CheckpointException) as e:  # DCP raises its CheckpointException on every rank
             error = e
@@ -318,9 +326,10 @@ class CheckpointManager:
                 raise self._unreadable(path, e) from e
             raise  # (a checkpoint of another model, out of memory, a lost peer: as they are)
         m = STEP_RE.match(path.name)
-        step = int(m.group(1)) if m else int(json.loads((path / "trainer_state.json").read_text())["step"])
+        record = read_record(path)
+        step = int(m.group(1)) if m else int(record["step"])
         _barrier()
-        return Checkpoint(step=step, path=path, extra=extra)
+        return Checkpoint(step=step, path=path, extra=extra, record=record)
 
     def _unreadable(self, path: Path, error: BaseException) -> ValueError:
         """Why the complete checkpoint `path` could not be read, and the other complete ones to resume from."""
@@ -337,6 +346,15 @@ class CheckpointManager:
         return ValueError(f"checkpoint {path} is marked complete but cannot be read ({said}); its files may be "
                           f"damaged (a disk or copy that cut them short): {fix}")
 
+    def resume_target(self, resume: str) -> Path | None:
+        """The checkpoint `trainer.resume` names (the newest complete one for "auto"); None for "never", for "auto"
+        with none, and for a path that is no complete checkpoint (`load` says what is wrong with it)."""
+        if resume == "never":
+            return None
+        if resume == "auto":
+            return self.latest()
+        return Path(resume) if (Path(resume) / COMPLETE).is_file() else None
+
     def load_latest(self, engines: Mapping[str, "Engine"], restore_rng: bool = True) -> Checkpoint | None:
         """Loads the newest complete checkpoint; None when there is none (a fresh start)."""
         latest = self.latest()
@@ -347,3 +365,53 @@ class CheckpointManager:
         if latest is None:
             return None
         return self.load(latest, engines, restore_rng)
+
+
+# ---- what a checkpoint may be resumed by ---------------------------------------------------------------
+def read_record(path: str | os.PathLike) -> dict:
+    """A checkpoint's trainer_state.json ({} when it has none or it cannot be read)."""
+    try:
+        return json.loads((Path(path) / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def written_by(path: Path, record: Mapping[str, Any]) -> str:
+    """The trainer (`shardrl NAME`) that wrote the checkpoint `path`; one written before trainer_state.json named it
+    is told by its engines (the RL trainer's `actor`) or by the name an offline trainer kept in extra.pt."""
+    if record.get("trainer"):
+        return record["trainer"]
+    if "actor" in record.get("engines", ()):
+        return "train"
+    try:
+        return torch.load(path / "extra.pt", weights_only=False).get("trainer", "sft")
+    except Exception:  # (unreadable: `load` says why, naming the file)
+        return "sft"
+
+
+def check_resumable(path: Path | None, trainer: str, settings: Mapping[str, Any], fresh: str) -> None:
+    """Before a run claims its folder (rewriting config.yaml) or loads a model: the checkpoint `path` it will resume
+    (None: none) must be of this `trainer` and recorded under these `settings` (key -> value; a key it did not record
+    is not checked). Otherwise a ValueError on every rank (rank 0 decides) naming the trainer that wrote it, or each
+    changed key with both values, and how to go on; `fresh` says how to start a new run instead. Call on every rank."""
+    error = None
+    if _rank() == 0 and path is not None:
+        record = read_record(path)
+        made_by = written_by(path, record)
+        if made_by != trainer:
+            error = (f"checkpoint {path} was written by `shardrl {made_by}`, not `shardrl {trainer}`: resume it with "
+                     f"`shardrl {made_by}`, or {fresh} (its trainer.export_hf folder as model.path starts from its "
+                     "weights)")
+        else:
+            try:
+                check_settings(path, record.get("settings", {}), settings, "settings",
+                               "they change what its steps meant, so a resume keeps them: set them back to continue "
+                               f"that run, or {fresh}")
+            except ValueError as e:
+                error = str(e)
+    if dist.is_initialized() and _world() > 1:  # one decision for all ranks
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise ValueError(error)

@@ -34,7 +34,6 @@ from shardrl.plan.plan import Plan
 from shardrl.rollout.build import the_device
 from shardrl.tokenizer import load_tokenizer
 from shardrl.trainer.base import Trainer
-from shardrl.trainer.checkpoint import CheckpointManager
 from shardrl.trainer.roles import ModelPath, check_vocabularies
 from shardrl.trainer.run_folder import claim_run_dir
 from shardrl.trainer.state import resolve_total_epochs
@@ -76,7 +75,6 @@ class OfflineTrainer(Trainer):
         self.build_more()
         self.loader = PromptLoader(self.train_set, d.batch_size, d.shuffle, d.seed, dp_rank=self.mesh.dp_rank,
                                    dp_size=self.mesh.dp_size)
-        self.checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_last)
         self.step = 0
 
     @classmethod
@@ -137,13 +135,9 @@ class OfflineTrainer(Trainer):
         return {"model": self.engine}
 
     def state_dict(self) -> tuple[dict, dict]:
-        return {"step": self.step, "loader": self.loader.state_dict(), "trainer": self.name}, {}
+        return {"step": self.step, "loader": self.loader.state_dict()}, {}
 
     def load_state(self, ckpt) -> None:
-        made_by = ckpt.extra.get("trainer", "sft")
-        if made_by != self.name:
-            raise ValueError(f"checkpoint {ckpt.path} was written by `shardrl {made_by}`, not `shardrl {self.name}`; "
-                             "resume it with the trainer that wrote it, or start from its HF export")
         self.step = int(ckpt.extra["step"])
         if self.step <= self.cfg.trainer.total_steps:  # (past it: `resume` says so)
             self.loader.load_state_dict(ckpt.extra["loader"])

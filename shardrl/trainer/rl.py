@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from shardrl.batch import Batch
-from shardrl.trainer.checkpoint import CheckpointManager
 from shardrl.trainer.datasets import load_datasets
 from shardrl.config.schema import Config
 from shardrl.config.checks import check_router_replay_settings
@@ -135,6 +134,10 @@ class LocalBatches:
 
 class RLTrainer(Trainer):
     name, config_cls = "train", Config
+    resume_settings = ("algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo", "algorithm.gamma",
+                       "algorithm.lam", "algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_coef",
+                       "algorithm.kl_target", "actor.loss_mode", "actor.loss_agg_mode", "actor.use_kl_loss",
+                       "actor.kl_loss_type", "actor.kl_loss_coef", "critic.loss_agg_mode")
     demo_without_config = True
 
     def __init__(self, cfg: Config, run_dir: Path, batch_source=None, plan: Plan | None = None):
@@ -203,7 +206,6 @@ class RLTrainer(Trainer):
                              self.mesh.dp_group, self.steps.multi_turn, cfg.reward.overlong_buffer,
                              self.plan.max_response_tokens, cfg.reward.missing_eos_penalty)
         self.state = TrainState(cfg, loader, self.mesh.dp_rank, self.mesh.dp_size, self.mesh.sp_rank)
-        self.checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_last)
         self.source = (batch_source or (lambda t: LocalBatches(t.cfg, t.generation, t.roles.actor, t.mesh,
                                                                t.device)))(self)
         self.logprob_temperature = SamplingParams.from_config(cfg.rollout).logprob_temperature  # the sampler's

@@ -36,6 +36,7 @@ def rm_loss_fn(center_coefficient: float):
 
 class RMTrainer(PairTrainer):
     name, config_cls, head = "rm", RMConfig, "score"
+    resume_settings = ("rm.center_rewards_coefficient",)
 
     def loss_fn(self):
         return rm_loss_fn(self.cfg.rm.center_rewards_coefficient)
