@@ -1,6 +1,7 @@
-"""What a resume does with a changed setting, for every trainer: a setting that changes what the earlier steps meant
-is refused naming the key and both values; a checkpoint another trainer wrote is refused naming it. A refused resume
-leaves the folder's config.yaml as it was."""
+"""What a resume does with a changed setting, for every trainer: a raised trainer.total_steps gives the LR schedule
+of a fresh run of the new length from the restored step (one line says so); a setting that changes what the earlier
+steps meant is refused naming the key and both values; a checkpoint another trainer wrote is refused naming it. A
+refused resume leaves the folder's config.yaml as it was."""
 
 from __future__ import annotations
 
@@ -51,6 +52,25 @@ def records(run_dir) -> list[dict]:
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
+def test_sft_resumed_with_more_steps_follows_the_longer_schedule(tmp_path, model_dir, caplog):
+    """Was: 1e-3, 1e-3, then 1e-4 (the 2-step schedule's end, restored with the optimizer), then the 5-step
+    schedule's values."""
+    run_dir = tmp_path / "run"
+    args = offline_args(tmp_path, model_dir, run_dir) + SCHEDULE
+    assert main(["sft", *args, "trainer.total_steps=2"]) == 0
+    with caplog.at_level(logging.INFO, logger="shardrl"):
+        assert main(["sft", *args, "trainer.total_steps=5", "trainer.resume=auto"]) == 0
+    got = {r["step"]: r["sft/lr"] for r in records(run_dir)}
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step in (3, 4, 5):
+        assert got[step] == pytest.approx(fresh_lr(step, 5), rel=1e-6), (step, got)
+    said = [r.getMessage() for r in caplog.records if "LR schedule" in r.getMessage()]
+    assert len(said) == 1 and "2 to 5" in said[0] and "step 2" in said[0], said
+    # this run's optim.lr too (was: the checkpoint's base LR, the new one ignored)
+    assert main(["sft", *args, "trainer.total_steps=6", "trainer.resume=auto", f"optim.lr={LR / 2}"]) == 0
+    assert records(run_dir)[-1]["sft/lr"] == pytest.approx(fresh_lr(6, 6) / 2, rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     return prepare_demo_assets(tmp_path_factory.mktemp("demo") / "assets", warmup_steps=0)
@@ -60,6 +80,19 @@ def rl_args(assets, run_dir, *extra) -> list[str]:
     return small_demo_run(assets, run_dir, "trainer.logger=[jsonl]", "actor.ppo_mini_batch_size=4",
                           "rollout.max_new_tokens=2", "trainer.save_freq=1", f"actor.optim.lr={LR}",
                           *[f"actor.{s}" for s in SCHEDULE], *extra)
+
+
+def test_rl_resumed_with_more_steps_follows_the_longer_schedule(tmp_path, assets, caplog):
+    run_dir = tmp_path / "run"
+    assert main(["train", *rl_args(assets, run_dir, "trainer.total_steps=2")]) == 0
+    with caplog.at_level(logging.INFO, logger="shardrl"):
+        assert main(["train", *rl_args(assets, run_dir, "trainer.total_steps=4", "trainer.resume=auto")]) == 0
+    got = {r["step"]: r["actor/lr"] for r in records(run_dir)}
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in (3, 4):  # one optimizer step a training step: the actor's schedule is 4 long
+        assert got[step] == pytest.approx(fresh_lr(step, 4), rel=1e-6), (step, got)
+    said = [r.getMessage() for r in caplog.records if "LR schedule" in r.getMessage()]
+    assert len(said) == 1 and "2 to 4" in said[0], said
 
 
 def saved_config(run_dir) -> dict:

@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from shardrl.engine.optim import continue_lr_schedule
+
 
 def _options(trained_only: bool) -> StateDictOptions:
     # flattened optimizer state: per-parameter keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") that
@@ -112,8 +114,10 @@ def load_engine_state(path: str | os.PathLike, module: nn.Module, optimizer=None
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(module, state["model"], options=_options(trained_only))
     if optimizer is not None:
+        base_lrs = list(lr_scheduler.base_lrs)  # this run's optim.lr, not the saving run's
         set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_options(trained_only))
         lr_scheduler.load_state_dict(state["lr_scheduler"])
+        continue_lr_schedule(lr_scheduler, base_lrs)
     return int(state["global_step"])
 
 

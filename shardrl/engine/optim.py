@@ -37,3 +37,14 @@ def build_lr_scheduler(optimizer, warmup_steps: int, warmup_ratio: float, total_
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, warmup_steps, total_steps, schedule, min_lr_ratio)
     )
+
+
+def continue_lr_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, base_lrs: list[float]) -> None:
+    """After a resume restored `scheduler`'s step and the optimizer's LR: this run's schedule (`base_lrs`, its
+    length and shape) at that step, as a fresh run of these settings would have it. The restored LR is the saving
+    run's: with trainer.total_steps raised, a cosine schedule's end (min_lr_ratio) for one step, then this one's."""
+    step = scheduler.last_epoch
+    scheduler.base_lrs = list(base_lrs)
+    for group, base, factor in zip(scheduler.optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = base, base * factor(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

@@ -145,7 +145,8 @@ class Trainer(abc.ABC):
         extra["step_record"] = pending
         if "jsonl" not in self.cfg.trainer.logger:  # no metrics.jsonl: the steps logged so far, for the summary
             extra["records"] = list(self.records) + ([pending] if pending else [])  # of a resumed run (rank 0's)
-        record = {"trainer": self.name, "settings": self.recorded_settings()}
+        record = {"trainer": self.name, "total_steps": self.cfg.trainer.total_steps,
+                  "settings": self.recorded_settings()}
         path = self.checkpoints.save(self.step, self.checkpoint_engines(), extra, rank_extra, record)
         self._say(f"saved checkpoint {path}")
 
@@ -169,6 +170,10 @@ class Trainer(abc.ABC):
                              "start a fresh run in another folder")
         if note:
             self._say(note)
+        before = ckpt.record.get("total_steps")
+        if before is not None and before != total:  # (`Engine.load` follows this run's schedule)
+            self._say(f"trainer.total_steps changed from {before} to {total}: the LR schedule is rebuilt from this "
+                      f"run's settings, so from step {self.step} on the LR is a fresh {total}-step run's")
         self._say(f"resumed from {ckpt.path} at step {self.step}" + (
             f": the run is complete (trainer.total_steps={total}); raise it to train on" if self.step == total
             else ""))

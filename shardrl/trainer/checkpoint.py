@@ -7,9 +7,9 @@ Layout of one checkpoint, `root/step_000010/`:
     ranks/dp_rank_0.pt      per-rank trainer state under fixed keys the trainer chooses (`rank_extra`:
                             torchtitan's `dp_rank_{r}`), each key written by one rank
     extra.pt                the trainer's global state (dataloader position, step, ...), from rank 0
-    trainer_state.json      step, world size and engine names, for people; the trainer that wrote it and the
-                            settings its steps mean under (`record`), read before anything loads
-                            (`check_resumable`)
+    trainer_state.json      step, world size and engine names, for people; the trainer that wrote it, its
+                            trainer.total_steps and the settings its steps mean under (`record`), read before
+                            anything loads (`check_resumable`)
     COMPLETE                written last
 
 Atomicity: everything is written into `root/.tmp_step_000010/`; after a barrier rank 0 writes COMPLETE
@@ -89,7 +89,7 @@ class Checkpoint:
     extra: dict
     """What the trainer passed to `save` (dataloader state, ...)."""
     record: dict = field(default_factory=dict)
-    """Its trainer_state.json: what `save`'s `record` added (the trainer, its settings)."""
+    """Its trainer_state.json: what `save`'s `record` added (the trainer, trainer.total_steps, settings)."""
 
     def rank_extra(self, key: str) -> Any | None:
         """What some rank saved under `key` in `save(rank_extra={key: ...})`; None when no rank did (saved
