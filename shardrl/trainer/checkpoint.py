@@ -396,6 +396,7 @@ def check_resumable(path: Path | None, trainer: str, settings: Mapping[str, Any]
     changed key with both values, and how to go on; `fresh` says how to start a new run instead. Call on every rank."""
     error = None
     if _rank() == 0 and path is not None:
+        settings = json.loads(json.dumps(dict(settings)))  # as the record holds them (a tuple is a list there)
         record = read_record(path)
         made_by = written_by(path, record)
         if made_by != trainer:
