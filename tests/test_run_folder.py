@@ -115,7 +115,7 @@ def test_a_run_that_fails_before_it_starts_leaves_no_run_folder(assets, tmp_path
     no_weights = tmp_path / "no_weights"  # fails later, when the model loads
     transformers.AutoConfig.from_pretrained(assets / "model").save_pretrained(no_weights)
     cases = {"missing": ([f"data.train_files=[{missing}]"], "missing.jsonl"),
-             "bad_rows": ([f"data.train_files=[{bad_rows}]"], "no 'prompt' key"),
+             "bad_rows": ([f"data.train_files=[{bad_rows}]"], "no row has the columns"),
              "no_weights": ([f"model.path={no_weights}", f"model.tokenizer_path={assets / 'model'}"], "no weights")}
     for name, (extra, says) in cases.items():
         out = tmp_path / "runs" / name
