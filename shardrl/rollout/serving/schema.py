@@ -121,6 +121,25 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def check_text(value, where: str, param: str) -> None:
+    """Refuses a string in `value` (a string, or lists and objects holding strings) that is not valid Unicode: a
+    lone UTF-16 surrogate, which JSON can spell ("\\ud800") but no tokenizer encodes. The message names the character,
+    the field (`where`, e.g. "messages[0].content") and the position in it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(f"{where} holds an invalid character at position {e.start}: U+{ord(value[e.start]):04X}, "
+                               "a lone UTF-16 surrogate (half of a pair; no Unicode text): send valid text, or the "
+                               "pair's two halves together", param) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(item, f"{where}.{key}", param)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_text(item, f"{where}[{i}]", param)
+
+
 def refuse_unsupported(req: Common) -> None:
     """OpenAI's options that would change what is sampled, which this server does not apply: refused, not
     ignored (a trainer must not think a bias or penalty shaped the tokens it trains on)."""
@@ -134,6 +153,7 @@ def check_request(req: Common, prompts: list[list[int]], max_tokens: int, model_
                   vocab: int) -> int:
     """Refuses what this server cannot answer as asked (`RequestError`); returns the request's n."""
     refuse_unsupported(req)
+    check_text(req.stop, "stop", "stop")
     if isinstance(req, ChatRequest) and req.top_logprobs:
         raise RequestError(f"top_logprobs={req.top_logprobs} is not supported by this server (it gives no "
                            "alternative tokens): logprobs=true gives each sampled token's log-prob; leave "
@@ -199,6 +219,9 @@ def sampling_of(req: Common, n: int, max_tokens: int, vocab: int, policy: Sampli
 
 def chat_prompt(req: ChatRequest, tok) -> list[int]:
     """The chat request's prompt ids: its messages through the tokenizer's chat template."""
+    check_text([m.model_dump(exclude_none=True) for m in req.messages], "messages", "messages")
+    for name in ("tools", "chat_template_kwargs"):
+        check_text(getattr(req, name), name, name)
     messages = [m.for_template() for m in req.messages]
     if not messages:
         raise RequestError("messages is empty: send at least one message", "messages")
@@ -228,6 +251,7 @@ def chat_max_tokens(req: ChatRequest, prompt_len: int, default_max_tokens: int, 
 def completion_prompts(req: CompletionRequest, tok) -> list[list[int]]:
     """The completion request's prompts: a string, token ids, or a list of either."""
     p = req.prompt
+    check_text(p, "prompt", "prompt")
     if isinstance(p, str):
         return [tok(p, add_special_tokens=False)["input_ids"]]
     if p and all(isinstance(x, int) for x in p):
