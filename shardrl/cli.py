@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--front-ends", type=int, default=1, metavar="N",
                        help="front-end processes sharing the port (default 1; each parses and tokenizes requests on a "
                             "core of its own, about 1,000 requests/s apiece)")
+    serve.add_argument("--max-body-mb", type=_count, default=8, metavar="MIB",
+                       help="a request body larger than this many MiB is refused with a 413 (default 8)")
 
     _add_config_parser(sub)
 
@@ -343,7 +345,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from shardrl.config.schema import load_config
     from shardrl.rollout.serving.frontend import listening_sockets
     from shardrl.rollout.serving.server import uvicorn_server
-    from shardrl.rollout.serving.command import ServerProcess, build_app, build_engine
+    from shardrl.rollout.serving.command import ServeOptions, ServerProcess, build_app, build_engine
 
     if args.front_ends < 1:
         raise SystemExit(f"shardrl serve: --front-ends {args.front_ends}: serve with at least one front-end process")
@@ -354,6 +356,7 @@ def serve_main(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"shardrl serve: {e}", file=sys.stderr)
         return 1
+    options = ServeOptions(max_body_bytes=args.max_body_mb * 2**20)
     cfg = load_config(args.config, args.overrides)
     hub_id = _serve_hub_paths(cfg)
     engine = build_engine(cfg, args.served_model_name or hub_id, args.max_batch)
@@ -362,14 +365,16 @@ def serve_main(args: argparse.Namespace) -> int:
 
         print(f"serving {engine[1]!r} at http://{args.host}:{args.port}/v1 (front end: a thread of this process)",
               flush=True)
-        server = uvicorn_server(uvicorn.Config(build_app(*engine), host=args.host, port=args.port, log_level="info"))
+        app = build_app(*engine, options=options)
+        server = uvicorn_server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
         try:
             server.run()
         except KeyboardInterrupt:  # (uvicorn raises Ctrl-C again after its graceful stop)
             pass
         return 0 if server.started else 3  # (3: its app did not start, as uvicorn.run says)
     try:
-        server = ServerProcess(*engine, host=args.host, port=args.port, log_level="info", front_ends=args.front_ends)
+        server = ServerProcess(*engine, host=args.host, port=args.port, log_level="info", front_ends=args.front_ends,
+                               options=options)
     except RuntimeError as e:  # (a port taken, a front end that did not start: said in one line)
         print(f"shardrl serve: {e}", file=sys.stderr)
         return 1

@@ -4,13 +4,15 @@ large to hold, prompts too long to tokenize; the server keeps answering the othe
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
 
 import pytest
 
 from shardrl.config.schema import load_config
-from shardrl.rollout.serving.command import ServerThread, build_server
+from shardrl.rollout.serving.app import OFF_LOOP_CHARS
+from shardrl.rollout.serving.command import ServeOptions, ServerThread, build_server
 from shardrl.testing import save_char_model
 
 
@@ -61,3 +63,108 @@ def test_a_lone_surrogate_gets_a_400_naming_the_character_and_where_it_is(server
     assert error["type"] == "invalid_request_error" and error["param"] == where.split("[")[0]
     assert "template" not in error["message"] and "TextEncodeInput" not in error["message"]
     small_completion(server)
+
+
+LIMIT = 100_000
+
+
+@pytest.fixture(scope="module")
+def small_limit_server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model_limit")
+    save_char_model(folder)
+    srv = ServerThread(build_server(load_config(None, [f"model.path={folder}", "rollout.backend=hf"]),
+                                    served_name="tiny", options=ServeOptions(max_body_bytes=LIMIT)))
+    yield srv
+    srv.stop()
+
+
+def test_the_body_limit_defaults_to_8_mib_and_is_checked():
+    assert ServeOptions().max_body_bytes == 8 * 2**20
+    with pytest.raises(ValueError, match="max_body_bytes=0"):
+        ServeOptions(max_body_bytes=0)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_limit_gets_a_413_and_the_server_answers_the_next(small_limit_server, chunked):
+    """Refused before it is held whole: at once by its Content-Length, or (chunked: no length) as the bytes pass the
+    limit; in OpenAI's error shape."""
+    body = json.dumps({"model": "tiny", "prompt": "a" * LIMIT, "max_tokens": 2}).encode()  # (sent whole before
+    # the answer is read: the server closes the connection after it, and a client still writing gets a broken pipe)
+    status, answer = post(small_limit_server, "completions",
+                          iter([body[i:i + 8192] for i in range(0, len(body), 8192)]) if chunked else body)
+    assert status == 413, answer
+    assert answer == {"error": {
+        "message": f"the request body is larger than this server's limit of {LIMIT:,} bytes: send a smaller one "
+                   "(shardrl serve --max-body-mb raises the limit)",
+        "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
+    small_completion(small_limit_server)
+    status, _ = post(small_limit_server, "completions", json.dumps(  # (under the limit: served)
+        {"model": "tiny", "prompt": "b" * (LIMIT // 2), "max_tokens": 1, "temperature": 0}).encode())
+    assert status in (200, 400)
+
+
+@pytest.fixture
+def tokenizer_calls(server, monkeypatch) -> list[int]:
+    """The length of every text the server's tokenizer is given (its chat template's rendering included)."""
+    tok = server.batcher.tokenizer
+    calls: list[int] = []
+    cls = type(tok)
+    call, template = cls.__call__, cls.apply_chat_template
+
+    def counting_call(self, text, *args, **kwargs):
+        calls.append(len(text) if isinstance(text, str) else -1)
+        return call(self, text, *args, **kwargs)
+
+    def counting_template(self, messages, *args, **kwargs):
+        calls.append(sum(len(m.get("content") or "") for m in messages))
+        return template(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__call__", counting_call)
+    monkeypatch.setattr(cls, "apply_chat_template", counting_template)
+    return calls
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_prompt_whose_characters_exceed_the_context_is_refused_before_it_is_tokenized(server, tokenizer_calls,
+                                                                                         route):
+    """The char model's tokens spell at most its longest vocabulary entry's characters (its special tokens'), so a
+    prompt of more than (context - 1) times that many characters cannot fit: a 400 without tokenizing it."""
+    per_token = max(map(len, server.batcher.tokenizer.get_vocab()))
+    context = server.batcher.max_model_len
+    text = "a" * ((context - 1) * per_token + 1)
+    body = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
+    status, answer = post(server, route, json.dumps({"model": "tiny", "max_tokens": 2, **body}).encode())
+    assert status == 400, answer
+    assert answer["error"]["code"] == "context_length_exceeded"
+    assert (f"this model's context is {context} tokens and the prompt has {len(text):,} characters"
+            in answer["error"]["message"])
+    assert answer["error"]["param"] == ("prompt" if route == "completions" else "messages")
+    assert not any(n >= len(text) for n in tokenizer_calls), tokenizer_calls  # (never tokenized)
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server, monkeypatch):
+    """While a long prompt's tokenizing is held (in the tokenizer), a small request is answered: the loop is free."""
+    tok = server.batcher.tokenizer
+    cls = type(tok)
+    call = cls.__call__
+    entered, release = threading.Event(), threading.Event()
+
+    def held_call(self, text, *args, **kwargs):
+        if isinstance(text, str) and len(text) > OFF_LOOP_CHARS:
+            entered.set()
+            release.wait(timeout=60)
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__call__", held_call)
+    long = json.dumps({"model": "tiny", "prompt": "a" * (OFF_LOOP_CHARS + 10),
+                       "max_tokens": server.batcher.max_model_len}).encode()  # (a 400 once tokenized)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(long=post(server, "completions", long, timeout=90)))
+    thread.start()
+    try:
+        assert entered.wait(timeout=30), "the long prompt never reached the tokenizer"
+        small_completion(server)  # (on the loop: would wait for the release, and time out)
+    finally:
+        release.set()
+        thread.join(timeout=90)
+    assert result["long"][0] == 400 and result["long"][1]["error"]["code"] == "context_length_exceeded"

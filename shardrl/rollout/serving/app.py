@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,8 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shardrl.rollout.base import SamplingParams
 from shardrl.rollout.serving.batcher import Batcher, Dropped, Stopped
 from shardrl.rollout.serving.schema import (ChatRequest, Common, CompletionRequest, RequestError, chat_max_tokens,
-                                            chat_prompt, chat_response, check_request, completion_prompts,
-                                            completion_response, cut_at_stop_ids, error_body, sampling_of)
+                                            chat_prompt, chat_response, check_prompt_chars, check_request,
+                                            completion_prompts, completion_response, cut_at_stop_ids, error_body,
+                                            longest_token_chars, sampling_of)
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +28,31 @@ log = logging.getLogger(__name__)
 EPISODE_HEADER = "x-shardrl-episode"
 """A request carrying this header is recorded under its value (`app.state.records`: episode -> calls)."""
 
+OFF_LOOP_CHARS = 16_384
+"""A prompt of more characters is templated and tokenized in a worker thread: on the event loop a 20 MB one stalled
+every other request for 23 s. Shorter ones stay on the loop (a thread hop costs more than their tokenizing)."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The server's own settings (`shardrl serve`'s flags)."""
+    max_body_bytes: int = 8 * 2**20
+    """A request body larger than this is refused (413) before it is held whole: a 200 MB prompt grew the front end
+    to ~24 GB and the OOM killer ended the server. 8 MiB holds a prompt of a million tokens' text (or ids)."""
+
+    def __post_init__(self):
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes}: a body limit must be >= 1 byte")
+
 
 def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max_tokens: int = 256,
-              policy: SamplingParams | None = None) -> FastAPI:
+              policy: SamplingParams | None = None, options: ServeOptions | None = None) -> FastAPI:
     """The FastAPI app serving `batcher`'s rollout as `model_name`; prompts plus `max_tokens` are limited to
     `max_model_len` tokens; a chat request without max_tokens gets `default_max_tokens` (what is left of the
     context if less). `policy` (an RL run's endpoint): every request samples with its temperature, top-p, top-k
-    and seed whatever it asks (the trainer's log-probs assume them), at most its max_new_tokens a call, n=1."""
+    and seed whatever it asks (the trainer's log-probs assume them), at most its max_new_tokens a call, n=1.
+    `options`: the server's own settings (`ServeOptions`)."""
+    options = options or ServeOptions()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -41,8 +61,10 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
         await batcher.stop()
 
     app = FastAPI(title="shardrl", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)
     app.state.policy = policy  # (an RL run's endpoint sets it per generate call: training, validation)
-    for exc, handler in ((RequestValidationError, invalid_body), (StarletteHTTPException, http_error),
+    for exc, handler in ((RequestValidationError, invalid_body), (BodyTooLarge, too_large),
+                         (StarletteHTTPException, http_error),
                          (RequestError, refused), (Stopped, stopping), (Dropped, dropped), (Exception, failed)):
         app.add_exception_handler(exc, handler)
     routes = Routes(app, batcher, model_name, max_model_len, default_max_tokens)
@@ -65,6 +87,7 @@ class Routes:
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.tok = batcher.tokenizer
         self.vocab = len(self.tok)
+        self.token_chars = longest_token_chars(self.tok)  # (a prompt's length checked before it is tokenized)
         self.records: dict[str, list[dict]] = {}  # episode -> its calls' choices
 
     def card(self) -> dict:
@@ -81,7 +104,7 @@ class Routes:
         return self.card()
 
     async def chat(self, req: ChatRequest, request: Request):
-        ids = chat_prompt(req, self.tok)
+        ids = await self.tokenized(chat_prompt, req)
         max_tokens = chat_max_tokens(req, len(ids), self.default_max_tokens, self.max_model_len)
         sampling = self.sampling(req, [ids], max_tokens)
         outs = cut_at_stop_ids(req, await self.submit(request, req, [ids], sampling), self.tok)
@@ -89,13 +112,21 @@ class Routes:
         return JSONResponse(chat_response(req, ids, outs, self.model_name, self.tok))
 
     async def completions(self, req: CompletionRequest, request: Request):
-        prompts = completion_prompts(req, self.tok)
+        prompts = await self.tokenized(completion_prompts, req)
         # (OpenAI's 16, in context)
         default = max(1, min(16, self.max_model_len - max((len(x) for x in prompts), default=0)))
         sampling = self.sampling(req, prompts, default if req.max_tokens is None else req.max_tokens)
         flat = cut_at_stop_ids(req, await self.submit(request, req, prompts, sampling), self.tok)  # prompt-major
         self.record(request, flat)
         return JSONResponse(completion_response(req, prompts, flat, sampling.n, self.model_name, self.tok))
+
+    async def tokenized(self, tokenize, req: Common):
+        """`tokenize(req, tokenizer)` once the prompt's length in characters fits the context (`check_prompt_chars`);
+        a long prompt's in a worker thread, so that the loop goes on answering the other requests."""
+        chars = check_prompt_chars(req, self.token_chars, self.max_model_len)
+        if chars > OFF_LOOP_CHARS:
+            return await asyncio.to_thread(tokenize, req, self.tok)
+        return tokenize(req, self.tok)
 
     def sampling(self, req: Common, prompts: list[list[int]], max_tokens: int) -> SamplingParams:
         """The checked request's sampling (`check_request`, `sampling_of`; the app's policy as it is now)."""
@@ -130,6 +161,42 @@ class Routes:
 
 
 # ---- errors, in OpenAI's JSON shape ----------------------------------------------------------------------
+class BodyTooLarge(StarletteHTTPException):
+    """A request body over the server's limit (`ServeOptions.max_body_bytes`): a 413."""
+
+    def __init__(self, max_bytes: int):
+        super().__init__(413, f"the request body is larger than this server's limit of {max_bytes:,} bytes: send a "
+                              "smaller one (shardrl serve --max-body-mb raises the limit)")
+
+
+class BodyLimit:
+    """ASGI middleware refusing a body over `max_bytes` (`BodyTooLarge`) without holding it: at once where its
+    Content-Length says so, else (a chunked body) as soon as the bytes read pass it."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            response = await too_large(None, BodyTooLarge(self.max_bytes))
+            response.headers["connection"] = "close"  # (the rest of the body is not read)
+            return await response(scope, receive, send)
+        read = 0
+
+        async def limited():
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.max_bytes:  # (FastAPI passes an HTTPException from the body's reading to its handler)
+                raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, limited, send)
+
+
 def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content=error_body(status, message, param, code))
 
@@ -154,6 +221,10 @@ async def invalid_body(request, exc):
         return error(400, "invalid request: prompt must be a string, a list of strings, a list of token ids "
                           "(integers) or a list of lists of token ids", "prompt")
     return error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}", where)
+
+
+async def too_large(request, exc: BodyTooLarge):
+    return error(413, exc.detail, None, "request_too_large")
 
 
 async def http_error(request, exc):  # (an unknown route or method: in OpenAI's error shape too)

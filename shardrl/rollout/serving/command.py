@@ -6,15 +6,16 @@ from __future__ import annotations
 import logging
 
 from shardrl.rollout.serving.frontend import ServerProcess  # noqa: F401  (for callers)
-from shardrl.rollout.serving.app import ServerThread, build_app  # noqa: F401  (ServerThread: for callers)
+from shardrl.rollout.serving.app import ServeOptions, ServerThread, build_app  # noqa: F401  (for callers)
 from shardrl.rollout.serving.batcher import Batcher
 
 log = logging.getLogger(__name__)
 
 
-def build_server(cfg, served_name: str | None = None, max_batch: int | None = None, stream: bool | None = None):
+def build_server(cfg, served_name: str | None = None, max_batch: int | None = None, stream: bool | None = None,
+                 options: ServeOptions | None = None):
     """The app of `build_engine`'s batcher (served in this process: `ServerThread`, or uvicorn)."""
-    return build_app(*build_engine(cfg, served_name, max_batch, stream))
+    return build_app(*build_engine(cfg, served_name, max_batch, stream), options=options)
 
 
 def build_engine(cfg, served_name: str | None = None, max_batch: int | None = None, stream: bool | None = None):

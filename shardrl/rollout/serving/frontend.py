@@ -29,7 +29,7 @@ import urllib.request
 from multiprocessing.connection import Client, Listener
 
 from shardrl.rollout.base import SamplingParams
-from shardrl.rollout.serving.app import build_app, uvicorn_server
+from shardrl.rollout.serving.app import ServeOptions, build_app, uvicorn_server
 from shardrl.rollout.serving.batcher import ALIVE_EVERY_S, Batcher, Dropped, Stopped
 
 log = logging.getLogger(__name__)
@@ -341,13 +341,15 @@ class RemoteBatcher:
 
 
 def run_front_end(address, authkey: bytes, tokenizer, model_name: str, max_model_len: int, default_max_tokens: int,
-                  sock: socket.socket, log_level: str, uvicorn_options: dict | None = None) -> None:
+                  sock: socket.socket, log_level: str, uvicorn_options: dict | None = None,
+                  options: ServeOptions | None = None) -> None:
     """A front-end process: `build_app` on a `RemoteBatcher`, served by uvicorn on the listening socket `sock`
     (bound by the engine's process, `listening_sockets`)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO)
-    app = build_app(RemoteBatcher(address, authkey, tokenizer), model_name, max_model_len, default_max_tokens)
+    app = build_app(RemoteBatcher(address, authkey, tokenizer), model_name, max_model_len, default_max_tokens,
+                    options=options)
     uvicorn_server(uvicorn.Config(app, log_level=log_level, **(uvicorn_options or {}))).run(sockets=[sock])
 
 
@@ -394,11 +396,13 @@ class ServerProcess:
     own, on a socket of its own bound here to the shared port (`listening_sockets`), all feeding the one engine.
     One front end spends about 1 ms of its core a request (bench/front_end.py), so a single one caps a server near
     1,000 requests/s.
-    `uvicorn_options`: more of `uvicorn.Config`'s settings (e.g. {"http": "h11", "loop": "asyncio"})."""
+    `uvicorn_options`: more of `uvicorn.Config`'s settings (e.g. {"http": "h11", "loop": "asyncio"}); `options`:
+    the server's own (`ServeOptions`)."""
 
     def __init__(self, batcher: Batcher, model_name: str, max_model_len: int, default_max_tokens: int = 256,
                  host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning",
-                 timeout_s: float = 120, front_ends: int = 1, uvicorn_options: dict | None = None):
+                 timeout_s: float = 120, front_ends: int = 1, uvicorn_options: dict | None = None,
+                 options: ServeOptions | None = None):
         if front_ends < 1:
             raise ValueError(f"front_ends={front_ends}: serve with at least one front-end process")
         socks = listening_sockets(host, port, front_ends)
@@ -411,7 +415,7 @@ class ServerProcess:
             self.processes = [spawn.Process(
                 target=run_front_end, name=f"shardrl-front-end-{i}", daemon=True,
                 args=(self.engine.address, self.engine.authkey, batcher.tokenizer, model_name, max_model_len,
-                      default_max_tokens, sock, log_level, uvicorn_options)) for i, sock in enumerate(socks)]
+                      default_max_tokens, sock, log_level, uvicorn_options, options)) for i, sock in enumerate(socks)]
             for process in self.processes:
                 process.start()
         except BaseException:

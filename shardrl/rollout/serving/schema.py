@@ -217,6 +217,43 @@ def sampling_of(req: Common, n: int, max_tokens: int, vocab: int, policy: Sampli
         raise RequestError(str(e).replace("SamplingParams.", "").replace("max_new_tokens", "max_tokens"), param)
 
 
+def longest_token_chars(tok) -> int | None:
+    """The most characters of text one token of `tok` stands for: its longest vocabulary entry, special tokens
+    included (a byte-level BPE spells each byte of an entry as one character, so a character of text takes at least
+    one of them); None where the tokenizer lists no vocabulary."""
+    try:
+        return max(map(len, tok.get_vocab()), default=None)
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+
+
+def prompt_chars(req: Common) -> tuple[str, int]:
+    """(the field, the characters of the request's prompt text that every token of its prompt spells): a
+    completion's longest string prompt; a chat's user, system and tool text, each stripped (a template may trim it;
+    an assistant turn's text may be dropped, as Qwen3's drops earlier thinking)."""
+    if isinstance(req, CompletionRequest):
+        texts = [req.prompt] if isinstance(req.prompt, str) else [x for x in req.prompt if isinstance(x, str)]
+        return "prompt", max(map(len, texts), default=0)
+    total = 0
+    for m in req.messages if isinstance(req, ChatRequest) else ():
+        if m.role in ("user", "system", "developer", "tool"):
+            parts = [m.content] if isinstance(m.content, str) else [p.get("text") for p in m.content or ()]
+            total += sum(len(x.strip()) for x in parts if isinstance(x, str))
+    return "messages", total
+
+
+def check_prompt_chars(req: Common, per_token: int | None, max_model_len: int) -> int:
+    """Refuses a prompt whose text alone spells more tokens than the context holds before any of it is tokenized
+    (a 20 MB prompt took 25 s to tokenize for its 400), from `per_token` (`longest_token_chars`): a prompt of
+    max_model_len tokens spells more than (max_model_len - 1) * per_token characters. Returns its characters."""
+    param, chars = prompt_chars(req)
+    if per_token and chars > (max_model_len - 1) * per_token:
+        raise RequestError(f"this model's context is {max_model_len} tokens and the prompt has {chars:,} characters, "
+                           f"more than that many tokens spell (this tokenizer's longest token is {per_token} "
+                           "characters): shorten the prompt", param, code="context_length_exceeded")
+    return chars
+
+
 def chat_prompt(req: ChatRequest, tok) -> list[int]:
     """The chat request's prompt ids: its messages through the tokenizer's chat template."""
     check_text([m.model_dump(exclude_none=True) for m in req.messages], "messages", "messages")
