@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "core of its own, about 1,000 requests/s apiece)")
     serve.add_argument("--max-body-mb", type=_count, default=8, metavar="MIB",
                        help="a request body larger than this many MiB is refused with a 413 (default 8)")
+    serve.add_argument("--logprobs-mode", choices=["processed_logprobs", "raw_logprobs"],
+                       default="processed_logprobs",
+                       help="the replies' log-probs: the sampled distribution's, log softmax(logits / temperature) "
+                            "before top-k/top-p (default; what shardrl's trainer recomputes), or the model's own, "
+                            "log softmax(logits) (vLLM's default)")
 
     _add_config_parser(sub)
 
@@ -356,7 +361,7 @@ def serve_main(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"shardrl serve: {e}", file=sys.stderr)
         return 1
-    options = ServeOptions(max_body_bytes=args.max_body_mb * 2**20)
+    options = ServeOptions(max_body_bytes=args.max_body_mb * 2**20, logprobs_mode=args.logprobs_mode)
     cfg = load_config(args.config, args.overrides)
     hub_id = _serve_hub_paths(cfg)
     engine = build_engine(cfg, args.served_model_name or hub_id, args.max_batch)

@@ -13,7 +13,8 @@ Layout of a `RolloutOutput` with B prompts, n samples each, prompt width P and r
 
 Log-probs are those of the temperature-scaled distribution without top-k/top-p truncation, i.e. what the
 training engine recomputes with the same temperature (1 for greedy decoding), so that the two can be
-compared as a health metric of the weight sync and the numerics.
+compared as a health metric of the weight sync and the numerics. A server in its raw_logprobs mode asks for the
+model's own instead (`SamplingParams.raw_log_probs`: temperature 1); the trainer never does.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class SamplingParams:
     """Seed of sampling; None draws from (and advances) the global RNG."""
     greedy: bool = False
     """Take the argmax at every step (also implied by temperature == 0)."""
+    raw_log_probs: bool = False
+    """Record the model's own log-probs (log softmax of the logits: temperature 1, no truncation) instead of the
+    sampled distribution's; what is sampled is the same (a server's `raw_logprobs` mode)."""
 
     def __post_init__(self):
         checks = [
@@ -73,8 +77,8 @@ class SamplingParams:
 
     @property
     def logprob_temperature(self) -> float:
-        """The temperature the sampled log-probs (and the engine's recomputation) use: 1 when greedy."""
-        return 1.0 if self.is_greedy else self.temperature
+        """The temperature the sampled log-probs (and the engine's recomputation) use: 1 when greedy or raw."""
+        return 1.0 if self.is_greedy or self.raw_log_probs else self.temperature
 
     @classmethod
     def from_config(cls, rollout_cfg, **overrides) -> SamplingParams:

@@ -374,7 +374,7 @@ class FastRollout(Rollout):
         """Sizes the cache, resets the slots and sets the sampling parameters; the call's noise generator."""
         self._ensure_capacity(num_rows, n, need_seq, num_slots)
         st = self._state
-        st.temperature.fill_(sampling.logprob_temperature)
+        st.temperature.fill_(1.0 if sampling.is_greedy else sampling.temperature)  # (raw log-probs: RAW's mode)
         st.top_k.fill_(sampling.top_k or self.vocab_size)
         st.top_p.fill_(sampling.top_p if sampling.top_p < 1 else 2.0)
         st.done.fill_(True)

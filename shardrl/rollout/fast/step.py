@@ -17,12 +17,14 @@ from shardrl.rollout.fast.kernel_support import triton_head_dim
 from shardrl.rollout.fast.attention import SDPADecodeAttention, TritonDecodeAttention
 
 GREEDY, SAMPLE, TRUNCATED = "greedy", "sample", "truncated"  # sampling modes; one graph each
+RAW = "raw"  # sampled as TRUNCATED, its log-probs the raw logits' (temperature 1): a server's raw_logprobs
 
 
 def sample_tokens(logits, mode: str, noise, temperature, top_k, top_p):
     """Tokens (B,) and their log softmax(logits / T) (B,) from logits (B, V) (taken in fp32), without a host sync.
-    Sampling is Gumbel-max: argmax(log p - log E) with E ~ Exp(1) in `noise` (B, V). TRUNCATED keeps
-    the `top_k` best tokens, then those whose better-ranked mass is below `top_p` (HF's order)."""
+    Sampling is Gumbel-max: argmax(log p - log E) with E ~ Exp(1) in `noise` (B, V). TRUNCATED (and RAW) keeps
+    the `top_k` best tokens, then those whose better-ranked mass is below `top_p` (HF's order; top_k = V and
+    top_p = 2 keep every token). RAW's log-probs are log softmax(logits), the model's own."""
     logits = logits.float()  # here, so that a compiled sampler fuses the cast into its first pass
     scaled = logits if mode == GREEDY else logits / temperature
     if mode == GREEDY:
@@ -37,19 +39,22 @@ def sample_tokens(logits, mode: str, noise, temperature, top_k, top_p):
         ranked = ranked.masked_fill(probs.cumsum(-1) - probs >= top_p, float("-inf"))
         choice = (ranked - noise.log()).argmax(-1, keepdim=True)
         tokens = order.gather(-1, choice).squeeze(-1)
+    scored = logits if mode == RAW else scaled
     # the sampled token's log softmax, without writing the (B, V) log-probs
-    return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - scaled.logsumexp(-1)
+    return tokens, scored.gather(-1, tokens[:, None]).squeeze(-1) - scored.logsumexp(-1)
 
 
 def sampling_mode(sampling: SamplingParams) -> str:
     if sampling.is_greedy:
         return GREEDY
+    if sampling.raw_log_probs:  # (the fused kernel and SAMPLE's graph score at the sampling temperature)
+        return RAW
     return TRUNCATED if sampling.top_k > 0 or sampling.top_p < 1 else SAMPLE
 
 
 def uses_fused_sampler(fused_sample, mode: str) -> bool:
     """Whether a step of `mode` samples with the fused kernel (when there is one): top-k/top-p sort in torch."""
-    return fused_sample is not None and mode != TRUNCATED
+    return fused_sample is not None and mode not in (TRUNCATED, RAW)
 
 
 @dataclass

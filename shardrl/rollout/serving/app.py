@@ -17,10 +17,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardrl.rollout.base import SamplingParams
 from shardrl.rollout.serving.batcher import Batcher, Dropped, Stopped
-from shardrl.rollout.serving.schema import (ChatRequest, Common, CompletionRequest, RequestError, chat_max_tokens,
-                                            chat_prompt, chat_response, check_prompt_chars, check_request,
-                                            completion_prompts, completion_response, cut_at_stop_ids, error_body,
-                                            longest_token_chars, sampling_of)
+from shardrl.rollout.serving.schema import (LOGPROBS_MODES, ChatRequest, Common, CompletionRequest, RequestError,
+                                            chat_max_tokens, chat_prompt, chat_response, check_prompt_chars,
+                                            check_request, completion_prompts, completion_response, cut_at_stop_ids,
+                                            error_body, longest_token_chars, sampling_of)
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,14 @@ class ServeOptions:
     max_body_bytes: int = 8 * 2**20
     """A request body larger than this is refused (413) before it is held whole: a 200 MB prompt grew the front end
     to ~24 GB and the OOM killer ended the server. 8 MiB holds a prompt of a million tokens' text (or ids)."""
+    logprobs_mode: str = "processed_logprobs"
+    """What a reply's log-probs are: the sampled distribution's or the model's own (`schema.LOGPROBS_MODES`)."""
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes={self.max_body_bytes}: a body limit must be >= 1 byte")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r} must be one of {', '.join(LOGPROBS_MODES)}")
 
 
 def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max_tokens: int = 256,
@@ -63,6 +67,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
     app = FastAPI(title="shardrl", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)
     app.state.policy = policy  # (an RL run's endpoint sets it per generate call: training, validation)
+    app.state.logprobs_mode = options.logprobs_mode
     for exc, handler in ((RequestValidationError, invalid_body), (BodyTooLarge, too_large),
                          (StarletteHTTPException, http_error),
                          (RequestError, refused), (Stopped, stopping), (Dropped, dropped), (Exception, failed)):
@@ -131,7 +136,7 @@ class Routes:
     def sampling(self, req: Common, prompts: list[list[int]], max_tokens: int) -> SamplingParams:
         """The checked request's sampling (`check_request`, `sampling_of`; the app's policy as it is now)."""
         n = check_request(req, prompts, max_tokens, self.model_name, self.max_model_len, self.vocab)
-        return sampling_of(req, n, max_tokens, self.vocab, self.app.state.policy)
+        return sampling_of(req, n, max_tokens, self.vocab, self.app.state.policy, self.app.state.logprobs_mode)
 
     async def submit(self, request: Request, req: Common, prompts: list[list[int]],
                      sampling: SamplingParams) -> list[dict]:

@@ -236,7 +236,7 @@ class Batcher:
     @staticmethod
     def settings(s: SamplingParams) -> tuple:
         """What requests sharing a generate call must agree on."""
-        return (s.temperature, s.top_p, s.top_k, s.greedy, s.seed, tuple(s.stop))
+        return (s.temperature, s.top_p, s.top_k, s.greedy, s.seed, tuple(s.stop), s.raw_log_probs)
 
     def pause(self, timeout_s: float = 60.0) -> None:
         """From another thread: no generation starts until `unpause` (requests wait), the running stream ends as soon
@@ -451,7 +451,8 @@ class Batcher:
         self.stats["streams"] += 1
         s = stream.sampling
         sampling = SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                  max_new_tokens=max(1, stream.need_seq), stop=s.stop, seed=s.seed, greedy=s.greedy)
+                                  max_new_tokens=max(1, stream.need_seq), stop=s.stop, seed=s.seed, greedy=s.greedy,
+                                  raw_log_probs=s.raw_log_probs)
         # slots: max_batch, fewer for a long context (at most max_batch * STREAM_SEQ cache positions in all)
         slots = max(1, min(self.max_batch, self.max_batch * STREAM_SEQ // stream.need_seq))
         self.rollout.generate_stream([], [], sampling, stream, stream.need_seq, num_slots=slots, overlap=self.overlap)
@@ -495,7 +496,8 @@ class Batcher:
         limits = [items[o].sampling.max_new_tokens for o in owners]
         longest = max(limits)
         sampling = SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                  max_new_tokens=longest, stop=s.stop, seed=s.seed, greedy=s.greedy)
+                                  max_new_tokens=longest, stop=s.stop, seed=s.seed, greedy=s.greedy,
+                                  raw_log_probs=s.raw_log_probs)
         pad = self.tokenizer.pad_token_id
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), pad, dtype=torch.long)

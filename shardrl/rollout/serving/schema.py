@@ -129,9 +129,10 @@ def check_text(value, where: str, param: str) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise RequestError(f"{where} holds an invalid character at position {e.start}: U+{ord(value[e.start]):04X}, "
-                               "a lone UTF-16 surrogate (half of a pair; no Unicode text): send valid text, or the "
-                               "pair's two halves together", param) from None
+            char = f"U+{ord(value[e.start]):04X}"
+            raise RequestError(f"{where} holds an invalid character at position {e.start}: {char}, a lone UTF-16 "
+                               "surrogate (half of a pair; no Unicode text): send valid text, or the pair's two "
+                               "halves together", param) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             check_text(item, f"{where}.{key}", param)
@@ -192,9 +193,19 @@ def check_request(req: Common, prompts: list[list[int]], max_tokens: int, model_
     return n
 
 
-def sampling_of(req: Common, n: int, max_tokens: int, vocab: int, policy: SamplingParams | None) -> SamplingParams:
-    """What a checked request samples with. `policy` (an RL run's endpoint): its temperature, top-p, top-k and
-    seed whatever the request asks, at most its max_new_tokens, n=1."""
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+"""What a reply's log-probs are (`shardrl serve --logprobs-mode`; vLLM's names). processed_logprobs (the default):
+log softmax(logits / temperature) over the whole vocabulary, the distribution the token was drawn from before
+top-k/top-p, which shardrl's trainer recomputes (vLLM's processed_logprobs renormalize over the top-k/top-p tokens
+too); raw_logprobs: log softmax(logits), the model's own (vLLM's default). An RL run's endpoint always gives the
+processed ones: its trainer's importance ratios and mismatch metrics compare them with its own."""
+
+
+def sampling_of(req: Common, n: int, max_tokens: int, vocab: int, policy: SamplingParams | None,
+                logprobs_mode: str = "processed_logprobs") -> SamplingParams:
+    """What a checked request samples with, its log-probs as `logprobs_mode` says (`LOGPROBS_MODES`). `policy` (an
+    RL run's endpoint): its temperature, top-p, top-k and seed whatever the request asks, at most its
+    max_new_tokens, n=1, the processed log-probs."""
     if policy is not None:
         if n != 1:
             raise RequestError(f"n={n}: an RL run's endpoint samples one reply a call; send n=1", "n")
@@ -210,7 +221,9 @@ def sampling_of(req: Common, n: int, max_tokens: int, vocab: int, policy: Sampli
         return SamplingParams(n=n, temperature=1.0 if greedy else temperature, top_p=top_p or 1.0,
                               top_k=0 if req.top_k in (None, -1) or req.top_k >= vocab else req.top_k,
                               max_new_tokens=max_tokens,
-                              stop=stop_list(req.stop), seed=None if greedy else req.seed, greedy=greedy)
+                              stop=stop_list(req.stop), seed=None if greedy else req.seed, greedy=greedy,
+                              # (greedy's are at temperature 1 already: it batches with the rest)
+                              raw_log_probs=logprobs_mode == "raw_logprobs" and not greedy)
     except ValueError as e:  # SamplingParams names the field
         field = re.match(r"SamplingParams\.(\w+)", str(e))
         param = None if field is None else field.group(1).replace("max_new_tokens", "max_tokens")
