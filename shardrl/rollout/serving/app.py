@@ -175,8 +175,12 @@ class BodyTooLarge(StarletteHTTPException):
 
 
 class BodyLimit:
-    """ASGI middleware refusing a body over `max_bytes` (`BodyTooLarge`) without holding it: at once where its
-    Content-Length says so, else (a chunked body) as soon as the bytes read pass it."""
+    """ASGI middleware refusing a body over `max_bytes` (`BodyTooLarge`) without holding it: where its
+    Content-Length says so before any of it is read, else (a chunked body) as soon as the bytes read pass it. The
+    rest is read and dropped (up to `DRAIN_BYTES`) before the answer: a client that writes its whole body before it
+    reads (urllib, httpx) got a broken pipe, not the 413, when the server answered and closed mid-body."""
+
+    DRAIN_BYTES = 2**30
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -186,8 +190,8 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
+            await self.drain(receive)
             response = await too_large(None, BodyTooLarge(self.max_bytes))
-            response.headers["connection"] = "close"  # (the rest of the body is not read)
             return await response(scope, receive, send)
         read = 0
 
@@ -196,10 +200,20 @@ class BodyLimit:
             message = await receive()
             read += len(message.get("body", b""))
             if read > self.max_bytes:  # (FastAPI passes an HTTPException from the body's reading to its handler)
+                if message.get("more_body"):
+                    await self.drain(receive)
                 raise BodyTooLarge(self.max_bytes)
             return message
 
         await self.app(scope, limited, send)
+
+    async def drain(self, receive) -> None:
+        left = self.DRAIN_BYTES
+        while left > 0:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body"):
+                return
+            left -= len(message.get("body", b""))
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
