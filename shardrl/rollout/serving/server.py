@@ -13,7 +13,8 @@ weights may change while a batch generates (an RL run's partial rollouts), also 
 client went away before its batch started is dropped from the batch.
 
 Errors are JSON `{"error": {"message", "type", "param", "code"}}`: 404 for an unknown model, 400 for a malformed
-body, a prompt plus `max_tokens` over the context length, or options this server does not take (`stream`).
+body, text that is not valid Unicode, a prompt plus `max_tokens` over the context length, or options this server
+does not take (`stream`), 413 for a body over `ServeOptions.max_body_bytes`.
 
 The stack, one module a job: the wire schema (`shardrl.rollout.serving.schema`), the batcher
 (`shardrl.rollout.serving.batcher`), the app and its server (`shardrl.rollout.serving.app`); this module gathers
