@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="front-end processes sharing the port (default 1; each parses and tokenizes requests on a "
                             "core of its own, about 1,000 requests/s apiece)")
     serve.add_argument("--max-body-mb", type=_count, default=8, metavar="MIB",
-                       help="a request body larger than this many MiB is refused with a 413 (default 8)")
+                       help="a request body larger than this many MiB is refused with a 413 (default: %(default)s)")
     serve.add_argument("--logprobs-mode", choices=["processed_logprobs", "raw_logprobs"],
                        default="processed_logprobs",
                        help="the replies' log-probs: the sampled distribution's, log softmax(logits / temperature) "
