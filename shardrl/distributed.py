@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 from dataclasses import dataclass, field
 
 import torch
@@ -201,6 +202,42 @@ def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     out = values.detach().to(coll_dev, dtype=torch.float64 if values.is_floating_point() else values.dtype)
     dist.all_reduce(out, group=group)
     return out.to(values.device, values.dtype)
+
+
+def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
+    """Each rank's `values` (the same length on every rank), in group rank order; one rank alone: [values]."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [list(values)]
+    device = collective_device(group)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return [g.tolist() for g in gathered]
+
+
+def exchange_objects(outgoing: list, group: dist.ProcessGroup | None) -> list:
+    """All-to-all of picklable objects over `group`: `outgoing[r]` goes to the group's rank r; returns what each
+    rank sent to this one (`[from rank 0, from rank 1, ...]`, this rank's own kept as it is). The objects travel
+    pickled in CPU tensors (through gloo where the group has NCCL too), point to point: each reaches only its
+    destination."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(outgoing)
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    if len(outgoing) != world:
+        raise ValueError(f"exchange_objects needs one object per rank of the group ({world}), got {len(outgoing)}")
+    payloads = [torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) for obj in outgoing]
+    sizes = all_gather_ints([p.numel() for p in payloads], group)  # sizes[src][dst]
+    buffers, works = {}, []
+    for r in range(world):
+        if r == me:
+            continue
+        peer = r if group is None else dist.get_global_rank(group, r)
+        buffers[r] = torch.empty(sizes[r][me], dtype=torch.uint8)
+        works.append(dist.irecv(buffers[r], src=peer, group=group))
+        works.append(dist.isend(payloads[r], dst=peer, group=group))
+    for work in works:
+        work.wait()
+    return [outgoing[r] if r == me else pickle.loads(buffers[r].numpy().tobytes()) for r in range(world)]
 
 
 def _free_port() -> int:

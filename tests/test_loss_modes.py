@@ -1,7 +1,7 @@
 """The 2025-26 algorithms against straightforward reference implementations written here, loop by loop:
-rollout-training mismatch correction (rollout_is: TIS / MIS), GSPO and GSPO-token, DAPO's dynamic sampling
-and overlong shaping; with their edge cases (one-token responses, masked sequences, responses cut at
-max_new_tokens, every group filtered)."""
+rollout-training mismatch correction (rollout_is: TIS / MIS), GSPO and GSPO-token, DAPO's overlong shaping
+(its dynamic sampling: tests/test_dynamic_sampling.py); with their edge cases (one-token responses, masked
+sequences, responses cut at max_new_tokens)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,9 @@ import torch
 
 from shardrl.algos import POLICY_LOSSES, policy_loss
 from shardrl.metrics import metric_value
-from shardrl.algos.dapo import informative_groups, overlong_penalty
+from shardrl.algos.dapo import overlong_penalty
 from shardrl.algos.gspo import gspo_loss, gspo_token_loss
 from shardrl.algos.rollout_correction import mismatch_metrics, rollout_is_weights
-from shardrl.batch import Batch
-from shardrl.metrics import Max, Sum, SumCount
-from shardrl.trainer.sampling import concat_rollouts, draw_informative_groups
 
 
 def make(lengths, width=6, seed=0):
@@ -209,95 +206,6 @@ def test_gspo_masked_sequences_and_garbage_padding():
         seq = ref_gspo_seq_losses(torch.nan_to_num(logp), old, adv, mask, 0.2, 0.2)
         assert float(loss.detach()) == pytest.approx(sum(seq) / 3, rel=1e-5)
         assert torch.isfinite(lp.grad).all() and float(lp.grad[1].abs().sum()) == 0.0
-
-
-# ---------------------------------------------------------------------------------------------- dynamic_sampling
-
-def test_dynamic_sampling_informative_groups_match_reference():
-    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.2, 0.0, 0.0, 3.0])
-    index = torch.tensor([0, 0, 1, 1, 7, 7, 3, 9, 9, 5])  # groups 0, 1, 7, 3 (one sample), 9, 5
-    want = []
-    for i in range(len(scores)):
-        group = [float(s) for s, j in zip(scores, index) if j == index[i]]
-        want.append(max(group) > min(group))
-    assert informative_groups(scores, index).tolist() == want == [False, False, True, True, False, False,
-                                                                  False, False, False, False]
-
-
-def fake_round(num_prompts, n, prompt_len, resp_len, informative, seed):
-    """A rollout batch of `num_prompts` groups; group g's rewards vary iff `informative[g]`."""
-    g = torch.Generator().manual_seed(seed)
-    rows_ = num_prompts * n
-    width = prompt_len + resp_len
-    ids = torch.randint(1, 50, (rows_, width), generator=g)
-    lengths = torch.randint(1, resp_len + 1, (rows_,), generator=g)
-    resp = (torch.arange(resp_len)[None] < lengths[:, None]).long()
-    am = torch.cat([torch.ones(rows_, prompt_len, dtype=torch.long), resp], 1)
-    tensors = {"input_ids": ids * am, "attention_mask": am, "loss_mask": torch.cat([am[:, :prompt_len] * 0, resp], 1),
-               "response_mask": resp, "sampled_log_probs": -torch.rand(rows_, width, generator=g) * am,
-               "prompt_index": torch.arange(num_prompts).repeat_interleave(n)}
-    scores = torch.cat([torch.tensor([0.0] * (n - 1) + [1.0]) if inf else torch.full((n,), float(seed % 2))
-                        for inf in informative])
-    batch = Batch(tensors, {"response_text": [f"r{seed}_{i}" for i in range(rows_)]})
-    return batch, scores, {"reward/num_errors": 1.0, "reward/correct": float(scores.mean())}
-
-
-def test_dynamic_sampling_draws_until_enough_informative_groups():
-    plan = [[True, False, False], [False, False, False], [False, True, True]]  # 1, then 0, then 2 informative
-    shapes = [(3, 4), (5, 2), (2, 6)]  # prompt / response widths differ per round
-    calls = []
-
-    def draw(r):
-        calls.append(r)
-        return fake_round(3, 2, *shapes[r], plan[r], seed=r)
-
-    batch, scores, rm, m = draw_informative_groups(draw, 3, 10)
-    assert calls == [0, 1, 2]  # stopped as soon as 3 informative groups were in
-    assert len(batch) == 6 and batch["input_ids"].shape[1] == 5 + 6 and batch["response_mask"].shape[1] == 6
-    assert informative_groups(scores, batch["prompt_index"]).all()
-    assert len(torch.unique(batch["prompt_index"])) == 3
-    # each sample kept its own tokens: prompts left-padded, responses right-padded to the widest
-    texts = batch["response_text"]
-    assert texts[:2] == ["r0_0", "r0_1"] and texts[2:] == ["r2_2", "r2_3", "r2_4", "r2_5"]
-    src, _, _ = fake_round(3, 2, *shapes[2], plan[2], seed=2)
-    torch.testing.assert_close(batch["input_ids"][2, 3:], src["input_ids"][2])
-    src0, _, _ = fake_round(3, 2, *shapes[0], plan[0], seed=0)
-    assert batch["input_ids"][0, :2].tolist() == [0, 0] and batch["attention_mask"][0, :2].tolist() == [0, 0]
-    torch.testing.assert_close(batch["input_ids"][0, 2:2 + 7], src0["input_ids"][0])
-    assert batch["response_mask"][0, 4:].tolist() == [0, 0]
-    assert m["dynamic_sampling/num_gen_batches"] == Max(3.0)
-    assert m["dynamic_sampling/informative_frac"] == SumCount(3.0, 9.0)
-    assert m["dynamic_sampling/num_filler_groups"] == Sum(0.0)
-    assert rm["reward/num_errors"] == 3.0  # summed over the rounds drawn
-
-
-def test_dynamic_sampling_all_groups_filtered_tops_up_at_the_cap():
-    batch, scores, _, m = draw_informative_groups(lambda r: fake_round(2, 4, 3, 3, [False, False], seed=r), 2, 3)
-    assert m["dynamic_sampling/num_gen_batches"] == Max(3.0)  # the cap
-    assert m["dynamic_sampling/num_filler_groups"] == Sum(2.0)
-    assert m["dynamic_sampling/informative_frac"] == SumCount(0.0, 6.0)
-    assert len(batch) == 8 and not informative_groups(scores, batch["prompt_index"]).any()
-    # the cap reached with some informative groups: those first, then fillers
-    plan = [[False, True], [False, False]]
-    batch, scores, _, m = draw_informative_groups(lambda r: fake_round(2, 2, 3, 3, plan[r], seed=r), 2, 2)
-    assert m["dynamic_sampling/num_filler_groups"] == Sum(1.0)
-    assert informative_groups(scores, batch["prompt_index"]).tolist() == [True, True, False, False]
-
-
-def test_dynamic_sampling_concat_keeps_prompt_indices_apart():
-    a, _, _ = fake_round(2, 2, 3, 3, [True, True], seed=0)
-    b, _, _ = fake_round(3, 1, 3, 3, [True, True, True], seed=1)
-    both = concat_rollouts([a, b])
-    assert both["prompt_index"].tolist() == [0, 0, 1, 1, 2, 3, 4]
-
-
-def test_dynamic_sampling_config_needs_a_group_baseline():
-    from shardrl.config.schema import ConfigError, load_config
-
-    with pytest.raises(ConfigError, match="filter_groups"):
-        load_config(None, ["algorithm.filter_groups.enable=true", "algorithm.adv_estimator=gae"])
-    with pytest.raises(ConfigError, match="max_num_gen_batches"):
-        load_config(None, ["algorithm.filter_groups.max_num_gen_batches=0"])
 
 
 # ---------------------------------------------------------------------------------------------- overlong

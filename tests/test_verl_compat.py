@@ -295,8 +295,6 @@ def test_verl_values_read_as_hydra_reads_them_and_pairs_by_verls_precedence():
     (["critic.model.path=${actor_rollout_ref.model.path}"], r"is a Hydra interpolation"),
     (["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"], r"Dr. GRPO's seq-mean-token-sum-norm"),
     (["actor_rollout_ref.actor.kl_loss_type=full"], r"the full-vocabulary KL is not supported"),
-    (["data.train_batch_size=8", "data.gen_batch_size=24"], r"generation batches of 24 prompts"),
-    (["algorithm.filter_groups.enable=True", "algorithm.filter_groups.metric=acc"], r"filters groups by their score"),
     (["data.max_response_length=64", "+reward_model.reward_kwargs.max_resp_len=32"], r"max_resp_len=32 differs"),
 ])
 def test_more_of_what_shardrl_cannot_run_is_refused(args, message):

@@ -14,7 +14,7 @@ from shardrl.algos.advantages import (
     scores_to_token_rewards,
 )
 from shardrl.algos.aggregate import AGG_MODES, agg_loss
-from shardrl.algos.dapo import informative_groups, overlong_penalty
+from shardrl.algos.dapo import groups_to_keep, overlong_penalty
 from shardrl.algos.gspo import gspo_loss, gspo_token_loss
 from shardrl.algos.kl import (
     KL_ESTIMATORS,
@@ -46,9 +46,9 @@ __all__ = [
     "compute_reinforce_plus_plus_baseline",
     "compute_rloo",
     "entropy_loss",
+    "groups_to_keep",
     "gspo_loss",
     "gspo_token_loss",
-    "informative_groups",
     "kl_loss",
     "kl_penalty",
     "masked_mean",

@@ -129,15 +129,26 @@ class CriticConfig:
 @dataclass
 class FilterGroupsConfig:
     enable: bool = False
-    """DAPO's dynamic sampling: drop the groups (a prompt's rollout.n responses) whose rewards are all equal
-    (no advantage, no gradient) and generate more batches until the step has data.train_batch_size informative
-    groups. Logs dynamic_sampling/num_gen_batches (batches drawn) and dynamic_sampling/informative_frac."""
+    """DAPO's dynamic sampling, as verl's DAPO recipe runs it: generate batches of data.gen_batch_size prompts,
+    keep the groups (a prompt's rollout.n responses) whose `metric` is not all equal (a group of one response is
+    kept), and generate more until data.train_batch_size groups are kept; the step trains on the first
+    train_batch_size of them (in the order drawn), spread evenly over the ranks. Logs
+    dynamic_sampling/num_gen_batches (batches drawn; verl's train/num_gen_batches) and
+    dynamic_sampling/informative_frac (the share of the drawn groups kept)."""
+    metric: str = "seq_reward"
+    """What a group must differ in: "seq_reward" (the reward, with reward.overlong_buffer's penalty; verl's),
+    "seq_final_reward" (the same here: no KL penalty in the reward, as algorithm.use_kl_in_reward is applied
+    after the filter), "score" (the reward function's own score, before any shaping), or another key of the
+    dict the reward function returns, e.g. "acc" (verl's math_dapo and shardrl's built-in DAPO scorer return it)."""
     max_num_gen_batches: int = 10
-    """At most this many batches drawn per step; if they hold too few informative groups, the step tops up
-    with uninformative ones (zero advantage under GRPO/RLOO) and counts them in dynamic_sampling/num_filler_groups."""
+    """At most this many generation batches a step; a step that needs more stops the run with an error (the data
+    are too hard or too easy for the policy: every group is all right or all wrong). 0: no limit (verl's)."""
 
     def validate(self, prefix: str) -> None:
-        require(self, prefix, "max_num_gen_batches", self.max_num_gen_batches >= 1, "must be >= 1 (batches per step)")
+        require(self, prefix, "max_num_gen_batches", self.max_num_gen_batches >= 0,
+                "must be >= 0 (generation batches per step; 0: no limit)")
+        require(self, prefix, "metric", bool(self.metric), "must name what groups are filtered by (seq_reward, "
+                "score, acc, ...)")
 
 
 @dataclass

@@ -165,6 +165,15 @@ def check_rl(cfg, prefix: str = "") -> None:
             not cfg.algorithm.filter_groups.enable or estimator.group_baseline,
             f"drops groups whose rewards are all equal, which only a group baseline ({', '.join(group_baseline)}) "
             f"leaves without advantage; set algorithm.adv_estimator to one, or filter_groups.enable=false")
+    gen = cfg.data.gen_batch_size
+    require(cfg, prefix, "data.gen_batch_size", gen in (None, cfg.data.train_batch_size)
+            or cfg.algorithm.filter_groups.enable,
+            f"differs from data.train_batch_size={cfg.data.train_batch_size}; generation batches of their "
+            "own size are drawn by dynamic sampling only: set algorithm.filter_groups.enable=true, or drop it")
+    final = cfg.algorithm.filter_groups.metric == "seq_final_reward"
+    require(cfg, prefix, "algorithm.filter_groups.metric", not (final and cfg.algorithm.use_kl_in_reward),
+            "with algorithm.use_kl_in_reward=true would filter by the reward less its KL penalty, "
+            "which shardrl computes after the filter; filter by seq_reward, or set use_kl_in_reward=false")
     if cfg.async_rl.rollout_ranks:
         require(cfg, prefix, "async_rl.partial_rollout", not (cfg.async_rl.partial_rollout
                                                            and cfg.rollout.multi_turn.enable),

@@ -32,6 +32,11 @@ class DataConfig:
     """Skip (and count) rows without a usable prompt instead of raising."""
     train_batch_size: int = 8
     """Prompts per training step (global)."""
+    gen_batch_size: int | None = None
+    """Prompts per generation batch (global) of DAPO's dynamic sampling (algorithm.filter_groups), drawn from the
+    training set until the step's kept groups fill data.train_batch_size (verl's data.gen_batch_size); larger
+    than train_batch_size, fewer batches a step. None: train_batch_size. Without dynamic sampling every prompt
+    drawn is trained on, so it must be left unset (or equal train_batch_size)."""
     val_batch_size: int | None = None
     """Prompts per validation round over all ranks (ceil(this / dp) per rank: weight sync, greedy generation and
     scoring); None takes the whole validation set in one round. The rollout still cuts a round into generate
@@ -44,6 +49,8 @@ class DataConfig:
     def validate(self, prefix: str) -> None:
         require(self, prefix, "max_prompt_length", self.max_prompt_length >= 1, "must be >= 1")
         require(self, prefix, "train_batch_size", self.train_batch_size >= 1, "must be >= 1 (prompts)")
+        require(self, prefix, "gen_batch_size", self.gen_batch_size is None or self.gen_batch_size >= 1,
+                "must be >= 1 (prompts) or null")
         require(self, prefix, "val_batch_size", self.val_batch_size is None or self.val_batch_size >= 1,
                 "must be >= 1 or null")
 

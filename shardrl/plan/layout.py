@@ -201,6 +201,12 @@ def derive_layout(cfg: Config, nnodes: int, nproc_per_node: int, steps: StepPlan
             f"data.train_batch_size={batch} prompts cannot be split over dp={dp} data-parallel ranks "
             f"(world {world} / sp {sp}); nearest valid: {_nearest_multiples(batch, dp)}"
         )
+    gen = cfg.data.gen_batch_size
+    if gen is not None and gen % dp != 0:  # (dynamic sampling's generation batches are dp-sharded the same way)
+        raise ValueError(
+            f"data.gen_batch_size={gen} prompts cannot be split over dp={dp} data-parallel ranks "
+            f"(world {world} / sp {sp}); nearest valid: {_nearest_multiples(gen, dp)}"
+        )
     prompts_per_rank = batch // dp
     samples_per_rank = prompts_per_rank * n
     # a multi-turn or agent response (model and tool turns) is bounded by its own budget, not by one turn's limit

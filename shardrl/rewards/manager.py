@@ -314,6 +314,13 @@ class RewardManager:
 
     def score(self, items: list[dict], fail_if_all_fail: bool = True) -> tuple[torch.Tensor, dict]:
         """(scores (B,) float32, metrics) for items holding data_source, response_text, ground_truth, extra."""
+        scores, metrics, _ = self.score_with_values(items, fail_if_all_fail)
+        return scores, metrics
+
+    def score_with_values(self, items: list[dict], fail_if_all_fail: bool = True
+                          ) -> tuple[torch.Tensor, dict, dict[str, torch.Tensor]]:
+        """`score`'s (scores, metrics) and each numeric key of the function's dict per sample (B,) float32,
+        NaN for a sample without it (a failed one): what dynamic sampling filters by (e.g. "acc")."""
         fns = [self._function_for(item["data_source"]) for item in items]  # config errors raise here
         scores, extra_values, num_errors, num_timeouts = [], {}, 0, 0
         self.first_error = None
@@ -339,9 +346,11 @@ class RewardManager:
                 score, metrics = self.on_error_score, {}
             else:
                 score, metrics = result
-            scores.append(score)
             for key, value in metrics.items():
-                extra_values.setdefault(key, []).append(value)
+                extra_values.setdefault(key, [math.nan] * len(scores)).append(value)
+            scores.append(score)
+            for values in extra_values.values():  # (a key this sample's dict lacks)
+                values.extend([math.nan] * (len(scores) - len(values)))
         if fail_if_all_fail and items and num_errors == len(items):
             raise self.all_failed_error(len(items))
         out = {"reward/num_errors": num_errors}
@@ -350,5 +359,7 @@ class RewardManager:
         if scores:
             out["reward/score"] = sum(scores) / len(scores)
         for key, values in extra_values.items():
-            out[f"reward/{key}"] = sum(values) / len(values)
-        return torch.tensor(scores, dtype=torch.float32), out
+            present = [v for v in values if not math.isnan(v)]
+            out[f"reward/{key}"] = sum(present) / len(present) if present else math.nan
+        per_sample = {k: torch.tensor(v, dtype=torch.float32) for k, v in extra_values.items()}
+        return torch.tensor(scores, dtype=torch.float32), out, per_sample

@@ -46,7 +46,7 @@ from shardrl.trainer.base import Placement, Trainer
 from shardrl.trainer.prepare import prepare
 from shardrl.trainer.roles import Roles, check_vocab_sizes
 from shardrl.trainer.run_folder import claim_run_dir
-from shardrl.trainer.sampling import draw_informative_groups
+from shardrl.trainer.sampling import draw_groups, filter_metric
 from shardrl.trainer.scoring import Scorer
 from shardrl.trainer.state import TrainState, resolve_total_epochs
 from shardrl.trainer.updates import actor_loss_from_plan, critic_loss_fn, run_updates
@@ -153,7 +153,7 @@ class RLTrainer(Trainer):
         # the cheap checks before the expensive work: data, reward file and vocabularies before any model loads
         self.train_set, self.val_set = load_datasets(cfg, self.tokenizer)
         if cfg.trainer.total_epochs is not None:  # before anything reads total_steps (the LR schedule, config.yaml)
-            self._say(resolve_total_epochs(cfg.trainer, len(self.train_set), cfg.data.train_batch_size))
+            self._say(resolve_total_epochs(cfg.trainer, len(self.train_set), self.prompts_drawn))
         fn = (load_reward_function(cfg.reward.function_path, cfg.reward.function_name, cfg.reward.reward_kwargs)
               if cfg.reward.function_path else None)
         if fn is None and not cfg.reward.model_path and not cfg.rollout.multi_turn.interaction_path \
@@ -192,7 +192,7 @@ class RLTrainer(Trainer):
             if ep > 1 else ""
         self._say(f"mesh: {self.mesh.describe()}{experts}; actor FSDP units: {self.roles.actor.num_fsdp_units()}; "
                   f"per-rank prompts {self.layout.prompts_per_rank}, samples {self.layout.samples_per_rank}")
-        loader = PromptLoader(self.train_set, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed,
+        loader = PromptLoader(self.train_set, self.prompts_drawn, cfg.data.shuffle, cfg.data.seed,
                               dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
         self.generation = None if self.steps.disaggregated else Generation(cfg, self.roles.actor.hf_config,
                                                                            self.tokenizer, self.device,
@@ -250,6 +250,12 @@ class RLTrainer(Trainer):
             split.close(restore_world=ok and not owns_group, failed=not ok)
 
     @property
+    def prompts_drawn(self) -> int:
+        """Prompts of one global batch the loader serves: a step's, or dynamic sampling's generation batch
+        (verl's loader serves data.gen_batch_size, and counts an epoch's steps in them)."""
+        return self.cfg.data.gen_batch_size or self.cfg.data.train_batch_size
+
+    @property
     def step(self) -> int:
         return self.state.step
 
@@ -278,19 +284,21 @@ class RLTrainer(Trainer):
         batch = self.source.batch(step, next(self.state.loader))
         t_gen = time.perf_counter()
         peaks = {"gen": self._phase_peak_gib()}
-        scores, reward_metrics = self.scorer.score(batch)
+        scores, reward_metrics, values = self.scorer.score_with_values(batch)
         metrics = {"timing/reward_s": time.perf_counter() - t_gen}
-        if plan.dynamic_sampling:  # DAPO: more rounds until enough informative groups
-            first = (batch, scores, reward_metrics)
+        if plan.dynamic_sampling:  # DAPO: more generation batches until enough groups differ in the metric
+            filtering, first = cfg.algorithm.filter_groups, (batch, scores, reward_metrics, values)
 
-            def draw(r):
-                if r == 0:
-                    return first
-                drawn = self.source.batch(step, next(self.state.loader), round_index=r)
-                return (drawn, *self.scorer.score(drawn))
-            batch, scores, reward_metrics, metrics = draw_informative_groups(
-                draw, self.layout.prompts_per_rank, cfg.algorithm.filter_groups.max_num_gen_batches,
-                self.mesh.dp_group)
+            def draw(k):
+                if k == 0:
+                    drawn, s, rm, v = first
+                else:
+                    drawn = self.source.batch(step, next(self.state.loader), round_index=k)
+                    s, rm, v = self.scorer.score_with_values(drawn)
+                return drawn, s, rm, filter_metric(filtering.metric, s, v)
+            batch, scores, reward_metrics, sampling_metrics = draw_groups(
+                draw, cfg.data.train_batch_size, filtering.max_num_gen_batches, self.mesh.dp_group, filtering.metric)
+            metrics.update(sampling_metrics)
         if counts is not None:  # the share of the step's prompt tokens the rollout read from its prefix cache
             cached, run = (b - a for a, b in zip(counts, self._prefix_counts()))
             metrics["rollout/prompt_cached_frac"] = SumCount(float(cached), float(cached + run))

@@ -1,5 +1,5 @@
 """What the trainer does between sampling and the update for DAPO and rollout correction: dynamic sampling
-(generate until a step has enough informative groups) and the rollout-training mismatch metrics and importance
+(generate until a step has enough groups whose rewards differ, decided over all dp ranks) and the rollout-training mismatch metrics and importance
 weights. The algorithms are `shardrl.algos.dapo` and `shardrl.algos.rollout_correction`; this module reads the
 config and moves batches around (the overlong shaping is the scorer's).
 """
@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
-from shardrl.algos.dapo import informative_groups
+from shardrl.algos.dapo import groups_to_keep
 from shardrl.algos.rollout_correction import mismatch_metrics, rollout_is_weights
 from shardrl.batch import Batch
-from shardrl.metrics import Max, Min, Sum, SumCount, reduce_metrics
+from shardrl.distributed import all_gather_ints, exchange_objects
+from shardrl.metrics import Max, SumCount
 
 
 def concat_rollouts(batches: list[Batch]) -> Batch:
@@ -40,50 +42,87 @@ def concat_rollouts(batches: list[Batch]) -> Batch:
     return Batch.concat(padded)
 
 
-def draw_informative_groups(draw: Callable[[int], tuple[Batch, torch.Tensor, dict]], num_groups: int,
-                            max_rounds: int, dp_group=None) -> tuple[Batch, torch.Tensor, dict, dict]:
-    """DAPO's dynamic sampling on this rank: `draw(round)` -> (batch, scores, reward metrics) of a fresh batch
-    of prompts; rounds go on until every rank of `dp_group` holds `num_groups` groups whose rewards are not all
-    equal, or `max_rounds` were drawn (every rank draws as many: generation and scoring are collective). Keeps
-    the first `num_groups` informative groups, topped up with uninformative ones if too few were found.
+def filter_metric(name: str, scores: torch.Tensor, values: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each sample's value `(N,)` of `algorithm.filter_groups.metric` `name` (verl's names): seq_reward and
+    seq_final_reward are the reward `scores` (shaped; no KL penalty is in it before the filter, config), the
+    others the scorer's per-sample `values` (score: before shaping; a reward function's own keys, e.g. acc).
+    A name no sample has is NaN throughout (`draw_groups` says so, on every rank)."""
+    if name in ("seq_reward", "seq_final_reward"):
+        return scores
+    if name in values:
+        return values[name].to(torch.float64)
+    return torch.full((len(scores),), float("nan"), dtype=torch.float64)
 
-    Returns the batch, its scores, the reward metrics of every sample drawn (errors summed, a function's own
-    keys averaged), and dynamic_sampling/ metrics."""
-    batches, scores, kept_groups, rounds = [], [], 0, 0
+
+def draw_groups(draw: Callable[[int], tuple[Batch, torch.Tensor, dict, torch.Tensor]], num_groups: int,
+                max_gen_batches: int, dp_group=None, metric_name: str = "seq_reward"
+                ) -> tuple[Batch, torch.Tensor, dict, dict]:
+    """DAPO's dynamic sampling, verl's recipe loop over the dp ranks of `dp_group`: `draw(k)` -> (batch, scores,
+    reward metrics, filter metric `(N,)`) of this rank's share of generation batch k. A group (a prompt's
+    samples) is kept when its metric is not all equal or it has one sample (`groups_to_keep`); batches are
+    drawn until the ranks together keep `num_groups` groups (global), and the step takes the first
+    `num_groups` of them in the order drawn (batch k, then rank, then the rank's own order: the order of the
+    global batch, so one rank and several keep the same groups), `num_groups // dp` a rank, moved between
+    ranks where needed. More than `max_gen_batches` (0: no limit) is a ValueError on every rank.
+
+    Returns this rank's batch and scores, the reward metrics of every sample drawn (errors summed, a function's
+    own keys averaged), and dynamic_sampling/ metrics."""
+    num_ranks = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+    rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
+    kept, counts = [], []  # per batch drawn: this rank's kept (batch, scores); every rank's kept group count
     reward_metrics: dict = {}
+    drawn_groups = kept_groups = 0
+    drawn_scores = []
     while True:
-        batch, s, rm = draw(rounds)
-        rounds += 1
-        batches.append(batch)
-        scores.append(s)
+        batch, s, rm, values = draw(len(counts))
         n = float(len(s))
         for k, v in rm.items():
             total, count = reward_metrics.get(k, (0.0, 0.0))
             reward_metrics[k] = (total + float(v) * (1.0 if k == "reward/num_errors" else n), count + n)
-        informative = informative_groups(s, batch["prompt_index"])
-        kept_groups += len(torch.unique(batch["prompt_index"][informative]))
-        fewest = reduce_metrics({"g": Min(float(kept_groups))}, dp_group)["g"]
-        if fewest >= num_groups or rounds >= max_rounds:
+        drawn_scores.append(s)
+        keep = groups_to_keep(values, batch["prompt_index"])
+        rows = keep.nonzero().squeeze(-1)
+        kept.append((batch.index(rows), s[rows]))
+        here = len(torch.unique(batch["prompt_index"][rows]))
+        drawn_groups, kept_groups = drawn_groups + len(torch.unique(batch["prompt_index"])), kept_groups + here
+        gathered = all_gather_ints([here, int((~values.isnan()).sum())], dp_group)
+        counts.append([g[0] for g in gathered])
+        if len(counts) == 1 and sum(g[1] for g in gathered) == 0:
+            raise ValueError(f"algorithm.filter_groups.metric={metric_name!r}: no sample has it; filter by "
+                             "seq_reward or score, or return it from the reward function (a dict holding "
+                             f"'score' and {metric_name!r}, as verl's math_dapo does with 'acc')")
+        total = sum(sum(c) for c in counts)
+        if total >= num_groups:
             break
-    batch = concat_rollouts(batches)
-    scores_all = torch.cat(scores)
-    informative = informative_groups(scores_all, batch["prompt_index"])
-    groups = batch["prompt_index"]
-    order = list(dict.fromkeys(groups[informative].tolist()))  # informative groups first, in drawn order
-    fillers = [g for g in dict.fromkeys(groups.tolist()) if g not in set(order)]
-    chosen = (order + fillers)[:num_groups]
-    num_filler = max(0, num_groups - len(order))
-    rows = torch.cat([(groups == g).nonzero().squeeze(-1) for g in chosen])
-    drawn_groups = len(torch.unique(groups))
+        if max_gen_batches and len(counts) >= max_gen_batches:
+            raise ValueError(f"dynamic sampling drew {len(counts)} generation batches (algorithm.filter_groups."
+                             f"max_num_gen_batches={max_gen_batches}) and kept {total} groups, fewer than "
+                             f"data.train_batch_size={num_groups}: too few groups differ in "
+                             f"{metric_name!r} (the data are too hard or too easy for the policy). Raise "
+                             "max_num_gen_batches (0: no limit) or data.gen_batch_size, or change the data")
+    per_rank = num_groups // num_ranks
+    outgoing: list[list] = [[] for _ in range(num_ranks)]  # per destination rank: (global position, group)
+    for k, (part, part_scores) in enumerate(kept):
+        position = sum(sum(c) for c in counts[:k]) + sum(counts[k][:rank])  # of this rank's first kept group
+        for g in dict.fromkeys(part["prompt_index"].tolist()):
+            if position >= num_groups:
+                break
+            g_rows = (part["prompt_index"] == g).nonzero().squeeze(-1)
+            outgoing[position // per_rank].append((position, part.index(g_rows), part_scores[g_rows]))
+            position += 1
+    incoming = sorted((item for items in exchange_objects(outgoing, dp_group) for item in items),
+                      key=lambda item: item[0])
+    batch = concat_rollouts([b for _, b, _ in incoming])
+    scores = torch.cat([s for _, _, s in incoming])
+    scores_all = torch.cat(drawn_scores)
     metrics = {
-        "dynamic_sampling/num_gen_batches": Max(float(rounds)),
-        "dynamic_sampling/informative_frac": SumCount(float(len(order)), float(drawn_groups)),
-        "dynamic_sampling/num_filler_groups": Sum(float(num_filler)),
+        "dynamic_sampling/num_gen_batches": Max(float(len(counts))),
+        "dynamic_sampling/informative_frac": SumCount(float(kept_groups), float(drawn_groups)),
         "dynamic_sampling/reward_mean_drawn": SumCount(float(scores_all.sum()), float(len(scores_all))),
     }
     reward_metrics = {k: (total if k == "reward/num_errors" else total / max(count, 1.0))
                       for k, (total, count) in reward_metrics.items()}
-    return batch.index(rows), scores_all[rows], reward_metrics, metrics
+    return batch, scores, reward_metrics, metrics
 
 
 def mismatch_step_metrics(batch: Batch) -> dict:

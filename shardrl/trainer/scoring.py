@@ -34,12 +34,25 @@ class Scorer:
     def score(self, batch, shape: bool = True) -> tuple[torch.Tensor, dict]:
         """(scores (B,), this rank's reward metrics: "reward/num_errors" a count, the others means over its
         samples). `shape=False` leaves out the overlong shaping (validation reports the raw reward)."""
+        scores, metrics, _ = self.score_with_values(batch, shape)
+        return scores, metrics
+
+    def score_with_values(self, batch, shape: bool = True) -> tuple[torch.Tensor, dict, dict[str, torch.Tensor]]:
+        """`score`'s (scores, metrics) and per-sample values (B,) beside them: "score", the score before any
+        shaping, and each numeric key of the reward function's dict (NaN where a sample has none)."""
         if "agent_error" in batch:
             self.stop_if_every_episode_failed(batch["agent_error"])
+        values: dict[str, torch.Tensor] = {}
+
+        def responses(b):
+            scores, metrics, found = self._score_responses(b)
+            values.update(found)
+            return scores, metrics
         if self.multi_turn:  # the interaction's rewards, or the reward function's
-            scores, metrics = score_with_interaction(batch, self._score_responses)
+            scores, metrics = score_with_interaction(batch, responses)
         else:
-            scores, metrics = self._score_responses(batch)
+            scores, metrics = responses(batch)
+        values["score"] = scores.clone()
         if shape and self.overlong is not None:
             penalty = overlong_penalty(self.response_lengths(batch), self.length_limit, self.overlong.len,
                                        self.overlong.penalty_factor)  # (N,)
@@ -49,7 +62,7 @@ class Scorer:
             cut = self.response_lengths(batch) >= self.length_limit  # (N,)
             scores = scores - self.missing_eos_penalty * cut.to(scores.dtype)
             metrics["reward/missing_eos_frac"] = float(cut.float().mean()) if len(cut) else 0.0
-        return scores, metrics
+        return scores, metrics, values
 
     def stop_if_every_episode_failed(self, errors: list[str | None]) -> None:
         """A `ValueError` quoting this rank's first failure when every agent episode of the step failed, on every
@@ -70,16 +83,16 @@ class Scorer:
         prompt_width = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
         return batch["attention_mask"][:, prompt_width:].sum(-1)  # (N,) model and tool tokens
 
-    def _score_responses(self, batch) -> tuple[torch.Tensor, dict]:
+    def _score_responses(self, batch) -> tuple[torch.Tensor, dict, dict]:
         if self.reward_model is not None:
             scores = self.reward_model.infer_batch(batch.select(["input_ids", "attention_mask"]))["scores"].cpu()
-            return scores, {}
+            return scores, {}, {}
         items = [{"data_source": ds, "response_text": text, "extra": extra}
                  for ds, text, extra in zip(batch["data_source"], batch["response_text"], batch["extra"])]
-        scores, metrics = self.rewards.score(items, fail_if_all_fail=False)
+        scores, metrics, values = self.rewards.score_with_values(items, fail_if_all_fail=False)
         # all samples failing stops the run; decided on the global count so that every rank agrees
         counts = reduce_metrics({"errors": Sum(metrics["reward/num_errors"]), "samples": Sum(len(items))},
                                 self.dp_group)
         if counts["samples"] > 0 and counts["errors"] == counts["samples"]:
             raise self.rewards.all_failed_error(round(counts["samples"]))
-        return scores, metrics
+        return scores, metrics, values

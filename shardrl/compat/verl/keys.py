@@ -203,12 +203,6 @@ def _rollout_is(value, out, given):
     out["algorithm.rollout_is_level"] = value
 
 
-def _filter_metric(value, out, given):
-    if value not in ("score", "seq_reward", "seq_final_reward") and given.get("algorithm.filter_groups.enable"):
-        raise ValueError(f"filter_groups.metric {value!r}: shardrl filters groups by their score (with the overlong "
-                         "penalty); a group all right or all wrong by acc may still differ in score")
-
-
 def _response_length(value, out, given):
     key = "actor_rollout_ref.rollout.response_length"
     if key in given and given[key] is not None and given[key] != value:
@@ -222,12 +216,6 @@ def _same_as_response(value, given):
     if value is not None and limit is not None and value != limit:
         raise ValueError(f"the DAPO penalty's max_resp_len={value} differs from the response length {limit}; shardrl "
                          "shapes against the response length limit (set them equal)")
-
-
-def _gen_batch(value, given):
-    if value is not None and value != given.get("data.train_batch_size"):
-        raise ValueError(f"generation batches of {value} prompts (DAPO's dynamic sampling) are not supported: "
-                         "shardrl's dynamic sampling draws batches of data.train_batch_size prompts")
 
 
 # ---- the table --------------------------------------------------------------------------------------------------
@@ -447,7 +435,7 @@ VERL_KEYS: dict[str, Rule] = {
     "reward_model.reward_kwargs.overlong_buffer_cfg.log": dropped("the penalty's mean is always logged"),
     "reward_model.reward_kwargs.max_resp_len": Rule(apply=lambda v, out, given: _same_as_response(v, given),
                                                     hint="'rollout.max_new_tokens'"),
-    "data.gen_batch_size": Rule(apply=lambda v, out, given: _gen_batch(v, given), hint="'data.train_batch_size'"),
+    "data.gen_batch_size": same("data.gen_batch_size"),
     "reward_model.overlong_buffer.enable": same("reward.overlong_buffer.enable"),
     "reward_model.overlong_buffer.len": same("reward.overlong_buffer.len"),
     "reward_model.overlong_buffer.penalty_factor": same("reward.overlong_buffer.penalty_factor"),
@@ -474,8 +462,8 @@ VERL_KEYS: dict[str, Rule] = {
     "algorithm.kl_ctrl.target_kl": dropped("read with kl_ctrl.type=adaptive"),
     "algorithm.filter_groups.enable": same("algorithm.filter_groups.enable"),
     "algorithm.filter_groups.max_num_gen_batches": conv("algorithm.filter_groups.max_num_gen_batches",
-                                                        lambda v: 1000 if v <= 0 else v),
-    "algorithm.filter_groups.metric": Rule(apply=_filter_metric),
+                                                        lambda v: max(v, 0)),  # verl's <= 0: no limit, our 0
+    "algorithm.filter_groups.metric": same("algorithm.filter_groups.metric"),
     "algorithm.use_pf_ppo": only((False,), "PF-PPO is not supported"),
     "algorithm.rollout_correction.rollout_is": Rule(apply=_rollout_is),
     "algorithm.rollout_correction.rollout_is_threshold": same("algorithm.rollout_is_threshold"),

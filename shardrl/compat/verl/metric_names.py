@@ -25,6 +25,7 @@ VERL_NAMES = {
     "timing/update_critic_s": "timing_s/update_critic", "timing/update_actor_s": "timing_s/update_actor",
     "timing/update_weights_s": "timing_s/update_weights", "timing/testing_s": "timing_s/testing",
     "timing/save_checkpoint_s": "timing_s/save_checkpoint", "timing/step_s": "timing_s/step",
+    "dynamic_sampling/num_gen_batches": "train/num_gen_batches",  # verl's DAPO recipe's
 }
 
 _PER_TOKEN = {"gen": "response/num_tokens", "ref": None, "values": None, "adv": None, "update_critic": None,
