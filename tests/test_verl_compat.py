@@ -302,6 +302,22 @@ def test_more_of_what_shardrl_cannot_run_is_refused(args, message):
         translate(args)
 
 
+def test_every_refusal_of_a_command_line_is_shown_at_once():
+    with pytest.raises(VerlKeyError) as e:
+        translate(["actor_rollout_ref.model.path=m", "actor_rollout_ref.actor.no_such_key=1",
+                   "critic.checkpoint.async_save=True", "trainer.critic_warmup=2",
+                   "actor_rollout_ref.actor.kl_loss_type=full", "data.max_response_length=64",
+                   "+reward_model.reward_kwargs.max_resp_len=32"])
+    message = str(e.value)
+    assert message.startswith("verl key(s) shardrl cannot run (5):\n  - ")
+    for part in ("actor_rollout_ref.actor.no_such_key (verl has no such key",  # unknown
+                 "critic.checkpoint.async_save=True (verl's default False",  # not verl's default
+                 "trainer.critic_warmup=2: critic warm-up is not supported",  # a refused value
+                 "actor_rollout_ref.actor.kl_loss_type='full': ",  # a conversion's
+                 "reward_model.reward_kwargs.max_resp_len=32: the DAPO penalty's max_resp_len=32 differs"):  # a rule setting several keys
+        assert f"\n  - {part}" in message, (part, message)
+
+
 def test_verls_tool_answer_cuts_and_the_epoch_limit():
     from shardrl.rollout.episodes.multiturn import cut_tool_answer
     from shardrl.trainer.state import resolve_total_epochs

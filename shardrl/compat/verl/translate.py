@@ -120,8 +120,8 @@ def config_file_args(config_path: str, config_name: str) -> list[str]:
 
 
 def translate(args: list[str]) -> Translation:
-    """verl's `key=value` arguments as shardrl overrides; a `VerlKeyError` naming the full verl key for a key
-    shardrl does not know or a value it cannot run."""
+    """verl's `key=value` arguments as shardrl overrides; a `VerlKeyError` naming the full verl key of every key
+    shardrl does not know and every value it cannot run, all in one message."""
     given = parse_verl_args(args)
     for key in [k for k in given if k.startswith(tuple(f"{d}." for d in DICT_KEYS))]:  # Hydra's +dict.key=value
         section, _, name = key.rpartition(".")
@@ -145,9 +145,6 @@ def translate(args: list[str]) -> Translation:
         else:
             close = difflib.get_close_matches(key, sorted({*VERL_KEYS, *VERL_PPO_DEFAULTS}), n=1, cutoff=0.8)
             refused.append(f"{key} (verl has no such key" + (f"; did you mean {close[0]}?)" if close else ")"))
-    if refused:
-        raise VerlKeyError(f"verl key(s) shardrl cannot run: {'; '.join(refused)}. The verl keys shardrl takes are "
-                           "listed in shardrl/compat/verl/keys.py (README, 'For verl users')")
     values = {**{k: v for k, v in VERL_DEFAULTS.items() if k not in given}, **given}
     out: dict[str, Any] = {}
     dropped_keys: dict[str, str] = dict(at_default)
@@ -174,12 +171,17 @@ def translate(args: list[str]) -> Translation:
             else:
                 out[rule.target] = rule.convert(value) if rule.convert else value
         except (ValueError, TypeError) as e:
-            raise VerlKeyError(f"verl key {key}={value!r}: {e}") from None
+            refused.append(f"{key}={value!r}: {e}")
     for key, rule, value in applies:  # after the plain keys: they may override them (filter_overlong_prompts)
         try:
             rule.apply(value, out, values)
         except (ValueError, TypeError) as e:
-            raise VerlKeyError(f"verl key {key}={value!r}: {e}") from None
+            refused.append(f"{key}={value!r}: {e}")
+    if refused:  # every one at once: a script is fixed in one pass, not one refusal a run
+        listed = f": {refused[0]}" if len(refused) == 1 else f" ({len(refused)}):" + "".join(f"\n  - {r}"
+                                                                                             for r in refused)
+        raise VerlKeyError(f"verl key(s) shardrl cannot run{listed}\nThe verl keys shardrl takes are listed in "
+                           "shardrl/compat/verl/keys.py (README, 'For verl users')")
     out["trainer.verl_metric_names"] = True  # the run logs verl's names too: a verl dashboard reads it
     out["rollout.multi_turn.reward_text"] = "conversation"  # verl's reward reads the whole response
     return Translation([f"{k}={json.dumps(v, default=str)}" for k, v in out.items()], dropped_keys)
