@@ -1,7 +1,8 @@
 """What the trainer does between sampling and the update for DAPO and rollout correction: dynamic sampling
-(generate until a step has enough groups whose rewards differ, decided over all dp ranks) and the rollout-training mismatch metrics and importance
-weights. The algorithms are `shardrl.algos.dapo` and `shardrl.algos.rollout_correction`; this module reads the
-config and moves batches around (the overlong shaping is the scorer's).
+(generate until a step has enough groups whose rewards differ, decided over all dp ranks) and the
+rollout-training mismatch metrics and importance weights. The algorithms are `shardrl.algos.dapo` and
+`shardrl.algos.rollout_correction`; this module reads the config and moves batches around (the overlong
+shaping is the scorer's).
 """
 
 from __future__ import annotations
@@ -67,8 +68,6 @@ def draw_groups(draw: Callable[[int], tuple[Batch, torch.Tensor, dict, torch.Ten
 
     Returns this rank's batch and scores, the reward metrics of every sample drawn (errors summed, a function's
     own keys averaged), and dynamic_sampling/ metrics."""
-    num_ranks = dist.get_world_size(dp_group) if dist.is_initialized() else 1
-    rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
     kept, counts = [], []  # per batch drawn: this rank's kept (batch, scores); every rank's kept group count
     reward_metrics: dict = {}
     drawn_groups = kept_groups = 0
@@ -100,6 +99,25 @@ def draw_groups(draw: Callable[[int], tuple[Batch, torch.Tensor, dict, torch.Ten
                              f"data.train_batch_size={num_groups}: too few groups differ in "
                              f"{metric_name!r} (the data are too hard or too easy for the policy). Raise "
                              "max_num_gen_batches (0: no limit) or data.gen_batch_size, or change the data")
+    batch, scores = _first_groups_spread(kept, counts, num_groups, dp_group)
+    scores_all = torch.cat(drawn_scores)
+    metrics = {
+        "dynamic_sampling/num_gen_batches": Max(float(len(counts))),
+        "dynamic_sampling/informative_frac": SumCount(float(kept_groups), float(drawn_groups)),
+        "dynamic_sampling/reward_mean_drawn": SumCount(float(scores_all.sum()), float(len(scores_all))),
+    }
+    reward_metrics = {k: (total if k == "reward/num_errors" else total / max(count, 1.0))
+                      for k, (total, count) in reward_metrics.items()}
+    return batch, scores, reward_metrics, metrics
+
+
+def _first_groups_spread(kept: list[tuple[Batch, torch.Tensor]], counts: list[list[int]], num_groups: int,
+                         dp_group) -> tuple[Batch, torch.Tensor]:
+    """This rank's share of the first `num_groups` kept groups of the global order, and their scores. `kept`: per
+    batch drawn, this rank's kept samples and scores; `counts[k][r]`: rank r's kept groups in batch k. The
+    group at global position p goes to rank p // (num_groups // dp)."""
+    num_ranks = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+    rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
     per_rank = num_groups // num_ranks
     outgoing: list[list] = [[] for _ in range(num_ranks)]  # per destination rank: (global position, group)
     for k, (part, part_scores) in enumerate(kept):
@@ -112,17 +130,7 @@ def draw_groups(draw: Callable[[int], tuple[Batch, torch.Tensor, dict, torch.Ten
             position += 1
     incoming = sorted((item for items in exchange_objects(outgoing, dp_group) for item in items),
                       key=lambda item: item[0])
-    batch = concat_rollouts([b for _, b, _ in incoming])
-    scores = torch.cat([s for _, _, s in incoming])
-    scores_all = torch.cat(drawn_scores)
-    metrics = {
-        "dynamic_sampling/num_gen_batches": Max(float(len(counts))),
-        "dynamic_sampling/informative_frac": SumCount(float(kept_groups), float(drawn_groups)),
-        "dynamic_sampling/reward_mean_drawn": SumCount(float(scores_all.sum()), float(len(scores_all))),
-    }
-    reward_metrics = {k: (total if k == "reward/num_errors" else total / max(count, 1.0))
-                      for k, (total, count) in reward_metrics.items()}
-    return batch, scores, reward_metrics, metrics
+    return concat_rollouts([b for _, b, _ in incoming]), torch.cat([s for _, _, s in incoming])
 
 
 def mismatch_step_metrics(batch: Batch) -> dict:
