@@ -247,3 +247,18 @@ def test_gpu_run_logs_peak_memory_per_phase_and_mfu(assets, tmp_path):
         assert r["perf/mfu_measured"] == pytest.approx(r["perf/tflop_per_s_per_gpu"] / H200_BF16_MEASURED_TFLOPS)
         assert r["perf/mfu_spec"] == pytest.approx(r["perf/tflop_per_s_per_gpu"] / H200_BF16_SPEC_TFLOPS)
         assert 0 < r["perf/mfu_spec"] < r["perf/mfu_measured"] < 1
+
+
+def test_a_weight_sync_before_the_step_is_not_counted_in_it(assets, tmp_path):
+    """Validation before training syncs the weights; step 1 generates with them and syncs nothing, so its
+    update_weights time is 0 (it was the validation's sync, and verl's timing_s/gen, which subtracts it from the
+    step's generation time, went negative); step 2 syncs after step 1's update."""
+    from shardrl.launch.rank import run
+
+    run(None, small_demo_run(assets, tmp_path / "run", "trainer.logger=[jsonl]", "trainer.total_steps=2",
+                             "trainer.val_before_train=true", "rollout.max_new_tokens=4"))
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    steps = [r for r in records if "timing/gen_s" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert steps[0]["timing/update_weights_s"] == 0.0
+    assert 0.0 < steps[1]["timing/update_weights_s"] < steps[1]["timing/gen_s"]

@@ -95,7 +95,7 @@ class LocalBatches:
 
     def __init__(self, cfg: Config, generation: Generation, actor, mesh, device: torch.device):
         self.cfg, self.generation, self.actor, self.mesh, self.device = cfg, generation, actor, mesh, device
-        self.stale, self.last_sync_s = True, 0.0  # the last weight sync's seconds
+        self.stale, self.sync_s = True, 0.0  # this step's weight sync seconds (0 when the sync came before it)
         self.lora_sync = lora_sync_for(cfg, actor, generation.rollout, device)  # LoRA: the adapters alone
 
     def start(self, state: TrainState) -> None:
@@ -103,6 +103,8 @@ class LocalBatches:
 
     def batch(self, step: int, items: list[dict], round_index: int = 0) -> Batch:
         """Step `step`'s batch of `items` (round `round_index` of dynamic sampling: another seed per round)."""
+        if round_index == 0:  # a sync made for validation before the step is not this step's
+            self.sync_s = 0.0
         return self.generate(items, self.generation.step_sampling(step, self.mesh.dp_rank, round_index))
 
     def generate(self, items: list[dict], sampling) -> Batch:
@@ -116,7 +118,7 @@ class LocalBatches:
                 rollout.load_weights(export_for_rollout(self.actor, self.device))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self.stale, self.last_sync_s = False, time.perf_counter() - t0
+            self.stale, self.sync_s = False, time.perf_counter() - t0
         batch = self.generation.generate(items, sampling) if self.mesh.sp_rank == 0 else None
         if self.device.type == "cuda" and self.cfg.rollout.free_cache_engine:
             rollout.release()  # colocated: training takes the memory generation held
@@ -314,7 +316,7 @@ class RLTrainer(Trainer):
         metrics.update(self._perf_metrics(batch, peaks))
         metrics.update({"timing/gen_s": t_gen - t0, "timing/prep_s": t_prep - t_gen,
                         "timing/update_s": t_end - t_prep, "timing/step_s": t_end - t0,
-                        "timing/update_weights_s": getattr(self.source, "last_sync_s", 0.0),
+                        "timing/update_weights_s": getattr(self.source, "sync_s", 0.0),
                         "training/epoch": self.state.loader.epoch})
         metrics = reduce_metrics(metrics, self.mesh.dp_group)
         metrics.update(throughput_metrics(metrics, self.world, self.device.type == "cuda"))
