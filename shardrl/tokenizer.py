@@ -98,8 +98,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def load_tokenizer(cfg):
     """The run's tokenizer (`model.tokenizer_path`, else `model.path`), left-padding, with a pad token."""
-    import transformers
-
     from shardrl.config.userfile import refuse_gguf_folder, require_folder
 
     path = cfg.model.tokenizer_path or cfg.model.path
@@ -111,19 +109,45 @@ def load_tokenizer(cfg):
         raise ValueError(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save one "
                          "there with tokenizer.save_pretrained(folder), or set model.tokenizer_path to a folder "
                          "that has one")
-    try:
-        if _generic_tokenizer(Path(path)):
-            tok = transformers.PreTrainedTokenizerFast.from_pretrained(path)
-        else:
-            tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-    except Exception as e:
-        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+    tok = _from_folder(path, cfg.model.trust_remote_code)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     if cfg.model.chat_template is not None:
         tok.chat_template = read_chat_template(cfg.model.chat_template)
     return tok
+
+
+def folder_tokenizer(path: str, trust_remote_code: bool = False):
+    """The tokenizer saved in a model folder (a reward model's own), or None when the folder holds none."""
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return _from_folder(path, trust_remote_code)
+
+
+def _from_folder(path: str, trust_remote_code: bool):
+    import transformers
+
+    try:
+        if _generic_tokenizer(Path(path)):
+            return transformers.PreTrainedTokenizerFast.from_pretrained(path)
+        return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+
+
+def same_tokenization(a, b) -> bool:
+    """Whether two tokenizers turn text into the same ids: the same `tokenizers` model, normalizer, pre-tokenizer
+    and added tokens (a fast tokenizer's JSON, less its padding and truncation state), else the same vocabulary.
+    Two tokenizers of one size can still differ (Qwen's and another BPE's), so the size alone says nothing."""
+    def spec(tok):
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is None:
+            return tok.get_vocab()
+        data = json.loads(backend.to_str())
+        data.pop("padding", None), data.pop("truncation", None)
+        return data
+    return spec(a) == spec(b)
 
 
 def read_chat_template(value: str) -> str:

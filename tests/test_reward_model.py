@@ -98,3 +98,115 @@ def test_missing_eos_penalty_lowers_only_responses_cut_at_the_limit():
     scores, metrics = scorer.score(batch)
     assert scores.tolist() == pytest.approx([-1.5, 0.5, 0.5]) and metrics["reward/missing_eos_frac"] == pytest.approx(1 / 3)
     assert scorer.score(batch, shape=False)[0].tolist() == pytest.approx([0.5, 0.5, 0.5])
+
+
+# ---- a reward model with its own tokenizer (verl's reward_model.model.input_tokenizer) ----------------------------
+RM_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }};{% endfor %}"
+"""A chat template unlike the policy's ("role: content" lines): the reward model must read its own."""
+
+
+def save_reward_model(folder, tokenizer, seed: int = 3):
+    """A tiny random Qwen2 sequence classifier sized to `tokenizer`, saved with it."""
+    config = transformers.Qwen2Config(num_labels=1, pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
+                                      hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, architectures=["Qwen2ForSequenceClassification"])
+    torch.manual_seed(seed)
+    transformers.Qwen2ForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def policy_batch(tok, rows):
+    """An RL batch as the rollout makes it: (prompt, response text, ended) rows -> left-padded prompts (a chat
+    prompt rendered with the policy's template), right-padded responses (EOS when it ended)."""
+    from shardrl.batch import Batch
+
+    texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list) else p
+             for p, _, _ in rows]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    responses = [tok(r, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if ended else [])
+                 for _, r, ended in rows]
+    width_p, width_r = max(map(len, prompts)), max(map(len, responses))
+    ids = torch.full((len(rows), width_p + width_r), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, width_p - len(p):width_p], mask[i, width_p - len(p):width_p] = torch.tensor(p), 1
+        ids[i, width_p:width_p + len(r)], mask[i, width_p:width_p + len(r)] = torch.tensor(r), 1
+    return Batch({"input_ids": ids, "attention_mask": mask, "response_mask": mask[:, width_p:]},
+                 {"prompt": [p for p, _, _ in rows], "data_source": ["x"] * len(rows),
+                  "response_text": [r for _, r, _ in rows], "extra": [{}] * len(rows)})
+
+
+def scores_both_ways(rm_path: str, policy_tok, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's scores of `batch` (re-tokenized as the run decides, the policy's ids as they are)."""
+    from shardrl.rewards.manager import RewardManager
+    from shardrl.rewards.model_inputs import reward_model_inputs
+    from shardrl.trainer.scoring import Scorer
+
+    engine = build_engine(ModelConfig(path=rm_path), EngineConfig(param_dtype="float32"), head="score")
+    return tuple(Scorer(RewardManager(), engine, reward_inputs=inputs).score(batch, shape=False)[0]
+                 for inputs in (reward_model_inputs(rm_path, policy_tok), None))
+
+
+def test_reward_model_with_its_own_tokenizer_scores_its_own_encoding(tmp_path):
+    """A reward model whose tokenizer (a larger, different vocabulary, another chat template) is not the policy's
+    scores the conversation as its own tokenizer encodes it, as verl's `_switch_chat_template` does: the response
+    decoded without its EOS, appended to the prompt's chat as the assistant's message, rendered with the reward
+    model's template; not the policy's ids (which its larger vocabulary would take without an error)."""
+    from shardrl.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
+
+    policy_tok = build_char_tokenizer()
+    rm_tok = build_char_tokenizer(DEFAULT_ALPHABET[::-1] + "[];ABCDEFGH")  # every id differs, and more of them
+    rm_tok.chat_template = RM_TEMPLATE
+    assert len(rm_tok) > len(policy_tok)
+    rm_path = str(save_reward_model(tmp_path / "rm", rm_tok))
+    chat = [{"role": "system", "content": "add."}, {"role": "user", "content": "1+2="}]
+    batch = policy_batch(policy_tok, [(chat, "3", True), ("3*4=", "12 or 13", False)])
+
+    got, policy_ids = run_distributed(scores_both_ways, 1, rm_path, policy_tok, batch)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+    want = []
+    for messages in (chat + [{"role": "assistant", "content": "3"}],
+                     [{"role": "user", "content": "3*4="}, {"role": "assistant", "content": "12 or 13"}]):
+        text = rm_tok.apply_chat_template(messages, tokenize=False)
+        assert text.startswith(("[system]add.;[user]1+2=;[assistant]3;", "[user]3*4=;[assistant]12 or 13;"))
+        with torch.no_grad():
+            want.append(float(model(**rm_tok(text, add_special_tokens=False, return_tensors="pt")).logits))
+    assert got.tolist() == pytest.approx(want, abs=1e-5)
+    assert (policy_ids - got).abs().min() > 1e-3  # the old path's number: the policy's ids read as the RM's
+
+
+def test_reward_model_tokenizer_decides_the_fast_path(tmp_path):
+    """The policy's ids go as they are to a reward model folder without a tokenizer or with one that encodes the
+    same (saved again, other padding side: the same tokenizer); one of the same size but other ids re-tokenizes."""
+    from shardrl.rewards.model_inputs import Retokenize, reward_model_inputs
+    from shardrl.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
+
+    policy_tok = build_char_tokenizer()
+    policy_tok.save_pretrained(tmp_path / "same")
+    assert reward_model_inputs(str(tmp_path / "same"), policy_tok) is None
+    (tmp_path / "none").mkdir()
+    assert reward_model_inputs(str(tmp_path / "none"), policy_tok) is None
+    swapped = build_char_tokenizer(DEFAULT_ALPHABET[1] + DEFAULT_ALPHABET[0] + DEFAULT_ALPHABET[2:])
+    assert len(swapped) == len(policy_tok)
+    swapped.save_pretrained(tmp_path / "swapped")
+    assert isinstance(reward_model_inputs(str(tmp_path / "swapped"), policy_tok), Retokenize)
+
+
+def test_trainer_reward_model_with_a_smaller_tokenizer_of_its_own(tmp_path):
+    """The trainer re-tokenizes for a reward model with its own tokenizer: one smaller than the policy's (which
+    the vocabulary check refused, the policy's ids being past its vocabulary) scores the demo's run."""
+    from shardrl.launch.rank import run
+    from shardrl.tokenizer import build_char_tokenizer
+    from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
+
+    assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=2)
+    rm_tok = build_char_tokenizer("0123456789+=:[]; userasitn")  # what "[user]1+2=;[assistant]3;" needs
+    rm_tok.chat_template = RM_TEMPLATE
+    assert len(rm_tok) < len(build_char_tokenizer())
+    save_reward_model(tmp_path / "rm", rm_tok)
+    run_dir = run(None, demo_overrides(assets) + [
+        f"reward.model_path={tmp_path / 'rm'}", "reward.engine.param_dtype=float32", "trainer.total_steps=1",
+        "trainer.val_freq=0", "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path / 'run'}"])
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["reward/mean"] not in (0.0, 1.0) and record["reward/max"] != record["reward/min"]

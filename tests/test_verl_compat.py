@@ -359,3 +359,13 @@ def test_verls_custom_chat_template_is_model_chat_template():
     overrides = translate(["actor_rollout_ref.model.path=/m",
                            f"actor_rollout_ref.model.custom_chat_template='{template}'"]).overrides
     assert f"model.chat_template={json.dumps(template)}" in overrides
+
+
+def test_reward_model_input_tokenizer_is_implied():
+    """verl's reward-model scripts name the policy's tokenizer (`reward_model.model.input_tokenizer`): accepted, its
+    note saying shardrl re-tokenizes for a reward model with its own tokenizer."""
+    t = translate(["reward_model.enable=True", "reward_model.model.path=/models/FsfairX-LLaMA3-RM-v0.1",
+                   "reward_model.model.input_tokenizer=/models/Qwen2-7B-Instruct",
+                   "actor_rollout_ref.model.path=/models/Qwen2-7B-Instruct"])
+    assert native(t)["reward.model_path"] == "/models/FsfairX-LLaMA3-RM-v0.1"
+    assert "re-tokenized with its own tokenizer and chat template" in t.dropped["reward_model.model.input_tokenizer"]

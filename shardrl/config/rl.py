@@ -83,8 +83,10 @@ class RewardConfig:
     """Keyword arguments passed to the reward function on every call (verl's custom_reward_function.reward_kwargs),
     e.g. {method: flexible}; the function must take them."""
     model_path: str | None = None
-    """Reward model folder or hub id (a *ForSequenceClassification with one label, same tokenizer as the policy),
-    scored through a forward-only engine, instead of a function."""
+    """Reward model folder or hub id (a *ForSequenceClassification with one label), scored through a forward-only
+    engine, instead of a function. A folder holding a tokenizer that encodes unlike the policy's reads each
+    conversation decoded and re-tokenized with that tokenizer and its chat template (as verl's
+    reward_model.model.input_tokenizer); otherwise it reads the policy's ids."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine of the reward model (forward only)."""
     num_workers: int = 0

@@ -123,8 +123,10 @@ class Generation:
 
 
 def with_sources(batch: Batch, items: list[dict]) -> Batch:
-    """`batch` with the data_source and extra of each sample's prompt row (by its `prompt_index`)."""
+    """`batch` with the data_source, extra and prompt (the row's own: a string or chat messages, which a reward
+    model with its own tokenizer re-renders) of each sample's prompt row (by its `prompt_index`)."""
     rows = batch["prompt_index"].tolist()
     batch["data_source"] = [items[i]["data_source"] for i in rows]
     batch["extra"] = [items[i]["extra"] for i in rows]
+    batch["prompt"] = [items[i]["prompt"] for i in rows]
     return batch

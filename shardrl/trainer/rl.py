@@ -39,6 +39,7 @@ from shardrl.rewards.pool import RewardPool
 from shardrl.rewards.manager import RewardManager, check_ground_truths, load_reward_function
 from shardrl.rollout import SamplingParams
 from shardrl.plan.step_plan import StepPlan
+from shardrl.rewards.model_inputs import reward_model_inputs
 from shardrl.tokenizer import load_tokenizer
 from shardrl.rollout.build import the_device
 from shardrl.trainer.generation import Generation, export_for_rollout, lora_sync_for
@@ -162,7 +163,13 @@ class RLTrainer(Trainer):
                 and not cfg.rollout.agent.entrypoint:  # (an agent may score its episodes itself)
             for dataset in filter(None, (self.train_set, self.val_set)):  # the built-in scorers need the answers
                 check_ground_truths(dataset)
-        check_vocab_sizes(cfg, len(self.tokenizer), self.steps)
+        self.reward_inputs = (reward_model_inputs(cfg.reward.model_path, self.tokenizer, cfg.model.trust_remote_code)
+                              if self.steps.reward_model else None)
+        if self.reward_inputs is not None:
+            self._say(f"reward.model_path={cfg.reward.model_path!r} has its own tokenizer, unlike the policy's: each "
+                      "conversation is decoded and re-tokenized with its tokenizer and chat template before scoring")
+        check_vocab_sizes(cfg, len(self.tokenizer), self.steps,
+                          len(self.reward_inputs.reward) if self.reward_inputs is not None else None)
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
         longest = max(len(item["prompt_ids"]) for dataset in filter(None, (self.train_set, self.val_set))
                       for item in dataset.items)
@@ -206,7 +213,7 @@ class RLTrainer(Trainer):
                 if (r.num_workers or r.timeout_s) and not r.model_path else None)
         self.scorer = Scorer(RewardManager(fn, r.on_error_score, r.reward_kwargs, pool), self.roles.reward_model,
                              self.mesh.dp_group, self.steps.multi_turn, cfg.reward.overlong_buffer,
-                             self.plan.max_response_tokens, cfg.reward.missing_eos_penalty)
+                             self.plan.max_response_tokens, cfg.reward.missing_eos_penalty, self.reward_inputs)
         self.state = TrainState(cfg, loader, self.mesh.dp_rank, self.mesh.dp_size, self.mesh.sp_rank)
         self.source = (batch_source or (lambda t: LocalBatches(t.cfg, t.generation, t.roles.actor, t.mesh,
                                                                t.device)))(self)

@@ -25,22 +25,29 @@ class ModelPath(NamedTuple):
     new_head_ok: bool = False
 
 
-def check_vocab_sizes(cfg: Config, tokenizer_size: int, plan: StepPlan | None = None) -> None:
+def check_vocab_sizes(cfg: Config, tokenizer_size: int, plan: StepPlan | None = None,
+                      reward_tokenizer_size: int | None = None) -> None:
     """The RL run's models that read the tokenizer's ids (policy, critic, reward model): `check_vocabularies`.
-    `plan`: the run's step plan (None: derived from `cfg`)."""
+    `plan`: the run's step plan (None: derived from `cfg`); `reward_tokenizer_size`: the reward model's own
+    tokenizer's, when it reads its own ids (`shardrl.rewards.model_inputs`), else None."""
     plan = plan or StepPlan.from_config(cfg)
     models = [ModelPath("model.path", cfg.model.path, cfg.model.tiny)]
     if plan.needs_critic and cfg.critic.model_path:
         models.append(ModelPath("critic.model_path", cfg.critic.model_path))
-    if plan.reward_model:
-        models.append(ModelPath("reward.model_path", cfg.reward.model_path, task="seq_cls"))
+    reward_model = ModelPath("reward.model_path", cfg.reward.model_path, task="seq_cls")
+    if plan.reward_model and reward_tokenizer_size is None:
+        models.append(reward_model)
     check_vocabularies(cfg, models, tokenizer_size)
+    if plan.reward_model and reward_tokenizer_size is not None:
+        check_vocabularies(cfg, [reward_model], reward_tokenizer_size, tokenizer_at=cfg.reward.model_path)
 
 
-def check_vocabularies(cfg: Config, models: list[ModelPath], tokenizer_size: int) -> None:
+def check_vocabularies(cfg: Config, models: list[ModelPath], tokenizer_size: int,
+                       tokenizer_at: str | None = None) -> None:
     """Every model in `models` is a model folder (its errors name its key) with an embedding row for each of the
-    tokenizer's ids: a token id past the vocabulary fails only mid-run (an index error, or a CUDA device assert)."""
-    tokenizer_at = cfg.model.tokenizer_path or cfg.model.path
+    tokenizer's ids: a token id past the vocabulary fails only mid-run (an index error, or a CUDA device assert).
+    `tokenizer_at`: where the tokenizer came from (default: the policy's)."""
+    tokenizer_at = tokenizer_at or cfg.model.tokenizer_path or cfg.model.path
     for m in models:
         config = load_hf_config(m.path, m.tiny, cfg.model.trust_remote_code, m.task, m.new_head_ok, key=m.key)
         if m.tiny:  # heads that do not cut the width fail only at the first forward, as a tensor-size error

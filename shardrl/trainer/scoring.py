@@ -18,8 +18,11 @@ from shardrl.rollout.episodes.multiturn import score_with_interaction
 
 class Scorer:
     def __init__(self, rewards: RewardManager, reward_model=None, dp_group=None, multi_turn: bool = False,
-                 overlong=None, length_limit: int = 0, missing_eos_penalty: float | None = None):
-        """`reward_model`: an engine with a score head, or None for `rewards`' function; `overlong`: the
+                 overlong=None, length_limit: int = 0, missing_eos_penalty: float | None = None,
+                 reward_inputs=None):
+        """`reward_model`: an engine with a score head, or None for `rewards`' function; `reward_inputs`: batch
+        -> the reward model's input_ids and attention_mask when its tokenizer is not the policy's
+        (`shardrl.rewards.model_inputs.Retokenize`), None: the policy's ids as they are; `overlong`: the
         `reward.overlong_buffer` section (None or disabled: no shaping); `length_limit`: the response length
         it shapes against (`rollout.max_new_tokens`; multi-turn: the conversation's budget,
         `rollout.multi_turn.max_response_tokens`, which its model and tool tokens share);
@@ -30,6 +33,7 @@ class Scorer:
         self.overlong = overlong if overlong is not None and overlong.enable else None
         self.length_limit = length_limit
         self.missing_eos_penalty = missing_eos_penalty
+        self.reward_inputs = reward_inputs or (lambda batch: batch.select(["input_ids", "attention_mask"]))
 
     def score(self, batch, shape: bool = True) -> tuple[torch.Tensor, dict]:
         """(scores (B,), this rank's reward metrics: "reward/num_errors" a count, the others means over its
@@ -85,7 +89,7 @@ class Scorer:
 
     def _score_responses(self, batch) -> tuple[torch.Tensor, dict, dict]:
         if self.reward_model is not None:
-            scores = self.reward_model.infer_batch(batch.select(["input_ids", "attention_mask"]))["scores"].cpu()
+            scores = self.reward_model.infer_batch(self.reward_inputs(batch))["scores"].cpu()
             return scores, {}, {}
         items = [{"data_source": ds, "response_text": text, "extra": extra}
                  for ds, text, extra in zip(batch["data_source"], batch["response_text"], batch["extra"])]

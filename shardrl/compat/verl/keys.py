@@ -421,7 +421,10 @@ VERL_KEYS: dict[str, Rule] = {
     "reward_model.use_dynamic_bsz": same("reward.engine.use_dynamic_bsz"),
     "reward_model.forward_max_token_len_per_gpu": same("reward.engine.max_token_len_per_gpu"),
     "reward_model.max_length": only((None,), "not supported"),
-    "reward_model.model.input_tokenizer": only((None,), "the reward model must share the policy's tokenizer"),
+    "reward_model.model.input_tokenizer": dropped(
+        "implied: the policy's tokenizer decodes the responses, and a reward model whose folder holds a tokenizer "
+        "encoding differently (a Llama-3 reward model of a Qwen policy) reads them re-tokenized with its own "
+        "tokenizer and chat template, as verl's does; one encoding the same reads the policy's ids"),
     "reward_model.model.trust_remote_code": dropped("shardrl's model.trust_remote_code covers every role"),
     "reward_model.model.use_remove_padding": dropped("shardrl's model.use_remove_padding covers every role"),
     "reward_model.model.external_lib": only((None,), "shardrl imports no extra model library"),
