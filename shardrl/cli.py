@@ -67,9 +67,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="processes per node (default: trainer.nproc_per_node)")
 
 
-def _add_verl_args(p: argparse.ArgumentParser) -> None:
+def _add_verl_args(p: argparse.ArgumentParser, command: str = "python3 -m verl.trainer.main_ppo") -> None:
     p.add_argument("--verl", action="store_true",
-                   help="the arguments are verl's key=value lines (python3 -m verl.trainer.main_ppo ...), "
+                   help=f"the arguments are verl's key=value lines ({command} ...), "
                         "translated to shardrl's keys, which are printed")
     p.add_argument("--config-path", default=None, help="with --verl: verl's Hydra config folder")
     p.add_argument("--config-name", default=None, help="with --verl: the YAML in it (verl's --config-name)")
@@ -105,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, trainer in TRAINERS.items():
         if trainer.offline:
-            _add_config_args(sub.add_parser(name, help=trainer.help))
+            offline = sub.add_parser(name, help=trainer.help)
+            _add_config_args(offline)
+            if name == "sft":
+                _add_verl_args(offline, "torchrun -m verl.trainer.fsdp_sft_trainer")
 
     serve = sub.add_parser("serve", help="serve a config's model on an OpenAI-compatible HTTP endpoint")
     _add_config_args(serve)
@@ -154,7 +157,15 @@ def plan_main(args: argparse.Namespace) -> int:
         from shardrl.plan.layout import format_offline_layout
         from shardrl.plan.memory import offline_ledger
 
-        cfg = load_config(args.config, list(args.overrides), cls=trainer.config)
+        overrides = list(args.overrides)
+        if args.verl and args.trainer == "sft":  # a verl SFT command line, as `shardrl sft --verl` runs it
+            from shardrl.launch.overrides import verl_overrides
+
+            overrides = verl_overrides(args.config, overrides, args.config_path, args.config_name, trainer="sft")
+        elif args.verl:
+            raise ValueError(f"--verl translates verl's PPO (--trainer train) and SFT (--trainer sft) command lines, "
+                             f"not --trainer {args.trainer}")
+        cfg = load_config(args.config, overrides, cls=trainer.config)
     elif args.verl:  # a verl command line, as `shardrl train --verl` runs it
         from shardrl.launch.overrides import verl_overrides
 

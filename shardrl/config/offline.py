@@ -48,9 +48,9 @@ class SFTDataConfig(OfflineDataConfig):
     """Column holding a chat: a list of {role, content} messages; every assistant turn is trained on."""
     prompt_key: str = "prompt"
     """Without a messages column: the prompt (a string, or a list of messages), context only (its assistant turns
-    are not trained on)."""
+    are not trained on). A dotted name that is no column reads a field of a dict column (`extra_info.question`)."""
     response_key: str = "response"
-    """Without a messages column: the assistant's reply, the only part trained on."""
+    """Without a messages column: the assistant's reply, the only part trained on (a dotted name as prompt_key)."""
 
 
 @dataclass

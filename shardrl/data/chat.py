@@ -270,11 +270,30 @@ def load_preference_dataset(files: list[str], tokenizer, max_length: int, trunca
                  truncation, skip_bad_rows)
 
 
+def with_nested_columns(row, keys) -> object:
+    """`row` with a column for each dotted key of `keys` that names no column but a field of a dict column
+    (`extra_info.question`: row["extra_info"]["question"], verl's SFT prompt_dict_keys); other rows as they are."""
+    if not isinstance(row, dict):
+        return row
+    for key in keys:
+        if key in row or "." not in key:
+            continue
+        value, found = row, True
+        for part in key.split("."):
+            found = isinstance(value, dict) and part in value
+            if not found:
+                break
+            value = value[part]
+        if found:
+            row = {**row, key: value}
+    return row
+
+
 def _load(files, tokenizer, tokenize_row, keys, kind: str, max_length: int, truncation: str,
           skip_bad_rows: bool) -> ChatDataset:
     items, stats = [], {"rows": 0, "bad": 0, "too_long": 0, "truncated": 0, "loss_tokens": 0}
     for path in files:
-        rows = read_rows(path, keep_bad_lines=True)
+        rows = [(number, with_nested_columns(row, keys)) for number, row in read_rows(path, keep_bad_lines=True)]
         check_columns(path, rows, *COLUMNS[kind](*keys))
         for number, row in rows:
             stats["rows"] += 1

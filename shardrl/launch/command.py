@@ -25,7 +25,7 @@ def launch_main(trainer: str, args) -> int:
     overrides = list(args.overrides)
     if getattr(args, "verl", False):
         overrides = verl_overrides(args.config, overrides, getattr(args, "config_path", None),
-                                   getattr(args, "config_name", None))
+                                   getattr(args, "config_name", None), trainer)
     elif cls.demo_without_config:
         overrides = resolve_overrides(args.config, overrides)
     cfg = load_config(args.config, overrides, cls=cls.config_cls)  # bad config: a clear error before anything starts

@@ -30,10 +30,14 @@ def resolve_overrides(config: str | None, overrides: list[str], make_demo_assets
 
 
 def verl_overrides(config: str | None, args: list[str], config_path: str | None = None,
-                   config_name: str | None = None) -> list[str]:
-    """`shardrl train --verl`: verl's key=value arguments (after those of verl's `--config-path/--config-name` YAML)
-    translated (`shardrl.compat.verl.translate`), the translation shown."""
+                   config_name: str | None = None, trainer: str = "train") -> list[str]:
+    """`shardrl train --verl` (`shardrl sft --verl`: `trainer="sft"`): verl's key=value arguments (after those of
+    verl's `--config-path/--config-name` YAML) translated (`shardrl.compat.verl.translate`, `.sft`), the translation
+    shown."""
     from shardrl.compat.verl.translate import config_file_args, translate
+
+    if trainer == "sft":
+        from shardrl.compat.verl.sft import translate_sft as translate
 
     if config is not None:
         raise ValueError(f"--verl takes verl's key=value arguments only, not a config file ({config!r}); drop "
@@ -43,7 +47,7 @@ def verl_overrides(config: str | None, args: list[str], config_path: str | None 
     if config_path is not None:
         args = config_file_args(config_path, config_name) + args
     translation = translate(args)
-    if not any(o.startswith("model.path=") for o in translation.overrides):
+    if trainer != "sft" and not any(o.startswith("model.path=") for o in translation.overrides):
         raise ValueError("the verl command line gives no actor_rollout_ref.model.path (a local model folder)")
     logging.getLogger("shardrl").info(translation.describe())
     return translation.overrides

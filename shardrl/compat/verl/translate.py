@@ -36,9 +36,12 @@ class Translation:
     """The native `key=value` overrides, in the table's order."""
     dropped: dict[str, str]
     """verl keys given and dropped -> why."""
+    command: str = "train"
+    """The shardrl command that runs them (sft: `shardrl.compat.verl.sft`)."""
 
     def describe(self) -> str:
-        lines = ["verl command line as shardrl overrides (run these natively with `shardrl train KEY=VALUE ...`):"]
+        lines = [f"verl command line as shardrl overrides (run these natively with `shardrl {self.command} "
+                 "KEY=VALUE ...`):"]
         lines += [f"  {o}" for o in self.overrides]
         if self.dropped:
             lines.append("dropped verl keys (they change nothing here):")
