@@ -40,8 +40,8 @@ def test_rows_of_either_format_and_bad_rows_are_counted(tok, tmp_path):
                                                                {"role": "assistant", "content": "4"}]}]
     bad = [{"prompt": "1+1="}, {"prompt": "1+1=", "response": " "}, {"messages": [{"role": "user", "content": "x"}]}]
     rows.write_text("".join(json.dumps(r) + "\n" for r in good + bad))
-    with pytest.raises(ValueError, match=r"rows.jsonl: row 3: the row has neither 'messages' nor \['response'\]; "
-                                         r"its columns: \['prompt'\]"):
+    with pytest.raises(ValueError, match=r"rows.jsonl: row 3: the row has neither 'messages' nor \['response'\] "
+                                         r"\(or 'completion'\); its columns: \['prompt'\]"):
         load_chat_dataset([str(rows)], tok, 64)
     data = load_chat_dataset([str(rows)], tok, 64, skip_bad_rows=True)
     assert len(data) == 2 and data.stats["bad"] == 3 and data.stats["rows"] == 5
@@ -52,6 +52,22 @@ def test_rows_of_either_format_and_bad_rows_are_counted(tok, tmp_path):
     assert [len(it["input_ids"]) for it in cut.items] == [23, 23] and cut.stats["truncated"] == 2
     with pytest.raises(ValueError, match=r"no usable rows .*'too_long': 2"):  # both over 23 tokens: dropped
         load_chat_dataset([str(rows)], tok, 23, truncation="drop", skip_bad_rows=True)
+
+
+def test_trls_prompt_completion_rows_train_their_completion_by_default(tok, tmp_path):
+    """TRL's prompt-completion column is `completion`: read when a row has no `response` and data.response_key is
+    unset; a row holding both trains on `response`; a response_key names the one column read."""
+    rows = _write(tmp_path / "rows.jsonl", [{"prompt": "1+2=", "completion": "3"},
+                                            {"prompt": "2+2=", "response": "4", "completion": "5"}])
+    data = load_chat_dataset([rows], tok, 64)
+    assert [masked_text(tok, it["input_ids"], it["loss_mask"], 1) for it in data.items] == ["3\n", "4\n"]
+    named = load_chat_dataset([rows], tok, 64, response_key="completion")
+    assert [masked_text(tok, it["input_ids"], it["loss_mask"], 1) for it in named.items] == ["3\n", "5\n"]
+    with pytest.raises(ValueError, match=r"row 1: the row has neither 'messages' nor \['response'\]; its columns"):
+        load_chat_dataset([rows], tok, 64, response_key="response")
+    from shardrl.config.registry import TRAINERS, load_config
+
+    assert load_config(None, (), TRAINERS["sft"].config).data.response_key is None
 
 
 def _write(path, rows) -> str:

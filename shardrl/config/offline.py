@@ -49,8 +49,10 @@ class SFTDataConfig(OfflineDataConfig):
     prompt_key: str = "prompt"
     """Without a messages column: the prompt (a string, or a list of messages), context only (its assistant turns
     are not trained on). A dotted name that is no column reads a field of a dict column (`extra_info.question`)."""
-    response_key: str = "response"
-    """Without a messages column: the assistant's reply, the only part trained on (a dotted name as prompt_key)."""
+    response_key: str | None = None
+    """Without a messages column: the assistant's reply, the only part trained on. None: `response`, or in a row
+    without one `completion` (TRL's prompt-completion column); a name: that column only (a dotted name as
+    prompt_key)."""
 
 
 @dataclass

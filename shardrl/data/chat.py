@@ -3,9 +3,10 @@
 A row is either
 - `messages`: a chat, a list of {"role", "content"} (verl's multi-turn SFT parquet, TRL's conversational format);
   every assistant turn is trained on, every other turn (system, user, tool) is context; or
-- `prompt` and `response` columns: the prompt a string (rendered with the chat template when the tokenizer has one)
-  or a list of messages, the response the assistant's reply. Only the response is trained on (as TRL trains a
-  completion): assistant turns inside the prompt are context.
+- `prompt` and `response` columns (or `completion`, TRL's name: see `response_column`): the prompt a string
+  (rendered with the chat template when the tokenizer has one) or a list of messages, the response the assistant's
+  reply. Only the response is trained on (as TRL trains a completion): assistant turns inside the prompt are
+  context.
 Messages are checked by `data.messages` (roles system, user, assistant, tool; an assistant turn may be tool calls
 with null content, which the template renders); an error names the message (`messages[2]: ...`).
 
@@ -119,7 +120,20 @@ def _replies(messages: list[dict], names: list[str]) -> list[dict]:
     return messages
 
 
-def row_messages(row, messages_key: str, prompt_key: str, response_key: str
+RESPONSE_COLUMNS = ("response", "completion")
+"""The columns an SFT row's reply is read from when `data.response_key` is unset, the first the row has: verl's SFT
+name, then TRL's prompt-completion one."""
+
+
+def response_column(row: dict, response_key: str | None) -> str:
+    """The column holding a prompt/response row's reply: `response_key` when set, else the first of
+    `RESPONSE_COLUMNS` the row has (the first when it has none, for the error)."""
+    if response_key is not None:
+        return response_key
+    return next((k for k in RESPONSE_COLUMNS if k in row), RESPONSE_COLUMNS[0])
+
+
+def row_messages(row, messages_key: str, prompt_key: str, response_key: str | None
                  ) -> tuple[list[dict], int, list[str]]:
     """A row as (chat, the index of its first trained message, each message's name for errors) (see the module
     docstring), or a ValueError saying which column or message is wrong."""
@@ -129,9 +143,11 @@ def row_messages(row, messages_key: str, prompt_key: str, response_key: str
         messages = check_messages(row[messages_key], messages_key)
         names = [f"{messages_key}[{i}]" for i in range(len(messages))]
         return _replies(messages, names), 0, names
-    missing = [k for k in (prompt_key, response_key) if k not in row]
+    missing = [k for k in (prompt_key, response_column(row, response_key)) if k not in row]
     if missing:
-        raise ValueError(f"the row has neither '{messages_key}' nor {missing}; its columns: {sorted(row)}")
+        either = "" if response_key else f" (or {' or '.join(map(repr, RESPONSE_COLUMNS[1:]))})"
+        raise ValueError(f"the row has neither '{messages_key}' nor {missing}{either}; its columns: {sorted(row)}")
+    response_key = response_column(row, response_key)
     prompt, response = row[prompt_key], row[response_key]
     if not isinstance(response, str) or not response.strip():
         raise ValueError(f"'{response_key}' must be a non-empty string")
@@ -241,8 +257,10 @@ def _tokenize_sft(tokenizer, row, keys) -> dict:
 # what a file of each kind must hold in some row (`check_columns`): (usable(row), the columns, their reader)
 COLUMNS = {
     "sft": lambda messages, prompt, response: (
-        lambda row: messages in row or (prompt in row and response in row),
-        f"{messages!r} (data.messages_key), or {prompt!r} and {response!r} (data.prompt_key, data.response_key)",
+        lambda row: messages in row or (prompt in row and response_column(row, response) in row),
+        f"{messages!r} (data.messages_key), or {prompt!r} and "
+        f"{' or '.join(map(repr, RESPONSE_COLUMNS)) if response is None else repr(response)} "
+        "(data.prompt_key, data.response_key)",
         "shardrl sft"),
     "pairs": lambda prompt, chosen, rejected: (
         lambda row: chosen in row and rejected in row,
@@ -254,7 +272,7 @@ SEQUENCES = {"sft": (("input_ids", "loss_mask"),), "pairs": (("chosen_ids", "cho
 
 def load_chat_dataset(files: list[str], tokenizer, max_length: int, truncation: str = "error",
                       skip_bad_rows: bool = False, messages_key: str = "messages", prompt_key: str = "prompt",
-                      response_key: str = "response") -> ChatDataset:
+                      response_key: str | None = None) -> ChatDataset:
     """Every row of `files` (JSONL, JSON or Parquet) tokenized; `truncation` of a row over `max_length`:
     "error", "drop" (counted), or "right" (cut at max_length; it keeps its first assistant tokens)."""
     return _load(files, tokenizer, _tokenize_sft, (messages_key, prompt_key, response_key), "sft", max_length,

@@ -140,6 +140,7 @@ def _check_row(row, prompt_key: str) -> str | None:
 FILE_KINDS = ((("chosen", "rejected"), "a preference file (prompt/chosen/rejected)", "shardrl dpo and shardrl rm"),
               (("messages",), "an SFT file (messages)", "shardrl sft"),
               (("prompt", "response"), "an SFT file (prompt/response)", "shardrl sft"),
+              (("prompt", "completion"), "an SFT file (prompt/completion)", "shardrl sft"),
               (("prompt",), "an RL prompt file (prompt)", "shardrl train"))
 
 
