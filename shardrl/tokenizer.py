@@ -14,7 +14,7 @@ import string
 import json
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -32,10 +32,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(alphabet: str | None = None, add_bos: bool = False) -> PreTrainedTokenizerFast:
     """A character-level fast tokenizer over `alphabet` (default: digits, a-z, space, `+-*=?.,:()#`, newline).
 
     Characters outside the alphabet encode to `<unk>`. Left padding, since prompts are batched for generation.
+    `add_bos`: `tokenizer("x")` starts with `<bos>`, as Llama's and Gemma's do (tests of plain-text rows).
     """
     alphabet = DEFAULT_ALPHABET if alphabet is None else alphabet
     chars = list(dict.fromkeys(alphabet))  # dedupe, keep order
@@ -50,6 +51,9 @@ def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(single=f"{BOS_TOKEN} $A",
+                                                           special_tokens=[(BOS_TOKEN, vocab[BOS_TOKEN])])
 
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -182,6 +182,18 @@ def test_chat_pairs_need_a_template_and_known_roles(tok, tmp_path):
     assert bare.decode(load_preference_dataset([str(rows)], bare, 64).items[0]["chosen_ids"]) == "2"
 
 
+def test_plain_pairs_start_with_the_tokenizers_bos_as_trl_tokenizes_them(tmp_path):
+    """TRL's DPO and reward trainers tokenize a plain prompt with the tokenizer's special tokens: a Llama or Gemma
+    tokenizer's BOS comes first (a template's chat renders its own)."""
+    rows = tmp_path / "pairs.jsonl"
+    rows.write_text(json.dumps({"prompt": "1+2=", "chosen": "3", "rejected": "4"}) + "\n")
+    tok = build_char_tokenizer(add_bos=True)
+    assert tok("1")["input_ids"][0] == tok.bos_token_id
+    item = load_preference_dataset([str(rows)], tok, 64).items[0]
+    assert [tok.decode(item[k]) for k in ("chosen_ids", "rejected_ids")] == ["<bos>1+2=3<eos>", "<bos>1+2=4<eos>"]
+    assert [_text(tok, item[f"{k}_ids"], item[f"{k}_mask"]) for k in ("chosen", "rejected")] == ["3<eos>", "4<eos>"]
+
+
 PAIRS = [({"role": "user", "content": f"{a}+{b}="}, str(a + b), str(a + b + 1 + b) + "?" * (a % 3))
          for a in range(4) for b in range(2)]  # 8 pairs; completions of different lengths
 

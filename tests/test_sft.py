@@ -102,7 +102,19 @@ def test_chat_rows_without_a_chat_template_are_refused_naming_model_chat_templat
                                                  r"has no chat template.*set model\.chat_template"):
                 load_chat_dataset([rows], bare, 64, skip_bad_rows=skip)
     plain = load_chat_dataset([_write(tmp_path / "plain.jsonl", [{"prompt": "1+1=", "response": "2"}])], bare, 64)
-    assert bare.decode(plain.items[0]["input_ids"]) == "1+1=2"
+    assert bare.decode(plain.items[0]["input_ids"]) == "1+1=2<eos>"
+
+
+def test_a_plain_row_starts_with_the_tokenizers_bos_and_ends_with_eos_as_trl_trains_it(tmp_path):
+    """TRL tokenizes a plain prompt-completion row with the tokenizer's special tokens and appends EOS to the
+    completion: without the EOS the model never learns to stop."""
+    rows = _write(tmp_path / "plain.jsonl", [{"prompt": "1+1=", "completion": "2"}])
+    for tok, bos in ((build_char_tokenizer(add_bos=True), "<bos>"), (build_char_tokenizer(), "")):
+        tok.chat_template = None
+        item = load_chat_dataset([rows], tok, 64).items[0]
+        assert tok.decode(item["input_ids"]) == f"{bos}1+1=2<eos>"
+        assert masked_text(tok, item["input_ids"], item["loss_mask"], 1) == "2<eos>"
+        assert item["input_ids"][:2] == tok("1+1=")["input_ids"][:2]  # what TRL's tokenizer(prompt) starts with
 
 
 def test_model_chat_template_sets_the_tokenizers_template_from_text_or_a_file(tmp_path):

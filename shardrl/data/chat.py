@@ -4,9 +4,10 @@ A row is either
 - `messages`: a chat, a list of {"role", "content"} (verl's multi-turn SFT parquet, TRL's conversational format);
   every assistant turn is trained on, every other turn (system, user, tool) is context; or
 - `prompt` and `response` columns (or `completion`, TRL's name: see `response_column`): the prompt a string
-  (rendered with the chat template when the tokenizer has one) or a list of messages, the response the assistant's
-  reply. Only the response is trained on (as TRL trains a completion): assistant turns inside the prompt are
-  context.
+  (rendered with the chat template as a user turn when the tokenizer has one, as verl's SFT data is; without one
+  plain text, `plain_sequence`, as TRL's: BOS where the tokenizer adds one, prompt, response, EOS) or a list of
+  messages, the response the assistant's reply. Only the response is trained on (as TRL trains a completion):
+  assistant turns inside the prompt are context.
 Messages are checked by `data.messages` (roles system, user, assistant, tool; an assistant turn may be tool calls
 with null content, which the template renders); an error names the message (`messages[2]: ...`).
 
@@ -20,8 +21,9 @@ A preference row (DPO, reward models) is `prompt`, `chosen` and `rejected` colum
 messages (TRL's plain and conversational formats); without a prompt column the prompt is the messages the two
 conversations share. Each of chosen and rejected is tokenized as prompt + completion, its loss mask on the
 completion's assistant tokens only. Three strings are plain text, as in TRL and as `shardrl train` takes a string
-prompt: the prompt's tokens, then the completion's and EOS, no chat template (an SFT prompt/response row follows
-verl's SFT data instead: its string prompt is a user turn).
+prompt (`plain_sequence`): BOS where the tokenizer adds one (Llama, Gemma), the prompt's tokens, then the
+completion's and EOS, no chat template (an SFT prompt/response row follows verl's SFT data instead where the
+tokenizer has a template: its string prompt is a user turn).
 
 Bad rows (an unparsable JSON line, a missing column, an unknown role, an empty reply, chosen equal to rejected, a
 template that is not prefix-consistent or leaves no assistant token, a row longer than `max_length` when truncation
@@ -221,15 +223,31 @@ def _prompt_names(row: dict, prompt_key: str, chosen_key: str, n: int) -> list[s
     return [f"{prompt_key}[{i}]" for i in range(n)] if isinstance(row[prompt_key], list) else [prompt_key] * n
 
 
-def _plain_pair(tokenizer, prompt: str, chosen: str, rejected: str) -> dict:
-    """A plain-text pair: the prompt's tokens, then the completion's and the end-of-sequence token, no template
-    (an RL run's string prompt is its text as it is, and a sampled response ends at EOS)."""
-    context = tokenizer.encode(prompt, add_special_tokens=False)
+def bos_ids(tokenizer) -> list[int]:
+    """[BOS] when the tokenizer starts a text with it (`tokenizer("x")` does for Llama and Gemma), else []: plain
+    text is tokenized as TRL (and an RL run's string prompt) tokenizes it, with the tokenizer's special tokens."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return []
+    return [bos] if tokenizer.encode("a", add_special_tokens=True)[:1] == [bos] else []
+
+
+def plain_sequence(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of plain text, no template: BOS where the tokenizer adds one, the prompt's tokens, then the
+    completion's and EOS, the targets (as TRL tokenizes a plain prompt-completion row; an RL run's string prompt is
+    its text with the same BOS, and a sampled response ends at EOS). The two are tokenized apart, so the mask is
+    exact whatever the merges at the seam."""
+    context = bos_ids(tokenizer) + tokenizer.encode(prompt, add_special_tokens=False)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    target = tokenizer.encode(completion, add_special_tokens=False) + eos
+    return context + target, [0] * len(context) + [1] * len(target)
+
+
+def _plain_pair(tokenizer, prompt: str, chosen: str, rejected: str) -> dict:
+    """A plain-text pair: each of chosen and rejected a `plain_sequence` after the prompt."""
     out = {}
     for name, completion in (("chosen", chosen), ("rejected", rejected)):
-        target = tokenizer.encode(completion, add_special_tokens=False) + eos
-        out[f"{name}_ids"], out[f"{name}_mask"] = context + target, [0] * len(context) + [1] * len(target)
+        out[f"{name}_ids"], out[f"{name}_mask"] = plain_sequence(tokenizer, prompt, completion)
     return out
 
 
@@ -250,6 +268,9 @@ def _tokenize_sft(tokenizer, row, keys) -> dict:
     messages_key, prompt_key, _ = keys
     if messages_key in row or not isinstance(row[prompt_key], str):  # (a string prompt may be plain text)
         require_template(tokenizer)
+    elif not getattr(tokenizer, "chat_template", None):  # plain text, as TRL trains it: ended by EOS
+        ids, mask = plain_sequence(tokenizer, messages[0]["content"], messages[1]["content"])
+        return {"input_ids": ids, "loss_mask": mask}
     ids, mask = tokenize_chat(tokenizer, messages, train_from, names)
     return {"input_ids": ids, "loss_mask": mask}
 
