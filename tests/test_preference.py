@@ -55,6 +55,28 @@ def test_bradley_terry_loss():
     assert bradley_terry_loss(chosen, rejected, 0.1).tolist() == pytest.approx(want, rel=1e-6)
 
 
+def test_a_reward_datasets_margin_column_is_in_the_loss(tmp_path):
+    """TRL's RewardTrainer: loss = -log s(r_c - r_r - margin) with a `margin` column; a row without one has 0, a
+    margin that is not a number is a bad row."""
+    from shardrl.trainer.rm import rm_loss_fn
+
+    rows = tmp_path / "pairs.jsonl"
+    good = [{"prompt": "1+2=", "chosen": "3", "rejected": "4", "margin": 2.5},
+            {"prompt": "1+3=", "chosen": "4", "rejected": "5"},
+            {"prompt": [{"role": "user", "content": "2+2="}], "chosen": "4", "rejected": "1", "margin": -1}]
+    rows.write_text("".join(json.dumps(r) + "\n" for r in good + [{**good[0], "margin": "big"}]))
+    tok = build_char_tokenizer()
+    with pytest.raises(ValueError, match=r"row 4: 'margin' must be a finite number, found 'big'"):
+        load_preference_dataset([str(rows)], tok, 64)
+    batch = collate_pairs(load_preference_dataset([str(rows)], tok, 64, skip_bad_rows=True).items, tok.pad_token_id)
+    assert batch["margin"].tolist() == [2.5, 2.5, 0.0, 0.0, -1.0, -1.0]
+    scores = torch.tensor([1.0, -0.5, 0.25, 0.75, 2.0, 1.5], dtype=torch.float64)
+    loss, metrics = rm_loss_fn(0.0)({"scores": scores}, batch, None, torch.tensor(6.0))
+    want = [-math.log(_sig(c - r - m)) for c, r, m in [(1.0, -0.5, 2.5), (0.25, 0.75, 0.0), (2.0, 1.5, -1.0)]]
+    assert float(loss) == pytest.approx(sum(want) / 3, rel=1e-12)
+    assert float(metrics["rm/margin"].total) == pytest.approx(1.5 - 0.5 + 0.5)  # r_c - r_r, as TRL logs it
+
+
 def _trl_dpo_loss(loss_type, beta, log_probs, completion_mask, ref_chosen, ref_rejected):
     """TRL's own DPOTrainer._compute_loss on given per-token log-probs: a stand-in model returns them."""
     from collections import defaultdict

@@ -71,8 +71,10 @@ def sequence_log_probs(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return masked_sum(log_probs, mask, dim=-1)
 
 
-def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, center_coefficient: float = 0.0) -> torch.Tensor:
-    """A reward model's per-pair loss `(P,)`: -log s(r_c - r_r), plus center_coefficient * (r_c + r_r)^2 (TRL's
-    `center_rewards_coefficient`, which keeps the rewards near zero)."""
-    loss = -F.logsigmoid(chosen - rejected)
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, center_coefficient: float = 0.0,
+                       margin: torch.Tensor | None = None) -> torch.Tensor:
+    """A reward model's per-pair loss `(P,)`: -log s(r_c - r_r - margin) (TRL's per-pair `margin` column, 0
+    without one), plus center_coefficient * (r_c + r_r)^2 (TRL's `center_rewards_coefficient`, which keeps the
+    rewards near zero)."""
+    loss = -F.logsigmoid(chosen - rejected - (0.0 if margin is None else margin.to(chosen.dtype)))
     return loss + center_coefficient * (chosen + rejected) ** 2 if center_coefficient else loss

@@ -19,8 +19,8 @@ is exact whatever the tokenizer's merges do at the seams. Chat rows and a tokeni
 
 A preference row (DPO, reward models) is `prompt`, `chosen` and `rejected` columns, each a string or a list of
 messages (TRL's plain and conversational formats); without a prompt column the prompt is the messages the two
-conversations share. Each of chosen and rejected is tokenized as prompt + completion, its loss mask on the
-completion's assistant tokens only. Three strings are plain text, as in TRL and as `shardrl train` takes a string
+conversations share; a `margin` column (TRL's, a number) is kept for the reward model's loss. Each of chosen and
+rejected is tokenized as prompt + completion, its loss mask on the completion's assistant tokens only. Three strings are plain text, as in TRL and as `shardrl train` takes a string
 prompt (`plain_sequence`): BOS where the tokenizer adds one (Llama, Gemma), the prompt's tokens, then the
 completion's and EOS, no chat template (an SFT prompt/response row follows verl's SFT data instead where the
 tokenizer has a template: its string prompt is a user turn).
@@ -35,6 +35,7 @@ and row. A file none of whose rows has the columns the trainer reads is an error
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
@@ -197,11 +198,23 @@ def pair_messages(row, prompt_key: str, chosen_key: str, rejected_key: str) -> t
     return prompt, chosen, rejected
 
 
+def pair_margin(row: dict) -> float:
+    """A pair's `margin` column (TRL's reward-model datasets: how much better chosen is; the loss is
+    -log s(r_c - r_r - margin)), 0 without one."""
+    margin = row.get("margin", 0.0)
+    if margin is None:  # (a Parquet column where some rows have none)
+        return 0.0
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise ValueError(f"'margin' must be a finite number, found {margin!r}")
+    return float(margin)
+
+
 def _tokenize_pair(tokenizer, row, keys) -> dict:
     prompt, chosen, rejected = pair_messages(row, *keys)
+    margin = {"margin": pair_margin(row)}
     prompt_key, chosen_key, rejected_key = keys
     if all(isinstance(row.get(k), str) for k in keys):  # plain text, as TRL and shardrl's RL prompts take it
-        return _plain_pair(tokenizer, row[prompt_key], row[chosen_key], row[rejected_key])
+        return _plain_pair(tokenizer, row[prompt_key], row[chosen_key], row[rejected_key]) | margin
     if any(isinstance(row.get(k), list) for k in keys):  # (two strings without a prompt may be plain text)
         require_template(tokenizer)
     out = {}
@@ -213,7 +226,7 @@ def _tokenize_pair(tokenizer, row, keys) -> dict:
         _replies(completion, names[len(prompt):])
         ids, mask = tokenize_chat(tokenizer, prompt + completion, train_from=len(prompt), names=names)
         out[f"{name}_ids"], out[f"{name}_mask"] = _end_at_eos(tokenizer, ids, mask)
-    return out
+    return out | margin
 
 
 def _prompt_names(row: dict, prompt_key: str, chosen_key: str, n: int) -> list[str]:
@@ -377,9 +390,13 @@ def collate_chats(items: list[dict], pad_id: int):
 
 def collate_pairs(items: list[dict], pad_id: int):
     """Preference pairs as a right-padded `Batch` of 2 x len(items) rows: chosen, rejected, chosen, ... (the
-    engine's `group_size=2` keeps each pair in one micro-batch)."""
-    return _collate([(item[f"{name}_ids"], item[f"{name}_mask"]) for item in items for name in ("chosen", "rejected")],
-                    pad_id)
+    engine's `group_size=2` keeps each pair in one micro-batch), and `margin` (2P,), each pair's on both its rows."""
+    import torch
+
+    batch = _collate([(item[f"{name}_ids"], item[f"{name}_mask"]) for item in items
+                      for name in ("chosen", "rejected")], pad_id)
+    batch["margin"] = torch.tensor([item.get("margin", 0.0) for item in items for _ in range(2)], dtype=torch.float32)
+    return batch
 
 
 def _collate(rows: list[tuple[list[int], list[int]]], pad_id: int):
