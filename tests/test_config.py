@@ -387,7 +387,8 @@ def test_a_reference_model_with_a_reference_free_loss_is_named():
     lines = load_config(None, ["dpo.loss_type=simpo", "dpo.ref_model_path=/models/ref"], cls=DPOConfig
                         ).ignored_settings()
     assert lines == ["dpo.ref_model_path='/models/ref' is never read: dpo.loss_type=simpo is reference-free (no "
-                     "reference model is loaded); drop it, or set dpo.loss_type=sigmoid or ipo to train against it"]
+                     "reference model is loaded); drop it, or set dpo.loss_type=sigmoid (or another loss with a "
+                     "reference) to train against it"]
     assert load_config(None, ["dpo.loss_type=ipo", "dpo.ref_model_path=/models/ref"], cls=DPOConfig
                        ).ignored_settings() == []
     assert load_config(None, ["dpo.loss_type=simpo"], cls=DPOConfig).ignored_settings() == []

@@ -30,23 +30,88 @@ def reference(mode: str, pc, pr, rc, rr, nc, nr, beta, eps, gamma):
     if mode == "ipo":  # IPO eq. 17 on per-token log-ratios
         h = (pc - rc) / nc - (pr - rr) / nr
         return ((h - 1 / (2 * beta)) ** 2, beta * (pc - rc), beta * (pr - rr), pc, pr)
-    ac, ar = pc / nc, pr / nr  # SimPO eq. 6: length-normalized, a target margin gamma
-    z = beta * (ac - ar) - gamma
-    return (-(1 - eps) * math.log(_sig(z)) - eps * math.log(_sig(-z)), beta * ac, beta * ar, ac, ar)
+    if mode == "simpo":
+        ac, ar = pc / nc, pr / nr  # SimPO eq. 6: length-normalized, a target margin gamma
+        z = beta * (ac - ar) - gamma
+        return (-(1 - eps) * math.log(_sig(z)) - eps * math.log(_sig(-z)), beta * ac, beta * ar, ac, ar)
+    # TRL 1.x DPOTrainer._compute_loss's other loss types (f_divergence_type reverse_kl: scores are log-ratios)
+    c, r = pc - rc, pr - rr
+    d, ls = c - r, lambda x: math.log(_sig(x))
+    loss = {
+        "hinge": lambda: max(0.0, 1 - beta * d),
+        "robust": lambda: (-(1 - eps) * ls(beta * d) + eps * ls(-beta * d)) / (1 - 2 * eps),
+        "exo_pair": lambda: (_sig(beta * d) * (ls(beta * d) - math.log(1 - eps))
+                             + _sig(-beta * d) * (ls(-beta * d) - math.log(eps))),
+        "nca_pair": lambda: -ls(beta * c) - 0.5 * ls(-beta * c) - 0.5 * ls(-beta * r),
+        "bco_pair": lambda: -ls(beta * c) - ls(-beta * r),
+        "sppo_hard": lambda: (c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2,
+        "apo_zero": lambda: 1 - _sig(beta * c) + _sig(beta * r),
+        "apo_down": lambda: _sig(beta * c) + 1 - _sig(beta * d),
+        "sigmoid_norm": lambda: -ls(beta * (c / nc - r / nr)),
+    }[mode]()
+    return loss, beta * c, beta * r, pc, pr
 
 
-@pytest.mark.parametrize("mode", sorted(PREFERENCE_LOSSES))
+# every pairwise loss of TRL 1.x's DPOTrainer but aot, aot_unpaired and discopop, and SimPO of its CPO trainer
+LOSS_TYPES = ["sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+              "apo_down", "sigmoid_norm", "simpo"]
+
+
+@pytest.mark.parametrize("mode", LOSS_TYPES)
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_preference_losses_are_the_papers_formulas(mode, eps):
+    if mode == "exo_pair" and eps == 0:
+        pytest.skip("EXO's eps must be > 0 (config.DPOSettings refuses 0, as TRL does)")
     g = torch.Generator().manual_seed(0)
     pc, pr, rc, rr = (-torch.rand(6, generator=g, dtype=torch.float64) * 20 for _ in range(4))
     nc, nr = (torch.randint(1, 12, (6,), generator=g).double() for _ in range(2))
     params = PreferenceParams(beta=0.3, label_smoothing=eps if mode != "ipo" else 0.0, simpo_gamma=0.7)
+    assert sorted(PREFERENCE_LOSSES) == sorted(LOSS_TYPES)
     out = PREFERENCE_LOSSES[mode].fn(pc, pr, rc, rr, nc, nr, params)
     for i in range(6):
         want = reference(mode, *(float(t[i]) for t in (pc, pr, rc, rr, nc, nr)), params.beta,
                          params.label_smoothing, params.simpo_gamma)
         assert [float(t[i]) for t in out] == pytest.approx(want, rel=1e-9)
+
+
+def test_rpo_adds_the_token_mean_nll_of_the_global_batchs_chosen_tokens():
+    """TRL's rpo_alpha (1.x: loss_type [..., "sft"] weighted alpha): loss + alpha * cross-entropy over the chosen
+    completions' tokens, a token mean over the batch; the micro-batches' shares add up to it."""
+    from shardrl.trainer.dpo import dpo_loss_fn
+
+    g = torch.Generator().manual_seed(3)
+    pairs, width = 5, 7
+    mask = (torch.rand(2 * pairs, width, generator=g) < 0.6).long()
+    mask[:, 0] = 1
+    log_probs = -torch.rand(2 * pairs, width, generator=g, dtype=torch.float64) * 4
+    ref = -torch.rand(2 * pairs, generator=g, dtype=torch.float64) * 10
+    params, alpha = PreferenceParams(beta=0.2), 0.7
+    logps = (log_probs * mask).sum(-1)
+    pair_losses = [reference("sigmoid", float(logps[2 * i]), float(logps[2 * i + 1]), float(ref[2 * i]),
+                             float(ref[2 * i + 1]), 0, 0, 0.2, 0.0, 0)[0] for i in range(pairs)]
+    chosen_terms = [-float(log_probs[2 * i, t]) for i in range(pairs) for t in range(width) if mask[2 * i, t]]
+    want = sum(pair_losses) / pairs + alpha * sum(chosen_terms) / len(chosen_terms)
+    loss_fn = dpo_loss_fn("sigmoid", params, alpha, torch.tensor(float(len(chosen_terms)), dtype=torch.float64))
+    total, nll = 0.0, []
+    for rows in (slice(0, 4), slice(4, 10)):  # two micro-batches of 2 and 3 pairs
+        mb = {"loss_mask": mask[rows], "ref_log_probs": ref[rows]}
+        loss, metrics = loss_fn({"log_probs": log_probs[rows]}, mb, None, torch.tensor(2.0 * pairs))
+        total, nll = total + float(loss), nll + [metrics["nll_loss"]]
+    assert total == pytest.approx(want, rel=1e-12)
+    assert float(sum(m.total for m in nll) / sum(m.count for m in nll)) == pytest.approx(
+        sum(chosen_terms) / len(chosen_terms), rel=1e-12)
+
+
+def test_dpo_settings_refuse_exo_without_eps_and_warn_of_unread_label_smoothing():
+    from shardrl.config.load import ConfigError
+    from shardrl.config.registry import TRAINERS, load_config
+
+    with pytest.raises(ConfigError, match=r"dpo.label_smoothing=0.0: must be > 0 with loss_type=exo_pair"):
+        load_config(None, ["dpo.loss_type=exo_pair"], TRAINERS["dpo"].config)
+    cfg = load_config(None, ["dpo.loss_type=hinge", "dpo.label_smoothing=0.1"], TRAINERS["dpo"].config)
+    assert any("dpo.label_smoothing=0.1 is never read: dpo.loss_type=hinge" in line for line in cfg.ignored_settings())
+    assert not load_config(None, ["dpo.loss_type=robust", "dpo.label_smoothing=0.1"],
+                           TRAINERS["dpo"].config).ignored_settings()
 
 
 def test_bradley_terry_loss():
@@ -453,6 +518,25 @@ def test_dpo_learns_the_preferences_resumes_and_exports(tmp_path):
     assert records[-1]["rewards/margins"] > records[4]["rewards/margins"] > 0
     assert transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf_model").config.architectures == [
         "Qwen2ForCausalLM"]
+
+
+@pytest.mark.multiproc
+def test_a_dpo_run_with_another_loss_type_and_rpo_alpha_logs_its_nll(tmp_path):
+    """At the first step the policy is the reference: hinge's loss is relu(1 - 0) = 1, plus rpo_alpha times the
+    chosen tokens' NLL the step logs."""
+    from shardrl.cli import main
+    from shardrl.testing import save_char_model
+
+    save_char_model(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    common = _common(tmp_path / "model", _sum_pairs(tmp_path), run_dir)
+    assert main(["dpo", *common, "trainer.total_steps=2", "trainer.val_freq=2", "dpo.loss_type=hinge",
+                 "dpo.rpo_alpha=0.5"]) == 0
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert records[0]["dpo/nll_loss"] > 1  # a random model's -log p per token (53 tokens: about ln 53)
+    assert records[0]["dpo/loss"] == pytest.approx(1 + 0.5 * records[0]["dpo/nll_loss"], rel=1e-6)
+    assert records[1]["val/nll_loss"] > 0 and "val/loss" in records[1]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
 
 
 @pytest.mark.multiproc

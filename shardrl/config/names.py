@@ -29,9 +29,13 @@ ADVANTAGE_ESTIMATORS = {
 LOSS_MODES = ("vanilla", "gspo", "gspo_token")
 """`actor.loss_mode`'s choices (`shardrl.algos.LOSS_MODES`)."""
 
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+                     "apo_down", "sigmoid_norm", "simpo")
 """`dpo.loss_type`'s choices (`shardrl.algos.preference.PREFERENCE_LOSSES`)."""
 
 REFERENCE_FREE_LOSSES = ("simpo",)
 """The preference losses that read no reference policy (`PreferenceLoss.uses_ref` is false): dpo.ref_model_path is
 unused with them."""
+
+SMOOTHED_LOSSES = ("sigmoid", "robust", "exo_pair", "simpo")
+"""The preference losses that read dpo.label_smoothing."""

@@ -10,7 +10,7 @@ from shardrl.config.checks import check_reward_model_trainer
 from shardrl.config.command import OfflineCommandConfig, TrainerConfig
 from shardrl.config.engine import EngineConfig, ModelConfig, OptimConfig
 from shardrl.config.load import require
-from shardrl.config.names import PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES
+from shardrl.config.names import PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, SMOOTHED_LOSSES
 
 PreferenceLossName = Literal[tuple(PREFERENCE_LOSSES)]
 
@@ -86,19 +86,27 @@ class SFTConfig(OfflineCommandConfig):
 @dataclass
 class DPOSettings:
     loss_type: PreferenceLossName = "sigmoid"
-    """`shardrl.algos.preference.PREFERENCE_LOSSES`: sigmoid (DPO), ipo, simpo (reference-free)."""
+    """`shardrl.algos.preference.PREFERENCE_LOSSES`, TRL's names: sigmoid (DPO), ipo, hinge, robust, exo_pair,
+    nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, sigmoid_norm, simpo (reference-free)."""
     beta: float = 0.1
     """The inverse temperature of the implicit reward (TRL's `beta`)."""
     label_smoothing: float = 0.0
-    """The share of pairs assumed mislabelled (conservative DPO; sigmoid and simpo)."""
+    """The share of pairs assumed mislabelled: conservative DPO's eps for sigmoid and simpo (as TRL before 1.0 and
+    its CPO trainer; TRL 1.x's sigmoid ignores it), rDPO's for robust, EXO's eps for exo_pair (> 0, e.g. 1e-3)."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin (TRL's `simpo_gamma`)."""
+    rpo_alpha: float = 0.0
+    """RPO: adds this times the NLL (a token mean of -log p) of the batch's chosen completions to the loss (TRL's
+    `rpo_alpha`, in TRL 1.x loss_type=[..., "sft"] with this weight); 0: off."""
     ref_model_path: str | None = None
     """The reference policy's folder or hub id; None: model.path (the policy before training). Unused by simpo."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "beta", self.beta > 0, "must be > 0")
         require(self, prefix, "label_smoothing", 0 <= self.label_smoothing < 0.5, "must be in [0, 0.5)")
+        require(self, prefix, "label_smoothing", self.loss_type != "exo_pair" or self.label_smoothing > 0,
+                "must be > 0 with loss_type=exo_pair (EXO's eps; its paper suggests 1e-3)")
+        require(self, prefix, "rpo_alpha", self.rpo_alpha >= 0, "must be >= 0 (0: no NLL term)")
 
 
 @dataclass
@@ -124,9 +132,11 @@ class DPOConfig(OfflineCommandConfig):
         s = self.dpo
         if s.ref_model_path and s.loss_type in REFERENCE_FREE_LOSSES:
             lines.append(f"dpo.ref_model_path={s.ref_model_path!r} is never read: dpo.loss_type={s.loss_type} is "
-                         "reference-free (no reference model is loaded); drop it, or set dpo.loss_type="
-                         f"{' or '.join(n for n in PREFERENCE_LOSSES if n not in REFERENCE_FREE_LOSSES)} to train "
-                         "against it")
+                         "reference-free (no reference model is loaded); drop it, or set dpo.loss_type=sigmoid "
+                         "(or another loss with a reference) to train against it")
+        if s.label_smoothing and s.loss_type not in SMOOTHED_LOSSES:
+            lines.append(f"dpo.label_smoothing={s.label_smoothing} is never read: dpo.loss_type={s.loss_type} has no "
+                         f"label smoothing (the losses with it: {', '.join(SMOOTHED_LOSSES)})")
         return lines
 
 

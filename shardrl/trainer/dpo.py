@@ -1,5 +1,5 @@
-"""Offline preference training: `shardrl dpo CONFIG [key=value ...]` (DPO's sigmoid loss, IPO, SimPO), a loop of
-`trainer.offline`.
+"""Offline preference training: `shardrl dpo CONFIG [key=value ...]` (DPO's sigmoid loss, IPO, SimPO and TRL's
+other pairwise losses, `algos.preference`), a loop of `trainer.offline`.
 
 A batch is `data.batch_size` prompt/chosen/rejected pairs, two rows each (chosen, rejected), which the engine
 keeps in one micro-batch (`group_size=2`); a pair's loss is `algos.preference`'s on the completions' summed
@@ -7,14 +7,18 @@ log-probs and token counts, and the step's loss is the mean over the global batc
 reference's log-probs come from a forward-only engine of `dpo.ref_model_path` (default: the starting policy) on
 the same layout, before each update; simpo needs none. Metrics are TRL's: rewards/chosen, rewards/rejected,
 rewards/accuracies, rewards/margins, logps/chosen, logps/rejected (per-token means for simpo, as TRL's CPO trainer).
-Left out: the reference's log-probs precomputed once, and the base model with adapters off as the reference (LoRA).
+With `dpo.rpo_alpha` (RPO) the step adds rpo_alpha times the token mean NLL of the global batch's chosen completion
+tokens (TRL takes that mean per device and micro-batch, then averages: the same on one device without gradient
+accumulation), logged as nll_loss. Left out: the reference's log-probs precomputed once, and the base model with
+adapters off as the reference (LoRA).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from shardrl.algos.preference import PREFERENCE_LOSSES, PreferenceParams, sequence_log_probs
+from shardrl.algos.preference import PREFERENCE_LOSSES, PreferenceParams, chosen_nll, sequence_log_probs
+from shardrl.distributed import all_reduce_sum
 from shardrl.config.schema import DPOConfig, LoRAConfig
 from shardrl.engine import build_engine
 from shardrl.metrics import SumCount, row_means
@@ -41,12 +45,20 @@ def preference_step(log_probs, loss_mask, ref_log_probs, loss_type: str, params:
     return losses, pair_metrics(*metrics)
 
 
-def dpo_loss_fn(loss_type: str, params: PreferenceParams):
-    """The engine's loss: a micro-batch's share of the mean loss over the global batch's pairs."""
+def dpo_loss_fn(loss_type: str, params: PreferenceParams, rpo_alpha: float = 0.0, num_chosen_tokens=None):
+    """The engine's loss: a micro-batch's share of the mean loss over the global batch's pairs, plus, with
+    `rpo_alpha`, its share of rpo_alpha times the token mean NLL of the global batch's `num_chosen_tokens` chosen
+    completion tokens (logged as nll_loss)."""
     def loss_fn(outputs, mb, num_tokens, num_seqs):
         ref = mb["ref_log_probs"] if "ref_log_probs" in mb else None
         losses, metrics = preference_step(outputs["log_probs"], mb["loss_mask"], ref, loss_type, params)
-        return losses.sum() / (num_seqs / 2), metrics
+        loss = losses.sum() / (num_seqs / 2)
+        if rpo_alpha:
+            chosen_mask = mb["loss_mask"][0::2]
+            nll = chosen_nll(outputs["log_probs"], mb["loss_mask"], 1)
+            loss = loss + rpo_alpha * nll / num_chosen_tokens
+            metrics["nll_loss"] = SumCount(nll.detach(), chosen_mask.sum().to(nll.dtype))
+        return loss, metrics
     return loss_fn
 
 
@@ -76,16 +88,24 @@ class DPOTrainer(PairTrainer):
         if self.ref is not None:
             out = self.ref.infer_batch(batch)
             batch["ref_log_probs"] = sequence_log_probs(out["log_probs"].cpu(), batch["loss_mask"])
+        if self.cfg.dpo.rpo_alpha:  # the NLL term's denominator: the chosen tokens of every rank's share
+            self.num_chosen_tokens = all_reduce_sum(batch["loss_mask"][0::2].sum().double().to(self.device),
+                                                    self.mesh.dp_group)
         return batch
 
     def loss_fn(self):
-        return dpo_loss_fn(self.cfg.dpo.loss_type, self.params)
+        s = self.cfg.dpo
+        return dpo_loss_fn(s.loss_type, self.params, s.rpo_alpha, getattr(self, "num_chosen_tokens", None))
 
     def evaluate(self, batch, real_rows):
         out = self.engine.infer_batch(batch)
         ref = batch["ref_log_probs"][:real_rows] if self.ref is not None else None
         losses, metrics = preference_step(out["log_probs"][:real_rows].cpu(), batch["loss_mask"][:real_rows], ref,
                                           self.cfg.dpo.loss_type, self.params)
+        if self.cfg.dpo.rpo_alpha:  # (val/loss is the preference loss alone)
+            mask = batch["loss_mask"][:real_rows]
+            metrics["nll_loss"] = SumCount(float(chosen_nll(out["log_probs"][:real_rows].cpu(), mask, 1)),
+                                           float(mask[0::2].sum()))
         return {"loss": SumCount(float(losses.sum()), float(len(losses)))} | metrics
 
 
