@@ -329,7 +329,7 @@ def test_the_trainer_subcommands_come_from_the_registry():
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
     plan = next(a for a in commands["plan"]._actions if a.dest == "trainer")
-    assert list(plan.choices) == list(TRAINERS) == ["train", "sft", "dpo", "rm"]
+    assert list(plan.choices) == list(TRAINERS) == ["train", "sft", "dpo", "kto", "rm"]
     for name, row in TRAINERS.items():
         assert name in commands and name in COMMANDS
         module, attr = row.entry.split(":")

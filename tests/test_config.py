@@ -192,8 +192,8 @@ def test_validate_config_checks_programmatic_configs():
 def test_every_schema_field_has_a_docstring():
     sections = [c for c in vars(config_module).values()
                 if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__.startswith("shardrl.config.")]
-    assert len(sections) == 28  # with model.lora, actor.router_replay, rollout.val_kwargs, rollout.agent, algorithm.filter_groups, reward.overlong_buffer, async_rl, rollout.multi_turn,
-    # and the offline trainers' configs with their data sections and settings (`shardrl sft|dpo|rm`)
+    assert len(sections) == 31  # with model.lora, actor.router_replay, rollout.val_kwargs, rollout.agent, algorithm.filter_groups, reward.overlong_buffer, async_rl, rollout.multi_turn,
+    # and the offline trainers' configs with their data sections and settings (`shardrl sft|dpo|kto|rm`)
     for cls in sections:  # (a field may be documented where an offline data section's base declares it)
         missing = {f.name for f in dataclasses.fields(cls)} - set(field_docs(cls))
         assert not missing, f"{cls.__name__}: fields without a docstring: {sorted(missing)}"
@@ -306,7 +306,8 @@ def test_a_file_whose_nested_keys_are_another_command_s_says_which_command_reads
         load_config(dpo)
     assert str(info.value) == (
         "unknown config key 'data.batch_size'; did you mean 'data.val_batch_size'? (the file's keys are those of a "
-        f"`shardrl dpo` (or `shardrl sft`, `shardrl rm`) config: run it with `shardrl dpo {dpo}`, or plan it with "
+        f"`shardrl dpo` (or `shardrl sft`, `shardrl kto`, `shardrl rm`) config: run it with `shardrl dpo {dpo}`, or "
+        f"plan it with "
         f"`shardrl plan {dpo} --trainer dpo`)")
     rl = write_yaml(tmp_path / "rl.yaml", {"data": {"train_batch_size": 8}, "trainer": {"total_steps": 3}})
     with pytest.raises(ConfigError, match=r"^unknown config key 'data.train_batch_size'.*\(the file's keys are those "

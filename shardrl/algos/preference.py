@@ -145,6 +145,18 @@ PREFERENCE_LOSSES = {
 }
 
 
+def kto_loss(logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl, beta: float,
+             desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """KTO's per-row losses and implicit rewards `(B,)` (Ethayarajh et al. 2024, eq. 7, as TRL's KTOTrainer): with
+    the log-ratio z = logps - ref_logps and `kl` the batch's (detached) KL estimate, a desirable row's loss is
+    desirable_weight * (1 - s(beta (z - kl))), an undesirable one's undesirable_weight * (1 - s(beta (kl - z)));
+    the reward is beta * z."""
+    ratio = logps - ref_logps
+    losses = torch.where(desirable.bool(), desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
+    return losses, beta * ratio.detach()
+
+
 def chosen_nll(log_probs: torch.Tensor, loss_mask: torch.Tensor, num_chosen_tokens) -> torch.Tensor:
     """RPO's NLL term (Pang et al. 2024; TRL's `rpo_alpha`, now its "sft" loss type): the sum of -log p over the
     chosen completions' tokens of rows laid out chosen, rejected, ... (`log_probs`, `loss_mask` (2P, T)), divided by

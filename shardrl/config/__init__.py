@@ -6,8 +6,8 @@ saved with the run. Loading and checking a config imports no torch.
 """
 
 from shardrl.config.load import ConfigError, save_config
-from shardrl.config.offline import DPOConfig, RMConfig, SFTConfig
+from shardrl.config.offline import DPOConfig, KTOConfig, RMConfig, SFTConfig
 from shardrl.config.registry import TRAINERS, load_config
 from shardrl.config.rl import Config
 
-__all__ = ["Config", "ConfigError", "DPOConfig", "RMConfig", "SFTConfig", "TRAINERS", "load_config", "save_config"]
+__all__ = ["Config", "ConfigError", "DPOConfig", "KTOConfig", "RMConfig", "SFTConfig", "TRAINERS", "load_config", "save_config"]

@@ -1,5 +1,6 @@
-"""The offline trainers' configs: `SFTConfig` (`shardrl sft`), `DPOConfig` (`shardrl dpo`) and `RMConfig`
-(`shardrl rm`), with their data (`OfflineDataConfig` and its two kinds) and loss settings."""
+"""The offline trainers' configs: `SFTConfig` (`shardrl sft`), `DPOConfig` (`shardrl dpo`), `KTOConfig`
+(`shardrl kto`) and `RMConfig` (`shardrl rm`), with their data (`OfflineDataConfig` and its kinds) and loss
+settings."""
 
 from __future__ import annotations
 
@@ -170,3 +171,48 @@ class RMConfig(OfflineCommandConfig):
 
     def validate(self, prefix: str) -> None:
         check_reward_model_trainer(self, prefix)
+
+
+@dataclass
+class UnpairedDataConfig(OfflineDataConfig):
+    prompt_key: str = "prompt"
+    """The prompt (a string, or a list of messages)."""
+    completion_key: str = "completion"
+    """The completion (a string, or a list of messages)."""
+    label_key: str = "label"
+    """true: the completion is desirable, false: undesirable (TRL's unpaired preference format)."""
+
+
+@dataclass
+class KTOSettings:
+    beta: float = 0.1
+    """The inverse temperature of the implicit reward (TRL's `beta`)."""
+    desirable_weight: float = 1.0
+    """The weight of a desirable row's loss (TRL's; raise it when desirable rows are fewer)."""
+    undesirable_weight: float = 1.0
+    """The weight of an undesirable row's loss (TRL's)."""
+    ref_model_path: str | None = None
+    """The reference policy's folder or hub id; None: model.path (the policy before training)."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "beta", self.beta > 0, "must be > 0")
+        for name in ("desirable_weight", "undesirable_weight"):
+            require(self, prefix, name, getattr(self, name) >= 0, "must be >= 0")
+
+
+@dataclass
+class KTOConfig(OfflineCommandConfig):
+    """`shardrl kto`: KTO (Ethayarajh et al. 2024) on unpaired rows: prompt, completion, and a desirable label."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy to train (and its tokenizer)."""
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(use_dynamic_bsz=True))
+    """Sharding, precision and micro-batching of the policy and the reference."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    """The optimizer and its schedule."""
+    data: UnpairedDataConfig = field(default_factory=UnpairedDataConfig)
+    """Unpaired rows and batch size (rows; at least 2 a rank, for the KL estimate's mismatched pairs)."""
+    kto: KTOSettings = field(default_factory=KTOSettings)
+    """The loss."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Run length (optimizer steps), checkpoints, logging, launch."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Iterable, Literal, TypeVar
 
 from shardrl.config.load import load, unknown_keys
-from shardrl.config.offline import DPOConfig, RMConfig, SFTConfig
+from shardrl.config.offline import DPOConfig, KTOConfig, RMConfig, SFTConfig
 from shardrl.config.rl import Config
 
 T = TypeVar("T")
@@ -42,7 +42,7 @@ class Trainer:
 
     @property
     def offline(self) -> bool:
-        """Trains on fixed rows from files (sft, dpo, rm), not on generated responses."""
+        """Trains on fixed rows from files (sft, dpo, kto, rm), not on generated responses."""
         return self.name != "train"
 
 
@@ -52,7 +52,9 @@ TRAINERS = {t.name: t for t in (
     Trainer("sft", SFTConfig, 1, "lm", "shardrl.trainer.sft:SFTTrainer",
             "supervised fine-tuning on chat data (the keys of config.SFTConfig)", "conversations"),
     Trainer("dpo", DPOConfig, 2, "lm", "shardrl.trainer.dpo:DPOTrainer",
-            "preference training: DPO, IPO, SimPO on prompt/chosen/rejected rows (config.DPOConfig)", "pairs"),
+            "preference training: DPO, IPO, SimPO, ... on prompt/chosen/rejected rows (config.DPOConfig)", "pairs"),
+    Trainer("kto", KTOConfig, 1, "lm", "shardrl.trainer.kto:KTOTrainer",
+            "KTO on unpaired prompt/completion/label rows (config.KTOConfig)", "rows"),
     Trainer("rm", RMConfig, 2, "score", "shardrl.trainer.rm:RMTrainer",
             "a Bradley-Terry reward model on prompt/chosen/rejected rows (config.RMConfig)", "pairs"),
 )}

@@ -36,12 +36,15 @@ from shardrl.config.load import (
 from shardrl.config.offline import (
     DPOConfig,
     DPOSettings,
+    KTOConfig,
+    KTOSettings,
     OfflineDataConfig,
     PreferenceDataConfig,
     RMConfig,
     RMSettings,
     SFTConfig,
     SFTDataConfig,
+    UnpairedDataConfig,
 )
 from shardrl.config.registry import COMMAND_CONFIGS, TRAINERS, load_config
 from shardrl.config.rl import Config, DataConfig, OverlongBufferConfig, RewardConfig
@@ -50,9 +53,9 @@ from shardrl.config.rollout import AgentConfig, MultiTurnConfig, RolloutConfig, 
 __all__ = [
     "ActorConfig", "AgentConfig", "AlgorithmConfig", "AsyncConfig", "COMMAND_CONFIGS", "CommandConfig", "Config",
     "ConfigError", "CriticConfig", "DPOConfig", "DPOSettings", "DataConfig", "EngineConfig", "FilterGroupsConfig",
-    "KEY_ALIASES", "LoRAConfig", "ModelConfig", "MultiTurnConfig", "OfflineDataConfig", "OptimConfig",
+    "KEY_ALIASES", "KTOConfig", "KTOSettings", "LoRAConfig", "ModelConfig", "MultiTurnConfig", "OfflineDataConfig", "OptimConfig",
     "OverlongBufferConfig", "PreferenceDataConfig", "RMConfig", "RMSettings", "RefConfig", "RewardConfig",
     "RolloutConfig", "RouterReplayConfig", "SFTConfig", "SFTDataConfig", "TRAINERS", "TrainerConfig",
-    "ValSamplingConfig", "apply_override", "config_keys", "config_to_dict", "from_dict", "load_config",
+    "UnpairedDataConfig", "ValSamplingConfig", "apply_override", "config_keys", "config_to_dict", "from_dict", "load_config",
     "save_config", "validate_config",
 ]

@@ -20,8 +20,8 @@ is exact whatever the tokenizer's merges do at the seams. Chat rows and a tokeni
 A preference row (DPO, reward models) is `prompt`, `chosen` and `rejected` columns, each a string or a list of
 messages (TRL's plain and conversational formats); without a prompt column the prompt is the messages the two
 conversations share; a `margin` column (TRL's, a number) is kept for the reward model's loss. Each of chosen and
-rejected is tokenized as prompt + completion, its loss mask on the completion's assistant tokens only. Three strings are plain text, as in TRL and as `shardrl train` takes a string
-prompt (`plain_sequence`): BOS where the tokenizer adds one (Llama, Gemma), the prompt's tokens, then the
+rejected is tokenized as prompt + completion, its loss mask on the completion's assistant tokens only. Three
+strings are plain text, as in TRL and as `shardrl train` takes a string prompt (`plain_sequence`): BOS where the tokenizer adds one (Llama, Gemma), the prompt's tokens, then the
 completion's and EOS, no chat template (an SFT prompt/response row follows verl's SFT data instead where the
 tokenizer has a template: its string prompt is a user turn).
 
@@ -30,6 +30,9 @@ template that is not prefix-consistent or leaves no assistant token, a row longe
 is "error") are counted; `skip_bad_rows` drops them with a warning, otherwise the first is an error naming the file
 and row. A file none of whose rows has the columns the trainer reads is an error naming them and the file's keys
 (skip_bad_rows would drop every row).
+
+An unpaired row (KTO; TRL's unpaired preference format) is `prompt`, `completion` and a boolean `label` (true:
+desirable), the prompt and completion tokenized as a pair's prompt and chosen completion are.
 """
 
 from __future__ import annotations
@@ -264,6 +267,33 @@ def _plain_pair(tokenizer, prompt: str, chosen: str, rejected: str) -> dict:
     return out
 
 
+def _tokenize_unpaired(tokenizer, row, keys) -> dict:
+    """An unpaired row (TRL's: prompt, completion, label): `input_ids`/`loss_mask` as a pair's chosen sequence,
+    `prompt_length` (where the completion's tokens start: a KL row puts another row's completion there) and
+    `label`."""
+    prompt_key, completion_key, label_key = keys
+    if not isinstance(row, dict):
+        raise ValueError(f"a row must be an object, got {type(row).__name__}")
+    missing = [k for k in keys if k not in row]
+    if missing:
+        raise ValueError(f"the row has no {missing}; its columns: {sorted(row)}")
+    label = row[label_key]
+    if not isinstance(label, bool):
+        raise ValueError(f"'{label_key}' must be true (a desirable completion) or false, found {label!r}")
+    prompt = _as_messages(row[prompt_key], prompt_key)
+    completion = _as_messages(row[completion_key], completion_key, "assistant")
+    if isinstance(row[prompt_key], str) and isinstance(row[completion_key], str):
+        ids, mask = plain_sequence(tokenizer, row[prompt_key], row[completion_key])
+    else:
+        require_template(tokenizer)
+        names = _prompt_names(row, prompt_key, completion_key, len(prompt))
+        names += [completion_key if isinstance(row[completion_key], str) else f"{completion_key}[{j}]"
+                  for j in range(len(completion))]
+        _replies(completion, names[len(prompt):])
+        ids, mask = _end_at_eos(tokenizer, *tokenize_chat(tokenizer, prompt + completion, len(prompt), names))
+    return {"input_ids": ids, "loss_mask": mask, "prompt_length": mask.index(1), "label": label}
+
+
 def _end_at_eos(tokenizer, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
     """A completion ends at its end-of-sequence token, as a sampled one does: what a template writes after the last
     EOS (ChatML's newline) is dropped, so a reward model reads its score where an RL rollout's response ends."""
@@ -300,8 +330,14 @@ COLUMNS = {
         lambda row: chosen in row and rejected in row,
         f"{chosen!r} and {rejected!r} (data.chosen_key, data.rejected_key), {prompt!r} (data.prompt_key) optional",
         "shardrl dpo and shardrl rm"),
+    "unpaired": lambda prompt, completion, label: (
+        lambda row: prompt in row and completion in row and label in row,
+        f"{prompt!r}, {completion!r} and {label!r} (data.prompt_key, data.completion_key, data.label_key)",
+        "shardrl kto"),
 }
-SEQUENCES = {"sft": (("input_ids", "loss_mask"),), "pairs": (("chosen_ids", "chosen_mask"), ("rejected_ids", "rejected_mask"))}
+SEQUENCES = {"sft": (("input_ids", "loss_mask"),),
+             "pairs": (("chosen_ids", "chosen_mask"), ("rejected_ids", "rejected_mask")),
+             "unpaired": (("input_ids", "loss_mask"),)}
 
 
 def load_chat_dataset(files: list[str], tokenizer, max_length: int, truncation: str = "error",
@@ -341,6 +377,15 @@ def with_nested_columns(row, keys) -> object:
     return row
 
 
+def load_unpaired_dataset(files: list[str], tokenizer, max_length: int, truncation: str = "error",
+                          skip_bad_rows: bool = False, prompt_key: str = "prompt", completion_key: str = "completion",
+                          label_key: str = "label") -> ChatDataset:
+    """Unpaired preference rows of `files` (KTO): item i holds input_ids/loss_mask (the mask on the completion),
+    prompt_length and label (true: desirable)."""
+    return _load(files, tokenizer, _tokenize_unpaired, (prompt_key, completion_key, label_key), "unpaired",
+                 max_length, truncation, skip_bad_rows)
+
+
 def _load(files, tokenizer, tokenize_row, keys, kind: str, max_length: int, truncation: str,
           skip_bad_rows: bool) -> ChatDataset:
     items, stats = [], {"rows": 0, "bad": 0, "too_long": 0, "truncated": 0, "loss_tokens": 0}
@@ -378,7 +423,8 @@ def _load(files, tokenizer, tokenize_row, keys, kind: str, max_length: int, trun
     if not items:
         raise ValueError(f"no usable rows in {files} (stats: {stats})")
     log.info("loaded %d %s from %d file(s): %d rows, %d bad, %d too long, %d truncated; %d loss tokens",
-             len(items), "conversations" if kind == "sft" else "preference pairs", len(files), stats["rows"],
+             len(items), {"sft": "conversations", "pairs": "preference pairs", "unpaired": "unpaired rows"}[kind],
+             len(files), stats["rows"],
              stats["bad"], stats["too_long"], stats["truncated"], stats["loss_tokens"])
     return ChatDataset(items, stats, list(files))
 
@@ -396,6 +442,25 @@ def collate_pairs(items: list[dict], pad_id: int):
     batch = _collate([(item[f"{name}_ids"], item[f"{name}_mask"]) for item in items
                       for name in ("chosen", "rejected")], pad_id)
     batch["margin"] = torch.tensor([item.get("margin", 0.0) for item in items for _ in range(2)], dtype=torch.float32)
+    return batch
+
+
+def collate_unpaired(items: list[dict], pad_id: int, max_length: int):
+    """Unpaired rows as a right-padded `Batch`: input_ids, attention_mask, loss_mask (B, T) and label (B,) (1.0:
+    desirable), with the KL rows as kl_input_ids, kl_attention_mask, kl_loss_mask (B, T'): row i's prompt followed
+    by row i-1's completion (cyclically, as TRL's KTO pairs them within a device's batch), cut at max_length."""
+    import torch
+
+    batch = collate_chats(items, pad_id)
+    batch["label"] = torch.tensor([float(item["label"]) for item in items])
+    kl_rows = []
+    for item, other in zip(items, items[-1:] + items[:-1]):
+        start, cut = item["prompt_length"], other["prompt_length"]
+        ids = (item["input_ids"][:start] + other["input_ids"][cut:])[:max_length]
+        kl_rows.append((ids, ([0] * start + other["loss_mask"][cut:])[:max_length]))
+    kl = _collate(kl_rows, pad_id)
+    for key in ("input_ids", "attention_mask", "loss_mask"):
+        batch[f"kl_{key}"] = kl[key]
     return batch
 
 

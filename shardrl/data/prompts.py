@@ -139,6 +139,8 @@ def _check_row(row, prompt_key: str) -> str | None:
 # (keys a row holds, what a file of such rows is, the command that reads it), the first that fits
 FILE_KINDS = ((("chosen", "rejected"), "a preference file (prompt/chosen/rejected)", "shardrl dpo and shardrl rm"),
               (("messages",), "an SFT file (messages)", "shardrl sft"),
+              (("prompt", "completion", "label"), "an unpaired preference file (prompt/completion/label)",
+               "shardrl kto"),
               (("prompt", "response"), "an SFT file (prompt/response)", "shardrl sft"),
               (("prompt", "completion"), "an SFT file (prompt/completion)", "shardrl sft"),
               (("prompt",), "an RL prompt file (prompt)", "shardrl train"))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from shardrl.algos.preference import PREFERENCE_LOSSES
 from shardrl.config.checks import check_mini_batch
 from shardrl.config.registry import TRAINERS
-from shardrl.config.schema import Config, DPOConfig, EngineConfig
+from shardrl.config.schema import Config, DPOConfig, EngineConfig, KTOConfig
 from shardrl.config.load import divisors as _divisors, nearest as _nearest
 from shardrl.models.config import text_config
 from shardrl.plan.step_plan import StepPlan
@@ -378,7 +378,8 @@ def derive_offline_layout(cfg, trainer: str, nnodes: int, nproc_per_node: int) -
         count = math.ceil(rows / micro)
         role = RoleLayout("engine", *sharding, micro, None, f"{count} of <= {micro} {what}", None,
                           num_micro_batches=count)
-    uses_ref = isinstance(cfg, DPOConfig) and PREFERENCE_LOSSES[cfg.dpo.loss_type].uses_ref
+    uses_ref = isinstance(cfg, KTOConfig) or (isinstance(cfg, DPOConfig)
+                                             and PREFERENCE_LOSSES[cfg.dpo.loss_type].uses_ref)
     return OfflineLayout(trainer, nnodes, nproc_per_node, world, sp, dp, role, batch, rows, rows * group, group,
                          cfg.data.max_length, math.ceil(cfg.data.max_length / sp), uses_ref)
 
@@ -401,6 +402,6 @@ def format_offline_layout(layout: OfflineLayout) -> str:
     if L.sp > 1:
         lines.append(("tokens of one sequence per rank", f"ceil({L.max_seq_len} / {L.sp} (sp))", L.seq_tokens_per_rank))
     if L.ref:
-        lines.append(("reference model", "dpo.loss_type needs it", "forward-only, same sharding"))
+        lines.append(("reference model", "the loss needs it", "forward-only, same sharding"))
     width = max(len(name) for name, _, _ in lines)
     return "\n".join(f"{name:<{width}} = {formula} = {value}" for name, formula, value in lines)

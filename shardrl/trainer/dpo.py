@@ -15,15 +15,12 @@ adapters off as the reference (LoRA).
 
 from __future__ import annotations
 
-import dataclasses
-
 from shardrl.algos.preference import PREFERENCE_LOSSES, PreferenceParams, chosen_nll, sequence_log_probs
 from shardrl.distributed import all_reduce_sum
-from shardrl.config.schema import DPOConfig, LoRAConfig
-from shardrl.engine import build_engine
+from shardrl.config.schema import DPOConfig
 from shardrl.metrics import SumCount, row_means
 from shardrl.trainer.offline import PairTrainer
-from shardrl.trainer.roles import AdaptersOff, ModelPath
+from shardrl.trainer.roles import ModelPath
 
 
 def pair_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> dict:
@@ -71,13 +68,7 @@ class DPOTrainer(PairTrainer):
         s = self.cfg.dpo
         self.params = PreferenceParams(s.beta, s.label_smoothing, s.simpo_gamma)
         self.mode = PREFERENCE_LOSSES[s.loss_type]
-        self.ref = None
-        if self.mode.uses_ref and self.cfg.model.lora.rank > 0 and s.ref_model_path is None:
-            self.ref = AdaptersOff(self.engine)  # the policy before training: the base, its adapters off
-        elif self.mode.uses_ref:
-            ref_model = self.cfg.model if s.ref_model_path is None else dataclasses.replace(
-                self.cfg.model, path=s.ref_model_path, tiny=None, lora=LoRAConfig())
-            self.ref = build_engine(ref_model, self.cfg.engine, None, mesh=self.mesh)
+        self.ref = self.build_reference(s.ref_model_path) if self.mode.uses_ref else None
 
     def model_paths(self):
         s = self.cfg.dpo

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shardrl.metrics import read_metrics
 
-OFFLINE_LOSSES = ("sft/loss", "dpo/loss", "rm/loss")
+OFFLINE_LOSSES = ("sft/loss", "dpo/loss", "kto/loss", "rm/loss")
 """The step's loss each offline trainer logs (`trainer.offline`: `<name>/loss`); its validation loss is val/loss."""
 
 
