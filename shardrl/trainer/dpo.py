@@ -62,7 +62,7 @@ def dpo_loss_fn(loss_type: str, params: PreferenceParams, rpo_alpha: float = 0.0
 class DPOTrainer(PairTrainer):
     name, config_cls = "dpo", DPOConfig
     # (dpo.ref_model_path is left out: the same reference moved to another folder is no change)
-    resume_settings = ("dpo.loss_type", "dpo.beta", "dpo.label_smoothing", "dpo.simpo_gamma")
+    resume_settings = ("dpo.loss_type", "dpo.beta", "dpo.label_smoothing", "dpo.simpo_gamma", "dpo.rpo_alpha")
 
     def build_more(self):
         s = self.cfg.dpo

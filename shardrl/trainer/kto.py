@@ -65,6 +65,7 @@ def kto_loss_fn(beta: float, desirable_weight: float, undesirable_weight: float)
 
 class KTOTrainer(OfflineTrainer):
     name, config_cls = "kto", KTOConfig
+    resume_settings = ("kto.beta", "kto.desirable_weight", "kto.undesirable_weight")
 
     def load_rows(self, files):
         d = self.cfg.data
