@@ -364,7 +364,7 @@ def with_nested_columns(row, keys) -> object:
     if not isinstance(row, dict):
         return row
     for key in keys:
-        if key in row or "." not in key:
+        if key is None or key in row or "." not in key:
             continue
         value, found = row, True
         for part in key.split("."):
