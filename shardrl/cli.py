@@ -182,7 +182,8 @@ def plan_main(args: argparse.Namespace) -> int:
     ledger, skipped, hf_config = None, None, None
     try:
         hf_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code,
-                                   task="seq_cls" if trainer.head == "score" else "causal_lm", new_head_ok=True)
+                                   task="seq_cls" if trainer.head == "score" else "causal_lm", new_head_ok=True,
+                                   override=cfg.model.override_config)
     except ConfigError:  # a bad key, as training would refuse it
         raise
     except ValueError as e:  # no usable model config: the layout still stands on its own

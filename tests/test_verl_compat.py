@@ -369,3 +369,55 @@ def test_reward_model_input_tokenizer_is_implied():
                    "actor_rollout_ref.model.path=/models/Qwen2-7B-Instruct"])
     assert native(t)["reward.model_path"] == "/models/FsfairX-LLaMA3-RM-v0.1"
     assert "re-tokenized with its own tokenizer and chat template" in t.dropped["reward_model.model.input_tokenizer"]
+
+
+def _configs_the_roles_build(overrides: list[str]) -> dict:
+    """(max_position_embeddings, rope_theta) of the models an RL run builds from `overrides`: actor, reference,
+    critic and the fast rollout."""
+    import torch
+
+    from shardrl.plan.step_plan import StepPlan
+    from shardrl.tokenizer import build_char_tokenizer
+    from shardrl.trainer.generation import Generation
+    from shardrl.trainer.roles import Roles
+
+    cfg = load_config(None, overrides)
+    roles = Roles.build(cfg, StepPlan.from_config(cfg), {"actor": 1, "critic": 1})
+    rollout = Generation(cfg, roles.actor.hf_config, build_char_tokenizer(), torch.device("cpu")).rollout
+    models = {"actor": roles.actor.module.lm, "ref": roles.ref.module.lm, "critic": roles.critic.module.lm,
+              "rollout": rollout.model}
+    return {name: (m.config.max_position_embeddings, m.config.rope_parameters["rope_theta"])
+            for name, m in models.items()}
+
+
+def test_verls_override_config_sets_the_models_config_for_actor_ref_rollout_and_critic():
+    from shardrl.models.tiny import TINY_MODELS
+    from shardrl.testing import run_distributed
+
+    t = translate(["actor_rollout_ref.model.path=/m", "algorithm.adv_estimator=gae",
+                   "+actor_rollout_ref.model.override_config.max_position_embeddings=1024",
+                   "+actor_rollout_ref.model.override_config.rope_theta=500000.0",
+                   "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+                   "+critic.model.override_config.max_position_embeddings=512",
+                   "+critic.model.override_config.rope_scaling.type=yarn",
+                   "+critic.model.override_config.rope_scaling.factor=4.0",
+                   "+critic.model.override_config.rope_scaling.original_max_position_embeddings=256"])
+    got = native(t)
+    assert got["model.override_config"] == {"max_position_embeddings": 1024, "rope_theta": 500000.0}
+    assert got["critic.model_override_config"] == {
+        "max_position_embeddings": 512,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}
+    assert "kernel" in t.dropped["actor_rollout_ref.model.override_config.attn_implementation"]  # verl's attention
+    small = ["model.path=null", f"model.tiny={json.dumps(TINY_MODELS['qwen2'])}", "rollout.backend=fast",
+             "actor.use_kl_loss=true", "trainer.total_steps=1", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
+             "critic.ppo_mini_batch_size=2", "rollout.n=1", "trainer.nproc_per_node=1",
+             "actor.engine.param_dtype=float32", "critic.engine.param_dtype=float32", "ref.engine.param_dtype=float32"]
+    seen = run_distributed(_configs_the_roles_build, 1, [*t.overrides, *small])
+    assert seen == {"actor": (1024, 500000.0), "ref": (1024, 500000.0), "rollout": (1024, 500000.0),
+                    "critic": (512, 10000.0)}
+    from shardrl.engine.model import load_hf_config
+
+    with pytest.raises(ValueError, match=r"model.override_config: \['max_position_embedding'\] are not keys of the "
+                                         r"'qwen2' config .*did you mean 'max_position_embedding' -> "
+                                         r"'max_position_embeddings'"):  # a typo HF would keep and nothing read
+        load_hf_config(None, TINY_MODELS["qwen2"], override={"max_position_embedding": 9})

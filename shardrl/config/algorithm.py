@@ -120,6 +120,9 @@ class CriticConfig:
     """How per-token value losses are reduced to one number (verl's critic.loss_agg_mode)."""
     model_path: str | None = None
     """Model folder (or hub id) of the critic; None starts from the actor's model."""
+    model_override_config: dict = field(default_factory=dict)
+    """Attributes set over the critic's HF config, as model.override_config for the policy (which the critic does
+    not take, as in verl: its critic.model.override_config)."""
 
     def validate(self, prefix: str) -> None:
         _validate_ppo_loop(self, prefix)

@@ -51,6 +51,10 @@ class ModelConfig:
     folder in the hub's cache, downloaded when not there (`shardrl.config.hub`)."""
     tiny: dict | None = None
     """HF config kwargs for a random-init model when `path` is unset, e.g. {"model_type": "qwen2", "hidden_size": 64}."""
+    override_config: dict = field(default_factory=dict)
+    """Attributes set over the model's HF config (config.json or `tiny`) for the policy, its reference and the
+    rollout, e.g. {"max_position_embeddings": 65536, "rope_theta": 1e6}; a mapping sets a sub-config's
+    (text_config). verl's actor_rollout_ref.model.override_config. The critic's: critic.model_override_config."""
     tokenizer_path: str | None = None
     """Tokenizer folder or hub id; None uses `path`."""
     chat_template: str | None = None

@@ -88,7 +88,7 @@ class Engine(abc.ABC):
         # a score head with an optimizer is a reward model in training: it may start from a causal LM
         self.hf_config = load_hf_config(model_cfg.path, model_cfg.tiny, model_cfg.trust_remote_code,
                                         task="seq_cls" if head == "score" else "causal_lm",
-                                        new_head_ok=optim_cfg is not None)
+                                        new_head_ok=optim_cfg is not None, override=model_cfg.override_config)
         if (experts := apply_experts_implementation(self.hf_config, model_cfg.experts_implementation)) is not None:
             log.info("mixture of experts: experts_implementation=%s", experts)
         if model_cfg.disable_dropout and (changed := disable_dropout(self.hf_config)):

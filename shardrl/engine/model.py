@@ -39,11 +39,11 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_tiny_keys(model_type: str, kwargs: dict) -> None:
-    """A `ConfigError` for a key of `model.tiny` that is a near miss of one its model type's config class takes
-    (hiden_size for hidden_size): HF's config classes keep any unknown kwarg as an attribute, so a typo would
-    silently leave the default size. Other unknown keys pass: model code reads optional attributes (head_dim,
-    rope_theta) that no config signature lists."""
+def check_tiny_keys(model_type: str, kwargs: dict, key: str = "model.tiny") -> None:
+    """A `ConfigError` for a key of `model.tiny` (or of `key`, another mapping of config kwargs) that is a near miss
+    of one its model type's config class takes (hiden_size for hidden_size): HF's config classes keep any unknown
+    kwarg as an attribute, so a typo would silently leave the default size. Other unknown keys pass: model code
+    reads optional attributes (head_dim, rope_theta) that no config signature lists."""
     import difflib
     import inspect
 
@@ -52,6 +52,8 @@ def check_tiny_keys(model_type: str, kwargs: dict) -> None:
     try:
         default = transformers.AutoConfig.for_model(model_type)
     except ValueError as e:
+        if key != "model.tiny":  # a remote-code model type: no class to check against
+            return
         raise ConfigError(f"invalid config value model.tiny: model_type {model_type!r} is not a model type "
                           f"transformers knows ({e})") from None
     known = set(default.to_dict()) | set(inspect.signature(type(default).__init__).parameters)
@@ -62,7 +64,7 @@ def check_tiny_keys(model_type: str, kwargs: dict) -> None:
     misses = {k: close[0] for k in unknown if (close := difflib.get_close_matches(k, known, 1, 0.85))}
     if misses:
         hints = ", ".join(f"{k!r} -> {v!r}" for k, v in sorted(misses.items()))
-        raise ConfigError(f"invalid config value model.tiny: {sorted(misses)} are not keys of the {model_type!r} "
+        raise ConfigError(f"invalid config value {key}: {sorted(misses)} are not keys of the {model_type!r} "
                           f"config ({type(default).__name__}); did you mean {hints}?")
 
 
@@ -85,14 +87,48 @@ def check_tiny_shape(config, explicit_head_dim: bool) -> None:
 
 
 def load_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool = False, task: str = "causal_lm",
-                   new_head_ok: bool = False, key: str = "model.path"):
+                   new_head_ok: bool = False, key: str = "model.path", override: dict | None = None,
+                   override_key: str = "model.override_config"):
     """The HF config of a local model folder, or one built from `tiny` (kwargs incl. `model_type`); `key` is the
     config key that gave `path`, for the messages (dpo.ref_model_path, critic.model_path, reward.model_path).
+    `override` (the config key `override_key`, e.g. model.override_config): config attributes set over the loaded
+    ones (`override_hf_config`).
 
     `task` "causal_lm" (policies, critics) accepts any model `AutoModelForCausalLM` builds (Qwen2ForCausalLM,
     GPT2LMHeadModel, ...); "seq_cls" (reward models) accepts *ForSequenceClassification ones with one label, and
     with `new_head_ok` (a reward model about to be trained) a causal LM too, whose LM head gives way to a new
     one-label score head."""
+    config = _read_hf_config(path, tiny, trust_remote_code, task, new_head_ok, key)
+    if override:
+        override_hf_config(config, override, override_key)
+    return config
+
+
+def override_hf_config(config, override: dict, key: str = "model.override_config") -> None:
+    """Sets `override`'s attributes on the HF `config` as verl's `update_model_config` does for its
+    model.override_config: a mapping key by key into the sub-config (text_config) or mapping (rope_scaling) it
+    names. transformers 5 keeps the rotary settings in `rope_parameters`: rope_theta is set there, where the model
+    reads it, and rope_scaling's legacy `type` is its `rope_type`. A near miss of a config key (a typo, which HF
+    would keep as an attribute nothing reads) is refused."""
+    check_tiny_keys(getattr(config, "model_type", ""), {k: v for k, v in override.items() if not isinstance(v, dict)},
+                    key)
+    for name, value in override.items():
+        current, rope = getattr(config, name, None), getattr(config, "rope_parameters", None)
+        if isinstance(value, dict) and isinstance(current, transformers.PretrainedConfig):
+            override_hf_config(current, value, f"{key}.{name}")
+        elif isinstance(value, dict):
+            merged = {**(current if isinstance(current, dict) else {}), **value}
+            if "type" in value and name in ("rope_scaling", "rope_parameters"):
+                merged["rope_type"] = value["type"]
+            setattr(config, name, merged)
+        elif isinstance(rope, dict) and name in rope and name not in vars(config):
+            rope[name] = value
+        else:
+            setattr(config, name, value)
+
+
+def _read_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool, task: str, new_head_ok: bool,
+                    key: str):
     if path is None:
         if not tiny:
             raise ValueError("model.path is not set; give a local Hugging Face model folder (or model.tiny for a test model)")

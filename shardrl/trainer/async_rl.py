@@ -170,7 +170,8 @@ def _rollout_loop(cfg: Config, split: WorldSplit) -> None:
     tokenizer = load_tokenizer(cfg)
     train_set, _ = load_datasets(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_files=[])),
                                  tokenizer)
-    policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
+    policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm",
+                                   override=cfg.model.override_config)
     cfg, _ = resolve_device_defaults(cfg, policy_config)
     device = the_device()
     generation = Generation(cfg, policy_config, tokenizer, device)

@@ -62,7 +62,8 @@ class OfflineTrainer(Trainer):
         longest = max(len(item[ids]) for dataset in filter(None, (self.train_set, self.val_set))
                       for item in dataset.items for ids in ("input_ids", "chosen_ids", "rejected_ids") if ids in item)
         model_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code,
-                                      "seq_cls" if self.head == "score" else "causal_lm", new_head_ok=True)
+                                      "seq_cls" if self.head == "score" else "causal_lm", new_head_ok=True,
+                                      override=cfg.model.override_config)
         check_context(model_config, longest, "the longest sequence of the data",
                       f"model.path={cfg.model.path!r}" if cfg.model.path else "model.tiny",
                       f"lower data.max_length={d.max_length} with data.truncation=drop or right")

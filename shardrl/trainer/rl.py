@@ -170,7 +170,8 @@ class RLTrainer(Trainer):
                       "conversation is decoded and re-tokenized with its tokenizer and chat template before scoring")
         check_vocab_sizes(cfg, len(self.tokenizer), self.steps,
                           len(self.reward_inputs.reward) if self.reward_inputs is not None else None)
-        policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm")
+        policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm",
+                                       override=cfg.model.override_config)
         longest = max(len(item["prompt_ids"]) for dataset in filter(None, (self.train_set, self.val_set))
                       for item in dataset.items)
         # one generate call's reach (a conversation or an episode longer than the context ends where it fills it)

@@ -110,8 +110,9 @@ class Roles:
             roles.ref = (AdaptersOff(roles.actor) if cfg.model.lora.rank > 0
                          else build_engine(cfg.model, cfg.ref.engine, None, mesh=meshes(cfg.ref.engine)))
         if plan.needs_critic:
-            critic_model = no_lora if cfg.critic.model_path is None else dataclasses.replace(
-                no_lora, path=cfg.critic.model_path, tiny=None)
+            critic_model = dataclasses.replace(no_lora, override_config=cfg.critic.model_override_config)
+            if cfg.critic.model_path is not None:
+                critic_model = dataclasses.replace(critic_model, path=cfg.critic.model_path, tiny=None)
             roles.critic = build_engine(critic_model, cfg.critic.engine, cfg.critic.optim, head="value",
                                         total_steps=total * num_updates["critic"], mesh=meshes(cfg.critic.engine))
         return roles
@@ -119,5 +120,6 @@ class Roles:
     def add_reward_model(self, cfg: Config) -> None:
         """The reward model's engine (`reward.model_path`), forward-only, with a score head."""
         meshes = self.parallel_dims.for_engine
-        rm_cfg = dataclasses.replace(cfg.model, path=cfg.reward.model_path, tiny=None, lora=LoRAConfig())
+        rm_cfg = dataclasses.replace(cfg.model, path=cfg.reward.model_path, tiny=None, lora=LoRAConfig(),
+                                     override_config={})  # the policy's overrides are the policy's
         self.reward_model = build_engine(rm_cfg, cfg.reward.engine, None, head="score", mesh=meshes(cfg.reward.engine))

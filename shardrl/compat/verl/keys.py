@@ -203,6 +203,19 @@ def _rollout_is(value, out, given):
     out["algorithm.rollout_is_level"] = value
 
 
+def _override_config(target: str):
+    """verl's model.override_config (set over the HF config, as shardrl's `target`); its attn_implementation picks
+    verl's attention kernel (shardrl picks its own: model.attn_implementation), the numbers the same."""
+    def apply(value, out, given):
+        if not isinstance(value, dict):
+            raise ValueError("is a mapping of HF config keys, e.g. +actor_rollout_ref.model.override_config."
+                             "max_position_embeddings=32768")
+        value = {k: v for k, v in value.items() if k != "attn_implementation"}
+        if value:
+            out[target] = value
+    return apply
+
+
 def _response_length(value, out, given):
     key = "actor_rollout_ref.rollout.response_length"
     if key in given and given[key] is not None and given[key] != value:
@@ -271,6 +284,9 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.model.external_lib": only((None,), "shardrl imports no extra model library; register the "
                                                           "model with transformers' Auto classes instead"),
     "actor_rollout_ref.model.custom_chat_template": same("model.chat_template"),
+    "actor_rollout_ref.model.override_config": Rule(apply=_override_config("model.override_config"),
+                                                    hint="'model.override_config'"),
+    "actor_rollout_ref.model.override_config.attn_implementation": dropped(KERNEL),
     "actor_rollout_ref.model.use_liger": dropped(KERNEL),
     "actor_rollout_ref.model.use_fused_kernels": dropped(KERNEL),
     "actor_rollout_ref.model.use_shm": dropped(RAY),
@@ -385,6 +401,9 @@ VERL_KEYS: dict[str, Rule] = {
     "critic.enable": dropped("shardrl builds the critic when the estimator needs one (gae)"),
     "critic.model.path": conv("critic.model_path", lambda v: os.path.expanduser(str(v))),
     "critic.model.tokenizer_path": dropped("the critic reads the policy's tokenizer"),
+    "critic.model.override_config": Rule(apply=_override_config("critic.model_override_config"),
+                                         hint="'critic.model_override_config'"),
+    "critic.model.override_config.attn_implementation": dropped(KERNEL),
     "critic.model.enable_gradient_checkpointing": dropped("shardrl's model.gradient_checkpointing covers every role"),
     "critic.model.use_remove_padding": dropped("shardrl's model.use_remove_padding covers every role"),
     "critic.model.trust_remote_code": dropped("shardrl's model.trust_remote_code covers every role"),
@@ -547,8 +566,10 @@ for _verl, _native in (("actor_rollout_ref.actor.optim", "actor.optim"), ("criti
         f"{_verl}.eps": same(f"{_native}.eps"),
     })
 
-DICT_KEYS = ("custom_reward_function.reward_kwargs",)
-"""verl keys holding a mapping that Hydra fills key by key (`+custom_reward_function.reward_kwargs.bonus=1`)."""
+DICT_KEYS = ("custom_reward_function.reward_kwargs", "actor_rollout_ref.model.override_config",
+             "critic.model.override_config")
+"""verl keys holding a mapping that Hydra fills key by key (`+custom_reward_function.reward_kwargs.bonus=1`, and
+deeper: `+actor_rollout_ref.model.override_config.rope_scaling.factor=4.0`)."""
 
 VERL_DEFAULTS: dict[str, Any] = {
     "data.max_prompt_length": 512,

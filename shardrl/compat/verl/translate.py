@@ -126,12 +126,17 @@ def translate(args: list[str]) -> Translation:
     """verl's `key=value` arguments as shardrl overrides; a `VerlKeyError` naming the full verl key of every key
     shardrl does not know and every value it cannot run, all in one message."""
     given = parse_verl_args(args)
-    for key in [k for k in given if k.startswith(tuple(f"{d}." for d in DICT_KEYS))]:  # Hydra's +dict.key=value
-        section, _, name = key.rpartition(".")
-        given.setdefault(section, {})
-        if not isinstance(given[section], dict):
-            raise VerlKeyError(f"verl key {key}: {section} is {given[section]!r}, not a mapping")
-        given[section][name] = given.pop(key)
+    for key in [k for k in given if k.startswith(tuple(f"{d}." for d in DICT_KEYS)) and k not in VERL_KEYS]:
+        section = next(d for d in DICT_KEYS if key.startswith(f"{d}."))  # Hydra's +dict.key=value, at any depth
+        *inner, name = key[len(section) + 1:].split(".")
+        node, path = given.setdefault(section, {}), section
+        for part in inner:
+            if not isinstance(node, dict):
+                break
+            node, path = node.setdefault(part, {}), f"{path}.{part}"
+        if not isinstance(node, dict):
+            raise VerlKeyError(f"verl key {key}: {path} is {node!r}, not a mapping")
+        node[name] = given.pop(key)
     at_default = {}
     refused = []
     for key in [k for k in given if k not in VERL_KEYS]:

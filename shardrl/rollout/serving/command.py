@@ -33,7 +33,7 @@ def build_engine(cfg, served_name: str | None = None, max_batch: int | None = No
     from shardrl.plan.defaults import resolve_device_defaults
     from shardrl.rollout.build import fast_rollout_kwargs, rollout_dtype, the_device
 
-    hf_config = load_hf_config(cfg.model.path, cfg.model.tiny)
+    hf_config = load_hf_config(cfg.model.path, cfg.model.tiny, override=cfg.model.override_config)
     if cfg.model.path:
         check_model_weights(cfg.model.path)
     cfg, choices = resolve_device_defaults(cfg, hf_config)
