@@ -18,7 +18,8 @@ DATA = Path(__file__).parent / "data" / "verl"
 def script_args(script: str, home: Path, cwd: Path | None = None) -> list[str]:
     """The arguments `python3 -m verl.trainer.main_ppo` gets from verl's script, as bash expands them with HOME (in
     `cwd`, the verl checkout a script runs from)."""
-    shim = 'python3() { printf "%s\\0" "$@"; }; ulimit() { :; }; source "$0"'  # the command prints its argv instead
+    # the command prints its argv instead; `set -x`'s trace goes elsewhere (a script may pipe 2>&1 into tee)
+    shim = 'python3() { printf "%s\\0" "$@"; }; ulimit() { :; }; exec 9>/dev/null; BASH_XTRACEFD=9; source "$0"'
     out = subprocess.run(["bash", "-c", shim, str(DATA / script)], env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
                          capture_output=True, check=True, cwd=cwd).stdout.decode()
     args = out.split("\0")[:-1]
@@ -421,3 +422,44 @@ def test_verls_override_config_sets_the_models_config_for_actor_ref_rollout_and_
                                          r"'qwen2' config .*did you mean 'max_position_embedding' -> "
                                          r"'max_position_embeddings'"):  # a typo HF would keep and nothing read
         load_hf_config(None, TINY_MODELS["qwen2"], override={"max_position_embedding": 9})
+
+
+def test_verls_deprecated_global_micro_batches_are_divided_over_the_data_parallel_ranks(tmp_path):
+    """verl's FSDP workers divide ppo_micro_batch_size and log_prob_micro_batch_size by world // ulysses (floored)
+    into the *_per_gpu keys; verl's LoRA tuning scripts still set them."""
+    t = translate(script_args("qwen2-14b_grpo-lora_2_h100_fsdp_vllm.sh", tmp_path, cwd=tmp_path))
+    got = native(t)  # 58 x 2 GPUs = 116 a mini-batch; ulysses 2 on 2 GPUs: one data-parallel rank
+    assert (got["actor.engine.micro_batch_size_per_gpu"], got["ref.engine.micro_batch_size_per_gpu"]) == (116, 116)
+    assert "actor_rollout_ref.rollout.log_prob_micro_batch_size" in t.dropped  # the old-log-prob pass: the actor's
+    assert ("actor_rollout_ref.actor.ppo_micro_batch_size=116 is verl's deprecated global micro-batch: 116 // 1 "
+            "data-parallel ranks = 116 a GPU, actor.engine.micro_batch_size_per_gpu=116") in t.notes
+    assert "notes:" in t.describe()
+    got = native(translate([
+        "actor_rollout_ref.model.path=m", "trainer.n_gpus_per_node=4", "trainer.nnodes=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size=16", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size=20", "critic.ppo_micro_batch_size=24",
+        "reward_model.micro_batch_size=16"]))
+    assert (got["actor.engine.micro_batch_size_per_gpu"], got["ref.engine.micro_batch_size_per_gpu"],
+            got["critic.engine.micro_batch_size_per_gpu"], got["reward.engine.micro_batch_size_per_gpu"]) == (4, 5, 3, 2)
+    floored = translate(["actor_rollout_ref.model.path=m", "trainer.n_gpus_per_node=8",
+                         "critic.ppo_micro_batch_size=20"])
+    assert native(floored)["critic.engine.micro_batch_size_per_gpu"] == 2 and "(floored, as verl's worker does)" in \
+        floored.notes[0]
+    dynamic = native(translate(["actor_rollout_ref.model.path=m", "trainer.n_gpus_per_node=2",
+                                "actor_rollout_ref.actor.use_dynamic_bsz=True",
+                                "actor_rollout_ref.actor.ppo_micro_batch_size=8",
+                                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]))
+    assert dynamic["actor.engine.micro_batch_size_per_gpu"] == 4  # verl's worker: the global key overwrites
+
+
+@pytest.mark.parametrize("args, message", [
+    (["actor_rollout_ref.actor.ppo_micro_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"],
+     r"ppo_micro_batch_size=8: given with actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2, which verl refuses "
+     r"too: remove actor_rollout_ref.actor.ppo_micro_batch_size \(deprecated"),
+    (["trainer.n_gpus_per_node=8", "critic.ppo_micro_batch_size=4"],
+     r"critic.ppo_micro_batch_size=4: verl's global micro-batch divided over the 8 data-parallel ranks \(8 GPUs\) is "
+     r"less than one sample a GPU; set critic.ppo_micro_batch_size_per_gpu instead"),
+])
+def test_a_global_micro_batch_verl_cannot_run_either_is_refused(args, message):
+    with pytest.raises(VerlKeyError, match=message):
+        translate(args)

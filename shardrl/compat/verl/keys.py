@@ -21,9 +21,9 @@ class Rule:
     """Values accepted and dropped without a word (verl's 'off'); any other is refused with `refuse`."""
     refuse: str | None = None
     """Why another value cannot run."""
-    apply: Callable[[Any, dict, dict], None] | None = None
+    apply: Callable[[Any, dict, dict], str | None] | None = None
     """A rule setting several keys: apply(value, out, given) with the native overrides so far (`out`) and the
-    verl keys given."""
+    verl keys given; it may return a note for the user (printed with the translation)."""
     hint: str | None = None
     """For an `apply` rule: the native keys it sets, for the unknown-key hint."""
 
@@ -216,6 +216,33 @@ def _override_config(target: str):
     return apply
 
 
+def _global_micro_batch(target: str, per_gpu_key: str, sp_key: str | None, dynamic_key: str):
+    """verl's deprecated global micro-batch (ppo_micro_batch_size, log_prob_micro_batch_size, ...), which verl
+    still runs: its FSDP workers divide it by the data-parallel size (world // ulysses_sequence_parallel_size, with
+    floor division) into the `*_per_gpu` key. Both given is refused, as verl's config check does, unless dynamic
+    batch sizes make the micro-batch size unused (verl's worker then overwrites the `*_per_gpu` key)."""
+    def apply(value, out, given):
+        if value is None:
+            return None
+        key = per_gpu_key.removesuffix("_per_gpu")
+        if given.get(per_gpu_key) is not None and not given.get(dynamic_key):
+            raise ValueError(f"given with {per_gpu_key}={given[per_gpu_key]!r}, which verl refuses too: remove "
+                             f"{key} (deprecated; only the _per_gpu key is supported)")
+        world = int(given.get("trainer.n_gpus_per_node", 8)) * int(given.get("trainer.nnodes", 1))  # verl's defaults
+        sp = int(given.get(sp_key) or 1) if sp_key else 1
+        dp = max(world // sp, 1)
+        per_gpu = int(value) // dp
+        if per_gpu < 1:
+            raise ValueError(f"verl's global micro-batch divided over the {dp} data-parallel ranks ({world} GPUs"
+                             + (f" / ulysses_sequence_parallel_size {sp}" if sp > 1 else "") + ") is less than one "
+                             f"sample a GPU; set {per_gpu_key} instead")
+        out[target] = per_gpu
+        floor = "" if int(value) % dp == 0 else " (floored, as verl's worker does)"
+        return (f"{key}={value} is verl's deprecated global micro-batch: {value} // {dp} data-parallel ranks = "
+                f"{per_gpu} a GPU{floor}, {target}={per_gpu}")
+    return apply
+
+
 def _response_length(value, out, given):
     key = "actor_rollout_ref.rollout.response_length"
     if key in given and given[key] is not None and given[key] != value:
@@ -300,8 +327,10 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.actor.ppo_mini_batch_size": same("actor.ppo_mini_batch_size"),
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": Rule("actor.engine.micro_batch_size_per_gpu",
                                                                  lambda v: 1 if v is None else v),
-    "actor_rollout_ref.actor.ppo_micro_batch_size": only((None,), "is verl's deprecated global micro-batch; set "
-                                                                  "ppo_micro_batch_size_per_gpu"),
+    "actor_rollout_ref.actor.ppo_micro_batch_size": Rule(apply=_global_micro_batch(
+        "actor.engine.micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor_rollout_ref.actor.use_dynamic_bsz"),
+        hint="'actor.engine.micro_batch_size_per_gpu' (per GPU)"),
     "actor_rollout_ref.actor.use_dynamic_bsz": same("actor.engine.use_dynamic_bsz"),
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": same("actor.engine.max_token_len_per_gpu"),
     "actor_rollout_ref.actor.clip_ratio": Rule(apply=_clip_ratio, hint="'actor.clip_ratio_low' and "
@@ -333,8 +362,10 @@ VERL_KEYS: dict[str, Rule] = {
     # reference
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": Rule("ref.engine.micro_batch_size_per_gpu",
                                                                     lambda v: 1 if v is None else v),
-    "actor_rollout_ref.ref.log_prob_micro_batch_size": only((None,), "is verl's deprecated global micro-batch; set "
-                                                                     "log_prob_micro_batch_size_per_gpu"),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": Rule(apply=_global_micro_batch(
+        "ref.engine.micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor_rollout_ref.actor.use_dynamic_bsz"),
+        hint="'ref.engine.micro_batch_size_per_gpu' (per GPU)"),
     "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": same("ref.engine.use_dynamic_bsz"),
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": same("ref.engine.max_token_len_per_gpu"),
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": same("ref.engine.ulysses_sequence_parallel_size"),
@@ -413,8 +444,10 @@ VERL_KEYS: dict[str, Rule] = {
     "critic.ppo_mini_batch_size": same("critic.ppo_mini_batch_size"),
     "critic.ppo_micro_batch_size_per_gpu": Rule("critic.engine.micro_batch_size_per_gpu",
                                                 lambda v: 1 if v is None else v),
-    "critic.ppo_micro_batch_size": only((None,), "is verl's deprecated global micro-batch; set "
-                                                 "ppo_micro_batch_size_per_gpu"),
+    "critic.ppo_micro_batch_size": Rule(apply=_global_micro_batch(
+        "critic.engine.micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
+        "critic.ulysses_sequence_parallel_size", "critic.use_dynamic_bsz"),
+        hint="'critic.engine.micro_batch_size_per_gpu' (per GPU)"),
     "critic.forward_micro_batch_size_per_gpu": dropped(MICRO),
     "critic.forward_micro_batch_size": dropped(MICRO),
     "critic.forward_max_token_len_per_gpu": dropped(MICRO),
@@ -436,7 +469,9 @@ VERL_KEYS: dict[str, Rule] = {
     "reward_model.strategy": conv("reward.engine.strategy", strategy),
     "reward_model.micro_batch_size_per_gpu": Rule("reward.engine.micro_batch_size_per_gpu",
                                                   lambda v: 1 if v is None else v),
-    "reward_model.micro_batch_size": only((None,), "is verl's deprecated global micro-batch"),
+    "reward_model.micro_batch_size": Rule(apply=_global_micro_batch(
+        "reward.engine.micro_batch_size_per_gpu", "reward_model.micro_batch_size_per_gpu", None,
+        "reward_model.use_dynamic_bsz"), hint="'reward.engine.micro_batch_size_per_gpu' (per GPU)"),
     "reward_model.use_dynamic_bsz": same("reward.engine.use_dynamic_bsz"),
     "reward_model.forward_max_token_len_per_gpu": same("reward.engine.max_token_len_per_gpu"),
     "reward_model.max_length": only((None,), "not supported"),

@@ -38,6 +38,8 @@ class Translation:
     """verl keys given and dropped -> why."""
     command: str = "train"
     """The shardrl command that runs them (sft: `shardrl.compat.verl.sft`)."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """How a verl key given was read where verl's meaning is not a plain copy (a global micro-batch divided)."""
 
     def describe(self) -> str:
         lines = [f"verl command line as shardrl overrides (run these natively with `shardrl {self.command} "
@@ -46,6 +48,9 @@ class Translation:
         if self.dropped:
             lines.append("dropped verl keys (they change nothing here):")
             lines += [f"  {k}: {why}" for k, why in self.dropped.items()]
+        if self.notes:
+            lines.append("notes:")
+            lines += [f"  {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -180,9 +185,11 @@ def translate(args: list[str]) -> Translation:
                 out[rule.target] = rule.convert(value) if rule.convert else value
         except (ValueError, TypeError) as e:
             refused.append(f"{key}={value!r}: {e}")
+    notes = []
     for key, rule, value in applies:  # after the plain keys: they may override them (filter_overlong_prompts)
         try:
-            rule.apply(value, out, values)
+            if (note := rule.apply(value, out, values)) is not None:
+                notes.append(note)
         except (ValueError, TypeError) as e:
             refused.append(f"{key}={value!r}: {e}")
     if refused:  # every one at once: a script is fixed in one pass, not one refusal a run
@@ -192,7 +199,7 @@ def translate(args: list[str]) -> Translation:
                            "shardrl/compat/verl/keys.py (README, 'For verl users')")
     out["trainer.verl_metric_names"] = True  # the run logs verl's names too: a verl dashboard reads it
     out["rollout.multi_turn.reward_text"] = "conversation"  # verl's reward reads the whole response
-    return Translation([f"{k}={json.dumps(v, default=str)}" for k, v in out.items()], dropped_keys)
+    return Translation([f"{k}={json.dumps(v, default=str)}" for k, v in out.items()], dropped_keys, notes=notes)
 
 
 DROPPED_PREFIXES = ("global_profiler.", "actor_rollout_ref.actor.profiler.", "actor_rollout_ref.ref.profiler.",
