@@ -110,7 +110,6 @@ def test_no_file_gives_defaults_and_other_top_level_classes_load():
     ("rollout.fast.max_batch=0", "invalid config value rollout.fast.max_batch=0: must be >= 1 or null"),
     ("data.train_batch_size=6",
      "invalid config value actor.ppo_mini_batch_size=4: must divide data.train_batch_size=6"),
-    ("rollout.n=1", "invalid config value rollout.n=1: algorithm.adv_estimator='grpo'"),
     # another framework's name for a key: ours, not the nearest spelling (learning_rate is nearer clip_grad)
     ("actor.optim.learning_rate=1e-5", "unknown config key 'actor.optim.learning_rate'; did you mean 'actor.optim.lr'?"),
     ("critic.optim.max_grad_norm=1", "did you mean 'critic.optim.clip_grad'?"),
@@ -586,3 +585,22 @@ def test_an_old_rl_file_given_to_another_trainer_names_the_wrong_command(tmp_pat
     path = write_yaml(tmp_path / "rl.yaml", {"rollout": {"max_batch": 8}, "actor": {"optim": {"lr": 1e-5}}})
     with pytest.raises(ConfigError):
         load_config(path, cls=SFTConfig)
+
+
+def test_a_group_baseline_over_groups_of_one_runs_with_a_warning():
+    """rollout.n=1 with GRPO (verl's default n): verl runs it, the group's mean 0 and std 1; so does shardrl."""
+    from shardrl.config.checks import group_of_one_warning
+
+    cfg = load_config(None, ["rollout.n=1", "algorithm.adv_estimator=grpo"])
+    assert group_of_one_warning(cfg).startswith(
+        "rollout.n=1 with algorithm.adv_estimator='grpo': a prompt's group is one response, so there is no group "
+        "baseline; as in verl, its mean is taken as 0 (and its std as 1), and each response's advantage is its own "
+        "score (REINFORCE without a baseline")
+    assert "whitening" in group_of_one_warning(load_config(None, [
+        "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus_baseline"]))
+    assert group_of_one_warning(load_config(None, ["rollout.n=2"])) is None
+    assert group_of_one_warning(load_config(None, ["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"])) \
+        is None
+    with pytest.raises(ConfigError, match=r"rollout.n=1: with algorithm.filter_groups.enable: a group of one "
+                                          r"response has no spread of rewards"):
+        load_config(None, ["rollout.n=1", "algorithm.filter_groups.enable=true"])

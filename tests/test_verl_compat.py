@@ -463,3 +463,27 @@ def test_verls_deprecated_global_micro_batches_are_divided_over_the_data_paralle
 def test_a_global_micro_batch_verl_cannot_run_either_is_refused(args, message):
     with pytest.raises(VerlKeyError, match=message):
         translate(args)
+
+
+def test_verls_grpo_with_one_response_a_prompt_runs_with_a_warning(tmp_path, caplog):
+    """actor_rollout_ref.rollout.n not given (verl's default 1) with GRPO: verl runs it, a group of one taking mean 0
+    and std 1, so each advantage is the response's score (here a constant 0.75), not 0."""
+    from shardrl.cli import main
+
+    home = tmp_path / "home"
+    write_verl_assets(home)
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def my_score(solution_str, ground_truth):\n    return 0.75\n")
+    run_dir = tmp_path / "run"
+    small = [a for a in SMALL if not a.startswith("actor_rollout_ref.rollout.n=")]
+    args = [f"actor_rollout_ref.model.path={home / 'model'}", f"data.train_files={home}/data/gsm8k/train.parquet",
+            "data.val_files=[]", f"custom_reward_function.path={reward}", "custom_reward_function.name=my_score",
+            "algorithm.adv_estimator=grpo", f"trainer.default_local_dir={run_dir}", *small,
+            "trainer.total_training_steps=1"]
+    with caplog.at_level("WARNING", logger="shardrl"):
+        assert main(["train", "--verl", *args]) == 0
+    assert any(r.getMessage().startswith("rollout.n=1 with algorithm.adv_estimator='grpo': a prompt's group is one "
+                                         "response") for r in caplog.records)
+    step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["critic/advantages/mean"] == pytest.approx(0.75 / (1 + 1e-6), rel=1e-6)
+    assert step["critic/advantages/min"] == step["critic/advantages/max"]

@@ -152,7 +152,7 @@ class Estimator:
     needs_critic: bool = False
     """Takes `values`: the step builds a critic and trains it on `returns`."""
     group_baseline: bool = False
-    """Compares the responses to one prompt (needs rollout.n >= 2; dynamic sampling keeps informative groups)."""
+    """Compares the responses to one prompt (a group of one: no baseline; dynamic sampling keeps informative groups)."""
     whiten: bool = False
     """The advantages are whitened over the whole batch of all data-parallel ranks after `fn`."""
     returns_are_advantages: bool = False

@@ -148,6 +148,19 @@ def check_router_replay_settings(cfg) -> None:
                           "turns are prefilled again); use mode R2")
 
 
+def group_of_one_warning(cfg) -> str | None:
+    """The warning for a group baseline over groups of one response (rollout.n=1), which verl runs and so does
+    shardrl: the group's mean is taken as 0 and its std as 1 (`compute_grpo`), so no baseline is subtracted."""
+    name = cfg.algorithm.adv_estimator
+    if cfg.rollout.n >= 2 or not ADVANTAGE_ESTIMATORS[name].group_baseline:
+        return None
+    what = ("the whitening over the batch is the only baseline" if name == "reinforce_plus_plus_baseline" else
+            "REINFORCE without a baseline: with rewards >= 0 every sampled response is reinforced")
+    return (f"rollout.n=1 with algorithm.adv_estimator={name!r}: a prompt's group is one response, so there is no "
+            "group baseline; as in verl, its mean is taken as 0 (and its std as 1), and each response's advantage "
+            f"is its own score ({what}). Set rollout.n >= 2 to compare responses within a group")
+
+
 def check_rl(cfg, prefix: str = "") -> None:
     """`shardrl train`'s rules between sections."""
     check_command(cfg, prefix, {f"{role}.engine": getattr(cfg, role).engine for role in ("actor", "ref", "critic")})
@@ -158,9 +171,9 @@ def check_rl(cfg, prefix: str = "") -> None:
     for role in ("actor", "critic") if estimator.needs_critic else ("actor",):
         check_mini_batch(cfg, role, prefix)
     group_baseline = [name for name, e in ADVANTAGE_ESTIMATORS.items() if e.group_baseline]
-    require(cfg, prefix, "rollout.n", not estimator.group_baseline or cfg.rollout.n >= 2,
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares responses within a prompt's "
-            "group, so it needs rollout.n >= 2")
+    require(cfg, prefix, "rollout.n", not (cfg.algorithm.filter_groups.enable and cfg.rollout.n < 2),
+            "with algorithm.filter_groups.enable: a group of one response has no spread of rewards, so dynamic "
+            "sampling would keep none; set rollout.n >= 2")
     require(cfg, prefix, "algorithm.filter_groups.enable",
             not cfg.algorithm.filter_groups.enable or estimator.group_baseline,
             f"drops groups whose rewards are all equal, which only a group baseline ({', '.join(group_baseline)}) "

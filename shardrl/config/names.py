@@ -14,7 +14,7 @@ class EstimatorNeeds:
     needs_critic: bool = False
     """Takes values: the run trains a critic."""
     group_baseline: bool = False
-    """Compares the responses to one prompt: needs rollout.n >= 2."""
+    """Compares the responses to one prompt (with rollout.n=1 no baseline is subtracted: a warning)."""
 
 
 ADVANTAGE_ESTIMATORS = {

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from shardrl.batch import Batch
 from shardrl.trainer.datasets import load_datasets
 from shardrl.config.schema import Config
-from shardrl.config.checks import check_router_replay_settings
+from shardrl.config.checks import check_router_replay_settings, group_of_one_warning
 from shardrl.config.load import ConfigError
 from shardrl.data.prompts import PromptLoader
 from shardrl.engine.model import load_hf_config
@@ -150,7 +150,7 @@ class RLTrainer(Trainer):
         self.device = the_device()
         self.tokenizer = load_tokenizer(cfg)
         self._say(format_layout(self.layout))
-        for line in cfg.ignored_settings():
+        for line in filter(None, [*cfg.ignored_settings(), group_of_one_warning(cfg)]):
             if self.rank == 0:
                 log.warning(line)
         # the cheap checks before the expensive work: data, reward file and vocabularies before any model loads
