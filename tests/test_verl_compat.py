@@ -487,3 +487,44 @@ def test_verls_grpo_with_one_response_a_prompt_runs_with_a_warning(tmp_path, cap
     step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert step["critic/advantages/mean"] == pytest.approx(0.75 / (1 + 1e-6), rel=1e-6)
     assert step["critic/advantages/min"] == step["critic/advantages/max"]
+
+
+def test_a_megatron_script_is_refused_by_its_config_name_before_its_config_is_read(tmp_path, monkeypatch, capsys):
+    """verl's run_qwen2-7b_math_megatron.sh (--config-path=config --config-name='ppo_megatron_trainer.yaml'): one
+    line naming Megatron, even where a file of that name (with verl's `${...}` references) lies under ./config."""
+    from shardrl.cli import main
+
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "ppo_megatron_trainer.yaml").write_text(
+        "critic:\n  ppo_micro_batch_size_per_gpu: ${oc.select:.ppo_micro_batch_size,null}\n")
+    monkeypatch.chdir(tmp_path)
+    args = script_args("run_qwen2-7b_math_megatron.sh", tmp_path)
+    assert args[:2] == ["--config-path=config", "--config-name=ppo_megatron_trainer.yaml"]
+    assert main(["plan", "--verl", *args]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --config-name=ppo_megatron_trainer.yaml is verl's Megatron trainer: shardrl trains with FSDP only; "
+        "run verl's FSDP script of the job (no --config-name, or --config-name=ppo_trainer) with "
+        "actor_rollout_ref.actor.strategy=fsdp2 and without the *.megatron.* keys")
+
+
+def test_verls_own_config_names_resolve_against_verls_config_tree(tmp_path, monkeypatch):
+    """--config-name of verl's tree, with no --config-path or --config-path=config (Hydra: relative to verl's
+    main_ppo.py): ppo_trainer is verl's defaults, which the translation applies; the others are no PPO run."""
+    from shardrl.launch.overrides import verl_overrides
+
+    monkeypatch.chdir(tmp_path)  # no ./config here: verl's tree is not a folder of the user's
+    plain = verl_overrides(None, ["actor_rollout_ref.model.path=/m"])
+    for path, name in ((None, "ppo_trainer"), ("config", "ppo_trainer.yaml"), ("./config", "ppo_trainer")):
+        assert verl_overrides(None, ["actor_rollout_ref.model.path=/m"], path, name) == plain
+    assert verl_overrides(None, ["actor_rollout_ref.model.path=/m"], None, None) == plain
+    with pytest.raises(VerlKeyError, match=r"--config-name=sft_trainer is verl's SFT trainer's .*run SFT with "
+                                           r"`shardrl sft`"):
+        verl_overrides(None, ["actor_rollout_ref.model.path=/m"], "config", "sft_trainer")
+    with pytest.raises(VerlKeyError, match=r"--config-name=my_job: verl's config tree has no 'my_job' \(verl's: "
+                                           r"ppo_trainer, ppo_megatron_trainer, "):
+        verl_overrides(None, ["actor_rollout_ref.model.path=/m"], None, "my_job")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "job.yaml").write_text("defaults:\n  - ppo_megatron_trainer\n  - _self_\n")
+    with pytest.raises(VerlKeyError, match=r"job.yaml: its defaults name 'ppo_megatron_trainer', verl's Megatron "
+                                           r"trainer: shardrl trains with FSDP only"):
+        verl_overrides(None, ["actor_rollout_ref.model.path=/m"], "mine", "job")

@@ -100,16 +100,52 @@ def parse_verl_args(args: list[str]) -> dict[str, Any]:
     return given
 
 
-def config_file_args(config_path: str, config_name: str) -> list[str]:
+VERL_CONFIG_NAMES = {
+    "ppo_trainer": None,
+    "ppo_megatron_trainer": "is verl's Megatron trainer",
+    "sft_trainer": "is verl's SFT trainer's (verl.trainer.fsdp_sft_trainer); run SFT with `shardrl sft`",
+    "sft_trainer_engine": "is verl's SFT trainer's (verl.trainer.sft_trainer); run SFT with `shardrl sft`",
+    "generation": "is verl's offline generation's (verl.trainer.main_generation), not a training run",
+    "evaluation": "is verl's offline evaluation's (verl.trainer.main_eval), not a training run",
+}
+"""verl's own config names (verl/trainer/config at verl b178a3cd), as a script names them with --config-name and no
+--config-path, or `--config-path=config`: Hydra resolves a relative config path against the folder of verl's
+main_ppo.py, so both name verl's own tree. ppo_trainer (main_ppo's default) is verl's PPO defaults
+(`VERL_PPO_DEFAULTS`), which the translation applies itself; the others -> why `shardrl train --verl` does not run
+them."""
+
+MEGATRON = ("{what}: shardrl trains with FSDP only; run verl's FSDP script of the job (no --config-name, or "
+            "--config-name=ppo_trainer) with actor_rollout_ref.actor.strategy=fsdp2 and without the *.megatron.* keys")
+
+
+def config_file_args(config_path: str | None, config_name: str | None) -> list[str]:
     """The keys of verl's `--config-path DIR --config-name NAME` YAML as key=value arguments (they come before the
     command line's, which win). Its Hydra `defaults:` (verl's ppo_trainer, whose defaults shardrl applies itself)
-    and `hydra:` sections are left out; a `${...}` interpolation is refused."""
-    path = os.path.join(os.path.expanduser(config_path), config_name if config_name.endswith(".yaml")
-                        else f"{config_name}.yaml")
+    and `hydra:` sections are left out; a `${...}` interpolation is refused. A name of verl's own tree
+    (`VERL_CONFIG_NAMES`) with no config path, or `--config-path=config`, is resolved against it as Hydra does;
+    a Megatron config is refused by its name, before anything is read."""
+    name = (config_name or "ppo_trainer").removesuffix(".yaml")  # (main_ppo's default name)
+    if "megatron" in name:
+        raise VerlKeyError(MEGATRON.format(what=f"--config-name={config_name} is verl's Megatron trainer"))
+    verl_tree = config_path is None or os.path.normpath(config_path) == "config"
+    if verl_tree and name in VERL_CONFIG_NAMES:
+        if VERL_CONFIG_NAMES[name] is not None:
+            raise VerlKeyError(f"--config-name={config_name} {VERL_CONFIG_NAMES[name]}; `shardrl train --verl` runs "
+                               "verl.trainer.main_ppo's command lines (verl's ppo_trainer, or a config of your own)")
+        return []
+    ours = ", ".join(VERL_CONFIG_NAMES)
+    if config_path is None:
+        raise VerlKeyError(f"--config-name={config_name}: verl's config tree has no {name!r} (verl's: {ours}); give "
+                           "--config-path DIR for a config of your own")
+    path = os.path.join(os.path.expanduser(config_path), f"{name}.yaml")
     if not os.path.isfile(path):
-        raise VerlKeyError(f"--config-path {config_path!r} --config-name {config_name!r}: no file {path!r}")
+        also = f" (and verl's config tree, which --config-path={config_path} names, has {ours})" if verl_tree else ""
+        raise VerlKeyError(f"--config-path {config_path!r} --config-name {config_name!r}: no file {path!r}{also}")
     with open(path) as f:
         data = yaml.load(f, Loader=_HydraLikeLoader) or {}
+    for entry in data.get("defaults") or []:  # a config composed on verl's Megatron trainer
+        if "megatron" in str(entry):
+            raise VerlKeyError(MEGATRON.format(what=f"{path}: its defaults name {entry!r}, verl's Megatron trainer"))
     args = []
 
     def walk(node, prefix):
