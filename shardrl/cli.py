@@ -209,8 +209,8 @@ def plan_main(args: argparse.Namespace) -> int:
                                                            gpu_gib=args.gpu_mem_gib)
         lora_choice = f"rollout.lora_sync={cfg.rollout.lora_sync} (null: {why_sync})"
         ledger = phase_ledger(cfg, layout, hf_config)
-    advice = fit_advice(ledger, args.gpu_mem_gib, "engine" if offline else "actor.engine",
-                        lora=cfg.model.lora.rank > 0) if ledger and args.gpu_mem_gib else []
+    advice = fit_advice(ledger, args.gpu_mem_gib, "engine" if offline else "actor.engine") \
+        if ledger and args.gpu_mem_gib else []
     keep_cache = None  # rollout.free_cache_engine left null on a GPU of --gpu-mem-gib: kept through the update?
     if ledger and args.gpu_mem_gib and not offline and cfg.rollout.free_cache_engine is None:
         free, why = free_cache_choice((update_and_cache_gib(ledger), args.gpu_mem_gib), cuda=True)

@@ -68,9 +68,9 @@ def test_plan_says_what_to_change_when_a_phase_does_not_fit(capsys):
     assert "rollout.free_cache_engine" not in capsys.readouterr().out  # set: nothing to decide
 
 
-def test_plan_advises_a_lora_run_without_offloading_its_frozen_base(capsys):
-    """Where the params are the largest term, a full fine-tuning run is told offload_params; a LoRA run cannot take
-    it and is told to gather the base a layer at a time or to shard over more GPUs."""
+def test_plan_advises_a_lora_run_to_offload_its_frozen_base(capsys):
+    """Where the params are the largest term, a full fine-tuning run is told offload_params, and so is a LoRA run
+    (its frozen base and adapters then on the CPU, counted there), also told to gather the base a layer at a time."""
     big = TINY.replace("hidden_size: 64", "hidden_size: 4096").replace("intermediate_size: 128", "intermediate_size: 16384")
     args = ["plan", big, "data.max_prompt_length=64", "rollout.max_new_tokens=64", "rollout.fast.max_batch=8",
             "model.gradient_checkpointing=true", "actor.engine.offload_optimizer=true", "--gpu-mem-gib", "0.5", "--json"]
@@ -79,8 +79,11 @@ def test_plan_advises_a_lora_run_without_offloading_its_frozen_base(capsys):
     assert any("actor.engine.offload_params=true" in line for line in full), full
     assert main(args + ["model.lora.rank=8"]) == 1
     lora = json.loads(capsys.readouterr().out)["advice"]
-    assert lora and not any("offload_params=true" in line for line in lora), lora
+    assert any("actor.engine.offload_params=true" in line for line in lora), lora
     assert any("actor.engine.accumulate_unsharded=false" in line for line in lora), lora
+    assert main(args + ["model.lora.rank=8", "actor.engine.offload_params=true"]) in (0, 1)
+    resident = json.loads(capsys.readouterr().out)["memory"]["phases"]["gen"]["items"]
+    assert [i["gib"] for i in resident if i["name"] == "actor params"] == [0]  # on the CPU
 
 
 def test_plan_advises_what_changes_the_phase_that_does_not_fit(capsys):
@@ -94,8 +97,8 @@ def test_plan_advises_what_changes_the_phase_that_does_not_fit(capsys):
     advice = {line.split(" ")[0]: line for line in json.loads(capsys.readouterr().out)["advice"]}
     assert set(advice) == {"gen", "prep", "update"}
     assert advice["gen"] == (
-        "gen needs 1.9 GiB > 0.9 GiB; the largest term is actor params (1.0 GiB, held all step): more GPUs to shard "
-        "over (offload_params is not supported with model.lora); this phase's own largest is prefill chunk (0.8 GiB): "
+        "gen needs 1.9 GiB > 0.9 GiB; the largest term is actor params (1.0 GiB, held all step): "
+        "actor.engine.offload_params=true, or more GPUs to shard over; this phase's own largest is prefill chunk (0.8 GiB): "
         "fewer decode slots (rollout.fast.max_batch) or a shorter data.max_prompt_length (a prefill takes at most the "
         "slots' prompts)")
     assert "accumulate_unsharded" not in advice["prep"]
@@ -147,8 +150,6 @@ def test_plan_settles_a_null_lora_sync_as_the_run_would_on_that_gpu(capsys):
     # what `shardrl train` refuses, plan refuses too (before any ledger)
     (["plan", "model.lora.rank=8", "actor.engine.strategy=fsdp"], "actor.engine.strategy='fsdp': must be fsdp2 "
                                                                   "with model.lora"),
-    (["plan", "model.lora.rank=8", "actor.engine.offload_params=true"],
-     "actor.engine.offload_params=True: is not supported with model.lora"),
 ])
 def test_plan_bad_config_exits_2_with_error_line(argv, expected, capsys):
     assert main(argv) == 2

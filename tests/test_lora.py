@@ -177,9 +177,8 @@ def _build_errors(cases: list[tuple[dict, dict]]) -> list[str | None]:
 @pytest.mark.multiproc
 def test_lora_that_cannot_run_is_refused_when_the_engine_is_built():
     cases = {r"model.lora.target_modules=\['qkv'\]: \['qkv'\] match no linear layer of the model; its linear layers "
-             r"are \['down_proj', 'gate_proj', 'k_proj'": (dict(rank=4, target_modules=["qkv"]), {}),
-             r"model.lora with offload_params=true is not supported yet": (dict(rank=4), dict(offload_params=True))}
-    errors = run_distributed(_build_errors, 1, list(cases.values()))  # both builds on one process
+             r"are \['down_proj', 'gate_proj', 'k_proj'": (dict(rank=4, target_modules=["qkv"]), {})}
+    errors = run_distributed(_build_errors, 1, list(cases.values()))
     for message, error in zip(cases, errors, strict=True):
         assert error is not None and re.search(message, error), (message, error)
 
@@ -543,3 +542,41 @@ def test_the_start_up_line_counts_the_adapters_and_warns_of_a_rank_as_large_as_a
         assert warning is None
     else:
         assert warning.startswith(f"model.lora.rank={rank} is at least the smaller side of {small}:")
+
+
+def _two_steps(offload: bool, values: dict[str, torch.Tensor]) -> dict:
+    """Two updates of a LoRA engine (offload_params or not) from the adapters `values`: the first update's adapter
+    gradients, then the merged export, the adapters, the policy's and the reference's (adapters off) log-probs."""
+    model_cfg = ModelConfig(tiny=TINY_MODELS["qwen2"], lora=LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS))
+    engine = build_engine(model_cfg, EngineConfig(param_dtype="float32", micro_batch_size_per_gpu=2,
+                                                  offload_params=offload), OptimConfig(**OPTIM))
+    with torch.no_grad():
+        for n, p in engine.module.named_parameters():
+            if LORA_MARK in n:
+                copy_full_into(p, values[engine.hf_name(n)])
+    batch = make_batch().chunk(engine.mesh.dp_size)[engine.mesh.dp_rank]
+    steps = record_grads(engine)
+    for _ in range(2):
+        engine.train_batch(batch, loss_fn)
+    engine.offload()
+    engine.onload()
+    with engine.adapters_off():
+        ref = engine.infer_batch(batch)["log_probs"].clone()
+    return {"grads": steps[0], "export": {k: v.clone() for k, v in engine.export_weights()},
+            "adapters": {n: (a.clone(), b.clone()) for n, a, b in engine.export_adapters()},
+            "policy": engine.infer_batch(batch)["log_probs"].clone(), "ref": ref}
+
+
+@pytest.mark.multiproc
+def test_offloaded_lora_trains_as_lora_on_the_device():
+    """offload_params with model.lora (verl's param_offload on a LoRA run): FSDP2 keeps the frozen base and the
+    adapters on the CPU; the gradients, the steps, the export and the reference are those of the run without."""
+    values = adapter_values(peft_reference())
+    want = peft_reference(values)
+    scale = max(float(g.abs().max()) for g in want.values())
+    offloaded, plain = (run_distributed(_two_steps, 2, offload, values) for offload in (True, False))
+    for key, g in want.items():
+        torch.testing.assert_close(offloaded["grads"][key], g, rtol=0, atol=1e-5 * scale, msg=key)
+    for part in ("grads", "export", "adapters", "policy", "ref"):
+        torch.testing.assert_close(offloaded[part], plain[part], rtol=0, atol=0, msg=part)
+    assert load_config(None, ["model.lora.rank=8", "actor.engine.offload_params=true"]).actor.engine.offload_params

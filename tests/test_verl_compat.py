@@ -528,3 +528,12 @@ def test_verls_own_config_names_resolve_against_verls_config_tree(tmp_path, monk
     with pytest.raises(VerlKeyError, match=r"job.yaml: its defaults name 'ppo_megatron_trainer', verl's Megatron "
                                            r"trainer: shardrl trains with FSDP only"):
         verl_overrides(None, ["actor_rollout_ref.model.path=/m"], "mine", "job")
+
+
+def test_verls_lora_script_with_param_offload_is_a_valid_config(tmp_path):
+    """verl's LoRA tuning script offloads the params (actor_rollout_ref.actor.fsdp_config.param_offload=True): the
+    frozen base and the adapters on the CPU, as verl runs it (tests/test_lora.py: the same gradients)."""
+    cfg = load_config(None, translate(script_args("qwen2-14b_grpo-lora_2_h100_fsdp_vllm.sh", tmp_path,
+                                                  cwd=tmp_path)).overrides)
+    assert (cfg.model.lora.rank, cfg.actor.engine.offload_params, cfg.actor.engine.offload_optimizer) == (32, True, True)
+    assert cfg.ref.engine.offload_params  # (the reference of a LoRA run is the actor with its adapters off)

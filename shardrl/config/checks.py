@@ -106,9 +106,6 @@ def check_lora_engine(lora, engine, key: str, prefix: str = "") -> None:
     require(engine, key, "strategy", engine.strategy == "fsdp2",
             "must be fsdp2 with model.lora (FSDP1's flat parameters cannot hold a frozen base beside trained "
             "adapters)")
-    require(engine, key, "offload_params", not engine.offload_params,
-            "is not supported with model.lora (the frozen base is stored in param_dtype already, half an fp32 "
-            "model; model.lora with offload_params=true is not supported yet): set it false")
 
 
 def check_mini_batch(cfg, role: str, prefix: str = "") -> None:

@@ -151,7 +151,8 @@ class EngineConfig:
     reduce_dtype: Dtype = "float32"
     """Dtype gradients are reduce-scattered in."""
     offload_params: bool = False
-    """Keep params (and grads) on CPU between phases."""
+    """Keep params (and grads) on CPU between phases (FSDP2's CPUOffloadPolicy). With model.lora: the frozen base
+    and the adapters (verl's param_offload with LoRA), the optimizer stepping the adapters on the CPU."""
     offload_optimizer: bool = False
     """Keep optimizer state on CPU between updates."""
     forward_prefetch: bool = False

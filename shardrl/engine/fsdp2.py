@@ -178,7 +178,7 @@ class FSDP2Engine(Engine):
 
     def local_base_weights(self) -> dict[str, torch.Tensor] | None:
         """With `model.lora`: the frozen base's own tensors by HF name (no copy, no gather) where this rank holds
-        every one whole (a shard group of one: one GPU, or HSDP with fsdp_size=1); else None. They never change
+        every one whole (a shard group of one: one GPU, or HSDP with fsdp_size=1) on its device; else None. They never change
         (frozen) and stay where they are while the engine trains, so a colocated rollout may read them.
 
         The sharded storage, never a gathered copy: units left unsharded by a forward (reshard_after_forward=false,
@@ -193,7 +193,7 @@ class FSDP2Engine(Engine):
             if LORA_MARK in name:
                 continue
             local = p.to_local() if isinstance(p, DTensor) else p
-            if tuple(local.shape) != tuple(p.shape):
+            if tuple(local.shape) != tuple(p.shape) or local.device != self.device:  # (offload_params: on the CPU)
                 return None
             out[self.hf_name(name)] = local.detach()
         return out

@@ -77,7 +77,8 @@ def _engine_resident(name, numbers, master, shard, offload_params, offload_optim
     p, lora = numbers["total"], numbers.get("trained")
     out = []
     if lora and optimizer:  # LoRA: the frozen base in param_dtype, the fp32 adapters; only those are optimized
-        out.append((f"{name} params", (p * compute + lora * 4) / shard,
+        out.append((f"{name} params", 0 if offload_params else (p * compute + lora * 4) / shard,
+                    "on CPU (offload_params: the frozen base and the adapters)" if offload_params else
                     f"({format_count(p)} frozen x {compute} B + {format_count(lora)} adapters x 4 B) / {shard} "
                     "(shard)"))
         out.append((f"{name} optimizer state", 0 if offload_optimizer else 2 * lora * 4 / shard,
@@ -124,9 +125,10 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
     whole_why = "accumulate_unsharded: gathered over the micro-batches" if kept else "reshard_after_forward=false"
     chunk = engine.logprob_chunk_size
     lora = numbers.get("trained")
-    grads = ((f"{name} grads", lora * 4 / shard, f"{format_count(lora)} adapters x 4 B / {shard}") if lora else
-             (f"{name} grads", 0 if engine.offload_params else p * master / shard,
-              "on CPU (offload_params)" if engine.offload_params else f"{format_count(p)} x {master} B / {shard}"))
+    trained, size = (lora, 4) if lora else (p, master)
+    grads = (f"{name} grads", 0 if engine.offload_params else trained * size / shard,
+             "on CPU (offload_params)" if engine.offload_params else
+             f"{format_count(trained)}{' adapters' if lora else ''} x {size} B / {shard}")
     update = [
         grads,
         ("activations", act, f"{act_how}; tokens: {how_tokens}"),
@@ -191,12 +193,13 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     full_copy = ("rollout weights", p * rollout_bytes, f"a full copy: {format_count(p)} x {rollout_bytes} B")
     if lora_sync == "unmerged":
         resident.append(("rollout adapters", adapters * 4, f"{format_count(adapters)} x fp32, added at run time"))
-        if shard > 1 or compute != rollout_bytes:  # no rank holds the base whole, or not in the rollout's dtype:
+        # no rank holds the base whole, or not in the rollout's dtype, or not on the GPU (offload_params):
+        if shard > 1 or compute != rollout_bytes or actor.offload_params:
             resident.append(full_copy)  # the rollout keeps a copy, sent once
         # else the rollout reads the actor's own base tensors: no copy
     else:
         resident.append(full_copy)
-        if lora_sync == "merged" and shard > 1:
+        if lora_sync == "merged" and (shard > 1 or actor.offload_params):
             resident.append(("rollout's unmerged base", p * rollout_bytes, "the adapted layers' base (at most a "
                              "full copy), what each sync merges into"))
     plain = {**numbers, "trained": None}  # the critic (and a separate reference) train without the adapters
@@ -315,19 +318,14 @@ def largest_term(phase: dict) -> dict:
     return max(phase["items"], key=lambda i: i["gib"])
 
 
-# with model.lora the base is frozen in param_dtype and cannot be offloaded (a config error)
-LORA_ADVICE = {
-    "actor params": "more GPUs to shard over (offload_params is not supported with model.lora)",
-    "actor grads": "more GPUs to shard over (offload_params is not supported with model.lora)",
-}
 
 
-def fit_advice(ledger: dict, gpu_mem_gib: float, engine: str = "actor.engine", lora: bool = False) -> list[str]:
-    """Lines saying, for each phase over `gpu_mem_gib`, by how much and what to change; [] when all fit. `lora`:
-    the advice for a LoRA engine (no offload_params). Where the largest term is held all step, the line also names
-    the phase's own largest term and what shrinks it: what changes that phase alone."""
+def fit_advice(ledger: dict, gpu_mem_gib: float, engine: str = "actor.engine") -> list[str]:
+    """Lines saying, for each phase over `gpu_mem_gib`, by how much and what to change; [] when all fit. Where the
+    largest term is held all step, the line also names the phase's own largest term and what shrinks it: what
+    changes that phase alone."""
     def advice(term: dict) -> str:
-        said = (LORA_ADVICE if lora else {}).get(term["name"]) or ADVICE.get(term["name"], "see the terms above")
+        said = ADVICE.get(term["name"], "see the terms above")
         return said.format(engine=engine)
 
     lines = []
