@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardrl.config.schema import config_keys, Config, load_config
-from shardrl.compat.verl.translate import VERL_KEYS, VerlKeyError, translate
+from shardrl.compat.verl.translate import VERL_KEYS, VerlKeyError, config_file_args, translate
 
 DATA = Path(__file__).parent / "data" / "verl"
 
@@ -517,9 +517,14 @@ def test_verls_own_config_names_resolve_against_verls_config_tree(tmp_path, monk
     for path, name in ((None, "ppo_trainer"), ("config", "ppo_trainer.yaml"), ("./config", "ppo_trainer")):
         assert verl_overrides(None, ["actor_rollout_ref.model.path=/m"], path, name) == plain
     assert verl_overrides(None, ["actor_rollout_ref.model.path=/m"], None, None) == plain
-    with pytest.raises(VerlKeyError, match=r"--config-name=sft_trainer is verl's SFT trainer's .*run SFT with "
-                                           r"`shardrl sft`"):
+    assert config_file_args("config", "sft_trainer", own="sft_trainer") == []  # `shardrl sft --verl`'s own
+    with pytest.raises(VerlKeyError, match=r"--config-name=sft_trainer is verl's config of "
+                                           r"verl.trainer.fsdp_sft_trainer, not of verl.trainer.main_ppo: run it "
+                                           r"with `shardrl sft --verl`"):
         verl_overrides(None, ["actor_rollout_ref.model.path=/m"], "config", "sft_trainer")
+    with pytest.raises(VerlKeyError, match=r"--config-name=generation is verl's config of "
+                                           r"verl.trainer.main_generation, .*offline generation is not a training run"):
+        verl_overrides(None, ["actor_rollout_ref.model.path=/m"], None, "generation")
     with pytest.raises(VerlKeyError, match=r"--config-name=my_job: verl's config tree has no 'my_job' \(verl's: "
                                            r"ppo_trainer, ppo_megatron_trainer, "):
         verl_overrides(None, ["actor_rollout_ref.model.path=/m"], None, "my_job")

@@ -43,7 +43,7 @@ def verl_overrides(config: str | None, args: list[str], config_path: str | None 
         raise ValueError(f"--verl takes verl's key=value arguments only, not a config file ({config!r}); drop "
                          "--verl to run a shardrl config, or give verl's --config-path DIR --config-name NAME")
     if config_path is not None or config_name is not None:  # (Hydra's defaults: main_ppo's config, verl's tree)
-        args = config_file_args(config_path, config_name) + args
+        args = config_file_args(config_path, config_name, "sft_trainer" if trainer == "sft" else "ppo_trainer") + args
     translation = translate(args)
     if trainer != "sft" and not any(o.startswith("model.path=") for o in translation.overrides):
         raise ValueError("the verl command line gives no actor_rollout_ref.model.path (a local model folder)")

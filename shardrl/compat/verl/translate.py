@@ -101,37 +101,40 @@ def parse_verl_args(args: list[str]) -> dict[str, Any]:
 
 
 VERL_CONFIG_NAMES = {
-    "ppo_trainer": None,
-    "ppo_megatron_trainer": "is verl's Megatron trainer",
-    "sft_trainer": "is verl's SFT trainer's (verl.trainer.fsdp_sft_trainer); run SFT with `shardrl sft`",
-    "sft_trainer_engine": "is verl's SFT trainer's (verl.trainer.sft_trainer); run SFT with `shardrl sft`",
-    "generation": "is verl's offline generation's (verl.trainer.main_generation), not a training run",
-    "evaluation": "is verl's offline evaluation's (verl.trainer.main_eval), not a training run",
+    "ppo_trainer": ("verl.trainer.main_ppo", "run it with `shardrl train --verl`"),
+    "ppo_megatron_trainer": ("verl.trainer.main_ppo on Megatron", "shardrl trains with FSDP only"),
+    "sft_trainer": ("verl.trainer.fsdp_sft_trainer", "run it with `shardrl sft --verl`"),
+    "sft_trainer_engine": ("verl.trainer.sft_trainer", "run verl's fsdp_sft_trainer command line with "
+                                                       "`shardrl sft --verl`"),
+    "generation": ("verl.trainer.main_generation", "offline generation is not a training run"),
+    "evaluation": ("verl.trainer.main_eval", "offline evaluation is not a training run"),
 }
-"""verl's own config names (verl/trainer/config at verl b178a3cd), as a script names them with --config-name and no
---config-path, or `--config-path=config`: Hydra resolves a relative config path against the folder of verl's
-main_ppo.py, so both name verl's own tree. ppo_trainer (main_ppo's default) is verl's PPO defaults
-(`VERL_PPO_DEFAULTS`), which the translation applies itself; the others -> why `shardrl train --verl` does not run
-them."""
+"""verl's own config names (verl/trainer/config at verl b178a3cd) -> (the entry point whose config it is, how
+shardrl runs such a command line), as a script names them with --config-name and no --config-path, or
+`--config-path=config`: Hydra resolves a relative config path against the folder of verl's entry point, so both
+name verl's own tree. The entry's own (ppo_trainer for main_ppo, sft_trainer
+for fsdp_sft_trainer) is verl's defaults (`VERL_PPO_DEFAULTS`, the SFT table's), which the translation applies
+itself; another is refused by whose it is."""
 
 MEGATRON = ("{what}: shardrl trains with FSDP only; run verl's FSDP script of the job (no --config-name, or "
             "--config-name=ppo_trainer) with actor_rollout_ref.actor.strategy=fsdp2 and without the *.megatron.* keys")
 
 
-def config_file_args(config_path: str | None, config_name: str | None) -> list[str]:
+def config_file_args(config_path: str | None, config_name: str | None, own: str = "ppo_trainer") -> list[str]:
     """The keys of verl's `--config-path DIR --config-name NAME` YAML as key=value arguments (they come before the
     command line's, which win). Its Hydra `defaults:` (verl's ppo_trainer, whose defaults shardrl applies itself)
     and `hydra:` sections are left out; a `${...}` interpolation is refused. A name of verl's own tree
-    (`VERL_CONFIG_NAMES`) with no config path, or `--config-path=config`, is resolved against it as Hydra does;
-    a Megatron config is refused by its name, before anything is read."""
-    name = (config_name or "ppo_trainer").removesuffix(".yaml")  # (main_ppo's default name)
+    (`VERL_CONFIG_NAMES`) with no config path, or `--config-path=config`, is resolved against it as Hydra does
+    (`own`: the entry point's default config, e.g. sft_trainer for `shardrl sft --verl`); a Megatron config is
+    refused by its name, before anything is read."""
+    name = (config_name or own).removesuffix(".yaml")  # (the entry point's default name)
     if "megatron" in name:
         raise VerlKeyError(MEGATRON.format(what=f"--config-name={config_name} is verl's Megatron trainer"))
     verl_tree = config_path is None or os.path.normpath(config_path) == "config"
     if verl_tree and name in VERL_CONFIG_NAMES:
-        if VERL_CONFIG_NAMES[name] is not None:
-            raise VerlKeyError(f"--config-name={config_name} {VERL_CONFIG_NAMES[name]}; `shardrl train --verl` runs "
-                               "verl.trainer.main_ppo's command lines (verl's ppo_trainer, or a config of your own)")
+        if name != own:
+            (entry, how), (own_entry, _) = VERL_CONFIG_NAMES[name], VERL_CONFIG_NAMES[own]
+            raise VerlKeyError(f"--config-name={config_name} is verl's config of {entry}, not of {own_entry}: {how}")
         return []
     ours = ", ".join(VERL_CONFIG_NAMES)
     if config_path is None:
