@@ -500,7 +500,7 @@ def test_lora_sync_left_null_takes_merged_where_the_ledger_says_the_copy_fits(mo
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, gib=gib: SimpleNamespace(
             total_memory=gib * 2**30))
         choice, why = lora_sync_choice(cfg, layout, config, torch.device("cuda", 0))
-        assert choice == want and "GiB" in why, (gib, choice, why)
+        assert choice == want and re.search(r"\d (GiB|MiB|KiB|B)\b", why), (gib, choice, why)
 
 
 def test_the_ledger_counts_a_kept_cache_through_prep_and_the_update():
