@@ -45,6 +45,7 @@ def test_ctrl_c_is_one_line_status_130_and_still_writes_the_summary(assets, tmp_
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps >= 1 and 0.0 <= summary["reward_last"] <= 1.0
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
+    assert not (run_dir / "run.lock").exists()  # a stopped run lets go of its folder as a finished one does
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

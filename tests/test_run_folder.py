@@ -256,3 +256,51 @@ def test_a_run_that_stopped_in_its_first_step_leaves_no_folder_and_blocks_no_rer
     check_same_model(auto, kept)
     with pytest.raises(ValueError, match="set trainer.resume=auto to continue that run"):
         check_fresh(cfg, kept)
+
+
+def test_a_finished_run_leaves_no_lock_and_records_its_folder_and_summary_window(assets, tmp_path, monkeypatch):
+    """A run that ends deletes its run.lock (the flock is what guards the folder; the file would only say a finished
+    run still held it); config.yaml names the folder the run chose (was `output_dir: null`); summary.json says over
+    how many steps its first and last means are taken."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["train", *small(assets, "trainer.total_steps=2")]) == 0
+    [run_dir] = (tmp_path / "outputs" / "demo").iterdir()
+    assert not (run_dir / "run.lock").exists()
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["output_dir"] == str(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rewards = [r["reward/mean"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    assert summary["first_last_window"] == 1  # (2 steps: a quarter of them, at least 1)
+    assert summary["reward_first"] == pytest.approx(rewards[0]) and summary["reward_last"] == pytest.approx(rewards[1])
+
+
+def test_a_run_that_ends_as_another_starts_hands_over_the_lock_file_it_deletes(assets, tmp_path, monkeypatch):
+    """A run that ends deletes run.lock; a second run that opened the file just before, and locks it just after,
+    holds a lock on a deleted file, which guards nothing: it locks the file that is there now instead, so a third
+    run is refused."""
+    import builtins
+
+    from shardrl.trainer import run_folder
+
+    cfg = load_config(None, small(assets))
+    run_dir = tmp_path / "run"
+    run_folder.claim_run_dir(cfg, run_dir)
+    opened = []
+
+    def open_as_the_holder_ends(path, mode="r"):
+        handle = builtins.open(path, mode)
+        if not opened:
+            run_folder.release_run_dir(run_dir)  # the first run ends between the second's open and flock
+        opened.append(handle)
+        return handle
+
+    monkeypatch.setattr(run_folder, "open", open_as_the_holder_ends, raising=False)
+    handle = run_folder._lock(run_dir)
+    monkeypatch.undo()
+    try:
+        assert len(opened) == 2 and os.fstat(handle.fileno()).st_ino == os.stat(run_dir / "run.lock").st_ino
+        with pytest.raises(ValueError, match="is in use by another run"):
+            run_folder._lock(run_dir).close()
+    finally:
+        handle.close()

@@ -330,8 +330,9 @@ def test_an_sft_run_ends_with_the_summary_and_curve_train_gives(tmp_path):
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     summary = json.loads((run_dir / "summary.json").read_text())
     # the first and last step's loss (a quarter of 2 steps rounds up to one), the last validation loss
-    assert summary == pytest.approx({"steps": 2, "loss_first": records[0]["sft/loss"],
+    assert summary == pytest.approx({"steps": 2, "loss_first": records[0]["sft/loss"], "first_last_window": 1,
                                      "loss_last": records[1]["sft/loss"], "val_loss_last": records[1]["val/loss"]})
+    assert not (run_dir / "run.lock").exists()  # (released as `shardrl train` releases its folder)
     assert summary["loss_first"] != summary["loss_last"]
     assert (run_dir / "loss_curve.png").stat().st_size > 1000 and not (run_dir / "reward_curve.png").exists()
 

@@ -59,7 +59,8 @@ def test_every_logger_alone_gives_the_summary_and_the_curve(sinks, tmp_path, fak
     said = write_results(tmp_path, logger.records, 8)
     summary = json.loads((tmp_path / "summary.json").read_text())
     # first and last 2 steps (8 // 4): (0 + 0.2) / 2 and (1 + 1) / 2; the last validation seen was at step 4
-    assert summary == pytest.approx({"steps": 8, "reward_first": 0.1, "reward_last": 1.0, "val_last": 0.75})
+    assert summary == pytest.approx({"steps": 8, "reward_first": 0.1, "reward_last": 1.0, "first_last_window": 2,
+                                     "val_last": 0.75})
     assert (tmp_path / "reward_curve.png").stat().st_size > 1000
     assert said.startswith("8 of 8 steps; summary ")
 

@@ -6,6 +6,12 @@ The lock is an `fcntl.flock` on `run.lock` inside the folder, held by rank 0's o
 when that process ends however it ends (an exception, Ctrl-C, SIGKILL), so a crashed run never blocks the
 next one; a second run into a folder that a live run holds refuses at start, naming the folder and the
 holder (pid, host, start time and command, which the holder wrote into the file).
+
+A run that ends in this process (done, stopped by Ctrl-C or SIGTERM, or failed with an error) deletes `run.lock`
+as it lets go, so a finished run's folder holds only its records. Only a process killed outright (SIGKILL, the
+OOM killer, a lost node) leaves the file: it locks nothing then (the OS dropped the flock), names the run that was
+killed, and the next run into the folder takes it over. Whether a folder is in use is the flock, never the file's
+being there (a pid is no test across hosts).
 """
 
 from __future__ import annotations
@@ -124,17 +130,23 @@ _claims: dict[str, _Claim] = {}  # the folders this process holds, by resolved p
 
 def _lock(run_dir: Path):
     """Opens and locks `run_dir/run.lock` (rank 0); raises ValueError when another process holds it."""
-    handle = open(run_dir / LOCK_FILE, "a+")
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    while True:
+        handle = open(run_dir / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(handle, run_dir / LOCK_FILE):
+                break
+        except BlockingIOError:
+            handle.close()
+            raise ValueError(f"the run folder {run_dir} is in use by another run: {read_lock_owner(run_dir)}. Two "
+                             "runs writing one folder corrupt each other's checkpoints and metrics; wait for it to "
+                             "end, stop it, or set trainer.output_dir to another folder") from None
+        except BaseException:
+            handle.close()
+            raise
+        # the holder ended between our open and our flock and deleted the file we locked (`release_run_dir`): a
+        # lock on it guards nothing, as a third run would lock a new run.lock; lock the file that is there now
         handle.close()
-        raise ValueError(f"the run folder {run_dir} is in use by another run: {read_lock_owner(run_dir)}. Two runs "
-                         "writing one folder corrupt each other's checkpoints and metrics; wait for it to end, stop "
-                         "it, or set trainer.output_dir to another folder") from None
-    except BaseException:
-        handle.close()
-        raise
     handle.seek(0)
     handle.truncate()
     handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "start_time": time.time(),
@@ -143,9 +155,21 @@ def _lock(run_dir: Path):
     return handle
 
 
+def _same_file(handle, path: Path) -> bool:
+    """Whether the open `handle` is the file at `path` now (not one deleted since it was opened)."""
+    try:
+        here, there = os.fstat(handle.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 def claim_run_dir(cfg: Config, run_dir: Path) -> None:
     """Call on every rank once the run can start: rank 0 creates the folder, locks it for this process's
-    life and writes config.yaml. A folder another live run holds is a ValueError on every rank."""
+    life and writes config.yaml. A folder another live run holds is a ValueError on every rank.
+    `cfg.trainer.output_dir` becomes the folder's absolute path (config.yaml and the loggers record where the run
+    wrote, also when it was chosen here: `./outputs/<experiment_name>/<timestamp>`)."""
+    cfg.trainer.output_dir = str(run_dir.absolute())
     error = None
     if _rank() == 0:
         key = str(run_dir.resolve())
@@ -172,9 +196,9 @@ def claim_run_dir(cfg: Config, run_dir: Path) -> None:
 
 
 def release_run_dir(run_dir: Path, failed: bool = False) -> None:
-    """Unlocks the folder (rank 0; a no-op where this process holds none). With `failed`, a folder that this
-    run created and that holds nothing but its config and lock (the run stopped before its first step
-    wrote anything) is removed, so a run that never started leaves nothing behind."""
+    """Unlocks the folder and deletes its run.lock (rank 0; a no-op where this process holds none). With `failed`,
+    a folder that this run created and that holds nothing but its config and lock (the run stopped before its first
+    step wrote anything) is removed, so a run that never started leaves nothing behind."""
     claim = _claims.pop(str(run_dir.resolve()), None)
     if claim is None:
         return
@@ -183,6 +207,11 @@ def release_run_dir(run_dir: Path, failed: bool = False) -> None:
                     if run_dir.is_dir() else set())
         if failed and claim.created and not leftover:
             shutil.rmtree(run_dir, ignore_errors=True)
+        elif _same_file(claim.handle, run_dir / LOCK_FILE):  # deleted while still locked: see `_lock`
+            try:
+                (run_dir / LOCK_FILE).unlink()
+            except OSError as e:  # (a stale file locks nothing: not worth hiding the error the run may end on)
+                log.warning("could not delete %s: %s", run_dir / LOCK_FILE, e.strerror or e)
     finally:
         claim.handle.close()  # closing the file drops the flock
 
@@ -292,8 +321,9 @@ def prepare_run_dir(cfg: Config) -> Path:
 
 
 def summarize(records: list[dict]) -> dict:
-    """Steps done; the mean train reward of the first and last few steps and the last validation reward, or for a
-    run without rewards (sft, dpo, rm) its loss likewise (`plot.OFFLINE_LOSSES`); {} if no step."""
+    """Steps done; the mean train reward of the first and last `first_last_window` steps (`_first_last`) and the
+    last validation reward, or for a run without rewards (sft, dpo, rm) its loss likewise (`plot.OFFLINE_LOSSES`);
+    {} if no step."""
     if not records:
         return {}
     from shardrl.trainer.plot import OFFLINE_LOSSES
@@ -318,9 +348,10 @@ def summarize(records: list[dict]) -> dict:
 
 
 def _first_last(name: str, values: list[float]) -> dict:
-    """The mean of the first and of the last few values (a quarter of them, 1 to 5): less noisy than one step's."""
+    """The mean of the first and of the last few values (a quarter of them, 1 to 5: less noisy than one step's),
+    and how many that is (`first_last_window`)."""
     k = max(1, min(5, len(values) // 4))
-    return {f"{name}_first": sum(values[:k]) / k, f"{name}_last": sum(values[-k:]) / k}
+    return {f"{name}_first": sum(values[:k]) / k, f"{name}_last": sum(values[-k:]) / k, "first_last_window": k}
 
 
 def write_summary(run_dir: Path, records: list[dict] | None = None) -> dict:
