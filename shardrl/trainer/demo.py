@@ -46,6 +46,7 @@ def demo_overrides(assets: Path) -> list[str]:
         "trainer.total_steps=400",
         "trainer.val_freq=50",
         "trainer.experiment_name=demo",
+        "trainer.export_hf=true",  # <run folder>/hf_model: what learned, for from_pretrained (README, the demo)
     ]
 
 
