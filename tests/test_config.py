@@ -88,8 +88,9 @@ def test_no_file_gives_defaults_and_other_top_level_classes_load():
     ("rollout.stop=3", "config key 'rollout.stop' expects list[str], got 3 (int)"),
     ("actor.engine.strategy=fsdp3",
      "config key 'actor.engine.strategy' must be one of 'fsdp2', 'fsdp'; got 'fsdp3'"),
-    ("trainer.logger=[console, mlflow]",
-     "config key 'trainer.logger[1]' must be one of 'console', 'jsonl', 'tensorboard', 'wandb'; got 'mlflow'"),
+    ("trainer.logger=[console, clearml]",
+     "config key 'trainer.logger[1]' must be one of 'console', 'jsonl', 'tensorboard', 'wandb', 'mlflow', 'swanlab', "
+     "'trackio'; got 'clearml'"),
     ("algorithm.gamma=null", "config key 'algorithm.gamma' expects float, got None"),
     ("actor.engine.fsdp_size", "bad override 'actor.engine.fsdp_size': expected key=value"),
     ("=2", "bad override '=2': expected key=value"),

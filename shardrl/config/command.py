@@ -11,7 +11,7 @@ from shardrl.config.checks import check_command, check_trainer
 from shardrl.config.engine import EngineConfig, LoRAConfig
 from shardrl.config.load import require
 
-LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab", "trackio"]
 
 
 @dataclass
@@ -46,7 +46,10 @@ class TrainerConfig:
     """Sample generations (prompt, response, reward, ground truth) shown per validation, on the console
     and in `<run_dir>/generations.jsonl` (one line each, with the step); rank 0's first ones. 0 = off."""
     logger: list[LoggerName] = field(default_factory=lambda: ["console", "jsonl"])
-    """Metric sinks."""
+    """Metric sinks: `console` (a progress bar), `jsonl` (`<run_dir>/metrics.jsonl`), and the trackers, each an
+    extra (`pip install 'shardrl[mlflow]'`): `tensorboard` (`<run_dir>/tensorboard`), `wandb`, `mlflow`
+    (`MLFLOW_TRACKING_URI`), `swanlab` (`SWANLAB_MODE`; its log in `<run_dir>/swanlog`) and `trackio` (`TRACKIO_DIR`);
+    `shardrl.trainer.trackers` says where each writes."""
     verl_metric_names: bool = False
     """Log each step's metrics under verl's names too (`critic/score/mean`, `response_length/mean`,
     `timing_s/gen`, `timing_per_token_ms/*`, `val-core/<data_source>/reward/mean@n`, ...; `shardrl.compat.verl.metric_names`),

@@ -1,5 +1,6 @@
 """Where metrics go: a JSON line per step in `<run_dir>/metrics.jsonl`, a progress bar on the console,
-and optionally TensorBoard and wandb. Only global rank 0 writes."""
+and optionally the trackers of `trackers.py` (TensorBoard, wandb, MLflow, SwanLab, trackio). Only global rank 0
+writes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardrl.metrics import read_metrics
+from shardrl.trainer.trackers import TRACKERS
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +27,8 @@ class MetricsLogger:
         self.records: list[dict] = []
         """Every step logged (on rank 0), whatever the sinks; with jsonl also a resumed run's earlier steps.
         summary.json and the reward curve are made from these."""
-        self._bar = self._tb = self._wandb = self._jsonl = None
+        self._bar = self._jsonl = None
+        self._trackers = []
         self._generations = run_dir / "generations.jsonl"
         if not self.enabled:
             return
@@ -45,14 +48,9 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-        if "tensorboard" in self.sinks:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
-        if "wandb" in self.sinks:
-            import wandb
-
-            self._wandb = wandb.init(project=project, name=experiment, config=config, dir=str(run_dir))
+        for name, tracker in TRACKERS.items():
+            if name in self.sinks:
+                self._trackers.append(tracker.open(run_dir, project, experiment, config))
 
     def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
         """Record step `step`'s metrics; `advance=False` for a record that is no training step (validation before
@@ -66,12 +64,8 @@ class MetricsLogger:
                 self._jsonl.write(json.dumps(record) + "\n")
             except OSError as e:  # a full disk: say which file (an open file's write names none)
                 raise OSError(e.errno, e.strerror, self._jsonl.name) from None
-        if self._tb:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, step)
-        if self._wandb:
-            self._wandb.log(record, step=step)
+        for tracker in self._trackers:
+            tracker.log(step, record)
         if self._bar is not None:
             shown = {k.split("/")[-1] if k.startswith("reward/") else k: record[k]
                      for k in ("reward/mean", "val/reward_mean", "actor/loss", "timing/step_s") if k in record}
@@ -97,11 +91,10 @@ class MetricsLogger:
             (self._bar.write if self._bar is not None else print)(text)
 
     def close(self) -> None:
-        for sink in (self._jsonl, self._bar, self._tb):
+        for sink in (self._jsonl, self._bar, *self._trackers):
             if sink is not None:
                 sink.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        self._trackers = []  # (closed once: a tracker's finish may not take a second call)
 
 
 def check_sinks_installed(sinks: list[str]) -> None:
@@ -109,11 +102,10 @@ def check_sinks_installed(sinks: list[str]) -> None:
     model loads (importing is the check: a package that is there but broken fails too)."""
     from shardrl.config.load import ConfigError
 
-    imports = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
     for sink in sinks:
-        if sink not in imports:
+        if sink not in TRACKERS:
             continue
-        module, extra = imports[sink]
+        module, extra = TRACKERS[sink].module, TRACKERS[sink].extra
         try:
             importlib.import_module(module)
         except ImportError as e:

@@ -115,9 +115,10 @@ def schedule(value):
 
 def loggers(value):
     names = [value] if isinstance(value, str) else list(value)
-    bad = [n for n in names if n not in ("console", "wandb", "tensorboard")]
+    known = ("console", "wandb", "tensorboard", "mlflow", "swanlab", "trackio")
+    bad = [n for n in names if n not in known]
     if bad:
-        raise ValueError(f"logger(s) {bad} are not supported; shardrl has console, wandb, tensorboard (and jsonl)")
+        raise ValueError(f"logger(s) {bad} are not supported; shardrl has {', '.join(known)} (and jsonl)")
     return names + ["jsonl"]  # metrics.jsonl as well: the run folder's summary and curve read it
 
 
