@@ -186,10 +186,10 @@ def interrupt_after_first_step(argv: list[str], run_dir: Path, stderr_path: Path
 
 
 def small_demo_run(assets: Path, run_dir: Path, *extra: str) -> list[str]:
-    """Overrides for a small run of the built-in demo (4 prompts x 4 responses a step, no validation) into
-    `run_dir`; `extra` overrides follow and win."""
+    """Overrides for a small run of the built-in demo (4 prompts x 4 responses a step, no validation, no model
+    export) into `run_dir`; `extra` overrides follow and win."""
     from shardrl.trainer.demo import demo_overrides
 
     return demo_overrides(assets) + [
-        f"trainer.output_dir={run_dir}", "trainer.val_freq=0", "data.train_batch_size=4", "rollout.n=4",
-        "actor.ppo_mini_batch_size=2", *extra]
+        f"trainer.output_dir={run_dir}", "trainer.val_freq=0", "trainer.export_hf=false", "data.train_batch_size=4",
+        "rollout.n=4", "actor.ppo_mini_batch_size=2", *extra]
