@@ -222,7 +222,7 @@ def test_plot_draws_the_loss_of_a_run_without_rewards(tmp_path, monkeypatch, cap
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "timing/step_s": 1.0}) + "\n")
     capsys.readouterr()
     assert cli_main(["plot", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
-    assert (f"error: {tmp_path / 'metrics.jsonl'} holds no reward (reward/mean) and no loss (sft/loss, dpo/loss, "
+    assert (f"error: {tmp_path / 'metrics.jsonl'} holds no reward (reward/mean) and no loss (sft/loss, dpo/loss, kto/loss, "
             "rm/loss) to plot" in capsys.readouterr().err) and not (tmp_path / "x.png").exists()
 
 
