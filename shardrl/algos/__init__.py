@@ -1,5 +1,6 @@
 """RL algorithms as small pure functions of tensors and scalars, looked up by name in plain dicts:
-ADVANTAGE_ESTIMATORS, LOSS_MODES (vanilla PPO, GSPO, GSPO-token; each entry declares what it needs),
+ADVANTAGE_ESTIMATORS, LOSS_MODES (vanilla PPO, GSPO, GSPO-token, CISPO, SAPO, GMPO, DPPO; each entry declares what
+it needs),
 KL_ESTIMATORS, and AGG_MODES for loss aggregation; rollout-training mismatch correction (rollout_correction) and
 DAPO's data-side pieces (dapo)."""
 

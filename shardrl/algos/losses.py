@@ -112,6 +112,13 @@ def entropy_loss(
 
 
 from shardrl.algos.gspo import gspo_loss, gspo_token_loss  # noqa: E402  (gspo imports aggregate only)
+from shardrl.algos.policy_variants import (  # noqa: E402  (imports aggregate only)
+    cispo_loss,
+    dppo_kl_loss,
+    dppo_tv_loss,
+    geo_mean_loss,
+    sapo_loss,
+)
 
 
 @dataclass(frozen=True)
@@ -125,10 +132,18 @@ class ClipParams:
 
 @dataclass(frozen=True)
 class SequenceClipParams:
-    """GSPO's settings: a clip range, no dual clip."""
+    """A clip range, no dual clip: GSPO's, CISPO's (the range of its stopped weight), GMPO's (in log space)."""
 
     clip_ratio_low: float
     clip_ratio_high: float
+
+
+@dataclass(frozen=True)
+class GateParams:
+    """SAPO's settings: the gate's temperature for tokens with positive and with other advantages."""
+
+    tau_pos: float
+    tau_neg: float
 
 
 @dataclass(frozen=True)
@@ -149,6 +164,11 @@ LOSS_MODES = {
     "vanilla": LossMode(policy_loss, ClipParams),
     "gspo": LossMode(gspo_loss, SequenceClipParams),
     "gspo_token": LossMode(gspo_token_loss, SequenceClipParams),
+    "cispo": LossMode(cispo_loss, SequenceClipParams),
+    "sapo": LossMode(sapo_loss, GateParams),
+    "geo_mean": LossMode(geo_mean_loss, SequenceClipParams),
+    "dppo_tv": LossMode(dppo_tv_loss, ClipParams),  # clip_ratio_low/high: divergence bounds; _c: the TIS cap
+    "dppo_kl": LossMode(dppo_kl_loss, ClipParams),
 }
 """Policy losses by `actor.loss_mode`; a new one is a function, its settings' dataclass and a line here."""
 POLICY_LOSSES = {name: mode.fn for name, mode in LOSS_MODES.items()}

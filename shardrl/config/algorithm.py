@@ -85,7 +85,19 @@ class ActorConfig:
     uses loss_agg_mode=seq-mean-token-mean and tight clips (clip_ratio_low=3e-4, clip_ratio_high=4e-4);
     clip_ratio_c is not used by the GSPO modes. A sequence's ratio needs the whole sequence in one loss call,
     which holds for every layout: micro-batches (fixed or dynamic, packed or padded) are cut between sequences,
-    and under Ulysses sp the loss sees the gathered whole rows. `shardrl.algos.gspo`."""
+    and under Ulysses sp the loss sees the gathered whole rows. `shardrl.algos.gspo`.
+    The 2025-26 losses (`shardrl.algos.policy_variants`, verl's names and formulas): "cispo" (MiniMax-M1: REINFORCE
+    weighted by the stopped ratio clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]); "sapo" (a soft gate,
+    tau_pos / tau_neg, instead of the clip; verl aggregates it seq-mean-token-mean); "geo_mean" (GMPO: the
+    geometric mean of the token ratios per sequence, each log-ratio clipped to [-clip_ratio_low, clip_ratio_high];
+    seq-mean-token-mean is the paper's mean over sequences); "dppo_tv" / "dppo_kl" (DPPO: tokens whose probability
+    moved past a total-variation / binary-KL bound, clip_ratio_high for A > 0 and clip_ratio_low otherwise, are
+    masked; the rest get REINFORCE weighted by the stopped ratio truncated at clip_ratio_c)."""
+    tau_pos: float = 1.0
+    """SAPO (loss_mode=sapo): the gate's temperature for tokens with a positive advantage; larger fades the
+    gradient faster as the ratio leaves 1 (verl's actor.tau_pos)."""
+    tau_neg: float = 1.05
+    """SAPO: the gate's temperature for tokens with a zero or negative advantage (verl's actor.tau_neg)."""
 
     def validate(self, prefix: str) -> None:
         _validate_ppo_loop(self, prefix)
@@ -94,6 +106,8 @@ class ActorConfig:
         require(self, prefix, "clip_ratio_c", self.clip_ratio_c > 1, "must be > 1 (dual-clip bound)")
         require(self, prefix, "kl_loss_coef", self.kl_loss_coef >= 0, "must be >= 0")
         require(self, prefix, "router_aux_loss_coef", self.router_aux_loss_coef >= 0, "must be >= 0")
+        require(self, prefix, "tau_pos", self.tau_pos > 0, "must be > 0 (SAPO's gate temperature)")
+        require(self, prefix, "tau_neg", self.tau_neg > 0, "must be > 0 (SAPO's gate temperature)")
 
 
 @dataclass

@@ -26,7 +26,7 @@ ADVANTAGE_ESTIMATORS = {
 }
 """`algorithm.adv_estimator`'s choices (`shardrl.algos.ADVANTAGE_ESTIMATORS`)."""
 
-LOSS_MODES = ("vanilla", "gspo", "gspo_token")
+LOSS_MODES = ("vanilla", "gspo", "gspo_token", "cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl")
 """`actor.loss_mode`'s choices (`shardrl.algos.LOSS_MODES`)."""
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
