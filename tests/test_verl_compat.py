@@ -542,3 +542,25 @@ def test_verls_lora_script_with_param_offload_is_a_valid_config(tmp_path):
                                                   cwd=tmp_path)).overrides)
     assert (cfg.model.lora.rank, cfg.actor.engine.offload_params, cfg.actor.engine.offload_optimizer) == (32, True, True)
     assert cfg.ref.engine.offload_params  # (the reference of a LoRA run is the actor with its adapters off)
+
+
+@pytest.mark.parametrize("verl_mode, mode, agg", [
+    ("cispo", "cispo", "token-mean"), ("dppo_tv", "dppo_tv", "seq-mean-token-sum"),
+    ("dppo_kl", "dppo_kl", "token-mean"),
+    # verl's SAPO reduces seq-mean-token-mean and its GMPO means over sequences, whatever loss_agg_mode says
+    ("sapo", "sapo", "seq-mean-token-mean"), ("geo_mean", "geo_mean", "seq-mean-token-mean"),
+])
+def test_verls_2026_policy_losses_and_their_settings(verl_mode, mode, agg):
+    given = "seq-mean-token-sum" if verl_mode == "dppo_tv" else "token-mean"
+    got = native(translate([
+        "actor_rollout_ref.model.path=m", f"actor_rollout_ref.actor.policy_loss.loss_mode={verl_mode}",
+        f"actor_rollout_ref.actor.loss_agg_mode={given}", "actor_rollout_ref.actor.tau_pos=2.0",
+        "actor_rollout_ref.actor.tau_neg=3.5", "actor_rollout_ref.actor.clip_ratio_low=0.1",
+        "actor_rollout_ref.actor.clip_ratio_high=0.25", "actor_rollout_ref.actor.clip_ratio_c=10.0"]))
+    assert (got["actor.loss_mode"], got["actor.loss_agg_mode"]) == (mode, agg)
+    assert (got["actor.tau_pos"], got["actor.tau_neg"]) == (2.0, 3.5)
+    assert (got["actor.clip_ratio_low"], got["actor.clip_ratio_high"], got["actor.clip_ratio_c"]) == (0.1, 0.25, 10.0)
+    cfg = load_config(None, translate(["actor_rollout_ref.model.path=m",
+                                       f"actor_rollout_ref.actor.policy_loss.loss_mode={verl_mode}",
+                                       "actor_rollout_ref.actor.tau_neg=3.5"]).overrides)
+    assert cfg.actor.loss_mode == mode and cfg.actor.tau_neg == 3.5 and cfg.actor.tau_pos == 1.0

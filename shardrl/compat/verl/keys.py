@@ -77,11 +77,14 @@ def strategy(value):
 
 
 def _loss_mode(value, out, given):
-    modes = {"vanilla": "vanilla", "gspo": "gspo_token"}  # verl's gspo is shardrl's gspo_token
+    modes = {"vanilla": "vanilla", "gspo": "gspo_token", "cispo": "cispo", "sapo": "sapo", "geo_mean": "geo_mean",
+             "dppo_tv": "dppo_tv", "dppo_kl": "dppo_kl"}  # verl's gspo is shardrl's gspo_token
     if value not in modes:
         raise ValueError(f"policy loss {value!r} is not supported; shardrl has verl's {sorted(modes)}")
     out["actor.loss_mode"] = modes[value]
-    if value == "gspo":  # verl's GSPO reduces seq-mean-token-mean whatever actor.loss_agg_mode says
+    if value in ("gspo", "sapo", "geo_mean"):
+        # verl's GSPO and SAPO reduce seq-mean-token-mean whatever actor.loss_agg_mode says, and its GMPO takes the
+        # mean over sequences (its per-sequence loss on each token, seq-mean-token-mean here)
         out["actor.loss_agg_mode"] = "seq-mean-token-mean"
 
 
@@ -339,6 +342,8 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.actor.clip_ratio_low": Rule("actor.clip_ratio_low", lambda v: 0.2 if v is None else v),
     "actor_rollout_ref.actor.clip_ratio_high": Rule("actor.clip_ratio_high", lambda v: 0.2 if v is None else v),
     "actor_rollout_ref.actor.clip_ratio_c": same("actor.clip_ratio_c"),
+    "actor_rollout_ref.actor.tau_pos": same("actor.tau_pos"),
+    "actor_rollout_ref.actor.tau_neg": same("actor.tau_neg"),
     "actor_rollout_ref.actor.loss_agg_mode": conv("actor.loss_agg_mode", loss_agg),
     "actor_rollout_ref.actor.entropy_coeff": same("actor.entropy_coeff"),
     "actor_rollout_ref.actor.calculate_entropy": dropped("shardrl logs the entropy it computes"),
