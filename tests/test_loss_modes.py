@@ -52,14 +52,14 @@ def ref_is(old, sampled, mask, level, mode, hi, lo):
             if mode == "truncate":
                 w[i, t] = min(v, hi)
             elif lo <= v <= hi:
-                w[i, t] = v
+                w[i, t] = v if mode == "mask" else 1.0  # reject: rejection alone, no weight
             else:
                 keep[i, t] = 0
     return w, keep
 
 
 @pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
-@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("mode", ["truncate", "mask", "reject"])
 def test_rollout_is_weights_match_reference(level, mode):
     _, old, _, mask = make([6, 1, 3, 0, 5], seed=1)  # a one-token response and a fully masked row
     sampled = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2))
@@ -92,7 +92,7 @@ def test_rollout_is_leaves_an_exactly_matched_run_unchanged():
     logp, old, adv, mask = make([6, 2, 4, 1])
     sampled = old + 1e-7 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3))
     for level in ("token", "sequence", "geometric"):
-        for mode in ("truncate", "mask"):
+        for mode in ("truncate", "mask", "reject"):
             w, keep, _ = rollout_is_weights(old, sampled, mask, level, mode)
             assert torch.equal(keep, mask)
             for name, fn in POLICY_LOSSES.items():
@@ -125,6 +125,29 @@ def test_rollout_is_mismatch_metrics():
     assert metric_value(m["kl"]) == pytest.approx(sum(per_seq) / len(per_seq), rel=1e-6)
     k3 = [math.exp(-d) - 1 + d for d in flat]
     assert metric_value(m["k3_kl"]) == pytest.approx(sum(k3) / len(k3), rel=1e-5)
+
+
+def test_icepop_and_geometric_masking_drop_the_gradient_of_what_leaves_the_band():
+    # IcePop (token level) and geometric-mean sequence masking: a dropped token gives no gradient, the loss is the
+    # mean over the kept tokens, and masked_frac counts the dropped ones
+    _, old, adv, mask = make([6, 4, 5], seed=13)
+    sampled = old.clone()
+    sampled[0, 2] = old[0, 2] - 2.0  # one token far off: ratio e^2 > 1.5, its sequence's geometric mean e^(1/3) in
+    sampled[1, :4] = old[1, :4] + 0.3  # a whole sequence a little off: e^-0.3 < 0.8, each token and their mean
+    row1 = [(1, t) for t in range(4)]
+    for level, dropped in (("token", [(0, 2)] + row1), ("geometric", row1)):
+        for mode in ("mask", "reject"):
+            w, keep, m = rollout_is_weights(old, sampled, mask, level, mode, 1.5, 0.8)
+            lp = old.clone().requires_grad_()  # PPO's ratio 1: nothing clipped, every kept token has a gradient
+            loss, _ = policy_loss(lp, old, adv, keep, 0.2, 0.2, 3.0, "token-mean", weights=w)
+            loss.backward()
+            for i, t in dropped:
+                assert keep[i, t] == 0 and lp.grad[i, t] == 0, (level, mode)
+            assert float((lp.grad != 0).sum()) == float(mask.sum()) - len(dropped)
+            assert metric_value(m["masked_frac"]) == pytest.approx(len(dropped) / float(mask.sum()))
+            # mask (MIS, IcePop) weighs the kept tokens by their ratio, reject by 1
+            row0 = math.exp(2.0 / 6) if level == "geometric" and mode == "mask" else 1.0
+            assert w[0, :6].tolist() == pytest.approx([row0] * 6 if level == "geometric" else [1, 1, 0, 1, 1, 1])
 
 
 # ---------------------------------------------------------------------------------------------- gspo

@@ -17,7 +17,7 @@ from shardrl.algos.masked import masked_sum
 from shardrl.metrics import Max, SumCount
 
 IS_LEVELS = ("token", "sequence", "geometric")
-IS_MODES = ("truncate", "mask")
+IS_MODES = ("truncate", "mask", "reject")
 
 
 def rollout_is_weights(
@@ -35,7 +35,8 @@ def rollout_is_weights(
     every token of it), "geometric" (their geometric mean, exp(mean log ratio): length-independent).
     mode: "truncate" caps the weights at `threshold` (TIS); "mask" keeps them and drops from the loss mask
     what leaves the band [threshold_lower, threshold] (a token at level token, the whole sequence otherwise:
-    MIS, rejection), whose weight becomes 0. `threshold_lower` None is 1 / threshold.
+    MIS; at level token IcePop's masking), whose weight becomes 0; "reject" drops the same and weighs what stays
+    by 1 (rejection alone, verl's `rollout_rs` without `rollout_is`). `threshold_lower` None is 1 / threshold.
 
     Metrics (sum, count) pairs over real tokens: "weight_mean" (after truncation/masking), "truncated_frac"
     and "masked_frac" (tokens whose weight was capped / dropped).
@@ -64,7 +65,8 @@ def rollout_is_weights(
     else:
         truncated = zeros.bool()
         masked = ((weights > threshold) | (weights < lower)) & real
-        weights = torch.where(masked, zeros, weights)
+        kept = weights if mode == "mask" else torch.ones_like(weights)
+        weights = torch.where(masked, zeros, kept)
         new_mask = mask * (~masked).to(mask.dtype)
     weights = torch.where(real, weights, zeros).to(old_log_probs.dtype)
     count = mask.sum().double()

@@ -201,9 +201,11 @@ class AlgorithmConfig:
     rollout_is_level: Literal["token", "sequence", "geometric"] = "token"
     """"token": a ratio per token (TIS); "sequence": the product of a sequence's token ratios; "geometric":
     their geometric mean (length-independent); the sequence levels put one weight on all of a sequence's tokens."""
-    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
-    """"truncate": cap the weights at rollout_is_threshold; "mask": drop from the loss (MIS, rejection) the
-    tokens (level token) or whole sequences whose weight leaves [rollout_is_threshold_lower, rollout_is_threshold]."""
+    rollout_is_mode: Literal["truncate", "mask", "reject"] = "truncate"
+    """"truncate": cap the weights at rollout_is_threshold; "mask": drop from the loss (MIS; IcePop at level token)
+    the tokens (level token) or whole sequences (level sequence, geometric) whose weight leaves
+    [rollout_is_threshold_lower, rollout_is_threshold], the rest weighted by their ratio; "reject": drop the same,
+    weigh the rest by 1 (verl's rollout_rs alone). Dropped tokens give no gradient (rollout_is/masked_frac)."""
     rollout_is_threshold: float = 2.0
     """The cap (truncate) or upper bound of the band (mask)."""
     rollout_is_threshold_lower: float | None = None

@@ -108,8 +108,9 @@ def old_log_probs_from_update(cfg: Config) -> tuple[bool, str]:
         blockers.append(f"actor.ppo_epochs={a.ppo_epochs}")
     if cfg.algorithm.use_kl_in_reward:
         blockers.append("algorithm.use_kl_in_reward reads them before the advantages")
-    if cfg.algorithm.rollout_is and cfg.algorithm.rollout_is_mode == "mask":
-        blockers.append("algorithm.rollout_is_mode=mask drops tokens from the loss mask before the update, "
+    if cfg.algorithm.rollout_is and cfg.algorithm.rollout_is_mode in ("mask", "reject"):
+        blockers.append(f"algorithm.rollout_is_mode={cfg.algorithm.rollout_is_mode} drops tokens from the loss mask "
+                        "before the update, "
                         "and the loss is normalized by that mask's token count")
     if not cfg.model.disable_dropout:
         blockers.append("model.disable_dropout=false (the update's forward may draw dropout masks)")
