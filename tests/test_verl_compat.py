@@ -564,3 +564,32 @@ def test_verls_2026_policy_losses_and_their_settings(verl_mode, mode, agg):
                                        f"actor_rollout_ref.actor.policy_loss.loss_mode={verl_mode}",
                                        "actor_rollout_ref.actor.tau_neg=3.5"]).overrides)
     assert cfg.actor.loss_mode == mode and cfg.actor.tau_neg == 3.5 and cfg.actor.tau_pos == 1.0
+
+
+def test_verls_rejection_sampling_is_shardrls_band():
+    rc = "algorithm.rollout_correction."
+
+    def run(*args):
+        got = native(translate(["actor_rollout_ref.model.path=m", *[rc + a for a in args]]))
+        return {k.removeprefix("algorithm."): v for k, v in got.items() if k.startswith("algorithm.rollout_is")}
+
+    # alone: rejection, weight 1; verl's k1 bounds pi_rollout / pi_old, so 0.7_1.25 is [0.8, 1/0.7] on shardrl's ratio
+    got = run("rollout_rs=token_k1", "rollout_rs_threshold=0.7_1.25")
+    assert got["rollout_is_mode"] == "reject" and got["rollout_is_level"] == "token"
+    assert (got["rollout_is_threshold"], got["rollout_is_threshold_lower"]) == pytest.approx((1 / 0.7, 0.8))
+    got = run("rollout_rs=seq_mean_k1", "rollout_rs_threshold=2.0")  # one float: the band [1/2, 2]
+    assert (got["rollout_is_level"], got["rollout_is_threshold"], got["rollout_is_threshold_lower"]) == (
+        "geometric", 2.0, 0.5)
+    # with IS weights at the same level, the band under the cap: MIS (IcePop at token level)
+    got = run("rollout_is=sequence", "rollout_is_threshold=3.0", "rollout_rs=seq_sum_k1", "rollout_rs_threshold=0.5_2.0")
+    assert (got["rollout_is_mode"], got["rollout_is_level"], got["rollout_is_threshold"]) == ("mask", "sequence", 2.0)
+    for args, message in [(("rollout_rs=token_k2", "rollout_rs_threshold=0.1"), "token_k1"),
+                          (("rollout_rs=token_k1",), "rollout_rs_threshold"),
+                          (("rollout_is=token", "rollout_rs=seq_mean_k1", "rollout_rs_threshold=2.0"), "same level"),
+                          (("rollout_is=token", "rollout_is_threshold=1.5", "rollout_rs=token_k1",
+                            "rollout_rs_threshold=2.0"), "under rollout_is_threshold")]:
+        with pytest.raises(VerlKeyError, match=message):
+            run(*args)
+    cfg = load_config(None, translate(["actor_rollout_ref.model.path=m", rc + "rollout_rs=token_k1",
+                                       rc + "rollout_rs_threshold=0.5_2.0"]).overrides)
+    assert cfg.algorithm.rollout_is and cfg.algorithm.rollout_is_mode == "reject"

@@ -199,12 +199,45 @@ def _reward_manager(value, out, given):
 
 
 def _rollout_is(value, out, given):
-    if value is None:
-        return
+    if value is None or given.get("algorithm.rollout_correction.rollout_rs") is not None:
+        return  # with rollout_rs: `_rollout_rs` reads both
     if value not in ("token", "sequence"):
         raise ValueError(f"rollout_is {value!r}: shardrl has token and sequence")
     out["algorithm.rollout_is"] = True
     out["algorithm.rollout_is_level"] = value
+
+
+RS_LEVELS = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}
+"""verl's ratio-band rejection options -> shardrl's rollout_is_level."""
+
+
+def _rollout_rs(value, out, given):
+    """verl's rejection (rollout_rs) as shardrl's band: alone, rollout_is_mode=reject; with rollout_is at the same
+    level and the band under its cap, rollout_is_mode=mask (the kept weights are never capped). verl's k1 statistic
+    is log(pi_rollout / pi_old) in [log lower, log upper], so the band on shardrl's ratio pi_old / pi_rollout is
+    [1 / upper, 1 / lower]."""
+    if value is None:
+        return
+    option = str(value).replace(" ", "")
+    if option not in RS_LEVELS:
+        raise ValueError(f"shardrl has one ratio-band option of {sorted(RS_LEVELS)} (the k2/k3 divergence bounds, "
+                         "seq_max and chained options are not supported)")
+    spec = given.get("algorithm.rollout_correction.rollout_rs_threshold")
+    if spec is None:
+        raise ValueError("needs algorithm.rollout_correction.rollout_rs_threshold (lower_upper, e.g. 0.5_2.0)")
+    lower, _, upper = str(spec).partition("_")
+    lower, upper = (float(lower), float(upper)) if upper else (1.0 / float(lower), float(lower))
+    if not 0 < lower < upper:
+        raise ValueError(f"rollout_rs_threshold {spec!r} must be 0 < lower < upper")
+    level, is_level = RS_LEVELS[option], given.get("algorithm.rollout_correction.rollout_is")
+    cap = given.get("algorithm.rollout_correction.rollout_is_threshold")
+    if is_level is not None and (is_level != level or cap is None or 1.0 / lower > cap):
+        raise ValueError(f"with rollout_is={is_level!r} shardrl runs only the same level's rejection (token_k1 with "
+                         "token, seq_sum_k1 with sequence) whose band lies under rollout_is_threshold "
+                         "(algorithm.rollout_is_mode=mask); or drop rollout_is (rollout_is_mode=reject)")
+    out.update({"algorithm.rollout_is": True, "algorithm.rollout_is_level": level,
+                "algorithm.rollout_is_mode": "reject" if is_level is None else "mask",
+                "algorithm.rollout_is_threshold": 1.0 / lower, "algorithm.rollout_is_threshold_lower": 1.0 / upper})
 
 
 def _override_config(target: str):
@@ -530,8 +563,9 @@ VERL_KEYS: dict[str, Rule] = {
     "algorithm.use_pf_ppo": only((False,), "PF-PPO is not supported"),
     "algorithm.rollout_correction.rollout_is": Rule(apply=_rollout_is),
     "algorithm.rollout_correction.rollout_is_threshold": same("algorithm.rollout_is_threshold"),
-    "algorithm.rollout_correction.rollout_rs": only((None,), "rejection sampling by verl's rules is not supported; "
-                                                             "see algorithm.rollout_is_mode=mask"),
+    "algorithm.rollout_correction.rollout_rs": Rule(apply=_rollout_rs, hint="'algorithm.rollout_is_mode' (reject, "
+                                                                              "mask) and its thresholds"),
+    "algorithm.rollout_correction.rollout_rs_threshold": Rule(apply=lambda value, out, given: None),  # by rollout_rs
     "algorithm.rollout_correction.bypass_mode": only((False,), "not supported"),
     # trainer
     "trainer.total_epochs": same("trainer.total_epochs"),
