@@ -57,8 +57,10 @@ MODES = {  # the reward whose first and last steps are compared, and the mode's 
     "gspo_token": ("reward/mean", ["actor.loss_mode=gspo_token", "actor.loss_agg_mode=token-mean",
                                    "actor.clip_ratio_low=0.01", "actor.clip_ratio_high=0.01"]),
     # the kept groups are the informative ones: the learning curve is the mean over every sample drawn
+    # (verl's rule: a step that cannot fill its batch of informative groups stops the run; as the demo is learned
+    # most groups agree, so a step may draw many batches)
     "dapo": ("dynamic_sampling/reward_mean_drawn", [
-        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=40",
         "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=2", "actor.clip_ratio_high=0.28"]),
 }
 
