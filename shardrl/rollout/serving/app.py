@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardrl.rollout.base import SamplingParams
@@ -21,6 +21,7 @@ from shardrl.rollout.serving.schema import (LOGPROBS_MODES, ChatRequest, Common,
                                             chat_max_tokens, chat_prompt, chat_response, check_prompt_chars,
                                             check_request, completion_prompts, completion_response, cut_at_stop_ids,
                                             error_body, longest_token_chars, sampling_of)
+from shardrl.rollout.serving.streaming import DONE, ChunkWriter, chat_events, completion_events, event
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,10 @@ class Routes:
         ids = await self.tokenized(chat_prompt, req)
         max_tokens = chat_max_tokens(req, len(ids), self.default_max_tokens, self.max_model_len)
         sampling = self.sampling(req, [ids], max_tokens)
+        if req.stream:
+            writer = ChunkWriter(req, self.model_name, self.tok, chat=True)
+            return self.streamed(request, req, [ids], sampling, [event(writer.role(0, ids))],
+                                 lambda outs: chat_events(writer, ids, outs))
         outs = cut_at_stop_ids(req, await self.submit(request, req, [ids], sampling), self.tok)
         self.record(request, outs)
         return JSONResponse(chat_response(req, ids, outs, self.model_name, self.tok))
@@ -121,9 +126,43 @@ class Routes:
         # (OpenAI's 16, in context)
         default = max(1, min(16, self.max_model_len - max((len(x) for x in prompts), default=0)))
         sampling = self.sampling(req, prompts, default if req.max_tokens is None else req.max_tokens)
+        if req.stream:
+            writer = ChunkWriter(req, self.model_name, self.tok, chat=False)
+            return self.streamed(request, req, prompts, sampling, [],
+                                 lambda flat: completion_events(writer, prompts, flat))
         flat = cut_at_stop_ids(req, await self.submit(request, req, prompts, sampling), self.tok)  # prompt-major
         self.record(request, flat)
         return JSONResponse(completion_response(req, prompts, flat, sampling.n, self.model_name, self.tok))
+
+    def streamed(self, request: Request, req: Common, prompts: list[list[int]], sampling: SamplingParams,
+                 head: list[str], events) -> StreamingResponse:
+        """A streamed reply (`shardrl.rollout.serving.streaming`): the `head` events at once (a chat's role chunk),
+        then, once the batcher's reply is done, `events(outs)`. A client that leaves meanwhile ends its rows
+        (`submit` watches it; the HTTP server also cancels this generator, and the batcher then ends them too); a
+        failure after the stream began is an error event, then [DONE] (vLLM's)."""
+        async def body():
+            for x in head:
+                yield x
+            try:
+                outs = cut_at_stop_ids(req, await self.submit(request, req, prompts, sampling), self.tok)
+            except Dropped:  # (the client left: nobody reads the rest)
+                return
+            except Stopped as e:
+                yield event({"error": {"message": str(e), "type": "server_error", "param": None,
+                                       "code": "server_stopping"}})
+                yield DONE
+                return
+            except Exception as e:  # noqa: BLE001 (the status went out already: the error goes in the stream)
+                log.exception("a streamed generation failed")
+                yield event({"error": {"message": f"generation failed: {type(e).__name__}: {e}",
+                                       "type": "server_error", "param": None, "code": None}})
+                yield DONE
+                return
+            self.record(request, outs)
+            for x in events(outs):
+                yield x
+
+        return StreamingResponse(body(), media_type="text/event-stream")
 
     async def tokenized(self, tokenize, req: Common):
         """`tokenize(req, tokenizer)` once the prompt's length in characters fits the context (`check_prompt_chars`);

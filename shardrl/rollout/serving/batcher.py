@@ -119,11 +119,12 @@ class _Stream:
             self.open = False
             self.cond.notify()
 
-    def cancel(self, item: Pending) -> None:
+    def cancel(self, item: Pending) -> int:
         with self.cond:
             rows = [r for r, (owner, _, _) in self.rows.items() if owner is item]
             self.gone.update(rows)
             self.just_gone.extend(rows)
+        return len(rows)
 
     # ---- the generation thread --------------------------------------------------------------------------
     def take(self, block: bool) -> list[tuple[torch.Tensor, int]]:
@@ -269,10 +270,11 @@ class Batcher:
                stop: list[str], cut: bool) -> dict:
         """One choice's record: `token_ids` cut to the response (`cut`: tokens past a stop string or an end token
         were dropped); finish_reason "length" only for a response that reached `limit` without ending."""
-        stopped = bool(stop) and any(x in self.tokenizer.decode(token_ids) for x in stop)
-        ended = cut or len(token_ids) < limit or bool(token_ids and token_ids[-1] in self.stop_ids) or stopped
+        decoded = self.tokenizer.decode(token_ids) if stop else ""
+        hits = [(decoded.find(x), x) for x in stop if x in decoded]  # (the first to occur ended it: its stop_reason)
+        ended = cut or len(token_ids) < limit or bool(token_ids and token_ids[-1] in self.stop_ids) or bool(hits)
         return dict(prompt_token_ids=prompt, token_ids=token_ids, text=text, log_probs=log_probs,
-                    finish_reason="stop" if ended else "length")
+                    finish_reason="stop" if ended else "length", stop_reason=min(hits)[1] if hits else None)
 
     async def start(self) -> None:
         if not await asyncio.to_thread(self.idle.wait, 60):  # (started again: the last generation ends first)
@@ -314,7 +316,18 @@ class Batcher:
         self.open[id(item)] = item
         item.future.add_done_callback(lambda _, key=id(item): self.open.pop(key, None))
         await self.queue.put(item)
-        return await item.future
+        try:
+            return await item.future
+        except asyncio.CancelledError:  # (a streamed reply's client left: the HTTP server cancelled its task)
+            self.abandon(item)
+            raise
+
+    def abandon(self, item: Pending) -> None:
+        """`item`'s rows in the running stream end at its next sync (a batch ends where every client left:
+        `_left`; a request still waiting is dropped when its batch starts, its future being done)."""
+        stream = self.current
+        if stream is not None and stream.cancel(item):
+            self.stats["cancelled"] += 1
 
     def _chunks(self, items: list[Pending]) -> list[list[Pending]]:
         """`items` (equal sampling settings) cut into batches of at most `max_batch` rows (a larger request alone)

@@ -70,6 +70,7 @@ class Common(BaseModel):
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None
+    stream_options: dict | None = None  # ({"include_usage": true}: a last chunk of usage alone)
     session_id: str | None = None  # (shardrl's: the fast backend keeps the conversation's K/V for its next request)
     stop_token_ids: list[StrictInt] | None = None  # (vLLM's: a reply ends at the first of them, kept in token_ids)
 
@@ -166,8 +167,9 @@ def check_request(req: Common, prompts: list[list[int]], max_tokens: int, model_
     if req.model != model_name:
         raise RequestError(f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                            "model", 404, "model_not_found")
-    if req.stream:
-        raise RequestError("stream=true is not supported by this server; leave it false", "stream")
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options is only for a streamed request: send it with stream=true",
+                           "stream_options")
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise RequestError(f"n={n} must be in [1, {MAX_N}]", "n")
@@ -324,7 +326,7 @@ def cut_at_stop_ids(req: Common, outs: list[dict], tok) -> list[dict]:
         text = tok.decode(o["token_ids"][:at], skip_special_tokens=True)
         for x in stop_list(req.stop):  # (a stop string before it cuts the text as before)
             text = text.split(x, 1)[0]
-        o["text"], o["finish_reason"] = text, "stop"
+        o["text"], o["finish_reason"], o["stop_reason"] = text, "stop", o["token_ids"][at]
     return outs
 
 
@@ -339,17 +341,21 @@ def usage(prompts, choices) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def token_logprobs(tok, o: dict) -> list[dict]:
+    """A choice's log-prob entries, one a token (chat's shape)."""
+    return [{"token": tok.convert_ids_to_tokens(t), "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(o["token_ids"], o["log_probs"])]
+
+
 def chat_response(req: ChatRequest, ids: list[int], outs: list[dict], model_name: str, tok) -> dict:
     """The chat.completion body of the batcher's choices `outs` for the prompt `ids`."""
     choices = []
     for i, o in enumerate(outs):
         choice = {"index": i, "message": {"role": "assistant", "content": o["text"]},
-                  "finish_reason": o["finish_reason"], "token_ids": o["token_ids"], "logprobs": None,
-                  **versions(o)}
+                  "finish_reason": o["finish_reason"], "stop_reason": o.get("stop_reason"),
+                  "token_ids": o["token_ids"], "logprobs": None, **versions(o)}
         if req.logprobs:
-            choice["logprobs"] = {"content": [
-                {"token": tok.convert_ids_to_tokens(t), "logprob": lp, "bytes": None, "top_logprobs": []}
-                for t, lp in zip(o["token_ids"], o["log_probs"])]}
+            choice["logprobs"] = {"content": token_logprobs(tok, o)}
         choices.append(choice)
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model_name, "choices": choices, "prompt_token_ids": ids, "usage": usage([ids], outs)}
@@ -362,6 +368,7 @@ def completion_response(req: CompletionRequest, prompts: list[list[int]], flat: 
     for outs in [flat[i * n:(i + 1) * n] for i in range(len(prompts))]:
         for o in outs:
             choice = {"index": len(choices), "text": o["text"], "finish_reason": o["finish_reason"],
+                      "stop_reason": o.get("stop_reason"),
                       "token_ids": o["token_ids"], "prompt_token_ids": o["prompt_token_ids"], "logprobs": None,
                       **versions(o)}
             if req.logprobs is not None:

@@ -1,0 +1,143 @@
+"""Streamed replies (`stream=true`, server-sent events) of the OpenAI-compatible server, in vLLM's shapes: the chunks
+of a chat reply (the role first, then content deltas) or of a completion (text deltas), one chunk per sampled token
+with its token id and, where asked, its log-prob; the last chunk of a choice carries its finish_reason and
+stop_reason; then, with `stream_options.include_usage`, a chunk of usage alone; then `data: [DONE]`.
+
+The batcher answers a request when its reply is whole (its rows end inside the engine), so a reply's chunks go out
+once it is done: the role chunk at once, the rest together. The text of the chunks is the reply's, token by token
+(`IncrementalText`), and joined is exactly the non-streamed reply's text."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from shardrl.rollout.serving.schema import ChatRequest, Common, token_logprobs, usage, versions
+
+
+class IncrementalText:
+    """A reply's text token by token, as vLLM's incremental detokenizer gives it: each token's new text is the
+    decoding of a short window of the last tokens (the window's start keeps a BPE merge or a leading space right) less
+    that of the window without the new token; text that ends in an incomplete character (a multi-byte character
+    split across tokens decodes to U+FFFD) is held back until the token that completes it."""
+
+    def __init__(self, tok):
+        self.tok, self.ids, self.prefix, self.read = tok, [], 0, 0
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        after = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+
+def text_deltas(tok, token_ids: list[int], text: str) -> list[str]:
+    """Each token's share of `text` (the reply's final text: cut at a stop string, special tokens left out): the
+    incremental decoding's pieces while they spell `text`, the rest with the last token. Joined, they are `text`."""
+    decoder, sent, spelling, deltas = IncrementalText(tok), 0, True, []
+    for token in token_ids:
+        piece = decoder.add(token) if spelling else ""
+        # (while the decoding spells the final text its pieces go out; from where it stops doing so (a stop string
+        # cut the text there), nothing more does: the rest goes with the last token)
+        if piece and not text.startswith(piece, sent):
+            spelling = False
+            piece = piece[:next(i for i, c in enumerate(piece) if sent + i >= len(text) or text[sent + i] != c)]
+        sent += len(piece)
+        deltas.append(piece)
+    if deltas:
+        deltas[-1] += text[sent:]
+    return deltas
+
+
+def event(body) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(body) if not isinstance(body, str) else body}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def include_usage(req: Common) -> bool:
+    return bool((req.stream_options or {}).get("include_usage"))
+
+
+class ChunkWriter:
+    """The chunks of one streamed request (`chat`: chat.completion.chunk, else text_completion), all with one id."""
+
+    def __init__(self, req: Common, model_name: str, tok, chat: bool):
+        self.req, self.model_name, self.tok, self.chat = req, model_name, tok, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.usage = include_usage(req)
+
+    def chunk(self, choices: list[dict], **more) -> dict:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model_name, "choices": choices, **more}
+        if self.usage and "usage" not in more:  # (OpenAI's: every chunk but the last has usage null)
+            body["usage"] = None
+        return body
+
+    def role(self, index: int, prompt_ids: list[int]) -> dict:
+        """A chat choice's first chunk: its role (and the prompt's token ids, as the non-streamed reply has them)."""
+        return self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}], prompt_token_ids=prompt_ids)
+
+    def choice(self, index: int, o: dict) -> list[dict]:
+        """A finished choice `o` (the batcher's, cut) as its chunks: one per token, the last with its finish_reason."""
+        ids = o["token_ids"]
+        deltas = text_deltas(self.tok, ids, o["text"]) or [o["text"]]
+        logprobs = token_logprobs(self.tok, o) if self.wants_logprobs() else None
+        chunks = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            step = ids[k:k + 1]
+            choice = {"index": index, "logprobs": None, "finish_reason": o["finish_reason"] if last else None,
+                      "stop_reason": o.get("stop_reason") if last else None, "token_ids": step}
+            if self.chat:
+                choice["delta"] = {"content": delta}
+                if logprobs is not None:
+                    choice["logprobs"] = {"content": logprobs[k:k + 1]}
+            else:
+                choice["text"] = delta
+                if k == 0:
+                    choice["prompt_token_ids"] = o["prompt_token_ids"]
+                if logprobs is not None:
+                    choice["logprobs"] = {"tokens": [x["token"] for x in logprobs[k:k + 1]],
+                                          "token_logprobs": [x["logprob"] for x in logprobs[k:k + 1]],
+                                          "top_logprobs": None, "text_offset": None}
+            if last:
+                choice.update(versions(o))
+            chunks.append(self.chunk([choice]))
+        return chunks
+
+    def wants_logprobs(self) -> bool:
+        return bool(self.req.logprobs) if isinstance(self.req, ChatRequest) else self.req.logprobs is not None
+
+    def final_usage(self, prompts: list[list[int]], outs: list[dict]) -> dict:
+        return self.chunk([], usage=usage(prompts, outs))
+
+
+def chat_events(writer: ChunkWriter, ids: list[int], outs: list[dict]):
+    """A chat reply's events after its role chunk (`ChunkWriter.role`, sent before the reply is done)."""
+    for i, o in enumerate(outs):
+        if i:
+            yield event(writer.role(i, ids))
+        for chunk in writer.choice(i, o):
+            yield event(chunk)
+    if writer.usage:
+        yield event(writer.final_usage([ids], outs))
+    yield DONE
+
+
+def completion_events(writer: ChunkWriter, prompts: list[list[int]], flat: list[dict]):
+    for i, o in enumerate(flat):  # (prompt-major, n a prompt: as the non-streamed reply's choices)
+        for chunk in writer.choice(i, o):
+            yield event(chunk)
+    if writer.usage:
+        yield event(writer.final_usage(prompts, flat))
+    yield DONE
+
