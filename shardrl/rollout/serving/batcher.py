@@ -482,6 +482,9 @@ class Batcher:
             self.stats["failed"] += 1
             outs = [e]
         for item, out in zip(chunk, outs):
+            if item.future.cancelled():  # (a streamed reply whose client left: the HTTP server cancelled it)
+                self.stats["cancelled"] += 1
+                continue
             if item.future.done():
                 continue
             if _left(item):  # (its client gone: the batch may have ended early for it, `Rollout.abort`)

@@ -1,0 +1,157 @@
+"""Streamed replies of `shardrl serve` (issue 59): `stream=true` through the real `openai` client gives vLLM's chunks
+(the role first, per-token deltas with token ids and log-probs, the finish_reason and stop_reason on a choice's last
+chunk, a usage chunk where asked), joined equal to the non-streamed reply; a client that closes mid-stream frees its
+slot; text is detokenized incrementally without a broken character mid-stream; `stop_reason` as vLLM's."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from shardrl.config.schema import load_config
+from shardrl.rollout.serving.command import ServerProcess, ServerThread, build_engine, build_server
+from shardrl.rollout.serving.streaming import IncrementalText, text_deltas
+from shardrl.testing import save_char_model
+from test_serve import wait_for
+
+MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module", params=["fast", "hf", "fast_process"])
+def server(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"model_{request.param}")
+    save_char_model(folder)
+    cfg = load_config(None, [f"model.path={folder}", f"rollout.backend={request.param.split('_')[0]}"])
+    if request.param == "fast_process":
+        srv = ServerProcess(*build_engine(cfg, served_name="tiny", max_batch=8))
+    else:
+        srv = ServerThread(build_server(cfg, served_name="tiny", max_batch=8))
+    yield srv
+    srv.stop()
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def test_a_streamed_chat_reply_joins_to_the_plain_one(server):
+    c = client(server)
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True)
+    plain = c.chat.completions.create(**kwargs)
+    chunks = list(c.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert chunks[0].model_extra["prompt_token_ids"] == plain.model_extra["prompt_token_ids"]
+    body, last = chunks[1:-1], chunks[-1]
+    assert len({x.id for x in chunks}) == 1 and all(x.object == "chat.completion.chunk" for x in chunks)
+    want = plain.choices[0]
+    assert "".join(x.choices[0].delta.content for x in body) == want.message.content
+    assert [t for x in body for t in x.choices[0].model_extra["token_ids"]] == want.model_extra["token_ids"]
+    assert len(body) == len(want.model_extra["token_ids"])  # (one chunk a token)
+    assert [lp.logprob for x in body for lp in x.choices[0].logprobs.content] == pytest.approx(
+        [lp.logprob for lp in want.logprobs.content], abs=1e-6)
+    assert [x.choices[0].finish_reason for x in body] == [None] * (len(body) - 1) + [want.finish_reason]
+    assert last.choices == [] and last.usage == plain.usage  # (the usage chunk, alone, last)
+    assert all(x.usage is None for x in chunks[:-1])
+
+
+def test_streamed_completions_join_per_choice_and_end_at_a_stop_string(server):
+    c = client(server)
+    kwargs = dict(model="tiny", prompt=["1+2=", "hello world "], max_tokens=10, temperature=0, logprobs=0)
+    plain = c.completions.create(**kwargs)
+    chunks = list(c.completions.create(**kwargs, stream=True))
+    for want in plain.choices:
+        mine = [x.choices[0] for x in chunks if x.choices[0].index == want.index]
+        assert "".join(x.text for x in mine) == want.text
+        assert [t for x in mine for t in x.model_extra["token_ids"]] == want.model_extra["token_ids"]
+        assert [lp for x in mine for lp in x.logprobs.token_logprobs] == pytest.approx(
+            want.logprobs.token_logprobs, abs=1e-6)
+        assert [x.finish_reason for x in mine][-1] == want.finish_reason
+        assert mine[0].model_extra["prompt_token_ids"] == want.model_extra["prompt_token_ids"]
+    # a stop string: the reply ends before it, stop_reason names it (streamed and not)
+    text = plain.choices[0].text
+    at = next(i for i in range(1, len(text)) if text[i] not in text[:i])  # (the first new character: a stop)
+    stop = text[at]
+    cut = c.completions.create(model="tiny", prompt="1+2=", max_tokens=10, temperature=0, stop=[stop, "\x00"])
+    assert cut.choices[0].text == text[:at] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].model_extra["stop_reason"] == stop
+    streamed = list(c.completions.create(model="tiny", prompt="1+2=", max_tokens=10, temperature=0, stop=stop,
+                                         stream=True))
+    assert "".join(x.choices[0].text for x in streamed) == text[:at]
+    assert streamed[-1].choices[0].finish_reason == "stop" and streamed[-1].choices[0].model_extra[
+        "stop_reason"] == stop
+
+
+def test_stop_reason_is_the_stop_token_id_or_null(server):
+    c = client(server)
+    plain = c.completions.create(model="tiny", prompt="1+2=", max_tokens=8, temperature=0)
+    ids = plain.choices[0].model_extra["token_ids"]
+    assert plain.choices[0].model_extra["stop_reason"] is None  # (its limit, or the end token: null, as vLLM's)
+    at = ids[2]
+    cut = c.completions.create(model="tiny", prompt="1+2=", max_tokens=8, temperature=0, extra_body={
+        "stop_token_ids": [at]})
+    assert cut.choices[0].model_extra["stop_reason"] == at and cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("server", ["fast", "hf", "fast_process"], indirect=True)
+def test_a_client_that_closes_mid_stream_frees_its_slot(server, monkeypatch):
+    """A streamed request whose client reads the role chunk, then closes: its rows end (counted as cancelled), and
+    the next request is answered (was: the rows ran on to their 3,000 tokens)."""
+    batcher = server.batcher
+    c = client(server)
+    c.completions.create(model="tiny", prompt="a", max_tokens=1)  # (the fast cache sized, for its state)
+    state = getattr(batcher.rollout, "_state", None)
+    if state is not None:
+        monkeypatch.setattr(state, "eos", torch.tensor([-1]))  # no row ends before its limit
+        asked = dict(max_tokens=3000, temperature=0)
+    else:  # (hf: a batch, ended at its next step once its client left; this reply runs long)
+        asked = dict(max_tokens=20000, temperature=0.001, seed=1)
+    before = dict(batcher.stats)
+    stream = c.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, **asked)
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "assistant"
+    # (its rows decoding: in the running stream, or the hf batch generating)
+    wait_for(lambda: (batcher.current is not None and batcher.current.rows) or batcher.rollout.abort is not None,
+             "its generation started")
+    stream.close()
+    wait_for(lambda: batcher.stats["cancelled"] > before["cancelled"], "the request cancelled")
+    res = c.with_options(timeout=30).completions.create(model="tiny", prompt="b", max_tokens=2)
+    assert res.choices[0].model_extra["token_ids"]
+
+
+def test_stream_options_without_stream_is_a_400(server):
+    body = json.dumps({"model": "tiny", "prompt": "a", "stream_options": {"include_usage": True}}).encode()
+    request = urllib.request.Request(f"{server.url}/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    assert e.value.code == 400
+    assert json.loads(e.value.read())["error"]["param"] == "stream_options"
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """A byte-level BPE whose vocabulary holds no multi-byte character whole: each is split across tokens."""
+    import tokenizers
+    import transformers
+
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["hello world, hello there"] * 4, vocab_size=262, min_frequency=1, show_progress=False)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+
+
+def test_text_is_detokenized_incrementally_without_broken_characters(byte_tokenizer):
+    tok = byte_tokenizer
+    text = "hello 世界 é 🙂 there"
+    ids = tok(text)["input_ids"]
+    assert "\ufffd" in "".join(tok.decode([t]) for t in ids)  # (decoded a token at a time: broken characters)
+    decoder = IncrementalText(tok)
+    pieces = [decoder.add(t) for t in ids]
+    assert not any("\ufffd" in p for p in pieces) and "".join(pieces) == text
+    assert "" in pieces  # (held back while a character was incomplete)
+    deltas = text_deltas(tok, ids, text[:9])  # (a final text cut short, as a stop string cuts it)
+    assert len(deltas) == len(ids) and "".join(deltas) == text[:9]
