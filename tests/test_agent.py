@@ -504,3 +504,48 @@ def test_a_blocking_call_in_a_thread_does_not_hold_the_step_past_its_timeout(set
     assert batch["agent_timeouts"].tolist() == [1, 0] and batch["interaction_score"] == [-1.0, 1.0]
     assert sum(t.name == "shardrl-agent-call" for t in threading.enumerate()) == 2  # (still sleeping, daemons)
     assert all(t.daemon for t in threading.enumerate() if t.name == "shardrl-agent-call")
+
+
+STREAMING_AGENT = '''
+import os
+
+
+async def run(sample, client):
+    """One chat call, streamed or not (STREAM): the reply's text, joined from the deltas where streamed."""
+    messages = [{"role": "user", "content": sample["prompt"]}]
+    if os.environ.get("SHARDRL_TEST_STREAM") == "1":
+        chunks = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+    else:
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+        text = reply.choices[0].message.content
+    return float(len(text))
+'''
+
+
+@pytest.mark.parametrize("backend", ["hf"])
+def test_a_streamed_call_records_the_same_trajectory_as_a_plain_one(setup, backend, tmp_path, monkeypatch):
+    """The same agent, its call streamed (stream=True) or not, sampling greedily: the same trajectory tokens,
+    log-probs and rewards (the streamed reply's text, joined, is the plain reply's)."""
+    tok, model, _ = setup
+    agent_file = tmp_path / "streaming_agent.py"
+    agent_file.write_text(STREAMING_AGENT)
+    got = []
+    for stream in ("0", "1"):
+        monkeypatch.setenv("SHARDRL_TEST_STREAM", stream)
+        rollout = agent_rollout((tok, model, agent_file), backend)
+        try:
+            enc = tok(["1+2=", "ab"], return_tensors="pt", padding=True)
+            samples = [{"prompt": p, "data_source": "t", "extra": {}} for p in ("1+2=", "ab")]
+            out = rollout.generate(enc["input_ids"], enc["attention_mask"],  # (greedy: the same draws each run)
+                                   SamplingParams(n=2, greedy=True, max_new_tokens=8), samples=samples)
+        finally:
+            rollout.server.stop()
+        got.append(out.to_batch())
+    plain, streamed = got
+    assert plain["loss_mask"].sum() > 4
+    for key in ("input_ids", "loss_mask", "attention_mask"):
+        assert torch.equal(plain[key], streamed[key]), key
+    torch.testing.assert_close(plain["sampled_log_probs"], streamed["sampled_log_probs"], atol=0, rtol=0)
+    assert sorted(plain["interaction_score"]) == sorted(streamed["interaction_score"])
+    assert streamed["agent_errors"].sum() == 0

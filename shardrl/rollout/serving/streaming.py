@@ -140,4 +140,3 @@ def completion_events(writer: ChunkWriter, prompts: list[list[int]], flat: list[
     if writer.usage:
         yield event(writer.final_usage(prompts, flat))
     yield DONE
-
