@@ -236,8 +236,8 @@ def test_bad_requests_get_4xx_json_errors(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=-1)
     assert "temperature" in e.value.body["message"]
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        c.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True)
+    with pytest.raises(openai.BadRequestError, match="stream_options"):  # (stream=true streams: test_serve_stream)
+        c.completions.create(model="tiny", prompt="x", max_tokens=2, stream_options={"include_usage": True})
     with pytest.raises(urllib.error.HTTPError) as e:
         post(server, "chat/completions", b"{not json", timeout=10)
     assert e.value.code == 400 and "is not valid JSON (at character 1" in json.loads(e.value.read())["error"]["message"]
