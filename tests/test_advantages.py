@@ -238,7 +238,7 @@ def test_reinforce_plus_plus_baseline_matches_loop():
 
 def test_registry_names_and_padding_zero():
     assert set(ADVANTAGE_ESTIMATORS) == {
-        "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"}
+        "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opd"}
     g, mask = random_batch(4)
     scores = torch.randn(6, generator=g)
     index = torch.tensor([0, 0, 1, 1, 2, 2])
@@ -250,6 +250,8 @@ def test_registry_names_and_padding_zero():
         ADVANTAGE_ESTIMATORS["rloo"](scores, mask, index),
         ADVANTAGE_ESTIMATORS["reinforce_plus_plus"](token_rewards, mask, 1.0),
         ADVANTAGE_ESTIMATORS["reinforce_plus_plus_baseline"](scores, mask, index),
+        ADVANTAGE_ESTIMATORS["opd"](scores, mask, index, torch.randn(mask.shape, generator=g),
+                                    torch.randn(mask.shape, generator=g), 1.0, 0.5),
     ]
     for adv, ret in outs:
         assert adv.shape == ret.shape == mask.shape

@@ -140,6 +140,20 @@ def compute_reinforce_plus_plus_baseline(scores: torch.Tensor, mask: torch.Tenso
     return adv, adv
 
 
+def compute_opd(scores: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, old_log_probs: torch.Tensor,
+                teacher_log_probs: torch.Tensor, kl_coef: float = 1.0, reward_coef: float = 0.0,
+                norm_by_std: bool = True):
+    """On-policy distillation: each sampled token's advantage is its reverse-KL reward
+    -kl_coef * (log p_student - log p_teacher) `(B, T)`, plus `reward_coef` times the verifier's GRPO advantage
+    (skipped at 0). Per token, not summed to the end: each token is pushed toward the teacher by its own log-ratio
+    (the per-token estimator of verl's and Thinking Machines' OPD); the student's log-probs are the old ones."""
+    valid = mask.bool()
+    adv = torch.where(valid, -kl_coef * (old_log_probs - teacher_log_probs), 0.0)  # (B, T)
+    if reward_coef:
+        adv = adv + reward_coef * compute_grpo(scores, mask, index, norm_by_std)[0]
+    return adv, adv
+
+
 @dataclass(frozen=True)
 class Estimator:
     """An advantage estimator and what it needs from the step, declared once (the step plan reads this).
@@ -157,6 +171,8 @@ class Estimator:
     """The advantages are whitened over the whole batch of all data-parallel ranks after `fn`."""
     returns_are_advantages: bool = False
     """The returns are the (whitened) advantages."""
+    needs_teacher: bool = False
+    """Takes `teacher_log_probs` (and `old_log_probs`): the step builds the teacher and runs it before this."""
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
@@ -176,5 +192,6 @@ ADVANTAGE_ESTIMATORS = {
     "reinforce_plus_plus": Estimator(compute_reinforce_plus_plus, whiten=True),
     "reinforce_plus_plus_baseline": Estimator(compute_reinforce_plus_plus_baseline, group_baseline=True, whiten=True,
                                               returns_are_advantages=True),
+    "opd": Estimator(compute_opd, needs_teacher=True, returns_are_advantages=True),
 }
 """Advantage estimators by `algorithm.adv_estimator`; a new one is a function and a line here."""

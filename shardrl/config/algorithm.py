@@ -117,6 +117,32 @@ class RefConfig:
 
 
 @dataclass
+class TeacherConfig:
+    model_path: str | None = None
+    """Model folder (or hub id) of the teacher of on-policy distillation (algorithm.adv_estimator=opd): a frozen
+    causal LM that scores each sampled token, built as the reference is (forward only, the policy's layout, the
+    policy's model settings), from this path. Its tokenizer must encode as the policy's (same ids)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Sharding, batching and offload of the teacher (forward only; taken from the actor's unless set)."""
+
+
+@dataclass
+class OPDConfig:
+    kl_coef: float = 1.0
+    """Weight of the per-token reverse KL to the teacher in the advantage: each token's advantage is
+    -kl_coef * (log p_student - log p_teacher) at the sampled token."""
+    reward_coef: float = 0.0
+    """Weight of the verifier's GRPO advantage (the reward's group-normalized score, broadcast over the tokens)
+    added to it; 0: pure distillation, the reward only logged."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "kl_coef", self.kl_coef >= 0, "must be >= 0")
+        require(self, prefix, "reward_coef", self.reward_coef >= 0, "must be >= 0")
+        require(self, prefix, "kl_coef", self.kl_coef > 0 or self.reward_coef > 0,
+                "and reward_coef are both 0: the advantage would be 0 everywhere; set one > 0")
+
+
+@dataclass
 class CriticConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Sharding and batching of the value model (used by GAE)."""
@@ -188,6 +214,8 @@ class AlgorithmConfig:
     """Target KL of the adaptive controller; None keeps `kl_coef` fixed."""
     kl_horizon: int = 10000
     """Horizon of the adaptive KL controller, in samples."""
+    opd: OPDConfig = field(default_factory=OPDConfig)
+    """On-policy distillation's weights (adv_estimator=opd, with teacher.model_path)."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling (verl's algorithm.filter_groups); needs a group baseline (grpo, rloo, ...)."""
     rollout_is: bool = False

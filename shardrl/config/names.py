@@ -15,6 +15,8 @@ class EstimatorNeeds:
     """Takes values: the run trains a critic."""
     group_baseline: bool = False
     """Compares the responses to one prompt (with rollout.n=1 no baseline is subtracted: a warning)."""
+    needs_teacher: bool = False
+    """Reads a teacher's log-probs of the sampled tokens (on-policy distillation): the run builds teacher.model_path."""
 
 
 ADVANTAGE_ESTIMATORS = {
@@ -23,6 +25,7 @@ ADVANTAGE_ESTIMATORS = {
     "rloo": EstimatorNeeds(group_baseline=True),
     "reinforce_plus_plus": EstimatorNeeds(),
     "reinforce_plus_plus_baseline": EstimatorNeeds(group_baseline=True),
+    "opd": EstimatorNeeds(needs_teacher=True),
 }
 """`algorithm.adv_estimator`'s choices (`shardrl.algos.ADVANTAGE_ESTIMATORS`)."""
 

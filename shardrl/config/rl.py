@@ -8,7 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shardrl.config.algorithm import ActorConfig, AlgorithmConfig, AsyncConfig, CriticConfig, RefConfig
+from shardrl.config.algorithm import (ActorConfig, AlgorithmConfig, AsyncConfig, CriticConfig, RefConfig,
+                                      TeacherConfig)
 from shardrl.config.checks import check_reward, check_rl
 from shardrl.config.command import CommandConfig, TrainerConfig, epochs_decide
 from shardrl.config.engine import EngineConfig, ModelConfig
@@ -122,6 +123,8 @@ class Config(CommandConfig):
     """The policy being trained."""
     ref: RefConfig = field(default_factory=RefConfig)
     """The frozen reference policy."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The frozen teacher of on-policy distillation (algorithm.adv_estimator=opd)."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model (GAE only)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -144,7 +147,7 @@ class Config(CommandConfig):
 
         return native_hint(key)
 
-    INHERITED = {"ref": ("engine",), "reward": ("engine",),
+    INHERITED = {"ref": ("engine",), "teacher": ("engine",), "reward": ("engine",),
                  "critic": ("engine", "ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "shuffle")}
     """What a role takes from the actor unless set for it (verl's `oc.select` defaults): every engine setting
     (dtype, micro-batching, dynamic batches, sharding, offload, sequence parallel) and the critic's loop."""
@@ -168,7 +171,8 @@ class Config(CommandConfig):
     validates_before_train = True
 
     def engines(self) -> list[tuple[str, EngineConfig]]:
-        return [(f"{role}.engine", getattr(self, role).engine) for role in ("actor", "ref", "critic", "reward")]
+        return [(f"{role}.engine", getattr(self, role).engine) for role in ("actor", "ref", "teacher", "critic",
+                                                                                "reward")]
 
     def ignored_settings(self) -> list[str]:
         lines = super().ignored_settings()
@@ -178,6 +182,9 @@ class Config(CommandConfig):
                      if mt.interaction_path else "rollout.multi_turn.tool_config_path")
             lines.append(f"{given} is set but rollout.multi_turn.enable=false: the rollout is single-turn and uses no "
                          "tools (set rollout.multi_turn.enable=true)")
+        if self.teacher.model_path and self.algorithm.adv_estimator != "opd":
+            lines.append(f"teacher.model_path is set but algorithm.adv_estimator={self.algorithm.adv_estimator}: no "
+                         "teacher is built (set algorithm.adv_estimator=opd to distill from it)")
         return lines
 
     def validate(self, prefix: str) -> None:

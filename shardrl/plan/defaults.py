@@ -12,7 +12,7 @@ import torch
 from shardrl.config.schema import Config, ConfigError
 from shardrl.plan.layout import format_size
 
-ENGINE_SECTIONS = ("actor", "ref", "critic", "reward")
+ENGINE_SECTIONS = ("actor", "ref", "teacher", "critic", "reward")
 COMPILE_MIN_PARAMS = 500_000_000
 """`engine.compile` left null is on, on CUDA, for a policy of this many matmul parameters and more: compiling
 costs tens of seconds once and pays back on models whose steps take seconds (see `resolve_device_defaults`)."""

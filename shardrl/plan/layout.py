@@ -98,6 +98,8 @@ class Layout:
     """Only when the advantage estimator needs values (`StepPlan.needs_critic`)."""
     ref: RoleLayout | None
     """Only when a KL term needs the reference policy."""
+    teacher: RoleLayout | None = None
+    """Only for on-policy distillation (`StepPlan.uses_teacher`); forward only, as the reference."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,7 +112,8 @@ def _nearest_multiples(value: int, step: int) -> str:
 
 def _role_engines(cfg: Config, steps: StepPlan) -> dict[str, EngineConfig]:
     roles = steps.roles()  # the roles that train or score log-probs (not the reward model)
-    return {role: getattr(cfg, role).engine for role in ("actor", "critic", "ref") if role in roles}
+    return {role: getattr(cfg, role).engine for role in ("actor", "critic", "ref", "teacher")
+            if role in roles}
 
 
 def _sharding(role: str, engine: EngineConfig, world: int) -> tuple[int, str, int, int]:
@@ -219,7 +222,7 @@ def derive_layout(cfg: Config, nnodes: int, nproc_per_node: int, steps: StepPlan
         sharding = _sharding(role, engine, world)
         if engine.use_dynamic_bsz:
             _check_fits(f"{role}.engine", engine, max_seq_len, sp, why)
-        if role == "ref":
+        if role in ("ref", "teacher"):  # forward only
             dynamic = engine.use_dynamic_bsz
             micro = engine.micro_batch_size_per_gpu
             layouts[role] = RoleLayout(
@@ -240,6 +243,7 @@ def derive_layout(cfg: Config, nnodes: int, nproc_per_node: int, steps: StepPlan
         max_prompt_length=cfg.data.max_prompt_length, max_new_tokens=response_len,
         max_seq_len=max_seq_len, seq_tokens_per_rank=math.ceil(max_seq_len / sp),
         actor=layouts["actor"], critic=layouts.get("critic"), ref=layouts.get("ref"),
+        teacher=layouts.get("teacher"),
     )
 
 
@@ -313,7 +317,7 @@ def format_layout(layout: Layout) -> str:
     ]
     if L.sp > 1:
         lines.append(("tokens of one sequence per rank", f"ceil({L.max_seq_len} / {L.sp} (sp))", L.seq_tokens_per_rank))
-    for role in (L.actor, L.critic, L.ref):
+    for role in (L.actor, L.critic, L.ref, L.teacher):
         if role is not None:
             lines += _role_lines(role, L)
     width = max(len(name) for name, _, _ in lines)

@@ -144,6 +144,15 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
     return update
 
 
+def _inference_term(c, tokens: int, compute: int, chunk: int, passes: str) -> tuple[str, float, str]:
+    """An inference pass's own memory: one micro-batch's layer and a logits chunk (`c`: the model's text config)."""
+    h, vocab = c.hidden_size, c.vocab_size
+    inter = (c.num_experts_per_tok * expert_intermediate_size(c) if is_moe(c)
+             else getattr(c, "intermediate_size", None) or 4 * h)
+    return ("inference micro-batch", tokens * (4 * h + 2 * inter) * compute + chunk * vocab * 4 * 2,
+            f"{tokens} tokens x one layer's (4 x {h} + 2 x {inter}) x {compute} B + logits chunk ({passes})")
+
+
 def _phases(resident: list, own_terms: dict) -> dict:
     phases = {}
     for name, own in own_terms.items():
@@ -206,6 +215,15 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     if layout.ref is not None and not numbers["trained"]:  # with LoRA the reference is the actor, adapters off
         e = cfg.ref.engine
         resident += _engine_resident("ref", plain, master, layout.ref.shard_size, e.offload_params, False, False)
+    teacher_config = None
+    if layout.teacher is not None:  # another model: its own sizes
+        from shardrl.engine.model import load_hf_config
+
+        teacher_config = load_hf_config(cfg.teacher.model_path, None, cfg.model.trust_remote_code,
+                                        key="teacher.model_path")
+        e = cfg.teacher.engine
+        resident += _engine_resident("teacher", model_numbers(teacher_config, cfg.model.trust_remote_code), master,
+                                     layout.teacher.shard_size, e.offload_params, False, False)
     if layout.critic is not None:
         e = cfg.critic.engine
         resident += _engine_resident("critic", plain, master, layout.critic.shard_size, e.offload_params,
@@ -247,9 +265,14 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     passes = [name for name, runs in (("old log-probs", not old_log_probs_from_update(cfg)[0]),
                                       ("reference", layout.ref is not None), ("values", layout.critic is not None))
               if runs]
-    prep = [("inference micro-batch", tokens * (4 * h + 2 * inter) * compute + chunk * vocab * 4 * 2,
-             f"{tokens} tokens x one layer's (4 x {h} + 2 x {inter}) x {compute} B + logits chunk "
-             f"({', '.join(passes)})")] if passes else []
+    prep = [_inference_term(c, tokens, compute, chunk, ", ".join(passes))] if passes else []
+    if teacher_config is not None:  # the passes run one after another: the larger model's counts
+        e = cfg.teacher.engine
+        t_tokens = e.max_token_len_per_gpu if e.use_dynamic_bsz else e.micro_batch_size_per_gpu * \
+            layout.seq_tokens_per_rank
+        term = _inference_term(text_config(teacher_config), t_tokens, DTYPE_BYTES[e.param_dtype],
+                               e.logprob_chunk_size, "teacher")
+        prep = [max([*prep, term], key=lambda t: t[1])]
 
     update = _update_terms("actor", actor, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing)
     if cfg.actor.router_replay.mode == "R2" and is_moe(hf_config):  # the routing recorded, then replayed
@@ -309,6 +332,7 @@ ADVICE = {
     "model params": "engine.offload_params=true, or more GPUs to shard over",
     "model grads": "engine.offload_params=true (grads follow the params), or more GPUs",
     "ref params": "engine.offload_params=true, or more GPUs to shard over",
+    "teacher params": "teacher.engine.offload_params=true, or more GPUs to shard over",
 }
 """What shrinks each term of the ledger; a term held all step (resident) is in every phase, so a phase whose largest
 term is resident is also told what shrinks its own largest (`fit_advice`)."""

@@ -50,9 +50,15 @@ class StepPlan:
     def needs_critic(self) -> bool:
         return self.estimator.needs_critic
 
+    @property
+    def uses_teacher(self) -> bool:
+        """On-policy distillation: the teacher (teacher.model_path) scores the sampled tokens before the advantages."""
+        return self.estimator.needs_teacher
+
     def roles(self) -> list[str]:
         """The engines this plan builds, in order (the reward model is scored with, never trained)."""
-        return ["actor", *(["ref"] if self.uses_ref else []), *(["critic"] if self.needs_critic else []),
+        return ["actor", *(["ref"] if self.uses_ref else []), *(["teacher"] if self.uses_teacher else []),
+                *(["critic"] if self.needs_critic else []),
                 *(["reward"] if self.reward_model else [])]
 
     @classmethod
@@ -108,6 +114,9 @@ def old_log_probs_from_update(cfg: Config) -> tuple[bool, str]:
         blockers.append(f"actor.ppo_epochs={a.ppo_epochs}")
     if cfg.algorithm.use_kl_in_reward:
         blockers.append("algorithm.use_kl_in_reward reads them before the advantages")
+    if ADVANTAGE_ESTIMATORS[cfg.algorithm.adv_estimator].needs_teacher:
+        blockers.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} reads them (the student's) for the "
+                        "advantages")
     if cfg.algorithm.rollout_is and cfg.algorithm.rollout_is_mode in ("mask", "reject"):
         blockers.append(f"algorithm.rollout_is_mode={cfg.algorithm.rollout_is_mode} drops tokens from the loss mask "
                         "before the update, "

@@ -15,7 +15,6 @@ Ctrl-C, a bad config and a failed rank behave as in `shardrl train`.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -24,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from shardrl.batch import Batch
-from shardrl.config.schema import LoRAConfig
 from shardrl.data.chat import collate_pairs, load_preference_dataset
 from shardrl.data.prompts import PromptLoader
 from shardrl.distributed import ParallelDims
@@ -36,7 +34,7 @@ from shardrl.plan.plan import Plan
 from shardrl.rollout.build import the_device
 from shardrl.tokenizer import load_tokenizer
 from shardrl.trainer.base import Trainer
-from shardrl.trainer.roles import AdaptersOff, ModelPath, check_vocabularies
+from shardrl.trainer.roles import ModelPath, build_reference, check_vocabularies
 from shardrl.trainer.run_folder import claim_run_dir
 from shardrl.trainer.state import resolve_total_epochs
 
@@ -111,11 +109,7 @@ class OfflineTrainer(Trainer):
     def build_reference(self, ref_model_path: str | None):
         """The reference policy, forward-only on the policy's layout: `ref_model_path`'s model, or (None) the
         starting policy: the base with its adapters off under LoRA, else a second copy of model.path."""
-        if self.cfg.model.lora.rank > 0 and ref_model_path is None:
-            return AdaptersOff(self.engine)
-        ref_model = self.cfg.model if ref_model_path is None else dataclasses.replace(
-            self.cfg.model, path=ref_model_path, tiny=None, lora=LoRAConfig())
-        return build_engine(ref_model, self.cfg.engine, None, mesh=self.mesh)
+        return build_reference(self.cfg.model, self.cfg.engine, self.mesh, ref_model_path, actor=self.engine)
 
     def model_paths(self) -> list[ModelPath]:
         """The models the run loads (`build_more`'s too), checked before any loads."""

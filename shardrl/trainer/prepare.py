@@ -42,6 +42,11 @@ def prepare(batch: Batch, scores: torch.Tensor, plan: StepPlan, roles, algo_cfg,
             metrics["kl/actor_ref"] = masked_metric(batch["old_log_probs"] - batch["ref_log_probs"],
                                                     batch["loss_mask"].float())
         metrics["timing/ref_s"] = time.perf_counter() - t0
+    if plan.uses_teacher:  # scored like the reference: the sampled tokens, at the sampler's temperature
+        t0 = time.perf_counter()
+        batch["teacher_log_probs"] = roles.teacher.infer_batch(batch, temperature=temperature)["log_probs"].cpu()
+        metrics.update(distill_metrics(batch["old_log_probs"], batch["teacher_log_probs"], batch["loss_mask"].float()))
+        metrics["timing/teacher_s"] = time.perf_counter() - t0
     if plan.needs_critic:
         t0 = time.perf_counter()
         batch["old_values"] = roles.critic.infer_batch(batch)["values"].cpu()
@@ -54,6 +59,14 @@ def prepare(batch: Batch, scores: torch.Tensor, plan: StepPlan, roles, algo_cfg,
     if plan.rollout_is == "batch":
         metrics.update(apply_rollout_is(batch, algo_cfg))
     return {k: _floats(v) for k, v in metrics.items()}
+
+
+def distill_metrics(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> dict:
+    """On-policy distillation's per-token means over real tokens, as (sum, count): `distill/reverse_kl`, the
+    sampled-token estimate of KL(student || teacher), log p_student - log p_teacher; and the teacher's agreement
+    with the samples, `distill/teacher_log_prob` (its mean log-prob of them: 0 when it would sample them surely)."""
+    return {"distill/reverse_kl": masked_metric(student - teacher, mask),
+            "distill/teacher_log_prob": masked_metric(teacher, mask)}
 
 
 def _floats(metric):
@@ -88,6 +101,9 @@ def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: fl
     inputs = {"token_rewards": token_rewards, "scores": token_rewards.sum(-1), "mask": mask,
               "index": batch["prompt_index"], "values": batch["old_values"] if estimator.needs_critic else None,
               "gamma": algo_cfg.gamma, "lam": algo_cfg.lam, "norm_by_std": algo_cfg.norm_adv_by_std_in_grpo}
+    if estimator.needs_teacher:
+        inputs.update(old_log_probs=batch["old_log_probs"], teacher_log_probs=batch["teacher_log_probs"],
+                      kl_coef=algo_cfg.opd.kl_coef, reward_coef=algo_cfg.opd.reward_coef)
     adv, ret = estimator.compute(inputs)
     if estimator.whiten:
         adv = masked_whiten(adv, mask, stats=global_masked_stats(adv, mask, dp_group))

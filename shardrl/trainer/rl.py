@@ -45,7 +45,7 @@ from shardrl.rollout.build import the_device
 from shardrl.trainer.generation import Generation, export_for_rollout, lora_sync_for
 from shardrl.trainer.base import Placement, Trainer
 from shardrl.trainer.prepare import prepare
-from shardrl.trainer.roles import Roles, check_vocab_sizes
+from shardrl.trainer.roles import Roles, check_teacher_tokenizer, check_vocab_sizes
 from shardrl.trainer.run_folder import claim_run_dir
 from shardrl.trainer.sampling import draw_groups, filter_metric
 from shardrl.trainer.scoring import Scorer
@@ -168,6 +168,8 @@ class RLTrainer(Trainer):
         if self.reward_inputs is not None:
             self._say(f"reward.model_path={cfg.reward.model_path!r} has its own tokenizer, unlike the policy's: each "
                       "conversation is decoded and re-tokenized with its tokenizer and chat template before scoring")
+        if self.steps.uses_teacher:
+            check_teacher_tokenizer(cfg, self.tokenizer)
         check_vocab_sizes(cfg, len(self.tokenizer), self.steps,
                           len(self.reward_inputs.reward) if self.reward_inputs is not None else None)
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm",

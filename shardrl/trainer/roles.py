@@ -1,12 +1,12 @@
-"""The run's models: the vocabulary check, and the engines of the roles the step plan names
-(actor, reference, critic, reward model), on the run's meshes, built once."""
+"""The run's models: the vocabulary and teacher-tokenizer checks, and the engines of the roles the step plan names
+(actor, reference, teacher, critic, reward model), on the run's meshes, built once."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import NamedTuple
 
-from shardrl.config.schema import Config, LoRAConfig
+from shardrl.config.schema import Config, ConfigError, LoRAConfig
 from shardrl.distributed import ParallelDims
 from shardrl.engine import build_engine
 from shardrl.engine.model import check_tiny_shape, load_hf_config
@@ -34,6 +34,8 @@ def check_vocab_sizes(cfg: Config, tokenizer_size: int, plan: StepPlan | None = 
     models = [ModelPath("model.path", cfg.model.path, cfg.model.tiny)]
     if plan.needs_critic and cfg.critic.model_path:
         models.append(ModelPath("critic.model_path", cfg.critic.model_path))
+    if plan.uses_teacher:
+        models.append(ModelPath("teacher.model_path", cfg.teacher.model_path))
     reward_model = ModelPath("reward.model_path", cfg.reward.model_path, task="seq_cls")
     if plan.reward_model and reward_tokenizer_size is None:
         models.append(reward_model)
@@ -62,6 +64,29 @@ def check_vocabularies(cfg: Config, models: list[ModelPath], tokenizer_size: int
                 f"model.resize_token_embeddings({tokenizer_size}); model.save_pretrained(folder)")
 
 
+def check_teacher_tokenizer(cfg: Config, tokenizer) -> None:
+    """The teacher scores the student's token ids as they are, so its tokenizer must encode as the policy's
+    (`same_tokenization`); a teacher folder without a tokenizer is taken to share the policy's."""
+    from shardrl.tokenizer import folder_tokenizer, same_tokenization
+
+    own = folder_tokenizer(cfg.teacher.model_path, cfg.model.trust_remote_code)
+    if own is not None and not same_tokenization(own, tokenizer):
+        raise ConfigError(f"teacher.model_path={cfg.teacher.model_path!r} has a tokenizer that encodes unlike the "
+                          "policy's: on-policy distillation needs the same tokenizer (cross-tokenizer alignment is "
+                          "not supported); pick a teacher of the policy's family")
+
+
+def build_reference(model, engine_cfg, mesh, path: str | None = None, actor=None):
+    """A frozen, forward-only policy with the policy's model settings (`model`): the model at `path` (a DPO/KTO
+    ref_model_path, the distillation teacher) without the policy's adapters, or (None) the starting policy: with
+    LoRA the `actor` engine with its adapters off (no second copy of the base), else a second copy of model.path."""
+    if path is None and model.lora.rank > 0:
+        return AdaptersOff(actor)
+    if path is not None:
+        model = dataclasses.replace(model, path=path, tiny=None, lora=LoRAConfig())
+    return build_engine(model, engine_cfg, None, mesh=mesh)
+
+
 class AdaptersOff:
     """The reference policy of a LoRA actor: the actor's own model with its adapters off (no second copy of the
     base, as verl does)."""
@@ -86,6 +111,7 @@ class Roles:
     actor: object
     parallel_dims: ParallelDims
     ref: object = None
+    teacher: object = None
     critic: object = None
     reward_model: object = None
 
@@ -107,8 +133,10 @@ class Roles:
                                  mesh=meshes(cfg.actor.engine)), dims)
         no_lora = dataclasses.replace(cfg.model, lora=LoRAConfig())  # the policy's adapters are the policy's only
         if plan.uses_ref:
-            roles.ref = (AdaptersOff(roles.actor) if cfg.model.lora.rank > 0
-                         else build_engine(cfg.model, cfg.ref.engine, None, mesh=meshes(cfg.ref.engine)))
+            roles.ref = build_reference(cfg.model, cfg.ref.engine, meshes(cfg.ref.engine), actor=roles.actor)
+        if plan.uses_teacher:  # a reference at another path
+            roles.teacher = build_reference(cfg.model, cfg.teacher.engine, meshes(cfg.teacher.engine),
+                                            cfg.teacher.model_path)
         if plan.needs_critic:
             critic_model = dataclasses.replace(no_lora, override_config=cfg.critic.model_override_config)
             if cfg.critic.model_path is not None:

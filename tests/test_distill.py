@@ -1,0 +1,152 @@
+"""On-policy distillation (algorithm.adv_estimator=opd): the teacher role, its per-token reverse-KL advantage against
+a plain forward of both models, a short run, the refusal of a teacher with another tokenizer, and the teacher's
+memory in `shardrl plan`."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardrl.testing import random_batch, run_distributed, save_char_model, small_demo_run
+
+
+def plain_log_probs(folder: str, batch) -> torch.Tensor:
+    """Each token's log-prob under the model in `folder`, from a plain HF forward (B, T); 0 where unscored."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits.float()  # (B, T, V)
+    logp = torch.zeros(ids.shape)
+    logp[:, 1:] = F.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return logp * batch["loss_mask"]
+
+
+def _prepared(student: str, teacher: str, kl_coef: float, reward_coef: float, vocab: int):
+    """`prepare` of an opd step on one rank: the actor is `student`, the teacher `teacher` (built by the
+    reference's path)."""
+    from shardrl.config.schema import Config, EngineConfig, ModelConfig
+    from shardrl.engine import build_engine
+    from shardrl.plan.step_plan import StepPlan
+    from shardrl.trainer.prepare import prepare
+    from shardrl.trainer.roles import build_reference
+
+    cfg = Config()
+    cfg.model.path, cfg.teacher.model_path = student, teacher
+    cfg.algorithm.adv_estimator = "opd"
+    cfg.algorithm.opd.kl_coef, cfg.algorithm.opd.reward_coef = kl_coef, reward_coef
+    plan = StepPlan.from_config(cfg)
+    assert plan.uses_teacher and not plan.old_from_update and "teacher" in plan.roles()
+    engine_cfg = EngineConfig(param_dtype="float32", micro_batch_size_per_gpu=2)  # 3 forwards of 2
+    actor = build_engine(ModelConfig(path=student), engine_cfg)
+    roles = types.SimpleNamespace(actor=actor, mesh=actor.mesh,
+                                  teacher=build_reference(cfg.model, engine_cfg, actor.mesh, teacher))
+    batch = random_batch(6, 10, vocab, seed=3)
+    batch["prompt_index"] = torch.tensor([0, 0, 0, 1, 1, 1])
+    batch["sampled_log_probs"] = torch.zeros(6, 10)
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    metrics = prepare(batch, scores, plan, roles, cfg.algorithm, 0.0, 1.0)
+    return batch, scores, metrics
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    tok = save_char_model(root / "student", seed=1)
+    save_char_model(root / "teacher", seed=2, hidden_size=96, intermediate_size=192)  # another, wider model
+    return root, len(tok)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("reward_coef", [0.0, 0.7])
+def test_opd_advantage_is_the_reverse_kl_of_a_plain_forward(models, reward_coef):
+    root, vocab = models
+    student, teacher = str(root / "student"), str(root / "teacher")
+    batch, scores, metrics = run_distributed(_prepared, 1, student, teacher, 0.5, reward_coef, vocab)
+    mask = batch["loss_mask"].float()
+    s, t = plain_log_probs(student, batch), plain_log_probs(teacher, batch)
+    assert (s - t).abs()[mask > 0].min() > 1e-4  # two different models: a KL to push along
+    expected = -0.5 * (s - t)  # (B, T)
+    groups = scores.view(2, 3)  # the verifier's GRPO advantage, written out: (score - group mean) / (std + eps)
+    grpo = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).view(6, 1)
+    expected = (expected + reward_coef * grpo) * mask
+    torch.testing.assert_close(batch["advantages"], expected, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(batch["teacher_log_probs"] * mask, t, atol=2e-5, rtol=1e-4)
+    kl_sum, count = metrics["distill/reverse_kl"]
+    assert count == float(mask.sum())
+    assert kl_sum == pytest.approx(float(((s - t) * mask).sum()), abs=1e-3)
+    t_sum, _ = metrics["distill/teacher_log_prob"]
+    assert t_sum == pytest.approx(float(t.sum()), abs=1e-3)
+
+
+def test_opd_runs_two_steps_with_a_tiny_teacher(tmp_path):
+    from shardrl.launch.rank import run
+    from shardrl.trainer.demo import prepare_demo_assets
+
+    assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=2)
+    save_char_model(tmp_path / "teacher", seed=5)
+    run_dir = run(None, small_demo_run(
+        assets, tmp_path / "run", "algorithm.adv_estimator=opd", f"teacher.model_path={tmp_path / 'teacher'}",
+        "teacher.engine.param_dtype=float32", "algorithm.opd.reward_coef=0.5", "trainer.total_steps=2",
+        "trainer.logger=[jsonl]"))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for r in records:
+        # a random teacher is far from the warmed-up student: a positive KL estimate, log-probs well below 0
+        assert r["distill/reverse_kl"] > 0.1 and r["distill/teacher_log_prob"] < -1.0
+        assert "timing/teacher_s" in r and r["reward/mean"] >= 0
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
+    from shardrl.config.schema import ConfigError
+    from shardrl.launch.rank import run
+    from shardrl.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
+    from shardrl.trainer.demo import prepare_demo_assets
+
+    assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=2)
+    save_char_model(tmp_path / "teacher")
+    swapped = build_char_tokenizer(DEFAULT_ALPHABET[1] + DEFAULT_ALPHABET[0] + DEFAULT_ALPHABET[2:])
+    swapped.save_pretrained(tmp_path / "teacher")  # the same size, other ids
+    with pytest.raises(ConfigError, match=r"teacher.model_path=.* has a tokenizer that encodes unlike the "
+                                          r"policy's: on-policy distillation needs the same tokenizer"):
+        run(None, small_demo_run(assets, tmp_path / "run", "algorithm.adv_estimator=opd",
+                                 f"teacher.model_path={tmp_path / 'teacher'}", "trainer.total_steps=1"))
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*.safetensors"))
+
+
+def test_opd_without_a_teacher_is_refused():
+    from shardrl.config.schema import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="teacher.model_path.*is needed by algorithm.adv_estimator=opd"):
+        load_config(None, ["model.tiny={model_type: qwen2}", "algorithm.adv_estimator=opd"])
+
+
+def test_plan_shows_the_teachers_memory(models, capsys):
+    from shardrl.cli import main
+
+    root, _ = models
+    args = ["plan", f"model.path={root / 'student'}", "algorithm.adv_estimator=opd",
+            f"teacher.model_path={root / 'teacher'}", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["teacher"]["role"] == "teacher" and out["teacher"]["ppo_mini_batch_size"] is None  # forward only
+    items = {i["name"]: i for i in out["memory"]["phases"]["gen"]["items"]}
+    # the teacher's own size (fp32 master weights of the 96-wide teacher), not the student's
+    import transformers
+
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(root / "teacher")
+    count = sum(p.numel() for p in teacher.parameters())
+    assert items["teacher params"]["gib"] * 2**30 == pytest.approx(count * 4)
+    assert main(args[:-1] + ["teacher.engine.offload_params=true", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {i["name"]: i for i in out["memory"]["phases"]["gen"]["items"]}["teacher params"]["gib"] == 0
+    assert main(args[:-1]) == 0
+    text = capsys.readouterr().out
+    assert "teacher sharding" in text and "resident teacher params" in text
