@@ -6,7 +6,7 @@ differ only in the advantage: GRPO's from the verifier's 0/1 reward, or OPD's pe
 one JSON line per run: the mean reward of the first and the last `--window` steps and over all steps, then one
 summary line per variant.
 
-    python bench/distill.py --steps 30 --seeds 0,1,2 --out /tmp/distill.jsonl
+    python bench/distill.py --steps 150 --seeds 0,1,2 --out /tmp/distill.jsonl
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ def teacher_accuracy(model_dir: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--window", type=int, default=5)
+    parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--teacher-steps", type=int, default=400, help="the teacher's supervised warm-up steps")
     parser.add_argument("--root", default=None, help="run folders go here (default: a temporary folder)")
     parser.add_argument("--out", default=None, help="append the JSON lines here")
@@ -65,14 +65,16 @@ def main() -> None:
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for name in args.variants.split(","):
-            run_dir = root / f"{name}_s{seed}"
+            run_dir = root / f"{name}_s{seed}_{args.steps}"
             cmd = [sys.executable, "-m", "shardrl.cli", "train", *demo_overrides(student), *SMALL,
                    f"teacher.model_path={teacher / 'model'}", "teacher.engine.param_dtype=float32",
                    f"trainer.output_dir={run_dir}", "trainer.val_freq=0", "trainer.logger=[jsonl]",
                    f"trainer.total_steps={args.steps}", f"rollout.seed={seed}", f"data.seed={seed}",
                    *VARIANTS[name]]
             t0 = time.perf_counter()
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if done.returncode:
+                sys.exit(f"{name} seed {seed} failed:\n{done.stderr[-3000:]}")
             wall = time.perf_counter() - t0
             metrics = [json.loads(line) for line in open(next(run_dir.rglob("metrics.jsonl")))]
             reward = [m["reward/mean"] for m in metrics]

@@ -157,7 +157,8 @@ SETS: dict[str, tuple[str, list[Step]]] = {
     ]),
     "distill": ("on-policy distillation against plain GRPO on the CPU, from the demo's start with the demo's model "
                 "trained further as the teacher, several seeds (bench/distill.py)", [
-        bench("distill", "distill.py", "--steps", "30", "--seeds", "0,1,2", limit_s=1800),
+        bench("distill", "distill.py", "--steps", "150", "--seeds", "0,1,2", "--window", "20",
+              limit_s=1800),
     ]),
     "smoke": ("every benchmark's CPU smoke run (tiny models; no GPU): that the scripts still run", [
         bench("whole_step_tiny", "e2e.py", "--quick", "--root", "/tmp/bench_e2e_quick", "--systems", "shardrl",
