@@ -284,6 +284,32 @@ def test_an_agent_run_whose_every_episode_fails_is_one_error_line(tmp_path, monk
         "rollout.agent.failure_reward only while others succeed)"]
 
 
+@pytest.mark.parametrize("body,error,line", [
+    ("x = 1\nasync def run(sample, client)\n    return 1.0\n", "SyntaxError: expected ':'", 2),
+    ("import os\nimport does_not_exist_xyz\n", "ModuleNotFoundError: No module named 'does_not_exist_xyz'", 2),
+    ("\n\nraise RuntimeError('no key')\n", "RuntimeError: no key", 3)])
+def test_an_agent_file_that_fails_to_import_is_one_error_line_before_any_model(tmp_path, monkeypatch, capsys,
+                                                                              body, error, line):
+    """An agent file with a syntax error, a failing import or a raise at import: one `error:` line naming the key,
+    the error and its file:line, exit status 2, before any model is built (was: a traceback after the model
+    loaded)."""
+    from shardrl.cli import main
+    from shardrl.trainer import rl
+
+    agent = tmp_path / "agent.py"
+    agent.write_text(body)
+    monkeypatch.setattr(rl.Roles, "build", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.chdir(tmp_path)
+    status = main(["train", "trainer.total_steps=1", f"rollout.agent.entrypoint={agent}:run"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+    assert errors[0].startswith(f"error: rollout.agent.entrypoint='{agent}:run': the agent file '{agent}' failed to "
+                                f"import: {error}")
+    assert errors[0].endswith(f"(at {agent}:{line})")
+
+
 def test_the_calculator_agent_example_runs_its_tool_loop():
     """examples/agent/calculator_agent.py against a scripted client: a call, the calculator's answer in the next
     prompt, then the answer; rewarded as the tools example (right '####' answer + 0.1 for clean calls)."""

@@ -1,5 +1,5 @@
-"""What a user's config points at: a Python file (reward functions, multi-turn interactions) imported as a module,
-and a model folder checked to be there, with errors that say which file and which config key."""
+"""What a user's config points at: a Python file (reward functions, multi-turn interactions, agents) imported as a
+module, and a model folder checked to be there, with errors that say which file and which config key."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+import traceback
 from pathlib import Path
 from types import ModuleType
 
@@ -30,8 +31,19 @@ def import_user_file(path: str, what: str, prefix: str) -> ModuleType:
                          "define things (put script code under `if __name__ == '__main__':`)") from None
     except Exception as e:
         sys.modules.pop(module_name, None)
-        raise ValueError(f"{what} {path!r} failed to import: {type(e).__name__}: {e}") from e
+        raise ValueError(f"{what} {path!r} failed to import: {type(e).__name__}: {e} (at {_error_place(e, path)})") \
+            from e
     return module
+
+
+def _error_place(exc: Exception, path: str) -> str:
+    """`file:line` of an import error of the file at `path`: a syntax error's own line, else the deepest line of
+    that file in the traceback (the failing import or raise), else the file alone."""
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        return f"{exc.filename}:{exc.lineno}"
+    own = os.path.abspath(path)
+    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == own]
+    return f"{path}:{lines[-1]}" if lines else path
 
 
 def require_folder(key: str, path: str) -> Path:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import importlib.util
 import inspect
 import logging
 import math
@@ -55,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from shardrl.config.userfile import import_user_file
 from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams, assemble_output
 from shardrl.rollout.episodes.base import EpisodeRollout
 from shardrl.rollout.episodes.multiturn import MultiTurnOutput
@@ -72,9 +72,7 @@ def load_entrypoint(spec: str):
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"rollout.agent.entrypoint={spec!r}: no file {path!r}")
-    module_spec = importlib.util.spec_from_file_location(f"shardrl_agent_{file.stem}", file)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    module = import_user_file(path, f"rollout.agent.entrypoint={spec!r}: the agent file", "shardrl_agent_")
     fn = getattr(module, name, None)
     if fn is None:
         raise ValueError(f"rollout.agent.entrypoint={spec!r}: {path} defines no {name!r}")
