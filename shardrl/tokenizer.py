@@ -157,7 +157,7 @@ def same_tokenization(a, b) -> bool:
 def read_chat_template(value: str) -> str:
     """`model.chat_template`: a Jinja template's text, or the path of a file holding one."""
     if "{%" in value or "{{" in value:  # a template, not a file name
-        return value
+        return _compiled(value, "model.chat_template")
     path = Path(value).expanduser()
     if not path.is_file():
         raise ValueError(f"model.chat_template={value!r} is neither a file nor a Jinja template (no '{{%' or '{{{{'); "
@@ -165,7 +165,21 @@ def read_chat_template(value: str) -> str:
     text = path.read_text()
     if "{%" not in text and "{{" not in text:
         raise ValueError(f"model.chat_template={value!r}: the file holds no Jinja template (no '{{%' or '{{{{')")
-    return text
+    return _compiled(text, f"model.chat_template={value!r}")
+
+
+def _compiled(template: str, key: str) -> str:
+    """`template`, checked to compile as transformers compiles a chat template: a syntax error is the setting's,
+    said once now (rendered, it would fail every row as if each row were bad)."""
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateError as e:
+        line = f" at line {e.lineno} of the template" if getattr(e, "lineno", None) else ""
+        raise ValueError(f"{key} is not a valid Jinja template: {e.message or e}{line}; fix the template") from None
+    return template
 
 
 def _generic_tokenizer(folder: Path) -> bool:

@@ -139,6 +139,35 @@ def test_model_chat_template_sets_the_tokenizers_template_from_text_or_a_file(tm
         load_tokenizer(cfg)
 
 
+def test_a_chat_template_with_a_syntax_error_or_failing_every_chat_is_the_templates_fault(tmp_path):
+    """A Jinja syntax error in model.chat_template is refused when set, naming the key and the template's line (was:
+    "row 1: the chat template fails ... (data.skip_bad_rows=true drops such rows)", advice that drops every row);
+    a template that raises on every chat is the template's fault too, with or without skip_bad_rows."""
+    from shardrl.config.schema import SFTConfig
+    from shardrl.tokenizer import load_tokenizer
+
+    build_char_tokenizer().save_pretrained(tmp_path / "tok")
+    cfg = SFTConfig()
+    cfg.model.tokenizer_path = str(tmp_path / "tok")
+    cfg.model.chat_template = "{% for m in messages %}{{ m.content }}\n{% endfor\n"
+    with pytest.raises(ValueError, match=r"^model\.chat_template is not a valid Jinja template: .* at line 2 of "
+                                         r"the template; fix the template$"):
+        load_tokenizer(cfg)
+    (tmp_path / "bad.jinja").write_text(cfg.model.chat_template)
+    cfg.model.chat_template = str(tmp_path / "bad.jinja")
+    with pytest.raises(ValueError, match=r"^model\.chat_template='.*bad\.jinja' is not a valid Jinja template: "):
+        load_tokenizer(cfg)
+    cfg.model.chat_template = "{{ raise_exception('no system message') }}"  # compiles, fails on every chat
+    tokenizer = load_tokenizer(cfg)
+    rows = _write(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "1+1="},
+                                                       {"role": "assistant", "content": "2"}]}] * 3)
+    for skip in (False, True):
+        with pytest.raises(ValueError) as e:
+            load_chat_dataset([rows], tokenizer, 64, skip_bad_rows=skip)
+        assert "the chat template fails on every chat, even a plain user/assistant exchange: " in str(e.value)
+        assert "model.chat_template" in str(e.value) and "skip_bad_rows" not in str(e.value)
+
+
 @pytest.mark.parametrize("role, message", [
     ("robot", r"row 1: messages\[1\]: role 'robot' is not one of system, user, assistant, tool \("),
     (None, r"row 1: messages\[1\]: role None is not one of system, user, assistant, tool \("),

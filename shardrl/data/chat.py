@@ -65,7 +65,8 @@ class ChatDataset:
 
 
 class MissingTemplate(ValueError):
-    """Chat rows and a tokenizer without a chat template: a setting to fix, not a row to drop."""
+    """Chat rows and a tokenizer without a chat template, or with one that fails on every chat: a setting to fix,
+    not a row to drop."""
 
 
 def require_template(tokenizer) -> None:
@@ -83,7 +84,21 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except TemplateError as e:  # the template's own raise_exception (e.g. roles out of order), or a bad message
+        if _fails_on_any_chat(tokenizer, str(e)):
+            raise MissingTemplate(f"the chat template fails on every chat, even a plain user/assistant exchange: {e}; "
+                                  "fix the template (model.chat_template, or the tokenizer folder's own)") from None
         raise ValueError(f"the chat template fails on this chat: {e}") from None
+
+
+def _fails_on_any_chat(tokenizer, error: str) -> bool:
+    """Whether the template fails with `error` on a plain user/assistant exchange too: then the fault is the
+    template's, not the row's (dropping rows would drop them all)."""
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    try:
+        tokenizer.apply_chat_template(plain, tokenize=False)
+    except TemplateError as e:
+        return str(e) == error
+    return False
 
 
 def tokenize_chat(tokenizer, messages: list[dict], train_from: int = 0,
