@@ -114,6 +114,21 @@ def test_dpo_settings_refuse_exo_without_eps_and_warn_of_unread_label_smoothing(
                            TRAINERS["dpo"].config).ignored_settings()
 
 
+def test_dpo_simpo_gamma_outside_simpo_and_label_smoothing_under_ipo_are_warned_unread():
+    """Was: dpo.simpo_gamma under sigmoid (or any loss but simpo) dropped without a word."""
+    from shardrl.config.registry import TRAINERS, load_config
+
+    def ignored(*overrides):
+        return load_config(None, list(overrides), TRAINERS["dpo"].config).ignored_settings()
+
+    assert ignored("dpo.simpo_gamma=2.0") == [
+        "dpo.simpo_gamma=2.0 is never read: it is SimPO's margin, and dpo.loss_type=sigmoid has none; drop it, or "
+        "set dpo.loss_type=simpo"]
+    (line,) = ignored("dpo.loss_type=ipo", "dpo.label_smoothing=0.2")
+    assert line.startswith("dpo.label_smoothing=0.2 is never read: dpo.loss_type=ipo has no label smoothing")
+    assert ignored("dpo.loss_type=simpo", "dpo.simpo_gamma=2.0") == []
+
+
 def test_bradley_terry_loss():
     chosen, rejected = torch.tensor([2.0, -1.0, 0.5]), torch.tensor([1.0, 1.0, 0.5])
     want = [-math.log(_sig(c - r)) + 0.1 * (c + r) ** 2 for c, r in zip(chosen.tolist(), rejected.tolist())]

@@ -115,6 +115,17 @@ def test_a_changed_dpo_loss_is_refused_on_resume(tmp_path, model_dir, capsys):
     assert [r["step"] for r in records(run_dir)] == [1]
 
 
+def test_a_dpo_setting_its_loss_never_reads_may_change_on_resume(tmp_path, model_dir, caplog):
+    """Was: a sigmoid run resumed with another dpo.simpo_gamma (SimPO's margin, read by simpo only) was refused."""
+    run_dir = tmp_path / "run"
+    args = offline_args(tmp_path, model_dir, run_dir)
+    assert main(["dpo", *args, "trainer.total_steps=1"]) == 0
+    with caplog.at_level(logging.WARNING, logger="shardrl"):
+        assert main(["dpo", *args, "trainer.total_steps=2", "trainer.resume=auto", "dpo.simpo_gamma=2.0"]) == 0
+    assert any("dpo.simpo_gamma=2.0 is never read" in r.getMessage() for r in caplog.records)
+    assert [r["step"] for r in records(run_dir)] == [1, 2]
+
+
 def test_a_changed_rm_loss_is_refused_on_resume(tmp_path, model_dir, capsys):
     run_dir = tmp_path / "run"
     args = offline_args(tmp_path, model_dir, run_dir)
@@ -136,6 +147,7 @@ def test_a_changed_rl_estimator_is_refused_on_resume(tmp_path, assets, capsys):
     err = capsys.readouterr().err
     assert "algorithm.adv_estimator='grpo' in the checkpoint, 'rloo' here" in err, err
     assert "actor.loss_agg_mode='token-mean' in the checkpoint, 'seq-mean-token-mean' here" in err, err
+    assert "critic" not in err, err  # (grpo has no critic: was "critic.loss_agg_mode=... in the checkpoint" too)
     assert saved_config(run_dir)["algorithm"]["adv_estimator"] == "grpo"
     # a setting outside the table (the sampling temperature) is no reason to refuse
     assert main(["train", *rl_args(assets, run_dir, "trainer.total_steps=2", "trainer.resume=auto",

@@ -138,6 +138,9 @@ class DPOConfig(OfflineCommandConfig):
         if s.label_smoothing and s.loss_type not in SMOOTHED_LOSSES:
             lines.append(f"dpo.label_smoothing={s.label_smoothing} is never read: dpo.loss_type={s.loss_type} has no "
                          f"label smoothing (the losses with it: {', '.join(SMOOTHED_LOSSES)})")
+        if s.simpo_gamma != DPOSettings.simpo_gamma and s.loss_type != "simpo":
+            lines.append(f"dpo.simpo_gamma={s.simpo_gamma} is never read: it is SimPO's margin, and dpo.loss_type="
+                         f"{s.loss_type} has none; drop it, or set dpo.loss_type=simpo")
         return lines
 
 

@@ -95,8 +95,14 @@ class Trainer(abc.ABC):
                         f"start a new run without trainer.resume={resume}")
 
     def recorded_settings(self) -> dict:
-        """This run's values of `resume_settings`, by key."""
-        return {key: functools.reduce(getattr, key.split("."), self.cfg) for key in self.resume_settings}
+        """This run's values of those `resume_settings` that its loss reads, by key."""
+        return {key: functools.reduce(getattr, key.split("."), self.cfg) for key in self.resume_settings
+                if self.reads_setting(key)}
+
+    def reads_setting(self, key: str) -> bool:
+        """Whether this run reads `key` of `resume_settings` (one it never reads may change on resume: it changes
+        nothing, and a refusal naming it would name a setting that plays no part)."""
+        return True
 
     def _say(self, text: str) -> None:
         if self.rank == 0:

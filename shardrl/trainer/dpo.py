@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from shardrl.algos.preference import PREFERENCE_LOSSES, PreferenceParams, chosen_nll, sequence_log_probs
 from shardrl.distributed import all_reduce_sum
+from shardrl.config.names import SMOOTHED_LOSSES
 from shardrl.config.schema import DPOConfig
 from shardrl.metrics import SumCount, row_means
 from shardrl.trainer.offline import PairTrainer
@@ -63,6 +64,10 @@ class DPOTrainer(PairTrainer):
     name, config_cls = "dpo", DPOConfig
     # (dpo.ref_model_path is left out: the same reference moved to another folder is no change)
     resume_settings = ("dpo.loss_type", "dpo.beta", "dpo.label_smoothing", "dpo.simpo_gamma", "dpo.rpo_alpha")
+
+    def reads_setting(self, key: str) -> bool:
+        loss = self.cfg.dpo.loss_type
+        return {"dpo.simpo_gamma": loss == "simpo", "dpo.label_smoothing": loss in SMOOTHED_LOSSES}.get(key, True)
 
     def build_more(self):
         s = self.cfg.dpo

@@ -143,6 +143,9 @@ class RLTrainer(Trainer):
                        "actor.kl_loss_type", "actor.kl_loss_coef", "critic.loss_agg_mode")
     demo_without_config = True
 
+    def reads_setting(self, key: str) -> bool:
+        return self.plan.steps.needs_critic or not key.startswith("critic.")  # (no critic: no critic loss)
+
     def __init__(self, cfg: Config, run_dir: Path, batch_source=None, plan: Plan | None = None):
         """`batch_source(trainer)` makes the step's batch source (default: `LocalBatches`, colocated)."""
         super().__init__(cfg, run_dir, plan)
