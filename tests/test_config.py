@@ -605,3 +605,26 @@ def test_a_group_baseline_over_groups_of_one_runs_with_a_warning():
     with pytest.raises(ConfigError, match=r"rollout.n=1: with algorithm.filter_groups.enable: a group of one "
                                           r"response has no spread of rewards"):
         load_config(None, ["rollout.n=1", "algorithm.filter_groups.enable=true"])
+
+
+def test_an_optim_total_steps_below_the_runs_steps_with_cosine_to_zero_is_warned():
+    """Was: `shardrl sft optim.lr_schedule=cosine optim.total_steps=2 trainer.total_steps=4` trained steps 3 and 4
+    at LR 0 without a word."""
+    from shardrl.config.registry import TRAINERS, load_config
+
+    def ignored(name, *overrides):
+        return load_config(None, list(overrides), TRAINERS[name].config).ignored_settings()
+
+    assert ignored("sft", "optim.lr_schedule=cosine", "optim.total_steps=2", "trainer.total_steps=4") == [
+        "optim.total_steps=2 ends the cosine schedule before the run's trainer.total_steps=4 (each step makes one "
+        "optimizer step or more): the steps after it train at LR 0 (optim.min_lr_ratio=0); leave optim.total_steps "
+        "unset to span the run, or set optim.min_lr_ratio for a floor"]
+    (line,) = ignored("train", "actor.optim.lr_schedule=cosine", "actor.optim.total_steps=2", "trainer.total_steps=4")
+    assert line.startswith("actor.optim.total_steps=2 ends the cosine schedule before the run's trainer.total_steps=4")
+    for fine in (["optim.lr_schedule=cosine", "optim.total_steps=4", "trainer.total_steps=4"],  # spans the run
+                 ["optim.lr_schedule=cosine", "optim.total_steps=2", "optim.min_lr_ratio=0.1", "trainer.total_steps=4"],
+                 ["optim.total_steps=2", "trainer.total_steps=4"],  # constant: no decay
+                 ["optim.lr_schedule=cosine", "trainer.total_steps=4"]):  # unset: the run's length
+        assert ignored("sft", *fine) == [], fine
+    assert ignored("train", "critic.optim.lr_schedule=cosine", "critic.optim.total_steps=2",
+                   "trainer.total_steps=4") == []  # (grpo: no critic is stepped)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shardrl.config.checks import check_command, check_trainer
-from shardrl.config.engine import EngineConfig, LoRAConfig
+from shardrl.config.engine import EngineConfig, LoRAConfig, OptimConfig
 from shardrl.config.load import require
 
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab", "trackio"]
@@ -136,11 +136,24 @@ class CommandConfig:
                          f"budget of dynamic micro-batches, and {key}.use_dynamic_bsz=false cuts micro-batches by "
                          f"{key}.micro_batch_size_per_gpu={engine.micro_batch_size_per_gpu} samples instead (set "
                          f"{key}.use_dynamic_bsz=true to cut them by tokens)")
+        steps = self.trainer.total_steps
+        for key, optim in self.optims():
+            # (a warning, not an error: a schedule cut short on purpose is a choice; LR 0 without a word is not)
+            if optim.lr_schedule == "cosine" and not optim.min_lr_ratio and steps and optim.total_steps \
+                    and optim.total_steps < steps:
+                lines.append(f"{key}.total_steps={optim.total_steps} ends the cosine schedule before the run's "
+                             f"trainer.total_steps={steps} (each step makes one optimizer step or more): the steps "
+                             f"after it train at LR 0 ({key}.min_lr_ratio=0); leave {key}.total_steps unset to "
+                             f"span the run, or set {key}.min_lr_ratio for a floor")
         return lines
 
     def engines(self) -> list[tuple[str, EngineConfig]]:
         """Each engine section of this config and its key."""
         return [("engine", self.engine)]
+
+    def optims(self) -> list[tuple[str, OptimConfig]]:
+        """Each optimizer section this run steps, and its key."""
+        return [("optim", self.optim)]
 
 
 def epochs_decide(trainer: TrainerConfig, given: set[str]) -> None:

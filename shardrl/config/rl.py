@@ -12,8 +12,9 @@ from shardrl.config.algorithm import (ActorConfig, AlgorithmConfig, AsyncConfig,
                                       TeacherConfig)
 from shardrl.config.checks import check_reward, check_rl
 from shardrl.config.command import CommandConfig, TrainerConfig, epochs_decide
-from shardrl.config.engine import EngineConfig, ModelConfig
+from shardrl.config.engine import EngineConfig, ModelConfig, OptimConfig
 from shardrl.config.load import require
+from shardrl.config.names import ADVANTAGE_ESTIMATORS
 from shardrl.config.rollout import RolloutConfig
 
 
@@ -173,6 +174,10 @@ class Config(CommandConfig):
     def engines(self) -> list[tuple[str, EngineConfig]]:
         return [(f"{role}.engine", getattr(self, role).engine) for role in ("actor", "ref", "teacher", "critic",
                                                                                 "reward")]
+
+    def optims(self) -> list[tuple[str, OptimConfig]]:
+        critic = ADVANTAGE_ESTIMATORS[self.algorithm.adv_estimator].needs_critic
+        return [("actor.optim", self.actor.optim), *([("critic.optim", self.critic.optim)] if critic else [])]
 
     def ignored_settings(self) -> list[str]:
         lines = super().ignored_settings()
