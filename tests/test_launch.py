@@ -8,6 +8,7 @@ import errno
 import pytest
 
 import shardrl.launch.rank as rank
+import shardrl.launch.signals as signals
 
 
 class PeerStopped(RuntimeError):
@@ -19,6 +20,9 @@ def test_every_trainer_s_rank_ends_by_one_table(trainer, monkeypatch, capsys):
     for name in ("die_with_launcher", "setup_logging", "catch_stop_signals", "end_of_run_signals"):
         monkeypatch.setattr(rank, name, lambda: None)
     monkeypatch.setenv("RANK", "0")
+    # a stop signal an earlier training of this process saw is not this run's (it made every status 143)
+    monkeypatch.setattr(signals, "_sigint_seen", True)
+    monkeypatch.setattr(signals, "_stop_signal", 15)
     seen = []
 
     def failing(error):

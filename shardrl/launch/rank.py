@@ -19,7 +19,7 @@ from pathlib import Path
 
 from shardrl.launch.signals import (STORAGE_EXIT, RunInterrupted, catch_stop_signals, die_with_launcher,
                                     end_of_run_signals, interrupted_exit, interrupted_line, is_storage_error,
-                                    peer_gone, was_interrupted)
+                                    peer_gone, reset_stop_signal, was_interrupted)
 
 
 def setup_logging() -> None:
@@ -125,6 +125,7 @@ def rank_main(argv: list[str]) -> int:
     die_with_launcher()
     setup_logging()
     rank0 = int(os.environ.get("RANK", 0)) == 0
+    reset_stop_signal()  # (a process that ran a stopped training before, as launch_main does)
     catch_stop_signals()
     try:
         trainer, config, overrides = rank_args(argv)
