@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "core of its own, about 1,000 requests/s apiece)")
     serve.add_argument("--max-body-mb", type=_count, default=8, metavar="MIB",
                        help="a request body larger than this many MiB is refused with a 413 (default: %(default)s)")
+    serve.add_argument("--max-prompts", type=_count, default=1024, metavar="N",
+                       help="a /v1/completions request of more prompts (or prompts times n) is refused with a 400 "
+                            "(default: %(default)s)")
+    serve.add_argument("--max-messages", type=_count, default=4096, metavar="N",
+                       help="a chat request of more messages is refused with a 400 (default: %(default)s)")
     serve.add_argument("--logprobs-mode", choices=["processed_logprobs", "raw_logprobs"],
                        default="processed_logprobs",
                        help="the replies' log-probs: the sampled distribution's, log softmax(logits / temperature) "
@@ -373,7 +378,8 @@ def serve_main(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"shardrl serve: {e}", file=sys.stderr)
         return 1
-    options = ServeOptions(max_body_bytes=args.max_body_mb * 2**20, logprobs_mode=args.logprobs_mode)
+    options = ServeOptions(max_body_bytes=args.max_body_mb * 2**20, logprobs_mode=args.logprobs_mode,
+                           max_prompts=args.max_prompts, max_messages=args.max_messages)
     cfg = load_config(args.config, args.overrides)
     hub_id = _serve_hub_paths(cfg)
     engine = build_engine(cfg, args.served_model_name or hub_id, args.max_batch)

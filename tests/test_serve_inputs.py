@@ -168,3 +168,81 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server, monkeypatch):
         release.set()
         thread.join(timeout=90)
     assert result["long"][0] == 400 and result["long"][1]["error"]["code"] == "context_length_exceeded"
+
+
+def test_the_prompt_and_message_limits_default_to_1024_and_4096_and_are_checked():
+    assert (ServeOptions().max_prompts, ServeOptions().max_messages) == (1024, 4096)
+    with pytest.raises(ValueError, match="max_prompts=0"):
+        ServeOptions(max_prompts=0)
+    with pytest.raises(ValueError, match="max_messages=0"):
+        ServeOptions(max_messages=0)
+
+
+@pytest.mark.parametrize("prompts, n, message", [
+    (100_000, 1, "the request holds 100,000 prompts, more than this server's limit of 1,024 a request"),
+    (1025, 1, "the request holds 1,025 prompts, more than this server's limit of 1,024 a request"),
+    (600, 2, "the request asks for 600 prompts times n=2: 1,200 replies, more than this server's limit of 1,024"),
+])
+def test_a_completion_of_too_many_prompts_is_refused_before_it_is_tokenized(server, tokenizer_calls, prompts, n,
+                                                                           message):
+    """100,000 short prompts (an 800 KB body) held every other request for minutes: a 400 naming the limit and
+    the flag, not one prompt tokenized; the next request is served."""
+    status, answer = post(server, "completions", json.dumps(
+        {"model": "tiny", "prompt": ["1+1="] * prompts, "n": n, "max_tokens": 2}).encode(), timeout=20)
+    assert status == 400, answer
+    assert message in answer["error"]["message"] and "shardrl serve --max-prompts" in answer["error"]["message"]
+    assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] == "prompt"
+    assert tokenizer_calls == []  # (refused before any was tokenized)
+    status, answer = post(server, "completions", json.dumps(  # (within the limit: served)
+        {"model": "tiny", "prompt": ["1+1="] * 3, "n": 2, "max_tokens": 2, "temperature": 0}).encode())
+    assert status == 200 and len(answer["choices"]) == 6
+
+
+def test_a_chat_of_too_many_messages_is_refused_before_it_is_rendered(server, tokenizer_calls):
+    """200,000 empty system messages (7 MB; no characters for the context's pre-check) took 12 s to render."""
+    messages = [{"role": "system", "content": ""}] * 200_000 + [{"role": "user", "content": "hi"}]
+    status, answer = post(server, "chat/completions", json.dumps(
+        {"model": "tiny", "messages": messages, "max_tokens": 2}).encode(), timeout=20)
+    assert status == 400, answer
+    assert answer["error"]["message"] == (
+        "the request holds 200,001 messages, more than this server's limit of 4,096 a request: shorten the "
+        "conversation (shardrl serve --max-messages raises the limit)")
+    assert answer["error"]["param"] == "messages" and tokenizer_calls == []
+    small_completion(server)
+
+
+def call(arguments: str) -> dict:
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": ""}] * (OFF_LOOP_CHARS // 64 + 1) + [{"role": "user", "content": "hi"}],
+    [{"role": "user", "content": "hi"}, call(json.dumps({"x": "a" * OFF_LOOP_CHARS})),
+     {"role": "user", "content": "and?"}],
+], ids=["many messages", "long tool-call arguments"])
+def test_a_large_chat_is_rendered_off_the_event_loop(server, monkeypatch, messages):
+    """Many empty messages, or a tool call's long arguments (no characters the context's pre-check counts), are
+    rendered in a worker thread: while the render is held, a small request is answered."""
+    cls = type(server.batcher.tokenizer)
+    template = cls.apply_chat_template
+    entered, release = threading.Event(), threading.Event()
+
+    def held_template(self, msgs, *args, **kwargs):
+        if msgs is not None and len(msgs) == len(messages):
+            entered.set()
+            release.wait(timeout=60)
+        return template(self, msgs, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "apply_chat_template", held_template)
+    body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 1, "temperature": 0}).encode()
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(big=post(server, "chat/completions", body, timeout=90)))
+    thread.start()
+    try:
+        assert entered.wait(timeout=30), "the chat never reached the template"
+        small_completion(server)  # (on the loop: would wait for the release, and time out)
+    finally:
+        release.set()
+        thread.join(timeout=90)
+    assert result["big"][0] in (200, 400), result["big"]

@@ -18,9 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shardrl.rollout.base import SamplingParams
 from shardrl.rollout.serving.batcher import Batcher, Dropped, Stopped
 from shardrl.rollout.serving.schema import (LOGPROBS_MODES, ChatRequest, Common, CompletionRequest, RequestError,
-                                            chat_max_tokens, chat_prompt, chat_response, check_prompt_chars,
+                                            chat_max_tokens, chat_prompt, chat_response, check_counts, check_prompt_chars,
                                             check_request, completion_prompts, completion_response, cut_at_stop_ids,
-                                            error_body, longest_token_chars, sampling_of)
+                                            error_body, longest_token_chars, render_size, sampling_of)
 from shardrl.rollout.serving.streaming import DONE, ChunkWriter, chat_events, completion_events, event
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,10 @@ EPISODE_HEADER = "x-shardrl-episode"
 """A request carrying this header is recorded under its value (`app.state.records`: episode -> calls)."""
 
 OFF_LOOP_CHARS = 16_384
-"""A prompt of more characters is templated and tokenized in a worker thread: on the event loop a 20 MB one stalled
-every other request for 23 s. Shorter ones stay on the loop (a thread hop costs more than their tokenizing)."""
+"""A request whose prompts cost more characters than this to render and tokenize (`schema.render_size`: their text,
+tool calls' arguments, and each message or prompt of a list as `schema.MESSAGE_CHARS`) is templated and tokenized in
+a worker thread: on the event loop a 20 MB prompt stalled every other request for 23 s, 200,000 empty messages 12 s,
+a tool call's 4.5 MB arguments 11 s. Smaller ones stay on the loop (a thread hop costs more than their tokenizing)."""
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,19 @@ class ServeOptions:
     to ~24 GB and the OOM killer ended the server. 8 MiB holds a prompt of a million tokens' text (or ids)."""
     logprobs_mode: str = "processed_logprobs"
     """What a reply's log-probs are: the sampled distribution's or the model's own (`schema.LOGPROBS_MODES`)."""
+    max_prompts: int = 1024
+    """A /v1/completions request of more prompts, or prompts times n, is refused (400) before any is tokenized:
+    100,000 short prompts (an 800 KB body) held every other request for minutes."""
+    max_messages: int = 4096
+    """A chat request of more messages is refused (400) before it is rendered: 200,000 empty ones (7 MB) took 12 s
+    to render for their 400."""
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes={self.max_body_bytes}: a body limit must be >= 1 byte")
+        for name in ("max_prompts", "max_messages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: the limit must be >= 1")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} must be one of {', '.join(LOGPROBS_MODES)}")
 
@@ -73,7 +84,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
                          (StarletteHTTPException, http_error),
                          (RequestError, refused), (Stopped, stopping), (Dropped, dropped), (Exception, failed)):
         app.add_exception_handler(exc, handler)
-    routes = Routes(app, batcher, model_name, max_model_len, default_max_tokens)
+    routes = Routes(app, batcher, model_name, max_model_len, default_max_tokens, options)
     app.get("/v1/models")(routes.models)
     app.get("/v1/models/{model_id:path}")(routes.model)
     app.post("/v1/chat/completions")(routes.chat)
@@ -88,8 +99,8 @@ class Routes:
     run's episode (`EPISODE_HEADER`, on an endpoint with a policy) are recorded in `records`."""
 
     def __init__(self, app: FastAPI, batcher: Batcher, model_name: str, max_model_len: int,
-                 default_max_tokens: int):
-        self.app, self.batcher, self.model_name = app, batcher, model_name
+                 default_max_tokens: int, options: ServeOptions):
+        self.app, self.batcher, self.model_name, self.options = app, batcher, model_name, options
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.tok = batcher.tokenizer
         self.vocab = len(self.tok)
@@ -165,10 +176,12 @@ class Routes:
         return StreamingResponse(body(), media_type="text/event-stream")
 
     async def tokenized(self, tokenize, req: Common):
-        """`tokenize(req, tokenizer)` once the prompt's length in characters fits the context (`check_prompt_chars`);
-        a long prompt's in a worker thread, so that the loop goes on answering the other requests."""
-        chars = check_prompt_chars(req, self.token_chars, self.max_model_len)
-        if chars > OFF_LOOP_CHARS:
+        """`tokenize(req, tokenizer)` once the request's prompts or messages are within the server's limits
+        (`check_counts`) and the prompt's length in characters fits the context (`check_prompt_chars`); a large
+        request's (`OFF_LOOP_CHARS`) in a worker thread, so that the loop goes on answering the other requests."""
+        check_counts(req, self.options.max_prompts, self.options.max_messages)
+        check_prompt_chars(req, self.token_chars, self.max_model_len)
+        if render_size(req) > OFF_LOOP_CHARS:
             return await asyncio.to_thread(tokenize, req, self.tok)
         return tokenize(req, self.tok)
 
