@@ -166,8 +166,8 @@ def test_a_shorter_max_tokens_in_the_same_batch_is_a_prefix_of_a_longer_one(serv
     assert release.started.wait(30)
     got = {}
 
-    def ask(n):  # (with a seed: one greedy by temperature 0, the other by top_p 0)
-        greedy = dict(temperature=1.0, top_p=0) if seed is not None and n == 4 else dict(temperature=0)
+    def ask(n):  # (with a seed: one greedy by temperature 0, the other by a temperature below 1e-5)
+        greedy = dict(temperature=1e-6) if seed is not None and n == 4 else dict(temperature=0)
         got[n] = client(server).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=n, seed=seed,
                                                    **greedy)
 
@@ -291,9 +291,14 @@ def test_bad_requests_get_4xx_json_errors(server):
                                   response_format={"type": "json_object"})
     c.completions.create(model="tiny", prompt="x", max_tokens=2, presence_penalty=0, logit_bias={}, best_of=1,
                          extra_body={"top_k": -1})  # (the values clients send by default: taken)
-    greedy = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
-    top_p_0 = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=1.0, top_p=0)
-    assert top_p_0.choices[0].model_extra["token_ids"] == greedy.choices[0].model_extra["token_ids"]
+    for option, message in [(dict(top_p=0.0), "top_p=0.0 must be in (0, 1]"),  # (vLLM's and the trainer's bounds)
+                            (dict(top_p=-0.5), "top_p=-0.5 must be in (0, 1]"),
+                            (dict(temperature=-1.0), "temperature=-1.0 must be 0 (greedy) or in [1e-5, 1e4]"),
+                            (dict(extra_body={"top_k": -2}), "top_k=-2 must be in [0, 2**31) (0 = off)")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="tiny", prompt="x", max_tokens=2, **option)
+        assert e.value.status_code == 400 and message in e.value.body["message"], e.value.body
+        assert e.value.body["param"] == message.split("=")[0] and e.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="prompt must be a string, a list of strings, a list of token"):
         c.completions.create(model="tiny", prompt=[True, False], max_tokens=2)  # (a bool is no token id)
     assert c.models.retrieve("tiny").id == "tiny"

@@ -208,28 +208,29 @@ def sampling_of(req: Common, n: int, max_tokens: int, vocab: int, policy: Sampli
     """What a checked request samples with, its log-probs as `logprobs_mode` says (`LOGPROBS_MODES`). `policy` (an
     RL run's endpoint): its temperature, top-p, top-k and seed whatever the request asks, at most its
     max_new_tokens, n=1, the processed log-probs."""
-    if policy is not None:
-        if n != 1:
-            raise RequestError(f"n={n}: an RL run's endpoint samples one reply a call; send n=1", "n")
-        return dataclasses.replace(policy, n=1, max_new_tokens=min(max_tokens, policy.max_new_tokens),
-                                   stop=stop_list(req.stop) or policy.stop)
     try:
         temperature = 1.0 if req.temperature is None else req.temperature
-        top_p = 1.0 if req.top_p is None else req.top_p
-        # (top_p 0 keeps only the likeliest token, as OpenAI's; a temperature below 1e-5 is greedy, as vLLM's)
-        greedy = 0 <= temperature < GREEDY_BELOW or top_p == 0
+        # (a temperature below 1e-5 is greedy, as vLLM's; top_p 0 is refused, as vLLM and the trainer's config do)
+        greedy = 0 <= temperature < GREEDY_BELOW
         # (greedy draws nothing: its seed and temperature are dropped, so it batches with the other greedy
         # requests, not in a call of its own; its log-probs are at temperature 1 whatever was sent)
-        return SamplingParams(n=n, temperature=1.0 if greedy else temperature, top_p=top_p or 1.0,
-                              top_k=0 if req.top_k in (None, -1) or req.top_k >= vocab else req.top_k,
-                              max_new_tokens=max_tokens,
-                              stop=stop_list(req.stop), seed=None if greedy else req.seed, greedy=greedy,
-                              # (greedy's are at temperature 1 already: it batches with the rest)
-                              raw_log_probs=logprobs_mode == "raw_logprobs" and not greedy)
+        asked = SamplingParams(n=n, temperature=1.0 if greedy else temperature,
+                               top_p=1.0 if req.top_p is None else req.top_p,
+                               top_k=0 if req.top_k in (None, -1) or req.top_k >= vocab else req.top_k,
+                               max_new_tokens=max_tokens,
+                               stop=stop_list(req.stop), seed=None if greedy else req.seed, greedy=greedy,
+                               # (greedy's are at temperature 1 already: it batches with the rest)
+                               raw_log_probs=logprobs_mode == "raw_logprobs" and not greedy)
     except ValueError as e:  # SamplingParams names the field
         field = re.match(r"SamplingParams\.(\w+)", str(e))
         param = None if field is None else field.group(1).replace("max_new_tokens", "max_tokens")
         raise RequestError(str(e).replace("SamplingParams.", "").replace("max_new_tokens", "max_tokens"), param)
+    if policy is None:
+        return asked
+    if n != 1:  # (an RL run's endpoint: the request's own values checked above, its policy's taken)
+        raise RequestError(f"n={n}: an RL run's endpoint samples one reply a call; send n=1", "n")
+    return dataclasses.replace(policy, n=1, max_new_tokens=min(max_tokens, policy.max_new_tokens),
+                               stop=stop_list(req.stop) or policy.stop)
 
 
 def longest_token_chars(tok) -> int | None:
