@@ -246,3 +246,16 @@ def test_a_large_chat_is_rendered_off_the_event_loop(server, monkeypatch, messag
         release.set()
         thread.join(timeout=90)
     assert result["big"][0] in (200, 400), result["big"]
+
+
+def test_a_token_id_prompt_over_the_context_is_refused_in_tokens(server):
+    context = server.batcher.max_model_len
+    ids = [5] * (context + 1000)
+    status, answer = post(server, "completions", json.dumps({"model": "tiny", "prompt": ids, "max_tokens": 2}).encode())
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+    assert answer["error"]["message"] == (f"this model's context is {context} tokens and the prompt has "
+                                          f"{len(ids):,} tokens: shorten the prompt")
+    status, answer = post(server, "completions", json.dumps(
+        {"model": "tiny", "prompt": [5] * (context - 2), "max_tokens": 5}).encode())
+    assert status == 400 and answer["error"]["param"] == "max_tokens", answer
+    assert f"the prompt has {context - 2:,} tokens and max_tokens asks 5 more" in answer["error"]["message"]

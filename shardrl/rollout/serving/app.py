@@ -18,9 +18,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shardrl.rollout.base import SamplingParams
 from shardrl.rollout.serving.batcher import Batcher, Dropped, Stopped
 from shardrl.rollout.serving.schema import (LOGPROBS_MODES, ChatRequest, Common, CompletionRequest, RequestError,
-                                            chat_max_tokens, chat_prompt, chat_response, check_counts, check_prompt_chars,
-                                            check_request, completion_prompts, completion_response, cut_at_stop_ids,
-                                            error_body, longest_token_chars, render_size, sampling_of)
+                                            chat_max_tokens, chat_prompt, chat_response, check_counts,
+                                            check_prompt_chars, check_request, completion_prompts,
+                                            completion_response, cut_at_stop_ids, error_body, longest_token_chars,
+                                            render_size, sampling_of)
 from shardrl.rollout.serving.streaming import DONE, ChunkWriter, chat_events, completion_events, event
 
 log = logging.getLogger(__name__)

@@ -183,13 +183,13 @@ def check_request(req: Common, prompts: list[list[int]], max_tokens: int, model_
         raise RequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids")
     longest = max(len(p) for p in prompts)
     if longest >= max_model_len:
-        raise RequestError(f"this model's context is {max_model_len} tokens and the prompt has {longest}: "
+        raise RequestError(f"this model's context is {max_model_len} tokens and the prompt has {longest:,} tokens: "
                            "shorten the prompt", "messages" if isinstance(req, ChatRequest) else "prompt",
                            code="context_length_exceeded")
     if max_tokens < 1:
         raise RequestError(f"max_tokens={max_tokens} must be >= 1", "max_tokens")
     if longest + max_tokens > max_model_len:
-        raise RequestError(f"this model's context is {max_model_len} tokens; the prompt has {longest} and "
+        raise RequestError(f"this model's context is {max_model_len} tokens; the prompt has {longest:,} tokens and "
                            f"max_tokens asks {max_tokens} more: shorten the prompt or lower max_tokens",
                            "max_tokens", code="context_length_exceeded")
     return n
