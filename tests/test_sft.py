@@ -394,5 +394,36 @@ def test_a_lora_adapter_export_loads_with_auto_peft(tmp_path, monkeypatch):
     ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
     with torch.no_grad():
         logits = adapted(input_ids=ids).logits
-        torch.testing.assert_close(logits, merged(input_ids=ids).logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(logits, merged(input_ids=ids).logits, atol=1e-5, rtol=0)
         assert (logits - base(input_ids=ids).logits).abs().max() > 1e-3  # (the adapters moved it)
+
+
+def test_a_merged_lora_export_of_an_fp32_base_keeps_the_base_exact(tmp_path):
+    """With the base held in bf16 (engine.param_dtype's default), the merged export of an fp32 model folder wrote
+    the frozen weights rounded to bf16 under a float32 config: its logits were 6e-3 off peft's on the adapter.
+    Its frozen tensors are the folder's own, and its logits are AutoPeftModelForCausalLM's."""
+    peft = pytest.importorskip("peft")
+    import transformers
+    from safetensors.torch import load_file
+
+    from shardrl.cli import main
+    from shardrl.testing import save_char_model
+
+    save_char_model(tmp_path / "model")
+    rows = tmp_path / "sums.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "response": str(a + b)}) + "\n" for a in range(3)
+                            for b in range(3)))
+    assert main(["sft", f"model.path={tmp_path / 'model'}", f"data.train_files=[{rows}]", "data.batch_size=4",
+                 "optim.lr=1e-2", "model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]",
+                 "trainer.total_steps=2", "trainer.logger=[]", f"trainer.output_dir={tmp_path / 'run'}",
+                 "trainer.export_hf=true", "trainer.export_lora_adapter=true", "trainer.device=cpu"]) == 0
+    base = load_file(tmp_path / "model" / "model.safetensors")
+    out = load_file(tmp_path / "run" / "hf_model" / "model.safetensors")
+    frozen = [name for name in base if "q_proj.weight" not in name and "v_proj.weight" not in name]
+    assert frozen and all(out[name].dtype == torch.float32 and torch.equal(out[name], base[name]) for name in frozen)
+    assert not torch.equal(out["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+    adapted = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "run" / "lora_adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf_model").eval()
+    ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=0)

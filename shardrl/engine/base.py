@@ -486,8 +486,23 @@ class Engine(abc.ABC):
     def save_hf(self, path, tokenizer=None, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30):
         """Writes a Hugging Face model folder (see `shardrl.engine.state.save_hf`); every rank calls it."""
         dtype = dtype or DTYPES[self.model_cfg.dtype]
-        return save_hf(path, self.export_weights(dtype), persistent_buffers(self.module, self.hf_name), self.hf_config,
+        original = self._original_base(dtype)
+        weights = self.export_weights(dtype, original) if original is not None else self.export_weights(dtype)
+        return save_hf(path, weights, persistent_buffers(self.module, self.hf_name), self.hf_config,
                        self.module.lm, self.head, dtype, tokenizer, max_shard_bytes)
+
+    def _original_base(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+        """With LoRA, where the frozen base is held narrower than `dtype` (bf16 param_dtype, fp32 export): the
+        base's tensors reread from model.path at `dtype` (rank 0, which writes), so that the export's frozen
+        weights are the folder's own and its merged layers W + scale * B @ A on them, as peft computes on the
+        base; else (no LoRA, the same dtype, a random base) None: the held tensors are already exact."""
+        mc = self.model_cfg
+        if (self.lora is None or mc.path is None or self.rank != 0
+                or DTYPES[self.cfg.param_dtype].itemsize >= dtype.itemsize):
+            return None
+        lm = build_causal_lm(self.hf_config, mc.path, "cpu", dtype, self.cfg.seed,
+                             trust_remote_code=mc.trust_remote_code, sequence_classification=self.head == "score")
+        return {name: tensor.detach() for name, tensor in lm.state_dict().items()}
 
     def save_lora_adapter(self, path) -> str:
         """The adapters as a peft adapter folder at `path` (rank 0 writes; every rank must call: the gathers are

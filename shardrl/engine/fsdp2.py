@@ -143,7 +143,9 @@ class FSDP2Engine(Engine):
                 torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
         return total.detach().float().cpu()
 
-    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(self, dtype: torch.dtype | None = None,
+                       original: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """`original`: with LoRA, the base's tensors as the model folder stores them (`merge_lora`)."""
         from shardrl.engine.state import export_fsdp2_weights
 
         if self.lora is None:
@@ -152,7 +154,7 @@ class FSDP2Engine(Engine):
         # LoRA: each layer's base weight with its adapters merged in, under the HF name (the rollout and an HF
         # folder see a plain model)
         full = export_fsdp2_weights(self.module.named_parameters(), self.device, None, strip_prefix)
-        for name, tensor in merge_lora(full, scaling_of(self.lora)):
+        for name, tensor in merge_lora(full, scaling_of(self.lora), original):
             yield name, tensor.to(dtype) if dtype is not None else tensor
 
     def export_adapters(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:

@@ -133,16 +133,20 @@ def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: fl
     return torch.addmm(w.float(), b.to(w.device, torch.float32), a.to(w.device, torch.float32), alpha=scaling)
 
 
-def merge_lora(stream: Iterable[tuple[str, torch.Tensor]], scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+def merge_lora(stream: Iterable[tuple[str, torch.Tensor]], scaling: float,
+               original: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) in module order -> the same with each LoRA layer's base weight merged
-    (W + scaling * B @ A, computed in fp32, in W's dtype) under the base weight's HF name; adapters dropped."""
+    (W + scaling * B @ A, computed in fp32, in W's dtype) under the base weight's HF name; adapters dropped.
+    `original` (HF name -> tensor): the base as the model folder stores it, used in place of the streamed frozen
+    tensors it names (the engine holds them rounded to param_dtype; an fp32 export must not be)."""
+    original = original or {}
     pending: dict[str, dict[str, torch.Tensor]] = {}  # a LoRA layer's prefix -> what arrived of it so far
 
     def ready(prefix: str):
         parts = pending[prefix]
         if {"base", "A", "B"} <= set(parts):
             del pending[prefix]
-            w = parts["base"]
+            w = original.pop(f"{prefix}weight", parts["base"])
             return f"{prefix}weight", merged_weight(w, parts["A"], parts["B"], scaling).to(w.dtype)
         return None
 
@@ -154,7 +158,8 @@ def merge_lora(stream: Iterable[tuple[str, torch.Tensor]], scaling: float) -> It
         elif ".lora_B." in name:
             prefix, part = name.split("lora_B.")[0], "B"
         else:
-            yield hf_base_name(name), tensor  # base_layer.bias and everything outside LoRA layers
+            name = hf_base_name(name)  # base_layer.bias and everything outside LoRA layers
+            yield name, original.pop(name, tensor)
             continue
         pending.setdefault(prefix, {})[part] = tensor
         out = ready(prefix)
