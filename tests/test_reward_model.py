@@ -210,3 +210,28 @@ def test_trainer_reward_model_with_a_smaller_tokenizer_of_its_own(tmp_path):
         "trainer.val_freq=0", "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path / 'run'}"])
     record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert record["reward/mean"] not in (0.0, 1.0) and record["reward/max"] != record["reward/min"]
+
+
+def bf16_engine_scores(path: str) -> torch.Tensor:
+    engine = build_engine(ModelConfig(path=path), EngineConfig(param_dtype="bfloat16", micro_batch_size_per_gpu=4),
+                          head="score")
+    return engine.infer_batch(random_batch(8, 12, 101, seed=5))["scores"]
+
+
+def test_scores_of_a_bf16_engine_are_fp32_not_bf16_rounded(rm_dir):
+    """The score head ran in bf16: `shardrl rm` logged rewards/chosen == rewards/rejected == -0.30029296875 and
+    rm/margin 0.0 beside accuracy 0.25. The head runs in fp32: the scores are off bf16's grid, each pair's margin is
+    their fp32 difference, and they stay within bf16 compute of the fp32 model's."""
+    from shardrl.trainer.rm import reward_pair_step
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    batch = random_batch(8, 12, 101, seed=5)
+    with torch.no_grad():
+        want = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+    scores = run_distributed(bf16_engine_scores, 1, str(rm_dir))
+    assert scores.dtype == torch.float32 and scores.shape == (8,)
+    assert (scores.to(torch.bfloat16).float() != scores).sum() >= 6  # (was 0: every score on bf16's grid)
+    assert (scores - want).abs().max() < 5e-2
+    _, metrics = reward_pair_step(scores, 0.0)
+    margins = scores[0::2] - scores[1::2]
+    assert float(metrics["margin"].total) == pytest.approx(float(margins.sum()), abs=1e-6)

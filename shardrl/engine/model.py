@@ -373,8 +373,14 @@ class PolicyModel(nn.Module):
 
     # ---- heads: (n_local, H) hidden states -> outputs in the batch's shape ----------------------------
     def score_head(self, hidden: torch.Tensor, tokens: Tokens) -> dict[str, torch.Tensor]:
-        """The sequence classifier's score at each sequence's last token: `scores` (B,)."""
-        return {"scores": tokens.whole(self.lm.score(hidden).squeeze(-1).float())[tokens.ends]}
+        """The sequence classifier's score at each sequence's last token: `scores` (B,). The head runs in (at
+        least) fp32: a bf16 output is a scalar rounded to 2-3 digits (chosen and rejected scores of a pair tied,
+        the margin 0), where the log-probs' softmax reads its logits only after the upcast."""
+        head = self.lm.score
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        bias = None if head.bias is None else head.bias.to(dtype)
+        scores = F.linear(hidden.to(dtype), head.weight.to(dtype), bias).squeeze(-1)
+        return {"scores": tokens.whole(scores)[tokens.ends]}
 
     def value_outputs(self, hidden: torch.Tensor, tokens: Tokens) -> dict[str, torch.Tensor]:
         """`values` (B, T); the value of token t is read at t-1, the state from which token t was chosen."""
