@@ -601,3 +601,22 @@ def test_ctrl_c_stops_an_offline_trainer_as_it_stops_train(tmp_path, nproc):
         f"loss curve {run_dir / 'loss_curve.png'}"]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps >= 1
+
+
+def test_an_implicit_prompt_pair_with_different_user_turns_is_a_bad_row(tok, tmp_path):
+    """Without a prompt column the shared messages are the prompt: chosen and rejected answering different user
+    turns compare answers to different questions, so the row is refused (counted with skip_bad_rows)."""
+    rows = tmp_path / "pairs.jsonl"
+    good = {"chosen": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}],
+            "rejected": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "3"}]}
+    bad = {"chosen": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}],
+           "rejected": [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]}
+    rows.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ValueError) as error:
+        load_preference_dataset([str(rows)], tok, 64)
+    assert str(error.value) == (
+        f"{rows}: row 2: without a 'prompt' column, 'chosen' and 'rejected' must share everything but the last "
+        "assistant turn; they differ at message 0 (chosen[0] is a 'user' turn, rejected[0] a 'user' turn) "
+        "(data.skip_bad_rows=true drops such rows)")
+    data = load_preference_dataset([str(rows)], tok, 64, skip_bad_rows=True)
+    assert len(data) == 1 and data.stats["bad"] == 1

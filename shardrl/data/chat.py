@@ -211,6 +211,12 @@ def pair_messages(row, prompt_key: str, chosen_key: str, rejected_key: str) -> t
         while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
             shared += 1
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        # a user (or system) turn past the shared prefix: the two answer different prompts, a pair that teaches nothing
+        if any(m["role"] in ("user", "system") for m in chosen + rejected):
+            raise ValueError(
+                f"without a '{prompt_key}' column, '{chosen_key}' and '{rejected_key}' must share everything but the "
+                f"last assistant turn; they differ at message {shared} ({chosen_key}[{shared}] is a "
+                f"'{chosen[0]['role']}' turn, {rejected_key}[{shared}] a '{rejected[0]['role']}' turn)")
     if chosen == rejected:
         raise ValueError("chosen and rejected are the same")
     return prompt, chosen, rejected
