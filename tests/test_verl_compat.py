@@ -593,3 +593,16 @@ def test_verls_rejection_sampling_is_shardrls_band():
     cfg = load_config(None, translate(["actor_rollout_ref.model.path=m", rc + "rollout_rs=token_k1",
                                        rc + "rollout_rs_threshold=0.5_2.0"]).overrides)
     assert cfg.algorithm.rollout_is and cfg.algorithm.rollout_is_mode == "reject"
+
+
+def test_verls_val_before_train_default_needs_val_files_to_apply():
+    """verl's default trainer.val_before_train=true is applied only where there is something to validate on: a run
+    without data.val_files would otherwise warn about a key its user never set."""
+    base = ["data.train_files=~/data/train.parquet", "actor_rollout_ref.model.path=Qwen/Qwen3-8B"]
+    without = translate(base)
+    assert "trainer.val_before_train" not in native(without)
+    assert not [line for line in load_config(None, without.overrides).ignored_settings() if "val_before_train" in line]
+    with_val = native(translate(base + ["data.val_files=~/data/test.parquet"]))
+    assert with_val["trainer.val_before_train"] is True
+    given = native(translate(base + ["trainer.val_before_train=True"]))  # set by the user: kept (and warned about)
+    assert given["trainer.val_before_train"] is True

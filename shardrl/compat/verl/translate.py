@@ -197,7 +197,10 @@ def translate(args: list[str]) -> Translation:
         else:
             close = difflib.get_close_matches(key, sorted({*VERL_KEYS, *VERL_PPO_DEFAULTS}), n=1, cutoff=0.8)
             refused.append(f"{key} (verl has no such key" + (f"; did you mean {close[0]}?)" if close else ")"))
-    values = {**{k: v for k, v in VERL_DEFAULTS.items() if k not in given}, **given}
+    defaults = {k: v for k, v in VERL_DEFAULTS.items() if k not in given}
+    if not given.get("data.val_files"):  # nothing to validate on: verl's val_before_train would only be warned about
+        defaults.pop("trainer.val_before_train", None)
+    values = {**defaults, **given}
     out: dict[str, Any] = {}
     dropped_keys: dict[str, str] = dict(at_default)
     applies = []
