@@ -235,3 +235,34 @@ def test_scores_of_a_bf16_engine_are_fp32_not_bf16_rounded(rm_dir):
     _, metrics = reward_pair_step(scores, 0.0)
     margins = scores[0::2] - scores[1::2]
     assert float(metrics["margin"].total) == pytest.approx(float(margins.sum()), abs=1e-6)
+
+
+def test_a_reward_model_built_on_a_causal_lm_says_so_in_one_line_not_transformers_load_report(tmp_path, capfd):
+    """A new score head on a causal LM is what `shardrl rm` does: transformers' LOAD REPORT (lm_head UNEXPECTED,
+    score MISSING) would alarm on every start, so it is silenced and one line of ours says it."""
+    import logging
+
+    from shardrl.engine.model import build_causal_lm, load_hf_config
+
+    kw = {k: v for k, v in TINY_MODELS["qwen2"].items() if k != "model_type"}
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw)).save_pretrained(tmp_path / "lm")
+    config = load_hf_config(str(tmp_path / "lm"), None, task="seq_cls", new_head_ok=True)
+    # shardrl's log and transformers' onto capfd's stderr, as a run prints them (transformers' own handler holds
+    # the stream of whichever capture was on when it was made)
+    handler = logging.StreamHandler()
+    logger = logging.getLogger("shardrl")
+    level = logger.level
+    logger.addHandler(handler)
+    transformers.logging.add_handler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        model = build_causal_lm(config, str(tmp_path / "lm"), "cpu", torch.float32, sequence_classification=True)
+    finally:
+        logger.removeHandler(handler)
+        transformers.logging.remove_handler(handler)
+        logger.setLevel(level)
+    err = capfd.readouterr().err
+    assert type(model).__name__ == "Qwen2ForSequenceClassification" and model.score.weight.shape == (1, 32)
+    assert "LOAD REPORT" not in err and "Consider training" not in err and "UNEXPECTED" not in err
+    assert f"a new score head (32 -> 1) on {tmp_path / 'lm'}; its lm_head is not used" in err
+    assert "not in its files" not in err  # no weight beyond the two heads is missing

@@ -157,8 +157,7 @@ def _read_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool
                          "folder again") from None
     archs = getattr(config, "architectures", None) or []
     if task == "seq_cls" and new_head_ok and archs and all(a.endswith("ForCausalLM") for a in archs):
-        config.num_labels = 1  # a reward model to train from a causal LM: a new score head
-        log.info("%s=%s is a causal LM: its LM head gives way to a new one-label score head", key, path)
+        config.num_labels = 1  # a reward model to train from a causal LM: a new score head (said where it's built)
         return config
     if task == "seq_cls":
         if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
@@ -255,7 +254,10 @@ def build_causal_lm(config, path: str | None, device: str | torch.device, dtype:
         try:
             with torch.random.fork_rng(devices=[]):  # a head the files lack (a new score head) starts from `seed`
                 torch.manual_seed(seed)
-                model = auto.from_pretrained(path, config=config, dtype=dtype, **kwargs)
+                if sequence_classification and _is_causal_lm_folder(config):
+                    model = _with_new_score_head(auto, path, config, dtype, kwargs)
+                else:
+                    model = auto.from_pretrained(path, config=config, dtype=dtype, **kwargs)
         except SafetensorError as e:  # a garbled file whose header still reads
             raise ValueError(f"cannot read the weights in model folder {path!r}: {e}; copy or save them again") from e
     else:
@@ -263,6 +265,33 @@ def build_causal_lm(config, path: str | None, device: str | torch.device, dtype:
             torch.manual_seed(seed)
             model = auto.from_config(config, dtype=dtype, **kwargs)
     return model.to(device)
+
+
+def _is_causal_lm_folder(config) -> bool:
+    archs = getattr(config, "architectures", None) or []
+    return bool(archs) and all(a.endswith("ForCausalLM") for a in archs)
+
+
+def _with_new_score_head(auto, path: str, config, dtype: torch.dtype, kwargs: dict) -> nn.Module:
+    """A sequence classifier from a causal LM's folder: transformers' load report (lm_head unexpected, score
+    missing, "consider training") is what building a reward model means, so it is silenced and said in one line;
+    a key missing or left over beyond the two heads is still warned about."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        model, info = auto.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True, **kwargs)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    head = {name for name, _ in model.named_children() if name in ("score", "classifier")}
+    missing = sorted(k for k in info["missing_keys"] if k.split(".")[0] not in head)
+    unexpected = sorted(k for k in info["unexpected_keys"] if not k.startswith("lm_head."))
+    if missing or unexpected:
+        log.warning("loading the reward model from %s: %d weight(s) not in its files, initialized at random (%s); "
+                    "%d weight(s) in its files unused (%s)", path, len(missing), ", ".join(missing[:5]) or "-",
+                    len(unexpected), ", ".join(unexpected[:5]) or "-")
+    hidden = getattr(text_config(config), "hidden_size", "hidden")
+    log.info("a new score head (%s -> 1) on %s; its lm_head is not used", hidden, path)
+    return model
 
 
 def decoder_block_classes(model: nn.Module) -> set[type]:
