@@ -181,6 +181,24 @@ def offline_ledger(cfg, layout, hf_config) -> dict:
             "not_counted": "CUDA context and allocator cache (nvidia-smi shows more); a reward model's head"}
 
 
+def _teacher_terms(cfg: Config, layout: Layout, master: int) -> tuple[list, tuple | None]:
+    """The teacher's resident terms and its inference pass's term (none without a teacher): another model, so
+    its own sizes, read from its folder's config."""
+    if layout.teacher is None:
+        return [], None
+    from shardrl.engine.model import load_hf_config
+
+    teacher_config = load_hf_config(cfg.teacher.model_path, None, cfg.model.trust_remote_code,
+                                    key="teacher.model_path")
+    e = cfg.teacher.engine
+    resident = _engine_resident("teacher", model_numbers(teacher_config, cfg.model.trust_remote_code), master,
+                                layout.teacher.shard_size, e.offload_params, False, False)
+    tokens = e.max_token_len_per_gpu if e.use_dynamic_bsz else e.micro_batch_size_per_gpu * layout.seq_tokens_per_rank
+    term = _inference_term(text_config(teacher_config), tokens, DTYPE_BYTES[e.param_dtype], e.logprob_chunk_size,
+                           "teacher")
+    return resident, term
+
+
 def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> dict:
     """{"phases": {phase: {"items": [(name, GiB, how)], "total_gib"}}, "peak_phase", "peak_gib"} for one GPU of
     the run `cfg` laid out as `layout` (the busiest rank's share). `cuda`: the rollout keeps a bf16 copy of
@@ -215,15 +233,8 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     if layout.ref is not None and not numbers["trained"]:  # with LoRA the reference is the actor, adapters off
         e = cfg.ref.engine
         resident += _engine_resident("ref", plain, master, layout.ref.shard_size, e.offload_params, False, False)
-    teacher_config = None
-    if layout.teacher is not None:  # another model: its own sizes
-        from shardrl.engine.model import load_hf_config
-
-        teacher_config = load_hf_config(cfg.teacher.model_path, None, cfg.model.trust_remote_code,
-                                        key="teacher.model_path")
-        e = cfg.teacher.engine
-        resident += _engine_resident("teacher", model_numbers(teacher_config, cfg.model.trust_remote_code), master,
-                                     layout.teacher.shard_size, e.offload_params, False, False)
+    teacher_resident, teacher_prep = _teacher_terms(cfg, layout, master)
+    resident += teacher_resident
     if layout.critic is not None:
         e = cfg.critic.engine
         resident += _engine_resident("critic", plain, master, layout.critic.shard_size, e.offload_params,
@@ -266,13 +277,8 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
                                       ("reference", layout.ref is not None), ("values", layout.critic is not None))
               if runs]
     prep = [_inference_term(c, tokens, compute, chunk, ", ".join(passes))] if passes else []
-    if teacher_config is not None:  # the passes run one after another: the larger model's counts
-        e = cfg.teacher.engine
-        t_tokens = e.max_token_len_per_gpu if e.use_dynamic_bsz else e.micro_batch_size_per_gpu * \
-            layout.seq_tokens_per_rank
-        term = _inference_term(text_config(teacher_config), t_tokens, DTYPE_BYTES[e.param_dtype],
-                               e.logprob_chunk_size, "teacher")
-        prep = [max([*prep, term], key=lambda t: t[1])]
+    if teacher_prep is not None:  # the passes run one after another: the larger model's counts
+        prep = [max([*prep, teacher_prep], key=lambda t: t[1])]
 
     update = _update_terms("actor", actor, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing)
     if cfg.actor.router_replay.mode == "R2" and is_moe(hf_config):  # the routing recorded, then replayed
