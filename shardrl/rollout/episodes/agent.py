@@ -353,13 +353,17 @@ class AgentRollout(EpisodeRollout):
     async def _run_all(self, episodes: list[_Episode], url: str) -> None:
         import openai
 
+        from shardrl.rollout.serving.app import EPISODE_HEADER, EPISODE_KEY_PREFIX
+
         asyncio.get_running_loop().set_default_executor(_CallThreads())
         client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=self.timeout_s)
         gate = asyncio.Semaphore(self.max_concurrency)
 
         async def one(e: _Episode):
             async with gate:
-                episode_client = client.with_options(default_headers={"x-shardrl-episode": e.key})
+                # (the key names the episode too: a framework's own client built from base_url and api_key)
+                episode_client = client.with_options(api_key=EPISODE_KEY_PREFIX + e.key,
+                                                     default_headers={EPISODE_HEADER: e.key})
                 try:
                     result = await asyncio.wait_for(self._episode(e.sample, episode_client), self.timeout_s)
                 except asyncio.TimeoutError as exc:  # (its cause: the cancellation, raised where the agent waited)

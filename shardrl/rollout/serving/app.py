@@ -22,6 +22,7 @@ from shardrl.rollout.serving.schema import (LOGPROBS_MODES, ChatRequest, Common,
                                             check_prompt_chars, check_request, completion_prompts,
                                             completion_response, cut_at_stop_ids, error_body, longest_token_chars,
                                             render_size, sampling_of)
+from shardrl.rollout.serving.responses import ResponsesRequest, ResponseWriter, chat_request
 from shardrl.rollout.serving.streaming import DONE, ChunkWriter, chat_events, completion_events, event
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,18 @@ log = logging.getLogger(__name__)
 
 EPISODE_HEADER = "x-shardrl-episode"
 """A request carrying this header is recorded under its value (`app.state.records`: episode -> calls)."""
+EPISODE_KEY_PREFIX = "shardrl-episode-"
+"""An API key `shardrl-episode-<episode>` names the episode as the header does: an agent framework that builds its
+own client from the episode's `client.base_url` and `client.api_key` is recorded under it too."""
+
+
+def episode_of(request: Request) -> str | None:
+    """The episode a request belongs to: its `EPISODE_HEADER`, else its API key's (`EPISODE_KEY_PREFIX`)."""
+    header = request.headers.get(EPISODE_HEADER)
+    if header is not None:
+        return header
+    token = request.headers.get("authorization", "").partition(" ")[2]
+    return token[len(EPISODE_KEY_PREFIX):] if token.startswith(EPISODE_KEY_PREFIX) else None
 
 OFF_LOOP_CHARS = 16_384
 """A request whose prompts cost more characters than this to render and tokenize (`schema.render_size`: their text,
@@ -90,6 +103,7 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
     app.get("/v1/models/{model_id:path}")(routes.model)
     app.post("/v1/chat/completions")(routes.chat)
     app.post("/v1/completions")(routes.completions)
+    app.post("/v1/responses")(routes.responses)
     app.state.batcher, app.state.records = batcher, routes.records
     return app
 
@@ -146,12 +160,34 @@ class Routes:
         self.record(request, flat)
         return JSONResponse(completion_response(req, prompts, flat, sampling.n, self.model_name, self.tok))
 
+    async def responses(self, req: ResponsesRequest, request: Request):
+        """OpenAI's Responses API on the chat path (`shardrl.rollout.serving.responses`): the same prompt, checks,
+        sampling and record as the chat request it means."""
+        chat = chat_request(req)
+        ids = await self.tokenized(chat_prompt, chat)
+        max_tokens = chat_max_tokens(chat, len(ids), self.default_max_tokens, self.max_model_len)
+        sampling = self.sampling(chat, [ids], max_tokens)
+        writer = ResponseWriter(req, chat, self.model_name, self.tok)
+        if req.stream:
+            return self.streamed(request, chat, [ids], sampling, writer.head(),
+                                 lambda outs: writer.events(ids, outs[0]), writer.failure)
+        outs = cut_at_stop_ids(chat, await self.submit(request, chat, [ids], sampling), self.tok)
+        self.record(request, outs)
+        return JSONResponse(writer.response(ids, outs[0]))
+
     def streamed(self, request: Request, req: Common, prompts: list[list[int]], sampling: SamplingParams,
-                 head: list[str], events) -> StreamingResponse:
+                 head: list[str], events, failure=None) -> StreamingResponse:
         """A streamed reply (`shardrl.rollout.serving.streaming`): the `head` events at once (a chat's role chunk),
         then, once the batcher's reply is done, `events(outs)`. A client that leaves meanwhile ends its rows
         (`submit` watches it; the HTTP server also cancels this generator, and the batcher then ends them too); a
-        failure after the stream began is an error event, then [DONE] (vLLM's)."""
+        failure after the stream began is `failure(message, code)`'s events: by default an error event, then [DONE]
+        (vLLM's)."""
+        def chat_failure(message: str, code: str | None) -> list[str]:
+            return [event({"error": {"message": message, "type": "server_error", "param": None, "code": code}}),
+                    DONE]
+
+        failure = failure or chat_failure
+
         async def body():
             for x in head:
                 yield x
@@ -160,15 +196,13 @@ class Routes:
             except Dropped:  # (the client left: nobody reads the rest)
                 return
             except Stopped as e:
-                yield event({"error": {"message": str(e), "type": "server_error", "param": None,
-                                       "code": "server_stopping"}})
-                yield DONE
+                for x in failure(str(e), "server_stopping"):
+                    yield x
                 return
             except Exception as e:  # noqa: BLE001 (the status went out already: the error goes in the stream)
                 log.exception("a streamed generation failed")
-                yield event({"error": {"message": f"generation failed: {type(e).__name__}: {e}",
-                                       "type": "server_error", "param": None, "code": None}})
-                yield DONE
+                for x in failure(f"generation failed: {type(e).__name__}: {e}", None):
+                    yield x
                 return
             self.record(request, outs)
             for x in events(outs):
@@ -207,13 +241,13 @@ class Routes:
         connected.left = watcher.done  # (and a generation thread ask without the loop: `_left`)
         try:
             # the conversation a request continues: its `session_id`, or an RL run's episode
-            session = req.session_id or request.headers.get(EPISODE_HEADER)
+            session = req.session_id or episode_of(request)
             return await self.batcher.submit(prompts, sampling, connected, session)
         finally:
             watcher.cancel()
 
     def record(self, request: Request, outs: list[dict]) -> None:
-        episode = request.headers.get(EPISODE_HEADER)
+        episode = episode_of(request)
         if episode is not None and self.app.state.policy is not None:  # (an RL run's endpoint: its agent reads them)
             self.records.setdefault(episode, []).extend(outs)
 

@@ -1,0 +1,247 @@
+"""OpenAI's Responses API (`POST /v1/responses`) on the chat path: a Responses request is turned into the chat request
+it means (`chat_request`: `instructions` a system message first, the `input` items as chat messages, function tools
+in chat's shape), which the routes template, check, sample and record exactly as a /v1/chat/completions call; the
+reply is answered as a `response` object (`response_body`) or, streamed, as the Responses API's typed events
+(`ResponseEvents`: response.created, response.in_progress, response.output_item.added, response.content_part.added,
+response.output_text.delta per token, the matching .done events, then response.completed, or response.incomplete
+when max_output_tokens cut the reply).
+
+This server keeps no responses (`store` is answered false whatever is asked): a request that continues a stored one
+(`previous_response_id`, `conversation`, an `item_reference`) is refused; send the conversation's items as `input`
+(the agent frameworks do). Options that would change what is sampled and are not applied are refused, as chat's
+are (`schema.UNSUPPORTED`)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
+
+from shardrl.rollout.serving.schema import ChatRequest, Message, RequestError, usage, versions
+from shardrl.rollout.serving.streaming import event, text_deltas
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+"""The `include` entry that asks for each output token's log-prob (OpenAI's; `top_logprobs` as chat's)."""
+TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "refusal")
+
+
+class ResponsesRequest(BaseModel):
+    """A /v1/responses body (fields this server does not read, e.g. metadata or user, are accepted and ignored)."""
+    model_config = ConfigDict(extra="allow")
+    model: str
+    input: str | list[dict]
+    instructions: str | None = None
+    max_output_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_logprobs: StrictInt | None = None
+    include: list[str] | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool | None = None
+    store: bool | None = None  # (answered false: nothing is kept)
+    previous_response_id: str | None = None
+    metadata: dict | None = None
+
+
+REFUSED = {  # option -> (whether a value asks for it, why it is refused)
+    "previous_response_id": (bool, "this server stores no responses: send the whole conversation as input (the "
+                                   "earlier response's output items, then the new ones)"),
+    "conversation": (bool, "this server keeps no conversations: send the whole conversation as input"),
+    "background": (bool, "this server answers in the foreground only: leave background out"),
+    "prompt": (bool, "this server has no stored prompt templates: send the prompt as instructions and input"),
+    "reasoning": (lambda v: bool(v) and any(x is not None for x in v.values()),
+                  "this server's model takes no reasoning settings: leave reasoning out"),
+    "truncation": (lambda v: v not in (None, "disabled"),
+                   "this server does not drop input to fit the context: send truncation='disabled' or leave it out"),
+    "text": (lambda v: bool(v) and (v.get("format") or {"type": "text"}).get("type") != "text",
+             "this server samples free text only (no structured output): leave text.format out"),
+    "max_tool_calls": (lambda v: v is not None, "this server runs no built-in tools: leave max_tool_calls out"),
+}
+
+
+def refuse_options(req: ResponsesRequest) -> None:
+    fields = {**(req.model_extra or {}), "previous_response_id": req.previous_response_id}
+    for name, (asks, why) in REFUSED.items():
+        if name in fields and asks(fields[name]):
+            raise RequestError(f"{name}={fields[name]!r} is not supported: {why}", name)
+    if req.top_logprobs and LOGPROBS_INCLUDE not in (req.include or ()):
+        raise RequestError(f"top_logprobs={req.top_logprobs} asks for log-probs: send include="
+                           f"['{LOGPROBS_INCLUDE}'] with it", "top_logprobs")
+
+
+def part_text(content, where: str) -> str | None:
+    """A Responses content (a string, or a list of parts) as chat's text: the text parts joined; other parts (an
+    image, a file, audio) refused, as chat's are."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where}.content must be a string or a list of content parts", "input")
+    texts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise RequestError(f"{where}.content[{k}] is a part of type {kind!r}, which this server does not "
+                               "support (it serves a text model): send text parts only", "input")
+        texts.append(part.get("refusal") if kind == "refusal" else part.get("text", ""))
+    return "".join(x for x in texts if isinstance(x, str))
+
+
+def chat_messages(req: ResponsesRequest) -> list[dict]:
+    """The chat messages a Responses request's `instructions` and `input` mean. A function call joins the assistant
+    message before it (its text, then its calls: as a chat client sends one turn that says something and calls
+    tools), and a function call's output is a tool message."""
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    for i, item in enumerate(items):
+        where, kind = f"input[{i}]", item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise RequestError(f"{where}.role={role!r} must be one of user, assistant, system, developer",
+                                   "input")
+            messages.append({"role": role, "content": part_text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None}
+                messages.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else part_text(output, f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        elif kind == "item_reference":
+            raise RequestError(f"{where} is an item_reference: this server stores no items; send the item itself",
+                               "input")
+        else:
+            raise RequestError(f"{where} is an item of type {kind!r}, which this server does not support: send "
+                               "messages, function_call and function_call_output items", "input")
+    return messages
+
+
+def chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Responses function tools (name, description and parameters at the top) in chat's shape (under function)."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise RequestError(f"tools[{i}] is a {tool.get('type')!r} tool, which this server does not run: send "
+                               "function tools (the agent runs them)", "tools")
+        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                                     if tool.get(k) is not None}})
+    return out
+
+
+def chat_tool_choice(choice):
+    """A Responses tool_choice in chat's shape ({"type": "function", "name": n} -> under function)."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def chat_request(req: ResponsesRequest) -> ChatRequest:
+    """The chat request a Responses request means (`chat_messages`, `chat_tools`), its sampling fields carried over:
+    what the chat path then checks, templates and samples."""
+    refuse_options(req)
+    extra = {k: v for k, v in (req.model_extra or {}).items() if k in ("top_k", "seed", "session_id")}
+    if req.tool_choice is not None:
+        extra["tool_choice"] = chat_tool_choice(req.tool_choice)
+    logprobs = LOGPROBS_INCLUDE in (req.include or ())
+    return ChatRequest(model=req.model, messages=[Message(**m) for m in chat_messages(req)],
+                       max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+                       logprobs=logprobs or None, top_logprobs=req.top_logprobs, tools=chat_tools(req.tools),
+                       **extra)
+
+
+def output_logprobs(tok, o: dict) -> list[dict]:
+    """Each output token's log-prob entry (the Responses API's shape: the token's bytes as a list)."""
+    tokens = tok.convert_ids_to_tokens(o["token_ids"])
+    return [{"token": t, "bytes": list(t.encode("utf-8")), "logprob": lp, "top_logprobs": []}
+            for t, lp in zip(tokens, o["log_probs"])]
+
+
+class ResponseWriter:
+    """The `response` object of one request, and its streamed events (one id, one numbering of the events)."""
+
+    def __init__(self, req: ResponsesRequest, chat: ChatRequest, model_name: str, tok):
+        self.req, self.chat, self.model_name, self.tok = req, chat, model_name, tok
+        self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.sequence = 0
+
+    def body(self, status: str, output: list[dict], **more) -> dict:
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "error": None, "incomplete_details": None, "instructions": self.req.instructions,
+                "max_output_tokens": self.req.max_output_tokens, "model": self.model_name, "output": output,
+                "parallel_tool_calls": self.req.parallel_tool_calls is not False,
+                "previous_response_id": None, "store": False, "temperature": self.req.temperature,
+                "top_p": self.req.top_p, "text": {"format": {"type": "text"}}, "truncation": "disabled",
+                "tool_choice": self.req.tool_choice or "auto", "tools": self.req.tools or [],
+                "metadata": self.req.metadata, "usage": None, **more}
+
+    def message(self, o: dict | None, status: str) -> dict:
+        """The assistant message item of the reply `o` (None: the empty one a stream opens with)."""
+        content = [] if o is None else [self.text_part(o)]
+        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content,
+                **({} if o is None else {"token_ids": o["token_ids"], **versions(o)})}
+
+    def text_part(self, o: dict) -> dict:
+        part = {"type": "output_text", "text": o["text"], "annotations": []}
+        if self.chat.logprobs:
+            part["logprobs"] = output_logprobs(self.tok, o)
+        return part
+
+    def response(self, ids: list[int], o: dict) -> dict:
+        """The finished `response` object: completed, or incomplete where max_output_tokens cut the reply."""
+        cut = o["finish_reason"] == "length"
+        status = "incomplete" if cut else "completed"
+        use = usage([ids], [o])
+        return self.body(status, [self.message(o, status)],
+                         incomplete_details={"reason": "max_output_tokens"} if cut else None,
+                         completed_at=None if cut else int(time.time()), prompt_token_ids=ids,
+                         usage={"input_tokens": use["prompt_tokens"], "output_tokens": use["completion_tokens"],
+                                "total_tokens": use["total_tokens"],
+                                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                                "output_tokens_details": {"reasoning_tokens": 0}})
+
+    # ---- streamed ------------------------------------------------------------------------------
+    def event(self, kind: str, **fields) -> str:
+        self.sequence += 1
+        return event({"type": kind, "sequence_number": self.sequence - 1, **fields})
+
+    def head(self) -> list[str]:
+        """The events sent at once, before the reply is done."""
+        opened = self.body("in_progress", [])
+        return [self.event("response.created", response=opened), self.event("response.in_progress", response=opened)]
+
+    def events(self, ids: list[int], o: dict):
+        """The reply's events after the head: its item and text part opened, a delta a token, each closed, the end."""
+        done = self.response(ids, o)
+        where = {"item_id": self.item_id, "output_index": 0}
+        yield self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress"))
+        yield self.event("response.content_part.added", **where, content_index=0,
+                         part={"type": "output_text", "text": "", "annotations": []})
+        logprobs = output_logprobs(self.tok, o) if self.chat.logprobs else None
+        for k, delta in enumerate(text_deltas(self.tok, o["token_ids"], o["text"])):
+            lp = [] if logprobs is None else [{"token": x["token"], "logprob": x["logprob"], "top_logprobs": []}
+                                               for x in logprobs[k:k + 1]]
+            if delta or lp:
+                yield self.event("response.output_text.delta", **where, content_index=0, delta=delta, logprobs=lp)
+        part = done["output"][0]["content"][0]
+        yield self.event("response.output_text.done", **where, content_index=0, text=o["text"],
+                         logprobs=part.get("logprobs", []))
+        yield self.event("response.content_part.done", **where, content_index=0, part=part)
+        yield self.event("response.output_item.done", output_index=0, item=done["output"][0])
+        yield self.event(f"response.{done['status']}", response=done)
+
+    def failure(self, message: str, code: str | None) -> list[str]:
+        """A failure after the stream began: an error event, then the response failed."""
+        failed = self.body("failed", [], error={"code": code or "server_error", "message": message})
+        return [self.event("error", code=code, message=message, param=None),
+                self.event("response.failed", response=failed)]

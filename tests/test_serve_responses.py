@@ -1,0 +1,200 @@
+"""OpenAI's Responses API on `shardrl serve` (issue 59 item 3): `client.responses.create` through the real `openai`
+client answers exactly the chat request it means (the same prompt ids, reply tokens and log-probs), streamed as the
+Responses API's typed events whose deltas join to the plain reply; input items (earlier output, function calls and
+their outputs) render as chat's messages; what it cannot honour (stored responses, built-in tools, images) is a
+400 naming the field; and in the agent trainer a Responses call records the trajectory a chat call does."""
+
+from __future__ import annotations
+
+import textwrap
+
+import openai
+import pytest
+import torch
+import transformers
+
+from shardrl.config.schema import load_config
+from shardrl.rollout import SamplingParams
+from shardrl.rollout.serving.command import ServerThread, build_server
+from shardrl.testing import save_char_model
+
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+@pytest.fixture(scope="module", params=["fast", "hf"])
+def server(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"model_{request.param}")
+    save_char_model(folder)
+    cfg = load_config(None, [f"model.path={folder}", f"rollout.backend={request.param}"])
+    srv = ServerThread(build_server(cfg, served_name="tiny", max_batch=8))
+    yield srv
+    srv.stop()
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 40])
+def test_a_response_is_the_chat_reply_of_the_same_conversation(server, max_tokens):
+    c = client(server)
+    got = c.responses.create(model="tiny", instructions="be brief", input="hello there", temperature=0,
+                             max_output_tokens=max_tokens, include=LOGPROBS)
+    want = c.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "be brief"},
+                                                             {"role": "user", "content": "hello there"}],
+                                     max_tokens=max_tokens, temperature=0, logprobs=True)
+    item, choice = got.output[0], want.choices[0]
+    assert got.object == "response" and got.id.startswith("resp_") and got.store is False
+    assert item.type == "message" and item.role == "assistant"
+    assert got.output_text == choice.message.content and item.content[0].text == choice.message.content
+    assert got.model_extra["prompt_token_ids"] == want.model_extra["prompt_token_ids"]
+    assert item.model_extra["token_ids"] == choice.model_extra["token_ids"]
+    assert [x.logprob for x in item.content[0].logprobs] == pytest.approx(
+        [x.logprob for x in choice.logprobs.content], abs=1e-6)
+    assert (got.usage.input_tokens, got.usage.output_tokens, got.usage.total_tokens) == (
+        want.usage.prompt_tokens, want.usage.completion_tokens, want.usage.total_tokens)
+    cut = choice.finish_reason == "length"
+    assert got.status == item.status == ("incomplete" if cut else "completed")
+    assert (got.incomplete_details.reason if cut else got.incomplete_details) == ("max_output_tokens" if cut else None)
+    assert cut == (max_tokens == 1)  # (this model's greedy reply here is 'u' and its end: cut at 1 token only)
+
+
+def test_a_streamed_response_is_the_responses_events_joining_to_the_plain_one(server):
+    c = client(server)
+    kwargs = dict(model="tiny", input="1+2=", max_output_tokens=12, temperature=0, include=LOGPROBS)
+    plain = c.responses.create(**kwargs)
+    events = list(c.responses.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert kinds == (["response.created", "response.in_progress", "response.output_item.added",
+                      "response.content_part.added"] + ["response.output_text.delta"] * len(deltas)
+                     + ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                        f"response.{plain.status}"])
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    assert "".join(e.delta for e in deltas) == plain.output_text
+    assert [lp.logprob for e in deltas for lp in e.logprobs] == pytest.approx(
+        [x.logprob for x in plain.output[0].content[0].logprobs], abs=1e-6)
+    done = events[-1].response
+    assert done.id == events[0].response.id and done.output_text == plain.output_text
+    assert done.output[0].model_extra["token_ids"] == plain.output[0].model_extra["token_ids"]
+    assert events[-2].item.content[0].text == plain.output_text
+
+
+def test_input_items_render_as_the_chat_messages_they_mean(server):
+    """An earlier response's output message, a function call and its output, and content parts: the prompt is
+    the chat template's of the matching chat messages (a call joins the assistant turn before it)."""
+    c = client(server)
+    first = c.responses.create(model="tiny", input="what is 2+2?", max_output_tokens=4, temperature=0)
+    items = [{"role": "user", "content": "what is 2+2?"}, *[x.model_dump(exclude_none=True) for x in first.output],
+             {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 2, "b": 2}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "4"},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "so? "},
+                                                            {"type": "input_text", "text": "say it"}]}]
+    got = c.responses.create(model="tiny", input=items, max_output_tokens=4, temperature=0)
+    want = c.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": "what is 2+2?"},
+        {"role": "assistant", "content": first.output_text, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "4"}, {"role": "user", "content": "so? say it"}])
+    assert got.model_extra["prompt_token_ids"] == want.model_extra["prompt_token_ids"]
+    assert got.output_text == want.choices[0].message.content
+    tok = server.app.state.batcher.tokenizer
+    assert tok.decode(got.model_extra["prompt_token_ids"]) == (
+        f"user: what is 2+2?\nassistant: {first.output_text}\ntool: 4\nuser: so? say it\nassistant: ")
+
+
+@pytest.mark.parametrize("kwargs,param,said", [
+    (dict(previous_response_id="resp_1"), "previous_response_id", "this server stores no responses: send the whole "
+                                                                   "conversation as input"),
+    (dict(background=True), "background", "answers in the foreground only"),
+    (dict(tools=[{"type": "web_search"}]), "tools", "tools[0] is a 'web_search' tool, which this server does not run"),
+    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]), "input",
+     "input[0].content[0] is a part of type 'input_image'"),
+    (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input", "this server stores no items"),
+    (dict(input=[{"type": "reasoning", "id": "rs_1", "summary": []}]), "input", "an item of type 'reasoning'"),
+    (dict(text={"format": {"type": "json_object"}}), "text", "free text only"),
+    (dict(truncation="auto"), "truncation", "does not drop input"),
+    (dict(top_logprobs=2), "top_logprobs", "send include=['message.output_text.logprobs'] with it"),
+    (dict(model="gpt-5"), "model", "the model 'gpt-5' does not exist"),
+    (dict(max_output_tokens=0), "max_tokens", "max_tokens=0 must be >= 1"),
+])
+def test_what_a_response_cannot_honour_is_a_400_naming_the_field(server, kwargs, param, said):
+    c = client(server)
+    kwargs = {"model": "tiny", "input": "hi", **kwargs}
+    with pytest.raises(openai.APIStatusError) as e:
+        c.responses.create(**kwargs)
+    assert e.value.status_code == (404 if param == "model" else 400)
+    assert e.value.body["param"] == param and said in e.value.body["message"], e.value.body
+
+
+def test_a_plain_server_answers_store_true_without_storing(server):
+    got = client(server).responses.create(model="tiny", input="hi", max_output_tokens=2, store=True)
+    assert got.store is False and got.status in ("completed", "incomplete")
+
+
+RESPONSES_AGENT = '''
+import os
+
+
+async def run(sample, client):
+    """Two turns through the Responses API (streamed or not: STREAM), or the same two turns by chat (API=chat)."""
+    stream = os.environ.get("SHARDRL_TEST_STREAM") == "1"
+    if os.environ.get("SHARDRL_TEST_API") == "chat":
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": sample["prompt"]}]
+        first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "more"}]
+        second = await client.chat.completions.create(model="policy", messages=messages, max_tokens=5)
+        return float(len(second.choices[0].message.content))
+    items = [{"role": "user", "content": sample["prompt"]}]
+    first = await ask(client, items, 6, stream)
+    items += [x.model_dump(exclude_none=True) for x in first.output] + [{"role": "user", "content": "more"}]
+    second = await ask(client, items, 5, stream)
+    return float(len(second.output_text))
+
+
+async def ask(client, items, max_tokens, stream):
+    kwargs = dict(model="policy", instructions="be brief", input=items, max_output_tokens=max_tokens)
+    if not stream:
+        return await client.responses.create(**kwargs)
+    events = await client.responses.create(**kwargs, stream=True)
+    return [e async for e in events][-1].response
+'''
+
+
+def test_a_responses_agent_records_the_trajectory_a_chat_agent_does(tmp_path, monkeypatch):
+    """The same two-turn agent through the Responses API (plain and streamed) and through chat, sampling greedily:
+    the same trajectory tokens, trained mask, log-probs and rewards; the trained log-probs are a plain forward's."""
+    from test_agent import agent_rollout
+    from test_rollout_hf import recomputed_log_probs
+
+    tok = save_char_model(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    agent_file = tmp_path / "responses_agent.py"
+    agent_file.write_text(textwrap.dedent(RESPONSES_AGENT))
+    got = []
+    for api, stream in (("chat", "0"), ("responses", "0"), ("responses", "1")):
+        monkeypatch.setenv("SHARDRL_TEST_API", api)
+        monkeypatch.setenv("SHARDRL_TEST_STREAM", stream)
+        rollout = agent_rollout((tok, model, agent_file))
+        try:
+            enc = tok(["1+2=", "ab"], return_tensors="pt", padding=True)
+            samples = [{"prompt": p, "data_source": "t", "extra": {}} for p in ("1+2=", "ab")]
+            out = rollout.generate(enc["input_ids"], enc["attention_mask"],
+                                   SamplingParams(n=2, greedy=True, max_new_tokens=8), samples=samples)
+        finally:
+            rollout.server.stop()
+        got.append((out, out.to_batch()))
+    (chat_out, chat), *others = got
+    assert chat["loss_mask"].sum() > 8 and chat["agent_calls"].tolist() == [2.0] * 4
+    assert chat["agent_errors"].sum() == 0
+    for out, batch in others:
+        for key in ("input_ids", "loss_mask", "attention_mask"):
+            assert torch.equal(chat[key], batch[key]), key
+        torch.testing.assert_close(chat["sampled_log_probs"], batch["sampled_log_probs"], atol=0, rtol=0)
+        assert sorted(chat["interaction_score"]) == sorted(batch["interaction_score"])
+        assert batch["agent_errors"].sum() == 0 and batch["agent_calls"].tolist() == [2.0] * 4
+    trained = chat["loss_mask"].bool()
+    torch.testing.assert_close(chat["sampled_log_probs"][trained],
+                               recomputed_log_probs(model, chat_out, 1.0)[trained], atol=1e-4, rtol=0)
