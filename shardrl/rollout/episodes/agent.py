@@ -28,7 +28,8 @@ counted (`agent/errors_mean`, `agent/timeouts_mean`) and logged with its place i
 where it raised, or where it was waiting when it timed out); a step whose every episode failed stops the run with
 the first error (a `ValueError`: one `error:` line; the trainer's scorer decides it on every rank's count).
 
-Episodes share one event loop: one that blocks it (time.sleep, a synchronous HTTP client, subprocess.run) stalls
+Episodes share one event loop, the same for every step of the run (agents' libraries keep clients bound to the
+loop they were first used on); what an episode leaves running is cancelled at the step's end. One that blocks it (time.sleep, a synchronous HTTP client, subprocess.run) stalls
 them all and no timeout can fire until it returns (the log says so once the loop has stalled past the timeout);
 await async calls, or use asyncio.to_thread (a thread's call still running when its episode times out is left to
 finish: the step does not wait for it).
@@ -160,7 +161,7 @@ class _CallThreads(concurrent.futures.ThreadPoolExecutor):
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self.guard:  # (asyncio.run asks twice: its executor's shutdown, then the loop's close; said once)
+        with self.guard:  # (said once: the step's end asks, and the loop's close again)
             left, self.said = (0 if getattr(self, "said", False) else len(self.running)), True
         if left:
             log.warning("%d blocking call(s) of agent episodes that ended (asyncio.to_thread, run_in_executor) are "
@@ -250,6 +251,7 @@ class AgentRollout(EpisodeRollout):
         self.max_concurrency, self.max_response_tokens = max_concurrency, max_response_tokens
         self.max_batch, self.context = max_batch, context
         self.server = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # (the episodes' loop: `_on_loop`)
         for name in ("httpx", "httpx2"):  # (the openai client's HTTP library logs every call at INFO: hundreds a
             quiet = logging.getLogger(name)  # step would bury the run's own lines; a level set by the user stays)
             if quiet.level == logging.NOTSET:
@@ -297,7 +299,7 @@ class AgentRollout(EpisodeRollout):
         episodes = [_Episode({"prompt": samples[b].get("prompt"), "data_source": samples[b].get("data_source"),
                               "extra": samples[b].get("extra")}, uuid.uuid4().hex)
                     for b in range(num_prompts) for _ in range(n)]
-        asyncio.run(self._run_all(episodes, server.url))
+        self._on_loop(self._run_all(episodes, server.url))
         server.batcher.pause()  # (the backend free: the trainer moves weights next)
         unpin = getattr(self.rollout, "unpin_session", None)
         for e in episodes if unpin is not None else ():  # (the episodes are over: their K/V need not stay)
@@ -306,6 +308,26 @@ class AgentRollout(EpisodeRollout):
         calls = [records.pop(e.key, []) for e in episodes]
         self._judge(episodes, calls)
         return self._assemble(prompt_ids, attention_mask, n, episodes, calls)
+
+    def _on_loop(self, episodes) -> None:
+        """Runs the step's `episodes` (a coroutine) on the episodes' event loop: one loop for the whole run, not one
+        a step (asyncio.run), since agents' libraries keep clients bound to the loop they were first used on
+        (langchain-openai caches its HTTP client process-wide: on the next step's new loop every call failed with
+        'Event loop is closed'). What the episodes leave running is cancelled at the step's end, as asyncio.run
+        cancels it, and their blocking calls' threads are left to finish (`_CallThreads`)."""
+        if self.loop is None or self.loop.is_closed():
+            self.loop = asyncio.new_event_loop()
+        threads = _CallThreads()
+        self.loop.set_default_executor(threads)
+        try:
+            self.loop.run_until_complete(episodes)
+        finally:
+            left = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+            for task in left:
+                task.cancel()
+            if left:
+                self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            threads.shutdown(wait=False)
 
     def _judge(self, episodes: list[_Episode], calls: list[list[dict]]) -> None:
         """The failures only the whole step shows (no call to the model; None where other episodes returned
@@ -355,7 +377,6 @@ class AgentRollout(EpisodeRollout):
 
         from shardrl.rollout.serving.app import EPISODE_HEADER, EPISODE_KEY_PREFIX
 
-        asyncio.get_running_loop().set_default_executor(_CallThreads())
         client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=self.timeout_s)
         gate = asyncio.Semaphore(self.max_concurrency)
 
