@@ -284,3 +284,33 @@ def test_an_agents_tool_calls_train_on_the_sampled_tokens_and_bad_ones_are_count
     trained = batch["loss_mask"].bool()
     torch.testing.assert_close(batch["sampled_log_probs"][trained],
                                recomputed_log_probs(model, out, 1.0)[trained], atol=1e-4, rtol=0)
+
+
+def test_streamed_tool_calls_are_vllms_chunks_and_accumulate_to_the_plain_reply(server):
+    """stream=true: the content's tokens, then a chunk per call (index, id, type, name, arguments), then
+    finish_reason "tool_calls"; the chunks' token ids and log-probs are the reply's, and the openai client's stream
+    helper accumulates them into the plain reply's message."""
+    srv, client, tok = server
+    plain = ask(client, "two", tools=TOOLS, logprobs=True).model_dump()["choices"][0]
+    chunks = [c.model_dump() for c in ask(client, "two", tools=TOOLS, logprobs=True, stream=True)]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "ok: "
+    calls = [call for d in deltas for call in d.get("tool_calls") or ()]
+    assert [(c["index"], c["type"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (0, "function", "add", '{"a": 1, "b": 2}'), (1, "function", "add", '{"a": 5, "b": 2}')]
+    assert all(c["id"].startswith("call_") for c in calls)
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    extra = [c["choices"][0] for c in chunks]
+    assert [t for c in extra for t in c.get("token_ids") or ()] == plain["token_ids"]
+    streamed_lp = [x["logprob"] for c in extra if c["logprobs"] for x in c["logprobs"]["content"]]
+    assert streamed_lp == pytest.approx([x["logprob"] for x in plain["logprobs"]["content"]])
+    with client.chat.completions.stream(model="tiny", messages=[{"role": "user", "content": "two"}],
+                                        tools=TOOLS) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.content == "ok: "
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
+        ("add", '{"a": 1, "b": 2}'), ("add", '{"a": 5, "b": 2}')]
+    bad = [c.choices[0] for c in ask(client, "bad", tools=TOOLS, stream=True)]  # (no calls: text, as before)
+    assert "".join(c.delta.content or "" for c in bad) == '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>'
+    assert bad[-1].finish_reason == "stop" and not any(c.delta.tool_calls for c in bad)

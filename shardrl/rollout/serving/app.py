@@ -166,6 +166,8 @@ class Routes:
                 yield x
             try:
                 outs = cut_at_stop_ids(req, await self.submit(request, req, prompts, sampling), self.tok)
+                if isinstance(req, ChatRequest):
+                    parse_replies(req, outs, self.tool_parser, self.tok)
             except Dropped:  # (the client left: nobody reads the rest)
                 return
             except Stopped as e:
