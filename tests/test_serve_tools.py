@@ -191,6 +191,8 @@ def test_tool_calls_reach_the_openai_client_and_the_tokens_stay_the_sampled_ones
     assert two.message.content == "ok: " and [c.function.arguments for c in two.message.tool_calls] == [
         '{"a": 1, "b": 2}', '{"a": 5, "b": 2}']
     assert len({c.id for c in two.message.tool_calls}) == 2
+    first = ask(client, "two", tools=TOOLS, parallel_tool_calls=False).choices[0].message.tool_calls
+    assert [c.function.arguments for c in first] == ['{"a": 1, "b": 2}']  # (one call at most, as OpenAI's)
 
     bad = ask(client, "bad", tools=TOOLS).choices[0]  # (malformed: text, as sampled)
     assert bad.finish_reason == "stop" and bad.message.tool_calls is None

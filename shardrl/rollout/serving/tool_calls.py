@@ -214,8 +214,9 @@ def tool_choice_of(req) -> str | dict:
 
 def parse_replies(req, outs: list[dict], parser: str, tok) -> list[dict]:
     """Each choice's tool calls read (with `tools` given and tool_choice not "none"): a choice whose calls parse
-    gains `tool_calls` (OpenAI's shape), `content` and finish_reason "tool_calls"; one that looked like a call but
-    did not parse is marked `tool_parse_failed` (its reply stays text). Token ids and log-probs untouched."""
+    gains `tool_calls` (OpenAI's shape; its first alone with parallel_tool_calls=false), `content` and finish_reason
+    "tool_calls"; one that looked like a call but did not parse is marked `tool_parse_failed` (its reply stays
+    text). Token ids and log-probs untouched."""
     if not req.tools or tool_choice_of(req) == "none":
         return outs
     for o in outs:
@@ -224,6 +225,8 @@ def parse_replies(req, outs: list[dict], parser: str, tok) -> list[dict]:
             o["tool_parse_failed"] = True
         if not parsed.calls:
             continue
+        if (req.model_extra or {}).get("parallel_tool_calls") is False:  # (OpenAI's: one call at most)
+            parsed.calls = parsed.calls[:1]
         o["content"] = parsed.content
         o["tool_calls"] = [{"id": call_id(parser), "type": "function",
                             "function": {"name": name, "arguments": args}} for name, args in parsed.calls]
