@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the replies' log-probs: the sampled distribution's, log softmax(logits / temperature) "
                             "before top-k/top-p (default; what shardrl's trainer recomputes), or the model's own, "
                             "log softmax(logits) (vLLM's default)")
+    serve.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "mistral"], default="auto",
+                       help="how a chat reply's tool calls are read into tool_calls when a request gives tools "
+                            "(vLLM's names): hermes (Hermes, Qwen2.5, Qwen3: <tool_call>), llama3_json (Llama 3.x), "
+                            "mistral ([TOOL_CALLS]); auto (default): told from the chat template, else hermes")
 
     _add_config_parser(sub)
 
@@ -379,7 +383,8 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"shardrl serve: {e}", file=sys.stderr)
         return 1
     options = ServeOptions(max_body_bytes=args.max_body_mb * 2**20, logprobs_mode=args.logprobs_mode,
-                           max_prompts=args.max_prompts, max_messages=args.max_messages)
+                           max_prompts=args.max_prompts, max_messages=args.max_messages,
+                           tool_call_parser=args.tool_call_parser)
     cfg = load_config(args.config, args.overrides)
     hub_id = _serve_hub_paths(cfg)
     engine = build_engine(cfg, args.served_model_name or hub_id, args.max_batch)

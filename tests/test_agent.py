@@ -258,7 +258,7 @@ def test_an_rl_run_trains_on_agent_episodes(tmp_path, monkeypatch):
     assert len(records) == 4 and records[0]["step"] == 0
     assert {k: v for k, v in records[0].items() if k.startswith("val/agent/")} == {
         "val/agent/errors_mean": 0.0, "val/agent/timeouts_mean": 0.0, "val/agent/prefix_breaks_mean": 0.0,
-        "val/agent/calls_mean": 1.0}
+        "val/agent/calls_mean": 1.0, "val/agent/tool_parse_failures_mean": 0.0}
     assert all(r["agent/calls_mean"] == 1.0 and r["agent/errors_mean"] == 0.0 for r in records[1:])
     assert all("reward/mean" in r and "actor/pg_loss" in r for r in records[1:])
     assert not [k for r in records for k in r if "multi_turn/" in k]

@@ -111,6 +111,11 @@ class AgentConfig:
     """Episodes running at once (per rank)."""
     max_response_tokens: int = 1024
     """An episode's trajectory after its first prompt, in tokens (the model's and the rest); longer is cut."""
+    tool_call_parser: str = "auto"
+    """How the endpoint reads a reply's tool calls into `tool_calls` when a call gives `tools` (vLLM's names:
+    hermes, llama3_json, mistral; auto: told from the chat template, else hermes). The trained tokens are the
+    sampled ones whatever it reads; a reply that looks like a call but does not parse stays text and is counted
+    (`agent/tool_parse_failures_mean`)."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "entrypoint", self.entrypoint is None or (":" in self.entrypoint and
@@ -119,6 +124,9 @@ class AgentConfig:
         require(self, prefix, "timeout_s", self.timeout_s > 0, "must be > 0 (seconds)")
         require(self, prefix, "max_concurrency", self.max_concurrency >= 1, "must be >= 1")
         require(self, prefix, "max_response_tokens", self.max_response_tokens >= 1, "must be >= 1")
+        require(self, prefix, "tool_call_parser",
+                self.tool_call_parser in ("auto", "hermes", "llama3_json", "mistral"),
+                "must be auto, hermes, llama3_json or mistral")
 
 
 def check_sampling(section, prefix: str) -> None:

@@ -244,8 +244,9 @@ class AgentRollout(EpisodeRollout):
 
     def __init__(self, rollout: Rollout, tokenizer, entrypoint, timeout_s: float = 300.0,
                  failure_reward: float = 0.0, max_concurrency: int = 256, max_response_tokens: int = 1024,
-                 max_batch: int = 256, context: int | None = None):
+                 max_batch: int = 256, context: int | None = None, tool_call_parser: str = "auto"):
         super().__init__(rollout, tokenizer)
+        self.tool_call_parser = tool_call_parser
         self.entrypoint = load_entrypoint(entrypoint) if isinstance(entrypoint, str) else entrypoint
         self.timeout_s, self.failure_reward = timeout_s, failure_reward
         self.max_concurrency, self.max_response_tokens = max_concurrency, max_response_tokens
@@ -264,7 +265,7 @@ class AgentRollout(EpisodeRollout):
         a = ro.agent
         return cls(rollout, tokenizer, a.entrypoint, a.timeout_s, a.failure_reward, a.max_concurrency,
                    a.max_response_tokens, ro.fast.max_batch or 256,
-                   int(getattr(text_config(hf_config), "max_position_embeddings", 4096)))
+                   int(getattr(text_config(hf_config), "max_position_embeddings", 4096)), a.tool_call_parser)
 
     @property
     def weight_hook(self):
@@ -277,13 +278,14 @@ class AgentRollout(EpisodeRollout):
     # ---- episodes --------------------------------------------------------------------------------
     def _endpoint(self, sampling: SamplingParams):
         """The loopback server on the rollout (started once); its policy sampling set for this call."""
-        from shardrl.rollout.serving.app import ServerThread, build_app
+        from shardrl.rollout.serving.app import ServeOptions, ServerThread, build_app
         from shardrl.rollout.serving.batcher import Batcher
 
         policy = dataclasses.replace(sampling, n=1, seed=None)  # per-batch draws: episodes of a prompt differ
         if self.server is None:
             batcher = Batcher(self.rollout, self.tokenizer, self.max_batch, self.context or 4096)
-            app = build_app(batcher, MODEL_NAME, self.context or 4096, sampling.max_new_tokens, policy)
+            app = build_app(batcher, MODEL_NAME, self.context or 4096, sampling.max_new_tokens, policy,
+                            ServeOptions(tool_call_parser=self.tool_call_parser))
             self.server = ServerThread(app)
         self.server.app.state.policy = policy  # this call's: training's, or validation's
         self.server.app.state.records.clear()  # (what episodes of an earlier call left)
@@ -472,7 +474,9 @@ class AgentRollout(EpisodeRollout):
         scores = [self.failure_reward if f else e.reward for e, f in zip(episodes, failed)]
         counts = {"errors": [int(e.error is not None and not e.timed_out) for e in episodes],
                   "timeouts": [int(e.timed_out) for e in episodes], "prefix_breaks": breaks,
-                  "calls": [len(c) for c in calls]}
+                  "calls": [len(c) for c in calls],
+                  # (replies that looked like a tool call but did not parse: `serving.tool_calls`)
+                  "tool_parse_failures": [sum(bool(call.get("tool_parse_failed")) for call in c) for c in calls]}
         if versioned:  # (N, R): each token's policy version, -1 on padding (as a partial rollout's token_version)
             fields["token_version"] = torch.full_like(base.response_ids, -1)
             for r, v in enumerate(versions):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from shardrl.rollout.base import Rollout, check_prompts
 
-AGENT_COUNTS = ("errors", "timeouts", "prefix_breaks", "calls")
+AGENT_COUNTS = ("errors", "timeouts", "prefix_breaks", "calls", "tool_parse_failures")
 """What an agent run counts per episode (the batch's `agent_<name>`, logged as `agent/<name>_mean` and in validation
 `val/agent/<name>_mean`): failed episodes (raised or returned no reward), timed-out ones, rewritten histories, model
-calls."""
+calls, replies that looked like a tool call but did not parse (`shardrl.rollout.serving.tool_calls`)."""
 
 
 class EpisodeRollout(Rollout):

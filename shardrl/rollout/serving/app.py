@@ -24,6 +24,7 @@ from shardrl.rollout.serving.schema import (LOGPROBS_MODES, ChatRequest, Common,
                                             render_size, sampling_of)
 from shardrl.rollout.serving.responses import ResponsesRequest, ResponseWriter, chat_request
 from shardrl.rollout.serving.streaming import DONE, ChunkWriter, chat_events, completion_events, event
+from shardrl.rollout.serving.tool_calls import PARSER_CHOICES, parse_replies, resolve_parser, tool_choice_of
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class ServeOptions:
     max_messages: int = 4096
     """A chat request of more messages is refused (400) before it is rendered: 200,000 empty ones (7 MB) took 12 s
     to render for their 400."""
+    tool_call_parser: str = "auto"
+    """How a chat reply's tool calls are read into `tool_calls` when the request gives `tools`: hermes, llama3_json,
+    mistral (vLLM's names), or auto: told from the chat template (`shardrl.rollout.serving.tool_calls`)."""
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
@@ -73,6 +77,8 @@ class ServeOptions:
                 raise ValueError(f"{name}={getattr(self, name)}: the limit must be >= 1")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} must be one of {', '.join(LOGPROBS_MODES)}")
+        if self.tool_call_parser not in PARSER_CHOICES:
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} must be one of {', '.join(PARSER_CHOICES)}")
 
 
 def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max_tokens: int = 256,
@@ -120,6 +126,7 @@ class Routes:
         self.tok = batcher.tokenizer
         self.vocab = len(self.tok)
         self.token_chars = longest_token_chars(self.tok)  # (a prompt's length checked before it is tokenized)
+        self.tool_parser = resolve_parser(options.tool_call_parser, self.tok)
         self.records: dict[str, list[dict]] = {}  # episode -> its calls' choices
 
     def card(self) -> dict:
@@ -136,6 +143,7 @@ class Routes:
         return self.card()
 
     async def chat(self, req: ChatRequest, request: Request):
+        tool_choice_of(req)  # (refused before anything is generated)
         ids = await self.tokenized(chat_prompt, req)
         max_tokens = chat_max_tokens(req, len(ids), self.default_max_tokens, self.max_model_len)
         sampling = self.sampling(req, [ids], max_tokens)
@@ -144,6 +152,7 @@ class Routes:
             return self.streamed(request, req, [ids], sampling, [event(writer.role(0, ids))],
                                  lambda outs: chat_events(writer, ids, outs))
         outs = cut_at_stop_ids(req, await self.submit(request, req, [ids], sampling), self.tok)
+        parse_replies(req, outs, self.tool_parser, self.tok)  # (what the client sees; the tokens stay as sampled)
         self.record(request, outs)
         return JSONResponse(chat_response(req, ids, outs, self.model_name, self.tok))
 
@@ -193,6 +202,8 @@ class Routes:
                 yield x
             try:
                 outs = cut_at_stop_ids(req, await self.submit(request, req, prompts, sampling), self.tok)
+                if isinstance(req, ChatRequest):
+                    parse_replies(req, outs, self.tool_parser, self.tok)
             except Dropped:  # (the client left: nobody reads the rest)
                 return
             except Stopped as e:

@@ -82,6 +82,7 @@ class ChatRequest(Common):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None  # (alternatives: not given; 0 or null taken)
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None  # ("auto" with tools, "none"; `tool_calls.tool_choice_of` checks it)
     chat_template_kwargs: dict | None = None  # (vLLM's: e.g. {"enable_thinking": false})
     add_generation_prompt: StrictBool = True  # (vLLM's)
     continue_final_message: StrictBool = False  # (vLLM's: the last message's text is continued, not closed)
@@ -102,8 +103,8 @@ UNSUPPORTED = {  # option -> whether a value asks for something (the defaults cl
     "guided_json": bool, "guided_regex": bool, "guided_choice": bool, "guided_grammar": bool,
     "structured_outputs": bool, "allowed_token_ids": bool, "bad_words": bool, "use_beam_search": bool,
     "logits_processors": bool,
-    # OpenAI's that a text model served without tool-call parsing cannot honour (tool calls stay in the text)
-    "tool_choice": lambda v: v not in (None, "auto", "none"), "modalities": lambda v: v not in (None, ["text"]),
+    # OpenAI's that a text model cannot honour
+    "modalities": lambda v: v not in (None, ["text"]),
     "audio": bool, "reasoning_effort": bool, "prediction": bool, "web_search_options": bool,
 }
 """OpenAI's (and vLLM's) request options this server does not apply: a request that asks for one is refused (400),
@@ -402,7 +403,10 @@ def chat_response(req: ChatRequest, ids: list[int], outs: list[dict], model_name
     """The chat.completion body of the batcher's choices `outs` for the prompt `ids`."""
     choices = []
     for i, o in enumerate(outs):
-        choice = {"index": i, "message": {"role": "assistant", "content": o["text"]},
+        message = {"role": "assistant", "content": o["text"]}
+        if o.get("tool_calls"):  # (`tool_calls.parse_replies`: the text outside the calls, or null)
+            message.update(content=o["content"], tool_calls=o["tool_calls"])
+        choice = {"index": i, "message": message,
                   "finish_reason": o["finish_reason"], "stop_reason": o.get("stop_reason"),
                   "token_ids": o["token_ids"], "logprobs": None, **versions(o)}
         if req.logprobs:

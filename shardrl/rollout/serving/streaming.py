@@ -1,7 +1,8 @@
 """Streamed replies (`stream=true`, server-sent events) of the OpenAI-compatible server, in vLLM's shapes: the chunks
 of a chat reply (the role first, then content deltas) or of a completion (text deltas), one chunk per sampled token
 with its token id and, where asked, its log-prob; the last chunk of a choice carries its finish_reason and
-stop_reason; then, with `stream_options.include_usage`, a chunk of usage alone; then `data: [DONE]`.
+stop_reason; then, with `stream_options.include_usage`, a chunk of usage alone; then `data: [DONE]`. A chat reply
+with tool calls streams its content's tokens so, then its calls (`delta.tool_calls`), then its finish_reason.
 
 The batcher answers a request when its reply is whole (its rows end inside the engine), so a reply's chunks go out
 once it is done: the role chunk at once, the rest together. The text of the chunks is the reply's, token by token
@@ -87,10 +88,13 @@ class ChunkWriter:
                             "finish_reason": None}], prompt_token_ids=prompt_ids)
 
     def choice(self, index: int, o: dict) -> list[dict]:
-        """A finished choice `o` (the batcher's, cut) as its chunks: one per token, the last with its finish_reason."""
+        """A finished choice `o` (the batcher's, cut) as its chunks: one per token, the last with its finish_reason;
+        a chat choice with tool calls (`tool_calls.parse_replies`): its content's tokens so, then `tool_call_chunks`."""
         ids = o["token_ids"]
         deltas = text_deltas(self.tok, ids, o["text"]) or [o["text"]]
         logprobs = token_logprobs(self.tok, o) if self.wants_logprobs() else None
+        if self.chat and o.get("tool_calls"):
+            return self.tool_call_chunks(index, o, deltas, logprobs)
         chunks = []
         for k, delta in enumerate(deltas):
             last = k == len(deltas) - 1
@@ -112,6 +116,30 @@ class ChunkWriter:
             if last:
                 choice.update(versions(o))
             chunks.append(self.chunk([choice]))
+        return chunks
+
+    def tool_call_chunks(self, index: int, o: dict, deltas: list[str], logprobs: list[dict] | None) -> list[dict]:
+        """A chat choice with tool calls, as vLLM's and OpenAI's streams give it: a chunk per token of its content
+        (the text before the calls), then a chunk per call (`delta.tool_calls`: its index, id, type, function name
+        and whole arguments; the first carries the tokens of the calls), then one of finish_reason "tool_calls"."""
+        ids, content, sent, chunks = o["token_ids"], o.get("content") or "", 0, []
+        for k, delta in enumerate(deltas):
+            if sent >= len(content):
+                break
+            piece = delta[:len(content) - sent]
+            sent += len(delta)
+            chunks.append(self.chunk([{"index": index, "delta": {"content": piece}, "token_ids": ids[k:k + 1],
+                                       "logprobs": None if logprobs is None else {"content": logprobs[k:k + 1]},
+                                       "finish_reason": None}]))
+        rest = len(chunks)
+        for j, call in enumerate(o["tool_calls"]):
+            step = {"index": index, "delta": {"tool_calls": [{"index": j, **call}]}, "finish_reason": None,
+                    "token_ids": ids[rest:] if j == 0 else [], "logprobs": None}
+            if j == 0 and logprobs is not None:
+                step["logprobs"] = {"content": logprobs[rest:]}
+            chunks.append(self.chunk([step]))
+        chunks.append(self.chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": "tool_calls",
+                                   "stop_reason": o.get("stop_reason"), "token_ids": [], **versions(o)}]))
         return chunks
 
     def wants_logprobs(self) -> bool:
