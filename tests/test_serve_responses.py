@@ -48,7 +48,7 @@ def test_a_response_is_the_chat_reply_of_the_same_conversation(server, max_token
     assert item.type == "message" and item.role == "assistant"
     assert got.output_text == choice.message.content and item.content[0].text == choice.message.content
     assert got.model_extra["prompt_token_ids"] == want.model_extra["prompt_token_ids"]
-    assert item.model_extra["token_ids"] == choice.model_extra["token_ids"]
+    assert got.model_extra["token_ids"] == choice.model_extra["token_ids"]
     assert [x.logprob for x in item.content[0].logprobs] == pytest.approx(
         [x.logprob for x in choice.logprobs.content], abs=1e-6)
     assert (got.usage.input_tokens, got.usage.output_tokens, got.usage.total_tokens) == (
@@ -77,7 +77,7 @@ def test_a_streamed_response_is_the_responses_events_joining_to_the_plain_one(se
         [x.logprob for x in plain.output[0].content[0].logprobs], abs=1e-6)
     done = events[-1].response
     assert done.id == events[0].response.id and done.output_text == plain.output_text
-    assert done.output[0].model_extra["token_ids"] == plain.output[0].model_extra["token_ids"]
+    assert done.model_extra["token_ids"] == plain.model_extra["token_ids"]
     assert events[-2].item.content[0].text == plain.output_text
 
 
@@ -198,3 +198,63 @@ def test_a_responses_agent_records_the_trajectory_a_chat_agent_does(tmp_path, mo
     trained = chat["loss_mask"].bool()
     torch.testing.assert_close(chat["sampled_log_probs"][trained],
                                recomputed_log_probs(model, chat_out, 1.0)[trained], atol=1e-4, rtol=0)
+
+
+# ---- function tools (the tools branch's parser; a policy forced to call them: test_serve_tools) -----------
+RESPONSE_TOOLS = [{"type": "function", "name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}]
+
+
+@pytest.fixture
+def tool_server(tmp_path):
+    """test_serve_tools' server: a tiny model whose replies are scripted by the prompt's user turn."""
+    from shardrl.rollout.serving.app import ServeOptions, ServerThread, build_app
+    from shardrl.rollout.serving.batcher import Batcher
+    from test_serve_tools import CALL, ForcedRollout, char_model
+
+    tok, model = char_model(tmp_path)
+    replies = {"call": CALL, "two": "ok: " + CALL + CALL.replace('"a": 1', '"a": 5'), "text": "it is 3"}
+    rollout = ForcedRollout(tok, model, lambda prompt: replies[prompt.split("user: ", 1)[1].split("\n")[0]])
+    srv = ServerThread(build_app(Batcher(rollout, tok, 8, 512), "tiny", 512, 256,
+                                 options=ServeOptions(tool_call_parser="auto")))
+    yield srv, tok
+    srv.stop()
+
+
+def test_function_calls_are_output_items_and_go_back_as_input_items(tool_server):
+    """A reply of tool calls: its text before them a message, then a function_call item a call (call_id, name,
+    arguments as a JSON string), streamed as the Responses API's function-call events; sent back with their outputs,
+    they render as chat's tool calls and tool messages. The reply's tokens stay the sampled ones."""
+    from test_serve_tools import CALL
+
+    srv, tok = tool_server
+    c = openai.OpenAI(base_url=srv.url, api_key="x", max_retries=0)
+    r = c.responses.create(model="tiny", input="two", tools=RESPONSE_TOOLS)
+    assert [x.type for x in r.output] == ["message", "function_call", "function_call"]
+    assert r.output[0].content[0].text == "ok: " and r.status == "completed"
+    assert [(x.name, x.arguments) for x in r.output[1:]] == [("add", '{"a": 1, "b": 2}'), ("add", '{"a": 5, "b": 2}')]
+    assert all(x.call_id.startswith("call_") for x in r.output[1:])
+    want = tok.encode("ok: " + CALL + CALL.replace('"a": 1', '"a": 5'), add_special_tokens=False)
+    assert r.model_extra["token_ids"] == want + [tok.eos_token_id]
+    only = c.responses.create(model="tiny", input="call", tools=RESPONSE_TOOLS, parallel_tool_calls=False)
+    assert [x.type for x in only.output] == ["function_call"]
+    assert c.responses.create(model="tiny", input="call", tools=RESPONSE_TOOLS, tool_choice="none").output_text == CALL
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="tiny", input="call", tools=RESPONSE_TOOLS,
+                           tool_choice={"type": "function", "name": "add"})
+    assert e.value.body["param"] == "tool_choice" and "not supported" in e.value.body["message"]
+
+    events = list(c.responses.create(model="tiny", input="two", tools=RESPONSE_TOOLS, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "response.completed" and kinds.count("response.function_call_arguments.done") == 2
+    assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [
+        x.arguments for x in r.output[1:]]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "ok: "
+    assert [x.type for x in events[-1].response.output] == ["message", "function_call", "function_call"]
+
+    first = c.responses.create(model="tiny", input="call", tools=RESPONSE_TOOLS)
+    call = first.output[0]
+    items = [{"role": "user", "content": "text"}, call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "3"}]
+    second = c.responses.create(model="tiny", input=items, tools=RESPONSE_TOOLS)
+    assert tok.decode(second.model_extra["prompt_token_ids"]) == f"user: text\nassistant: {CALL}\ntool: 3\nassistant: "

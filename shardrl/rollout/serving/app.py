@@ -173,6 +173,7 @@ class Routes:
         """OpenAI's Responses API on the chat path (`shardrl.rollout.serving.responses`): the same prompt, checks,
         sampling and record as the chat request it means."""
         chat = chat_request(req)
+        tool_choice_of(chat)  # (refused before anything is generated)
         ids = await self.tokenized(chat_prompt, chat)
         max_tokens = chat_max_tokens(chat, len(ids), self.default_max_tokens, self.max_model_len)
         sampling = self.sampling(chat, [ids], max_tokens)
@@ -181,6 +182,7 @@ class Routes:
             return self.streamed(request, chat, [ids], sampling, writer.head(),
                                  lambda outs: writer.events(ids, outs[0]), writer.failure)
         outs = cut_at_stop_ids(chat, await self.submit(request, chat, [ids], sampling), self.tok)
+        parse_replies(chat, outs, self.tool_parser, self.tok)  # (function_call items; the tokens as sampled)
         self.record(request, outs)
         return JSONResponse(writer.response(ids, outs[0]))
 

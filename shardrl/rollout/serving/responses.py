@@ -150,6 +150,8 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
     what the chat path then checks, templates and samples."""
     refuse_options(req)
     extra = {k: v for k, v in (req.model_extra or {}).items() if k in ("top_k", "seed", "session_id")}
+    if req.parallel_tool_calls is not None:
+        extra["parallel_tool_calls"] = req.parallel_tool_calls
     if req.tool_choice is not None:
         extra["tool_choice"] = chat_tool_choice(req.tool_choice)
     logprobs = LOGPROBS_INCLUDE in (req.include or ())
@@ -167,7 +169,9 @@ def output_logprobs(tok, o: dict) -> list[dict]:
 
 
 class ResponseWriter:
-    """The `response` object of one request, and its streamed events (one id, one numbering of the events)."""
+    """The `response` object of one request, and its streamed events (one id, one numbering of the events). A reply
+    whose tool calls parsed (`tool_calls.parse_replies`) is its text before them as a message (where there is any),
+    then a `function_call` item a call."""
 
     def __init__(self, req: ResponsesRequest, chat: ChatRequest, model_name: str, tok):
         self.req, self.chat, self.model_name, self.tok = req, chat, model_name, tok
@@ -185,26 +189,36 @@ class ResponseWriter:
                 "tool_choice": self.req.tool_choice or "auto", "tools": self.req.tools or [],
                 "metadata": self.req.metadata, "usage": None, **more}
 
-    def message(self, o: dict | None, status: str) -> dict:
-        """The assistant message item of the reply `o` (None: the empty one a stream opens with)."""
-        content = [] if o is None else [self.text_part(o)]
-        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content,
-                **({} if o is None else {"token_ids": o["token_ids"], **versions(o)})}
+    def output(self, o: dict, status: str) -> list[dict]:
+        """The reply's output items: its message (none for a reply of calls alone), then its function calls."""
+        calls = o.get("tool_calls") or []
+        text = o["content"] if calls else o["text"]
+        items = [self.message(text, o, status)] if text or not calls else []
+        return items + [{"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "completed",
+                         "call_id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                        for c in calls]
 
-    def text_part(self, o: dict) -> dict:
-        part = {"type": "output_text", "text": o["text"], "annotations": []}
+    def message(self, text: str | None, o: dict | None, status: str) -> dict:
+        """The assistant message item of the text `text` of the reply `o` (None: the empty one a stream opens)."""
+        content = [] if o is None else [self.text_part(text, o)]
+        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+    def text_part(self, text: str, o: dict) -> dict:
+        part = {"type": "output_text", "text": text, "annotations": []}
         if self.chat.logprobs:
             part["logprobs"] = output_logprobs(self.tok, o)
         return part
 
     def response(self, ids: list[int], o: dict) -> dict:
-        """The finished `response` object: completed, or incomplete where max_output_tokens cut the reply."""
+        """The finished `response` object: completed, or incomplete where max_output_tokens cut the reply. Beside
+        OpenAI's fields, as chat's reply: the prompt's and the reply's token ids (and policy versions)."""
         cut = o["finish_reason"] == "length"
         status = "incomplete" if cut else "completed"
         use = usage([ids], [o])
-        return self.body(status, [self.message(o, status)],
+        return self.body(status, self.output(o, status),
                          incomplete_details={"reason": "max_output_tokens"} if cut else None,
                          completed_at=None if cut else int(time.time()), prompt_token_ids=ids,
+                         token_ids=o["token_ids"], **versions(o),
                          usage={"input_tokens": use["prompt_tokens"], "output_tokens": use["completion_tokens"],
                                 "total_tokens": use["total_tokens"],
                                 "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -221,24 +235,39 @@ class ResponseWriter:
         return [self.event("response.created", response=opened), self.event("response.in_progress", response=opened)]
 
     def events(self, ids: list[int], o: dict):
-        """The reply's events after the head: its item and text part opened, a delta a token, each closed, the end."""
+        """The reply's events after the head: each output item opened, its text a delta a token (a call's arguments
+        in one delta), closed; then the end."""
         done = self.response(ids, o)
-        where = {"item_id": self.item_id, "output_index": 0}
-        yield self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress"))
+        for index, item in enumerate(done["output"]):
+            if item["type"] == "message":
+                yield from self.message_events(index, item, o)
+            else:
+                where = {"item_id": item["id"], "output_index": index}
+                yield self.event("response.output_item.added", output_index=index,
+                                 item={**item, "status": "in_progress", "arguments": ""})
+                yield self.event("response.function_call_arguments.delta", **where, delta=item["arguments"])
+                yield self.event("response.function_call_arguments.done", **where, arguments=item["arguments"])
+                yield self.event("response.output_item.done", output_index=index, item=item)
+        yield self.event(f"response.{done['status']}", response=done)
+
+    def message_events(self, index: int, item: dict, o: dict):
+        where = {"item_id": self.item_id, "output_index": index}
+        yield self.event("response.output_item.added", output_index=index,
+                         item=self.message(None, None, "in_progress"))
         yield self.event("response.content_part.added", **where, content_index=0,
                          part={"type": "output_text", "text": "", "annotations": []})
-        logprobs = output_logprobs(self.tok, o) if self.chat.logprobs else None
-        for k, delta in enumerate(text_deltas(self.tok, o["token_ids"], o["text"])):
+        part = item["content"][0]
+        logprobs = part.get("logprobs")
+        # (a delta a token of the text; with tool calls the text is the reply's first part, the calls the rest)
+        for k, delta in enumerate(text_deltas(self.tok, o["token_ids"], part["text"])):
             lp = [] if logprobs is None else [{"token": x["token"], "logprob": x["logprob"], "top_logprobs": []}
                                                for x in logprobs[k:k + 1]]
             if delta or lp:
                 yield self.event("response.output_text.delta", **where, content_index=0, delta=delta, logprobs=lp)
-        part = done["output"][0]["content"][0]
-        yield self.event("response.output_text.done", **where, content_index=0, text=o["text"],
-                         logprobs=part.get("logprobs", []))
+        yield self.event("response.output_text.done", **where, content_index=0, text=part["text"],
+                         logprobs=logprobs or [])
         yield self.event("response.content_part.done", **where, content_index=0, part=part)
-        yield self.event("response.output_item.done", output_index=0, item=done["output"][0])
-        yield self.event(f"response.{done['status']}", response=done)
+        yield self.event("response.output_item.done", output_index=index, item=item)
 
     def failure(self, message: str, code: str | None) -> list[str]:
         """A failure after the stream began: an error event, then the response failed."""
