@@ -102,3 +102,64 @@ def test_a_framework_agent_trains_in_an_rl_run(demo_folder, monkeypatch, agent):
     assert len(records) == 2
     assert all(r["agent/calls_mean"] == 1.0 and r["agent/errors_mean"] == 0.0 for r in records), records
     assert all(0.0 <= r["reward/mean"] <= 1.0 and "actor/pg_loss" in r for r in records)
+
+
+# ---- function tools: a policy forced to call them (test_serve_tools' scripted replies) --------------------
+TOOL_AGENTS = {"openai_agents_sdk_tools.py": "agents", "langgraph_tools_agent.py": "langgraph",
+               "openai_agents_sdk_responses": "agents"}
+RESPONSES_TOOLS_AGENT = '''
+from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+set_tracing_disabled(True)
+
+
+@function_tool
+def add(a: int, b: int) -> int:
+    """Adds two integers."""
+    return a + b
+
+
+async def run(sample, client):  # (the SDK's Responses model: /v1/responses with function tools)
+    agent = Agent(name="calculator", tools=[add], model=OpenAIResponsesModel(model="policy", openai_client=client))
+    result = await Runner.run(agent, sample["prompt"], max_turns=4)
+    return float(result.final_output.strip() == str(sample["extra"]["ground_truth"]))
+'''
+
+
+@pytest.mark.parametrize("agent", list(TOOL_AGENTS))
+def test_a_framework_agents_tool_calls_train_on_the_sampled_tokens(tmp_path, agent):
+    """A policy whose first reply calls `add` (read into tool calls for the framework), which the framework runs and
+    sends back, then answers from the tool's output: each trajectory is the sampled call (trained), the tool turn
+    the template renders (not), the answer (trained), and the sampler's log-probs equal a plain forward's."""
+    from shardrl.rollout.episodes.agent import AgentRollout
+    from test_rollout_hf import recomputed_log_probs
+    from test_serve_tools import CALL, ForcedRollout, char_model
+
+    pytest.importorskip(TOOL_AGENTS[agent])
+    tok, model = char_model(tmp_path)
+    path = EXAMPLES / agent
+    if agent == "openai_agents_sdk_responses":
+        path = tmp_path / "responses_tools_agent.py"
+        path.write_text(RESPONSES_TOOLS_AGENT)
+    forced = ForcedRollout(tok, model, lambda prompt: "3" if "tool: " in prompt else CALL)
+    rollout = AgentRollout(forced, tok, f"{path}:run", context=512, failure_reward=-1.0)
+    enc = tok(["1+2?", "add 1 and 2"], return_tensors="pt", padding=True)
+    samples = [{"prompt": p, "data_source": "t", "extra": {"ground_truth": "3"}} for p in ("1+2?", "add 1 and 2")]
+    try:
+        out = rollout.generate(enc["input_ids"], enc["attention_mask"],
+                               SamplingParams(n=2, temperature=1.0, max_new_tokens=128, seed=0), samples=samples)
+    finally:
+        rollout.server.stop()
+    batch = out.to_batch()
+    assert batch["agent_errors"].tolist() == [0] * 4, batch["agent_error"]
+    assert batch["interaction_score"] == [1.0] * 4  # (the framework ran the tool and the answer was read)
+    assert batch["agent_calls"].tolist() == [2] * 4 and batch["agent_prefix_breaks"].tolist() == [0] * 4
+    assert batch["agent_tool_parse_failures"].tolist() == [0] * 4
+    for r in range(4):
+        real = out.response_attention_mask[r].bool()
+        ids, mask = out.response_ids[r][real].tolist(), out.response_mask[r][real].tolist()
+        assert tok.decode(ids, skip_special_tokens=False) == f"{CALL}\ntool: 3\nassistant: 3<eos>"
+        assert tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False) == f"{CALL}3<eos>"
+    trained = batch["loss_mask"].bool()
+    torch.testing.assert_close(batch["sampled_log_probs"][trained],
+                               recomputed_log_probs(model, out, 1.0)[trained], atol=1e-4, rtol=0)
