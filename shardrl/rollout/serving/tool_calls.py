@@ -105,7 +105,9 @@ def parse_hermes(text: str) -> ParsedReply:
         if call is None:
             return ParsedReply(_content(text), [], True)
         calls.append(call)
-    return ParsedReply(_content(text[:start]), calls, True)
+    # (the text before the calls less its trailing whitespace: Qwen's templates render content, a newline, then
+    # each call, so the reply renders back as it was sampled and the agent's trajectory goes on unbroken)
+    return ParsedReply(_content(text[:start].rstrip()), calls, True)
 
 
 def _json_objects(text: str, separator: str) -> list | None:
@@ -160,7 +162,7 @@ def parse_mistral(text: str) -> ParsedReply:
         if None in found:
             return ParsedReply(_content(text), [], True)
         calls += found
-    return ParsedReply(_content(text[:start]), calls, True)
+    return ParsedReply(_content(text[:start].rstrip()), calls, True)
 
 
 PARSE = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
