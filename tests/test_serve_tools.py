@@ -94,7 +94,7 @@ def test_llama3_json_reads_one_or_more_calls_with_or_without_the_python_tag():
 
 def test_mistral_reads_a_call_list_and_the_args_form():
     r = parse_mistral('ok [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]')
-    assert r.content == "ok " and r.calls == [("f", '{"a": 1}'), ("g", "{}")]
+    assert r.content == "ok" and r.calls == [("f", '{"a": 1}'), ("g", "{}")]
     r = parse_mistral('[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}')
     assert r.content is None and r.calls == [("f", '{"a": 1}'), ("g", "{}")]
     for text in ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}', '[TOOL_CALLS]f[ARGS]{"a": }',

@@ -7,10 +7,10 @@
                                           (or, newer tokenizers: [TOOL_CALLS]name[ARGS]{...})
 
 `auto` tells the family from the chat template (the markers it renders a call with); a template that names none of
-them gets hermes. A reply whose calls parse answers `content` (the text before the first call, or null),
-`tool_calls` (`id`, `type: "function"`, `function.name`, `function.arguments` as a JSON string) and
-`finish_reason: "tool_calls"`; one that does not stays text, as vLLM's parsers leave it (all or nothing: one bad call
-of several leaves the whole reply text). Parsing changes what the client sees, never the choice's `token_ids` and
+them gets hermes. A reply whose calls parse answers `content` (the text before the first call less trailing
+whitespace, or null), `tool_calls` (`id`, `type: "function"`, `function.name`, `function.arguments` as a JSON
+string) and `finish_reason: "tool_calls"`; one that does not stays text, as vLLM's parsers leave it (all or nothing:
+one bad call of several leaves the whole reply text). Parsing changes what the client sees, never the choice's `token_ids` and
 log-probs: an RL run trains on the sampled tokens whatever the parser made of them.
 
 A reply is an attempted call (`ParsedReply.attempted`) when it holds its family's call marker (hermes' `<tool_call>`,
