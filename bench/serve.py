@@ -9,6 +9,7 @@ timed one: the server's steady state (its decode graphs of every (length, width)
 
     python bench/serve.py --shape 1.5b --clients 256 --requests 2 --out results.jsonl   # one H200
     python bench/serve.py --shape 1.5b --clients 256 --requests 2 --in-process   # + the batcher alone
+    python bench/serve.py --shape 1.5b --clients 256 --requests 2 --client-procs 8 --stream  # + streamed clients
     python bench/serve.py --shape tiny --clients 8 --requests 2 --prompt-len 16 --max-tokens 16 --backend fast  # CPU
     python bench/serve.py --clients 256 --requests 2 --backend sim --client raw --in-process  # no GPU: the path alone
 
@@ -249,6 +250,15 @@ def run_clients(args) -> None:
         for r in range(args.requests):
             i = c * args.requests + r
             sent[i] = time.time()
+            if args.stream:  # (server-sent events; the usage rides on the last chunk)
+                usage = None
+                async for chunk in await aclient.completions.create(
+                        model="m", prompt=prompts[i], max_tokens=args.max_tokens, temperature=1.0, stream=True,
+                        stream_options={"include_usage": True}):
+                    usage = chunk.usage or usage
+                got[i] = time.time()
+                made += usage.completion_tokens
+                continue
             res = await aclient.completions.create(model="m", prompt=prompts[i], max_tokens=args.max_tokens,
                                                    temperature=1.0)
             got[i] = time.time()
@@ -359,11 +369,17 @@ def main():
     p.add_argument("--latency-requests", type=int, default=0, metavar="N",
                    help="also time N completions sent one after another by one client (max_tokens 1 and 8, after the "
                         "warm-ups): a request's latency through the server, as an agent's turn meets it")
+    p.add_argument("--stream", action="store_true",
+                   help="also time the clients with `stream=true` (server-sent events, usage in the last chunk; "
+                        "`openai` clients only), after a streamed warm-up, in the same server: streamed_tokens_per_s "
+                        "and stream_ratio (streamed over plain)")
     p.add_argument("--in-process", action="store_true",
                    help="also time the server's batcher without HTTP: the clients as coroutines calling "
                         "`Batcher.submit` with token ids in this process (what a front end in another process "
                         "could reach at best)")
     args = p.parse_args()
+    if args.stream and args.client != "openai":
+        p.error("--stream needs --client openai (the hand-written HTTP client does not read server-sent events)")
     if args.clients_of:
         return run_clients(args)
 
@@ -422,7 +438,7 @@ def main():
                     ms_per_step=round(1000 * st["decode_s"] / st["decode_steps"], 2))
         return keep
 
-    def all_clients(k: int) -> tuple[int, float]:
+    def all_clients(k: int, stream: bool = False) -> tuple[int, float]:
         """(new tokens, seconds from the first request to the last answer) of the clients on prompt set k, run in
         processes of their own as real clients are (in this one they would take the interpreter's lock from the
         server and its generation thread), started together."""
@@ -432,7 +448,7 @@ def main():
                  "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
                  "--client-procs", str(args.client_procs), "--proc-index", str(i), "--start-at", str(start_at),
                  "--client", args.client, "--vocab-size", str(shape["vocab_size"])]
-                + (["--warm-clients"] if args.warm_clients else [])
+                + (["--warm-clients"] if args.warm_clients else []) + (["--stream"] if stream else [])
                 for i in range(args.client_procs)]
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for cmd in cmds]
         res = last_json_lines(procs, "a client process")
@@ -464,6 +480,14 @@ def main():
     stacks = sampler.stop() if sampler else None
     batches = batcher.stats["batches"] - before["batches"]
     streams = batcher.stats["streams"] - before["streams"]
+    streamed = {}
+    if args.stream:  # (a streamed warm-up, then the timed streamed run: the same server, prompts of their own)
+        all_clients(8, stream=True)
+        streamed_tokens, streamed_s = all_clients(7, stream=True)
+        again_tokens, again_s = all_clients(9)  # (plain once more: how much two plain runs differ by themselves)
+        streamed = dict(streamed_s=round(streamed_s, 3), streamed_tokens_per_s=round(streamed_tokens / streamed_s),
+                        plain_again_tokens_per_s=round(again_tokens / again_s),
+                        stream_ratio=round((streamed_tokens / streamed_s) / (served_tokens / served_s), 3))
     switch_ms = round(sys.getswitchinterval() * 1000, 3)  # (while the server ran)
     batcher.pause()  # (a stream's idle wait ends first: the rollout is the direct calls' next)
     served_stats = profile(batcher.rollout)  # (the stream's, now ended: one stream ran the whole timed part)
@@ -515,7 +539,7 @@ def main():
                switch_interval_ms=switch_ms, front_end=args.front_end, front_ends=args.front_ends,
                warm_up_captures=warm_captures,
                overlap=args.overlap, arrivals=arrivals, served_cores=cores,
-               **({"sim": sim_settings} if args.backend == "sim" else {}),
+               **streamed, **({"sim": sim_settings} if args.backend == "sim" else {}),
                **({"latency_ms": latency} if latency else {}), **({"stacks": stacks} if stacks else {}))
     if alone:
         rec["in_process_ratio"] = round(rec["in_process_tokens_per_s"] / rec["direct_tokens_per_s"], 3)

@@ -34,7 +34,7 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b"
 # ---- the parsers ---------------------------------------------------------------------------------------
 def test_hermes_reads_calls_text_before_them_and_leaves_malformed_ones_text():
     one = parse_hermes('let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
-    assert one.content == "let me add.\n" and one.calls == [("add", '{"a": 1, "b": 2}')] and not one.failed
+    assert one.content == "let me add." and one.calls == [("add", '{"a": 1, "b": 2}')] and not one.failed
     two = parse_hermes('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n'
                        '<tool_call>{"name": "g", "arguments": "{\\"x\\": [1]}"}</tool_call>')
     assert two.content is None and two.calls == [("f", "{}"), ("g", '{"x": [1]}')]
@@ -47,6 +47,33 @@ def test_hermes_reads_calls_text_before_them_and_leaves_malformed_ones_text():
     prose = parse_hermes("the answer is {3}")
     assert (prose.content, prose.calls, prose.failed, prose.attempted) == ("the answer is {3}", [], False, False)
     assert parse_hermes("").content is None
+
+
+QWEN25_ASSISTANT = (  # (Qwen2.5-Instruct's chat template, its assistant turn)
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
+    "{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endfor %}")
+
+
+@pytest.mark.parametrize("sampled", [
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "ü"}}\n</tool_call>',
+    'sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", '
+    '"arguments": {"x": [1, 2]}}\n</tool_call>'])
+def test_a_qwen_reply_read_and_sent_back_renders_as_it_was_sampled(sampled):
+    """A Qwen2.5 reply's calls, read and sent back as OpenAI's message (arguments a JSON string), render through
+    Qwen's template token for token as sampled: the agent's trajectory goes on (no prefix break)."""
+    from shardrl.rollout.serving.schema import Message
+
+    tok = build_char_tokenizer(ALPHABET)
+    parsed = parse_hermes(sampled)
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+             for i, (n, a) in enumerate(parsed.calls)]
+    message = Message(role="assistant", content=parsed.content, tool_calls=calls).for_template()
+    rendered = tok.apply_chat_template([message], chat_template=QWEN25_ASSISTANT, tokenize=False)
+    assert rendered == f"<|im_start|>assistant\n{sampled}<|im_end|>\n"
 
 
 def test_llama3_json_reads_one_or_more_calls_with_or_without_the_python_tag():
@@ -67,7 +94,7 @@ def test_llama3_json_reads_one_or_more_calls_with_or_without_the_python_tag():
 
 def test_mistral_reads_a_call_list_and_the_args_form():
     r = parse_mistral('ok [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]')
-    assert r.content == "ok " and r.calls == [("f", '{"a": 1}'), ("g", "{}")]
+    assert r.content == "ok" and r.calls == [("f", '{"a": 1}'), ("g", "{}")]
     r = parse_mistral('[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}')
     assert r.content is None and r.calls == [("f", '{"a": 1}'), ("g", "{}")]
     for text in ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}', '[TOOL_CALLS]f[ARGS]{"a": }',
@@ -188,7 +215,7 @@ def test_tool_calls_reach_the_openai_client_and_the_tokens_stay_the_sampled_ones
     assert raw["token_ids"] == tok.encode(CALL, add_special_tokens=False) + [tok.eos_token_id]  # (as sampled)
 
     two = ask(client, "two", tools=TOOLS).choices[0]
-    assert two.message.content == "ok: " and [c.function.arguments for c in two.message.tool_calls] == [
+    assert two.message.content == "ok:" and [c.function.arguments for c in two.message.tool_calls] == [
         '{"a": 1, "b": 2}', '{"a": 5, "b": 2}']
     assert len({c.id for c in two.message.tool_calls}) == 2
     first = ask(client, "two", tools=TOOLS, parallel_tool_calls=False).choices[0].message.tool_calls
@@ -296,7 +323,7 @@ def test_streamed_tool_calls_are_vllms_chunks_and_accumulate_to_the_plain_reply(
     plain = ask(client, "two", tools=TOOLS, logprobs=True).model_dump()["choices"][0]
     chunks = [c.model_dump() for c in ask(client, "two", tools=TOOLS, logprobs=True, stream=True)]
     deltas = [c["choices"][0]["delta"] for c in chunks]
-    assert "".join(d.get("content") or "" for d in deltas) == "ok: "
+    assert "".join(d.get("content") or "" for d in deltas) == "ok:"
     calls = [call for d in deltas for call in d.get("tool_calls") or ()]
     assert [(c["index"], c["type"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
         (0, "function", "add", '{"a": 1, "b": 2}'), (1, "function", "add", '{"a": 5, "b": 2}')]
@@ -310,7 +337,7 @@ def test_streamed_tool_calls_are_vllms_chunks_and_accumulate_to_the_plain_reply(
     with client.chat.completions.stream(model="tiny", messages=[{"role": "user", "content": "two"}],
                                         tools=TOOLS) as stream:
         final = stream.get_final_completion().choices[0]
-    assert final.finish_reason == "tool_calls" and final.message.content == "ok: "
+    assert final.finish_reason == "tool_calls" and final.message.content == "ok:"
     assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
         ("add", '{"a": 1, "b": 2}'), ("add", '{"a": 5, "b": 2}')]
     bad = [c.choices[0] for c in ask(client, "bad", tools=TOOLS, stream=True)]  # (no calls: text, as before)

@@ -7,10 +7,10 @@
                                           (or, newer tokenizers: [TOOL_CALLS]name[ARGS]{...})
 
 `auto` tells the family from the chat template (the markers it renders a call with); a template that names none of
-them gets hermes. A reply whose calls parse answers `content` (the text before the first call, or null),
-`tool_calls` (`id`, `type: "function"`, `function.name`, `function.arguments` as a JSON string) and
-`finish_reason: "tool_calls"`; one that does not stays text, as vLLM's parsers leave it (all or nothing: one bad call
-of several leaves the whole reply text). Parsing changes what the client sees, never the choice's `token_ids` and
+them gets hermes. A reply whose calls parse answers `content` (the text before the first call less trailing
+whitespace, or null), `tool_calls` (`id`, `type: "function"`, `function.name`, `function.arguments` as a JSON
+string) and `finish_reason: "tool_calls"`; one that does not stays text, as vLLM's parsers leave it (all or nothing:
+one bad call of several leaves the whole reply text). Parsing changes what the client sees, never the choice's `token_ids` and
 log-probs: an RL run trains on the sampled tokens whatever the parser made of them.
 
 A reply is an attempted call (`ParsedReply.attempted`) when it holds its family's call marker (hermes' `<tool_call>`,
@@ -105,7 +105,9 @@ def parse_hermes(text: str) -> ParsedReply:
         if call is None:
             return ParsedReply(_content(text), [], True)
         calls.append(call)
-    return ParsedReply(_content(text[:start]), calls, True)
+    # (the text before the calls less its trailing whitespace: Qwen's templates render content, a newline, then
+    # each call, so the reply renders back as it was sampled and the agent's trajectory goes on unbroken)
+    return ParsedReply(_content(text[:start].rstrip()), calls, True)
 
 
 def _json_objects(text: str, separator: str) -> list | None:
@@ -160,7 +162,7 @@ def parse_mistral(text: str) -> ParsedReply:
         if None in found:
             return ParsedReply(_content(text), [], True)
         calls += found
-    return ParsedReply(_content(text[:start]), calls, True)
+    return ParsedReply(_content(text[:start].rstrip()), calls, True)
 
 
 PARSE = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
