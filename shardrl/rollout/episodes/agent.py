@@ -11,7 +11,10 @@ the trainer trains on is assembled from what the endpoint sampled, token for tok
 
 `rollout.agent.entrypoint=my_agent.py:run`. Each prompt row runs `rollout.n` episodes, at most
 `rollout.agent.max_concurrency` at once. The endpoint samples with the run's temperature, top-p and top-k whatever
-a call asks (the trainer's log-probs assume them), at most `rollout.max_new_tokens` a call.
+a call asks (the trainer's log-probs assume them), at most `rollout.max_new_tokens` a call. An agent framework takes
+the client itself, or builds its own from `client.base_url` and `client.api_key` (the key names the episode, so
+that client's calls are recorded too); chat completions, completions and /v1/responses calls, streamed or not, all
+count (examples/agent_frameworks/).
 
 Assembly (token-exact): an episode's first call gives the trajectory's prompt (its prompt ids) and its first reply
 (the sampled ids, trained, with the sampler's log-probs). Each later call's prompt must begin with the trajectory
