@@ -572,6 +572,8 @@ def test_a_streamed_call_records_the_same_trajectory_as_a_plain_one(setup, backe
     assert plain["loss_mask"].sum() > 4
     for key in ("input_ids", "loss_mask", "attention_mask"):
         assert torch.equal(plain[key], streamed[key]), key
-    torch.testing.assert_close(plain["sampled_log_probs"], streamed["sampled_log_probs"], atol=0, rtol=0)
+    # (concurrent episodes' calls share batches whose makeup depends on timing: the same tokens' log-probs from
+    # another batch shape differ in the last bits, ~2e-7)
+    torch.testing.assert_close(plain["sampled_log_probs"], streamed["sampled_log_probs"], atol=1e-5, rtol=0)
     assert sorted(plain["interaction_score"]) == sorted(streamed["interaction_score"])
     assert streamed["agent_errors"].sum() == 0
