@@ -4,11 +4,15 @@
 # installed here), for Python 3.12 on x86-64, under .whl/oai (git-ignored). THERE, before those phases:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
 # (carry=[".whl/oai"]; already-installed packages are left as they are, since there is no --upgrade).
+#   bash bench/pack_server_wheels.sh agents openai-agents   # other roots into .whl/agents: the agent frameworks
 set -eu
-mkdir -p .whl/oai
-pins=$(python3 - <<'PY'
-import importlib.metadata as md, re
-seen, todo = {}, ["openai", "fastapi", "uvicorn", "httptools", "uvloop"]
+dest=.whl/${1:-oai}
+roots=${*:2}
+roots=${roots:-openai fastapi uvicorn httptools uvloop}
+mkdir -p "$dest"
+pins=$(ROOTS="$roots" python3 - <<'PY'
+import importlib.metadata as md, os, re
+seen, todo = {}, os.environ["ROOTS"].split()
 while todo:
     name = todo.pop()
     key = name.lower().replace("_", "-")
@@ -25,5 +29,5 @@ PY
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl/oai $pins
-ls .whl/oai
+    -d "$dest" $pins
+ls "$dest"
