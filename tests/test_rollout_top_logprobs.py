@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardrl.rollout import SamplingParams
+from shardrl.rollout import RolloutOutput, SamplingParams
 from test_rollout_fast import encode, make_rollout, reference_model
 
 K = 5
@@ -33,20 +33,43 @@ def forward_top(model, out, row: int, temperature: float, k: int) -> tuple[torch
     return ids, values
 
 
+SAMPLINGS = [SamplingParams(n=2, temperature=0.7, top_k=4, max_new_tokens=10, seed=3),
+             SamplingParams(n=1, greedy=True, max_new_tokens=10),
+             SamplingParams(n=2, temperature=1.3, max_new_tokens=10, seed=5, raw_log_probs=True),
+             SamplingParams(n=2, temperature=0.9, max_new_tokens=10, seed=6)]
+KINDS = ["truncated", "greedy", "raw", "sample"]
+
+
 @pytest.mark.parametrize("name", ["fast", "hf"])
-@pytest.mark.parametrize("sampling", [SamplingParams(n=2, temperature=0.7, top_k=4, max_new_tokens=10, seed=3),
-                                      SamplingParams(n=1, greedy=True, max_new_tokens=10),
-                                      SamplingParams(n=2, temperature=1.3, max_new_tokens=10, seed=5,
-                                                     raw_log_probs=True)],
-                         ids=["truncated", "greedy", "raw"])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=KINDS)
 def test_top_logprobs_are_the_forwards_and_leave_the_samples_alone(tok, name, sampling):
     model = reference_model(tok, seed=1)
     # (max_batch 3 of 12 rows, min_width 1: rows join as others end and the slots compact, on the fast rollout)
     kwargs = dict(max_batch=3, sync_every=2, min_width=1) if name == "fast" else {}
-    rollout = make_rollout(name, tok, model, **kwargs)
-    ids, mask = encode(tok)
-    plain = rollout.generate(ids, mask, sampling)
-    out = rollout.generate(ids, mask, SamplingParams(**{**vars(sampling), "top_logprobs": K}))
+    check_top_logprobs(model, make_rollout(name, tok, model, **kwargs), sampling, *encode(tok))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=KINDS)
+def test_top_logprobs_in_cuda_graphs_with_the_fused_sampler(tok, sampling):
+    """CUDA's defaults: graphs, compiled, the Triton attention and (plain sampling, greedy) the fused sampler; and
+    after release/resume, which recaptures the graphs."""
+    model = reference_model(tok, seed=1, hidden_size=64)  # (head dim 16: the Triton kernel's smallest)
+    rollout = make_rollout("fast", tok, model, "cuda", max_batch=3, sync_every=2, min_width=1)
+    ids, mask = (t.cuda() for t in encode(tok))
+    check_top_logprobs(model, rollout, sampling, ids, mask, atol=1e-3)
+    rollout.release()
+    rollout.resume()
+    check_top_logprobs(model, rollout, sampling, ids, mask, atol=1e-3)
+
+
+def check_top_logprobs(model, rollout, sampling, ids, mask, atol: float = 1e-4):
+    def on_cpu(out: RolloutOutput) -> RolloutOutput:
+        return RolloutOutput(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in vars(out).items()})
+
+    plain = on_cpu(rollout.generate(ids, mask, sampling))
+    out = on_cpu(rollout.generate(ids, mask, SamplingParams(**{**vars(sampling), "top_logprobs": K})))
     assert plain.top_ids is None and plain.top_log_probs is None  # (nothing asked, nothing made)
     assert torch.equal(out.response_ids, plain.response_ids) and torch.equal(out.response_mask, plain.response_mask)
     assert torch.equal(out.sampled_log_probs, plain.sampled_log_probs)  # (bit for bit)
@@ -62,4 +85,4 @@ def test_top_logprobs_are_the_forwards_and_leave_the_samples_alone(tok, name, sa
         want_ids, want = forward_top(model, out, row, sampling.logprob_temperature, K)
         length = want.shape[0]
         assert torch.equal(out.top_ids[row, :length], want_ids), row
-        torch.testing.assert_close(out.top_log_probs[row, :length], want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(out.top_log_probs[row, :length], want, atol=atol, rtol=0)

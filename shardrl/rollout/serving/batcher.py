@@ -559,7 +559,7 @@ class Batcher:
                               finish_reason="length", text=self.tokenizer.decode(token_ids, skip_special_tokens=True))
             else:
                 result = self.choice(rows[j], token_ids, log_probs, out.response_text[j], limit, s.stop, False)
-            if out.top_ids is not None:
+            if sampling.top_logprobs:
                 with_top(result, (out.top_ids[j], out.top_log_probs[j]), items[owner].sampling.top_logprobs)
             if out.token_version is not None:  # weights that change while it generates (partial rollouts)
                 result["token_versions"] = out.token_version[j, :len(token_ids)].tolist()

@@ -415,7 +415,7 @@ def alternatives(tok, o: dict) -> list[list[tuple[str, float]]]:
 
 def token_logprobs(tok, o: dict) -> list[dict]:
     """A choice's log-prob entries, one a token (chat's shape), each with its `top_logprobs`: the likeliest tokens,
-    best first (OpenAI's; vLLM's put the sampled token first), the sampled one among them where it is one."""
+    best first (OpenAI's; vLLM's put the sampled token first, in place of the k-th where it is not among them)."""
     return [{"token": tok.convert_ids_to_tokens(t), "logprob": lp, "bytes": None,
              "top_logprobs": [{"token": name, "logprob": x, "bytes": None} for name, x in top]}
             for t, lp, top in zip(o["token_ids"], o["log_probs"], alternatives(tok, o))]
