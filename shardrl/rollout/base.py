@@ -10,6 +10,9 @@ Layout of a `RolloutOutput` with B prompts, n samples each, prompt width P and r
     sampled_log_probs (B*n, R)  log softmax(logits / T) of each sampled token, 0 where the mask is 0
     token_version   (B*n, R)  only when a `weight_hook` was set: the policy version that sampled each token
                               (-1 on padding); it changes inside a response when weights arrive mid-generation
+    top_ids         (B*n, R, k) only when `SamplingParams.top_logprobs` = k > 0: the k likeliest tokens at each
+    top_log_probs   (B*n, R, k) response position, best first, in the distribution of `sampled_log_probs` (the
+                              sampled token's entry, where it is among them, carries its sampled log-prob)
 
 Log-probs are those of the temperature-scaled distribution without top-k/top-p truncation, i.e. what the
 training engine recomputes with the same temperature (1 for greedy decoding), so that the two can be
@@ -31,6 +34,9 @@ from torch.nn.utils.rnn import pad_sequence
 from shardrl.batch import Batch
 
 log = logging.getLogger(__name__)
+
+MAX_TOP_LOGPROBS = 20
+"""Alternatives a token may come with at most (`SamplingParams.top_logprobs`; OpenAI's and vLLM's default limit)."""
 
 
 @dataclass
@@ -54,6 +60,10 @@ class SamplingParams:
     raw_log_probs: bool = False
     """Record the model's own log-probs (log softmax of the logits: temperature 1, no truncation) instead of the
     sampled distribution's; what is sampled is the same (a server's `raw_logprobs` mode)."""
+    top_logprobs: int = 0
+    """Also record this many likeliest tokens at each step, with their log-probs in the same distribution
+    (`RolloutOutput.top_ids`, a server's `top_logprobs`); what is sampled is the same. 0 (training): none, at no
+    cost."""
 
     def __post_init__(self):
         checks = [
@@ -65,6 +75,7 @@ class SamplingParams:
             (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (self.seed is None or -2**63 <= self.seed < 2**64, "seed", "must be in [-2**63, 2**64)"),
+            (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]"),
         ]
         for ok, name, why in checks:
             if not ok:
@@ -100,6 +111,8 @@ class RolloutOutput:
     prompt_index: torch.Tensor  # (N,) which prompt each row came from
     token_version: torch.Tensor | None = None  # (N, R) long, with a weight hook only
     routed_experts: torch.Tensor | None = None  # (N, P+R, L, k) int16, a rollout recording its routing only
+    top_ids: torch.Tensor | None = None  # (N, R, k) long, with `SamplingParams.top_logprobs` = k > 0 only
+    top_log_probs: torch.Tensor | None = None  # (N, R, k) float32, likewise
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -190,9 +203,11 @@ class VersionTrack:
 
 
 def assemble_output(prompt_ids: torch.Tensor, attention_mask: torch.Tensor, n: int,
-                    responses: list[tuple[torch.Tensor, torch.Tensor]], texts: list[str], pad_id: int) -> RolloutOutput:
+                    responses: list[tuple[torch.Tensor, torch.Tensor]], texts: list[str], pad_id: int,
+                    tops: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> RolloutOutput:
     """The `RolloutOutput` of B prompts from their B*n responses (prompt-major), each given as its token ids
-    (L,) and sampled log-probs (L,), already cut to its length; right-padded to the longest."""
+    (L,) and sampled log-probs (L,), already cut to its length; right-padded to the longest. `tops`: each
+    response's likeliest tokens' ids and log-probs, (L', k) each with L' >= L (`SamplingParams.top_logprobs`)."""
     # (on the host; an empty row more, so that no responses give width 0)
     ids = [i.long().cpu() for i, _ in responses] + [torch.zeros(0, dtype=torch.long)]
     response_ids = pad_sequence(ids, batch_first=True, padding_value=pad_id)[:-1]  # (B*n, R)
@@ -200,6 +215,11 @@ def assemble_output(prompt_ids: torch.Tensor, attention_mask: torch.Tensor, n: i
     lengths = torch.tensor([len(i) for i, _ in responses], dtype=torch.long)
     response_mask = (torch.arange(response_ids.shape[1]) < lengths[:, None]).long()  # (B*n, R)
     device = prompt_ids.device
+    top_ids = top_log_probs = None
+    if tops is not None:  # (cut to each response's length, padded with id 0 and log-prob 0)
+        cut = [(i[:len(r)].long().cpu(), lp[:len(r)].float().cpu()) for (i, lp), (r, _) in zip(tops, responses)]
+        top_ids = pad_sequence([i for i, _ in cut], batch_first=True)[:, :response_ids.shape[1]].to(device)
+        top_log_probs = pad_sequence([lp for _, lp in cut], batch_first=True)[:, :response_ids.shape[1]].to(device)
     return RolloutOutput(
         prompt_ids=prompt_ids.repeat_interleave(n, dim=0),
         prompt_mask=attention_mask.repeat_interleave(n, dim=0),
@@ -208,7 +228,19 @@ def assemble_output(prompt_ids: torch.Tensor, attention_mask: torch.Tensor, n: i
         sampled_log_probs=log_probs.to(device),
         response_text=list(texts),
         prompt_index=torch.arange(prompt_ids.shape[0], device=device).repeat_interleave(n),
+        top_ids=top_ids, top_log_probs=top_log_probs,
     )
+
+
+def likeliest_tokens(scored: torch.Tensor, k: int, tokens: torch.Tensor,
+                  log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` likeliest tokens of each row of `scored` (B, V) (the logits of the distribution the log-probs are
+    reported in, fp32) and their log-probs, best first: (B, k) ids and (B, k) log-probs. The sampled token's entry
+    (`tokens` (B,), where among them) carries its reported log-prob `log_probs` (B,) exactly, whatever kernel
+    computed that."""
+    values, ids = scored.topk(k, dim=-1)  # (B, k)
+    values = values - scored.logsumexp(-1, keepdim=True)
+    return ids, torch.where(ids == tokens[:, None], log_probs[:, None].to(values.dtype), values)
 
 
 # ---- shared by the backends -------------------------------------------------------------------------

@@ -28,17 +28,22 @@ log = logging.getLogger(__name__)
 
 
 class _LogProbRecorder(LogitsProcessor):
-    """Records log softmax(raw logits / T) of each sampled token, one step behind the sampler."""
+    """Records log softmax(raw logits / T) of each sampled token, one step behind the sampler; with `top` > 0 also
+    the `top` likeliest tokens of each step and their log-probs in that distribution."""
 
-    def __init__(self, temperature: float):
-        self.temperature = temperature
+    def __init__(self, temperature: float, top: int = 0):
+        self.temperature, self.top = temperature, top
         self.last: torch.Tensor | None = None  # (rows, V) log-probs of the latest step
         self.scored: list[torch.Tensor] = []  # one (rows,) per generated token
+        self.tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # one ((rows, top) ids, log-probs) per step
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.last is not None:  # input_ids[:, -1] was sampled from self.last
             self.scored.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
         self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        if self.top:  # (the sampled token's entry is the very element `scored` gathers: the same number)
+            values, ids = self.last.topk(self.top, dim=-1)
+            self.tops.append((ids, values))
         return scores
 
     def finish(self, response_ids: torch.Tensor) -> torch.Tensor:
@@ -50,6 +55,14 @@ class _LogProbRecorder(LogitsProcessor):
         if not self.scored:
             return response_ids.new_zeros(response_ids.shape, dtype=torch.float32)
         return torch.stack(self.scored[:num_tokens], dim=1)
+
+    def finish_top(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, L, top) ids and log-probs of the likeliest tokens at each of the `num_tokens` steps."""
+        steps = self.tops[:num_tokens]
+        rows = self.last.shape[0] if self.last is not None else 0
+        if not steps:
+            return torch.zeros(rows, 0, self.top, dtype=torch.long), torch.zeros(rows, 0, self.top)
+        return torch.stack([i for i, _ in steps], 1).cpu(), torch.stack([v for _, v in steps], 1).cpu()
 
 
 class _WeightPoll(LogitsProcessor):
@@ -160,22 +173,26 @@ class HFRollout(Rollout):
                 for s in range(0, num_prompts, self.micro_batch_size)
             ]
 
-        responses = [(ids[i, :length], logp[i, :length]) for ids, lengths, logp, _ in chunks
+        responses = [(ids[i, :length], logp[i, :length]) for ids, lengths, logp, _, _ in chunks
                      for i, length in enumerate(lengths)]
-        texts = [t for *_, chunk_texts in chunks for t in chunk_texts]
-        out = assemble_output(prompt_ids, attention_mask, n, responses, texts, self.pad_id)
+        texts = [t for _, _, _, chunk_texts, _ in chunks for t in chunk_texts]
+        tops = None
+        if sampling.top_logprobs:
+            tops = [(top_ids[i], top_lps[i]) for *_, (top_ids, top_lps) in chunks for i in range(len(top_ids))]
+        out = assemble_output(prompt_ids, attention_mask, n, responses, texts, self.pad_id, tops)
         if track is not None:
             out.token_version = track.tensor(out.response_mask)
         return out
 
     def _generate_chunk(self, prompt_ids, attention_mask, sampling: SamplingParams,
                         track: VersionTrack | None = None, first_row: int = 0):
-        """One `generate` call; returns (ids (rows, L) on CPU, lengths, log-probs (rows, L), texts). With
+        """One `generate` call; returns (ids (rows, L) on CPU, lengths, log-probs (rows, L), texts, the likeliest
+        tokens' (ids, log-probs) (rows, L, k) each or None without `sampling.top_logprobs`). With
         `track`, the chunk's rows are `first_row`, `first_row + 1`, ... of the whole output."""
         first = int(attention_mask.any(0).nonzero()[0])  # drop columns that are padding in every row
         ids = prompt_ids[:, first:].to(self.device).repeat_interleave(sampling.n, dim=0)  # (rows, P')
         mask = attention_mask[:, first:].to(self.device).repeat_interleave(sampling.n, dim=0)
-        recorder = _LogProbRecorder(sampling.logprob_temperature)
+        recorder = _LogProbRecorder(sampling.logprob_temperature, sampling.top_logprobs)
         processors = [recorder]
         if track is not None:
             track.poll(lambda: [])  # weights that came between chunks serve this whole chunk
@@ -193,9 +210,10 @@ class HFRollout(Rollout):
         )
         generated = sequences[:, ids.shape[1] :]  # (rows, L)
         logp = recorder.finish(generated).cpu()
+        top = recorder.finish_top(generated.shape[1]) if sampling.top_logprobs else None
         generated = generated.cpu()
         lengths, texts = cut_responses(self.tokenizer, self.stop_ids, generated, sampling.stop)
-        return generated, lengths, logp, texts
+        return generated, lengths, logp, texts, top
 
     def _generation_config(self, sampling: SamplingParams) -> GenerationConfig:
         sample = not sampling.is_greedy

@@ -49,7 +49,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from shardrl.engine.lora import merged_weight
 from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_prompts,
-                                   contains_stop, copy_weights_in_place, cut_responses)
+                                   contains_stop, copy_weights_in_place, cut_responses, likeliest_tokens)
 from shardrl.rollout.fast.kernel_support import cascade_members
 from shardrl.rollout.fast.paged import BlockPool, SharedPrefixGroups
 from shardrl.rollout.fast.attention import TritonDecodeAttention
@@ -57,7 +57,8 @@ from shardrl.rollout.fast.model import DecoderBlock, FastCausalLM, build_fast_lm
 from shardrl.rollout.fast.scheduler import (RowFeed, RowScheduler, blocks_for, prefill_chunks, rows_that_fit,
                                             shared_prefix_groups, slot_widths)
 from shardrl.rollout.fast.step import (GREEDY, SAMPLE, TRUNCATED, DecodeRunner, SlotState,  # noqa: F401 (for callers)
-                                       decode_attention, fused_sampler, sample_tokens, sampling_mode)
+                                       decode_attention, fused_sampler, reported_logits, sample_tokens,
+                                       sampling_mode)
 from shardrl.tokenizer import stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,8 @@ class FastRollout(Rollout):
         self._slot_blocks: list[list[int]] = []  # the blocks each slot's row holds
         self._registering = True  # whether finished rows index their blocks (not while weights change in a call)
         self._routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (prompt's, response's) routes
+        self._top = 0  # the call's `SamplingParams.top_logprobs`
+        self._tops: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> its likeliest tokens (ids, log-probs)
         compile = self.device.type == "cuda" if compile is None else compile
         self._block = DecoderBlock(compile, decode_attention(attention, self.device, head_dim_of(hf_config)))
         self._block.flash_below = prefill_tokens  # (a chunk short of the budget: flash, no cuDNN plan per new shape)
@@ -256,9 +259,9 @@ class FastRollout(Rollout):
             self._weights_on_cpu = False
         if self._kept_shape is not None:
             self._state = self._allocate(*self._kept_shape)
-            for mode, seq_len, width, cascade in sorted(self._steps.keys):
+            for mode, seq_len, width, cascade, top in sorted(self._steps.keys):
                 if self.cuda_graphs and seq_len <= self._state.max_seq and width <= self._state.num_slots:
-                    self._steps.capture(self._state, mode, seq_len, width, cascade)
+                    self._steps.capture(self._state, mode, seq_len, width, cascade, top)
         self._released = False
 
     def _drop_state(self) -> None:
@@ -318,7 +321,7 @@ class FastRollout(Rollout):
                   cascade: bool = False) -> None:
         """One decode step over the first `width` slots (default: all): `DecodeRunner.run`."""
         self._steps.run(self._state, mode, seq_len, generator, self._state.num_slots if width is None else width,
-                        cascade)
+                        cascade, self._top)
 
     # ---- generation -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -374,6 +377,7 @@ class FastRollout(Rollout):
         """Sizes the cache, resets the slots and sets the sampling parameters; the call's noise generator."""
         self._ensure_capacity(num_rows, n, need_seq, num_slots)
         st = self._state
+        self._top, self._tops = sampling.top_logprobs, {}
         st.temperature.fill_(1.0 if sampling.is_greedy else sampling.temperature)  # (raw log-probs: RAW's mode)
         st.top_k.fill_(sampling.top_k or self.vocab_size)
         st.top_p.fill_(sampling.top_p if sampling.top_p < 1 else 2.0)
@@ -464,7 +468,9 @@ class FastRollout(Rollout):
         if feed is not None:
             for s in finished:
                 row = sched.slot_row[s]
-                feed.finished(row, *sched.results[row])
+                # (the likeliest tokens only where the call asks: a feed that never does takes no such argument)
+                top = {"top": self._tops.pop(row)} if self._top else {}
+                feed.finished(row, *sched.results[row], **top)
                 # a stream may run for hours: what a finished row held goes (its prompt, its output)
                 prompts[row] = sched.results[row] = None
                 self._prompt_tokens.pop(row, None)
@@ -528,6 +534,9 @@ class FastRollout(Rollout):
         st.out_log_probs[d_t, :made] = st.out_log_probs[s_t, :made]
         if st.out_routes is not None:
             st.out_routes[d_t, :made] = st.out_routes[s_t, :made]
+        if self._top:
+            for t in st.top_buffers():
+                t[d_t, :made] = t[s_t, :made]
         st.lengths[s_t] = 0
         st.done[s_t] = True
         for s, d in zip(src, dst):
@@ -632,6 +641,11 @@ class FastRollout(Rollout):
         st.max_new[slots] = limit_t
         st.out_tokens[slots, 0] = tokens_out
         st.out_log_probs[slots, 0] = log_probs
+        if self._top:
+            top_ids, top_values = st.top_buffers()
+            ids, values = likeliest_tokens(reported_logits(logits, mode, st.temperature), self._top, tokens_out,
+                                           log_probs)
+            top_ids[slots, 0, :self._top], top_values[slots, 0, :self._top] = ids, values
         st.done[slots] = (tokens_out[:, None] == st.eos).any(-1) | (limit_t <= 1)
         self.totals["prompt_tokens"] += sum(lens)
         self.totals["cached_tokens"] += sum(starts)
@@ -674,8 +688,12 @@ class FastRollout(Rollout):
         width = max(generated[s] for s in finished)
         tokens = st.out_tokens[idx, :width].tolist()
         log_probs = st.out_log_probs[idx, :width].cpu()
+        if self._top:
+            top_ids, top_values = (t[idx, :width, :self._top].cpu() for t in st.top_buffers())
         for i, s in enumerate(finished):
             results[slot_row[s]] = (tokens[i][: generated[s]], log_probs[i, : generated[s]])
+            if self._top:
+                self._tops[slot_row[s]] = (top_ids[i, : generated[s]], top_values[i, : generated[s]])
             blocks = self._slot_blocks[s]
             if self.prefix_cache and self._registering and not self.record_routing:
                 prompt = self._tokens_of(prompts, slot_row[s] // n)
@@ -720,7 +738,12 @@ class FastRollout(Rollout):
         # a row shorter than `full` without EOS ended at its own limit (or a stop string): padding is no response
         lengths = [min(length, len(tokens)) for length, (tokens, _) in zip(lengths, rows)]
         responses = [(full[r, :length], rows[r][1][:length]) for r, length in enumerate(lengths)]
-        out = assemble_output(prompt_ids, attention_mask, n, responses, texts, self.pad_id)
+        tops = None
+        if self._top:  # (a row never admitted (`abort`) has none)
+            none = (torch.zeros(0, self._top, dtype=torch.long), torch.zeros(0, self._top))
+            tops = [self._tops.get(r, none) for r in range(len(rows))]
+            self._tops = {}
+        out = assemble_output(prompt_ids, attention_mask, n, responses, texts, self.pad_id, tops)
         if self.record_routing:
             out.routed_experts = self._routed_experts(out, lengths, n)
         return out

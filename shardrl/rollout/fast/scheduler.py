@@ -16,7 +16,9 @@ class RowFeed(Protocol):
     """What `FastRollout.generate_stream` talks to (the multi-turn rollout's agent loop)."""
 
     def finished(self, row: int, tokens: list[int], log_probs: torch.Tensor) -> None:
-        """Row `row` ended: its uncut tokens (through EOS, its limit, or past a stop string) and log-probs."""
+        """Row `row` ended: its uncut tokens (through EOS, its limit, or past a stop string) and log-probs; a call
+        whose `SamplingParams.top_logprobs` is k > 0 also passes `top`: each token's k likeliest tokens' (ids,
+        log-probs), (L, k) each."""
 
     def take(self, block: bool) -> list[tuple[torch.Tensor, int]]:
         """New rows (prompt ids, limit), numbered on from the last; `block`: wait for at least one, or return

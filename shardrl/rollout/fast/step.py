@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardrl.rollout.base import SamplingParams
+from shardrl.rollout.base import MAX_TOP_LOGPROBS, SamplingParams, likeliest_tokens
 from shardrl.rollout.fast.kernel_support import triton_head_dim
 from shardrl.rollout.fast.attention import SDPADecodeAttention, TritonDecodeAttention
 
@@ -42,6 +42,12 @@ def sample_tokens(logits, mode: str, noise, temperature, top_k, top_p):
     scored = logits if mode == RAW else scaled
     # the sampled token's log softmax, without writing the (B, V) log-probs
     return tokens, scored.gather(-1, tokens[:, None]).squeeze(-1) - scored.logsumexp(-1)
+
+
+def reported_logits(logits: torch.Tensor, mode: str, temperature: torch.Tensor) -> torch.Tensor:
+    """The fp32 logits of the distribution a step of `mode` reports log-probs in (`sample_tokens`' `scored`)."""
+    logits = logits.float()
+    return logits if mode in (GREEDY, RAW) else logits / temperature
 
 
 def sampling_mode(sampling: SamplingParams) -> str:
@@ -82,6 +88,18 @@ class SlotState:
     out_routes: torch.Tensor | None = None  # (B, W, L, k) int16: response token j's experts, as it was fed
     shared: torch.Tensor | None = None  # (B,) long: entries a slot's shared-prefix group reads for it (cascade)
     groups: torch.Tensor | None = None  # (B / 2, M) long: each group's slots, -1 after them (cascade)
+    # (B, W, MAX_TOP_LOGPROBS): each response token's likeliest tokens, made when a call first asks for them
+    out_top_ids: torch.Tensor | None = None  # long
+    out_top_log_probs: torch.Tensor | None = None  # float32
+
+    def top_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The likeliest tokens' buffers, made at their first use (before a graph that writes them takes their
+        addresses); a call that asks for none never makes them."""
+        if self.out_top_ids is None:
+            shape, device = (*self.out_tokens.shape, MAX_TOP_LOGPROBS), self.out_tokens.device
+            self.out_top_ids = torch.zeros(shape, dtype=torch.long, device=device)
+            self.out_top_log_probs = torch.zeros(shape, dtype=torch.float32, device=device)
+        return self.out_top_ids, self.out_top_log_probs
 
     @property
     def num_slots(self) -> int:
@@ -118,10 +136,11 @@ class SlotState:
 
 
 def decode_step(st: SlotState, model, block, mode: str, seq_len: int, width: int, sample=sample_tokens,
-                fused_sample=None) -> None:
+                fused_sample=None, top: int = 0) -> None:
     """One token for every live slot among the first `width` (the others must be empty): `model.decode` reads the
     first `seq_len` cache positions through `block`, `sample` (or `fused_sample`, where it samples `mode`) picks
-    the next tokens; reads and writes only views of `st` (capturable)."""
+    the next tokens; `top` > 0 also records the `top` likeliest tokens (`st.top_buffers`, made already); reads
+    and writes only views of `st` (capturable)."""
     w = width
     tokens_in, lengths, done, num_generated = st.tokens[:w], st.lengths[:w], st.done[:w], st.num_generated[:w]
     out_tokens, out_log_probs = st.out_tokens[:w], st.out_log_probs[:w]
@@ -142,6 +161,11 @@ def decode_step(st: SlotState, model, block, mode: str, seq_len: int, width: int
     col = num_generated.clamp(max=out_tokens.shape[1] - 1)
     out_tokens[slots, col] = torch.where(active, tokens, out_tokens[slots, col])
     out_log_probs[slots, col] = torch.where(active, log_probs, out_log_probs[slots, col])
+    if top:  # (after the sampler: what it samples is the same with or without them)
+        ids, values = likeliest_tokens(reported_logits(logits, mode, st.temperature), top, tokens, log_probs)
+        out_ids, out_values = st.out_top_ids[:w, :, :top], st.out_top_log_probs[:w, :, :top]
+        out_ids[slots, col] = torch.where(active[:, None], ids, out_ids[slots, col])
+        out_values[slots, col] = torch.where(active[:, None], values, out_values[slots, col])
     num_generated.add_(active.long())
     lengths.add_(active.long())
     done.logical_or_((tokens[:, None] == st.eos).any(-1) | (num_generated >= st.max_new[:w]))
@@ -151,23 +175,24 @@ def decode_step(st: SlotState, model, block, mode: str, seq_len: int, width: int
 class DecodeRunner:
     """Runs `decode_step` over a `SlotState`: eagerly, or (`cuda_graphs`) as a CUDA graph replay, one graph per
     (mode, seq_len, width, cascade) captured on first use. Each run first draws its step's noise from the call's
-    generator. The graphs hold the addresses of one state: `drop_graphs` when it (or the weights) go."""
+    generator. The graphs hold the addresses of one state: `drop_graphs` when it (or the weights) go. A step that
+    records the likeliest tokens (`top` > 0) is a graph of its own."""
 
     def __init__(self, model, block, sample, fused_sample, cuda_graphs: bool, device: torch.device,
                  vocab_size: int):
         self.model, self.block, self.sample, self.fused_sample = model, block, sample, fused_sample
         self.cuda_graphs, self.device, self.vocab_size = cuda_graphs, device, vocab_size
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (mode, seq_len, width, cascade)
-        self.captures = 0  # decode graphs captured so far (each a new (mode, seq_len, width, cascade))
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (mode, seq_len, width, cascade, top)
+        self.captures = 0  # decode graphs captured so far (each a new (mode, seq_len, width, cascade, top))
         self.keys: set[tuple] = set()  # every graph captured so far (resume() recaptures them)
         self.stream = None  # the warm-up stream of every capture (see `capture`)
         self.pool = None  # the graphs' memory pool, one per state: a step keeps nothing between replays
 
-    def step(self, st: SlotState, mode: str, seq_len: int, width: int) -> None:
-        decode_step(st, self.model, self.block, mode, seq_len, width, self.sample, self.fused_sample)
+    def step(self, st: SlotState, mode: str, seq_len: int, width: int, top: int = 0) -> None:
+        decode_step(st, self.model, self.block, mode, seq_len, width, self.sample, self.fused_sample, top)
 
     def run(self, st: SlotState, mode: str, seq_len: int, generator: torch.Generator, width: int,
-            cascade: bool = False) -> None:
+            cascade: bool = False, top: int = 0) -> None:
         """One step: its noise drawn, then the step run eagerly or replayed (captured first if new)."""
         if mode == GREEDY:
             pass  # no noise
@@ -175,11 +200,14 @@ class DecodeRunner:
             st.seed.random_(0, 2**62, generator=generator)  # the fused sampler's fresh noise
         else:
             self.torch_sampler_noise(st)[:width].exponential_(generator=generator)
+        if top:
+            st.top_buffers()
         if not self.cuda_graphs:
             self.set_cascade(st, cascade)
-            self.step(st, mode, seq_len, width)
+            self.step(st, mode, seq_len, width, top)
             return
-        graph = self.graphs.get((mode, seq_len, width, cascade)) or self.capture(st, mode, seq_len, width, cascade)
+        graph = (self.graphs.get((mode, seq_len, width, cascade, top))
+                 or self.capture(st, mode, seq_len, width, cascade, top))
         graph.replay()
 
     def set_cascade(self, st: SlotState, on: bool) -> None:
@@ -194,10 +222,13 @@ class DecodeRunner:
             st.noise = torch.ones(st.num_slots, self.vocab_size, dtype=torch.float32, device=self.device)
         return st.noise
 
-    def capture(self, st: SlotState, mode: str, seq_len: int, width: int,
-                cascade: bool = False) -> torch.cuda.CUDAGraph:
+    def capture(self, st: SlotState, mode: str, seq_len: int, width: int, cascade: bool = False,
+                top: int = 0) -> torch.cuda.CUDAGraph:
         if mode != GREEDY and not uses_fused_sampler(self.fused_sample, mode):
             self.torch_sampler_noise(st)  # before the graph takes its address (resume() recaptures here)
+        if top:
+            st.top_buffers()  # (likewise)
+        step = lambda st, mode, seq_len, width: self.step(st, mode, seq_len, width, top)  # noqa: E731
         if self.stream is None:
             # one side stream for every capture: cuBLAS keeps a workspace (32 MiB on an H200) per stream it has
             # run on, for the life of the process, so a new stream per resume() leaked 32 MiB a step
@@ -206,14 +237,14 @@ class DecodeRunner:
         self.set_cascade(st, cascade)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.warm_up(self.step, st, mode, seq_len, width)
+            self.warm_up(step, st, mode, seq_len, width)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.step(st, mode, seq_len, width)
-        self.graphs[(mode, seq_len, width, cascade)] = graph
+            step(st, mode, seq_len, width)
+        self.graphs[(mode, seq_len, width, cascade, top)] = graph
         self.captures += 1
-        self.keys.add((mode, seq_len, width, cascade))
+        self.keys.add((mode, seq_len, width, cascade, top))
         return graph
 
     @staticmethod

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from shardrl.rollout.base import SamplingParams, cut_responses
+from shardrl.rollout.base import MAX_TOP_LOGPROBS, SamplingParams, cut_responses
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,21 @@ class Pending:
 class Dropped(Exception):
     """The request's client went away: before its batch (nothing was generated for it), or while it generated
     (a streaming backend ended its rows at the next host sync)."""
+
+
+def with_top(result: dict, top: tuple[torch.Tensor, torch.Tensor] | None, k: int) -> dict:
+    """`result` (a choice's record) with its tokens' `k` likeliest tokens, as lists (`top_ids`, `top_log_probs`: one
+    list of k a token), from `top`: the generation's (ids, log-probs), (L', K) each with L' >= its tokens, K >= k."""
+    if top is not None and k:
+        length = len(result["token_ids"])
+        result["top_ids"], result["top_log_probs"] = (t[:length, :k].tolist() for t in top)
+    return result
+
+
+def _generated_top(sampling: SamplingParams) -> int:
+    """The likeliest tokens a generation for requests of `sampling`'s settings records: every request asking any
+    shares one stream or batch (`Batcher.settings`), each cut to its own k."""
+    return MAX_TOP_LOGPROBS if sampling.top_logprobs else 0
 
 
 def _resolve(future: asyncio.Future, value) -> None:
@@ -145,7 +160,8 @@ class _Stream:
             rows, self.just_gone = self.just_gone, []
             return rows
 
-    def finished(self, row: int, tokens: list[int], log_probs: torch.Tensor) -> None:
+    def finished(self, row: int, tokens: list[int], log_probs: torch.Tensor,
+                 top: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         with self.cond:
             item, k, prompt = self.rows.pop(row)
             self.gone.discard(row)
@@ -154,8 +170,9 @@ class _Stream:
         b, stop = self.batcher, self.sampling.stop
         lengths, texts = cut_responses(b.tokenizer, b.stop_ids, torch.tensor([tokens], dtype=torch.long), stop)
         ids = tokens[: lengths[0]]
-        self.outs[id(item)][k] = b.choice(prompt, ids, log_probs[: len(ids)].tolist(), texts[0],
-                                          item.sampling.max_new_tokens, stop, len(tokens) > len(ids))
+        self.outs[id(item)][k] = with_top(b.choice(prompt, ids, log_probs[: len(ids)].tolist(), texts[0],
+                                                   item.sampling.max_new_tokens, stop, len(tokens) > len(ids)),
+                                          top, item.sampling.top_logprobs)
         self.left[id(item)] -= 1
         if self.left[id(item)] == 0:
             b.stats["requests"] += 1
@@ -237,7 +254,8 @@ class Batcher:
     @staticmethod
     def settings(s: SamplingParams) -> tuple:
         """What requests sharing a generate call must agree on."""
-        return (s.temperature, s.top_p, s.top_k, s.greedy, s.seed, tuple(s.stop), s.raw_log_probs)
+        return (s.temperature, s.top_p, s.top_k, s.greedy, s.seed, tuple(s.stop), s.raw_log_probs,
+                _generated_top(s))
 
     def pause(self, timeout_s: float = 60.0) -> None:
         """From another thread: no generation starts until `unpause` (requests wait), the running stream ends as soon
@@ -465,7 +483,7 @@ class Batcher:
         s = stream.sampling
         sampling = SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                   max_new_tokens=max(1, stream.need_seq), stop=s.stop, seed=s.seed, greedy=s.greedy,
-                                  raw_log_probs=s.raw_log_probs)
+                                  raw_log_probs=s.raw_log_probs, top_logprobs=_generated_top(s))
         # slots: max_batch, fewer for a long context (at most max_batch * STREAM_SEQ cache positions in all)
         slots = max(1, min(self.max_batch, self.max_batch * STREAM_SEQ // stream.need_seq))
         self.rollout.generate_stream([], [], sampling, stream, stream.need_seq, num_slots=slots, overlap=self.overlap)
@@ -513,7 +531,7 @@ class Batcher:
         longest = max(limits)
         sampling = SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                   max_new_tokens=longest, stop=s.stop, seed=s.seed, greedy=s.greedy,
-                                  raw_log_probs=s.raw_log_probs)
+                                  raw_log_probs=s.raw_log_probs, top_logprobs=_generated_top(s))
         pad = self.tokenizer.pad_token_id
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -541,6 +559,8 @@ class Batcher:
                               finish_reason="length", text=self.tokenizer.decode(token_ids, skip_special_tokens=True))
             else:
                 result = self.choice(rows[j], token_ids, log_probs, out.response_text[j], limit, s.stop, False)
+            if sampling.top_logprobs:
+                with_top(result, (out.top_ids[j], out.top_log_probs[j]), items[owner].sampling.top_logprobs)
             if out.token_version is not None:  # weights that change while it generates (partial rollouts)
                 result["token_versions"] = out.token_version[j, :len(token_ids)].tolist()
                 result["policy_version"] = result["token_versions"][0] if token_ids else None

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
-from shardrl.rollout.base import SamplingParams
+from shardrl.rollout.base import MAX_TOP_LOGPROBS, SamplingParams
 
 
 MAX_N = 128
@@ -80,7 +80,7 @@ class ChatRequest(Common):
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None  # (alternatives: not given; 0 or null taken)
+    top_logprobs: StrictInt | None = None  # (0..20 alternatives a token, with logprobs=true)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None  # ("auto" with tools, "none"; `tool_calls.tool_choice_of` checks it)
     chat_template_kwargs: dict | None = None  # (vLLM's: e.g. {"enable_thinking": false})
@@ -91,7 +91,7 @@ class ChatRequest(Common):
 class CompletionRequest(Common):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # (strict: true is no token id)
     max_tokens: StrictInt | None = None  # (null: 16, as OpenAI's)
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = None  # (0..20: each token's log-prob and its alternatives')
 
 
 UNSUPPORTED = {  # option -> whether a value asks for something (the defaults clients send are no ask)
@@ -102,7 +102,7 @@ UNSUPPORTED = {  # option -> whether a value asks for something (the defaults cl
     "repetition_penalty": lambda v: v not in (None, 1), "min_p": bool, "min_tokens": bool, "ignore_eos": bool,
     "guided_json": bool, "guided_regex": bool, "guided_choice": bool, "guided_grammar": bool,
     "structured_outputs": bool, "allowed_token_ids": bool, "bad_words": bool, "use_beam_search": bool,
-    "logits_processors": bool,
+    "logits_processors": bool, "prompt_logprobs": lambda v: v is not None,  # (the prefill keeps no logits)
     # OpenAI's that a text model cannot honour
     "modalities": lambda v: v not in (None, ["text"]),
     "audio": bool, "reasoning_effort": bool, "prediction": bool, "web_search_options": bool,
@@ -157,14 +157,7 @@ def check_request(req: Common, prompts: list[list[int]], max_tokens: int, model_
     """Refuses what this server cannot answer as asked (`RequestError`); returns the request's n."""
     refuse_unsupported(req)
     check_text(req.stop, "stop", "stop")
-    if isinstance(req, ChatRequest) and req.top_logprobs:
-        raise RequestError(f"top_logprobs={req.top_logprobs} is not supported by this server (it gives no "
-                           "alternative tokens): logprobs=true gives each sampled token's log-prob; leave "
-                           "top_logprobs out", "top_logprobs")
-    if isinstance(req, CompletionRequest) and req.logprobs is not None and not 0 <= req.logprobs <= 1:
-        raise RequestError(f"logprobs={req.logprobs} is not supported by this server (it gives no alternative "
-                           "tokens): send logprobs=0 or 1 for each sampled token's log-prob (token_logprobs)",
-                           "logprobs")
+    top_logprobs(req)
     if req.model != model_name:
         raise RequestError(f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                            "model", 404, "model_not_found")
@@ -196,6 +189,20 @@ def check_request(req: Common, prompts: list[list[int]], max_tokens: int, model_
     return n
 
 
+def top_logprobs(req: Common) -> int:
+    """The alternatives a token the request asks for (chat's `top_logprobs` with logprobs=true, completions'
+    `logprobs`), refused outside [0, MAX_TOP_LOGPROBS] as OpenAI and vLLM refuse them."""
+    chat = isinstance(req, ChatRequest)
+    param = "top_logprobs" if chat else "logprobs"
+    k = getattr(req, param) or 0
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"{param}={k} must be in [0, {MAX_TOP_LOGPROBS}]: the most alternatives a token this server "
+                           "gives (as OpenAI's and vLLM's default)", param)
+    if chat and k and not req.logprobs:
+        raise RequestError(f"top_logprobs={k} needs logprobs=true (as OpenAI's)", "top_logprobs")
+    return k
+
+
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 """What a reply's log-probs are (`shardrl serve --logprobs-mode`; vLLM's names). processed_logprobs (the default):
 log softmax(logits / temperature) over the whole vocabulary, the distribution the token was drawn from before
@@ -221,7 +228,8 @@ def sampling_of(req: Common, n: int, max_tokens: int, vocab: int, policy: Sampli
                                max_new_tokens=max_tokens,
                                stop=stop_list(req.stop), seed=None if greedy else req.seed, greedy=greedy,
                                # (greedy's are at temperature 1 already: it batches with the rest)
-                               raw_log_probs=logprobs_mode == "raw_logprobs" and not greedy)
+                               raw_log_probs=logprobs_mode == "raw_logprobs" and not greedy,
+                               top_logprobs=top_logprobs(req))
     except ValueError as e:  # SamplingParams names the field
         field = re.match(r"SamplingParams\.(\w+)", str(e))
         param = None if field is None else field.group(1).replace("max_new_tokens", "max_tokens")
@@ -231,7 +239,7 @@ def sampling_of(req: Common, n: int, max_tokens: int, vocab: int, policy: Sampli
     if n != 1:  # (an RL run's endpoint: the request's own values checked above, its policy's taken)
         raise RequestError(f"n={n}: an RL run's endpoint samples one reply a call; send n=1", "n")
     return dataclasses.replace(policy, n=1, max_new_tokens=min(max_tokens, policy.max_new_tokens),
-                               stop=stop_list(req.stop) or policy.stop)
+                               stop=stop_list(req.stop) or policy.stop, top_logprobs=asked.top_logprobs)
 
 
 def longest_token_chars(tok) -> int | None:
@@ -372,7 +380,7 @@ def cut_at_stop_ids(req: Common, outs: list[dict], tok) -> list[dict]:
         if at is None:
             continue
         keep = at + 1
-        for key in ("token_ids", "log_probs", "token_versions"):
+        for key in ("token_ids", "log_probs", "token_versions", "top_ids", "top_log_probs"):
             if key in o:
                 o[key] = o[key][:keep]
         text = tok.decode(o["token_ids"][:at], skip_special_tokens=True)
@@ -393,10 +401,33 @@ def usage(prompts, choices) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+LEAST_LOGPROB = -9999.0
+"""An alternative's log-prob is at least this (OpenAI's and vLLM's stand-in for -inf, which JSON cannot spell)."""
+
+
+def alternatives(tok, o: dict) -> list[list[tuple[str, float]]]:
+    """Each token's likeliest tokens (the batcher's `top_ids`, `top_log_probs`), best first, as (token, log-prob)
+    pairs; none a token where none were asked."""
+    ids = o.get("top_ids") or [[] for _ in o["token_ids"]]
+    names = iter(tok.convert_ids_to_tokens([t for step in ids for t in step]))
+    return [[(next(names), max(lp, LEAST_LOGPROB)) for lp in lps] for lps in o.get("top_log_probs") or ids]
+
+
 def token_logprobs(tok, o: dict) -> list[dict]:
-    """A choice's log-prob entries, one a token (chat's shape)."""
-    return [{"token": tok.convert_ids_to_tokens(t), "logprob": lp, "bytes": None, "top_logprobs": []}
-            for t, lp in zip(o["token_ids"], o["log_probs"])]
+    """A choice's log-prob entries, one a token (chat's shape), each with its `top_logprobs`: the likeliest tokens,
+    best first (OpenAI's; vLLM's put the sampled token first, in place of the k-th where it is not among them)."""
+    return [{"token": tok.convert_ids_to_tokens(t), "logprob": lp, "bytes": None,
+             "top_logprobs": [{"token": name, "logprob": x, "bytes": None} for name, x in top]}
+            for t, lp, top in zip(o["token_ids"], o["log_probs"], alternatives(tok, o))]
+
+
+def completion_logprobs(tok, o: dict) -> dict:
+    """A choice's log-probs in the completions' shape: `top_logprobs` a token is {token: log-prob} for the sampled
+    token, then the likeliest others, best first: logprobs + 1 entries where the sampled token is not among the
+    likeliest (OpenAI's and vLLM's)."""
+    tokens = tok.convert_ids_to_tokens(o["token_ids"])
+    tops = [{name: lp, **dict(top)} for name, lp, top in zip(tokens, o["log_probs"], alternatives(tok, o))]
+    return {"tokens": tokens, "token_logprobs": o["log_probs"], "top_logprobs": tops, "text_offset": None}
 
 
 def chat_response(req: ChatRequest, ids: list[int], outs: list[dict], model_name: str, tok) -> dict:
@@ -427,9 +458,7 @@ def completion_response(req: CompletionRequest, prompts: list[list[int]], flat: 
                       "token_ids": o["token_ids"], "prompt_token_ids": o["prompt_token_ids"], "logprobs": None,
                       **versions(o)}
             if req.logprobs is not None:
-                choice["logprobs"] = {"tokens": tok.convert_ids_to_tokens(o["token_ids"]),
-                                      "token_logprobs": o["log_probs"], "top_logprobs": None,
-                                      "text_offset": None}
+                choice["logprobs"] = completion_logprobs(tok, o)
             choices.append(choice)
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model_name, "choices": choices, "usage": usage(prompts, flat)}

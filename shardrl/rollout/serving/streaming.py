@@ -14,7 +14,8 @@ import json
 import time
 import uuid
 
-from shardrl.rollout.serving.schema import ChatRequest, Common, token_logprobs, usage, versions
+from shardrl.rollout.serving.schema import (ChatRequest, Common, completion_logprobs, token_logprobs, usage,
+                                            versions)
 
 
 class IncrementalText:
@@ -92,7 +93,9 @@ class ChunkWriter:
         a chat choice with tool calls (`tool_calls.parse_replies`): its content's tokens so, then `tool_call_chunks`."""
         ids = o["token_ids"]
         deltas = text_deltas(self.tok, ids, o["text"]) or [o["text"]]
-        logprobs = token_logprobs(self.tok, o) if self.wants_logprobs() else None
+        logprobs = None
+        if self.wants_logprobs():
+            logprobs = token_logprobs(self.tok, o) if self.chat else completion_logprobs(self.tok, o)
         if self.chat and o.get("tool_calls"):
             return self.tool_call_chunks(index, o, deltas, logprobs)
         chunks = []
@@ -109,10 +112,8 @@ class ChunkWriter:
                 choice["text"] = delta
                 if k == 0:
                     choice["prompt_token_ids"] = o["prompt_token_ids"]
-                if logprobs is not None:
-                    choice["logprobs"] = {"tokens": [x["token"] for x in logprobs[k:k + 1]],
-                                          "token_logprobs": [x["logprob"] for x in logprobs[k:k + 1]],
-                                          "top_logprobs": None, "text_offset": None}
+                if logprobs is not None:  # (the token's own: each list of the choice's cut to it)
+                    choice["logprobs"] = {key: None if v is None else v[k:k + 1] for key, v in logprobs.items()}
             if last:
                 choice.update(versions(o))
             chunks.append(self.chunk([choice]))
