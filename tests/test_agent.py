@@ -117,6 +117,8 @@ def test_trajectories_are_token_exact_and_rewards_the_agents(setup, backend):
         assert rollout.server.batcher.stats["streams"] >= 1 and rollout.server.batcher.stats["batches"] == 0
         assert rollout.rollout.totals["cached_tokens"] > 0  # blocks of earlier calls (and of the same prompt) read
         assert not rollout.rollout._pool.pins  # each episode's blocks were kept between its calls, then let go
+        # the stream's slots (and K/V) for the 9 episodes that can call at once, not the server's 256
+        assert rollout.rollout._state.num_slots == 9
 
 
 def test_failed_episodes_are_counted_scored_and_placed_and_all_failing_stops(setup, caplog):

@@ -304,6 +304,9 @@ class AgentRollout(EpisodeRollout):
         episodes = [_Episode({"prompt": samples[b].get("prompt"), "data_source": samples[b].get("data_source"),
                               "extra": samples[b].get("extra")}, uuid.uuid4().hex)
                     for b in range(num_prompts) for _ in range(n)]
+        # slots (and the fast rollout's K/V, slots x the stream's length) for the calls that can be in flight at
+        # once, about one an episode: 256 slots of 4096 positions was 48 GB for SmolLM2-135M, past a CPU's memory
+        server.batcher.max_batch = max(1, min(self.max_batch, self.max_concurrency, len(episodes)))
         self._on_loop(self._run_all(episodes, server.url))
         server.batcher.pause()  # (the backend free: the trainer moves weights next)
         unpin = getattr(self.rollout, "unpin_session", None)
