@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the replies' log-probs: the sampled distribution's, log softmax(logits / temperature) "
                             "before top-k/top-p (default; what shardrl's trainer recomputes), or the model's own, "
                             "log softmax(logits) (vLLM's default)")
+    serve.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                       help="PEFT LoRA adapter folders served over the model, each under its NAME (a request's "
+                            "`model`; the model's own name serves the base), as vLLM's: NAME=PATH or JSON "
+                            "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}', several or the flag "
+                            "repeated; give config overrides before it")
 
     _add_config_parser(sub)
 
@@ -380,9 +385,16 @@ def serve_main(args: argparse.Namespace) -> int:
         return 1
     options = ServeOptions(max_body_bytes=args.max_body_mb * 2**20, logprobs_mode=args.logprobs_mode,
                            max_prompts=args.max_prompts, max_messages=args.max_messages)
+    from shardrl.rollout.lora_adapters import parse_lora_modules
+
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as e:
+        print(f"shardrl serve: {e}", file=sys.stderr)
+        return 2
     cfg = load_config(args.config, args.overrides)
     hub_id = _serve_hub_paths(cfg)
-    engine = build_engine(cfg, args.served_model_name or hub_id, args.max_batch)
+    engine = build_engine(cfg, args.served_model_name or hub_id, args.max_batch, lora_modules=lora_modules)
     if args.front_end == "thread":
         import uvicorn
 
