@@ -40,7 +40,7 @@ def write_adapter(base: Path, folder: Path, r: int, alpha: float, rslora: bool, 
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if ".lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=gen))
     lora.save_pretrained(folder)
 
 
