@@ -164,7 +164,9 @@ class ServedAdapters:
         if self.unmerged:  # every adapter (and the base) the same shapes: a switch copies in place
             rank = max(a.rank for a in adapters)
             shapes = {layer: next(a.weights[layer] for a in adapters if layer in a.weights) for layer in layers}
-            self.padded = {name: self._padded(self.adapters.get(name), shapes, rank)
+            device = getattr(rollout, "device", "cpu")  # (kept there: a switch is a device-side copy)
+            self.padded = {name: {layer: (a.to(device), b.to(device)) for layer, (a, b) in
+                                  self._padded(self.adapters.get(name), shapes, rank).items()}
                            for name in [None, *self.adapters]}
             rollout.load_lora(self.padded[None], 1.0)
         else:  # the base's adapted weights, kept on the CPU to merge each adapter into

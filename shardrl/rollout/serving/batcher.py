@@ -207,7 +207,11 @@ class Batcher:
     Batches (otherwise): one `generate` at a time over the waiting requests. A batch holds at most `max_batch`
     rows (a request's prompts times its n); a rollout that takes a limit per prompt (the fast one) gets each row's
     own `max_tokens`, others generate the batch's longest for every row, so a batch then also keeps its longest
-    prompt plus that within `max_model_len`."""
+    prompt plus that within `max_model_len`.
+
+    LoRA adapters (`adapters`, `shardrl.rollout.lora_adapters.ServedAdapters`): a request names one (`submit`'s
+    `adapter`); a stream or batch holds one adapter's requests, as it holds one kind of sampling settings, and the
+    rollout switches to its adapter before it generates."""
 
     def __init__(self, rollout, tokenizer, max_batch: int = 64, max_model_len: int | None = None,
                  stream: bool | None = None, idle_s: float = 0.2, overlap: bool = True, adapters=None):
