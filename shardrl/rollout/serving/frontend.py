@@ -190,8 +190,9 @@ class EngineService:
                     return rid not in cancelled
 
                 alive.left = lambda rid=rid: rid in cancelled  # (asked by a generation thread: `server._left`)
-                adapter = message[6] if len(message) > 6 else None
-                submits.append((rid, self.batcher.submit(prompts, sampling, alive, session, adapter=adapter)))
+                adapter = message[6] if len(message) > 6 else None  # (only where asked: stand-ins take none)
+                kwargs = {"adapter": adapter} if adapter is not None else {}
+                submits.append((rid, self.batcher.submit(prompts, sampling, alive, session, **kwargs)))
             if submits:
                 try:
                     if not self.loop.is_running():  # (stopped: the service is closing)
