@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how a chat reply's tool calls are read into tool_calls when a request gives tools "
                             "(vLLM's names): hermes (Hermes, Qwen2.5, Qwen3: <tool_call>), llama3_json (Llama 3.x), "
                             "mistral ([TOOL_CALLS]); auto (default): told from the chat template, else hermes")
+    serve.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                       help="PEFT LoRA adapter folders served over the model, each under its NAME (a request's "
+                            "`model`; the model's own name serves the base), as vLLM's: NAME=PATH or JSON "
+                            "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}', several or the flag "
+                            "repeated; give config overrides before it")
 
     _add_config_parser(sub)
 
@@ -385,9 +390,16 @@ def serve_main(args: argparse.Namespace) -> int:
     options = ServeOptions(max_body_bytes=args.max_body_mb * 2**20, logprobs_mode=args.logprobs_mode,
                            max_prompts=args.max_prompts, max_messages=args.max_messages,
                            tool_call_parser=args.tool_call_parser)
+    from shardrl.rollout.lora_adapters import parse_lora_modules
+
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as e:
+        print(f"shardrl serve: {e}", file=sys.stderr)
+        return 2
     cfg = load_config(args.config, args.overrides)
     hub_id = _serve_hub_paths(cfg)
-    engine = build_engine(cfg, args.served_model_name or hub_id, args.max_batch)
+    engine = build_engine(cfg, args.served_model_name or hub_id, args.max_batch, lora_modules=lora_modules)
     if args.front_end == "thread":
         import uvicorn
 

@@ -128,19 +128,30 @@ class Routes:
         self.token_chars = longest_token_chars(self.tok)  # (a prompt's length checked before it is tokenized)
         self.tool_parser = resolve_parser(options.tool_call_parser, self.tok)
         self.records: dict[str, list[dict]] = {}  # episode -> its calls' choices
+        # LoRA adapters over the base (`shardrl serve --lora-modules`), each served under its own name
+        self.adapters = {m.name: m for m in getattr(batcher, "lora_modules", None) or []}
 
-    def card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "shardrl",
+    def card(self, model_id: str | None = None) -> dict:
+        """The base's card, or an adapter's as vLLM lists it: `root` its folder, `parent` the base."""
+        card = {"id": model_id or self.model_name, "object": "model", "created": 0, "owned_by": "shardrl",
                 "max_model_len": self.max_model_len}
+        if model_id in self.adapters:
+            card |= {"root": self.adapters[model_id].path, "parent": self.model_name}
+        return card
 
     async def models(self):
-        return {"object": "list", "data": [self.card()]}
+        return {"object": "list", "data": [self.card(), *(self.card(name) for name in self.adapters)]}
 
     async def model(self, model_id: str):
-        if model_id != self.model_name:
-            raise RequestError(f"the model {model_id!r} does not exist; this server serves {self.model_name!r}",
-                               "model", 404, "model_not_found")
-        return self.card()
+        self.check_model(model_id)
+        return self.card(model_id)
+
+    def check_model(self, model_id: str) -> None:
+        """A 404 for a name that is neither the base's nor an adapter's."""
+        if model_id != self.model_name and model_id not in self.adapters:
+            served = ", ".join(repr(x) for x in [self.model_name, *self.adapters])
+            raise RequestError(f"the model {model_id!r} does not exist; this server serves {served}", "model", 404,
+                               "model_not_found")
 
     async def chat(self, req: ChatRequest, request: Request):
         tool_choice_of(req)  # (refused before anything is generated)
@@ -148,13 +159,13 @@ class Routes:
         max_tokens = chat_max_tokens(req, len(ids), self.default_max_tokens, self.max_model_len)
         sampling = self.sampling(req, [ids], max_tokens)
         if req.stream:
-            writer = ChunkWriter(req, self.model_name, self.tok, chat=True)
+            writer = ChunkWriter(req, req.model, self.tok, chat=True)
             return self.streamed(request, req, [ids], sampling, [event(writer.role(0, ids))],
                                  lambda outs: chat_events(writer, ids, outs))
         outs = cut_at_stop_ids(req, await self.submit(request, req, [ids], sampling), self.tok)
         parse_replies(req, outs, self.tool_parser, self.tok)  # (what the client sees; the tokens stay as sampled)
         self.record(request, outs)
-        return JSONResponse(chat_response(req, ids, outs, self.model_name, self.tok))
+        return JSONResponse(chat_response(req, ids, outs, req.model, self.tok))
 
     async def completions(self, req: CompletionRequest, request: Request):
         prompts = await self.tokenized(completion_prompts, req)
@@ -162,12 +173,12 @@ class Routes:
         default = max(1, min(16, self.max_model_len - max((len(x) for x in prompts), default=0)))
         sampling = self.sampling(req, prompts, default if req.max_tokens is None else req.max_tokens)
         if req.stream:
-            writer = ChunkWriter(req, self.model_name, self.tok, chat=False)
+            writer = ChunkWriter(req, req.model, self.tok, chat=False)
             return self.streamed(request, req, prompts, sampling, [],
                                  lambda flat: completion_events(writer, prompts, flat))
         flat = cut_at_stop_ids(req, await self.submit(request, req, prompts, sampling), self.tok)  # prompt-major
         self.record(request, flat)
-        return JSONResponse(completion_response(req, prompts, flat, sampling.n, self.model_name, self.tok))
+        return JSONResponse(completion_response(req, prompts, flat, sampling.n, req.model, self.tok))
 
     async def responses(self, req: ResponsesRequest, request: Request):
         """OpenAI's Responses API on the chat path (`shardrl.rollout.serving.responses`): the same prompt, checks,
@@ -177,7 +188,7 @@ class Routes:
         ids = await self.tokenized(chat_prompt, chat)
         max_tokens = chat_max_tokens(chat, len(ids), self.default_max_tokens, self.max_model_len)
         sampling = self.sampling(chat, [ids], max_tokens)
-        writer = ResponseWriter(req, chat, self.model_name, self.tok)
+        writer = ResponseWriter(req, chat, req.model, self.tok)
         if req.stream:
             return self.streamed(request, chat, [ids], sampling, writer.head(),
                                  lambda outs: writer.events(ids, outs[0]), writer.failure)
@@ -235,7 +246,8 @@ class Routes:
 
     def sampling(self, req: Common, prompts: list[list[int]], max_tokens: int) -> SamplingParams:
         """The checked request's sampling (`check_request`, `sampling_of`; the app's policy as it is now)."""
-        n = check_request(req, prompts, max_tokens, self.model_name, self.max_model_len, self.vocab)
+        self.check_model(req.model)  # (the base's name or an adapter's: the reply names the one asked for)
+        n = check_request(req, prompts, max_tokens, req.model, self.max_model_len, self.vocab)
         return sampling_of(req, n, max_tokens, self.vocab, self.app.state.policy, self.app.state.logprobs_mode)
 
     async def submit(self, request: Request, req: Common, prompts: list[list[int]],
@@ -255,6 +267,8 @@ class Routes:
         try:
             # the conversation a request continues: its `session_id`, or an RL run's episode
             session = req.session_id or episode_of(request)
+            if req.model in self.adapters:
+                return await self.batcher.submit(prompts, sampling, connected, session, adapter=req.model)
             return await self.batcher.submit(prompts, sampling, connected, session)
         finally:
             watcher.cancel()

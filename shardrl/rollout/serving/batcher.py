@@ -60,6 +60,7 @@ class Pending:
     future: asyncio.Future
     alive: Any = None  # async () -> bool: whether the client is still connected
     session: str | None = None  # the conversation it continues: its K/V is kept for the next request
+    adapter: str | None = None  # the LoRA adapter it asked for by name (`Batcher.adapters`); None: the base
 
 
 class Dropped(Exception):
@@ -96,6 +97,7 @@ class _Stream:
 
     def __init__(self, batcher: Batcher, loop, sampling: SamplingParams, need_seq: int, idle_s: float):
         self.batcher, self.loop, self.sampling, self.need_seq, self.idle_s = batcher, loop, sampling, need_seq, idle_s
+        self.adapter: str | None = None  # (its first request's: one adapter a stream)
         self.cond = threading.Condition()
         self.new: list[tuple[torch.Tensor, int]] = []  # rows not taken yet
         self.rows: dict[int, tuple[Pending, int, list[int]]] = {}  # row -> (request, its output index, prompt)
@@ -114,6 +116,8 @@ class _Stream:
         """Joins `item` (same settings; every row within need_seq); False if the stream has ended or it does not fit."""
         if self.batcher.settings(item.sampling) != self.key() or item.sampling.seed is not None:
             return False  # (a seeded request is generated in a batch of its own kind: reproducible)
+        if item.adapter != self.adapter:
+            return False
         if any(len(p) + item.sampling.max_new_tokens > self.need_seq for p in item.prompts):
             return False
         with self.cond:
@@ -220,16 +224,24 @@ class Batcher:
     Batches (otherwise): one `generate` at a time over the waiting requests. A batch holds at most `max_batch`
     rows (a request's prompts times its n); a rollout that takes a limit per prompt (the fast one) gets each row's
     own `max_tokens`, others generate the batch's longest for every row, so a batch then also keeps its longest
-    prompt plus that within `max_model_len`."""
+    prompt plus that within `max_model_len`.
+
+    LoRA adapters (`adapters`, `shardrl.rollout.lora_adapters.ServedAdapters`): a request names one (`submit`'s
+    `adapter`); a stream or batch holds one adapter's requests, as it holds one kind of sampling settings, and the
+    rollout switches to its adapter before it generates."""
 
     def __init__(self, rollout, tokenizer, max_batch: int = 64, max_model_len: int | None = None,
-                 stream: bool | None = None, idle_s: float = 0.2, overlap: bool = True):
+                 stream: bool | None = None, idle_s: float = 0.2, overlap: bool = True, adapters=None):
         from shardrl.tokenizer import stop_token_ids
 
         # `overlap`: the stream admits new rows after it launches the decode steps of those already decoding
         # (`FastRollout.generate_stream`), so the admission's Python launches run while the device decodes. One H100,
         # 256 `openai` clients (bench/RESULTS.md, session 29): 0.85-0.91 of direct calls with it, 0.79-0.83 without
         self.overlap = overlap
+        # `adapters`: LoRA adapters over the rollout (`lora_adapters.ServedAdapters`), a request choosing one by name;
+        # one adapter a generation (a stream or batch), switched between them (see README, "Several LoRA adapters")
+        self.adapters = adapters
+        self.lora_modules = adapters.modules if adapters is not None else []
         self.rollout, self.tokenizer, self.max_batch, self.max_model_len = rollout, tokenizer, max_batch, max_model_len
         self.per_row_limits = "max_new_tokens" in inspect.signature(rollout.generate).parameters
         self.stop_ids = set(getattr(rollout, "stop_ids", None) or stop_token_ids(tokenizer))
@@ -327,10 +339,12 @@ class Batcher:
             await asyncio.wait({self.stream_task}, timeout=5)  # (it ends at its next sync)
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None,
-                     session: str | None = None) -> list[dict]:
+                     session: str | None = None, adapter: str | None = None) -> list[dict]:
         if self.stopped:
             raise Stopped("the server is stopping: it takes no more requests")
-        item = Pending(prompts, sampling, asyncio.get_running_loop().create_future(), alive, session)
+        if adapter is not None and (self.adapters is None or adapter not in self.adapters.adapters):
+            raise ValueError(f"no LoRA adapter named {adapter!r} is served")
+        item = Pending(prompts, sampling, asyncio.get_running_loop().create_future(), alive, session, adapter)
         self.open[id(item)] = item
         item.future.add_done_callback(lambda _, key=id(item): self.open.pop(key, None))
         await self.queue.put(item)
@@ -404,8 +418,8 @@ class Batcher:
 
     async def _run_batches(self, live: list[Pending]) -> None:
         groups: dict[tuple, list[Pending]] = {}
-        for item in live:
-            groups.setdefault(self.settings(item.sampling), []).append(item)
+        for item in live:  # (one adapter a generate call)
+            groups.setdefault((self.settings(item.sampling), item.adapter), []).append(item)
         for items in groups.values():
             seeded = items[0].sampling.seed is not None  # (each such request a call of its own: reproducible)
             for chunk in ([[item] for item in items] if seeded else self._chunks(items)):
@@ -418,6 +432,7 @@ class Batcher:
                    if self.settings(item.sampling) == self.settings(first.sampling))
         need = max(need, min(self.max_model_len or need, STREAM_SEQ))  # room for what comes while it runs
         stream = _Stream(self, asyncio.get_running_loop(), first.sampling, need, self.idle_s)
+        stream.adapter = first.adapter
         later = [item for item in live if not stream.add(item)]
         if later:  # (they wait for this one to drain; new requests go to the next stream)
             stream.close()
@@ -468,6 +483,11 @@ class Batcher:
             _resolve(item.future, RuntimeError("the generation ended without this request's responses"))
         return later
 
+    def use_adapter(self, name: str | None) -> None:
+        """The rollout generates with LoRA adapter `name` (None: the base), on the generation thread."""
+        if self.adapters is not None:
+            self.adapters.activate(name)
+
     def _generating(self, generate, *args):
         """`generate(*args)` (on a worker thread), `idle` clear meanwhile."""
         self.idle.clear()
@@ -486,6 +506,7 @@ class Batcher:
                                   raw_log_probs=s.raw_log_probs, top_logprobs=_generated_top(s))
         # slots: max_batch, fewer for a long context (at most max_batch * STREAM_SEQ cache positions in all)
         slots = max(1, min(self.max_batch, self.max_batch * STREAM_SEQ // stream.need_seq))
+        self.use_adapter(stream.adapter)
         self.rollout.generate_stream([], [], sampling, stream, stream.need_seq, num_slots=slots, overlap=self.overlap)
 
     async def _run(self, chunk: list[Pending]) -> None:
@@ -540,6 +561,7 @@ class Batcher:
             ids[j, width - len(r):] = torch.tensor(r, dtype=torch.long)
             mask[j, width - len(r):] = 1
         kwargs = {"max_new_tokens": limits} if self.per_row_limits else {}
+        self.use_adapter(items[0].adapter)
         # a stop, or every client of the batch gone, ends it where the backend can (hf): nobody would read it
         self.rollout.abort = lambda: self.stopped or all(_left(item) for item in items)
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from shardrl.rollout.serving.frontend import ServerProcess  # noqa: F401  (for callers)
 from shardrl.rollout.serving.app import ServeOptions, ServerThread, build_app  # noqa: F401  (for callers)
 from shardrl.rollout.serving.batcher import Batcher
@@ -13,17 +15,19 @@ log = logging.getLogger(__name__)
 
 
 def build_server(cfg, served_name: str | None = None, max_batch: int | None = None, stream: bool | None = None,
-                 options: ServeOptions | None = None):
+                 options: ServeOptions | None = None, lora_modules: list | None = None):
     """The app of `build_engine`'s batcher (served in this process: `ServerThread`, or uvicorn)."""
-    return build_app(*build_engine(cfg, served_name, max_batch, stream), options=options)
+    return build_app(*build_engine(cfg, served_name, max_batch, stream, lora_modules), options=options)
 
 
-def build_engine(cfg, served_name: str | None = None, max_batch: int | None = None, stream: bool | None = None):
+def build_engine(cfg, served_name: str | None = None, max_batch: int | None = None, stream: bool | None = None,
+                 lora_modules: list | None = None):
     """(batcher, served name, context length, default max_tokens): what serves a config's model (`model.path`, or
     `model.tiny` with `model.tokenizer_path`) on its rollout backend (`rollout.backend`; null: fast on CUDA where it
     supports the model, else hf) on this machine's GPU, or the CPU; the context length is the model's
     `max_position_embeddings`; a chat request without max_tokens gets `rollout.max_new_tokens`. `stream`:
-    continuous batching (`Batcher`; null: where the backend can)."""
+    continuous batching (`Batcher`; null: where the backend can). `lora_modules` (`lora_adapters.LoraModule`s):
+    PEFT LoRA adapters over the model, each served under its own name (`shardrl serve --lora-modules`)."""
     from pathlib import Path
 
     from shardrl.engine.model import build_causal_lm, check_model_weights, load_hf_config
@@ -47,8 +51,15 @@ def build_engine(cfg, served_name: str | None = None, max_batch: int | None = No
                             **fast)  # the bare backend: a config's multi-turn or agent settings are the trainer's
     lm = build_causal_lm(hf_config, cfg.model.path, "cpu", dtype, seed=0)  # (seed 0: the engine's tiny init)
     rollout.load_weights(lm.named_parameters())  # (copied to the device: no second copy there)
+    linears = {n: tuple(m.weight.shape) for n, m in lm.named_modules() if isinstance(m, torch.nn.Linear)}
     del lm
     name = served_name or (Path(cfg.model.path).name if cfg.model.path else "shardrl-tiny")
+    adapters = None
+    if lora_modules:
+        from shardrl.rollout.lora_adapters import load_served_adapters
+
+        adapters = load_served_adapters(rollout, list(lora_modules), linears, name)
     context = int(getattr(text_config(hf_config), "max_position_embeddings", 2048))
-    batcher = Batcher(rollout, tokenizer, max_batch or cfg.rollout.fast.max_batch or 64, context, stream=stream)
+    batcher = Batcher(rollout, tokenizer, max_batch or cfg.rollout.fast.max_batch or 64, context, stream=stream,
+                      adapters=adapters)
     return batcher, name, context, cfg.rollout.max_new_tokens

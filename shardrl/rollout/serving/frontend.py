@@ -8,7 +8,7 @@ token ids, reached 0.98 of direct `generate` calls, the same batcher behind HTTP
 every admission's prefill (hundreds of kernel launches from Python) waited on the HTTP thread.
 
 Messages (pickled, `multiprocessing.connection`): the front end sends ("submit", id, prompts, sampling, session,
-wall time sent: bench/serve.py's `hops`) and ("cancel", id) for a request whose client left; the engine answers
+wall time sent: bench/serve.py's `hops`, LoRA adapter or None) and ("cancel", id) for a request whose client left; the engine answers
 ("ok", id, outputs), ("dropped", id), ("stopped", id, message) or ("error", id, message). Each side sends what one
 turn of its event loop produced as one list (`Outbox`): a burst of requests or of answers crosses in a few writes,
 and the other side's reader takes the interpreter lock once a list, not once a message."""
@@ -190,7 +190,9 @@ class EngineService:
                     return rid not in cancelled
 
                 alive.left = lambda rid=rid: rid in cancelled  # (asked by a generation thread: `server._left`)
-                submits.append((rid, self.batcher.submit(prompts, sampling, alive, session)))
+                adapter = message[6] if len(message) > 6 else None  # (only where asked: stand-ins take none)
+                kwargs = {"adapter": adapter} if adapter is not None else {}
+                submits.append((rid, self.batcher.submit(prompts, sampling, alive, session, **kwargs)))
             if submits:
                 try:
                     if not self.loop.is_running():  # (stopped: the service is closing)
@@ -317,12 +319,12 @@ class RemoteBatcher:
             os.kill(os.getpid(), signal.SIGTERM)
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None,
-                     session: str | None = None) -> list[dict]:
+                     session: str | None = None, adapter: str | None = None) -> list[dict]:
         if self.stopped:
             raise Stopped("the server is stopping: it takes no more requests")
         rid = next(self.ids)
         future = self.waiting[rid] = self.loop.create_future()
-        self.outbox.put(("submit", rid, prompts, sampling, session, time.time()))
+        self.outbox.put(("submit", rid, prompts, sampling, session, time.time(), adapter))
         gone = getattr(alive, "gone", None)  # (build_app's: the client's leaving, awaitable)
         try:
             while True:
@@ -342,14 +344,15 @@ class RemoteBatcher:
 
 def run_front_end(address, authkey: bytes, tokenizer, model_name: str, max_model_len: int, default_max_tokens: int,
                   sock: socket.socket, log_level: str, uvicorn_options: dict | None = None,
-                  options: ServeOptions | None = None) -> None:
+                  options: ServeOptions | None = None, lora_modules: list | None = None) -> None:
     """A front-end process: `build_app` on a `RemoteBatcher`, served by uvicorn on the listening socket `sock`
-    (bound by the engine's process, `listening_sockets`)."""
+    (bound by the engine's process, `listening_sockets`); `lora_modules`: the engine batcher's adapters."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO)
-    app = build_app(RemoteBatcher(address, authkey, tokenizer), model_name, max_model_len, default_max_tokens,
-                    options=options)
+    remote = RemoteBatcher(address, authkey, tokenizer)
+    remote.lora_modules = list(lora_modules or [])
+    app = build_app(remote, model_name, max_model_len, default_max_tokens, options=options)
     uvicorn_server(uvicorn.Config(app, log_level=log_level, **(uvicorn_options or {}))).run(sockets=[sock])
 
 
@@ -415,7 +418,8 @@ class ServerProcess:
             self.processes = [spawn.Process(
                 target=run_front_end, name=f"shardrl-front-end-{i}", daemon=True,
                 args=(self.engine.address, self.engine.authkey, batcher.tokenizer, model_name, max_model_len,
-                      default_max_tokens, sock, log_level, uvicorn_options, options)) for i, sock in enumerate(socks)]
+                      default_max_tokens, sock, log_level, uvicorn_options, options,
+                      getattr(batcher, "lora_modules", None))) for i, sock in enumerate(socks)]
             for process in self.processes:
                 process.start()
         except BaseException:
