@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from multiprocessing import reduction
 
 from shardrl.batch import Batch
-from shardrl.models.tiny import TINY_MODELS, TINY_MOE_MODELS, tiny_config  # noqa: F401  (tests read them here)
+from shardrl.models.tiny import TINY_MODELS, TINY_MOE_MODELS, TINY_VL_MODELS, tiny_config  # noqa: F401  (tests read)
 
 
 def random_batch(num_seqs: int, max_len: int, vocab_size: int, seed: int = 0, min_len: int = 3,
@@ -193,3 +193,35 @@ def small_demo_run(assets: Path, run_dir: Path, *extra: str) -> list[str]:
     return demo_overrides(assets) + [
         f"trainer.output_dir={run_dir}", "trainer.val_freq=0", "trainer.export_hf=false", "data.train_batch_size=4",
         "rollout.n=4", "actor.ppo_mini_batch_size=2", *extra]
+
+
+def random_vl_batch(hf_config, rows: list[tuple[int, list[tuple[int, int, int]], int]], seed: int = 0) -> Batch:
+    """An RL batch of a vision-language model (`shardrl.models.vision`): per row (text tokens before the images,
+    the images' (t, h, w) patch grids, response tokens). A row's prompt is its text then each image as
+    <vision_start> placeholders <vision_end>, left-padded; its response is right-padded. Random pixel values per
+    patch; `multi_modal_inputs` holds each row's (`shardrl.engine.vision`), `advantages` random on the response."""
+    g = torch.Generator().manual_seed(seed)
+    vision = hf_config.vision_config
+    merge, patch_dim = vision.spatial_merge_size, 3 * vision.temporal_patch_size * vision.patch_size ** 2
+    image, start, end = hf_config.image_token_id, hf_config.vision_start_token_id, hf_config.vision_end_token_id
+    vocab = min(image, start, end)  # text tokens below the special ones (and above pad/bos/eos)
+    prompts, responses, images = [], [], []
+    for num_text, grids, num_response in rows:
+        ids = torch.randint(3, vocab, (num_text,), generator=g).tolist()
+        for t, h, w in grids:
+            ids += [start] + [image] * (t * h * w // merge ** 2) + [end]
+        prompts.append(ids)
+        responses.append(torch.randint(3, vocab, (num_response,), generator=g).tolist())
+        images.append({"pixel_values": torch.randn(sum(t * h * w for t, h, w in grids), patch_dim, generator=g),
+                       "image_grid_thw": torch.tensor(grids, dtype=torch.long).reshape(-1, 3)} if grids else None)
+    width_p, width_r = max(map(len, prompts)), max(map(len, responses))
+    input_ids = torch.zeros(len(rows), width_p + width_r, dtype=torch.long)
+    attention_mask, response_mask = torch.zeros_like(input_ids), torch.zeros(len(rows), width_r, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, width_p - len(p):width_p], input_ids[i, width_p:width_p + len(r)] = torch.tensor(p), torch.tensor(r)
+        attention_mask[i, width_p - len(p):width_p + len(r)] = 1
+        response_mask[i, :len(r)] = 1
+    loss_mask = torch.cat([torch.zeros(len(rows), width_p, dtype=torch.long), response_mask], 1)
+    advantages = torch.randn(input_ids.shape, generator=g) * loss_mask
+    return Batch({"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask,
+                  "loss_mask": loss_mask, "advantages": advantages}, {"multi_modal_inputs": images})

@@ -79,6 +79,9 @@ class ModelConfig:
     forward differs from the one that computed the old log-probs, so the PPO ratio is not 1 on-policy."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters (off: lora.rank=0)."""
+    freeze_vision_tower: bool = False
+    """A vision-language model: train the language model only, the vision tower (patch embedding, blocks, merger)
+    kept as loaded (verl's actor.freeze_vision_tower). false: the vision tower is sharded and trained with the rest."""
     load_weights: Literal["sharded", "rank0", "random_shards"] = "sharded"
     """How an FSDP2 engine fills its shards from `path`: "sharded" builds the model on the meta device and
     each rank reads only its own slices of the safetensors files; "rank0" (FSDP1 always, and `tiny` or

@@ -44,6 +44,8 @@ from shardrl.models.families import expert_intermediate_size, num_experts
 from shardrl.engine.model import (DTYPES, PolicyModel, build_causal_lm, check_model_weights, disable_dropout,
                                   load_hf_config, strip_prefix)
 from shardrl.engine.ulysses import check_heads
+from shardrl.engine.vision import MULTI_MODAL_KEY, check_vision_engine, freeze_vision_tower
+from shardrl.models.vision import is_vision_language
 from shardrl.models.config import text_config
 from shardrl.engine.optim import build_lr_scheduler, build_optimizer
 from shardrl.engine.state import CPU, move_optimizer_state, persistent_buffers, release_accelerator_memory, save_hf
@@ -100,6 +102,10 @@ class Engine(abc.ABC):
             self._check_lora(head)
         if engine_cfg.expert_parallel_size > 1:
             self._check_expert_parallel()
+        check_vision_engine(self.hf_config, head, self.lora, self.mesh.sp_size)
+        if model_cfg.freeze_vision_tower and not is_vision_language(self.hf_config):
+            raise ValueError(f"model.freeze_vision_tower=true: the {self.hf_config.model_type!r} model has no vision "
+                             "tower; set it to false")
         self.module = self._build_module(head)
         self.optimizer = self.lr_scheduler = None
         if optim_cfg is not None:
@@ -156,6 +162,9 @@ class Engine(abc.ABC):
                         getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads, sp)
         lm_meta = build_causal_lm(self.hf_config, None, "meta", master_dtype, attn_implementation=attn,
                                   trust_remote_code=mc.trust_remote_code, sequence_classification=head == "score")
+        if mc.freeze_vision_tower:  # before sharding: FSDP keeps each parameter's requires_grad
+            log.info("vision tower frozen (model.freeze_vision_tower): %d parameters not trained",
+                     freeze_vision_tower(lm_meta))
         if self.lora is not None:
             inject_lora(lm_meta, self.lora)
             line, warning = lora_summary(lm_meta, self.lora)
@@ -200,6 +209,9 @@ class Engine(abc.ABC):
                 raise ValueError(f"model.load_weights=random_shards needs strategy=fsdp2 (here {self.cfg.strategy})")
             return True
         if mc.load_weights != "sharded" or mc.path is None or not self.supports_sharded_load:
+            return False
+        if is_vision_language(self.hf_config):  # HF renames a VL folder's keys as it loads them (not done here yet)
+            log.info("model.load_weights=sharded: rank 0 loads the vision-language model %s instead", mc.path)
             return False
         problem = sharded_load_problem(module, mc.path, self.hf_name, skip=self._not_in_files(module))
         if problem is None:
@@ -302,6 +314,7 @@ class Engine(abc.ABC):
             mb["input_ids"], mb["attention_mask"], remove_padding=self.model_cfg.use_remove_padding,
             temperature=temperature, with_entropy=with_entropy, score_from=score_from, routed_experts=replay,
             record_routing=record_routing, count_replay=count_replay,
+            images=mb[MULTI_MODAL_KEY] if MULTI_MODAL_KEY in mb else None,
         )
 
     def _placeholder(self, like: Batch, rows: int = 1) -> Batch:

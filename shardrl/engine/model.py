@@ -29,6 +29,8 @@ import transformers
 from shardrl.engine.attention import ATTN_NAME, attention_kwargs
 from shardrl.engine.logprob import chunked_log_probs, pack, shift_to_scored_token, unpack
 from shardrl.engine.moe import RouterReplay, load_balancing_loss
+from shardrl.engine.vision import idle_vision_tower, stack_images, vision_decoder_inputs
+from shardrl.models.vision import is_vision_language
 from shardrl.models.families import is_moe
 from shardrl.engine.ulysses import gather_seq, pad_to_multiple
 from shardrl.models.config import text_config
@@ -138,7 +140,7 @@ def _read_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool
             raise ValueError("model.tiny needs a 'model_type' (e.g. 'qwen2' or 'llama')")
         check_tiny_keys(model_type, kwargs)
         config = transformers.AutoConfig.for_model(model_type, **kwargs)
-        if task == "causal_lm" and causal_lm_class_name(config) is None:
+        if task == "causal_lm" and causal_lm_class_name(config) is None and not is_vision_language(config):
             raise ValueError(f"model.tiny: AutoModelForCausalLM builds no {model_type!r} model; "
                              "shardrl trains causal LMs")
         if task == "seq_cls":
@@ -164,7 +166,7 @@ def _read_hf_config(path: str | None, tiny: dict | None, trust_remote_code: bool
             raise ValueError(f"model folder {path!r} holds a {', '.join(archs)}, not a sequence classifier "
                              "(*ForSequenceClassification); a reward model must be a sequence-classification model "
                              "with one label")
-    else:  # any class AutoModelForCausalLM builds for this config (GPT-2's is GPT2LMHeadModel)
+    elif not is_vision_language(config):  # any class AutoModelForCausalLM builds (GPT-2's is GPT2LMHeadModel)
         causal_lm = causal_lm_class_name(config)
         if causal_lm is None or (archs and not any(a.endswith("ForCausalLM") or a == causal_lm for a in archs)):
             holds = ", ".join(archs) or f"{config.model_type!r} model"
@@ -241,9 +243,15 @@ def safetensors_problem(file: Path) -> str | None:
 def build_causal_lm(config, path: str | None, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
                     attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                     sequence_classification: bool = False) -> nn.Module:
-    """The model with real weights (from `path`, or a seeded random init) on `device` ('meta' for none)."""
+    """The model with real weights (from `path`, or a seeded random init) on `device` ('meta' for none). A
+    vision-language model is HF's image-text-to-text class; `attn_implementation` is its decoder's, its vision
+    tower's is SDPA (bidirectional within each image: the packed causal kernel is not for it)."""
     kwargs = dict(attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     auto = transformers.AutoModelForSequenceClassification if sequence_classification else transformers.AutoModelForCausalLM
+    if is_vision_language(config) and not sequence_classification:
+        auto = transformers.AutoModelForImageTextToText
+        kwargs["attn_implementation"] = {"": attn_implementation, "text_config": attn_implementation,
+                                         "vision_config": "sdpa"}
     if str(device) == "meta":
         with torch.device("meta"):
             model = auto.from_config(config, dtype=dtype, **kwargs)
@@ -328,6 +336,7 @@ class PolicyModel(nn.Module):
         self.chunk_size = chunk_size
         self.value_head = nn.Linear(lm.config.hidden_size, 1, bias=True) if head == "value" else None
         self.router_replay = RouterReplay(lm) if is_moe(lm.config) else None  # see `forward`'s routed_experts
+        self.vision = is_vision_language(lm.config)
 
     sp_group = None
     """The Ulysses sequence-parallel group when sp > 1 (set by the engine); None otherwise."""
@@ -335,7 +344,8 @@ class PolicyModel(nn.Module):
     def forward(self, input_ids, attention_mask, remove_padding: bool = True,
                 temperature: float = 1.0, with_entropy: bool = False,
                 score_from: int | None = None, routed_experts: torch.Tensor | None = None,
-                record_routing: bool = False, count_replay: bool = True) -> dict[str, torch.Tensor]:
+                record_routing: bool = False, count_replay: bool = True,
+                images: list | None = None) -> dict[str, torch.Tensor]:
         """`score_from`: the "lm" head scores only the tokens at columns >= score_from (the responses of an RL
         batch, whose prompts fill the columns before), the others reading 0; None scores every token. The
         output projection over the vocabulary then skips the prompts' positions: with 256-token prompts and
@@ -343,9 +353,16 @@ class PolicyModel(nn.Module):
 
         A mixture of experts: `record_routing` adds `routed_experts` (B, T, L, k), the experts each token was
         routed to in each of the L MoE layers; `routed_experts` given replays them (`RouterReplay`) until the
-        caller's `router_replay.end()` (after the backward), counting mismatches when `count_replay`."""
+        caller's `router_replay.end()` (after the backward), counting mismatches when `count_replay`.
+
+        A vision-language model: `images`, each row's `multi_modal_inputs` (`shardrl.engine.vision`), run through
+        the vision tower and spliced at the rows' placeholders; the decoder rotates by M-RoPE positions."""
         layout = packed_tokens if remove_padding else padded_tokens
         tokens = layout(input_ids, attention_mask, score_from if self.head == "lm" else None)
+        if self.vision:
+            tokens.decoder_inputs = vision_decoder_inputs(self.lm, tokens.decoder_inputs, input_ids, attention_mask,
+                                                          tokens.flat_index, remove_padding,
+                                                          stack_images(images, input_ids.device))
         routing = self._routing(tokens, routed_experts, record_routing, attention_mask, count_replay)
         aux = self.training and self.router_replay is not None and self.router_replay.capture_logits
         if aux:
@@ -377,17 +394,23 @@ class PolicyModel(nn.Module):
 
     def _forward_tokens(self, tokens: Tokens, temperature: float, with_entropy: bool, shape,
                         record_routing: bool, remove_padding: bool) -> dict[str, torch.Tensor]:
-        varlen = self.lm.config._attn_implementation == ATTN_NAME
+        varlen = text_config(self.lm.config)._attn_implementation == ATTN_NAME
         if self.sp_group is not None:
             if not varlen:  # any other attention would see only this rank's piece of each sequence
                 raise RuntimeError(
                     f"sequence parallel forward with attention {self.lm.config._attn_implementation!r}, not "
                     f"{ATTN_NAME!r}: something changed this model's config (share a copy of it instead)")
             tokens = split_sequence(tokens, self.sp_group)
-        elif varlen and remove_padding:
-            tokens.decoder_inputs.update(attention_kwargs(tokens.decoder_inputs["position_ids"]))
-        decoder = self.lm.base_model if self.head == "score" else self.lm.get_decoder()
+        elif varlen and remove_padding:  # (a VL model's 4-row positions: the first row is the text one)
+            tokens.decoder_inputs.update(attention_kwargs(tokens.decoder_inputs["position_ids"][0]))
+        # a VL model's base runs its vision tower and splices the images in before its decoder
+        decoder = self.lm.base_model if self.head == "score" or self.vision else self.lm.get_decoder()
+        # a VL micro-batch without images still runs the tower (see its doc), first, as the others' does
+        idle = idle_vision_tower(self.lm, tokens.targets.device) if self.vision and \
+            "pixel_values" not in tokens.decoder_inputs else None
         hidden = decoder(**tokens.decoder_inputs, use_cache=False).last_hidden_state.flatten(0, 1)  # (n_local, H)
+        if idle is not None:
+            hidden = hidden + idle.to(hidden.dtype)
         if self.head == "score":
             return self.score_head(hidden, tokens)
         if self.head == "value":

@@ -384,6 +384,7 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.actor.kl_loss_coef": same("actor.kl_loss_coef"),
     "actor_rollout_ref.actor.kl_loss_type": conv("actor.kl_loss_type", kl_type),
     "actor_rollout_ref.actor.ppo_epochs": same("actor.ppo_epochs"),
+    "actor_rollout_ref.actor.freeze_vision_tower": same("model.freeze_vision_tower"),
     "actor_rollout_ref.actor.router_replay.mode": same("actor.router_replay.mode"),
     "actor_rollout_ref.actor.shuffle": same("actor.shuffle"),
     "actor_rollout_ref.actor.data_loader_seed": dropped("shardrl seeds the mini-batch shuffle from data.seed"),

@@ -1,0 +1,118 @@
+"""A vision-language model in the engine: the images a micro-batch carries, its M-RoPE positions, packed, and the
+vision tower frozen or trained (issue 61).
+
+A batch carries each row's images in the per-row field `multi_modal_inputs` (verl's name): a dict with
+`pixel_values` (P_i, D), the row's patches, and `image_grid_thw` (k_i, 3), each image's (temporal, height, width)
+patch grid; None or {} for a row without images. A micro-batch is a cut of rows, so it carries its rows' images
+and nothing else; `stack_images` joins them in row order, the order of the placeholders in the micro-batch.
+
+Positions: the decoder rotates queries and keys by a (temporal, height, width) position per token (M-RoPE), which
+the model's own `get_rope_index` computes per row from its ids and image grids (text tokens advance all three by 1;
+an image's tokens take its patch grid's coordinates). The rows are numbered on the padded (B, T) batch and then
+laid out like the tokens: packed, the (3, N) positions of the real tokens are prefixed with the plain per-sequence
+positions (0, 1, ... restarting per row), the 4-row form HF's Qwen-VL decoders read as "text positions for the
+packed attention mask, then M-RoPE".
+
+The decoder run is the HF model's base (`model.model`: embeddings, the vision tower's output spliced at the
+placeholders, the language model), so every step that places image features is HF's own.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn as nn
+
+from shardrl.models.vision import image_token_id, is_vision_language, vision_family
+
+MULTI_MODAL_KEY = "multi_modal_inputs"
+"""The per-row batch field holding a row's `pixel_values` and `image_grid_thw`."""
+
+
+def check_vision_engine(hf_config, head: str, lora, sp: int) -> None:
+    """A ValueError for what the engine does not do with a vision-language model yet (said with the setting)."""
+    if not is_vision_language(hf_config):
+        return
+    name = hf_config.model_type
+    if head != "lm":
+        raise ValueError(f"a {head!r} head on the vision-language model {name!r} is not supported yet (critics and "
+                         "reward models with images are a later step of issue 61); the policy's 'lm' head is")
+    if lora is not None:
+        raise ValueError(f"model.lora on the vision-language model {name!r} is not supported yet (issue 61: LoRA on "
+                         "the language part); set model.lora.rank=0")
+    if sp > 1:
+        raise ValueError(f"ulysses_sequence_parallel_size={sp} with the vision-language model {name!r} is not "
+                         "supported yet (the M-RoPE positions are not split); set it to 1")
+
+
+def freeze_vision_tower(lm: nn.Module) -> int:
+    """Stops training the vision tower (patch embedding, blocks, merger): its parameters keep their weights and
+    get no gradient, as verl's freeze_vision_tower. Returns the number of parameters frozen."""
+    tower = lm.get_submodule(vision_family(lm.config).vision_tower)
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())
+
+
+def stack_images(rows: list | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """The micro-batch's images in row order: {"pixel_values": (sum P_i, D), "image_grid_thw": (sum k_i, 3)}, or {}
+    when no row has one."""
+    rows = [r for r in (rows or []) if r and r.get("image_grid_thw") is not None and len(r["image_grid_thw"])]
+    if not rows:
+        return {}
+    return {"pixel_values": torch.cat([torch.as_tensor(r["pixel_values"]) for r in rows]).to(device),
+            "image_grid_thw": torch.cat([torch.as_tensor(r["image_grid_thw"]).long().reshape(-1, 3)
+                                         for r in rows]).to(device)}
+
+
+def mrope_position_ids(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+    """(3, B, T) M-RoPE positions of the padded batch (0 at padding), by the model's `get_rope_index`."""
+    model = lm.model
+    params = inspect.signature(model.get_rope_index).parameters
+    kwargs = dict(image_grid_thw=image_grid_thw, attention_mask=attention_mask)
+    if "mm_token_type_ids" in params:  # transformers >= 5.2x: the modality of each token, 1 at image placeholders
+        kwargs["mm_token_type_ids"] = (input_ids == image_token_id(lm.config)).int()
+    if image_grid_thw is None:  # no image in the micro-batch: text positions, the same on all three axes
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return position_ids[None].expand(3, -1, -1)
+    with torch.no_grad():
+        position_ids, _ = model.get_rope_index(input_ids, **kwargs)
+    return position_ids
+
+
+def idle_vision_tower(lm: nn.Module, device: torch.device) -> torch.Tensor:
+    """0 times the vision tower's output on one blank image of 2 x 2 merged patches: added to a micro-batch without
+    images, so that every rank runs the tower's forward and backward in every micro-batch. Under FSDP each of its
+    blocks is a round of collectives (gather, reduce-scatter); a rank whose rows have no image would otherwise skip
+    the rounds the others run, and the job would hang."""
+    visual = lm.get_submodule(vision_family(lm.config).vision_tower)
+    merge = visual.spatial_merge_size
+    patch_dim = visual.patch_embed.proj.weight.shape[1:].numel()  # channels x temporal x patch x patch
+    grid = torch.tensor([[1, merge, merge]], device=device)
+    blank = torch.zeros(merge * merge, patch_dim, device=device)
+    out = lm.model.get_image_features(blank, grid, return_dict=True)
+    features = [out.pooler_output, getattr(out, "deepstack_features", None)]  # (Qwen3-VL: deepstack's too)
+    return sum(f.float().sum() for f in _tensors(features)) * 0.0
+
+
+def _tensors(nested) -> list[torch.Tensor]:
+    if isinstance(nested, torch.Tensor):
+        return [nested]
+    return [t for item in (nested or []) for t in _tensors(item)]
+
+
+def vision_decoder_inputs(lm: nn.Module, decoder_inputs: dict, input_ids: torch.Tensor,
+                          attention_mask: torch.Tensor, flat_index: torch.Tensor, packed: bool,
+                          images: dict[str, torch.Tensor]) -> dict:
+    """`decoder_inputs` (a text layout's: input_ids and position_ids, with an attention mask when padded) made
+    the VL base model's: M-RoPE positions in the same layout, and the micro-batch's images."""
+    mrope = mrope_position_ids(lm, input_ids, attention_mask, images.get("image_grid_thw"))  # (3, B, T)
+    inputs = dict(decoder_inputs)
+    if packed:  # (4, 1, N): the per-sequence text positions (the packed mask), then M-RoPE of the real tokens
+        text = decoder_inputs["position_ids"]  # (1, N)
+        inputs["position_ids"] = torch.cat([text, mrope.flatten(1)[:, flat_index]])[:, None]
+    else:
+        inputs["position_ids"] = mrope
+    inputs.update(images)
+    return inputs

@@ -1,0 +1,117 @@
+"""Vision-language models in the engine (issue 61): tiny random Qwen2.5-VL and Qwen3-VL (`TINY_VL_MODELS`) on packed
+image+text batches give the plain HF model's log-probs, and the same gradients whatever the micro-batch cut and
+over two FSDP2 processes; the vision tower is trained, or frozen by `model.freeze_vision_tower`.
+
+fp32 on CPU (gloo). The HF reference runs one row at a time, unpadded, with the model computing its own M-RoPE
+positions from the row's ids and image grids: the engine's packed layout (several rows, their images, per-row
+positions) must reproduce it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardrl.algos.aggregate import agg_loss
+from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
+from shardrl.engine import build_engine
+from shardrl.engine.model import build_causal_lm, load_hf_config
+from shardrl.testing import random_vl_batch, record_grads, run_distributed, tiny_config
+
+pytestmark = pytest.mark.multiproc
+
+# (text tokens, image grids (t, h, w) in patches, response tokens): one image, none, two, a small one
+ROWS = [(3, [(1, 4, 6)], 5), (2, [], 4), (1, [(1, 2, 4), (1, 4, 4)], 6), (4, [(1, 2, 2)], 3)]
+KINDS = ("qwen2_5_vl", "qwen3_vl")
+OPTIM = dict(lr=1e-3, clip_grad=0.0)
+
+
+def hf_reference(kind: str, batch) -> list[torch.Tensor]:
+    """Per row: the plain HF model's log-probs of the row's response tokens (the row alone, no padding)."""
+    config = load_hf_config(None, tiny_config(kind))
+    model = build_causal_lm(config, None, "cpu", torch.float32, seed=0).eval()
+    out = []
+    for i in range(len(batch)):
+        keep = batch["attention_mask"][i].bool()
+        ids = batch["input_ids"][i][keep][None]  # (1, L)
+        images = dict(batch["multi_modal_inputs"][i] or {})
+        if images:  # transformers 5.2x reads the placeholders' modality from here
+            images["mm_token_type_ids"] = (ids == config.image_token_id).int()
+        with torch.no_grad():
+            logits = model(input_ids=ids, **images).logits[0].float()  # (L, V)
+        logp = F.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        out.append(logp[-int(batch["response_mask"][i].sum()):])
+    return out
+
+
+def pg_loss(outputs, mb, num_tokens, num_seqs):
+    return agg_loss(-outputs["log_probs"] * mb["advantages"], mb["loss_mask"], "token-mean",
+                    num_global_tokens=num_tokens), {}
+
+
+def _engine(kind: str, optim: bool = False, **engine_kwargs):
+    model = ModelConfig(tiny=tiny_config(kind), freeze_vision_tower=engine_kwargs.pop("freeze", False),
+                        use_remove_padding=engine_kwargs.pop("packed", True))
+    return build_engine(model, EngineConfig(param_dtype="float32", **engine_kwargs),
+                        OptimConfig(**OPTIM) if optim else None)
+
+
+def _log_probs(kind: str, engine_kwargs: dict):
+    engine = _engine(kind, **engine_kwargs)
+    batch = random_vl_batch(engine.hf_config, ROWS)
+    return engine.infer_batch(batch)["log_probs"], batch
+
+
+def _grads(kind: str, engine_kwargs: dict, rows=None):
+    engine = _engine(kind, optim=True, **engine_kwargs)
+    grads = record_grads(engine)
+    batch = random_vl_batch(engine.hf_config, rows or ROWS)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    engine.train_batch(batch.index(list(range(rank, len(batch), world))), pg_loss)  # a rank's share of the rows
+    trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    return grads[0], {engine.hf_name(n) for n in trained}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", [dict(micro_batch_size_per_gpu=2), dict(micro_batch_size_per_gpu=4, packed=False),
+                                    dict(use_dynamic_bsz=True, max_token_len_per_gpu=40)],
+                         ids=["packed", "padded", "dynamic"])
+def test_log_probs_equal_hf_forward(kind, layout):
+    log_probs, batch = run_distributed(_log_probs, 1, kind, layout)
+    reference = hf_reference(kind, batch)
+    width_p = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    for i, ref in enumerate(reference):
+        got = log_probs[i, width_p:width_p + ref.numel()]
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
+    # the image rows' responses read the images: a row's log-probs move when its pixels do
+    assert batch["multi_modal_inputs"][0]["pixel_values"].abs().sum() > 0
+
+
+def _grads_cut_and_world(kind: str):
+    one, trained = _grads(kind, dict(micro_batch_size_per_gpu=1))
+    two, _ = _grads(kind, dict(micro_batch_size_per_gpu=2))
+    return one, two, trained
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients_invariant_to_micro_batch_cut_and_world(kind):
+    one, two, trained = run_distributed(_grads_cut_and_world, 1, kind)
+    # two processes; rank 1's rows (1 and 3) hold the text-only row: its vision tower idles (no hang) on blanks
+    sharded, _ = run_distributed(_grads, 2, kind, dict(micro_batch_size_per_gpu=1))
+    assert any(n.startswith("model.visual.") for n in trained)  # the vision tower is trained by default
+    assert set(one) == set(two) == set(sharded) == trained
+    for name in one:
+        scale = one[name].abs().max().item() + 1e-12
+        torch.testing.assert_close(two[name], one[name], atol=1e-5 * scale, rtol=0, msg=name)
+        torch.testing.assert_close(sharded[name], one[name], atol=1e-5 * scale, rtol=0, msg=name)
+    visual = [n for n in one if n.startswith("model.visual.")]
+    assert visual and all(one[n].abs().sum() > 0 for n in visual if ".blocks." in n)
+
+
+def test_frozen_vision_tower_gets_no_gradient():
+    grads, trained = run_distributed(_grads, 2, "qwen2_5_vl", dict(micro_batch_size_per_gpu=2, freeze=True))
+    assert not any(n.startswith("model.visual.") for n in trained)
+    assert not any(n.startswith("model.visual.") for n in grads)
+    assert any(n.startswith("model.language_model.") for n in grads)
+
