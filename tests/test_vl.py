@@ -115,3 +115,29 @@ def test_frozen_vision_tower_gets_no_gradient():
     assert not any(n.startswith("model.visual.") for n in grads)
     assert any(n.startswith("model.language_model.") for n in grads)
 
+
+def test_rollout_and_trainers_refuse_a_vision_language_model_by_name(tmp_path):
+    """Phase 1 builds the engine's forward only: a VL model that meets the rollout, the RL trainer or sft is refused
+    with the issue's next step, before any model is built (was: a crash inside the fast rollout's tables)."""
+    import transformers
+
+    from shardrl.rollout import build_rollout
+    from shardrl.launch.rank import run
+    from shardrl.testing import small_demo_run
+    from shardrl.tokenizer import build_char_tokenizer
+    from shardrl.trainer.demo import prepare_demo_assets
+
+    config = load_hf_config(None, tiny_config("qwen2_5_vl"))
+    next_step = r"vision-language RL: the engine's forward is built; the rollout is not yet \(issue 61, phase 2"
+    for backend in ("fast", "hf"):
+        with pytest.raises(ValueError, match=rf"rollout.backend={backend}: 'qwen2_5_vl' is a vision-language model; "
+                                             + next_step):
+            build_rollout(backend, config, None, "cpu", torch.float32)
+    folder = tmp_path / "vl"
+    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=1)
+    build_char_tokenizer().save_pretrained(folder)
+    base = small_demo_run(assets, tmp_path / "run", "trainer.total_steps=1", f"model.path={folder}")
+    with pytest.raises(ValueError, match="RL training: 'qwen2_5_vl' is a vision-language model; " + next_step):
+        run(None, base)
+    assert not (tmp_path / "run").exists()

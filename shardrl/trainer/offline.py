@@ -30,6 +30,7 @@ from shardrl.engine import build_engine
 from shardrl.engine.model import load_hf_config
 from shardrl.metrics import Sum, reduce_metrics
 from shardrl.models.config import check_context
+from shardrl.models.vision import refuse_vision_language
 from shardrl.plan.plan import Plan
 from shardrl.rollout.build import the_device
 from shardrl.tokenizer import load_tokenizer
@@ -62,6 +63,7 @@ class OfflineTrainer(Trainer):
         model_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code,
                                       "seq_cls" if self.head == "score" else "causal_lm", new_head_ok=True,
                                       override=cfg.model.override_config)
+        refuse_vision_language(model_config, f"{type(self).__name__} (offline training: sft, dpo, kto, rm)")
         check_context(model_config, longest, "the longest sequence of the data",
                       f"model.path={cfg.model.path!r}" if cfg.model.path else "model.tiny",
                       f"lower data.max_length={d.max_length} with data.truncation=drop or right")

@@ -34,6 +34,7 @@ from shardrl.plan.plan import Plan
 from shardrl.compat.verl.metric_names import with_verl_names
 from shardrl.metrics import Max, Min, Sum, SumCount, reduce_metrics
 from shardrl.models.config import check_context
+from shardrl.models.vision import refuse_vision_language
 from shardrl.plan.perf import model_shape, rl_step_flops, throughput_metrics
 from shardrl.rewards.pool import RewardPool
 from shardrl.rewards.manager import RewardManager, check_ground_truths, load_reward_function
@@ -177,6 +178,7 @@ class RLTrainer(Trainer):
                           len(self.reward_inputs.reward) if self.reward_inputs is not None else None)
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm",
                                        override=cfg.model.override_config)
+        refuse_vision_language(policy_config, "RL training")  # before any model is built
         longest = max(len(item["prompt_ids"]) for dataset in filter(None, (self.train_set, self.val_set))
                       for item in dataset.items)
         # one generate call's reach (a conversation or an episode longer than the context ends where it fills it)
