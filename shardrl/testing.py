@@ -225,3 +225,40 @@ def random_vl_batch(hf_config, rows: list[tuple[int, list[tuple[int, int, int]],
     advantages = torch.randn(input_ids.shape, generator=g) * loss_mask
     return Batch({"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask,
                   "loss_mask": loss_mask, "advantages": advantages}, {"multi_modal_inputs": images})
+
+
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def tiny_vl_processor(hf_config, patch_size: int | None = None):
+    """A Qwen2.5-VL processor for a tiny VL config (`TINY_VL_MODELS`): the character tokenizer with the vision
+    tokens added at the config's ids, a chat template that renders image parts, and Qwen2-VL's PIL image
+    processor at the config's patch and merge sizes (min_pixels one merged patch, max_pixels 16 of them)."""
+    from transformers import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from shardrl.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    special = {hf_config.vision_start_token_id: "<|vision_start|>", hf_config.image_token_id: "<|image_pad|>",
+               hf_config.vision_end_token_id: "<|vision_end|>", hf_config.video_token_id: "<|video_pad|>"}
+    filler = [f"<|unused_{i}|>" for i in range(len(tok), min(special))]  # the ids between the alphabet and these
+    tok.add_special_tokens({"additional_special_tokens": filler + [special[i] for i in sorted(special)]})
+    assert all(tok.convert_tokens_to_ids(t) == i for i, t in special.items())
+    tok.chat_template = VL_CHAT_TEMPLATE
+    vision = hf_config.vision_config
+    patch, merge = patch_size or vision.patch_size, vision.spatial_merge_size
+    unit = (patch * merge) ** 2
+    images = Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge, temporal_patch_size=vision.temporal_patch_size,
+                                      size={"shortest_edge": unit, "longest_edge": 16 * unit})
+
+    class ImageProcessor(Qwen2_5_VLProcessor):  # no video processor: its class needs torchvision, absent here
+        def check_argument_for_proper_class(self, argument_name, argument):
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    return ImageProcessor(image_processor=images, tokenizer=tok, chat_template=VL_CHAT_TEMPLATE)

@@ -1,0 +1,170 @@
+"""Prompt rows with images (issue 61): verl's and TRL's multimodal rows, made into token ids and the model's image
+inputs by the model's processor (`AutoProcessor`: its tokenizer, chat template and image processor).
+
+Two row forms are read:
+- verl's (examples/data_preprocess/geo3k.py): an `images` column, a list of {"bytes": ...} or {"path": ...} dicts
+  (or paths, or raw bytes), beside a chat `prompt` whose string contents hold one `<image>` placeholder per image,
+  in order;
+- TRL's: `images` beside messages whose content is a list of parts, `{"type": "image"}` where an image goes and
+  `{"type": "text", "text": ...}`.
+Either becomes messages with image parts, rendered by the processor's chat template; the processor resizes each
+image into [min_pixels, max_pixels] (Qwen's own rule: `smart_resize` keeps the aspect, sides multiples of the patch
+x merge size) and expands each image's placeholder to its merged-patch count. A row's `multi_modal_inputs` is its
+`pixel_values` (patches, patch dim) and `image_grid_thw` (images, 3), what the engine's batch field carries
+(`shardrl.engine.vision`).
+
+A bad image (unreadable bytes or path, a count of images unlike the placeholders', or more raw pixels than
+`max_image_pixels`) is a ValueError naming the file, row and image (`bad_images="error"`, the default: a data set
+with broken images is usually a preprocessing bug worth seeing), or its row is dropped and counted
+(`bad_images="drop"`: the count is in the stats and logged once).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from shardrl.data.messages import check_messages
+from shardrl.data.prompts import _short_repr, read_rows
+
+logger = logging.getLogger(__name__)
+
+IMAGE_PLACEHOLDER = "<image>"
+"""verl's placeholder for an image inside a string content."""
+
+
+@dataclass
+class ImageSettings:
+    image_key: str = "images"
+    """The column holding a row's images (verl's data.image_key)."""
+    min_pixels: int | None = None
+    """The processor resizes smaller images up to this many pixels; None: the processor's own."""
+    max_pixels: int | None = None
+    """The processor resizes larger images down to this many pixels (fewer image tokens); None: the processor's own."""
+    max_image_pixels: int | None = None
+    """An image with more raw pixels than this (width x height, before any resize) is a bad image; None: no limit
+    beyond PIL's own decompression-bomb guard (an image that large is unreadable)."""
+    bad_images: Literal["error", "drop"] = "error"
+    """A row with a bad image: "error" stops the load naming the row; "drop" leaves the row out and counts it."""
+
+
+class BadImage(ValueError):
+    """What is wrong with one of a row's images (the caller adds the file and row)."""
+
+
+def load_image(value, folder: str = "."):
+    """A PIL RGB image from a row's entry: a PIL image, raw bytes, {"bytes": ...}, {"path": ...} / {"image": ...},
+    or a path (relative paths against `folder`, the data file's; a file:// prefix is dropped)."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, dict):
+        data = value.get("bytes")
+        value = data if data is not None else value.get("path") or value.get("image")
+    try:
+        if isinstance(value, (bytes, bytearray)):
+            image = Image.open(io.BytesIO(value))
+        elif isinstance(value, str):
+            path = value[len("file://"):] if value.startswith("file://") else value
+            image = Image.open(path if os.path.isabs(path) else os.path.join(folder, path))
+        else:
+            raise BadImage(f"is {_short_repr(value)}, not image bytes, a path, or a dict of one")
+        image.load()
+    except BadImage:
+        raise
+    except (OSError, ValueError, Image.DecompressionBombError) as e:  # (PIL's UnidentifiedImageError is an OSError)
+        raise BadImage(f"cannot be read ({type(e).__name__}: {e})") from None
+    return image.convert("RGB")
+
+
+def image_messages(messages: list[dict], num_images: int) -> list[dict]:
+    """The messages with image parts where the images go: verl's `<image>` placeholders in string contents become
+    {"type": "image"} parts, TRL's content lists pass through. The parts must number `num_images`."""
+    out, found = [], 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str) and IMAGE_PLACEHOLDER in content:
+            parts = [{"type": "image"} if piece == IMAGE_PLACEHOLDER else {"type": "text", "text": piece}
+                     for piece in re.split(f"({re.escape(IMAGE_PLACEHOLDER)})", content) if piece]
+            message = {**message, "content": parts}
+        if isinstance(message.get("content"), list):
+            found += sum(isinstance(p, dict) and p.get("type") == "image" for p in message["content"])
+        out.append(message)
+    if found != num_images:
+        raise BadImage(f"the messages place {found} image(s) ({IMAGE_PLACEHOLDER!r} in a content string, or "
+                       f"{{'type': 'image'}} parts) but the row has {num_images}")
+    return out
+
+
+def process_images(processor, messages: list[dict], images: list, settings: ImageSettings) -> dict:
+    """{"prompt_ids": [...], "prompt_text": str, "multi_modal_inputs": {"pixel_values", "image_grid_thw"} or None}
+    of one row's image messages (`image_messages`) and its PIL images."""
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    size = dict(getattr(processor.image_processor, "size", None) or {})  # Qwen's: {shortest_edge, longest_edge} pixels
+    size.update({k: v for k, v in (("shortest_edge", settings.min_pixels), ("longest_edge", settings.max_pixels)) if v})
+    out = processor(text=[text], images=images or None, return_tensors="pt", **({"size": size} if size else {}))
+    inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]} if images else None
+    return {"prompt_ids": out["input_ids"][0].tolist(), "prompt_text": text, "multi_modal_inputs": inputs}
+
+
+def _checked(messages, key: str) -> list[dict]:
+    """`messages` after `check_messages`'s checks of roles and shapes, a content list read as its text parts."""
+    if not isinstance(messages, list):
+        return check_messages(messages, key)  # (its error for a prompt that is not messages)
+    as_text = [{**m, "content": "".join(p.get("text") or "" for p in m["content"] if isinstance(p, dict))}
+               if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in messages]
+    check_messages(as_text, key)
+    return messages
+
+
+def _row_images(row: dict, settings: ImageSettings, folder: str) -> list:
+    values = row.get(settings.image_key) or []
+    if not isinstance(values, (list, tuple)):
+        values = [values]
+    images = []
+    for k, value in enumerate(values, start=1):
+        try:
+            image = load_image(value, folder)
+        except BadImage as e:
+            raise BadImage(f"image {k} {e}") from None
+        if settings.max_image_pixels and image.width * image.height > settings.max_image_pixels:
+            raise BadImage(f"image {k} is {image.width}x{image.height} = {image.width * image.height} pixels, more "
+                           f"than max_image_pixels={settings.max_image_pixels}")
+        images.append(image)
+    return images
+
+
+def load_image_prompts(files: list[str], processor, settings: ImageSettings, prompt_key: str = "prompt") -> tuple[
+        list[dict], dict]:
+    """Items {"prompt_ids", "prompt_text", "multi_modal_inputs", "prompt", "index"} of the files' rows, and stats
+    {"rows", "dropped_bad_images"}. A bad image stops the load or drops its row (`ImageSettings.bad_images`)."""
+    if settings.bad_images not in ("error", "drop"):
+        raise ValueError(f"bad_images={settings.bad_images!r}: choose 'error' or 'drop'")
+    items, dropped = [], 0
+    for path in files:
+        folder = os.path.dirname(os.path.abspath(path))
+        for number, row in read_rows(path):
+            if not isinstance(row, dict) or prompt_key not in row:
+                raise ValueError(f"{path}: row {number}: no {prompt_key!r} column (a chat prompt beside "
+                                 f"{settings.image_key!r})")
+            prompt = row[prompt_key]
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            try:
+                images = _row_images(row, settings, folder)
+                messages = image_messages(_checked(messages, prompt_key), len(images))
+            except BadImage as e:
+                if settings.bad_images == "error":
+                    raise ValueError(f"{path}: row {number}: {e}; fix the row, or set bad_images=drop to leave such "
+                                     "rows out (counted)") from None
+                dropped += 1
+                continue
+            items.append({**process_images(processor, messages, images, settings), "prompt": prompt,
+                          "index": len(items)})
+    if dropped:
+        logger.warning("dropped %d row(s) with a bad image (bad_images=drop) of %d", dropped, dropped + len(items))
+    return items, {"rows": len(items), "dropped_bad_images": dropped}
