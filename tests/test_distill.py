@@ -86,6 +86,78 @@ def test_opd_advantage_is_the_reverse_kl_of_a_plain_forward(models, reward_coef)
     assert t_sum == pytest.approx(float(t.sum()), abs=1e-3)
 
 
+def spliced_batch(teacher: str, vocab: int):
+    """A random batch whose response tokens at even columns are the teacher's greedy choice given what comes
+    before (so some sampled tokens agree with the teacher's argmax, some do not), with two GRPO groups of 3."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    batch = random_batch(6, 10, vocab, seed=3)
+    ids, am, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    for col in range(0, ids.shape[1], 2):
+        pos = (am.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits
+        greedy = logits[:, col - 1].argmax(-1)
+        ids[:, col] = torch.where(lm[:, col].bool(), greedy, ids[:, col])
+    batch["prompt_index"] = torch.tensor([0, 0, 0, 1, 1, 1])
+    batch["sampled_log_probs"] = torch.zeros(6, 10)
+    return batch
+
+
+def plain_top1(folder: str, batch) -> torch.Tensor:
+    """1.0 where a scored token's logit is the largest of its position under a plain HF forward (B, T)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
+    top1 = torch.zeros(ids.shape)
+    top1[:, 1:] = (logits[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1) >= logits[:, :-1].max(-1).values).float()
+    return top1 * batch["loss_mask"]
+
+
+def _agreement(student: str, teacher: str, batch, micro: int):
+    """`prepare` of an opd step on this rank's rows (rank r of 2 holds group r); the teacher-agreement metric
+    summed over the ranks, and this rank's rows of the teacher's `top1`."""
+    import torch.distributed as dist
+
+    from shardrl.config.schema import Config, EngineConfig, ModelConfig
+    from shardrl.engine import build_engine
+    from shardrl.plan.step_plan import StepPlan
+    from shardrl.trainer.prepare import prepare
+    from shardrl.trainer.roles import build_reference
+
+    cfg = Config()
+    cfg.model.path, cfg.teacher.model_path, cfg.algorithm.adv_estimator = student, teacher, "opd"
+    engine_cfg = EngineConfig(param_dtype="float32", micro_batch_size_per_gpu=micro)
+    actor = build_engine(ModelConfig(path=student), engine_cfg)
+    teacher_engine = build_reference(cfg.model, engine_cfg, actor.mesh, teacher)
+    roles = types.SimpleNamespace(actor=actor, mesh=actor.mesh, teacher=teacher_engine)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = batch.index(list(range(6))[rank * 6 // world: (rank + 1) * 6 // world])
+    metrics = prepare(mine, torch.ones(len(mine)), StepPlan.from_config(cfg), roles, cfg.algorithm, 0.0, 1.0)
+    total = torch.tensor(metrics["distill/teacher_argmax_agree"], dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.tolist(), teacher_engine.infer_batch(mine, with_top1=True)["top1"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world,micro", [(1, 1), (1, 3), (2, 1), (2, 3)])
+def test_teacher_argmax_agreement_matches_a_plain_forward(models, world, micro):
+    root, vocab = models
+    student, teacher = str(root / "student"), str(root / "teacher")
+    batch = spliced_batch(teacher, vocab)
+    expected = plain_top1(teacher, batch)
+    mask = batch["loss_mask"].float()
+    hits = float(expected.sum())
+    assert 0 < hits < float(mask.sum())  # some sampled tokens are the teacher's argmax, some are not
+    (agree, count), top1 = run_distributed(_agreement, world, student, teacher, batch, micro)
+    assert count == float(mask.sum()) and agree == hits  # the same tokens, counted once, on any layout
+    torch.testing.assert_close(top1 * mask[: len(top1)], expected[: len(top1)], atol=0, rtol=0)
+
+
 def test_opd_runs_two_steps_with_a_tiny_teacher(tmp_path):
     from shardrl.launch.rank import run
     from shardrl.trainer.demo import prepare_demo_assets
@@ -102,6 +174,7 @@ def test_opd_runs_two_steps_with_a_tiny_teacher(tmp_path):
         # a random teacher is far from the warmed-up student: a positive KL estimate, log-probs well below 0
         assert r["distill/reverse_kl"] > 0.1 and r["distill/teacher_log_prob"] < -1.0
         assert "timing/teacher_s" in r and r["reward/mean"] >= 0
+        assert 0 <= r["distill/teacher_argmax_agree"] < 0.5  # a random teacher's argmax is seldom what was sampled
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):

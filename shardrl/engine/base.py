@@ -306,14 +306,15 @@ class Engine(abc.ABC):
         defer the gradient reduction to the last one does so here."""
 
     def _forward(self, mb: Batch, temperature: float, with_entropy: bool, record_routing: bool = False,
-                 replay: torch.Tensor | None = None, count_replay: bool = True) -> dict[str, torch.Tensor]:
+                 replay: torch.Tensor | None = None, count_replay: bool = True,
+                 with_top1: bool = False) -> dict[str, torch.Tensor]:
         # an RL batch ([prompt | response] columns) is scored on its responses only: the prompts' log-probs
         # are never read, and the vocabulary projection over them would be most of the head's work
         score_from = mb["input_ids"].shape[1] - mb["response_mask"].shape[1] if "response_mask" in mb else None
         return self.module(
             mb["input_ids"], mb["attention_mask"], remove_padding=self.model_cfg.use_remove_padding,
             temperature=temperature, with_entropy=with_entropy, score_from=score_from, routed_experts=replay,
-            record_routing=record_routing, count_replay=count_replay,
+            record_routing=record_routing, count_replay=count_replay, with_top1=with_top1,
             images=mb[MULTI_MODAL_KEY] if MULTI_MODAL_KEY in mb else None,
         )
 
@@ -420,10 +421,11 @@ class Engine(abc.ABC):
 
     @torch.no_grad()
     def infer_batch(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
-                    record_routing: bool = False, replay_routing: bool = False) -> Batch:
-        """Forward only: per-token `log_probs` (and `entropy`), or `values` for a critic, `(B, T)`,
-        in the order of `batch`. `record_routing` (a mixture of experts): also `routed_experts` (B, T, L, k),
-        each token's experts per MoE layer, for `train_batch` to replay (actor.router_replay);
+                    record_routing: bool = False, replay_routing: bool = False, with_top1: bool = False) -> Batch:
+        """Forward only: per-token `log_probs` (and `entropy`; `with_top1`: `top1`, 1.0 where the token is the
+        model's argmax), or `values` for a critic, `(B, T)`, in the order of `batch`. `record_routing` (a mixture
+        of experts): also `routed_experts` (B, T, L, k), each token's experts per MoE layer, for `train_batch` to
+        replay (actor.router_replay);
         `replay_routing`: routed as `batch["routed_experts"]` says (R3: the rollout's routing)."""
         self.module.eval()
         batch = batch.to(self.device)
@@ -434,7 +436,8 @@ class Engine(abc.ABC):
             real = len(mb) > 0
             mb = mb if real else self._placeholder(batch)
             outputs = self._forward(mb, temperature, with_entropy, record_routing,
-                                    replay=mb["routed_experts"] if replay_routing else None, count_replay=False)
+                                    replay=mb["routed_experts"] if replay_routing else None, count_replay=False,
+                                    with_top1=with_top1)
             if replay_routing:
                 self.module.router_replay.end()
             if real:

@@ -226,6 +226,35 @@ def chunked_log_probs(
     return logp, entropy
 
 
+@torch.no_grad()
+def chunked_log_probs_top1(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`chunked_log_probs` without autograd, plus whether each target is the argmax of its logits (N,) bool:
+    its logit the largest (a tie counts, so the answer does not depend on how argmax breaks ties), read from
+    the same chunk of logits as the log-prob, so it costs one max over the vocabulary, not another projection.
+    Temperature and softcap are monotone: the argmax is the raw logits'."""
+    logps, ents, hits = [], [], []
+    for start in range(0, max(hidden.shape[0], 1), chunk_size):
+        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+        logits = F.linear(h, weight, bias)  # (n, V)
+        hits.append(logits.gather(-1, t[:, None]).squeeze(-1) >= logits.max(-1).values)
+        if softcap:
+            lp, ent = _chunk_logprob(h, weight, bias, t, temperature, with_entropy, softcap)
+        else:
+            lp, _, ent = _head_passes(logits, t, temperature, with_entropy)
+        logps.append(lp)
+        ents.append(ent)
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None), torch.cat(hits)
+
+
 @dataclass
 class Packed:
     """A micro-batch with padding removed: all real tokens in one row."""

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import transformers
 
 from shardrl.engine.attention import ATTN_NAME, attention_kwargs
-from shardrl.engine.logprob import chunked_log_probs, pack, shift_to_scored_token, unpack
+from shardrl.engine.logprob import chunked_log_probs, chunked_log_probs_top1, pack, shift_to_scored_token, unpack
 from shardrl.engine.moe import RouterReplay, load_balancing_loss
 from shardrl.engine.vision import idle_vision_tower, stack_images, vision_decoder_inputs
 from shardrl.models.vision import is_vision_language
@@ -345,7 +345,7 @@ class PolicyModel(nn.Module):
                 temperature: float = 1.0, with_entropy: bool = False,
                 score_from: int | None = None, routed_experts: torch.Tensor | None = None,
                 record_routing: bool = False, count_replay: bool = True,
-                images: list | None = None) -> dict[str, torch.Tensor]:
+                images: list | None = None, with_top1: bool = False) -> dict[str, torch.Tensor]:
         """`score_from`: the "lm" head scores only the tokens at columns >= score_from (the responses of an RL
         batch, whose prompts fill the columns before), the others reading 0; None scores every token. The
         output projection over the vocabulary then skips the prompts' positions: with 256-token prompts and
@@ -370,7 +370,7 @@ class PolicyModel(nn.Module):
         try:
             with routing:
                 outputs = self._forward_tokens(tokens, temperature, with_entropy, input_ids.shape, record_routing,
-                                               remove_padding)
+                                               remove_padding, with_top1)
             if aux:
                 outputs["router_aux_loss"] = load_balancing_loss(
                     self.lm, self.router_replay.logits, None if remove_padding else attention_mask)
@@ -393,7 +393,7 @@ class PolicyModel(nn.Module):
         return self.router_replay.recording()
 
     def _forward_tokens(self, tokens: Tokens, temperature: float, with_entropy: bool, shape,
-                        record_routing: bool, remove_padding: bool) -> dict[str, torch.Tensor]:
+                        record_routing: bool, remove_padding: bool, with_top1: bool = False) -> dict[str, torch.Tensor]:
         varlen = text_config(self.lm.config)._attn_implementation == ATTN_NAME
         if self.sp_group is not None:
             if not varlen:  # any other attention would see only this rank's piece of each sequence
@@ -415,7 +415,7 @@ class PolicyModel(nn.Module):
             return self.score_head(hidden, tokens)
         if self.head == "value":
             return self.value_outputs(hidden, tokens)
-        outputs = self.log_prob_outputs(hidden, tokens, temperature, with_entropy)
+        outputs = self.log_prob_outputs(hidden, tokens, temperature, with_entropy, with_top1)
         if record_routing:
             experts = self.router_replay.stacked()  # (N, L, k)
             full = experts.new_zeros((shape[0] * shape[1], *experts.shape[1:]))
@@ -440,24 +440,30 @@ class PolicyModel(nn.Module):
         return {"values": tokens.restore(shift_to_scored_token(values, tokens.seq_start))}
 
     def log_prob_outputs(self, hidden: torch.Tensor, tokens: Tokens, temperature: float,
-                         with_entropy: bool) -> dict[str, torch.Tensor]:
+                         with_entropy: bool, with_top1: bool = False) -> dict[str, torch.Tensor]:
         """`log_probs` (B, T) of each token under the policy (and its `entropy`), the output projection
-        run in chunks so the (tokens, vocab) logits never exist whole."""
+        run in chunks so the (tokens, vocab) logits never exist whole. `with_top1` (forward only): also `top1`
+        (B, T), 1.0 where the token is the argmax of the logits that score it (a distillation teacher's
+        agreement with the samples)."""
         head = self.lm.get_output_embeddings()
         softcap = getattr(text_config(self.lm.config), "final_logit_softcapping", None)  # Gemma 2
+        score = chunked_log_probs_top1 if with_top1 else lambda *args: (*chunked_log_probs(*args), None)
         if tokens.needed is None or tokens.sp_group is not None:  # (under sp each rank holds a piece: all run)
-            logp, entropy = chunked_log_probs(hidden, head.weight, head.bias, tokens.targets, temperature,
-                                              self.chunk_size, with_entropy, softcap)  # (n_local,)
+            logp, entropy, top1 = score(hidden, head.weight, head.bias, tokens.targets, temperature,
+                                        self.chunk_size, with_entropy, softcap)  # (n_local,)
         else:  # only the positions that predict a scored token; the rest read 0
             idx = tokens.needed.nonzero().squeeze(-1)  # (n_needed,)
-            logp, entropy = chunked_log_probs(hidden[idx], head.weight, head.bias, tokens.targets[idx], temperature,
-                                              self.chunk_size, with_entropy, softcap)
+            logp, entropy, top1 = score(hidden[idx], head.weight, head.bias, tokens.targets[idx], temperature,
+                                        self.chunk_size, with_entropy, softcap)
             n = hidden.shape[0]
             logp = logp.new_zeros(n).index_put((idx,), logp)  # out of place: differentiable
             entropy = None if entropy is None else entropy.new_zeros(n).index_put((idx,), entropy)
+            top1 = None if top1 is None else top1.new_zeros(n).index_put((idx,), top1)
+        extra = {"entropy": entropy, "top1": None if top1 is None else top1.float()}
         outputs = {"log_probs": tokens.restore(shift_to_scored_token(tokens.whole(logp), tokens.seq_start))}
-        if entropy is not None:
-            outputs["entropy"] = tokens.restore(shift_to_scored_token(tokens.whole(entropy), tokens.seq_start))
+        for name, value in extra.items():
+            if value is not None:
+                outputs[name] = tokens.restore(shift_to_scored_token(tokens.whole(value), tokens.seq_start))
         return outputs
 
 

@@ -44,8 +44,10 @@ def prepare(batch: Batch, scores: torch.Tensor, plan: StepPlan, roles, algo_cfg,
         metrics["timing/ref_s"] = time.perf_counter() - t0
     if plan.uses_teacher:  # scored like the reference: the sampled tokens, at the sampler's temperature
         t0 = time.perf_counter()
-        batch["teacher_log_probs"] = roles.teacher.infer_batch(batch, temperature=temperature)["log_probs"].cpu()
-        metrics.update(distill_metrics(batch["old_log_probs"], batch["teacher_log_probs"], batch["loss_mask"].float()))
+        scored = roles.teacher.infer_batch(batch, temperature=temperature, with_top1=True)
+        batch["teacher_log_probs"] = scored["log_probs"].cpu()
+        metrics.update(distill_metrics(batch["old_log_probs"], batch["teacher_log_probs"], batch["loss_mask"].float(),
+                                       scored["top1"].cpu()))
         metrics["timing/teacher_s"] = time.perf_counter() - t0
     if plan.needs_critic:
         t0 = time.perf_counter()
@@ -61,12 +63,15 @@ def prepare(batch: Batch, scores: torch.Tensor, plan: StepPlan, roles, algo_cfg,
     return {k: _floats(v) for k, v in metrics.items()}
 
 
-def distill_metrics(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> dict:
+def distill_metrics(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, top1: torch.Tensor) -> dict:
     """On-policy distillation's per-token means over real tokens, as (sum, count): `distill/reverse_kl`, the
     sampled-token estimate of KL(student || teacher), log p_student - log p_teacher; and the teacher's agreement
-    with the samples, `distill/teacher_log_prob` (its mean log-prob of them: 0 when it would sample them surely)."""
+    with the samples, `distill/teacher_log_prob` (its mean log-prob of them: 0 when it would sample them surely)
+    and `distill/teacher_argmax_agree` (the share of them that are the teacher's argmax, `top1` 1.0: the student
+    sampled what the teacher would say greedily)."""
     return {"distill/reverse_kl": masked_metric(student - teacher, mask),
-            "distill/teacher_log_prob": masked_metric(teacher, mask)}
+            "distill/teacher_log_prob": masked_metric(teacher, mask),
+            "distill/teacher_argmax_agree": masked_metric(top1, mask)}
 
 
 def _floats(metric):
