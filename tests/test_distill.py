@@ -223,3 +223,83 @@ def test_plan_shows_the_teachers_memory(models, capsys):
     assert main(args[:-1]) == 0
     text = capsys.readouterr().out
     assert "teacher sharding" in text and "resident teacher params" in text
+
+
+def _mopd_prepared(student: str, by_source: dict, default: str | None, batch):
+    """`prepare` of an opd step with a teacher per data source, on this rank's rows (rank r of 2 holds group r)."""
+    import torch.distributed as dist
+
+    from shardrl.config.schema import Config, EngineConfig, ModelConfig
+    from shardrl.engine import build_engine
+    from shardrl.plan.step_plan import StepPlan
+    from shardrl.trainer.prepare import prepare
+    from shardrl.trainer.roles import build_reference
+    from shardrl.trainer.teachers import Teachers
+
+    cfg = Config()
+    cfg.model.path, cfg.algorithm.adv_estimator = student, "opd"
+    cfg.teacher.model_path, cfg.teacher.by_data_source = default, by_source
+    engine_cfg = EngineConfig(param_dtype="float32", micro_batch_size_per_gpu=2)
+    actor = build_engine(ModelConfig(path=student), engine_cfg)
+    teachers = Teachers(cfg, lambda path: build_reference(cfg.model, engine_cfg, actor.mesh, path))
+    roles = types.SimpleNamespace(actor=actor, mesh=actor.mesh, teacher=teachers)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = batch.index(list(range(6))[rank * 6 // world: (rank + 1) * 6 // world])
+    prepare(mine, torch.ones(len(mine)), StepPlan.from_config(cfg), roles, cfg.algorithm, 0.0, 1.0)
+    return mine["teacher_log_probs"], len(teachers.engines)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [1, 2])
+def test_mopd_scores_each_row_with_its_data_sources_teacher(models, tmp_path, world):
+    root, vocab = models
+    save_char_model(tmp_path / "teacher_b", seed=4, hidden_size=32, intermediate_size=64)
+    save_char_model(tmp_path / "teacher_c", seed=6)
+    student = str(root / "student")
+    paths = {"a": str(root / "teacher"), "b": str(tmp_path / "teacher_b"), "c": str(tmp_path / "teacher_c")}
+    batch = random_batch(6, 10, vocab, seed=3)
+    batch["prompt_index"] = torch.tensor([0, 0, 0, 1, 1, 1])
+    batch["sampled_log_probs"] = torch.zeros(6, 10)
+    # rank 1 of 2 has no row of "a": it still runs a's teacher (its forwards are collective), with no rows
+    batch["data_source"] = ["a", "b", "c", "b", "c", "c"]
+    # "c" has no entry: the default teacher (teacher.model_path) scores it; "a" and "d" share a folder (one engine)
+    by_source = {"a": paths["a"], "b": paths["b"], "d": paths["a"]}
+    got, engines = run_distributed(_mopd_prepared, world, student, by_source, paths["c"], batch)
+    assert engines == 3
+    mask = batch["loss_mask"].float()
+    own = {name: plain_log_probs(path, batch) for name, path in paths.items()}
+    assert (own["a"] - own["b"]).abs()[mask > 0].min() > 1e-4  # different teachers: a wrong route shows
+    rows = range(3) if world == 2 else range(6)  # rank 0's rows
+    expected = torch.stack([own[batch["data_source"][i]][i] for i in rows])
+    torch.testing.assert_close(got * mask[: len(got)], expected, atol=2e-5, rtol=1e-4)
+
+
+def test_mopd_refuses_a_data_source_without_a_teacher_at_start(tmp_path):
+    from shardrl.config.schema import ConfigError
+    from shardrl.launch.rank import run
+    from shardrl.trainer.demo import prepare_demo_assets
+
+    assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=2)  # its rows' data_source: "arith"
+    save_char_model(tmp_path / "teacher")
+    with pytest.raises(ConfigError, match=r"teacher.by_data_source names no teacher for the training data's "
+                                          r"data_source 'arith' \(it names math\) and teacher.model_path is unset"):
+        run(None, small_demo_run(assets, tmp_path / "run", "algorithm.adv_estimator=opd",
+                                 f"teacher.by_data_source={{math: {tmp_path / 'teacher'}}}", "trainer.total_steps=1"))
+
+
+def test_plan_counts_every_mopd_teacher(models, tmp_path, capsys):
+    import transformers
+
+    from shardrl.cli import main
+
+    root, _ = models
+    save_char_model(tmp_path / "teacher_b", seed=4, hidden_size=32, intermediate_size=64)
+    args = ["plan", f"model.path={root / 'student'}", "algorithm.adv_estimator=opd",
+            f"teacher.by_data_source={{math: {root / 'teacher'}, code: {tmp_path / 'teacher_b'}, "
+            f"chat: {root / 'teacher'}}}", "--json"]
+    assert main(args) == 0
+    items = {i["name"]: i for i in json.loads(capsys.readouterr().out)["memory"]["phases"]["gen"]["items"]}
+    count = sum(sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(f).parameters())
+                for f in (root / "teacher", tmp_path / "teacher_b"))  # two folders: chat shares math's
+    assert items["teacher params"]["gib"] * 2**30 == pytest.approx(count * 4)
+    assert items["teacher params"]["how"].startswith("2 teachers: ")

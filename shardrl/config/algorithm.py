@@ -121,9 +121,25 @@ class TeacherConfig:
     model_path: str | None = None
     """Model folder (or hub id) of the teacher of on-policy distillation (algorithm.adv_estimator=opd): a frozen
     causal LM that scores each sampled token, built as the reference is (forward only, the policy's layout, the
-    policy's model settings), from this path. Its tokenizer must encode as the policy's (same ids)."""
+    policy's model settings), from this path. Its tokenizer must encode as the policy's (same ids). With
+    `by_data_source`: the teacher of the data sources that map names no other (None: each must be named there)."""
+    by_data_source: dict = field(default_factory=dict)
+    """Multi-teacher distillation (MOPD): `{data_source: model folder}`, each row scored by its data source's
+    teacher (one forward-only engine per distinct folder, all on `engine`'s settings). A training row whose data
+    source is neither here nor covered by `model_path` is refused at start."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Sharding, batching and offload of the teacher (forward only; taken from the actor's unless set)."""
+
+    def paths(self) -> list[str]:
+        """Every teacher folder, once each: model_path first (when set), then by_data_source's in key order."""
+        named = [self.by_data_source[k] for k in sorted(self.by_data_source)]
+        return list(dict.fromkeys([*([self.model_path] if self.model_path else []), *named]))
+
+    def key(self, path: str) -> str:
+        """The config key that names the teacher folder `path` (for messages)."""
+        if path == self.model_path:
+            return "teacher.model_path"
+        return f"teacher.by_data_source.{next(k for k, v in sorted(self.by_data_source.items()) if v == path)}"
 
 
 @dataclass

@@ -162,9 +162,12 @@ def check_rl(cfg, prefix: str = "") -> None:
     """`shardrl train`'s rules between sections."""
     check_command(cfg, prefix, {f"{role}.engine": getattr(cfg, role).engine
                                 for role in ("actor", "ref", "teacher", "critic")})
-    require(cfg, prefix, "teacher.model_path", cfg.algorithm.adv_estimator != "opd" or bool(cfg.teacher.model_path),
+    require(cfg, prefix, "teacher.model_path", cfg.algorithm.adv_estimator != "opd" or bool(cfg.teacher.paths()),
             "is needed by algorithm.adv_estimator=opd (on-policy distillation scores each sampled token with the "
-            "teacher): set it to the teacher's model folder")
+            "teacher): set it to the teacher's model folder (or teacher.by_data_source, a teacher per data source)")
+    require(cfg, prefix, "teacher.by_data_source", all(isinstance(v, str) and v for v in
+                                                       cfg.teacher.by_data_source.values()),
+            "maps each data source to a teacher's model folder (a non-empty string), e.g. {math: /models/math}")
     require(cfg, prefix, "rollout.lora_sync", cfg.rollout.lora_sync in (None, "full")
             or cfg.async_rl.rollout_ranks == 0, "unmerged and merged sync a colocated rollout; rollout ranks of "
             "their own (async_rl.rollout_ranks > 0) receive the merged model whole: set full or drop it")

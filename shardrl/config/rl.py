@@ -187,8 +187,9 @@ class Config(CommandConfig):
                      if mt.interaction_path else "rollout.multi_turn.tool_config_path")
             lines.append(f"{given} is set but rollout.multi_turn.enable=false: the rollout is single-turn and uses no "
                          "tools (set rollout.multi_turn.enable=true)")
-        if self.teacher.model_path and self.algorithm.adv_estimator != "opd":
-            lines.append(f"teacher.model_path is set but algorithm.adv_estimator={self.algorithm.adv_estimator}: no "
+        if self.teacher.paths() and self.algorithm.adv_estimator != "opd":
+            given = "teacher.model_path" if self.teacher.model_path else "teacher.by_data_source"
+            lines.append(f"{given} is set but algorithm.adv_estimator={self.algorithm.adv_estimator}: no "
                          "teacher is built (set algorithm.adv_estimator=opd to distill from it)")
         return lines
 

@@ -182,21 +182,27 @@ def offline_ledger(cfg, layout, hf_config) -> dict:
 
 
 def _teacher_terms(cfg: Config, layout: Layout, master: int) -> tuple[list, tuple | None]:
-    """The teacher's resident terms and its inference pass's term (none without a teacher): another model, so
-    its own sizes, read from its folder's config."""
+    """The teachers' resident term and their inference pass's term (none without a teacher): other models, so
+    their own sizes, read from their folders' configs. Several teachers (teacher.by_data_source) are all held:
+    their weights add up in one `teacher params` term; their passes run one after another, the largest counts."""
     if layout.teacher is None:
         return [], None
     from shardrl.engine.model import load_hf_config
 
-    teacher_config = load_hf_config(cfg.teacher.model_path, None, cfg.model.trust_remote_code,
-                                    key="teacher.model_path")
     e = cfg.teacher.engine
-    resident = _engine_resident("teacher", model_numbers(teacher_config, cfg.model.trust_remote_code), master,
-                                layout.teacher.shard_size, e.offload_params, False, False)
     tokens = e.max_token_len_per_gpu if e.use_dynamic_bsz else e.micro_batch_size_per_gpu * layout.seq_tokens_per_rank
-    term = _inference_term(text_config(teacher_config), tokens, DTYPE_BYTES[e.param_dtype], e.logprob_chunk_size,
-                           "teacher")
-    return resident, term
+    total, terms = 0, []
+    for path in cfg.teacher.paths():
+        config = load_hf_config(path, None, cfg.model.trust_remote_code, key=cfg.teacher.key(path))
+        total += model_numbers(config, cfg.model.trust_remote_code)["total"]
+        terms.append(_inference_term(text_config(config), tokens, DTYPE_BYTES[e.param_dtype], e.logprob_chunk_size,
+                                     "teacher"))
+    resident = _engine_resident("teacher", {"total": total}, master, layout.teacher.shard_size, e.offload_params,
+                                False, False)
+    if len(terms) > 1:
+        name, gib, detail = resident[0]
+        resident[0] = (name, gib, f"{len(terms)} teachers: {detail}")
+    return resident, max(terms, key=lambda t: t[1])
 
 
 def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> dict:

@@ -47,6 +47,7 @@ from shardrl.trainer.generation import Generation, export_for_rollout, lora_sync
 from shardrl.trainer.base import Placement, Trainer
 from shardrl.trainer.prepare import prepare
 from shardrl.trainer.roles import Roles, check_teacher_tokenizer, check_vocab_sizes
+from shardrl.trainer.teachers import check_teacher_sources
 from shardrl.trainer.run_folder import claim_run_dir
 from shardrl.trainer.sampling import draw_groups, filter_metric
 from shardrl.trainer.scoring import Scorer
@@ -174,6 +175,7 @@ class RLTrainer(Trainer):
                       "conversation is decoded and re-tokenized with its tokenizer and chat template before scoring")
         if self.steps.uses_teacher:
             check_teacher_tokenizer(cfg, self.tokenizer)
+            check_teacher_sources(cfg, (item["data_source"] for item in self.train_set.items))
         check_vocab_sizes(cfg, len(self.tokenizer), self.steps,
                           len(self.reward_inputs.reward) if self.reward_inputs is not None else None)
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm",

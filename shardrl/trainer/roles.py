@@ -12,6 +12,7 @@ from shardrl.engine import build_engine
 from shardrl.engine.model import check_tiny_shape, load_hf_config
 from shardrl.models.config import text_config
 from shardrl.plan.step_plan import StepPlan
+from shardrl.trainer.teachers import Teachers
 
 
 class ModelPath(NamedTuple):
@@ -35,7 +36,7 @@ def check_vocab_sizes(cfg: Config, tokenizer_size: int, plan: StepPlan | None = 
     if plan.needs_critic and cfg.critic.model_path:
         models.append(ModelPath("critic.model_path", cfg.critic.model_path))
     if plan.uses_teacher:
-        models.append(ModelPath("teacher.model_path", cfg.teacher.model_path))
+        models += [ModelPath(cfg.teacher.key(path), path) for path in cfg.teacher.paths()]
     reward_model = ModelPath("reward.model_path", cfg.reward.model_path, task="seq_cls")
     if plan.reward_model and reward_tokenizer_size is None:
         models.append(reward_model)
@@ -69,11 +70,12 @@ def check_teacher_tokenizer(cfg: Config, tokenizer) -> None:
     (`same_tokenization`); a teacher folder without a tokenizer is taken to share the policy's."""
     from shardrl.tokenizer import folder_tokenizer, same_tokenization
 
-    own = folder_tokenizer(cfg.teacher.model_path, cfg.model.trust_remote_code)
-    if own is not None and not same_tokenization(own, tokenizer):
-        raise ConfigError(f"teacher.model_path={cfg.teacher.model_path!r} has a tokenizer that encodes unlike the "
-                          "policy's: on-policy distillation needs the same tokenizer (cross-tokenizer alignment is "
-                          "not supported); pick a teacher of the policy's family")
+    for path in cfg.teacher.paths():
+        own = folder_tokenizer(path, cfg.model.trust_remote_code)
+        if own is not None and not same_tokenization(own, tokenizer):
+            raise ConfigError(f"{cfg.teacher.key(path)}={path!r} has a tokenizer that encodes unlike the policy's: "
+                              "on-policy distillation needs the same tokenizer (cross-tokenizer alignment is not "
+                              "supported); pick a teacher of the policy's family")
 
 
 def build_reference(model, engine_cfg, mesh, path: str | None = None, actor=None):
@@ -134,9 +136,10 @@ class Roles:
         no_lora = dataclasses.replace(cfg.model, lora=LoRAConfig())  # the policy's adapters are the policy's only
         if plan.uses_ref:
             roles.ref = build_reference(cfg.model, cfg.ref.engine, meshes(cfg.ref.engine), actor=roles.actor)
-        if plan.uses_teacher:  # a reference at another path
-            roles.teacher = build_reference(cfg.model, cfg.teacher.engine, meshes(cfg.teacher.engine),
-                                            cfg.teacher.model_path)
+        if plan.uses_teacher:  # a reference at another path (one per teacher folder)
+            teacher_mesh = meshes(cfg.teacher.engine)
+            roles.teacher = Teachers(cfg, lambda path: build_reference(cfg.model, cfg.teacher.engine, teacher_mesh,
+                                                                       path))
         if plan.needs_critic:
             critic_model = dataclasses.replace(no_lora, override_config=cfg.critic.model_override_config)
             if cfg.critic.model_path is not None:
