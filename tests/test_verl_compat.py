@@ -297,6 +297,12 @@ def test_verl_values_read_as_hydra_reads_them_and_pairs_by_verls_precedence():
     (["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"], r"Dr. GRPO's seq-mean-token-sum-norm"),
     (["actor_rollout_ref.actor.kl_loss_type=full"], r"the full-vocabulary KL is not supported"),
     (["data.max_response_length=64", "+reward_model.reward_kwargs.max_resp_len=32"], r"max_resp_len=32 differs"),
+    # on-policy distillation: verl's trainer has no key of it (its GKD recipe's are refused by name), nor opd
+    (["actor_rollout_ref.teacher.server_ip=127.0.0.1"], r"teacher.server_ip='127.0.0.1': is a key of verl's on-policy "
+                                                        r"distillation recipe \(recipe/gkd.*teacher.model_path"),
+    (["trainer.scheduler=one_step_off"], r"trainer.scheduler='one_step_off': is a key of verl's on-policy "
+                                         r"distillation recipe"),
+    (["algorithm.adv_estimator=opd"], r"opd is shardrl's on-policy distillation, not a verl estimator"),
 ])
 def test_more_of_what_shardrl_cannot_run_is_refused(args, message):
     with pytest.raises(VerlKeyError, match=message):

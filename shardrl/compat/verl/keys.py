@@ -105,6 +105,9 @@ def kl_type(value):
 
 def estimator(value):
     known = {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"}
+    if value == "opd":
+        raise ValueError("opd is shardrl's on-policy distillation, not a verl estimator, and its teacher "
+                         "(teacher.model_path) has no verl key: run it from a shardrl config, without --verl")
     if value not in known:
         raise ValueError(f"advantage estimator {value!r} is not supported; shardrl has {sorted(known)}")
     return value
@@ -641,6 +644,16 @@ for _verl, _native in (("actor_rollout_ref.actor.optim", "actor.optim"), ("criti
         f"{_verl}.override_optimizer_config": only((None,), "not supported"),
         f"{_verl}.eps": same(f"{_native}.eps"),
     })
+
+_GKD = ("is a key of verl's on-policy distillation recipe (recipe/gkd: a teacher server queried over ZeroMQ for "
+        "top-k log-probs, a sparse forward KL on Megatron); shardrl's teacher is a role of the run instead "
+        "(algorithm.adv_estimator=opd, teacher.model_path: the per-token reverse KL), set from a shardrl config, "
+        "without --verl")
+VERL_KEYS.update({key: only((None,), _GKD) for key in (
+    "actor_rollout_ref.teacher.server_ip", "actor_rollout_ref.teacher.server_port",
+    "actor_rollout_ref.teacher.n_server_workers", "trainer.scheduler")})
+"""verl's newest snapshot (2026-01-29) has no on-policy distillation keys in its trainer: only the GKD recipe's
+(docs/advance/async-on-policy-distill.md), refused by name here rather than as unknown keys."""
 
 DICT_KEYS = ("custom_reward_function.reward_kwargs", "actor_rollout_ref.model.override_config",
              "critic.model.override_config")
