@@ -303,3 +303,18 @@ def test_plan_counts_every_mopd_teacher(models, tmp_path, capsys):
                 for f in (root / "teacher", tmp_path / "teacher_b"))  # two folders: chat shares math's
     assert items["teacher params"]["gib"] * 2**30 == pytest.approx(count * 4)
     assert items["teacher params"]["how"].startswith("2 teachers: ")
+
+
+@pytest.mark.parametrize("softcap,temperature", [(None, 1.0), (None, 0.7), (5.0, 1.3)])
+def test_top1_is_the_argmax_of_the_logits_across_chunks(softcap, temperature):
+    from shardrl.engine.logprob import chunked_log_probs, chunked_log_probs_top1
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(11, 8, generator=g), torch.randn(13, 8, generator=g)
+    logits = hidden @ weight.T
+    targets = torch.randint(0, 13, (11,), generator=g)
+    targets[::2] = logits[::2].argmax(-1)  # half of them the argmax
+    lp, ent, top1 = chunked_log_probs_top1(hidden, weight, None, targets, temperature, 4, True, softcap)
+    ref_lp, ref_ent = chunked_log_probs(hidden, weight, None, targets, temperature, 4, True, softcap)
+    torch.testing.assert_close((lp, ent), (ref_lp, ref_ent), atol=1e-4, rtol=1e-4)  # (two ways to the entropy)
+    assert top1.tolist() == (targets == logits.argmax(-1)).tolist() and top1[::2].all() and not top1.all()
