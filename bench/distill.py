@@ -1,10 +1,13 @@
 """On-policy distillation against plain GRPO on the built-in demo (issue 60), on the CPU: the teacher is the demo's
 model trained further (the demo's supervised warm-up run `--teacher-steps` steps instead of 20), the student the
-demo's fresh start; both runs start from that same student, take the same number of steps with the same seeds, and
-differ only in the advantage: GRPO's from the verifier's 0/1 reward, or OPD's per-token reverse KL to the teacher
-(algorithm.adv_estimator=opd, algorithm.opd.reward_coef=0: the reward is only logged). Prints and appends (--out)
-one JSON line per run: the mean reward of the first and the last `--window` steps and over all steps, then one
-summary line per variant.
+demo's fresh start; all runs start from that same student, take the same number of steps with the same seeds and lr,
+and differ only in the advantage: GRPO's from the verifier's 0/1 reward; OPD's per-token reverse KL to the teacher
+(algorithm.adv_estimator=opd, reward_coef 0: the reward only logged), as it is (`opd`) or minus the group baseline
+(`opd_group`, algorithm.opd.baseline=group); or both (`opd_mix`: the GRPO advantage plus 0.1 x the baselined
+reverse KL). `--task product`: the products of digits (answers of up to two tokens) instead of the demo's sums.
+Prints the teacher's and the student's expected reward (the probability of sampling the whole right answer), and
+appends (--out) one JSON line per run: the mean reward of the first and the last `--window` steps and over all steps,
+then one summary line per variant (mean and spread over the seeds).
 
     python bench/distill.py --steps 150 --seeds 0,1,2 --out /tmp/distill.jsonl
 """
@@ -22,26 +25,35 @@ from pathlib import Path
 
 VARIANTS = {
     "grpo": ["algorithm.adv_estimator=grpo"],
-    "opd": ["algorithm.adv_estimator=opd", "algorithm.opd.kl_coef=1.0", "algorithm.opd.reward_coef=0.0"],
+    "opd": ["algorithm.adv_estimator=opd", "algorithm.opd.kl_coef=1.0", "algorithm.opd.reward_coef=0.0",
+            "algorithm.opd.baseline=none"],
+    "opd_group": ["algorithm.adv_estimator=opd", "algorithm.opd.kl_coef=1.0", "algorithm.opd.reward_coef=0.0",
+                  "algorithm.opd.baseline=group"],
+    "opd_mix": ["algorithm.adv_estimator=opd", "algorithm.opd.kl_coef=0.1", "algorithm.opd.reward_coef=1.0",
+                "algorithm.opd.baseline=group"],
 }
+TASKS = {"sum": "+", "product": "*"}
+"""`--task`: the demo's operator (`prepare_demo_assets(op=...)`)."""
 SMALL = ["data.train_batch_size=8", "rollout.n=8", "actor.ppo_mini_batch_size=8"]
 """A smaller step than the demo's 16 x 16 (CPU time), one optimizer step each."""
 
 
-def teacher_accuracy(model_dir: Path) -> float:
-    """The share of the demo's sums whose greedy first answer token is the right digit."""
+def expected_reward(assets: Path) -> float:
+    """The model's expected reward on the task's prompts when sampling at temperature 1 (the runs' temperature):
+    the mean over the prompts of the probability of the whole right answer and EOS."""
     import torch
     import transformers
 
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    problems = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
-    right = 0
+    tok = transformers.AutoTokenizer.from_pretrained(assets / "model")
+    model = transformers.AutoModelForCausalLM.from_pretrained(assets / "model").eval()
+    rows = [json.loads(line) for line in open(assets / "train.jsonl")]
+    total = 0.0
     with torch.no_grad():
-        for a, b in problems:
-            ids = torch.tensor([tok.encode(f"{a}+{b}=")])
-            right += int(model(input_ids=ids).logits[0, -1].argmax()) == tok.encode(str(a + b))[0]
-    return right / len(problems)
+        for row in rows:
+            prompt, answer = tok.encode(row["prompt"]), tok.encode(row["ground_truth"]) + [tok.eos_token_id]
+            logp = model(input_ids=torch.tensor([prompt + answer])).logits[0].log_softmax(-1)
+            total += float(sum(logp[len(prompt) - 1 + i, t] for i, t in enumerate(answer)).exp())
+    return total / len(rows)
 
 
 def main() -> None:
@@ -51,21 +63,25 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--teacher-steps", type=int, default=400, help="the teacher's supervised warm-up steps")
+    parser.add_argument("--task", choices=sorted(TASKS), default="sum",
+                        help="sum: the demo's (one answer token); product: products of digits (up to two)")
     parser.add_argument("--root", default=None, help="run folders go here (default: a temporary folder)")
     parser.add_argument("--out", default=None, help="append the JSON lines here")
     args = parser.parse_args()
     from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
 
     root = Path(args.root or tempfile.mkdtemp(prefix="distill_"))
-    student = prepare_demo_assets(root / "student")  # the demo's own start
-    teacher = prepare_demo_assets(root / "teacher", warmup_steps=args.teacher_steps)
-    accuracy = teacher_accuracy(teacher / "model")
-    print(json.dumps({"bench": "distill", "teacher_steps": args.teacher_steps, "teacher_greedy_acc": accuracy,
-                      "student_greedy_acc": teacher_accuracy(student / "model")}), flush=True)
+    op = TASKS[args.task]
+    student = prepare_demo_assets(root / f"student_{args.task}", op=op)  # the demo's own start (its 20 steps)
+    teacher = prepare_demo_assets(root / f"teacher_{args.task}_{args.teacher_steps}", warmup_steps=args.teacher_steps,
+                                  op=op)
+    print(json.dumps({"bench": "distill", "task": args.task, "teacher_steps": args.teacher_steps,
+                      "teacher_reward": expected_reward(teacher), "student_reward": expected_reward(student)}),
+          flush=True)
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for name in args.variants.split(","):
-            run_dir = root / f"{name}_s{seed}_{args.steps}"
+            run_dir = root / f"{args.task}_{name}_s{seed}_{args.steps}"
             cmd = [sys.executable, "-m", "shardrl.cli", "train", *demo_overrides(student), *SMALL,
                    f"teacher.model_path={teacher / 'model'}", "teacher.engine.param_dtype=float32",
                    f"trainer.output_dir={run_dir}", "trainer.val_freq=0", "trainer.logger=[jsonl]",
@@ -78,12 +94,12 @@ def main() -> None:
             wall = time.perf_counter() - t0
             metrics = [json.loads(line) for line in open(next(run_dir.rglob("metrics.jsonl")))]
             reward = [m["reward/mean"] for m in metrics]
-            row = {"bench": "distill", "variant": name, "seed": seed, "steps": len(reward),
+            row = {"bench": "distill", "task": args.task, "variant": name, "seed": seed, "steps": len(reward),
                    "reward_first": statistics.fmean(reward[: args.window]),
                    "reward_last": statistics.fmean(reward[-args.window:]),
                    "reward_all": statistics.fmean(reward),
                    **({"reverse_kl_first": metrics[0]["distill/reverse_kl"],
-                       "reverse_kl_last": metrics[-1]["distill/reverse_kl"]} if name == "opd" else {}),
+                       "reverse_kl_last": metrics[-1]["distill/reverse_kl"]} if name.startswith("opd") else {}),
                    "wall_s": round(wall, 1), "curve": [round(r, 3) for r in reward]}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
@@ -92,8 +108,11 @@ def main() -> None:
                     f.write(json.dumps(row) + "\n")
     for name in args.variants.split(","):
         mine = [r for r in rows if r["variant"] == name]
-        print(json.dumps({"bench": "distill", "variant": name, "summary": True, "seeds": len(mine),
-                          "reward_last_mean": statistics.fmean(r["reward_last"] for r in mine),
+        last = [r["reward_last"] for r in mine]
+        print(json.dumps({"bench": "distill", "task": args.task, "variant": name, "summary": True, "seeds": len(mine),
+                          "reward_last_mean": statistics.fmean(last),
+                          "reward_last_std": statistics.stdev(last) if len(last) > 1 else 0.0,
+                          "reward_last_min": min(last), "reward_last_max": max(last),
                           "reward_all_mean": statistics.fmean(r["reward_all"] for r in mine)}), flush=True)
 
 

@@ -160,6 +160,8 @@ SETS: dict[str, tuple[str, list[Step]]] = {
                 "trained further as the teacher, several seeds (bench/distill.py)", [
         bench("distill", "distill.py", "--steps", "150", "--seeds", "0,1,2", "--window", "20",
               limit_s=1800),
+        bench("distill_product", "distill.py", "--task", "product", "--steps", "150", "--seeds", "0,1,2",
+              "--window", "20", limit_s=1800),
     ]),
     "smoke": ("every benchmark's CPU smoke run (tiny models; no GPU): that the scripts still run", [
         bench("whole_step_tiny", "e2e.py", "--quick", "--root", "/tmp/bench_e2e_quick", "--systems", "shardrl",

@@ -29,7 +29,7 @@ def plain_log_probs(folder: str, batch) -> torch.Tensor:
     return logp * batch["loss_mask"]
 
 
-def _prepared(student: str, teacher: str, kl_coef: float, reward_coef: float, vocab: int):
+def _prepared(student: str, teacher: str, kl_coef: float, reward_coef: float, vocab: int, baseline: str = "none"):
     """`prepare` of an opd step on one rank: the actor is `student`, the teacher `teacher` (built by the
     reference's path)."""
     from shardrl.config.schema import Config, EngineConfig, ModelConfig
@@ -42,6 +42,7 @@ def _prepared(student: str, teacher: str, kl_coef: float, reward_coef: float, vo
     cfg.model.path, cfg.teacher.model_path = student, teacher
     cfg.algorithm.adv_estimator = "opd"
     cfg.algorithm.opd.kl_coef, cfg.algorithm.opd.reward_coef = kl_coef, reward_coef
+    cfg.algorithm.opd.baseline = baseline
     plan = StepPlan.from_config(cfg)
     assert plan.uses_teacher and not plan.old_from_update and "teacher" in plan.roles()
     engine_cfg = EngineConfig(param_dtype="float32", micro_batch_size_per_gpu=2)  # 3 forwards of 2
@@ -64,16 +65,50 @@ def models(tmp_path_factory):
     return root, len(tok)
 
 
+def loo_baseline(values: torch.Tensor, mask: torch.Tensor, groups: list[int]) -> torch.Tensor:
+    """The group baseline written out: at each real token, the mean of `values` over the other rows of its group
+    that have a real token at that column (0 if none)."""
+    out = torch.zeros_like(values)
+    for i in range(values.shape[0]):
+        for t in range(values.shape[1]):
+            others = [values[j, t] for j in range(values.shape[0])
+                      if j != i and groups[j] == groups[i] and mask[j, t] > 0]
+            if mask[i, t] > 0 and others:
+                out[i, t] = sum(others) / len(others)
+    return out
+
+
+def test_opd_group_baseline_is_the_other_samples_mean_at_the_position():
+    from shardrl.algos.advantages import compute_opd
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(7, 6)
+    for i, (start, end) in enumerate([(0, 6), (0, 3), (1, 5), (0, 6), (0, 2), (2, 6), (0, 4)]):
+        mask[i, start:end] = 1  # ragged: some columns are reached by one sample of a group only
+    groups = [4, 4, 4, 9, 9, 9, 2]  # row 6: a group of one (no baseline)
+    student, teacher = torch.randn(7, 6, generator=g), torch.randn(7, 6, generator=g) - 2
+    scores = torch.tensor([1.0, 0, 1, 0, 0, 1, 1])
+    reward = -0.5 * (student - teacher) * mask
+    adv, ret = compute_opd(scores, mask, torch.tensor(groups), student, teacher, kl_coef=0.5, baseline="group")
+    expected = (reward - loo_baseline(reward, mask, groups)) * mask
+    torch.testing.assert_close(adv, expected)
+    assert adv[6].equal(reward[6]) and (adv - reward).abs().max() > 0.1
+    plain, _ = compute_opd(scores, mask, torch.tensor(groups), student, teacher, kl_coef=0.5)
+    torch.testing.assert_close(plain, reward)  # the default: no baseline
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("reward_coef", [0.0, 0.7])
-def test_opd_advantage_is_the_reverse_kl_of_a_plain_forward(models, reward_coef):
+@pytest.mark.parametrize("reward_coef,baseline", [(0.0, "none"), (0.7, "none"), (0.7, "group")])
+def test_opd_advantage_is_the_reverse_kl_of_a_plain_forward(models, reward_coef, baseline):
     root, vocab = models
     student, teacher = str(root / "student"), str(root / "teacher")
-    batch, scores, metrics = run_distributed(_prepared, 1, student, teacher, 0.5, reward_coef, vocab)
+    batch, scores, metrics = run_distributed(_prepared, 1, student, teacher, 0.5, reward_coef, vocab, baseline)
     mask = batch["loss_mask"].float()
     s, t = plain_log_probs(student, batch), plain_log_probs(teacher, batch)
     assert (s - t).abs()[mask > 0].min() > 1e-4  # two different models: a KL to push along
-    expected = -0.5 * (s - t)  # (B, T)
+    expected = -0.5 * (s - t) * mask  # (B, T)
+    if baseline == "group":
+        expected = expected - loo_baseline(expected, mask, batch["prompt_index"].tolist())
     groups = scores.view(2, 3)  # the verifier's GRPO advantage, written out: (score - group mean) / (std + eps)
     grpo = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).view(6, 1)
     expected = (expected + reward_coef * grpo) * mask
@@ -318,3 +353,12 @@ def test_top1_is_the_argmax_of_the_logits_across_chunks(softcap, temperature):
     ref_lp, ref_ent = chunked_log_probs(hidden, weight, None, targets, temperature, 4, True, softcap)
     torch.testing.assert_close((lp, ent), (ref_lp, ref_ent), atol=1e-4, rtol=1e-4)  # (two ways to the entropy)
     assert top1.tolist() == (targets == logits.argmax(-1)).tolist() and top1[::2].all() and not top1.all()
+
+
+def test_opd_baseline_is_group_unless_set_and_checked():
+    from shardrl.config.schema import ConfigError, load_config
+
+    base = ["model.tiny={model_type: qwen2}", "algorithm.adv_estimator=opd", "teacher.model_path=/t"]
+    assert load_config(None, base).algorithm.opd.baseline == "group"
+    with pytest.raises(ConfigError, match=r"algorithm.opd.baseline='mean': must be none or group"):
+        load_config(None, [*base, "algorithm.opd.baseline=mean"])

@@ -140,15 +140,32 @@ def compute_reinforce_plus_plus_baseline(scores: torch.Tensor, mask: torch.Tenso
     return adv, adv
 
 
+def _group_position_baseline(values: torch.Tensor, valid: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Each real token's leave-one-out baseline `(B, T)`: the mean of `values` at the same response position over
+    the other samples of its group that reach it (0 where none does). It does not depend on the token itself, so
+    subtracting it leaves the policy gradient's expectation as it was and only lowers its variance."""
+    _, group = torch.unique(index, return_inverse=True)  # (B,)
+    num_groups = int(group.max()) + 1 if group.numel() else 0
+    real = valid.to(values.dtype)
+    sums = values.new_zeros(num_groups, values.shape[1]).index_add_(0, group, values * real)  # (G, T)
+    counts = values.new_zeros(num_groups, values.shape[1]).index_add_(0, group, real)  # (G, T)
+    others = (counts[group] - real).clamp(min=1)  # (B, T)
+    return torch.where(valid & (counts[group] > 1), (sums[group] - values * real) / others, 0.0)
+
+
 def compute_opd(scores: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, old_log_probs: torch.Tensor,
                 teacher_log_probs: torch.Tensor, kl_coef: float = 1.0, reward_coef: float = 0.0,
-                norm_by_std: bool = True):
+                norm_by_std: bool = True, baseline: str = "none"):
     """On-policy distillation: each sampled token's advantage is its reverse-KL reward
     -kl_coef * (log p_student - log p_teacher) `(B, T)`, plus `reward_coef` times the verifier's GRPO advantage
     (skipped at 0). Per token, not summed to the end: each token is pushed toward the teacher by its own log-ratio
-    (the per-token estimator of verl's and Thinking Machines' OPD); the student's log-probs are the old ones."""
+    (the per-token estimator of verl's and Thinking Machines' OPD); the student's log-probs are the old ones.
+    `baseline="group"`: the reverse-KL reward minus `_group_position_baseline` (the other samples of the prompt at
+    the same position), before the verifier's term."""
     valid = mask.bool()
     adv = torch.where(valid, -kl_coef * (old_log_probs - teacher_log_probs), 0.0)  # (B, T)
+    if baseline == "group":
+        adv = adv - _group_position_baseline(adv, valid, index)
     if reward_coef:
         adv = adv + reward_coef * compute_grpo(scores, mask, index, norm_by_std)[0]
     return adv, adv

@@ -56,8 +56,9 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def prepare_demo_assets(root: Path, warmup_steps: int = 20, seed: int = 0) -> Path:
-    """Tokenizer, warmed-up model and data under `root` (reused when already there)."""
+def prepare_demo_assets(root: Path, warmup_steps: int = 20, seed: int = 0, op: str = "+") -> Path:
+    """Tokenizer, warmed-up model and data under `root` (reused when already there). `op` "*": the products of
+    single digits instead (answers of up to two tokens; bench/distill.py's multi-token task)."""
     import transformers
 
     from shardrl.tokenizer import build_char_tokenizer
@@ -69,8 +70,9 @@ def prepare_demo_assets(root: Path, warmup_steps: int = 20, seed: int = 0) -> Pa
     tok = build_char_tokenizer()
     # sums stay single digits: one answer token each (with two-digit sums, wrong "1x" answers push the
     # shared first token "1" down for every prompt and the policy unlearns two-digit answers altogether)
-    problems = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
-    rows = [{"prompt": f"{a}+{b}=", "data_source": "arith", "ground_truth": str(a + b)} for a, b in problems]
+    problems = [(a, b) for a in range(10) for b in range(10) if a + b <= 9 or op == "*"]
+    answers = {(a, b): str(a * b if op == "*" else a + b) for a, b in problems}
+    rows = [{"prompt": f"{a}{op}{b}=", "data_source": "arith", "ground_truth": answers[a, b]} for a, b in problems]
     _write_jsonl(root / "train.jsonl", rows)
     _write_jsonl(root / "val.jsonl", rows)
 
@@ -79,23 +81,23 @@ def prepare_demo_assets(root: Path, warmup_steps: int = 20, seed: int = 0) -> Pa
         eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **DEMO_MODEL)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _format_warmup(model, tok, problems, warmup_steps, seed)
+    _format_warmup(model, tok, op, answers, warmup_steps, seed)
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     return root
 
 
-def _format_warmup(model, tok, problems, steps: int, seed: int) -> None:
-    """Supervised steps on "a+b=" -> the sum, EOS."""
+def _format_warmup(model, tok, op: str, answers: dict, steps: int, seed: int) -> None:
+    """Supervised steps on "a+b=" -> the sum (`answers[a, b]`), EOS."""
+    problems = list(answers)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
         texts, prompt_lens = [], []
         for a, b in rng.sample(problems, 32):
-            answer = a + b
-            prompt = tok.encode(f"{a}+{b}=")
-            texts.append(prompt + tok.encode(str(answer)) + [tok.eos_token_id])
+            prompt = tok.encode(f"{a}{op}{b}=")
+            texts.append(prompt + tok.encode(answers[a, b]) + [tok.eos_token_id])
             prompt_lens.append(len(prompt))
         width = max(map(len, texts))
         ids = torch.full((len(texts), width), tok.pad_token_id)

@@ -108,7 +108,8 @@ def compute_advantages(batch: Batch, scores: torch.Tensor, algo_cfg, kl_coef: fl
               "gamma": algo_cfg.gamma, "lam": algo_cfg.lam, "norm_by_std": algo_cfg.norm_adv_by_std_in_grpo}
     if estimator.needs_teacher:
         inputs.update(old_log_probs=batch["old_log_probs"], teacher_log_probs=batch["teacher_log_probs"],
-                      kl_coef=algo_cfg.opd.kl_coef, reward_coef=algo_cfg.opd.reward_coef)
+                      kl_coef=algo_cfg.opd.kl_coef, reward_coef=algo_cfg.opd.reward_coef,
+                      baseline=algo_cfg.opd.baseline)
     adv, ret = estimator.compute(inputs)
     if estimator.whiten:
         adv = masked_whiten(adv, mask, stats=global_masked_stats(adv, mask, dp_group))
