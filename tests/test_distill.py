@@ -362,3 +362,18 @@ def test_opd_baseline_is_group_unless_set_and_checked():
     assert load_config(None, base).algorithm.opd.baseline == "group"
     with pytest.raises(ConfigError, match=r"algorithm.opd.baseline='mean': must be none or group"):
         load_config(None, [*base, "algorithm.opd.baseline=mean"])
+
+
+def test_one_mopd_teacher_still_refuses_a_row_it_does_not_cover():
+    from shardrl.config.schema import Config, ConfigError
+    from shardrl.trainer.teachers import Teachers
+
+    cfg = Config()
+    cfg.teacher.by_data_source = {"math": "/m"}
+    calls = []
+    teachers = Teachers(cfg, lambda path: types.SimpleNamespace(infer_batch=lambda b, **kw: calls.append(b)))
+    batch = random_batch(2, 5, 10)
+    batch["data_source"] = ["math", "chat"]  # e.g. an agent's row: not in the training data the start checked
+    with pytest.raises(ConfigError, match="no teacher for data_source 'chat': add it to teacher.by_data_source"):
+        teachers.infer_batch(batch)
+    assert calls == []

@@ -37,13 +37,15 @@ class Teachers:
         """The engine's `infer_batch` outputs `(B, T)` for `batch`, each row from its data source's teacher. Every
         rank calls every teacher, in the same order, with its rows for it (perhaps none): a sharded engine's
         forwards are collective."""
-        if len(self.engines) == 1:
+        if not self.cfg.teacher.by_data_source:  # one teacher for every row
             return next(iter(self.engines.values())).infer_batch(batch, **kwargs)
         sources = batch["data_source"]
         unscored = [s for s in sources if teacher_of(self.cfg, s) is None]
         if unscored:  # check_teacher_sources covers the training data; a row from elsewhere (an agent) lands here
             raise ConfigError(f"no teacher for data_source {unscored[0]!r}: add it to teacher.by_data_source, or set "
                               "teacher.model_path as the default teacher")
+        if len(self.engines) == 1:
+            return next(iter(self.engines.values())).infer_batch(batch, **kwargs)
         out = {}
         for path, engine in self.engines.items():
             rows = [i for i, s in enumerate(sources) if teacher_of(self.cfg, s) == path]
