@@ -109,8 +109,8 @@ def test_a_capture_warm_up_mid_generate_changes_nothing(tok):
     warmed = make_rollout("fast", tok, model, max_batch=3, sync_every=5, seq_bucket=8)
     runner = warmed._steps
     step = runner.step
-    runner.step = lambda st, mode, seq_len, width: (runner.warm_up(step, st, mode, seq_len, width),
-                                                    step(st, mode, seq_len, width))
+    runner.step = lambda st, mode, seq_len, width, top=0: (
+        runner.warm_up(lambda *a: step(*a, top), st, mode, seq_len, width), step(st, mode, seq_len, width, top))
     for sampling in (SamplingParams(n=2, greedy=True, max_new_tokens=20),
                      SamplingParams(n=2, temperature=1.0, top_k=8, max_new_tokens=20, seed=1)):
         assert_same_output(warmed.generate(ids, mask, sampling), plain.generate(ids, mask, sampling))
