@@ -82,7 +82,14 @@ def check_top_logprobs(model, rollout, sampling, ids, mask, atol: float = 1e-4):
     assert torch.equal(out.top_log_probs[at], out.sampled_log_probs[..., None].expand_as(sampled)[at])
     assert bool((out.top_log_probs[..., :-1] >= out.top_log_probs[..., 1:])[mask_].all())  # (best first)
     for row in range(len(out)):
-        want_ids, want = forward_top(model, out, row, sampling.logprob_temperature, K)
-        length = want.shape[0]
-        assert torch.equal(out.top_ids[row, :length], want_ids), row
+        more_ids, more = forward_top(model, out, row, sampling.logprob_temperature, K + 1)
+        want_ids, want, length = more_ids[..., :K], more[..., :K], more.shape[0]
+        # the same ids in the same order, but where two alternatives' log-probs are within atol of each other
+        # (the k-th and the (k+1)-th included): there the order is the rounding's (CUDA graphs, bf16 matmuls)
+        tie = (more[..., :-1] - more[..., 1:]) <= atol
+        loose = torch.zeros_like(want_ids, dtype=torch.bool)
+        loose |= tie[..., :K]
+        loose[..., 1:] |= tie[..., :K - 1]
+        got_ids = out.top_ids[row, :length]
+        assert bool(((got_ids == want_ids) | loose).all()), (row, got_ids, want_ids)
         torch.testing.assert_close(out.top_log_probs[row, :length], want, atol=atol, rtol=0)
