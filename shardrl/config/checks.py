@@ -199,7 +199,7 @@ def check_rl(cfg, prefix: str = "") -> None:
         require(cfg, prefix, "algorithm.filter_groups.enable", not cfg.algorithm.filter_groups.enable,
                 "dynamic sampling is not supported with async_rl.rollout_ranks > 0 (the rollout ranks generate "
                 "one batch per step); set filter_groups.enable=false or async_rl.rollout_ranks=0")
-        require(cfg, prefix, "trainer.val_freq", cfg.trainer.val_freq == 0 or not cfg.data.val_files,
+        require(cfg, prefix, "trainer.val_freq", cfg.trainer.val_freq == 0 or not cfg.data.has_val(),
                 "validation is not supported with async_rl.rollout_ranks > 0 (the training ranks hold no "
                 "rollout); set trainer.val_freq=0 or async_rl.rollout_ranks=0")
     require(cfg, prefix, "trainer.total_epochs", cfg.trainer.total_epochs is None or not cfg.async_rl.rollout_ranks,
