@@ -111,6 +111,7 @@ class CommandConfig:
         lines = []
         validates = self.trainer.val_freq or (self.trainer.val_before_train and self.validates_before_train)
         has_val = self.data.has_val() if hasattr(self.data, "has_val") else bool(self.data.val_files)
+        has_val = has_val or bool(getattr(getattr(self, "rollout", None), "env", None))  # (its eval set, if any)
         if has_val and not validates:
             given = (f"data.val_files={self.data.val_files}" if self.data.val_files
                      else f"data.reasoning_gym.val_size={self.data.reasoning_gym.val_size}")

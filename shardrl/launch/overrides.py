@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 RUN_SOURCE_KEYS = ("model.path", "model.tiny", "model.tokenizer_path", "data.train_files", "data.val_files",
-                   "data.reasoning_gym")
+                   "data.reasoning_gym", "rollout.env")
 """Override keys (and their sub-keys) that name a model or data: with any of them and no config file, a run is the
 user's own and starts from the plain defaults, not the demo's."""
 
