@@ -82,8 +82,9 @@ def test_settings_that_cannot_work_are_refused():
 
 
 def test_the_reasoning_gym_example_learns(tmp_path, monkeypatch):
-    """`shardrl train --example reasoning_gym`, shortened: the tiny model starts near a guess's reward and GRPO on
-    reasoning-gym's own score raises it by a margin within 30 steps (a reward stuck at 0, or one that ignores the
+    """`shardrl train --example reasoning_gym`, shortened to 30 steps: the tiny model starts near a guess's reward
+    (its warm-up saw each question's answer a few times) and GRPO on reasoning-gym's own score raises the mean
+    reward of the last 10 steps over that of the first 10 by a margin (a reward stuck at 0, or one that ignores the
     answer, cannot)."""
     from shardrl.launch.overrides import resolve_overrides
     from shardrl.launch.rank import run
@@ -95,6 +96,6 @@ def test_the_reasoning_gym_example_learns(tmp_path, monkeypatch):
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
     assert len(rewards) == 30
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert first < 0.35, rewards
-    assert last > first + 0.2, rewards
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert first < 0.3, rewards
+    assert last > first + 0.1, rewards
