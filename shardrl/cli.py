@@ -211,7 +211,8 @@ def plan_main(args: argparse.Namespace) -> int:
 
         for name in EXAMPLES:
             assets, _ = example_settings(name, make_assets=False)
-            if not offline and cfg.model.path == str((assets / "model").resolve()) and not os.path.isdir(cfg.model.path):
+            made_by_first_run = cfg.model.path == str((assets / "model").resolve()) and not os.path.isdir(cfg.model.path)
+            if not offline and made_by_first_run:
                 skipped = ("the built-in demo's model is made by its first run (shardrl train)" if name == "demo" else
                            f"the {name} example's model is made by its first run (shardrl train --example {name})")
     if hf_config is not None:

@@ -74,8 +74,8 @@ def run_env(setup, kind: str, n: int = 2):
     rollout = AgentRollout(inner, tok, environment_episode(env), context=512)
     texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
     enc = tok(texts, return_tensors="pt", padding=True)
-    samples = [{"prompt": r["prompt"], "data_source": r["data_source"], "extra": {"verifiers_input": r["verifiers_input"]}}
-               for r in rows]
+    samples = [{"prompt": r["prompt"], "data_source": r["data_source"],
+                "extra": {"verifiers_input": r["verifiers_input"]}} for r in rows]
     try:
         out = rollout.generate(enc["input_ids"], enc["attention_mask"],
                                SamplingParams(n=n, temperature=1.0, max_new_tokens=6, seed=0), samples=samples)
