@@ -19,6 +19,7 @@ from importlib import metadata
 
 from shardrl import __version__
 from shardrl.config.registry import TRAINERS
+from shardrl.launch.overrides import EXAMPLES
 
 TRAIN_EPILOG = ("With no arguments, `shardrl train` runs the built-in demo: GRPO teaches a tiny model single-digit "
                 "addition on the CPU. Overrides alone (`shardrl train trainer.total_steps=50`) change the demo, unless "
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(train)
     for p in (plan, train):
         _add_verl_args(p)
+        p.add_argument("--example", choices=EXAMPLES, default=None,
+                       help="a built-in example's settings first (key=value overrides still win): demo (what "
+                            "`shardrl train` alone runs) or reasoning_gym (GRPO on reasoning-gym's leg_counting)")
 
     for name, trainer in TRAINERS.items():
         if trainer.offline:
@@ -185,7 +189,8 @@ def plan_main(args: argparse.Namespace) -> int:
 
         cfg = load_config(None, verl_overrides(args.config, list(args.overrides), args.config_path, args.config_name))
     else:  # the config train would run (the demo's, without a config or a model: its assets are made by its first run)
-        cfg = load_config(args.config, resolve_overrides(args.config, list(args.overrides), make_demo_assets=False))
+        cfg = load_config(args.config, resolve_overrides(args.config, list(args.overrides), make_demo_assets=False,
+                                                         example=args.example))
     for line in cfg.ignored_settings():  # (as the run would warn)
         print(f"warning: {line}", file=sys.stderr)
     nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
@@ -202,10 +207,14 @@ def plan_main(args: argparse.Namespace) -> int:
         raise
     except ValueError as e:  # no usable model config: the layout still stands on its own
         skipped = hub_error or str(e)
-        from shardrl.trainer.demo import DEMO_ASSETS
+        from shardrl.launch.overrides import example_settings
 
-        if not offline and cfg.model.path == str((DEMO_ASSETS / "model").resolve()) and not os.path.isdir(cfg.model.path):
-            skipped = "the built-in demo's model is made by its first run (shardrl train)"
+        for name in EXAMPLES:
+            assets, _ = example_settings(name, make_assets=False)
+            made_by_first_run = cfg.model.path == str((assets / "model").resolve()) and not os.path.isdir(cfg.model.path)
+            if not offline and made_by_first_run:
+                skipped = ("the built-in demo's model is made by its first run (shardrl train)" if name == "demo" else
+                           f"the {name} example's model is made by its first run (shardrl train --example {name})")
     if hf_config is not None:
         check_model_heads(layout, hf_config, "engine" if offline else "actor.engine")  # heads vs sp, as training
         if cfg.model.tiny:

@@ -56,8 +56,14 @@ def check_multi_turn(mt, prefix: str) -> None:
 def check_rollout(rollout, prefix: str) -> None:
     for key in rollout.fast_only_keys() if rollout.backend == "hf" else ():  # null: checked once resolved
         require(rollout, prefix, key, False, "applies to backend=fast only; set rollout.backend=fast or drop it")
-    require(rollout, prefix, "agent", not (rollout.agent.entrypoint and rollout.multi_turn.enable),
-            "and multi_turn both run the episodes; set rollout.agent.entrypoint or rollout.multi_turn.enable")
+    require(rollout, prefix, "agent", not (rollout.runs_agent() and rollout.multi_turn.enable),
+            "and multi_turn both run the episodes; set rollout.agent.entrypoint (or rollout.env) or "
+            "rollout.multi_turn.enable")
+    require(rollout, prefix, "env", not (rollout.env and rollout.agent.entrypoint),
+            "and rollout.agent.entrypoint both run the episodes; set one of them")
+    require(rollout, prefix, "env", not rollout.env or rollout.env.startswith("verifiers:") or (
+        ":" in rollout.env and rollout.env.rsplit(":", 1)[0].endswith(".py")),
+        "must be 'verifiers:ENV_ID' or 'path/to/env.py:function'")
 
 
 def check_async(async_rl, prefix: str) -> None:
@@ -140,7 +146,7 @@ def check_router_replay_settings(cfg) -> None:
     if cfg.rollout.backend == "hf":
         raise ConfigError("actor.router_replay.mode=R3 replays the routing the fast rollout records; set "
                           "rollout.backend=fast (or null), or use mode R2")
-    if cfg.rollout.multi_turn.enable or cfg.rollout.agent.entrypoint:
+    if cfg.rollout.multi_turn.enable or cfg.rollout.runs_agent():
         raise ConfigError("actor.router_replay.mode=R3 records single-turn rollouts only (multi-turn and agent "
                           "turns are prefilled again); use mode R2")
 
@@ -162,6 +168,10 @@ def check_rl(cfg, prefix: str = "") -> None:
     """`shardrl train`'s rules between sections."""
     check_command(cfg, prefix, {f"{role}.engine": getattr(cfg, role).engine
                                 for role in ("actor", "ref", "teacher", "critic")})
+    for key, given in (("data.train_files", cfg.data.train_files), ("data.reasoning_gym.tasks",
+                                                                     cfg.data.reasoning_gym.tasks)):
+        require(cfg, prefix, key, not (cfg.rollout.env and given),
+                "and rollout.env both give the training prompts (the environment's dataset is them); keep one")
     require(cfg, prefix, "teacher.model_path", cfg.algorithm.adv_estimator != "opd" or bool(cfg.teacher.paths()),
             "is needed by algorithm.adv_estimator=opd (on-policy distillation scores each sampled token with the "
             "teacher): set it to the teacher's model folder (or teacher.by_data_source, a teacher per data source)")
@@ -199,7 +209,7 @@ def check_rl(cfg, prefix: str = "") -> None:
         require(cfg, prefix, "algorithm.filter_groups.enable", not cfg.algorithm.filter_groups.enable,
                 "dynamic sampling is not supported with async_rl.rollout_ranks > 0 (the rollout ranks generate "
                 "one batch per step); set filter_groups.enable=false or async_rl.rollout_ranks=0")
-        require(cfg, prefix, "trainer.val_freq", cfg.trainer.val_freq == 0 or not cfg.data.val_files,
+        require(cfg, prefix, "trainer.val_freq", cfg.trainer.val_freq == 0 or not cfg.data.has_val(),
                 "validation is not supported with async_rl.rollout_ranks > 0 (the training ranks hold no "
                 "rollout); set trainer.val_freq=0 or async_rl.rollout_ranks=0")
     require(cfg, prefix, "trainer.total_epochs", cfg.trainer.total_epochs is None or not cfg.async_rl.rollout_ranks,

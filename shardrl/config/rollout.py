@@ -238,6 +238,14 @@ class RolloutConfig:
     """Multi-turn rollouts with tools (off by default)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Agent episodes through an OpenAI-compatible endpoint (off by default)."""
+    env: str | None = None
+    """A verifiers environment (`vf.Environment`) run unchanged as the episodes, its dataset the prompts and its
+    rubric the reward (`shardrl.rollout.episodes.verifiers_env`): `verifiers:ENV_ID` (an installed environment,
+    `vf.load_environment(ENV_ID, **env_args)`) or `path/to/env.py:load_environment` (a function returning one).
+    Its rollouts call the policy through the agent endpoint, as `agent.entrypoint`'s do (the agent section's
+    other settings apply). Null: no environment."""
+    env_args: dict = field(default_factory=dict)
+    """Keyword arguments of the environment's loader."""
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     """Sampling of validation (greedy, n=1 by default)."""
 
@@ -250,11 +258,15 @@ class RolloutConfig:
         agent.max_response_tokens, a multi-turn conversation (model and tool turns) by multi_turn.max_response_tokens,
         a single turn by max_new_tokens. The run's `Plan` holds it; the layout, the token-budget checks, the memory
         ledger and overlong shaping read it there."""
-        if self.agent.entrypoint:
+        if self.runs_agent():
             return "rollout.agent.max_response_tokens", self.agent.max_response_tokens
         if self.multi_turn.enable:
             return "rollout.multi_turn.max_response_tokens", self.multi_turn.max_response_tokens
         return "rollout.max_new_tokens", self.max_new_tokens
+
+    def runs_agent(self) -> bool:
+        """Whether episodes run against the agent endpoint: the user's (`agent.entrypoint`) or an environment's."""
+        return bool(self.agent.entrypoint or self.env)
 
     def fast_only_keys(self) -> list[str]:
         """The fast-backend-only keys set away from their defaults."""

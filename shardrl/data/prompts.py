@@ -178,6 +178,14 @@ def _max_token_chars(tokenizer) -> int:
         return 256
 
 
+class InMemoryRows(NamedTuple):
+    """Rows made in memory (e.g. by `data.reasoning_gym`), read like a file's: `name` stands for the file's path in
+    messages."""
+
+    name: str
+    rows: list
+
+
 class _Prompt(NamedTuple):
     """A row whose prompt passed the checks, rendered to text (not yet tokenized)."""
 
@@ -191,7 +199,7 @@ class _Prompt(NamedTuple):
 
 
 def load_prompt_dataset(
-    files: list[str] | str,
+    files: list[str | InMemoryRows] | str,
     tokenizer,
     prompt_key: str = "prompt",
     max_prompt_length: int = 256,
@@ -199,7 +207,7 @@ def load_prompt_dataset(
     skip_bad_rows: bool = False,
     tools: list[dict] | None = None,
 ) -> PromptDataset:
-    """Read, check, render and tokenize every prompt of `files` (JSONL, JSON array, or Parquet).
+    """Read, check, render and tokenize every prompt of `files` (JSONL, JSON array, or Parquet, or `InMemoryRows`).
 
     truncation: what to do with a prompt longer than `max_prompt_length` tokens: "drop" the row,
     "error", or keep its "left" (last tokens) or "right" (first tokens) part.
@@ -214,7 +222,8 @@ def load_prompt_dataset(
     if not files:
         raise ValueError("no prompt files given")
     stats = {"num_rows_read": 0, "num_skipped_bad": 0, "num_dropped_too_long": 0, "num_truncated": 0}
-    prompts = _render_prompts(files, tokenizer, prompt_key, max_prompt_length, truncation, skip_bad_rows, tools,
+    sources, files = files, [f.name if isinstance(f, InMemoryRows) else f for f in files]  # (names, for messages)
+    prompts = _render_prompts(sources, tokenizer, prompt_key, max_prompt_length, truncation, skip_bad_rows, tools,
                               stats)
     items, shortest_dropped = _tokenized_items(prompts, tokenizer, max_prompt_length, truncation, skip_bad_rows,
                                                stats)
@@ -235,8 +244,8 @@ def load_prompt_dataset(
     return PromptDataset(items, stats, files)
 
 
-def _render_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length: int, truncation: str,
-                    skip_bad_rows: bool, tools: list[dict] | None, stats: dict) -> list[_Prompt]:
+def _render_prompts(files: list[str | InMemoryRows], tokenizer, prompt_key: str, max_prompt_length: int,
+                    truncation: str, skip_bad_rows: bool, tools: list[dict] | None, stats: dict) -> list[_Prompt]:
     """Every usable row of `files` with its prompt as text (chat messages through the tokenizer's template); a
     text too long for any tokenization to fit is dropped, refused or cut here, before the tokenizer sees it."""
     has_chat_template = getattr(tokenizer, "chat_template", None) is not None
@@ -245,7 +254,10 @@ def _render_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_len
     max_chars = 2 * max_prompt_length * _max_token_chars(tokenizer)
     prompts = []
     for path in files:
-        rows = read_rows(path, keep_bad_lines=True)
+        if isinstance(path, InMemoryRows):
+            path, rows = path.name, list(enumerate(path.rows, start=1))
+        else:
+            rows = read_rows(path, keep_bad_lines=True)
         check_columns(path, rows, lambda row: prompt_key in row, f"the prompt under {prompt_key!r} "
                       "(data.prompt_key: set it to the key that holds the prompts)", "shardrl train")
         for row_number, row in rows:

@@ -23,11 +23,13 @@ def launch_main(trainer: str, args) -> int:
     setup_logging()
     cls = trainer_class(trainer)
     overrides = list(args.overrides)
+    if getattr(args, "verl", False) and getattr(args, "example", None):
+        raise ValueError("--verl translates a verl command line; --example runs a built-in example: use one of them")
     if getattr(args, "verl", False):
         overrides = verl_overrides(args.config, overrides, getattr(args, "config_path", None),
                                    getattr(args, "config_name", None), trainer)
     elif cls.demo_without_config:
-        overrides = resolve_overrides(args.config, overrides)
+        overrides = resolve_overrides(args.config, overrides, example=getattr(args, "example", None))
     cfg = load_config(args.config, overrides, cls=cls.config_cls)  # bad config: a clear error before anything starts
     nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc_per_node
     nnodes = args.nnodes if getattr(args, "nnodes", None) is not None else cfg.trainer.nnodes

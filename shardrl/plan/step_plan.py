@@ -73,7 +73,7 @@ class StepPlan:
             old_from_update=old_from_update,
             old_from_update_why=why,
             rollout_is=rollout_is,
-            multi_turn=cfg.rollout.multi_turn.enable or bool(cfg.rollout.agent.entrypoint),
+            multi_turn=cfg.rollout.multi_turn.enable or cfg.rollout.runs_agent(),
             dynamic_sampling=algo.filter_groups.enable,
             disaggregated=cfg.async_rl.rollout_ranks > 0,
             partial_rollout=cfg.async_rl.partial_rollout,

@@ -22,6 +22,7 @@ from decimal import Decimal, InvalidOperation
 import torch
 
 from shardrl.config.userfile import import_user_file
+from shardrl.rewards.reasoning_gym import PREFIX as REASONING_GYM_PREFIX, reasoning_gym_score
 from shardrl.rewards.scorers import VERL_SCORERS, verl_scorer_for
 
 logger = logging.getLogger(__name__)
@@ -94,11 +95,18 @@ REWARD_FUNCTIONS = {
     "gsm8k_flexible": gsm8k_flexible_score,
     **VERL_SCORERS,  # verl's data sources, scored exactly as verl scores them: openai/gsm8k, MATH, DAPO math
 }
-"""The built-in scorers by data_source; `builtin_scorer` also sends verl's aime* sources to DAPO's, as verl does."""
+"""The built-in scorers by data_source; `builtin_scorer` also sends verl's aime* sources to DAPO's, as verl does,
+and reasoning_gym/<task> to the task's own scorer."""
+
+
+def _reasoning_gym_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None) -> float:
+    return reasoning_gym_score(data_source, solution_str, ground_truth, extra_info, cut_at_eos=_cut_at_eos)
 
 
 def builtin_scorer(data_source: str):
     """The built-in reward function of `data_source`, or None."""
+    if data_source.startswith(REASONING_GYM_PREFIX):
+        return _reasoning_gym_score
     return REWARD_FUNCTIONS.get(data_source) or verl_scorer_for(data_source)
 
 
@@ -220,8 +228,8 @@ def check_ground_truths(dataset) -> None:
         raise ValueError(
             f"{', '.join(map(str, dataset.files))}: no built-in reward function scores the data_source of "
             f"{sum(unknown.values())} of {len(dataset)} rows: {said}{' and more' if len(unknown) > 5 else ''}; "
-            f"known: {sorted(REWARD_FUNCTIONS)} and aime*. Set those rows' data_source to one of these, or score "
-            "with your own reward.function_path")
+            f"known: {sorted(REWARD_FUNCTIONS)}, aime* and reasoning_gym/<task>. Set those rows' data_source to one "
+            "of these, or score with your own reward.function_path")
     missing = [item for item in dataset.items if builtin_scorer(item["data_source"]) is not None
                and (item["extra"] or {}).get("ground_truth") is None]
     if missing:

@@ -43,7 +43,7 @@ def rollout_from_config(cfg: Config, hf_config, tokenizer, device: torch.device,
                             micro_batch_size=ro.micro_batch_size, **fast_kwargs)
     if ro.multi_turn.enable:  # the agent loop drives the backend's generate in rounds, tools in between
         return MultiTurnRollout.from_config(rollout, tokenizer, ro.multi_turn, build_interaction(ro.multi_turn))
-    if ro.agent.entrypoint:  # the user's episodes call an endpoint on the backend
+    if ro.runs_agent():  # the user's (or an environment's) episodes call an endpoint on the backend
         from shardrl.rollout.episodes.agent import AgentRollout
 
         return AgentRollout.from_config(rollout, tokenizer, ro, hf_config)

@@ -25,7 +25,6 @@ index, one batch per dp rank per step. The rank split and its channels are `shar
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import time
@@ -168,8 +167,7 @@ def run_rollout_side(cfg: Config, split: WorldSplit) -> None:
 
 def _rollout_loop(cfg: Config, split: WorldSplit) -> None:
     tokenizer = load_tokenizer(cfg)
-    train_set, _ = load_datasets(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_files=[])),
-                                 tokenizer)
+    train_set, _ = load_datasets(cfg, tokenizer, with_val=False)
     policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm",
                                    override=cfg.model.override_config)
     cfg, _ = resolve_device_defaults(cfg, policy_config)

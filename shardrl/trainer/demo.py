@@ -81,23 +81,23 @@ def prepare_demo_assets(root: Path, warmup_steps: int = 20, seed: int = 0, op: s
         eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **DEMO_MODEL)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _format_warmup(model, tok, op, answers, warmup_steps, seed)
+    pairs = [(tok.encode(f"{a}{op}{b}="), tok.encode(answers[a, b])) for a, b in problems]
+    format_warmup(model, tok, pairs, warmup_steps, seed)
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     return root
 
 
-def _format_warmup(model, tok, op: str, answers: dict, steps: int, seed: int) -> None:
-    """Supervised steps on "a+b=" -> the sum (`answers[a, b]`), EOS."""
-    problems = list(answers)
+def format_warmup(model, tok, pairs: list[tuple[list[int], list[int]]], steps: int, seed: int,
+                  batch_size: int = 32, lr: float = 3e-3) -> None:
+    """Supervised steps on (prompt ids, answer ids) pairs: the answer, then EOS, after the prompt."""
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
         texts, prompt_lens = [], []
-        for a, b in rng.sample(problems, 32):
-            prompt = tok.encode(f"{a}{op}{b}=")
-            texts.append(prompt + tok.encode(answers[a, b]) + [tok.eos_token_id])
+        for prompt, answer in rng.sample(pairs, batch_size):
+            texts.append(prompt + answer + [tok.eos_token_id])
             prompt_lens.append(len(prompt))
         width = max(map(len, texts))
         ids = torch.full((len(texts), width), tok.pad_token_id)

@@ -98,7 +98,7 @@ class Generation:
         takes no memory for weights until the first sync (which may share the trainer's base)."""
         ro = cfg.rollout
         self.rollout = rollout_from_config(cfg, hf_config, tokenizer, device, colocated)
-        self.multi_turn = ro.multi_turn.enable or bool(ro.agent.entrypoint)
+        self.multi_turn = ro.multi_turn.enable or ro.runs_agent()
         self.tokenizer, self.device, self.seed = tokenizer, device, ro.seed
         self.sampling = SamplingParams.from_config(ro)
 

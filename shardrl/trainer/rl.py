@@ -165,7 +165,7 @@ class RLTrainer(Trainer):
         fn = (load_reward_function(cfg.reward.function_path, cfg.reward.function_name, cfg.reward.reward_kwargs)
               if cfg.reward.function_path else None)
         if fn is None and not cfg.reward.model_path and not cfg.rollout.multi_turn.interaction_path \
-                and not cfg.rollout.agent.entrypoint:  # (an agent may score its episodes itself)
+                and not cfg.rollout.runs_agent():  # (an agent may score its episodes itself)
             for dataset in filter(None, (self.train_set, self.val_set)):  # the built-in scorers need the answers
                 check_ground_truths(dataset)
         self.reward_inputs = (reward_model_inputs(cfg.reward.model_path, self.tokenizer, cfg.model.trust_remote_code)

@@ -266,7 +266,13 @@ class AgentRollout(EpisodeRollout):
         from shardrl.models.config import text_config
 
         a = ro.agent
-        return cls(rollout, tokenizer, a.entrypoint, a.timeout_s, a.failure_reward, a.max_concurrency,
+        entrypoint = a.entrypoint
+        if ro.env:  # a verifiers environment's rollouts are the episodes
+            from shardrl.data.verifiers import load_verifiers_env
+            from shardrl.rollout.episodes.verifiers_env import environment_episode
+
+            entrypoint = environment_episode(load_verifiers_env(ro.env, ro.env_args), MODEL_NAME)
+        return cls(rollout, tokenizer, entrypoint, a.timeout_s, a.failure_reward, a.max_concurrency,
                    a.max_response_tokens, ro.fast.max_batch or 256,
                    int(getattr(text_config(hf_config), "max_position_embeddings", 4096)), a.tool_call_parser)
 

@@ -1,0 +1,65 @@
+"""A verifiers environment (`rollout.env`) loaded once, and its dataset as prompt rows.
+
+Each row of the environment's dataset (`env.get_dataset()`, or `env.get_eval_dataset()` for validation: its
+`prompt` messages, `answer`, `info`, `task`, `example_id`) becomes one prompt row,
+
+    {"prompt": row["prompt"], "data_source": "verifiers/<env>", "verifiers_input": row}
+
+whose episode (`shardrl.rollout.episodes.verifiers_env`) hands `verifiers_input` to the environment's own rollout
+unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+
+INSTALL_HINT = "verifiers is not installed: pip install 'shardrl[envs]' (or pip install verifiers)"
+_LOADED: dict[str, object] = {}
+
+
+def load_verifiers_env(spec: str, env_args: dict | None = None):
+    """The `vf.Environment` of `rollout.env` (`verifiers:ENV_ID` or `path/to/env.py:function`), loaded once a
+    process for the same spec and arguments."""
+    key = json.dumps([spec, env_args or {}], sort_keys=True, default=repr)
+    if key in _LOADED:
+        return _LOADED[key]
+    try:
+        import verifiers as vf
+    except ImportError:
+        raise ValueError(f"rollout.env={spec!r} needs verifiers, but {INSTALL_HINT}") from None
+    if spec.startswith("verifiers:"):
+        env = vf.load_environment(spec.split(":", 1)[1], **(env_args or {}))
+    else:
+        from shardrl.config.userfile import import_user_file
+
+        path, _, name = spec.rpartition(":")
+        module = import_user_file(path, f"rollout.env={spec!r}: the environment file", "shardrl_env_")
+        loader = getattr(module, name, None)
+        if not callable(loader):
+            raise ValueError(f"rollout.env={spec!r}: {path} defines no function {name!r}")
+        env = loader(**(env_args or {}))
+    if not isinstance(env, vf.Environment):
+        raise ValueError(f"rollout.env={spec!r} gave a {type(env).__name__}, not a verifiers Environment")
+    _LOADED[key] = env
+    return env
+
+
+def env_name(spec: str) -> str:
+    """`verifiers:gsm8k` -> gsm8k; `envs/my_env.py:load_environment` -> my_env."""
+    if spec.startswith("verifiers:"):
+        return spec.split(":", 1)[1]
+    return spec.rpartition(":")[0].rsplit("/", 1)[-1].removesuffix(".py")
+
+
+def environment_rows(env, spec: str, split: str = "train") -> list[dict]:
+    """The prompt rows of `env`'s dataset (split "train") or of its evaluation dataset ("val": [] without one)."""
+    if split == "val":
+        if env.build_eval_dataset() is None:  # (get_eval_dataset would fall back to the training set)
+            return []
+        dataset = env.get_eval_dataset()
+    else:
+        if env.build_dataset() is None:
+            raise ValueError(f"rollout.env={spec!r}: the environment has no dataset to train on")
+        dataset = env.get_dataset()
+    source = f"verifiers/{env_name(spec)}"
+    return [{"prompt": row["prompt"], "data_source": source, "verifiers_input": dict(row)} for row in dataset]
