@@ -185,3 +185,35 @@ def test_fp8_rollout_refusals(tok):
     with pytest.raises(ValueError, match="FP8 rollout"):
         rollout.share_weights(model.named_parameters())
 
+
+def test_config_fp8_is_a_fast_backend_setting_and_turns_rollout_correction_on():
+    from shardrl.config.schema import ConfigError
+    from shardrl.config.registry import load_config
+    from shardrl.plan.defaults import resolve_device_defaults
+    from shardrl.plan.plan import Plan
+
+    with pytest.raises(ConfigError, match=r"rollout.quantization.*backend=fast only"):
+        load_config(None, ["rollout.backend=hf", "rollout.quantization=fp8"])
+    with pytest.raises(ConfigError, match=r"rollout.quantization applies to backend=fast only.*null chose hf"):
+        resolve_device_defaults(load_config(None, ["rollout.quantization=fp8"]))  # (this CPU: hf)
+    with pytest.raises(ConfigError, match=r"rollout.fp8.activations.*block scales"):
+        load_config(None, ["rollout.fp8.activations=dynamic", "rollout.fp8.block_size=128"])
+    with pytest.raises(ConfigError, match=r"rollout.quantization.*model.lora"):
+        load_config(None, ["rollout.backend=fast", "rollout.quantization=fp8", "model.lora.rank=8"])
+    # algorithm.rollout_is left null: on with fp8 (one line says so), off without; a value given stays
+    fp8 = load_config(None, ["rollout.backend=fast", "rollout.quantization=fp8", "actor.ppo_mini_batch_size=8"])
+    assert fp8.algorithm.rollout_is is None and fp8.rollout_correction()
+    plan = Plan.for_rl(fp8, 1, 1)
+    assert plan.config.algorithm.rollout_is is True and plan.steps.rollout_is in ("batch", "loss")
+    assert [line for line in plan.choices if line.startswith("algorithm.rollout_is=true (null: on with rollout.q")]
+    plain = Plan.for_rl(load_config(None, ["rollout.backend=fast"]), 1, 1)
+    assert plain.config.algorithm.rollout_is is False and plain.steps.rollout_is == "off" and not plain.choices
+    off = Plan.for_rl(load_config(None, ["rollout.backend=fast", "rollout.quantization=fp8",
+                                         "algorithm.rollout_is=false"]), 1, 1)
+    assert off.config.algorithm.rollout_is is False and off.steps.rollout_is == "off"
+    # the rollout built from the config is FP8
+    from shardrl.rollout.build import fast_rollout_kwargs
+    kwargs = fast_rollout_kwargs(load_config(None, ["rollout.backend=fast", "rollout.quantization=fp8",
+                                                    "rollout.fp8.block_size=128"]).rollout)
+    assert (kwargs["quantization"], kwargs["fp8_block_size"], kwargs["fp8_activations"]) == ("fp8", 128, "none")
+
