@@ -217,3 +217,25 @@ def test_config_fp8_is_a_fast_backend_setting_and_turns_rollout_correction_on():
                                                     "rollout.fp8.block_size=128"]).rollout)
     assert (kwargs["quantization"], kwargs["fp8_block_size"], kwargs["fp8_activations"]) == ("fp8", 128, "none")
 
+
+@pytest.mark.parametrize("block", [None, 32])
+def test_memory_ledger_counts_the_fp8_rollout_weights_as_the_rollout_holds_them(tok, block):
+    from shardrl.config.registry import load_config
+    from shardrl.engine.model import load_hf_config
+    from shardrl.plan.layout import GIB, derive_layout
+    from shardrl.plan.memory import phase_ledger
+    from shardrl.rollout import build_rollout
+
+    tiny = ("model.tiny={model_type: qwen2, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
+            "num_key_value_heads: 2, intermediate_size: 128, vocab_size: 1000, tie_word_embeddings: false}")
+    overrides = [tiny, "rollout.backend=fast", "rollout.quantization=fp8"]
+    c = load_config(None, overrides + ([f"rollout.fp8.block_size={block}"] if block else []))
+    hf = load_hf_config(c.model.path, c.model.tiny)
+    rollout = build_rollout("fast", hf, tok, "cpu", torch.bfloat16, quantization="fp8", fp8_block_size=block)
+    held = sum(p.numel() * p.element_size() for p in rollout.model.parameters())
+    held += sum(b.numel() * b.element_size() for n, b in rollout.model.named_buffers() if n.endswith("weight_scale"))
+    gen = {i["name"]: i for i in phase_ledger(c, derive_layout(c, 1, 1), hf)["phases"]["gen"]["items"]}
+    assert gen["rollout weights"]["gib"] * GIB == pytest.approx(held) and "FP8" in gen["rollout weights"]["how"]
+    bf16 = load_config(None, [tiny, "rollout.backend=fast"])
+    plain = {i["name"]: i for i in phase_ledger(bf16, derive_layout(bf16, 1, 1), hf)["phases"]["gen"]["items"]}
+    assert plain["rollout weights"]["gib"] > gen["rollout weights"]["gib"]
