@@ -97,6 +97,10 @@ class FastRollout(Rollout):
     rows are admitted only while the free blocks hold them at their longest, so many slots can share a cache sized
     for the rows' real lengths (a server's slots, each allowed a long context).
 
+    `quantization="fp8"` holds the decoder's linear weights in FP8 E4M3 (`shardrl.rollout.fast.fp8`; per-channel
+    scales, or `fp8_block_size` tiles), quantized as `load_weights` copies them in; `fp8_activations="dynamic"`
+    multiplies in FP8 (CUDA, compute capability >= 8.9).
+
     `record_routing` (a mixture of experts; router replay R3): `generate`'s output carries `routed_experts`
     (N, P+R, L, k), the experts each token was routed to in each routed layer when the rollout ran it (the
     prompts' in the prefill, a response token's in the step that fed it), -1 where it ran nothing (padding, the
