@@ -114,12 +114,13 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("startup_2gpu", "startup.py", "--cases", "1.5b:2,7b:2", limit_s=300),
         bench("ulysses_2gpu", "ulysses.py", "--world", "2", "--sp", "1,2", limit_s=360),
     ]),
-    "rollout": ("the fast rollout on one GPU against HF generate, its decode step's parts, the model families, the "
-                "multi-turn loop and the long-prompt GRPO call", [
+    "rollout": ("the fast rollout on one GPU against HF generate, its decode step's parts, FP8 against bf16, the model "
+                "families, the multi-turn loop and the long-prompt GRPO call", [
         bench("rollout_fixed_mixed", "rollout.py", "--cases", "fixed_64,mixed", "--hf-warm-once",
               "--rows", "hf_dynamic,fast", limit_s=420),
         bench("rollout_fixed_256", "rollout.py", "--cases", "fixed_256", "--rows", "hf_dynamic,fast", limit_s=300),
         bench("rollout_tail", "rollout.py", "--cases", "tail_512", "--rows", "fast_no_compact,fast", limit_s=240),
+        bench("fp8_rollout", "fp8.py", limit_s=400),
         bench("decode_profile", "profile_decode.py", limit_s=400),
         bench("families", "rollout_families.py", limit_s=330),
         bench("multiturn", "multiturn.py", "--backend", "fast", "--shape", "0.5b", "--prompts", "128", "--n", "4",
@@ -167,6 +168,7 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("whole_step_tiny", "e2e.py", "--quick", "--root", "/tmp/bench_e2e_quick", "--systems", "shardrl",
               "--no-floor", limit_s=300),
         bench("rollout_tiny", "rollout.py", "--quick", limit_s=200),
+        bench("fp8_tiny", "fp8.py", "--quick", limit_s=200),
         bench("multiturn_tiny", "multiturn.py", "--quick", out_flag=False, limit_s=200),
         bench("long_prompts_tiny", "prefix_reuse.py", "--quick", limit_s=200),
         bench("serve_sim", "serve.py", "--backend", "sim", "--clients", "6", "--requests", "2", "--client", "raw",

@@ -240,9 +240,10 @@ class AlgorithmConfig:
     """On-policy distillation's weights (adv_estimator=opd, with teacher.model_path)."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling (verl's algorithm.filter_groups); needs a group baseline (grpo, rloo, ...)."""
-    rollout_is: bool = False
+    rollout_is: bool | None = None
     """Correct for the rollout-training mismatch (the sampler's log-probs differ from the trainer's, e.g. bf16
-    fast rollout): weight each token's policy loss by pi_trainer(old) / pi_sampler, detached
+    fast rollout; null: on with rollout.quantization=fp8, off otherwise): weight each token's policy loss by
+    pi_trainer(old) / pi_sampler, detached
     (`shardrl.algos.rollout_correction`). In truncate mode with actor.recompute_old_log_probs=auto's shortcut
     (one mini-batch, one epoch) the weights come from the update's own forward; mask mode needs the old
     log-probs before the update, so it turns the shortcut off. Mismatch metrics (rollout/logprob_abs_diff, _max, rollout/kl

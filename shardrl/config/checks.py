@@ -181,6 +181,9 @@ def check_rl(cfg, prefix: str = "") -> None:
     require(cfg, prefix, "rollout.lora_sync", cfg.rollout.lora_sync in (None, "full")
             or cfg.async_rl.rollout_ranks == 0, "unmerged and merged sync a colocated rollout; rollout ranks of "
             "their own (async_rl.rollout_ranks > 0) receive the merged model whole: set full or drop it")
+    require(cfg, prefix, "rollout.quantization", cfg.rollout.quantization == "none" or cfg.model.lora.rank == 0,
+            "fp8 is not supported with model.lora yet (the adapter-only sync merges into, or shares, bf16 "
+            "weights); set rollout.quantization=none or drop model.lora")
     estimator = ADVANTAGE_ESTIMATORS[cfg.algorithm.adv_estimator]
     for role in ("actor", "critic") if estimator.needs_critic else ("actor",):
         check_mini_batch(cfg, role, prefix)
@@ -215,7 +218,7 @@ def check_rl(cfg, prefix: str = "") -> None:
     require(cfg, prefix, "trainer.total_epochs", cfg.trainer.total_epochs is None or not cfg.async_rl.rollout_ranks,
             "is not supported with async_rl.rollout_ranks > 0 (the rollout ranks do not read the training set); "
             "set trainer.total_steps")
-    require(cfg, prefix, "algorithm.rollout_is", cfg.async_rl.max_staleness == 0 or cfg.algorithm.rollout_is,
+    require(cfg, prefix, "algorithm.rollout_is", cfg.async_rl.max_staleness == 0 or cfg.rollout_correction(),
             f"async_rl.max_staleness={cfg.async_rl.max_staleness} trains on samples of an older policy: set "
             "algorithm.rollout_is=true so the loss weighs them by the sampler's log-probs (the behaviour "
             "policy), or async_rl.max_staleness=0")

@@ -216,6 +216,13 @@ class Config(CommandConfig):
 
     validates_before_train = True
 
+    def rollout_correction(self) -> bool:
+        """Whether the loss corrects for the sampler/trainer mismatch (`algorithm.rollout_is`; null: on with
+        rollout.quantization=fp8, whose sampler differs more from the trainer, off otherwise)."""
+        if self.algorithm.rollout_is is None:
+            return self.rollout.quantization == "fp8"
+        return self.algorithm.rollout_is
+
     def engines(self) -> list[tuple[str, EngineConfig]]:
         return [(f"{role}.engine", getattr(self, role).engine) for role in ("actor", "ref", "teacher", "critic",
                                                                                 "reward")]

@@ -197,6 +197,24 @@ class FastRolloutConfig:
 
 
 @dataclass
+class Fp8Config:
+    """FP8 weights of the fast rollout (`rollout.quantization=fp8`, `shardrl.rollout.fast.fp8`)."""
+
+    block_size: int | None = None
+    """null: one scale per output channel; B: one per B x B tile of each linear weight (DeepSeek's and Qwen's FP8
+    checkpoints use 128); each q/k/v/o and gate/up/down weight's sides must be multiples of B."""
+    activations: Literal["none", "dynamic"] = "none"
+    """none: weight-only (the FP8 weights dequantized to the model's dtype for each matmul); dynamic: the
+    activations quantized to FP8 too, each token by its own amax, and `torch._scaled_mm` (CUDA, compute
+    capability >= 8.9, per-channel scales)."""
+
+    def validate(self, prefix: str) -> None:
+        require(self, prefix, "block_size", self.block_size is None or self.block_size >= 1, "must be >= 1 or null")
+        require(self, prefix, "activations", self.activations == "none" or self.block_size is None,
+                "dynamic runs with per-channel scales; block scales (block_size) run weight-only: set one back")
+
+
+@dataclass
 class RolloutConfig:
     backend: Literal["hf", "fast"] | None = None
     """Generation engine: HF `generate`, or the static-KV-cache fast engine (Llama/Qwen2-style models).
@@ -220,6 +238,13 @@ class RolloutConfig:
     """Prompts per generate call (hf); with `fast`, prompts x n sets the decode slots unless fast.max_batch does."""
     fast: FastRolloutConfig = field(default_factory=FastRolloutConfig)
     """The fast backend's settings (`rollout.fast.max_batch`, ...)."""
+    quantization: Literal["none", "fp8"] = "none"
+    """fp8 (fast backend): the rollout's decoder linear layers (q/k/v/o, gate/up/down) hold FP8 E4M3 weights with
+    fp32 scales, quantized from the trainer's weights at each weight sync; embeddings, norms, the LM head, routed
+    experts and the KV cache keep the model's dtype. The sampler then differs more from the trainer, so
+    algorithm.rollout_is left null turns on. See `rollout.fp8`."""
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    """FP8's scales and activations (`rollout.fp8.block_size`, `rollout.fp8.activations`)."""
     free_cache_engine: bool | None = None
     """CUDA, rollout and training on the same GPUs: free the rollout's KV cache and CUDA graphs while the
     actor trains, and rebuild them before the next generation (a cost per step: bench/RESULTS.md, "Current
@@ -272,7 +297,8 @@ class RolloutConfig:
         """The fast-backend-only keys set away from their defaults."""
         unset = {"fast.max_batch": (None,), "fast.kv_cache_tokens": (None,), "fast.compile": (None,),
                  "fast.attention": ("auto",), "fast.sampler": ("auto",),
-                 "lora_sync": (None, "full")}  # full: what the hf backend does anyway
+                 "lora_sync": (None, "full"),  # full: what the hf backend does anyway
+                 "quantization": ("none",)}
         keys = [k for k, defaults in unset.items() if operator.attrgetter(k)(self) not in defaults]
         return keys + (["multi_turn.overlap_tools"] if self.multi_turn.overlap_tools else [])
 

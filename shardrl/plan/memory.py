@@ -205,6 +205,23 @@ def _teacher_terms(cfg: Config, layout: Layout, master: int) -> tuple[list, tupl
     return resident, max(terms, key=lambda t: t[1])
 
 
+def fp8_linear_numbers(hf_config, block_size: int | None) -> tuple[int, int]:
+    """(weights, scales) of the linear layers an FP8 rollout quantizes (`FastCausalLM.quantized_linears`: every
+    layer's q/k/v/o, a dense layer's gate/up/down): a weight's elements take 1 B, its fp32 scales one per output
+    channel (or per `block_size` x `block_size` tile) 4 B."""
+    c = text_config(hf_config)
+    h, heads = c.hidden_size, c.num_attention_heads
+    d = getattr(c, "head_dim", None) or h // heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    dense = c.num_hidden_layers - moe_layer_count(c)
+    inter = getattr(c, "intermediate_size", None) or 4 * h
+    shapes = [(heads * d, h), (kv * d, h), (kv * d, h), (h, heads * d)] * c.num_hidden_layers
+    shapes += [(inter, h), (inter, h), (h, inter)] * dense
+    weights = sum(o * i for o, i in shapes)
+    scales = sum(o if not block_size else -(-o // block_size) * -(-i // block_size) for o, i in shapes)
+    return weights, scales
+
+
 def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> dict:
     """{"phases": {phase: {"items": [(name, GiB, how)], "total_gib"}}, "peak_phase", "peak_gib"} for one GPU of
     the run `cfg` laid out as `layout` (the busiest rank's share). `cuda`: the rollout keeps a bf16 copy of
@@ -224,6 +241,12 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     # (null, as `shardrl plan` sees it before a run resolves it by this ledger: counted as unmerged, the least)
     lora_sync = (cfg.rollout.lora_sync or "unmerged") if adapters and cuda and cfg.rollout.backend != "hf" else "full"
     full_copy = ("rollout weights", p * rollout_bytes, f"a full copy: {format_count(p)} x {rollout_bytes} B")
+    fp8 = cfg.rollout.quantization == "fp8" and cfg.rollout.backend != "hf"
+    if fp8:  # the linear layers' weights in 1 B and their fp32 scales, the rest in the rollout's dtype
+        linear, scales = fp8_linear_numbers(hf_config, cfg.rollout.fp8.block_size)
+        full_copy = ("rollout weights", (p - linear) * rollout_bytes + linear + scales * 4,
+                     f"FP8: {format_count(linear)} x 1 B + {format_count(scales)} scales x 4 B, the other "
+                     f"{format_count(p - linear)} x {rollout_bytes} B")
     if lora_sync == "unmerged":
         resident.append(("rollout adapters", adapters * 4, f"{format_count(adapters)} x fp32, added at run time"))
         # no rank holds the base whole, or not in the rollout's dtype, or not on the GPU (offload_params):
@@ -269,8 +292,9 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
         ("sampler logits", slots * vocab * 4 * 2, f"{slots} x {vocab} vocab x fp32 x 2 (logits, noise)"),
         ("prefill chunk", prefill * (4 * h + 2 * inter) * rollout_bytes,
          f"{prefill} tokens x (4 x {h} + 2 x {inter}) x {rollout_bytes} B"),
-        ("weight export", numbers["largest_tensor"] * (master + rollout_bytes),
-         f"largest tensor {format_count(numbers['largest_tensor'])} gathered x ({master} + {rollout_bytes}) B")
+        ("weight export", numbers["largest_tensor"] * (master + rollout_bytes + (8 if fp8 else 0)),
+         f"largest tensor {format_count(numbers['largest_tensor'])} gathered x ({master} + {rollout_bytes}"
+         f"{' + 8 (fp32 copy and quotient, FP8)' if fp8 else ''}) B")
         if lora_sync == "full" else ("adapter sync", adapters * 4,
                                      f"the {format_count(adapters)} adapters gathered, fp32"),
     ]

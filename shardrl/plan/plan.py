@@ -40,7 +40,13 @@ class Plan:
         steps = StepPlan.from_config(cfg)
         response = cfg.rollout.response_budget()
         layout = derive_layout(cfg, nnodes, nproc_per_node, steps, response)
-        return cls(_on_world(cfg, nnodes, nproc_per_node), layout, steps, response)
+        resolved, choices = _on_world(cfg, nnodes, nproc_per_node), []
+        if resolved.algorithm.rollout_is is None:
+            resolved.algorithm.rollout_is = resolved.rollout_correction()
+            if resolved.algorithm.rollout_is:
+                choices.append("algorithm.rollout_is=true (null: on with rollout.quantization=fp8, whose sampler "
+                               "differs more from the trainer; set false to train uncorrected)")
+        return cls(resolved, layout, steps, response, choices)
 
     @classmethod
     def for_offline(cls, cfg, trainer: str, nnodes: int, nproc_per_node: int) -> Plan:

@@ -65,7 +65,7 @@ class StepPlan:
     def from_config(cls, cfg: Config) -> StepPlan:
         algo = cfg.algorithm
         old_from_update, why = old_log_probs_from_update(cfg)
-        rollout_is = "off" if not algo.rollout_is else ("loss" if old_from_update else "batch")
+        rollout_is = "off" if not cfg.rollout_correction() else ("loss" if old_from_update else "batch")
         return cls(
             estimator=ADVANTAGE_ESTIMATORS[algo.adv_estimator],
             uses_ref=cfg.actor.use_kl_loss or algo.use_kl_in_reward,
@@ -117,7 +117,7 @@ def old_log_probs_from_update(cfg: Config) -> tuple[bool, str]:
     if ADVANTAGE_ESTIMATORS[cfg.algorithm.adv_estimator].needs_teacher:
         blockers.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} reads them (the student's) for the "
                         "advantages")
-    if cfg.algorithm.rollout_is and cfg.algorithm.rollout_is_mode in ("mask", "reject"):
+    if cfg.rollout_correction() and cfg.algorithm.rollout_is_mode in ("mask", "reject"):
         blockers.append(f"algorithm.rollout_is_mode={cfg.algorithm.rollout_is_mode} drops tokens from the loss mask "
                         "before the update, "
                         "and the loss is normalized by that mask's token count")

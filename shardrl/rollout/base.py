@@ -307,10 +307,12 @@ def cut_responses(tokenizer, stop_ids, generated: torch.Tensor, stop: list[str])
 
 
 @torch.no_grad()
-def copy_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+def copy_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                          copy=None) -> list[str]:
     """Copies `(hf_name, tensor)` pairs into `model`'s parameters in place (casting and moving), one at a
     time, so the caller may free each tensor right after; unknown names and wrong shapes raise. Returns the
-    names of the parameters it left untouched."""
+    names of the parameters it left untouched. `copy(name, param, tensor)`: how one is copied (default
+    `param.copy_(tensor)`; the FP8 rollout quantizes)."""
     # remove_duplicate=False: a tied head answers to both its names (the engine exports only one)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[int] = set()
@@ -322,7 +324,10 @@ def copy_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, t
         if param.shape != tensor.shape:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the rollout model expects "
                              f"{tuple(param.shape)}")
-        param.copy_(tensor)
+        if copy is None:
+            param.copy_(tensor)
+        else:
+            copy(name, param, tensor)
         loaded.add(id(param))
     missing = [n for n, p in params.items() if id(p) not in loaded]
     if missing:

@@ -14,8 +14,9 @@ from shardrl.rollout.episodes.multiturn import MultiTurnRollout
 
 
 def fast_rollout_kwargs(ro) -> dict:
-    """The fast backend's settings from `rollout.fast` (the trainer's and `shardrl serve`'s)."""
-    return dataclasses.asdict(ro.fast)
+    """The fast backend's settings from `rollout.fast` and its quantization (the trainer's and `shardrl serve`'s)."""
+    return {**dataclasses.asdict(ro.fast), "quantization": ro.quantization, "fp8_block_size": ro.fp8.block_size,
+            "fp8_activations": ro.fp8.activations}
 
 
 def rollout_dtype(device: torch.device) -> torch.dtype:

@@ -30,6 +30,7 @@ from shardrl.models.families import (FAST_ROLLOUT_TYPES, activation, attention_s
                                       layer_windows, max_rope_positions, moe_layers, rope_tables, top_k_normalized)
 from shardrl.rollout.fast.attention import (LayerConsts, SDPADecodeAttention, TritonDecodeAttention,  # noqa: F401
                                             softcapped_attention, visible_keys, write_kv)  # (write_kv: for callers)
+from shardrl.rollout.fast.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear, quantize_fp8_into, scale_shape
 from shardrl.rollout.fast.moe import SparseMoE, moe_mlp
 
 SUPPORTED_MODEL_TYPES = FAST_ROLLOUT_TYPES
@@ -85,15 +86,20 @@ def plus(y, delta):
     return y if delta is None else (y.float() + delta).to(y.dtype)
 
 
+def linear(x, w, b=None):
+    """F.linear, or `fp8_linear` where `w` is an `Fp8Weight` (rollout.quantization=fp8)."""
+    return fp8_linear(x, w, b) if isinstance(w, Fp8Weight) else F.linear(x, w, b)
+
+
 def project_qkv(x, qkv_w, qkv_b, num_heads: int, num_kv_heads: int, head_dim: int, lora=None, scale: float = 1.0):
     """q (..., Hq*D), k, v (..., Hkv*D): one GEMM on the fused q/k/v weight, or three where `qkv_w` is the
     tuple (q, k, v) (a base shared with the trainer, see `FastCausalLM.share_weights`); `lora`: the (A, B)
     adapters of q, k, v (or None), added times `scale`."""
-    if isinstance(qkv_w, tuple):
+    if isinstance(qkv_w, tuple) and not isinstance(qkv_w, Fp8Weight):
         q, k, v = (F.linear(x, w, b) for w, b in zip(qkv_w, qkv_b))
     else:
         kv_size = num_kv_heads * head_dim
-        q, k, v = F.linear(x, qkv_w, qkv_b).split([num_heads * head_dim, kv_size, kv_size], dim=-1)
+        q, k, v = linear(x, qkv_w, qkv_b).split([num_heads * head_dim, kv_size, kv_size], dim=-1)
     if lora is not None:
         q, k, v = (plus(y, lora_delta(x, ab, scale)) for y, ab in zip((q, k, v), lora))
     return q, k, v
@@ -103,15 +109,15 @@ def gated_mlp(x, gate_up_w, gate_up_b, down_w, down_b, act: str = "silu", lora=N
     """down(act(gate(x)) * up(x)) with gate and up as one GEMM on the fused weight (or two where `gate_up_w` is
     the tuple (gate, up)): SwiGLU, or GeGLU with act='gelu_tanh' (Gemma); `lora`: the adapters of gate, up,
     down (or None)."""
-    if isinstance(gate_up_w, tuple):
+    if isinstance(gate_up_w, tuple) and not isinstance(gate_up_w, Fp8Weight):
         gate, up = (F.linear(x, w, b) for w, b in zip(gate_up_w, gate_up_b))
     else:
-        gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
+        gate, up = linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
     if lora is not None:
         gate, up = plus(gate, lora_delta(x, lora[0], scale)), plus(up, lora_delta(x, lora[1], scale))
     gate = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
     h = gate * up
-    out = F.linear(h, down_w, down_b)
+    out = linear(h, down_w, down_b)
     return out if lora is None else plus(out, lora_delta(h, lora[2], scale))
 
 
@@ -134,6 +140,20 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     return weight, bias
 
 
+def fuse_scales(linears: list[nn.Linear]) -> torch.Tensor | None:
+    """As `fuse_linears`, for the FP8 scales (`weight_scale` buffers) of `linears`: one tensor, the layers' views
+    into it. None where the layers are not quantized."""
+    if getattr(linears[0], "weight_scale", None) is None:
+        return None
+    scale = torch.cat([lin.weight_scale for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight_scale.shape[0]
+        lin.weight_scale = scale[start : start + rows]
+        start += rows
+    return scale
+
+
 class Attention(nn.Module):
     def __init__(self, config, bias: dict[str, bool]):
         super().__init__()
@@ -148,7 +168,7 @@ class Attention(nn.Module):
             whole = family.qk_norm_whole
             self.q_norm = RMSNorm(self.num_heads * d if whole else d, config.rms_norm_eps, family.gemma)
             self.k_norm = RMSNorm(self.num_kv_heads * d if whole else d, config.rms_norm_eps, family.gemma)
-        self.qkv_weight = self.qkv_bias = None  # set by FastCausalLM.fuse_projections
+        self.qkv_weight = self.qkv_bias = self.qkv_scale = None  # set by FastCausalLM.fuse_projections
 
 
 class MLP(nn.Module):
@@ -158,7 +178,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=bias["gate_proj"])
         self.up_proj = nn.Linear(hidden, inter, bias=bias["up_proj"])
         self.down_proj = nn.Linear(inter, hidden, bias=bias["down_proj"])
-        self.gate_up_weight = self.gate_up_bias = None  # set by FastCausalLM.fuse_projections
+        self.gate_up_weight = self.gate_up_bias = self.gate_up_scale = None  # set by FastCausalLM.fuse_projections
 
 
 class DecoderLayer(nn.Module):
@@ -176,6 +196,7 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, gemma)
         self.lora: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # see `FastCausalLM.set_lora`
         self.lora_scale = 1.0
+        self.fp8: tuple[int, bool] | None = None  # (block size, dynamic): see `FastCausalLM.quantize_fp8`
 
     def block_weights(self) -> tuple:
         """The weights a `DecoderBlock` reads, in its order (None where the family has no such weight)."""
@@ -184,17 +205,20 @@ class DecoderLayer(nn.Module):
         gemma = hasattr(self, "pre_feedforward_layernorm")
         post_attn = self.post_attention_layernorm.weight if gemma else None
         ln2 = self.pre_feedforward_layernorm.weight if gemma else self.post_attention_layernorm.weight
+        fp8 = self.fp8
+        quantized = (lambda w, s: Fp8Weight(w, s, *fp8)) if fp8 else (lambda w, s: w)  # noqa: E731
         if a.qkv_weight is None:  # unfused: the base is shared with the trainer (`FastCausalLM.share_weights`)
             qkv = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
         else:
-            qkv = (a.qkv_weight, a.qkv_bias)
+            qkv = (quantized(a.qkv_weight, a.qkv_scale), a.qkv_bias)
         if isinstance(m, SparseMoE):  # the MLP slots carry the router and the experts (LayerConsts.top_k > 0)
             gate_up, down = (m.gate.weight, m.experts.gate_up_proj), (m.experts.down_proj, None)
         elif m.gate_up_weight is None:
             gate_up = (m.gate_proj.weight, m.up_proj.weight), (m.gate_proj.bias, m.up_proj.bias)
             down = (m.down_proj.weight, m.down_proj.bias)
         else:
-            gate_up, down = (m.gate_up_weight, m.gate_up_bias), (m.down_proj.weight, m.down_proj.bias)
+            gate_up = (quantized(m.gate_up_weight, m.gate_up_scale), m.gate_up_bias)
+            down = (quantized(m.down_proj.weight, getattr(m.down_proj, "weight_scale", None)), m.down_proj.bias)
         lora = self.lora
         qkv_lora = o_lora = mlp_lora = None
         if lora is not None:  # (A, B) per projection, None where that projection has no adapter
@@ -203,7 +227,7 @@ class DecoderLayer(nn.Module):
             qkv_lora, mlp_lora = get(("q_proj", "k_proj", "v_proj")), get(("gate_proj", "up_proj", "down_proj"))
             o_lora = lora.get("o_proj")
         return (self.input_layernorm.weight, *qkv, weight(a, "q_norm"), weight(a, "k_norm"),
-                a.o_proj.weight, a.o_proj.bias, post_attn, ln2, *gate_up,
+                quantized(a.o_proj.weight, getattr(a.o_proj, "weight_scale", None)), a.o_proj.bias, post_attn, ln2, *gate_up,
                 *down, weight(self, "post_feedforward_layernorm"),
                 qkv_lora, o_lora, mlp_lora, self.lora_scale)
 
@@ -235,7 +259,7 @@ def attention_output_and_mlp(x, attn, o_w, o_b, post_attn_ln, ln2, gate_up_w, ga
     router's weight, gate_up_b the experts' gate_up_proj, down_w their down_proj; `with_route` (routed experts
     only) returns (x, experts (T, k))."""
     attn = attn.reshape(x.shape[0], -1)
-    h = plus(F.linear(attn, o_w, o_b), lora_delta(attn, o_lora, scale))
+    h = plus(linear(attn, o_w, o_b), lora_delta(attn, o_lora, scale))
     if post_attn_ln is not None:
         h = rms_norm(h, post_attn_ln, eps, gemma)
     x = x + h
@@ -383,6 +407,7 @@ class FastCausalLM(nn.Module):
         self.rope_scaling = {key: scaling for key, (_, scaling) in rope.items()}
         self.rope_source = rope  # the CPU tables, for `materialize`
         self.shared = False  # `share_weights`: the parameters are another module's tensors, never fused
+        self.fp8: tuple[int, bool] | None = None  # `quantize_fp8`: (block size, dynamic activations)
         for key, (inv_freq, _) in rope.items():
             self.register_buffer(f"inv_freq_{key}", inv_freq, persistent=False)
         self.layer_rope = layer_rope_keys(config)
@@ -409,8 +434,56 @@ class FastCausalLM(nn.Module):
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
             a.qkv_weight, a.qkv_bias = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
+            a.qkv_scale = fuse_scales([a.q_proj, a.k_proj, a.v_proj])
             if isinstance(m, MLP):  # (experts are fused already: HF stores gate and up as one tensor)
                 m.gate_up_weight, m.gate_up_bias = fuse_linears([m.gate_proj, m.up_proj])
+                m.gate_up_scale = fuse_scales([m.gate_proj, m.up_proj])
+
+    def quantized_linears(self) -> dict[str, nn.Linear]:
+        """{HF name: module} of the linear layers FP8 covers: each decoder layer's q/k/v/o and dense gate/up/down.
+        The embeddings, norms, LM head, a mixture's router and experts keep the model's dtype (vLLM's FP8
+        likewise leaves the embeddings, norms and LM head unquantized)."""
+        linears = {}
+        for i, layer in enumerate(self.model.layers):
+            a, m = layer.self_attn, layer.mlp
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                linears[f"model.layers.{i}.self_attn.{name}"] = getattr(a, name)
+            if isinstance(m, MLP):
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    linears[f"model.layers.{i}.mlp.{name}"] = getattr(m, name)
+        return linears
+
+    @torch.no_grad()
+    def quantize_fp8(self, block_size: int = 0, dynamic: bool = False) -> None:
+        """The linear layers of `quantized_linears` hold E4M3 weights (`weight`, same name and shape) with fp32
+        scales (`weight_scale`, `shardrl.rollout.fast.fp8`), quantized from their weights now (nothing computed on
+        meta); later loads quantize what they copy in (`load_fp8_weight`). `block_size`: 0 per output channel,
+        else B x B tiles; `dynamic`: FP8 activations too (CUDA, `fp8.check_dynamic_activations`)."""
+        if self.shared:
+            raise ValueError("the rollout reads the trainer's own weights (share_weights): they cannot be FP8")
+        for lin in self.quantized_linears().values():
+            w = lin.weight
+            q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+            s = torch.empty(scale_shape(tuple(w.shape), block_size), dtype=torch.float32, device=w.device)
+            if not w.is_meta:
+                quantize_fp8_into(w, q, s, block_size)
+            lin.weight = nn.Parameter(q, requires_grad=False)
+            lin.register_buffer("weight_scale", s, persistent=False)
+        for layer in self.model.layers:
+            layer.fp8 = (block_size, dynamic)
+        self.fp8 = (block_size, dynamic)
+        if not self.model.norm.weight.is_meta:
+            self.fuse_projections()
+
+    def load_fp8_weight(self, name: str, param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Copies `tensor` into the parameter `name`, quantizing it where the parameter is FP8 (in place: the
+        captured graphs stay valid); returns the amax of a quantized one (None otherwise), for one check of the
+        whole load (`fp8.check_finite`)."""
+        if param.dtype != FP8_DTYPE:
+            param.copy_(tensor)
+            return None
+        owner = self.get_submodule(name.rpartition(".")[0])
+        return quantize_fp8_into(tensor, param, owner.weight_scale, self.fp8[0])
 
     def _apply(self, fn, recurse=True):
         # a move or cast gives each parameter its own storage again: fuse anew (meta modules are not fused)
@@ -432,6 +505,10 @@ class FastCausalLM(nn.Module):
         """Every parameter becomes the tensor given under its HF name, itself (no copy): the rollout reads a
         frozen base where the trainer holds it whole on this device. The tensors must have the parameters'
         shapes and dtype; q/k/v and gate/up then run as separate GEMMs (nothing is fused into a copy)."""
+        if self.fp8 is not None:
+            raise ValueError("share_weights: an FP8 rollout (rollout.quantization=fp8) holds its own quantized "
+                             "copy; it cannot read the trainer's bf16 tensors (set rollout.lora_sync=merged or "
+                             "full, or rollout.quantization=none)")
         params = dict(self.named_parameters(remove_duplicate=False))
         given = dict(weights)
         missing = sorted(set(params) - set(given) - ({"lm_head.weight"} if self.config.tie_word_embeddings else set()))

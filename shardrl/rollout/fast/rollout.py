@@ -53,6 +53,7 @@ from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, Versio
 from shardrl.rollout.fast.kernel_support import cascade_members
 from shardrl.rollout.fast.paged import BlockPool, SharedPrefixGroups
 from shardrl.rollout.fast.attention import TritonDecodeAttention
+from shardrl.rollout.fast.fp8 import check_dynamic_activations, check_finite
 from shardrl.rollout.fast.model import DecoderBlock, FastCausalLM, build_fast_lm, head_dim_of
 from shardrl.rollout.fast.scheduler import (RowFeed, RowScheduler, blocks_for, prefill_chunks, rows_that_fit,
                                             shared_prefix_groups, slot_widths)
@@ -96,6 +97,10 @@ class FastRollout(Rollout):
     rows are admitted only while the free blocks hold them at their longest, so many slots can share a cache sized
     for the rows' real lengths (a server's slots, each allowed a long context).
 
+    `quantization="fp8"` holds the decoder's linear weights in FP8 E4M3 (`shardrl.rollout.fast.fp8`; per-channel
+    scales, or `fp8_block_size` tiles), quantized as `load_weights` copies them in; `fp8_activations="dynamic"`
+    multiplies in FP8 (CUDA, compute capability >= 8.9).
+
     `record_routing` (a mixture of experts; router replay R3): `generate`'s output carries `routed_experts`
     (N, P+R, L, k), the experts each token was routed to in each routed layer when the rollout ran it (the
     prompts' in the prefill, a response token's in the step that fed it), -1 where it ran nothing (padding, the
@@ -110,7 +115,8 @@ class FastRollout(Rollout):
                  attention: str = "auto", sampler: str = "auto", min_width: int = 32, width_step: int | None = None,
                  lazy_weights: bool = False, record_routing: bool = False, block_size: int = 64,
                  prefix_cache: bool = True, cascade: bool = True, prefix_splits: int = 2,
-                 kv_cache_tokens: int | None = None):
+                 kv_cache_tokens: int | None = None, quantization: str = "none", fp8_block_size: int | None = None,
+                 fp8_activations: str = "none"):
         for name, value in (("micro_batch_size", micro_batch_size), ("sync_every", sync_every),
                             ("min_width", min_width), ("width_step", 1 if width_step is None else width_step),
                             ("seq_bucket", seq_bucket), ("prefill_tokens", prefill_tokens), ("block_size", block_size),
@@ -134,6 +140,16 @@ class FastRollout(Rollout):
             raise ValueError("cuda_graphs=True needs a CUDA device")
         self.model: FastCausalLM = build_fast_lm(hf_config, self.device, dtype, seed=seed,
                                                  materialize=not lazy_weights)
+        if quantization not in ("none", "fp8") or fp8_activations not in ("none", "dynamic"):
+            raise ValueError(f"quantization={quantization!r}, fp8_activations={fp8_activations!r}: choose "
+                             "quantization none or fp8, fp8_activations none or dynamic")
+        if quantization == "fp8":
+            if fp8_activations == "dynamic":
+                check_dynamic_activations(self.device)
+                if fp8_block_size:
+                    raise ValueError("rollout.fp8.activations=dynamic runs with per-channel scales; block scales "
+                                     "(rollout.fp8.block_size) run weight-only: set one of them back")
+            self.model.quantize_fp8(fp8_block_size or 0, fp8_activations == "dynamic")
         self.vocab_size = hf_config.vocab_size
         if record_routing and not self.model.routed_layers:
             raise ValueError(f"record_routing needs a mixture of experts; {hf_config.model_type!r} routes no tokens")
@@ -178,13 +194,30 @@ class FastRollout(Rollout):
                                "would write into the trainer's base; sync it by load_lora")
         if self.model.model.norm.weight.is_meta:  # lazy_weights: the first load brings every parameter
             self.model.materialize(self.device)
-            missing = copy_weights_in_place(self.model, weights)
+            missing = self._copy_weights(weights)
             if missing:
                 raise ValueError(f"the first load_weights of a lazy rollout left {len(missing)} parameters "
                                  f"unset, e.g. {missing[:4]}")
             return
-        copy_weights_in_place(self.model, weights)  # same addresses, so the captured graphs stay valid
+        self._copy_weights(weights)  # same addresses, so the captured graphs stay valid
         self._forget_prefixes()
+
+    def _copy_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """`copy_weights_in_place`; an FP8 model quantizes its linear layers' weights on the way in (on this
+        device), and refuses a load with a non-finite weight after it (one host sync)."""
+        if self.model.fp8 is None:
+            return copy_weights_in_place(self.model, weights)
+        amaxes = []
+
+        def copy(name, param, tensor):
+            amax = self.model.load_fp8_weight(name, param, tensor)
+            if amax is not None:
+                amaxes.append(amax.amax())  # (NaN stays NaN)
+
+        missing = copy_weights_in_place(self.model, weights, copy)
+        if amaxes:
+            check_finite(torch.stack(amaxes), "a weight loaded into the FP8 rollout")
+        return missing
 
     def pin_session(self, session: str, tokens: list[int]) -> int:
         """Keeps the cached blocks of `tokens` (a conversation so far) for `session` until its next pin, or until
@@ -229,6 +262,9 @@ class FastRollout(Rollout):
         if self.model.shared:
             raise RuntimeError("merge_lora into a rollout that reads the trainer's own tensors (share_weights) "
                                "would write into the trainer's base; use load_lora")
+        if self.model.fp8 is not None:
+            raise RuntimeError("merge_lora into an FP8 rollout (rollout.quantization=fp8) is not supported; use "
+                               "load_lora (adapters at run time) or rollout.quantization=none")
         params = dict(self.model.named_parameters())
         for name, (a, b) in adapters.items():
             params[f"{name}.weight"].copy_(merged_weight(base[f"{name}.weight"], a, b, scale))
@@ -289,7 +325,7 @@ class FastRollout(Rollout):
             heads = self.model.layer_consts[0]
             members = cascade_members(heads.num_heads // heads.num_kv_heads)
         state = SlotState.allocate(self.model.kv_shape(self._pool.num_blocks, self.block_size),
-                                   next(self.model.parameters()).dtype, self.device, num_slots, max_seq,
+                                   self.model.model.embed_tokens.weight.dtype, self.device, num_slots, max_seq,
                                    self.block_size, self.vocab_size, self.stop_ids, route_shape, members)
         if self.cascade:
             self._groups = SharedPrefixGroups(num_slots, members, state.shared, state.groups, self.block_size)
