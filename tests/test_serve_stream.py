@@ -157,3 +157,26 @@ def test_text_is_detokenized_incrementally_without_broken_characters(byte_tokeni
     assert "" in pieces  # (held back while a character was incomplete)
     deltas = text_deltas(tok, ids, text[:9])  # (a final text cut short, as a stop string cuts it)
     assert len(deltas) == len(ids) and "".join(deltas) == text[:9]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_the_templated_chunks_are_the_dicts_chunks(byte_tokenizer, chat):
+    """A streamed choice's middle chunks are written from a template (`ChunkWriter.middle_template`): parsed, each is
+    the chunk the dict path makes, for texts with quotes, braces, backslashes, characters split across tokens."""
+    import json
+
+    from shardrl.rollout.serving.schema import ChatRequest, CompletionRequest
+    from shardrl.rollout.serving.streaming import ChunkWriter
+
+    tok = byte_tokenizer
+    text = 'he said "{x}" \\ 世界 [0] é 🙂 there'
+    ids = tok(text)["input_ids"]
+    o = {"token_ids": ids, "text": text, "finish_reason": "length", "stop_reason": None, "prompt_token_ids": [1, 2]}
+    req = (ChatRequest(model="m{[0]}", messages=[{"role": "user", "content": "x"}], stream=True,
+                       stream_options={"include_usage": True}) if chat
+           else CompletionRequest(model="m{[0]}", prompt="x", stream=True))
+    writer = ChunkWriter(req, "m{[0]}", tok, chat)
+    fast = writer.choice(0, o)
+    assert sum(isinstance(c, str) for c in fast) >= len(ids) - 2  # (all but the first (completions) and last)
+    writer.middle_template = lambda index: None  # (the dict path only)
+    assert [json.loads(c) if isinstance(c, str) else c for c in fast] == writer.choice(0, o)
