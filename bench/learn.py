@@ -317,6 +317,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", default="/tmp/bench_learn", help="run folders and the per-seed data files")
     p.add_argument("--data", default=str(REPO / "outputs/smollm2"), help="prepare.py's folder (model/, *.jsonl)")
+    p.add_argument("--gguf", default=None, help="a SmolLM2 GGUF: make --data from it first when it is not there")
     p.add_argument("--systems", default="shardrl,trl")
     p.add_argument("--seeds", default="0", help="comma list")
     p.add_argument("--lora", action="store_true", help="LoRA on both sides (rank, alpha, lr of `Setup`)")
@@ -335,6 +336,11 @@ def main() -> None:
         result = run_trl(root, data / "model", train, val, args.trl_worker, args.lora, setup)
         print("RESULT " + json.dumps(result), flush=True)
         return
+    if args.gguf and not (data / "model" / "config.json").is_file():
+        site = "/tmp/site"  # where examples/gpu_run_common.sh's `gguf_join` installs the gguf package
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH"), site])))
+        subprocess.run([sys.executable, str(REPO / "examples/smollm2/prepare.py"), "--gguf", args.gguf, "--out",
+                        str(data)], check=True, env=env)
     import torch
 
     cuda = torch.cuda.is_available()
