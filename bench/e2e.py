@@ -237,6 +237,33 @@ def _weight_sync_medians(pushed: list[dict]) -> dict:
 
 
 # ---- TRL ----------------------------------------------------------------------------------------------
+def trl_grpo_args(output_dir, prompts: int, n: int, new: int, steps: int, lr: float, cuda: bool, seed: int = 0,
+                  mini_batch_prompts: int | None = None, per_device: int | None = None, **more) -> dict:
+    """GRPOConfig's arguments for the GRPO run shardrl makes of the same numbers (`grpo_overrides`; also
+    bench/learn.py's): `prompts` x `n` samples generated a step (TRL's generation batch), one optimizer step per
+    `mini_batch_prompts` x n of them (shardrl's actor.ppo_mini_batch_size; default all: one a step), accumulated
+    over micro-batches of `per_device` samples (default 16, 8 past 256 new tokens); `steps` rollout steps (TRL's
+    max_steps counts optimizer steps); no KL (beta 0); the loss a token-mean over each optimizer step's tokens
+    (loss_type "dapo", TRL's default: shardrl's actor.loss_agg_mode=token-mean); temperature 1 without top-p or
+    top-k; bf16 autocast on CUDA; no gradient checkpointing, shuffling of the prompts, checkpoints or reports.
+    `more` sets or overrides any other GRPOConfig field."""
+    mini = mini_batch_prompts or prompts
+    if prompts % mini:
+        raise ValueError(f"mini_batch_prompts={mini} must divide prompts={prompts} (as actor.ppo_mini_batch_size "
+                         "must divide data.train_batch_size)")
+    samples = mini * n
+    per_device = per_device or min(samples, 16 if new <= 256 else 8)
+    if samples % per_device:
+        raise ValueError(f"per_device={per_device} must divide an optimizer step's {samples} samples")
+    accumulation, updates = samples // per_device, prompts // mini
+    return dict(output_dir=str(output_dir), per_device_train_batch_size=per_device,
+                gradient_accumulation_steps=accumulation, steps_per_generation=accumulation * updates,
+                num_generations=n, max_completion_length=new, temperature=1.0, top_p=1.0, beta=0.0,
+                loss_type="dapo", learning_rate=lr, bf16=cuda, max_steps=steps * updates, logging_steps=1,
+                report_to=[], save_strategy="no", gradient_checkpointing=False, shuffle_dataset=False, seed=seed,
+                use_cpu=not cuda, dataloader_num_workers=0) | more
+
+
 def run_trl(root: Path, case: str, cases: dict, steps: int, quick: bool) -> dict:
     """TRL's GRPOTrainer in this process (call it in a process of its own: `--trl-worker`)."""
     import datasets
@@ -255,13 +282,7 @@ def run_trl(root: Path, case: str, cases: dict, steps: int, quick: bool) -> dict
     # enough rows for every step (TRL samples num_generations copies of each prompt)
     dataset = datasets.Dataset.from_list([{"prompt": r["prompt"]} for r in rows] * (steps + 1))
     samples = prompts * n
-    per_device = min(samples, 16 if new <= 256 else 8)
-    args = GRPOConfig(
-        output_dir=str(root / "trl_out" / case), per_device_train_batch_size=per_device,
-        gradient_accumulation_steps=samples // per_device, num_generations=n, max_completion_length=new,
-        temperature=1.0, top_p=1.0, beta=0.0, learning_rate=1e-6, bf16=cuda, max_steps=steps, logging_steps=1,
-        report_to=[], save_strategy="no", gradient_checkpointing=False, shuffle_dataset=False, seed=0,
-        use_cpu=not cuda, dataloader_num_workers=0)
+    args = GRPOConfig(**trl_grpo_args(root / "trl_out" / case, prompts, n, new, steps, 1e-6, cuda))
     trainer = GRPOTrainer(model=model, reward_funcs=trl_reward, args=args, train_dataset=dataset,
                           processing_class=tok)
     phases: dict[str, list[float]] = {"gen": [], "step": []}

@@ -5,18 +5,22 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/oai/*.whl
 # (carry=[".whl/oai"]; already-installed packages are left as they are, since there is no --upgrade).
 #   bash bench/pack_server_wheels.sh agents openai-agents   # other roots into .whl/agents: the agent frameworks
+#   SKIP="torch transformers accelerate peft tokenizers safetensors huggingface-hub numpy" \
+#       bash bench/pack_server_wheels.sh trl trl datasets   # bench/learn.py's TRL side, less what the image has
+# SKIP: packages (and what only they need) left out: the device's own torch stack stays as it is.
 set -eu
 dest=.whl/${1:-oai}
 roots=${*:2}
 roots=${roots:-openai fastapi uvicorn httptools uvloop}
 mkdir -p "$dest"
-pins=$(ROOTS="$roots" python3 - <<'PY'
+pins=$(ROOTS="$roots" SKIP="${SKIP:-}" python3 - <<'PY'
 import importlib.metadata as md, os, re
 seen, todo = {}, os.environ["ROOTS"].split()
+skip = {n.lower().replace("_", "-") for n in os.environ["SKIP"].split()}
 while todo:
     name = todo.pop()
     key = name.lower().replace("_", "-")
-    if key in seen:
+    if key in seen or key in skip:
         continue
     try:
         dist = md.distribution(name)

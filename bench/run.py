@@ -21,7 +21,12 @@ hardware, command and commit.
 
 Some steps need what a bare GPU machine lacks: the `server` set the `openai` client and the HTTP front end's
 wheels (bench/pack_server_wheels.sh packs them under .whl/oai; `--wheels .whl/oai` installs them first); the
-whole-step comparison against TRL needs TRL on PYTHONPATH (`python bench/e2e.py --systems trl`, not in a set).
+whole-step comparison against TRL needs TRL on PYTHONPATH (`python bench/e2e.py --systems trl`, not in a set); the
+`learn` set needs TRL and the packages it imports that a bare machine lacks (trl, datasets, dill, multiprocess,
+xxhash, fsspec, pandas, ...: `SKIP="torch transformers accelerate peft tokenizers safetensors huggingface-hub numpy"
+bash bench/pack_server_wheels.sh trl trl datasets` packs them under .whl/trl, `--wheels .whl/trl` installs them;
+peft is a shardrl dependency; datasets 5.2 wants huggingface-hub >= 1.31) and the SmolLM2 GGUF's parts and the gguf
+wheel (`bash examples/smollm2/gpu_run.sh pack`, carried under .whl).
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ E2E_ROOT = "/tmp/bench_e2e"  # the e2e models, written once by `whole_step_prepa
 E2E = ("--root", E2E_ROOT, "--systems", "shardrl")
 ASYNC = "async_rl.rollout_ranks=1 algorithm.rollout_is=true"
 SERVE = ("--shape", "1.5b", "--clients", "256", "--requests", "2", "--client-procs", "8")
+# the first learn step makes prepare.py's folder from the GGUF `learn_join_gguf` joined
+LEARN = ("--root", "/tmp/bench_learn", "--data", "/tmp/bench_learn/assets", "--gguf", "/tmp/smollm2.gguf")
 MOE_REPLAY = ("--extra", "model.dtype=bfloat16 actor.engine.max_token_len_per_gpu=8192")
 
 SETS: dict[str, tuple[str, list[Step]]] = {
@@ -156,6 +163,14 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("rollout_mismatch", "rollout_mismatch.py", "--steps", "80", "--root", "/tmp/bench_mismatch",
               out_flag=False, limit_s=300),
         bench("async_curve", "async_curve.py", "--steps", "150", "--seeds", "0,1", limit_s=3600),
+    ]),
+    "learn": ("time to accuracy on SmolLM2-135M-Instruct (examples/smollm2), shardrl against TRL's GRPOTrainer, "
+              "full and LoRA (bench/learn.py; one GPU, about an hour; needs the GGUF parts and wheels, see above)", [
+        Step("learn_join_gguf", ("bash", "examples/smollm2/gpu_run.sh", "join"), limit_s=120, out_flag=False),
+        bench("learn_shardrl", "learn.py", *LEARN, "--systems", "shardrl", limit_s=900),
+        bench("learn_trl", "learn.py", *LEARN, "--systems", "trl", limit_s=3000),
+        bench("learn_shardrl_lora", "learn.py", *LEARN, "--systems", "shardrl", "--lora", limit_s=900),
+        bench("learn_trl_lora", "learn.py", *LEARN, "--systems", "trl", "--lora", limit_s=3000),
     ]),
     "distill": ("on-policy distillation against plain GRPO on the CPU, from the demo's start with the demo's model "
                 "trained further as the teacher, several seeds (bench/distill.py)", [

@@ -11,39 +11,65 @@ import json
 import time
 
 
+class HeldOut:
+    """Greedy accuracy on a prompt file of any weights of one model shape, by the fast rollout built once (its
+    CUDA graphs too): what `evaluate` measures, called again as training goes (bench/learn.py)."""
+
+    def __init__(self, hf_config, tokenizer, prompt_file: str, max_new_tokens: int = 128,
+                 max_prompt_length: int = 128, limit: int | None = None, backend: str = "fast"):
+        import torch
+
+        from shardrl.data.prompts import collate_prompts, load_prompt_dataset
+        from shardrl.rollout import build_rollout
+
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.dtype = torch.bfloat16 if self.device == "cuda" else torch.float32  # as the trainer's rollout
+        data = load_prompt_dataset([prompt_file], tokenizer, max_prompt_length=max_prompt_length,
+                                   truncation="error")
+        self.items = [data[i] for i in range(len(data) if limit is None else min(limit, len(data)))]
+        self.prompts = collate_prompts(self.items, tokenizer.pad_token_id)
+        self.max_new_tokens = max_new_tokens
+        self.rollout = build_rollout(backend, hf_config, tokenizer, self.device, self.dtype)
+
+    def __call__(self, weights) -> dict:
+        """Accuracy and reply statistics of `weights` ((HF name, tensor) pairs of the whole model)."""
+        import torch
+
+        from shardrl.rewards.manager import RewardManager
+        from shardrl.rollout import SamplingParams
+
+        self.rollout.load_weights((n, w.to(self.dtype)) for n, w in weights)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.rollout.generate(self.prompts["input_ids"].to(self.device),
+                                        self.prompts["attention_mask"].to(self.device),
+                                        SamplingParams(n=1, greedy=True, max_new_tokens=self.max_new_tokens))
+        gen_s = time.perf_counter() - t0
+        scored = [{"data_source": it["data_source"], "response_text": text, "extra": it["extra"]}
+                  for it, text in zip(self.items, out.response_text)]
+        scores, _ = RewardManager().score(scored)
+        lengths = out.response_mask.sum(1).float()
+        n = len(self.items)
+        return {"prompts": n, "accuracy": float(scores.mean()),
+                "has_answer_marker": sum("####" in t for t in out.response_text) / n,
+                "response_length_mean": float(lengths.mean()),
+                "clipped": float((lengths >= self.max_new_tokens).float().mean()), "gen_s": round(gen_s, 2),
+                "examples": out.response_text[:3]}
+
+
 def evaluate(model_path: str, prompt_file: str, max_new_tokens: int = 128, max_prompt_length: int = 128,
              limit: int | None = None, backend: str = "fast") -> dict:
     import torch
     import transformers
 
-    from shardrl.data.prompts import collate_prompts, load_prompt_dataset
-    from shardrl.rewards.manager import RewardManager
-    from shardrl.rollout import SamplingParams, build_rollout
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # as the trainer's rollout
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     tok = transformers.AutoTokenizer.from_pretrained(model_path)
     tok.padding_side = "left"
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    data = load_prompt_dataset([prompt_file], tok, max_prompt_length=max_prompt_length, truncation="error")
-    items = [data[i] for i in range(len(data) if limit is None else min(limit, len(data)))]
-    rollout = build_rollout(backend, model.config, tok, device, dtype)
-    rollout.load_weights((n, p.detach()) for n, p in model.named_parameters())
+    held_out = HeldOut(model.config, tok, prompt_file, max_new_tokens, max_prompt_length, limit, backend)
+    weights = [(n, p.detach()) for n, p in model.named_parameters()]
     del model
-    prompts = collate_prompts(items, tok.pad_token_id)
-    t0 = time.perf_counter()
-    out = rollout.generate(prompts["input_ids"].to(device), prompts["attention_mask"].to(device),
-                           SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens))
-    gen_s = time.perf_counter() - t0
-    scored = [{"data_source": it["data_source"], "response_text": text, "extra": it["extra"]}
-              for it, text in zip(items, out.response_text)]
-    scores, _ = RewardManager().score(scored)
-    lengths = out.response_mask.sum(1).float()
-    return {"model": model_path, "prompts": len(items), "accuracy": float(scores.mean()),
-            "has_answer_marker": sum("####" in t for t in out.response_text) / len(items),
-            "response_length_mean": float(lengths.mean()),
-            "clipped": float((lengths >= max_new_tokens).float().mean()), "gen_s": round(gen_s, 2),
-            "examples": out.response_text[:3]}
+    return {"model": model_path, **held_out(weights)}
 
 
 def main() -> None:
