@@ -116,9 +116,9 @@ def test_frozen_vision_tower_gets_no_gradient():
     assert any(n.startswith("model.language_model.") for n in grads)
 
 
-def test_rollout_and_trainers_refuse_a_vision_language_model_by_name(tmp_path):
-    """Phase 1 builds the engine's forward only: a VL model that meets the rollout, the RL trainer or sft is refused
-    with the issue's next step, before any model is built (was: a crash inside the fast rollout's tables)."""
+def test_fast_rollout_and_trainers_refuse_a_vision_language_model_by_name(tmp_path):
+    """What is not built for a VL model yet is refused with the setting to change, before any model is built: the
+    fast rollout (the hf one generates with images: tests/test_vl_rollout.py), the RL trainer."""
     import transformers
 
     from shardrl.rollout import build_rollout
@@ -128,16 +128,15 @@ def test_rollout_and_trainers_refuse_a_vision_language_model_by_name(tmp_path):
     from shardrl.trainer.demo import prepare_demo_assets
 
     config = load_hf_config(None, tiny_config("qwen2_5_vl"))
-    next_step = r"vision-language RL: the engine's forward is built; the rollout is not yet \(issue 61, phase 2"
-    for backend in ("fast", "hf"):
-        with pytest.raises(ValueError, match=rf"rollout.backend={backend}: 'qwen2_5_vl' is a vision-language model; "
-                                             + next_step):
-            build_rollout(backend, config, None, "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"rollout.backend=fast: 'qwen2_5_vl' is a vision-language model; the fast "
+                                         r"rollout's image prefill .* set rollout.backend=hf"):
+        build_rollout("fast", config, None, "cpu", torch.float32)
+    assert build_rollout("hf", config, build_char_tokenizer(), "cpu", torch.float32).vision
     folder = tmp_path / "vl"
     transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
     assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=1)
     build_char_tokenizer().save_pretrained(folder)
     base = small_demo_run(assets, tmp_path / "run", "trainer.total_steps=1", f"model.path={folder}")
-    with pytest.raises(ValueError, match="RL training: 'qwen2_5_vl' is a vision-language model; " + next_step):
+    with pytest.raises(ValueError, match="RL training: 'qwen2_5_vl' is a vision-language model; the RL trainer"):
         run(None, base)
     assert not (tmp_path / "run").exists()

@@ -24,7 +24,7 @@ import inspect
 import torch
 import torch.nn as nn
 
-from shardrl.models.vision import image_token_id, is_vision_language, vision_family
+from shardrl.models.vision import image_token_id, is_vision_language, stack_images, vision_family  # noqa: F401
 
 MULTI_MODAL_KEY = "multi_modal_inputs"
 """The per-row batch field holding a row's `pixel_values` and `image_grid_thw`."""
@@ -52,17 +52,6 @@ def freeze_vision_tower(lm: nn.Module) -> int:
     tower = lm.get_submodule(vision_family(lm.config).vision_tower)
     tower.requires_grad_(False)
     return sum(p.numel() for p in tower.parameters())
-
-
-def stack_images(rows: list | None, device: torch.device) -> dict[str, torch.Tensor]:
-    """The micro-batch's images in row order: {"pixel_values": (sum P_i, D), "image_grid_thw": (sum k_i, 3)}, or {}
-    when no row has one."""
-    rows = [r for r in (rows or []) if r and r.get("image_grid_thw") is not None and len(r["image_grid_thw"])]
-    if not rows:
-        return {}
-    return {"pixel_values": torch.cat([torch.as_tensor(r["pixel_values"]) for r in rows]).to(device),
-            "image_grid_thw": torch.cat([torch.as_tensor(r["image_grid_thw"]).long().reshape(-1, 3)
-                                         for r in rows]).to(device)}
 
 
 def mrope_position_ids(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class VisionFamily:
@@ -26,9 +28,17 @@ VL_FAMILIES = {
     "qwen3_vl": VisionFamily(),
 }
 
-NEXT_STEP = ("vision-language RL: the engine's forward is built; the rollout is not yet (issue 61, phase 2: the "
-             "fast rollout's image prefill with M-RoPE decode positions, then the trainer and sft with images)")
-"""What a VL model that meets a part not built for it yet is told (the rollout, the trainer, sft)."""
+NOT_BUILT = {
+    "fast": "the fast rollout's image prefill (vision tower once per prompt, M-RoPE decode positions) is not built "
+            "yet (issue 61, phase 2); set rollout.backend=hf, the reference rollout, which generates with images",
+    "offline": "sft, dpo, kto and rm with images are not built yet (issue 61, phase 2: the same image reader, the "
+               "loss over the assistant tokens); RL training (shardrl train with rollout.backend=hf) is",
+    "rl": "the RL trainer does not read image rows yet (issue 61, phase 2: the processor, data.image_key, the "
+          "images through the batch)",
+    "episodes": "multi-turn and agent episodes with images are not built yet (issue 61); single-turn GRPO/PPO "
+                "(rollout.multi_turn.enable=false, no rollout.agent.entrypoint) is",
+}
+"""What a VL model that meets a part not built for it yet is told, by part."""
 
 
 def is_vision_language(hf_config) -> bool:
@@ -49,7 +59,19 @@ def image_token_id(hf_config) -> int:
     return int(token)
 
 
-def refuse_vision_language(hf_config, where: str) -> None:
-    """A ValueError naming `where` (the rollout, the trainer, sft) for a VL model it does not handle yet."""
+def refuse_vision_language(hf_config, where: str, part: str) -> None:
+    """A ValueError naming `where` (a setting or a command) for a VL model meeting a part (`NOT_BUILT`) not built
+    for it yet."""
     if is_vision_language(hf_config):
-        raise ValueError(f"{where}: {hf_config.model_type!r} is a vision-language model; {NEXT_STEP}")
+        raise ValueError(f"{where}: {hf_config.model_type!r} is a vision-language model; {NOT_BUILT[part]}")
+
+
+def stack_images(rows: list | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """Rows' images (each a row's `multi_modal_inputs` or None) in row order, the order of their placeholders in
+    the rows: {"pixel_values": (sum P_i, D), "image_grid_thw": (sum k_i, 3)}, or {} when no row has one."""
+    rows = [r for r in (rows or []) if r and r.get("image_grid_thw") is not None and len(r["image_grid_thw"])]
+    if not rows:
+        return {}
+    return {"pixel_values": torch.cat([torch.as_tensor(r["pixel_values"]) for r in rows]).to(device),
+            "image_grid_thw": torch.cat([torch.as_tensor(r["image_grid_thw"]).long().reshape(-1, 3)
+                                         for r in rows]).to(device)}

@@ -7,6 +7,11 @@ warpers, so it sees the raw logits. Asking `generate` for `output_logits=True` w
 but keep `steps x rows x vocab` fp32 logits alive (about 150 GB for 1k steps of 256 rows of a 150k
 vocab); the processor keeps one step's log-probs and scores each token one step later, when it appears
 as the last column of `input_ids`.
+
+A vision-language model (`shardrl.models.vision`) generates from each prompt's images: `generate` takes the
+prompts' `multi_modal_inputs` (one per prompt, None for a prompt without images), repeats each for the prompt's n
+samples, and hands the chunk's `pixel_values` / `image_grid_thw` to HF's `generate`, which runs the vision tower
+at prefill and decodes with the M-RoPE positions its `get_rope_index` gives the left-padded rows.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 import transformers
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from shardrl.models.vision import image_token_id, is_vision_language, stack_images
 from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_prompts,
                                    contains_stop, copy_weights_in_place, cut_responses)
 from shardrl.tokenizer import stop_token_ids
@@ -63,6 +69,19 @@ class _LogProbRecorder(LogitsProcessor):
         if not steps:
             return torch.zeros(rows, 0, self.top, dtype=torch.long), torch.zeros(rows, 0, self.top)
         return torch.stack([i for i, _ in steps], 1).cpu(), torch.stack([v for _, v in steps], 1).cpu()
+
+
+class _Suppress(LogitsProcessor):
+    """Never samples `token_ids` (a VL model's image and video placeholders): one in a response would ask the
+    vision tower for an image the row does not have. It runs after the log-prob recorder, so the recorded
+    log-probs stay the model's whole distribution, what the engine recomputes (the placeholders' mass is left in)."""
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        ids = torch.tensor(self.token_ids, dtype=torch.long, device=scores.device)
+        return scores.index_fill(-1, ids, float("-inf"))
 
 
 class _WeightPoll(LogitsProcessor):
@@ -128,10 +147,17 @@ class HFRollout(Rollout):
         # is given, and the caller's is usually the actor engine's, which its model reads at every forward
         # (the actor would run the rollout's attention, e.g. plain SDPA on its 1/sp piece of a row under sp)
         hf_config = copy.deepcopy(hf_config)
+        self.vision = is_vision_language(hf_config)
+        self.placeholder_ids = [i for i in (getattr(hf_config, "image_token_id", None),
+                                            getattr(hf_config, "video_token_id", None)) if i is not None]
+        auto = transformers.AutoModelForCausalLM
+        if self.vision:  # HF's image-text-to-text class, the engine's: the same parameter names
+            auto = transformers.AutoModelForImageTextToText
+            attn_implementation = {"": attn_implementation, "text_config": attn_implementation,
+                                   "vision_config": "sdpa"}
         with torch.random.fork_rng(devices=[]), torch.device(self.device):
             torch.manual_seed(seed)  # random init, overwritten by load_weights; seeded so tests are stable
-            self.model = transformers.AutoModelForCausalLM.from_config(
-                hf_config, dtype=dtype, attn_implementation=attn_implementation)
+            self.model = auto.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
         self.model.eval().requires_grad_(False)
         self.model.config.use_cache = True
         self.model.generation_config = GenerationConfig(
@@ -158,18 +184,21 @@ class HFRollout(Rollout):
 
     # ---- generation -----------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 sampling: SamplingParams) -> RolloutOutput:
+    def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingParams,
+                 multi_modal_inputs: list[dict | None] | None = None) -> RolloutOutput:
+        """As `Rollout.generate`; a vision-language model also takes each prompt's images, `multi_modal_inputs`
+        (B entries of {"pixel_values", "image_grid_thw"} or None, `shardrl.data.images`)."""
         if self._released:
             raise RuntimeError("the rollout is released (its model sits on the CPU); call resume() before generate()")
         check_prompts(prompt_ids, attention_mask)
         num_prompts, n = prompt_ids.shape[0], sampling.n
+        images = self._check_images(multi_modal_inputs, num_prompts)
         track = VersionTrack(self.weight_hook) if self.weight_hook is not None else None
         with self._seeded(sampling.seed):
             chunks = [
                 self._generate_chunk(prompt_ids[s : s + self.micro_batch_size],
                                      attention_mask[s : s + self.micro_batch_size], sampling,
-                                     track, s * n)
+                                     track, s * n, images[s : s + self.micro_batch_size])
                 for s in range(0, num_prompts, self.micro_batch_size)
             ]
 
@@ -184,16 +213,40 @@ class HFRollout(Rollout):
             out.token_version = track.tensor(out.response_mask)
         return out
 
+    def _check_images(self, multi_modal_inputs: list | None, num_prompts: int) -> list:
+        """The prompts' images, one entry (or None) per prompt."""
+        if multi_modal_inputs is None:
+            return [None] * num_prompts
+        if len(multi_modal_inputs) != num_prompts:
+            raise ValueError(f"multi_modal_inputs has {len(multi_modal_inputs)} entries for {num_prompts} prompts; "
+                             "give one per prompt (None for a prompt without images)")
+        if not self.vision and any(multi_modal_inputs):
+            raise ValueError(f"prompts with images, but the rollout's {self.model.config.model_type!r} model is not "
+                             "a vision-language model (shardrl.models.vision.VL_FAMILIES)")
+        return list(multi_modal_inputs)
+
+    def _image_kwargs(self, ids: torch.Tensor, images: list, n: int) -> dict:
+        """`generate`'s image inputs for the chunk's rows `ids` (each prompt's images repeated for its n samples,
+        in row order, as the placeholders are), and the placeholders' modality (`mm_token_type_ids`, 1 at an image
+        token), from which transformers >= 5.2x's `get_rope_index` reads where the images are."""
+        if not self.vision:
+            return {}
+        kwargs = stack_images([row for row in images for _ in range(n)], self.device)
+        if kwargs:
+            kwargs["pixel_values"] = kwargs["pixel_values"].to(self.model.dtype)
+        return {**kwargs, "mm_token_type_ids": (ids == image_token_id(self.model.config)).int()}
+
     def _generate_chunk(self, prompt_ids, attention_mask, sampling: SamplingParams,
-                        track: VersionTrack | None = None, first_row: int = 0):
+                        track: VersionTrack | None = None, first_row: int = 0, images: list | None = None):
         """One `generate` call; returns (ids (rows, L) on CPU, lengths, log-probs (rows, L), texts, the likeliest
         tokens' (ids, log-probs) (rows, L, k) each or None without `sampling.top_logprobs`). With
-        `track`, the chunk's rows are `first_row`, `first_row + 1`, ... of the whole output."""
+        `track`, the chunk's rows are `first_row`, `first_row + 1`, ... of the whole output. `images`: the chunk's
+        prompts' `multi_modal_inputs` (a vision-language model)."""
         first = int(attention_mask.any(0).nonzero()[0])  # drop columns that are padding in every row
         ids = prompt_ids[:, first:].to(self.device).repeat_interleave(sampling.n, dim=0)  # (rows, P')
         mask = attention_mask[:, first:].to(self.device).repeat_interleave(sampling.n, dim=0)
         recorder = _LogProbRecorder(sampling.logprob_temperature, sampling.top_logprobs)
-        processors = [recorder]
+        processors = [recorder] + ([_Suppress(self.placeholder_ids)] if self.vision else [])
         if track is not None:
             track.poll(lambda: [])  # weights that came between chunks serve this whole chunk
             rows = range(first_row, first_row + ids.shape[0])
@@ -207,6 +260,7 @@ class HFRollout(Rollout):
         sequences = self.model.generate(
             input_ids=ids, attention_mask=mask, generation_config=self._generation_config(sampling),
             logits_processor=LogitsProcessorList(processors), stopping_criteria=stopping,
+            **self._image_kwargs(ids, images or [None] * prompt_ids.shape[0], sampling.n),
         )
         generated = sequences[:, ids.shape[1] :]  # (rows, L)
         logp = recorder.finish(generated).cpu()

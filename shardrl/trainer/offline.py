@@ -63,7 +63,8 @@ class OfflineTrainer(Trainer):
         model_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code,
                                       "seq_cls" if self.head == "score" else "causal_lm", new_head_ok=True,
                                       override=cfg.model.override_config)
-        refuse_vision_language(model_config, f"{type(self).__name__} (offline training: sft, dpo, kto, rm)")
+        refuse_vision_language(model_config, f"{type(self).__name__} (offline training: sft, dpo, kto, rm)",
+                               "offline")
         check_context(model_config, longest, "the longest sequence of the data",
                       f"model.path={cfg.model.path!r}" if cfg.model.path else "model.tiny",
                       f"lower data.max_length={d.max_length} with data.truncation=drop or right")

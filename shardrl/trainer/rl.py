@@ -180,7 +180,7 @@ class RLTrainer(Trainer):
                           len(self.reward_inputs.reward) if self.reward_inputs is not None else None)
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm",
                                        override=cfg.model.override_config)
-        refuse_vision_language(policy_config, "RL training")  # before any model is built
+        refuse_vision_language(policy_config, "RL training", "rl")  # before any model is built
         longest = max(len(item["prompt_ids"]) for dataset in filter(None, (self.train_set, self.val_set))
                       for item in dataset.items)
         # one generate call's reach (a conversation or an episode longer than the context ends where it fills it)
