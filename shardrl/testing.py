@@ -239,9 +239,9 @@ def tiny_vl_processor(hf_config, patch_size: int | None = None):
     """A Qwen2.5-VL processor for a tiny VL config (`TINY_VL_MODELS`): the character tokenizer with the vision
     tokens added at the config's ids, a chat template that renders image parts, and Qwen2-VL's PIL image
     processor at the config's patch and merge sizes (min_pixels one merged patch, max_pixels 16 of them)."""
-    from transformers import Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    from shardrl.data.images import image_only_processor
     from shardrl.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
@@ -257,8 +257,24 @@ def tiny_vl_processor(hf_config, patch_size: int | None = None):
     images = Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge, temporal_patch_size=vision.temporal_patch_size,
                                       size={"shortest_edge": unit, "longest_edge": 16 * unit})
 
-    class ImageProcessor(Qwen2_5_VLProcessor):  # no video processor: its class needs torchvision, absent here
-        def check_argument_for_proper_class(self, argument_name, argument):
-            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+    return image_only_processor(images, tok)
 
-    return ImageProcessor(image_processor=images, tokenizer=tok, chat_template=VL_CHAT_TEMPLATE)
+
+def save_tiny_vl_model(folder: Path, kind: str = "qwen2_5_vl", seed: int = 0, **text_shape):
+    """A tiny random vision-language model (`TINY_VL_MODELS`, its decoder reshaped by `text_shape`) saved as a
+    model folder with its processor's parts (`tiny_vl_processor`: the tokenizer with its chat template and the
+    image processor, which `shardrl.data.images.load_processor` reads back); returns the processor."""
+    import transformers
+
+    from shardrl.engine.model import load_hf_config
+
+    kwargs = dict(tiny_config(kind))
+    kwargs["text_config"] = {**kwargs["text_config"], **text_shape}
+    config = load_hf_config(None, kwargs)
+    processor = tiny_vl_processor(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    processor.tokenizer.save_pretrained(folder)
+    processor.image_processor.save_pretrained(folder)
+    return processor

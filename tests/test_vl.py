@@ -116,27 +116,24 @@ def test_frozen_vision_tower_gets_no_gradient():
     assert any(n.startswith("model.language_model.") for n in grads)
 
 
-def test_fast_rollout_and_trainers_refuse_a_vision_language_model_by_name(tmp_path):
+def test_fast_rollout_and_sft_refuse_a_vision_language_model_by_name(tmp_path):
     """What is not built for a VL model yet is refused with the setting to change, before any model is built: the
-    fast rollout (the hf one generates with images: tests/test_vl_rollout.py), the RL trainer."""
-    import transformers
-
-    from shardrl.rollout import build_rollout
+    fast rollout (the hf one generates with images: tests/test_vl_rollout.py; RL training: tests/test_vl_train.py),
+    sft."""
     from shardrl.launch.rank import run
-    from shardrl.testing import small_demo_run
+    from shardrl.rollout import build_rollout
+    from shardrl.testing import save_tiny_vl_model
     from shardrl.tokenizer import build_char_tokenizer
-    from shardrl.trainer.demo import prepare_demo_assets
 
     config = load_hf_config(None, tiny_config("qwen2_5_vl"))
     with pytest.raises(ValueError, match=r"rollout.backend=fast: 'qwen2_5_vl' is a vision-language model; the fast "
                                          r"rollout's image prefill .* set rollout.backend=hf"):
         build_rollout("fast", config, None, "cpu", torch.float32)
     assert build_rollout("hf", config, build_char_tokenizer(), "cpu", torch.float32).vision
-    folder = tmp_path / "vl"
-    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
-    assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=1)
-    build_char_tokenizer().save_pretrained(folder)
-    base = small_demo_run(assets, tmp_path / "run", "trainer.total_steps=1", f"model.path={folder}")
-    with pytest.raises(ValueError, match="RL training: 'qwen2_5_vl' is a vision-language model; the RL trainer"):
-        run(None, base)
+    save_tiny_vl_model(tmp_path / "vl")
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    with pytest.raises(ValueError, match="offline training: sft, dpo, kto, rm\\): 'qwen2_5_vl' is a vision-language "
+                                         "model; sft, dpo, kto and rm with images are not built yet"):
+        run(None, [f"model.path={tmp_path / 'vl'}", f"data.train_files=[{tmp_path / 'sft.jsonl'}]",
+                   f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=1"], "sft")
     assert not (tmp_path / "run").exists()

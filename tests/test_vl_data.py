@@ -46,7 +46,7 @@ def test_verl_and_trl_rows_make_the_same_inputs(processor, tmp_path):
     write_parquet(tmp_path / "verl.parquet", verl)
     (tmp_path / "trl.jsonl").write_text(json.dumps({**trl[0], "images": [{"path": "b.png"}, "b.png"]}) + "\n")
     items, stats = load_image_prompts([str(tmp_path / "verl.parquet")], processor, ImageSettings())
-    assert stats == {"rows": 2, "dropped_bad_images": 0}
+    assert stats == {"rows": 2, "dropped_bad_images": 0, "dropped_too_long": 0}
     first = items[0]
     grid = first["multi_modal_inputs"]["image_grid_thw"]
     # 60x90 -> 56x84 (multiples of 28): a 4 x 6 patch grid; 56x84 stays: the same
@@ -83,5 +83,20 @@ def test_bad_images_are_refused_naming_the_row_or_dropped_and_counted(processor,
         load_image_prompts([path], processor, ImageSettings())
     write_parquet(path, rows)
     items, stats = load_image_prompts([path], processor, ImageSettings(bad_images="drop", max_image_pixels=10_000))
-    assert stats == {"rows": 1, "dropped_bad_images": 3}
+    assert stats == {"rows": 1, "dropped_bad_images": 3, "dropped_too_long": 0}
     assert [item["prompt"][0]["content"] for item in items] == ["<image>a"]
+
+
+def test_a_prompt_too_long_with_its_images_is_dropped_and_counted_or_refused(processor, tmp_path):
+    """A cut would split an image's placeholders from its pixels: too long is dropped (counted) or refused (112 x 112
+    pixels: 16 merged patches, 15 placeholders more than the 28 x 28 image's one)."""
+    rows = [{"prompt": [{"role": "user", "content": "<image>a"}], "images": [{"bytes": png(28, 28)}]},
+            {"prompt": [{"role": "user", "content": "<image>b"}], "images": [{"bytes": png(112, 112)}]}]
+    path = str(tmp_path / "rows.parquet")
+    write_parquet(path, rows)
+    short = len(load_image_prompts([path], processor, ImageSettings())[0][0]["prompt_ids"])
+    items, stats = load_image_prompts([path], processor, ImageSettings(), max_prompt_length=short)
+    assert [i["prompt_ids"][-2:] for i in items] == [items[0]["prompt_ids"][-2:]] and stats["dropped_too_long"] == 1
+    with pytest.raises(ValueError, match=rf"row 2: the prompt is {short + 15} tokens with its images' placeholders, "
+                                         rf"more than max_prompt_length={short}; a prompt with images is not cut"):
+        load_image_prompts([path], processor, ImageSettings(), max_prompt_length=short, truncation="left")

@@ -66,6 +66,20 @@ class DataConfig:
     """Over-long prompts: raise, drop the row, or cut tokens from the left / right."""
     skip_bad_rows: bool = False
     """Skip (and count) rows without a usable prompt instead of raising."""
+    image_key: str = "images"
+    """A vision-language model's rows: the column holding each row's images (verl's data.image_key), a list of
+    {"bytes"} / {"path"} dicts, paths or bytes, one per `<image>` placeholder (or {"type": "image"} part) of the
+    prompt (`shardrl.data.images`). A text model reads no images."""
+    min_pixels: int | None = None
+    """A vision-language model's processor resizes smaller images up to this many pixels; null: the processor's."""
+    max_pixels: int | None = None
+    """The processor resizes larger images down to this many pixels (fewer image tokens); null: the processor's."""
+    max_image_pixels: int | None = None
+    """An image of more raw pixels than this (before any resize) is a bad image (data.bad_images); null: no limit
+    beyond PIL's decompression-bomb guard."""
+    bad_images: Literal["error", "drop"] = "error"
+    """A row with a bad image (unreadable, a count unlike its placeholders', over max_image_pixels): "error" stops
+    the load naming the row, "drop" leaves the row out and counts it."""
     train_batch_size: int = 8
     """Prompts per training step (global)."""
     gen_batch_size: int | None = None
@@ -100,6 +114,8 @@ class DataConfig:
                 "must be >= 1 (prompts) or null")
         require(self, prefix, "val_batch_size", self.val_batch_size is None or self.val_batch_size >= 1,
                 "must be >= 1 or null")
+        for name in ("min_pixels", "max_pixels", "max_image_pixels"):
+            require(self, prefix, name, getattr(self, name) is None or getattr(self, name) >= 1, "must be >= 1 or null")
 
 
 @dataclass

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shardrl.data.messages import check_messages
-from shardrl.data.prompts import _short_repr, read_rows
+from shardrl.data.prompts import PromptDataset, _extra_fields, _short_repr, read_rows
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +139,17 @@ def _row_images(row: dict, settings: ImageSettings, folder: str) -> list:
     return images
 
 
-def load_image_prompts(files: list[str], processor, settings: ImageSettings, prompt_key: str = "prompt") -> tuple[
-        list[dict], dict]:
-    """Items {"prompt_ids", "prompt_text", "multi_modal_inputs", "prompt", "index"} of the files' rows, and stats
-    {"rows", "dropped_bad_images"}. A bad image stops the load or drops its row (`ImageSettings.bad_images`)."""
+def load_image_prompts(files: list[str], processor, settings: ImageSettings, prompt_key: str = "prompt",
+                       max_prompt_length: int | None = None, truncation: str = "drop") -> tuple[list[dict], dict]:
+    """Items {"prompt_ids", "prompt_text", "multi_modal_inputs", "prompt", "data_source", "extra", "index"} of the
+    files' rows (`extra`: the row's other columns but the images, as a text row's), and stats {"rows",
+    "dropped_bad_images", "dropped_too_long"}. A bad image stops the load or drops its row
+    (`ImageSettings.bad_images`). A prompt of more than `max_prompt_length` tokens (image placeholders included) is
+    dropped and counted (`truncation="drop"`) or refused: a cut would split an image's placeholders from its
+    pixels."""
     if settings.bad_images not in ("error", "drop"):
         raise ValueError(f"bad_images={settings.bad_images!r}: choose 'error' or 'drop'")
-    items, dropped = [], 0
+    items, dropped, too_long = [], 0, 0
     for path in files:
         folder = os.path.dirname(os.path.abspath(path))
         for number, row in read_rows(path):
@@ -163,8 +167,69 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
                                      "rows out (counted)") from None
                 dropped += 1
                 continue
-            items.append({**process_images(processor, messages, images, settings), "prompt": prompt,
-                          "index": len(items)})
+            item = process_images(processor, messages, images, settings)
+            if max_prompt_length is not None and len(item["prompt_ids"]) > max_prompt_length:
+                if truncation != "drop":
+                    raise ValueError(f"{path}: row {number}: the prompt is {len(item['prompt_ids'])} tokens with its "
+                                     f"images' placeholders, more than max_prompt_length={max_prompt_length}; a prompt "
+                                     "with images is not cut (its placeholders must match its pixels): raise "
+                                     "data.max_prompt_length, lower data.max_pixels, or set data.truncation=drop")
+                too_long += 1
+                continue
+            data_source = row.get("data_source")
+            extra = {k: v for k, v in _extra_fields(row, prompt_key).items() if k != settings.image_key}
+            items.append({**item, "prompt": prompt, "data_source": "default" if data_source is None else str(data_source),
+                          "extra": extra, "index": len(items)})
     if dropped:
         logger.warning("dropped %d row(s) with a bad image (bad_images=drop) of %d", dropped, dropped + len(items))
-    return items, {"rows": len(items), "dropped_bad_images": dropped}
+    if too_long:
+        logger.warning("dropped %d row(s) longer than max_prompt_length=%s tokens with their images", too_long,
+                       max_prompt_length)
+    return items, {"rows": len(items), "dropped_bad_images": dropped, "dropped_too_long": too_long}
+
+
+def load_image_dataset(files: list[str], processor, settings: ImageSettings, prompt_key: str,
+                       max_prompt_length: int, truncation: str) -> PromptDataset:
+    """The RL trainer's prompt set of image rows (`load_image_prompts`), as a text set's `PromptDataset`."""
+    items, stats = load_image_prompts(files, processor, settings, prompt_key, max_prompt_length, truncation)
+    if not items:
+        raise ValueError(f"no usable prompts in {files} (stats: {stats})")
+    logger.info("loaded %d prompts with images from %d file(s): %s", len(items), len(files), stats)
+    return PromptDataset(items, stats, files)
+
+
+def load_processor(path: str, trust_remote_code: bool = False):
+    """The model folder's processor (`AutoProcessor`): its tokenizer, chat template and image processor. Where
+    transformers cannot build the whole processor (a Qwen-VL processor needs a video processor, whose class
+    needs torchvision), one without video is made from the folder's tokenizer and image processor: prompts with
+    images need no more."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ImportError, ValueError, OSError, TypeError, AttributeError) as e:
+        processor, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = f"AutoProcessor gave a {type(processor).__name__}"
+    if hasattr(processor, "image_processor") and hasattr(processor, "tokenizer"):
+        return processor
+    try:
+        images = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"model folder {path!r} has no image processor (preprocessor_config.json) for its image "
+                         f"rows ({e}); save the model's processor there (processor.save_pretrained)") from None
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    logger.info("the image processor and tokenizer of %s without a video processor (%s)", path, why.split("\n")[0])
+    return image_only_processor(images, tokenizer)
+
+
+def image_only_processor(image_processor, tokenizer):
+    """A Qwen-VL processor of `image_processor` and `tokenizer` (its chat template) without a video processor."""
+    from transformers import Qwen2_5_VLProcessor
+
+    class ImageOnlyProcessor(Qwen2_5_VLProcessor):  # the Qwen2/2.5/3-VL processors expand image placeholders alike
+        def check_argument_for_proper_class(self, argument_name, argument):
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    return ImageOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                              chat_template=tokenizer.chat_template)

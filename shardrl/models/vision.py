@@ -33,8 +33,8 @@ NOT_BUILT = {
             "yet (issue 61, phase 2); set rollout.backend=hf, the reference rollout, which generates with images",
     "offline": "sft, dpo, kto and rm with images are not built yet (issue 61, phase 2: the same image reader, the "
                "loss over the assistant tokens); RL training (shardrl train with rollout.backend=hf) is",
-    "rl": "the RL trainer does not read image rows yet (issue 61, phase 2: the processor, data.image_key, the "
-          "images through the batch)",
+    "disaggregated": "separate rollout ranks do not carry images yet (issue 61); leave async_rl.rollout_ranks at 0 "
+                     "(colocated)",
     "episodes": "multi-turn and agent episodes with images are not built yet (issue 61); single-turn GRPO/PPO "
                 "(rollout.multi_turn.enable=false, no rollout.agent.entrypoint) is",
 }

@@ -167,9 +167,9 @@ def run_rollout_side(cfg: Config, split: WorldSplit) -> None:
 
 def _rollout_loop(cfg: Config, split: WorldSplit) -> None:
     tokenizer = load_tokenizer(cfg)
-    train_set, _ = load_datasets(cfg, tokenizer, with_val=False)
     policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm",
                                    override=cfg.model.override_config)
+    train_set, _ = load_datasets(cfg, tokenizer, policy_config, with_val=False)
     cfg, _ = resolve_device_defaults(cfg, policy_config)
     device = the_device()
     generation = Generation(cfg, policy_config, tokenizer, device)

@@ -117,6 +117,8 @@ class Generation:
         """One generate call for prompt rows `items`: a CPU batch with each sample's data_source and extra."""
         prompts = collate_prompts(items, self.tokenizer.pad_token_id)
         per_sample = {"samples": items} if self.multi_turn else {}  # the interaction's per-conversation state
+        if any(item.get("multi_modal_inputs") for item in items):  # a VL model's images, one entry a prompt
+            per_sample["multi_modal_inputs"] = [item.get("multi_modal_inputs") for item in items]
         out = self.rollout.generate(prompts["input_ids"].to(self.device), prompts["attention_mask"].to(self.device),
                                     sampling, **per_sample)
         return with_sources(out.to_batch().to("cpu"), items)
@@ -124,9 +126,12 @@ class Generation:
 
 def with_sources(batch: Batch, items: list[dict]) -> Batch:
     """`batch` with the data_source, extra and prompt (the row's own: a string or chat messages, which a reward
-    model with its own tokenizer re-renders) of each sample's prompt row (by its `prompt_index`)."""
+    model with its own tokenizer re-renders) of each sample's prompt row (by its `prompt_index`); a VL model's,
+    the row's images (`multi_modal_inputs`, which the engine's forward reads)."""
     rows = batch["prompt_index"].tolist()
     batch["data_source"] = [items[i]["data_source"] for i in rows]
     batch["extra"] = [items[i]["extra"] for i in rows]
     batch["prompt"] = [items[i]["prompt"] for i in rows]
+    if any(item.get("multi_modal_inputs") for item in items):  # each prompt's images, for each of its samples
+        batch["multi_modal_inputs"] = [items[i].get("multi_modal_inputs") for i in rows]
     return batch

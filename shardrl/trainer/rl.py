@@ -34,7 +34,6 @@ from shardrl.plan.plan import Plan
 from shardrl.compat.verl.metric_names import with_verl_names
 from shardrl.metrics import Max, Min, Sum, SumCount, reduce_metrics
 from shardrl.models.config import check_context
-from shardrl.models.vision import refuse_vision_language
 from shardrl.plan.perf import model_shape, rl_step_flops, throughput_metrics
 from shardrl.rewards.pool import RewardPool
 from shardrl.rewards.manager import RewardManager, check_ground_truths, load_reward_function
@@ -159,7 +158,9 @@ class RLTrainer(Trainer):
             if self.rank == 0:
                 log.warning(line)
         # the cheap checks before the expensive work: data, reward file and vocabularies before any model loads
-        self.train_set, self.val_set = load_datasets(cfg, self.tokenizer)
+        policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm",
+                                       override=cfg.model.override_config)
+        self.train_set, self.val_set = load_datasets(cfg, self.tokenizer, policy_config)  # (a VL model's: images)
         if cfg.trainer.total_epochs is not None:  # before anything reads total_steps (the LR schedule, config.yaml)
             self._say(resolve_total_epochs(cfg.trainer, len(self.train_set), self.prompts_drawn))
         fn = (load_reward_function(cfg.reward.function_path, cfg.reward.function_name, cfg.reward.reward_kwargs)
@@ -178,9 +179,6 @@ class RLTrainer(Trainer):
             check_teacher_sources(cfg, (item["data_source"] for item in self.train_set.items))
         check_vocab_sizes(cfg, len(self.tokenizer), self.steps,
                           len(self.reward_inputs.reward) if self.reward_inputs is not None else None)
-        policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm",
-                                       override=cfg.model.override_config)
-        refuse_vision_language(policy_config, "RL training", "rl")  # before any model is built
         longest = max(len(item["prompt_ids"]) for dataset in filter(None, (self.train_set, self.val_set))
                       for item in dataset.items)
         # one generate call's reach (a conversation or an episode longer than the context ends where it fills it)

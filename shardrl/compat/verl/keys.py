@@ -329,8 +329,10 @@ VERL_KEYS: dict[str, Rule] = {
     "data.reward_fn_key": only(("data_source",), "shardrl picks the scorer by the data_source column"),
     "data.train_max_samples": only((-1, None), "not supported; cut the file instead"),
     "data.val_max_samples": only((-1, None), "not supported; cut the file instead"),
-    "data.image_key": dropped("shardrl trains text models"),
-    "data.video_key": dropped("shardrl trains text models"),
+    "data.image_key": same("data.image_key"),
+    "data.image_patch_size": dropped("the model folder's processor resizes with its own patch size"),
+    "data.video_key": dropped("videos are not read yet (issue 61: images only)"),
+    "data.return_multi_modal_inputs": only((True,), "shardrl always carries each row's images to the engine"),
     "data.trust_remote_code": same("model.trust_remote_code"),
     "data.validation_shuffle": dropped("validation scores every prompt; order does not matter"),
     # model
