@@ -270,6 +270,7 @@ def save_tiny_vl_model(folder: Path, kind: str = "qwen2_5_vl", seed: int = 0, **
 
     kwargs = dict(tiny_config(kind))
     kwargs["text_config"] = {**kwargs["text_config"], **text_shape}
+    kwargs["vision_config"] = {**kwargs["vision_config"], "out_hidden_size": kwargs["text_config"]["hidden_size"]}
     config = load_hf_config(None, kwargs)
     processor = tiny_vl_processor(config)
     with torch.random.fork_rng(devices=[]):
