@@ -229,8 +229,8 @@ class Routes:
                     yield x
                 return
             self.record(request, outs)
-            for x in events(outs):
-                yield x
+            # the reply is whole: its events go out as one write, not one ASGI send (and TCP write) an event
+            yield "".join(events(outs))
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
