@@ -86,9 +86,11 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def completion_request(host: str, prompt: str, max_tokens: int) -> bytes:
-    """A /v1/completions POST (HTTP/1.1, keep-alive), as bytes to write."""
-    body = json.dumps(dict(model="m", prompt=prompt, max_tokens=max_tokens, temperature=1.0)).encode()
+def completion_request(host: str, prompt: str, max_tokens: int, stream: bool = False) -> bytes:
+    """A /v1/completions POST (HTTP/1.1, keep-alive), as bytes to write (`stream`: server-sent events, the usage in
+    the last chunk)."""
+    more = dict(stream=True, stream_options={"include_usage": True}) if stream else {}
+    body = json.dumps(dict(model="m", prompt=prompt, max_tokens=max_tokens, temperature=1.0, **more)).encode()
     return (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
@@ -99,8 +101,15 @@ async def exchange(reader, writer, request: bytes) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
     if not head.startswith(b"HTTP/1.1 200"):
         raise RuntimeError(head.decode(errors="replace"))
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
+    lines = [line.lower() for line in head.split(b"\r\n")]
+    if b"transfer-encoding: chunked" in lines:  # (a streamed reply: its chunks until the empty one)
+        body = []
+        while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+            body.append(await reader.readexactly(size))
+            await reader.readexactly(2)
+        await reader.readexactly(2)
+        return b"".join(body)
+    length = next(int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length:"))
     return await reader.readexactly(length)
 
 

@@ -140,6 +140,8 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("serve", "serve.py", *SERVE, "--in-process", limit_s=200),
         bench("serve_warm_clients", "serve.py", *SERVE, "--warm-clients", limit_s=150),
         bench("serve_stream", "serve.py", *SERVE, "--warm-clients", "--stream", limit_s=240),
+        bench("serve_stream_raw", "serve.py", *SERVE, "--warm-clients", "--stream", "--client", "raw",
+              limit_s=240),
         bench("serve_sim", "serve.py", *SERVE, "--client", "raw", "--backend", "sim", "--in-process", limit_s=120),
         bench("front_end", "front_end.py", "--front-ends", "1,2,4", "--load-procs", "4", limit_s=120),
     ]),

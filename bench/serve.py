@@ -273,8 +273,14 @@ def run_clients(args) -> None:
         for r in range(args.requests):
             i = c * args.requests + r
             sent[i] = time.time()
-            answer = await exchange(reader, writer, completion_request(host, prompts[i], args.max_tokens))
+            answer = await exchange(reader, writer, completion_request(host, prompts[i], args.max_tokens,
+                                                                       args.stream))
             got[i] = time.time()
+            if args.stream:  # (the events split apart; the usage event, the last before [DONE], read)
+                events = answer.split(b"\n\n")
+                assert events[-2] == b"data: [DONE]", events[-2:]
+                made += json.loads(events[-3][6:])["usage"]["completion_tokens"]
+                continue
             made += json.loads(answer)["usage"]["completion_tokens"]
         writer.close()
         return made
@@ -371,15 +377,13 @@ def main():
                         "warm-ups): a request's latency through the server, as an agent's turn meets it")
     p.add_argument("--stream", action="store_true",
                    help="also time the clients with `stream=true` (server-sent events, usage in the last chunk; "
-                        "`openai` clients only), after a streamed warm-up, in the same server: streamed_tokens_per_s "
+                        "the raw client splits the events and reads the usage's), after a streamed warm-up, in the same server: streamed_tokens_per_s "
                         "and stream_ratio (streamed over plain)")
     p.add_argument("--in-process", action="store_true",
                    help="also time the server's batcher without HTTP: the clients as coroutines calling "
                         "`Batcher.submit` with token ids in this process (what a front end in another process "
                         "could reach at best)")
     args = p.parse_args()
-    if args.stream and args.client != "openai":
-        p.error("--stream needs --client openai (the hand-written HTTP client does not read server-sent events)")
     if args.clients_of:
         return run_clients(args)
 
