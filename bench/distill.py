@@ -4,7 +4,9 @@ demo's fresh start; all runs start from that same student, take the same number 
 and differ only in the advantage: GRPO's from the verifier's 0/1 reward; OPD's per-token reverse KL to the teacher
 (algorithm.adv_estimator=opd, reward_coef 0: the reward only logged), as it is (`opd`) or minus the group baseline
 (`opd_group`, algorithm.opd.baseline=group); or both (`opd_mix`: the GRPO advantage plus 0.1 x the baselined
-reverse KL). `--task product`: the products of digits (answers of up to two tokens) instead of the demo's sums.
+reverse KL). `--task product`: the products of digits (answers of up to two tokens) instead of the demo's sums;
+`--task reverse`: reverse a string of 3 or 4 letters of "abc" (answers of 3 or 4 tokens: GRPO's 0/1 reward is sparse
+there, OPD's per-token one is not).
 Prints the teacher's and the student's expected reward (the probability of sampling the whole right answer), and
 appends (--out) one JSON line per run: the mean reward of the first and the last `--window` steps and over all steps,
 then one summary line per variant (mean and spread over the seeds).
@@ -23,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardrl.trainer.demo import REVERSE, demo_overrides, prepare_demo_assets
+
 VARIANTS = {
     "grpo": ["algorithm.adv_estimator=grpo"],
     "opd": ["algorithm.adv_estimator=opd", "algorithm.opd.kl_coef=1.0", "algorithm.opd.reward_coef=0.0",
@@ -32,8 +36,10 @@ VARIANTS = {
     "opd_mix": ["algorithm.adv_estimator=opd", "algorithm.opd.kl_coef=0.1", "algorithm.opd.reward_coef=1.0",
                 "algorithm.opd.baseline=group"],
 }
-TASKS = {"sum": "+", "product": "*"}
-"""`--task`: the demo's operator (`prepare_demo_assets(op=...)`)."""
+TASKS = {"sum": "+", "product": "*", "reverse": REVERSE}
+"""`--task`: the demo's task (`prepare_demo_assets(op=...)`)."""
+TASK_OVERRIDES = {"reverse": ["rollout.max_new_tokens=5"]}
+"""Room for the task's longest answer and EOS (the demo's 4 fits the sums and products)."""
 SMALL = ["data.train_batch_size=8", "rollout.n=8", "actor.ppo_mini_batch_size=8"]
 """A smaller step than the demo's 16 x 16 (CPU time), one optimizer step each."""
 
@@ -47,12 +53,16 @@ def expected_reward(assets: Path) -> float:
     tok = transformers.AutoTokenizer.from_pretrained(assets / "model")
     model = transformers.AutoModelForCausalLM.from_pretrained(assets / "model").eval()
     rows = [json.loads(line) for line in open(assets / "train.jsonl")]
+    by_shape: dict[tuple[int, int], list[tuple[list[int], list[int]]]] = {}
+    for row in rows:  # one batched forward per (prompt, answer) length: no padding to get wrong
+        prompt, answer = tok.encode(row["prompt"]), tok.encode(row["ground_truth"]) + [tok.eos_token_id]
+        by_shape.setdefault((len(prompt), len(answer)), []).append((prompt, answer))
     total = 0.0
     with torch.no_grad():
-        for row in rows:
-            prompt, answer = tok.encode(row["prompt"]), tok.encode(row["ground_truth"]) + [tok.eos_token_id]
-            logp = model(input_ids=torch.tensor([prompt + answer])).logits[0].log_softmax(-1)
-            total += float(sum(logp[len(prompt) - 1 + i, t] for i, t in enumerate(answer)).exp())
+        for (p_len, a_len), pairs in by_shape.items():
+            ids = torch.tensor([p + a for p, a in pairs])
+            logp = model(input_ids=ids).logits.log_softmax(-1)[:, p_len - 1: p_len - 1 + a_len]
+            total += float(logp.gather(-1, ids[:, p_len:, None]).sum((1, 2)).exp().sum())
     return total / len(rows)
 
 
@@ -63,26 +73,35 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--teacher-steps", type=int, default=400, help="the teacher's supervised warm-up steps")
+    parser.add_argument("--teacher-noise", type=float, default=0.0,
+                        help="the share of answer tokens the teacher's warm-up feeds in replaced by a random one "
+                             "(targets kept): a teacher that knows the right next token after a wrong one")
+    parser.add_argument("--student-steps", type=int, default=20,
+                        help="the student's supervised warm-up steps (the demo's 20)")
     parser.add_argument("--task", choices=sorted(TASKS), default="sum",
-                        help="sum: the demo's (one answer token); product: products of digits (up to two)")
+                        help="sum: the demo's (one answer token); product: products of digits (up to two); "
+                             "reverse: reverse 3 or 4 letters (3 or 4 answer tokens, a sparse 0/1 reward)")
     parser.add_argument("--root", default=None, help="run folders go here (default: a temporary folder)")
     parser.add_argument("--out", default=None, help="append the JSON lines here")
     args = parser.parse_args()
-    from shardrl.trainer.demo import demo_overrides, prepare_demo_assets
-
     root = Path(args.root or tempfile.mkdtemp(prefix="distill_"))
     op = TASKS[args.task]
-    student = prepare_demo_assets(root / f"student_{args.task}", op=op)  # the demo's own start (its 20 steps)
-    teacher = prepare_demo_assets(root / f"teacher_{args.task}_{args.teacher_steps}", warmup_steps=args.teacher_steps,
+    # the demo's own start (its 20 steps), unless --student-steps says otherwise
+    student = prepare_demo_assets(root / f"student_{args.task}_{args.student_steps}", warmup_steps=args.student_steps,
                                   op=op)
+    noise = f"_noise{args.teacher_noise:g}" if args.teacher_noise else ""
+    teacher = prepare_demo_assets(root / f"teacher_{args.task}_{args.teacher_steps}{noise}",
+                                  warmup_steps=args.teacher_steps, op=op, prefix_noise=args.teacher_noise)
     print(json.dumps({"bench": "distill", "task": args.task, "teacher_steps": args.teacher_steps,
+                      "teacher_noise": args.teacher_noise, "student_steps": args.student_steps,
                       "teacher_reward": expected_reward(teacher), "student_reward": expected_reward(student)}),
           flush=True)
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for name in args.variants.split(","):
-            run_dir = root / f"{args.task}_{name}_s{seed}_{args.steps}"
+            run_dir = root / f"{args.task}_{args.student_steps}{noise}_{name}_s{seed}_{args.steps}"
             cmd = [sys.executable, "-m", "shardrl.cli", "train", *demo_overrides(student), *SMALL,
+                   *TASK_OVERRIDES.get(args.task, []),
                    f"teacher.model_path={teacher / 'model'}", "teacher.engine.param_dtype=float32",
                    f"trainer.output_dir={run_dir}", "trainer.val_freq=0", "trainer.logger=[jsonl]",
                    f"trainer.total_steps={args.steps}", f"rollout.seed={seed}", f"data.seed={seed}",
@@ -94,7 +113,8 @@ def main() -> None:
             wall = time.perf_counter() - t0
             metrics = [json.loads(line) for line in open(next(run_dir.rglob("metrics.jsonl")))]
             reward = [m["reward/mean"] for m in metrics]
-            row = {"bench": "distill", "task": args.task, "variant": name, "seed": seed, "steps": len(reward),
+            row = {"bench": "distill", "task": args.task, "teacher_noise": args.teacher_noise, "variant": name,
+                   "seed": seed, "steps": len(reward),
                    "reward_first": statistics.fmean(reward[: args.window]),
                    "reward_last": statistics.fmean(reward[-args.window:]),
                    "reward_all": statistics.fmean(reward),

@@ -180,6 +180,8 @@ SETS: dict[str, tuple[str, list[Step]]] = {
               limit_s=1800),
         bench("distill_product", "distill.py", "--task", "product", "--steps", "150", "--seeds", "0,1,2",
               "--window", "20", limit_s=1800),
+        bench("distill_reverse", "distill.py", "--task", "reverse", "--steps", "150", "--seeds", "0,1,2",
+              "--window", "20", "--variants", "grpo,opd_group,opd_mix", limit_s=1800),
     ]),
     "smoke": ("every benchmark's CPU smoke run (tiny models; no GPU): that the scripts still run", [
         bench("whole_step_tiny", "e2e.py", "--quick", "--root", "/tmp/bench_e2e_quick", "--systems", "shardrl",

@@ -377,3 +377,23 @@ def test_one_mopd_teacher_still_refuses_a_row_it_does_not_cover():
     with pytest.raises(ConfigError, match="no teacher for data_source 'chat': add it to teacher.by_data_source"):
         teachers.infer_batch(batch)
     assert calls == []
+
+
+def test_demo_tasks_reverse_and_keep_the_sums_and_products(tmp_path):
+    """bench/distill.py's reversal task: every string of 3 or 4 letters of "abc", its answer reversed (3 or 4
+    tokens); the demo's sums and the products keep their prompts and answers; an unknown task is refused."""
+    import json
+
+    from shardrl.trainer.demo import REVERSE, demo_problems, prepare_demo_assets
+
+    rev = demo_problems(REVERSE)
+    assert len(rev) == 3 ** 3 + 3 ** 4
+    assert rev["abca="] == "acba" and rev["aab="] == "baa" and rev["cbaa="] == "aabc"
+    sums, products = demo_problems("+"), demo_problems("*")
+    assert len(sums) == 55 and sums["3+4="] == "7" and "5+5=" not in sums
+    assert len(products) == 100 and products["7*8="] == "56"
+    with pytest.raises(ValueError, match="demo op must be"):
+        demo_problems("-")
+    assets = prepare_demo_assets(tmp_path / "rev", warmup_steps=1, op=REVERSE)
+    rows = [json.loads(line) for line in open(assets / "train.jsonl")]
+    assert rows[1] == {"prompt": "aab=", "data_source": "arith", "ground_truth": "baa"}

@@ -10,6 +10,7 @@ gets 0.1, and a group that always answers 9 has no variance left to learn from.)
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 from pathlib import Path
@@ -56,9 +57,32 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def prepare_demo_assets(root: Path, warmup_steps: int = 20, seed: int = 0, op: str = "+") -> Path:
-    """Tokenizer, warmed-up model and data under `root` (reused when already there). `op` "*": the products of
-    single digits instead (answers of up to two tokens; bench/distill.py's multi-token task)."""
+REVERSE = "reverse"
+"""`prepare_demo_assets(op=REVERSE)`: reverse a string of 3 or 4 letters of "abc" ("abca=" -> "acba"), answers of 3
+or 4 tokens: bench/distill.py's task where a sequence-level 0/1 reward is sparse and a per-token one is not. (Over
+"abcd" with up to 5 letters, 1,344 strings, 400 warm-up steps gave a teacher of only 0.20 expected reward.)"""
+
+
+def demo_problems(op: str = "+") -> dict[str, str]:
+    """The task's prompts and their answers: `op` "+" single-digit sums of at most 9 (the demo), "*" products of
+    digits, or `REVERSE`."""
+    if op == REVERSE:
+        words = ["".join(w) for n in (3, 4) for w in itertools.product("abc", repeat=n)]
+        return {f"{w}=": w[::-1] for w in words}
+    if op not in ("+", "*"):
+        raise ValueError(f"demo op must be '+', '*' or {REVERSE!r}, got {op!r}")
+    # sums stay single digits: one answer token each (with two-digit sums, wrong "1x" answers push the
+    # shared first token "1" down for every prompt and the policy unlearns two-digit answers altogether)
+    return {f"{a}{op}{b}=": str(a * b if op == "*" else a + b)
+            for a in range(10) for b in range(10) if a + b <= 9 or op == "*"}
+
+
+def prepare_demo_assets(root: Path, warmup_steps: int = 20, seed: int = 0, op: str = "+",
+                        prefix_noise: float = 0.0) -> Path:
+    """Tokenizer, warmed-up model and data under `root` (reused when already there). `op`: the task
+    (`demo_problems`); "*" and `REVERSE` are bench/distill.py's tasks with longer answers. `prefix_noise`: the
+    share of the answer's tokens the warm-up feeds in replaced by a random answer character, their targets kept
+    (a teacher for on-policy distillation that knows the next right token after a wrong one; 0: the demo's)."""
     import transformers
 
     from shardrl.tokenizer import build_char_tokenizer
@@ -66,13 +90,10 @@ def prepare_demo_assets(root: Path, warmup_steps: int = 20, seed: int = 0, op: s
     model_dir = root / "model"
     if (model_dir / "model.safetensors").is_file() and (root / "val.jsonl").is_file():
         return root
+    answers = demo_problems(op)
     root.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer()
-    # sums stay single digits: one answer token each (with two-digit sums, wrong "1x" answers push the
-    # shared first token "1" down for every prompt and the policy unlearns two-digit answers altogether)
-    problems = [(a, b) for a in range(10) for b in range(10) if a + b <= 9 or op == "*"]
-    answers = {(a, b): str(a * b if op == "*" else a + b) for a, b in problems}
-    rows = [{"prompt": f"{a}{op}{b}=", "data_source": "arith", "ground_truth": answers[a, b]} for a, b in problems]
+    rows = [{"prompt": p, "data_source": "arith", "ground_truth": a} for p, a in answers.items()]
     _write_jsonl(root / "train.jsonl", rows)
     _write_jsonl(root / "val.jsonl", rows)
 
@@ -81,17 +102,21 @@ def prepare_demo_assets(root: Path, warmup_steps: int = 20, seed: int = 0, op: s
         eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **DEMO_MODEL)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    pairs = [(tok.encode(f"{a}{op}{b}="), tok.encode(answers[a, b])) for a, b in problems]
-    format_warmup(model, tok, pairs, warmup_steps, seed)
+    pairs = [(tok.encode(p), tok.encode(a)) for p, a in answers.items()]
+    noise_ids = tok.encode("".join(sorted(set("".join(answers.values())))))
+    format_warmup(model, tok, pairs, warmup_steps, seed, prefix_noise=prefix_noise, noise_ids=noise_ids)
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     return root
 
 
 def format_warmup(model, tok, pairs: list[tuple[list[int], list[int]]], steps: int, seed: int,
-                  batch_size: int = 32, lr: float = 3e-3) -> None:
-    """Supervised steps on (prompt ids, answer ids) pairs: the answer, then EOS, after the prompt."""
+                  batch_size: int = 32, lr: float = 3e-3, prefix_noise: float = 0.0,
+                  noise_ids: list[int] | None = None) -> None:
+    """Supervised steps on (prompt ids, answer ids) pairs: the answer, then EOS, after the prompt. `prefix_noise`:
+    the share of answer tokens fed in replaced by one of `noise_ids`, their targets kept (`prepare_demo_assets`)."""
     rng = random.Random(seed)
+    noise_rng = random.Random(seed + 1)  # its own stream: prefix_noise=0 samples the same batches
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
@@ -105,6 +130,9 @@ def format_warmup(model, tok, pairs: list[tuple[list[int], list[int]]], steps: i
         for i, (t, p) in enumerate(zip(texts, prompt_lens)):
             ids[i, : len(t)] = torch.tensor(t)
             labels[i, p: len(t)] = torch.tensor(t[p:])
+            for j in range(p, len(t) - 1):  # the input after a wrong token; the labels still say the right one
+                if prefix_noise and noise_rng.random() < prefix_noise:
+                    ids[i, j] = noise_rng.choice(noise_ids)
         loss = model(input_ids=ids, attention_mask=(labels != -100) | (torch.arange(width) < torch.tensor(
             [len(t) for t in texts])[:, None]), labels=labels).loss
         opt.zero_grad()
