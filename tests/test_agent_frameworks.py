@@ -31,7 +31,7 @@ def setup(tmp_path_factory):
     return tok, transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
 
 
-def run_example(setup, agent: str, prompts: list[str], n: int = 2, greedy: bool = False):
+def run_example(setup, agent: str, prompts: list[str], n: int = 2, greedy: bool = False, seed: int = 0):
     from test_agent import agent_rollout
 
     tok, model = setup
@@ -40,7 +40,7 @@ def run_example(setup, agent: str, prompts: list[str], n: int = 2, greedy: bool 
     samples = [{"prompt": p, "data_source": "t", "extra": {"ground_truth": "3"}} for p in prompts]
     try:
         return rollout.generate(enc["input_ids"], enc["attention_mask"],
-                                SamplingParams(n=n, temperature=1.0, greedy=greedy, max_new_tokens=8),
+                                SamplingParams(n=n, temperature=1.0, greedy=greedy, max_new_tokens=8, seed=seed),
                                 samples=samples)
     finally:
         rollout.server.stop()
@@ -56,7 +56,11 @@ def test_a_framework_agents_trajectories_are_token_exact(setup, agent):
     out = run_example(setup, agent, prompts)
     batch = out.to_batch()
     assert batch["agent_errors"].tolist() == [0] * 4, batch["agent_error"]
-    assert batch["agent_calls"].tolist() == [1.0] * 4  # (each episode's one call, recorded under its episode)
+    calls = batch["agent_calls"].tolist()  # (each episode's calls, recorded under its episode)
+    if agent == "pydantic_ai_agent.py":  # (pydantic-ai asks again after an empty reply, which the tiny model can give)
+        assert all(c >= 1 for c in calls), calls
+    else:
+        assert calls == [1.0] * 4, calls
     assert set(batch["interaction_score"]) <= {0.0, 1.0}
     trained = batch["loss_mask"].bool()
     assert trained.sum() >= 4
@@ -66,7 +70,10 @@ def test_a_framework_agents_trajectories_are_token_exact(setup, agent):
         prompt = tok.decode(out.prompt_ids[r][out.prompt_mask[r].bool()])
         assert prompt == f"user: {prompts[r // 2]}\nassistant: ", prompt
         real = out.response_attention_mask[r].bool()
-        assert out.response_mask[r][real].all()  # (one reply: all of it trained)
+        if calls[r] == 1:
+            assert out.response_mask[r][real].all()  # (one reply: all of it trained)
+        else:  # (the replies trained, the framework's second request between them not)
+            assert 0 < out.response_mask[r][real].sum() < real.sum()
 
 
 def test_the_readme_agents_sdk_agent_is_the_example_file():

@@ -141,4 +141,5 @@ def test_out_of_range_alternatives_are_refused_naming_the_parameter(server):
         c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"prompt_logprobs": 1})
     assert e.value.body["param"] == "prompt_logprobs"
     most = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=20)
-    assert [len(x.top_logprobs) for x in most.choices[0].logprobs.content] == [20] * 2
+    counts = [len(x.top_logprobs) for x in most.choices[0].logprobs.content]  # (1 or 2 tokens: EOS may be sampled)
+    assert counts and set(counts) == {20}
