@@ -4,7 +4,8 @@ demo's fresh start; all runs start from that same student, take the same number 
 and differ only in the advantage: GRPO's from the verifier's 0/1 reward; OPD's per-token reverse KL to the teacher
 (algorithm.adv_estimator=opd, reward_coef 0: the reward only logged), as it is (`opd`) or minus the group baseline
 (`opd_group`, algorithm.opd.baseline=group); or both (`opd_mix`: the GRPO advantage plus 0.1 x the baselined
-reverse KL). `--task product`: the products of digits (answers of up to two tokens) instead of the demo's sums;
+reverse KL); or toward the teacher's distribution (`opd_top_k`: the forward KL to the teacher's 8 likeliest tokens at
+each response token, algorithm.opd.top_k=8, no advantage; `opd_top_k_rkl`: that plus `opd_group`'s advantage). `--task product`: the products of digits (answers of up to two tokens) instead of the demo's sums;
 `--task reverse`: reverse a string of 3 or 4 letters of "abc" (answers of 3 or 4 tokens: GRPO's 0/1 reward is sparse
 there, OPD's per-token one is not).
 Prints the teacher's and the student's expected reward (the probability of sampling the whole right answer), and
@@ -35,6 +36,10 @@ VARIANTS = {
                   "algorithm.opd.baseline=group"],
     "opd_mix": ["algorithm.adv_estimator=opd", "algorithm.opd.kl_coef=0.1", "algorithm.opd.reward_coef=1.0",
                 "algorithm.opd.baseline=group"],
+    "opd_top_k": ["algorithm.adv_estimator=opd", "algorithm.opd.kl_coef=0.0", "algorithm.opd.reward_coef=0.0",
+                  "algorithm.opd.top_k=8"],
+    "opd_top_k_rkl": ["algorithm.adv_estimator=opd", "algorithm.opd.kl_coef=1.0", "algorithm.opd.reward_coef=0.0",
+                      "algorithm.opd.baseline=group", "algorithm.opd.top_k=8"],
 }
 TASKS = {"sum": "+", "product": "*", "reverse": REVERSE}
 """`--task`: the demo's task (`prepare_demo_assets(op=...)`)."""

@@ -86,6 +86,15 @@ def kl_loss(
     return agg_loss(kl, mask, agg_mode, num_global_tokens, num_global_seqs)
 
 
+def top_k_forward_kl(student_top_k: torch.Tensor, teacher_top_k: torch.Tensor, mask: torch.Tensor,
+                     agg_mode: str = "token-mean", num_global_tokens=None, num_global_seqs=None) -> torch.Tensor:
+    """On-policy distillation toward the teacher's distribution: at each token the forward KL over the teacher's
+    k likeliest tokens, sum_i p_teacher(i) (log p_teacher(i) - log p_student(i)), from the two models' log-probs
+    of those tokens `(B, T, k)` (the teacher's mass outside them left out), aggregated as a loss."""
+    kl = (teacher_top_k.exp() * (teacher_top_k - student_top_k)).sum(-1)  # (B, T)
+    return agg_loss(kl, mask, agg_mode, num_global_tokens, num_global_seqs)
+
+
 class FixedKLController:
     """A KL coefficient that never changes."""
 

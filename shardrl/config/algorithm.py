@@ -155,13 +155,25 @@ class OPDConfig:
     samples at the same response position: a leave-one-out baseline, the same expected gradient with less variance;
     a group of one has none), or none (the reward itself, the per-token estimator of Thinking Machines' OPD). group
     by default: it learned faster on every seed of bench/distill.py (bench/RESULTS.md, "On-policy distillation")."""
+    top_k: int = 0
+    """> 0: also train the student toward the teacher's whole distribution at each response token, not only its
+    score of the sampled token: the teacher's k likeliest tokens there (and their log-probs) are a target, the loss
+    gains `top_k_coef` x the forward KL sum_i p_teacher(i) (log p_teacher(i) - log p_student(i)) over those k
+    (the GKD / on-policy-distillation-with-logits form; the teacher's mass outside its top k is left out),
+    aggregated as the policy loss (actor.loss_agg_mode). It gives the student the right token where it sampled a
+    wrong one. 0: the sampled token's reverse KL only (in the advantage). Costs the teacher a top-k per token
+    and the student's head a gather of k log-probs per token in the update."""
+    top_k_coef: float = 1.0
+    """Weight of the top-k forward-KL loss term (with top_k > 0)."""
 
     def validate(self, prefix: str) -> None:
         require(self, prefix, "kl_coef", self.kl_coef >= 0, "must be >= 0")
         require(self, prefix, "reward_coef", self.reward_coef >= 0, "must be >= 0")
         require(self, prefix, "baseline", self.baseline in ("none", "group"), "must be none or group")
-        require(self, prefix, "kl_coef", self.kl_coef > 0 or self.reward_coef > 0,
-                "and reward_coef are both 0: the advantage would be 0 everywhere; set one > 0")
+        require(self, prefix, "top_k", 0 <= self.top_k <= 1024, "must be in [0, 1024] (0: off)")
+        require(self, prefix, "top_k_coef", self.top_k_coef > 0, "must be > 0 (turn the term off with top_k=0)")
+        require(self, prefix, "kl_coef", self.kl_coef > 0 or self.reward_coef > 0 or self.top_k > 0,
+                "and reward_coef are both 0 with top_k 0: nothing would be trained; set one > 0")
 
 
 @dataclass

@@ -50,6 +50,9 @@ from shardrl.models.config import text_config
 from shardrl.engine.optim import build_lr_scheduler, build_optimizer
 from shardrl.engine.state import CPU, move_optimizer_state, persistent_buffers, release_accelerator_memory, save_hf
 
+DISTILL_IDS_KEY = "teacher_top_k_ids"
+"""The batch key of a distillation student's targets (B, T, k): `train_batch` scores them (`distill_log_probs`)."""
+
 log = logging.getLogger(__name__)
 
 # loss_fn(outputs, micro_batch, num_global_tokens, num_global_seqs) -> (loss share, {name: (sum, count)})
@@ -307,7 +310,7 @@ class Engine(abc.ABC):
 
     def _forward(self, mb: Batch, temperature: float, with_entropy: bool, record_routing: bool = False,
                  replay: torch.Tensor | None = None, count_replay: bool = True,
-                 with_top1: bool = False) -> dict[str, torch.Tensor]:
+                 with_top1: bool = False, top_k: int = 0) -> dict[str, torch.Tensor]:
         # an RL batch ([prompt | response] columns) is scored on its responses only: the prompts' log-probs
         # are never read, and the vocabulary projection over them would be most of the head's work
         score_from = mb["input_ids"].shape[1] - mb["response_mask"].shape[1] if "response_mask" in mb else None
@@ -315,7 +318,9 @@ class Engine(abc.ABC):
             mb["input_ids"], mb["attention_mask"], remove_padding=self.model_cfg.use_remove_padding,
             temperature=temperature, with_entropy=with_entropy, score_from=score_from, routed_experts=replay,
             record_routing=record_routing, count_replay=count_replay, with_top1=with_top1,
-            images=mb[MULTI_MODAL_KEY] if MULTI_MODAL_KEY in mb else None,
+            images=mb[MULTI_MODAL_KEY] if MULTI_MODAL_KEY in mb else None, top_k=top_k,
+            # a distillation student's update scores its teacher's top-k tokens too (the loss reads them)
+            distill_ids=mb[DISTILL_IDS_KEY] if self.module.training and DISTILL_IDS_KEY in mb else None,
         )
 
     def _placeholder(self, like: Batch, rows: int = 1) -> Batch:
@@ -421,12 +426,15 @@ class Engine(abc.ABC):
 
     @torch.no_grad()
     def infer_batch(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
-                    record_routing: bool = False, replay_routing: bool = False, with_top1: bool = False) -> Batch:
+                    record_routing: bool = False, replay_routing: bool = False, with_top1: bool = False,
+                    top_k: int = 0) -> Batch:
         """Forward only: per-token `log_probs` (and `entropy`; `with_top1`: `top1`, 1.0 where the token is the
         model's argmax), or `values` for a critic, `(B, T)`, in the order of `batch`. `record_routing` (a mixture
         of experts): also `routed_experts` (B, T, L, k), each token's experts per MoE layer, for `train_batch` to
         replay (actor.router_replay);
-        `replay_routing`: routed as `batch["routed_experts"]` says (R3: the rollout's routing)."""
+        `replay_routing`: routed as `batch["routed_experts"]` says (R3: the rollout's routing). `top_k` (a
+        distillation teacher): also `top_k_ids` and `top_k_log_probs` (B, T, k), each token's k likeliest
+        alternatives under this model and their log-probs."""
         self.module.eval()
         batch = batch.to(self.device)
         micro_batches, perm = self._micro_batches(batch)
@@ -437,7 +445,7 @@ class Engine(abc.ABC):
             mb = mb if real else self._placeholder(batch)
             outputs = self._forward(mb, temperature, with_entropy, record_routing,
                                     replay=mb["routed_experts"] if replay_routing else None, count_replay=False,
-                                    with_top1=with_top1)
+                                    with_top1=with_top1, top_k=top_k)
             if replay_routing:
                 self.module.router_replay.end()
             if real:

@@ -255,6 +255,50 @@ def chunked_log_probs_top1(
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None), torch.cat(hits)
 
 
+def _scaled_logits(hidden, weight, bias, temperature: float, softcap: float | None) -> torch.Tensor:
+    """(n, V) logits / T in the accumulation dtype (softcap first, as `_chunk_logprob`)."""
+    logits = F.linear(hidden, weight, bias)
+    logits = logits.to(_acc_dtype(logits.dtype))
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits / temperature if temperature != 1.0 else logits
+
+
+@torch.no_grad()
+def chunked_top_k(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
+                  temperature: float = 1.0, chunk_size: int = 1024,
+                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` likeliest tokens of each position's distribution softmax(logits / T) and their log-probs, (N, k)
+    each (ids long, log-probs in the accumulation dtype), `chunk_size` positions at a time (a distillation
+    teacher's targets)."""
+    ids, logps = [], []
+    for start in range(0, max(hidden.shape[0], 1), chunk_size):
+        logits = _scaled_logits(hidden[start: start + chunk_size], weight, bias, temperature, softcap)
+        values, top = (logits - torch.logsumexp(logits, -1, keepdim=True)).topk(k, dim=-1)
+        ids.append(top)
+        logps.append(values)
+    return torch.cat(ids), torch.cat(logps)
+
+
+def _log_probs_at(hidden, weight, bias, ids, temperature: float, softcap: float | None) -> torch.Tensor:
+    logits = _scaled_logits(hidden, weight, bias, temperature, softcap)
+    return logits.gather(-1, ids) - torch.logsumexp(logits, -1, keepdim=True)
+
+
+def chunked_log_probs_at(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                         temperature: float = 1.0, chunk_size: int = 1024,
+                         softcap: float | None = None) -> torch.Tensor:
+    """log softmax(logits / T) at `ids` (N, k) for each position: (N, k), differentiable, `chunk_size` positions at a
+    time; under autograd each chunk is checkpointed, so only one chunk's logits exist at a time, in backward too
+    (the student's log-probs at its distillation teacher's top-k tokens)."""
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    out = []
+    for start in range(0, max(hidden.shape[0], 1), chunk_size):
+        args = (hidden[start: start + chunk_size], weight, bias, ids[start: start + chunk_size], temperature, softcap)
+        out.append(checkpoint(_log_probs_at, *args, use_reentrant=False) if recompute else _log_probs_at(*args))
+    return torch.cat(out)
+
+
 @dataclass
 class Packed:
     """A micro-batch with padding removed: all real tokens in one row."""

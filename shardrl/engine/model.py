@@ -27,7 +27,8 @@ import torch.nn.functional as F
 import transformers
 
 from shardrl.engine.attention import ATTN_NAME, attention_kwargs
-from shardrl.engine.logprob import chunked_log_probs, chunked_log_probs_top1, pack, shift_to_scored_token, unpack
+from shardrl.engine.logprob import (chunked_log_probs, chunked_log_probs_at, chunked_log_probs_top1, chunked_top_k,
+                                    pack, shift_to_scored_token, unpack)
 from shardrl.engine.moe import RouterReplay, load_balancing_loss
 from shardrl.engine.vision import idle_vision_tower, stack_images, vision_decoder_inputs
 from shardrl.models.vision import is_vision_language
@@ -345,7 +346,8 @@ class PolicyModel(nn.Module):
                 temperature: float = 1.0, with_entropy: bool = False,
                 score_from: int | None = None, routed_experts: torch.Tensor | None = None,
                 record_routing: bool = False, count_replay: bool = True,
-                images: list | None = None, with_top1: bool = False) -> dict[str, torch.Tensor]:
+                images: list | None = None, with_top1: bool = False, top_k: int = 0,
+                distill_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """`score_from`: the "lm" head scores only the tokens at columns >= score_from (the responses of an RL
         batch, whose prompts fill the columns before), the others reading 0; None scores every token. The
         output projection over the vocabulary then skips the prompts' positions: with 256-token prompts and
@@ -356,9 +358,17 @@ class PolicyModel(nn.Module):
         caller's `router_replay.end()` (after the backward), counting mismatches when `count_replay`.
 
         A vision-language model: `images`, each row's `multi_modal_inputs` (`shardrl.engine.vision`), run through
-        the vision tower and spliced at the rows' placeholders; the decoder rotates by M-RoPE positions."""
+        the vision tower and spliced at the rows' placeholders; the decoder rotates by M-RoPE positions.
+
+        Distillation: `top_k` (forward only, a teacher) adds `top_k_ids` and `top_k_log_probs` (B, T, k), at each
+        token the k likeliest tokens of the distribution that scores it and their log-probs; `distill_ids` (B, T, k)
+        (a student) adds `distill_log_probs` (B, T, k), this model's log-probs of those ids at each token,
+        differentiable. Both sit on the token they score, as `log_probs` do."""
         layout = packed_tokens if remove_padding else padded_tokens
         tokens = layout(input_ids, attention_mask, score_from if self.head == "lm" else None)
+        if distill_ids is not None:  # each position's ids are those of the token it predicts: the next one's
+            flat = distill_ids.flatten(0, 1)  # (B*T, k)
+            tokens.distill_targets = flat[(tokens.flat_index + 1).clamp(max=flat.shape[0] - 1)]  # (N, k)
         if self.vision:
             tokens.decoder_inputs = vision_decoder_inputs(self.lm, tokens.decoder_inputs, input_ids, attention_mask,
                                                           tokens.flat_index, remove_padding,
@@ -370,7 +380,7 @@ class PolicyModel(nn.Module):
         try:
             with routing:
                 outputs = self._forward_tokens(tokens, temperature, with_entropy, input_ids.shape, record_routing,
-                                               remove_padding, with_top1)
+                                               remove_padding, with_top1, top_k)
             if aux:
                 outputs["router_aux_loss"] = load_balancing_loss(
                     self.lm, self.router_replay.logits, None if remove_padding else attention_mask)
@@ -393,7 +403,8 @@ class PolicyModel(nn.Module):
         return self.router_replay.recording()
 
     def _forward_tokens(self, tokens: Tokens, temperature: float, with_entropy: bool, shape,
-                        record_routing: bool, remove_padding: bool, with_top1: bool = False) -> dict[str, torch.Tensor]:
+                        record_routing: bool, remove_padding: bool, with_top1: bool = False,
+                        top_k: int = 0) -> dict[str, torch.Tensor]:
         varlen = text_config(self.lm.config)._attn_implementation == ATTN_NAME
         if self.sp_group is not None:
             if not varlen:  # any other attention would see only this rank's piece of each sequence
@@ -416,6 +427,8 @@ class PolicyModel(nn.Module):
         if self.head == "value":
             return self.value_outputs(hidden, tokens)
         outputs = self.log_prob_outputs(hidden, tokens, temperature, with_entropy, with_top1)
+        if top_k or tokens.distill_targets is not None:
+            outputs.update(self.distill_outputs(hidden, tokens, temperature, top_k))
         if record_routing:
             experts = self.router_replay.stacked()  # (N, L, k)
             full = experts.new_zeros((shape[0] * shape[1], *experts.shape[1:]))
@@ -466,6 +479,30 @@ class PolicyModel(nn.Module):
                 outputs[name] = tokens.restore(shift_to_scored_token(tokens.whole(value), tokens.seq_start))
         return outputs
 
+    def distill_outputs(self, hidden: torch.Tensor, tokens: Tokens, temperature: float,
+                        top_k: int) -> dict[str, torch.Tensor]:
+        """A teacher's top-k (`top_k`) or a student's log-probs at them (`tokens.distill_targets`), (B, T, k) each, on
+        the token they score (`forward`). Only the positions whose next token is scored run the head."""
+        head = self.lm.get_output_embeddings()
+        softcap = getattr(text_config(self.lm.config), "final_logit_softcapping", None)
+        idx = None if tokens.needed is None or tokens.sp_group is not None else tokens.needed.nonzero().squeeze(-1)
+        h = hidden if idx is None else hidden[idx]
+        if top_k:
+            values = dict(zip(("top_k_ids", "top_k_log_probs"),
+                              chunked_top_k(h, head.weight, head.bias, top_k, temperature, self.chunk_size, softcap)))
+        else:
+            ids = tokens.distill_targets if idx is None else tokens.distill_targets[idx]
+            values = {"distill_log_probs": chunked_log_probs_at(h, head.weight, head.bias, ids, temperature,
+                                                                self.chunk_size, softcap)}
+        outputs = {}
+        for name, value in values.items():  # (n, k) -> (B, T, k), a column at a time through the 1-D layout
+            if idx is not None:
+                value = value.new_zeros((hidden.shape[0], value.shape[1])).index_put((idx,), value)
+            columns = [tokens.restore(shift_to_scored_token(tokens.whole(value[:, j]), tokens.seq_start))
+                       for j in range(value.shape[1])]
+            outputs[name] = torch.stack(columns, -1)
+        return outputs
+
 
 # ---- the batch's tokens as the decoder sees them ------------------------------------------------------
 @dataclass
@@ -493,6 +530,8 @@ class Tokens:
     """(N,) True at the positions whose next token is scored (`PolicyModel.forward`'s `score_from`); None: all."""
     flat_index: torch.Tensor | None = None
     """(N,) each position's index among the batch's B*T."""
+    distill_targets: torch.Tensor | None = None
+    """(n_local, k) a distillation student's ids to score at each position (`PolicyModel.forward`'s `distill_ids`)."""
 
     def whole(self, per_position: torch.Tensor) -> torch.Tensor:
         """(n_local,) -> (N,)."""
@@ -543,7 +582,11 @@ def split_sequence(tokens: Tokens, group) -> Tokens:
     piece = ids_p.numel() // sp
     local = slice(r * piece, (r + 1) * piece)
     inputs = dict(input_ids=ids_p[local][None], position_ids=pos_p[local][None], **attention_kwargs(pos_p[None], group))
-    return dataclasses.replace(tokens, decoder_inputs=inputs, targets=targets_p[local], sp_group=group)
+    distill = tokens.distill_targets
+    if distill is not None:  # padded as the targets, with token 0
+        distill = F.pad(distill, (0, 0, 0, ids_p.numel() - distill.shape[0]))[local]
+    return dataclasses.replace(tokens, decoder_inputs=inputs, targets=targets_p[local], sp_group=group,
+                               distill_targets=distill)
 
 
 def _predicts_scored(scored: torch.Tensor, seq_start: torch.Tensor) -> torch.Tensor:

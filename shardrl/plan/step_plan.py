@@ -50,6 +50,10 @@ class StepPlan:
     def needs_critic(self) -> bool:
         return self.estimator.needs_critic
 
+    distill_top_k: int = 0
+    """On-policy distillation with the teacher's top-k (`algorithm.opd.top_k`): the teacher pass also returns its k
+    likeliest tokens per response token, and the actor's loss adds the forward KL to them."""
+
     @property
     def uses_teacher(self) -> bool:
         """On-policy distillation: the teacher (teacher.model_path) scores the sampled tokens before the advantages."""
@@ -80,6 +84,7 @@ class StepPlan:
             update_entropy=bool(cfg.actor.entropy_coeff) or old_from_update,
             router_replay=("disabled" if old_from_update and cfg.actor.router_replay.mode == "R2"
                            else cfg.actor.router_replay.mode),
+            distill_top_k=algo.opd.top_k if ADVANTAGE_ESTIMATORS[algo.adv_estimator].needs_teacher else 0,
         )
 
     def describe(self) -> str:

@@ -15,6 +15,7 @@ from shardrl.algos import ADVANTAGE_ESTIMATORS, apply_kl_in_reward, masked_white
 from shardrl.algos.aggregate import masked_metric
 from shardrl.batch import Batch
 from shardrl.distributed import all_reduce_sum
+from shardrl.engine.base import DISTILL_IDS_KEY
 from shardrl.metrics import Max, Min, SumCount
 from shardrl.plan.step_plan import StepPlan
 from shardrl.trainer.sampling import apply_rollout_is, mismatch_step_metrics
@@ -44,10 +45,15 @@ def prepare(batch: Batch, scores: torch.Tensor, plan: StepPlan, roles, algo_cfg,
         metrics["timing/ref_s"] = time.perf_counter() - t0
     if plan.uses_teacher:  # scored like the reference: the sampled tokens, at the sampler's temperature
         t0 = time.perf_counter()
-        scored = roles.teacher.infer_batch(batch, temperature=temperature, with_top1=True)
+        scored = roles.teacher.infer_batch(batch, temperature=temperature, with_top1=True, top_k=plan.distill_top_k)
         batch["teacher_log_probs"] = scored["log_probs"].cpu()
         metrics.update(distill_metrics(batch["old_log_probs"], batch["teacher_log_probs"], batch["loss_mask"].float(),
                                        scored["top1"].cpu()))
+        if plan.distill_top_k:  # the targets of the update's top-k term (`DISTILL_IDS_KEY` is what it scores)
+            batch[DISTILL_IDS_KEY] = scored["top_k_ids"].cpu()
+            batch["teacher_top_k_log_probs"] = scored["top_k_log_probs"].cpu()
+            metrics["distill/top_k_mass"] = masked_metric(batch["teacher_top_k_log_probs"].exp().sum(-1),
+                                                          batch["loss_mask"].float())
         metrics["timing/teacher_s"] = time.perf_counter() - t0
     if plan.needs_critic:
         t0 = time.perf_counter()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from shardrl.algos import LOSS_MODES, entropy_loss, kl_loss, value_loss
+from shardrl.algos.kl import top_k_forward_kl
 from shardrl.algos.aggregate import masked_metric, share_metric
 from shardrl.algos.rollout_correction import mismatch_metrics, rollout_is_weights
 from shardrl.batch import Batch
@@ -20,11 +21,11 @@ def actor_loss_from_plan(actor_cfg, algo_cfg, plan: StepPlan):
     """The actor's loss for a step that follows `plan`."""
     return actor_loss_fn(actor_cfg, actor_cfg.loss_agg_mode, plan.old_from_update,
                          algo_cfg if plan.rollout_is == "loss" else None, batch_weights=plan.rollout_is == "batch",
-                         with_ref=plan.uses_ref)
+                         with_ref=plan.uses_ref, distill_coef=algo_cfg.opd.top_k_coef if plan.distill_top_k else 0.0)
 
 
 def actor_loss_fn(actor_cfg, agg_mode: str, old_from_forward: bool = False, rollout_is=None,
-                  batch_weights: bool = False, with_ref: bool = False):
+                  batch_weights: bool = False, with_ref: bool = False, distill_coef: float = 0.0):
     """The actor's loss. `old_from_forward` (`StepPlan.old_from_update`): the step's only update takes its old
     log-probs from this forward, detached, instead of `mb["old_log_probs"]`, and measures here what the trainer
     would have measured on them. The policy loss is `LOSS_MODES[actor_cfg.loss_mode]` with its settings from
@@ -32,7 +33,9 @@ def actor_loss_fn(actor_cfg, agg_mode: str, old_from_forward: bool = False, roll
     with `old_from_forward` only, truncate mode only): those weights are computed here from the detached forward
     against `mb["sampled_log_probs"]`, as `apply_rollout_is` would have computed them before the update, with
     its rollout_is/ metrics. `with_ref`: the micro-batch holds `ref_log_probs` (the KL loss reads them; with
-    `old_from_forward` kl/actor_ref is measured here)."""
+    `old_from_forward` kl/actor_ref is measured here). `distill_coef` > 0: the micro-batch holds its teacher's top-k
+    (`teacher_top_k_log_probs`, the forward's `distill_log_probs` the student's of the same tokens), and the loss adds
+    `distill_coef` x their forward KL (algorithm.opd.top_k)."""
     mode = LOSS_MODES[actor_cfg.loss_mode]
     params = vars(mode.params_from(actor_cfg))
     if rollout_is is not None and (not old_from_forward or rollout_is.rollout_is_mode != "truncate"):
@@ -75,6 +78,11 @@ def actor_loss_fn(actor_cfg, agg_mode: str, old_from_forward: bool = False, roll
                          num_tokens, num_seqs)
             loss = loss + actor_cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = share_metric(kl, mask, agg_mode, num_tokens, num_seqs)
+        if distill_coef:
+            distill = top_k_forward_kl(outputs["distill_log_probs"], mb["teacher_top_k_log_probs"], mask, agg_mode,
+                                       num_tokens, num_seqs)
+            loss = loss + distill_coef * distill
+            metrics["distill/top_k_kl"] = share_metric(distill, mask, agg_mode, num_tokens, num_seqs)
         return loss, metrics
 
     return loss_fn
