@@ -138,3 +138,23 @@ def test_the_step_plan_asks_the_teacher_for_its_top_k_only_with_opd():
     assert StepPlan.from_config(cfg).distill_top_k == 0  # grpo: no teacher
     cfg.algorithm.adv_estimator, cfg.teacher.model_path = "opd", "t"
     assert StepPlan.from_config(cfg).distill_top_k == 5
+
+
+def test_a_teacher_with_more_output_tokens_is_refused_with_top_k(tmp_path):
+    import transformers
+
+    from shardrl.config.schema import ConfigError
+    from shardrl.launch.rank import run
+    from shardrl.tokenizer import build_char_tokenizer
+    from shardrl.trainer.demo import prepare_demo_assets
+
+    assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=2)
+    tok = build_char_tokenizer()  # the policy's tokenizer, with a head 8 rows wider (padded, as many checkpoints are)
+    config = transformers.AutoConfig.for_model("qwen2", vocab_size=len(tok) + 8, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "teacher")
+    tok.save_pretrained(tmp_path / "teacher")
+    args = ["algorithm.adv_estimator=opd", f"teacher.model_path={tmp_path / 'teacher'}", "trainer.total_steps=1"]
+    with pytest.raises(ConfigError, match=r"algorithm.opd.top_k=2: teacher.model_path=.* has \d+ output tokens, the "
+                                          r"policy \d+: the teacher's top-k may name ids the student has no logit"):
+        run(None, small_demo_run(assets, tmp_path / "run", *args, "algorithm.opd.top_k=2"))
