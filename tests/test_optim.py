@@ -54,3 +54,40 @@ def test_non_finite_grad_norm_skips_the_step():
     assert unchanged  # the parameters did not move
     assert ok["skipped_step"] == 0.0 and math.isfinite(ok["grad_norm"]) and ok["grad_norm"] > 0
     assert global_step == 1  # only the good step counted (and stepped the LR schedule)
+
+
+def test_the_fused_cpu_adamw_of_offloaded_parameters_steps_as_the_loop_does():
+    """Offloaded parameters step on the host with torch's fused CPU AdamW; the same three steps as the per-tensor
+    loop's (the gradients large and small: Adam's update is about lr * sign(g) only where |g| >> eps)."""
+    from shardrl.engine.optim import build_optimizer
+
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(37, 11, generator=g), torch.randn(5, generator=g)]
+    grads = [[torch.randn(p.shape, generator=g) * 10.0 ** k for p in init] for k in (-9, -3, 1)]
+    results = []
+    for fused in (False, True):
+        params = [torch.nn.Parameter(p.clone()) for p in init]
+        opt = build_optimizer(params, 1e-2, (0.9, 0.95), 1e-8, 0.1, fused=fused)
+        assert bool(opt.defaults["fused"]) == fused
+        for step in grads:
+            for p, grad in zip(params, step):
+                p.grad = grad.clone()
+            opt.step()
+        results.append([p.detach() for p in params])
+    for loop, fused in zip(*results):
+        torch.testing.assert_close(fused, loop, atol=1e-6, rtol=1e-5)
+        assert (fused - init[0 if fused.dim() == 2 else 1]).abs().max() > 1e-3  # the steps moved them
+
+
+def _offloaded_engine_optimizer():
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.engine import build_engine
+
+    engine = build_engine(ModelConfig(tiny=TINY_MODELS["qwen2"]), EngineConfig(offload_params=True), OptimConfig())
+    return bool(engine.optimizer.defaults["fused"]), {p.device.type for p in engine.optimizer.param_groups[0]["params"]}
+
+
+@pytest.mark.multiproc
+def test_an_offloaded_engine_steps_with_the_fused_cpu_adamw():
+    fused, devices = run_distributed(_offloaded_engine_optimizer, 2)
+    assert fused and devices == {"cpu"}

@@ -113,7 +113,9 @@ class Engine(abc.ABC):
         self.optimizer = self.lr_scheduler = None
         if optim_cfg is not None:
             o = optim_cfg
-            fused = self.device.type == "cuda" and not engine_cfg.offload_params
+            # one fused kernel: on the GPU, or on the CPU where offloaded parameters step (torch's fused CPU AdamW,
+            # 4-5x the per-tensor loop's speed on the host: bench/RESULTS.md, "CPU Adam of offloaded parameters")
+            fused = self.device.type == "cuda" or engine_cfg.offload_params
             trained = [p for p in self.module.parameters() if p.requires_grad]  # with LoRA: the adapters only
             self.optimizer = build_optimizer(trained, o.lr, o.betas, o.eps, o.weight_decay, fused)
             steps = o.total_steps or total_steps

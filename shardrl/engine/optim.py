@@ -9,7 +9,8 @@ import torch
 
 def build_optimizer(params, lr: float, betas, eps: float, weight_decay: float,
                     fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW; `fused` (one kernel for all parameters) when they live on a CUDA device."""
+    """AdamW; `fused`: one kernel for all parameters (on a CUDA device, or torch's vectorized CPU kernel for
+    parameters offloaded to the host)."""
     params = [p for p in params if p.requires_grad]
     return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                              fused=fused or None)
