@@ -101,18 +101,24 @@ def image_messages(messages: list[dict], num_images: int) -> list[dict]:
     return out
 
 
+def _resize_range(processor, settings: ImageSettings) -> dict:
+    """The processor's `size` argument: its own {shortest_edge, longest_edge} pixels (Qwen's), the settings' where
+    set; {} for a processor without one."""
+    size = dict(getattr(processor.image_processor, "size", None) or {})
+    size.update({k: v for k, v in (("shortest_edge", settings.min_pixels), ("longest_edge", settings.max_pixels)) if v})
+    return {"size": size} if size else {}
+
+
 def process_images(processor, messages: list[dict], images: list, settings: ImageSettings) -> dict:
     """{"prompt_ids": [...], "prompt_text": str, "multi_modal_inputs": {"pixel_values", "image_grid_thw"} or None}
     of one row's image messages (`image_messages`) and its PIL images."""
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    size = dict(getattr(processor.image_processor, "size", None) or {})  # Qwen's: {shortest_edge, longest_edge} pixels
-    size.update({k: v for k, v in (("shortest_edge", settings.min_pixels), ("longest_edge", settings.max_pixels)) if v})
-    out = processor(text=[text], images=images or None, return_tensors="pt", **({"size": size} if size else {}))
+    out = processor(text=[text], images=images or None, return_tensors="pt", **_resize_range(processor, settings))
     inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]} if images else None
     return {"prompt_ids": out["input_ids"][0].tolist(), "prompt_text": text, "multi_modal_inputs": inputs}
 
 
-def _checked(messages, key: str) -> list[dict]:
+def checked_messages(messages, key: str) -> list[dict]:
     """`messages` after `check_messages`'s checks of roles and shapes, a content list read as its text parts."""
     if not isinstance(messages, list):
         return check_messages(messages, key)  # (its error for a prompt that is not messages)
@@ -122,7 +128,7 @@ def _checked(messages, key: str) -> list[dict]:
     return messages
 
 
-def _row_images(row: dict, settings: ImageSettings, folder: str) -> list:
+def row_images(row: dict, settings: ImageSettings, folder: str) -> list:
     values = row.get(settings.image_key) or []
     if not isinstance(values, (list, tuple)):
         values = [values]
@@ -159,8 +165,8 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
             prompt = row[prompt_key]
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             try:
-                images = _row_images(row, settings, folder)
-                messages = image_messages(_checked(messages, prompt_key), len(images))
+                images = row_images(row, settings, folder)
+                messages = image_messages(checked_messages(messages, prompt_key), len(images))
             except BadImage as e:
                 if settings.bad_images == "error":
                     raise ValueError(f"{path}: row {number}: {e}; fix the row, or set bad_images=drop to leave such "
