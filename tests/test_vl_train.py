@@ -97,6 +97,22 @@ def test_grpo_with_images_runs_and_its_first_step_is_invariant_to_the_micro_batc
             assert got[0][key] == pytest.approx(first[key], **tol), (name, key)
 
 
+def test_validation_names_each_prompts_images_beside_its_generations(assets, tmp_path, capsys):
+    """generations.jsonl and the console name a prompt's images: the path the row gives, `<image bytes #i>` for
+    bytes (the assets alternate: paths on even rows, bytes on odd)."""
+    from shardrl.launch.rank import run
+
+    run_dir = tmp_path / "run"
+    run(None, overrides(assets, run_dir, "trainer.total_steps=1", "trainer.val_before_train=true",
+                        f"data.val_files=[{assets / 'train.parquet'}]", "trainer.log_val_generations=4",
+                        "actor.engine.micro_batch_size_per_gpu=4", "ref.engine.micro_batch_size_per_gpu=4"))
+    samples = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    first = [s for s in samples if s["step"] == 0]
+    assert [s["images"] for s in first] == [["red.png"], ["<image bytes #1>"], ["blue.png"], ["<image bytes #1>"]]
+    assert all(s["ground_truth"] in s["images"][0] for s in first[::2])  # each sample beside its own prompt's image
+    assert "  images:   'red.png'\n  response:" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("extra,message", [
     (["rollout.backend=fast"], r"rollout.backend=fast: 'qwen2_5_vl' is a vision-language model; the fast rollout's "
                                r"image prefill .* set rollout.backend=hf"),

@@ -128,10 +128,28 @@ def checked_messages(messages, key: str) -> list[dict]:
     return messages
 
 
-def row_images(row: dict, settings: ImageSettings, folder: str) -> list:
+def _image_values(row: dict, settings: ImageSettings) -> list:
     values = row.get(settings.image_key) or []
-    if not isinstance(values, (list, tuple)):
-        values = [values]
+    return list(values) if isinstance(values, (list, tuple)) else [values]
+
+
+def image_name(value, number: int) -> str:
+    """How a log names a row's image `number` (1-based): the path the row gives (a {"bytes", "path"} dict's path,
+    as HF datasets' image column keeps the file name beside the bytes), else `<image bytes #number>`."""
+    if isinstance(value, dict):
+        value = value.get("path") or value.get("image") or value.get("bytes")
+    if isinstance(value, str):
+        return value
+    return f"<image bytes #{number}>"
+
+
+def image_names(row: dict, settings: ImageSettings) -> list[str]:
+    """The names of the row's images (`image_name`), in order."""
+    return [image_name(value, k) for k, value in enumerate(_image_values(row, settings), start=1)]
+
+
+def row_images(row: dict, settings: ImageSettings, folder: str) -> list:
+    values = _image_values(row, settings)
     images = []
     for k, value in enumerate(values, start=1):
         try:
@@ -147,8 +165,9 @@ def row_images(row: dict, settings: ImageSettings, folder: str) -> list:
 
 def load_image_prompts(files: list[str], processor, settings: ImageSettings, prompt_key: str = "prompt",
                        max_prompt_length: int | None = None, truncation: str = "drop") -> tuple[list[dict], dict]:
-    """Items {"prompt_ids", "prompt_text", "multi_modal_inputs", "prompt", "data_source", "extra", "index"} of the
-    files' rows (`extra`: the row's other columns but the images, as a text row's), and stats {"rows",
+    """Items {"prompt_ids", "prompt_text", "multi_modal_inputs", "prompt", "data_source", "extra", "image_names",
+    "index"} of the files' rows (`extra`: the row's other columns but the images, as a text row's; `image_names`:
+    how logs name its images, `image_name`), and stats {"rows",
     "dropped_bad_images", "dropped_too_long"}. A bad image stops the load or drops its row
     (`ImageSettings.bad_images`). A prompt of more than `max_prompt_length` tokens (image placeholders included) is
     dropped and counted (`truncation="drop"`) or refused: a cut would split an image's placeholders from its
@@ -185,7 +204,7 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
             data_source = row.get("data_source")
             extra = {k: v for k, v in _extra_fields(row, prompt_key).items() if k != settings.image_key}
             items.append({**item, "prompt": prompt, "data_source": "default" if data_source is None else str(data_source),
-                          "extra": extra, "index": len(items)})
+                          "extra": extra, "image_names": image_names(row, settings), "index": len(items)})
     if dropped:
         logger.warning("dropped %d row(s) with a bad image (bad_images=drop) of %d", dropped, dropped + len(items))
     if too_long:
