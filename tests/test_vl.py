@@ -27,10 +27,11 @@ KINDS = ("qwen2_5_vl", "qwen3_vl")
 OPTIM = dict(lr=1e-3, clip_grad=0.0)
 
 
-def hf_reference(kind: str, batch) -> list[torch.Tensor]:
-    """Per row: the plain HF model's log-probs of the row's response tokens (the row alone, no padding)."""
+def hf_reference(kind: str, batch, model=None) -> list[torch.Tensor]:
+    """Per row: the plain HF model's (`model`, or the tiny config's seeded one) log-probs of the row's response
+    tokens (the row alone, no padding)."""
     config = load_hf_config(None, tiny_config(kind))
-    model = build_causal_lm(config, None, "cpu", torch.float32, seed=0).eval()
+    model = model if model is not None else build_causal_lm(config, None, "cpu", torch.float32, seed=0).eval()
     out = []
     for i in range(len(batch)):
         keep = batch["attention_mask"][i].bool()

@@ -61,6 +61,11 @@ def test_the_rl_ledger_counts_the_vision_tower_and_the_prompts_image_tokens(kind
     # frozen: no activations kept, one block's forward at a time (4 x width + 2 x MLP width, bf16)
     assert "vision activations" not in update
     assert update["vision forward"] == prep["vision forward"] == pytest.approx(2 * 64 * 4 * (4 * 16 + 2 * 32) * 2)
+    # LoRA adapts the language model only: the tower is frozen as well, its weights in param_dtype with the base's
+    lora_cfg = load_config(None, [*common, "model.lora.rank=4"])
+    lora = terms(phase_ledger(lora_cfg, derive_layout(lora_cfg, 1, 4), load_hf_config(None, tiny_config(kind))),
+                 "update")
+    assert "vision activations" not in lora and lora["vision forward"] == update["vision forward"]
 
 
 def test_the_sft_ledger_counts_the_vision_tower_and_its_image_tokens():

@@ -37,7 +37,8 @@ PREFILL_TOKENS = 16384  # FastRollout.prefill_tokens
 def model_numbers(hf_config, trust_remote_code: bool = False, lora=None, freeze_vision_tower: bool = False) -> dict:
     """Parameter counts of the model (built on the meta device): total, largest FSDP unit, largest tensor,
     `trained` (with `lora`, a `model.lora` section of rank > 0: the adapters; else every parameter), `frozen` (the
-    vision tower's under `freeze_vision_tower`, else 0) and `vision` (`vision_numbers`; None for a text model)."""
+    vision tower's under `freeze_vision_tower` or LoRA, which adapts the language model only; else 0) and `vision`
+    (`vision_numbers`; None for a text model)."""
     import torch
     import transformers
 
@@ -60,7 +61,7 @@ def model_numbers(hf_config, trust_remote_code: bool = False, lora=None, freeze_
     blocks = [sum(p.numel() for p in b.parameters()) for b in decoder_blocks(model)]
     return dict(total=total, largest_unit=max([*blocks, total - sum(blocks)]), largest_block=max(blocks, default=0),
                 root_unit=total - sum(blocks), largest_tensor=max(p.numel() for p in params), trained=trained,
-                frozen=vision["params"] if vision and freeze_vision_tower else 0, vision=vision)
+                frozen=vision["params"] if vision and (freeze_vision_tower or trained) else 0, vision=vision)
 
 
 def vision_numbers(model) -> dict:
