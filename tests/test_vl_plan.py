@@ -73,7 +73,8 @@ def test_the_sft_ledger_counts_the_vision_tower_and_its_image_tokens():
     tiny = f"model.tiny={json.dumps(tiny_config('qwen2_5_vl'))}"
     cfg = load_config(None, [tiny, "data.max_length=100", "engine.use_dynamic_bsz=false",
                              "engine.micro_batch_size_per_gpu=3", "model.gradient_checkpointing=true"], cls=SFTConfig)
-    ledger = offline_ledger(cfg, derive_offline_layout(cfg, "sft", 1, 2), load_hf_config(None, tiny_config("qwen2_5_vl")))
+    hf_config = load_hf_config(None, tiny_config("qwen2_5_vl"))
+    ledger = offline_ledger(cfg, derive_offline_layout(cfg, "sft", 1, 2), hf_config)
     update = terms(ledger, "update")
     assert update["model params"] == pytest.approx(total * 4 / 2)
     assert update["model optimizer state"] == pytest.approx(2 * total * 4 / 2)
@@ -81,7 +82,6 @@ def test_the_sft_ledger_counts_the_vision_tower_and_its_image_tokens():
     # an SFT row's images may be anywhere in it: 3 rows x 100 tokens; checkpointed: each block's input and one block
     assert update["vision activations"] == pytest.approx(3 * 100 * 4 * (2 * 2 * 16 + per_patch_block("qwen2_5_vl")))
     cfg.model.freeze_vision_tower = True
-    frozen = terms(offline_ledger(cfg, derive_offline_layout(cfg, "sft", 1, 2),
-                                  load_hf_config(None, tiny_config("qwen2_5_vl"))), "update")
+    frozen = terms(offline_ledger(cfg, derive_offline_layout(cfg, "sft", 1, 2), hf_config), "update")
     assert frozen["model optimizer state"] == pytest.approx(2 * (total - vision) * 4 / 2)
     assert frozen["model grads"] == pytest.approx((total - vision) * 4 / 2)

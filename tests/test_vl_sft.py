@@ -203,3 +203,16 @@ def test_sft_on_images_learns_and_exports(tmp_path):
     assert len(val) == 2 and val[1] < val[0]
     hf = transformers.AutoModelForImageTextToText.from_pretrained(run_dir / "hf_model")
     assert any(name.startswith("model.visual.") for name, _ in hf.named_parameters())
+
+
+def test_sft_on_a_vision_language_model_whose_folder_has_no_image_processor_is_refused_naming_it(tmp_path):
+    from shardrl.launch.rank import run
+    from shardrl.testing import save_char_model
+
+    save_char_model(tmp_path / "text")  # a tokenizer, no preprocessor_config.json
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a", "response": "b"}])
+    with pytest.raises(ValueError, match=r"model folder .*text' has no image processor \(preprocessor_config.json\)"):
+        run(None, [f"model.tiny={json.dumps(tiny_config('qwen2_5_vl'))}", f"model.tokenizer_path={tmp_path / 'text'}",
+                   f"data.train_files=[{path}]", f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=1"],
+            "sft")
+    assert not (tmp_path / "run").exists()

@@ -84,7 +84,8 @@ def vision_activation_bytes_per_patch_block(vision: dict, compute: int) -> tuple
     output and the projection's input, the MLP's tensors), and the formula."""
     h, inter, mlp_tensors = vision["hidden"], vision["inter"], 4 if vision["gated"] else 2
     per = 2 * (4 * h + compute * h) + 5 * compute * h + mlp_tensors * compute * inter
-    return per, f"2 norms x (4+{compute}) B x {h} + attention 5 x {compute} B x {h} + MLP {mlp_tensors} x {compute} B x {inter}"
+    return per, (f"2 norms x (4+{compute}) B x {h} + attention 5 x {compute} B x {h} + MLP {mlp_tensors} x "
+                 f"{compute} B x {inter}")
 
 
 def vision_terms(numbers: dict, image_tokens: int, bound: str, compute: int, train: bool,
@@ -373,7 +374,8 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
               if runs]
     prep = [_inference_term(c, tokens, compute, chunk, ", ".join(passes))] if passes else []
     # a VL prompt's image tokens are inside data.max_prompt_length: a micro-batch's rows' prompts bound them
-    rows = f"{actor.micro_batch_size_per_gpu} (micro_batch_size_per_gpu) x {layout.max_prompt_length} (max_prompt_length)"
+    rows = (f"{actor.micro_batch_size_per_gpu} (micro_batch_size_per_gpu) x {layout.max_prompt_length} "
+            "(max_prompt_length)")
     images = (tokens, "max_token_len_per_gpu, at most") if actor.use_dynamic_bsz else \
         (min(tokens, actor.micro_batch_size_per_gpu * layout.max_prompt_length), rows)
     if passes:

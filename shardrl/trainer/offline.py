@@ -92,10 +92,7 @@ class OfflineTrainer(Trainer):
             return None
         if not self.reads_images:
             refuse_vision_language(model_config, f"shardrl {self.name}", "offline")
-        if self.cfg.model.path is None and self.cfg.model.tokenizer_path is None:
-            raise ValueError(f"a vision-language model ({model_config.model_type!r}) needs its processor: set "
-                             "model.path (or model.tokenizer_path) to a folder holding it")
-        return model_processor(self.cfg.model, self.tokenizer)
+        return model_processor(self.cfg.model, self.tokenizer)  # (load_tokenizer has found a folder)
 
     # ---- what a trainer says ------------------------------------------------------------------------
     reads_images = False
