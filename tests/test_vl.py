@@ -27,10 +27,11 @@ KINDS = ("qwen2_5_vl", "qwen3_vl")
 OPTIM = dict(lr=1e-3, clip_grad=0.0)
 
 
-def hf_reference(kind: str, batch) -> list[torch.Tensor]:
-    """Per row: the plain HF model's log-probs of the row's response tokens (the row alone, no padding)."""
+def hf_reference(kind: str, batch, model=None) -> list[torch.Tensor]:
+    """Per row: the plain HF model's (`model`, or the tiny config's seeded one) log-probs of the row's response
+    tokens (the row alone, no padding)."""
     config = load_hf_config(None, tiny_config(kind))
-    model = build_causal_lm(config, None, "cpu", torch.float32, seed=0).eval()
+    model = model if model is not None else build_causal_lm(config, None, "cpu", torch.float32, seed=0).eval()
     out = []
     for i in range(len(batch)):
         keep = batch["attention_mask"][i].bool()
@@ -116,10 +117,10 @@ def test_frozen_vision_tower_gets_no_gradient():
     assert any(n.startswith("model.language_model.") for n in grads)
 
 
-def test_fast_rollout_and_sft_refuse_a_vision_language_model_by_name(tmp_path):
+def test_fast_rollout_and_dpo_refuse_a_vision_language_model_by_name(tmp_path):
     """What is not built for a VL model yet is refused with the setting to change, before any model is built: the
     fast rollout (the hf one generates with images: tests/test_vl_rollout.py; RL training: tests/test_vl_train.py),
-    sft."""
+    dpo (sft reads images: tests/test_vl_sft.py)."""
     from shardrl.launch.rank import run
     from shardrl.rollout import build_rollout
     from shardrl.testing import save_tiny_vl_model
@@ -131,9 +132,9 @@ def test_fast_rollout_and_sft_refuse_a_vision_language_model_by_name(tmp_path):
         build_rollout("fast", config, None, "cpu", torch.float32)
     assert build_rollout("hf", config, build_char_tokenizer(), "cpu", torch.float32).vision
     save_tiny_vl_model(tmp_path / "vl")
-    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
-    with pytest.raises(ValueError, match="offline training: sft, dpo, kto, rm\\): 'qwen2_5_vl' is a vision-language "
-                                         "model; sft, dpo, kto and rm with images are not built yet"):
-        run(None, [f"model.path={tmp_path / 'vl'}", f"data.train_files=[{tmp_path / 'sft.jsonl'}]",
-                   f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=1"], "sft")
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    with pytest.raises(ValueError, match="shardrl dpo: 'qwen2_5_vl' is a vision-language model; dpo, kto and rm with "
+                                         "images are not built yet"):
+        run(None, [f"model.path={tmp_path / 'vl'}", f"data.train_files=[{tmp_path / 'pairs.jsonl'}]",
+                   f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=1"], "dpo")
     assert not (tmp_path / "run").exists()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from shardrl.data.images import ImageSettings, load_image_prompts
+from shardrl.data.images import ImageSettings, image_name, load_image_prompts
 from shardrl.engine.model import load_hf_config
 from shardrl.testing import tiny_config, tiny_vl_processor
 
@@ -54,6 +54,9 @@ def test_verl_and_trl_rows_make_the_same_inputs(processor, tmp_path):
     assert first["multi_modal_inputs"]["pixel_values"].shape == (48, 3 * 2 * 14 * 14)
     assert first["prompt_ids"].count(124) == 2 * 24 // 4 and first["prompt_ids"].count(126) == 2
     assert items[1]["multi_modal_inputs"] is None and 124 not in items[1]["prompt_ids"]
+    # how validation's log names them: the row's path, or the image's number where the row held bytes
+    assert first["image_names"] == ["<image bytes #1>", "b.png"] and items[1]["image_names"] == []
+    assert image_name({"bytes": b"...", "path": "cat.jpg"}, 3) == "cat.jpg"  # (HF datasets keeps both)
     # TRL's parts render the same prompt; the images are the same pixels (here both are the blue one)
     trl_items, _ = load_image_prompts([str(tmp_path / "trl.jsonl")], processor, ImageSettings())
     assert trl_items[0]["prompt_ids"] == first["prompt_ids"]

@@ -97,11 +97,38 @@ def test_grpo_with_images_runs_and_its_first_step_is_invariant_to_the_micro_batc
             assert got[0][key] == pytest.approx(first[key], **tol), (name, key)
 
 
+def test_grpo_with_images_and_lora_on_the_language_model_runs(assets, tmp_path):
+    """LoRA on a VL policy (the language model's layers, `tests/test_vl_lora.py`): the hf rollout samples with the
+    merged weights, the reference is the base (adapters off), and the engine's log-probs are the sampler's."""
+    records = run_distributed(_train_runs, 1, [overrides(assets, tmp_path / "run", "trainer.total_steps=2",
+                                                         "model.lora.rank=4", "actor.engine.micro_batch_size_per_gpu=4",
+                                                         "ref.engine.micro_batch_size_per_gpu=4")])[0]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["rollout/logprob_abs_diff_max"] < 1e-4 for r in records)  # the synced merge is what trains
+    assert records[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)  # step 1: the adapters are 0, policy = base
+    assert records[1]["actor/kl_loss"] > 0  # the adapters moved the policy off the reference
+
+
+def test_validation_names_each_prompts_images_beside_its_generations(assets, tmp_path, capsys):
+    """generations.jsonl and the console name a prompt's images: the path the row gives, `<image bytes #i>` for
+    bytes (the assets alternate: paths on even rows, bytes on odd)."""
+    from shardrl.launch.rank import run
+
+    run_dir = tmp_path / "run"
+    run(None, overrides(assets, run_dir, "trainer.total_steps=1", "trainer.val_before_train=true",
+                        f"data.val_files=[{assets / 'train.parquet'}]", "trainer.log_val_generations=4",
+                        "actor.engine.micro_batch_size_per_gpu=4", "ref.engine.micro_batch_size_per_gpu=4"))
+    samples = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    first = [s for s in samples if s["step"] == 0]
+    assert [s["images"] for s in first] == [["red.png"], ["<image bytes #1>"], ["blue.png"], ["<image bytes #1>"]]
+    assert all(s["ground_truth"] in s["images"][0] for s in first[::2])  # each sample beside its own prompt's image
+    assert "  images:   'red.png'\n  response:" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("extra,message", [
     (["rollout.backend=fast"], r"rollout.backend=fast: 'qwen2_5_vl' is a vision-language model; the fast rollout's "
                                r"image prefill .* set rollout.backend=hf"),
     (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"], r"multi-turn and agent episodes with images are not built yet"),
-    (["model.lora.rank=4"], r"model.lora on the vision-language model 'qwen2_5_vl' is not supported yet"),
 ])
 def test_what_is_not_built_for_images_is_refused_by_name(assets, tmp_path, extra, message):
     from shardrl.launch.rank import run

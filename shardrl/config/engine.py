@@ -27,7 +27,7 @@ class LoRAConfig:
     """Dropout on the adapters' input while training (0 keeps the update's forward equal to the old log-probs')."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """The linear layers that get adapters, by their leaf name (q_proj, v_proj, ...), or every linear layer but
-    the output head."""
+    the output head. A vision-language model's: its language model's only (the vision tower gets none)."""
     use_rslora: bool = False
     """Rank-stabilized scale alpha / sqrt(rank)."""
     seed: int = 0

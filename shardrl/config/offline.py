@@ -10,6 +10,7 @@ from typing import Literal
 from shardrl.config.checks import check_reward_model_trainer
 from shardrl.config.command import OfflineCommandConfig, TrainerConfig
 from shardrl.config.engine import EngineConfig, ModelConfig, OptimConfig
+from shardrl.config.images import ImageDataConfig
 from shardrl.config.load import require
 from shardrl.config.names import PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, SMOOTHED_LOSSES
 
@@ -44,7 +45,7 @@ class OfflineDataConfig:
 
 
 @dataclass
-class SFTDataConfig(OfflineDataConfig):
+class SFTDataConfig(OfflineDataConfig, ImageDataConfig):
     messages_key: str = "messages"
     """Column holding a chat: a list of {role, content} messages; every assistant turn is trained on."""
     prompt_key: str = "prompt"
@@ -54,6 +55,10 @@ class SFTDataConfig(OfflineDataConfig):
     """Without a messages column: the assistant's reply, the only part trained on. None: `response`, or in a row
     without one `completion` (TRL's prompt-completion column); a name: that column only (a dotted name as
     prompt_key)."""
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        self.validate_images(prefix)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from shardrl.config.algorithm import (ActorConfig, AlgorithmConfig, AsyncConfig,
 from shardrl.config.checks import check_reward, check_rl
 from shardrl.config.command import CommandConfig, TrainerConfig, epochs_decide
 from shardrl.config.engine import EngineConfig, ModelConfig, OptimConfig
+from shardrl.config.images import ImageDataConfig
 from shardrl.config.load import require
 from shardrl.config.names import ADVANTAGE_ESTIMATORS
 from shardrl.config.rollout import RolloutConfig
@@ -53,7 +54,7 @@ class ReasoningGymConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(ImageDataConfig):
     train_files: list[str] = field(default_factory=list)
     """Prompt files (parquet / jsonl) to train on."""
     val_files: list[str] = field(default_factory=list)
@@ -66,17 +67,6 @@ class DataConfig:
     """Over-long prompts: raise, drop the row, or cut tokens from the left / right."""
     skip_bad_rows: bool = False
     """Skip (and count) rows without a usable prompt instead of raising."""
-    image_key: str = "images"
-    """A vision-language model's rows: the column holding each row's images (verl's data.image_key), a list of
-    {"bytes"} / {"path"} dicts, paths or bytes, one per `<image>` placeholder (or {"type": "image"} part) of the
-    prompt (`shardrl.data.images`). A text model reads no images."""
-    min_pixels: int | None = None
-    """A vision-language model's processor resizes smaller images up to this many pixels; null: the processor's."""
-    max_pixels: int | None = None
-    """The processor resizes larger images down to this many pixels (fewer image tokens); null: the processor's."""
-    max_image_pixels: int | None = None
-    """An image of more raw pixels than this (before any resize) is a bad image (data.bad_images); null: no limit
-    beyond PIL's decompression-bomb guard."""
     bad_images: Literal["error", "drop"] = "error"
     """A row with a bad image (unreadable, a count unlike its placeholders', over max_image_pixels): "error" stops
     the load naming the row, "drop" leaves the row out and counts it."""
@@ -114,8 +104,7 @@ class DataConfig:
                 "must be >= 1 (prompts) or null")
         require(self, prefix, "val_batch_size", self.val_batch_size is None or self.val_batch_size >= 1,
                 "must be >= 1 or null")
-        for name in ("min_pixels", "max_pixels", "max_image_pixels"):
-            require(self, prefix, name, getattr(self, name) is None or getattr(self, name) >= 1, "must be >= 1 or null")
+        self.validate_images(prefix)
 
 
 @dataclass

@@ -40,6 +40,8 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 from jinja2 import TemplateError
 
@@ -366,8 +368,8 @@ def load_chat_dataset(files: list[str], tokenizer, max_length: int, truncation: 
                       response_key: str | None = None) -> ChatDataset:
     """Every row of `files` (JSONL, JSON or Parquet) tokenized; `truncation` of a row over `max_length`:
     "error", "drop" (counted), or "right" (cut at max_length; it keeps its first assistant tokens)."""
-    return _load(files, tokenizer, _tokenize_sft, (messages_key, prompt_key, response_key), "sft", max_length,
-                 truncation, skip_bad_rows)
+    return load_rows(files, lambda _: partial(_tokenize_sft, tokenizer), (messages_key, prompt_key, response_key),
+                     "sft", max_length, truncation, skip_bad_rows)
 
 
 def load_preference_dataset(files: list[str], tokenizer, max_length: int, truncation: str = "error",
@@ -375,8 +377,8 @@ def load_preference_dataset(files: list[str], tokenizer, max_length: int, trunca
                             rejected_key: str = "rejected") -> ChatDataset:
     """Preference pairs of `files`: item i holds chosen_ids/chosen_mask and rejected_ids/rejected_mask, the
     masks on the completions only; `max_length` and `truncation` apply to each of the two sequences."""
-    return _load(files, tokenizer, _tokenize_pair, (prompt_key, chosen_key, rejected_key), "pairs", max_length,
-                 truncation, skip_bad_rows)
+    return load_rows(files, lambda _: partial(_tokenize_pair, tokenizer), (prompt_key, chosen_key, rejected_key),
+                     "pairs", max_length, truncation, skip_bad_rows)
 
 
 def with_nested_columns(row, keys) -> object:
@@ -403,14 +405,18 @@ def load_unpaired_dataset(files: list[str], tokenizer, max_length: int, truncati
                           label_key: str = "label") -> ChatDataset:
     """Unpaired preference rows of `files` (KTO): item i holds input_ids/loss_mask (the mask on the completion),
     prompt_length and label (true: desirable)."""
-    return _load(files, tokenizer, _tokenize_unpaired, (prompt_key, completion_key, label_key), "unpaired",
-                 max_length, truncation, skip_bad_rows)
+    return load_rows(files, lambda _: partial(_tokenize_unpaired, tokenizer), (prompt_key, completion_key, label_key),
+                     "unpaired", max_length, truncation, skip_bad_rows)
 
 
-def _load(files, tokenizer, tokenize_row, keys, kind: str, max_length: int, truncation: str,
-          skip_bad_rows: bool) -> ChatDataset:
+def load_rows(files: list[str], reader: Callable[[str], Callable], keys: tuple, kind: str, max_length: int,
+              truncation: str, skip_bad_rows: bool) -> ChatDataset:
+    """The items of `files`' rows of `kind` (`COLUMNS`), each made by `reader(path)(row, keys)` (a file's reader: an
+    image row's relative paths are the file's folder's), bad and over-long rows counted (see the module doc). An
+    item with `keep_length` (its image placeholders' end) is not cut shorter: it is dropped instead."""
     items, stats = [], {"rows": 0, "bad": 0, "too_long": 0, "truncated": 0, "loss_tokens": 0}
     for path in files:
+        tokenize_row = reader(path)
         rows = [(number, with_nested_columns(row, keys)) for number, row in read_rows(path, keep_bad_lines=True)]
         check_columns(path, rows, *COLUMNS[kind](*keys))
         for number, row in rows:
@@ -418,7 +424,7 @@ def _load(files, tokenizer, tokenize_row, keys, kind: str, max_length: int, trun
             try:
                 if isinstance(row, UnreadableRow):
                     raise ValueError(row.problem)
-                item = tokenize_row(tokenizer, row, keys)
+                item = tokenize_row(row, keys)
             except MissingTemplate as e:  # the tokenizer's, not the row's: no row of the file would do
                 raise ValueError(f"{path}: row {number}: {e}") from None
             except ValueError as e:
@@ -433,7 +439,8 @@ def _load(files, tokenizer, tokenize_row, keys, kind: str, max_length: int, trun
                 if truncation == "error":
                     raise ValueError(f"{path}: row {number} has {longest} tokens, more than data.max_length="
                                      f"{max_length}; raise it, or set data.truncation to drop or right")
-                if truncation == "drop" or not all(any(item[m][:max_length]) for _, m in SEQUENCES[kind]):
+                if truncation == "drop" or not all(any(item[m][:max_length]) for _, m in SEQUENCES[kind]) \
+                        or item.get("keep_length", 0) > max_length:
                     stats["too_long"] += 1
                     continue
                 for ids, m in SEQUENCES[kind]:
@@ -451,8 +458,13 @@ def _load(files, tokenizer, tokenize_row, keys, kind: str, max_length: int, trun
 
 
 def collate_chats(items: list[dict], pad_id: int):
-    """A right-padded `Batch` of `input_ids`, `attention_mask` and `loss_mask`, each (B, T)."""
-    return _collate([(item["input_ids"], item["loss_mask"]) for item in items], pad_id)
+    """A right-padded `Batch` of `input_ids`, `attention_mask` and `loss_mask`, each (B, T); rows with images
+    (`data.image_chat`) add the per-row field `multi_modal_inputs` (None for a row without), which the engine's
+    micro-batches carry with their rows."""
+    batch = _collate([(item["input_ids"], item["loss_mask"]) for item in items], pad_id)
+    if any(item.get("multi_modal_inputs") for item in items):
+        batch["multi_modal_inputs"] = [item.get("multi_modal_inputs") for item in items]
+    return batch
 
 
 def collate_pairs(items: list[dict], pad_id: int):

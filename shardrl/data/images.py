@@ -101,18 +101,24 @@ def image_messages(messages: list[dict], num_images: int) -> list[dict]:
     return out
 
 
+def _resize_range(processor, settings: ImageSettings) -> dict:
+    """The processor's `size` argument: its own {shortest_edge, longest_edge} pixels (Qwen's), the settings' where
+    set; {} for a processor without one."""
+    size = dict(getattr(processor.image_processor, "size", None) or {})
+    size.update({k: v for k, v in (("shortest_edge", settings.min_pixels), ("longest_edge", settings.max_pixels)) if v})
+    return {"size": size} if size else {}
+
+
 def process_images(processor, messages: list[dict], images: list, settings: ImageSettings) -> dict:
     """{"prompt_ids": [...], "prompt_text": str, "multi_modal_inputs": {"pixel_values", "image_grid_thw"} or None}
     of one row's image messages (`image_messages`) and its PIL images."""
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    size = dict(getattr(processor.image_processor, "size", None) or {})  # Qwen's: {shortest_edge, longest_edge} pixels
-    size.update({k: v for k, v in (("shortest_edge", settings.min_pixels), ("longest_edge", settings.max_pixels)) if v})
-    out = processor(text=[text], images=images or None, return_tensors="pt", **({"size": size} if size else {}))
+    out = processor(text=[text], images=images or None, return_tensors="pt", **_resize_range(processor, settings))
     inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]} if images else None
     return {"prompt_ids": out["input_ids"][0].tolist(), "prompt_text": text, "multi_modal_inputs": inputs}
 
 
-def _checked(messages, key: str) -> list[dict]:
+def checked_messages(messages, key: str) -> list[dict]:
     """`messages` after `check_messages`'s checks of roles and shapes, a content list read as its text parts."""
     if not isinstance(messages, list):
         return check_messages(messages, key)  # (its error for a prompt that is not messages)
@@ -122,10 +128,28 @@ def _checked(messages, key: str) -> list[dict]:
     return messages
 
 
-def _row_images(row: dict, settings: ImageSettings, folder: str) -> list:
+def _image_values(row: dict, settings: ImageSettings) -> list:
     values = row.get(settings.image_key) or []
-    if not isinstance(values, (list, tuple)):
-        values = [values]
+    return list(values) if isinstance(values, (list, tuple)) else [values]
+
+
+def image_name(value, number: int) -> str:
+    """How a log names a row's image `number` (1-based): the path the row gives (a {"bytes", "path"} dict's path,
+    as HF datasets' image column keeps the file name beside the bytes), else `<image bytes #number>`."""
+    if isinstance(value, dict):
+        value = value.get("path") or value.get("image") or value.get("bytes")
+    if isinstance(value, str):
+        return value
+    return f"<image bytes #{number}>"
+
+
+def image_names(row: dict, settings: ImageSettings) -> list[str]:
+    """The names of the row's images (`image_name`), in order."""
+    return [image_name(value, k) for k, value in enumerate(_image_values(row, settings), start=1)]
+
+
+def row_images(row: dict, settings: ImageSettings, folder: str) -> list:
+    values = _image_values(row, settings)
     images = []
     for k, value in enumerate(values, start=1):
         try:
@@ -141,8 +165,9 @@ def _row_images(row: dict, settings: ImageSettings, folder: str) -> list:
 
 def load_image_prompts(files: list[str], processor, settings: ImageSettings, prompt_key: str = "prompt",
                        max_prompt_length: int | None = None, truncation: str = "drop") -> tuple[list[dict], dict]:
-    """Items {"prompt_ids", "prompt_text", "multi_modal_inputs", "prompt", "data_source", "extra", "index"} of the
-    files' rows (`extra`: the row's other columns but the images, as a text row's), and stats {"rows",
+    """Items {"prompt_ids", "prompt_text", "multi_modal_inputs", "prompt", "data_source", "extra", "image_names",
+    "index"} of the files' rows (`extra`: the row's other columns but the images, as a text row's; `image_names`:
+    how logs name its images, `image_name`), and stats {"rows",
     "dropped_bad_images", "dropped_too_long"}. A bad image stops the load or drops its row
     (`ImageSettings.bad_images`). A prompt of more than `max_prompt_length` tokens (image placeholders included) is
     dropped and counted (`truncation="drop"`) or refused: a cut would split an image's placeholders from its
@@ -159,8 +184,8 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
             prompt = row[prompt_key]
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             try:
-                images = _row_images(row, settings, folder)
-                messages = image_messages(_checked(messages, prompt_key), len(images))
+                images = row_images(row, settings, folder)
+                messages = image_messages(checked_messages(messages, prompt_key), len(images))
             except BadImage as e:
                 if settings.bad_images == "error":
                     raise ValueError(f"{path}: row {number}: {e}; fix the row, or set bad_images=drop to leave such "
@@ -179,7 +204,7 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
             data_source = row.get("data_source")
             extra = {k: v for k, v in _extra_fields(row, prompt_key).items() if k != settings.image_key}
             items.append({**item, "prompt": prompt, "data_source": "default" if data_source is None else str(data_source),
-                          "extra": extra, "index": len(items)})
+                          "extra": extra, "image_names": image_names(row, settings), "index": len(items)})
     if dropped:
         logger.warning("dropped %d row(s) with a bad image (bad_images=drop) of %d", dropped, dropped + len(items))
     if too_long:

@@ -105,7 +105,7 @@ class Engine(abc.ABC):
             self._check_lora(head)
         if engine_cfg.expert_parallel_size > 1:
             self._check_expert_parallel()
-        check_vision_engine(self.hf_config, head, self.lora, self.mesh.sp_size)
+        check_vision_engine(self.hf_config, head, self.mesh.sp_size)
         if model_cfg.freeze_vision_tower and not is_vision_language(self.hf_config):
             raise ValueError(f"model.freeze_vision_tower=true: the {self.hf_config.model_type!r} model has no vision "
                              "tower; set it to false")
@@ -541,7 +541,7 @@ class Engine(abc.ABC):
                 full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
                 adapters[self.hf_name(name)] = full.float().cpu()
         if self.rank == 0:
-            save_peft_adapter(path, adapters, self.lora, self.model_cfg.path)
+            save_peft_adapter(path, adapters, self.lora, self.model_cfg.path, is_vision_language(self.hf_config))
         dist.barrier()
         return str(path)
 

@@ -42,24 +42,42 @@ def linear_module_names(model: nn.Module) -> list[str]:
     return sorted(names - {"lm_head", "score"})
 
 
+def language_model_linears(lm: nn.Module, leaves) -> list[str]:
+    """A vision-language model's adapted layers: the full names of its language model's linear layers whose leaf
+    name is in `leaves` ("all-linear": every one), so that no layer of the vision tower (whose MLP shares the
+    decoder's leaf names, gate_proj / up_proj / down_proj) gets an adapter."""
+    from shardrl.models.vision import vision_family
+
+    prefix = vision_family(lm.config).language_model + "."
+    return [name for name, m in lm.named_modules() if isinstance(m, nn.Linear) and name.startswith(prefix)
+            and (leaves == "all-linear" or name.rsplit(".", 1)[-1] in leaves)]
+
+
 def inject_lora(lm: nn.Module, lora_cfg) -> list[str]:
     """Adds `model.lora`'s adapters to the HF model `lm` (on any device, meta included), freezes everything
     else, and makes the adapters fp32; returns the adapter parameters' names. A ValueError naming the key for
-    target modules that match nothing."""
+    target modules that match nothing. A vision-language model's adapters go on its language model only (its
+    vision tower stays as it is, frozen)."""
     from peft import inject_adapter_in_model
 
-    known = linear_module_names(lm)
+    from shardrl.models.families import is_moe
+    from shardrl.models.vision import is_vision_language, vision_family
+
+    vision = is_vision_language(lm.config)
+    part = lm.get_submodule(vision_family(lm.config).language_model) if vision else lm
+    known = linear_module_names(part)
     targets = lora_cfg.target_modules
     if targets != "all-linear":
         missing = [t for t in targets if t not in known]
         if missing or not targets:
+            where = "the language model" if vision else "the model"
             raise ValueError(f"model.lora.target_modules={list(targets)}: {missing or 'none'} match no linear layer "
-                             f"of the model; its linear layers are {known} (or give \"all-linear\")")
+                             f"of {where}; its linear layers are {known} (or give \"all-linear\")")
     # a mixture of experts: peft's all-linear would also wrap the routers and the experts' 3-D weights, which the
     # rollouts' adapter sync and the merged export do not handle; its linear layers (attention, dense MLPs) only
-    from shardrl.models.families import is_moe
-
     explicit = known if targets == "all-linear" and is_moe(lm.config) else None
+    if vision:  # by full name: peft matches a leaf name anywhere, the vision tower's layers too
+        explicit = language_model_linears(lm, explicit or targets)
     inject_adapter_in_model(peft_lora_config(lora_cfg, explicit), lm)
     names = []
     for name, p in lm.named_parameters():
@@ -174,10 +192,13 @@ def scaling_of(lora_cfg) -> float:
     return lora_cfg.alpha / (math.sqrt(lora_cfg.rank) if lora_cfg.use_rslora else lora_cfg.rank)
 
 
-def save_peft_adapter(path, adapters: dict[str, torch.Tensor], lora_cfg, base_model_path: str | None) -> None:
+def save_peft_adapter(path, adapters: dict[str, torch.Tensor], lora_cfg, base_model_path: str | None,
+                      by_full_name: bool = False) -> None:
     """A peft adapter folder (adapter_config.json, adapter_model.safetensors) of the full adapter tensors
     `adapters` (by HF name, `...q_proj.lora_A.default.weight`) of a causal LM (LoRA is the policy's only):
-    `PeftModel.from_pretrained(base, path)` and `AutoPeftModelForCausalLM.from_pretrained(path)` load it."""
+    `PeftModel.from_pretrained(base, path)` and `AutoPeftModelForCausalLM.from_pretrained(path)` load it.
+    `by_full_name`: its target_modules name each adapted layer in full (a vision-language model's language model
+    shares leaf names with its vision tower, which has no adapters)."""
     from pathlib import Path
 
     from safetensors.torch import save_file
@@ -185,7 +206,8 @@ def save_peft_adapter(path, adapters: dict[str, torch.Tensor], lora_cfg, base_mo
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     # the layers that hold adapters, by leaf name (what peft's all-linear would pick for a dense model)
-    config = peft_lora_config(lora_cfg, sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in adapters}))
+    layers = {name.split(".lora_")[0] for name in adapters}
+    config = peft_lora_config(lora_cfg, sorted(layers if by_full_name else {n.rsplit(".", 1)[-1] for n in layers}))
     config.task_type = "CAUSAL_LM"  # what AutoPeftModelForCausalLM checks, and what peft's own causal-LM save writes
     # a local folder as an absolute path (a relative one would be read from the loader's working folder, not the
     # run's); a hub id as given

@@ -30,17 +30,15 @@ MULTI_MODAL_KEY = "multi_modal_inputs"
 """The per-row batch field holding a row's `pixel_values` and `image_grid_thw`."""
 
 
-def check_vision_engine(hf_config, head: str, lora, sp: int) -> None:
-    """A ValueError for what the engine does not do with a vision-language model yet (said with the setting)."""
+def check_vision_engine(hf_config, head: str, sp: int) -> None:
+    """A ValueError for what the engine does not do with a vision-language model yet (said with the setting).
+    (LoRA is built: its adapters go on the language model only, `engine.lora.inject_lora`.)"""
     if not is_vision_language(hf_config):
         return
     name = hf_config.model_type
     if head != "lm":
         raise ValueError(f"a {head!r} head on the vision-language model {name!r} is not supported yet (critics and "
                          "reward models with images are a later step of issue 61); the policy's 'lm' head is")
-    if lora is not None:
-        raise ValueError(f"model.lora on the vision-language model {name!r} is not supported yet (issue 61: LoRA on "
-                         "the language part); set model.lora.rank=0")
     if sp > 1:
         raise ValueError(f"ulysses_sequence_parallel_size={sp} with the vision-language model {name!r} is not "
                          "supported yet (the M-RoPE positions are not split); set it to 1")

@@ -12,6 +12,12 @@ decoder layer with FlashAttention-style attention (bf16 compute): each RMSNorm k
 normalized output; attention keeps q and k after rotary, v, its output and o_proj's input; a gated MLP keeps
 gate, up, the activation and the product (an ungated one: its two). Checkpointing keeps only each layer's
 input, plus one layer's full set during its recomputation.
+
+A vision-language model (issue 61) adds its vision tower: its parameters are the model's (state, grads and
+optimizer state as the rest's; no grads or optimizer state when `model.freeze_vision_tower`), and a micro-batch's
+image tokens, which sit inside its prompts (data.max_prompt_length counts them: no extra decoder tokens), each bring
+merge^2 patches through every vision block. A trained tower keeps each block's activations per patch (counted as a
+decoder layer's are, at the tower's width); a frozen one keeps none, only one block's forward at a time.
 """
 
 from __future__ import annotations
@@ -28,16 +34,22 @@ SEQ_BUCKET = 128  # the fast rollout's cache length granularity (FastRollout.seq
 PREFILL_TOKENS = 16384  # FastRollout.prefill_tokens
 
 
-def model_numbers(hf_config, trust_remote_code: bool = False, lora=None) -> dict:
-    """Parameter counts of the model (built on the meta device): total, largest FSDP unit, largest tensor, and
-    `trained` (with `lora`, a `model.lora` section of rank > 0: the adapters; else every parameter)."""
+def model_numbers(hf_config, trust_remote_code: bool = False, lora=None, freeze_vision_tower: bool = False) -> dict:
+    """Parameter counts of the model (built on the meta device): total, largest FSDP unit, largest tensor,
+    `trained` (with `lora`, a `model.lora` section of rank > 0: the adapters; else every parameter), `frozen` (the
+    vision tower's under `freeze_vision_tower` or LoRA, which adapts the language model only; else 0) and `vision`
+    (`vision_numbers`; None for a text model)."""
     import torch
     import transformers
 
     from shardrl.engine.model import decoder_blocks
+    from shardrl.models.vision import is_vision_language
 
+    vl = is_vision_language(hf_config)
+    auto = transformers.AutoModelForImageTextToText if vl else transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+        model = auto.from_config(hf_config, trust_remote_code=trust_remote_code)
+    vision = vision_numbers(model) if vl else None
     trained = None
     if lora is not None and lora.rank > 0:
         from shardrl.engine.lora import LORA_MARK, inject_lora
@@ -48,7 +60,55 @@ def model_numbers(hf_config, trust_remote_code: bool = False, lora=None) -> dict
     total = sum(p.numel() for p in params) - (trained or 0)  # the model's own parameters
     blocks = [sum(p.numel() for p in b.parameters()) for b in decoder_blocks(model)]
     return dict(total=total, largest_unit=max([*blocks, total - sum(blocks)]), largest_block=max(blocks, default=0),
-                root_unit=total - sum(blocks), largest_tensor=max(p.numel() for p in params), trained=trained)
+                root_unit=total - sum(blocks), largest_tensor=max(p.numel() for p in params), trained=trained,
+                frozen=vision["params"] if vision and (freeze_vision_tower or trained) else 0, vision=vision)
+
+
+def vision_numbers(model) -> dict:
+    """A VL model's vision tower: its parameters, blocks (depth), width, heads, MLP width (gated or not) and the
+    patches a merged image token stands for (merge^2)."""
+    from shardrl.models.vision import vision_family
+
+    import torch.nn as nn
+
+    tower = model.get_submodule(vision_family(model.config).vision_tower)
+    block = tower.blocks[0]  # widths read off the block (Qwen2-VL's config says embed_dim and mlp_ratio instead)
+    first = next(m for m in block.mlp.modules() if isinstance(m, nn.Linear))
+    return dict(params=sum(p.numel() for p in tower.parameters()), depth=len(tower.blocks),
+                hidden=first.in_features, inter=first.out_features, gated=hasattr(block.mlp, "gate_proj"),
+                patches=tower.spatial_merge_size ** 2)
+
+
+def vision_activation_bytes_per_patch_block(vision: dict, compute: int) -> tuple[int, str]:
+    """Bytes autograd keeps per patch per vision block (as a decoder layer's: two norms, q, k, v, the attention's
+    output and the projection's input, the MLP's tensors), and the formula."""
+    h, inter, mlp_tensors = vision["hidden"], vision["inter"], 4 if vision["gated"] else 2
+    per = 2 * (4 * h + compute * h) + 5 * compute * h + mlp_tensors * compute * inter
+    return per, (f"2 norms x (4+{compute}) B x {h} + attention 5 x {compute} B x {h} + MLP {mlp_tensors} x "
+                 f"{compute} B x {inter}")
+
+
+def vision_terms(numbers: dict, image_tokens: int, bound: str, compute: int, train: bool,
+                 gradient_checkpointing: bool = False) -> list:
+    """The vision tower's terms for a micro-batch holding at most `image_tokens` image tokens (`bound` says why):
+    trained, every block's activations of its patches (checkpointed: each block's input and one block's set);
+    frozen or forward only, one block's forward at a time."""
+    vision = numbers.get("vision")
+    if not vision:
+        return []
+    patches = image_tokens * vision["patches"]
+    what = f"{image_tokens} image tokens ({bound}) x {vision['patches']} patches"
+    if train and not numbers.get("frozen"):
+        per, formula = vision_activation_bytes_per_patch_block(vision, compute)
+        depth, h = vision["depth"], vision["hidden"]
+        if gradient_checkpointing:
+            return [("vision activations", patches * (depth * compute * h + per),
+                     f"checkpointing: {what} x ({depth} block inputs x {compute} B x {h} + one block: {formula})")]
+        return [("vision activations", patches * depth * per, f"{what} x {depth} blocks x {per} B ({formula})")]
+    h, inter = vision["hidden"], vision["inter"]
+    return [("vision forward", patches * (4 * h + 2 * inter) * compute,
+             f"{what} x one block's (4 x {h} + 2 x {inter}) x {compute} B"
+             f"{' (frozen: no activations kept)' if train else ''}")]
 
 
 def activation_bytes_per_token_layer(hf_config, compute: int) -> tuple[int, str]:
@@ -74,7 +134,7 @@ def activation_bytes_per_token_layer(hf_config, compute: int) -> tuple[int, str]
 
 def _engine_resident(name, numbers, master, shard, offload_params, offload_optimizer, optimizer: bool,
                      compute: int = 2):
-    p, lora = numbers["total"], numbers.get("trained")
+    p, lora, frozen = numbers["total"], numbers.get("trained"), numbers.get("frozen", 0)
     out = []
     if lora and optimizer:  # LoRA: the frozen base in param_dtype, the fp32 adapters; only those are optimized
         out.append((f"{name} params", 0 if offload_params else (p * compute + lora * 4) / shard,
@@ -89,16 +149,18 @@ def _engine_resident(name, numbers, master, shard, offload_params, offload_optim
                 "on CPU (offload_params)" if offload_params else
                 f"{format_count(p)} x {master} B / {shard} (shard)"))
     if optimizer:
-        out.append((f"{name} optimizer state", 0 if offload_optimizer else 2 * p * master / shard,
+        trained = f"({format_count(p)} - {format_count(frozen)} frozen vision tower)" if frozen else format_count(p)
+        out.append((f"{name} optimizer state", 0 if offload_optimizer else 2 * (p - frozen) * master / shard,
                     "on CPU between updates (offload_optimizer)" if offload_optimizer else
-                    f"AdamW 2 x {format_count(p)} x {master} B / {shard}"))
+                    f"AdamW 2 x {trained} x {master} B / {shard}"))
     return out
 
 
 def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shard: int, tokens: int,
-                  gradient_checkpointing: bool) -> list[tuple[str, float, str]]:
-    """An update's own terms: grads, activations of a micro-batch of `tokens`, unsharded units, the logits chunk,
-    and the optimizer state brought back from the CPU."""
+                  gradient_checkpointing: bool, images: tuple[int, str] = (0, "")) -> list[tuple[str, float, str]]:
+    """An update's own terms: grads, activations of a micro-batch of `tokens` (and of a VL model's vision tower
+    over its `images`: (image tokens at most, why)), unsharded units, the logits chunk, and the optimizer state
+    brought back from the CPU."""
     c = text_config(hf_config)
     p, layers, h, vocab = numbers["total"], c.num_hidden_layers, c.hidden_size, c.vocab_size
     compute = DTYPE_BYTES[engine.param_dtype]
@@ -124,14 +186,16 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
     per_unit = engine.reshard_after_forward and not kept
     whole_why = "accumulate_unsharded: gathered over the micro-batches" if kept else "reshard_after_forward=false"
     chunk = engine.logprob_chunk_size
-    lora = numbers.get("trained")
-    trained, size = (lora, 4) if lora else (p, master)
+    lora, frozen = numbers.get("trained"), numbers.get("frozen", 0)
+    trained, size = (lora, 4) if lora else (p - frozen, master)
     grads = (f"{name} grads", 0 if engine.offload_params else trained * size / shard,
              "on CPU (offload_params)" if engine.offload_params else
-             f"{format_count(trained)}{' adapters' if lora else ''} x {size} B / {shard}")
+             f"{format_count(trained)}{' adapters' if lora else ''}"
+             f"{' (the vision tower frozen)' if frozen and not lora else ''} x {size} B / {shard}")
     update = [
         grads,
         ("activations", act, f"{act_how}; tokens: {how_tokens}"),
+        *vision_terms(numbers, *images, compute, train=True, gradient_checkpointing=gradient_checkpointing),
         ("unsharded params", (2 * unit if per_unit else p) * compute,
          f"2 units of {format_count(unit)} (one prefetched{unit_how}) x {compute} B" if per_unit
          else f"the whole model x {compute} B ({whole_why})"),
@@ -139,7 +203,7 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
          f"{chunk} tokens x {vocab} x ({compute} + 4 + 4) B (logits, log-softmax, its grad)"),
     ]
     if engine.offload_optimizer and not engine.offload_params:  # (offloaded params keep their state on the CPU)
-        update.append((f"{name} optimizer state", 2 * (lora or p) * (4 if lora else master) / shard,
+        update.append((f"{name} optimizer state", 2 * (lora or p - frozen) * (4 if lora else master) / shard,
                        "back on GPU for the step"))
     return update
 
@@ -165,7 +229,7 @@ def _phases(resident: list, own_terms: dict) -> dict:
 def offline_ledger(cfg, layout, hf_config) -> dict:
     """`phase_ledger` for `shardrl sft|dpo|rm` (`layout`: `OfflineLayout`): the trained model's resident state
     (and a DPO reference's weights), plus one update phase."""
-    numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora)
+    numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora, cfg.model.freeze_vision_tower)
     master, e = DTYPE_BYTES[cfg.model.dtype], cfg.engine
     shard = layout.engine.shard_size
     resident = _engine_resident("model", numbers, master, shard, e.offload_params, e.offload_optimizer, True,
@@ -174,7 +238,9 @@ def offline_ledger(cfg, layout, hf_config) -> dict:
         resident += _engine_resident("ref", numbers, master, shard, e.offload_params, False, False)
     tokens = e.max_token_len_per_gpu if e.use_dynamic_bsz else \
         e.micro_batch_size_per_gpu * layout.group_size * layout.seq_tokens_per_rank
-    update = _update_terms("model", e, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing)
+    # an SFT row's images may sit anywhere in it: every token of the micro-batch may be an image token
+    update = _update_terms("model", e, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing,
+                           (tokens, "every token of the micro-batch, at most"))
     phases = _phases(resident, {"update": update})
     return {"num_params": numbers["total"], "phases": phases, "peak_phase": "update",
             "peak_gib": phases["update"]["total_gib"],
@@ -227,7 +293,7 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     the run `cfg` laid out as `layout` (the busiest rank's share). `cuda`: the rollout keeps a bf16 copy of
     the weights (on CPU the HF rollout's fp32 one)."""
     c = text_config(hf_config)
-    numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora)
+    numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora, cfg.model.freeze_vision_tower)
     p = numbers["total"]
     master = DTYPE_BYTES[cfg.model.dtype]
     actor = cfg.actor.engine
@@ -307,10 +373,18 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
                                       ("reference", layout.ref is not None), ("values", layout.critic is not None))
               if runs]
     prep = [_inference_term(c, tokens, compute, chunk, ", ".join(passes))] if passes else []
+    # a VL prompt's image tokens are inside data.max_prompt_length: a micro-batch's rows' prompts bound them
+    rows = (f"{actor.micro_batch_size_per_gpu} (micro_batch_size_per_gpu) x {layout.max_prompt_length} "
+            "(max_prompt_length)")
+    images = (tokens, "max_token_len_per_gpu, at most") if actor.use_dynamic_bsz else \
+        (min(tokens, actor.micro_batch_size_per_gpu * layout.max_prompt_length), rows)
+    if passes:
+        prep += vision_terms(numbers, *images, compute, train=False)
     if teacher_prep is not None:  # the passes run one after another: the larger model's counts
         prep = [max([*prep, teacher_prep], key=lambda t: t[1])]
 
-    update = _update_terms("actor", actor, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing)
+    update = _update_terms("actor", actor, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing,
+                           images)
     if cfg.actor.router_replay.mode == "R2" and is_moe(hf_config):  # the routing recorded, then replayed
         routed = tokens * moe_layer_count(hf_config) * c.num_experts_per_tok
         prep.append(("recorded routing", routed * (8 + 2), f"{tokens} tokens x {moe_layer_count(hf_config)} MoE "

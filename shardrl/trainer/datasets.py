@@ -46,14 +46,21 @@ def load_datasets(cfg: Config, tokenizer, hf_config=None, with_val: bool = True)
 def _image_datasets(cfg: Config, tokenizer, hf_config, with_val: bool) -> tuple[list, list | None]:
     d = cfg.data
     check_vision_run(cfg, hf_config)
-    processor = load_processor(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
-    if cfg.model.chat_template is not None:  # (the tokenizer's override, read by load_tokenizer)
-        processor.chat_template = tokenizer.chat_template
+    processor = model_processor(cfg.model, tokenizer)
     settings = ImageSettings(d.image_key, d.min_pixels, d.max_pixels, d.max_image_pixels, d.bad_images)
 
     def load(files):
         return load_image_dataset(files, processor, settings, d.prompt_key, d.max_prompt_length, d.truncation)
     return load(d.train_files), (load(d.val_files) if d.val_files and with_val else None)
+
+
+def model_processor(model_cfg, tokenizer):
+    """The processor of the model's folder (`load_processor`), its chat template `tokenizer`'s where
+    model.chat_template overrides it (`load_tokenizer` reads the override)."""
+    processor = load_processor(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
+    if model_cfg.chat_template is not None:
+        processor.chat_template = tokenizer.chat_template
+    return processor
 
 
 def check_vision_run(cfg: Config, hf_config) -> None:

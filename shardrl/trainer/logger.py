@@ -73,8 +73,8 @@ class MetricsLogger:
             self._bar.update(1 if advance else 0)
 
     def log_generations(self, step: int, samples: list[dict]) -> None:
-        """Sample generations (dicts of prompt, response, reward, ground_truth): one JSON line each in
-        `generations.jsonl`, with the step, and a short block on the console."""
+        """Sample generations (dicts of prompt, response, reward, ground_truth, and a prompt's image names under
+        `images`): one JSON line each in `generations.jsonl`, with the step, and a short block on the console."""
         if not self.enabled or not samples:
             return
         with open(self._generations, "a") as f:
@@ -84,6 +84,8 @@ class MetricsLogger:
         for i, s in enumerate(samples):
             lines += [f"[{i + 1}/{len(samples)}] reward {s['reward']:.4g}, ground truth {_short(s['ground_truth'])}",
                       f"  prompt:   {_short(s['prompt'])}", f"  response: {_short(s['response'])}"]
+            if s.get("images"):
+                lines.insert(-1, f"  images:   {_short(', '.join(s['images']))}")
         self.write("\n".join(lines))
 
     def write(self, text: str) -> None:

@@ -30,11 +30,12 @@ from shardrl.engine import build_engine
 from shardrl.engine.model import load_hf_config
 from shardrl.metrics import Sum, reduce_metrics
 from shardrl.models.config import check_context
-from shardrl.models.vision import refuse_vision_language
+from shardrl.models.vision import is_vision_language, refuse_vision_language
 from shardrl.plan.plan import Plan
 from shardrl.rollout.build import the_device
 from shardrl.tokenizer import load_tokenizer
 from shardrl.trainer.base import Trainer
+from shardrl.trainer.datasets import model_processor
 from shardrl.trainer.roles import ModelPath, build_reference, check_vocabularies
 from shardrl.trainer.run_folder import claim_run_dir
 from shardrl.trainer.state import resolve_total_epochs
@@ -56,15 +57,14 @@ class OfflineTrainer(Trainer):
         if not d.train_files:
             raise ValueError("data.train_files is empty; give the files to train on (jsonl, json or parquet), "
                              "e.g. data.train_files=[rows.jsonl]")
+        model_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code,
+                                      "seq_cls" if self.head == "score" else "causal_lm", new_head_ok=True,
+                                      override=cfg.model.override_config)
+        self.processor = self.image_processor(model_config)
         self.train_set = self.load_rows(d.train_files)  # the cheap checks before any model loads
         self.val_set = self.load_rows(d.val_files) if d.val_files else None
         longest = max(len(item[ids]) for dataset in filter(None, (self.train_set, self.val_set))
                       for item in dataset.items for ids in ("input_ids", "chosen_ids", "rejected_ids") if ids in item)
-        model_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code,
-                                      "seq_cls" if self.head == "score" else "causal_lm", new_head_ok=True,
-                                      override=cfg.model.override_config)
-        refuse_vision_language(model_config, f"{type(self).__name__} (offline training: sft, dpo, kto, rm)",
-                               "offline")
         check_context(model_config, longest, "the longest sequence of the data",
                       f"model.path={cfg.model.path!r}" if cfg.model.path else "model.tiny",
                       f"lower data.max_length={d.max_length} with data.truncation=drop or right")
@@ -85,7 +85,19 @@ class OfflineTrainer(Trainer):
     def build_plan(cls, cfg, nnodes: int, nproc_per_node: int) -> Plan:
         return Plan.for_offline(cfg, cls.name, nnodes, nproc_per_node)
 
+    def image_processor(self, model_config):
+        """A vision-language model's processor (None for a text model), for a trainer that `reads_images`; the
+        others refuse the model by name."""
+        if not is_vision_language(model_config):
+            return None
+        if not self.reads_images:
+            refuse_vision_language(model_config, f"shardrl {self.name}", "offline")
+        return model_processor(self.cfg.model, self.tokenizer)  # (load_tokenizer has found a folder)
+
     # ---- what a trainer says ------------------------------------------------------------------------
+    reads_images = False
+    """Whether the trainer reads a vision-language model's image rows (`shardrl sft`); the others refuse one."""
+
     @abc.abstractmethod
     def load_rows(self, files: list[str]):
         """The tokenized rows of `files` (a `data.chat.ChatDataset`)."""

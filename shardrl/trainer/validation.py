@@ -15,8 +15,9 @@ def validate(cfg, val_set, generate, score, dp_rank: int, dp_size: int, dp_group
     """The mean reward over all validation responses (all ranks), per data source too, and for multi-turn rollouts
     the shares of conversations that called a tool and that called tools without an error, and the mean tool
     calls (agent episodes: the means of what they count, `val/agent/<name>_mean`); and this rank's first `keep`
-    samples (prompt, response, reward, ground truth). `generate(items, sampling)` -> batch and `score(batch)` ->
-    (scores, metrics) are the run's (`Generation`, `Scorer`)."""
+    samples (prompt, response, reward, ground truth; a prompt with images, their names: `data.images.image_name`).
+    `generate(items, sampling)` -> batch and `score(batch)` -> (scores, metrics) are the run's (`Generation`,
+    `Scorer`)."""
     from shardrl.rollout import SamplingParams
 
     vk = cfg.rollout.val_kwargs
@@ -50,7 +51,8 @@ def validate(cfg, val_set, generate, score, dp_rank: int, dp_size: int, dp_group
                 break
             item = chunk[int(batch["prompt_index"][row])]
             kept.append({"prompt": item["prompt_text"], "response": batch["response_text"][row],
-                         "reward": float(s[row]), "ground_truth": item["extra"].get("ground_truth")})
+                         "reward": float(s[row]), "ground_truth": item["extra"].get("ground_truth"),
+                         **({"images": item["image_names"]} if item.get("image_names") else {})})
     all_scores = torch.cat(scores) if scores else torch.zeros(0)
     prompts = torch.cat(prompt_of) if prompt_of else torch.zeros(0, dtype=torch.long)
     is_real = prompts < real  # the repeated prompts of a rank with fewer are dropped
