@@ -91,3 +91,31 @@ def _offloaded_engine_optimizer():
 def test_an_offloaded_engine_steps_with_the_fused_cpu_adamw():
     fused, devices = run_distributed(_offloaded_engine_optimizer, 2)
     assert fused and devices == {"cpu"}
+
+
+def test_plan_says_what_the_host_adam_step_of_offloaded_parameters_costs(capsys):
+    import json
+
+    import transformers
+
+    from shardrl.cli import main
+    from shardrl.config.schema import EngineConfig
+    from shardrl.plan.memory import host_adam_estimate, model_numbers
+
+    tiny = TINY_MODELS["qwen2"]
+    config = transformers.AutoConfig.for_model(**tiny)
+    with torch.device("meta"):
+        total = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    numbers = model_numbers(config)
+    # a node of 8 ranks sharded over 4 (HSDP, 2 replicas): the node steps its 8 shards of a quarter each, 2x the model
+    got = host_adam_estimate(numbers, EngineConfig(offload_params=True), 4, 8, "actor.engine", rate=1e6)
+    assert got["trained_params_per_node"] == 2 * total and got["seconds"] == pytest.approx(2 * total / 1e6)
+    assert host_adam_estimate(numbers, EngineConfig(), 4, 8, "actor.engine") is None
+    spec = "{" + ", ".join(f"{k}: {v}" for k, v in tiny.items()) + "}"
+    assert main(["plan", f"model.tiny={spec}", "actor.engine.offload_params=true", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["host_adam"]
+    assert out["trained_params_per_node"] == total and out["rate_params_per_s"] > 1e5
+    assert main(["plan", f"model.tiny={spec}"]) == 0
+    assert "steps on the host's CPU" not in capsys.readouterr().out
+    assert main(["plan", f"model.tiny={spec}", "actor.engine.offload_params=true"]) == 0
+    assert "actor.engine.offload_params=true: the optimizer steps on the host's CPU, about" in capsys.readouterr().out

@@ -495,3 +495,38 @@ def format_phase_ledger(ledger: dict) -> str:
     lines.append(f"  peak: {ledger['peak_phase']} {format_size(ledger['peak_gib'], 2)}; not counted: "
                  f"{ledger['not_counted']}")
     return "\n".join(lines)
+
+
+def host_adam_rate(params: int = 8_000_000, repeats: int = 3) -> float:
+    """Parameters a second this host's CPU steps with torch's fused AdamW (the kernel an engine with offloaded
+    parameters steps with), measured now on `params` fp32 parameters with all of torch's threads."""
+    import time
+
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(params))
+    p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    opt.step()  # (the state allocated outside the timing)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        opt.step()
+    return params * repeats / (time.perf_counter() - start)
+
+
+def host_adam_estimate(numbers: dict, engine_cfg, shard_size: int, nproc_per_node: int, key: str,
+                       rate: float | None = None) -> dict | None:
+    """What an engine with offloaded parameters (`engine_cfg.offload_params`) pays for its optimizer step on the host:
+    the node's ranks step their shards of the trained parameters at once on its CPU, whose memory bandwidth bounds
+    fused AdamW, so the node's whole share (the rank's shard x `nproc_per_node`) at this host's measured `rate`
+    (`host_adam_rate`; the training host may differ). None without offload."""
+    if not engine_cfg.offload_params:
+        return None
+    trained = numbers["trained"] or numbers["total"] - numbers["frozen"]
+    per_node = trained / max(shard_size, 1) * nproc_per_node  # (HSDP: each replica on the node steps its shards)
+    rate = rate or host_adam_rate()
+    seconds = per_node / rate
+    return {"key": key, "trained_params_per_node": int(per_node), "rate_params_per_s": rate, "seconds": seconds,
+            "line": f"{key}.offload_params=true: the optimizer steps on the host's CPU, about {seconds:.2f} s a step "
+                    f"for this node's {per_node / 1e6:.0f}M trained parameters (fused AdamW measured on this host at "
+                    f"{rate / 1e6:.0f}M parameters/s; the training host's CPU may differ)"}
