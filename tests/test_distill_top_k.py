@@ -37,7 +37,7 @@ def load(folder: str):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-def _teacher_then_update(student: str, teacher: str, batch, micro: int, remove_padding: bool):
+def _teacher_then_update(student: str, teacher: str, batch, micro: int, remove_padding: bool, sp: int = 1):
     """This rank's rows of `batch` (rank r of w holds the r-th w-th): the teacher engine's top-k, then one update
     of the student engine on the top-k loss alone (advantages 0); the recorded whole gradient and the logged loss."""
     import torch.distributed as dist
@@ -48,11 +48,11 @@ def _teacher_then_update(student: str, teacher: str, batch, micro: int, remove_p
     from shardrl.testing import record_grads
     from shardrl.trainer.updates import actor_loss_fn
 
-    engine_cfg = EngineConfig(param_dtype="float32", micro_batch_size_per_gpu=micro)
+    engine_cfg = EngineConfig(param_dtype="float32", micro_batch_size_per_gpu=micro, ulysses_sequence_parallel_size=sp)
     actor = build_engine(ModelConfig(path=student, use_remove_padding=remove_padding), engine_cfg,
                          OptimConfig(lr=1e-3, clip_grad=0.0))
     teacher_engine = build_engine(ModelConfig(path=teacher, use_remove_padding=remove_padding), engine_cfg)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = dist.get_world_size() // sp, dist.get_rank() // sp  # (the data-parallel ranks)
     n = len(batch)
     mine = batch.index(list(range(n))[rank * n // world: (rank + 1) * n // world])
     scored = teacher_engine.infer_batch(mine, temperature=TEMPERATURE, top_k=K)
@@ -67,9 +67,11 @@ def _teacher_then_update(student: str, teacher: str, batch, micro: int, remove_p
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world,micro,remove_padding,responses", [
-    (1, 6, True, False), (1, 2, True, True), (2, 1, True, False), (2, 3, False, True), (2, 2, True, True)])
-def test_top_k_targets_and_the_students_gradient_match_plain_models(models, world, micro, remove_padding, responses):
+@pytest.mark.parametrize("world,micro,remove_padding,responses,sp", [
+    (1, 6, True, False, 1), (1, 2, True, True, 1), (2, 1, True, False, 1), (2, 3, False, True, 1),
+    (2, 2, True, True, 1), (2, 3, True, True, 2)])
+def test_top_k_targets_and_the_students_gradient_match_plain_models(models, world, micro, remove_padding, responses,
+                                                                     sp):
     student, teacher, vocab = models
     batch = random_batch(6, 11, vocab, seed=4)
     if responses:  # an RL batch's [prompt | response] columns: the head runs on the responses' positions only
@@ -77,7 +79,7 @@ def test_top_k_targets_and_the_students_gradient_match_plain_models(models, worl
         batch["response_mask"] = batch["loss_mask"][:, 5:].clone()
     mask = batch["loss_mask"].bool()
     ids, logp, grads, logged = run_distributed(_teacher_then_update, world, student, teacher, batch, micro,
-                                               remove_padding)
+                                               remove_padding, sp)
     # the reference: plain forwards of both models, the top-k forward KL token-mean over the whole batch
     with torch.no_grad():
         t_logp_all = plain_logits(load(teacher).eval(), batch).log_softmax(-1)  # (B, T, V)
