@@ -113,9 +113,10 @@ class Engine(abc.ABC):
         self.optimizer = self.lr_scheduler = None
         if optim_cfg is not None:
             o = optim_cfg
-            # one fused kernel: on the GPU, or on the CPU where offloaded parameters step (torch's fused CPU AdamW,
-            # 4-5x the per-tensor loop's speed on the host: bench/RESULTS.md, "CPU Adam of offloaded parameters")
-            fused = self.device.type == "cuda" or engine_cfg.offload_params
+            # one fused kernel, on the GPU and on the CPU (where offloaded parameters, and a CPU run's, step: torch's
+            # fused CPU AdamW, 4.6x the per-tensor loop's speed or more: bench/RESULTS.md, "CPU Adam of offloaded
+            # parameters"); the same kernel with and without offload, so both step alike to the bit
+            fused = True
             trained = [p for p in self.module.parameters() if p.requires_grad]  # with LoRA: the adapters only
             self.optimizer = build_optimizer(trained, o.lr, o.betas, o.eps, o.weight_decay, fused)
             steps = o.total_steps or total_steps
