@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True)
 class VisionFamily:
@@ -66,9 +64,11 @@ def refuse_vision_language(hf_config, where: str, part: str) -> None:
         raise ValueError(f"{where}: {hf_config.model_type!r} is a vision-language model; {NOT_BUILT[part]}")
 
 
-def stack_images(rows: list | None, device: torch.device) -> dict[str, torch.Tensor]:
+def stack_images(rows: list | None, device: "torch.device") -> dict[str, "torch.Tensor"]:
     """Rows' images (each a row's `multi_modal_inputs` or None) in row order, the order of their placeholders in
     the rows: {"pixel_values": (sum P_i, D), "image_grid_thw": (sum k_i, 3)}, or {} when no row has one."""
+    import torch  # (the tables above are read without torch: `shardrl.models.families`)
+
     rows = [r for r in (rows or []) if r and r.get("image_grid_thw") is not None and len(r["image_grid_thw"])]
     if not rows:
         return {}

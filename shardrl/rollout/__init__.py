@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from shardrl.models.vision import refuse_vision_language
 from shardrl.rollout.base import Rollout, RolloutOutput, SamplingParams
 from shardrl.rollout.fast.rollout import FastRollout
 from shardrl.rollout.hf import HFRollout
@@ -19,6 +18,4 @@ def build_rollout(name: str, hf_config, tokenizer, device: torch.device | str, d
     """The rollout backend `name` (see `ROLLOUTS`); `kwargs` go to its constructor (e.g. `micro_batch_size`)."""
     if name not in ROLLOUTS:
         raise ValueError(f"unknown rollout backend {name!r}; choose one of {sorted(ROLLOUTS)}")
-    if name == "fast":  # (hf generates with images: `HFRollout.generate`'s multi_modal_inputs)
-        refuse_vision_language(hf_config, f"rollout.backend={name}", "fast")
     return ROLLOUTS[name](hf_config, tokenizer, device, dtype, **kwargs)

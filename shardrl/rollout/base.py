@@ -255,6 +255,20 @@ def check_prompts(prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> Non
         raise ValueError("prompts must be left-padded: the last column of attention_mask must be 1 in every row")
 
 
+def check_images(multi_modal_inputs: list | None, num_prompts: int, vision: bool, model_type: str) -> list:
+    """The prompts' images, one entry (or None) per prompt; a ValueError for a count unlike the prompts' or images
+    for a model that is not a vision-language model (`vision` False)."""
+    if multi_modal_inputs is None:
+        return [None] * num_prompts
+    if len(multi_modal_inputs) != num_prompts:
+        raise ValueError(f"multi_modal_inputs has {len(multi_modal_inputs)} entries for {num_prompts} prompts; "
+                         "give one per prompt (None for a prompt without images)")
+    if not vision and any(multi_modal_inputs):
+        raise ValueError(f"prompts with images, but the rollout's {model_type!r} model is not a vision-language "
+                         "model (shardrl.models.vision.VL_FAMILIES)")
+    return list(multi_modal_inputs)
+
+
 def contains_stop(text: str, stop: list[str]) -> bool:
     return any(s in text for s in stop)
 

@@ -26,8 +26,8 @@ import transformers
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from shardrl.models.vision import image_token_id, is_vision_language, stack_images
-from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_prompts,
-                                   contains_stop, copy_weights_in_place, cut_responses)
+from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_images,
+                                   check_prompts, contains_stop, copy_weights_in_place, cut_responses)
 from shardrl.tokenizer import stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class HFRollout(Rollout):
             raise RuntimeError("the rollout is released (its model sits on the CPU); call resume() before generate()")
         check_prompts(prompt_ids, attention_mask)
         num_prompts, n = prompt_ids.shape[0], sampling.n
-        images = self._check_images(multi_modal_inputs, num_prompts)
+        images = check_images(multi_modal_inputs, num_prompts, self.vision, self.model.config.model_type)
         track = VersionTrack(self.weight_hook) if self.weight_hook is not None else None
         with self._seeded(sampling.seed):
             chunks = [
@@ -212,18 +212,6 @@ class HFRollout(Rollout):
         if track is not None:
             out.token_version = track.tensor(out.response_mask)
         return out
-
-    def _check_images(self, multi_modal_inputs: list | None, num_prompts: int) -> list:
-        """The prompts' images, one entry (or None) per prompt."""
-        if multi_modal_inputs is None:
-            return [None] * num_prompts
-        if len(multi_modal_inputs) != num_prompts:
-            raise ValueError(f"multi_modal_inputs has {len(multi_modal_inputs)} entries for {num_prompts} prompts; "
-                             "give one per prompt (None for a prompt without images)")
-        if not self.vision and any(multi_modal_inputs):
-            raise ValueError(f"prompts with images, but the rollout's {self.model.config.model_type!r} model is not "
-                             "a vision-language model (shardrl.models.vision.VL_FAMILIES)")
-        return list(multi_modal_inputs)
 
     def _image_kwargs(self, ids: torch.Tensor, images: list, n: int) -> dict:
         """`generate`'s image inputs for the chunk's rows `ids` (each prompt's images repeated for its n samples,

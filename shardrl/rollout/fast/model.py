@@ -18,6 +18,7 @@ a slot's length hold stale values that attention masks out and the next write re
 
 from __future__ import annotations
 
+import copy
 from typing import Iterable
 
 import torch
@@ -25,13 +26,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from shardrl.models.config import text_config
 from shardrl.models.families import (FAST_ROLLOUT_TYPES, activation, attention_scale, attention_softcap,
                                       check_supported, family_of, final_softcap, head_dim_of, layer_rope_keys,
-                                      layer_windows, max_rope_positions, moe_layers, rope_tables, top_k_normalized)
+                                      layer_windows, max_rope_positions, moe_layers, mrope_axes, rope_tables,
+                                      top_k_normalized)
+from shardrl.models.vision import is_vision_language
 from shardrl.rollout.fast.attention import (LayerConsts, SDPADecodeAttention, TritonDecodeAttention,  # noqa: F401
                                             softcapped_attention, visible_keys, write_kv)  # (write_kv: for callers)
 from shardrl.rollout.fast.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear, quantize_fp8_into, scale_shape
 from shardrl.rollout.fast.moe import SparseMoE, moe_mlp
+from shardrl.rollout.fast.vision import PrefillImages, VisionDecoder, reset_tower_buffers, vision_tower
 
 SUPPORTED_MODEL_TYPES = FAST_ROLLOUT_TYPES
 
@@ -57,10 +62,16 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, self.offset)
 
 
-def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scaling: float = 1.0):
+def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scaling: float = 1.0,
+                   axes: torch.Tensor | None = None):
     """cos, sin (*positions.shape, head_dim) in `dtype`; angles in fp32, times `scaling` (yarn's attention
-    factor, 1 otherwise), as HF computes them."""
-    freqs = positions[..., None].float() * inv_freq
+    factor, 1 otherwise), as HF computes them. With `axes` (head_dim / 2,) (M-RoPE, `families.mrope_axes`),
+    `positions` is (3, *shape): frequency j turns by the position on axis axes[j]; cos, sin (*shape, head_dim)."""
+    if axes is not None:
+        positions = positions[axes].movedim(0, -1)  # (*shape, D/2): each frequency's own axis
+        freqs = positions.float() * inv_freq
+    else:
+        freqs = positions[..., None].float() * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
@@ -395,12 +406,20 @@ class FastCausalLM(nn.Module):
 
     q/k/v and gate/up projections run as one GEMM each: their weights are views into fused tensors
     (`fuse_projections`), re-made after every move of the module (`_apply`). Rotary tables are per key of
-    `families.rope_tables` (one, or Gemma 3's local and global), fp32 buffers `inv_freq_{key}`."""
+    `families.rope_tables` (one, or Gemma 3's local and global), fp32 buffers `inv_freq_{key}`.
 
-    def __init__(self, config, bias: dict[str, bool], rope: dict[str, tuple[torch.Tensor, float]]):
+    A vision-language model (`visual`: HF's vision tower; `config` its text config): `model` is a
+    `VisionDecoder` (HF's names, `model.language_model.*` and `model.visual.*`), `mrope` the frequencies' M-RoPE
+    axes (`families.mrope_axes`); a prefill rotates by the `PrefillImages` positions, a decode step by
+    its positions plus a per-slot offset (`shardrl.rollout.fast.vision`)."""
+
+    def __init__(self, config, bias: dict[str, bool], rope: dict[str, tuple[torch.Tensor, float]],
+                 visual: nn.Module | None = None, mrope: list[int] | None = None):
         super().__init__()
         self.config = config
-        self.model = Decoder(config, bias)
+        self.model = Decoder(config, bias) if visual is None else VisionDecoder(Decoder(config, bias), visual)
+        self.mrope_source = mrope  # (host ints; the device copy `mrope_axes` is set with the rotary tables)
+        self.mrope_axes: torch.Tensor | None = None
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -424,9 +443,13 @@ class FastCausalLM(nn.Module):
         self.max_positions = max_rope_positions(config)  # None, or where HF's dynamic rope would change
 
     def set_rope(self, rope: dict[str, tuple[torch.Tensor, float]], device) -> None:
-        """(Re)sets the fp32 rotary buffers, whatever the weights' dtype."""
+        """(Re)sets the fp32 rotary buffers, whatever the weights' dtype (and the vision tower's, the M-RoPE axes)."""
         for key, (inv_freq, _) in rope.items():
             setattr(self, f"inv_freq_{key}", inv_freq.to(device))
+        if self.mrope_source is not None:
+            self.mrope_axes = torch.tensor(self.mrope_source, dtype=torch.long, device=device)
+        if isinstance(self.model, VisionDecoder):
+            reset_tower_buffers(self.model.visual, device)
 
     def fuse_projections(self) -> None:
         if self.shared:
@@ -570,9 +593,11 @@ class FastCausalLM(nn.Module):
         c = self.config
         return (c.num_hidden_layers, 2, num_blocks, c.num_key_value_heads, block_size, head_dim_of(c))
 
-    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """{rope key: (cos, sin) (*positions.shape, D)}."""
-        return {key: rotary_cos_sin(getattr(self, f"inv_freq_{key}"), positions, dtype, scaling)
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype,
+               axes: torch.Tensor | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{rope key: (cos, sin) (*positions.shape, D)}; with `axes` (M-RoPE), positions (3, *shape) give
+        (*shape, D)."""
+        return {key: rotary_cos_sin(getattr(self, f"inv_freq_{key}"), positions, dtype, scaling, axes)
                 for key, scaling in self.rope_scaling.items()}
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -594,12 +619,13 @@ class FastCausalLM(nn.Module):
 
     def prefill(self, ids, lengths: list[int], kv, tables, starts: list[int] | None = None,
                 block: DecoderBlock | None = None, routes: torch.Tensor | None = None,
-                to_device=None) -> torch.Tensor:
+                to_device=None, images: PrefillImages | None = None) -> torch.Tensor:
         """ids (U, L): U prompts' tokens from position starts[i] on (default 0; a multiple of the block size, the
         positions before it already in the blocks), right-padded, with `lengths` (U ints, on the host) tokens each;
         writes their K/V into the blocks of `tables` (U, max_blocks) and returns the logits after each prompt's
         last token, (U, V). `routes` (U * L, len(routed_layers), k) receives each token's experts per routed layer.
-        `to_device` moves host integers to the device (default: a plain copy); nothing here waits for the device."""
+        `to_device` moves host integers to the device (default: a plain copy); nothing here waits for the device.
+        `images` (a vision-language model): the tokens' M-RoPE positions, and the image features spliced in."""
         u, length = ids.shape
         dev, size = ids.device, kv.shape[4]
         to_device = to_device or (lambda xs: torch.as_tensor(xs, dtype=torch.long).to(dev))
@@ -609,8 +635,11 @@ class FastCausalLM(nn.Module):
         starts_t, lengths = to_device(starts), to_device(list(lengths))
         positions = starts_t[:, None] + torch.arange(length, device=dev)  # (U, L)
         x = self.embed(ids.flatten())  # (U * L, hidden)
+        if images is not None and images.features is not None:  # the placeholders' embeddings: the tower's output
+            x = x.index_copy(0, images.index, images.features.to(x.dtype))
+        rope_at = positions if images is None else images.positions  # (U, L), or M-RoPE's (3, U, L)
         rotary = {key: (cos.flatten(0, 1)[:, None], sin.flatten(0, 1)[:, None])  # (U * L, 1, D)
-                  for key, (cos, sin) in self.rotary(positions, x.dtype).items()}
+                  for key, (cos, sin) in self.rotary(rope_at, x.dtype, self.mrope_axes if images else None).items()}
         flat = positions.flatten()[index]
         write_at = (index, tables[index // length, flat // size], flat % size)
         block = block or DecoderBlock()
@@ -635,19 +664,24 @@ class FastCausalLM(nn.Module):
             if i in routed:
                 x, experts = x
                 routes[:, routed[i]] = experts
+            if images is not None and i < len(images.deepstack):  # Qwen3-VL: the tower's early features join
+                x = x.index_put((images.index,), x[images.index] + images.deepstack[i].to(x.dtype))
         last = x.view(u, length, -1)[torch.arange(u, device=x.device), lengths - 1]  # (U, hidden)
         return self.logits(last)
 
     def decode(self, tokens, positions, kv, table, seq_len: int, block: DecoderBlock | None = None,
-               routes: torch.Tensor | None = None) -> torch.Tensor:
+               routes: torch.Tensor | None = None, rope_offset: torch.Tensor | None = None) -> torch.Tensor:
         """One token per slot: tokens, positions (B,) for the B slots whose blocks `table` (B, max_blocks) names
         in the paged cache `kv` (`kv_shape`); attends to cache entries
         [0, positions] (from the window's start on a sliding-window layer) within the first `seq_len`
         (`TritonDecodeAttention` reads no further than positions). `block`: how to run a layer (default:
-        eager, SDPA). Returns logits (B, V); `routes` (B, len(routed_layers), k) receives each token's experts."""
+        eager, SDPA). Returns logits (B, V); `routes` (B, len(routed_layers), k) receives each token's experts.
+        `rope_offset` (B,): the slots' M-RoPE deltas, the rotary position being positions + offset on all three
+        axes (a plain rotary table there)."""
         x = self.embed(tokens)  # (B, hidden)
+        rope_at = positions if rope_offset is None else positions + rope_offset
         rotary = {key: (cos[:, None], sin[:, None])  # broadcast over heads
-                  for key, (cos, sin) in self.rotary(positions, x.dtype).items()}
+                  for key, (cos, sin) in self.rotary(rope_at, x.dtype).items()}
         block = block or DecoderBlock()
         masks = {c.window: block.attention.mask(positions, seq_len, x.dtype, c.window) for c in self.layer_consts}
         routed = {layer: j for j, layer in enumerate(self.routed_layers)} if routes is not None else {}
@@ -670,15 +704,26 @@ def build_fast_lm(config, device: torch.device, dtype: torch.dtype, seed: int = 
     import transformers
 
     check_supported(config)
+    vision = is_vision_language(config)
     with torch.device("meta"):
-        reference = transformers.AutoModelForCausalLM.from_config(config)
-    rope = rope_tables(config, type(reference.model.rotary_emb))
+        if vision:
+            reference = transformers.AutoModelForImageTextToText.from_config(config)
+        else:
+            reference = transformers.AutoModelForCausalLM.from_config(config)
+    decoder = reference.model.language_model if vision else reference.model
+    layer0 = "model.language_model.layers.0" if vision else "model.layers.0"
+    full, config = config, text_config(config) if vision else config
+    if vision:  # the decoder's config, told whether the head is tied (the VL config says it)
+        config = copy.deepcopy(config)
+        config.tie_word_embeddings = full.tie_word_embeddings
+    rope = rope_tables(config, type(decoder.rotary_emb))
     hf_params = {n: tuple(p.shape) for n, p in reference.named_parameters(remove_duplicate=False)}
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     block = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
-    bias = {n: f"model.layers.0.{block.get(n, 'mlp')}.{n}.bias" in hf_params for n in names}
+    bias = {n: f"{layer0}.{block.get(n, 'mlp')}.{n}.bias" in hf_params for n in names}
+    axes = mrope_axes(config, type(decoder.rotary_emb))
     with torch.device("meta"):
-        model = FastCausalLM(config, bias, rope)
+        model = FastCausalLM(config, bias, rope, vision_tower(full) if vision else None, axes)
     ours = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
     if ours != hf_params:
         diff = sorted(set(ours.items()) ^ set(hf_params.items()))[:6]

@@ -48,8 +48,10 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from shardrl.engine.lora import merged_weight
-from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_prompts,
-                                   contains_stop, copy_weights_in_place, cut_responses, likeliest_tokens)
+from shardrl.models.config import text_config
+from shardrl.models.vision import is_vision_language
+from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_images,
+                                   check_prompts, contains_stop, copy_weights_in_place, cut_responses, likeliest_tokens)
 from shardrl.rollout.fast.kernel_support import cascade_members
 from shardrl.rollout.fast.paged import BlockPool, SharedPrefixGroups
 from shardrl.rollout.fast.attention import TritonDecodeAttention
@@ -60,6 +62,7 @@ from shardrl.rollout.fast.scheduler import (RowFeed, RowScheduler, blocks_for, p
 from shardrl.rollout.fast.step import (GREEDY, SAMPLE, TRUNCATED, DecodeRunner, SlotState,  # noqa: F401 (for callers)
                                        decode_attention, fused_sampler, reported_logits, sample_tokens,
                                        sampling_mode)
+from shardrl.rollout.fast.vision import CallImages, ImageEncoder
 from shardrl.tokenizer import stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -104,7 +107,11 @@ class FastRollout(Rollout):
     `record_routing` (a mixture of experts; router replay R3): `generate`'s output carries `routed_experts`
     (N, P+R, L, k), the experts each token was routed to in each routed layer when the rollout ran it (the
     prompts' in the prefill, a response token's in the step that fed it), -1 where it ran nothing (padding, the
-    last token)."""
+    last token).
+
+    A vision-language model (`families.FAST_VL_TYPES`) generates from each prompt's images (`generate`'s
+    `multi_modal_inputs`), as the HF rollout does: `shardrl.rollout.fast.vision`. Its image placeholders are never
+    sampled (the torch sampler masks them; the fused one cannot, so "auto" takes the torch one)."""
 
     supports_lora = True
 
@@ -140,6 +147,11 @@ class FastRollout(Rollout):
             raise ValueError("cuda_graphs=True needs a CUDA device")
         self.model: FastCausalLM = build_fast_lm(hf_config, self.device, dtype, seed=seed,
                                                  materialize=not lazy_weights)
+        self.vision = is_vision_language(hf_config)
+        self.model_type = hf_config.model_type
+        self.images = ImageEncoder(hf_config, lambda: self.model.model.visual) if self.vision else None
+        self.placeholder_ids = self.images.placeholder_ids if self.vision else []
+        self._call_images: CallImages | None = None  # the current generate call's (a VL model)
         if quantization not in ("none", "fp8") or fp8_activations not in ("none", "dynamic"):
             raise ValueError(f"quantization={quantization!r}, fp8_activations={fp8_activations!r}: choose "
                              "quantization none or fp8, fp8_activations none or dynamic")
@@ -150,7 +162,7 @@ class FastRollout(Rollout):
                     raise ValueError("rollout.fp8.activations=dynamic runs with per-channel scales; block scales "
                                      "(rollout.fp8.block_size) run weight-only: set one of them back")
             self.model.quantize_fp8(fp8_block_size or 0, fp8_activations == "dynamic")
-        self.vocab_size = hf_config.vocab_size
+        self.vocab_size = text_config(hf_config).vocab_size
         if record_routing and not self.model.routed_layers:
             raise ValueError(f"record_routing needs a mixture of experts; {hf_config.model_type!r} routes no tokens")
         self.record_routing = record_routing
@@ -162,7 +174,7 @@ class FastRollout(Rollout):
         self._top = 0  # the call's `SamplingParams.top_logprobs`
         self._tops: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> its likeliest tokens (ids, log-probs)
         compile = self.device.type == "cuda" if compile is None else compile
-        self._block = DecoderBlock(compile, decode_attention(attention, self.device, head_dim_of(hf_config)))
+        self._block = DecoderBlock(compile, decode_attention(attention, self.device, head_dim_of(self.model.config)))
         self._block.flash_below = prefill_tokens  # (a chunk short of the budget: flash, no cuDNN plan per new shape)
         # the n samples of a prompt read its shared blocks once a step (Triton attention only)
         self.cascade = cascade and isinstance(self._block.attention, TritonDecodeAttention)
@@ -170,13 +182,15 @@ class FastRollout(Rollout):
             self._block.attention.prefix_splits = prefix_splits
         self._groups: SharedPrefixGroups | None = None  # with the cache, when `cascade`
         self._steps = DecodeRunner(self.model, self._block, torch.compile(sample_tokens) if compile else sample_tokens,
-                                   fused_sampler(sampler, self.device, self._block.attention), self.cuda_graphs,
+                                   fused_sampler(sampler, self.device, self._block.attention, self.vision),
+                                   self.cuda_graphs,
                                    self.device, self.vocab_size)
         self._state: SlotState | None = None
         self._released, self._weights_on_cpu, self._kept_shape = False, False, None
         self.last_stats: dict = {}  # the last generate call's counts
         # prompt tokens prefilled (padding not counted) and read from the prefix cache, over every call so far
-        self.totals = {"prompt_tokens": 0, "cached_tokens": 0}
+        # and (a VL model) the images run through the vision tower
+        self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "images": 0}
 
     @property
     def captures(self) -> int:
@@ -326,7 +340,8 @@ class FastRollout(Rollout):
             members = cascade_members(heads.num_heads // heads.num_kv_heads)
         state = SlotState.allocate(self.model.kv_shape(self._pool.num_blocks, self.block_size),
                                    self.model.model.embed_tokens.weight.dtype, self.device, num_slots, max_seq,
-                                   self.block_size, self.vocab_size, self.stop_ids, route_shape, members)
+                                   self.block_size, self.vocab_size, self.stop_ids, route_shape, members,
+                                   self.placeholder_ids, self.vision)
         if self.cascade:
             self._groups = SharedPrefixGroups(num_slots, members, state.shared, state.groups, self.block_size)
         return state
@@ -363,16 +378,19 @@ class FastRollout(Rollout):
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingParams,
                  max_new_tokens: Sequence[int] | torch.Tensor | None = None,
-                 num_slots: int | None = None) -> RolloutOutput:
+                 num_slots: int | None = None, multi_modal_inputs: list[dict | None] | None = None) -> RolloutOutput:
         """As `Rollout.generate`; `max_new_tokens` (B,) optionally sets each prompt's own response limit
         in place of `sampling.max_new_tokens` (benchmarks use it for mixed-length batches). `num_slots`: decode
         slots for the call (default min(B * n, micro_batch_size * n); `max_batch`, when set, wins); a caller
-        whose rows are already the n samples of its prompts (the multi-turn rollout: n = 1 a call) names them."""
+        whose rows are already the n samples of its prompts (the multi-turn rollout: n = 1 a call) names them.
+        A vision-language model also takes each prompt's images, `multi_modal_inputs` (B entries of
+        {"pixel_values", "image_grid_thw"} or None, `shardrl.data.images`)."""
         if self._released:
             raise RuntimeError("the rollout is released (no KV cache); call resume() before generate()")
         check_prompts(prompt_ids, attention_mask)
         num_prompts, width = prompt_ids.shape
         n = sampling.n
+        images = check_images(multi_modal_inputs, num_prompts, self.vision, self.model_type)
         lengths = attention_mask.sum(1).tolist()
         limits = [sampling.max_new_tokens] * num_prompts if max_new_tokens is None else [int(x) for x in max_new_tokens]
         if len(limits) != num_prompts or min(limits) < 1:
@@ -380,7 +398,14 @@ class FastRollout(Rollout):
         prompts = [prompt_ids[b, width - lengths[b]:].to(self.device) for b in range(num_prompts)]
         generator = self._start(sampling, num_prompts * n, n, max(p + m for p, m in zip(lengths, limits)), num_slots)
         track = VersionTrack(self.weight_hook) if self.weight_hook is not None else None
-        rows = self._decode_rows(prompts, limits, n, sampling_mode(sampling), sampling.stop, generator, track)
+        self._call_images = CallImages(self.images, images, n) if self.vision else None
+        try:
+            rows = self._decode_rows(prompts, limits, n, sampling_mode(sampling), sampling.stop, generator, track)
+        finally:
+            if self._call_images is not None:
+                self.totals["images"] += self._call_images.encoded
+                self.last_stats["images"] = self._call_images.encoded
+            self._call_images = None  # (its tower outputs go)
         out = self._assemble(prompt_ids, attention_mask, rows, n, sampling.stop)
         if track is not None:
             out.token_version = track.tensor(out.response_mask)
@@ -405,6 +430,7 @@ class FastRollout(Rollout):
         if self.record_routing:
             raise ValueError("record_routing (router replay R3) covers single-turn generate only")
         generator = self._start(sampling, max(len(prompts), 1), 1, need_seq, num_slots)
+        self._call_images = CallImages(self.images, [], 1) if self.vision else None  # (text rows: plain positions)
         self._decode_rows([p.to(self.device) for p in prompts], list(limits), 1, sampling_mode(sampling),
                           sampling.stop, generator, feed=feed, overlap=overlap)
 
@@ -563,8 +589,9 @@ class FastRollout(Rollout):
         s_t = torch.tensor(src, dtype=torch.long, device=self.device)
         d_t = torch.tensor(dst, dtype=torch.long, device=self.device)
         made = max(sched.generated[s] for s in src)
-        for t in (st.table, st.tokens, st.lengths, st.done, st.num_generated, st.max_new):
-            t[d_t] = t[s_t]
+        for t in (st.table, st.tokens, st.lengths, st.done, st.num_generated, st.max_new, st.rope_delta):
+            if t is not None:
+                t[d_t] = t[s_t]
         st.table[s_t] = 0
         st.out_tokens[d_t, :made] = st.out_tokens[s_t, :made]
         st.out_log_probs[d_t, :made] = st.out_log_probs[s_t, :made]
@@ -631,8 +658,11 @@ class FastRollout(Rollout):
         routes = None
         if st.out_routes is not None:
             routes = torch.empty((ids.numel(), *st.step_routes.shape[1:]), dtype=torch.long, device=self.device)
+        images = None
+        if self._call_images is not None:  # the tower's output at the placeholders, M-RoPE positions
+            images = self._call_images.prefill_inputs(order, tokens, starts, ids.shape[1], to_dev)
         logits = self.model.prefill(ids, lens, st.kv, self._table_rows(owned), starts, self._block, routes,
-                                    to_device=to_dev)
+                                    to_device=to_dev, images=images)
         if self._registering and lookup:
             for b, toks, blocks in zip(order, tokens, owned):
                 pool.register(toks, blocks, len(toks), self._keys_of(b))
@@ -670,11 +700,16 @@ class FastRollout(Rollout):
                 self._routes[row] = (routes[i, : lens[i]], None)
         limit_t = to_dev([limits[row // n] for _, row in chunk])
         noise = None if mode == GREEDY else torch.empty_like(logits).exponential_(generator=generator)
-        tokens_out, log_probs = sample_tokens(logits, mode, noise, st.temperature, st.top_k, st.top_p)
+        tokens_out, log_probs = sample_tokens(logits, mode, noise, st.temperature, st.top_k, st.top_p, st.banned)
         st.tokens[slots] = tokens_out
         st.lengths[slots] = to_dev([len(tokens[index[row // n]]) for _, row in chunk])
         st.num_generated[slots] = 1
         st.max_new[slots] = limit_t
+        if self._call_images is not None:  # each row decodes at cache position + its prompt's M-RoPE delta
+            call = self._call_images
+            st.rope_delta[slots] = to_dev([call.rope_of(order[index[row // n]], tokens[index[row // n]])[1]
+                                           for _, row in chunk])
+            call.admitted([row // n for _, row in chunk])
         st.out_tokens[slots, 0] = tokens_out
         st.out_log_probs[slots, 0] = log_probs
         if self._top:
@@ -702,9 +737,13 @@ class FastRollout(Rollout):
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def _tokens_of(self, prompts, b: int) -> list[int]:
-        """Prompt b's ids on the host (read once per call)."""
+        """Prompt b's ids on the host (read once per call); a VL prompt's image placeholders stand as their image's
+        digest (`vision.identity`), so that the prefix index and the sharing of equal prompts key on the image."""
         if b not in self._prompt_tokens:
-            self._prompt_tokens[b] = prompts[b].tolist()
+            tokens = prompts[b].tolist()
+            if self._call_images is not None:
+                tokens = self._call_images.identity(b, tokens)
+            self._prompt_tokens[b] = tokens
         return self._prompt_tokens[b]
 
     def _keys_of(self, b: int) -> list[bytes]:

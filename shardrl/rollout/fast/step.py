@@ -20,19 +20,22 @@ GREEDY, SAMPLE, TRUNCATED = "greedy", "sample", "truncated"  # sampling modes; o
 RAW = "raw"  # sampled as TRUNCATED, its log-probs the raw logits' (temperature 1): a server's raw_logprobs
 
 
-def sample_tokens(logits, mode: str, noise, temperature, top_k, top_p):
+def sample_tokens(logits, mode: str, noise, temperature, top_k, top_p, banned: torch.Tensor | None = None):
     """Tokens (B,) and their log softmax(logits / T) (B,) from logits (B, V) (taken in fp32), without a host sync.
     Sampling is Gumbel-max: argmax(log p - log E) with E ~ Exp(1) in `noise` (B, V). TRUNCATED (and RAW) keeps
     the `top_k` best tokens, then those whose better-ranked mass is below `top_p` (HF's order; top_k = V and
-    top_p = 2 keep every token). RAW's log-probs are log softmax(logits), the model's own."""
+    top_p = 2 keep every token). RAW's log-probs are log softmax(logits), the model's own. `banned` (k,): ids never
+    chosen (a VL model's image placeholders), masked before the truncation, as HF's suppression before its warpers;
+    the log-probs keep their mass (the model's whole distribution, what the trainer recomputes)."""
     logits = logits.float()  # here, so that a compiled sampler fuses the cast into its first pass
     scaled = logits if mode == GREEDY else logits / temperature
+    chosen = scaled if banned is None else scaled.index_fill(-1, banned, float("-inf"))
     if mode == GREEDY:
-        tokens = logits.argmax(-1)
+        tokens = chosen.argmax(-1)
     elif mode == SAMPLE:
-        tokens = (scaled - noise.log()).argmax(-1)
+        tokens = (chosen - noise.log()).argmax(-1)
     else:
-        ranked, order = scaled.sort(-1, descending=True)  # (B, V)
+        ranked, order = chosen.sort(-1, descending=True)  # (B, V)
         rank = torch.arange(ranked.shape[-1], device=ranked.device)
         ranked = ranked.masked_fill(rank >= top_k, float("-inf"))
         probs = torch.softmax(ranked, -1)
@@ -84,6 +87,8 @@ class SlotState:
     top_p: torch.Tensor  # () float32; 2 when off
     eos: torch.Tensor  # (k,) long: the ids that end a response (`stop_token_ids`)
     max_seq: int  # cache positions a slot may use
+    banned: torch.Tensor | None = None  # (k,) long: ids never sampled (a VL model's image placeholders)
+    rope_delta: torch.Tensor | None = None  # (B,) long: a VL model's M-RoPE offset of the slot's decode positions
     step_routes: torch.Tensor | None = None  # (B, L, k) long: a step's experts per routed layer (record_routing)
     out_routes: torch.Tensor | None = None  # (B, W, L, k) int16: response token j's experts, as it was fed
     shared: torch.Tensor | None = None  # (B,) long: entries a slot's shared-prefix group reads for it (cascade)
@@ -108,11 +113,17 @@ class SlotState:
     @classmethod
     def allocate(cls, kv_shape: tuple, dtype: torch.dtype, device: torch.device, num_slots: int, max_seq: int,
                  block_size: int, vocab_size: int, stop_ids: list[int], route_shape: tuple | None = None,
-                 cascade_members: int | None = None) -> "SlotState":
+                 cascade_members: int | None = None, banned: list[int] | None = None,
+                 mrope: bool = False) -> "SlotState":
         """Empty slots: every slot done, the cache `kv_shape` zeros; `route_shape` (L, k) records routing,
-        `cascade_members` makes the shared-prefix groups' tensors."""
+        `cascade_members` makes the shared-prefix groups' tensors; `banned` ids are never sampled, `mrope` keeps
+        the slots' M-RoPE offsets (a vision-language model)."""
         b, long = num_slots, dict(dtype=torch.long, device=device)
         extra = {}
+        if banned:
+            extra["banned"] = torch.tensor(banned, **long)
+        if mrope:
+            extra["rope_delta"] = torch.zeros(b, **long)
         if route_shape is not None:
             extra.update(step_routes=torch.zeros(b, *route_shape, **long),
                          out_routes=torch.full((b, max_seq, *route_shape), -1, dtype=torch.int16, device=device))
@@ -146,12 +157,13 @@ def decode_step(st: SlotState, model, block, mode: str, seq_len: int, width: int
     out_tokens, out_log_probs = st.out_tokens[:w], st.out_log_probs[:w]
     active = ~done
     routes = None if st.out_routes is None else st.step_routes[:w]
-    logits = model.decode(tokens_in, lengths, st.kv, st.table[:w], seq_len, block, routes)  # (w, V)
-    if uses_fused_sampler(fused_sample, mode):
+    rope_offset = None if st.rope_delta is None else st.rope_delta[:w]
+    logits = model.decode(tokens_in, lengths, st.kv, st.table[:w], seq_len, block, routes, rope_offset)  # (w, V)
+    if uses_fused_sampler(fused_sample, mode):  # (never with banned ids: `fused_sampler`)
         tokens, log_probs = fused_sample(logits, mode == GREEDY, st.temperature, st.seed)
     else:
         noise = None if st.noise is None else st.noise[:w]
-        tokens, log_probs = sample(logits, mode, noise, st.temperature, st.top_k, st.top_p)
+        tokens, log_probs = sample(logits, mode, noise, st.temperature, st.top_k, st.top_p, st.banned)
     tokens = torch.where(active, tokens, tokens_in)
     slots = torch.arange(w, device=tokens.device)
     if routes is not None:  # the fed token is response token num_generated - 1
@@ -291,10 +303,17 @@ def triton_problem(device: torch.device, head_dim: int | None = None) -> str | N
     return None
 
 
-def fused_sampler(name: str, device: torch.device, attention):
-    """`fused_sample` if the sampler `name` asks for it (or "auto" finds the Triton `attention`), else None."""
+def fused_sampler(name: str, device: torch.device, attention, banned: bool = False):
+    """`fused_sample` if the sampler `name` asks for it (or "auto" finds the Triton `attention`), else None.
+    `banned`: some ids are never sampled (a VL model's placeholders), which the fused kernel cannot mask ("auto":
+    the torch sampler)."""
     if name not in ("auto", "triton", "torch"):
         raise ValueError(f"sampler={name!r} must be 'auto', 'triton' or 'torch'")
+    if banned and name == "triton":
+        raise ValueError("sampler='triton' cannot keep a vision-language model's image placeholders from being "
+                         "sampled; use sampler='torch' (or 'auto')")
+    if banned:
+        return None
     if name == "triton" and (problem := triton_problem(device)) is not None:
         raise ValueError(f"sampler='triton' needs {problem}; use sampler='torch'")
     if name == "torch" or (name == "auto" and not isinstance(attention, TritonDecodeAttention)):
