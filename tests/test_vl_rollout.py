@@ -1,7 +1,10 @@
-"""The HF rollout generates for a vision-language model (issue 61): each prompt's images go to HF `generate`
-(repeated for its n samples), greedy output equals HF `generate` called on each prompt alone, and the sampled
-tokens' log-probs equal the engine's recomputation on the same images. Tiny random Qwen2.5-VL and Qwen3-VL, CPU,
-fp32; prompts rendered by the tiny processor from PIL images (one image, none, two), left-padded together."""
+"""The rollouts generate for a vision-language model (issue 61): the HF rollout hands each prompt's images to HF
+`generate` (repeated for its n samples); the fast one runs the vision tower once per prompt, splices its output
+at the placeholders and decodes at the M-RoPE positions. For both, greedy output equals HF `generate` called on
+each prompt alone, and the sampled tokens' log-probs equal the engine's recomputation on the same images; the
+fast rollout's prefix cache and its sharing of equal prompts key on the image too. Tiny random Qwen2.5-VL and
+Qwen3-VL, CPU, fp32; prompts rendered by the tiny processor from PIL images (one image, none, two), left-padded
+together."""
 
 from __future__ import annotations
 
@@ -18,44 +21,54 @@ from shardrl.rollout import SamplingParams, build_rollout
 from shardrl.testing import tiny_config, tiny_vl_processor
 
 KINDS = ("qwen2_5_vl", "qwen3_vl")
+BACKENDS = ("hf", "fast")
 # (text, images as (width, height, color)): the placeholders stand where the images go
 PROMPTS = [("<image>what color? ", [(56, 84, (250, 0, 0))]), ("no picture here", []),
            ("a <image> and <image>", [(28, 56, (0, 200, 0)), (64, 32, (0, 0, 255))])]
 
 
-def vl_setup(kind: str, seed: int = 0):
+def vl_setup(kind: str, seed: int = 0, backend: str = "hf", prompts=PROMPTS, **rollout_kwargs):
     config = load_hf_config(None, tiny_config(kind))
     processor = tiny_vl_processor(config, patch_size=config.vision_config.patch_size)
     items = []
-    for text, images in PROMPTS:
+    for text, images in prompts:
         pictures = [Image.new("RGB", (w, h), color) for w, h, color in images]
         messages = image_messages([{"role": "user", "content": text}], len(pictures))
         items.append({**process_images(processor, messages, pictures, ImageSettings()), "data_source": "",
                       "extra": {}, "index": len(items)})
     prompts = collate_prompts(items, processor.tokenizer.pad_token_id)
     model = build_causal_lm(config, None, "cpu", torch.float32, seed=seed).eval()
-    rollout = build_rollout("hf", config, processor.tokenizer, "cpu", torch.float32, micro_batch_size=2)
+    rollout = build_rollout(backend, config, processor.tokenizer, "cpu", torch.float32, micro_batch_size=2,
+                            **rollout_kwargs)
     rollout.load_weights(model.named_parameters())
     return model, rollout, prompts, [item["multi_modal_inputs"] for item in items]
 
 
+def hf_greedy(model, rollout, ids: torch.Tensor, images: dict | None, max_new_tokens: int) -> list[int]:
+    """HF `generate`'s greedy response to one unpadded prompt (1, L), the placeholders suppressed."""
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=rollout.stop_ids,
+                             pad_token_id=rollout.pad_id, suppress_tokens=rollout.placeholder_ids, **(images or {}))
+    return out[0, ids.shape[1]:].tolist()
+
+
+def assert_equals_reference(out, ref: list[int], row: int, stop_ids) -> None:
+    """Row `row` of a rollout's output is `ref` cut where the rollout cuts (at EOS)."""
+    length = int(out.response_mask[row].sum())
+    assert out.response_ids[row, :length].tolist() == ref[:length], row
+    assert length == len(ref) or ref[length - 1] in stop_ids
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_equals_hf_generate_per_prompt(kind):
-    model, rollout, prompts, images = vl_setup(kind, seed=1)
+def test_greedy_equals_hf_generate_per_prompt(kind, backend):
+    model, rollout, prompts, images = vl_setup(kind, seed=1, backend=backend)
     ids, mask = prompts["input_ids"], prompts["attention_mask"]
     out = rollout.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=12), multi_modal_inputs=images)
-    image_id = model.config.image_token_id
     for b in range(len(PROMPTS)):
         row = ids[b][mask[b].bool()][None]  # (1, L): the prompt alone, unpadded
-        kwargs = dict(images[b] or {})
-        with torch.no_grad():
-            ref = model.generate(input_ids=row, mm_token_type_ids=(row == image_id).int(), max_new_tokens=12,
-                                 do_sample=False, eos_token_id=rollout.stop_ids, pad_token_id=rollout.pad_id,
-                                 suppress_tokens=rollout.placeholder_ids,
-                                 **kwargs)[0, row.shape[1]:]
-        length = int(out.response_mask[b].sum())
-        assert out.response_ids[b, :length].tolist() == ref[:length].tolist(), b
-        assert length == len(ref) or ref[length - 1] in rollout.stop_ids
+        assert_equals_reference(out, hf_greedy(model, rollout, row, images[b], 12), b, rollout.stop_ids)
     # the images steer the generation: the same prompts with other pixels answer otherwise
     dark = [{**im, "pixel_values": im["pixel_values"] * 0 - 1} if im else None for im in images]
     other = rollout.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=12), multi_modal_inputs=dark)
@@ -63,26 +76,34 @@ def test_greedy_equals_hf_generate_per_prompt(kind):
     assert torch.equal(other.response_ids[1], out.response_ids[1])  # (the text-only prompt reads no image)
 
 
-def test_placeholders_are_never_sampled():
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampling", [SamplingParams(n=16, temperature=5.0, max_new_tokens=16, seed=0),
+                                      SamplingParams(n=16, temperature=5.0, top_p=0.999, max_new_tokens=16, seed=0)],
+                         ids=["sample", "top_p"])
+def test_placeholders_are_never_sampled(backend, sampling):
     """An image placeholder in a response would ask the vision tower for an image the row lacks (the engine's
     recomputation fails on it); the rollout never samples one. (That the recorded log-probs keep the placeholders'
-    mass, the model's whole distribution, is the engine-recomputation test's.)"""
-    model, rollout, prompts, images = vl_setup("qwen2_5_vl", seed=3)
-    sampling = SamplingParams(n=16, temperature=5.0, max_new_tokens=16, seed=0)  # near uniform: ~1 in 64 a token
-    placeholders = torch.tensor(rollout.placeholder_ids)
+    mass, the model's whole distribution, is the engine-recomputation test's.) Near uniform sampling: ~1 in 64 a
+    token; plain and truncated (the fast rollout's two torch sampling paths)."""
+    placeholders = None
 
-    def sampled_placeholders() -> int:
+    def sampled_placeholders(suppress: bool) -> int:
+        model, rollout, prompts, images = vl_setup("qwen2_5_vl", seed=3, backend=backend)
+        nonlocal placeholders
+        placeholders = torch.tensor(rollout.placeholder_ids)
+        if not suppress:  # what the sampler would draw without the suppression (before the fast one's first call)
+            rollout.placeholder_ids = []
         out = rollout.generate(prompts["input_ids"], prompts["attention_mask"], sampling, multi_modal_inputs=images)
         return int(torch.isin(out.response_ids[out.response_mask.bool()], placeholders).sum())
 
-    assert sampled_placeholders() == 0
-    rollout.placeholder_ids = []  # what the sampler would draw without the suppression
-    assert sampled_placeholders() > 3
+    assert sampled_placeholders(True) == 0
+    assert sampled_placeholders(False) > 3
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_sampled_log_probs_equal_engine_recomputation(kind):
-    model, rollout, prompts, images = vl_setup(kind, seed=2)
+def test_sampled_log_probs_equal_engine_recomputation(kind, backend):
+    model, rollout, prompts, images = vl_setup(kind, seed=2, backend=backend)
     sampling = SamplingParams(n=3, temperature=0.8, top_k=20, max_new_tokens=10, seed=4)
     out = rollout.generate(prompts["input_ids"], prompts["attention_mask"], sampling, multi_modal_inputs=images)
     assert out.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -107,16 +128,90 @@ def test_sampled_log_probs_equal_engine_recomputation(kind):
     assert (blind[loss_mask] - got[loss_mask]).abs().max() > 1e-3
 
 
-def test_images_are_checked_against_the_prompts_and_the_model():
-    model, rollout, prompts, images = vl_setup("qwen2_5_vl")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_images_are_checked_against_the_prompts_and_the_model(backend):
+    model, rollout, prompts, images = vl_setup("qwen2_5_vl", backend=backend)
     sampling = SamplingParams(greedy=True, max_new_tokens=2)
     with pytest.raises(ValueError, match="multi_modal_inputs has 2 entries for 3 prompts"):
         rollout.generate(prompts["input_ids"], prompts["attention_mask"], sampling, multi_modal_inputs=images[:2])
     text = load_hf_config(None, tiny_config("qwen2"))
-    text_rollout = build_rollout("hf", text, rollout.tokenizer, "cpu", torch.float32)
+    text_rollout = build_rollout(backend, text, rollout.tokenizer, "cpu", torch.float32)
     ids = prompts["input_ids"].clamp(max=text.vocab_size - 1)
     with pytest.raises(ValueError, match="prompts with images, but the rollout.s .qwen2. model is not a vision"):
         text_rollout.generate(ids, prompts["attention_mask"], sampling, multi_modal_inputs=images)
-    with pytest.raises(ValueError, match=r"rollout.backend=fast: 'qwen2_5_vl' is a vision-language model; the fast "
-                                         r"rollout's image prefill .* set rollout.backend=hf"):
-        build_rollout("fast", model.config, rollout.tokenizer, "cpu", torch.float32)
+
+
+def test_fast_rollout_refuses_a_vision_language_model_it_does_not_run():
+    import transformers
+
+    with pytest.raises(ValueError, match=r"the fast rollout runs the vision-language models \['qwen2_5_vl', "
+                                         r"'qwen3_vl'\], not 'qwen2_vl'; use rollout.backend=hf"):
+        build_rollout("fast", transformers.Qwen2VLConfig(), None, "cpu", torch.float32)
+
+
+def prompt_rows(prompts) -> list[torch.Tensor]:
+    return [prompts["input_ids"][b][prompts["attention_mask"][b].bool()][None] for b in range(len(prompts["input_ids"]))]
+
+
+@pytest.mark.parametrize("block_size", [4, 64])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fast_rollout_runs_the_tower_once_per_prompt(kind, block_size):
+    """The n samples of a prompt share one vision-tower run, admitted together or not: 2 slots for 9 rows, so a
+    prompt's later samples are prefilled again (past its cached blocks at block size 4, whole at 64) and read the
+    tower's output kept for them. Every sample is the prompt's greedy answer."""
+    model, rollout, prompts, images = vl_setup(kind, seed=1, backend="fast", max_batch=2, block_size=block_size)
+    out = rollout.generate(prompts["input_ids"], prompts["attention_mask"],
+                           SamplingParams(n=3, greedy=True, max_new_tokens=8), multi_modal_inputs=images)
+    num_images = sum(len(pictures) for _, pictures in PROMPTS)
+    assert rollout.last_stats["admissions"] >= 4  # (the samples were admitted apart)
+    assert rollout.last_stats["images"] == num_images == rollout.totals["images"] == 3
+    for b, row in enumerate(prompt_rows(prompts)):
+        ref = hf_greedy(model, rollout, row, images[b], 8)
+        for j in range(3):
+            assert_equals_reference(out, ref, 3 * b + j, rollout.stop_ids)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fast_rollout_prefix_cache_and_shared_prefills_key_on_the_image(kind):
+    """Two prompts with the same ids and other pixels share nothing from the image on: in one call, not one
+    prefill (each its own tower run and answer); in a later call with a third image, no cached block from the
+    image's first on, while the blocks of the text before it are read from the cache."""
+    same_text = [("and <image> what color? ", [(56, 84, (250, 0, 0))]), ("and <image> what color? ", [(56, 84, (0, 0, 250))])]
+    model, rollout, prompts, images = vl_setup(kind, seed=1, backend="fast", prompts=same_text, block_size=4)
+    ids, mask = prompts["input_ids"], prompts["attention_mask"]
+    assert torch.equal(ids[0], ids[1])
+    greedy = SamplingParams(greedy=True, max_new_tokens=8)
+    out = rollout.generate(ids, mask, greedy, multi_modal_inputs=images)
+    rows = prompt_rows(prompts)
+    assert rollout.last_stats["images"] == 2
+    assert not torch.equal(out.sampled_log_probs[0], out.sampled_log_probs[1])
+    for b in range(2):
+        assert_equals_reference(out, hf_greedy(model, rollout, rows[b], images[b], 8), b, rollout.stop_ids)
+    green = {**images[0], "pixel_values": images[0]["pixel_values"] * 0 + 0.3}
+    again = rollout.generate(ids[:1], mask[:1], greedy, multi_modal_inputs=[green])
+    first_placeholder = rows[0][0].tolist().index(model.config.image_token_id)
+    assert again.response_ids.shape[0] == 1 and rollout.last_stats["cached_tokens"] == first_placeholder // 4 * 4 > 0
+    assert_equals_reference(again, hf_greedy(model, rollout, rows[0], green, 8), 0, rollout.stop_ids)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fast_rollout_prefills_past_a_cached_prefix_that_ends_inside_an_image(kind):
+    """A prompt whose cached prefix (another prompt's blocks: the same text and image, other words after it) ends
+    inside the image prefills the rest of its placeholders with the matching rows of the tower's output, at their
+    M-RoPE positions, and answers as HF `generate` does."""
+    texts = [("<image>what color? ", [(56, 84, (250, 0, 0))]), ("<image>which shape? ", [(56, 84, (250, 0, 0))])]
+    model, rollout, prompts, images = vl_setup(kind, seed=1, backend="fast", prompts=texts)
+    rows = [row[0].tolist() for row in prompt_rows(prompts)]
+    image_id = model.config.image_token_id
+    first, last = rows[0].index(image_id), len(rows[0]) - rows[0][::-1].index(image_id)  # [first, last)
+    diverge = next(i for i, (x, y) in enumerate(zip(*rows)) if x != y)
+    # a block size whose last block shared by the two prompts ends inside the image
+    size = next(s for s in range(2, 16) if first < diverge // s * s < last)
+    model, rollout, prompts, images = vl_setup(kind, seed=1, backend="fast", prompts=texts, block_size=size)
+    greedy = SamplingParams(greedy=True, max_new_tokens=8)
+    rollout.generate(prompts["input_ids"][:1], prompts["attention_mask"][:1], greedy, multi_modal_inputs=images[:1])
+    out = rollout.generate(prompts["input_ids"][1:], prompts["attention_mask"][1:], greedy,
+                           multi_modal_inputs=images[1:])
+    assert first < rollout.last_stats["cached_tokens"] == diverge // size * size < last
+    row = torch.tensor(rows[1])[None]
+    assert_equals_reference(out, hf_greedy(model, rollout, row, images[1], 8), 0, rollout.stop_ids)

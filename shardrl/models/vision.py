@@ -27,10 +27,8 @@ VL_FAMILIES = {
 }
 
 NOT_BUILT = {
-    "fast": "the fast rollout's image prefill (vision tower once per prompt, M-RoPE decode positions) is not built "
-            "yet (issue 61, phase 2); set rollout.backend=hf, the reference rollout, which generates with images",
     "offline": "dpo, kto and rm with images are not built yet (issue 61); shardrl sft (the warm start) and RL "
-               "training (shardrl train with rollout.backend=hf) are",
+               "training (shardrl train) are",
     "disaggregated": "separate rollout ranks do not carry images yet (issue 61); leave async_rl.rollout_ranks at 0 "
                      "(colocated)",
     "episodes": "multi-turn and agent episodes with images are not built yet (issue 61); single-turn GRPO/PPO "

@@ -7,6 +7,7 @@ from shardrl.config.schema import Config
 from shardrl.data.images import ImageSettings, load_image_dataset, load_processor
 from shardrl.data.prompts import InMemoryRows, load_prompt_dataset
 from shardrl.data.reasoning_gym import reasoning_gym_rows
+from shardrl.models.families import check_supported
 from shardrl.models.vision import is_vision_language, refuse_vision_language
 from shardrl.rollout.episodes.interactions import prompt_tool_schemas
 
@@ -72,8 +73,11 @@ def check_vision_run(cfg: Config, hf_config) -> None:
     if cfg.data.reasoning_gym.tasks or cfg.rollout.env:
         raise ValueError(f"data.reasoning_gym / rollout.env make text prompts; the vision-language model {name!r} "
                          "trains on image rows from data.train_files (data.image_key)")
-    if cfg.rollout.backend == "fast":
-        refuse_vision_language(hf_config, "rollout.backend=fast", "fast")
+    if cfg.rollout.backend == "fast":  # (a VL model it does not run: said before any model is built)
+        try:
+            check_supported(hf_config)
+        except ValueError as e:
+            raise ValueError(f"rollout.backend=fast: {e}") from None
     if cfg.rollout.multi_turn.enable or cfg.rollout.runs_agent():
         refuse_vision_language(hf_config, "rollout.multi_turn / rollout.agent", "episodes")
     if cfg.async_rl.rollout_ranks:

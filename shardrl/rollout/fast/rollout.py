@@ -49,6 +49,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from shardrl.engine.lora import merged_weight
 from shardrl.models.config import text_config
+from shardrl.models.families import check_supported
 from shardrl.models.vision import is_vision_language
 from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_images,
                                    check_prompts, contains_stop, copy_weights_in_place, cut_responses, likeliest_tokens)
@@ -132,6 +133,7 @@ class FastRollout(Rollout):
                             ("kv_cache_tokens", kv_cache_tokens or 1)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
+        check_supported(hf_config)  # (first: a model it cannot run is said before anything is read)
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.eos_id = tokenizer.eos_token_id
