@@ -22,9 +22,17 @@ from shardrl.testing import tiny_config, tiny_vl_processor
 
 KINDS = ("qwen2_5_vl", "qwen3_vl")
 BACKENDS = ("hf", "fast")
-# (text, images as (width, height, color)): the placeholders stand where the images go
+# (text, images as (width, height, color)): the placeholders stand where the images go; color None: noise (each
+# patch its own features)
 PROMPTS = [("<image>what color? ", [(56, 84, (250, 0, 0))]), ("no picture here", []),
            ("a <image> and <image>", [(28, 56, (0, 200, 0)), (64, 32, (0, 0, 255))])]
+
+
+def picture(width: int, height: int, color) -> Image.Image:
+    if color is not None:
+        return Image.new("RGB", (width, height), color)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=torch.Generator().manual_seed(width * height))
+    return Image.fromarray(pixels.to(torch.uint8).numpy())
 
 
 def vl_setup(kind: str, seed: int = 0, backend: str = "hf", prompts=PROMPTS, **rollout_kwargs):
@@ -32,7 +40,7 @@ def vl_setup(kind: str, seed: int = 0, backend: str = "hf", prompts=PROMPTS, **r
     processor = tiny_vl_processor(config, patch_size=config.vision_config.patch_size)
     items = []
     for text, images in prompts:
-        pictures = [Image.new("RGB", (w, h), color) for w, h, color in images]
+        pictures = [picture(w, h, color) for w, h, color in images]
         messages = image_messages([{"role": "user", "content": text}], len(pictures))
         items.append({**process_images(processor, messages, pictures, ImageSettings()), "data_source": "",
                       "extra": {}, "index": len(items)})
@@ -199,7 +207,7 @@ def test_fast_rollout_prefills_past_a_cached_prefix_that_ends_inside_an_image(ki
     """A prompt whose cached prefix (another prompt's blocks: the same text and image, other words after it) ends
     inside the image prefills the rest of its placeholders with the matching rows of the tower's output, at their
     M-RoPE positions, and answers as HF `generate` does."""
-    texts = [("<image>what color? ", [(56, 84, (250, 0, 0))]), ("<image>which shape? ", [(56, 84, (250, 0, 0))])]
+    texts = [("<image>what color? ", [(56, 84, None)]), ("<image>which shape? ", [(56, 84, None)])]
     model, rollout, prompts, images = vl_setup(kind, seed=1, backend="fast", prompts=texts)
     rows = [row[0].tolist() for row in prompt_rows(prompts)]
     image_id = model.config.image_token_id
@@ -215,3 +223,30 @@ def test_fast_rollout_prefills_past_a_cached_prefix_that_ends_inside_an_image(ki
     assert first < rollout.last_stats["cached_tokens"] == diverge // size * size < last
     row = torch.tensor(rows[1])[None]
     assert_equals_reference(out, hf_greedy(model, rollout, row, images[1], 8), 0, rollout.stop_ids)
+    # and its log-probs are those of a prefill of the whole prompt
+    _, fresh, _, _ = vl_setup(kind, seed=1, backend="fast", prompts=texts, block_size=size)
+    whole = fresh.generate(prompts["input_ids"][1:], prompts["attention_mask"][1:], greedy,
+                           multi_modal_inputs=images[1:])
+    assert fresh.last_stats["cached_tokens"] == 0
+    torch.testing.assert_close(out.sampled_log_probs, whole.sampled_log_probs, atol=1e-5, rtol=0)
+
+
+def test_fast_rollout_keeps_the_rope_delta_of_a_row_it_moves():
+    """Compaction moves the rows left decoding into the first slots: each keeps its prompt's M-RoPE delta (a
+    per-slot offset of the decode positions). Limits 2, 12, 12: the first row ends early, the third moves."""
+    model, rollout, prompts, images = vl_setup("qwen2_5_vl", seed=1, backend="fast", max_batch=3, min_width=1,
+                                               width_step=1, sync_every=2)
+    order = [2, 1, 0]  # the two-image prompt last: it is the one that moves
+    ids, mask = prompts["input_ids"][order], prompts["attention_mask"][order]
+    out = rollout.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=12), max_new_tokens=[2, 12, 12],
+                           multi_modal_inputs=[images[b] for b in order])
+    assert rollout.last_stats["compactions"] >= 1
+    for row, b in enumerate(order):
+        ref = hf_greedy(model, rollout, prompt_rows(prompts)[b], images[b], 12)
+        assert_equals_reference(out, ref[: 2 if row == 0 else 12], row, rollout.stop_ids)
+    # and its log-probs are those of a rollout that never moves it
+    _, still, _, _ = vl_setup("qwen2_5_vl", seed=1, backend="fast", max_batch=3)
+    kept = still.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=12), max_new_tokens=[2, 12, 12],
+                          multi_modal_inputs=[images[b] for b in order])
+    assert still.last_stats["compactions"] == 0
+    torch.testing.assert_close(out.sampled_log_probs, kept.sampled_log_probs, atol=1e-5, rtol=0)
