@@ -9,6 +9,11 @@ together."""
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,8 +40,9 @@ def picture(width: int, height: int, color) -> Image.Image:
     return Image.fromarray(pixels.to(torch.uint8).numpy())
 
 
-def vl_setup(kind: str, seed: int = 0, backend: str = "hf", prompts=PROMPTS, **rollout_kwargs):
-    config = load_hf_config(None, tiny_config(kind))
+def vl_setup(kind: str, seed: int = 0, backend: str = "hf", prompts=PROMPTS, config: dict | None = None,
+             **rollout_kwargs):
+    config = load_hf_config(None, config or tiny_config(kind))
     processor = tiny_vl_processor(config, patch_size=config.vision_config.patch_size)
     items = []
     for text, images in prompts:
@@ -250,3 +256,52 @@ def test_fast_rollout_keeps_the_rope_delta_of_a_row_it_moves():
                           multi_modal_inputs=[images[b] for b in order])
     assert still.last_stats["compactions"] == 0
     torch.testing.assert_close(out.sampled_log_probs, kept.sampled_log_probs, atol=1e-5, rtol=0)
+
+
+def head_dim_16(kind: str) -> dict:
+    """The tiny config with a decoder head dim of 16, the Triton decode kernel's smallest."""
+    config = tiny_config(kind)
+    text = dict(config["text_config"], hidden_size=64)
+    text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[2, 2, 4])  # (head_dim / 2 frequencies)
+    if "head_dim" in text:
+        text["head_dim"] = 16
+    return dict(config, text_config=text, vision_config=dict(config["vision_config"], out_hidden_size=64))
+
+
+def check_triton_paths() -> None:
+    """Run in Triton's interpreter (TRITON_INTERPRET=1): the fast rollout with the Triton decode attention, its
+    cascade (a prompt's samples read their shared blocks together) and its prefill from cached blocks gives the
+    tokens and log-probs of the SDPA one (itself checked against HF above)."""
+    from shardrl.rollout import FastRollout
+    from shardrl.rollout.fast.attention import TritonDecodeAttention
+
+    sampling = SamplingParams(n=3, temperature=0.8, max_new_tokens=6, seed=4)
+    for kind in KINDS:
+        model, sdpa, prompts, images = vl_setup(kind, seed=1, backend="fast", config=head_dim_16(kind),
+                                                attention="sdpa", block_size=4)
+        triton = FastRollout(model.config, sdpa.tokenizer, "cpu", torch.float32, micro_batch_size=2,
+                             attention="triton", block_size=4)
+        triton.load_weights(model.named_parameters())
+        assert isinstance(triton._block.attention, TritonDecodeAttention) and triton.cascade
+        want = sdpa.generate(prompts["input_ids"], prompts["attention_mask"], sampling, multi_modal_inputs=images)
+        for call in range(2):  # (6 slots, 9 rows: the later rows, then the second call, read cached blocks)
+            got = triton.generate(prompts["input_ids"], prompts["attention_mask"], sampling,
+                                  multi_modal_inputs=images)
+            assert torch.equal(got.response_ids, want.response_ids), (kind, call)
+            torch.testing.assert_close(got.sampled_log_probs, want.sampled_log_probs, atol=1e-5, rtol=0)
+            assert triton.last_stats["cascade_steps"] > 0 and triton.last_stats["cached_tokens"] > 0
+    print("triton vl paths: ok")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
+def test_fast_rollout_triton_paths_in_interpreter():
+    root = Path(__file__).parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "triton vl paths: ok" in run.stdout
+
+
+if __name__ == "__main__":
+    check_triton_paths()
