@@ -154,3 +154,16 @@ def test_the_trainer_asks_the_ledger_on_cuda_only(monkeypatch):
     assert memory_gib(cfg, layout, QWEN2, cuda) == (update_and_cache_gib(phase_ledger(cfg, layout, QWEN2)), 80.0)
     assert memory_gib(load_config(None, ["rollout.free_cache_engine=true"]), layout, QWEN2, cuda) is None  # not asked
     assert memory_gib(cfg, layout, GPT2, cuda) is not None  # GPT-2's names: the ledger reads them too
+
+
+def test_backend_null_picks_fast_for_the_vision_language_models_it_runs(monkeypatch):
+    from shardrl.models.tiny import TINY_VL_MODELS
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for kind, kwargs in TINY_VL_MODELS.items():
+        config = transformers.AutoConfig.for_model(**kwargs)
+        resolved, lines = resolve_device_defaults(load_config(None, []), config)
+        assert resolved.rollout.backend == "fast", (kind, lines)
+    resolved, lines = resolve_device_defaults(load_config(None, []), transformers.Qwen2VLConfig())
+    assert resolved.rollout.backend == "hf"
+    assert any("fast rollout cannot run this model" in line and "'qwen2_vl'" in line for line in lines), lines
