@@ -155,12 +155,15 @@ def test_images_are_checked_against_the_prompts_and_the_model(backend):
         text_rollout.generate(ids, prompts["attention_mask"], sampling, multi_modal_inputs=images)
 
 
-def test_fast_rollout_refuses_a_vision_language_model_it_does_not_run():
+def test_fast_rollout_refuses_what_it_cannot_do_with_images():
     import transformers
 
     with pytest.raises(ValueError, match=r"the fast rollout runs the vision-language models \['qwen2_5_vl', "
                                          r"'qwen3_vl'\], not 'qwen2_vl'; use rollout.backend=hf"):
         build_rollout("fast", transformers.Qwen2VLConfig(), None, "cpu", torch.float32)
+    model, rollout, _, _ = vl_setup("qwen2_5_vl", backend="fast")
+    with pytest.raises(ValueError, match="sampler='triton' cannot keep a vision-language model's image placeholders"):
+        build_rollout("fast", model.config, rollout.tokenizer, "cpu", torch.float32, sampler="triton")
 
 
 def prompt_rows(prompts) -> list[torch.Tensor]:

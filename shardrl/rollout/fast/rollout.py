@@ -1,5 +1,6 @@
 """The fast rollout: generation for the model families of `shardrl.models.families` (Llama, Qwen2/3,
-Mistral, Gemma 2/3) in plain PyTorch with a static KV cache and continuous batching.
+Mistral, Gemma 2/3, the mixtures of experts, and the vision-language Qwen2.5-VL and Qwen3-VL) in plain PyTorch with a
+static KV cache and continuous batching.
 
 What one `generate` does (gpt-fast's habits: cache sized once, a decode step that can be captured, no host
 sync per token):
