@@ -97,12 +97,17 @@ def test_grpo_with_images_runs_and_its_first_step_is_invariant_to_the_micro_batc
             assert got[0][key] == pytest.approx(first[key], **tol), (name, key)
 
 
-def test_grpo_with_images_and_lora_on_the_language_model_runs(assets, tmp_path):
+@pytest.mark.parametrize("rollout", [[], ["rollout.backend=fast", "rollout.lora_sync=unmerged"],
+                                     ["rollout.backend=fast", "rollout.lora_sync=merged"]],
+                         ids=["hf", "fast-unmerged", "fast-merged"])
+def test_grpo_with_images_and_lora_on_the_language_model_runs(assets, tmp_path, rollout):
     """LoRA on a VL policy (the language model's layers, `tests/test_vl_lora.py`): the hf rollout samples with the
-    merged weights, the reference is the base (adapters off), and the engine's log-probs are the sampler's."""
+    merged weights (the fast one with the adapters synced alone: added at run time to the trainer's base it reads,
+    or merged into its own copy), the reference is the base (adapters off), and the engine's log-probs are the
+    sampler's."""
     records = run_distributed(_train_runs, 1, [overrides(assets, tmp_path / "run", "trainer.total_steps=2",
                                                          "model.lora.rank=4", "actor.engine.micro_batch_size_per_gpu=4",
-                                                         "ref.engine.micro_batch_size_per_gpu=4")])[0]
+                                                         "ref.engine.micro_batch_size_per_gpu=4", *rollout)])[0]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["rollout/logprob_abs_diff_max"] < 1e-4 for r in records)  # the synced merge is what trains
     assert records[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)  # step 1: the adapters are 0, policy = base

@@ -560,14 +560,16 @@ class FastCausalLM(nn.Module):
     @torch.no_grad()
     def set_lora(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
         """LoRA adapters, added at run time (out = base(x) + scale * B (A x), in fp32): `adapters` maps a linear
-        layer's HF name (`model.layers.3.self_attn.q_proj`) to its (A (r, in), B (out, r)). The first call
-        allocates fp32 buffers on the model's device; later calls with the same layers copy into them in place
-        (so captured CUDA graphs stay valid). Layers not named keep no adapter."""
+        layer's HF name (`model.layers.3.self_attn.q_proj`; a VL model's `model.language_model.layers.3...`) to its
+        (A (r, in), B (out, r)). The first call allocates fp32 buffers on the model's device; later calls with the
+        same layers copy into them in place (so captured CUDA graphs stay valid). Layers not named keep no
+        adapter."""
         device = self.model.norm.weight.device
         projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
         layers = self.model.layers
+        decoder = "model.language_model." if isinstance(self.model, VisionDecoder) else "model."
         for name, (a, b) in adapters.items():
-            parts = name.split(".")
+            parts = ["model", *name[len(decoder):].split(".")] if name.startswith(decoder) else name.split(".")
             if (len(parts) != 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit()
                     or int(parts[2]) >= len(layers) or parts[4] not in projections):
                 raise ValueError(f"set_lora: {name!r} is not a q/k/v/o or gate/up/down projection of a decoder layer")
