@@ -418,8 +418,8 @@ class FastCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Decoder(config, bias) if visual is None else VisionDecoder(Decoder(config, bias), visual)
-        self.mrope_source = mrope  # (host ints; the device copy `mrope_axes` is set with the rotary tables)
-        self.mrope_axes: torch.Tensor | None = None
+        self.mrope_source = mrope  # (host ints; the buffer `mrope_axes` is set with the rotary tables)
+        self.register_buffer("mrope_axes", None, persistent=False)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
