@@ -725,7 +725,8 @@ def build_fast_lm(config, device: torch.device, dtype: torch.dtype, seed: int = 
     bias = {n: f"{layer0}.{block.get(n, 'mlp')}.{n}.bias" in hf_params for n in names}
     axes = mrope_axes(config, type(decoder.rotary_emb))
     with torch.device("meta"):
-        model = FastCausalLM(config, bias, rope, vision_tower(full) if vision else None, axes)
+        visual = vision_tower(full, type(reference.model.visual)) if vision else None
+        model = FastCausalLM(config, bias, rope, visual, axes)
     ours = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
     if ours != hf_params:
         diff = sorted(set(ours.items()) ^ set(hf_params.items()))[:6]

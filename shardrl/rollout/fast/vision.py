@@ -58,13 +58,10 @@ class VisionDecoder(nn.Module):
         return self.language_model.norm
 
 
-def vision_tower(config) -> nn.Module:
-    """HF's vision tower for the VL `config` (SDPA attention, as the HF rollout's), built on the current device."""
-    import transformers
-
-    with torch.device("meta"):
-        reference = transformers.AutoModelForImageTextToText.from_config(config)
-    return type(reference.model.visual)._from_config(config.vision_config, attn_implementation="sdpa")
+def vision_tower(config, tower_class: type) -> nn.Module:
+    """HF's vision tower (`tower_class`, the class of HF's `model.visual` for the VL `config`) with SDPA attention, as
+    the HF rollout's, built on the current device."""
+    return tower_class._from_config(config.vision_config, attn_implementation="sdpa")
 
 
 def reset_tower_buffers(tower: nn.Module, device) -> None:
@@ -90,7 +87,7 @@ class ImageEncoder:
 
         with torch.device("meta"):
             self.base = transformers.AutoModelForImageTextToText.from_config(hf_config).model
-        self.tower = tower  # () -> the rollout's tower (the module may be replaced: `FastCausalLM.materialize`)
+        self.tower = tower  # () -> the rollout's tower (its model's `model.visual`)
         self.image_id = image_token_id(hf_config)
         self.placeholder_ids = [i for i in (hf_config.image_token_id, getattr(hf_config, "video_token_id", None))
                                 if i is not None]
@@ -134,7 +131,7 @@ def image_digests(images: dict) -> list[int]:
     digests, first = [], 0
     for grid in grids:
         count = int(grid.prod())  # its patches (rows of pixel_values)
-        h = hashlib.blake2b(grid.numpy().tobytes(), digest_size=8)
+        h = hashlib.blake2b(grid.cpu().numpy().tobytes(), digest_size=8)
         h.update(pixels[first:first + count].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         digests.append(-1 - (int.from_bytes(h.digest(), "little") >> 1))
         first += count
