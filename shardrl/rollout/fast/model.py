@@ -1,6 +1,6 @@
 """The decoder of the fast rollout's model families (`shardrl.models.families`: Llama, Qwen2/3, Mistral,
-Gemma 2/3, and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE) in plain PyTorch, for generation against a
-static KV cache.
+Gemma 2/3, the mixtures of experts Qwen3-MoE, Mixtral and OLMoE, and the decoders of Qwen2.5-VL and Qwen3-VL, HF's
+vision tower beside them: `shardrl.rollout.fast.vision`) in plain PyTorch, for generation against a static KV cache.
 
 Parameters are named exactly as in Hugging Face's `*ForCausalLM` of each family
 (`model.layers.{i}.self_attn.q_proj.weight`, ...), so `(hf_name, tensor)` pairs from
@@ -702,7 +702,8 @@ def build_fast_lm(config, device: torch.device, dtype: torch.dtype, seed: int = 
     """The decoder for `config` on `device`, randomly initialised (weights arrive by `load_weights`).
     Its parameter names and shapes are checked against HF's model for the same config, and its rotary
     tables come from that model's own rotary class. `materialize=False`: left on meta in `dtype`, no memory
-    taken (`FastCausalLM.materialize` or `share_weights` later)."""
+    taken (`FastCausalLM.materialize` or `share_weights` later). A vision-language `config`: the decoder of its
+    text config, HF's vision tower as `model.visual`, the parameters named as in HF's image-text-to-text model."""
     import transformers
 
     check_supported(config)
