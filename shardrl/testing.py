@@ -279,3 +279,40 @@ def save_tiny_vl_model(folder: Path, kind: str = "qwen2_5_vl", seed: int = 0, **
     processor.tokenizer.save_pretrained(folder)
     processor.image_processor.save_pretrained(folder)
     return processor
+
+
+BYTE_TEXT = ("hello world, hello there. the cat sat on the mat; the dog ran to the park. 1 + 2 = 3, 2 + 2 = 4. "
+             "café, naïve, 世界, 🙂.")
+"""What `save_byte_model`'s tokenizer is trained on."""
+BYTE_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""A Qwen-like (ChatML) template: tools rendered into a system turn, each message between <|im_start|> and
+<|im_end|>, which are special tokens."""
+
+
+def save_byte_model(folder: Path, seed: int = 0, **shape):
+    """A tiny random Qwen2 causal LM with a byte-level BPE tokenizer (GPT-2's and Qwen's kind: a vocabulary entry
+    spells bytes as characters, a space as 'Ġ'; a character of several bytes may be split across tokens) and
+    `BYTE_CHAT_TEMPLATE`, saved as a model folder; returns the tokenizer."""
+    import tokenizers
+    import transformers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator([BYTE_TEXT] * 4, vocab_size=300, min_frequency=2, special_tokens=specials,
+                            show_progress=False)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>",
+                                               pad_token="<|endoftext|>", chat_template=BYTE_CHAT_TEMPLATE,
+                                               padding_side="left", clean_up_tokenization_spaces=False,
+                                               model_max_length=512)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512) | shape
+    config = transformers.AutoConfig.for_model("qwen2", vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                               eos_token_id=tok.eos_token_id, **shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return tok

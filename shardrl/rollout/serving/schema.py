@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
 from shardrl.rollout.base import MAX_TOP_LOGPROBS, SamplingParams
+from shardrl.rollout.serving.logprobs import completion_logprobs, token_logprobs
 
 
 MAX_N = 128
@@ -399,35 +400,6 @@ def usage(prompts, choices) -> dict:
     prompt = sum(len(p) for p in prompts)
     completion = sum(len(c["token_ids"]) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-LEAST_LOGPROB = -9999.0
-"""An alternative's log-prob is at least this (OpenAI's and vLLM's stand-in for -inf, which JSON cannot spell)."""
-
-
-def alternatives(tok, o: dict) -> list[list[tuple[str, float]]]:
-    """Each token's likeliest tokens (the batcher's `top_ids`, `top_log_probs`), best first, as (token, log-prob)
-    pairs; none a token where none were asked."""
-    ids = o.get("top_ids") or [[] for _ in o["token_ids"]]
-    names = iter(tok.convert_ids_to_tokens([t for step in ids for t in step]))
-    return [[(next(names), max(lp, LEAST_LOGPROB)) for lp in lps] for lps in o.get("top_log_probs") or ids]
-
-
-def token_logprobs(tok, o: dict) -> list[dict]:
-    """A choice's log-prob entries, one a token (chat's shape), each with its `top_logprobs`: the likeliest tokens,
-    best first (OpenAI's; vLLM's put the sampled token first, in place of the k-th where it is not among them)."""
-    return [{"token": tok.convert_ids_to_tokens(t), "logprob": lp, "bytes": None,
-             "top_logprobs": [{"token": name, "logprob": x, "bytes": None} for name, x in top]}
-            for t, lp, top in zip(o["token_ids"], o["log_probs"], alternatives(tok, o))]
-
-
-def completion_logprobs(tok, o: dict) -> dict:
-    """A choice's log-probs in the completions' shape: `top_logprobs` a token is {token: log-prob} for the sampled
-    token, then the likeliest others, best first: logprobs + 1 entries where the sampled token is not among the
-    likeliest (OpenAI's and vLLM's)."""
-    tokens = tok.convert_ids_to_tokens(o["token_ids"])
-    tops = [{name: lp, **dict(top)} for name, lp, top in zip(tokens, o["log_probs"], alternatives(tok, o))]
-    return {"tokens": tokens, "token_logprobs": o["log_probs"], "top_logprobs": tops, "text_offset": None}
 
 
 def chat_response(req: ChatRequest, ids: list[int], outs: list[dict], model_name: str, tok) -> dict:

@@ -20,8 +20,8 @@ try:
 except ImportError:  # (tokenizers before 0.21)
     Tokenizer = DecodeStream = None
 
-from shardrl.rollout.serving.schema import (ChatRequest, Common, completion_logprobs, token_logprobs, usage,
-                                            versions)
+from shardrl.rollout.serving.logprobs import completion_logprobs, token_logprobs
+from shardrl.rollout.serving.schema import ChatRequest, Common, usage, versions
 
 
 class IncrementalText:
