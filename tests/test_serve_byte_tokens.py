@@ -1,16 +1,23 @@
 """`shardrl serve` on a byte-level BPE model (GPT-2's and Qwen's kind of tokenizer: an entry spells a space 'Ġ', and
 a character of several bytes may be split across tokens), through the real `openai` client: log-prob entries name
-each token by its text as vLLM gives it (decoded alone), with its bytes, never by its vocabulary entry."""
+each token by its text as vLLM gives it (decoded alone), with its bytes, never by its vocabulary entry; stop strings
+match the text the client sees (special tokens left out, across token boundaries), the text ends before the stop
+string, streamed too, and `stop_reason` names the string matched (vLLM's)."""
 
 from __future__ import annotations
 
 import openai
 import pytest
+import torch
 import transformers
 
 from shardrl.config.schema import load_config
+from shardrl.rollout.base import Rollout, assemble_output, cut_responses
+from shardrl.rollout.serving.app import build_app
+from shardrl.rollout.serving.batcher import Batcher
 from shardrl.rollout.serving.command import ServerThread, build_server
 from shardrl.testing import save_byte_model
+from shardrl.tokenizer import stop_token_ids
 
 MESSAGES = [{"role": "user", "content": "the cat sat on the mat"}]
 
@@ -86,3 +93,72 @@ def test_completion_logprob_tokens_are_their_text(server, tok, stream):
     texts = {tok.decode([i]) for i in range(len(tok))}
     assert all(set(top) <= texts and token in top for token, top in zip(tokens, tops))
     assert any(x.startswith(" ") for top in tops for x in top)
+
+
+# ---- stop strings ----------------------------------------------------------------------------------------
+REPLY = "the cat<|im_start|>sat on the mat, café 世界"  # (then <|im_end|>, the end token)
+
+
+class ScriptedRollout(Rollout):
+    """Replies `REPLY` then the end token whatever the prompt, cut at the request's stop strings by the HF backend's
+    own rule (`cut_responses`), its log-probs 0: a reply whose tokens (a special one mid-reply, characters split
+    across tokens) are known."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def generate(self, prompt_ids, attention_mask, sampling):
+        ids = (self.tok.encode(REPLY, add_special_tokens=False) + [self.tok.eos_token_id])[:sampling.max_new_tokens]
+        rows = torch.tensor([ids] * prompt_ids.shape[0])
+        lengths, texts = cut_responses(self.tok, stop_token_ids(self.tok), rows, sampling.stop)
+        responses = [(row[:n], torch.zeros(n)) for row, n in zip(rows, lengths)]
+        return assemble_output(prompt_ids, attention_mask, 1, responses, texts, self.tok.pad_token_id)
+
+    def load_weights(self, weights):
+        pass
+
+    def release(self):
+        pass
+
+    def resume(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def scripted(tok):
+    srv = ServerThread(build_app(Batcher(ScriptedRollout(tok), tok, 4, 512), "tiny", 512, 64))
+    yield client(srv)
+    srv.stop()
+
+
+SEEN = "the catsat on the mat, café 世界"  # (the reply's text: the special token left out)
+
+
+@pytest.mark.parametrize("stop, text, reason", [
+    (["e c"], "th", "e c"),  # (across two tokens: 'the', ' cat')
+    (["zzz", "at o", "mat"], "the cats", "at o"),  # (the first to occur ends it, whichever is listed first)
+    (["catsat"], "the ", "catsat"),  # (across the special token, which the text leaves out)
+    (["é 世"], "the catsat on the mat, caf", "é 世"),  # (characters split across tokens)
+    (["<|im_start|>"], SEEN, None), (["im_end"], SEEN, None),  # (special tokens are no text: the end token ends it)
+])
+@pytest.mark.parametrize("chat", [True, False])
+def test_stop_strings_match_the_text_the_client_sees(scripted, tok, stop, text, reason, chat):
+    if chat:
+        kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=40, stop=stop)
+        plain = scripted.chat.completions.create(**kwargs).choices[0]
+        chunks = [x.choices[0] for x in scripted.chat.completions.create(**kwargs, stream=True) if x.choices]
+        got, deltas = plain.message.content, [x.delta.content for x in chunks if x.delta.content is not None]
+    else:
+        kwargs = dict(model="tiny", prompt="the", max_tokens=40, stop=stop)
+        plain = scripted.completions.create(**kwargs).choices[0]
+        chunks = [x.choices[0] for x in scripted.completions.create(**kwargs, stream=True)]
+        got, deltas = plain.text, [x.text for x in chunks]
+    assert (got, plain.finish_reason, plain.model_extra["stop_reason"]) == (text, "stop", reason)
+    assert (chunks[-1].finish_reason, chunks[-1].model_extra["stop_reason"]) == ("stop", reason)
+    # streamed: the same text, and no delta ever held text past the cut (a piece of the stop string)
+    assert "".join(deltas) == text
+    assert all(text.startswith("".join(deltas[:k + 1])) for k in range(len(deltas)))
+    ids = plain.model_extra["token_ids"]  # (through the token that completed the stop string, as vLLM's)
+    if reason is not None:
+        assert reason not in tok.decode(ids[:-1], skip_special_tokens=True)
+        assert reason in tok.decode(ids, skip_special_tokens=True)

@@ -300,7 +300,9 @@ class Batcher:
                stop: list[str], cut: bool) -> dict:
         """One choice's record: `token_ids` cut to the response (`cut`: tokens past a stop string or an end token
         were dropped); finish_reason "length" only for a response that reached `limit` without ending."""
-        decoded = self.tokenizer.decode(token_ids) if stop else ""
+        # (matched in the text the client sees, as the rollout's cut was: special tokens are no text, so a stop
+        # string never matches in one, nor fails to match across one)
+        decoded = self.tokenizer.decode(token_ids, skip_special_tokens=True) if stop else ""
         hits = [(decoded.find(x), x) for x in stop if x in decoded]  # (the first to occur ended it: its stop_reason)
         ended = cut or len(token_ids) < limit or bool(token_ids and token_ids[-1] in self.stop_ids) or bool(hits)
         return dict(prompt_token_ids=prompt, token_ids=token_ids, text=text, log_probs=log_probs,
