@@ -162,3 +162,29 @@ def test_stop_strings_match_the_text_the_client_sees(scripted, tok, stop, text, 
     if reason is not None:
         assert reason not in tok.decode(ids[:-1], skip_special_tokens=True)
         assert reason in tok.decode(ids, skip_special_tokens=True)
+
+
+# ---- the Responses API's log-probs -----------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_top_logprobs_are_chats_in_the_responses_shape(server, tok, stream):
+    """include=["message.output_text.logprobs"] and top_logprobs=k: the output_text part's log-probs are chat's
+    entries for the same request (the token's text and bytes, its k alternatives'); streamed, each text delta
+    carries its token's entry."""
+    c = client(server)
+    want = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0, logprobs=True,
+                                     top_logprobs=5).choices[0].logprobs.content
+    kwargs = dict(model="tiny", input=MESSAGES[0]["content"], max_output_tokens=16, temperature=0, top_logprobs=5,
+                  include=["message.output_text.logprobs"])
+    if stream:
+        events = list(c.responses.create(**kwargs, stream=True))
+        done = [e for e in events if e.type == "response.completed" or e.type == "response.incomplete"][-1]
+        got = done.response.output[0].content[0].logprobs
+        deltas = [x for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
+        assert [(x.token, x.logprob, [(y.token, y.logprob) for y in x.top_logprobs]) for x in deltas] == [
+            (x.token, x.logprob, [(y.token, y.logprob) for y in x.top_logprobs]) for x in got]
+    else:
+        got = c.responses.create(**kwargs).output[0].content[0].logprobs
+    assert len(got) == len(want) and all(len(x.top_logprobs) == 5 for x in got)
+    assert [x.model_dump() for x in got] == [x.model_dump() for x in want]
+    texts = {tok.decode([i]) for i in range(len(tok))}
+    assert all(y.token in texts for x in got for y in x.top_logprobs)

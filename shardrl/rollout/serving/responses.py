@@ -18,6 +18,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
 
+from shardrl.rollout.serving.logprobs import token_logprobs
 from shardrl.rollout.serving.schema import ChatRequest, Message, RequestError, usage, versions
 from shardrl.rollout.serving.streaming import event, text_deltas
 
@@ -161,13 +162,6 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
                        **extra)
 
 
-def output_logprobs(tok, o: dict) -> list[dict]:
-    """Each output token's log-prob entry (the Responses API's shape: the token's bytes as a list)."""
-    tokens = tok.convert_ids_to_tokens(o["token_ids"])
-    return [{"token": t, "bytes": list(t.encode("utf-8")), "logprob": lp, "top_logprobs": []}
-            for t, lp in zip(tokens, o["log_probs"])]
-
-
 class ResponseWriter:
     """The `response` object of one request, and its streamed events (one id, one numbering of the events). A reply
     whose tool calls parsed (`tool_calls.parse_replies`) is its text before them as a message (where there is any),
@@ -206,7 +200,7 @@ class ResponseWriter:
     def text_part(self, text: str, o: dict) -> dict:
         part = {"type": "output_text", "text": text, "annotations": []}
         if self.chat.logprobs:
-            part["logprobs"] = output_logprobs(self.tok, o)
+            part["logprobs"] = token_logprobs(self.tok, o)  # (chat's entries: the Responses API's shape too)
         return part
 
     def response(self, ids: list[int], o: dict) -> dict:
@@ -260,8 +254,10 @@ class ResponseWriter:
         logprobs = part.get("logprobs")
         # (a delta a token of the text; with tool calls the text is the reply's first part, the calls the rest)
         for k, delta in enumerate(text_deltas(self.tok, o["token_ids"], part["text"])):
-            lp = [] if logprobs is None else [{"token": x["token"], "logprob": x["logprob"], "top_logprobs": []}
-                                               for x in logprobs[k:k + 1]]
+            lp = [] if logprobs is None else [  # (a delta's entries carry no bytes: the Responses API's)
+                {"token": x["token"], "logprob": x["logprob"],
+                 "top_logprobs": [{"token": y["token"], "logprob": y["logprob"]} for y in x["top_logprobs"]]}
+                for x in logprobs[k:k + 1]]
             if delta or lp:
                 yield self.event("response.output_text.delta", **where, content_index=0, delta=delta, logprobs=lp)
         yield self.event("response.output_text.done", **where, content_index=0, text=part["text"],
