@@ -188,3 +188,35 @@ def test_responses_top_logprobs_are_chats_in_the_responses_shape(server, tok, st
     assert [x.model_dump() for x in got] == [x.model_dump() for x in want]
     texts = {tok.decode([i]) for i in range(len(tok))}
     assert all(y.token in texts for x in got for y in x.top_logprobs)
+
+
+# ---- the context a request's tools take ------------------------------------------------------------------
+def tools(count: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"tool{i}", "description": "the cat sat on the mat " * 4,
+                                              "parameters": {"type": "object", "properties": {}}}}
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_tools_tokens_count_against_the_context(server, tok, stream):
+    """This template renders the tools into the prompt: a request that fits without them and not with them is an
+    OpenAI-shaped 400 naming max_tokens and saying how many tokens the tools took; tools that alone overflow the
+    context are a 400 naming tools."""
+    c = client(server)
+    with_tools = tok.apply_chat_template(MESSAGES, tools=tools(2), add_generation_prompt=True)["input_ids"]
+    bare = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+    tools_take = len(with_tools) - len(bare)
+    assert tools_take > 100 and len(with_tools) < 512  # (the context of `save_byte_model`'s)
+    max_tokens = 512 - len(bare) - 10
+    c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=max_tokens, stream=stream)  # (fits)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=max_tokens, tools=tools(2),
+                                  stream=stream)
+    assert e.value.body["param"] == "max_tokens" and e.value.body["code"] == "context_length_exceeded"
+    assert e.value.body["message"] == (
+        f"this model's context is 512 tokens; the prompt has {len(with_tools)} tokens, {tools_take} of them the 2 "
+        f"tools' (the chat template renders them into the prompt) and max_tokens asks {max_tokens} more: shorten "
+        "the prompt or lower max_tokens")
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools(8), stream=stream)
+    assert e.value.body["param"] == "tools" and "of them the 8 tools'" in e.value.body["message"]

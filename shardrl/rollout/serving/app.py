@@ -21,7 +21,7 @@ from shardrl.rollout.serving.schema import (LOGPROBS_MODES, ChatRequest, Common,
                                             chat_max_tokens, chat_prompt, chat_response, check_counts,
                                             check_prompt_chars, check_request, completion_prompts,
                                             completion_response, cut_at_stop_ids, error_body, longest_token_chars,
-                                            render_size, sampling_of)
+                                            render_size, sampling_of, tool_tokens)
 from shardrl.rollout.serving.responses import ResponsesRequest, ResponseWriter, chat_request
 from shardrl.rollout.serving.streaming import DONE, ChunkWriter, chat_events, completion_events, event
 from shardrl.rollout.serving.tool_calls import PARSER_CHOICES, parse_replies, resolve_parser, tool_choice_of
@@ -247,7 +247,8 @@ class Routes:
     def sampling(self, req: Common, prompts: list[list[int]], max_tokens: int) -> SamplingParams:
         """The checked request's sampling (`check_request`, `sampling_of`; the app's policy as it is now)."""
         self.check_model(req.model)  # (the base's name or an adapter's: the reply names the one asked for)
-        n = check_request(req, prompts, max_tokens, req.model, self.max_model_len, self.vocab)
+        tools = (lambda: tool_tokens(req, prompts[0], self.tok)) if isinstance(req, ChatRequest) else None
+        n = check_request(req, prompts, max_tokens, req.model, self.max_model_len, self.vocab, tools)
         return sampling_of(req, n, max_tokens, self.vocab, self.app.state.policy, self.app.state.logprobs_mode)
 
     async def submit(self, request: Request, req: Common, prompts: list[list[int]],

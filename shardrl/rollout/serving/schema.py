@@ -154,8 +154,9 @@ def refuse_unsupported(req: Common) -> None:
 
 
 def check_request(req: Common, prompts: list[list[int]], max_tokens: int, model_name: str, max_model_len: int,
-                  vocab: int) -> int:
-    """Refuses what this server cannot answer as asked (`RequestError`); returns the request's n."""
+                  vocab: int, tool_tokens=None) -> int:
+    """Refuses what this server cannot answer as asked (`RequestError`); returns the request's n. `tool_tokens()`:
+    how many of a chat prompt's tokens its tools are (asked only to say so in a refusal of its length)."""
     refuse_unsupported(req)
     check_text(req.stop, "stop", "stop")
     top_logprobs(req)
@@ -177,17 +178,21 @@ def check_request(req: Common, prompts: list[list[int]], max_tokens: int, model_
     if bad is not None:
         raise RequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids")
     longest = max(len(p) for p in prompts)
+    if longest < max_model_len and max_tokens >= 1 and longest + max_tokens <= max_model_len:
+        return n
+    tools = tool_tokens() if tool_tokens is not None and getattr(req, "tools", None) else 0
+    share = (f", {tools:,} of them the {len(req.tools)} tools' (the chat template renders them into the prompt)"
+             if tools > 0 else "")
     if longest >= max_model_len:
-        raise RequestError(f"this model's context is {max_model_len} tokens and the prompt has {longest:,} tokens: "
-                           "shorten the prompt", "messages" if isinstance(req, ChatRequest) else "prompt",
-                           code="context_length_exceeded")
+        param = "tools" if longest - tools < max_model_len else "messages" if isinstance(req, ChatRequest) else "prompt"
+        fix = "send fewer or shorter tools, or shorten the messages" if share else "shorten the prompt"
+        raise RequestError(f"this model's context is {max_model_len} tokens and the prompt has {longest:,} "
+                           f"tokens{share}: {fix}", param, code="context_length_exceeded")
     if max_tokens < 1:
         raise RequestError(f"max_tokens={max_tokens} must be >= 1", "max_tokens")
-    if longest + max_tokens > max_model_len:
-        raise RequestError(f"this model's context is {max_model_len} tokens; the prompt has {longest:,} tokens and "
-                           f"max_tokens asks {max_tokens} more: shorten the prompt or lower max_tokens",
-                           "max_tokens", code="context_length_exceeded")
-    return n
+    raise RequestError(f"this model's context is {max_model_len} tokens; the prompt has {longest:,} tokens{share} and "
+                       f"max_tokens asks {max_tokens} more: shorten the prompt or lower max_tokens",
+                       "max_tokens", code="context_length_exceeded")
 
 
 def top_logprobs(req: Common) -> int:
@@ -353,6 +358,11 @@ def chat_prompt(req: ChatRequest, tok) -> list[int]:
     except Exception as e:  # noqa: BLE001 (the template's own checks, e.g. alternating roles)
         raise RequestError(f"the chat template refused the messages: {e}", "messages")
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def tool_tokens(req: ChatRequest, ids: list[int], tok) -> int:
+    """How many of the chat prompt `ids`' tokens its tools are: the prompt less the one rendered without them."""
+    return len(ids) - len(chat_prompt(req.model_copy(update={"tools": None}), tok)) if req.tools else 0
 
 
 def chat_max_tokens(req: ChatRequest, prompt_len: int, default_max_tokens: int, max_model_len: int) -> int:
