@@ -343,3 +343,64 @@ def test_streamed_tool_calls_are_vllms_chunks_and_accumulate_to_the_plain_reply(
     bad = [c.choices[0] for c in ask(client, "bad", tools=TOOLS, stream=True)]  # (no calls: text, as before)
     assert "".join(c.delta.content or "" for c in bad) == '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>'
     assert bad[-1].finish_reason == "stop" and not any(c.delta.tool_calls for c in bad)
+
+
+@pytest.mark.parametrize("tools, says", [
+    ({"type": "function", "function": {"name": "add"}}, "tools: Input should be a valid list"),  # (not a list)
+    ([{"type": "function"}], "tools[0].function is missing: send the function as an object"),
+    ([{"type": "function", "function": "add"}], "tools[0].function is a string: send the function as an object"),
+    ([{"type": "function", "function": {"description": "x"}}], "tools[0].function.name is missing: each function"),
+    ([*TOOLS, {"type": "function", "function": {"name": 3}}], "tools[1].function.name is a number 3: each"),
+    ([{"type": "function", "function": {"name": " "}}], "tools[0].function.name is a string ' ': each"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}],
+     "tools[0].function.parameters is a string: send the function's parameters as a JSON Schema object"),
+    ([{"type": "function", "function": {"name": "f", "parameters": []}}], "tools[0].function.parameters is an array"),
+    ([{"type": "function", "function": {"name": "f", "description": {"a": 1}}}],
+     "tools[0].function.description must be a string"),
+    ([{"type": "retrieval"}], "tools[0].type='retrieval': this server renders function tools only"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_malformed_tools_are_a_400_naming_tools(server, tools, says, stream):
+    srv, client, tok = server
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, "call", tools=tools, stream=stream)
+    assert says in e.value.body["message"] and e.value.body["param"] == "tools"
+    assert e.value.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("value", ["false", 0, 1, [], {}])
+def test_parallel_tool_calls_of_a_wrong_type_is_a_400_naming_it(server, value):
+    srv, client, tok = server
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, "two", tools=TOOLS, parallel_tool_calls=value)
+    assert e.value.body["param"] == "parallel_tool_calls" and "boolean" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="two", parallel_tool_calls=value,
+                                tools=[{"type": "function", "name": "add", "parameters": TOOLS[0]["function"]["parameters"]}])
+    assert e.value.body["param"] == "parallel_tool_calls"
+
+
+def test_parallel_tool_calls_false_gives_one_call_at_most_streamed_and_in_responses(server):
+    srv, client, tok = server
+    chunks = [c.choices[0] for c in ask(client, "two", tools=TOOLS, parallel_tool_calls=False, stream=True)]
+    calls = [call for c in chunks for call in c.delta.tool_calls or ()]
+    assert [(c.index, c.function.arguments) for c in calls] == [(0, '{"a": 1, "b": 2}')]
+    assert chunks[-1].finish_reason == "tool_calls"
+    assert len(ask(client, "two", tools=TOOLS, parallel_tool_calls=True).choices[0].message.tool_calls) == 2
+    tools = [{"type": "function", "name": "add", "parameters": TOOLS[0]["function"]["parameters"]}]
+    r = client.responses.create(model="tiny", input="two", tools=tools, parallel_tool_calls=False)
+    assert [x.type for x in r.output] == ["message", "function_call"] and r.parallel_tool_calls is False
+    events = list(client.responses.create(model="tiny", input="two", tools=tools, parallel_tool_calls=False,
+                                          stream=True))
+    assert [e.type for e in events].count("response.function_call_arguments.done") == 1
+
+
+@pytest.mark.parametrize("tool, says", [
+    ({"type": "function"}, "tools[0].name is missing"),
+    ({"type": "function", "name": "add", "parameters": "x"}, "tools[0].parameters is a string"),
+])
+def test_malformed_responses_tools_are_a_400_naming_tools(server, tool, says):
+    srv, client, tok = server
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="call", tools=[tool])
+    assert says in e.value.body["message"] and e.value.body["param"] == "tools"

@@ -24,7 +24,7 @@ from shardrl.rollout.serving.schema import (LOGPROBS_MODES, ChatRequest, Common,
                                             render_size, sampling_of, tool_tokens)
 from shardrl.rollout.serving.responses import ResponsesRequest, ResponseWriter, chat_request
 from shardrl.rollout.serving.streaming import DONE, ChunkWriter, chat_events, completion_events, event
-from shardrl.rollout.serving.tool_calls import PARSER_CHOICES, parse_replies, resolve_parser, tool_choice_of
+from shardrl.rollout.serving.tool_calls import PARSER_CHOICES, check_tools, parse_replies, resolve_parser
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class Routes:
                                "model_not_found")
 
     async def chat(self, req: ChatRequest, request: Request):
-        tool_choice_of(req)  # (refused before anything is generated)
+        check_tools(req)  # (refused before anything is rendered)
         ids = await self.tokenized(chat_prompt, req)
         max_tokens = chat_max_tokens(req, len(ids), self.default_max_tokens, self.max_model_len)
         sampling = self.sampling(req, [ids], max_tokens)
@@ -184,7 +184,7 @@ class Routes:
         """OpenAI's Responses API on the chat path (`shardrl.rollout.serving.responses`): the same prompt, checks,
         sampling and record as the chat request it means."""
         chat = chat_request(req)
-        tool_choice_of(chat)  # (refused before anything is generated)
+        check_tools(chat)  # (refused before anything is rendered)
         ids = await self.tokenized(chat_prompt, chat)
         max_tokens = chat_max_tokens(chat, len(ids), self.default_max_tokens, self.max_model_len)
         sampling = self.sampling(chat, [ids], max_tokens)

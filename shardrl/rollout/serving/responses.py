@@ -16,11 +16,12 @@ from __future__ import annotations
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
 from shardrl.rollout.serving.logprobs import token_logprobs
 from shardrl.rollout.serving.schema import ChatRequest, Message, RequestError, usage, versions
 from shardrl.rollout.serving.streaming import event, text_deltas
+from shardrl.rollout.serving.tool_calls import check_function
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 """The `include` entry that asks for each output token's log-prob (OpenAI's; `top_logprobs` as chat's)."""
@@ -40,7 +41,7 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     stream: bool | None = None
     store: bool | None = None  # (answered false: nothing is kept)
     previous_response_id: str | None = None
@@ -126,7 +127,8 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Responses function tools (name, description and parameters at the top) in chat's shape (under function)."""
+    """Responses function tools (name, description and parameters at the top) in chat's shape (under function),
+    each checked as chat's are (`tool_calls.check_function`)."""
     if not tools:
         return None
     out = []
@@ -134,6 +136,7 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
         if tool.get("type") != "function":
             raise RequestError(f"tools[{i}] is a {tool.get('type')!r} tool, which this server does not run: send "
                                "function tools (the agent runs them)", "tools")
+        check_function(tool, f"tools[{i}]")
         out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
                                                      if tool.get(k) is not None}})
     return out
@@ -151,15 +154,13 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
     what the chat path then checks, templates and samples."""
     refuse_options(req)
     extra = {k: v for k, v in (req.model_extra or {}).items() if k in ("top_k", "seed", "session_id")}
-    if req.parallel_tool_calls is not None:
-        extra["parallel_tool_calls"] = req.parallel_tool_calls
     if req.tool_choice is not None:
         extra["tool_choice"] = chat_tool_choice(req.tool_choice)
     logprobs = LOGPROBS_INCLUDE in (req.include or ())
     return ChatRequest(model=req.model, messages=[Message(**m) for m in chat_messages(req)],
                        max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
                        logprobs=logprobs or None, top_logprobs=req.top_logprobs, tools=chat_tools(req.tools),
-                       **extra)
+                       parallel_tool_calls=req.parallel_tool_calls, **extra)
 
 
 class ResponseWriter:

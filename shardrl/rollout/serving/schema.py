@@ -82,8 +82,9 @@ class ChatRequest(Common):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None  # (0..20 alternatives a token, with logprobs=true)
-    tools: list[dict] | None = None
+    tools: list[dict] | None = None  # (`tool_calls.check_tools` checks each)
     tool_choice: str | dict | None = None  # ("auto" with tools, "none"; `tool_calls.tool_choice_of` checks it)
+    parallel_tool_calls: StrictBool | None = None  # (false: a reply's first call alone)
     chat_template_kwargs: dict | None = None  # (vLLM's: e.g. {"enable_thinking": false})
     add_generation_prompt: StrictBool = True  # (vLLM's)
     continue_final_message: StrictBool = False  # (vLLM's: the last message's text is continued, not closed)

@@ -196,6 +196,43 @@ def reply_text(tok, o: dict, parser: str) -> str:
 
 
 # ---- requests ------------------------------------------------------------------------------------------
+JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+              float: "a number", type(None): "null"}
+
+
+def check_function(function: dict, where: str) -> None:
+    """Refuses (400 naming tools) a function tool the template could not render as the model expects: no name (a
+    string), a description that is no string, parameters that are no JSON Schema object."""
+    name = function.get("name")
+    if not isinstance(name, str) or not name.strip():
+        got = "missing" if name is None else f"{JSON_TYPES.get(type(name), type(name).__name__)} {name!r}"
+        raise RequestError(f"{where}.name is {got}: each function tool needs its name, a non-empty string", "tools")
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        raise RequestError(f"{where}.description must be a string", "tools")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        got = JSON_TYPES.get(type(parameters), type(parameters).__name__)
+        raise RequestError(f"{where}.parameters is {got}: send the function's parameters as a JSON Schema object, "
+                           'e.g. {"type": "object", "properties": {...}}', "tools")
+
+
+def check_tools(req) -> str | dict:
+    """Refuses malformed chat `tools` (400 naming tools: a tool that is no function tool, or whose function is
+    malformed, `check_function`) before anything is rendered; returns the checked `tool_choice` (`tool_choice_of`).
+    (`parallel_tool_calls` is a strict boolean of the request's schema.)"""
+    for i, tool in enumerate(req.tools or ()):
+        kind = tool.get("type", "function")
+        if kind != "function":
+            raise RequestError(f"tools[{i}].type={kind!r}: this server renders function tools only: send "
+                               '{"type": "function", "function": {"name": ..., "parameters": {...}}}', "tools")
+        if not isinstance(tool.get("function"), dict):
+            got = "missing" if tool.get("function") is None else JSON_TYPES.get(type(tool["function"]), "no object")
+            raise RequestError(f"tools[{i}].function is {got}: send the function as an object: "
+                               '{"type": "function", "function": {"name": ..., "parameters": {...}}}', "tools")
+        check_function(tool["function"], f"tools[{i}].function")
+    return tool_choice_of(req)
+
+
 def tool_choice_of(req) -> str | dict:
     """The request's checked `tool_choice`: "auto" (the default with tools), "none" (no parsing: the reply's text as
     it is; the tools are still rendered into the prompt, as vLLM's default), or refused (400): "required" and a named
@@ -227,7 +264,7 @@ def parse_replies(req, outs: list[dict], parser: str, tok) -> list[dict]:
             o["tool_parse_failed"] = True
         if not parsed.calls:
             continue
-        if (req.model_extra or {}).get("parallel_tool_calls") is False:  # (OpenAI's: one call at most)
+        if req.parallel_tool_calls is False:  # (OpenAI's: one call at most)
             parsed.calls = parsed.calls[:1]
         o["content"] = parsed.content
         o["tool_calls"] = [{"id": call_id(parser), "type": "function",
