@@ -6,6 +6,7 @@ their outputs) render as chat's messages; what it cannot honour (stored response
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import openai
@@ -117,15 +118,26 @@ def test_input_items_render_as_the_chat_messages_they_mean(server):
     (dict(truncation="auto"), "truncation", "does not drop input"),
     (dict(top_logprobs=2), "top_logprobs", "send include=['message.output_text.logprobs'] with it"),
     (dict(model="gpt-5"), "model", "the model 'gpt-5' does not exist"),
-    (dict(max_output_tokens=0), "max_tokens", "max_tokens=0 must be >= 1"),
+    # (the chat path's refusals, in the Responses request's names)
+    (dict(max_output_tokens=0), "max_output_tokens", "max_output_tokens=0 must be >= 1"),
+    (dict(max_output_tokens=10**6), "max_output_tokens",
+     "the prompt has 20 tokens and max_output_tokens asks 1000000 more: shorten the prompt or lower max_output_tokens"),
+    (dict(input=[]), "input", "input is empty"),
+    (dict(input="hi " * 60_000), "input", "this model's context is 32768 tokens and the prompt has 179,999 characters"),
+    (dict(input="hi", instructions="x " * 90_000), "input", "this model's context is 32768 tokens and the prompt"),
+    (dict(input=[{"role": "user", "content": "hi"}] * 5000), "input",
+     "the request holds 5,000 input items, more than this server's limit of 4,096 a request: shorten the "
+     "conversation (shardrl serve --max-messages raises the limit)"),
 ])
 def test_what_a_response_cannot_honour_is_a_400_naming_the_field(server, kwargs, param, said):
     c = client(server)
     kwargs = {"model": "tiny", "input": "hi", **kwargs}
-    with pytest.raises(openai.APIStatusError) as e:
-        c.responses.create(**kwargs)
-    assert e.value.status_code == (404 if param == "model" else 400)
-    assert e.value.body["param"] == param and said in e.value.body["message"], e.value.body
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as e:
+            c.responses.create(**kwargs, stream=stream)
+        assert e.value.status_code == (404 if param == "model" else 400)
+        assert e.value.body["param"] == param and said in e.value.body["message"], e.value.body
+        assert not re.search(r"(?<!-)\b(max_tokens|messages)\b", e.value.body["message"])  # (chat's names)
 
 
 def test_a_plain_server_answers_store_true_without_storing(server):

@@ -22,7 +22,7 @@ from shardrl.rollout.serving.schema import (LOGPROBS_MODES, ChatRequest, Common,
                                             check_prompt_chars, check_request, completion_prompts,
                                             completion_response, cut_at_stop_ids, error_body, longest_token_chars,
                                             render_size, sampling_of, tool_tokens)
-from shardrl.rollout.serving.responses import ResponsesRequest, ResponseWriter, chat_request
+from shardrl.rollout.serving.responses import ResponsesRequest, ResponseWriter, as_responses_error, chat_request
 from shardrl.rollout.serving.streaming import DONE, ChunkWriter, chat_events, completion_events, event
 from shardrl.rollout.serving.tool_calls import PARSER_CHOICES, check_tools, parse_replies, resolve_parser
 
@@ -182,12 +182,15 @@ class Routes:
 
     async def responses(self, req: ResponsesRequest, request: Request):
         """OpenAI's Responses API on the chat path (`shardrl.rollout.serving.responses`): the same prompt, checks,
-        sampling and record as the chat request it means."""
-        chat = chat_request(req)
-        check_tools(chat)  # (refused before anything is rendered)
-        ids = await self.tokenized(chat_prompt, chat)
-        max_tokens = chat_max_tokens(chat, len(ids), self.default_max_tokens, self.max_model_len)
-        sampling = self.sampling(chat, [ids], max_tokens)
+        sampling and record as the chat request it means; its refusals name the Responses request's parameters."""
+        try:
+            chat = chat_request(req)
+            check_tools(chat)  # (refused before anything is rendered)
+            ids = await self.tokenized(chat_prompt, chat)
+            max_tokens = chat_max_tokens(chat, len(ids), self.default_max_tokens, self.max_model_len)
+            sampling = self.sampling(chat, [ids], max_tokens)
+        except RequestError as e:
+            raise as_responses_error(e) from None
         writer = ResponseWriter(req, chat, req.model, self.tok)
         if req.stream:
             return self.streamed(request, chat, [ids], sampling, writer.head(),

@@ -13,6 +13,7 @@ are (`schema.UNSUPPORTED`)."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -89,6 +90,20 @@ def part_text(content, where: str) -> str | None:
                                "support (it serves a text model): send text parts only", "input")
         texts.append(part.get("refusal") if kind == "refusal" else part.get("text", ""))
     return "".join(x for x in texts if isinstance(x, str))
+
+
+CHAT_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
+              "logprobs": "include"}
+"""Chat's parameters that a Responses request spells otherwise: a refusal from the chat path names the request's."""
+
+
+def as_responses_error(e: RequestError) -> RequestError:
+    """A refusal of the chat request a Responses request means (`chat_request`), naming the Responses request's
+    parameters (max_output_tokens, input), in its `param` and its message."""
+    message = re.sub(r"(?<=\d) messages\b", " input items", str(e))  # ("the request holds 5,000 messages")
+    message = re.sub(r"(?<![-\w])(max_completion_tokens|max_tokens|messages)\b", lambda m: CHAT_NAMES[m.group(1)],
+                     message)  # (not a flag's name: --max-messages)
+    return RequestError(message, CHAT_NAMES.get(e.param, e.param), e.status, e.code)
 
 
 def chat_messages(req: ResponsesRequest) -> list[dict]:
