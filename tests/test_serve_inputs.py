@@ -259,3 +259,41 @@ def test_a_token_id_prompt_over_the_context_is_refused_in_tokens(server):
         {"model": "tiny", "prompt": [5] * (context - 2), "max_tokens": 5}).encode())
     assert status == 400 and answer["error"]["param"] == "max_tokens", answer
     assert f"the prompt has {context - 2:,} tokens and max_tokens asks 5 more" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("message, says", [
+    ({"role": "user"}, "messages[1].content is missing: a user message needs its text"),
+    ({"role": "tool", "tool_call_id": "1", "content": None}, "messages[1].content is missing: a tool message"),
+    ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages[1].content[0].text must be a string"),
+    ({"role": "user", "content": [{"type": "text"}]}, "messages[1].content[0].text must be a string"),
+    ({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": ["no"]}]},
+     "messages[1].content[1].refusal must be a string"),
+    ({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]},
+     "messages[1].content[0] is a part of type 'input_audio', which is not supported by this server"),
+])
+def test_a_malformed_message_is_a_400_naming_it(server, message, says):
+    """Content parts whose text is no string crashed the template's join (a 500); a message without content rendered
+    as an empty turn."""
+    import openai
+
+    c = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "be brief"}, message],
+                                  max_tokens=2)
+    assert says in e.value.body["message"] and e.value.body["param"] == "messages"
+    c.chat.completions.create(model="tiny", max_tokens=2, messages=[  # (an assistant's turn may be its calls alone)
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "3"}])
+
+
+@pytest.mark.parametrize("option", [dict(functions=[{"name": "f", "parameters": {}}]), dict(function_call="auto")])
+def test_the_deprecated_functions_options_are_a_400_pointing_at_tools(server, option):
+    import openai
+
+    c = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, **option)
+    name = next(iter(option))
+    assert e.value.body["param"] == name and f"{name} is OpenAI's deprecated form of" in e.value.body["message"]

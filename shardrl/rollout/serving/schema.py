@@ -39,14 +39,23 @@ class Message(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
 
-    def for_template(self) -> dict:
+    def for_template(self, index: int = 0) -> dict:
+        """The message as the chat template reads it (`index`: its place in the request, for a refusal's message)."""
         message = self.model_dump(exclude_none=True)
+        if self.content is None and self.role != "assistant":  # (an assistant's turn may be its tool calls alone)
+            raise RequestError(f"messages[{index}].content is missing: a {self.role} message needs its text (a "
+                               "string or a list of text parts)", "messages")
         if isinstance(self.content, list):
-            others = [part.get("type") for part in self.content if part.get("type") not in ("text", "refusal")]
-            if others:
-                raise RequestError(f"a content part of type {others[0]!r} is not supported by this server (it serves "
-                                   "a text model): send text parts only", "messages")
-            message["content"] = "".join(part.get("text", part.get("refusal", "")) for part in self.content)
+            for k, part in enumerate(self.content):
+                kind = part.get("type")
+                if kind not in ("text", "refusal"):
+                    raise RequestError(f"messages[{index}].content[{k}] is a part of type {kind!r}, which is not "
+                                       "supported by this server (it serves a text model): send text parts only",
+                                       "messages")
+                if not isinstance(part.get(kind), str):
+                    raise RequestError(f"messages[{index}].content[{k}].{kind} must be a string: send "
+                                       f'{{"type": "{kind}", "{kind}": "..."}}', "messages")
+            message["content"] = "".join(part[part["type"]] for part in self.content)
         message.setdefault("content", "")
         for call in message.get("tool_calls") or ():  # (OpenAI's arguments are a JSON string; templates render an
             function = call.get("function") if isinstance(call, dict) else None  # object: parsed, as vLLM does)
@@ -113,6 +122,10 @@ UNSUPPORTED = {  # option -> whether a value asks for something (the defaults cl
 not answered as if it had been applied."""
 
 
+LEGACY = {"functions": "tools", "function_call": "tool_choice"}
+"""OpenAI's deprecated chat options and what replaced them: refused (the functions would never reach the model)."""
+
+
 def stop_list(stop) -> list[str]:
     if stop is None:
         return []
@@ -149,6 +162,11 @@ def refuse_unsupported(req: Common) -> None:
     """OpenAI's options that would change what is sampled, which this server does not apply: refused, not
     ignored (a trainer must not think a bias or penalty shaped the tokens it trains on)."""
     extra = req.model_extra or {}
+    for name, now in LEGACY.items() if isinstance(req, ChatRequest) else ():
+        if extra.get(name) is not None:
+            raise RequestError(f"{name} is OpenAI's deprecated form of {now}, which this server does not read: send "
+                               f"{now} (tools=[{{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                               "\"parameters\": {...}}}])", name)
     for name, applies in UNSUPPORTED.items():
         if name in extra and applies(extra[name]):
             raise RequestError(f"{name}={extra[name]!r} is not supported by this server; leave it out", name)
@@ -341,7 +359,7 @@ def chat_prompt(req: ChatRequest, tok) -> list[int]:
     check_text([m.model_dump(exclude_none=True) for m in req.messages], "messages", "messages")
     for name in ("tools", "chat_template_kwargs"):
         check_text(getattr(req, name), name, name)
-    messages = [m.for_template() for m in req.messages]
+    messages = [m.for_template(i) for i, m in enumerate(req.messages)]
     if not messages:
         raise RequestError("messages is empty: send at least one message", "messages")
     if not getattr(tok, "chat_template", None):
