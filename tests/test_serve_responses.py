@@ -125,6 +125,19 @@ def test_input_items_render_as_the_chat_messages_they_mean(server):
     (dict(input=[]), "input", "input is empty"),
     (dict(input="hi " * 60_000), "input", "this model's context is 32768 tokens and the prompt has 179,999 characters"),
     (dict(input="hi", instructions="x " * 90_000), "input", "this model's context is 32768 tokens and the prompt"),
+    # (chat's options that are not applied, refused as chat refuses them: they were ignored)
+    (dict(extra_body={"n": 2}), "n", "a response is one reply"),
+    (dict(extra_body={"logit_bias": {"1": 5}}), "logit_bias", "is not supported by this server; leave it out"),
+    (dict(extra_body={"frequency_penalty": 1.0}), "frequency_penalty", "is not supported by this server"),
+    # (input items missing what they are rendered from: they rendered as empty turns and nameless calls)
+    (dict(input=[{"role": "user"}]), "input", "input[0].content is missing: a message item needs its text"),
+    (dict(input=[{"type": "function_call", "call_id": "c", "arguments": "{}"}]), "input",
+     "input[0].name is missing: a function_call item needs its call_id, name and arguments"),
+    (dict(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]), "input",
+     "input[0].arguments is {'a': 1}: a function_call item needs"),
+    (dict(input=[{"type": "function_call_output", "output": "3"}]), "input",
+     "input[0].call_id is missing: a function_call_output item needs the call_id of its call"),
+    (dict(input=[{"type": "function_call_output", "call_id": "c"}]), "input", "input[0].output is missing"),
     (dict(input=[{"role": "user", "content": "hi"}] * 5000), "input",
      "the request holds 5,000 input items, more than this server's limit of 4,096 a request: shorten the "
      "conversation (shardrl serve --max-messages raises the limit)"),
@@ -270,3 +283,17 @@ def test_function_calls_are_output_items_and_go_back_as_input_items(tool_server)
              {"type": "function_call_output", "call_id": call.call_id, "output": "3"}]
     second = c.responses.create(model="tiny", input=items, tools=RESPONSE_TOOLS)
     assert tok.decode(second.model_extra["prompt_token_ids"]) == f"user: text\nassistant: {CALL}\ntool: 3\nassistant: "
+
+
+def test_a_responses_stop_string_is_applied_as_chats(server):
+    """stop and stop_token_ids (vLLM's extensions) reach the chat path the response is sampled on."""
+    c = client(server)
+    sampled = dict(max_output_tokens=12, temperature=1.0, extra_body={"seed": 4})
+    plain = c.responses.create(model="tiny", input="hello there", **sampled)
+    text = plain.output_text
+    at = next(i for i in range(1, len(text)) if text[i] not in text[:i])  # (a character first seen there)
+    cut = c.responses.create(model="tiny", input="hello there", max_output_tokens=12, temperature=1.0,
+                             extra_body={"seed": 4, "stop": [text[at]]})
+    want = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello there"}],
+                                     max_tokens=12, temperature=1.0, seed=4, stop=[text[at]]).choices[0]
+    assert cut.output_text == want.message.content == text[:at] and cut.status == "completed"

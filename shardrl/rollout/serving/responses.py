@@ -20,7 +20,7 @@ import uuid
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
 from shardrl.rollout.serving.logprobs import token_logprobs
-from shardrl.rollout.serving.schema import ChatRequest, Message, RequestError, usage, versions
+from shardrl.rollout.serving.schema import UNSUPPORTED, ChatRequest, Message, RequestError, usage, versions
 from shardrl.rollout.serving.streaming import event, text_deltas
 from shardrl.rollout.serving.tool_calls import check_function
 
@@ -62,6 +62,8 @@ REFUSED = {  # option -> (whether a value asks for it, why it is refused)
     "text": (lambda v: bool(v) and (v.get("format") or {"type": "text"}).get("type") != "text",
              "this server samples free text only (no structured output): leave text.format out"),
     "max_tool_calls": (lambda v: v is not None, "this server runs no built-in tools: leave max_tool_calls out"),
+    "n": (lambda v: v not in (None, 1), "a response is one reply: send several requests, or use "
+                                         "/v1/chat/completions with n"),
 }
 
 
@@ -106,6 +108,14 @@ def as_responses_error(e: RequestError) -> RequestError:
     return RequestError(message, CHAT_NAMES.get(e.param, e.param), e.status, e.code)
 
 
+def require(item: dict, where: str, fields: dict, why: str) -> None:
+    """Refuses (400 naming input) an input item whose `fields` (name -> type) are missing or of another type."""
+    for name, kind in fields.items():
+        if not isinstance(item.get(name), kind) or item[name] == "" and name != "arguments":
+            got = "missing" if item.get(name) is None else f"{item[name]!r}"
+            raise RequestError(f"{where}.{name} is {got}: {why}", "input")
+
+
 def chat_messages(req: ResponsesRequest) -> list[dict]:
     """The chat messages a Responses request's `instructions` and `input` mean. A function call joins the assistant
     message before it (its text, then its calls: as a chat client sends one turn that says something and calls
@@ -119,16 +129,23 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise RequestError(f"{where}.role={role!r} must be one of user, assistant, system, developer",
                                    "input")
+            if item.get("content") is None:
+                raise RequestError(f"{where}.content is missing: a message item needs its text (a string or a list "
+                                   "of text parts)", "input")
             messages.append({"role": role, "content": part_text(item.get("content"), where)})
         elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            require(item, where, {"name": str, "arguments": str, "call_id": str}, "a function_call item needs its "
+                    "call_id, name and arguments (a JSON string), as the response gave them")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": None}
                 messages.append(last)
             last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
+            require(item, where, {"call_id": str, "output": (str, list)}, "a function_call_output item needs the "
+                    "call_id of its call and its output (a string or a list of text parts)")
             output = item.get("output")
             text = output if isinstance(output, str) else part_text(output, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
@@ -168,7 +185,9 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
     """The chat request a Responses request means (`chat_messages`, `chat_tools`), its sampling fields carried over:
     what the chat path then checks, templates and samples."""
     refuse_options(req)
-    extra = {k: v for k, v in (req.model_extra or {}).items() if k in ("top_k", "seed", "session_id")}
+    # (vLLM's sampling extensions, applied as chat applies them; chat's options it does not apply, refused there)
+    extra = {k: v for k, v in (req.model_extra or {}).items()
+             if k in ("top_k", "seed", "session_id", "stop", "stop_token_ids") or k in UNSUPPORTED}
     if req.tool_choice is not None:
         extra["tool_choice"] = chat_tool_choice(req.tool_choice)
     logprobs = LOGPROBS_INCLUDE in (req.include or ())
