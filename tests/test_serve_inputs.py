@@ -297,3 +297,17 @@ def test_the_deprecated_functions_options_are_a_400_pointing_at_tools(server, op
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, **option)
     name = next(iter(option))
     assert e.value.body["param"] == name and f"{name} is OpenAI's deprecated form of" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("route, body, param, place", [
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages", "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": [None]}, "stop", "stop"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [1]}, "tools", "tools[0]"),
+    ("chat/completions", {"messages": [{"role": "function", "content": "x"}]}, "messages", "messages[0].role"),
+    ("responses", {"input": [5]}, "input", "input"),
+])
+def test_a_body_of_the_wrong_shape_names_the_parameter_as_the_request_spells_it(server, route, body, param, place):
+    """pydantic's places name a union's members (`messages.0.content.str`): the param is the request's own name."""
+    status, got = post(server, route, json.dumps({"model": "tiny", "max_tokens": 2, **body}).encode())
+    assert status == 400 and got["error"]["param"] == param
+    assert got["error"]["message"].startswith(f"invalid request: {place}: ")

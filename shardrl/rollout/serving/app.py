@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -344,7 +345,7 @@ async def invalid_body(request, exc):
         at = first.get("loc", ("body", "?"))[-1]
         return error(400, f"invalid request: the body is not valid JSON (at character {at}: "
                           f"{first.get('ctx', {}).get('error', first.get('msg'))})")
-    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    where = error_place(first.get("loc", ()))
     if not where:  # (no body at all, or JSON that is no object)
         if first.get("type") == "missing":
             return error(400, "invalid request: the body is missing: send a JSON object")
@@ -357,7 +358,22 @@ async def invalid_body(request, exc):
     if where.startswith("prompt."):  # (a union: pydantic names its first form only)
         return error(400, "invalid request: prompt must be a string, a list of strings, a list of token ids "
                           "(integers) or a list of lists of token ids", "prompt")
-    return error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}", where)
+    return error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}", re.split(r"[.\[]", where)[0])
+
+
+UNION_MEMBER = re.compile(r"(str|int|float|bool|dict|list|none|function-\w+)(\[.*\])?", re.IGNORECASE)
+
+
+def error_place(loc) -> str:
+    """Where in the body a validation error is, as the request spells it (`messages[0].content`): indices in
+    brackets, pydantic's names of a union's members (`str`, `list[str]`) left out. Its first name is the `param`."""
+    place = ""
+    for part in loc:
+        if isinstance(part, int):
+            place += f"[{part}]"
+        elif part != "body" and not UNION_MEMBER.fullmatch(part):
+            place += f".{part}" if place else part
+    return place
 
 
 async def too_large(request, exc: BodyTooLarge):
