@@ -89,6 +89,7 @@ def test_completion_logprob_tokens_are_their_text(server, tok, stream):
     else:
         choice = client(server).completions.create(**kwargs).choices[0]
         ids, tokens, tops = choice.model_extra["token_ids"], choice.logprobs.tokens, choice.logprobs.top_logprobs
+        assert choice.logprobs.text_offset == [len("".join(tokens[:k])) for k in range(len(tokens))]
     assert tokens == [tok.decode([i]) for i in ids]
     texts = {tok.decode([i]) for i in range(len(tok))}
     assert all(set(top) <= texts and token in top for token, top in zip(tokens, tops))

@@ -6,6 +6,7 @@ a space 'Ġ' and each byte of a character as a character of its own, which no cl
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 LEAST_LOGPROB = -9999.0
@@ -85,4 +86,6 @@ def completion_logprobs(tok, o: dict) -> dict:
     tokens = [text for text, _ in token_pieces(tok, o["token_ids"])]
     tops = [{name: lp, **{x: v for (x, _), v in top}}
             for name, lp, top in zip(tokens, o["log_probs"], alternatives(tok, o))]
-    return {"tokens": tokens, "token_logprobs": o["log_probs"], "top_logprobs": tops, "text_offset": None}
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+    return {"tokens": tokens, "token_logprobs": o["log_probs"], "top_logprobs": tops,
+            "text_offset": offsets}  # (where each token's text starts: the lengths of those before, as vLLM's)
