@@ -311,3 +311,20 @@ def test_a_body_of_the_wrong_shape_names_the_parameter_as_the_request_spells_it(
     status, got = post(server, route, json.dumps({"model": "tiny", "max_tokens": 2, **body}).encode())
     assert status == 400 and got["error"]["param"] == param
     assert got["error"]["message"].startswith(f"invalid request: {place}: ")
+
+
+@pytest.mark.parametrize("route", ["chat/completions", "completions", "responses"])
+@pytest.mark.parametrize("option", [dict(include_stop_str_in_output=True), dict(skip_special_tokens=False),
+                                    dict(truncate_prompt_tokens=8)])
+def test_vllms_text_options_not_applied_are_a_400_naming_them(server, route, option):
+    """vLLM's options that change the reply's text or the prompt were ignored: a client asking for the stop string
+    kept, or special tokens shown, read a text unlike the one it asked for."""
+    prompt = {"chat/completions": {"messages": [{"role": "user", "content": "x"}]}, "completions": {"prompt": "x"},
+              "responses": {"input": "x"}}[route]
+    limit = {"max_output_tokens" if route == "responses" else "max_tokens": 2}
+    status, got = post(server, route, json.dumps({"model": "tiny", **limit, **prompt, **option}).encode())
+    name = next(iter(option))
+    assert (status, got["error"]["param"]) == (400, name) and "is not supported by this server" in got["error"]["message"]
+    plain = {name: {"include_stop_str_in_output": False, "skip_special_tokens": True, "truncate_prompt_tokens": None}[name]}
+    status, got = post(server, route, json.dumps({"model": "tiny", **limit, **prompt, **plain}).encode())
+    assert status == 200  # (the default asks for nothing)

@@ -129,6 +129,9 @@ def test_input_items_render_as_the_chat_messages_they_mean(server):
     (dict(extra_body={"n": 2}), "n", "a response is one reply"),
     (dict(extra_body={"logit_bias": {"1": 5}}), "logit_bias", "is not supported by this server; leave it out"),
     (dict(extra_body={"frequency_penalty": 1.0}), "frequency_penalty", "is not supported by this server"),
+    # (chat's names for the Responses API's own: max_tokens was ignored, the reply's length left at the default)
+    (dict(extra_body={"max_tokens": 3}), "max_tokens", "the Responses API's name for it is max_output_tokens"),
+    (dict(extra_body={"messages": [{"role": "user", "content": "x"}]}), "messages", "takes the conversation as input"),
     # (input items missing what they are rendered from: they rendered as empty turns and nameless calls)
     (dict(input=[{"role": "user"}]), "input", "input[0].content is missing: a message item needs its text"),
     (dict(input=[{"type": "function_call", "call_id": "c", "arguments": "{}"}]), "input",
@@ -150,7 +153,8 @@ def test_what_a_response_cannot_honour_is_a_400_naming_the_field(server, kwargs,
             c.responses.create(**kwargs, stream=stream)
         assert e.value.status_code == (404 if param == "model" else 400)
         assert e.value.body["param"] == param and said in e.value.body["message"], e.value.body
-        assert not re.search(r"(?<!-)\b(max_tokens|messages)\b", e.value.body["message"])  # (chat's names)
+        if param not in ("max_tokens", "messages"):  # (chat's names, where they were not sent)
+            assert not re.search(r"(?<!-)\b(max_tokens|messages)\b", e.value.body["message"])
 
 
 def test_a_plain_server_answers_store_true_without_storing(server):

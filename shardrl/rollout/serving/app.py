@@ -23,7 +23,8 @@ from shardrl.rollout.serving.schema import (LOGPROBS_MODES, ChatRequest, Common,
                                             check_prompt_chars, check_request, completion_prompts,
                                             completion_response, cut_at_stop_ids, error_body, longest_token_chars,
                                             render_size, sampling_of, tool_tokens)
-from shardrl.rollout.serving.responses import ResponsesRequest, ResponseWriter, as_responses_error, chat_request
+from shardrl.rollout.serving.responses import (ResponsesRequest, ResponseWriter, as_responses_error, chat_request,
+                                               refuse_options)
 from shardrl.rollout.serving.streaming import DONE, ChunkWriter, chat_events, completion_events, event
 from shardrl.rollout.serving.tool_calls import PARSER_CHOICES, check_tools, parse_replies, resolve_parser
 
@@ -184,6 +185,7 @@ class Routes:
     async def responses(self, req: ResponsesRequest, request: Request):
         """OpenAI's Responses API on the chat path (`shardrl.rollout.serving.responses`): the same prompt, checks,
         sampling and record as the chat request it means; its refusals name the Responses request's parameters."""
+        refuse_options(req)  # (in the Responses request's own names)
         try:
             chat = chat_request(req)
             check_tools(chat)  # (refused before anything is rendered)

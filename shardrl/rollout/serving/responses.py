@@ -64,6 +64,10 @@ REFUSED = {  # option -> (whether a value asks for it, why it is refused)
     "max_tool_calls": (lambda v: v is not None, "this server runs no built-in tools: leave max_tool_calls out"),
     "n": (lambda v: v not in (None, 1), "a response is one reply: send several requests, or use "
                                          "/v1/chat/completions with n"),
+    # (chat's names, which a Responses request spells otherwise: ignored, they left the reply's length unset)
+    "max_tokens": (lambda v: v is not None, "the Responses API's name for it is max_output_tokens"),
+    "max_completion_tokens": (lambda v: v is not None, "the Responses API's name for it is max_output_tokens"),
+    "messages": (lambda v: v is not None, "the Responses API takes the conversation as input (and instructions)"),
 }
 
 
@@ -183,8 +187,7 @@ def chat_tool_choice(choice):
 
 def chat_request(req: ResponsesRequest) -> ChatRequest:
     """The chat request a Responses request means (`chat_messages`, `chat_tools`), its sampling fields carried over:
-    what the chat path then checks, templates and samples."""
-    refuse_options(req)
+    what the chat path then checks, templates and samples (the request's own refusals, `refuse_options`, first)."""
     # (vLLM's sampling extensions, applied as chat applies them; chat's options it does not apply, refused there)
     extra = {k: v for k, v in (req.model_extra or {}).items()
              if k in ("top_k", "seed", "session_id", "stop", "stop_token_ids") or k in UNSUPPORTED}

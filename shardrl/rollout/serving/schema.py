@@ -114,6 +114,9 @@ UNSUPPORTED = {  # option -> whether a value asks for something (the defaults cl
     "guided_json": bool, "guided_regex": bool, "guided_choice": bool, "guided_grammar": bool,
     "structured_outputs": bool, "allowed_token_ids": bool, "bad_words": bool, "use_beam_search": bool,
     "logits_processors": bool, "prompt_logprobs": lambda v: v is not None,  # (the prefill keeps no logits)
+    # vLLM's extensions that change the text or the prompt from what this server gives
+    "include_stop_str_in_output": bool, "skip_special_tokens": lambda v: v is False,
+    "truncate_prompt_tokens": lambda v: v is not None,
     # OpenAI's that a text model cannot honour
     "modalities": lambda v: v not in (None, ["text"]),
     "audio": bool, "reasoning_effort": bool, "prediction": bool, "web_search_options": bool,
