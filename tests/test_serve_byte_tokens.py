@@ -91,6 +91,9 @@ def test_completion_logprob_tokens_are_their_text(server, tok, stream):
         ids, tokens, tops = choice.model_extra["token_ids"], choice.logprobs.tokens, choice.logprobs.top_logprobs
         assert choice.logprobs.text_offset == [len("".join(tokens[:k])) for k in range(len(tokens))]
     assert tokens == [tok.decode([i]) for i in ids]
+    lps = [lp for x in chunks for lp in x.logprobs.token_logprobs] if stream else choice.logprobs.token_logprobs
+    # (tokens of the same text share an entry: the sampled token's own log-prob is the one given)
+    assert [top[t] for t, top in zip(tokens, tops)] == lps
     texts = {tok.decode([i]) for i in range(len(tok))}
     assert all(set(top) <= texts and token in top for token, top in zip(tokens, tops))
     assert any(x.startswith(" ") for top in tops for x in top)

@@ -82,10 +82,15 @@ def token_logprobs(tok, o: dict) -> list[dict]:
 def completion_logprobs(tok, o: dict) -> dict:
     """A choice's log-probs in the completions' shape: `top_logprobs` a token is {token: log-prob} for the sampled
     token, then the likeliest others, best first: logprobs + 1 entries where the sampled token is not among the
-    likeliest (OpenAI's and vLLM's; tokens of the same text share an entry, as in vLLM's)."""
+    likeliest (OpenAI's and vLLM's). Tokens of the same text (pieces of characters: U+FFFD) share an entry: the
+    sampled token's log-prob, else the likeliest one's."""
     tokens = [text for text, _ in token_pieces(tok, o["token_ids"])]
-    tops = [{name: lp, **{x: v for (x, _), v in top}}
-            for name, lp, top in zip(tokens, o["log_probs"], alternatives(tok, o))]
+    tops = []
+    for name, lp, top in zip(tokens, o["log_probs"], alternatives(tok, o)):
+        entry = {name: lp}
+        for (text, _), x in top:  # (the first of a text kept: the sampled token's, else the likeliest's)
+            entry.setdefault(text, x)
+        tops.append(entry)
     offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
     return {"tokens": tokens, "token_logprobs": o["log_probs"], "top_logprobs": tops,
             "text_offset": offsets}  # (where each token's text starts: the lengths of those before, as vLLM's)
