@@ -374,9 +374,9 @@ def test_parallel_tool_calls_of_a_wrong_type_is_a_400_naming_it(server, value):
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, "two", tools=TOOLS, parallel_tool_calls=value)
     assert e.value.body["param"] == "parallel_tool_calls" and "boolean" in e.value.body["message"]
+    tools = [{"type": "function", "name": "add", "parameters": TOOLS[0]["function"]["parameters"]}]
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="tiny", input="two", parallel_tool_calls=value,
-                                tools=[{"type": "function", "name": "add", "parameters": TOOLS[0]["function"]["parameters"]}])
+        client.responses.create(model="tiny", input="two", parallel_tool_calls=value, tools=tools)
     assert e.value.body["param"] == "parallel_tool_calls"
 
 
