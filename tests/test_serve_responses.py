@@ -121,9 +121,11 @@ def test_input_items_render_as_the_chat_messages_they_mean(server):
     # (the chat path's refusals, in the Responses request's names)
     (dict(max_output_tokens=0), "max_output_tokens", "max_output_tokens=0 must be >= 1"),
     (dict(max_output_tokens=10**6), "max_output_tokens",
-     "the prompt has 20 tokens and max_output_tokens asks 1000000 more: shorten the prompt or lower max_output_tokens"),
+     "the prompt has 20 tokens and max_output_tokens asks 1000000 more: shorten the prompt or lower "
+     "max_output_tokens"),
     (dict(input=[]), "input", "input is empty"),
-    (dict(input="hi " * 60_000), "input", "this model's context is 32768 tokens and the prompt has 179,999 characters"),
+    (dict(input="hi " * 60_000), "input",
+     "this model's context is 32768 tokens and the prompt has 179,999 characters"),
     (dict(input="hi", instructions="x " * 90_000), "input", "this model's context is 32768 tokens and the prompt"),
     # (chat's options that are not applied, refused as chat refuses them: they were ignored)
     (dict(extra_body={"n": 2}), "n", "a response is one reply"),

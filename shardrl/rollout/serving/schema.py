@@ -206,7 +206,8 @@ def check_request(req: Common, prompts: list[list[int]], max_tokens: int, model_
     share = (f", {tools:,} of them the {len(req.tools)} tools' (the chat template renders them into the prompt)"
              if tools > 0 else "")
     if longest >= max_model_len:
-        param = "tools" if longest - tools < max_model_len else "messages" if isinstance(req, ChatRequest) else "prompt"
+        param = ("tools" if longest - tools < max_model_len
+                 else "messages" if isinstance(req, ChatRequest) else "prompt")
         fix = "send fewer or shorter tools, or shorten the messages" if share else "shorten the prompt"
         raise RequestError(f"this model's context is {max_model_len} tokens and the prompt has {longest:,} "
                            f"tokens{share}: {fix}", param, code="context_length_exceeded")
