@@ -357,10 +357,11 @@ async def invalid_body(request, exc):
                               "JSON with the header Content-Type: application/json")
         got = type(first.get("input")).__name__.replace("NoneType", "null")
         return error(400, f"invalid request: the body must be a JSON object, not {got}")
-    if where.startswith("prompt."):  # (a union: pydantic names its first form only)
+    param = re.split(r"[.\[]", where)[0]
+    if param == "prompt" and first.get("type") != "missing":  # (a union: pydantic names its first form only)
         return error(400, "invalid request: prompt must be a string, a list of strings, a list of token ids "
                           "(integers) or a list of lists of token ids", "prompt")
-    return error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}", re.split(r"[.\[]", where)[0])
+    return error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}", param)
 
 
 UNION_MEMBER = re.compile(r"(str|int|float|bool|dict|list|none|function-\w+)(\[.*\])?", re.IGNORECASE)
