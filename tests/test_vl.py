@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from shardrl.algos.aggregate import agg_loss
-from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
+from shardrl.config.schema import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
 from shardrl.engine import build_engine
 from shardrl.engine.model import build_causal_lm, load_hf_config
 from shardrl.testing import random_vl_batch, record_grads, run_distributed, tiny_config
@@ -53,8 +53,9 @@ def pg_loss(outputs, mb, num_tokens, num_seqs):
 
 
 def _engine(kind: str, optim: bool = False, **engine_kwargs):
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules="all-linear") if engine_kwargs.pop("lora", False) else None
     model = ModelConfig(tiny=tiny_config(kind), freeze_vision_tower=engine_kwargs.pop("freeze", False),
-                        use_remove_padding=engine_kwargs.pop("packed", True))
+                        use_remove_padding=engine_kwargs.pop("packed", True), **({"lora": lora} if lora else {}))
     return build_engine(model, EngineConfig(param_dtype="float32", **engine_kwargs),
                         OptimConfig(**OPTIM) if optim else None)
 
@@ -153,15 +154,19 @@ SP2 = dict(ulysses_sequence_parallel_size=2)
 def test_ulysses_equals_one_process(kind):
     """sp=2: the vision tower runs on every image on both ranks, each rank's language model on its piece of the
     spliced row. Micro-batches of 1 (row 0's image split between the pieces, row 1 without images idling the tower,
-    row 3's image in rank 1's piece alone) and 2 (two rows packed, padded to a multiple of sp); frozen tower."""
+    row 3's image in rank 1's piece alone) and 2 (two rows packed, padded to a multiple of sp); the tower frozen;
+    LoRA on the language model."""
     one = run_distributed(_log_probs_and_grads, 1, kind, [dict(micro_batch_size_per_gpu=1),
-                                                          dict(micro_batch_size_per_gpu=1, freeze=True)])
+                                                          dict(micro_batch_size_per_gpu=1, freeze=True),
+                                                          dict(micro_batch_size_per_gpu=1, lora=True)])
     sp = run_distributed(_log_probs_and_grads, 2, kind, [dict(micro_batch_size_per_gpu=1, **SP2),
                                                          dict(micro_batch_size_per_gpu=2, **SP2),
-                                                         dict(micro_batch_size_per_gpu=1, freeze=True, **SP2)])
+                                                         dict(micro_batch_size_per_gpu=1, freeze=True, **SP2),
+                                                         dict(micro_batch_size_per_gpu=1, lora=True, **SP2)])
     assert_same_as_one_process(sp[0], one[0])
     assert_same_as_one_process(sp[1], one[0])
     assert_same_as_one_process(sp[2], one[1], frozen=True)
+    assert_same_as_one_process(sp[3], one[2], frozen=True)  # LoRA: the adapters' gradients, the tower frozen
 
 
 def test_ulysses_with_data_parallel_equals_one_process():

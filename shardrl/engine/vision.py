@@ -29,7 +29,6 @@ import torch
 import torch.nn as nn
 
 from shardrl.engine.attention import attention_kwargs
-
 from shardrl.models.vision import image_token_id, is_vision_language, stack_images, vision_family  # noqa: F401
 
 MULTI_MODAL_KEY = "multi_modal_inputs"
