@@ -104,8 +104,8 @@ def test_grpo_with_images_under_ulysses_equals_one_process(assets, tmp_path):
     def layout(sp: int) -> list[str]:
         return [f"{role}.engine.{k}" for role in ("actor", "ref") for k in (
             "use_dynamic_bsz=true", f"max_token_len_per_gpu={40 // sp}", f"ulysses_sequence_parallel_size={sp}")]
-    one, = run_distributed(_train_runs, 1, [overrides(assets, tmp_path / "sp1", "trainer.total_steps=1", *layout(1))])
-    two, = run_distributed(_train_runs, 2, [overrides(assets, tmp_path / "sp2", "trainer.total_steps=1", *layout(2))])
+    one, two = (run_distributed(_train_runs, sp, [overrides(assets, tmp_path / f"sp{sp}", "trainer.total_steps=1",
+                                                           *layout(sp))])[0] for sp in (1, 2))
     assert one[0]["actor/grad_norm"] > 0 and one[0]["prompt/length_mean"] > 8
     compared = sorted(k for k in one[0] if k not in LAYOUT_KEYS + CLOCK_KEYS and not k.startswith("timing/"))
     for key in compared:

@@ -382,8 +382,10 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     rows = (f"{actor.micro_batch_size_per_gpu} (micro_batch_size_per_gpu) x {layout.max_prompt_length} "
             "(max_prompt_length)")
     sp = layout.sp
-    images = (tokens * sp, "max_token_len_per_gpu" + (f" x {sp} (sp)" if sp > 1 else "") + ", at most") \
-        if actor.use_dynamic_bsz else (min(tokens * sp, actor.micro_batch_size_per_gpu * layout.max_prompt_length), rows)
+    if actor.use_dynamic_bsz:
+        images = (tokens * sp, "max_token_len_per_gpu" + (f" x {sp} (sp)" if sp > 1 else "") + ", at most")
+    else:
+        images = (min(tokens * sp, actor.micro_batch_size_per_gpu * layout.max_prompt_length), rows)
     if passes:
         prep += vision_terms(numbers, *images, compute, train=False)
     if teacher_prep is not None:  # the passes run one after another: the larger model's counts
