@@ -1,6 +1,7 @@
 """Vision-language models in the engine (issue 61): tiny random Qwen2.5-VL and Qwen3-VL (`TINY_VL_MODELS`) on packed
 image+text batches give the plain HF model's log-probs, and the same gradients whatever the micro-batch cut and
-over two FSDP2 processes; the vision tower is trained, or frozen by `model.freeze_vision_tower`.
+over two FSDP2 processes, and under Ulysses sequence parallelism (sp=2, and dp=2 x sp=2); the vision tower is
+trained, or frozen by `model.freeze_vision_tower`.
 
 fp32 on CPU (gloo). The HF reference runs one row at a time, unpadded, with the model computing its own M-RoPE
 positions from the row's ids and image grids: the engine's packed layout (several rows, their images, per-row
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from shardrl.algos.aggregate import agg_loss
-from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
+from shardrl.config.schema import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
 from shardrl.engine import build_engine
 from shardrl.engine.model import build_causal_lm, load_hf_config
 from shardrl.testing import random_vl_batch, record_grads, run_distributed, tiny_config
@@ -52,8 +53,9 @@ def pg_loss(outputs, mb, num_tokens, num_seqs):
 
 
 def _engine(kind: str, optim: bool = False, **engine_kwargs):
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules="all-linear") if engine_kwargs.pop("lora", False) else None
     model = ModelConfig(tiny=tiny_config(kind), freeze_vision_tower=engine_kwargs.pop("freeze", False),
-                        use_remove_padding=engine_kwargs.pop("packed", True))
+                        use_remove_padding=engine_kwargs.pop("packed", True), **({"lora": lora} if lora else {}))
     return build_engine(model, EngineConfig(param_dtype="float32", **engine_kwargs),
                         OptimConfig(**OPTIM) if optim else None)
 
@@ -115,6 +117,64 @@ def test_frozen_vision_tower_gets_no_gradient():
     assert not any(n.startswith("model.visual.") for n in trained)
     assert not any(n.startswith("model.visual.") for n in grads)
     assert any(n.startswith("model.language_model.") for n in grads)
+
+
+def _log_probs_and_grads(kind: str, variants: list[dict]) -> list[tuple]:
+    """Per engine settings: this rank's data-parallel share of ROWS (its row indices, log-probs and loss mask) and
+    the gradients of one step on it (the ranks of a Ulysses group share their rows)."""
+    out = []
+    for engine_kwargs in variants:
+        engine = _engine(kind, optim=True, **engine_kwargs)
+        grads = record_grads(engine)
+        batch = random_vl_batch(engine.hf_config, ROWS)
+        rows = list(range(engine.mesh.dp_rank, len(batch), engine.mesh.dp_size))
+        share = batch.index(rows)
+        log_probs = engine.infer_batch(share)["log_probs"]
+        engine.train_batch(share, pg_loss)
+        out.append((rows, log_probs, share["loss_mask"].bool(), grads[0]))
+    return out
+
+
+def assert_same_as_one_process(got: tuple, want: tuple, frozen: bool = False):
+    """`got`'s log-probs (at the responses) and gradients are `want`'s, a one-process run's on all of ROWS."""
+    (rows, log_probs, scored, grads), (_, ref_log_probs, _, ref_grads) = got, want
+    torch.testing.assert_close(log_probs[scored], ref_log_probs[rows][scored], atol=2e-5, rtol=0)
+    assert set(grads) == set(ref_grads)
+    visual = [n for n in grads if n.startswith("model.visual.")]
+    assert not visual if frozen else any(".blocks." in n and grads[n].abs().sum() > 0 for n in visual)
+    for name, ref in ref_grads.items():
+        scale = ref.abs().max().item() + 1e-12
+        torch.testing.assert_close(grads[name], ref, atol=1e-5 * scale, rtol=0, msg=name)
+
+
+SP2 = dict(ulysses_sequence_parallel_size=2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ulysses_equals_one_process(kind):
+    """sp=2: the vision tower runs on every image on both ranks, each rank's language model on its piece of the
+    spliced row. Micro-batches of 1 (row 0's image split between the pieces, row 1 without images idling the tower,
+    row 3's image in rank 1's piece alone) and 2 (two rows packed, padded to a multiple of sp); the tower frozen;
+    LoRA on the language model."""
+    one = run_distributed(_log_probs_and_grads, 1, kind, [dict(micro_batch_size_per_gpu=1),
+                                                          dict(micro_batch_size_per_gpu=1, freeze=True),
+                                                          dict(micro_batch_size_per_gpu=1, lora=True)])
+    sp = run_distributed(_log_probs_and_grads, 2, kind, [dict(micro_batch_size_per_gpu=1, **SP2),
+                                                         dict(micro_batch_size_per_gpu=2, **SP2),
+                                                         dict(micro_batch_size_per_gpu=1, freeze=True, **SP2),
+                                                         dict(micro_batch_size_per_gpu=1, lora=True, **SP2)])
+    assert_same_as_one_process(sp[0], one[0])
+    assert_same_as_one_process(sp[1], one[0])
+    assert_same_as_one_process(sp[2], one[1], frozen=True)
+    assert_same_as_one_process(sp[3], one[2], frozen=True)  # LoRA: the adapters' gradients, the tower frozen
+
+
+def test_ulysses_with_data_parallel_equals_one_process():
+    """dp=2 x sp=2 on 4 processes: rank 0's Ulysses group holds rows 0 and 2, rank 2's rows 1 and 3."""
+    one, = run_distributed(_log_probs_and_grads, 1, "qwen3_vl", [dict(micro_batch_size_per_gpu=1)])
+    four, = run_distributed(_log_probs_and_grads, 4, "qwen3_vl", [dict(micro_batch_size_per_gpu=1, **SP2)])
+    assert four[0] == [0, 2]
+    assert_same_as_one_process(four, one)
 
 
 def test_fast_rollout_and_dpo_refuse_a_vision_language_model_by_name(tmp_path):

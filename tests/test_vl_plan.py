@@ -85,3 +85,23 @@ def test_the_sft_ledger_counts_the_vision_tower_and_its_image_tokens():
     frozen = terms(offline_ledger(cfg, derive_offline_layout(cfg, "sft", 1, 2), hf_config), "update")
     assert frozen["model optimizer state"] == pytest.approx(2 * (total - vision) * 4 / 2)
     assert frozen["model grads"] == pytest.approx((total - vision) * 4 / 2)
+
+
+def test_under_ulysses_every_rank_counts_the_whole_micro_batchs_images():
+    """sp=2: a rank holds half of each row's tokens but runs the vision tower on all the micro-batch's images."""
+    tiny = f"model.tiny={json.dumps(tiny_config('qwen2_5_vl'))}"
+    per = per_patch_block("qwen2_5_vl")
+    common = [tiny, "data.max_prompt_length=64", "actor.engine.ulysses_sequence_parallel_size=2"]
+    hf_config = load_hf_config(None, tiny_config("qwen2_5_vl"))
+    fixed = load_config(None, [*common, "actor.engine.micro_batch_size_per_gpu=2"])
+    update = terms(phase_ledger(fixed, derive_layout(fixed, 1, 4), hf_config), "update")
+    assert update["vision activations"] == pytest.approx(2 * 64 * 4 * 2 * per)  # 2 rows' prompts, as with sp=1
+    dynamic = load_config(None, [*common, "actor.engine.use_dynamic_bsz=true", "actor.engine.max_token_len_per_gpu=96"])
+    ledger = phase_ledger(dynamic, derive_layout(dynamic, 1, 4), hf_config)
+    assert terms(ledger, "update")["vision activations"] == pytest.approx(2 * 96 * 4 * 2 * per)  # 2 ranks' budgets
+    assert "max_token_len_per_gpu x 2 (sp)" in format_phase_ledger(ledger)
+    sft = load_config(None, [tiny, "data.max_length=100", "engine.use_dynamic_bsz=false",
+                             "engine.micro_batch_size_per_gpu=3", "engine.ulysses_sequence_parallel_size=2"],
+                      cls=SFTConfig)
+    update = terms(offline_ledger(sft, derive_offline_layout(sft, "sft", 1, 2), hf_config), "update")
+    assert update["vision activations"] == pytest.approx(3 * 100 * 4 * 2 * per)  # 3 rows x 2 pieces of 50

@@ -97,6 +97,22 @@ def test_grpo_with_images_runs_and_its_first_step_is_invariant_to_the_micro_batc
             assert got[0][key] == pytest.approx(first[key], **tol), (name, key)
 
 
+def test_grpo_with_images_under_ulysses_equals_one_process(assets, tmp_path):
+    """sp=2 on 2 processes is one data-parallel rank: the same rollouts, so the same step as 1 process; the actor and
+    the reference run at sp=2, with budgets of 20 tokens per rank, 40 a micro-batch as with 1 process (a row's pieces
+    split its image placeholders)."""
+    def layout(sp: int) -> list[str]:
+        return [f"{role}.engine.{k}" for role in ("actor", "ref") for k in (
+            "use_dynamic_bsz=true", f"max_token_len_per_gpu={40 // sp}", f"ulysses_sequence_parallel_size={sp}")]
+    one, two = (run_distributed(_train_runs, sp, [overrides(assets, tmp_path / f"sp{sp}", "trainer.total_steps=1",
+                                                           *layout(sp))])[0] for sp in (1, 2))
+    assert one[0]["actor/grad_norm"] > 0 and one[0]["prompt/length_mean"] > 8
+    compared = sorted(k for k in one[0] if k not in LAYOUT_KEYS + CLOCK_KEYS and not k.startswith("timing/"))
+    for key in compared:
+        tol = dict(abs=1e-5) if key in ROUNDING_KEYS else dict(rel=2e-5, abs=1e-6)
+        assert two[0][key] == pytest.approx(one[0][key], **tol), key
+
+
 @pytest.mark.parametrize("rollout", [[], ["rollout.backend=fast", "rollout.lora_sync=unmerged"],
                                      ["rollout.backend=fast", "rollout.lora_sync=merged"]],
                          ids=["hf", "fast-unmerged", "fast-merged"])

@@ -105,7 +105,7 @@ class Engine(abc.ABC):
             self._check_lora(head)
         if engine_cfg.expert_parallel_size > 1:
             self._check_expert_parallel()
-        check_vision_engine(self.hf_config, head, self.mesh.sp_size)
+        check_vision_engine(self.hf_config, head)
         if model_cfg.freeze_vision_tower and not is_vision_language(self.hf_config):
             raise ValueError(f"model.freeze_vision_tower=true: the {self.hf_config.model_type!r} model has no vision "
                              "tower; set it to false")
@@ -164,8 +164,9 @@ class Engine(abc.ABC):
         sp = self.mesh.sp_size
         attn = resolve_attn_implementation(mc.attn_implementation, mc.use_remove_padding, sp)
         if sp > 1:
-            check_heads(self.hf_config.num_attention_heads,
-                        getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads, sp)
+            text = text_config(self.hf_config)  # (a vision-language model's decoder)
+            check_heads(text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+                        sp)
         lm_meta = build_causal_lm(self.hf_config, None, "meta", master_dtype, attn_implementation=attn,
                                   trust_remote_code=mc.trust_remote_code, sequence_classification=head == "score")
         if mc.freeze_vision_tower:  # before sharding: FSDP keeps each parameter's requires_grad

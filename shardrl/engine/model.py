@@ -30,8 +30,8 @@ from shardrl.engine.attention import ATTN_NAME, attention_kwargs
 from shardrl.engine.logprob import (chunked_log_probs, chunked_log_probs_at, chunked_log_probs_top1, chunked_top_k,
                                     pack, shift_to_scored_token, unpack)
 from shardrl.engine.moe import RouterReplay, load_balancing_loss
-from shardrl.engine.vision import idle_vision_tower, stack_images, vision_decoder_inputs
-from shardrl.models.vision import is_vision_language
+from shardrl.engine.vision import idle_vision_tower, stack_images, vision_decoder_inputs, vision_sequence_piece
+from shardrl.models.vision import is_vision_language, vision_family
 from shardrl.models.families import is_moe
 from shardrl.engine.ulysses import gather_seq, pad_to_multiple
 from shardrl.models.config import text_config
@@ -406,19 +406,21 @@ class PolicyModel(nn.Module):
                         record_routing: bool, remove_padding: bool, with_top1: bool = False,
                         top_k: int = 0) -> dict[str, torch.Tensor]:
         varlen = text_config(self.lm.config)._attn_implementation == ATTN_NAME
-        if self.sp_group is not None:
-            if not varlen:  # any other attention would see only this rank's piece of each sequence
-                raise RuntimeError(
-                    f"sequence parallel forward with attention {self.lm.config._attn_implementation!r}, not "
-                    f"{ATTN_NAME!r}: something changed this model's config (share a copy of it instead)")
-            tokens = split_sequence(tokens, self.sp_group)
-        elif varlen and remove_padding:  # (a VL model's 4-row positions: the first row is the text one)
-            tokens.decoder_inputs.update(attention_kwargs(tokens.decoder_inputs["position_ids"][0]))
-        # a VL model's base runs its vision tower and splices the images in before its decoder
-        decoder = self.lm.base_model if self.head == "score" or self.vision else self.lm.get_decoder()
+        if self.sp_group is not None and not varlen:  # any other attention would see only this rank's piece
+            raise RuntimeError(
+                f"sequence parallel forward with attention {self.lm.config._attn_implementation!r}, not "
+                f"{ATTN_NAME!r}: something changed this model's config (share a copy of it instead)")
         # a VL micro-batch without images still runs the tower (see its doc), first, as the others' does
         idle = idle_vision_tower(self.lm, tokens.targets.device) if self.vision and \
             "pixel_values" not in tokens.decoder_inputs else None
+        # a VL model's base runs its vision tower and splices the images in before its decoder
+        decoder = self.lm.base_model if self.head == "score" or self.vision else self.lm.get_decoder()
+        if self.sp_group is not None:
+            tokens = split_sequence(tokens, self.sp_group, self.lm if self.vision else None)
+            if self.vision:  # the piece's inputs are embeddings, the images already spliced in
+                decoder = self.lm.get_submodule(vision_family(self.lm.config).language_model)
+        elif varlen and remove_padding:  # (a VL model's 4-row positions: the first row is the text one)
+            tokens.decoder_inputs.update(attention_kwargs(tokens.decoder_inputs["position_ids"][0]))
         hidden = decoder(**tokens.decoder_inputs, use_cache=False).last_hidden_state.flatten(0, 1)  # (n_local, H)
         if idle is not None:
             hidden = hidden + idle.to(hidden.dtype)
@@ -571,17 +573,24 @@ def padded_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, score_f
         flat_index=torch.arange(input_ids.numel(), device=input_ids.device))
 
 
-def split_sequence(tokens: Tokens, group) -> Tokens:
+def split_sequence(tokens: Tokens, group, vision_lm: nn.Module | None = None) -> Tokens:
     """Ulysses sequence parallelism: this rank's contiguous piece of the packed row (padded to a multiple
     of sp). The varlen attention gets the whole row's sequence boundaries; its all-to-all trades the
-    sequence split for a head split."""
+    sequence split for a head split. `vision_lm`: the VL model whose row this is (4-row positions, images), whose
+    language model then takes the piece's embeddings (`vision_sequence_piece`)."""
     ids, pos = tokens.decoder_inputs["input_ids"][0], tokens.decoder_inputs["position_ids"][0]  # (N,)
+    if vision_lm is not None:  # (4, 1, N): the text positions first
+        pos = pos[0]
     sp, r = dist.get_world_size(group), dist.get_rank(group)
     ids_p, pos_p = pad_to_multiple(ids, pos, sp)
     targets_p, _ = pad_to_multiple(tokens.targets, pos_p[: tokens.targets.numel()], sp)
     piece = ids_p.numel() // sp
     local = slice(r * piece, (r + 1) * piece)
-    inputs = dict(input_ids=ids_p[local][None], position_ids=pos_p[local][None], **attention_kwargs(pos_p[None], group))
+    if vision_lm is not None:
+        inputs = vision_sequence_piece(vision_lm, tokens.decoder_inputs, ids_p, pos_p, local, group)
+    else:
+        inputs = dict(input_ids=ids_p[local][None], position_ids=pos_p[local][None],
+                      **attention_kwargs(pos_p[None], group))
     distill = tokens.distill_targets
     if distill is not None:  # padded as the targets, with token 0
         distill = F.pad(distill, (0, 0, 0, ids_p.numel() - distill.shape[0]))[local]

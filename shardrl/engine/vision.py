@@ -14,7 +14,11 @@ positions (0, 1, ... restarting per row), the 4-row form HF's Qwen-VL decoders r
 packed attention mask, then M-RoPE".
 
 The decoder run is the HF model's base (`model.model`: embeddings, the vision tower's output spliced at the
-placeholders, the language model), so every step that places image features is HF's own.
+placeholders, the language model), so every step that places image features is HF's own. Under Ulysses sequence
+parallelism (sp > 1) a rank holds a contiguous piece of the packed row, and with it only some of the placeholders:
+`vision_sequence_piece` runs the tower on all the micro-batch's images on every rank of the group, splices them
+into the whole row's embeddings, and hands the language model this rank's piece of them (and of the positions, and
+of Qwen3-VL's deepstack features).
 """
 
 from __future__ import annotations
@@ -24,24 +28,23 @@ import inspect
 import torch
 import torch.nn as nn
 
+from shardrl.engine.attention import attention_kwargs
 from shardrl.models.vision import image_token_id, is_vision_language, stack_images, vision_family  # noqa: F401
 
 MULTI_MODAL_KEY = "multi_modal_inputs"
 """The per-row batch field holding a row's `pixel_values` and `image_grid_thw`."""
 
 
-def check_vision_engine(hf_config, head: str, sp: int) -> None:
+def check_vision_engine(hf_config, head: str) -> None:
     """A ValueError for what the engine does not do with a vision-language model yet (said with the setting).
-    (LoRA is built: its adapters go on the language model only, `engine.lora.inject_lora`.)"""
+    (LoRA is built: its adapters go on the language model only, `engine.lora.inject_lora`; so is Ulysses,
+    `vision_sequence_piece`.)"""
     if not is_vision_language(hf_config):
         return
     name = hf_config.model_type
     if head != "lm":
         raise ValueError(f"a {head!r} head on the vision-language model {name!r} is not supported yet (critics and "
                          "reward models with images are a later step of issue 61); the policy's 'lm' head is")
-    if sp > 1:
-        raise ValueError(f"ulysses_sequence_parallel_size={sp} with the vision-language model {name!r} is not "
-                         "supported yet (the M-RoPE positions are not split); set it to 1")
 
 
 def freeze_vision_tower(lm: nn.Module) -> int:
@@ -102,4 +105,38 @@ def vision_decoder_inputs(lm: nn.Module, decoder_inputs: dict, input_ids: torch.
     else:
         inputs["position_ids"] = mrope
     inputs.update(images)
+    return inputs
+
+
+def vision_sequence_piece(lm: nn.Module, decoder_inputs: dict, ids: torch.Tensor, text_positions: torch.Tensor,
+                          local: slice, group) -> dict:
+    """Ulysses: the language model's inputs for this rank's `local` piece of a packed row.
+
+    `decoder_inputs` are the row's (`vision_decoder_inputs`, packed: position_ids (4, 1, N), the images); `ids` and
+    `text_positions` (N_p,) the row padded to a multiple of sp (`split_sequence`). Every rank of the group runs the
+    vision tower on all the images and splices them into the whole row's embeddings, then keeps its piece: the
+    gradient reaching the tower on a rank is that of the placeholders in its piece alone, so the group's gradient
+    reduction sums each placeholder's once (the same as the text tokens' embeddings). The padding's M-RoPE rows
+    repeat its text positions."""
+    mrope = decoder_inputs["position_ids"][1:, 0]  # (3, N)
+    n = mrope.shape[1]
+    mrope = torch.cat([mrope, text_positions[n:].expand(3, -1)], 1)  # (3, N_p)
+    position_ids = torch.cat([text_positions[None], mrope])[:, None, local]  # (4, 1, n_local)
+    embeds = lm.get_input_embeddings()(ids)  # (N_p, H)
+    inputs = dict(position_ids=position_ids, **attention_kwargs(text_positions[None], group))
+    if "pixel_values" in decoder_inputs:
+        out = lm.model.get_image_features(decoder_inputs["pixel_values"], decoder_inputs["image_grid_thw"],
+                                          return_dict=True)
+        features = torch.cat(out.pooler_output).to(embeds.dtype)  # (I, H): one row per placeholder, in order
+        is_image = ids == image_token_id(lm.config)  # (N_p,)
+        if int(is_image.sum()) != features.shape[0]:
+            raise ValueError(f"the micro-batch has {int(is_image.sum())} image placeholder tokens but its images "
+                             f"give {features.shape[0]} features: each row's multi_modal_inputs must be its own")
+        embeds = embeds.masked_scatter(is_image[:, None], features)
+        deepstack = getattr(out, "deepstack_features", None)
+        if deepstack is not None:  # Qwen3-VL: added to the early layers' output at the placeholders of the piece
+            first, last = int(is_image[:local.start].sum()), int(is_image[:local.stop].sum())
+            inputs["visual_pos_masks"] = is_image[local][None]  # (1, n_local)
+            inputs["deepstack_visual_embeds"] = [torch.cat(layer)[first:last] for layer in deepstack]
+    inputs["inputs_embeds"] = embeds[local][None]  # (1, n_local, H)
     return inputs

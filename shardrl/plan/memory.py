@@ -17,7 +17,8 @@ A vision-language model (issue 61) adds its vision tower: its parameters are the
 optimizer state as the rest's; no grads or optimizer state when `model.freeze_vision_tower`), and a micro-batch's
 image tokens, which sit inside its prompts (data.max_prompt_length counts them: no extra decoder tokens), each bring
 merge^2 patches through every vision block. A trained tower keeps each block's activations per patch (counted as a
-decoder layer's are, at the tower's width); a frozen one keeps none, only one block's forward at a time.
+decoder layer's are, at the tower's width); a frozen one keeps none, only one block's forward at a time. Under
+Ulysses (sp > 1) every rank of a group runs the tower on all of the micro-batch's images, not on its piece's.
 """
 
 from __future__ import annotations
@@ -238,9 +239,12 @@ def offline_ledger(cfg, layout, hf_config) -> dict:
         resident += _engine_resident("ref", numbers, master, shard, e.offload_params, False, False)
     tokens = e.max_token_len_per_gpu if e.use_dynamic_bsz else \
         e.micro_batch_size_per_gpu * layout.group_size * layout.seq_tokens_per_rank
-    # an SFT row's images may sit anywhere in it: every token of the micro-batch may be an image token
+    # an SFT row's images may sit anywhere in it: every token of the micro-batch may be an image token (under
+    # Ulysses the micro-batch is sp x a rank's tokens, and every rank of the group runs the tower on all its images)
+    sp = e.ulysses_sequence_parallel_size
     update = _update_terms("model", e, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing,
-                           (tokens, "every token of the micro-batch, at most"))
+                           (tokens * sp, "every token of the micro-batch" + (f" ({sp} ranks' pieces)" if sp > 1 else "")
+                            + ", at most"))
     phases = _phases(resident, {"update": update})
     return {"num_params": numbers["total"], "phases": phases, "peak_phase": "update",
             "peak_gib": phases["update"]["total_gib"],
@@ -373,11 +377,15 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
                                       ("reference", layout.ref is not None), ("values", layout.critic is not None))
               if runs]
     prep = [_inference_term(c, tokens, compute, chunk, ", ".join(passes))] if passes else []
-    # a VL prompt's image tokens are inside data.max_prompt_length: a micro-batch's rows' prompts bound them
+    # a VL prompt's image tokens are inside data.max_prompt_length: a micro-batch's rows' prompts bound them. Under
+    # Ulysses every rank of the group runs the tower on all the micro-batch's images (sp x a rank's tokens)
     rows = (f"{actor.micro_batch_size_per_gpu} (micro_batch_size_per_gpu) x {layout.max_prompt_length} "
             "(max_prompt_length)")
-    images = (tokens, "max_token_len_per_gpu, at most") if actor.use_dynamic_bsz else \
-        (min(tokens, actor.micro_batch_size_per_gpu * layout.max_prompt_length), rows)
+    sp = layout.sp
+    if actor.use_dynamic_bsz:
+        images = (tokens * sp, "max_token_len_per_gpu" + (f" x {sp} (sp)" if sp > 1 else "") + ", at most")
+    else:
+        images = (min(tokens * sp, actor.micro_batch_size_per_gpu * layout.max_prompt_length), rows)
     if passes:
         prep += vision_terms(numbers, *images, compute, train=False)
     if teacher_prep is not None:  # the passes run one after another: the larger model's counts
