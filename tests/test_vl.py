@@ -177,20 +177,12 @@ def test_ulysses_with_data_parallel_equals_one_process():
     assert_same_as_one_process(four, one)
 
 
-def test_fast_rollout_and_dpo_refuse_a_vision_language_model_by_name(tmp_path):
-    """What is not built for a VL model yet is refused with the setting to change, before any model is built: the
-    fast rollout (the hf one generates with images: tests/test_vl_rollout.py; RL training: tests/test_vl_train.py),
-    dpo (sft reads images: tests/test_vl_sft.py)."""
+def test_dpo_refuses_a_vision_language_model_by_name(tmp_path):
+    """What is not built for a VL model yet is refused with the setting to change, before any model is built: dpo
+    (sft reads images: tests/test_vl_sft.py; both rollouts generate with images: tests/test_vl_rollout.py)."""
     from shardrl.launch.rank import run
-    from shardrl.rollout import build_rollout
     from shardrl.testing import save_tiny_vl_model
-    from shardrl.tokenizer import build_char_tokenizer
 
-    config = load_hf_config(None, tiny_config("qwen2_5_vl"))
-    with pytest.raises(ValueError, match=r"rollout.backend=fast: 'qwen2_5_vl' is a vision-language model; the fast "
-                                         r"rollout's image prefill .* set rollout.backend=hf"):
-        build_rollout("fast", config, None, "cpu", torch.float32)
-    assert build_rollout("hf", config, build_char_tokenizer(), "cpu", torch.float32).vision
     save_tiny_vl_model(tmp_path / "vl")
     (tmp_path / "pairs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
     with pytest.raises(ValueError, match="shardrl dpo: 'qwen2_5_vl' is a vision-language model; dpo, kto and rm with "
