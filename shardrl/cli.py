@@ -242,16 +242,14 @@ def plan_main(args: argparse.Namespace) -> int:
             kept = copy.deepcopy(cfg)
             kept.rollout.free_cache_engine = False
             ledger = phase_ledger(kept, layout, hf_config)
-    host_adam = None  # offloaded parameters: their AdamW step runs on the host's CPU
-    if hf_config is not None:
+    host_adam = None  # offloaded parameters: their AdamW step runs on the host's CPU (sized where the ledger is)
+    engine_cfg, key = (cfg.engine, "engine") if offline else (cfg.actor.engine, "actor.engine")
+    if ledger and engine_cfg.offload_params:
         from shardrl.plan.memory import host_adam_estimate, model_numbers
 
-        engine_cfg, key = (cfg.engine, "engine") if offline else (cfg.actor.engine, "actor.engine")
-        if engine_cfg.offload_params:
-            numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora,
-                                    cfg.model.freeze_vision_tower)
-            host_adam = host_adam_estimate(numbers, engine_cfg, (layout.engine if offline else layout.actor).shard_size,
-                                           nproc, key)
+        numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora, cfg.model.freeze_vision_tower)
+        host_adam = host_adam_estimate(numbers, engine_cfg, (layout.engine if offline else layout.actor).shard_size,
+                                       nproc, key)
     if args.json:
         print(json.dumps({**layout.to_dict(), "memory": ledger, "memory_skipped": skipped, "host_adam": host_adam,
                           "fits": None if args.gpu_mem_gib is None or ledger is None else not advice,

@@ -142,21 +142,71 @@ def test_the_step_plan_asks_the_teacher_for_its_top_k_only_with_opd():
     assert StepPlan.from_config(cfg).distill_top_k == 5
 
 
-def test_a_teacher_with_more_output_tokens_is_refused_with_top_k(tmp_path):
+def wide_teacher(folder, extra: int = 8):
+    """A teacher of the character tokenizer whose head has `extra` more rows than the tokenizer's ids (padded, as
+    Qwen2.5's larger models' heads are), those rows scaled up so that they are often its likeliest tokens."""
     import transformers
 
+    from shardrl.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    config = transformers.AutoConfig.for_model("qwen2", vocab_size=len(tok) + extra, hidden_size=32,
+                                               intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                               num_key_value_heads=1, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.lm_head.weight[len(tok):] *= 30
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return len(tok)
+
+
+def _wide_top_k(teacher: str, batch, vocab: int):
+    from shardrl.config.schema import EngineConfig, ModelConfig
+    from shardrl.engine import build_engine
+
+    engine = build_engine(ModelConfig(path=teacher), EngineConfig(param_dtype="float32", micro_batch_size_per_gpu=2))
+    out = engine.infer_batch(batch, temperature=TEMPERATURE, top_k=K, top_k_vocab=vocab)
+    return out["top_k_ids"], out["top_k_log_probs"]
+
+
+def test_a_teachers_top_k_is_taken_among_the_students_ids(tmp_path):
+    vocab = wide_teacher(tmp_path / "teacher")
+    batch = random_batch(4, 9, vocab, seed=2)
+    mask = batch["loss_mask"].bool()
+    ids, logp = run_distributed(_wide_top_k, 1, str(tmp_path / "teacher"), batch, vocab)
+    with torch.no_grad():
+        full = plain_logits(load(str(tmp_path / "teacher")).eval(), batch).log_softmax(-1)  # (B, T, V + 8)
+    assert (full.topk(K, -1).indices[mask] >= vocab).any()  # unrestricted, the padded rows would be chosen
+    want_logp, want_ids = full[..., :vocab].topk(K, -1)  # among the student's ids, normalized over the whole row
+    assert torch.equal(ids[mask], want_ids[mask])
+    torch.testing.assert_close(logp[mask], want_logp[mask], atol=2e-5, rtol=1e-4)
+
+
+def test_a_wider_teacher_trains_and_a_top_k_past_the_vocabulary_is_refused(tmp_path):
     from shardrl.config.schema import ConfigError
     from shardrl.launch.rank import run
-    from shardrl.tokenizer import build_char_tokenizer
     from shardrl.trainer.demo import prepare_demo_assets
 
     assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=2)
-    tok = build_char_tokenizer()  # the policy's tokenizer, with a head 8 rows wider (padded, as many checkpoints are)
-    config = transformers.AutoConfig.for_model("qwen2", vocab_size=len(tok) + 8, hidden_size=32, intermediate_size=64,
-                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "teacher")
-    tok.save_pretrained(tmp_path / "teacher")
-    args = ["algorithm.adv_estimator=opd", f"teacher.model_path={tmp_path / 'teacher'}", "trainer.total_steps=1"]
-    with pytest.raises(ConfigError, match=r"algorithm.opd.top_k=2: teacher.model_path=.* has \d+ output tokens, the "
-                                          r"policy \d+: the teacher's top-k may name ids the student has no logit"):
-        run(None, small_demo_run(assets, tmp_path / "run", *args, "algorithm.opd.top_k=2"))
+    vocab = wide_teacher(tmp_path / "teacher")
+    args = ["algorithm.adv_estimator=opd", f"teacher.model_path={tmp_path / 'teacher'}", "trainer.total_steps=1",
+            "trainer.logger=[jsonl]"]
+    run_dir = run(None, small_demo_run(assets, tmp_path / "run", *args, "algorithm.opd.top_k=4"))
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    # (over a part of the teacher's mass the sum can be below 0: the padded rows hold much of this teacher's)
+    assert abs(record["distill/top_k_kl"]) < 1e3 and 0 < record["distill/top_k_mass"] < 0.999
+    assert record["actor/grad_norm"] > 0
+    with pytest.raises(ConfigError, match=rf"algorithm.opd.top_k={vocab + 1} is more than the {vocab} tokens "
+                                          rf"teacher.model_path=.* \({vocab + 8} output tokens\) and the policy "
+                                          rf"\({vocab}\) share: set algorithm.opd.top_k to at most {vocab}"):
+        run(None, small_demo_run(assets, tmp_path / "run2", *args, f"algorithm.opd.top_k={vocab + 1}"))
+
+
+def test_top_k_without_opd_is_named_as_ignored():
+    from shardrl.config.schema import load_config
+
+    cfg = load_config(None, ["model.tiny={model_type: qwen2}", "algorithm.opd.top_k=8"])
+    assert any(line.startswith("algorithm.opd.top_k=8 is set but algorithm.adv_estimator=grpo: no distillation runs")
+               for line in cfg.ignored_settings())

@@ -119,3 +119,41 @@ def test_plan_says_what_the_host_adam_step_of_offloaded_parameters_costs(capsys)
     assert "steps on the host's CPU" not in capsys.readouterr().out
     assert main(["plan", f"model.tiny={spec}", "actor.engine.offload_params=true"]) == 0
     assert "actor.engine.offload_params=true: the optimizer steps on the host's CPU, about" in capsys.readouterr().out
+
+
+def test_plan_with_offload_still_prints_the_layout_where_the_ledger_cannot_size_the_model(capsys):
+    from shardrl.cli import main
+
+    spec = "{model_type: biogpt, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, intermediate_size: 64}"
+    assert main(["plan", f"model.tiny={spec}", "actor.engine.offload_params=true"]) == 0
+    out = capsys.readouterr().out
+    assert "memory ledger: skipped (" in out and "steps on the host's CPU" not in out
+
+
+def test_resuming_an_unfused_optimizers_checkpoint_keeps_the_fused_kernel(tmp_path):
+    """A checkpoint of an AdamW stepped by the per-tensor loop (a CPU or offloaded run before the fused CPU kernel)
+    loads into this run's fused one, which stays fused and steps on as the loop would have."""
+    from shardrl.engine.checkpoint import load_engine_state, save_engine_state
+    from shardrl.engine.optim import build_optimizer
+
+    def make(fused):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 5)
+        opt = build_optimizer(list(model.parameters()), 1e-2, (0.9, 0.95), 1e-8, 0.1, fused)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    def step(model, opt, seed):
+        opt.zero_grad()
+        model(torch.randn(3, 6, generator=torch.Generator().manual_seed(seed))).square().sum().backward()
+        opt.step()
+
+    loop, opt, sched = make(False)
+    step(loop, opt, 0)
+    save_engine_state(tmp_path / "ckpt", loop, opt, sched, 1)
+    resumed, fused_opt, fused_sched = make(True)
+    load_engine_state(tmp_path / "ckpt", resumed, fused_opt, fused_sched)
+    assert fused_opt.param_groups[0]["fused"] is True
+    step(resumed, fused_opt, 1)
+    step(loop, opt, 1)
+    for a, b in zip(resumed.parameters(), loop.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), atol=1e-6, rtol=1e-5)

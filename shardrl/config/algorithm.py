@@ -159,7 +159,8 @@ class OPDConfig:
     """> 0: also train the student toward the teacher's whole distribution at each response token, not only its
     score of the sampled token: the teacher's k likeliest tokens there (and their log-probs) are a target, the loss
     gains `top_k_coef` x the forward KL sum_i p_teacher(i) (log p_teacher(i) - log p_student(i)) over those k
-    (the GKD / on-policy-distillation-with-logits form; the teacher's mass outside its top k is left out),
+    (the GKD / on-policy-distillation-with-logits form; the teacher's mass outside its top k is left out; a teacher
+    head with more rows than the student's takes its top k among the student's ids),
     aggregated as the policy loss (actor.loss_agg_mode). It gives the student the right token where it sampled a
     wrong one. 0: the sampled token's reverse KL only (in the advantage). Costs the teacher a top-k per token
     and the student's head a gather of k log-probs per token in the update."""

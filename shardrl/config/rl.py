@@ -248,6 +248,9 @@ class Config(CommandConfig):
             given = "teacher.model_path" if self.teacher.model_path else "teacher.by_data_source"
             lines.append(f"{given} is set but algorithm.adv_estimator={self.algorithm.adv_estimator}: no "
                          "teacher is built (set algorithm.adv_estimator=opd to distill from it)")
+        if self.algorithm.opd.top_k and self.algorithm.adv_estimator != "opd":
+            lines.append(f"algorithm.opd.top_k={self.algorithm.opd.top_k} is set but algorithm.adv_estimator="
+                         f"{self.algorithm.adv_estimator}: no distillation runs (set algorithm.adv_estimator=opd)")
         return lines
 
     def validate(self, prefix: str) -> None:

@@ -314,7 +314,7 @@ class Engine(abc.ABC):
 
     def _forward(self, mb: Batch, temperature: float, with_entropy: bool, record_routing: bool = False,
                  replay: torch.Tensor | None = None, count_replay: bool = True,
-                 with_top1: bool = False, top_k: int = 0) -> dict[str, torch.Tensor]:
+                 with_top1: bool = False, top_k: int = 0, top_k_vocab: int | None = None) -> dict[str, torch.Tensor]:
         # an RL batch ([prompt | response] columns) is scored on its responses only: the prompts' log-probs
         # are never read, and the vocabulary projection over them would be most of the head's work
         score_from = mb["input_ids"].shape[1] - mb["response_mask"].shape[1] if "response_mask" in mb else None
@@ -322,7 +322,7 @@ class Engine(abc.ABC):
             mb["input_ids"], mb["attention_mask"], remove_padding=self.model_cfg.use_remove_padding,
             temperature=temperature, with_entropy=with_entropy, score_from=score_from, routed_experts=replay,
             record_routing=record_routing, count_replay=count_replay, with_top1=with_top1,
-            images=mb[MULTI_MODAL_KEY] if MULTI_MODAL_KEY in mb else None, top_k=top_k,
+            images=mb[MULTI_MODAL_KEY] if MULTI_MODAL_KEY in mb else None, top_k=top_k, top_k_vocab=top_k_vocab,
             # a distillation student's update scores its teacher's top-k tokens too (the loss reads them)
             distill_ids=mb[DISTILL_IDS_KEY] if self.module.training and DISTILL_IDS_KEY in mb else None,
         )
@@ -431,14 +431,14 @@ class Engine(abc.ABC):
     @torch.no_grad()
     def infer_batch(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
                     record_routing: bool = False, replay_routing: bool = False, with_top1: bool = False,
-                    top_k: int = 0) -> Batch:
+                    top_k: int = 0, top_k_vocab: int | None = None) -> Batch:
         """Forward only: per-token `log_probs` (and `entropy`; `with_top1`: `top1`, 1.0 where the token is the
         model's argmax), or `values` for a critic, `(B, T)`, in the order of `batch`. `record_routing` (a mixture
         of experts): also `routed_experts` (B, T, L, k), each token's experts per MoE layer, for `train_batch` to
         replay (actor.router_replay);
         `replay_routing`: routed as `batch["routed_experts"]` says (R3: the rollout's routing). `top_k` (a
         distillation teacher): also `top_k_ids` and `top_k_log_probs` (B, T, k), each token's k likeliest
-        alternatives under this model and their log-probs."""
+        alternatives under this model and their log-probs (among the ids below `top_k_vocab`, when given)."""
         self.module.eval()
         batch = batch.to(self.device)
         micro_batches, perm = self._micro_batches(batch)
@@ -449,7 +449,7 @@ class Engine(abc.ABC):
             mb = mb if real else self._placeholder(batch)
             outputs = self._forward(mb, temperature, with_entropy, record_routing,
                                     replay=mb["routed_experts"] if replay_routing else None, count_replay=False,
-                                    with_top1=with_top1, top_k=top_k)
+                                    with_top1=with_top1, top_k=top_k, top_k_vocab=top_k_vocab)
             if replay_routing:
                 self.module.router_replay.end()
             if real:

@@ -116,9 +116,25 @@ def load_engine_state(path: str | os.PathLike, module: nn.Module, optimizer=None
     if optimizer is not None:
         base_lrs = list(lr_scheduler.base_lrs)  # this run's optim.lr, not the saving run's
         set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_options(trained_only))
+        keep_fused(optimizer)
         lr_scheduler.load_state_dict(state["lr_scheduler"])
         continue_lr_schedule(lr_scheduler, base_lrs)
     return int(state["global_step"])
+
+
+def keep_fused(optimizer) -> None:
+    """Loading an optimizer's state replaces its groups' settings with the saved ones: a checkpoint of an unfused AdamW
+    (an offloaded or CPU run before the fused CPU kernel) would turn this run's fused kernel off. Keep this run's
+    choice, with each step count where the fused kernel reads it (a float32 tensor on its parameter's device)."""
+    fused = optimizer.defaults.get("fused")
+    for group in optimizer.param_groups:
+        if "fused" not in group or group["fused"] == fused:
+            continue
+        group["fused"] = fused
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if fused and torch.is_tensor(step):
+                optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
 
 
 def flat_keys(state: Mapping, prefix: str = "") -> dict[str, Any]:

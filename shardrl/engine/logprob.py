@@ -266,15 +266,16 @@ def _scaled_logits(hidden, weight, bias, temperature: float, softcap: float | No
 
 @torch.no_grad()
 def chunked_top_k(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
-                  temperature: float = 1.0, chunk_size: int = 1024,
-                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  temperature: float = 1.0, chunk_size: int = 1024, softcap: float | None = None,
+                  vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The `k` likeliest tokens of each position's distribution softmax(logits / T) and their log-probs, (N, k)
     each (ids long, log-probs in the accumulation dtype), `chunk_size` positions at a time (a distillation
-    teacher's targets)."""
+    teacher's targets). `vocab`: only ids below it are candidates (a student's vocabulary, where the teacher's head
+    has more rows), their log-probs still normalized over the whole row."""
     ids, logps = [], []
     for start in range(0, max(hidden.shape[0], 1), chunk_size):
         logits = _scaled_logits(hidden[start: start + chunk_size], weight, bias, temperature, softcap)
-        values, top = (logits - torch.logsumexp(logits, -1, keepdim=True)).topk(k, dim=-1)
+        values, top = (logits - torch.logsumexp(logits, -1, keepdim=True))[:, :vocab].topk(k, dim=-1)
         ids.append(top)
         logps.append(values)
     return torch.cat(ids), torch.cat(logps)

@@ -347,7 +347,7 @@ class PolicyModel(nn.Module):
                 score_from: int | None = None, routed_experts: torch.Tensor | None = None,
                 record_routing: bool = False, count_replay: bool = True,
                 images: list | None = None, with_top1: bool = False, top_k: int = 0,
-                distill_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                distill_ids: torch.Tensor | None = None, top_k_vocab: int | None = None) -> dict[str, torch.Tensor]:
         """`score_from`: the "lm" head scores only the tokens at columns >= score_from (the responses of an RL
         batch, whose prompts fill the columns before), the others reading 0; None scores every token. The
         output projection over the vocabulary then skips the prompts' positions: with 256-token prompts and
@@ -361,14 +361,15 @@ class PolicyModel(nn.Module):
         the vision tower and spliced at the rows' placeholders; the decoder rotates by M-RoPE positions.
 
         Distillation: `top_k` (forward only, a teacher) adds `top_k_ids` and `top_k_log_probs` (B, T, k), at each
-        token the k likeliest tokens of the distribution that scores it and their log-probs; `distill_ids` (B, T, k)
+        token the k likeliest tokens of the distribution that scores it and their log-probs (among the ids below
+        `top_k_vocab` when given: a student's vocabulary; normalized over the whole row); `distill_ids` (B, T, k)
         (a student) adds `distill_log_probs` (B, T, k), this model's log-probs of those ids at each token,
         differentiable. Both sit on the token they score, as `log_probs` do."""
         layout = packed_tokens if remove_padding else padded_tokens
         tokens = layout(input_ids, attention_mask, score_from if self.head == "lm" else None)
-        if distill_ids is not None:  # each position's ids are those of the token it predicts: the next one's
-            flat = distill_ids.flatten(0, 1)  # (B*T, k)
-            tokens.distill_targets = flat[(tokens.flat_index + 1).clamp(max=flat.shape[0] - 1)]  # (N, k)
+        if distill_ids is not None:  # each position's ids are those of the token it predicts: the next one's (the
+            # next real token in the layout; the last position's are never read: the next sequence starts there)
+            tokens.distill_targets = distill_ids.flatten(0, 1)[F.pad(tokens.flat_index[1:], (0, 1))]  # (N, k)
         if self.vision:
             tokens.decoder_inputs = vision_decoder_inputs(self.lm, tokens.decoder_inputs, input_ids, attention_mask,
                                                           tokens.flat_index, remove_padding,
@@ -380,7 +381,7 @@ class PolicyModel(nn.Module):
         try:
             with routing:
                 outputs = self._forward_tokens(tokens, temperature, with_entropy, input_ids.shape, record_routing,
-                                               remove_padding, with_top1, top_k)
+                                               remove_padding, with_top1, top_k, top_k_vocab)
             if aux:
                 outputs["router_aux_loss"] = load_balancing_loss(
                     self.lm, self.router_replay.logits, None if remove_padding else attention_mask)
@@ -404,7 +405,7 @@ class PolicyModel(nn.Module):
 
     def _forward_tokens(self, tokens: Tokens, temperature: float, with_entropy: bool, shape,
                         record_routing: bool, remove_padding: bool, with_top1: bool = False,
-                        top_k: int = 0) -> dict[str, torch.Tensor]:
+                        top_k: int = 0, top_k_vocab: int | None = None) -> dict[str, torch.Tensor]:
         varlen = text_config(self.lm.config)._attn_implementation == ATTN_NAME
         if self.sp_group is not None and not varlen:  # any other attention would see only this rank's piece
             raise RuntimeError(
@@ -430,7 +431,7 @@ class PolicyModel(nn.Module):
             return self.value_outputs(hidden, tokens)
         outputs = self.log_prob_outputs(hidden, tokens, temperature, with_entropy, with_top1)
         if top_k or tokens.distill_targets is not None:
-            outputs.update(self.distill_outputs(hidden, tokens, temperature, top_k))
+            outputs.update(self.distill_outputs(hidden, tokens, temperature, top_k, top_k_vocab))
         if record_routing:
             experts = self.router_replay.stacked()  # (N, L, k)
             full = experts.new_zeros((shape[0] * shape[1], *experts.shape[1:]))
@@ -481,8 +482,8 @@ class PolicyModel(nn.Module):
                 outputs[name] = tokens.restore(shift_to_scored_token(tokens.whole(value), tokens.seq_start))
         return outputs
 
-    def distill_outputs(self, hidden: torch.Tensor, tokens: Tokens, temperature: float,
-                        top_k: int) -> dict[str, torch.Tensor]:
+    def distill_outputs(self, hidden: torch.Tensor, tokens: Tokens, temperature: float, top_k: int,
+                        top_k_vocab: int | None = None) -> dict[str, torch.Tensor]:
         """A teacher's top-k (`top_k`) or a student's log-probs at them (`tokens.distill_targets`), (B, T, k) each, on
         the token they score (`forward`). Only the positions whose next token is scored run the head."""
         head = self.lm.get_output_embeddings()
@@ -491,7 +492,8 @@ class PolicyModel(nn.Module):
         h = hidden if idx is None else hidden[idx]
         if top_k:
             values = dict(zip(("top_k_ids", "top_k_log_probs"),
-                              chunked_top_k(h, head.weight, head.bias, top_k, temperature, self.chunk_size, softcap)))
+                              chunked_top_k(h, head.weight, head.bias, top_k, temperature, self.chunk_size, softcap,
+                                            top_k_vocab)))
         else:
             ids = tokens.distill_targets if idx is None else tokens.distill_targets[idx]
             values = {"distill_log_probs": chunked_log_probs_at(h, head.weight, head.bias, ids, temperature,

@@ -16,6 +16,7 @@ from shardrl.algos.aggregate import masked_metric
 from shardrl.batch import Batch
 from shardrl.distributed import all_reduce_sum
 from shardrl.engine.base import DISTILL_IDS_KEY
+from shardrl.models.config import text_config
 from shardrl.metrics import Max, Min, SumCount
 from shardrl.plan.step_plan import StepPlan
 from shardrl.trainer.sampling import apply_rollout_is, mismatch_step_metrics
@@ -45,7 +46,11 @@ def prepare(batch: Batch, scores: torch.Tensor, plan: StepPlan, roles, algo_cfg,
         metrics["timing/ref_s"] = time.perf_counter() - t0
     if plan.uses_teacher:  # scored like the reference: the sampled tokens, at the sampler's temperature
         t0 = time.perf_counter()
-        scored = roles.teacher.infer_batch(batch, temperature=temperature, with_top1=True, top_k=plan.distill_top_k)
+        # (a teacher's head may have more rows than the student's, as Qwen2.5's larger models have: its top-k is
+        # taken among the ids the student can score)
+        vocab = text_config(roles.actor.hf_config).vocab_size if plan.distill_top_k else None
+        scored = roles.teacher.infer_batch(batch, temperature=temperature, with_top1=True, top_k=plan.distill_top_k,
+                                           top_k_vocab=vocab)
         batch["teacher_log_probs"] = scored["log_probs"].cpu()
         metrics.update(distill_metrics(batch["old_log_probs"], batch["teacher_log_probs"], batch["loss_mask"].float(),
                                        scored["top1"].cpu()))

@@ -76,17 +76,16 @@ def check_teacher_tokenizer(cfg: Config, tokenizer) -> None:
             raise ConfigError(f"{cfg.teacher.key(path)}={path!r} has a tokenizer that encodes unlike the policy's: "
                               "on-policy distillation needs the same tokenizer (cross-tokenizer alignment is not "
                               "supported); pick a teacher of the policy's family")
-    if cfg.algorithm.opd.top_k:  # the student scores the teacher's top-k ids: each must have a logit of its own
+    if cfg.algorithm.opd.top_k:  # the teacher's top k is taken among the ids the student can score
         student = text_config(load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code)).vocab_size
         for path in cfg.teacher.paths():
             key = cfg.teacher.key(path)
             teacher = text_config(load_hf_config(path, None, cfg.model.trust_remote_code, key=key)).vocab_size
-            if teacher > student:
+            if cfg.algorithm.opd.top_k > min(teacher, student):
                 raise ConfigError(
-                    f"algorithm.opd.top_k={cfg.algorithm.opd.top_k}: {key}={path!r} has {teacher} output tokens, the "
-                    f"policy {student}: the teacher's top-k may name ids the student has no logit for. Set "
-                    "algorithm.opd.top_k=0 (the sampled tokens' reverse KL only), or pick a teacher whose vocabulary is "
-                    "no larger than the policy's")
+                    f"algorithm.opd.top_k={cfg.algorithm.opd.top_k} is more than the {min(teacher, student)} tokens "
+                    f"{key}={path!r} ({teacher} output tokens) and the policy ({student}) share: set "
+                    f"algorithm.opd.top_k to at most {min(teacher, student)} (8 to 64 is usual)")
 
 
 def build_reference(model, engine_cfg, mesh, path: str | None = None, actor=None):
