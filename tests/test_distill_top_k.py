@@ -39,7 +39,8 @@ def load(folder: str):
 
 def _teacher_then_update(student: str, teacher: str, batch, micro: int, remove_padding: bool, sp: int = 1):
     """This rank's rows of `batch` (rank r of w holds the r-th w-th): the teacher engine's top-k, then one update
-    of the student engine on the top-k loss alone (advantages 0); the recorded whole gradient and the logged loss."""
+    of the student engine on the policy loss (the batch's advantages, old log-probs the engine's own: ratio 1) plus
+    the top-k term; the recorded whole gradient and the logged term."""
     import torch.distributed as dist
 
     from shardrl.config.schema import Config, EngineConfig, ModelConfig, OptimConfig
@@ -58,8 +59,7 @@ def _teacher_then_update(student: str, teacher: str, batch, micro: int, remove_p
     scored = teacher_engine.infer_batch(mine, temperature=TEMPERATURE, top_k=K)
     mine[DISTILL_IDS_KEY] = scored["top_k_ids"]
     mine["teacher_top_k_log_probs"] = scored["top_k_log_probs"]
-    mine["advantages"] = torch.zeros(mine["loss_mask"].shape)
-    mine["old_log_probs"] = torch.zeros(mine["loss_mask"].shape)
+    mine["old_log_probs"] = actor.infer_batch(mine, temperature=TEMPERATURE)["log_probs"]
     grads = record_grads(actor)
     loss_fn = actor_loss_fn(Config().actor, "token-mean", distill_coef=COEF)
     metrics = actor.train_batch(mine, loss_fn, temperature=TEMPERATURE)
@@ -91,7 +91,10 @@ def test_top_k_targets_and_the_students_gradient_match_plain_models(models, worl
     s_logp = plain_logits(model, batch).log_softmax(-1).gather(-1, t_ids)  # (B, T, K)
     per_token = (t_logp.exp() * (t_logp - s_logp)).sum(-1)  # (B, T)
     loss = per_token[mask].mean()
-    (COEF * loss).backward()
+    # the policy loss at ratio 1 (token-mean): -A log p of the sampled tokens, from the same forward
+    sampled = plain_logits(model, batch).log_softmax(-1).gather(-1, batch["input_ids"][..., None]).squeeze(-1)
+    pg = -(batch["advantages"] * sampled)[mask].mean()
+    (pg + COEF * loss).backward()
     assert float(loss.detach()) > 0.01  # two different models: a real target
     assert logged == pytest.approx(float(loss.detach()), rel=1e-4)  # the logged term is the batch's, on every layout
     expected = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}

@@ -281,23 +281,32 @@ def chunked_top_k(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return torch.cat(ids), torch.cat(logps)
 
 
-def _log_probs_at(hidden, weight, bias, ids, temperature: float, softcap: float | None) -> torch.Tensor:
+def _log_probs_at(hidden, weight, bias, targets, ids, temperature: float, with_entropy: bool,
+                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logits = _scaled_logits(hidden, weight, bias, temperature, softcap)
-    return logits.gather(-1, ids) - torch.logsumexp(logits, -1, keepdim=True)
+    logz = torch.logsumexp(logits, -1, keepdim=True)  # (n, 1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz.squeeze(-1)
+    entropy = logz.squeeze(-1) - (torch.softmax(logits, -1) * logits).sum(-1) if with_entropy else logp.new_zeros(0)
+    return logp, entropy, logits.gather(-1, ids) - logz
 
 
-def chunked_log_probs_at(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
-                         temperature: float = 1.0, chunk_size: int = 1024,
-                         softcap: float | None = None) -> torch.Tensor:
-    """log softmax(logits / T) at `ids` (N, k) for each position: (N, k), differentiable, `chunk_size` positions at a
-    time; under autograd each chunk is checkpointed, so only one chunk's logits exist at a time, in backward too
-    (the student's log-probs at its distillation teacher's top-k tokens)."""
+def chunked_log_probs_at(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                         ids: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                         softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`chunked_log_probs` (log p(targets) (N,), entropy) and, from the same chunks of logits, log softmax(logits / T)
+    at `ids` (N, k) for each position, all differentiable: the student of a distillation toward its teacher's top-k
+    tokens (one pass over the head for both). Under autograd each chunk is checkpointed, so only one chunk's logits
+    exist at a time, in backward too."""
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    out = []
+    logps, ents, ats = [], [], []
     for start in range(0, max(hidden.shape[0], 1), chunk_size):
-        args = (hidden[start: start + chunk_size], weight, bias, ids[start: start + chunk_size], temperature, softcap)
-        out.append(checkpoint(_log_probs_at, *args, use_reentrant=False) if recompute else _log_probs_at(*args))
-    return torch.cat(out)
+        piece = slice(start, start + chunk_size)
+        args = (hidden[piece], weight, bias, targets[piece], ids[piece], temperature, with_entropy, softcap)
+        lp, ent, at = checkpoint(_log_probs_at, *args, use_reentrant=False) if recompute else _log_probs_at(*args)
+        logps.append(lp)
+        ents.append(ent)
+        ats.append(at)
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None), torch.cat(ats)
 
 
 @dataclass

@@ -430,8 +430,8 @@ class PolicyModel(nn.Module):
         if self.head == "value":
             return self.value_outputs(hidden, tokens)
         outputs = self.log_prob_outputs(hidden, tokens, temperature, with_entropy, with_top1)
-        if top_k or tokens.distill_targets is not None:
-            outputs.update(self.distill_outputs(hidden, tokens, temperature, top_k, top_k_vocab))
+        if top_k:
+            outputs.update(self.top_k_outputs(hidden, tokens, temperature, top_k, top_k_vocab))
         if record_routing:
             experts = self.router_replay.stacked()  # (N, L, k)
             full = experts.new_zeros((shape[0] * shape[1], *experts.shape[1:]))
@@ -460,51 +460,58 @@ class PolicyModel(nn.Module):
         """`log_probs` (B, T) of each token under the policy (and its `entropy`), the output projection
         run in chunks so the (tokens, vocab) logits never exist whole. `with_top1` (forward only): also `top1`
         (B, T), 1.0 where the token is the argmax of the logits that score it (a distillation teacher's
-        agreement with the samples)."""
+        agreement with the samples). A distillation student (`tokens.distill_targets`): also `distill_log_probs`
+        (B, T, k), its log-probs of its teacher's top-k ids, from the same chunks of logits."""
         head = self.lm.get_output_embeddings()
         softcap = getattr(text_config(self.lm.config), "final_logit_softcapping", None)  # Gemma 2
-        score = chunked_log_probs_top1 if with_top1 else lambda *args: (*chunked_log_probs(*args), None)
-        if tokens.needed is None or tokens.sp_group is not None:  # (under sp each rank holds a piece: all run)
-            logp, entropy, top1 = score(hidden, head.weight, head.bias, tokens.targets, temperature,
-                                        self.chunk_size, with_entropy, softcap)  # (n_local,)
-        else:  # only the positions that predict a scored token; the rest read 0
-            idx = tokens.needed.nonzero().squeeze(-1)  # (n_needed,)
-            logp, entropy, top1 = score(hidden[idx], head.weight, head.bias, tokens.targets[idx], temperature,
+        # only the positions that predict a scored token run (the rest read 0); under sp each rank holds a piece: all
+        idx = None if tokens.needed is None or tokens.sp_group is not None else tokens.needed.nonzero().squeeze(-1)
+        pick = (lambda x: x) if idx is None else (lambda x: x[idx])  # noqa: E731
+        at = None
+        if tokens.distill_targets is not None:
+            logp, entropy, at = chunked_log_probs_at(pick(hidden), head.weight, head.bias, pick(tokens.targets),
+                                                     pick(tokens.distill_targets), temperature, self.chunk_size,
+                                                     with_entropy, softcap)
+            top1 = None
+        else:
+            score = chunked_log_probs_top1 if with_top1 else lambda *args: (*chunked_log_probs(*args), None)
+            logp, entropy, top1 = score(pick(hidden), head.weight, head.bias, pick(tokens.targets), temperature,
                                         self.chunk_size, with_entropy, softcap)
+        if idx is not None:  # out of place: differentiable
             n = hidden.shape[0]
-            logp = logp.new_zeros(n).index_put((idx,), logp)  # out of place: differentiable
-            entropy = None if entropy is None else entropy.new_zeros(n).index_put((idx,), entropy)
-            top1 = None if top1 is None else top1.new_zeros(n).index_put((idx,), top1)
+            back = lambda v: None if v is None else v.new_zeros((n, *v.shape[1:])).index_put((idx,), v)  # noqa: E731
+            logp, entropy, top1, at = back(logp), back(entropy), back(top1), back(at)
         extra = {"entropy": entropy, "top1": None if top1 is None else top1.float()}
-        outputs = {"log_probs": tokens.restore(shift_to_scored_token(tokens.whole(logp), tokens.seq_start))}
+        outputs = {"log_probs": self._scored(logp, tokens)}
         for name, value in extra.items():
             if value is not None:
-                outputs[name] = tokens.restore(shift_to_scored_token(tokens.whole(value), tokens.seq_start))
+                outputs[name] = self._scored(value, tokens)
+        if at is not None:
+            outputs["distill_log_probs"] = self._scored(at, tokens)
         return outputs
 
-    def distill_outputs(self, hidden: torch.Tensor, tokens: Tokens, temperature: float, top_k: int,
-                        top_k_vocab: int | None = None) -> dict[str, torch.Tensor]:
-        """A teacher's top-k (`top_k`) or a student's log-probs at them (`tokens.distill_targets`), (B, T, k) each, on
-        the token they score (`forward`). Only the positions whose next token is scored run the head."""
+    @staticmethod
+    def _scored(per_position: torch.Tensor, tokens: Tokens) -> torch.Tensor:
+        """(n_local,) or (n_local, k) values computed at each position -> (B, T) or (B, T, k) on the token they score
+        (a column at a time through the 1-D layout)."""
+        if per_position.dim() == 1:
+            return tokens.restore(shift_to_scored_token(tokens.whole(per_position), tokens.seq_start))
+        return torch.stack([PolicyModel._scored(per_position[:, j], tokens) for j in range(per_position.shape[1])], -1)
+
+    def top_k_outputs(self, hidden: torch.Tensor, tokens: Tokens, temperature: float, top_k: int,
+                      top_k_vocab: int | None = None) -> dict[str, torch.Tensor]:
+        """A distillation teacher's `top_k_ids` and `top_k_log_probs` (B, T, k) on the token they score (`forward`).
+        Only the positions whose next token is scored run the head."""
         head = self.lm.get_output_embeddings()
         softcap = getattr(text_config(self.lm.config), "final_logit_softcapping", None)
         idx = None if tokens.needed is None or tokens.sp_group is not None else tokens.needed.nonzero().squeeze(-1)
         h = hidden if idx is None else hidden[idx]
-        if top_k:
-            values = dict(zip(("top_k_ids", "top_k_log_probs"),
-                              chunked_top_k(h, head.weight, head.bias, top_k, temperature, self.chunk_size, softcap,
-                                            top_k_vocab)))
-        else:
-            ids = tokens.distill_targets if idx is None else tokens.distill_targets[idx]
-            values = {"distill_log_probs": chunked_log_probs_at(h, head.weight, head.bias, ids, temperature,
-                                                                self.chunk_size, softcap)}
+        ids, logp = chunked_top_k(h, head.weight, head.bias, top_k, temperature, self.chunk_size, softcap, top_k_vocab)
         outputs = {}
-        for name, value in values.items():  # (n, k) -> (B, T, k), a column at a time through the 1-D layout
+        for name, value in {"top_k_ids": ids, "top_k_log_probs": logp}.items():
             if idx is not None:
                 value = value.new_zeros((hidden.shape[0], value.shape[1])).index_put((idx,), value)
-            columns = [tokens.restore(shift_to_scored_token(tokens.whole(value[:, j]), tokens.seq_start))
-                       for j in range(value.shape[1])]
-            outputs[name] = torch.stack(columns, -1)
+            outputs[name] = self._scored(value, tokens)
         return outputs
 
 
