@@ -137,11 +137,16 @@ def record_grads(engine) -> list[dict[str, torch.Tensor]]:
 def save_char_model(folder: Path, seed: int = 0, **shape):
     """A tiny random Qwen2 causal LM with the character tokenizer, saved as a model folder (64 wide, 2 layers
     unless `shape` says otherwise); returns the tokenizer."""
-    import transformers
-
     from shardrl.tokenizer import build_char_tokenizer
 
-    tok = build_char_tokenizer()
+    return _save_qwen2(folder, build_char_tokenizer(), seed, shape)
+
+
+def _save_qwen2(folder: Path, tok, seed: int, shape: dict):
+    """A tiny random Qwen2 causal LM over `tok`'s ids (64 wide, 2 layers unless `shape` says otherwise) and `tok`,
+    saved as a model folder; returns `tok`."""
+    import transformers
+
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2) | shape
     config = transformers.AutoConfig.for_model("qwen2", vocab_size=len(tok), pad_token_id=tok.pad_token_id,
@@ -307,12 +312,4 @@ def save_byte_model(folder: Path, seed: int = 0, **shape):
                                                pad_token="<|endoftext|>", chat_template=BYTE_CHAT_TEMPLATE,
                                                padding_side="left", clean_up_tokenization_spaces=False,
                                                model_max_length=512)
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=512) | shape
-    config = transformers.AutoConfig.for_model("qwen2", vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                                               eos_token_id=tok.eos_token_id, **shape)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return tok
+    return _save_qwen2(folder, tok, seed, dict(max_position_embeddings=512) | shape)
