@@ -5,7 +5,8 @@ and differ only in the advantage: GRPO's from the verifier's 0/1 reward; OPD's p
 (algorithm.adv_estimator=opd, reward_coef 0: the reward only logged), as it is (`opd`) or minus the group baseline
 (`opd_group`, algorithm.opd.baseline=group); or both (`opd_mix`: the GRPO advantage plus 0.1 x the baselined
 reverse KL); or toward the teacher's distribution (`opd_top_k`: the forward KL to the teacher's 8 likeliest tokens at
-each response token, algorithm.opd.top_k=8, no advantage; `opd_top_k_rkl`: that plus `opd_group`'s advantage). `--task product`: the products of digits (answers of up to two tokens) instead of the demo's sums;
+each response token, algorithm.opd.top_k=8, no advantage; `opd_top_k_rkl`: that plus `opd_group`'s advantage).
+`--task product`: the products of digits (answers of up to two tokens) instead of the demo's sums;
 `--task reverse`: reverse a string of 3 or 4 letters of "abc" (answers of 3 or 4 tokens: GRPO's 0/1 reward is sparse
 there, OPD's per-token one is not).
 Prints the teacher's and the student's expected reward (the probability of sampling the whole right answer), and

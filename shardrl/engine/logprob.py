@@ -291,8 +291,9 @@ def _log_probs_at(hidden, weight, bias, targets, ids, temperature: float, with_e
 
 
 def chunked_log_probs_at(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                         ids: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                         softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                         ids: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024,
+                         with_entropy: bool = False, softcap: float | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`chunked_log_probs` (log p(targets) (N,), entropy) and, from the same chunks of logits, log softmax(logits / T)
     at `ids` (N, k) for each position, all differentiable: the student of a distillation toward its teacher's top-k
     tokens (one pass over the head for both). Under autograd each chunk is checkpointed, so only one chunk's logits
