@@ -181,7 +181,16 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("distill_product", "distill.py", "--task", "product", "--steps", "150", "--seeds", "0,1,2",
               "--window", "20", limit_s=1800),
         bench("distill_reverse", "distill.py", "--task", "reverse", "--steps", "150", "--seeds", "0,1,2",
-              "--window", "20", "--variants", "grpo,opd_group,opd_mix", limit_s=1800),
+              "--window", "20", "--variants", "grpo,opd_group,opd_mix,opd_top_k", limit_s=1800),
+    ]),
+    "owed": ("the one-GPU figures the open issues still owe (issues 59, 62): streaming's cost with the raw client, "
+             "the offloaded 7B full fine-tuning step (fused CPU AdamW) against bf16 without offload, the CUDA tests "
+             "(needs --wheels .whl/oai for the server steps)", [
+        bench("serve_stream_raw", "serve.py", *SERVE, "--warm-clients", "--stream", "--client", "raw", limit_s=240),
+        bench("serve_warm_clients", "serve.py", *SERVE, "--warm-clients", "--client", "raw", limit_s=150),
+        bench("offload_7b_steps", "lora.py", "steps", "--cases", "7b_full,7b_full_bf16", "--steps", "2",
+              limit_s=560),
+        pytest_step("cuda_tests", "-m", "cuda", "--durations=15", "tests/", limit_s=560),
     ]),
     "smoke": ("every benchmark's CPU smoke run (tiny models; no GPU): that the scripts still run", [
         bench("whole_step_tiny", "e2e.py", "--quick", "--root", "/tmp/bench_e2e_quick", "--systems", "shardrl",
