@@ -84,9 +84,12 @@ def test_top_k_targets_and_the_students_gradient_match_plain_models(models, worl
     with torch.no_grad():
         t_logp_all = plain_logits(load(teacher).eval(), batch).log_softmax(-1)  # (B, T, V)
     t_logp, t_ids = t_logp_all.topk(K, -1)
-    rows = slice(0, len(ids))  # (rank 0's rows come back; the gradients are whole)
-    assert torch.equal(ids[rows][mask[rows]], t_ids[rows][mask[rows]])
-    torch.testing.assert_close(logp[rows][mask[rows]], t_logp[rows][mask[rows]], atol=2e-5, rtol=1e-4)
+    # rank 0's rows come back (the gradients are whole), over the responses' columns (all of them without)
+    rows, cols = slice(0, len(ids)), slice(batch["input_ids"].shape[1] - ids.shape[1], None)
+    assert ids.shape[1] == (batch["response_mask"].shape[1] if responses else batch["input_ids"].shape[1])
+    assert ids.dtype == torch.int32
+    assert torch.equal(ids[mask[rows, cols]].long(), t_ids[rows, cols][mask[rows, cols]])
+    torch.testing.assert_close(logp[mask[rows, cols]], t_logp[rows, cols][mask[rows, cols]], atol=2e-5, rtol=1e-4)
     model = load(student).train()
     s_logp = plain_logits(model, batch).log_softmax(-1).gather(-1, t_ids)  # (B, T, K)
     per_token = (t_logp.exp() * (t_logp - s_logp)).sum(-1)  # (B, T)
@@ -179,6 +182,7 @@ def test_a_teachers_top_k_is_taken_among_the_students_ids(tmp_path):
     batch = random_batch(4, 9, vocab, seed=2)
     mask = batch["loss_mask"].bool()
     ids, logp = run_distributed(_wide_top_k, 1, str(tmp_path / "teacher"), batch, vocab)
+    ids = ids.long()
     with torch.no_grad():
         full = plain_logits(load(str(tmp_path / "teacher")).eval(), batch).log_softmax(-1)  # (B, T, V + 8)
     assert (full.topk(K, -1).indices[mask] >= vocab).any()  # unrestricted, the padded rows would be chosen

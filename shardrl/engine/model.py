@@ -360,16 +360,18 @@ class PolicyModel(nn.Module):
         A vision-language model: `images`, each row's `multi_modal_inputs` (`shardrl.engine.vision`), run through
         the vision tower and spliced at the rows' placeholders; the decoder rotates by M-RoPE positions.
 
-        Distillation: `top_k` (forward only, a teacher) adds `top_k_ids` and `top_k_log_probs` (B, T, k), at each
-        token the k likeliest tokens of the distribution that scores it and their log-probs (among the ids below
-        `top_k_vocab` when given: a student's vocabulary; normalized over the whole row); `distill_ids` (B, T, k)
-        (a student) adds `distill_log_probs` (B, T, k), this model's log-probs of those ids at each token,
-        differentiable. Both sit on the token they score, as `log_probs` do."""
+        Distillation: `top_k` (forward only, a teacher) adds `top_k_ids` (int32) and `top_k_log_probs` (B, C, k), at
+        each token the k likeliest tokens of the distribution that scores it and their log-probs (among the ids below
+        `top_k_vocab` when given: a student's vocabulary; normalized over the whole row); `distill_ids` (B, C, k)
+        (a student) adds `distill_log_probs` (B, C, k), this model's log-probs of those ids at each token,
+        differentiable. Both sit on the token they score, as `log_probs` do, over the last C columns: those from
+        `score_from` on (the responses) when given, else all T."""
         layout = packed_tokens if remove_padding else padded_tokens
         tokens = layout(input_ids, attention_mask, score_from if self.head == "lm" else None)
         if distill_ids is not None:  # each position's ids are those of the token it predicts: the next one's (the
             # next real token in the layout; the last position's are never read: the next sequence starts there)
-            tokens.distill_targets = distill_ids.flatten(0, 1)[F.pad(tokens.flat_index[1:], (0, 1))]  # (N, k)
+            full = F.pad(distill_ids.long(), (0, 0, input_ids.shape[1] - distill_ids.shape[1], 0))  # (B, T, k)
+            tokens.distill_targets = full.flatten(0, 1)[F.pad(tokens.flat_index[1:], (0, 1))]  # (N, k)
         if self.vision:
             tokens.decoder_inputs = vision_decoder_inputs(self.lm, tokens.decoder_inputs, input_ids, attention_mask,
                                                           tokens.flat_index, remove_padding,
@@ -382,6 +384,12 @@ class PolicyModel(nn.Module):
             with routing:
                 outputs = self._forward_tokens(tokens, temperature, with_entropy, input_ids.shape, record_routing,
                                                remove_padding, with_top1, top_k, top_k_vocab)
+            if score_from is not None and self.head == "lm":  # (B, T, k) -> the responses' columns
+                for name in ("top_k_ids", "top_k_log_probs", "distill_log_probs"):
+                    if name in outputs:
+                        outputs[name] = outputs[name][:, score_from:]
+            if "top_k_ids" in outputs:
+                outputs["top_k_ids"] = outputs["top_k_ids"].int()
             if aux:
                 outputs["router_aux_loss"] = load_balancing_loss(
                     self.lm, self.router_replay.logits, None if remove_padding else attention_mask)

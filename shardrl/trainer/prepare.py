@@ -57,8 +57,8 @@ def prepare(batch: Batch, scores: torch.Tensor, plan: StepPlan, roles, algo_cfg,
         if plan.distill_top_k:  # the targets of the update's top-k term (`DISTILL_IDS_KEY` is what it scores)
             batch[DISTILL_IDS_KEY] = scored["top_k_ids"].cpu()
             batch["teacher_top_k_log_probs"] = scored["top_k_log_probs"].cpu()
-            metrics["distill/top_k_mass"] = masked_metric(batch["teacher_top_k_log_probs"].exp().sum(-1),
-                                                          batch["loss_mask"].float())
+            mass = batch["teacher_top_k_log_probs"].exp().sum(-1)  # (B, R): the responses' columns
+            metrics["distill/top_k_mass"] = masked_metric(mass, batch["loss_mask"][:, -mass.shape[1]:].float())
         metrics["timing/teacher_s"] = time.perf_counter() - t0
     if plan.needs_critic:
         t0 = time.perf_counter()

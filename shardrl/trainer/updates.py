@@ -79,10 +79,11 @@ def actor_loss_fn(actor_cfg, agg_mode: str, old_from_forward: bool = False, roll
             loss = loss + actor_cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = share_metric(kl, mask, agg_mode, num_tokens, num_seqs)
         if distill_coef:
-            distill = top_k_forward_kl(outputs["distill_log_probs"], mb["teacher_top_k_log_probs"], mask, agg_mode,
+            scored = mask[:, mask.shape[1] - mb["teacher_top_k_log_probs"].shape[1]:]  # (the responses' columns)
+            distill = top_k_forward_kl(outputs["distill_log_probs"], mb["teacher_top_k_log_probs"], scored, agg_mode,
                                        num_tokens, num_seqs)
             loss = loss + distill_coef * distill
-            metrics["distill/top_k_kl"] = share_metric(distill, mask, agg_mode, num_tokens, num_seqs)
+            metrics["distill/top_k_kl"] = share_metric(distill, scored, agg_mode, num_tokens, num_seqs)
         return loss, metrics
 
     return loss_fn
