@@ -25,14 +25,17 @@ which TRL's worker turns into its own (a string prompt beside an `images` column
 part first, the same rendering).
 
 Both systems: GRPO, no KL, one optimizer step per rollout, temperature 1, lr 1e-6, bench/e2e.py's reward
-(`compute_score`: words in the response mod 5, over 4); the response never ends early in practice (a random model
-draws EOS with probability ~1/vocabulary a token). shardrl: `shardrl train` with bench/e2e.py's `grpo_overrides`
-and the model folder (the fast rollout on CUDA, hf on the CPU: `rollout.backend`'s null picks them; bf16 master
-weights by default for the 3B shape on one GPU, `--extra` changes it); its line is bench/e2e.py's
-`summarize_shardrl` (median step and phase times after the first step, peak memory per phase, tokens/s per GPU,
-`mfu_measured` from its metrics, rewards). TRL: `GRPOTrainer` with bench/e2e.py's `trl_grpo_args` (bf16 model and
-AdamW state on CUDA, HF `generate`), timed by its `timed_trl_train`, in a process of its own; its line adds the
-mean reward of each generation batch. No floor line: bench/e2e.py's floor is a text model's.
+(`compute_score`: words in the response mod 5, over 4; in the 3B case a response never ends early in practice, a
+random model drawing EOS with probability ~1/vocabulary a token), on CUDA bf16 weights, gradients and AdamW state,
+and the case's gradient checkpointing (the 3B case's: without it neither fits one 80 GB card). shardrl: `shardrl
+train` with bench/e2e.py's `grpo_overrides` and the model folder (`shardrl_overrides`; the fast rollout on CUDA, hf
+on the CPU: `rollout.backend`'s null picks them; `--extra` adds overrides), each system in a process of its own;
+its line is bench/e2e.py's `summarize_shardrl` (median step and phase times after the first step, peak memory per
+phase, tokens/s per GPU, `mfu_measured` from its metrics, rewards) with the prompt's tokens as the trainer read
+them (images' placeholders included) and the rollout backend it took. TRL: `GRPOTrainer` with bench/e2e.py's
+`trl_grpo_args` (`trl_args`: HF `generate`, micro-batches of 16 samples), timed by its `timed_trl_train`; its line
+adds the mean reward of each generation batch, the prompt's tokens and the image patches of each batch as TRL
+built them. No floor line: bench/e2e.py's floor is a text model's.
 
 Rollout (`rollout` part): the step's batch (prompts x n rows, each prompt's image repeated for its n rows), greedy,
 `new` tokens a row with no EOS, by the fast rollout (CUDA graphs and its compiled parts on CUDA) and by HF
@@ -76,9 +79,9 @@ QWEN2_5_VL_3B = dict(
                        fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu", in_chans=3, tokens_per_second=2),
 )
 SHAPES = {"qwen2_5_vl_3b": QWEN2_5_VL_3B, "tiny": "qwen2_5_vl"}  # tiny: TINY_VL_MODELS' (read when used)
-# name: prompts, n, words of text, new tokens, image side in pixels
-CASES = {"qwen2_5_vl_3b": dict(prompts=16, n=8, words=64, new=256, side=448)}
-QUICK_CASES = {"tiny": dict(prompts=2, n=4, words=8, new=8, side=56)}
+# name: prompts, n, words of text, new tokens, image side in pixels, gradient checkpointing (both systems)
+CASES = {"qwen2_5_vl_3b": dict(prompts=16, n=8, words=64, new=256, side=448, checkpointing=True)}
+QUICK_CASES = {"tiny": dict(prompts=2, n=4, words=8, new=8, side=56, checkpointing=True)}
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0..3, as bench/e2e.py's
 VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
                  "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
@@ -203,14 +206,15 @@ def load_items(root: Path, processor):
 
 # ---- shardrl ------------------------------------------------------------------------------------------
 def shardrl_overrides(root: Path, case: dict, steps: int, cuda: bool, shape: str, extra: list[str]) -> list[str]:
-    """bench/e2e.py's GRPO run on the model folder with the prompts' images; bf16 master weights for a model past
-    a billion parameters on one GPU (fp32 weights, gradients and Adam state of the 3B shape, 60 GB, leave the
-    rollout too little of an 80 GB card), as TRL's bf16 model."""
-    big = cuda and shape != "tiny"
+    """bench/e2e.py's GRPO run on the model folder with the prompts' images; on CUDA bf16 master weights and Adam
+    state, as TRL's bf16 model (fp32 ones of the 3B shape, 42 GiB with the gradients, leave too little of an 80 GB
+    card: `shardrl plan` sizes the update at 84 GiB so), and the case's gradient checkpointing (the 3B case's
+    update without it: 223 GiB by the ledger at 16384 tokens a micro-batch, 88 GiB at 4096)."""
     return [f"model.path={root / 'model'}", "data.image_key=images",
             *grpo_overrides(root / "prompts.jsonl", case["prompts"], case["n"], case["prompt_len"], case["new"],
                             steps, f"vl_{shape}"),
-            *(["model.dtype=bfloat16"] if big else []), *extra]
+            *(["model.dtype=bfloat16"] if cuda else []),
+            f"model.gradient_checkpointing={str(case['checkpointing']).lower()}", *extra]
 
 
 def run_shardrl(root: Path, case: dict, steps: int, cuda: bool, shape: str, extra: list[str], tag: str) -> dict:
@@ -268,9 +272,8 @@ def run_trl(root: Path, case: dict, steps: int, shape: str) -> dict:
         return scores
 
     reward.__name__ = "vl_reward"
-    prompts, n, new = case["prompts"], case["n"], case["new"]
-    args = trl.GRPOConfig(**trl_grpo_args(root / "trl_out", prompts, n, new, steps, 1e-6, cuda,
-                                          per_device=min(prompts * n, 8 if cuda else 16)))
+    prompts, n = case["prompts"], case["n"]
+    args = trl.GRPOConfig(**trl_args(root, case, steps, cuda))
     trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                               processing_class=processor)
     seen = {"prompt_tokens": [], "image_rows": []}
@@ -287,6 +290,12 @@ def run_trl(root: Path, case: dict, steps: int, shape: str) -> dict:
     return dict(system="trl", case=shape, gpus=1, **timed, reward_mean=[round(r, 4) for r in rewards],
                 prompt_length_mean=statistics.mean(seen["prompt_tokens"]),
                 image_patches_per_batch=seen["image_rows"])
+
+
+def trl_args(root: Path, case: dict, steps: int, cuda: bool) -> dict:
+    """GRPOConfig's arguments: bench/e2e.py's mapping of the same numbers, with the case's gradient checkpointing."""
+    return trl_grpo_args(root / "trl_out", case["prompts"], case["n"], case["new"], steps, 1e-6, cuda,
+                         gradient_checkpointing=case["checkpointing"])
 
 
 # ---- the rollout against HF generate ----------------------------------------------------------------------
