@@ -40,8 +40,9 @@ built them. No floor line: bench/e2e.py's floor is a text model's.
 Rollout (`rollout` part): the step's batch (prompts x n rows, each prompt's image repeated for its n rows), greedy,
 `new` tokens a row with no EOS, by the fast rollout (CUDA graphs and its compiled parts on CUDA) and by HF
 `generate` (one call, DynamicCache, the placeholders suppressed as shardrl's rollouts do); each after a warm-up run
-of the same shapes; new tokens/s, and the fraction of rows whose greedy responses are identical (1.0 in fp32 on
-the CPU; bf16 near-ties may differ on the GPU).
+of the same shapes; new tokens/s, the fraction of rows whose greedy responses are identical (1.0 in fp32 on the
+CPU; bf16 near-ties may differ on the GPU) and, where they differ, how near a tie the two picks were in fp32
+(`greedy_agreement`, as bench/rollout.py's greedy case).
 
 One JSON line per measurement (`--out` appends them). TRL is not a shardrl dependency: a machine without it gets a
 `system: "trl"` line whose `error` says to install it (bench/run.py's `vl` set: carry TRL's wheels).
@@ -183,7 +184,7 @@ def prepare(root: Path, shape: str, case: dict, device: str) -> dict:
     processor = make_model(root / "model", shape, device)
     rng = random.Random(0)
     (root / "images").mkdir(parents=True, exist_ok=True)
-    words = [w for w in processor.tokenizer.get_vocab() if w.startswith("w")]
+    words = [f"w{i}" for i in sorted(i for w, i in processor.tokenizer.get_vocab().items() if w.startswith("w"))]
     rows = []
     for k in range(case["prompts"]):
         draw(case["side"], rng).save(root / "images" / f"{k}.png")
@@ -343,14 +344,46 @@ def rollout_vs_hf(root: Path, case: dict, shape: str) -> list[dict]:
     theirs, hf_s = timed(run_hf, device)
     theirs = theirs[:, ids.shape[1]:]
     tokens = rows * new
-    identical = float((ours[:, :new] == theirs).all(1).float().mean()) if ours.shape[1] >= new else 0.0
+    agreement = greedy_agreement(model, ids, images, ours[:, :new], theirs)
     common = dict(case=shape, rows=rows, prompt_len=ids.shape[1], image_tokens=case["image_tokens"], new_tokens=new,
                   device=device.type, dtype=str(dtype).removeprefix("torch."))
     return [dict(system="fast", what="rollout", **common, tokens=int(out.response_mask.sum()), seconds=round(fast_s, 4),
                  tokens_per_s=round(int(out.response_mask.sum()) / fast_s, 1), warmup_s=round(fast_warmup_s, 3),
-                 images_encoded=fast_stats.get("images"), identical_to_hf_fraction=identical),
+                 images_encoded=fast_stats.get("images"), **agreement),
             dict(system="hf_generate", what="rollout", **common, tokens=tokens, seconds=round(hf_s, 4),
                  tokens_per_s=round(tokens / hf_s, 1), warmup_s=round(hf_warmup_s, 3))]
+
+
+def greedy_agreement(model, ids, images: list[dict], ours, theirs) -> dict:
+    """The fraction of rows whose greedy responses are identical, and where a row's differ, how near a tie the
+    two picks were: |logit difference| of the two tokens at the first differing position, in an fp32 forward of
+    the row's prompt (its image) and the shared prefix, against the median top-1/top-2 gap of HF's responses'
+    first tokens (a tie that the order of a sum decided differs by ~1e-6 of the logits in fp32)."""
+    import torch
+
+    with torch.no_grad():
+        return _greedy_agreement(model.float(), ids, images, ours, theirs)  # (the model is left in fp32: called last)
+
+
+def _greedy_agreement(ref, ids, images: list[dict], ours, theirs) -> dict:
+    import torch
+
+    same = (ours == theirs).all(1)
+    image_token = ref.config.image_token_id
+    gaps = []
+    for row in (~same).nonzero().flatten().tolist():
+        pos = int((ours[row] != theirs[row]).nonzero()[0])
+        prefix = torch.cat([ids[row], theirs[row, :pos]])[None]
+        logits = ref(input_ids=prefix, mm_token_type_ids=(prefix == image_token).int(),
+                     pixel_values=images[row]["pixel_values"].float(), image_grid_thw=images[row]["image_grid_thw"],
+                     logits_to_keep=1).logits[0, -1]
+        gaps.append(float((logits[ours[row, pos]] - logits[theirs[row, pos]]).abs()))
+    first = [ref(input_ids=ids[r:r + 1], mm_token_type_ids=(ids[r:r + 1] == image_token).int(),
+                 pixel_values=images[r]["pixel_values"].float(), image_grid_thw=images[r]["image_grid_thw"],
+                 logits_to_keep=1).logits[0, -1].topk(2).values for r in range(min(len(ids), 8))]
+    typical = sorted(float(v[0] - v[1]) for v in first)
+    return dict(identical_to_hf_fraction=float(same.float().mean()), differing_rows=len(gaps),
+                fp32_gap_at_difference_max=max(gaps, default=0.0), fp32_top2_gap_median=typical[len(typical) // 2])
 
 
 def processor_placeholders(config) -> list[int]:
