@@ -40,9 +40,10 @@ built them. No floor line: bench/e2e.py's floor is a text model's.
 Rollout (`rollout` part): the step's batch (prompts x n rows, each prompt's image repeated for its n rows), greedy,
 `new` tokens a row with no EOS, by the fast rollout (CUDA graphs and its compiled parts on CUDA) and by HF
 `generate` (one call, DynamicCache, the placeholders suppressed as shardrl's rollouts do); each after a warm-up run
-of the same shapes; new tokens/s, the fraction of rows whose greedy responses are identical (1.0 in fp32 on the
-CPU; bf16 near-ties may differ on the GPU) and, where they differ, how near a tie the two picks were in fp32
-(`greedy_agreement`, as bench/rollout.py's greedy case).
+(the fast rollout's of the same shapes, for its graphs and compilation; HF's of two tokens); new tokens/s, the
+fraction of rows whose greedy responses are identical (1.0 in fp32 on the CPU; bf16 near-ties may differ on the
+GPU) and, where they differ, how near a tie the two picks were in fp32 (`greedy_agreement`, as bench/rollout.py's
+greedy case).
 
 One JSON line per measurement (`--out` appends them). TRL is not a shardrl dependency: a machine without it gets a
 `system: "trl"` line whose `error` says to install it (bench/run.py's `vl` set: carry TRL's wheels).
@@ -333,15 +334,17 @@ def rollout_vs_hf(root: Path, case: dict, shape: str) -> list[dict]:
     inputs = dict(pixel_values=torch.cat([im["pixel_values"] for im in images]),
                   image_grid_thw=torch.cat([im["image_grid_thw"] for im in images]),
                   mm_token_type_ids=(ids == model.config.image_token_id).int())
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
-                                           pad_token_id=0, suppress_tokens=list(processor_placeholders(model.config)))
 
-    def run_hf():
+    def run_hf(tokens: int):
+        config = transformers.GenerationConfig(do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens,
+                                               eos_token_id=None, pad_token_id=0,
+                                               suppress_tokens=processor_placeholders(model.config))
         with torch.no_grad():
             return model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **inputs)
 
-    _, hf_warmup_s = timed(run_hf, device)
-    theirs, hf_s = timed(run_hf, device)
+    # a short warm-up: HF's dynamic cache compiles nothing, the first call only starts the kernels' libraries
+    _, hf_warmup_s = timed(lambda: run_hf(2), device)
+    theirs, hf_s = timed(lambda: run_hf(new), device)
     theirs = theirs[:, ids.shape[1]:]
     tokens = rows * new
     agreement = greedy_agreement(model, ids, images, ours[:, :new], theirs)
