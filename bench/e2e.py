@@ -285,6 +285,17 @@ def run_trl(root: Path, case: str, cases: dict, steps: int, quick: bool) -> dict
     args = GRPOConfig(**trl_grpo_args(root / "trl_out" / case, prompts, n, new, steps, 1e-6, cuda))
     trainer = GRPOTrainer(model=model, reward_funcs=trl_reward, args=args, train_dataset=dataset,
                           processing_class=tok)
+    return dict(system="trl", case=case, gpus=1, **timed_trl_train(trainer, cuda, samples, prompt_len))
+
+
+def timed_trl_train(trainer, cuda: bool, samples: int, prompt_len: int) -> dict:
+    """Runs `trainer.train()` (a GRPOTrainer) timing each step and its generation (`_generate_and_score_completions`,
+    scoring included), and returns the medians over the steps after the first (warm-up), the response lengths,
+    tokens/s (`samples` x `prompt_len` prompt tokens + the responses' a step) and the peak GPU memory of each phase.
+    Also bench/vl_e2e.py's."""
+    import torch
+    import transformers
+
     phases: dict[str, list[float]] = {"gen": [], "step": []}
     lengths: list[list[int]] = []
     peaks: dict[str, list[float]] = {"gen": [], "update": []}
@@ -333,7 +344,7 @@ def run_trl(root: Path, case: str, cases: dict, steps: int, quick: bool) -> dict
     gen_s = statistics.median(phases["gen"][timed])
     all_lengths = [x for ls in lengths[timed] for x in ls]
     tokens = samples * prompt_len + sum(all_lengths) / max(1, len(lengths[timed]))
-    return dict(system="trl", case=case, gpus=1, steps=steps_done, step_s=round(step_s, 4), gen_s=round(gen_s, 4),
+    return dict(steps=steps_done, step_s=round(step_s, 4), gen_s=round(gen_s, 4),
                 update_s=round(step_s - gen_s, 4), tokens_per_s_per_gpu=round(tokens / step_s, 1),
                 response_length_mean=round(statistics.mean(all_lengths), 1), response_length_max=max(all_lengths),
                 response_length_min=min(all_lengths), step_times=[round(x, 3) for x in phases["step"]],

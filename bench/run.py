@@ -26,7 +26,8 @@ whole-step comparison against TRL needs TRL on PYTHONPATH (`python bench/e2e.py 
 xxhash, fsspec, pandas, ...: `SKIP="torch transformers accelerate peft tokenizers safetensors huggingface-hub numpy"
 bash bench/pack_server_wheels.sh trl trl datasets` packs them under .whl/trl, `--wheels .whl/trl` installs them;
 peft is a shardrl dependency; datasets 5.2 wants huggingface-hub >= 1.31) and the SmolLM2 GGUF's parts and the gguf
-wheel (`bash examples/smollm2/gpu_run.sh pack`, carried under .whl).
+wheel (`bash examples/smollm2/gpu_run.sh pack`, carried under .whl); the `vl` set's TRL step needs the same TRL
+wheels (`--wheels .whl/trl`; without them its line says to install TRL and the other steps run).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ SERVE = ("--shape", "1.5b", "--clients", "256", "--requests", "2", "--client-pro
 # the first learn step makes prepare.py's folder from the GGUF `learn_join_gguf` joined
 LEARN = ("--root", "/tmp/bench_learn", "--data", "/tmp/bench_learn/assets", "--gguf", "/tmp/smollm2.gguf")
 MOE_REPLAY = ("--extra", "model.dtype=bfloat16 actor.engine.max_token_len_per_gpu=8192")
+VL = ("--root", "/tmp/bench_vl")  # the model folder and image prompts, written once by `vl_prepare`
 
 SETS: dict[str, tuple[str, list[Step]]] = {
     "check": ("a quick GPU sanity check: the device, the fast rollout's CUDA tests, tiny runs of the whole step and "
@@ -174,6 +176,15 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("learn_shardrl_lora", "learn.py", *LEARN, "--systems", "shardrl", "--lora", limit_s=900),
         bench("learn_trl_lora", "learn.py", *LEARN, "--systems", "trl", "--lora", limit_s=3000),
     ]),
+    "vl": ("a vision-language model of Qwen2.5-VL-3B's shape (random init, 256 image tokens a prompt): the whole GRPO "
+           "step, shardrl against TRL's GRPOTrainer on the same folder and images, and the fast rollout against HF "
+           "generate with the images (bench/vl_e2e.py; one GPU, about 15 minutes; the TRL step needs TRL carried, "
+           "as the learn set: --wheels .whl/trl)", [
+        bench("vl_prepare", "vl_e2e.py", *VL, "--parts", "none", limit_s=300),
+        bench("vl_shardrl", "vl_e2e.py", *VL, "--parts", "shardrl", limit_s=420),
+        bench("vl_rollout", "vl_e2e.py", *VL, "--parts", "rollout", limit_s=300),
+        bench("vl_trl", "vl_e2e.py", *VL, "--parts", "trl", limit_s=480),
+    ]),
     "distill": ("on-policy distillation against plain GRPO on the CPU, from the demo's start with the demo's model "
                 "trained further as the teacher, several seeds (bench/distill.py)", [
         bench("distill", "distill.py", "--steps", "150", "--seeds", "0,1,2", "--window", "20",
@@ -199,6 +210,7 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("fp8_tiny", "fp8.py", "--quick", limit_s=200),
         bench("multiturn_tiny", "multiturn.py", "--quick", out_flag=False, limit_s=200),
         bench("long_prompts_tiny", "prefix_reuse.py", "--quick", limit_s=200),
+        bench("vl_tiny", "vl_e2e.py", "--quick", "--root", "/tmp/bench_vl_quick", limit_s=200),
         bench("serve_sim", "serve.py", "--backend", "sim", "--clients", "6", "--requests", "2", "--client", "raw",
               "--in-process", limit_s=200),
     ]),
