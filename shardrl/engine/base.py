@@ -255,7 +255,7 @@ class Engine(abc.ABC):
         weight = torch.empty(shape)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed + 1)
-            nn.init.normal_(weight, std=1.0 / math.sqrt(self.hf_config.hidden_size))
+            nn.init.normal_(weight, std=1.0 / math.sqrt(text_config(self.hf_config).hidden_size))
         return weight
 
     @torch.no_grad()

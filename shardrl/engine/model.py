@@ -335,7 +335,7 @@ class PolicyModel(nn.Module):
         self.lm = lm
         self.head = head
         self.chunk_size = chunk_size
-        self.value_head = nn.Linear(lm.config.hidden_size, 1, bias=True) if head == "value" else None
+        self.value_head = nn.Linear(text_config(lm.config).hidden_size, 1, bias=True) if head == "value" else None
         self.router_replay = RouterReplay(lm) if is_moe(lm.config) else None  # see `forward`'s routed_experts
         self.vision = is_vision_language(lm.config)
 

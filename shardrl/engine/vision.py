@@ -38,13 +38,13 @@ MULTI_MODAL_KEY = "multi_modal_inputs"
 def check_vision_engine(hf_config, head: str) -> None:
     """A ValueError for what the engine does not do with a vision-language model yet (said with the setting).
     (LoRA is built: its adapters go on the language model only, `engine.lora.inject_lora`; so is Ulysses,
-    `vision_sequence_piece`.)"""
+    `vision_sequence_piece`; so is a critic's value head, on the VL base's last hidden states.)"""
     if not is_vision_language(hf_config):
         return
-    name = hf_config.model_type
-    if head != "lm":
-        raise ValueError(f"a {head!r} head on the vision-language model {name!r} is not supported yet (critics and "
-                         "reward models with images are a later step of issue 61); the policy's 'lm' head is")
+    if head == "score":
+        raise ValueError(f"a reward model on the vision-language model {hf_config.model_type!r} is not supported yet "
+                         "(reward models with images are a later step of issue 61); give reward.model_path a text "
+                         "sequence classifier, or score with reward.function_path")
 
 
 def freeze_vision_tower(lm: nn.Module) -> int:
