@@ -97,6 +97,45 @@ def test_grpo_with_images_runs_and_its_first_step_is_invariant_to_the_micro_batc
             assert got[0][key] == pytest.approx(first[key], **tol), (name, key)
 
 
+# the critic's statistics of values and GAE returns (compared with an absolute tolerance too: a value near 0)
+VALUE_KEYS = tuple(f"critic/{name}/{stat}" for name in ("values", "returns", "advantages")
+                   for stat in ("mean", "max", "min")) + ("critic/vf_explained_var",)
+
+
+def test_ppo_with_images_runs_and_its_first_step_is_invariant_to_the_micro_batch_cut(assets, tmp_path):
+    """PPO (gae): a critic on the VL policy's folder (critic.model_path left to the policy's) runs the vision tower
+    and its value head on the rows' images; its metrics are finite, and the first step (the critic's values and
+    update too) does not depend on how the actor, reference and critic cut their micro-batches."""
+    roles = ("actor", "ref", "critic")
+    layouts = {"micro1": [f"{role}.engine.micro_batch_size_per_gpu=1" for role in roles],
+               "micro4": [f"{role}.engine.micro_batch_size_per_gpu=4" for role in roles],
+               "dynamic": [f"{role}.engine.{k}" for role in roles
+                           for k in ("use_dynamic_bsz=true", "max_token_len_per_gpu=40")]}
+    ppo = ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=2", "critic.optim.lr=1e-2",
+           "critic.engine.param_dtype=float32", "critic.engine.use_dynamic_bsz=false"]
+    runs = [overrides(assets, tmp_path / "micro1", "trainer.total_steps=2", *ppo, *layouts["micro1"])]
+    runs += [overrides(assets, tmp_path / name, "trainer.total_steps=1", *ppo, *layout) for name, layout in
+             layouts.items() if name != "micro1"]
+    records = run_distributed(_train_runs, 1, runs)
+    two_steps = records[0]
+    assert [r["step"] for r in two_steps] == [1, 2]
+    first = two_steps[0]
+    assert first["rollout/logprob_abs_diff_max"] < 1e-4 and first["prompt/length_mean"] > 8
+    for record in two_steps:
+        for key in ("critic/vf_loss", "critic/grad_norm", "critic/values/mean", "critic/returns/mean",
+                    "critic/vf_explained_var", "actor/pg_loss", "actor/grad_norm"):
+            assert math.isfinite(record[key]) and record[key] != 0.0, (record["step"], key)
+    assert two_steps[1]["critic/values/mean"] != first["critic/values/mean"]  # the critic's update moved it
+    assert records[1][0]["critic/num_micro_batches"] != first["critic/num_micro_batches"]
+    layout_keys = LAYOUT_KEYS + ("critic/num_micro_batches",)
+    compared = sorted(k for k in first if k not in layout_keys + CLOCK_KEYS and not k.startswith("timing/"))
+    assert set(VALUE_KEYS) <= set(compared)
+    for name, got in zip(["micro4", "dynamic"], records[1:]):
+        for key in compared:
+            tol = dict(abs=1e-5) if key in ROUNDING_KEYS else dict(rel=2e-5, abs=1e-6)
+            assert got[0][key] == pytest.approx(first[key], **tol), (name, key)
+
+
 def test_grpo_with_images_under_ulysses_equals_one_process(assets, tmp_path):
     """sp=2 on 2 processes is one data-parallel rank: the same rollouts, so the same step as 1 process; the actor and
     the reference run at sp=2, with budgets of 20 tokens per rank, 40 a micro-batch as with 1 process (a row's pieces
