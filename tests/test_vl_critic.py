@@ -1,7 +1,7 @@
 """A critic on a vision-language model (issue 61): the engine's `head="value"` runs the VL base (the vision tower, its
 features spliced at the placeholders, the decoder with M-RoPE positions) and a value head on its last hidden
-states. Its values equal a plain HF forward per row with its images times the head's weights, packed, padded and
-dynamic; the value loss's gradients (the tower's included) do not depend on the micro-batch cut or on 1 vs 2 FSDP2
+states. Its values equal a plain HF forward per row with its images times the head's weights, packed, padded,
+dynamic and under Ulysses (sp=2); the value loss's gradients (the tower's included) do not depend on the micro-batch cut or on 1 vs 2 FSDP2
 processes, and the head's gradient is the plain one. fp32 on CPU (gloo); Qwen2.5-VL and Qwen3-VL tiny configs.
 PPO (gae) end to end with images: tests/test_vl_train.py."""
 
@@ -84,11 +84,13 @@ def test_values_equal_hf_base_times_value_head(kind):
     layouts = [dict(micro_batch_size_per_gpu=2), dict(micro_batch_size_per_gpu=4, packed=False),
                dict(use_dynamic_bsz=True, max_token_len_per_gpu=40)]
     runs = [run_distributed(_values, 1, kind, layout) for layout in layouts]
+    # Ulysses sp=2: one data-parallel rank of two sequence pieces (an image's placeholders split between them)
+    runs.append(run_distributed(_values, 2, kind, dict(micro_batch_size_per_gpu=1, ulysses_sequence_parallel_size=2)))
     _, weight, bias, batch = runs[0]
     assert weight.abs().sum() > 0  # a random head (`_value_head_init`), not zeros
     reference = reference_values(hf_hidden_states(kind, batch), weight, bias, batch)
     width_p = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
-    for name, (values, w, _, _) in zip(["packed", "padded", "dynamic"], runs):
+    for name, (values, w, _, _) in zip(["packed", "padded", "dynamic", "sp2"], runs):
         torch.testing.assert_close(w, weight)
         for i, ref in enumerate(reference):
             got = values[i, width_p:width_p + ref.numel()]
