@@ -1,9 +1,9 @@
 """A critic on a vision-language model (issue 61): the engine's `head="value"` runs the VL base (the vision tower, its
 features spliced at the placeholders, the decoder with M-RoPE positions) and a value head on its last hidden
 states. Its values equal a plain HF forward per row with its images times the head's weights, packed, padded,
-dynamic and under Ulysses (sp=2); the value loss's gradients (the tower's included) do not depend on the micro-batch cut or on 1 vs 2 FSDP2
-processes, and the head's gradient is the plain one. fp32 on CPU (gloo); Qwen2.5-VL and Qwen3-VL tiny configs.
-PPO (gae) end to end with images: tests/test_vl_train.py."""
+dynamic and under Ulysses (sp=2); the value loss's gradients (the tower's included) do not depend on the
+micro-batch cut or on 1 vs 2 FSDP2 processes, and the head's gradient is the plain one. fp32 on CPU (gloo);
+Qwen2.5-VL and Qwen3-VL tiny configs. PPO (gae) end to end with images: tests/test_vl_train.py."""
 
 from __future__ import annotations
 
