@@ -138,3 +138,18 @@ def test_value_loss_gradients_invariant_to_micro_batch_cut_and_world(kind):
         returns = batch["returns"][i, width_p:width_p + v.numel()]
         want += ((v - returns)[:, None] * h[-v.numel() - 1:-1]).sum(0, keepdim=True) / num_tokens
     torch.testing.assert_close(one["value_head.weight"], want, atol=1e-5 * want.abs().max().item(), rtol=0)
+
+
+def _build_reward_model(kind: str) -> str:
+    try:
+        build_engine(ModelConfig(tiny=tiny_config(kind)), EngineConfig(param_dtype="float32"), head="score")
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+def test_a_reward_model_on_a_vision_language_model_is_refused_by_name():
+    """The score head (a reward model) is not built for a VL model: refused naming what to use instead."""
+    message = run_distributed(_build_reward_model, 1, "qwen2_5_vl")
+    assert message.startswith("a reward model on the vision-language model 'qwen2_5_vl' is not supported yet")
+    assert "reward.model_path" in message and "reward.function_path" in message
