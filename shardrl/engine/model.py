@@ -387,7 +387,7 @@ class PolicyModel(nn.Module):
             if score_from is not None and self.head == "lm":  # (B, T, k) -> the responses' columns
                 for name in ("top_k_ids", "top_k_log_probs", "distill_log_probs"):
                     if name in outputs:
-                        outputs[name] = outputs[name][:, score_from:]
+                        outputs[name] = outputs[name][:, score_from:].clone()  # (not a view: FSDP2's hooks)
             if "top_k_ids" in outputs:
                 outputs["top_k_ids"] = outputs["top_k_ids"].int()
             if aux:
