@@ -217,3 +217,17 @@ def test_top_k_without_opd_is_named_as_ignored():
     cfg = load_config(None, ["model.tiny={model_type: qwen2}", "algorithm.opd.top_k=8"])
     assert any(line.startswith("algorithm.opd.top_k=8 is set but algorithm.adv_estimator=grpo: no distillation runs")
                for line in cfg.ignored_settings())
+
+
+def test_plan_counts_the_teachers_top_k(models, capsys):
+    from shardrl.cli import main
+
+    student, teacher, _ = models
+    args = ["plan", f"model.path={student}", "algorithm.adv_estimator=opd", f"teacher.model_path={teacher}",
+            "data.train_batch_size=8", "rollout.n=4", "rollout.max_new_tokens=64", "--json"]
+    assert main(args) == 0
+    assert "teacher top-k" not in {i["name"] for i in json.loads(capsys.readouterr().out)["memory"]["phases"]["prep"]
+                                   ["items"]}
+    assert main(args[:-1] + ["algorithm.opd.top_k=16", "--json"]) == 0
+    items = {i["name"]: i for i in json.loads(capsys.readouterr().out)["memory"]["phases"]["prep"]["items"]}
+    assert items["teacher top-k"]["gib"] * 2**30 == 32 * 64 * 16 * 8  # 32 samples x 64 tokens x 16 x (id, log-prob)

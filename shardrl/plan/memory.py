@@ -390,6 +390,11 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
         prep += vision_terms(numbers, *images, compute, train=False)
     if teacher_prep is not None:  # the passes run one after another: the larger model's counts
         prep = [max([*prep, teacher_prep], key=lambda t: t[1])]
+        k = cfg.algorithm.opd.top_k
+        if k:  # the teacher's top-k of every response token of the rank, gathered on the GPU as its pass returns
+            prep.append(("teacher top-k", layout.samples_per_rank * layout.max_new_tokens * k * 8,
+                         f"{layout.samples_per_rank} samples x {layout.max_new_tokens} response tokens x {k} "
+                         "(algorithm.opd.top_k) x (4 B id + 4 B log-prob)"))
 
     update = _update_terms("actor", actor, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing,
                            images)
