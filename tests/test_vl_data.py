@@ -76,10 +76,11 @@ def test_bad_images_are_refused_naming_the_row_or_dropped_and_counted(processor,
     path = str(tmp_path / "rows.parquet")
     write_parquet(path, rows)
     with pytest.raises(ValueError, match=r"rows.parquet: row 2: image 1 cannot be read \(UnidentifiedImageError.*set "
-                                         r"bad_images=drop"):
+                                         r"data.bad_images=drop"):
         load_image_prompts([path], processor, ImageSettings())
     write_parquet(path, [rows[0], rows[2]])
-    with pytest.raises(ValueError, match=r"row 2: image 1 is 300x300 = 90000 pixels, more than max_image_pixels=10000"):
+    with pytest.raises(ValueError, match=r"row 2: image 1 is 300x300 = 90000 pixels, more than "
+                                         r"data.max_image_pixels=10000"):
         load_image_prompts([path], processor, ImageSettings(max_image_pixels=10_000))
     write_parquet(path, [rows[0], rows[3]])
     with pytest.raises(ValueError, match=r"row 2: the messages place 2 image\(s\) .* but the row has 1"):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from shardrl.data.chat import ChatDataset, load_rows, row_messages, tokenize_chat
-from shardrl.data.images import (BadImage, ImageSettings, _resize_range, checked_messages, image_messages,
+from shardrl.data.images import (BadImage, ImageSettings, _resize_range, checked_messages, placed_images,
                                  row_images)
 
 
@@ -92,7 +92,7 @@ def tokenize_image_chat(processor, settings: ImageSettings, folder: str, row, ke
         raise ValueError(f"a row must be an object, got {type(row).__name__}")
     messages, train_from, names = _chat(row, keys)
     images = row_images(row, settings, folder)
-    messages = image_messages(checked_messages(messages, keys[0]), len(images))
+    messages = placed_images(checked_messages(messages, keys[0]), row, len(images), settings)
     ids, mask = tokenize_chat(ProcessorChat(processor), messages, train_from, names)
     inputs = None
     if images:

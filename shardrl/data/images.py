@@ -56,30 +56,49 @@ class BadImage(ValueError):
     """What is wrong with one of a row's images (the caller adds the file and row)."""
 
 
-def load_image(value, folder: str = "."):
+def load_image(value, folder: str = ".", max_image_pixels: int | None = None):
     """A PIL RGB image from a row's entry: a PIL image, raw bytes, {"bytes": ...}, {"path": ...} / {"image": ...},
-    or a path (relative paths against `folder`, the data file's; a file:// prefix is dropped)."""
+    or a path (relative paths against `folder`, the data file's; a file:// prefix is dropped). An image of more
+    raw pixels than `max_image_pixels` is a `BadImage`, said from its header before it is decoded."""
     from PIL import Image
 
-    if isinstance(value, Image.Image):
-        return value.convert("RGB")
     if isinstance(value, dict):
         data = value.get("bytes")
         value = data if data is not None else value.get("path") or value.get("image")
     try:
-        if isinstance(value, (bytes, bytearray)):
+        if isinstance(value, Image.Image):
+            image = value
+        elif isinstance(value, (bytes, bytearray)):
             image = Image.open(io.BytesIO(value))
         elif isinstance(value, str):
             path = value[len("file://"):] if value.startswith("file://") else value
+            if not os.path.isabs(path) and not os.path.exists(os.path.join(folder, path)):
+                raise BadImage(f"cannot be read: no file {os.path.join(folder, path)!r} (a relative path is read "
+                               f"from the data file's folder, {folder!r}, not the working directory)")
             image = Image.open(path if os.path.isabs(path) else os.path.join(folder, path))
         else:
             raise BadImage(f"is {_short_repr(value)}, not image bytes, a path, or a dict of one")
+        if max_image_pixels and image.width * image.height > max_image_pixels:
+            raise BadImage(f"is {image.width}x{image.height} = {image.width * image.height} pixels, more than "
+                           f"data.max_image_pixels={max_image_pixels}")
         image.load()
     except BadImage:
         raise
     except (OSError, ValueError, Image.DecompressionBombError) as e:  # (PIL's UnidentifiedImageError is an OSError)
         raise BadImage(f"cannot be read ({type(e).__name__}: {e})") from None
-    return image.convert("RGB")
+    return as_rgb(image)
+
+
+def as_rgb(image):
+    """`image` in RGB, a transparent part on white: what transformers' `convert_to_rgb` (the Qwen-VL image
+    processors' do_convert_rgb) and verl's qwen_vl_utils make of it. PIL's own convert("RGB") drops the alpha and
+    keeps the colour under it, often black: a drawing on a transparent background would turn all black."""
+    from PIL import Image
+
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
 def image_messages(messages: list[dict], num_images: int) -> list[dict]:
@@ -153,14 +172,22 @@ def row_images(row: dict, settings: ImageSettings, folder: str) -> list:
     images = []
     for k, value in enumerate(values, start=1):
         try:
-            image = load_image(value, folder)
+            images.append(load_image(value, folder, settings.max_image_pixels))
         except BadImage as e:
             raise BadImage(f"image {k} {e}") from None
-        if settings.max_image_pixels and image.width * image.height > settings.max_image_pixels:
-            raise BadImage(f"image {k} is {image.width}x{image.height} = {image.width * image.height} pixels, more "
-                           f"than max_image_pixels={settings.max_image_pixels}")
-        images.append(image)
     return images
+
+
+def placed_images(messages: list[dict], row: dict, num_images: int, settings: ImageSettings) -> list[dict]:
+    """`image_messages`, its count error naming `settings.image_key` where the row has no such column (a
+    mistyped data.image_key makes every row's images go missing)."""
+    try:
+        return image_messages(messages, num_images)
+    except BadImage as e:
+        if settings.image_key in row:
+            raise
+        raise BadImage(f"{e}: it has no {settings.image_key!r} column (data.image_key); its columns are "
+                       f"{sorted(row)}") from None
 
 
 def load_image_prompts(files: list[str], processor, settings: ImageSettings, prompt_key: str = "prompt",
@@ -174,7 +201,7 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
     pixels."""
     if settings.bad_images not in ("error", "drop"):
         raise ValueError(f"bad_images={settings.bad_images!r}: choose 'error' or 'drop'")
-    items, dropped, too_long = [], 0, 0
+    items, dropped, too_long, shortest_too_long = [], 0, 0, None
     for path in files:
         folder = os.path.dirname(os.path.abspath(path))
         for number, row in read_rows(path):
@@ -185,11 +212,11 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             try:
                 images = row_images(row, settings, folder)
-                messages = image_messages(checked_messages(messages, prompt_key), len(images))
+                messages = placed_images(checked_messages(messages, prompt_key), row, len(images), settings)
             except BadImage as e:
                 if settings.bad_images == "error":
-                    raise ValueError(f"{path}: row {number}: {e}; fix the row, or set bad_images=drop to leave such "
-                                     "rows out (counted)") from None
+                    raise ValueError(f"{path}: row {number}: {e}; fix the row, or set data.bad_images=drop to leave "
+                                     "such rows out (counted)") from None
                 dropped += 1
                 continue
             item = process_images(processor, messages, images, settings)
@@ -200,6 +227,7 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
                                      "with images is not cut (its placeholders must match its pixels): raise "
                                      "data.max_prompt_length, lower data.max_pixels, or set data.truncation=drop")
                 too_long += 1
+                shortest_too_long = min(shortest_too_long or len(item["prompt_ids"]), len(item["prompt_ids"]))
                 continue
             data_source = row.get("data_source")
             extra = {k: v for k, v in _extra_fields(row, prompt_key).items() if k != settings.image_key}
@@ -207,6 +235,11 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
                           "extra": extra, "image_names": image_names(row, settings), "index": len(items)})
     if dropped:
         logger.warning("dropped %d row(s) with a bad image (bad_images=drop) of %d", dropped, dropped + len(items))
+    if too_long and not items:
+        raise ValueError(f"no usable prompts in {files}: every one is longer than max_prompt_length="
+                         f"{max_prompt_length} with its images' placeholders, the shortest {shortest_too_long} "
+                         f"tokens{f' ({dropped} more dropped for a bad image)' if dropped else ''}; raise "
+                         "data.max_prompt_length, or lower data.max_pixels (fewer placeholders an image)")
     if too_long:
         logger.warning("dropped %d row(s) longer than max_prompt_length=%s tokens with their images", too_long,
                        max_prompt_length)

@@ -1,0 +1,103 @@
+"""What users get wrong with image rows (issue 61), and what they are told: a transparent image is put on white as
+the processor and verl put it, a mistyped data.image_key or a relative path that is not there is said as such, an
+image over data.max_image_pixels is refused from its header, prompts all too long with their images name the fix,
+a text model (policy, critic or SFT) given image rows is refused instead of training on their text alone."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from shardrl.data.image_chat import load_image_chat_dataset
+from shardrl.data.images import ImageSettings, load_image_prompts
+from shardrl.engine.model import load_hf_config
+from shardrl.testing import tiny_config, tiny_vl_processor
+
+PROMPT = [{"role": "user", "content": "<image>color?"}]
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return tiny_vl_processor(load_hf_config(None, tiny_config("qwen2_5_vl")))
+
+
+def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def write_parquet(path, rows) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+
+def test_transparent_images_are_put_on_white_as_the_processor_puts_them(processor, tmp_path):
+    """A red square on a transparent (black under the alpha) background, as RGBA, LA and palette PNGs: the rows'
+    pixels are the processor's own of the image as given (transformers composites it on white); PIL's plain
+    convert("RGB") would keep the black under the alpha."""
+    rgba = Image.new("RGBA", (56, 56), (0, 0, 0, 0))
+    rgba.paste((220, 20, 20, 255), (14, 14, 42, 42))
+    gray = Image.new("LA", (56, 56), (0, 0))
+    gray.paste((90, 255), (14, 14, 42, 42))
+    palette = rgba.convert("RGB").quantize(colors=4)
+    palette.info["transparency"] = palette.getpixel((0, 0))  # the background's index
+    opaque = Image.new("RGB", (56, 56), (30, 200, 30))
+    images = {"rgba": rgba, "la": gray, "palette": palette, "gray": opaque.convert("L"), "jpeg": opaque}
+    rows = [{"prompt": PROMPT, "images": [{"bytes": encoded(image, "JPEG" if name == "jpeg" else "PNG")}]}
+            for name, image in images.items()]
+    items, _ = load_image_prompts([write_parquet(tmp_path / "rows.parquet", rows)], processor, ImageSettings())
+    for (name, image), item in zip(images.items(), items):
+        given = Image.open(io.BytesIO(encoded(image, "JPEG" if name == "jpeg" else "PNG")))
+        expected = processor.image_processor(images=[given], return_tensors="pt")["pixel_values"]
+        assert torch.equal(item["multi_modal_inputs"]["pixel_values"], expected), name
+    # the transparent background is white, not black: the mean pixel is brighter than the opaque red square's
+    white = processor.image_processor(images=[Image.new("RGB", (56, 56), "white")], return_tensors="pt")
+    corner = items[0]["multi_modal_inputs"]["pixel_values"][0]  # the first patch: the top-left corner, background
+    assert torch.allclose(corner, white["pixel_values"][0])
+
+
+def test_a_missing_image_column_and_a_missing_relative_path_are_said_as_such(processor, tmp_path):
+    (tmp_path / "red.png").write_bytes(encoded(Image.new("RGB", (28, 28), "red")))
+    path = write_parquet(tmp_path / "rows.parquet", [{"prompt": PROMPT, "images": [{"path": "red.png"}]}])
+    with pytest.raises(ValueError, match=r"row 1: the messages place 1 image\(s\) .* but the row has 0: it has "
+                                         r"no 'pictures' column \(data.image_key\); its columns are "
+                                         r"\['images', 'prompt'\]"):
+        load_image_prompts([path], processor, ImageSettings(image_key="pictures"))
+    sft = write_parquet(tmp_path / "sft.parquet", [{"prompt": "<image>a", "response": "b", "images": ["red.png"]}])
+    with pytest.raises(ValueError, match=r"no 'pictures' column \(data.image_key\)"):
+        load_image_chat_dataset([sft], processor, ImageSettings(image_key="pictures"), max_length=200)
+    # a path relative to the working directory, not to the data file's folder
+    (tmp_path / "data").mkdir()
+    moved = write_parquet(tmp_path / "data" / "rows.parquet", [{"prompt": PROMPT, "images": ["red.png"]}])
+    with pytest.raises(ValueError, match=r"row 1: image 1 cannot be read: no file '.*/data/red.png' \(a relative "
+                                         r"path is read from the data file's folder, '.*/data', not the working"):
+        load_image_prompts([moved], processor, ImageSettings())
+
+
+def test_an_image_over_max_image_pixels_is_refused_from_its_header(processor, tmp_path):
+    """A 3000 x 3000 PNG cut short: its header says its size, so it is refused as too large before any decode (a
+    decode of the whole image first would fail as truncated, or hold its pixels)."""
+    big = encoded(Image.new("RGB", (3000, 3000), "blue"))
+    rows = [{"prompt": PROMPT, "images": [{"bytes": big[:2000]}]}]
+    path = write_parquet(tmp_path / "rows.parquet", rows)
+    with pytest.raises(ValueError, match=r"row 1: image 1 is 3000x3000 = 9000000 pixels, more than "
+                                         r"data.max_image_pixels=1000000; fix the row, or set data.bad_images=drop"):
+        load_image_prompts([path], processor, ImageSettings(max_image_pixels=1_000_000))
+
+
+def test_prompts_all_too_long_with_their_images_name_the_shortest_and_the_fix(processor, tmp_path):
+    rows = [{"prompt": PROMPT, "images": [{"bytes": encoded(Image.new("RGB", (56, 56), "red"))}]}] * 2
+    path = write_parquet(tmp_path / "rows.parquet", rows)
+    length = len(load_image_prompts([path], processor, ImageSettings())[0][0]["prompt_ids"])
+    with pytest.raises(ValueError, match=rf"every one is longer than max_prompt_length=8 with its images' "
+                                         rf"placeholders, the shortest {length} tokens; raise data.max_prompt_length, "
+                                         r"or lower data.max_pixels"):
+        load_image_prompts([path], processor, ImageSettings(), max_prompt_length=8)
