@@ -101,3 +101,31 @@ def test_prompts_all_too_long_with_their_images_name_the_shortest_and_the_fix(pr
                                          rf"placeholders, the shortest {length} tokens; raise data.max_prompt_length, "
                                          r"or lower data.max_pixels"):
         load_image_prompts([path], processor, ImageSettings(), max_prompt_length=8)
+
+
+def test_sft_image_rows_cut_through_their_placeholders_say_so(processor, tmp_path):
+    row = {"prompt": "<image>a", "response": "bbbb", "images": [{"bytes": encoded(Image.new("RGB", (56, 56)))}]}
+    path = write_parquet(tmp_path / "rows.parquet", [row])
+    full = load_image_chat_dataset([path], processor, ImageSettings(), max_length=200).items[0]
+    keep, length = full["keep_length"], len(full["input_ids"])
+    with pytest.raises(ValueError, match=rf"row 1 has {length} tokens, more than data.max_length=4; raise it, or its "
+                                         rf"images' placeholders end at token {keep}, so no right cut keeps them"):
+        load_image_chat_dataset([path], processor, ImageSettings(), max_length=4)
+    with pytest.raises(ValueError, match=rf"no usable rows .*: 1 row\(s\) longer than data.max_length=4 "
+                                         rf"\(truncation=right cuts .* nor through its images' placeholders\), the "
+                                         rf"shortest {length}"):
+        load_image_chat_dataset([path], processor, ImageSettings(), max_length=4, truncation="right")
+
+
+def test_sft_of_a_text_model_given_image_rows_is_refused_not_trained_on_their_text(tmp_path):
+    from shardrl.data.chat import load_chat_dataset
+    from shardrl.testing import save_char_model
+
+    tokenizer = save_char_model(tmp_path / "text")
+    image = {"bytes": encoded(Image.new("RGB", (28, 28), "red"))}
+    rows = write_parquet(tmp_path / "sft.parquet", [{"prompt": "a", "response": "b", "images": [image]}])
+    with pytest.raises(ValueError, match=r"sft.parquet: row 1: the row has images .* but the model is a text model"):
+        load_chat_dataset([rows], tokenizer, 200, skip_bad_rows=True, image_key="images")  # (not dropped as bad)
+    # rows whose image column is empty are text rows
+    empty = write_parquet(tmp_path / "empty.parquet", [{"prompt": "a", "response": "b", "images": []}])
+    assert len(load_chat_dataset([empty], tokenizer, 200, image_key="images")) == 1

@@ -13,7 +13,8 @@ class ImageDataConfig:
     image_key: str = "images"
     """A vision-language model's rows: the column holding each row's images (verl's data.image_key), a list of
     {"bytes"} / {"path"} dicts, paths or bytes, one per `<image>` placeholder (or {"type": "image"} part) of the
-    row's messages (`shardrl.data.images`). A text model reads no images."""
+    row's messages (`shardrl.data.images`). A text model refuses rows with images there (it would see their text
+    alone)."""
     min_pixels: int | None = None
     """A vision-language model's processor resizes smaller images up to this many pixels; null: the processor's."""
     max_pixels: int | None = None

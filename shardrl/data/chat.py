@@ -66,7 +66,12 @@ class ChatDataset:
         return self.items[i]
 
 
-class MissingTemplate(ValueError):
+class SettingProblem(ValueError):
+    """What no row of the file would do with the run's settings: it stops the load naming the row, never dropped
+    as a bad row (data.skip_bad_rows)."""
+
+
+class MissingTemplate(SettingProblem):
     """Chat rows and a tokenizer without a chat template, or with one that fails on every chat: a setting to fix,
     not a row to drop."""
 
@@ -365,11 +370,20 @@ SEQUENCES = {"sft": (("input_ids", "loss_mask"),),
 
 def load_chat_dataset(files: list[str], tokenizer, max_length: int, truncation: str = "error",
                       skip_bad_rows: bool = False, messages_key: str = "messages", prompt_key: str = "prompt",
-                      response_key: str | None = None) -> ChatDataset:
+                      response_key: str | None = None, image_key: str | None = None) -> ChatDataset:
     """Every row of `files` (JSONL, JSON or Parquet) tokenized; `truncation` of a row over `max_length`:
-    "error", "drop" (counted), or "right" (cut at max_length; it keeps its first assistant tokens)."""
-    return load_rows(files, lambda _: partial(_tokenize_sft, tokenizer), (messages_key, prompt_key, response_key),
-                     "sft", max_length, truncation, skip_bad_rows)
+    "error", "drop" (counted), or "right" (cut at max_length; it keeps its first assistant tokens). `image_key`:
+    a text model's image column (data.image_key); a row with images there is refused, not trained as its text
+    alone."""
+    def tokenize(row, keys):
+        images = row.get(image_key) if image_key and isinstance(row, dict) else None
+        if images is not None and (not isinstance(images, (list, tuple)) or len(images)):
+            raise SettingProblem(f"the row has images (its {image_key!r} column, data.image_key) but the model is a "
+                                 "text model: it would train on the text alone. Use a vision-language model (Qwen2-VL, "
+                                 "Qwen2.5-VL, Qwen3-VL) with its processor, or drop the column from the rows")
+        return _tokenize_sft(tokenizer, row, keys)
+    return load_rows(files, lambda _: tokenize, (messages_key, prompt_key, response_key), "sft", max_length,
+                     truncation, skip_bad_rows)
 
 
 def load_preference_dataset(files: list[str], tokenizer, max_length: int, truncation: str = "error",
@@ -415,6 +429,7 @@ def load_rows(files: list[str], reader: Callable[[str], Callable], keys: tuple, 
     image row's relative paths are the file's folder's), bad and over-long rows counted (see the module doc). An
     item with `keep_length` (its image placeholders' end) is not cut shorter: it is dropped instead."""
     items, stats = [], {"rows": 0, "bad": 0, "too_long": 0, "truncated": 0, "loss_tokens": 0}
+    shortest = None  # of the rows dropped as too long
     for path in files:
         tokenize_row = reader(path)
         rows = [(number, with_nested_columns(row, keys)) for number, row in read_rows(path, keep_bad_lines=True)]
@@ -425,7 +440,7 @@ def load_rows(files: list[str], reader: Callable[[str], Callable], keys: tuple, 
                 if isinstance(row, UnreadableRow):
                     raise ValueError(row.problem)
                 item = tokenize_row(row, keys)
-            except MissingTemplate as e:  # the tokenizer's, not the row's: no row of the file would do
+            except SettingProblem as e:  # the tokenizer's, not the row's: no row of the file would do
                 raise ValueError(f"{path}: row {number}: {e}") from None
             except ValueError as e:
                 stats["bad"] += 1
@@ -436,18 +451,29 @@ def load_rows(files: list[str], reader: Callable[[str], Callable], keys: tuple, 
                 continue
             longest = max(len(item[ids]) for ids, _ in SEQUENCES[kind])
             if longest > max_length:
+                keep = item.get("keep_length", 0)  # an image row's placeholders end there: no cut before it
                 if truncation == "error":
+                    fix = ("set data.truncation to drop or right" if keep <= max_length else
+                           f"its images' placeholders end at token {keep}, so no right cut keeps them: lower "
+                           "data.max_pixels, or set data.truncation=drop")
                     raise ValueError(f"{path}: row {number} has {longest} tokens, more than data.max_length="
-                                     f"{max_length}; raise it, or set data.truncation to drop or right")
+                                     f"{max_length}; raise it, or {fix}")
                 if truncation == "drop" or not all(any(item[m][:max_length]) for _, m in SEQUENCES[kind]) \
-                        or item.get("keep_length", 0) > max_length:
+                        or keep > max_length:
                     stats["too_long"] += 1
+                    shortest = min(shortest or longest, longest)
                     continue
                 for ids, m in SEQUENCES[kind]:
                     item[ids], item[m] = item[ids][:max_length], item[m][:max_length]
                 stats["truncated"] += 1
             stats["loss_tokens"] += sum(sum(item[m]) for _, m in SEQUENCES[kind])
             items.append({**item, "index": len(items)})
+    if not items and stats["too_long"]:
+        right = (" (truncation=right cuts no row before its first loss token, nor through its images' "
+                 "placeholders)" if truncation == "right" else "")
+        raise ValueError(f"no usable rows in {files}: {stats['too_long']} row(s) longer than data.max_length="
+                         f"{max_length}{right}, the shortest {shortest} tokens, and {stats['bad']} bad; raise "
+                         f"data.max_length (stats: {stats})")
     if not items:
         raise ValueError(f"no usable rows in {files} (stats: {stats})")
     log.info("loaded %d %s from %d file(s): %d rows, %d bad, %d too long, %d truncated; %d loss tokens",

@@ -40,7 +40,7 @@ class SFTTrainer(OfflineTrainer):
             return load_image_chat_dataset(files, self.processor, settings, d.max_length, d.truncation,
                                            d.skip_bad_rows, d.messages_key, d.prompt_key, d.response_key)
         return load_chat_dataset(files, self.tokenizer, d.max_length, d.truncation, d.skip_bad_rows,
-                                 d.messages_key, d.prompt_key, d.response_key)
+                                 d.messages_key, d.prompt_key, d.response_key, d.image_key)
 
     def collate(self, items):
         return collate_chats(items, self.pad_id)
