@@ -38,7 +38,6 @@ def write_parquet(path, rows) -> str:
     return str(path)
 
 
-
 def test_transparent_images_are_put_on_white_as_the_processor_puts_them(processor, tmp_path):
     """A red square on a transparent (black under the alpha) background, as RGBA, LA and palette PNGs: the rows'
     pixels are the processor's own of the image as given (transformers composites it on white); PIL's plain
@@ -117,6 +116,21 @@ def test_sft_image_rows_cut_through_their_placeholders_say_so(processor, tmp_pat
         load_image_chat_dataset([path], processor, ImageSettings(), max_length=4, truncation="right")
 
 
+def test_a_text_model_given_image_rows_is_refused_not_trained_on_their_text(tmp_path):
+    from shardrl.config.registry import load_config
+    from shardrl.testing import save_char_model
+    from shardrl.trainer.datasets import load_datasets
+
+    tokenizer = save_char_model(tmp_path / "text")
+    image = {"bytes": encoded(Image.new("RGB", (28, 28), "red"))}
+    rows = write_parquet(tmp_path / "rows.parquet", [{"prompt": PROMPT, "images": []}, {"prompt": PROMPT,
+                                                                                       "images": [image]}])
+    cfg = load_config(None, [f"model.path={tmp_path / 'text'}", f"data.train_files=[{rows}]"])
+    with pytest.raises(ValueError, match=r"prompt 2 has images \(its 'images' column, data.image_key\) but model.path="
+                                         r".* \('qwen2'\) is a text model"):
+        load_datasets(cfg, tokenizer, load_hf_config(str(tmp_path / "text"), None))
+
+
 def test_sft_of_a_text_model_given_image_rows_is_refused_not_trained_on_their_text(tmp_path):
     from shardrl.data.chat import load_chat_dataset
     from shardrl.testing import save_char_model
@@ -129,3 +143,19 @@ def test_sft_of_a_text_model_given_image_rows_is_refused_not_trained_on_their_te
     # rows whose image column is empty are text rows
     empty = write_parquet(tmp_path / "empty.parquet", [{"prompt": "a", "response": "b", "images": []}])
     assert len(load_chat_dataset([empty], tokenizer, 200, image_key="images")) == 1
+
+
+def test_a_text_critic_on_a_vision_language_policy_is_refused(tmp_path):
+    from shardrl.config.registry import load_config
+    from shardrl.testing import _save_qwen2, save_tiny_vl_model
+    from shardrl.trainer.datasets import check_vision_run
+
+    processor = save_tiny_vl_model(tmp_path / "vl")
+    _save_qwen2(tmp_path / "text", processor.tokenizer, 0, {})  # the policy's vocabulary: only its kind differs
+    base = [f"model.path={tmp_path / 'vl'}", "algorithm.adv_estimator=gae"]
+    policy = load_hf_config(str(tmp_path / "vl"), None)
+    with pytest.raises(ValueError, match=r"critic.model_path=.* is a text model \('qwen2'\) but the policy "
+                                         r"'qwen2_5_vl' reads images"):
+        check_vision_run(load_config(None, [*base, f"critic.model_path={tmp_path / 'text'}"]), policy)
+    check_vision_run(load_config(None, base), policy)  # unset: the critic is the policy's VL model
+    check_vision_run(load_config(None, [*base, f"critic.model_path={tmp_path / 'vl'}"]), policy)

@@ -7,8 +7,10 @@ from shardrl.config.schema import Config
 from shardrl.data.images import ImageSettings, load_image_dataset, load_processor
 from shardrl.data.prompts import InMemoryRows, load_prompt_dataset
 from shardrl.data.reasoning_gym import reasoning_gym_rows
+from shardrl.engine.model import load_hf_config
 from shardrl.models.families import check_supported
 from shardrl.models.vision import is_vision_language, refuse_vision_language
+from shardrl.plan.step_plan import StepPlan
 from shardrl.rollout.episodes.interactions import prompt_tool_schemas
 
 
@@ -35,13 +37,29 @@ def load_datasets(cfg: Config, tokenizer, hf_config=None, with_val: bool = True)
             return [InMemoryRows(f"{env} ({split})", rows)] if rows else []
         return [InMemoryRows(f"reasoning_gym:{split}:{','.join(rg.tasks)}", reasoning_gym_rows(rg, split))]
 
-    train = load(generated("train") if rg.tasks or env else d.train_files)
+    train = refuse_images(load(generated("train") if rg.tasks or env else d.train_files), cfg, hf_config)
     if not with_val:
         return train, None
     if d.val_files or (rg.tasks and rg.val_size):
-        return train, load(d.val_files or generated("val"))
+        return train, refuse_images(load(d.val_files or generated("val")), cfg, hf_config)
     val = generated("val") if env else []
     return train, (load(val) if val else None)
+
+
+def refuse_images(dataset, cfg: Config, hf_config):
+    """`dataset`, or a ValueError where a text model's rows hold images (`data.image_key`): the model would train on
+    the prompts' text alone, their `<image>` placeholders read as plain words."""
+    key = cfg.data.image_key
+    for item in dataset.items:
+        images = item["extra"].get(key)
+        if images is not None and (not isinstance(images, (list, tuple)) or len(images)):
+            model = f"model.path={cfg.model.path!r}" if cfg.model.path else "model.tiny"
+            kind = f" ({hf_config.model_type!r})" if hf_config is not None else ""
+            raise ValueError(f"{dataset.files}: prompt {item['index'] + 1} has images (its {key!r} column, "
+                             f"data.image_key) but {model}{kind} is a text model: it would see the prompts' text "
+                             "alone. Use a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) with its processor, "
+                             "or drop the column from the rows")
+    return dataset
 
 
 def _image_datasets(cfg: Config, tokenizer, hf_config, with_val: bool) -> tuple[list, list | None]:
@@ -82,3 +100,13 @@ def check_vision_run(cfg: Config, hf_config) -> None:
         refuse_vision_language(hf_config, "rollout.multi_turn / rollout.agent", "episodes")
     if cfg.async_rl.rollout_ranks:
         refuse_vision_language(hf_config, f"async_rl.rollout_ranks={cfg.async_rl.rollout_ranks}", "disaggregated")
+    plan = StepPlan.from_config(cfg)
+    readers = [("critic.model_path", cfg.critic.model_path)] if plan.needs_critic and cfg.critic.model_path else []
+    readers += [(cfg.teacher.key(path), path) for path in cfg.teacher.paths()] if plan.uses_teacher else []
+    for key, path in readers:  # a text model reads the policy's rows without their images
+        other = load_hf_config(path, None, cfg.model.trust_remote_code, key=key)
+        if not is_vision_language(other):
+            unset = " (or leave it unset: the critic starts from the policy's)" if key.startswith("critic") else ""
+            raise ValueError(f"{key}={path!r} is a text model ({other.model_type!r}) but the policy {name!r} reads "
+                             f"images: it would score the rows' image placeholders without their pixels. Point {key} "
+                             f"at a vision-language model{unset}")
