@@ -66,8 +66,8 @@ def test_transparent_images_are_put_on_white_as_the_processor_puts_them(processo
 def test_a_missing_image_column_and_a_missing_relative_path_are_said_as_such(processor, tmp_path):
     (tmp_path / "red.png").write_bytes(encoded(Image.new("RGB", (28, 28), "red")))
     path = write_parquet(tmp_path / "rows.parquet", [{"prompt": PROMPT, "images": [{"path": "red.png"}]}])
-    with pytest.raises(ValueError, match=r"row 1: the messages place 1 image\(s\) .* but the row has 0: it has "
-                                         r"no 'pictures' column \(data.image_key\); its columns are "
+    with pytest.raises(ValueError, match=r"row 1: the messages place 1 image\(s\) .* but the row has 0; the row "
+                                         r"has no 'pictures' column \(data.image_key\); its columns are "
                                          r"\['images', 'prompt'\]"):
         load_image_prompts([path], processor, ImageSettings(image_key="pictures"))
     sft = write_parquet(tmp_path / "sft.parquet", [{"prompt": "<image>a", "response": "b", "images": ["red.png"]}])
@@ -79,6 +79,36 @@ def test_a_missing_image_column_and_a_missing_relative_path_are_said_as_such(pro
     with pytest.raises(ValueError, match=r"row 1: image 1 cannot be read: no file '.*/data/red.png' \(a relative "
                                          r"path is read from the data file's folder, '.*/data', not the working"):
         load_image_prompts([moved], processor, ImageSettings())
+
+
+def test_images_given_as_data_uris_urls_or_inside_their_parts(processor, tmp_path):
+    """A data URI (OpenAI's image_url form) is read; a URL, an image inside its content part (as HF chat templates
+    take it) and a literal placeholder token in the text are refused naming the row and what to do; an OpenAI
+    {"type": "image_url"} part counts as a placeholder (the Qwen-VL templates render it as one)."""
+    import base64
+    import json
+
+    red = encoded(Image.new("RGB", (28, 28), "red"))
+    uri = "data:image/png;base64," + base64.b64encode(red).decode()
+    plain = write_parquet(tmp_path / "plain.parquet", [{"prompt": PROMPT, "images": [{"bytes": red}]}])
+    expected = load_image_prompts([plain], processor, ImageSettings())[0][0]["multi_modal_inputs"]["pixel_values"]
+
+    def load(row):
+        path = tmp_path / "row.jsonl"
+        path.write_text(json.dumps(row) + "\n")
+        return load_image_prompts([str(path)], processor, ImageSettings())[0]
+
+    assert torch.equal(load({"prompt": PROMPT, "images": [uri]})[0]["multi_modal_inputs"]["pixel_values"], expected)
+    with pytest.raises(ValueError, match=r"row 1: image 1 is a URL \('https://example.com/cat.png'\): images are not "
+                                         r"downloaded"):
+        load({"prompt": PROMPT, "images": ["https://example.com/cat.png"]})
+    for part in ({"type": "image", "image": uri}, {"type": "image_url", "image_url": {"url": uri}}):
+        with pytest.raises(ValueError, match=r"row 1: the messages place 1 image\(s\) .* but the row has 0; an image "
+                                             r"inside its part .* is not read"):
+            load({"prompt": [{"role": "user", "content": [part, {"type": "text", "text": "color?"}]}]})
+    with pytest.raises(ValueError, match=r"row.jsonl: row 1: the processor refuses it: Found 1 <\|image_pad\|> "
+                                         r"tokens"):
+        load({"prompt": [{"role": "user", "content": "<|image_pad|>color?"}]})
 
 
 def test_an_image_over_max_image_pixels_is_refused_from_its_header(processor, tmp_path):

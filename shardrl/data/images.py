@@ -21,6 +21,7 @@ with broken images is usually a preprocessing bug worth seeing), or its row is d
 
 from __future__ import annotations
 
+import base64
 import io
 import logging
 import os
@@ -70,11 +71,20 @@ def load_image(value, folder: str = ".", max_image_pixels: int | None = None):
             image = value
         elif isinstance(value, (bytes, bytearray)):
             image = Image.open(io.BytesIO(value))
+        elif isinstance(value, str) and value.startswith("data:"):  # a data URI (OpenAI's image_url form)
+            header, _, data = value.partition(",")
+            if not header.endswith(";base64"):
+                raise BadImage(f"is a data URI without base64 data ({_short_repr(value)})")
+            image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+        elif isinstance(value, str) and value.startswith(("http://", "https://")):
+            raise BadImage(f"is a URL ({_short_repr(value)}): images are not downloaded; save it and give its path "
+                           "or its bytes")
         elif isinstance(value, str):
             path = value[len("file://"):] if value.startswith("file://") else value
             if not os.path.isabs(path) and not os.path.exists(os.path.join(folder, path)):
-                raise BadImage(f"cannot be read: no file {os.path.join(folder, path)!r} (a relative path is read "
-                               f"from the data file's folder, {folder!r}, not the working directory)")
+                raise BadImage(f"cannot be read: no file {_short_repr(os.path.join(folder, path), 200)} (a relative "
+                               f"path is read from the data file's folder, {folder!r}, not the working directory; "
+                               "bytes are given as {'bytes': ...} or a data:image/...;base64, URI, not bare base64)")
             image = Image.open(path if os.path.isabs(path) else os.path.join(folder, path))
         else:
             raise BadImage(f"is {_short_repr(value)}, not image bytes, a path, or a dict of one")
@@ -104,7 +114,7 @@ def as_rgb(image):
 def image_messages(messages: list[dict], num_images: int) -> list[dict]:
     """The messages with image parts where the images go: verl's `<image>` placeholders in string contents become
     {"type": "image"} parts, TRL's content lists pass through. The parts must number `num_images`."""
-    out, found = [], 0
+    out, found, inline = [], 0, False
     for message in messages:
         content = message.get("content")
         if isinstance(content, str) and IMAGE_PLACEHOLDER in content:
@@ -112,12 +122,23 @@ def image_messages(messages: list[dict], num_images: int) -> list[dict]:
                      for piece in re.split(f"({re.escape(IMAGE_PLACEHOLDER)})", content) if piece]
             message = {**message, "content": parts}
         if isinstance(message.get("content"), list):
-            found += sum(isinstance(p, dict) and p.get("type") == "image" for p in message["content"])
+            image_parts = [p for p in message["content"] if _is_image_part(p)]
+            found += len(image_parts)
+            inline = inline or any(set(p) - {"type", "text"} for p in image_parts)
         out.append(message)
     if found != num_images:
+        where = ("; an image inside its part ({'type': 'image', 'image' / 'url' / 'path': ...}) is not read: give "
+                 "the row's images, in order, in its image column") if inline else ""
         raise BadImage(f"the messages place {found} image(s) ({IMAGE_PLACEHOLDER!r} in a content string, or "
-                       f"{{'type': 'image'}} parts) but the row has {num_images}")
+                       f"{{'type': 'image'}} parts) but the row has {num_images}{where}")
     return out
+
+
+def _is_image_part(part) -> bool:
+    """Whether a content part is one the Qwen-VL chat templates render as an image: {"type": "image"} (TRL's),
+    OpenAI's {"type": "image_url"}, or a part holding an "image" / "image_url"."""
+    return isinstance(part, dict) and (part.get("type") in ("image", "image_url") or "image" in part
+                                       or "image_url" in part)
 
 
 def _resize_range(processor, settings: ImageSettings) -> dict:
@@ -186,7 +207,7 @@ def placed_images(messages: list[dict], row: dict, num_images: int, settings: Im
     except BadImage as e:
         if settings.image_key in row:
             raise
-        raise BadImage(f"{e}: it has no {settings.image_key!r} column (data.image_key); its columns are "
+        raise BadImage(f"{e}; the row has no {settings.image_key!r} column (data.image_key); its columns are "
                        f"{sorted(row)}") from None
 
 
@@ -213,13 +234,16 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
             try:
                 images = row_images(row, settings, folder)
                 messages = placed_images(checked_messages(messages, prompt_key), row, len(images), settings)
+                try:
+                    item = process_images(processor, messages, images, settings)
+                except ValueError as e:  # (a literal placeholder token in the text, say)
+                    raise BadImage(f"the processor refuses it: {str(e).rstrip('.')}") from None
             except BadImage as e:
                 if settings.bad_images == "error":
                     raise ValueError(f"{path}: row {number}: {e}; fix the row, or set data.bad_images=drop to leave "
                                      "such rows out (counted)") from None
                 dropped += 1
                 continue
-            item = process_images(processor, messages, images, settings)
             if max_prompt_length is not None and len(item["prompt_ids"]) > max_prompt_length:
                 if truncation != "drop":
                     raise ValueError(f"{path}: row {number}: the prompt is {len(item['prompt_ids'])} tokens with its "
