@@ -132,6 +132,19 @@ def test_prompts_all_too_long_with_their_images_name_the_shortest_and_the_fix(pr
         load_image_prompts([path], processor, ImageSettings(), max_prompt_length=8)
 
 
+def test_a_min_pixels_above_max_pixels_is_refused_naming_both(processor, tmp_path):
+    """The processor would resize every image up to min_pixels, past max_pixels: 12544 is the tiny processor's own
+    max (16 merged patches of 28 x 28)."""
+    rows = [{"prompt": PROMPT, "response": "b", "images": [{"bytes": encoded(Image.new("RGB", (56, 56)))}]}]
+    path = write_parquet(tmp_path / "rows.parquet", rows)
+    with pytest.raises(ValueError, match=r"data.min_pixels=100000 is more than the processor's max_pixels 12544: "
+                                         r"every image would be resized up past max_pixels"):
+        load_image_prompts([path], processor, ImageSettings(min_pixels=100_000, bad_images="drop"))
+    with pytest.raises(ValueError, match=r"data.min_pixels=2000 is more than data.max_pixels=1000"):
+        load_image_chat_dataset([path], processor, ImageSettings(min_pixels=2000, max_pixels=1000), max_length=200)
+    assert len(load_image_prompts([path], processor, ImageSettings(min_pixels=1000, max_pixels=2000))[0]) == 1
+
+
 def test_sft_image_rows_cut_through_their_placeholders_say_so(processor, tmp_path):
     row = {"prompt": "<image>a", "response": "bbbb", "images": [{"bytes": encoded(Image.new("RGB", (56, 56)))}]}
     path = write_parquet(tmp_path / "rows.parquet", [row])

@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 
 from shardrl.data.chat import ChatDataset, load_rows, row_messages, tokenize_chat
-from shardrl.data.images import (BadImage, ImageSettings, _resize_range, checked_messages, placed_images,
-                                 row_images)
+from shardrl.data.images import (BadImage, ImageSettings, _resize_range, check_resize_range, checked_messages,
+                                 placed_images, row_images)
 
 
 class ProcessorChat:
@@ -111,6 +111,7 @@ def load_image_chat_dataset(files: list[str], processor, settings: ImageSettings
     by `processor` (`tokenize_image_chat`). A bad image (`data.images`: unreadable, a count unlike the
     placeholders', over `settings.max_image_pixels`) makes a bad row: an error naming the file, row and image, or
     with skip_bad_rows dropped and counted as the other bad rows are."""
+    check_resize_range(processor, settings)
 
     def reader(path: str):
         folder = os.path.dirname(os.path.abspath(path))

@@ -149,6 +149,18 @@ def _resize_range(processor, settings: ImageSettings) -> dict:
     return {"size": size} if size else {}
 
 
+def check_resize_range(processor, settings: ImageSettings) -> None:
+    """A ValueError where the resize range is empty: the processor makes an image at least min_pixels, so one
+    above its max_pixels would give every image more placeholders than max_pixels allows."""
+    size = _resize_range(processor, settings).get("size", {})
+    low, high = size.get("shortest_edge"), size.get("longest_edge")
+    if low and high and low > high:
+        def said(key: str, value: int) -> str:
+            return f"data.{key}={value}" if getattr(settings, key) else f"the processor's {key} {value}"
+        raise ValueError(f"{said('min_pixels', low)} is more than {said('max_pixels', high)}: every image would be "
+                         "resized up past max_pixels; lower data.min_pixels or raise data.max_pixels")
+
+
 def process_images(processor, messages: list[dict], images: list, settings: ImageSettings) -> dict:
     """{"prompt_ids": [...], "prompt_text": str, "multi_modal_inputs": {"pixel_values", "image_grid_thw"} or None}
     of one row's image messages (`image_messages`) and its PIL images."""
@@ -222,6 +234,7 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
     pixels."""
     if settings.bad_images not in ("error", "drop"):
         raise ValueError(f"bad_images={settings.bad_images!r}: choose 'error' or 'drop'")
+    check_resize_range(processor, settings)
     items, dropped, too_long, shortest_too_long = [], 0, 0, None
     for path in files:
         folder = os.path.dirname(os.path.abspath(path))
