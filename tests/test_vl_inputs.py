@@ -111,6 +111,22 @@ def test_images_given_as_data_uris_urls_or_inside_their_parts(processor, tmp_pat
         load({"prompt": [{"role": "user", "content": "<|image_pad|>color?"}]})
 
 
+def test_rows_dropped_for_a_bad_image_say_why(processor, tmp_path, caplog):
+    """data.bad_images=drop counts the rows it leaves out and says the first one's fault: a mistyped data.image_key
+    drops every row, and a bare count would not say so."""
+    red = {"bytes": encoded(Image.new("RGB", (28, 28), "red"))}
+    rows = [{"prompt": PROMPT, "images": [red]}, {"prompt": PROMPT, "images": [{"bytes": b"junk"}]}]
+    path = write_parquet(tmp_path / "rows.parquet", rows)
+    with caplog.at_level("WARNING", logger="shardrl.data.images"):
+        items, stats = load_image_prompts([path], processor, ImageSettings(bad_images="drop"))
+    assert len(items) == 1 and stats["dropped_bad_images"] == 1
+    assert "dropped 1 row(s) with a bad image (data.bad_images=drop) of 2; the first: " in caplog.text
+    assert "rows.parquet: row 2: image 1 cannot be read" in caplog.text
+    with pytest.raises(ValueError, match=r"no usable prompts in .*: every row has a bad image \(data.bad_images=drop "
+                                         r"dropped 2\), the first: .*rows.parquet: row 1: .* no 'pictures' column"):
+        load_image_prompts([path], processor, ImageSettings(bad_images="drop", image_key="pictures"))
+
+
 def test_an_image_over_max_image_pixels_is_refused_from_its_header(processor, tmp_path):
     """A 3000 x 3000 PNG cut short: its header says its size, so it is refused as too large before any decode (a
     decode of the whole image first would fail as truncated, or hold its pixels)."""

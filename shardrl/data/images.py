@@ -235,7 +235,7 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
     if settings.bad_images not in ("error", "drop"):
         raise ValueError(f"bad_images={settings.bad_images!r}: choose 'error' or 'drop'")
     check_resize_range(processor, settings)
-    items, dropped, too_long, shortest_too_long = [], 0, 0, None
+    items, dropped, too_long, shortest_too_long, first_bad = [], 0, 0, None, None
     for path in files:
         folder = os.path.dirname(os.path.abspath(path))
         for number, row in read_rows(path):
@@ -256,6 +256,7 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
                     raise ValueError(f"{path}: row {number}: {e}; fix the row, or set data.bad_images=drop to leave "
                                      "such rows out (counted)") from None
                 dropped += 1
+                first_bad = first_bad or f"{path}: row {number}: {e}"
                 continue
             if max_prompt_length is not None and len(item["prompt_ids"]) > max_prompt_length:
                 if truncation != "drop":
@@ -270,8 +271,12 @@ def load_image_prompts(files: list[str], processor, settings: ImageSettings, pro
             extra = {k: v for k, v in _extra_fields(row, prompt_key).items() if k != settings.image_key}
             items.append({**item, "prompt": prompt, "data_source": "default" if data_source is None else str(data_source),
                           "extra": extra, "image_names": image_names(row, settings), "index": len(items)})
+    if dropped and not items and not too_long:
+        raise ValueError(f"no usable prompts in {files}: every row has a bad image (data.bad_images=drop dropped "
+                         f"{dropped}), the first: {first_bad}")
     if dropped:
-        logger.warning("dropped %d row(s) with a bad image (bad_images=drop) of %d", dropped, dropped + len(items))
+        logger.warning("dropped %d row(s) with a bad image (data.bad_images=drop) of %d; the first: %s", dropped,
+                       dropped + len(items) + too_long, first_bad)
     if too_long and not items:
         raise ValueError(f"no usable prompts in {files}: every one is longer than max_prompt_length="
                          f"{max_prompt_length} with its images' placeholders, the shortest {shortest_too_long} "
