@@ -218,3 +218,16 @@ def test_a_text_critic_on_a_vision_language_policy_is_refused(tmp_path):
         check_vision_run(load_config(None, [*base, f"critic.model_path={tmp_path / 'text'}"]), policy)
     check_vision_run(load_config(None, base), policy)  # unset: the critic is the policy's VL model
     check_vision_run(load_config(None, [*base, f"critic.model_path={tmp_path / 'vl'}"]), policy)
+
+
+def test_verls_geo3k_script_engine_argument_is_dropped_with_its_reason():
+    """verl's examples/grpo_trainer/run_qwen2_5_vl-7b.sh adds a vLLM engine argument with Hydra's `+`; any key of
+    the engine_kwargs dicts is the engine's own, not a verl key shardrl lacks."""
+    from shardrl.compat.verl.translate import translate
+
+    out = translate(["+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True",
+                     "actor_rollout_ref.rollout.engine_kwargs.sglang.anything=1", "data.image_key=images"])
+    assert set(out.dropped) >= {"actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache",
+                                "actor_rollout_ref.rollout.engine_kwargs.sglang.anything"}
+    assert "vLLM/SGLang" in out.dropped["actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache"]
+    assert not any("engine_kwargs" in line for line in out.overrides)

@@ -181,13 +181,16 @@ def translate(args: list[str]) -> Translation:
         if not isinstance(node, dict):
             raise VerlKeyError(f"verl key {key}: {path} is {node!r}, not a mapping")
         node[name] = given.pop(key)
-    at_default = {}
+    at_default = {}  # given keys dropped before the rules: at verl's default, or an engine's argument
     refused = []
     for key in [k for k in given if k not in VERL_KEYS]:
         value = given.pop(key)
         if _is_megatron(key, value):
             raise VerlKeyError(f"verl key {key}: Megatron is not supported (shardrl trains with FSDP2/FSDP1)")
-        if key.startswith(DROPPED_PREFIXES) and key in VERL_PPO_DEFAULTS:
+        if key.startswith(ENGINE_KWARGS_PREFIX):  # free-form: any of the inference engine's own arguments
+            at_default[key] = ("an inference engine's own argument (verl passes engine_kwargs to vLLM/SGLang); "
+                               "shardrl generates with its own rollout (rollout.backend)")
+        elif key.startswith(DROPPED_PREFIXES) and key in VERL_PPO_DEFAULTS:
             at_default[key] = "a profiler, Ray or reward-model-server setting; shardrl has none of these"
         elif key in VERL_PPO_DEFAULTS and _same(value, VERL_PPO_DEFAULTS[key]):
             at_default[key] = f"at verl's default ({VERL_PPO_DEFAULTS[key]!r}): no shardrl setting needed"
@@ -244,6 +247,9 @@ def translate(args: list[str]) -> Translation:
     return Translation([f"{k}={json.dumps(v, default=str)}" for k, v in out.items()], dropped_keys, notes=notes)
 
 
+ENGINE_KWARGS_PREFIX = "actor_rollout_ref.rollout.engine_kwargs."
+"""verl's dicts of arguments for the rollout's engine (vllm, sglang, trtllm): its geo3k script sets
+`+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True`."""
 DROPPED_PREFIXES = ("global_profiler.", "actor_rollout_ref.actor.profiler.", "actor_rollout_ref.ref.profiler.",
                     "actor_rollout_ref.rollout.profiler.", "critic.profiler.", "reward_model.profiler.",
                     "ray_kwargs.", "reward_model.rollout.", "transfer_queue.")
