@@ -63,6 +63,19 @@ def test_transparent_images_are_put_on_white_as_the_processor_puts_them(processo
     assert torch.allclose(corner, white["pixel_values"][0])
 
 
+def test_a_photo_with_an_exif_rotation_is_read_upright(processor, tmp_path):
+    """A 56 x 28 JPEG tagged "rotate 90" (EXIF orientation 6, as a phone stores a portrait photo) is 28 wide and 56
+    high upright, as HF datasets' Image column and transformers' load_image show it: a 4 x 2 patch grid, not 2 x 4."""
+    photo = Image.new("RGB", (56, 28), "red")
+    exif = photo.getexif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    photo.save(buffer, format="JPEG", exif=exif)
+    rows = [{"prompt": PROMPT, "images": [{"bytes": buffer.getvalue()}]}]
+    items, _ = load_image_prompts([write_parquet(tmp_path / "rows.parquet", rows)], processor, ImageSettings())
+    assert items[0]["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 4, 2]]
+
+
 def test_a_missing_image_column_and_a_missing_relative_path_are_said_as_such(processor, tmp_path):
     (tmp_path / "red.png").write_bytes(encoded(Image.new("RGB", (28, 28), "red")))
     path = write_parquet(tmp_path / "rows.parquet", [{"prompt": PROMPT, "images": [{"path": "red.png"}]}])

@@ -53,6 +53,10 @@ class ImageSettings:
     """A row with a bad image: "error" stops the load naming the row; "drop" leaves the row out and counts it."""
 
 
+ORIENTATION = 0x0112
+"""The EXIF tag of a photo's rotation (1: upright)."""
+
+
 class BadImage(ValueError):
     """What is wrong with one of a row's images (the caller adds the file and row)."""
 
@@ -60,8 +64,9 @@ class BadImage(ValueError):
 def load_image(value, folder: str = ".", max_image_pixels: int | None = None):
     """A PIL RGB image from a row's entry: a PIL image, raw bytes, {"bytes": ...}, {"path": ...} / {"image": ...},
     or a path (relative paths against `folder`, the data file's; a file:// prefix is dropped). An image of more
-    raw pixels than `max_image_pixels` is a `BadImage`, said from its header before it is decoded."""
-    from PIL import Image
+    raw pixels than `max_image_pixels` is a `BadImage`, said from its header before it is decoded. A photo with an
+    EXIF orientation is turned upright."""
+    from PIL import Image, ImageOps
 
     if isinstance(value, dict):
         data = value.get("bytes")
@@ -92,6 +97,8 @@ def load_image(value, folder: str = ".", max_image_pixels: int | None = None):
             raise BadImage(f"is {image.width}x{image.height} = {image.width * image.height} pixels, more than "
                            f"data.max_image_pixels={max_image_pixels}")
         image.load()
+        if image.getexif().get(ORIENTATION, 1) != 1:  # a camera's rotation tag, shown upright as HF datasets'
+            image = ImageOps.exif_transpose(image)   # Image column and transformers' load_image show it
     except BadImage:
         raise
     except (OSError, ValueError, Image.DecompressionBombError) as e:  # (PIL's UnidentifiedImageError is an OSError)
