@@ -3,8 +3,8 @@ inputs by the model's processor (`AutoProcessor`: its tokenizer, chat template a
 
 Two row forms are read:
 - verl's (examples/data_preprocess/geo3k.py): an `images` column, a list of {"bytes": ...} or {"path": ...} dicts
-  (or paths, or raw bytes), beside a chat `prompt` whose string contents hold one `<image>` placeholder per image,
-  in order;
+  (or paths, relative ones read from the data file's folder, data:image/...;base64 URIs, or raw bytes), beside a
+  chat `prompt` whose string contents hold one `<image>` placeholder per image, in order;
 - TRL's: `images` beside messages whose content is a list of parts, `{"type": "image"}` where an image goes and
   `{"type": "text", "text": ...}`.
 Either becomes messages with image parts, rendered by the processor's chat template; the processor resizes each
@@ -16,7 +16,9 @@ x merge size) and expands each image's placeholder to its merged-patch count. A 
 A bad image (unreadable bytes or path, a count of images unlike the placeholders', or more raw pixels than
 `max_image_pixels`) is a ValueError naming the file, row and image (`bad_images="error"`, the default: a data set
 with broken images is usually a preprocessing bug worth seeing), or its row is dropped and counted
-(`bad_images="drop"`: the count is in the stats and logged once).
+(`bad_images="drop"`: the count is in the stats and logged once, with the first row's fault). URLs are not
+downloaded, and images inside content parts are not read (both refused by name). Images are read as HF datasets
+and transformers read them: an EXIF rotation applied, a transparent part on white.
 """
 
 from __future__ import annotations
