@@ -6,6 +6,7 @@ a text model (policy, critic or SFT) given image rows is refused instead of trai
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 import torch
@@ -244,3 +245,22 @@ def test_verls_geo3k_script_engine_argument_is_dropped_with_its_reason():
                                 "actor_rollout_ref.rollout.engine_kwargs.sglang.anything"}
     assert "vLLM/SGLang" in out.dropped["actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache"]
     assert not any("engine_kwargs" in line for line in out.overrides)
+
+
+@pytest.mark.parametrize("kind", ["pairs", "unpaired"])
+def test_preference_rows_with_images_are_refused_for_a_text_model(tmp_path, kind):
+    """dpo, kto and rm read no images: a row holding some (TRL's `images` column) is refused, not trained as its text
+    alone; the same rows without the column load."""
+    from shardrl.data.chat import load_preference_dataset, load_unpaired_dataset
+    from shardrl.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    row = ({"prompt": "a", "chosen": "b", "rejected": "c"} if kind == "pairs" else
+           {"prompt": "a", "completion": "b", "label": True})
+    load = load_preference_dataset if kind == "pairs" else load_unpaired_dataset
+    (tmp_path / "plain.jsonl").write_text(json.dumps(row) + "\n")
+    assert len(load([str(tmp_path / "plain.jsonl")], tok, 64).items) == 1
+    (tmp_path / "images.jsonl").write_text(json.dumps({**row, "images": [{"path": "x.png"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"images.jsonl: row 1: the row has images \(its 'images' column\) but the "
+                                         r"model is a text model: .* shardrl dpo, kto and rm do not read images yet"):
+        load([str(tmp_path / "images.jsonl")], tok, 64, skip_bad_rows=True)  # (not dropped as a bad row)

@@ -375,24 +375,39 @@ def load_chat_dataset(files: list[str], tokenizer, max_length: int, truncation: 
     "error", "drop" (counted), or "right" (cut at max_length; it keeps its first assistant tokens). `image_key`:
     a text model's image column (data.image_key); a row with images there is refused, not trained as its text
     alone."""
-    def tokenize(row, keys):
+    return load_rows(files, lambda _: _text_only(image_key, partial(_tokenize_sft, tokenizer), "data.image_key"),
+                     (messages_key, prompt_key, response_key), "sft", max_length, truncation, skip_bad_rows)
+
+
+VL_FIX = ("Use a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) with its processor, or drop the column from "
+          "the rows")
+PREFERENCE_FIX = ("shardrl dpo, kto and rm do not read images yet (shardrl sft and RL do): drop the column from the "
+                  "rows, or train on them with shardrl sft or shardrl train")
+
+
+def _text_only(image_key: str | None, tokenize: Callable, setting: str | None = None, fix: str = VL_FIX) -> Callable:
+    """`tokenize(row, keys)` for a text model, refusing a row with images in its `image_key` column (named by
+    `setting` where a setting chose it), with `fix`: the model would train on the row's text alone (a setting
+    problem: every such row of the file is refused alike, none dropped as a bad row)."""
+    named = f", {setting}" if setting else ""
+
+    def tokenize_row(row, keys):
         images = row.get(image_key) if image_key and isinstance(row, dict) else None
         if images is not None and (not isinstance(images, (list, tuple)) or len(images)):
-            raise SettingProblem(f"the row has images (its {image_key!r} column, data.image_key) but the model is a "
-                                 "text model: it would train on the text alone. Use a vision-language model (Qwen2-VL, "
-                                 "Qwen2.5-VL, Qwen3-VL) with its processor, or drop the column from the rows")
-        return _tokenize_sft(tokenizer, row, keys)
-    return load_rows(files, lambda _: tokenize, (messages_key, prompt_key, response_key), "sft", max_length,
-                     truncation, skip_bad_rows)
+            raise SettingProblem(f"the row has images (its {image_key!r} column{named}) but the model is a text "
+                                 f"model: it would train on the text alone. {fix}")
+        return tokenize(row, keys)
+    return tokenize_row
 
 
 def load_preference_dataset(files: list[str], tokenizer, max_length: int, truncation: str = "error",
                             skip_bad_rows: bool = False, prompt_key: str = "prompt", chosen_key: str = "chosen",
-                            rejected_key: str = "rejected") -> ChatDataset:
+                            rejected_key: str = "rejected", image_key: str | None = "images") -> ChatDataset:
     """Preference pairs of `files`: item i holds chosen_ids/chosen_mask and rejected_ids/rejected_mask, the
-    masks on the completions only; `max_length` and `truncation` apply to each of the two sequences."""
-    return load_rows(files, lambda _: partial(_tokenize_pair, tokenizer), (prompt_key, chosen_key, rejected_key),
-                     "pairs", max_length, truncation, skip_bad_rows)
+    masks on the completions only; `max_length` and `truncation` apply to each of the two sequences. A row with
+    images (its `image_key` column, TRL's `images`) is refused: no preference trainer reads them yet."""
+    return load_rows(files, lambda _: _text_only(image_key, partial(_tokenize_pair, tokenizer), fix=PREFERENCE_FIX),
+                     (prompt_key, chosen_key, rejected_key), "pairs", max_length, truncation, skip_bad_rows)
 
 
 def with_nested_columns(row, keys) -> object:
@@ -416,11 +431,13 @@ def with_nested_columns(row, keys) -> object:
 
 def load_unpaired_dataset(files: list[str], tokenizer, max_length: int, truncation: str = "error",
                           skip_bad_rows: bool = False, prompt_key: str = "prompt", completion_key: str = "completion",
-                          label_key: str = "label") -> ChatDataset:
+                          label_key: str = "label", image_key: str | None = "images") -> ChatDataset:
     """Unpaired preference rows of `files` (KTO): item i holds input_ids/loss_mask (the mask on the completion),
-    prompt_length and label (true: desirable)."""
-    return load_rows(files, lambda _: partial(_tokenize_unpaired, tokenizer), (prompt_key, completion_key, label_key),
-                     "unpaired", max_length, truncation, skip_bad_rows)
+    prompt_length and label (true: desirable). A row with images (its `image_key` column) is refused, as in
+    `load_preference_dataset`."""
+    return load_rows(files, lambda _: _text_only(image_key, partial(_tokenize_unpaired, tokenizer),
+                                                 fix=PREFERENCE_FIX),
+                     (prompt_key, completion_key, label_key), "unpaired", max_length, truncation, skip_bad_rows)
 
 
 def load_rows(files: list[str], reader: Callable[[str], Callable], keys: tuple, kind: str, max_length: int,
