@@ -577,6 +577,9 @@ def test_offloaded_lora_trains_as_lora_on_the_device():
     offloaded, plain = (run_distributed(_two_steps, 2, offload, values) for offload in (True, False))
     for key, g in want.items():
         torch.testing.assert_close(offloaded["grads"][key], g, rtol=0, atol=1e-5 * scale, msg=key)
-    for part in ("grads", "export", "adapters", "policy", "ref"):
-        torch.testing.assert_close(offloaded[part], plain[part], rtol=0, atol=0, msg=part)
+    torch.testing.assert_close(offloaded["grads"], plain["grads"], rtol=0, atol=0, msg="grads")
+    # the offloaded adapters step with torch's fused CPU AdamW, the resident ones (on this CPU) with its loop: the same
+    # update to rounding
+    for part in ("export", "adapters", "policy", "ref"):
+        torch.testing.assert_close(offloaded[part], plain[part], rtol=1e-5, atol=1e-6, msg=part)
     assert load_config(None, ["model.lora.rank=8", "actor.engine.offload_params=true"]).actor.engine.offload_params
