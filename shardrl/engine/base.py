@@ -116,7 +116,7 @@ class Engine(abc.ABC):
             # one fused kernel: on the GPU, and on the host where offloaded parameters step (torch's fused CPU AdamW,
             # 4.6x the per-tensor loop's speed or more: bench/RESULTS.md, "CPU Adam of offloaded parameters"); a CPU
             # run's resident parameters keep the loop (a multi-process CPU run aborted once on a heap check with the
-            # fused kernel everywhere, not reproduced in 24 runs since: kept to where it pays)
+            # fused kernel everywhere, not reproduced in 15 reruns: kept to where it pays)
             fused = self.device.type == "cuda" or engine_cfg.offload_params
             trained = [p for p in self.module.parameters() if p.requires_grad]  # with LoRA: the adapters only
             self.optimizer = build_optimizer(trained, o.lr, o.betas, o.eps, o.weight_decay, fused)
