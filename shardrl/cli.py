@@ -166,7 +166,8 @@ def plan_main(args: argparse.Namespace) -> int:
     from shardrl.launch.overrides import resolve_overrides
     from shardrl.plan.defaults import free_cache_choice, lora_sync_choice
     from shardrl.plan.layout import check_model_heads, format_layout, format_size
-    from shardrl.plan.memory import fit_advice, format_phase_ledger, phase_ledger, update_and_cache_gib
+    from shardrl.plan.memory import (fit_advice, format_phase_ledger, phase_ledger, plan_host_adam,
+                                     update_and_cache_gib)
     from shardrl.plan.plan import Plan
 
     trainer = TRAINERS[args.trainer]
@@ -242,14 +243,8 @@ def plan_main(args: argparse.Namespace) -> int:
             kept = copy.deepcopy(cfg)
             kept.rollout.free_cache_engine = False
             ledger = phase_ledger(kept, layout, hf_config)
-    host_adam = None  # offloaded parameters: their AdamW step runs on the host's CPU (sized where the ledger is)
-    engine_cfg, key = (cfg.engine, "engine") if offline else (cfg.actor.engine, "actor.engine")
-    if ledger and engine_cfg.offload_params:
-        from shardrl.plan.memory import host_adam_estimate, model_numbers
-
-        numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora, cfg.model.freeze_vision_tower)
-        host_adam = host_adam_estimate(numbers, engine_cfg, (layout.engine if offline else layout.actor).shard_size,
-                                       nproc, key)
+    # offloaded parameters: their AdamW step runs on the host's CPU (sized where the ledger is)
+    host_adam = plan_host_adam(cfg, layout, hf_config, nproc, offline) if ledger else None
     if args.json:
         print(json.dumps({**layout.to_dict(), "memory": ledger, "memory_skipped": skipped, "host_adam": host_adam,
                           "fits": None if args.gpu_mem_gib is None or ledger is None else not advice,

@@ -275,6 +275,17 @@ def _teacher_terms(cfg: Config, layout: Layout, master: int) -> tuple[list, tupl
     return resident, max(terms, key=lambda t: t[1])
 
 
+def _top_k_terms(cfg: Config, layout: Layout) -> list:
+    """The teacher's top-k (algorithm.opd.top_k) of every response token of the rank, gathered on the GPU as its
+    pass returns (none without)."""
+    k = cfg.algorithm.opd.top_k
+    if not k:
+        return []
+    return [("teacher top-k", layout.samples_per_rank * layout.max_new_tokens * k * 8,
+             f"{layout.samples_per_rank} samples x {layout.max_new_tokens} response tokens x {k} "
+             "(algorithm.opd.top_k) x (4 B id + 4 B log-prob)")]
+
+
 def fp8_linear_numbers(hf_config, block_size: int | None) -> tuple[int, int]:
     """(weights, scales) of the linear layers an FP8 rollout quantizes (`FastCausalLM.quantized_linears`: every
     layer's q/k/v/o, a dense layer's gate/up/down): a weight's elements take 1 B, its fp32 scales one per output
@@ -389,12 +400,7 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     if passes:
         prep += vision_terms(numbers, *images, compute, train=False)
     if teacher_prep is not None:  # the passes run one after another: the larger model's counts
-        prep = [max([*prep, teacher_prep], key=lambda t: t[1])]
-        k = cfg.algorithm.opd.top_k
-        if k:  # the teacher's top-k of every response token of the rank, gathered on the GPU as its pass returns
-            prep.append(("teacher top-k", layout.samples_per_rank * layout.max_new_tokens * k * 8,
-                         f"{layout.samples_per_rank} samples x {layout.max_new_tokens} response tokens x {k} "
-                         "(algorithm.opd.top_k) x (4 B id + 4 B log-prob)"))
+        prep = [max([*prep, teacher_prep], key=lambda t: t[1]), *_top_k_terms(cfg, layout)]
 
     update = _update_terms("actor", actor, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing,
                            images)
@@ -525,6 +531,17 @@ def host_adam_rate(params: int = 8_000_000, repeats: int = 3) -> float:
     for _ in range(repeats):
         opt.step()
     return params * repeats / (time.perf_counter() - start)
+
+
+def plan_host_adam(cfg, layout, hf_config, nproc_per_node: int, offline: bool) -> dict | None:
+    """`host_adam_estimate` of the trained engine of the run `cfg` laid out as `layout` (`engine` offline, else
+    `actor.engine`); None without offload."""
+    engine_cfg, key = (cfg.engine, "engine") if offline else (cfg.actor.engine, "actor.engine")
+    if not engine_cfg.offload_params:
+        return None
+    numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora, cfg.model.freeze_vision_tower)
+    return host_adam_estimate(numbers, engine_cfg, (layout.engine if offline else layout.actor).shard_size,
+                              nproc_per_node, key)
 
 
 def host_adam_estimate(numbers: dict, engine_cfg, shard_size: int, nproc_per_node: int, key: str,
