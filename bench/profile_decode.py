@@ -58,7 +58,7 @@ def attention_variants(b: int, hkv: int, g: int, d: int, seq: int, max_seq: int,
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from shardrl.rollout.fast.decode_kernel import decode_attention
-    from shardrl.rollout.fast.model import write_kv
+    from shardrl.rollout.fast.attention import write_kv
 
     kv = torch.randn(2, b, hkv, max_seq, d, device="cuda", dtype=dtype)
     keys, values = kv[0][:, :, :seq], kv[1][:, :, :seq]
@@ -154,7 +154,7 @@ def main():
 
     from shardrl.rollout.base import SamplingParams
     from shardrl.rollout.fast.rollout import SAMPLE, FastRollout, sample_tokens
-    from shardrl.rollout.fast.model import TritonDecodeAttention
+    from shardrl.rollout.fast.attention import TritonDecodeAttention
 
     records = []
 

@@ -520,7 +520,7 @@ def test_compiled_blocks_raise_dynamo_recompile_limit_above_the_widths_a_call_us
     """The decode parts compile once per slot width: 512 slots give 9 widths, past dynamo's default limit of 8,
     beyond which a width's layers would run uncompiled. A compiled block raises the limit (and never lowers it)."""
     from shardrl.rollout.fast.rollout import FastRollout
-    from shardrl.rollout.fast.model import DecoderBlock
+    from shardrl.rollout.fast.block import DecoderBlock
 
     widths = FastRollout._widths(type("R", (), {"min_width": 8, "width_step": None})(), 512)
     config = torch._dynamo.config

@@ -36,41 +36,41 @@ responses at EOS and stop strings here too.
 The parts: the host-side decisions (which rows are admitted into which slots, stopped, retired, compacted; how
 many steps to the next sync) are `shardrl.rollout.fast.scheduler`'s, plain host code; the device side (the slots'
 state, the decode step as a function over it, its CUDA graphs) is `shardrl.rollout.fast.step`'s; `FastRollout`
-composes them with the paged cache (`paged`) and the model (`model`).
+composes them with the paged cache (`paged`) and the model (`model`). Its host loop from sync to sync is `loop`'s
+(`DecodeLoop`), the prefill of the rows it admits `admission`'s (`Admission`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Iterable, Sequence
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from shardrl.engine.lora import merged_weight
 from shardrl.models.config import text_config
-from shardrl.models.families import check_supported
+from shardrl.models.families import check_supported, head_dim_of
 from shardrl.models.vision import is_vision_language
-from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_images,
-                                   check_prompts, contains_stop, copy_weights_in_place, cut_responses, likeliest_tokens)
+from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, check_images, check_prompts,
+                                   copy_weights_in_place)
+from shardrl.rollout.fast.admission import Admission
 from shardrl.rollout.fast.kernel_support import cascade_members
+from shardrl.rollout.fast.loop import DecodeLoop
 from shardrl.rollout.fast.paged import BlockPool, SharedPrefixGroups
 from shardrl.rollout.fast.attention import TritonDecodeAttention
+from shardrl.rollout.fast.block import DecoderBlock
 from shardrl.rollout.fast.fp8 import check_dynamic_activations, check_finite
-from shardrl.rollout.fast.model import DecoderBlock, FastCausalLM, build_fast_lm, head_dim_of
-from shardrl.rollout.fast.scheduler import (RowFeed, RowScheduler, blocks_for, prefill_chunks, rows_that_fit,
-                                            shared_prefix_groups, slot_widths)
+from shardrl.rollout.fast.model import FastCausalLM, build_fast_lm
+from shardrl.rollout.fast.scheduler import RowFeed
 from shardrl.rollout.fast.step import (GREEDY, SAMPLE, TRUNCATED, DecodeRunner, SlotState,  # noqa: F401 (for callers)
-                                       decode_attention, fused_sampler, reported_logits, sample_tokens,
-                                       sampling_mode)
+                                       decode_attention, fused_sampler, sample_tokens, sampling_mode)
 from shardrl.rollout.fast.vision import CallImages, ImageEncoder
 from shardrl.tokenizer import stop_token_ids
 
 log = logging.getLogger(__name__)
 
 
-class FastRollout(Rollout):
+class FastRollout(DecodeLoop, Admission, Rollout):
     """Static-KV-cache generation for the configs `models.families.check_supported` accepts (module docstring).
 
     `max_batch`: decode slots (the static batch); default min(rows, micro_batch_size * n) at first use,
@@ -456,388 +456,3 @@ class FastRollout(Rollout):
             self._groups.reset()
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         return torch.Generator(device=self.device).manual_seed(seed)
-
-    def _decode_rows(self, prompts, limits, n, mode, stop, generator, track: VersionTrack | None = None,
-                     feed: RowFeed | None = None, overlap: bool = False) -> list[tuple[list[int], torch.Tensor]]:
-        """(tokens, log-probs) of every row b*n+j, uncut: through EOS, the limit, or past a stop string.
-        With `track`, its weight hook runs at every host sync (between decode steps: the next step reads the
-        new weights) and records which rows it splits where. With `feed` (n == 1; `prompts` and `limits` grow),
-        finished rows are reported at each sync and new rows taken: waited for when nothing else is left.
-        The decisions are the scheduler's (`RowScheduler`); here they are applied to the device state."""
-        st = self._state
-        sched = RowScheduler(len(prompts) * n, st.num_slots, self._widths(st.num_slots), st.max_seq)
-        stats = sched.stats
-        self._routes = {}
-        self._registering = track is None  # a row that saw a weight change holds K/V of two versions
-        self._prompt_tokens: dict[int, list[int]] = {}
-        self._prompt_keys: dict[int, list[bytes]] = {}
-        captures = self.captures
-        clock = time.perf_counter()
-        while True:
-            sched.sync(*torch.stack([st.done.long(), st.lengths, st.num_generated]).tolist())
-            now = time.perf_counter()
-            stats["decode_s"] += now - clock  # the steps since the last sync, to their end (launches included)
-            clock, inner = now, 0.0
-            self._end_rows(sched, prompts, n, stop, feed)
-            if feed is not None:
-                inner += self._take_rows(sched, prompts, limits, feed)
-            if track is not None:
-                track.poll(sched.rows_in_flight)
-            # `overlap` with rows decoding: their next steps are launched first and the admission runs while the
-            # device runs them. Its host work (a prefill's launches: 20-40 ms for a few prompts of the Qwen2-1.5B
-            # shape on one H200, of a few ms on the device) then leaves the device idle no longer; its rows decode
-            # from the next sync on
-            later = overlap and bool(sched.live())
-            if not later:
-                inner += self._admit_waiting(sched, prompts, limits, n, mode, generator, track)
-            if not sched.live():
-                break
-            move = sched.compaction()  # rows left decoding in slots past the narrowest prefix that holds them
-            if move is not None:
-                self._compact(*move, sched)
-            width, num_steps, seq_len = sched.plan(limits, n, self.sync_every, self.seq_bucket, st.max_seq,
-                                                   self._block.attention.bucketed)
-            cascade = self._groups is not None and self._groups.active()
-            if cascade:
-                self._groups.push()
-                stats["cascade_steps"] += num_steps
-            now = time.perf_counter()
-            stats["host_s"] += now - clock - inner  # bookkeeping at the sync (not the feed's wait or the prefill)
-            clock = now
-            for _ in range(num_steps):
-                self._run_step(mode, seq_len, generator, width, cascade)
-            stats["launch_s"] += time.perf_counter() - clock  # (of decode_s: the host's share, launching the steps)
-            sched.count_steps(num_steps, width)
-            if later:
-                clock += self._admit_waiting(sched, prompts, limits, n, mode, generator, track)  # (admit_s)
-        stats["captures"] = self.captures - captures
-        self.last_stats = stats
-        return sched.results
-
-    def _end_rows(self, sched: RowScheduler, prompts, n: int, stop, feed: RowFeed | None) -> None:
-        """A sync's endings: the rows a stop string ends, all of them once the caller aborts (`generate` only),
-        those the feed cancels; then every done row is retired (its output to `sched.results`, and to the feed)."""
-        if stop:
-            sched.stop(self._find_stops(sched.running(), sched.generated, stop))
-        if feed is None and self.abort is not None and self.abort():  # nobody will read the rest (a server)
-            sched.abort()  # (`_retire` marks the slots done on the device)
-        if feed is not None and hasattr(feed, "cancelled"):
-            gone = set(feed.cancelled())
-            ended = sched.cancel(gone) if gone else []
-            if ended:
-                self._state.done[torch.tensor(ended, dtype=torch.long, device=self.device)] = True
-        finished = sched.finished()
-        if not finished:
-            return
-        self._retire(finished, sched.slot_row, sched.generated, sched.results, prompts, n)
-        if feed is not None:
-            for s in finished:
-                row = sched.slot_row[s]
-                # (the likeliest tokens only where the call asks: a feed that never does takes no such argument)
-                top = {"top": self._tops.pop(row)} if self._top else {}
-                feed.finished(row, *sched.results[row], **top)
-                # a stream may run for hours: what a finished row held goes (its prompt, its output)
-                prompts[row] = sched.results[row] = None
-                self._prompt_tokens.pop(row, None)
-                self._prompt_keys.pop(row, None)
-        sched.free(finished)
-
-    def _take_rows(self, sched: RowScheduler, prompts, limits, feed: RowFeed) -> float:
-        """Queues the rows the feed hands over, waiting for them only when nothing is queued or decoding; returns
-        the seconds waited."""
-        idle = sched.idle()
-        t0 = time.perf_counter()
-        taken = feed.take(block=idle)
-        sched.stats["feed_wait_s"] += (waited := time.perf_counter() - t0)
-        for prompt, limit in taken:
-            # its ids on the host now: read back from the device in the admission, they would wait for the decode
-            # steps queued before it (`overlap`)
-            self._prompt_tokens[len(prompts)] = prompt.tolist()
-            prompts.append(prompt.to(self.device))
-            limits.append(int(limit))
-            sched.add_row()
-        return waited
-
-    def _admit_waiting(self, sched: RowScheduler, prompts, limits, n, mode, generator,
-                       track: VersionTrack | None) -> float:
-        """Prefills the queue's head into the free slots, as many as the pool holds; returns the seconds taken."""
-        admitted = sched.admit(lambda free, busy: rows_that_fit(sched.queue, lambda b: len(prompts[b]), limits, n,
-                                                                free, busy, self._pool.reclaimable(),
-                                                                self.block_size))
-        if not admitted:
-            return 0.0
-        if track is not None:
-            for _, row in admitted:
-                track.begin(row)
-        t0 = time.perf_counter()
-        run, cached = self._admit(admitted, prompts, limits, n, mode, generator)
-        took = time.perf_counter() - t0
-        stats = sched.stats
-        stats["admit_s"] += took
-        stats["admissions"] += 1
-        stats["prefill_tokens"] += run
-        stats["cached_tokens"] += cached
-        sched.place(admitted, lambda row: len(prompts[row // n]))
-        return took
-
-    def _widths(self, num_slots: int) -> list[int]:
-        """The slot prefixes a decode step may run on (`slot_widths`)."""
-        return slot_widths(num_slots, self.min_width, self.width_step)
-
-    def _compact(self, src: list[int], dst: list[int], sched: RowScheduler) -> None:
-        """Moves the rows decoding in slots `src` into the free slots `dst` (`RowScheduler.compaction`): their
-        block-table rows (the K/V stays where it is), next token, counters and outputs, in one indexed copy per
-        tensor; the scheduler, the slots' blocks and the shared-prefix groups follow."""
-        st = self._state
-        s_t = torch.tensor(src, dtype=torch.long, device=self.device)
-        d_t = torch.tensor(dst, dtype=torch.long, device=self.device)
-        made = max(sched.generated[s] for s in src)
-        for t in (st.table, st.tokens, st.lengths, st.done, st.num_generated, st.max_new, st.rope_delta):
-            if t is not None:
-                t[d_t] = t[s_t]
-        st.table[s_t] = 0
-        st.out_tokens[d_t, :made] = st.out_tokens[s_t, :made]
-        st.out_log_probs[d_t, :made] = st.out_log_probs[s_t, :made]
-        if st.out_routes is not None:
-            st.out_routes[d_t, :made] = st.out_routes[s_t, :made]
-        if self._top:
-            for t in st.top_buffers():
-                t[d_t, :made] = t[s_t, :made]
-        st.lengths[s_t] = 0
-        st.done[s_t] = True
-        for s, d in zip(src, dst):
-            if self._groups is not None:
-                self._groups.move(s, d)
-            self._slot_blocks[d], self._slot_blocks[s] = self._slot_blocks[s], []
-        sched.move(src, dst)
-
-    def _admit(self, admitted, prompts, limits, n, mode, generator) -> tuple[int, int]:
-        """Prefills the prompts of `admitted` (slot, row) pairs into their slots' blocks and samples each row's
-        first token. Each distinct prompt (by its tokens: a prompt's n samples, and rows whose prompts are equal,
-        such as a conversation's copies at its first turn) runs once, from the end of its longest cached prefix
-        (`BlockPool.lookup`), in chunks of at most `prefill_tokens` tokens run (and four times that read from the
-        cache where SDPA attends to a gathered copy of the cached prefixes, sixteen with the Triton prefill); its
-        rows share its full blocks (each gets its own copy of the last, partly filled one). Returns (tokens run,
-        prompt tokens read from the cache)."""
-        lookup = self.prefix_cache and not self.record_routing  # (R3 records the routing of every prompt token)
-        # a chunk's reads of the cache are bounded when they gather it (SDPA); the Triton prefill reads the blocks,
-        # but a chunk stays bounded by its whole contexts too: an estimated cached prefix may be evicted by the
-        # chunk's own allocations before its lookup, and then runs whole
-        wide = (16 if self._block.attention.prefix_from_blocks else 4) * self.prefill_tokens
-
-        def cached_of(b: int, toks: list[int]) -> int:  # (nothing in the chunking changes the pool)
-            return self._pool.match(toks, len(toks) - 1, self._keys_of(b)) * self.block_size if lookup else 0
-
-        chunks, same = prefill_chunks(admitted, n, lambda b: self._tokens_of(prompts, b), cached_of,
-                                      self.prefill_tokens, wide)
-        run = cached = 0
-        for chunk in chunks:
-            chunk_run, chunk_cached = self._prefill_chunk(chunk, same, prompts, limits, n, mode, generator, lookup)
-            run, cached = run + chunk_run, cached + chunk_cached
-        return run, cached
-
-    def _prefill_chunk(self, chunk, same: dict[int, int], prompts, limits, n, mode, generator,
-                       lookup: bool) -> tuple[int, int]:
-        """One chunk of `_admit`: its distinct prompts prefilled, its rows given their blocks and first tokens.
-        Returns (tokens run, prompt tokens read from the cache)."""
-        st, pool, size, to_dev = self._state, self._pool, self.block_size, self._to_device
-        order = list(dict.fromkeys(same[row // n] for _, row in chunk))  # distinct prompts, in order
-        index = {b: i for i, b in enumerate(order)}
-        index.update({row // n: index[same[row // n]] for _, row in chunk})
-        tokens = [self._tokens_of(prompts, b) for b in order]
-        first_limit = {}  # each prompt's first row in the chunk takes its blocks: room for that row's limit
-        for _, row in chunk:
-            first_limit.setdefault(index[row // n], limits[row // n])
-        owned, starts = [], []
-        for i, toks in enumerate(tokens):  # the first row of each prompt prefills it into its blocks
-            # (its last token is run: the logits)
-            hit = pool.lookup(toks, len(toks) - 1, self._keys_of(order[i])) if lookup else []
-            owned.append(hit + pool.allocate(blocks_for(len(toks), first_limit[i], size) - len(hit)))
-            starts.append(len(hit) * size)
-        lens = [len(t) - c for t, c in zip(tokens, starts)]
-        # the prompts' ids past their cached prefixes, right-padded: from their copies on the device
-        ids = pad_sequence([prompts[b][c:] for b, c in zip(order, starts)], batch_first=True,
-                           padding_value=self.pad_id).long()
-        routes = None
-        if st.out_routes is not None:
-            routes = torch.empty((ids.numel(), *st.step_routes.shape[1:]), dtype=torch.long, device=self.device)
-        images = None
-        if self._call_images is not None:  # the tower's output at the placeholders, M-RoPE positions
-            images = self._call_images.prefill_inputs(order, tokens, starts, ids.shape[1], to_dev)
-        logits = self.model.prefill(ids, lens, st.kv, self._table_rows(owned), starts, self._block, routes,
-                                    to_device=to_dev, images=images)
-        if self._registering and lookup:
-            for b, toks, blocks in zip(order, tokens, owned):
-                pool.register(toks, blocks, len(toks), self._keys_of(b))
-        # the rows: a prompt's first takes its blocks; the others share its full blocks and copy the partial one
-        copies, rows_blocks, firsts = [], [], set()
-        for _, row in chunk:
-            b = row // n
-            i, plen = index[b], len(tokens[index[b]])
-            if i not in firsts:
-                firsts.add(i)
-                rows_blocks.append(owned[i])
-                continue
-            full = owned[i][: plen // size]
-            pool.hold(full)
-            own = pool.allocate(blocks_for(plen, limits[b], size) - len(full))
-            if plen % size:
-                copies.append((owned[i][len(full)], own[0]))
-            rows_blocks.append(full + own)
-        if copies:
-            src, dst = to_dev([c[0] for c in copies]), to_dev([c[1] for c in copies])
-            st.kv[:, :, dst] = st.kv[:, :, src]
-        if self._groups is not None:  # rows starting with the same blocks read them together in the decode steps
-            # (blocks two rows both hold are full and never written again: only a row's own blocks are)
-            for members, common in shared_prefix_groups([s for s, _ in chunk], rows_blocks):
-                self._groups.add(members, common * size)
-        slots = to_dev([s for s, _ in chunk])
-        source = to_dev([index[row // n] for _, row in chunk])
-        for (slot, _), blocks in zip(chunk, rows_blocks):
-            self._slot_blocks[slot] = blocks
-        st.table[slots] = self._table_rows(rows_blocks)
-        logits = logits.float()[source]  # (k, V)
-        if routes is not None:  # each row's prompt: the routing of the prefill that wrote its K/V
-            routes = routes.view(*ids.shape, *routes.shape[1:]).to(torch.int16).cpu()
-            for (_, row), i in zip(chunk, source.tolist()):
-                self._routes[row] = (routes[i, : lens[i]], None)
-        limit_t = to_dev([limits[row // n] for _, row in chunk])
-        noise = None if mode == GREEDY else torch.empty_like(logits).exponential_(generator=generator)
-        tokens_out, log_probs = sample_tokens(logits, mode, noise, st.temperature, st.top_k, st.top_p, st.banned)
-        st.tokens[slots] = tokens_out
-        st.lengths[slots] = to_dev([len(tokens[index[row // n]]) for _, row in chunk])
-        st.num_generated[slots] = 1
-        st.max_new[slots] = limit_t
-        if self._call_images is not None:  # each row decodes at cache position + its prompt's M-RoPE delta
-            call = self._call_images
-            st.rope_delta[slots] = to_dev([call.rope_of(order[index[row // n]], tokens[index[row // n]])[1]
-                                           for _, row in chunk])
-            call.admitted([row // n for _, row in chunk])
-        st.out_tokens[slots, 0] = tokens_out
-        st.out_log_probs[slots, 0] = log_probs
-        if self._top:
-            top_ids, top_values = st.top_buffers()
-            ids, values = likeliest_tokens(reported_logits(logits, mode, st.temperature), self._top, tokens_out,
-                                           log_probs)
-            top_ids[slots, 0, :self._top], top_values[slots, 0, :self._top] = ids, values
-        st.done[slots] = (tokens_out[:, None] == st.eos).any(-1) | (limit_t <= 1)
-        self.totals["prompt_tokens"] += sum(lens)
-        self.totals["cached_tokens"] += sum(starts)
-        return ids.numel(), sum(starts)
-
-    def _table_rows(self, block_lists: list[list[int]]) -> torch.Tensor:
-        """Block-table rows (on the device) for lists of blocks: each list, then the scratch block 0."""
-        width = self._state.table.shape[1]
-        return self._to_device([blocks + [0] * (width - len(blocks)) for blocks in block_lists])
-
-    def _to_device(self, values) -> torch.Tensor:
-        """Integers (a list, nested lists, or a CPU tensor) on the device, sent without waiting for it: a copy from
-        pinned memory is queued behind the kernels already launched, where a copy from pageable memory makes the
-        host wait for all of them (in the admission, the device then idles while the host prepares each chunk)."""
-        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
-
-    def _tokens_of(self, prompts, b: int) -> list[int]:
-        """Prompt b's ids on the host (read once per call); a VL prompt's image placeholders stand as their image's
-        digest (`vision.identity`), so that the prefix index and the sharing of equal prompts key on the image."""
-        if b not in self._prompt_tokens:
-            tokens = prompts[b].tolist()
-            if self._call_images is not None:
-                tokens = self._call_images.identity(b, tokens)
-            self._prompt_tokens[b] = tokens
-        return self._prompt_tokens[b]
-
-    def _keys_of(self, b: int) -> list[bytes]:
-        """The prefix-index keys of prompt b's full blocks (`BlockPool.keys`; made once per call, after
-        `_tokens_of`)."""
-        if b not in self._prompt_keys:
-            toks = self._prompt_tokens[b]
-            self._prompt_keys[b] = self._pool.keys(toks, len(toks) // self.block_size)
-        return self._prompt_keys[b]
-
-    def _retire(self, finished, slot_row, generated, results, prompts, n: int) -> None:
-        """Copies the finished slots' tokens to the host (one transfer), indexes the full blocks of what each
-        row's cache holds (prompt and fed tokens; `prefix_cache`), releases the rows' blocks and marks the slots
-        empty."""
-        st = self._state
-        idx = self._to_device(finished)
-        width = max(generated[s] for s in finished)
-        tokens = st.out_tokens[idx, :width].tolist()
-        log_probs = st.out_log_probs[idx, :width].cpu()
-        if self._top:
-            top_ids, top_values = (t[idx, :width, :self._top].cpu() for t in st.top_buffers())
-        for i, s in enumerate(finished):
-            results[slot_row[s]] = (tokens[i][: generated[s]], log_probs[i, : generated[s]])
-            if self._top:
-                self._tops[slot_row[s]] = (top_ids[i, : generated[s]], top_values[i, : generated[s]])
-            blocks = self._slot_blocks[s]
-            if self.prefix_cache and self._registering and not self.record_routing:
-                prompt = self._tokens_of(prompts, slot_row[s] // n)
-                self._pool.register(prompt + results[slot_row[s]][0], blocks, len(prompt) + generated[s] - 1,
-                                    self._keys_of(slot_row[s] // n))
-            self._pool.release(blocks)
-            self._slot_blocks[s] = []
-            if self._groups is not None:
-                self._groups.remove(s)
-        if st.out_routes is not None:  # the tokens fed: all but the last
-            routes = st.out_routes[idx, : max(width - 1, 1)].cpu()
-            for i, s in enumerate(finished):
-                row = slot_row[s]
-                self._routes[row] = (self._routes[row][0], routes[i, : generated[s] - 1])
-        st.lengths[idx] = 0
-        st.done[idx] = True
-        st.table[idx] = 0
-
-    def _find_stops(self, live: list[int], generated: list[int], stop: list[str]) -> list[int]:
-        """The live slots whose response now holds a stop string (marked done on the device too). Only the
-        tail a check can have missed is decoded first, as `hf._StopStringCriteria` does."""
-        if not live:
-            return []
-        st = self._state
-        idx = torch.tensor(live, dtype=torch.long, device=self.device)
-        rows = st.out_tokens[idx, : max(generated[s] for s in live)].cpu().tolist()
-        window = self.sync_every + 1 + max(len(s) for s in stop) + 8
-        ids = [row[: generated[s]] for row, s in zip(rows, live)]
-        tails = self.tokenizer.batch_decode([r[-window:] for r in ids], skip_special_tokens=True)
-        decode = lambda r: self.tokenizer.decode(r, skip_special_tokens=True)  # noqa: E731
-        hits = [s for s, tail, r in zip(live, tails, ids)
-                if contains_stop(tail, stop) and contains_stop(decode(r), stop)]
-        if hits:
-            st.done[torch.tensor(hits, dtype=torch.long, device=self.device)] = True
-        return hits
-
-    def _assemble(self, prompt_ids, attention_mask, rows, n, stop) -> RolloutOutput:
-        """The `RolloutOutput` of the uncut rows, cut by the HF reference's own rule (`cut_responses`)."""
-        width = max(len(t) for t, _ in rows)
-        full = torch.tensor([tokens + [self.pad_id] * (width - len(tokens)) for tokens, _ in rows], dtype=torch.long)
-        lengths, texts = cut_responses(self.tokenizer, self.stop_ids, full, stop)
-        # a row shorter than `full` without EOS ended at its own limit (or a stop string): padding is no response
-        lengths = [min(length, len(tokens)) for length, (tokens, _) in zip(lengths, rows)]
-        responses = [(full[r, :length], rows[r][1][:length]) for r, length in enumerate(lengths)]
-        tops = None
-        if self._top:  # (a row never admitted (`abort`) has none)
-            none = (torch.zeros(0, self._top, dtype=torch.long), torch.zeros(0, self._top))
-            tops = [self._tops.get(r, none) for r in range(len(rows))]
-            self._tops = {}
-        out = assemble_output(prompt_ids, attention_mask, n, responses, texts, self.pad_id, tops)
-        if self.record_routing:
-            out.routed_experts = self._routed_experts(out, lengths, n)
-        return out
-
-    def _routed_experts(self, out: RolloutOutput, lengths: list[int], n: int) -> torch.Tensor:
-        """(N, P+R, L, k) int16: the recorded routing of each row laid out as `out.to_batch()`'s input_ids; -1
-        where nothing was run (padding; the last response token, never fed)."""
-        width = out.prompt_ids.shape[1]
-        routed = torch.full((len(out), width + out.response_ids.shape[1], *self._state.step_routes.shape[1:]), -1,
-                            dtype=torch.int16)
-        for r, length in enumerate(lengths):
-            if r not in self._routes:  # (never admitted: a call ended by `abort`)
-                continue
-            prompt, response = self._routes[r]
-            routed[r, width - prompt.shape[0]:width] = prompt
-            fed = min(length, response.shape[0])
-            routed[r, width:width + fed] = response[:fed]
-        self._routes = {}
-        return routed
