@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
+import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from shardrl.trainer.demo import REVERSE, demo_overrides, prepare_demo_assets
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.curves import emit, run_curve, summary  # noqa: E402
+from shardrl.trainer.demo import REVERSE, demo_overrides, prepare_demo_assets  # noqa: E402
 
 VARIANTS = {
     "grpo": ["algorithm.adv_estimator=grpo"],
@@ -106,40 +106,20 @@ def main() -> None:
     for seed in [int(s) for s in args.seeds.split(",")]:
         for name in args.variants.split(","):
             run_dir = root / f"{args.task}_{args.student_steps}{noise}_{name}_s{seed}_{args.steps}"
-            cmd = [sys.executable, "-m", "shardrl.cli", "train", *demo_overrides(student), *SMALL,
-                   *TASK_OVERRIDES.get(args.task, []),
-                   f"teacher.model_path={teacher / 'model'}", "teacher.engine.param_dtype=float32",
-                   f"trainer.output_dir={run_dir}", "trainer.val_freq=0", "trainer.logger=[jsonl]",
-                   f"trainer.total_steps={args.steps}", f"rollout.seed={seed}", f"data.seed={seed}",
-                   *VARIANTS[name]]
-            t0 = time.perf_counter()
-            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            if done.returncode:
-                sys.exit(f"{name} seed {seed} failed:\n{done.stderr[-3000:]}")
-            wall = time.perf_counter() - t0
-            metrics = [json.loads(line) for line in open(next(run_dir.rglob("metrics.jsonl")))]
-            reward = [m["reward/mean"] for m in metrics]
+            overrides = [*demo_overrides(student), *SMALL, *TASK_OVERRIDES.get(args.task, []),
+                         f"teacher.model_path={teacher / 'model'}", "teacher.engine.param_dtype=float32",
+                         "trainer.val_freq=0", f"trainer.total_steps={args.steps}", f"rollout.seed={seed}",
+                         f"data.seed={seed}", *VARIANTS[name]]
+            run, metrics = run_curve(overrides, run_dir, args.window, f"{name} seed {seed}")
             row = {"bench": "distill", "task": args.task, "teacher_noise": args.teacher_noise, "variant": name,
-                   "seed": seed, "steps": len(reward),
-                   "reward_first": statistics.fmean(reward[: args.window]),
-                   "reward_last": statistics.fmean(reward[-args.window:]),
-                   "reward_all": statistics.fmean(reward),
+                   "seed": seed, **run,
                    **({"reverse_kl_first": metrics[0]["distill/reverse_kl"],
-                       "reverse_kl_last": metrics[-1]["distill/reverse_kl"]} if name.startswith("opd") else {}),
-                   "wall_s": round(wall, 1), "curve": [round(r, 3) for r in reward]}
+                       "reverse_kl_last": metrics[-1]["distill/reverse_kl"]} if name.startswith("opd") else {})}
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit(row, args.out)
     for name in args.variants.split(","):
         mine = [r for r in rows if r["variant"] == name]
-        last = [r["reward_last"] for r in mine]
-        print(json.dumps({"bench": "distill", "task": args.task, "variant": name, "summary": True, "seeds": len(mine),
-                          "reward_last_mean": statistics.fmean(last),
-                          "reward_last_std": statistics.stdev(last) if len(last) > 1 else 0.0,
-                          "reward_last_min": min(last), "reward_last_max": max(last),
-                          "reward_all_mean": statistics.fmean(r["reward_all"] for r in mine)}), flush=True)
+        print(json.dumps(summary(mine, bench="distill", task=args.task, variant=name)), flush=True)
 
 
 if __name__ == "__main__":
