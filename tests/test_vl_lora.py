@@ -50,8 +50,9 @@ def test_lora_adapts_the_language_model_only_and_its_merged_export_loads_in_tran
     import transformers
 
     out = run_distributed(_lora_step, 1, kind, str(tmp_path))
-    # at init (B = 0) the model is the base, exactly
-    torch.testing.assert_close(out["at_init"], out["base"], rtol=0, atol=0)
+    # at init (B = 0) the model is the base: to a rounding (one fp32 ulp of a log-prob was seen on a CPU whose
+    # matmul kernel for the adapted layer sums in another order); a B of 1e-3 everywhere moves them by 2e-3
+    torch.testing.assert_close(out["at_init"], out["base"], rtol=0, atol=2e-6)
     # adapters on the language model's linear layers, every one; none in the vision tower (it has gate/up/down
     # projections too in Qwen2.5-VL) and none on the output head
     model = transformers.AutoModelForImageTextToText.from_config(load_hf_config(None, tiny_config(kind)))
