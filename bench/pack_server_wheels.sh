@@ -7,6 +7,8 @@
 #   bash bench/pack_server_wheels.sh agents openai-agents   # other roots into .whl/agents: the agent frameworks
 #   SKIP="torch transformers accelerate peft tokenizers safetensors huggingface-hub numpy" \
 #       bash bench/pack_server_wheels.sh trl trl datasets   # bench/learn.py's TRL side, less what the image has
+#   SKIP="sympy pyyaml tabulate numpy pillow matplotlib scipy requests mpmath rich pygments six" \
+#       bash bench/pack_server_wheels.sh rg reasoning-gym   # the reasoning-gym example (the owed set)
 # SKIP: packages (and what only they need) left out: the device's own torch stack stays as it is.
 set -eu
 dest=.whl/${1:-oai}
@@ -31,7 +33,13 @@ while todo:
 print(" ".join(f"{k}=={v}" for k, v in seen.items()))
 PY
 )
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$dest" $pins
+# one at a time: a package published as a source archive alone (zss, cellpylib, pycosat: reasoning-gym's) is built
+# into a wheel by a Python 3.12 (PY312; pyenv's python3.12 needs PYENV_VERSION set to its version)
+for pin in $pins; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$dest" "$pin" 2>/dev/null \
+        || "${PY312:-python3.12}" -m pip wheel -q --no-deps "$pin" -w "$dest" \
+        || { echo "no wheel for $pin: set PY312 to a Python 3.12 to build one" >&2; exit 1; }
+done
 ls "$dest"

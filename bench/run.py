@@ -194,11 +194,17 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("distill_reverse", "distill.py", "--task", "reverse", "--steps", "150", "--seeds", "0,1,2",
               "--window", "20", "--variants", "grpo,opd_group,opd_mix,opd_top_k", limit_s=1800),
     ]),
-    "owed": ("the one-GPU figures the open issues still owe (issues 59, 62): streaming's cost with the raw client, "
-             "the offloaded 7B full fine-tuning step (fused CPU AdamW) against bf16 without offload, the CUDA tests "
-             "(needs --wheels .whl/oai for the server steps)", [
+    "owed": ("the one-GPU figures the open issues still owe, the likeliest to finish first (issues 59, 61, 62): "
+             "streaming's cost with the raw client; the reasoning-gym example on the GPU, its rollout in the trainer's "
+             "dtype against FP8 (bench/fp8_curve.py); the CUDA tests of the fast rollout (text and VL); the offloaded "
+             "7B full fine-tuning step (fused CPU AdamW) against bf16 without offload; every CUDA test (needs "
+             "--wheels .whl/oai for the server step and reasoning-gym's wheels for the example: bash "
+             "bench/pack_server_wheels.sh rg reasoning-gym)", [
         bench("serve_stream_raw", "serve.py", *SERVE, "--warm-clients", "--stream", "--client", "raw", limit_s=240),
-        bench("serve_warm_clients", "serve.py", *SERVE, "--warm-clients", "--client", "raw", limit_s=150),
+        bench("reasoning_gym_fp8", "fp8_curve.py", "--task", "reasoning_gym", "--steps", "60", "--seeds", "0",
+              "--variants", "full,fp8", "--window", "10", "--val-freq", "20", limit_s=300),
+        pytest_step("fast_rollout_cuda_tests", "-m", "cuda", "tests/test_vl_rollout.py", "tests/test_rollout_fast.py",
+                    limit_s=300),
         bench("offload_7b_steps", "lora.py", "steps", "--cases", "7b_full,7b_full_bf16", "--steps", "2",
               limit_s=560),
         pytest_step("cuda_tests", "-m", "cuda", "--durations=15", "tests/", limit_s=560),
@@ -208,6 +214,8 @@ SETS: dict[str, tuple[str, list[Step]]] = {
               "--no-floor", limit_s=300),
         bench("rollout_tiny", "rollout.py", "--quick", limit_s=200),
         bench("fp8_tiny", "fp8.py", "--quick", limit_s=200),
+        bench("fp8_curve_tiny", "fp8_curve.py", "--steps", "4", "--seeds", "0", "--window", "2", "--val-freq", "2",
+              limit_s=200),
         bench("multiturn_tiny", "multiturn.py", "--quick", out_flag=False, limit_s=200),
         bench("long_prompts_tiny", "prefix_reuse.py", "--quick", limit_s=200),
         bench("vl_tiny", "vl_e2e.py", "--quick", "--root", "/tmp/bench_vl_quick", limit_s=200),
@@ -327,10 +335,14 @@ def wait_for(out: str, seconds: float) -> bool:
     return finished
 
 
-def install_wheels(folder: str) -> None:
-    wheels = sorted(glob.glob(f"{folder}/*.whl"))
-    if not wheels:
-        raise SystemExit(f"no wheels under {folder} (bench/pack_server_wheels.sh makes them)")
+def install_wheels(folders: str) -> None:
+    """pip-installs the wheels of a comma list of folders (no index, no dependencies: the folders hold them)."""
+    wheels = []
+    for folder in folders.split(","):
+        found = sorted(glob.glob(f"{folder}/*.whl"))
+        if not found:
+            raise SystemExit(f"no wheels under {folder} (bench/pack_server_wheels.sh makes them)")
+        wheels += found
     subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
                     *wheels], check=True)
 
@@ -345,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--detach", action="store_true", help="start the sets in the background and return")
     p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
                    help="wait for detached sets writing to --out, then print their results")
-    p.add_argument("--wheels", default=None, help="a folder of wheels to pip-install first (the server set's)")
+    p.add_argument("--wheels", default=None,
+                   help="folders of wheels to pip-install first, comma-separated (e.g. .whl/oai,.whl/rg)")
     args = p.parse_args(argv)
     if args.list:
         for name, (about, steps) in SETS.items():
