@@ -154,6 +154,7 @@ class RLTrainer(Trainer):
         self.device = the_device()
         self.tokenizer = load_tokenizer(cfg)
         self._say(format_layout(self.layout))
+        self._said_no_spread = False  # (no_spread_warning's line, said once)
         for line in filter(None, [*cfg.ignored_settings(), group_of_one_warning(cfg)]):
             if self.rank == 0:
                 log.warning(line)
@@ -338,6 +339,11 @@ class RLTrainer(Trainer):
         if cfg.algorithm.use_kl_in_reward:  # every rank: the whole batch's KL and sample count
             self.state.kl_ctrl.update(metrics["kl/in_reward"], len(batch) * self.mesh.dp_size)
         metrics.update(self.source.after_step(step, metrics))
+        line = None if self._said_no_spread else no_spread_warning(cfg, plan.estimator.group_baseline, step, metrics)
+        if line:
+            self._said_no_spread = True
+            if self.rank == 0:
+                log.warning(line)
         return metrics
 
     def _update(self, batch: Batch, temp: float) -> dict:
@@ -426,6 +432,34 @@ def flop_shapes(roles: Roles, say):
         return None
 
 
+def group_spread(index: torch.Tensor, scores: torch.Tensor) -> dict:
+    """reward/group_spread_frac: the share of this rank's groups (a prompt's responses, `index` (N,)) of two or more
+    whose scores `(N,)` are not all equal, the groups a group baseline learns from (a group sits on one rank); {}
+    without such groups (rollout.n=1)."""
+    _, group, sizes = torch.unique(index, return_inverse=True, return_counts=True)  # (N,), (G,)
+    if not bool((sizes > 1).any()):
+        return {}
+    scores = scores.float()
+    high = torch.full((len(sizes),), -torch.inf).scatter_reduce(0, group.cpu(), scores.cpu(), "amax")  # (G,)
+    low = torch.full((len(sizes),), torch.inf).scatter_reduce(0, group.cpu(), scores.cpu(), "amin")  # (G,)
+    spread = (high > low) & (sizes.cpu() > 1)
+    return {"reward/group_spread_frac": SumCount(float(spread.sum()), float((sizes > 1).sum()))}
+
+
+def no_spread_warning(cfg: Config, group_baseline: bool, step: int, metrics: dict) -> str | None:
+    """The line for a step in which no group's rewards differ, under an estimator whose advantage is then 0 (a group
+    baseline, no KL in the reward): the reward teaches that step nothing."""
+    if not group_baseline or cfg.algorithm.use_kl_in_reward or metrics.get("reward/group_spread_frac") != 0.0:
+        return None
+    return (f"step {step + 1}: in no group of rollout.n={cfg.rollout.n} responses do the rewards differ "
+            f"(reward/group_spread_frac 0, reward/mean {metrics.get('reward/mean', float('nan')):.3g}), so every "
+            f"advantage of algorithm.adv_estimator={cfg.algorithm.adv_estimator} is 0 and the step learns nothing "
+            "from the reward. If this lasts: the reward may want a format the policy never writes (read the "
+            "validation generations; reasoning-gym's tasks want the answer inside <answer></answer>), or the "
+            "prompts are all too hard or all solved; a warm start (shardrl sft) on the format, a larger rollout.n "
+            "or other data give it spread. Said once a run")
+
+
 def batch_metrics(batch: Batch, scores: torch.Tensor, reward_metrics: dict, max_response_tokens: int,
                   max_prompt_length: int | None = None) -> dict:
     """This rank's reward and length metrics of a step's batch, for `reduce_metrics`."""
@@ -434,6 +468,7 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, reward_metrics: dict, max_
     n = float(len(batch))
     reward_metrics = dict(reward_metrics)
     return {
+        **group_spread(batch["prompt_index"], scores),
         "reward/mean": SumCount(float(scores.sum()), n),
         "reward/max": Max(float(scores.max())),
         "reward/min": Min(float(scores.min())),
