@@ -35,11 +35,15 @@ PY
 )
 # one at a time: a package published as a source archive alone (zss, cellpylib, pycosat: reasoning-gym's) is built
 # into a wheel by a Python 3.12 (PY312; pyenv's python3.12 needs PYENV_VERSION set to its version)
+[ -n "$pins" ] || { echo "nothing to pack: none of [$roots] is installed here (install them first)" >&2; exit 1; }
+platforms=""
+for n in 39 35 34 31 28 27 24 17 12 5; do platforms="$platforms --platform manylinux_2_${n}_x86_64"; done
 for pin in $pins; do
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$dest" "$pin" 2>/dev/null \
-        || "${PY312:-python3.12}" -m pip wheel -q --no-deps "$pin" -w "$dest" \
-        || { echo "no wheel for $pin: set PY312 to a Python 3.12 to build one" >&2; exit 1; }
+    if ! why=$(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            $platforms --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dest" "$pin" 2>&1); then
+        echo "no binary wheel of $pin to download ($(echo "$why" | grep -m1 ERROR)); building one" >&2
+        "${PY312:-python3.12}" -m pip wheel -q --no-deps "$pin" -w "$dest" \
+            || { echo "could not build a wheel of $pin with ${PY312:-python3.12} (PY312: a Python 3.12)" >&2; exit 1; }
+    fi
 done
 ls "$dest"

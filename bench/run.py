@@ -195,8 +195,9 @@ SETS: dict[str, tuple[str, list[Step]]] = {
               "--window", "20", "--variants", "grpo,opd_group,opd_mix,opd_top_k", limit_s=1800),
     ]),
     "owed": ("the one-GPU figures the open issues still owe, the likeliest to finish first (issues 59, 61, 62): "
-             "streaming's cost with the raw client; the reasoning-gym example on the GPU, its rollout in the trainer's "
-             "dtype against FP8 (bench/fp8_curve.py); the CUDA tests of the fast rollout (text and VL); the offloaded "
+             "streaming's cost with the raw client (stream_ratio: streamed over plain clients of the same server, "
+             "in the same step); the reasoning-gym example (its tiny model) on the GPU, its rollout in bf16 against "
+             "FP8 (bench/fp8_curve.py); the CUDA tests of the fast rollout (text and VL); the offloaded "
              "7B full fine-tuning step (fused CPU AdamW) against bf16 without offload; every CUDA test (needs "
              "--wheels .whl/oai for the server step and reasoning-gym's wheels for the example: bash "
              "bench/pack_server_wheels.sh rg reasoning-gym)", [
@@ -335,16 +336,27 @@ def wait_for(out: str, seconds: float) -> bool:
     return finished
 
 
-def install_wheels(folders: str) -> None:
-    """pip-installs the wheels of a comma list of folders (no index, no dependencies: the folders hold them)."""
-    wheels = []
+def collect_wheels(folders: str) -> list[str]:
+    """The wheels of a comma list of folders, each file name once (a wheel in two folders is installed once); two
+    versions of one package, which would stop pip, are refused."""
+    wheels: dict[str, str] = {}
+    versions: dict[str, str] = {}
     for folder in folders.split(","):
         found = sorted(glob.glob(f"{folder}/*.whl"))
         if not found:
             raise SystemExit(f"no wheels under {folder} (bench/pack_server_wheels.sh makes them)")
-        wheels += found
+        for path in found:
+            name, version = os.path.basename(path).split("-")[:2]
+            if versions.setdefault(name.lower(), version) != version:
+                raise SystemExit(f"{name} {versions[name.lower()]} and {version} are both in {folders}: keep one")
+            wheels.setdefault(os.path.basename(path), path)
+    return list(wheels.values())
+
+
+def install_wheels(folders: str) -> None:
+    """pip-installs the wheels of a comma list of folders (no index, no dependencies: the folders hold them)."""
     subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-                    *wheels], check=True)
+                    *collect_wheels(folders)], check=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,3 +66,19 @@ def _ended(pid: int, within_s: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_wheels_of_several_folders_are_installed_once_each_and_two_versions_refused(tmp_path):
+    for folder, files in (("a", ["x-1.0-py3-none-any.whl", "y-2.0-py3-none-any.whl"]),
+                          ("b", ["x-1.0-py3-none-any.whl", "z-0.1-py3-none-any.whl"]),
+                          ("c", ["X-1.1-py3-none-any.whl"])):
+        (tmp_path / folder).mkdir()
+        for name in files:
+            (tmp_path / folder / name).write_text("")
+    got = run.collect_wheels(f"{tmp_path / 'a'},{tmp_path / 'b'}")
+    assert sorted(os.path.basename(p) for p in got) == [
+        "x-1.0-py3-none-any.whl", "y-2.0-py3-none-any.whl", "z-0.1-py3-none-any.whl"]
+    with pytest.raises(SystemExit, match="X 1.0 and 1.1 are both in"):
+        run.collect_wheels(f"{tmp_path / 'a'},{tmp_path / 'c'}")
+    with pytest.raises(SystemExit, match="no wheels under"):
+        run.collect_wheels(str(tmp_path / "nothing"))

@@ -306,7 +306,6 @@ def test_fast_rollout_triton_paths_in_interpreter():
     assert "triton vl paths: ok" in run.stdout
 
 
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("attention", ["triton", "sdpa"])
