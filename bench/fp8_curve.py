@@ -56,6 +56,9 @@ def main() -> None:
     p.add_argument("--root", default=None, help="run folders go here (default: a temporary folder)")
     p.add_argument("--out", default=None, help="append the JSON lines here")
     args = p.parse_args()
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown variants {unknown}; the variants: {', '.join(VARIANTS)}")
     root = Path(args.root or tempfile.mkdtemp(prefix="fp8_curve_"))
     base = task_overrides(args.task, root)
     rows = []
