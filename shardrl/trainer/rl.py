@@ -436,13 +436,13 @@ def group_spread(index: torch.Tensor, scores: torch.Tensor) -> dict:
     """reward/group_spread_frac: the share of this rank's groups (a prompt's responses, `index` (N,)) of two or more
     whose scores `(N,)` are not all equal, the groups a group baseline learns from (a group sits on one rank); {}
     without such groups (rollout.n=1)."""
-    _, group, sizes = torch.unique(index, return_inverse=True, return_counts=True)  # (N,), (G,)
+    _, group, sizes = torch.unique(index.cpu(), return_inverse=True, return_counts=True)  # (N,), (G,)
     if not bool((sizes > 1).any()):
         return {}
-    scores = scores.float()
-    high = torch.full((len(sizes),), -torch.inf).scatter_reduce(0, group.cpu(), scores.cpu(), "amax")  # (G,)
-    low = torch.full((len(sizes),), torch.inf).scatter_reduce(0, group.cpu(), scores.cpu(), "amin")  # (G,)
-    spread = (high > low) & (sizes.cpu() > 1)
+    scores = scores.float().cpu()
+    high = torch.full((len(sizes),), -torch.inf).scatter_reduce(0, group, scores, "amax")  # (G,)
+    low = torch.full((len(sizes),), torch.inf).scatter_reduce(0, group, scores, "amin")  # (G,)
+    spread = (high > low) & (sizes > 1)
     return {"reward/group_spread_frac": SumCount(float(spread.sum()), float((sizes > 1).sum()))}
 
 
