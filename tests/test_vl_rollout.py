@@ -188,6 +188,27 @@ def test_fast_rollout_runs_the_tower_once_per_prompt(kind, block_size):
             assert_equals_reference(out, ref, 3 * b + j, rollout.stop_ids)
 
 
+def test_fast_rollout_reads_deepstack_features_joined_over_the_images(monkeypatch):
+    """Some transformers versions give Qwen3-VL's deepstack features as one (all images' tokens, hidden) tensor per
+    layer, not split per image as the main features are: the fast rollout's greedy output is HF's either way."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    split = Qwen3VLModel.get_image_features
+
+    def joined(self, *args, **kwargs):
+        out = split(self, *args, **kwargs)
+        out.deepstack_features = [torch.cat(layer) for layer in out.deepstack_features]
+        return out
+
+    monkeypatch.setattr(Qwen3VLModel, "get_image_features", joined)
+    model, rollout, prompts, images = vl_setup("qwen3_vl", seed=1, backend="fast")
+    out = rollout.generate(prompts["input_ids"], prompts["attention_mask"],
+                           SamplingParams(greedy=True, max_new_tokens=8), multi_modal_inputs=images)
+    monkeypatch.undo()
+    for b, row in enumerate(prompt_rows(prompts)):
+        assert_equals_reference(out, hf_greedy(model, rollout, row, images[b], 8), b, rollout.stop_ids)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_fast_rollout_prefix_cache_and_shared_prefills_key_on_the_image(kind):
     """Two prompts with the same ids and other pixels share nothing from the image on: in one call, not one

@@ -113,7 +113,11 @@ class ImageEncoder:
         out = self.base.get_image_features(stacked["pixel_values"].to(tower.dtype), stacked["image_grid_thw"],
                                            return_dict=True)
         per_image = list(out.pooler_output)  # one (tokens, hidden) per image
-        deep = [list(layer) for layer in (getattr(out, "deepstack_features", None) or [])]
+        # deepstack: per layer, one (tokens, hidden) per image, or (in some transformers versions) all images'
+        # (sum of tokens, hidden) in one tensor, which `list` would cut into rows
+        sizes = [len(f) for f in per_image]
+        deep = [list((torch.cat(list(layer)) if isinstance(layer, (list, tuple)) else layer).split(sizes))
+                for layer in (getattr(out, "deepstack_features", None) or [])]
         result, first = [], 0
         for row in images:
             count = len(torch.as_tensor(row["image_grid_thw"]).reshape(-1, 3))
