@@ -197,7 +197,8 @@ def test_fast_rollout_reads_deepstack_features_joined_over_the_images(monkeypatc
 
     def joined(self, *args, **kwargs):
         out = split(self, *args, **kwargs)
-        out.deepstack_features = [torch.cat(layer) for layer in out.deepstack_features]
+        out.deepstack_features = [layer if torch.is_tensor(layer) else torch.cat(layer)  # (joined already in some)
+                                  for layer in out.deepstack_features]
         return out
 
     monkeypatch.setattr(Qwen3VLModel, "get_image_features", joined)

@@ -184,7 +184,7 @@ class CallImages:
             return torch.arange(len(tokens)).expand(3, -1), 0
         if b not in self.rope:
             ids = torch.tensor([self.encoder.image_id if t < 0 else t for t in tokens])  # (the real ids)
-            grid = torch.as_tensor(self.images[b]["image_grid_thw"]).long().reshape(-1, 3)
+            grid = torch.as_tensor(self.images[b]["image_grid_thw"]).long().reshape(-1, 3).cpu()  # (may come on CUDA)
             self.rope[b] = self.encoder.rope_index(ids, grid)
         return self.rope[b]
 
