@@ -177,6 +177,63 @@ def test_ulysses_with_data_parallel_equals_one_process():
     assert_same_as_one_process(four, one)
 
 
+# rows repeating images, as a GRPO group's n samples do: row 1 holds row 0's image (the same objects), row 2 an equal
+# copy of it, row 5 row 3's two images; row 4 none
+GROUPED = [(3, [(1, 4, 6)], 5), (2, [(1, 4, 6)], 4), (4, [(1, 4, 6)], 3), (1, [(1, 2, 4), (1, 4, 4)], 6), (2, [], 3),
+           (3, [(1, 2, 4), (1, 4, 4)], 2)]
+
+
+def grouped_batch(hf_config):
+    batch = random_vl_batch(hf_config, GROUPED)
+    images = batch["multi_modal_inputs"]
+    images[1], images[5] = images[0], images[3]
+    images[2] = {k: v.clone() for k, v in images[0].items()}
+    return batch
+
+
+def _grouped(kind: str, variants: list[dict]) -> list[tuple]:
+    """As `_log_probs_and_grads` on GROUPED, with the patches the vision tower read in the log-prob pass."""
+    out = []
+    for engine_kwargs in variants:
+        engine = _engine(kind, optim=True, **engine_kwargs)
+        grads = record_grads(engine)
+        patches = []
+        visual = next(m for n, m in engine.module.named_modules() if n.endswith("model.visual"))
+        visual.register_forward_pre_hook(
+            lambda m, args, kwargs: patches.append((args[0] if args else kwargs["hidden_states"]).shape[0]),
+            with_kwargs=True)
+        batch = grouped_batch(engine.hf_config)
+        rows = list(range(engine.mesh.dp_rank, len(batch), engine.mesh.dp_size))
+        share = batch.index(rows)
+        log_probs = engine.infer_batch(share)["log_probs"]
+        read = sum(patches)
+        engine.train_batch(share, pg_loss)
+        out.append(((rows, log_probs, share["loss_mask"].bool(), grads[0]), read))
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_repeating_images_run_the_tower_once_for_them(kind):
+    """A micro-batch whose rows repeat images runs the vision tower on each distinct image once and splices its
+    features into every row holding it: the log-probs are HF's row by row, the gradients those of micro-batches of
+    one row (no repeats to find), packed and padded; under Ulysses too (sp=2)."""
+    variants = [dict(micro_batch_size_per_gpu=1), dict(micro_batch_size_per_gpu=6),
+                dict(micro_batch_size_per_gpu=6, packed=False)]
+    (alone, read_alone), (together, read_together), (padded, read_padded) = run_distributed(_grouped, 1, kind, variants)
+    # 24 patches an image of row 0 (and 1, 2), 8 + 16 of row 3 (and 5); row 4's micro-batch idles on 4 blank ones
+    assert read_alone == 3 * 24 + 2 * 24 + 4
+    assert read_together == read_padded == 24 + 24
+    batch = grouped_batch(load_hf_config(None, tiny_config(kind)))
+    width_p = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    for i, ref in enumerate(hf_reference(kind, batch)):
+        torch.testing.assert_close(together[1][i, width_p:width_p + ref.numel()], ref, atol=2e-5, rtol=0)
+    assert_same_as_one_process(together, alone)
+    assert_same_as_one_process(padded, alone)
+    (sp, read_sp), = run_distributed(_grouped, 2, kind, [dict(micro_batch_size_per_gpu=6, **SP2)])
+    assert read_sp == 24 + 24
+    assert_same_as_one_process(sp, alone)
+
+
 def test_dpo_refuses_a_vision_language_model_by_name(tmp_path):
     """What is not built for a VL model yet is refused with the setting to change, before any model is built: dpo
     (sft reads images: tests/test_vl_sft.py; both rollouts generate with images: tests/test_vl_rollout.py)."""

@@ -30,7 +30,8 @@ from shardrl.engine.attention import ATTN_NAME, attention_kwargs
 from shardrl.engine.logprob import (chunked_log_probs, chunked_log_probs_at, chunked_log_probs_top1, chunked_top_k,
                                     pack, shift_to_scored_token, unpack)
 from shardrl.engine.moe import RouterReplay, load_balancing_loss
-from shardrl.engine.vision import idle_vision_tower, stack_images, vision_decoder_inputs, vision_sequence_piece
+from shardrl.engine.vision import (embedded_inputs, idle_vision_tower, micro_batch_images, vision_decoder_inputs,
+                                   vision_sequence_piece)
 from shardrl.models.vision import is_vision_language, vision_family
 from shardrl.models.families import is_moe
 from shardrl.engine.ulysses import gather_seq, pad_to_multiple
@@ -375,7 +376,7 @@ class PolicyModel(nn.Module):
         if self.vision:
             tokens.decoder_inputs = vision_decoder_inputs(self.lm, tokens.decoder_inputs, input_ids, attention_mask,
                                                           tokens.flat_index, remove_padding,
-                                                          stack_images(images, input_ids.device))
+                                                          micro_batch_images(images, input_ids.device))
         routing = self._routing(tokens, routed_experts, record_routing, attention_mask, count_replay)
         aux = self.training and self.router_replay is not None and self.router_replay.capture_logits
         if aux:
@@ -430,6 +431,10 @@ class PolicyModel(nn.Module):
                 decoder = self.lm.get_submodule(vision_family(self.lm.config).language_model)
         elif varlen and remove_padding:  # (a VL model's 4-row positions: the first row is the text one)
             tokens.decoder_inputs.update(attention_kwargs(tokens.decoder_inputs["position_ids"][0]))
+        if self.vision and self.sp_group is None and "image_copies" in tokens.decoder_inputs:
+            # rows repeating images (a GRPO group's): the tower ran once over the distinct ones, spliced in here
+            tokens.decoder_inputs = embedded_inputs(self.lm, tokens.decoder_inputs)
+            decoder = self.lm.get_submodule(vision_family(self.lm.config).language_model)
         hidden = decoder(**tokens.decoder_inputs, use_cache=False).last_hidden_state.flatten(0, 1)  # (n_local, H)
         if idle is not None:
             hidden = hidden + idle.to(hidden.dtype)

@@ -4,7 +4,9 @@ vision tower frozen or trained (issue 61).
 A batch carries each row's images in the per-row field `multi_modal_inputs` (verl's name): a dict with
 `pixel_values` (P_i, D), the row's patches, and `image_grid_thw` (k_i, 3), each image's (temporal, height, width)
 patch grid; None or {} for a row without images. A micro-batch is a cut of rows, so it carries its rows' images
-and nothing else; `stack_images` joins them in row order, the order of the placeholders in the micro-batch.
+and nothing else; `stack_images` joins them in row order, the order of the placeholders in the micro-batch. Rows
+repeating images (a GRPO group's n samples of one prompt) have the tower run once over the distinct ones
+(`micro_batch_images`), its features spliced into every row that holds them (`spliced_embeddings`).
 
 Positions: the decoder rotates queries and keys by a (temporal, height, width) position per token (M-RoPE), which
 the model's own `get_rope_index` computes per row from its ids and image grids (text tokens advance all three by 1;
@@ -122,21 +124,99 @@ def vision_sequence_piece(lm: nn.Module, decoder_inputs: dict, ids: torch.Tensor
     n = mrope.shape[1]
     mrope = torch.cat([mrope, text_positions[n:].expand(3, -1)], 1)  # (3, N_p)
     position_ids = torch.cat([text_positions[None], mrope])[:, None, local]  # (4, 1, n_local)
-    embeds = lm.get_input_embeddings()(ids)  # (N_p, H)
     inputs = dict(position_ids=position_ids, **attention_kwargs(text_positions[None], group))
     if "pixel_values" in decoder_inputs:
-        out = lm.model.get_image_features(decoder_inputs["pixel_values"], decoder_inputs["image_grid_thw"],
-                                          return_dict=True)
-        features = torch.cat(out.pooler_output).to(embeds.dtype)  # (I, H): one row per placeholder, in order
-        is_image = ids == image_token_id(lm.config)  # (N_p,)
-        if int(is_image.sum()) != features.shape[0]:
-            raise ValueError(f"the micro-batch has {int(is_image.sum())} image placeholder tokens but its images "
-                             f"give {features.shape[0]} features: each row's multi_modal_inputs must be its own")
-        embeds = embeds.masked_scatter(is_image[:, None], features)
-        deepstack = getattr(out, "deepstack_features", None)
+        embeds, is_image, deepstack = spliced_embeddings(lm, decoder_inputs, ids)
         if deepstack is not None:  # Qwen3-VL: added to the early layers' output at the placeholders of the piece
             first, last = int(is_image[:local.start].sum()), int(is_image[:local.stop].sum())
             inputs["visual_pos_masks"] = is_image[local][None]  # (1, n_local)
-            inputs["deepstack_visual_embeds"] = [torch.cat(layer)[first:last] for layer in deepstack]
+            inputs["deepstack_visual_embeds"] = [layer[first:last] for layer in deepstack]
+    else:
+        embeds = lm.get_input_embeddings()(ids)  # (N_p, H)
     inputs["inputs_embeds"] = embeds[local][None]  # (1, n_local, H)
+    return inputs
+
+
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "distinct_grid_thw", "image_copies")
+"""The decoder inputs that carry a micro-batch's images (`micro_batch_images`)."""
+
+
+def distinct_images(rows: list | None) -> tuple[list[dict], list[int]]:
+    """The rows' images (each a row's `multi_modal_inputs`; rows without images left out) once each, and for each
+    row with images the index of its images among those. A GRPO group's n rows carry one prompt's images (the same
+    objects: `trainer.generation`); rows whose tensors are other objects of the same values count as copies too."""
+    kept: list[dict] = []
+    copies: list[int] = []
+    for row in rows or []:
+        if not (row and row.get("image_grid_thw") is not None and len(row["image_grid_thw"])):
+            continue
+        # (the last kept first: a group's rows come together)
+        match = next((j for j in reversed(range(len(kept))) if _same_images(kept[j], row)), None)
+        if match is None:
+            kept.append(row)
+            match = len(kept) - 1
+        copies.append(match)
+    return kept, copies
+
+
+def _same_images(a: dict, b: dict) -> bool:
+    if a is b or (a["pixel_values"] is b["pixel_values"] and a["image_grid_thw"] is b["image_grid_thw"]):
+        return True
+    pa, pb = torch.as_tensor(a["pixel_values"]), torch.as_tensor(b["pixel_values"])
+    ga, gb = torch.as_tensor(a["image_grid_thw"]).reshape(-1), torch.as_tensor(b["image_grid_thw"]).reshape(-1)
+    return (pa.shape == pb.shape and torch.equal(ga, gb) and torch.equal(pa[:1], pb[:1])  # (most differ at once)
+            and torch.equal(pa, pb))
+
+
+def micro_batch_images(rows: list | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """The images of a micro-batch's rows (`stack_images`), each distinct one once (`distinct_images`): where rows
+    repeat images (a GRPO group's n samples of one prompt), `pixel_values` and `distinct_grid_thw` are the distinct
+    images', `image_copies` gives for each image of the rows in order its index among them, and `image_grid_thw`
+    stays every row's (the M-RoPE positions read it). The tower then runs once for all the copies: their features
+    are the same, and autograd sums the copies' gradients into the tower as it sums those of n runs."""
+    kept, copies = distinct_images(rows)
+    images = stack_images(kept, device)
+    if len(kept) == len(copies):
+        return images
+    counts = [len(torch.as_tensor(row["image_grid_thw"]).reshape(-1, 3)) for row in kept]
+    starts = [sum(counts[:j]) for j in range(len(kept))]
+    order = [starts[j] + i for j in copies for i in range(counts[j])]
+    grid = images["image_grid_thw"]
+    return {"pixel_values": images["pixel_values"], "distinct_grid_thw": grid,
+            "image_grid_thw": grid[torch.tensor(order, device=grid.device)], "image_copies": order}
+
+
+def spliced_embeddings(lm: nn.Module, decoder_inputs: dict, ids: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
+    """(the embeddings of `ids` with the micro-batch's image features at their placeholders, the placeholder mask,
+    Qwen3-VL's deepstack features (a layer's: one row per placeholder, in order) or None). The tower runs once over
+    the distinct images of `decoder_inputs` (`micro_batch_images`), its features then placed in the rows' order."""
+    embeds = lm.get_input_embeddings()(ids)
+    grid = decoder_inputs.get("distinct_grid_thw", decoder_inputs["image_grid_thw"])
+    out = lm.model.get_image_features(decoder_inputs["pixel_values"], grid, return_dict=True)
+    sizes = (grid.prod(-1) // lm.config.vision_config.spatial_merge_size ** 2).tolist()
+    order = decoder_inputs.get("image_copies") or range(len(sizes))
+
+    def placed(features) -> torch.Tensor:  # per image (HF gives a list a image, or, by version, one joined tensor)
+        parts = (features if torch.is_tensor(features) else torch.cat(list(features))).split(sizes)
+        return torch.cat([parts[j] for j in order])
+
+    features = placed(out.pooler_output).to(embeds.dtype)  # (I, H): one row per placeholder, in order
+    is_image = ids == image_token_id(lm.config)
+    if int(is_image.sum()) != features.shape[0]:
+        raise ValueError(f"the micro-batch has {int(is_image.sum())} image placeholder tokens but its images "
+                         f"give {features.shape[0]} features: each row's multi_modal_inputs must be its own")
+    embeds = embeds.masked_scatter(is_image[..., None], features)
+    deepstack = getattr(out, "deepstack_features", None)
+    return embeds, is_image, None if deepstack is None else [placed(layer) for layer in deepstack]
+
+
+def embedded_inputs(lm: nn.Module, decoder_inputs: dict) -> dict:
+    """`decoder_inputs` (the VL base's, `vision_decoder_inputs`) as the language model's: the ids embedded with the
+    images spliced in (`spliced_embeddings`), the rest as they were."""
+    inputs = {k: v for k, v in decoder_inputs.items() if k not in IMAGE_KEYS and k != "input_ids"}
+    embeds, is_image, deepstack = spliced_embeddings(lm, decoder_inputs, decoder_inputs["input_ids"])
+    inputs["inputs_embeds"] = embeds
+    if deepstack is not None:
+        inputs["visual_pos_masks"], inputs["deepstack_visual_embeds"] = is_image, deepstack
     return inputs
