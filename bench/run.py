@@ -73,6 +73,12 @@ SERVE = ("--shape", "1.5b", "--clients", "256", "--requests", "2", "--client-pro
 LEARN = ("--root", "/tmp/bench_learn", "--data", "/tmp/bench_learn/assets", "--gguf", "/tmp/smollm2.gguf")
 MOE_REPLAY = ("--extra", "model.dtype=bfloat16 actor.engine.max_token_len_per_gpu=8192")
 VL = ("--root", "/tmp/bench_vl")  # the model folder and image prompts, written once by `vl_prepare`
+VL_STEPS = (
+    bench("vl_prepare", "vl_e2e.py", *VL, "--parts", "none", limit_s=300),
+    bench("vl_shardrl", "vl_e2e.py", *VL, "--parts", "shardrl", limit_s=420),
+    bench("vl_rollout", "vl_e2e.py", *VL, "--parts", "rollout", limit_s=300),
+    bench("vl_trl", "vl_e2e.py", *VL, "--parts", "trl", limit_s=480),
+)
 
 SETS: dict[str, tuple[str, list[Step]]] = {
     "check": ("a quick GPU sanity check: the device, the fast rollout's CUDA tests, tiny runs of the whole step and "
@@ -180,10 +186,7 @@ SETS: dict[str, tuple[str, list[Step]]] = {
            "step, shardrl against TRL's GRPOTrainer on the same folder and images, and the fast rollout against HF "
            "generate with the images (bench/vl_e2e.py; one GPU, about 15 minutes; the TRL step needs TRL carried, "
            "as the learn set: --wheels .whl/trl)", [
-        bench("vl_prepare", "vl_e2e.py", *VL, "--parts", "none", limit_s=300),
-        bench("vl_shardrl", "vl_e2e.py", *VL, "--parts", "shardrl", limit_s=420),
-        bench("vl_rollout", "vl_e2e.py", *VL, "--parts", "rollout", limit_s=300),
-        bench("vl_trl", "vl_e2e.py", *VL, "--parts", "trl", limit_s=480),
+        *VL_STEPS,
     ]),
     "distill": ("on-policy distillation against plain GRPO on the CPU, from the demo's start with the demo's model "
                 "trained further as the teacher, several seeds (bench/distill.py)", [
@@ -195,19 +198,18 @@ SETS: dict[str, tuple[str, list[Step]]] = {
               "--window", "20", "--variants", "grpo,opd_group,opd_mix,opd_top_k", limit_s=1800),
     ]),
     "owed": ("the one-GPU figures the open issues still owe, the likeliest to finish first (issues 59, 61, 62): "
-             "streaming's cost with the raw client (stream_ratio: streamed over plain clients of the same server, "
-             "in the same step); the reasoning-gym example (its tiny model) on the GPU, its rollout in bf16 against "
-             "FP8 (bench/fp8_curve.py); the CUDA tests of the fast rollout (text and VL); the offloaded "
-             "7B full fine-tuning step (fused CPU AdamW) against bf16 without offload; every CUDA test (needs "
-             "--wheels .whl/oai for the server step and reasoning-gym's wheels for the example: bash "
-             "bench/pack_server_wheels.sh rg reasoning-gym)", [
+             "streaming's cost with the raw client (stream_ratio_after: streamed over the plain run after it in the "
+             "same server; the streamed run's own profile and cores), with one front end and with two; the CUDA "
+             "tests of the fast rollout (text and VL); the VLM step (Qwen2.5-VL-3B's shape) against TRL's after "
+             "the tower runs once per distinct image with its segments batched (session 36: 31.54 s, TRL 44.62 s), "
+             "and the fast rollout against HF generate alone; every CUDA test (needs --wheels "
+             ".whl/oai,.whl/trl)", [
         bench("serve_stream_raw", "serve.py", *SERVE, "--warm-clients", "--stream", "--client", "raw", limit_s=240),
-        bench("reasoning_gym_fp8", "fp8_curve.py", "--task", "reasoning_gym", "--steps", "60", "--seeds", "0",
-              "--variants", "full,fp8", "--window", "10", "--val-freq", "20", limit_s=300),
+        bench("serve_stream_raw_fe2", "serve.py", *SERVE, "--warm-clients", "--stream", "--client", "raw",
+              "--front-ends", "2", limit_s=240),
         pytest_step("fast_rollout_cuda_tests", "-m", "cuda", "tests/test_vl_rollout.py", "tests/test_rollout_fast.py",
                     limit_s=300),
-        bench("offload_7b_steps", "lora.py", "steps", "--cases", "7b_full,7b_full_bf16", "--steps", "2",
-              limit_s=560),
+        *VL_STEPS,
         pytest_step("cuda_tests", "-m", "cuda", "--durations=15", "tests/", limit_s=560),
     ]),
     "smoke": ("every benchmark's CPU smoke run (tiny models; no GPU): that the scripts still run", [

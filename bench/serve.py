@@ -486,15 +486,32 @@ def main():
     streams = batcher.stats["streams"] - before["streams"]
     streamed = {}
     if args.stream:  # (a streamed warm-up, then the timed streamed run: the same server, prompts of their own)
+        def stream_ended() -> dict:  # the running stream's profile (it ends: the next run's starts afresh)
+            batcher.pause()
+            stats = profile(batcher.rollout)
+            batcher.unpause()
+            return stats
+
+        served_stats = stream_ended()  # (the plain run's)
         all_clients(8, stream=True)
+        stream_ended()
+        cpu1 = [cpu_s(pid) for pid in front_pids], time.process_time()
         streamed_tokens, streamed_s = all_clients(7, stream=True)
+        streamed_cores = dict(
+            front_ends=[round((cpu_s(pid) - c) / streamed_s, 2) for pid, c in zip(front_pids, cpu1[0])],
+            engine=round((time.process_time() - cpu1[1]) / streamed_s, 2))
+        streamed_stats = stream_ended()
         again_tokens, again_s = all_clients(9)  # (plain once more: how much two plain runs differ by themselves)
-        streamed = dict(streamed_s=round(streamed_s, 3), streamed_tokens_per_s=round(streamed_tokens / streamed_s),
-                        plain_again_tokens_per_s=round(again_tokens / again_s),
-                        stream_ratio=round((streamed_tokens / streamed_s) / (served_tokens / served_s), 3))
+        rate, again = streamed_tokens / streamed_s, again_tokens / again_s
+        streamed = dict(streamed_s=round(streamed_s, 3), streamed_tokens_per_s=round(rate),
+                        plain_again_tokens_per_s=round(again),
+                        stream_ratio=round(rate / (served_tokens / served_s), 3),
+                        stream_ratio_after=round(rate / again, 3),  # (the steadier baseline: both warm)
+                        streamed_profile=streamed_stats, streamed_cores=streamed_cores)
     switch_ms = round(sys.getswitchinterval() * 1000, 3)  # (while the server ran)
     batcher.pause()  # (a stream's idle wait ends first: the rollout is the direct calls' next)
-    served_stats = profile(batcher.rollout)  # (the stream's, now ended: one stream ran the whole timed part)
+    if not args.stream:
+        served_stats = profile(batcher.rollout)  # (the stream's, now ended: one stream ran the whole timed part)
     server.stop()
 
     rollout = batcher.rollout

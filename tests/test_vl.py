@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from shardrl.algos.aggregate import agg_loss
 from shardrl.config.schema import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
 from shardrl.engine import build_engine
+from shardrl.engine.attention import VISION_ATTN_NAME
 from shardrl.engine.model import build_causal_lm, load_hf_config
 from shardrl.testing import random_vl_batch, record_grads, run_distributed, tiny_config
 
@@ -32,7 +33,9 @@ def hf_reference(kind: str, batch, model=None) -> list[torch.Tensor]:
     """Per row: the plain HF model's (`model`, or the tiny config's seeded one) log-probs of the row's response
     tokens (the row alone, no padding)."""
     config = load_hf_config(None, tiny_config(kind))
-    model = model if model is not None else build_causal_lm(config, None, "cpu", torch.float32, seed=0).eval()
+    if model is None:  # HF's own vision attention (SDPA a segment), not the engine's (`use_segments_attention`)
+        model = build_causal_lm(config, None, "cpu", torch.float32, seed=0).eval()
+        model.model.visual.config._attn_implementation = "sdpa"
     out = []
     for i in range(len(batch)):
         keep = batch["attention_mask"][i].bool()
@@ -232,6 +235,39 @@ def test_rows_repeating_images_run_the_tower_once_for_them(kind):
     (sp, read_sp), = run_distributed(_grouped, 2, kind, [dict(micro_batch_size_per_gpu=6, **SP2)])
     assert read_sp == 24 + 24
     assert_same_as_one_process(sp, alone)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("grids", [[(1, 4, 6), (1, 4, 4), (1, 2, 2)], [(1, 4, 4), (1, 4, 4)]],
+                         ids=["lengths_mixed", "one_length"])
+def test_vision_tower_segments_attention_equals_hf_sdpa(kind, grids):
+    """The engine's vision attention (the segments of one length batched: Qwen2.5-VL's windows of 16 and 8 patches
+    at a 4 x 6 image's edge, the images of 24, 16 and 4 patches in its full block) gives HF's per-segment SDPA
+    features and tower gradients."""
+    config = load_hf_config(None, tiny_config(kind))
+    ours = build_causal_lm(config, None, "cpu", torch.float32, seed=0)
+    theirs = build_causal_lm(config, None, "cpu", torch.float32, seed=0)
+    theirs.model.visual.config._attn_implementation = "sdpa"  # (the tower's own config: `use_segments_attention`)
+    assert ours.model.visual.config._attn_implementation == VISION_ATTN_NAME
+    assert ours.config.vision_config._attn_implementation == "sdpa"  # (the model's, as HF builds it)
+    grid = torch.tensor(grids)
+    vision = config.vision_config
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * vision.temporal_patch_size * vision.patch_size ** 2,
+                         generator=torch.Generator().manual_seed(0))
+    weights = None
+    results = []
+    for model in (ours, theirs):
+        out = model.model.get_image_features(pixels, grid, return_dict=True)
+        features = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+        flat = torch.cat([f if torch.is_tensor(f) else torch.cat(list(f)) for f in features])
+        weights = torch.randn(flat.shape, generator=torch.Generator().manual_seed(1)) if weights is None else weights
+        (flat * weights).sum().backward()
+        results.append((flat.detach(), {n: p.grad for n, p in model.model.visual.named_parameters()}))
+    (got, got_grads), (want, want_grads) = results
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-5 * (grad.abs().max().item() + 1e-12), rtol=0,
+                                   msg=name)
 
 
 def test_dpo_refuses_a_vision_language_model_by_name(tmp_path):

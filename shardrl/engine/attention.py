@@ -10,6 +10,7 @@ sequence (slow, exact; it exists so the plumbing is tested everywhere).
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -159,6 +160,60 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     q, k, v = (seq_to_head(t, group) for t in (q, k, v))  # (N, H/sp, D)
     out = _causal_varlen(q, k, v, cu, max_len, scaling, uniform, **limits)  # (N, H/sp, D)
     return head_to_seq(out, group).unsqueeze(0), None  # (1, n, H, D)
+
+
+VISION_ATTN_NAME = "shardrl_flash_segments"
+"""The vision towers' attention (`segments_attention_forward`). HF's Qwen-VL vision blocks hand the bounds of their
+segments (each image, or each window of one) to an attention whose name holds "flash", and call any other once a
+segment: at 128 images of 16 windows that is some 58,000 small calls a tower forward, a GPU's host time. The name is
+set on a built model's vision config (`use_segments_attention`), past `from_config`'s check, which would look for a
+FlashAttention kernel by it."""
+
+
+def segments_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """HF attention-function signature, bidirectional within segments: query/key/value (1, H, N, D), the segments'
+    bounds `cu_seq_lens_q` (S+1,) (one segment without them) -> (attn_output (1, N, H, D), None). The segments of
+    one length run as one batched SDPA call: a window layer's windows are one length but those at an image's edge,
+    a full layer's segments one length an image size."""
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, H, D)
+    cu = kwargs.get("cu_seq_lens_q")
+    bounds = cu.tolist() if cu is not None else [0, q.shape[0]]  # (one host sync a layer, as HF's own loop)
+    by_length: dict[int, list[int]] = {}
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            by_length.setdefault(end - start, []).append(start)
+    sdpa = dict(scale=scaling, dropout_p=dropout, enable_gqa=q.shape[1] != k.shape[1])
+
+    def batched(t, count: int, length: int):  # (count * length, H, D) -> (count, H, length, D)
+        return t.reshape(count, length, t.shape[1], t.shape[2]).transpose(1, 2)
+
+    if len(by_length) == 1 and len(next(iter(by_length.values()))) * next(iter(by_length)) == q.shape[0]:
+        (length, starts), = by_length.items()  # every segment one length, back to back: no gather
+        out = F.scaled_dot_product_attention(*(batched(t, len(starts), length) for t in (q, k, v)), **sdpa)
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])[None], None
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    for length, starts in by_length.items():
+        idx = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
+        o = F.scaled_dot_product_attention(*(batched(t[idx], len(starts), length) for t in (q, k, v)), **sdpa)
+        out = out.index_put((idx,), o.transpose(1, 2).reshape(idx.numel(), q.shape[1], v.shape[2]))
+    return out[None], None
+
+
+def use_segments_attention(model) -> None:
+    """Gives a vision-language model's vision tower `segments_attention_forward` (registered by its name): the
+    tower's modules get a copy of the vision config naming it; the model's own config keeps HF's name, so that the
+    other models built from it (the fast rollout's, a reference's) need no such function, and nothing saved names it."""
+    from transformers import AttentionInterface
+
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None:
+        return
+    AttentionInterface.register(VISION_ATTN_NAME, segments_attention_forward)
+    own = copy.copy(vision)
+    own._attn_implementation = VISION_ATTN_NAME
+    for module in model.modules():
+        if getattr(module, "config", None) is vision:
+            module.config = own
 
 
 def _no_mask(*args, **kwargs):

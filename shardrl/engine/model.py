@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 
-from shardrl.engine.attention import ATTN_NAME, attention_kwargs
+from shardrl.engine.attention import ATTN_NAME, attention_kwargs, use_segments_attention
 from shardrl.engine.logprob import (chunked_log_probs, chunked_log_probs_at, chunked_log_probs_top1, chunked_top_k,
                                     pack, shift_to_scored_token, unpack)
 from shardrl.engine.moe import RouterReplay, load_balancing_loss
@@ -247,7 +247,8 @@ def build_causal_lm(config, path: str | None, device: str | torch.device, dtype:
                     sequence_classification: bool = False) -> nn.Module:
     """The model with real weights (from `path`, or a seeded random init) on `device` ('meta' for none). A
     vision-language model is HF's image-text-to-text class; `attn_implementation` is its decoder's, its vision
-    tower's is SDPA (bidirectional within each image: the packed causal kernel is not for it)."""
+    tower's SDPA over each image or window (bidirectional: the packed causal kernel is not for it), the segments of
+    one length in one call (`use_segments_attention`)."""
     kwargs = dict(attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     auto = transformers.AutoModelForSequenceClassification if sequence_classification else transformers.AutoModelForCausalLM
     if is_vision_language(config) and not sequence_classification:
@@ -257,6 +258,7 @@ def build_causal_lm(config, path: str | None, device: str | torch.device, dtype:
     if str(device) == "meta":
         with torch.device("meta"):
             model = auto.from_config(config, dtype=dtype, **kwargs)
+        use_segments_attention(model)
         return model
     if path is not None:
         from safetensors import SafetensorError
@@ -274,6 +276,7 @@ def build_causal_lm(config, path: str | None, device: str | torch.device, dtype:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = auto.from_config(config, dtype=dtype, **kwargs)
+    use_segments_attention(model)
     return model.to(device)
 
 
