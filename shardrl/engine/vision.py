@@ -31,7 +31,8 @@ import torch
 import torch.nn as nn
 
 from shardrl.engine.attention import attention_kwargs
-from shardrl.models.vision import image_token_id, is_vision_language, stack_images, vision_family  # noqa: F401
+from shardrl.models.vision import (image_token_id, is_vision_language, per_image_features,  # noqa: F401
+                                   stack_images, vision_family)
 
 MULTI_MODAL_KEY = "multi_modal_inputs"
 """The per-row batch field holding a row's `pixel_values` and `image_grid_thw`."""
@@ -194,21 +195,16 @@ def spliced_embeddings(lm: nn.Module, decoder_inputs: dict, ids: torch.Tensor
     embeds = lm.get_input_embeddings()(ids)
     grid = decoder_inputs.get("distinct_grid_thw", decoder_inputs["image_grid_thw"])
     out = lm.model.get_image_features(decoder_inputs["pixel_values"], grid, return_dict=True)
-    sizes = (grid.prod(-1) // lm.config.vision_config.spatial_merge_size ** 2).tolist()
-    order = decoder_inputs.get("image_copies") or range(len(sizes))
-
-    def placed(features) -> torch.Tensor:  # per image (HF gives a list a image, or, by version, one joined tensor)
-        parts = (features if torch.is_tensor(features) else torch.cat(list(features))).split(sizes)
-        return torch.cat([parts[j] for j in order])
-
-    features = placed(out.pooler_output).to(embeds.dtype)  # (I, H): one row per placeholder, in order
+    per_image, deep = per_image_features(out, grid, lm.config.vision_config.spatial_merge_size)
+    order = decoder_inputs.get("image_copies") or range(len(per_image))
+    placed = lambda parts: torch.cat([parts[j] for j in order])  # noqa: E731  (in the rows' order)
+    features = placed(per_image).to(embeds.dtype)  # (I, H): one row per placeholder, in order
     is_image = ids == image_token_id(lm.config)
     if int(is_image.sum()) != features.shape[0]:
         raise ValueError(f"the micro-batch has {int(is_image.sum())} image placeholder tokens but its images "
                          f"give {features.shape[0]} features: each row's multi_modal_inputs must be its own")
     embeds = embeds.masked_scatter(is_image[..., None], features)
-    deepstack = getattr(out, "deepstack_features", None)
-    return embeds, is_image, None if deepstack is None else [placed(layer) for layer in deepstack]
+    return embeds, is_image, [placed(layer) for layer in deep] if deep else None
 
 
 def embedded_inputs(lm: nn.Module, decoder_inputs: dict) -> dict:

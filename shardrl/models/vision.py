@@ -62,6 +62,20 @@ def refuse_vision_language(hf_config, where: str, part: str) -> None:
         raise ValueError(f"{where}: {hf_config.model_type!r} is a vision-language model; {NOT_BUILT[part]}")
 
 
+def per_image_features(out, grid: "torch.Tensor", merge: int) -> tuple[list, list[list]]:
+    """HF's `get_image_features` output for images of patch grids `grid` (k, 3) as (each image's features
+    (tokens_i, hidden), and per deepstack layer (Qwen3-VL) each image's): HF gives each as a list of one tensor an
+    image or, by version (transformers 5.17's deepstack), one tensor joined over the images."""
+    import torch
+
+    sizes = (grid.prod(-1) // merge ** 2).tolist()
+
+    def split(features) -> list:
+        return list((features if torch.is_tensor(features) else torch.cat(list(features))).split(sizes))
+
+    return split(out.pooler_output), [split(layer) for layer in (getattr(out, "deepstack_features", None) or [])]
+
+
 def stack_images(rows: list | None, device: "torch.device") -> dict[str, "torch.Tensor"]:
     """Rows' images (each a row's `multi_modal_inputs` or None) in row order, the order of their placeholders in
     the rows: {"pixel_values": (sum P_i, D), "image_grid_thw": (sum k_i, 3)}, or {} when no row has one."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from shardrl.models.vision import image_token_id, stack_images
+from shardrl.models.vision import image_token_id, per_image_features, stack_images
 
 
 @dataclass
@@ -112,12 +112,7 @@ class ImageEncoder:
         self.base.visual = tower  # (the meta base computes with the rollout's tower)
         out = self.base.get_image_features(stacked["pixel_values"].to(tower.dtype), stacked["image_grid_thw"],
                                            return_dict=True)
-        per_image = list(out.pooler_output)  # one (tokens, hidden) per image
-        # deepstack: per layer, one (tokens, hidden) per image, or (in some transformers versions) all images'
-        # (sum of tokens, hidden) in one tensor, which `list` would cut into rows
-        sizes = [len(f) for f in per_image]
-        deep = [list((torch.cat(list(layer)) if isinstance(layer, (list, tuple)) else layer).split(sizes))
-                for layer in (getattr(out, "deepstack_features", None) or [])]
+        per_image, deep = per_image_features(out, stacked["image_grid_thw"], self.merge)
         result, first = [], 0
         for row in images:
             count = len(torch.as_tensor(row["image_grid_thw"]).reshape(-1, 3))
