@@ -187,12 +187,13 @@ def segments_attention_forward(module, query, key, value, attention_mask, scalin
     def batched(t, count: int, length: int):  # (count * length, H, D) -> (count, H, length, D)
         return t.reshape(count, length, t.shape[1], t.shape[2]).transpose(1, 2)
 
-    if len(by_length) == 1 and len(next(iter(by_length.values()))) * next(iter(by_length)) == q.shape[0]:
-        (length, starts), = by_length.items()  # every segment one length, back to back: no gather
+    groups = list(by_length.items())
+    if len(groups) == 1 and len(groups[0][1]) * groups[0][0] == q.shape[0]:  # one length, back to back: no gather
+        length, starts = groups[0]
         out = F.scaled_dot_product_attention(*(batched(t, len(starts), length) for t in (q, k, v)), **sdpa)
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])[None], None
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    for length, starts in by_length.items():
+    for length, starts in groups:
         idx = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
         o = F.scaled_dot_product_attention(*(batched(t[idx], len(starts), length) for t in (q, k, v)), **sdpa)
         out = out.index_put((idx,), o.transpose(1, 2).reshape(idx.numel(), q.shape[1], v.shape[2]))
