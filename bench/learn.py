@@ -274,6 +274,8 @@ def run_trl(root: Path, model_path: Path, train: Path, val: Path, seed: int, lor
     held_out = load_held_out()(model.config, tok, str(val), s.max_new, s.max_prompt)
     curve: list[dict] = []
     clock = {"train_s": 0.0}
+    progress = root / f"trl_curve_seed{seed}{'_lora' if lora else ''}.jsonl"
+    progress.unlink(missing_ok=True)
 
     def sync():
         if cuda:
@@ -286,6 +288,7 @@ def run_trl(root: Path, model_path: Path, train: Path, val: Path, seed: int, lor
         model.train(was_training)
         curve.append(dict(step=step, train_s=round(clock["train_s"], 2), accuracy=round(result["accuracy"], 4),
                           has_answer_marker=round(result["has_answer_marker"], 4)))
+        append_jsonl(str(progress), [curve[-1]])  # (what a run cut short by a time limit still leaves)
 
     class HeldOutClock(transformers.TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):

@@ -41,6 +41,9 @@ SHAPES = {
     "7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096,
                tie_word_embeddings=False, rope_theta=1e6, initializer_range=0.02),
+    "3b": dict(model_type="qwen2", vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+               num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=4096,
+               tie_word_embeddings=True, rope_theta=1e6, initializer_range=0.02),
     "32b": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
                 num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=4096,
                 tie_word_embeddings=False, rope_theta=1e6, initializer_range=0.02),
@@ -58,6 +61,11 @@ CASES = {
     # full fine-tuning in bf16 throughout (weights, grads, AdamW state: 8 bytes a parameter) fits without offload
     "7b_full_bf16": ("7b", 32, ["model.dtype=bfloat16", "actor.engine.max_token_len_per_gpu=4096"]),
     "7b_lora": ("7b", 32, LORA),
+    # offload against none on a shape whose fp32 master weights and AdamW (16 bytes a parameter, 49 GB) fit one
+    # 80 GB GPU and, offloaded, the host's memory (the 7B's 122 GB of host state does not fit a 128 GiB host)
+    "3b_full": ("3b", 32, ["actor.engine.max_token_len_per_gpu=4096"]),
+    "3b_full_offload": ("3b", 32, ["actor.engine.offload_params=true", "actor.engine.offload_optimizer=true",
+                                   "actor.engine.max_token_len_per_gpu=4096"]),
     "7b_lora_merged": ("7b", 32, LORA + ["rollout.lora_sync=merged"]),
     # the least memory: full fine-tuning's 4,096-token micro-batches, the rollout's cache freed for the update,
     # merged (a bf16 copy of the model in the rollout) or unmerged (the rollout reads the trainer's base)
@@ -282,16 +290,35 @@ def case_overrides(root: Path, case: str, steps: int) -> list[str]:
             *extra]
 
 
+def host_used_gib() -> float | None:
+    """The host's memory in use (MemTotal - MemAvailable of /proc/meminfo), GiB; None where there is none."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        kib = int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])
+        return kib / 2**20
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def host_total_gib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        return None
+
+
 class DeviceMemory:
     """The GPU's memory in use as nvidia-smi reports it (every process: the allocator's cache and the CUDA context
     counted), sampled every `every_s` on a thread while a case runs: one measure for a case that finishes no step
     (whose metrics.jsonl holds no torch peak) and for one that does. `peak_gib` is the most seen less what was in
-    use before the case started."""
+    use before the case started. The host's memory in use is sampled beside it (`host_peak_gib`, less what was in use
+    before: offloaded state lives there)."""
 
     def __init__(self, every_s: float = 0.5):
         import threading
 
         self.every_s, self.samples, self._stop = every_s, [], threading.Event()
+        self.host_base, self.host_samples = host_used_gib(), []
         self.base = self._used()
         self._thread = threading.Thread(target=self._run, daemon=True) if self.base is not None else None
         if self._thread is not None:
@@ -308,9 +335,16 @@ class DeviceMemory:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            used = self._used()
+            used, host = self._used(), host_used_gib()
             if used is not None:
                 self.samples.append(used)
+            if host is not None:
+                self.host_samples.append(host)
+
+    def host_peak(self) -> float | None:
+        if not self.host_samples or self.host_base is None:
+            return None
+        return round(max(self.host_samples) - self.host_base, 2)
 
     def stop(self) -> float | None:
         if self._thread is None:
@@ -349,7 +383,7 @@ def run_steps(args) -> list[dict]:
             error, resolved = f"timed out after {args.case_timeout_s} s", []
         wall = time.perf_counter() - t0
         rec = dict(bench="lora_steps", case=case, ledger_gib=ledger, wall_s=round(wall, 1), resolved=resolved,
-                   nvidia_smi_peak_gib=smi.stop(),
+                   nvidia_smi_peak_gib=smi.stop(), host_peak_gib=smi.host_peak(), host_total_gib=host_total_gib(),
                    plan_error=None if plan.returncode == 0 else plan.stderr[-1500:])
         metrics = run_dir / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
