@@ -10,7 +10,7 @@ use of the interpreter lock, as measured on one H100 for the Qwen2-1.5B shape (b
 - each row ends at an end token with probability `hazard` a token after its first, or at its limit (the bench model's
   `eos_hazard`, 1/400).
 
-Rows, `RowFeed` calls and `last_stats` are the fast rollout's, so the real `Batcher`, front end and clients run
+Rows, `RowFeed` calls (a streamed row's tokens at each sync too) and `last_stats` are the fast rollout's, so the real `Batcher`, front end and clients run
 unchanged in front of it. What it cannot show: the device's own contention (a prefill slowing the decode steps)."""
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class SimRollout:
     def _decode(self, limits: list[int], num_slots: int, feed=None, overlap: bool = False) -> dict[int, int]:
         """Rows 0.. of `limits` (and those `feed` hands over) through the slots; returns row -> tokens made."""
         queue, live, made = deque(range(len(limits))), {}, {}  # live: row -> (target, generated)
+        reported: dict[int, int] = {}  # streamed row -> its tokens handed to the feed
         stats = dict(decode_steps=0, syncs=0, num_slots=num_slots, row_steps=0, slot_steps=0, admissions=0,
                      captures=0, decode_s=0.0, launch_s=0.0, admit_s=0.0, feed_wait_s=0.0, host_s=0.0)
 
@@ -77,6 +78,13 @@ class SimRollout:
                     made[row] = target
                     if feed is not None:
                         feed.finished(row, [self.token_id] * target, torch.full((target,), -1.0))
+            streamed = feed.streamed_rows() if feed is not None and hasattr(feed, "streamed_rows") else None
+            if streamed:  # (as the fast rollout: each streamed row's tokens since the last sync)
+                parts = [(row, [self.token_id] * (generated - reported.get(row, 0)))
+                         for row, (_, generated) in live.items() if row in streamed and generated > reported.get(row, 0)]
+                reported.update((row, live[row][1]) for row, _ in parts)
+                if parts:
+                    feed.progress(parts)
             if feed is not None:
                 gone = set(feed.cancelled()) if hasattr(feed, "cancelled") else set()
                 if gone:  # (as the fast rollout: queued rows dropped unreported, live ones end at this sync)

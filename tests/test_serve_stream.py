@@ -180,3 +180,160 @@ def test_the_templated_chunks_are_the_dicts_chunks(byte_tokenizer, chat):
     assert sum(isinstance(c, str) for c in fast) >= len(ids) - 2  # (all but the first (completions) and last)
     writer.middle_template = lambda index: None  # (the dict path only)
     assert [json.loads(c) if isinstance(c, str) else c for c in fast] == writer.choice(0, o)
+
+
+# ---- replies streamed as their tokens are made (`LiveReply`) -------------------------------------------------
+def _writer(tok, chat: bool, **more):
+    from shardrl.rollout.serving.schema import ChatRequest, CompletionRequest
+    from shardrl.rollout.serving.streaming import ChunkWriter
+
+    req = (ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], stream=True,
+                       stream_options={"include_usage": True}, **more) if chat
+           else CompletionRequest(model="m", prompt=["x", "y"], stream=True, stream_options={"include_usage": True},
+                                  **more))
+    return ChunkWriter(req, "m", tok, chat)
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_reply_sent_as_its_tokens_come_is_the_whole_replys_stream(byte_tokenizer, chat):
+    """Its tokens handed over in parts (as the engine's syncs do), then the answer: the events, byte for byte, are
+    those of the same reply sent whole (one choice), and per choice with two (their chunks interleaved)."""
+    from shardrl.rollout.serving.streaming import LiveReply, chat_events, completion_events
+
+    tok = byte_tokenizer
+    texts = ['he said "{x}" \\ 世界 é 🙂 there', "hello world, hello there 世界"]
+    outs = [{"token_ids": tok(t)["input_ids"], "text": t, "finish_reason": "length", "stop_reason": None,
+             "prompt_token_ids": [5 + k, 6]} for k, t in enumerate(texts)]
+    prompts = [o["prompt_token_ids"] for o in outs]
+    for count in (1, 2):
+        writer = _writer(tok, chat, **({"n": count} if chat else {}))
+        reply = LiveReply(writer, [9, 9], lambda k: prompts[k])
+        sent = []
+        for lo, hi in ((0, 3), (3, 4), (4, 11), (11, 12)):  # (a part of one token, parts splitting a character)
+            for k in range(count):
+                sent += reply.add(k, outs[k]["token_ids"][lo:hi])
+        sent += reply.end(outs[:count], [[9, 9]] if chat else prompts[:count])
+        whole = (chat_events(writer, [9, 9], outs[:count]) if chat
+                 else completion_events(writer, prompts[:count], outs[:count]))
+        whole = "".join(whole)
+        if count == 1:
+            assert "".join(sent) == whole
+        else:
+            def by_choice(events):
+                return {k: [e for e in events if e["choices"] and e["choices"][0]["index"] == k] for k in range(2)}
+            assert by_choice(_events("".join(sent))) == by_choice(_events(whole))
+            assert _events("".join(sent))[-1] == _events(whole)[-1]  # (the usage)
+
+
+def test_text_a_stop_string_cuts_is_never_sent(byte_tokenizer):
+    """With stop strings, the text's last (longest stop - 1) characters wait: the row stops at the sync where "world"
+    is whole, and "wor" (made at an earlier sync) was never sent; joined, the chunks are the cut reply."""
+    from shardrl.rollout.serving.streaming import LiveReply
+
+    tok = byte_tokenizer
+    ids = tok("hello world, hello there")["input_ids"]
+    decoded = [tok.decode(ids[:i]) for i in range(len(ids) + 1)]
+    before = next(i for i, d in enumerate(decoded) if "wor" in d and "world" not in d)  # (sent before the stop)
+    whole = next(i for i, d in enumerate(decoded) if "world" in d)
+    writer = _writer(tok, False, stop=["world", "zz"])
+    reply = LiveReply(writer, [], lambda k: [1])
+    sent = "".join(reply.add(0, ids[:before]))
+    text = "".join(e["choices"][0]["text"] for e in _events(sent))
+    assert "hello ".startswith(text) and "w" not in text
+    o = {"token_ids": ids[:whole], "text": "hello ", "finish_reason": "stop", "stop_reason": "world",
+         "prompt_token_ids": [1]}
+    events = _events(sent + "".join(reply.end([o], [[1]])))
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "hello "
+    assert [t for e in events if e["choices"] for t in e["choices"][0]["token_ids"]] == o["token_ids"]
+
+
+def test_tokens_from_a_stop_token_id_on_are_never_sent(byte_tokenizer):
+    """A reply generated past one of its stop_token_ids is cut after it: no token from it on goes out before the
+    answer, and the chunks are the cut reply's."""
+    from shardrl.rollout.serving.streaming import LiveReply
+
+    tok = byte_tokenizer
+    ids = tok("hello world, hello there")["input_ids"]
+    at = 4
+    writer = _writer(tok, True, stop_token_ids=[ids[at]])
+    reply = LiveReply(writer, [1], None)
+    sent = "".join(reply.add(0, ids[:3]) + reply.add(0, ids[3:8]))
+    assert [t for e in _events(sent) for t in e["choices"][0]["token_ids"]] == ids[:at]
+    o = {"token_ids": ids[:at + 1], "text": tok.decode(ids[:at]), "finish_reason": "stop", "stop_reason": ids[at]}
+    events = _events(sent + "".join(reply.end([o], [[1]])))
+    assert [t for e in events if e["choices"] for t in e["choices"][0]["token_ids"]] == ids[:at + 1]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]) == o["text"]
+
+
+def _http_chunks(url: str, path: str, body: dict) -> list[bytes]:
+    """The body of a streamed POST as the server wrote it: its HTTP chunks (one per write of the reply)."""
+    import socket
+    import urllib.parse
+
+    where = urllib.parse.urlparse(url)
+    data = json.dumps(body).encode()
+    with socket.create_connection((where.hostname, where.port), timeout=60) as sock:
+        sock.sendall(f"POST {where.path}/{path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, rest = raw.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower(), head
+    chunks = []
+    while True:
+        size_line, rest = rest.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if not size:
+            return chunks
+        chunks.append(rest[:size])
+        rest = rest[size + 2:]
+
+
+@pytest.mark.parametrize("server", ["fast", "fast_process"], indirect=True)
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_streamed_reply_goes_out_while_its_rows_decode(server, monkeypatch, chat):
+    """On the fast backend's stream, a reply's tokens go out at the syncs that hand them over (every 16 decode steps
+    by default), not all at its end: a 64-token reply comes in several writes, and the joined chunks are the
+    non-streamed reply (text and token ids; two completions, one chat choice)."""
+    c = client(server)
+    c.completions.create(model="tiny", prompt="a", max_tokens=1)  # (the fast cache sized, for its state)
+    monkeypatch.setattr(server.batcher.rollout._state, "eos", torch.tensor([-1]))  # every row runs to its limit
+    monkeypatch.setattr(server.batcher, "stop_ids", set())  # (and is not cut at an end token after)
+    if chat:
+        path, body = "chat/completions", dict(model="tiny", messages=MESSAGES, max_tokens=64, temperature=0)
+        plain = c.chat.completions.create(**body)
+        want = {0: (plain.choices[0].message.content, plain.choices[0].model_extra["token_ids"])}
+    else:
+        path, body = "completions", dict(model="tiny", prompt=["1+2=", "hello "], max_tokens=64, temperature=0)
+        plain = c.completions.create(**body)
+        want = {x.index: (x.text, x.model_extra["token_ids"]) for x in plain.choices}
+    writes = _http_chunks(server.url, path, dict(body, stream=True))
+    events = _events(b"".join(writes).decode())
+    assert len(writes) >= 3 + chat  # (the role chunk, a write a sync that handed tokens over, the end)
+    for k, (text, ids) in want.items():
+        mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == k]
+        assert "".join(x["delta"].get("content", "") if chat else x["text"] for x in mine) == text
+        assert [t for x in mine for t in x.get("token_ids", [])] == ids
+        assert len(ids) == 64 and [x["finish_reason"] for x in mine][-1] == "length"
+
+
+@pytest.mark.parametrize("server", ["fast", "fast_process"], indirect=True)
+def test_no_token_after_an_end_token_goes_out(server, monkeypatch):
+    """A row that decodes past its end of turn (the device not told of it) is cut there in the answer: the tokens
+    after it were never handed over, and the streamed chat reply joins to the plain one."""
+    c = client(server)
+    c.completions.create(model="tiny", prompt="a", max_tokens=1)
+    monkeypatch.setattr(server.batcher.rollout._state, "eos", torch.tensor([-1]))
+    body = dict(model="tiny", messages=MESSAGES, max_tokens=64, temperature=0)
+    plain = c.chat.completions.create(**body)
+    ids = plain.choices[0].model_extra["token_ids"]
+    assert len(ids) < 64 and ids[-1] in server.batcher.stop_ids  # (the reply ends at its end token)
+    events = _events(b"".join(_http_chunks(server.url, "chat/completions", dict(body, stream=True))).decode())
+    mine = [e["choices"][0] for e in events if e["choices"]]
+    assert [t for x in mine for t in x.get("token_ids", [])] == ids
+    assert "".join(x["delta"].get("content") or "" for x in mine) == plain.choices[0].message.content

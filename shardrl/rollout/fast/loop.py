@@ -30,6 +30,7 @@ class DecodeLoop:
         self._registering = track is None  # a row that saw a weight change holds K/V of two versions
         self._prompt_tokens: dict[int, list[int]] = {}
         self._prompt_keys: dict[int, list[bytes]] = {}
+        self._reported: dict[int, int] = {}  # row -> its tokens the feed was given so far (`_report_progress`)
         captures = self.captures
         clock = time.perf_counter()
         while True:
@@ -39,6 +40,7 @@ class DecodeLoop:
             clock, inner = now, 0.0
             self._end_rows(sched, prompts, n, stop, feed)
             if feed is not None:
+                self._report_progress(sched, feed)
                 inner += self._take_rows(sched, prompts, limits, feed)
             if track is not None:
                 track.poll(sched.rows_in_flight)
@@ -97,9 +99,32 @@ class DecodeLoop:
                 feed.finished(row, *sched.results[row], **top)
                 # a stream may run for hours: what a finished row held goes (its prompt, its output)
                 prompts[row] = sched.results[row] = None
+                self._reported.pop(row, None)
                 self._prompt_tokens.pop(row, None)
                 self._prompt_keys.pop(row, None)
         sched.free(finished)
+
+    def _report_progress(self, sched: RowScheduler, feed: RowFeed) -> None:
+        """The tokens each row the feed streams (`feed.streamed_rows()`: its client reads the reply as it is made)
+        made since the last sync, for those still decoding (a row that ended goes to `finished`), in one transfer:
+        `feed.progress([(row, tokens), ...])`."""
+        streamed = feed.streamed_rows() if hasattr(feed, "streamed_rows") else None
+        if not streamed:
+            return
+        spans = [(s, self._reported.get(sched.slot_row[s], 0), sched.generated[s]) for s in sched.running()
+                 if sched.slot_row[s] in streamed]
+        spans = [span for span in spans if span[1] < span[2]]
+        if not spans:
+            return
+        st, lo, hi = self._state, min(a for _, a, _ in spans), max(b for _, _, b in spans)
+        idx = self._to_device([s for s, _, _ in spans])
+        tokens = st.out_tokens[idx, lo:hi].tolist()
+        parts = []
+        for i, (s, a, b) in enumerate(spans):
+            row = sched.slot_row[s]
+            parts.append((row, tokens[i][a - lo:b - lo]))
+            self._reported[row] = b
+        feed.progress(parts)
 
     def _take_rows(self, sched: RowScheduler, prompts, limits, feed: RowFeed) -> float:
         """Queues the rows the feed hands over, waiting for them only when nothing is queued or decoding; returns

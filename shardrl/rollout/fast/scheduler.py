@@ -26,6 +26,9 @@ class RowFeed(Protocol):
 
     # optional: def cancelled(self) -> list[int]: rows to end now (their slots free at once; `finished` still
     # reports what they made), asked at every host sync
+    # optional: def streamed_rows(self) -> set[int]: rows whose tokens to report as they are made, asked at every
+    # host sync; def progress(self, parts: list[tuple[int, list[int]]]): each such row still decoding, with the
+    # tokens it made since the last report (a row's last ones go to `finished`)
 
 
 def blocks_for(prompt_len: int, limit: int, block_size: int) -> int:

@@ -25,7 +25,8 @@ from shardrl.rollout.serving.schema import (LOGPROBS_MODES, ChatRequest, Common,
                                             render_size, sampling_of, tool_tokens)
 from shardrl.rollout.serving.responses import (ResponsesRequest, ResponseWriter, as_responses_error, chat_request,
                                                refuse_options)
-from shardrl.rollout.serving.streaming import DONE, ChunkWriter, chat_events, completion_events, event
+from shardrl.rollout.serving.streaming import (DONE, ChunkWriter, LiveReply, chat_events, completion_events, event,
+                                               live)
 from shardrl.rollout.serving.tool_calls import PARSER_CHOICES, check_tools, parse_replies, resolve_parser
 
 log = logging.getLogger(__name__)
@@ -162,8 +163,9 @@ class Routes:
         sampling = self.sampling(req, [ids], max_tokens)
         if req.stream:
             writer = ChunkWriter(req, req.model, self.tok, chat=True)
+            reply = LiveReply(writer, ids, None) if live(req, self.tok) else None
             return self.streamed(request, req, [ids], sampling, [event(writer.role(0, ids))],
-                                 lambda outs: chat_events(writer, ids, outs))
+                                 lambda outs: chat_events(writer, ids, outs), reply=reply)
         outs = cut_at_stop_ids(req, await self.submit(request, req, [ids], sampling), self.tok)
         parse_replies(req, outs, self.tool_parser, self.tok)  # (what the client sees; the tokens stay as sampled)
         self.record(request, outs)
@@ -176,8 +178,9 @@ class Routes:
         sampling = self.sampling(req, prompts, default if req.max_tokens is None else req.max_tokens)
         if req.stream:
             writer = ChunkWriter(req, req.model, self.tok, chat=False)
+            reply = LiveReply(writer, [], lambda k: prompts[k // sampling.n]) if live(req, self.tok) else None
             return self.streamed(request, req, prompts, sampling, [],
-                                 lambda flat: completion_events(writer, prompts, flat))
+                                 lambda flat: completion_events(writer, prompts, flat), reply=reply)
         flat = cut_at_stop_ids(req, await self.submit(request, req, prompts, sampling), self.tok)  # prompt-major
         self.record(request, flat)
         return JSONResponse(completion_response(req, prompts, flat, sampling.n, req.model, self.tok))
@@ -204,9 +207,10 @@ class Routes:
         return JSONResponse(writer.response(ids, outs[0]))
 
     def streamed(self, request: Request, req: Common, prompts: list[list[int]], sampling: SamplingParams,
-                 head: list[str], events, failure=None) -> StreamingResponse:
+                 head: list[str], events, failure=None, reply: LiveReply | None = None) -> StreamingResponse:
         """A streamed reply (`shardrl.rollout.serving.streaming`): the `head` events at once (a chat's role chunk),
-        then, once the batcher's reply is done, `events(outs)`. A client that leaves meanwhile ends its rows
+        then, with `reply`, its tokens' events as the batcher hands them over and `reply.end`'s once it is done;
+        without, once the batcher's reply is done, `events(outs)`. A client that leaves meanwhile ends its rows
         (`submit` watches it; the HTTP server also cancels this generator, and the batcher then ends them too); a
         failure after the stream began is `failure(message, code)`'s events: by default an error event, then [DONE]
         (vLLM's)."""
@@ -219,10 +223,28 @@ class Routes:
         async def body():
             for x in head:
                 yield x
+            came, woken = [], asyncio.Event()
+
+            def on_tokens(k: int, tokens: list[int]) -> None:
+                came.append((k, tokens))
+                woken.set()
+
+            task = asyncio.ensure_future(self.submit(request, req, prompts, sampling,
+                                                     on_tokens if reply is not None else None))
             try:
-                outs = cut_at_stop_ids(req, await self.submit(request, req, prompts, sampling), self.tok)
+                while reply is not None and not task.done():  # (each hand-over's tokens as one write)
+                    waiter = asyncio.ensure_future(woken.wait())
+                    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    woken.clear()
+                    parts, came[:] = list(came), []
+                    sent = "".join(x for k, tokens in parts for x in reply.add(k, tokens))
+                    if sent:  # (an empty write could read as the body's end)
+                        yield sent
+                outs = cut_at_stop_ids(req, await task, self.tok)
                 if isinstance(req, ChatRequest):
                     parse_replies(req, outs, self.tool_parser, self.tok)
+                late = [x for k, tokens in came for x in reply.add(k, tokens)]  # (handed over just before the answer)
             except Dropped:  # (the client left: nobody reads the rest)
                 return
             except Stopped as e:
@@ -234,9 +256,12 @@ class Routes:
                 for x in failure(f"generation failed: {type(e).__name__}: {e}", None):
                     yield x
                 return
+            finally:
+                if not task.done():  # (the client left: this generator was closed or cancelled)
+                    task.cancel()
             self.record(request, outs)
-            # the reply is whole: its events go out as one write, not one ASGI send (and TCP write) an event
-            yield "".join(events(outs))
+            # the reply is whole: its (last) events go out as one write, not one ASGI send (and TCP write) an event
+            yield "".join(late + reply.end(outs, prompts) if reply is not None else events(outs))
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -258,7 +283,7 @@ class Routes:
         return sampling_of(req, n, max_tokens, self.vocab, self.app.state.policy, self.app.state.logprobs_mode)
 
     async def submit(self, request: Request, req: Common, prompts: list[list[int]],
-                     sampling: SamplingParams) -> list[dict]:
+                     sampling: SamplingParams, on_tokens=None) -> list[dict]:
         """`batcher.submit`, the client's connection watched meanwhile (not polled: an ASGI receive after the body
         returns only when the client disconnects or the response is complete) and `connected` telling it."""
         async def watch() -> None:
@@ -274,9 +299,10 @@ class Routes:
         try:
             # the conversation a request continues: its `session_id`, or an RL run's episode
             session = req.session_id or episode_of(request)
+            kwargs = {"on_tokens": on_tokens} if on_tokens is not None else {}  # (stand-in batchers take none)
             if req.model in self.adapters:
-                return await self.batcher.submit(prompts, sampling, connected, session, adapter=req.model)
-            return await self.batcher.submit(prompts, sampling, connected, session)
+                kwargs["adapter"] = req.model
+            return await self.batcher.submit(prompts, sampling, connected, session, **kwargs)
         finally:
             watcher.cancel()
 

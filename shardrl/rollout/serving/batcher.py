@@ -61,6 +61,9 @@ class Pending:
     alive: Any = None  # async () -> bool: whether the client is still connected
     session: str | None = None  # the conversation it continues: its K/V is kept for the next request
     adapter: str | None = None  # the LoRA adapter it asked for by name (`Batcher.adapters`); None: the base
+    # on_tokens(k, tokens), on the event loop: output k's tokens as a stream makes them (a streamed reply's client
+    # reads them at once); the last ones come only in the answer. A batch (not a stream) calls it never
+    on_tokens: Any = None
 
 
 class Dropped(Exception):
@@ -81,6 +84,16 @@ def _generated_top(sampling: SamplingParams) -> int:
     """The likeliest tokens a generation for requests of `sampling`'s settings records: every request asking any
     shares one stream or batch (`Batcher.settings`), each cut to its own k."""
     return MAX_TOP_LOGPROBS if sampling.top_logprobs else 0
+
+
+def _deliver(calls: list[tuple[Pending, int, list[int]]]) -> None:
+    """(On the loop.) Each streamed request's new tokens to its `on_tokens`, unless it was answered meanwhile."""
+    for item, k, tokens in calls:
+        if not item.future.done():
+            try:
+                item.on_tokens(k, tokens)
+            except Exception:  # noqa: BLE001 (a reader's failure ends nothing: the whole reply still comes)
+                log.exception("a streamed request's reader failed")
 
 
 def _resolve(future: asyncio.Future, value) -> None:
@@ -107,6 +120,8 @@ class _Stream:
         self.gone: set[int] = set()  # rows of requests whose clients left
         self.just_gone: list[int] = []  # ... not yet handed to the engine
         self.items: list[Pending] = []
+        self.streamed: set[int] = set()  # rows of requests that read their tokens as they come (`on_tokens`)
+        self.halted: set[int] = set()  # ... that made an end token (EOS, end of turn): nothing more is handed over
         self.taken, self.open = 0, True
 
     def key(self) -> tuple:
@@ -129,6 +144,8 @@ class _Stream:
             for p, k in rows:
                 self.new.append((torch.tensor(p, dtype=torch.long), item.sampling.max_new_tokens))
                 self.rows[self.added] = (item, k, p)
+                if item.on_tokens is not None:
+                    self.streamed.add(self.added)
                 self.added += 1
             self.cond.notify()
         return True
@@ -164,11 +181,40 @@ class _Stream:
             rows, self.just_gone = self.just_gone, []
             return rows
 
+    def streamed_rows(self) -> set[int]:
+        """The rows whose tokens go to their request's `on_tokens` as they are made (asked at every sync)."""
+        if not self.streamed:
+            return self.streamed
+        with self.cond:
+            return set(self.streamed)
+
+    def progress(self, parts: list[tuple[int, list[int]]]) -> None:
+        """Each streamed row's tokens since the last sync, to its request's `on_tokens` (in one hand-over to the
+        loop a sync; before the answer, which a later sync hands over)."""
+        calls, stops = [], self.batcher.stop_ids
+        with self.cond:
+            for row, tokens in parts:
+                if row not in self.rows or row in self.gone or row in self.halted:
+                    continue
+                end = next((i for i, t in enumerate(tokens) if t in stops), None)
+                if end is not None:  # (the reply ends there, whatever the row makes after: the answer says so)
+                    tokens = tokens[:end]
+                    self.halted.add(row)
+                if tokens:
+                    calls.append((self.rows[row][0], self.rows[row][1], tokens))
+        if calls:
+            try:
+                self.loop.call_soon_threadsafe(_deliver, calls)
+            except RuntimeError:  # (the loop closed: the server stopped)
+                pass
+
     def finished(self, row: int, tokens: list[int], log_probs: torch.Tensor,
                  top: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         with self.cond:
             item, k, prompt = self.rows.pop(row)
             self.gone.discard(row)
+            self.streamed.discard(row)
+            self.halted.discard(row)
         if item.future.done():
             return
         b, stop = self.batcher, self.sampling.stop
@@ -341,12 +387,15 @@ class Batcher:
             await asyncio.wait({self.stream_task}, timeout=5)  # (it ends at its next sync)
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None,
-                     session: str | None = None, adapter: str | None = None) -> list[dict]:
+                     session: str | None = None, adapter: str | None = None, on_tokens=None) -> list[dict]:
+        """The request's outputs (`choice` records), once all are made. `on_tokens(k, tokens)` (on this loop) is
+        given output k's tokens as a stream makes them (not their last ones: those are in the answer)."""
         if self.stopped:
             raise Stopped("the server is stopping: it takes no more requests")
         if adapter is not None and (self.adapters is None or adapter not in self.adapters.adapters):
             raise ValueError(f"no LoRA adapter named {adapter!r} is served")
-        item = Pending(prompts, sampling, asyncio.get_running_loop().create_future(), alive, session, adapter)
+        item = Pending(prompts, sampling, asyncio.get_running_loop().create_future(), alive, session, adapter,
+                       on_tokens)
         self.open[id(item)] = item
         item.future.add_done_callback(lambda _, key=id(item): self.open.pop(key, None))
         await self.queue.put(item)

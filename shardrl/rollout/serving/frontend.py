@@ -8,8 +8,10 @@ token ids, reached 0.98 of direct `generate` calls, the same batcher behind HTTP
 every admission's prefill (hundreds of kernel launches from Python) waited on the HTTP thread.
 
 Messages (pickled, `multiprocessing.connection`): the front end sends ("submit", id, prompts, sampling, session,
-wall time sent: bench/serve.py's `hops`, LoRA adapter or None) and ("cancel", id) for a request whose client left; the engine answers
-("ok", id, outputs), ("dropped", id), ("stopped", id, message) or ("error", id, message). Each side sends what one
+wall time sent: bench/serve.py's `hops`, LoRA adapter or None, whether its client reads the tokens as they come) and
+("cancel", id) for a request whose client left; the engine answers ("ok", id, outputs), ("dropped", id),
+("stopped", id, message) or ("error", id, message), after ("part", id, k, tokens) for such a request: its output
+k's tokens since the last. Each side sends what one
 turn of its event loop produced as one list (`Outbox`): a burst of requests or of answers crosses in a few writes,
 and the other side's reader takes the interpreter lock once a list, not once a message."""
 
@@ -192,6 +194,8 @@ class EngineService:
                 alive.left = lambda rid=rid: rid in cancelled  # (asked by a generation thread: `server._left`)
                 adapter = message[6] if len(message) > 6 else None  # (only where asked: stand-ins take none)
                 kwargs = {"adapter": adapter} if adapter is not None else {}
+                if len(message) > 7 and message[7]:  # (its client reads the tokens as they come)
+                    kwargs["on_tokens"] = lambda k, tokens, rid=rid: outbox.put(("part", rid, k, tokens))
                 submits.append((rid, self.batcher.submit(prompts, sampling, alive, session, **kwargs)))
             if submits:
                 try:
@@ -248,6 +252,7 @@ class RemoteBatcher:
         self.stats: dict = {}
         self.ids = itertools.count()
         self.waiting: dict[int, asyncio.Future] = {}
+        self.readers: dict[int, object] = {}  # request -> its on_tokens (a streamed reply's)
         self.closing = self.stopped = False
 
     async def start(self) -> None:
@@ -295,6 +300,12 @@ class RemoteBatcher:
 
     def _answer(self, batch: list) -> None:
         for message in batch:
+            if message[0] == "part":
+                reader = self.readers.get(message[1])
+                if reader is not None:
+                    reader(*message[2:])
+                continue
+            self.readers.pop(message[1], None)
             future = self.waiting.pop(message[1], None)
             if future is None or future.done():
                 continue
@@ -319,12 +330,14 @@ class RemoteBatcher:
             os.kill(os.getpid(), signal.SIGTERM)
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None,
-                     session: str | None = None, adapter: str | None = None) -> list[dict]:
+                     session: str | None = None, adapter: str | None = None, on_tokens=None) -> list[dict]:
         if self.stopped:
             raise Stopped("the server is stopping: it takes no more requests")
         rid = next(self.ids)
         future = self.waiting[rid] = self.loop.create_future()
-        self.outbox.put(("submit", rid, prompts, sampling, session, time.time(), adapter))
+        if on_tokens is not None:
+            self.readers[rid] = on_tokens
+        self.outbox.put(("submit", rid, prompts, sampling, session, time.time(), adapter, on_tokens is not None))
         gone = getattr(alive, "gone", None)  # (build_app's: the client's leaving, awaitable)
         try:
             while True:
@@ -340,6 +353,8 @@ class RemoteBatcher:
             if self.waiting.pop(rid, None) is not None:  # (still running there: its rows end)
                 self.outbox.put(("cancel", rid))
             raise
+        finally:
+            self.readers.pop(rid, None)
 
 
 def run_front_end(address, authkey: bytes, tokenizer, model_name: str, max_model_len: int, default_max_tokens: int,

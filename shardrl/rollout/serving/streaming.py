@@ -4,13 +4,17 @@ with its token id and, where asked, its log-prob; the last chunk of a choice car
 stop_reason; then, with `stream_options.include_usage`, a chunk of usage alone; then `data: [DONE]`. A chat reply
 with tool calls streams its content's tokens so, then its calls (`delta.tool_calls`), then its finish_reason.
 
-The batcher answers a request when its reply is whole (its rows end inside the engine), so a reply's chunks go out
-once it is done: the role chunk at once, the rest together. The text of the chunks is the reply's, token by token
-(`IncrementalText`), and joined is exactly the non-streamed reply's text."""
+A reply's chunks go out as the engine makes its tokens (`LiveReply`): on the fast backend's stream, the engine hands
+each streamed request's new tokens over at every host sync (every `sync_every` decode steps), and their chunks go
+out at once; the reply's last tokens come with the answer, and the chunks that end it. A reply whose client sees
+something other than its tokens' text as they come (tool calls parsed out of it, log-probs asked for) or one made
+in a batch (a seeded request, the HF backend) goes out once it is whole, the role chunk first. Either way the text of
+the chunks is the reply's, token by token (`IncrementalText`), and joined is exactly the non-streamed reply's text."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 
@@ -21,7 +25,9 @@ except ImportError:  # (tokenizers before 0.21)
     Tokenizer = DecodeStream = None
 
 from shardrl.rollout.serving.logprobs import completion_logprobs, token_logprobs
-from shardrl.rollout.serving.schema import ChatRequest, Common, usage, versions
+from shardrl.rollout.serving.schema import ChatRequest, Common, stop_list, usage, versions
+
+log = logging.getLogger(__name__)
 
 
 class IncrementalText:
@@ -56,11 +62,17 @@ class IncrementalText:
 def text_deltas(tok, token_ids: list[int], text: str) -> list[str]:
     """Each token's share of `text` (the reply's final text: cut at a stop string, special tokens left out): the
     incremental decoding's pieces while they spell `text`, the rest with the last token. Joined, they are `text`."""
-    decoder, sent, spelling, deltas = IncrementalText(tok), 0, True, []
-    for token in token_ids:
-        piece = decoder.add(token) if spelling else ""
-        # (while the decoding spells the final text its pieces go out; from where it stops doing so (a stop string
-        # cut the text there), nothing more does: the rest goes with the last token)
+    decoder = IncrementalText(tok)
+    return spelled((decoder.add(token) for token in token_ids), text, 0)
+
+
+def spelled(pieces, text: str, sent: int) -> list[str]:
+    """`pieces` (a token's decoded text each) as the tokens' shares of `text[sent:]`: each piece while they spell
+    it; from where one stops doing so (a stop string cut the text there), the rest of the text goes with the last
+    token and nothing more before it. Joined, they are `text[sent:]`."""
+    deltas, spelling = [], True
+    for piece in pieces:
+        piece = piece if spelling else ""
         if piece and not text.startswith(piece, sent):
             spelling = False
             piece = piece[:next(i for i, c in enumerate(piece) if sent + i >= len(text) or text[sent + i] != c)]
@@ -92,6 +104,7 @@ class ChunkWriter:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.usage = include_usage(req)
+        self.middles: dict[int, tuple[str, str, str]] = {}  # choice index -> its `middle_template`
 
     def chunk(self, choices: list[dict], **more) -> dict:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -115,28 +128,36 @@ class ChunkWriter:
             logprobs = token_logprobs(self.tok, o) if self.chat else completion_logprobs(self.tok, o)
         if self.chat and o.get("tool_calls"):
             return self.tool_call_chunks(index, o, deltas, logprobs)
+        return self.token_chunks(index, ids, deltas, logprobs, end=o,
+                                 prompt_ids=None if self.chat else o["prompt_token_ids"])
+
+    def token_chunks(self, index: int, ids: list[int], deltas: list[str], logprobs=None, end: dict | None = None,
+                     prompt_ids: list[int] | None = None) -> list:
+        """A chunk per token `ids[k]`, its text `deltas[k]` (and its log-probs, where asked); with `end` (the finished
+        choice) the last chunk ends the choice (finish_reason, stop_reason, versions); with `prompt_ids` (a
+        completion choice's first chunk) the first carries them."""
         chunks = []
         middle = self.middle_template(index) if logprobs is None else None
         for k, delta in enumerate(deltas):
-            last = k == len(deltas) - 1
-            if middle is not None and not last and (self.chat or k):  # (a token's chunk as the dict below, as text)
+            last = end is not None and k == len(deltas) - 1
+            first = k == 0 and prompt_ids is not None
+            if middle is not None and not last and not first:  # (a token's chunk as the dict below, as text)
                 chunks.append(f"{middle[0]}{ids[k]}{middle[1]}{json.dumps(delta)}{middle[2]}")
                 continue
-            step = ids[k:k + 1]
-            choice = {"index": index, "logprobs": None, "finish_reason": o["finish_reason"] if last else None,
-                      "stop_reason": o.get("stop_reason") if last else None, "token_ids": step}
+            choice = {"index": index, "logprobs": None, "finish_reason": end["finish_reason"] if last else None,
+                      "stop_reason": end.get("stop_reason") if last else None, "token_ids": ids[k:k + 1]}
             if self.chat:
                 choice["delta"] = {"content": delta}
                 if logprobs is not None:
                     choice["logprobs"] = {"content": logprobs[k:k + 1]}
             else:
                 choice["text"] = delta
-                if k == 0:
-                    choice["prompt_token_ids"] = o["prompt_token_ids"]
+                if first:
+                    choice["prompt_token_ids"] = prompt_ids
                 if logprobs is not None:  # (the token's own: each list of the choice's cut to it)
                     choice["logprobs"] = {key: None if v is None else v[k:k + 1] for key, v in logprobs.items()}
             if last:
-                choice.update(versions(o))
+                choice.update(versions(end))
             chunks.append(self.chunk([choice]))
         return chunks
 
@@ -144,6 +165,11 @@ class ChunkWriter:
         """A choice's chunk between its first and last, with no log-probs, as the three pieces around its token's
         id and its text (as JSON): the JSON `chunk` makes of the dict `choice` builds, built once a choice rather than
         a dict and a json.dumps a token (half the front end's time on a streamed reply)."""
+        if index not in self.middles:
+            self.middles[index] = self._middle_template(index)
+        return self.middles[index]
+
+    def _middle_template(self, index: int) -> tuple[str, str, str]:
         text = {"content": TEXT_MARK} if self.chat else TEXT_MARK
         body = json.dumps(self.chunk([{"index": index, "logprobs": None, "finish_reason": None, "stop_reason": None,
                                        "token_ids": [ID_MARK], ("delta" if self.chat else "text"): text}]))
@@ -201,3 +227,89 @@ def completion_events(writer: ChunkWriter, prompts: list[list[int]], flat: list[
     if writer.usage:
         yield event(writer.final_usage(prompts, flat))
     yield DONE
+
+
+def live(req: Common, tok) -> bool:
+    """Whether a streamed request's chunks go out as its tokens are made (`LiveReply`): not where its client sees
+    something other than each token's text (tool calls parsed out of the reply, log-probs: made of the whole reply),
+    nor with a tokenizer whose whole decoding cleans up spaces a token at a time cannot (the text could then differ
+    from the non-streamed reply's)."""
+    if getattr(tok, "clean_up_tokenization_spaces", False):
+        return False
+    if isinstance(req, ChatRequest):
+        return not req.logprobs and not (req.tools and req.tool_choice != "none")
+    return req.logprobs is None
+
+
+class LiveReply:
+    """A streamed reply's events as the engine makes its tokens: `add(k, tokens)` (choice k's new tokens, not its
+    last: `Batcher.submit`'s on_tokens) gives a chunk per token at once, `end(outs)` (the whole reply, cut) the
+    chunks of the tokens not sent yet and the ones that end each choice (then usage and [DONE]).
+
+    What is sent is always what the whole reply holds: a token is not sent from the first of the request's
+    stop_token_ids on (the reply is cut after it: generated past it, as `cut_at_stop_ids` says), and with stop
+    strings the last (longest stop string - 1) characters of the text wait, so that text a stop string will cut
+    is never sent (a stop string found ends the row at that sync, before its tokens would be handed over)."""
+
+    def __init__(self, writer: ChunkWriter, head_ids: list[int], prompt_of, first_role_sent: bool = True):
+        self.writer, self.head_ids, self.prompt_of = writer, head_ids, prompt_of
+        req = writer.req
+        self.hold = max((len(x) for x in stop_list(req.stop)), default=1) - 1
+        self.stop_ids = set(req.stop_token_ids or ())
+        self.choices: dict[int, _LiveChoice] = {}
+        self.first_role_sent = first_role_sent
+
+    def _choice(self, k: int) -> tuple["_LiveChoice", list[str]]:
+        """Choice k's state, and its role event where the choice starts here (a chat's choices after the first)."""
+        if k in self.choices:
+            return self.choices[k], []
+        c = self.choices[k] = _LiveChoice(IncrementalText(self.writer.tok))
+        if self.writer.chat and (k or not self.first_role_sent):
+            return c, [event(self.writer.role(k, self.head_ids))]
+        return c, []
+
+    def add(self, k: int, tokens: list[int]) -> list[str]:
+        c, events = self._choice(k)
+        ids, deltas = [], []
+        for token in tokens:
+            if c.halted or token in self.stop_ids:
+                c.halted = True
+                break
+            c.held += c.decoder.add(token)
+            cut = max(0, len(c.held) - self.hold)
+            deltas.append(c.held[:cut])
+            c.held = c.held[cut:]
+            ids.append(token)
+        if ids:
+            first = not c.ids and not self.writer.chat
+            chunks = self.writer.token_chunks(k, ids, deltas, prompt_ids=self.prompt_of(k) if first else None)
+            c.ids += ids
+            c.text += "".join(deltas)
+            events += [event(x) for x in chunks]
+        return events
+
+    def end(self, outs: list[dict], prompts: list[list[int]]) -> list[str]:
+        events = []
+        for k, o in enumerate(outs):
+            c, role = self._choice(k)
+            events += role
+            ids, text = o["token_ids"], o["text"]
+            if ids[:len(c.ids)] != c.ids or not text.startswith(c.text):
+                log.warning("a streamed reply's sent tokens are not its answer's start")  # (never: see the class)
+            rest, sent = ids[len(c.ids):], len(c.text)
+            pieces = [c.decoder.add(t) for t in rest]
+            if pieces:
+                pieces[0] = c.held + pieces[0]
+            deltas = spelled(pieces, text, sent) if rest else [text[sent:]]
+            first = not c.ids and not self.writer.chat
+            chunks = self.writer.token_chunks(k, rest, deltas, end=o, prompt_ids=self.prompt_of(k) if first else None)
+            events += [event(x) for x in chunks]
+        if self.writer.usage:
+            events.append(event(self.writer.final_usage(prompts, outs)))
+        events.append(DONE)
+        return events
+
+
+class _LiveChoice:
+    def __init__(self, decoder: IncrementalText):
+        self.decoder, self.ids, self.held, self.text, self.halted = decoder, [], "", "", False
