@@ -110,6 +110,14 @@ def test_plan_says_what_the_host_adam_step_of_offloaded_parameters_costs(capsys)
     # a node of 8 ranks sharded over 4 (HSDP, 2 replicas): the node steps its 8 shards of a quarter each, 2x the model
     got = host_adam_estimate(numbers, EngineConfig(offload_params=True), 4, 8, "actor.engine", rate=1e6)
     assert got["trained_params_per_node"] == 2 * total and got["seconds"] == pytest.approx(2 * total / 1e6)
+    # its host memory: fp32 parameters, gradients and AdamW's two moments (16 B a parameter) of the node's 2x
+    assert got["host_state_gib"] == pytest.approx(2 * total * 16 / 2**30)
+    assert "too much" not in got["line"]
+    small = host_adam_estimate(numbers, EngineConfig(offload_params=True), 4, 8, "actor.engine", rate=1e6,
+                               host_gib=got["host_state_gib"])
+    assert "too much" in small["line"] and "LoRA" in small["line"]
+    bf16 = host_adam_estimate(numbers, EngineConfig(offload_params=True), 4, 8, "actor.engine", rate=1e6, master=2)
+    assert bf16["host_state_gib"] == pytest.approx(2 * total * (2 + 2 + 8) / 2**30)
     assert host_adam_estimate(numbers, EngineConfig(), 4, 8, "actor.engine") is None
     spec = "{" + ", ".join(f"{k}: {v}" for k, v in tiny.items()) + "}"
     assert main(["plan", f"model.tiny={spec}", "actor.engine.offload_params=true", "--json"]) == 0

@@ -23,6 +23,8 @@ Ulysses (sp > 1) every rank of a group runs the tower on all of the micro-batch'
 
 from __future__ import annotations
 
+import os
+
 import math
 
 from shardrl.config.schema import Config
@@ -541,22 +543,48 @@ def plan_host_adam(cfg, layout, hf_config, nproc_per_node: int, offline: bool) -
         return None
     numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora, cfg.model.freeze_vision_tower)
     return host_adam_estimate(numbers, engine_cfg, (layout.engine if offline else layout.actor).shard_size,
-                              nproc_per_node, key)
+                              nproc_per_node, key, master=DTYPE_BYTES[cfg.model.dtype])
+
+
+def host_memory_gib() -> float | None:
+    """This host's physical memory, GiB (None where it cannot be told)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def host_adam_estimate(numbers: dict, engine_cfg, shard_size: int, nproc_per_node: int, key: str,
-                       rate: float | None = None) -> dict | None:
-    """What an engine with offloaded parameters (`engine_cfg.offload_params`) pays for its optimizer step on the host:
-    the node's ranks step their shards of the trained parameters at once on its CPU, whose memory bandwidth bounds
+                       rate: float | None = None, master: int = 4, host_gib: float | None = None) -> dict | None:
+    """What an engine with offloaded parameters (`engine_cfg.offload_params`) pays on the host: its optimizer step,
+    the node's ranks stepping their shards of the trained parameters at once on its CPU, whose memory bandwidth bounds
     fused AdamW, so the node's whole share (the rank's shard x `nproc_per_node`) at this host's measured `rate`
-    (`host_adam_rate`; the training host may differ). None without offload."""
+    (`host_adam_rate`; the training host may differ); and the host memory the offloaded state holds, the node's
+    shards of the parameters (`master` bytes each; LoRA: the frozen base in bf16 and the fp32 adapters), the trained
+    ones' gradients (as the parameters) and AdamW's two moments (fp32), against this host's (`host_gib`; None: read
+    here). None without offload."""
     if not engine_cfg.offload_params:
         return None
+    lora = numbers.get("trained") if numbers.get("trained") and numbers["trained"] < numbers["total"] else None
     trained = numbers["trained"] or numbers["total"] - numbers["frozen"]
     per_node = trained / max(shard_size, 1) * nproc_per_node  # (HSDP: each replica on the node steps its shards)
     rate = rate or host_adam_rate()
     seconds = per_node / rate
+    share = nproc_per_node / max(shard_size, 1)
+    if lora:
+        params, grad_bytes = numbers["total"] * 2 + lora * 4, 4
+    else:
+        params, grad_bytes = numbers["total"] * master, master
+    state_gib = (params + trained * (grad_bytes + 2 * 4)) * share / 2**30
+    host_gib = host_gib if host_gib is not None else host_memory_gib()
+    line = (f"{key}.offload_params=true: the optimizer steps on the host's CPU, about {seconds:.2f} s a step for this "
+            f"node's {per_node / 1e6:.0f}M trained parameters (fused AdamW measured on this host at "
+            f"{rate / 1e6:.0f}M parameters/s; the training host's CPU may differ); the offloaded state holds "
+            f"{state_gib:.1f} GiB of the host's memory (parameters, gradients, AdamW's moments)")
+    if host_gib is not None:
+        line += f" of this host's {host_gib:.0f} GiB"
+        if state_gib > 0.85 * host_gib:
+            line += (": too much, the run would swap or be killed; use a host with more memory, more GPUs (a smaller "
+                     "shard each), LoRA, or model.dtype=bfloat16 (half the parameters' and gradients' bytes)")
     return {"key": key, "trained_params_per_node": int(per_node), "rate_params_per_s": rate, "seconds": seconds,
-            "line": f"{key}.offload_params=true: the optimizer steps on the host's CPU, about {seconds:.2f} s a step "
-                    f"for this node's {per_node / 1e6:.0f}M trained parameters (fused AdamW measured on this host at "
-                    f"{rate / 1e6:.0f}M parameters/s; the training host's CPU may differ)"}
+            "host_state_gib": state_gib, "host_gib": host_gib, "line": line}
