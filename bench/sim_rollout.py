@@ -10,8 +10,8 @@ use of the interpreter lock, as measured on one H100 for the Qwen2-1.5B shape (b
 - each row ends at an end token with probability `hazard` a token after its first, or at its limit (the bench model's
   `eos_hazard`, 1/400).
 
-Rows, `RowFeed` calls (a streamed row's tokens at each sync too) and `last_stats` are the fast rollout's, so the real `Batcher`, front end and clients run
-unchanged in front of it. What it cannot show: the device's own contention (a prefill slowing the decode steps)."""
+Rows, `RowFeed` calls (a streamed row's tokens at each sync too) and `last_stats` are the fast rollout's, so the
+real `Batcher`, front end and clients run unchanged in front of it. What it cannot show: the device's own contention (a prefill slowing the decode steps)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ class SimRollout:
             streamed = feed.streamed_rows() if feed is not None and hasattr(feed, "streamed_rows") else None
             if streamed:  # (as the fast rollout: each streamed row's tokens since the last sync)
                 parts = [(row, [self.token_id] * (generated - reported.get(row, 0)))
-                         for row, (_, generated) in live.items() if row in streamed and generated > reported.get(row, 0)]
+                         for row, (_, generated) in live.items()
+                         if row in streamed and generated > reported.get(row, 0)]
                 reported.update((row, live[row][1]) for row, _ in parts)
                 if parts:
                     feed.progress(parts)
