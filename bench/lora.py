@@ -66,6 +66,11 @@ CASES = {
     "3b_full": ("3b", 32, ["actor.engine.max_token_len_per_gpu=4096"]),
     "3b_full_offload": ("3b", 32, ["actor.engine.offload_params=true", "actor.engine.offload_optimizer=true",
                                    "actor.engine.max_token_len_per_gpu=4096"]),
+    # ... with the parameters kept gathered (bf16, on the GPU) over the micro-batches: each crosses the host link
+    # once a pass, not once a micro-batch's forward and again its backward
+    "3b_full_offload_acc": ("3b", 32, ["actor.engine.offload_params=true", "actor.engine.offload_optimizer=true",
+                                       "actor.engine.max_token_len_per_gpu=4096",
+                                       "actor.engine.accumulate_unsharded=true"]),
     "7b_lora_merged": ("7b", 32, LORA + ["rollout.lora_sync=merged"]),
     # the least memory: full fine-tuning's 4,096-token micro-batches, the rollout's cache freed for the update,
     # merged (a bf16 copy of the model in the rollout) or unmerged (the rollout reads the trainer's base)
@@ -399,6 +404,7 @@ def run_steps(args) -> list[dict]:
                    update_s=med("timing/update_actor_s") or med("timing/update_s"),
                    old_log_prob_s=med("timing/old_log_prob_s"), update_weights_s=med("timing/update_weights_s"),
                    logprob_abs_diff=med("rollout/logprob_abs_diff"),
+                   grad_norms=[round(r["actor/grad_norm"], 5) for r in records if "actor/grad_norm" in r],
                    step_times=[round(r["timing/step_s"], 2) for r in records])
         for phase in ("gen", "prep", "update"):
             vals = [r[f"memory/{phase}_peak_gib"] for r in records if r.get(f"memory/{phase}_peak_gib") is not None]
