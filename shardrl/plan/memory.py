@@ -542,8 +542,56 @@ def plan_host_adam(cfg, layout, hf_config, nproc_per_node: int, offline: bool) -
     if not engine_cfg.offload_params:
         return None
     numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora, cfg.model.freeze_vision_tower)
-    return host_adam_estimate(numbers, engine_cfg, (layout.engine if offline else layout.actor).shard_size,
-                              nproc_per_node, key, master=DTYPE_BYTES[cfg.model.dtype])
+    master = DTYPE_BYTES[cfg.model.dtype]
+    out = host_adam_estimate(numbers, engine_cfg, (layout.engine if offline else layout.actor).shard_size,
+                             nproc_per_node, key, master=master)
+    if not offline:  # (the RL step's passes; an offline trainer's are one forward and backward a micro-batch)
+        traffic = offload_traffic(numbers, engine_cfg, layout, master)
+        out.update(traffic, line=f"{out['line']}\n{traffic['traffic_line']}")
+    return out
+
+
+HOST_LINK_GB_S = 25.0
+"""Bytes a second between host and GPU assumed for `offload_traffic`'s seconds: a PCIe 4.0 x16 link's in practice
+(pinned memory); PCIe 5.0 doubles it."""
+
+
+def micro_batches_at_most(role, samples: int, seq_tokens: int) -> int:
+    """Micro-batches of `samples` sequences of at most `seq_tokens` tokens on a rank (`role`: a `RoleLayout`):
+    fixed ones of micro_batch_size_per_gpu, or dynamic ones of max_token_len_per_gpu tokens at the longest."""
+    if role.max_token_len_per_gpu:
+        return max(1, -(-samples * seq_tokens // role.max_token_len_per_gpu))
+    return max(1, -(-samples // role.micro_batch_size_per_gpu))
+
+
+def offload_traffic(numbers: dict, engine_cfg, layout, master: int) -> dict:
+    """What an RL step with offloaded parameters moves between the host and each GPU: the actor's shard crosses to
+    the GPU at each gather (its stored bytes: `master` a parameter; LoRA's frozen base 2 and adapters 4) and its fp32
+    gradients back at each reduction. Gathered anew each micro-batch (its forward, and its backward after the forward
+    resharded) unless `accumulate_unsharded` keeps them over an optimizer step's micro-batches (then once a step, and
+    the gradients reduced once); the old log-probs' forward over the step's batch gathers once a micro-batch (at most:
+    micro-batches counted at the longest sequences). Seconds at HOST_LINK_GB_S."""
+    role, shard = layout.actor, max(layout.actor.shard_size, 1)
+    lora = numbers.get("trained")
+    trained = lora or numbers["total"] - numbers.get("frozen", 0)
+    param_bytes = ((numbers["total"] * 2 + lora * 4) if lora else numbers["total"] * master) / shard
+    grad_bytes = trained * 4 / shard
+    kept = engine_cfg.accumulates_unsharded(shard)
+    update_mb = micro_batches_at_most(role, role.mini_batch_samples_per_rank, layout.seq_tokens_per_rank)
+    infer_mb = micro_batches_at_most(role, layout.samples_per_rank, layout.seq_tokens_per_rank)
+    per_update = (param_bytes + grad_bytes) if kept else update_mb * (2 * param_bytes + grad_bytes)
+    total = role.num_updates * per_update + infer_mb * param_bytes
+    seconds = total / (HOST_LINK_GB_S * 1e9)
+    each = ("1 gather + 1 reduction, the micro-batches kept gathered" if kept
+            else f"{update_mb} micro-batches x (2 gathers + 1 reduction)")
+    how = (f"{role.num_updates} optimizer step(s) x ({each}) + {infer_mb} old-log-prob micro-batches x 1 gather; a "
+           f"gather {param_bytes / 1e9:.1f} GB, a reduction {grad_bytes / 1e9:.1f} GB")
+    line = (f"  and the offloaded parameters cross the host link about {total / 1e9:.0f} GB a step ({how}): "
+            f"about {seconds:.1f} s at {HOST_LINK_GB_S:g} GB/s")
+    if not kept and update_mb > 1:
+        key = "max_token_len_per_gpu" if role.max_token_len_per_gpu else "micro_batch_size_per_gpu"
+        line += f"; fewer, larger micro-batches (actor.engine.{key}, as the GPU's memory allows) gather fewer times"
+    return {"host_link_gb_per_step": total / 1e9, "host_link_seconds": seconds, "traffic_line": line}
 
 
 def host_memory_gib() -> float | None:
