@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multiproc
 OPTIM = dict(lr=1e-2, betas=[0.9, 0.99], eps=1e-6, weight_decay=0.0, clip_grad=0.0)
 
 
-def _two_steps(accumulate, fsdp_size):
+def _two_steps(accumulate, fsdp_size, offload=False):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -26,7 +26,7 @@ def _two_steps(accumulate, fsdp_size):
 
     engine = build_engine(ModelConfig(tiny=TINY_MODELS["qwen2"]),
                           EngineConfig(param_dtype="float32", micro_batch_size_per_gpu=2, fsdp_size=fsdp_size,
-                                       accumulate_unsharded=accumulate),
+                                       accumulate_unsharded=accumulate, offload_params=offload),
                           OptimConfig(**OPTIM), total_steps=2)
     grads = record_grads(engine)
     seen = []  # per micro-batch: whether a reduced (sharded) gradient existed when its loss was computed
@@ -82,3 +82,21 @@ def test_unsharded_accumulation_gives_the_same_gradients(runs, world, fsdp_size,
     # 8 // world samples per rank and step in micro-batches of 2: reduced after the last one only, or after each
     k = 8 // world // 2
     assert on["seen"] == [False] * k * 2 and off["seen"] == ([False] + [True] * (k - 1)) * 2
+
+
+def _offloaded(settings: list[tuple]) -> dict:
+    return {setting: _two_steps(*setting) for setting in settings}
+
+
+def test_offloaded_params_accumulated_unsharded_give_the_same_gradients():
+    """`offload_params` with `accumulate_unsharded=true` (the shards cross the host link once a mini-batch): over two
+    steps on two ranks, the gradients and losses of the plain reduce-every-micro-batch run, the reduction deferred."""
+    out = run_distributed(_offloaded, 2, [(True, -1, True), (False, -1, False), (None, -1, True)])
+    on, off, default = out[True, -1, True], out[False, -1, False], out[None, -1, True]
+    assert on["resolved"] is True and default["resolved"] is False  # (null stays off with offload)
+    for step in range(2):
+        for name, g in off["grads"][step].items():
+            scale = max(float(g.abs().max()), 1e-6)
+            torch.testing.assert_close(on["grads"][step][name], g, rtol=0, atol=1e-5 * scale, msg=f"{name} {step}")
+    assert on["losses"] == pytest.approx(off["losses"], rel=1e-6)
+    assert on["seen"] == [False, False] * 2  # (no sharded gradient before the last micro-batch's backward)

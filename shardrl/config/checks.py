@@ -36,9 +36,6 @@ def check_engine(engine, prefix: str) -> None:
             "use strategy=fsdp2, or offload_optimizer=true with FSDP1")
     require(engine, prefix, "accumulate_unsharded", not (engine.accumulate_unsharded and engine.strategy == "fsdp"),
             "is implemented for strategy=fsdp2 only; leave it null (or false) with FSDP1")
-    require(engine, prefix, "accumulate_unsharded", not (engine.accumulate_unsharded and engine.offload_params),
-            "keeps the whole model gathered on the GPU, which offload_params=true exists to avoid; set one of "
-            "them false (or leave accumulate_unsharded null)")
 
 
 def check_multi_turn(mt, prefix: str) -> None:

@@ -148,7 +148,10 @@ class EngineConfig:
     `reshard_after_forward`) and a gradient reduction, at the memory of the whole model in `param_dtype` (and,
     with shards of several ranks, a whole gradient) on every GPU. null = on where a shard is the whole model
     (one GPU, or HSDP with fsdp_size=1) and params are not offloaded: there sharding saves no memory, and the
-    gathers and reductions are copies (or, with HSDP, all-reduces) per micro-batch."""
+    gathers and reductions are copies (or, with HSDP, all-reduces) per micro-batch. With `offload_params` it is
+    off unless set: true keeps the gathered params and the unsharded gradients (in `reduce_dtype`) on the GPU over
+    the micro-batches, so the offloaded shards cross the host link once a mini-batch, not at each micro-batch's
+    forward and backward (`shardrl plan` counts both)."""
     param_dtype: Dtype = "bfloat16"
     """Dtype of the gathered params the forward/backward compute in."""
     reduce_dtype: Dtype = "float32"

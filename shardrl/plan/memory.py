@@ -195,6 +195,10 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
              "on CPU (offload_params)" if engine.offload_params else
              f"{format_count(trained)}{' adapters' if lora else ''}"
              f"{' (the vision tower frozen)' if frozen and not lora else ''} x {size} B / {shard}")
+    if engine.offload_params and kept:  # (accumulated unsharded on the GPU, reduced to the host once)
+        reduce = DTYPE_BYTES[engine.reduce_dtype]
+        grads = (f"{name} grads", trained * reduce, f"{format_count(trained)} unsharded x {reduce} B (reduce_dtype), "
+                 "accumulated on the GPU over the micro-batches (accumulate_unsharded), then reduced to the CPU")
     update = [
         grads,
         ("activations", act, f"{act_how}; tokens: {how_tokens}"),
