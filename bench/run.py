@@ -197,9 +197,11 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("distill_reverse", "distill.py", "--task", "reverse", "--steps", "150", "--seeds", "0,1,2",
               "--window", "20", "--variants", "grpo,opd_group,opd_mix,opd_top_k", limit_s=1800),
     ]),
-    "owed": ("the one-GPU figures the open issues still owe, the likeliest to finish first (issues 59, 61, 62): "
-             "streaming's cost with the raw client (stream_ratio_after: streamed over the plain run after it in the "
-             "same server; the streamed run's own profile and cores), with one front end and with two; the CUDA "
+    "owed": ("the one-GPU figures the open issues still owe, the likeliest to finish first (issues 59, 62): "
+             "streaming's cost with the raw client now that replies stream as their tokens are made "
+             "(stream_ratio_after: streamed over the plain run after it in the same server; the streamed run's own "
+             "profile and cores), with one front end and with two; offload on the 3B shape against none, with the "
+             "parameters kept gathered over the micro-batches or not, and the GPU tests of offload; the CUDA "
              "tests of the fast rollout (text and VL); the VLM step (Qwen2.5-VL-3B's shape) against TRL's after "
              "the tower runs once per distinct image with its segments batched (session 36: 31.54 s, TRL 44.62 s), "
              "and the fast rollout against HF generate alone; every CUDA test (needs --wheels "
@@ -207,6 +209,9 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("serve_stream_raw", "serve.py", *SERVE, "--warm-clients", "--stream", "--client", "raw", limit_s=240),
         bench("serve_stream_raw_fe2", "serve.py", *SERVE, "--warm-clients", "--stream", "--client", "raw",
               "--front-ends", "2", limit_s=240),
+        bench("offload_3b", "lora.py", "steps", "--cases", "3b_full,3b_full_offload_acc,3b_full_offload", "--steps",
+              "3", "--case-timeout-s", "200", limit_s=660),
+        pytest_step("offload_cuda_tests", "-m", "cuda", "tests/test_engine_gpu.py", "-k", "offload", limit_s=300),
         pytest_step("fast_rollout_cuda_tests", "-m", "cuda", "tests/test_vl_rollout.py", "tests/test_rollout_fast.py",
                     limit_s=300),
         *VL_STEPS,
