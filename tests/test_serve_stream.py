@@ -337,3 +337,100 @@ def test_no_token_after_an_end_token_goes_out(server, monkeypatch):
     mine = [e["choices"][0] for e in events if e["choices"]]
     assert [t for x in mine for t in x.get("token_ids", [])] == ids
     assert "".join(x["delta"].get("content") or "" for x in mine) == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize("server", ["fast"], indirect=True)
+def test_a_client_leaving_mid_stream_leaves_no_task_waiting(server, monkeypatch):
+    """A streamed reply's generator waits on the next hand-over or the answer; a client that leaves while it waits
+    cancels it, and nothing of it stays pending (was: one `Event.wait` task a stream, destroyed pending later)."""
+    import asyncio
+    import gc
+    import socket
+    import time
+    import urllib.parse
+
+    c = client(server)
+    c.completions.create(model="tiny", prompt="a", max_tokens=1)
+    monkeypatch.setattr(server.batcher.rollout._state, "eos", torch.tensor([-1]))
+    monkeypatch.setattr(server.batcher, "stop_ids", set())
+    before = dict(server.batcher.stats)
+    where = urllib.parse.urlparse(server.url)
+    body = json.dumps(dict(model="tiny", messages=MESSAGES, max_tokens=3000, temperature=0, stream=True)).encode()
+    with socket.create_connection((where.hostname, where.port), timeout=60) as sock:
+        sock.sendall(f"POST {where.path}/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while got.count(b"token_ids") < 20:  # (tokens of several hand-overs read: the generator waits again)
+            got += sock.recv(65536)
+    wait_for(lambda: server.batcher.stats["cancelled"] > before["cancelled"], "the request cancelled")
+    time.sleep(0.3)
+
+    def waiting() -> list[str]:
+        names = []
+        for t in gc.get_objects():
+            try:
+                if isinstance(t, asyncio.Task) and not t.done() and "Event.wait" in t.get_coro().__qualname__:
+                    names.append(t.get_coro().__qualname__)
+            except ReferenceError:  # (a weak proxy whose object is gone)
+                pass
+        return names
+    assert waiting() == []
+
+
+@pytest.mark.parametrize("server", ["fast"], indirect=True)
+def test_a_stream_failing_after_tokens_went_out_ends_the_reply_with_an_error(server, monkeypatch):
+    """A stream that fails retries its unanswered requests in batches, but not one whose client has some of its
+    tokens already (a new reply would not continue them): that reply ends with an error event and [DONE]."""
+    from shardrl.rollout.serving import batcher as batcher_module
+
+    c = client(server)
+    c.completions.create(model="tiny", prompt="a", max_tokens=1)
+    monkeypatch.setattr(server.batcher.rollout._state, "eos", torch.tensor([-1]))
+    monkeypatch.setattr(server.batcher, "stop_ids", set())
+    progress, calls = batcher_module._Stream.progress, []
+
+    def failing(self, parts):
+        progress(self, parts)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a failing stream")
+    monkeypatch.setattr(batcher_module._Stream, "progress", failing)
+    writes = _http_chunks(server.url, "completions", dict(model="tiny", prompt="1+2=", max_tokens=64,
+                                                            temperature=1.0, stream=True))
+    text = b"".join(writes).decode()
+    events = _events(text)
+    assert any(e.get("choices") and e["choices"][0]["token_ids"] for e in events)  # (some went out)
+    assert events[-1].get("error") and text.endswith("data: [DONE]\n\n")
+    assert not any(e.get("choices") and e["choices"][0].get("finish_reason") for e in events)
+
+
+@pytest.mark.parametrize("server", ["fast", "fast_process"], indirect=True)
+def test_replies_of_rows_of_different_ages_stream_their_own_tokens(server, monkeypatch):
+    """Requests joining the stream while earlier ones decode: each sync hands over each row's own new tokens (its
+    window, whatever the other rows' ages); each streamed reply joins to its plain one."""
+    import threading
+    import time
+
+    c = client(server)
+    c.completions.create(model="tiny", prompt="a", max_tokens=1)
+    monkeypatch.setattr(server.batcher.rollout._state, "eos", torch.tensor([-1]))
+    monkeypatch.setattr(server.batcher, "stop_ids", set())
+    prompts = ["1+2=", "hello ", "abc", "x"]
+    plain = {p: c.completions.create(model="tiny", prompt=p, max_tokens=96 - 16 * i, temperature=0).choices[0]
+             for i, p in enumerate(prompts)}
+    got = {}
+
+    def streamed(i, p):
+        time.sleep(0.05 * i)  # (joining a stream whose earlier rows are older)
+        got[p] = _events(b"".join(_http_chunks(server.url, "completions", dict(
+            model="tiny", prompt=p, max_tokens=96 - 16 * i, temperature=0, stream=True))).decode())
+
+    threads = [threading.Thread(target=streamed, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for p, want in plain.items():
+        mine = [e["choices"][0] for e in got[p] if e["choices"]]
+        assert [t for x in mine for t in x["token_ids"]] == want.model_extra["token_ids"]
+        assert "".join(x["text"] for x in mine) == want.text

@@ -116,13 +116,17 @@ class DecodeLoop:
         spans = [span for span in spans if span[1] < span[2]]
         if not spans:
             return
-        st, lo, hi = self._state, min(a for _, a, _ in spans), max(b for _, _, b in spans)
+        # each row's own window (its new tokens, about sync_every), not one span from the least reported to the most
+        # generated over all rows (rows of different ages: thousands of columns read back for a few new ones)
+        st, width = self._state, max(b - a for _, a, b in spans)
         idx = self._to_device([s for s, _, _ in spans])
-        tokens = st.out_tokens[idx, lo:hi].tolist()
+        starts = self._to_device([a for _, a, _ in spans])
+        cols = (starts[:, None] + torch.arange(width, device=starts.device)).clamp_(max=st.out_tokens.shape[1] - 1)
+        tokens = st.out_tokens[idx[:, None], cols].tolist()
         parts = []
         for i, (s, a, b) in enumerate(spans):
             row = sched.slot_row[s]
-            parts.append((row, tokens[i][a - lo:b - lo]))
+            parts.append((row, tokens[i][:b - a]))
             self._reported[row] = b
         feed.progress(parts)
 

@@ -234,8 +234,10 @@ class Routes:
             try:
                 while reply is not None and not task.done():  # (each hand-over's tokens as one write)
                     waiter = asyncio.ensure_future(woken.wait())
-                    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                    waiter.cancel()
+                    try:
+                        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:  # (also when the client left: this generator cancelled here)
+                        waiter.cancel()
                     woken.clear()
                     parts, came[:] = list(came), []
                     sent = "".join(x for k, tokens in parts for x in reply.add(k, tokens))

@@ -64,6 +64,7 @@ class Pending:
     # on_tokens(k, tokens), on the event loop: output k's tokens as a stream makes them (a streamed reply's client
     # reads them at once); the last ones come only in the answer. A batch (not a stream) calls it never
     on_tokens: Any = None
+    partly_sent: bool = False  # some of its tokens went to on_tokens (a failed stream cannot retry it)
 
 
 class Dropped(Exception):
@@ -90,6 +91,7 @@ def _deliver(calls: list[tuple[Pending, int, list[int]]]) -> None:
     """(On the loop.) Each streamed request's new tokens to its `on_tokens`, unless it was answered meanwhile."""
     for item, k, tokens in calls:
         if not item.future.done():
+            item.partly_sent = True
             try:
                 item.on_tokens(k, tokens)
             except Exception:  # noqa: BLE001 (a reader's failure ends nothing: the whole reply still comes)
@@ -200,6 +202,7 @@ class _Stream:
                 if end is not None:  # (the reply ends there, whatever the row makes after: the answer says so)
                     tokens = tokens[:end]
                     self.halted.add(row)
+                    self.streamed.discard(row)  # (nothing more to read back for it)
                 if tokens:
                     calls.append((self.rows[row][0], self.rows[row][1], tokens))
         if calls:
@@ -527,7 +530,13 @@ class Batcher:
             run.result()
         except Exception:  # noqa: BLE001 (the server stays up; one bad request must not fail the others)
             log.exception("a stream failed; its unanswered requests are retried in batches")
-            for chunk in self._chunks(list(stream.unanswered())):
+            retry = []
+            for item in stream.unanswered():  # (a reply whose client has some of its tokens cannot start again)
+                if item.partly_sent:
+                    _resolve(item.future, RuntimeError("the generation failed after part of this reply was sent"))
+                else:
+                    retry.append(item)
+            for chunk in self._chunks(retry):
                 await self._run(chunk)  # (a failing batch is retried one request at a time)
         self.current, self.later = None, []
         for item in stream.unanswered():  # (a row the engine never reported: answered, not left waiting)
