@@ -251,20 +251,20 @@ class LiveReply:
     strings the last (longest stop string - 1) characters of the text wait, so that text a stop string will cut
     is never sent (a stop string found ends the row at that sync, before its tokens would be handed over)."""
 
-    def __init__(self, writer: ChunkWriter, head_ids: list[int], prompt_of, first_role_sent: bool = True):
+    def __init__(self, writer: ChunkWriter, head_ids: list[int], prompt_of):
         self.writer, self.head_ids, self.prompt_of = writer, head_ids, prompt_of
         req = writer.req
         self.hold = max((len(x) for x in stop_list(req.stop)), default=1) - 1
         self.stop_ids = set(req.stop_token_ids or ())
         self.choices: dict[int, _LiveChoice] = {}
-        self.first_role_sent = first_role_sent
 
     def _choice(self, k: int) -> tuple["_LiveChoice", list[str]]:
-        """Choice k's state, and its role event where the choice starts here (a chat's choices after the first)."""
+        """Choice k's state, and its role event where the choice starts here (a chat's choices after the first: the
+        first one's went out at once, `ChunkWriter.role`)."""
         if k in self.choices:
             return self.choices[k], []
         c = self.choices[k] = _LiveChoice(IncrementalText(self.writer.tok))
-        if self.writer.chat and (k or not self.first_role_sent):
+        if self.writer.chat and k:
             return c, [event(self.writer.role(k, self.head_ids))]
         return c, []
 
