@@ -305,13 +305,6 @@ def host_used_gib() -> float | None:
         return None
 
 
-def host_total_gib() -> float | None:
-    try:
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError):
-        return None
-
-
 class DeviceMemory:
     """The GPU's memory in use as nvidia-smi reports it (every process: the allocator's cache and the CUDA context
     counted), sampled every `every_s` on a thread while a case runs: one measure for a case that finishes no step
@@ -369,6 +362,8 @@ def run_steps(args) -> list[dict]:
         overrides = case_overrides(root, case, args.steps) + [f"trainer.output_dir={run_dir}"]
         import torch
 
+        from shardrl.plan.memory import host_memory_gib
+
         gpu = ["--gpu-mem-gib", f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f}"] \
             if torch.cuda.is_available() else []  # (so that the ledger counts a cache the run keeps)
         plan = subprocess.run([sys.executable, "-m", "shardrl.cli", "plan", "--json", *gpu, *overrides],
@@ -388,7 +383,7 @@ def run_steps(args) -> list[dict]:
             error, resolved = f"timed out after {args.case_timeout_s} s", []
         wall = time.perf_counter() - t0
         rec = dict(bench="lora_steps", case=case, ledger_gib=ledger, wall_s=round(wall, 1), resolved=resolved,
-                   nvidia_smi_peak_gib=smi.stop(), host_peak_gib=smi.host_peak(), host_total_gib=host_total_gib(),
+                   nvidia_smi_peak_gib=smi.stop(), host_peak_gib=smi.host_peak(), host_total_gib=host_memory_gib(),
                    plan_error=None if plan.returncode == 0 else plan.stderr[-1500:])
         metrics = run_dir / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []

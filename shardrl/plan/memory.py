@@ -560,12 +560,10 @@ HOST_LINK_GB_S = 25.0
 (pinned memory); PCIe 5.0 doubles it."""
 
 
-def micro_batches_at_most(role, samples: int, seq_tokens: int) -> int:
-    """Micro-batches of `samples` sequences of at most `seq_tokens` tokens on a rank (`role`: a `RoleLayout`):
-    fixed ones of micro_batch_size_per_gpu, or dynamic ones of max_token_len_per_gpu tokens at the longest."""
-    if role.max_token_len_per_gpu:
-        return max(1, -(-samples * seq_tokens // role.max_token_len_per_gpu))
-    return max(1, -(-samples // role.micro_batch_size_per_gpu))
+def dynamic_micro_batches(role, samples: int, seq_tokens: int) -> int:
+    """Dynamic micro-batches (max_token_len_per_gpu tokens each; `role`: a `RoleLayout`) of `samples` sequences
+    of at most `seq_tokens` tokens on a rank, at the longest."""
+    return max(1, -(-samples * seq_tokens // role.max_token_len_per_gpu))
 
 
 def offload_traffic(numbers: dict, engine_cfg, layout, master: int) -> dict:
@@ -581,17 +579,20 @@ def offload_traffic(numbers: dict, engine_cfg, layout, master: int) -> dict:
     param_bytes = ((numbers["total"] * 2 + lora * 4) if lora else numbers["total"] * master) / shard
     grad_bytes = trained * 4 / shard
     kept = engine_cfg.accumulates_unsharded(shard)
-    update_mb = micro_batches_at_most(role, role.mini_batch_samples_per_rank, layout.seq_tokens_per_rank)
-    infer_mb = micro_batches_at_most(role, layout.samples_per_rank, layout.seq_tokens_per_rank)
+    # (fixed micro-batches: the layout's own counts)
+    update_mb = role.num_micro_batches or dynamic_micro_batches(role, role.mini_batch_samples_per_rank,
+                                                                layout.seq_tokens_per_rank)
+    infer_mb = role.num_infer_micro_batches or dynamic_micro_batches(role, layout.samples_per_rank,
+                                                                     layout.seq_tokens_per_rank)
     per_update = (param_bytes + grad_bytes) if kept else update_mb * (2 * param_bytes + grad_bytes)
     total = role.num_updates * per_update + infer_mb * param_bytes
     seconds = total / (HOST_LINK_GB_S * 1e9)
     each = ("1 gather + 1 reduction, the micro-batches kept gathered" if kept
             else f"{update_mb} micro-batches x (2 gathers + 1 reduction)")
     how = (f"{role.num_updates} optimizer step(s) x ({each}) + {infer_mb} old-log-prob micro-batches x 1 gather; a "
-           f"gather {param_bytes / 1e9:.1f} GB, a reduction {grad_bytes / 1e9:.1f} GB")
-    line = (f"  and the offloaded parameters cross the host link about {total / 1e9:.0f} GB a step ({how}): "
-            f"about {seconds:.1f} s at {HOST_LINK_GB_S:g} GB/s")
+           f"gather {param_bytes / 1e9:.3g} GB, a reduction {grad_bytes / 1e9:.3g} GB")
+    line = (f"  and the offloaded parameters cross the host link about {total / 1e9:.3g} GB a step ({how}): "
+            f"about {seconds:.3g} s at {HOST_LINK_GB_S:g} GB/s")
     if not kept and update_mb > 1:
         key = "max_token_len_per_gpu" if role.max_token_len_per_gpu else "micro_batch_size_per_gpu"
         line += f"; fewer, larger micro-batches (actor.engine.{key}, as the GPU's memory allows) gather fewer times"
