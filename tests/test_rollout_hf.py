@@ -347,3 +347,27 @@ def test_stop_length_is_the_shortest_prefix_holding_a_stop_string():
                                                                generator=rng))]
         want = next((k for k in range(1, len(ids) + 1) if contains_stop(tok.decode(ids[:k]), stop)), None)
         assert stop_length(tok, ids, stop) == want, (ids, stop)
+
+
+def test_a_stop_string_of_characters_made_of_several_tokens_ends_its_row():
+    """Both rollouts look for stop strings in a row's last tokens only. A byte-level BPE spells an emoji in several
+    tokens, so a stop string of ten emoji is over forty tokens: the tail looked at must hold that many (it held one
+    token a character: the stop string was never found whole, and the row ran on to its limit, a streamed reply
+    sending the stop string and what followed it)."""
+    from types import SimpleNamespace
+
+    import tokenizers
+
+    from shardrl.rollout.fast.loop import DecodeLoop
+    from shardrl.rollout.hf import _StopStringCriteria
+
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["hello world, hello there"] * 4, vocab_size=262, min_frequency=1, show_progress=False)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+    stop = ["🙂" * 10]
+    ids = tok("hello there " + stop[0])["input_ids"]
+    assert len(tok(stop[0])["input_ids"]) == 40 and stop[0] in tok.decode(ids)
+    state = SimpleNamespace(out_tokens=torch.tensor([ids]), done=torch.zeros(1, dtype=torch.bool))
+    loop = SimpleNamespace(_state=state, device=torch.device("cpu"), sync_every=16, tokenizer=tok)
+    assert DecodeLoop._find_stops(loop, [0], [len(ids)], stop) == [0] and state.done.tolist() == [True]
+    assert _StopStringCriteria(tok, stop, prompt_width=0)(torch.tensor([ids]), None).tolist() == [True]

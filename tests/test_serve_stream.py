@@ -434,3 +434,70 @@ def test_replies_of_rows_of_different_ages_stream_their_own_tokens(server, monke
         mine = [e["choices"][0] for e in got[p] if e["choices"]]
         assert [t for x in mine for t in x["token_ids"]] == want.model_extra["token_ids"]
         assert "".join(x["text"] for x in mine) == want.text
+
+
+def _runs_to_its_limit(server, monkeypatch) -> openai.OpenAI:
+    c = client(server)
+    c.completions.create(model="tiny", prompt="a", max_tokens=1)  # (the fast cache sized, for its state)
+    monkeypatch.setattr(server.batcher.rollout._state, "eos", torch.tensor([-1]))  # every row runs to its limit
+    monkeypatch.setattr(server.batcher, "stop_ids", set())
+    return c
+
+
+@pytest.mark.parametrize("server", ["fast"], indirect=True)
+def test_an_rl_endpoints_stop_string_is_held_back_too(server, monkeypatch):
+    """An RL run's endpoint samples with its policy's stop strings where the request names none (`sampling_of`), and
+    the reply is cut at them; the streamed reply holds text back by those too (it held back by the request's only:
+    the part of the stop string made before the sync that found it went out)."""
+    from shardrl.rollout.base import SamplingParams
+
+    c = _runs_to_its_limit(server, monkeypatch)
+    body = dict(model="tiny", messages=MESSAGES, max_tokens=64, temperature=0)
+    text = c.chat.completions.create(**body).choices[0].message.content
+    stop = text[20:]  # (longer than a sync's 16 tokens: the stop string spans a sync)
+    at = text.find(stop)
+    assert len(stop) > 20 and at > 0
+    server.app.state.policy = SamplingParams(n=1, temperature=1.0, greedy=True, seed=None, max_new_tokens=64,
+                                             stop=[stop])
+    try:
+        plain = c.chat.completions.create(**body).choices[0]
+        chunks = list(c.chat.completions.create(**body, stream=True))
+    finally:
+        server.app.state.policy = None
+    assert plain.message.content == text[:at] and plain.finish_reason == "stop"
+    assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == plain.message.content
+
+
+@pytest.mark.parametrize("server", ["fast"], indirect=True)
+def test_a_stream_forgets_a_request_whose_client_left(server, monkeypatch):
+    """A stream runs for as long as requests keep coming: a request whose client left mid-stream leaves nothing of
+    it in the stream once its rows end (its `outs` and `left` entries stayed: one a client that ever left)."""
+    import socket
+    import threading
+    import urllib.parse
+
+    c = _runs_to_its_limit(server, monkeypatch)
+    batcher = server.batcher
+
+    def keep():  # (keeps the stream running while the other request comes and goes; the server stops it)
+        try:
+            c.with_options(timeout=300).completions.create(model="tiny", prompt="keep", max_tokens=3000,
+                                                           temperature=0)
+        except openai.APIError:
+            pass
+
+    threading.Thread(target=keep, daemon=True).start()
+    wait_for(lambda: batcher.current is not None and batcher.current.rows, "the stream running")
+    stream, cancelled = batcher.current, batcher.stats["cancelled"]
+    where = urllib.parse.urlparse(server.url)
+    body = json.dumps(dict(model="tiny", messages=MESSAGES, max_tokens=2000, temperature=0, stream=True)).encode()
+    with socket.create_connection((where.hostname, where.port), timeout=60) as sock:
+        sock.sendall(f"POST {where.path}/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while got.count(b"token_ids") < 20:  # (a hand-over or two read, then the client leaves)
+            got += sock.recv(65536)
+    wait_for(lambda: batcher.stats["cancelled"] > cancelled, "the request cancelled")
+    wait_for(lambda: len(stream.rows) == 1, "its row retired")  # (the keeper's row alone decodes)
+    assert batcher.current is stream
+    assert len(stream.outs) == 1 and len(stream.left) == 1, (stream.outs.keys(), stream.left)

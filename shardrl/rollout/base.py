@@ -273,6 +273,13 @@ def contains_stop(text: str, stop: list[str]) -> bool:
     return any(s in text for s in stop)
 
 
+def stop_window(stop: list[str]) -> int:
+    """How many of a response's last tokens hold a stop string that ends at its newest token: a token stands for at
+    least one byte of text (a byte-level BPE's, or a byte fallback's), so a string takes at most its UTF-8 length
+    in tokens (an emoji or a rare CJK character takes several), and a few more for a token that begins before it."""
+    return max(len(s.encode()) for s in stop) + 8
+
+
 def stop_length(tokenizer, ids: list[int], stop: list[str]) -> int | None:
     """The fewest leading tokens of `ids` whose decoded text contains a stop string, or None."""
 

@@ -27,7 +27,8 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 from shardrl.models.vision import image_token_id, is_vision_language, stack_images
 from shardrl.rollout.base import (Rollout, RolloutOutput, SamplingParams, VersionTrack, assemble_output, check_images,
-                                   check_prompts, contains_stop, copy_weights_in_place, cut_responses)
+                                   check_prompts, contains_stop, copy_weights_in_place, cut_responses,
+                                   stop_window)
 from shardrl.tokenizer import stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -103,8 +104,8 @@ class _StopStringCriteria(StoppingCriteria):
 
     def __init__(self, tokenizer, stop: list[str], prompt_width: int):
         self.tokenizer, self.stop, self.prompt_width = tokenizer, stop, prompt_width
-        # a stop string first appears ending at the newest token; this many tokens hold it (>= 1 char each)
-        self.window = max(len(s) for s in stop) + 8
+        # a stop string first appears ending at the newest token; this many tokens hold it
+        self.window = stop_window(stop)
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         response = input_ids[:, self.prompt_width :]

@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from shardrl.rollout.base import RolloutOutput, VersionTrack, assemble_output, contains_stop, cut_responses
+from shardrl.rollout.base import (RolloutOutput, VersionTrack, assemble_output, contains_stop, cut_responses,
+                                  stop_window)
 from shardrl.rollout.fast.scheduler import RowFeed, RowScheduler, slot_widths
 
 
@@ -218,7 +219,7 @@ class DecodeLoop:
         st = self._state
         idx = torch.tensor(live, dtype=torch.long, device=self.device)
         rows = st.out_tokens[idx, : max(generated[s] for s in live)].cpu().tolist()
-        window = self.sync_every + 1 + max(len(s) for s in stop) + 8
+        window = self.sync_every + 1 + stop_window(stop)
         ids = [row[: generated[s]] for row, s in zip(rows, live)]
         tails = self.tokenizer.batch_decode([r[-window:] for r in ids], skip_special_tokens=True)
         decode = lambda r: self.tokenizer.decode(r, skip_special_tokens=True)  # noqa: E731

@@ -163,7 +163,7 @@ class Routes:
         sampling = self.sampling(req, [ids], max_tokens)
         if req.stream:
             writer = ChunkWriter(req, req.model, self.tok, chat=True)
-            reply = LiveReply(writer, ids, None) if live(req, self.tok) else None
+            reply = LiveReply(writer, ids, None, sampling.stop) if live(req, self.tok) else None
             return self.streamed(request, req, [ids], sampling, [event(writer.role(0, ids))],
                                  lambda outs: chat_events(writer, ids, outs), reply=reply)
         outs = cut_at_stop_ids(req, await self.submit(request, req, [ids], sampling), self.tok)
@@ -178,7 +178,8 @@ class Routes:
         sampling = self.sampling(req, prompts, default if req.max_tokens is None else req.max_tokens)
         if req.stream:
             writer = ChunkWriter(req, req.model, self.tok, chat=False)
-            reply = LiveReply(writer, [], lambda k: prompts[k // sampling.n]) if live(req, self.tok) else None
+            reply = (LiveReply(writer, [], lambda k: prompts[k // sampling.n], sampling.stop) if live(req, self.tok)
+                     else None)
             return self.streamed(request, req, prompts, sampling, [],
                                  lambda flat: completion_events(writer, prompts, flat), reply=reply)
         flat = cut_at_stop_ids(req, await self.submit(request, req, prompts, sampling), self.tok)  # prompt-major

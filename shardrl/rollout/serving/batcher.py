@@ -218,7 +218,11 @@ class _Stream:
             self.gone.discard(row)
             self.streamed.discard(row)
             self.halted.discard(row)
-        if item.future.done():
+        if item.future.done():  # (its client left, or it was cancelled: nothing to answer, its entries to forget)
+            self.left[id(item)] -= 1
+            if self.left[id(item)] == 0:
+                self.left.pop(id(item))
+                self.outs.pop(id(item))
             return
         b, stop = self.batcher, self.sampling.stop
         lengths, texts = cut_responses(b.tokenizer, b.stop_ids, torch.tensor([tokens], dtype=torch.long), stop)

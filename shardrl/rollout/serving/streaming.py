@@ -249,12 +249,14 @@ class LiveReply:
     What is sent is always what the whole reply holds: a token is not sent from the first of the request's
     stop_token_ids on (the reply is cut after it: generated past it, as `cut_at_stop_ids` says), and with stop
     strings the last (longest stop string - 1) characters of the text wait, so that text a stop string will cut
-    is never sent (a stop string found ends the row at that sync, before its tokens would be handed over)."""
+    is never sent (a stop string found ends the row at that sync, before its tokens would be handed over). `stop`: the
+    stop strings the reply is sampled with (an RL run's endpoint samples with its policy's where the request names
+    none: `sampling_of`); the request's where not given."""
 
-    def __init__(self, writer: ChunkWriter, head_ids: list[int], prompt_of):
+    def __init__(self, writer: ChunkWriter, head_ids: list[int], prompt_of, stop: list[str] | None = None):
         self.writer, self.head_ids, self.prompt_of = writer, head_ids, prompt_of
         req = writer.req
-        self.hold = max((len(x) for x in stop_list(req.stop)), default=1) - 1
+        self.hold = max((len(x) for x in (stop_list(req.stop) if stop is None else stop)), default=1) - 1
         self.stop_ids = set(req.stop_token_ids or ())
         self.choices: dict[int, _LiveChoice] = {}
 
