@@ -345,23 +345,14 @@ def test_a_client_leaving_mid_stream_leaves_no_task_waiting(server, monkeypatch)
     cancels it, and nothing of it stays pending (was: one `Event.wait` task a stream, destroyed pending later)."""
     import asyncio
     import gc
-    import socket
     import time
-    import urllib.parse
 
     c = client(server)
     c.completions.create(model="tiny", prompt="a", max_tokens=1)
     monkeypatch.setattr(server.batcher.rollout._state, "eos", torch.tensor([-1]))
     monkeypatch.setattr(server.batcher, "stop_ids", set())
     before = dict(server.batcher.stats)
-    where = urllib.parse.urlparse(server.url)
-    body = json.dumps(dict(model="tiny", messages=MESSAGES, max_tokens=3000, temperature=0, stream=True)).encode()
-    with socket.create_connection((where.hostname, where.port), timeout=60) as sock:
-        sock.sendall(f"POST {where.path}/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        got = b""
-        while got.count(b"token_ids") < 20:  # (tokens of several hand-overs read: the generator waits again)
-            got += sock.recv(65536)
+    _leave_mid_stream(server, 3000)  # (tokens of several hand-overs read: the generator waits again)
     wait_for(lambda: server.batcher.stats["cancelled"] > before["cancelled"], "the request cancelled")
     time.sleep(0.3)
 
@@ -472,9 +463,7 @@ def test_an_rl_endpoints_stop_string_is_held_back_too(server, monkeypatch):
 def test_a_stream_forgets_a_request_whose_client_left(server, monkeypatch):
     """A stream runs for as long as requests keep coming: a request whose client left mid-stream leaves nothing of
     it in the stream once its rows end (its `outs` and `left` entries stayed: one a client that ever left)."""
-    import socket
     import threading
-    import urllib.parse
 
     c = _runs_to_its_limit(server, monkeypatch)
     batcher = server.batcher
@@ -489,15 +478,24 @@ def test_a_stream_forgets_a_request_whose_client_left(server, monkeypatch):
     threading.Thread(target=keep, daemon=True).start()
     wait_for(lambda: batcher.current is not None and batcher.current.rows, "the stream running")
     stream, cancelled = batcher.current, batcher.stats["cancelled"]
-    where = urllib.parse.urlparse(server.url)
-    body = json.dumps(dict(model="tiny", messages=MESSAGES, max_tokens=2000, temperature=0, stream=True)).encode()
-    with socket.create_connection((where.hostname, where.port), timeout=60) as sock:
-        sock.sendall(f"POST {where.path}/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        got = b""
-        while got.count(b"token_ids") < 20:  # (a hand-over or two read, then the client leaves)
-            got += sock.recv(65536)
+    _leave_mid_stream(server, 2000)
     wait_for(lambda: batcher.stats["cancelled"] > cancelled, "the request cancelled")
     wait_for(lambda: len(stream.rows) == 1, "its row retired")  # (the keeper's row alone decodes)
     assert batcher.current is stream
     assert len(stream.outs) == 1 and len(stream.left) == 1, (stream.outs.keys(), stream.left)
+
+
+def _leave_mid_stream(server, max_tokens: int) -> None:
+    """A streamed chat request of `max_tokens` whose client reads 20 tokens' chunks (a hand-over or two), then
+    closes its connection."""
+    import socket
+    import urllib.parse
+
+    where = urllib.parse.urlparse(server.url)
+    body = json.dumps(dict(model="tiny", messages=MESSAGES, max_tokens=max_tokens, temperature=0, stream=True)).encode()
+    with socket.create_connection((where.hostname, where.port), timeout=60) as sock:
+        sock.sendall(f"POST {where.path}/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while got.count(b"token_ids") < 20:
+            got += sock.recv(65536)
