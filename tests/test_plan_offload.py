@@ -16,7 +16,8 @@ TINY = TINY_MODELS["qwen2"]
 SPEC = "model.tiny={" + ", ".join(f"{k}: {v}" for k, v in TINY.items()) + "}"
 # 4 prompts x 2 of 64 tokens: 8 samples a rank, dynamic micro-batches of one 64-token sequence
 BASE = ["data.train_batch_size=4", "rollout.n=2", "data.max_prompt_length=32", "rollout.max_new_tokens=32",
-        "actor.engine.use_dynamic_bsz=true", "actor.engine.max_token_len_per_gpu=64", "actor.engine.offload_params=true"]
+        "actor.engine.use_dynamic_bsz=true", "actor.engine.max_token_len_per_gpu=64",
+        "actor.engine.offload_params=true"]
 SEVEN_B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
 
@@ -187,7 +188,7 @@ def test_the_traffic_line_of_a_7b_model_is_legible(capsys):
     assert "cross the host link about 1," in line and "e+" not in line, line
 
 
-# ---- host memory ------------------------------------------------------------------------------------------------------
+# ---- host memory -------------------------------------------------------------------------------------------------
 def test_host_state_is_counted_in_the_dtypes_torch_keeps():
     """AdamW keeps its moments in the parameter's dtype: a bf16 model's offloaded state is 2 + 2 + 2 x 2 = 8 B a
     parameter, an fp32 one's 16 B."""

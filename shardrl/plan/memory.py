@@ -716,10 +716,9 @@ def host_adam_estimate(numbers: dict, engine_cfg, shard_size: int, nproc_per_nod
         state_gib = params * share / 2**30
         line = f"{key}.offload_params=true: its parameters hold {format_size(state_gib)} of the host's memory"
     else:
-        state_gib = moments * share / 2**30
+        state_gib, crossing = moments * share / 2**30, 2 * moments / max(shard_size, 1)
         line = (f"{key}.offload_optimizer=true: AdamW's moments wait in the host's memory between updates, "
-                f"{format_size(state_gib)}, and cross the host link twice a step ({_gb(moments / max(shard_size, 1) * 2)}"
-                f" a GPU)")
+                f"{format_size(state_gib)}, and cross the host link twice a step ({_gb(crossing)} a GPU)")
     out.update(host_state_gib=state_gib, line=line + _host_verdict(state_gib, host_gib, share))
     return out
 
