@@ -218,6 +218,33 @@ def test_config_fp8_is_a_fast_backend_setting_and_turns_rollout_correction_on():
     assert (kwargs["quantization"], kwargs["fp8_block_size"], kwargs["fp8_activations"]) == ("fp8", 128, "none")
 
 
+def test_an_fp8_rollout_the_run_cannot_build_is_refused_before_any_model_is():
+    """Start-up (`resolve_device_defaults`, which has the policy's config and knows the device) refuses block scales
+    that do not tile the model's linear layers and FP8 activations without a GPU of compute capability 8.9 (they
+    were refused only when the rollout was built, after the engines had loaded the model); rollout.fp8 settings
+    without rollout.quantization=fp8 are warned of (they change nothing)."""
+    from shardrl.config.registry import load_config
+    from shardrl.config.schema import ConfigError
+    from shardrl.engine.model import load_hf_config
+    from shardrl.plan.defaults import resolve_device_defaults
+
+    tiny = ("model.tiny={model_type: qwen2, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
+            "num_key_value_heads: 2, intermediate_size: 128, vocab_size: 1000}")
+    fp8 = [tiny, "rollout.backend=fast", "rollout.quantization=fp8"]
+    cfg = load_config(None, [*fp8, "rollout.fp8.block_size=48"])
+    hf = load_hf_config(cfg.model.path, cfg.model.tiny)
+    with pytest.raises(ConfigError, match=r"rollout.quantization=fp8: a weight of shape \(64, 64\) does not tile"):
+        resolve_device_defaults(cfg, hf)
+    resolve_device_defaults(load_config(None, [*fp8, "rollout.fp8.block_size=32"]), hf)  # (32 tiles 64 and 128)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="activations=dynamic needs a CUDA GPU"):
+            resolve_device_defaults(load_config(None, [*fp8, "rollout.fp8.activations=dynamic"]), hf)
+    for given in ("rollout.fp8.activations=dynamic", "rollout.fp8.block_size=128"):
+        lines = load_config(None, ["rollout.backend=fast", given]).ignored_settings()
+        assert [line for line in lines if line.startswith(f"{given.split('=')[0]} is set but rollout.quantization=")]
+    assert not load_config(None, [*fp8, "rollout.fp8.block_size=128"]).ignored_settings()
+
+
 @pytest.mark.parametrize("block", [None, 32])
 def test_memory_ledger_counts_the_fp8_rollout_weights_as_the_rollout_holds_them(tok, block):
     from shardrl.config.registry import load_config

@@ -612,3 +612,23 @@ def test_verls_val_before_train_default_needs_val_files_to_apply():
     assert with_val["trainer.val_before_train"] is True
     given = native(translate(base + ["trainer.val_before_train=True"]))  # set by the user: kept (and warned about)
     assert given["trainer.val_before_train"] is True
+
+
+def test_verls_fp8_rollout_is_shardrls():
+    """verl's `rollout.quantization=fp8` (true in its first release) is its FP8 rollout: the weights quantized at
+    each sync in 128 x 128 blocks, as `rollout.quantization=fp8` with `rollout.fp8.block_size=128` (it was dropped
+    as a vLLM setting: the run went bf16); `use_block_quant_rollout=false` keeps a scale per channel; other methods
+    are refused, and null is verl's off."""
+    def fp8_keys(args):
+        return [o for o in translate(args).overrides if o.startswith("rollout.quantization") or "fp8" in o]
+
+    assert fp8_keys(["actor_rollout_ref.rollout.quantization=fp8"]) == ['rollout.quantization="fp8"',
+                                                                       "rollout.fp8.block_size=128"]
+    assert fp8_keys(["actor_rollout_ref.rollout.quantization=True",
+                     "+actor_rollout_ref.rollout.use_block_quant_rollout=False"]) == ['rollout.quantization="fp8"']
+    assert fp8_keys([]) == [] and fp8_keys(["actor_rollout_ref.rollout.quantization=null"]) == []
+    with pytest.raises(VerlKeyError, match="quantization='awq': shardrl's rollout quantizes to fp8 only"):
+        translate(["actor_rollout_ref.rollout.quantization=awq"])
+    cfg = load_config(None, translate(["actor_rollout_ref.model.path=/m", "actor_rollout_ref.rollout.name=vllm",
+                                       "actor_rollout_ref.rollout.quantization=fp8"]).overrides)
+    assert (cfg.rollout.quantization, cfg.rollout.fp8.block_size) == ("fp8", 128)

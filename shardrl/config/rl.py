@@ -248,6 +248,11 @@ class Config(CommandConfig):
             given = "teacher.model_path" if self.teacher.model_path else "teacher.by_data_source"
             lines.append(f"{given} is set but algorithm.adv_estimator={self.algorithm.adv_estimator}: no "
                          "teacher is built (set algorithm.adv_estimator=opd to distill from it)")
+        fp8 = self.rollout.fp8
+        if self.rollout.quantization != "fp8" and (fp8.block_size is not None or fp8.activations != "none"):
+            given = "rollout.fp8.block_size" if fp8.block_size is not None else "rollout.fp8.activations"
+            lines.append(f"{given} is set but rollout.quantization={self.rollout.quantization}: the rollout runs "
+                         "unquantized (set rollout.quantization=fp8 to quantize its weights)")
         if self.algorithm.opd.top_k and self.algorithm.adv_estimator != "opd":
             lines.append(f"algorithm.opd.top_k={self.algorithm.opd.top_k} is set but algorithm.adv_estimator="
                          f"{self.algorithm.adv_estimator}: no distillation runs (set algorithm.adv_estimator=opd)")

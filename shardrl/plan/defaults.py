@@ -56,6 +56,8 @@ def resolve_device_defaults(cfg: Config, hf_config=None,
             raise ConfigError(f"rollout.{keys[0]} applies to backend=fast only, and rollout.backend=null chose hf "
                               f"{reason}; set rollout.backend=fast or drop rollout.{keys[0]}")
         lines.append(f"rollout.backend={ro.backend} (null: by device, {reason})")
+    if ro.backend == "fast" and ro.quantization == "fp8":
+        check_fp8_rollout(ro, hf_config, cuda)
     size = None
     if hf_config is not None:
         from shardrl.plan.perf import model_shape
@@ -89,6 +91,24 @@ def resolve_device_defaults(cfg: Config, hf_config=None,
         ro.free_cache_engine, why = free_cache_choice(memory_gib, cuda)
         lines.append(f"rollout.free_cache_engine={str(ro.free_cache_engine).lower()} (null: {why})")
     return cfg, lines
+
+
+def check_fp8_rollout(ro, hf_config, cuda: bool) -> None:
+    """Refuses, before any model is built, an FP8 rollout (`ro`: the rollout section) this run cannot build: block
+    scales that do not tile the policy's (`hf_config`) linear layers, FP8 activations without a GPU of compute
+    capability 8.9 or more."""
+    from shardrl.rollout.fast.fp8 import check_dynamic_activations, scale_shape
+
+    try:
+        if ro.fp8.block_size and hf_config is not None:
+            from shardrl.plan.memory import fp8_linear_shapes
+
+            for shape in dict.fromkeys(fp8_linear_shapes(hf_config)):
+                scale_shape(shape, ro.fp8.block_size)
+        if ro.fp8.activations == "dynamic":
+            check_dynamic_activations(torch.device("cuda" if cuda else "cpu"))
+    except ValueError as e:
+        raise ConfigError(f"rollout.quantization=fp8: {e}") from None
 
 
 def free_cache_choice(memory_gib: tuple[float, float] | None, cuda: bool) -> tuple[bool, str]:

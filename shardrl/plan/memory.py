@@ -298,9 +298,17 @@ def _top_k_terms(cfg: Config, layout: Layout) -> list:
 
 
 def fp8_linear_numbers(hf_config, block_size: int | None) -> tuple[int, int]:
-    """(weights, scales) of the linear layers an FP8 rollout quantizes (`FastCausalLM.quantized_linears`: every
-    layer's q/k/v/o, a dense layer's gate/up/down): a weight's elements take 1 B, its fp32 scales one per output
-    channel (or per `block_size` x `block_size` tile) 4 B."""
+    """(weights, scales) of the linear layers an FP8 rollout quantizes (`fp8_linear_shapes`): a weight's elements take
+    1 B, its fp32 scales one per output channel (or per `block_size` x `block_size` tile) 4 B."""
+    shapes = fp8_linear_shapes(hf_config)
+    weights = sum(o * i for o, i in shapes)
+    scales = sum(o if not block_size else -(-o // block_size) * -(-i // block_size) for o, i in shapes)
+    return weights, scales
+
+
+def fp8_linear_shapes(hf_config) -> list[tuple[int, int]]:
+    """The (out, in) shapes of the linear layers an FP8 rollout quantizes (`FastCausalLM.quantized_linears`: every
+    layer's q/k/v/o, a dense layer's gate/up/down)."""
     c = text_config(hf_config)
     h, heads = c.hidden_size, c.num_attention_heads
     d = getattr(c, "head_dim", None) or h // heads
@@ -308,10 +316,7 @@ def fp8_linear_numbers(hf_config, block_size: int | None) -> tuple[int, int]:
     dense = c.num_hidden_layers - moe_layer_count(c)
     inter = getattr(c, "intermediate_size", None) or 4 * h
     shapes = [(heads * d, h), (kv * d, h), (kv * d, h), (h, heads * d)] * c.num_hidden_layers
-    shapes += [(inter, h), (inter, h), (h, inter)] * dense
-    weights = sum(o * i for o, i in shapes)
-    scales = sum(o if not block_size else -(-o // block_size) * -(-i // block_size) for o, i in shapes)
-    return weights, scales
+    return shapes + [(inter, h), (inter, h), (h, inter)] * dense
 
 
 def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> dict:

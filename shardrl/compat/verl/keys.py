@@ -256,6 +256,30 @@ def _override_config(target: str):
     return apply
 
 
+def _quantization(value, out, given):
+    """verl's FP8 rollout (`rollout.quantization`: fp8, or true in its first release with `use_block_quant_rollout`):
+    the linear layers' weights quantized to FP8 at each weight sync, in 128 x 128 blocks, as shardrl's
+    `rollout.quantization=fp8` does (verl's vLLM also quantizes the activations in 1 x 128 groups for DeepGEMM; here
+    block scales run weight-only)."""
+    if value in (None, False) or str(value).lower() in ("none", "null", "false", ""):
+        return None
+    if value is not True and str(value).lower() not in ("fp8", "true"):
+        raise ValueError("shardrl's rollout quantizes to fp8 only (rollout.quantization=fp8)")
+    out["rollout.quantization"] = "fp8"
+    if given.get("actor_rollout_ref.rollout.use_block_quant_rollout", True) not in (False, "false", "False"):
+        out["rollout.fp8.block_size"] = 128
+        return ("rollout.quantization=fp8 with rollout.fp8.block_size=128: the weights in FP8 128 x 128 blocks, the "
+                "activations in bf16 (verl's vLLM quantizes them too)")
+    return "rollout.quantization=fp8: the weights in FP8, a scale per output channel"
+
+
+def _block_quant(value, out, given):
+    """verl's use_block_quant_rollout: read by `_quantization`; alone it changes nothing."""
+    if value and not given.get("actor_rollout_ref.rollout.quantization"):
+        return "use_block_quant_rollout without rollout.quantization: the rollout runs unquantized"
+    return None
+
+
 def _global_micro_batch(target: str, per_gpu_key: str, sp_key: str | None, dynamic_key: str):
     """verl's deprecated global micro-batch (ppo_micro_batch_size, log_prob_micro_batch_size, ...), which verl
     still runs: its FSDP workers divide it by the data-parallel size (world // ulysses_sequence_parallel_size, with
@@ -460,6 +484,9 @@ VERL_KEYS: dict[str, Rule] = {
                                                                                   "read; use "
                                                                                   "rollout.multi_turn.interaction_path"),
     "actor_rollout_ref.rollout.calculate_log_probs": dropped("the sampler's log-probs are always kept"),
+    "actor_rollout_ref.rollout.quantization": Rule(apply=_quantization,
+                                                   hint="'rollout.quantization' and 'rollout.fp8.block_size'"),
+    "actor_rollout_ref.rollout.use_block_quant_rollout": Rule(apply=_block_quant, hint="'rollout.fp8.block_size'"),
     "actor_rollout_ref.rollout.ignore_eos": only((False,), "not supported"),
     "actor_rollout_ref.rollout.over_sample_rate": dropped("a rollout-server throughput setting (it aborts the "
                                                           "slowest requests); shardrl generates every response"),
@@ -470,7 +497,7 @@ VERL_KEYS: dict[str, Rule] = {
         "max_model_len", "max_num_seqs", "enable_chunked_prefill", "load_format", "dtype",
         "disable_log_stats", "logprobs_mode", "scheduling_policy", "multi_stage_wake_up", "skip_tokenizer_init",
         "layered_summon", "agent.num_workers", "trace.backend", "trace.token2text", "enable_rollout_routing_replay",
-        "prometheus.enable", "quantization", "engine_kwargs.vllm.swap_space", "engine_kwargs.sglang.attention_backend",
+        "prometheus.enable", "engine_kwargs.vllm.swap_space", "engine_kwargs.sglang.attention_backend",
         "mode", "multi_turn.tokenization_sanity_check_mode", "multi_turn.use_inference_chat_template")},
     # critic
     "critic.strategy": conv("critic.engine.strategy", strategy),
