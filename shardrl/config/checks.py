@@ -169,6 +169,9 @@ def check_rl(cfg, prefix: str = "") -> None:
                                                                      cfg.data.reasoning_gym.tasks)):
         require(cfg, prefix, key, not (cfg.rollout.env and given),
                 "and rollout.env both give the training prompts (the environment's dataset is them); keep one")
+    require(cfg, prefix, "data.val_files", not (cfg.rollout.env and cfg.data.val_files),
+            "and rollout.env: an environment's episodes run its own rows only (its evaluation dataset validates, "
+            "where it has one); drop data.val_files")
     require(cfg, prefix, "teacher.model_path", cfg.algorithm.adv_estimator != "opd" or bool(cfg.teacher.paths()),
             "is needed by algorithm.adv_estimator=opd (on-policy distillation scores each sampled token with the "
             "teacher): set it to the teacher's model folder (or teacher.by_data_source, a teacher per data source)")

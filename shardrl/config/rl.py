@@ -14,7 +14,7 @@ from shardrl.config.checks import check_reward, check_rl
 from shardrl.config.command import CommandConfig, TrainerConfig, epochs_decide
 from shardrl.config.engine import EngineConfig, ModelConfig, OptimConfig
 from shardrl.config.images import ImageDataConfig
-from shardrl.config.load import require
+from shardrl.config.load import ConfigError, join_key, require
 from shardrl.config.names import ADVANTAGE_ESTIMATORS
 from shardrl.config.rollout import RolloutConfig
 
@@ -51,6 +51,14 @@ class ReasoningGymConfig:
         unknown = sorted(set(self.config) - set(self.tasks))
         require(self, prefix, "config", not unknown, f"names {unknown}, which are not in {prefix}.tasks="
                 f"{self.tasks}; settings go under a task's name")
+        for task, settings in self.config.items():
+            key = f"{join_key(prefix, 'config')}.{task}={settings!r}"
+            if settings is not None and not isinstance(settings, dict):
+                raise ConfigError(f"invalid config value {key}: a task's settings are a mapping of its generator's "
+                                  f"parameters, e.g. {{{task}: {{min_animals: 2}}}}")
+            if taken := sorted({"size", "seed"} & set(settings or {})):
+                raise ConfigError(f"invalid config value {key}: sets {taken}, which every task takes from "
+                                  f"{join_key(prefix, 'size')} and {join_key(prefix, 'seed')} (set those)")
 
 
 @dataclass

@@ -13,6 +13,11 @@ is scored the same way.
 
 from __future__ import annotations
 
+import os
+import pickle
+import subprocess
+import sys
+
 INSTALL_HINT = "reasoning-gym is not installed: pip install 'shardrl[envs]' (or pip install reasoning-gym)"
 
 
@@ -36,7 +41,35 @@ def system_message(system_prompt: str | None) -> str | None:
 
 def reasoning_gym_rows(cfg, split: str = "train") -> list[dict]:
     """The prompt rows of `cfg` (a `config.rl.ReasoningGymConfig`): `size` (split "train") or `val_size` ("val")
-    questions of each task, the validation ones drawn with the seed `seed + size` (other questions)."""
+    questions of each task, the validation ones drawn with the seed `seed + size` (other questions).
+
+    Some of reasoning-gym's generators iterate over sets of strings, whose order follows Python's string hashing,
+    salted anew in every process (isomorphic_strings, ransom_note, polynomial_multiplication: every question
+    differs): so the rows are generated in a process of their own with PYTHONHASHSEED=0, the same in every rank,
+    in the asynchronous rollout's processes and in a resumed run."""
+    if os.environ.get("PYTHONHASHSEED") == "0":
+        return generate_rows(cfg, split)
+    import_reasoning_gym()  # (its absence said here, in the run's own words)
+    import shardrl
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(shardrl.__file__)))
+    env = {**os.environ, "PYTHONHASHSEED": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    script = ("import pickle, sys; from shardrl.data.reasoning_gym import generate_rows; "
+              "sys.stdout.buffer.write(pickle.dumps(generate_rows(*pickle.load(sys.stdin.buffer))))")
+    done = subprocess.run([sys.executable, "-c", script], input=pickle.dumps((cfg, split)), env=env,
+                          capture_output=True)
+    if done.returncode:
+        error = done.stderr.decode(errors="replace").strip().splitlines()
+        last = error[-1] if error else f"exit status {done.returncode}"
+        if last.startswith("ValueError: "):  # (a refusal of the settings: as if raised here)
+            raise ValueError(last.removeprefix("ValueError: "))
+        raise RuntimeError(f"generating data.reasoning_gym's rows failed: {last}")
+    return pickle.loads(done.stdout)
+
+
+def generate_rows(cfg, split: str) -> list[dict]:
+    """`reasoning_gym_rows`' rows, generated in this process."""
     rg = import_reasoning_gym()
     from reasoning_gym.factory import DATASETS
 

@@ -28,7 +28,11 @@ def load_verifiers_env(spec: str, env_args: dict | None = None):
     except ImportError:
         raise ValueError(f"rollout.env={spec!r} needs verifiers, but {INSTALL_HINT}") from None
     if spec.startswith("verifiers:"):
-        env = vf.load_environment(spec.split(":", 1)[1], **(env_args or {}))
+        try:
+            env = vf.load_environment(spec.split(":", 1)[1], **(env_args or {}))
+        except (TypeError, RuntimeError) as e:  # (verifiers wraps its loader's errors: a bad argument among them)
+            raise ValueError(f"rollout.env={spec!r} with rollout.env_args={env_args or {}}: the environment's loader "
+                             f"refused them: {e}") from None
     else:
         from shardrl.config.userfile import import_user_file
 
@@ -37,11 +41,30 @@ def load_verifiers_env(spec: str, env_args: dict | None = None):
         loader = getattr(module, name, None)
         if not callable(loader):
             raise ValueError(f"rollout.env={spec!r}: {path} defines no function {name!r}")
+        check_arguments(loader, env_args or {}, f"rollout.env={spec!r}")
         env = loader(**(env_args or {}))
     if not isinstance(env, vf.Environment):
         raise ValueError(f"rollout.env={spec!r} gave a {type(env).__name__}, not a verifiers Environment")
+    if getattr(getattr(env, "rubric", None), "has_group_rewards", False):
+        raise ValueError(f"rollout.env={spec!r}: the environment's rubric has group reward functions (scoring a "
+                         "prompt's episodes together: def f(completions, ...) -> list[float]); shardrl runs each "
+                         "episode on its own through the run's endpoint and cannot score them as a group yet: use "
+                         "reward functions of one episode (def f(completion, ...) -> float)")
     _LOADED[key] = env
     return env
+
+
+def check_arguments(loader, env_args: dict, what: str) -> None:
+    """Refuses `rollout.env_args` that `loader`'s signature does not take, naming the ones it does."""
+    import inspect
+
+    try:
+        inspect.signature(loader).bind(**env_args)
+    except TypeError as e:
+        params = [p for p in inspect.signature(loader).parameters.values()
+                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        takes = ", ".join(p.name for p in params) or "no arguments"
+        raise ValueError(f"{what}: rollout.env_args={env_args} do not fit {loader.__name__}({takes}): {e}") from None
 
 
 def env_name(spec: str) -> str:

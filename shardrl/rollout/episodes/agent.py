@@ -21,8 +21,9 @@ Assembly (token-exact): an episode's first call gives the trajectory's prompt (i
 so far, as a chat template renders an ongoing conversation: what it adds (tool output, the user's next turn, the
 template's markers) is appended untrained, then the call's reply, trained. A call whose prompt does not extend the
 trajectory (the agent rewrote its history) starts the trajectory afresh from that call (the earlier replies are
-context only, untrained; counted in `agent/prefix_breaks`). The trajectory after the prompt is cut at
-`rollout.agent.max_response_tokens`.
+context only, untrained; counted in `agent/prefix_breaks`). The trajectory after the prompt holds at most
+`rollout.agent.max_response_tokens`: the endpoint gives a call at most what is left and refuses one past it
+(`Routes.episode_budget`), and the assembled trajectory is cut there too.
 
 Failures: an episode that raises (sys.exit included), runs past `rollout.agent.timeout_s`, returns something other
 than a finite number or None (or None where other episodes of the step return numbers), or never calls the model is
@@ -114,7 +115,10 @@ def episode_reward(result) -> tuple[float | None, str | None]:
 
 def agent_place(fn, exc: BaseException | None = None) -> str:
     """`file:line` in the agent's file (`fn`: the entrypoint): of the deepest frame there of `exc`'s traceback (where
-    the episode raised, or where it waited when its timeout cancelled it), else of the function's definition."""
+    the episode raised, or where it waited when its timeout cancelled it), else of the function's definition; an
+    environment's episodes (`verifiers_env.environment_episode`) name the environment."""
+    if (place := getattr(fn, "episode_place", None)) is not None:
+        return place
     code = getattr(inspect.unwrap(fn), "__code__", None)
     if code is None:
         return getattr(fn, "__qualname__", repr(fn))
@@ -271,7 +275,8 @@ class AgentRollout(EpisodeRollout):
             from shardrl.data.verifiers import load_verifiers_env
             from shardrl.rollout.episodes.verifiers_env import environment_episode
 
-            entrypoint = environment_episode(load_verifiers_env(ro.env, ro.env_args), MODEL_NAME)
+            env = load_verifiers_env(ro.env, ro.env_args)
+            entrypoint = environment_episode(env, MODEL_NAME, f"rollout.env={ro.env}")
         return cls(rollout, tokenizer, entrypoint, a.timeout_s, a.failure_reward, a.max_concurrency,
                    a.max_response_tokens, ro.fast.max_batch or 256,
                    int(getattr(text_config(hf_config), "max_position_embeddings", 4096)), a.tool_call_parser)
@@ -297,6 +302,7 @@ class AgentRollout(EpisodeRollout):
                             ServeOptions(tool_call_parser=self.tool_call_parser))
             self.server = ServerThread(app)
         self.server.app.state.policy = policy  # this call's: training's, or validation's
+        self.server.app.state.episode_budget = self.max_response_tokens
         self.server.app.state.records.clear()  # (what episodes of an earlier call left)
         self.server.batcher.unpause()
         return self.server

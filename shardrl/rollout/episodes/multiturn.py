@@ -454,7 +454,14 @@ def score_with_interaction(batch, score_fn) -> tuple[torch.Tensor, dict]:
                              "the reward function score the final turn)")
         scores, metrics = torch.tensor(given, dtype=torch.float32), {}
     else:
-        scores, metrics = score_fn(batch)
+        try:
+            scores, metrics = score_fn(batch)
+        except ValueError as e:
+            if "agent_calls" not in batch:
+                raise
+            raise ValueError(f"the agent returned None from every episode of this step, so the reward function "
+                             f"scores them, and it cannot: {e}. Return each episode's reward from the agent (a "
+                             "number), or give a reward function (reward.function_path)") from e
     if "fixed_score" in batch:  # rows scored before the reward function (an agent episode that failed)
         for i, s in enumerate(batch["fixed_score"]):
             if s is not None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -103,6 +104,9 @@ def build_app(batcher: Batcher, model_name: str, max_model_len: int, default_max
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)
     app.state.policy = policy  # (an RL run's endpoint sets it per generate call: training, validation)
     app.state.logprobs_mode = options.logprobs_mode
+    # an RL run's endpoint: the tokens an episode's trajectory holds after its first prompt (its agent's
+    # max_response_tokens); a call samples at most what is left, and one past it is refused (`Routes.episode_budget`)
+    app.state.episode_budget = None
     for exc, handler in ((RequestValidationError, invalid_body), (BodyTooLarge, too_large),
                          (StarletteHTTPException, http_error),
                          (RequestError, refused), (Stopped, stopping), (Dropped, dropped), (Exception, failed)):
@@ -300,6 +304,7 @@ class Routes:
         connected.gone = watcher  # (a waiter can wait on it instead of asking)
         connected.left = watcher.done  # (and a generation thread ask without the loop: `_left`)
         try:
+            sampling = self.episode_budget(request, prompts, sampling)
             # the conversation a request continues: its `session_id`, or an RL run's episode
             session = req.session_id or episode_of(request)
             kwargs = {"on_tokens": on_tokens} if on_tokens is not None else {}  # (stand-in batchers take none)
@@ -308,6 +313,27 @@ class Routes:
             return await self.batcher.submit(prompts, sampling, connected, session, **kwargs)
         finally:
             watcher.cancel()
+
+    def episode_budget(self, request: Request, prompts: list[list[int]], sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with at most the tokens the request's episode has left (`app.state.episode_budget`: its
+        trajectory's tokens after its first call's prompt, replies and what the calls between added; a call that
+        does not extend the trajectory starts it afresh, as the trainer assembles it); a RequestError once none are
+        left: the episode is over its budget, and a reply past it would not be trained on while its reward counted
+        the turns it made. Other requests: `sampling` as it is."""
+        budget, episode = self.app.state.episode_budget, episode_of(request)
+        if budget is None or episode is None or self.app.state.policy is None or len(prompts) != 1:
+            return sampling
+        start = None  # the trajectory's first prompt
+        for p in [*(list(c["prompt_token_ids"]) for c in self.records.get(episode, [])), prompts[0]]:
+            if start is None or p[:len(start)] != start:
+                start = p
+        left = budget - (len(prompts[0]) - len(start))
+        if left <= 0:
+            raise RequestError(f"this episode's trajectory holds its {budget} tokens after its first prompt "
+                               f"(rollout.agent.max_response_tokens): end the episode; a longer one is cut there, "
+                               "its reward counting turns that are not trained on", "max_tokens", 400,
+                               "episode_budget_spent")
+        return dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, left))
 
     def record(self, request: Request, outs: list[dict]) -> None:
         episode = episode_of(request)
