@@ -192,11 +192,17 @@ def segments_attention_forward(module, query, key, value, attention_mask, scalin
         length, starts = groups[0]
         out = F.scaled_dot_product_attention(*(batched(t, len(starts), length) for t in (q, k, v)), **sdpa)
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])[None], None
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    for length, starts in groups:
-        idx = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
-        o = F.scaled_dot_product_attention(*(batched(t[idx], len(starts), length) for t in (q, k, v)), **sdpa)
-        out = out.index_put((idx,), o.transpose(1, 2).reshape(idx.numel(), q.shape[1], v.shape[2]))
+    # the tokens gathered once in the groups' order, split into the groups (views: a slice's backward would allocate
+    # a whole tensor a group), a call each, joined and put back once: a fixed number of whole-size tensors, however
+    # many lengths (a put and three gathers a group grew with them: slower than HF's own loop at many image sizes)
+    idx = torch.cat([(torch.tensor(starts)[:, None] + torch.arange(length)).flatten() for length, starts in groups])
+    idx = idx.to(q.device)
+    sizes = [len(starts) * length for length, starts in groups]
+    parts = zip(*(t[idx].split(sizes) for t in (q, k, v)))
+    outs = [F.scaled_dot_product_attention(*(batched(t, len(starts), length) for t in part), **sdpa)
+            .transpose(1, 2).reshape(len(starts) * length, q.shape[1], v.shape[2])
+            for (length, starts), part in zip(groups, parts)]
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2]).index_put((idx,), torch.cat(outs))
     return out[None], None
 
 
