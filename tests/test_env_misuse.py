@@ -10,15 +10,13 @@ import sys
 import textwrap
 
 import pytest
-import torch
 import transformers
 
 pytest.importorskip("verifiers")
 pytest.importorskip("reasoning_gym")
 
-from shardrl.rollout import SamplingParams, build_rollout
-from shardrl.rollout.episodes.agent import AgentRollout
 from shardrl.testing import save_char_model
+from test_verifiers_env import run_environment
 
 ENV = '''
 import verifiers as vf
@@ -73,27 +71,9 @@ def setup(tmp_path_factory):
 
 
 def run_env(setup, env_args: dict, n: int = 2, max_new_tokens: int = 6, **agent_kwargs):
-    from shardrl.data.verifiers import environment_rows, load_verifiers_env
-    from shardrl.rollout.episodes.verifiers_env import environment_episode
-
     tok, model, folder = setup
     spec = f"{folder / 'review_env.py'}:load_environment"
-    env = load_verifiers_env(spec, env_args)
-    rows = environment_rows(env, spec)
-    inner = build_rollout("hf", model.config, tok, "cpu", torch.float32)
-    inner.load_weights(model.named_parameters())
-    rollout = AgentRollout(inner, tok, environment_episode(env), context=512, **agent_kwargs)
-    texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
-    enc = tok(texts, return_tensors="pt", padding=True)
-    samples = [{"prompt": r["prompt"], "data_source": r["data_source"],
-                "extra": {"verifiers_input": r["verifiers_input"]}} for r in rows]
-    try:
-        out = rollout.generate(enc["input_ids"], enc["attention_mask"],
-                               SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new_tokens, seed=0),
-                               samples=samples)
-    finally:
-        rollout.server.stop()
-    return out
+    return run_environment(tok, model, spec, env_args, n, max_new_tokens, **agent_kwargs)[2]
 
 
 # ---- verifiers environments -------------------------------------------------------------------------
@@ -136,7 +116,9 @@ def test_an_episode_keeps_to_its_response_budget(setup):
         for r in range(len(out.response_mask)):
             mask = out.response_mask[r][out.response_attention_mask[r].bool()].tolist()
             model_turns = sum(1 for i, m in enumerate(mask) if m == 1 and (i == 0 or mask[i - 1] == 0))
-            assert batch["agent_calls"][r] == model_turns == out.interaction_scores[r] == 2
+            # (a reply the template renders back otherwise restarts the trajectory there: a prefix break)
+            assert batch["agent_calls"][r] == out.interaction_scores[r] == 2
+            assert model_turns == 2 - batch["agent_prefix_breaks"][r]
 
 
 def test_an_environment_with_val_files_is_refused(setup, tmp_path):

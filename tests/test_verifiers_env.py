@@ -60,29 +60,35 @@ def setup(tmp_path_factory):
     return tok, model, folder
 
 
-def run_env(setup, kind: str, n: int = 2):
+def run_environment(tok, model, spec: str, env_args: dict, n: int = 2, max_new_tokens: int = 6, **agent_kwargs):
+    """(the environment, its rows, the AgentRollout's output) of `n` episodes of each row of the environment
+    `spec` run on the HF rollout of `model` (`agent_kwargs`: AgentRollout's)."""
     from shardrl.data.verifiers import environment_rows, load_verifiers_env
     from shardrl.rollout.episodes.verifiers_env import environment_episode
 
-    tok, model, folder = setup
-    spec = f"{folder / 'my_env.py'}:load_environment"
-    env = load_verifiers_env(spec, {"kind": kind})
+    env = load_verifiers_env(spec, env_args)
     rows = environment_rows(env, spec)
-    assert [r["data_source"] for r in rows] == ["verifiers/my_env"] * 3
     inner = build_rollout("hf", model.config, tok, "cpu", torch.float32)
     inner.load_weights(model.named_parameters())
-    rollout = AgentRollout(inner, tok, environment_episode(env), context=512)
+    rollout = AgentRollout(inner, tok, environment_episode(env), context=512, **agent_kwargs)
     texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
     enc = tok(texts, return_tensors="pt", padding=True)
     samples = [{"prompt": r["prompt"], "data_source": r["data_source"],
                 "extra": {"verifiers_input": r["verifiers_input"]}} for r in rows]
     try:
         out = rollout.generate(enc["input_ids"], enc["attention_mask"],
-                               SamplingParams(n=n, temperature=1.0, max_new_tokens=6, seed=0), samples=samples)
+                               SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new_tokens, seed=0),
+                               samples=samples)
     finally:
         rollout.server.stop()
-    scored = env.scored
-    return tok, model, out, scored, [r["prompt"][-1]["content"] for r in rows]
+    return env, rows, out
+
+
+def run_env(setup, kind: str, n: int = 2):
+    tok, model, folder = setup
+    env, rows, out = run_environment(tok, model, f"{folder / 'my_env.py'}:load_environment", {"kind": kind}, n)
+    assert [r["data_source"] for r in rows] == ["verifiers/my_env"] * 3
+    return tok, model, out, env.scored, [r["prompt"][-1]["content"] for r in rows]
 
 
 @pytest.mark.parametrize("kind", ["single", "multi"])

@@ -238,8 +238,9 @@ def test_rows_repeating_images_run_the_tower_once_for_them(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("grids", [[(1, 4, 6), (1, 4, 4), (1, 2, 2)], [(1, 4, 4), (1, 4, 4)]],
-                         ids=["lengths_mixed", "one_length"])
+@pytest.mark.parametrize("grids", [[(1, 4, 6), (1, 4, 4), (1, 2, 2)], [(1, 4, 4), (1, 4, 4)], [(1, 2, 2)],
+                                   [(1, 2, 2)] * 5, [(1, 6, 6), (1, 2, 10)]],
+                         ids=["lengths_mixed", "one_length", "single", "many_small", "edges"])
 def test_vision_tower_segments_attention_equals_hf_sdpa(kind, grids):
     """The engine's vision attention (the segments of one length batched: Qwen2.5-VL's windows of 16 and 8 patches
     at a 4 x 6 image's edge, the images of 24, 16 and 4 patches in its full block) gives HF's per-segment SDPA

@@ -97,7 +97,7 @@ def check_fp8_rollout(ro, hf_config, cuda: bool) -> None:
     """Refuses, before any model is built, an FP8 rollout (`ro`: the rollout section) this run cannot build: block
     scales that do not tile the policy's (`hf_config`) linear layers, FP8 activations without a GPU of compute
     capability 8.9 or more."""
-    from shardrl.rollout.fast.fp8 import check_dynamic_activations, scale_shape
+    from shardrl.models.fp8 import check_dynamic_activations, scale_shape
 
     try:
         if ro.fp8.block_size and hf_config is not None:

@@ -24,6 +24,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from shardrl.models.fp8 import scale_shape
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
@@ -36,17 +38,6 @@ class Fp8Weight(NamedTuple):
     scale: torch.Tensor
     block_size: int = 0
     dynamic: bool = False
-
-
-def scale_shape(shape: tuple[int, int], block_size: int = 0) -> tuple[int, int]:
-    """The scales of a weight of `shape` (out, in): (out, 1) per channel, (out/B, in/B) per B x B tile."""
-    out, inp = shape
-    if not block_size:
-        return out, 1
-    if out % block_size or inp % block_size:
-        raise ValueError(f"a weight of shape {tuple(shape)} does not tile into {block_size} x {block_size} blocks "
-                         "(rollout.fp8.block_size); use per-channel scales (block_size null) or a size dividing both")
-    return out // block_size, inp // block_size
 
 
 def _tiles(w: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -114,15 +105,3 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torc
     y = torch._scaled_mm(xq, w.qweight.t(), scale_a=xs, scale_b=w.scale.view(1, -1), out_dtype=x.dtype)
     y = y.view(*x.shape[:-1], -1)
     return y if bias is None else y + bias
-
-
-def check_dynamic_activations(device: torch.device) -> None:
-    """FP8 activations need `torch._scaled_mm` on a GPU of compute capability 8.9 or more (Ada, Hopper)."""
-    if device.type != "cuda":
-        raise ValueError(f"rollout.fp8.activations=dynamic needs a CUDA GPU of compute capability >= 8.9 (FP8 "
-                         f"matmuls); this rollout runs on {device.type}: set rollout.fp8.activations=none "
-                         "(weight-only FP8)")
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        raise ValueError(f"rollout.fp8.activations=dynamic needs compute capability >= 8.9 (FP8 matmuls); this GPU "
-                         f"has {major}.{minor}: set rollout.fp8.activations=none (weight-only FP8)")

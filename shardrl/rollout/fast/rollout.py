@@ -59,7 +59,8 @@ from shardrl.rollout.fast.loop import DecodeLoop
 from shardrl.rollout.fast.paged import BlockPool, SharedPrefixGroups
 from shardrl.rollout.fast.attention import TritonDecodeAttention
 from shardrl.rollout.fast.block import DecoderBlock
-from shardrl.rollout.fast.fp8 import check_dynamic_activations, check_finite
+from shardrl.models.fp8 import check_dynamic_activations
+from shardrl.rollout.fast.fp8 import check_finite
 from shardrl.rollout.fast.model import FastCausalLM, build_fast_lm
 from shardrl.rollout.fast.scheduler import RowFeed
 from shardrl.rollout.fast.step import (GREEDY, SAMPLE, TRUNCATED, DecodeRunner, SlotState,  # noqa: F401 (for callers)
