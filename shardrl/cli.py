@@ -493,12 +493,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
+        import errno
+
         from shardrl.launch.signals import STORAGE_EXIT, is_storage_error
 
+        if e.errno in (errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR):  # a path the user gave: said so
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         if not is_storage_error(e):
             raise
         print(f"error: {e}", file=sys.stderr)  # disk full / read-only: the message names the path
         return STORAGE_EXIT
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handlers are set (its imports, a download)
+        from shardrl.launch.signals import INTERRUPTED_EXIT
+
+        print(f"interrupted (Ctrl-C) while shardrl {args.command} started; nothing ran", file=sys.stderr)
+        return INTERRUPTED_EXIT
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ def test_ctrl_c_is_one_line_status_130_and_still_writes_the_summary(assets, tmp_
     lines = [line for line in err.splitlines() if "interrupted" in line.lower()]
     steps = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert lines == [f"interrupted (Ctrl-C) after {steps} of 1000 steps; summary {run_dir / 'summary.json'}, "
-                     f"reward curve {run_dir / 'reward_curve.png'}"]
+                     f"reward curve {run_dir / 'reward_curve.png'}; no checkpoint was saved (trainer.save_freq=0): "
+                     "these steps cannot be resumed"]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "death signal" not in err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps >= 1 and 0.0 <= summary["reward_last"] <= 1.0
@@ -62,7 +63,8 @@ def test_sigterm_to_the_launcher_stops_the_run_as_ctrl_c_does_with_status_143(as
     steps = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
     lines = [line for line in err.splitlines() if "stopped by" in line]
     assert lines == [f"stopped by SIGTERM after {steps} of 1000 steps; summary {run_dir / 'summary.json'}, "
-                     f"reward curve {run_dir / 'reward_curve.png'}"], err[-3000:]
+                     f"reward curve {run_dir / 'reward_curve.png'}; no checkpoint was saved (trainer.save_freq=0): "
+                     "these steps cannot be resumed"], err[-3000:]
     assert "Traceback" not in err
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps >= 1
 

@@ -26,6 +26,7 @@ import difflib
 import functools
 import logging
 import os
+import re
 import types
 import typing
 from typing import Any, Callable, Iterable, Literal, TypeVar, Union
@@ -437,8 +438,31 @@ def load(cls: type[T], path: str | None = None, overrides: Iterable[str] = (),
             given |= given_keys(value, key.strip())
     if hasattr(cfg, "inherit"):
         cfg.inherit(given)
+    expand_home(cfg)
     validate_config(cfg)
     return cfg
+
+
+PATH_FIELDS = re.compile(r"(path|_dir|_files|entrypoint|^resume|^env)$")
+"""Config fields that name files or folders (model.path, trainer.output_dir, data.train_files, rollout.env, ...)."""
+
+
+def expand_home(cfg: Any) -> None:
+    """`~` at the start of a path field (`PATH_FIELDS`) is the home folder, as a shell would read it (a YAML file or
+    a quoted override keeps it: the run went to a folder named "~" under the current one)."""
+    def expand(value):
+        if isinstance(value, str) and (value == "~" or value.startswith("~/")):
+            return os.path.expanduser(value)
+        if isinstance(value, list):
+            return [expand(v) for v in value]
+        return value
+
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            expand_home(value)
+        elif PATH_FIELDS.search(f.name):
+            setattr(cfg, f.name, expand(value))
 
 
 def config_to_dict(cfg: Any) -> dict:

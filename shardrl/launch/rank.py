@@ -22,6 +22,16 @@ from shardrl.launch.signals import (STORAGE_EXIT, RunInterrupted, catch_stop_sig
                                     peer_gone, reset_stop_signal, was_interrupted)
 
 
+
+def resume_note(trainer) -> str:
+    """What a stopped run leaves to resume from: its newest complete checkpoint, or that there is none."""
+    found = trainer.checkpoints.complete_checkpoints()
+    if found:
+        return f"trainer.resume=auto continues from its checkpoint of step {found[-1][0]}"
+    save = trainer.cfg.trainer.save_freq
+    why = "trainer.save_freq=0" if save <= 0 else f"none due yet at trainer.save_freq={save}"
+    return f"no checkpoint was saved ({why}): these steps cannot be resumed"
+
 def setup_logging() -> None:
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -90,7 +100,7 @@ def _fit(cls, cfg, place) -> Path:
         except BaseException as e:  # Ctrl-C: rank 0 still writes the summary of the steps done
             if not was_interrupted(e):
                 raise
-            raise RunInterrupted(trainer.write_results() if rank0 else "") from None
+            raise RunInterrupted(f"{trainer.write_results()}; {resume_note(trainer)}" if rank0 else "") from None
         if rank0:
             logging.getLogger("shardrl").info("run folder %s; %s", run_dir, trainer.write_results())
         failed = False

@@ -107,11 +107,22 @@ def plot_runs(folder: Path, runs: list[Path], out_path: Path | None) -> Path:
     return out_path
 
 
+def image_path(out: str | None, name: str) -> Path | None:
+    """Where `--out` puts the image: a folder gets `name` inside it, a name without an extension a .png (as
+    matplotlib would write it: the path printed is the file written); None: the default."""
+    if not out:
+        return None
+    path = Path(out)
+    if path.is_dir():
+        return path / name
+    return path if path.suffix else path.with_name(path.name + ".png")
+
+
 def plot_main(args) -> int:
     run_dir = Path(args.run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file() and run_dir.is_dir() and (runs := find_runs(run_dir)):
-        print(plot_runs(run_dir, runs, Path(args.out) if args.out else None))
+        print(plot_runs(run_dir, runs, image_path(args.out, "curves.png")))
         return 0
     if not metrics.is_file():
         raise ValueError(f"{run_dir} has no metrics.jsonl, and no run folder under it holds one; is it a shardrl "
@@ -119,6 +130,7 @@ def plot_main(args) -> int:
     records = read_metrics(metrics)
     if not records:
         raise ValueError(f"{metrics} holds no metrics yet")
-    out = Path(args.out) if args.out else run_dir / f"{choose_curves(records, metrics)[0]}_curve.png"
+    name = f"{choose_curves(records, metrics)[0]}_curve.png"
+    out = image_path(args.out, name) or run_dir / name
     print(plot_rewards(metrics, out, records))
     return 0

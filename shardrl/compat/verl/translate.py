@@ -283,7 +283,10 @@ def native_hint(key: str) -> str | None:
     if not matches and key.count(".") >= 1:  # a section's key under another role: `optim.lr_warmup_steps_ratio`
         tail = ".".join(key.split(".")[-2:])
         matches = [k for k in VERL_KEYS if short(k).endswith("." + tail) and short(k).split(".")[0] == key.split(".")[0]]
-        matches = matches or [k for k in VERL_KEYS if short(k).endswith("." + tail)]
+        # (under another of verl's roles or sections, not a typo'd one: `foo.optim.lr` is no verl name)
+        sections = {part for k in VERL_KEYS for part in short(k).split(".")[:-1]}
+        if key.split(".")[0] in sections:
+            matches = matches or [k for k in VERL_KEYS if short(k).endswith("." + tail)]
     if not matches:
         return None
     verl_key = matches[0]

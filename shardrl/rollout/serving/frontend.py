@@ -18,6 +18,7 @@ and the other side's reader takes the interpreter lock once a list, not once a m
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import multiprocessing
@@ -387,8 +388,10 @@ def listening_sockets(host: str, port: int | None, n: int) -> list[socket.socket
             sock.bind((host, at))
         except OSError as e:
             sock.close()
-            raise RuntimeError(f"cannot serve on {host}:{at}: {e.strerror or e} (another server there? pick a free "
-                               f"port with --port)") from None
+            hint = ("another server there? pick a free port with --port" if e.errno == errno.EADDRINUSE else
+                    "is --host an address of this machine? 127.0.0.1 serves this machine alone, 0.0.0.0 every "
+                    "network it is on")
+            raise RuntimeError(f"cannot serve on {host}:{at}: {e.strerror or e} ({hint})") from None
         return sock
 
     if port and n > 1:
