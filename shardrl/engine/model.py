@@ -242,6 +242,26 @@ def safetensors_problem(file: Path) -> str | None:
     return None
 
 
+def _shape_mismatches(auto, config, path, limit: int = 2) -> list[str]:
+    """The first `limit` tensors of the folder's safetensors files whose shapes are not what `config` builds."""
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        wanted = {n: tuple(t.shape) for n, t in auto.from_config(config).state_dict().items()}
+    found = []
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                mine = wanted.get(name) or next((v for k, v in wanted.items() if k.endswith("." + name)
+                                                 or name.endswith("." + k)), None)
+                shape = tuple(f.get_slice(name).get_shape())
+                if mine is not None and mine != shape:
+                    found.append(f"{name} has shape {shape} in {file.name}, {mine} by config.json")
+                    if len(found) == limit:
+                        return found
+    return found
+
+
 def build_causal_lm(config, path: str | None, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
                     attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                     sequence_classification: bool = False) -> nn.Module:
@@ -272,6 +292,13 @@ def build_causal_lm(config, path: str | None, device: str | torch.device, dtype:
                     model = auto.from_pretrained(path, config=config, dtype=dtype, **kwargs)
         except SafetensorError as e:  # a garbled file whose header still reads
             raise ValueError(f"cannot read the weights in model folder {path!r}: {e}; copy or save them again") from e
+        except RuntimeError as e:  # transformers' refusal of weights of other shapes than config.json says
+            if "mismatched" not in str(e) and "size mismatch" not in str(e):
+                raise
+            shapes = _shape_mismatches(auto, config, path)
+            raise ValueError(f"the weights in model folder {path!r} do not fit its config.json"
+                             f"{': ' + '; '.join(shapes) if shapes else ''}; its config.json is not the one the "
+                             "weights were saved with (copy both from the same model)") from None
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -290,13 +290,7 @@ def check_same_model(cfg: Config, run_dir: Path) -> None:
     folder's config.yaml would then name a model the weights never came from."""
     error = None
     if _rank() == 0 and cfg.trainer.resume == "auto" and has_complete_checkpoint(run_dir):
-        try:
-            import yaml
-
-            saved = (yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}).get("model") or {}
-        except (OSError, ValueError, AttributeError, yaml.YAMLError):
-            saved = {}  # (no readable config: nothing to compare)
-        before, now = saved.get("path"), getattr(cfg.model, "path", None)
+        before, now = _saved_model_path(run_dir), getattr(cfg.model, "path", None)  # (unreadable: no comparison)
         # (both folders there and not one: a relative path saved from elsewhere that finds nothing here is no proof)
         if (before and now and Path(before).is_dir() and Path(now).is_dir()
                 and Path(before).resolve() != Path(now).resolve()):
@@ -304,9 +298,28 @@ def check_same_model(cfg: Config, run_dir: Path) -> None:
                      f"with model.path={now!r}: set trainer.output_dir (or trainer.experiment_name) for a new run "
                      f"of this model, or resume that run with its own model.path (if it is the same model moved, "
                      f"edit model.path in {run_dir / CONFIG_FILE})")
+    resume = cfg.trainer.resume
+    if _rank() == 0 and resume not in ("auto", "never") and (Path(resume).parent.parent / CONFIG_FILE).is_file():
+        before = _saved_model_path(Path(resume).parent.parent)
+        now = getattr(cfg.model, "path", None)
+        if (before and now and Path(before).is_dir() and Path(now).is_dir()
+                and Path(before).resolve() != Path(now).resolve()):
+            log.warning("trainer.resume=%s is a checkpoint of a run of model.path=%r; this run names "
+                        "model.path=%r, whose weights it does not start from (a warm start from that run: the "
+                        "reference model and config.yaml are this run's)", resume, before, now)
     error = _from_rank_0(error)
     if error:
         raise ValueError(error)
+
+
+def _saved_model_path(run_dir: Path) -> str | None:
+    """model.path of the run in `run_dir` (its config.yaml), or None where it cannot be read."""
+    import yaml
+
+    try:
+        return ((yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}).get("model") or {}).get("path")
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return None
 
 
 def prepare_run_dir(cfg: Config) -> Path:
