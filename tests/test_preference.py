@@ -596,7 +596,8 @@ def test_ctrl_c_stops_an_offline_trainer_as_it_stops_train(tmp_path, nproc):
     steps = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert [line for line in err.splitlines() if "interrupted" in line.lower()] == [
         f"interrupted (Ctrl-C) after {steps} of 100000 steps; summary {run_dir / 'summary.json'}, "
-        f"loss curve {run_dir / 'loss_curve.png'}"]
+        f"loss curve {run_dir / 'loss_curve.png'}; no checkpoint was saved (trainer.save_freq=0): these steps cannot "
+        "be resumed"]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps >= 1
 
