@@ -362,7 +362,7 @@ def run_steps(args) -> list[dict]:
         overrides = case_overrides(root, case, args.steps) + [f"trainer.output_dir={run_dir}"]
         import torch
 
-        from shardrl.plan.memory import host_memory_gib
+        from shardrl.plan.offload import host_memory_gib
 
         gpu = ["--gpu-mem-gib", f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f}"] \
             if torch.cuda.is_available() else []  # (so that the ledger counts a cache the run keeps)

@@ -159,47 +159,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def plan_main(args: argparse.Namespace) -> int:
-    from shardrl.config.schema import ConfigError, load_config
-    from shardrl.engine.model import check_tiny_shape, load_hf_config
-    from shardrl.models.config import text_config
-    from shardrl.launch.overrides import resolve_overrides
-    from shardrl.plan.defaults import free_cache_choice, lora_sync_choice
-    from shardrl.plan.layout import check_model_heads, format_layout, format_size
-    from shardrl.plan.memory import (fit_advice, format_phase_ledger, phase_ledger, plan_host_adam,
-                                     update_and_cache_gib)
-    from shardrl.plan.plan import Plan
+def _plan_config(args: argparse.Namespace, trainer):
+    """The config the command would run, as `plan_main` reads it (an offline trainer's, a verl command line's, or
+    train's with its example or the demo's settings)."""
+    from shardrl.config.schema import load_config
+    from shardrl.launch.overrides import resolve_overrides, verl_overrides
 
-    trainer = TRAINERS[args.trainer]
-    offline = trainer.offline
-    if offline:
-        from shardrl.plan.layout import format_offline_layout
-        from shardrl.plan.memory import offline_ledger
-
+    if trainer.offline:
         overrides = list(args.overrides)
         if args.verl and args.trainer == "sft":  # a verl SFT command line, as `shardrl sft --verl` runs it
-            from shardrl.launch.overrides import verl_overrides
-
             overrides = verl_overrides(args.config, overrides, args.config_path, args.config_name, trainer="sft")
         elif args.verl:
             raise ValueError(f"--verl translates verl's PPO (--trainer train) and SFT (--trainer sft) command lines, "
                              f"not --trainer {args.trainer}")
-        cfg = load_config(args.config, overrides, cls=trainer.config)
-    elif args.verl:  # a verl command line, as `shardrl train --verl` runs it
-        from shardrl.launch.overrides import verl_overrides
+        return load_config(args.config, overrides, cls=trainer.config)
+    if args.verl:  # a verl command line, as `shardrl train --verl` runs it
+        return load_config(None, verl_overrides(args.config, list(args.overrides), args.config_path, args.config_name))
+    # the config train would run (the demo's, without a config or a model: its assets are made by its first run)
+    return load_config(args.config, resolve_overrides(args.config, list(args.overrides), make_demo_assets=False,
+                                                      example=args.example))
 
-        cfg = load_config(None, verl_overrides(args.config, list(args.overrides), args.config_path, args.config_name))
-    else:  # the config train would run (the demo's, without a config or a model: its assets are made by its first run)
-        cfg = load_config(args.config, resolve_overrides(args.config, list(args.overrides), make_demo_assets=False,
-                                                         example=args.example))
-    for line in cfg.ignored_settings():  # (as the run would warn)
-        print(f"warning: {line}", file=sys.stderr)
-    nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
-    nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc_per_node
-    hub_error = _plan_hub_path(cfg)
-    plan = Plan.for_offline(cfg, args.trainer, nnodes, nproc) if offline else Plan.for_rl(cfg, nnodes, nproc)
-    layout = plan.layout
-    ledger, skipped, hf_config = None, None, None
+
+def _plan_ledger(cfg, layout, trainer, hub_error: str | None) -> tuple[dict | None, str | None, object]:
+    """(ledger, why it was skipped, the model's config) for `plan_main`: no ledger where the model's config cannot be
+    read (the layout stands on its own); a bad key or heads that do not divide are errors, as training makes them."""
+    from shardrl.config.schema import ConfigError
+    from shardrl.engine.model import check_tiny_shape, load_hf_config
+    from shardrl.models.config import text_config
+    from shardrl.plan.layout import check_model_heads
+    from shardrl.plan.memory import offline_ledger, phase_ledger
+
+    offline = trainer.offline
     try:
         hf_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code,
                                    task="seq_cls" if trainer.head == "score" else "causal_lm", new_head_ok=True,
@@ -216,14 +206,35 @@ def plan_main(args: argparse.Namespace) -> int:
             if not offline and made_by_first_run:
                 skipped = ("the built-in demo's model is made by its first run (shardrl train)" if name == "demo" else
                            f"the {name} example's model is made by its first run (shardrl train --example {name})")
-    if hf_config is not None:
-        check_model_heads(layout, hf_config, "engine" if offline else "actor.engine")  # heads vs sp, as training
-        if cfg.model.tiny:
-            check_tiny_shape(text_config(hf_config), "head_dim" in cfg.model.tiny)
-        try:
-            ledger = offline_ledger(cfg, layout, hf_config) if offline else phase_ledger(cfg, layout, hf_config)
-        except (ValueError, AttributeError) as e:  # a config without the usual decoder names
-            skipped = str(e)
+        return None, skipped, None
+    check_model_heads(layout, hf_config, "engine" if offline else "actor.engine")  # heads vs sp, as training
+    if cfg.model.tiny:
+        check_tiny_shape(text_config(hf_config), "head_dim" in cfg.model.tiny)
+    try:
+        return (offline_ledger(cfg, layout, hf_config) if offline else phase_ledger(cfg, layout, hf_config)), None, \
+            hf_config
+    except (ValueError, AttributeError) as e:  # a config without the usual decoder names
+        return None, str(e), hf_config
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    from shardrl.plan.defaults import free_cache_choice, lora_sync_choice
+    from shardrl.plan.layout import format_layout, format_offline_layout, format_size
+    from shardrl.plan.memory import fit_advice, format_phase_ledger, phase_ledger, update_and_cache_gib
+    from shardrl.plan.offload import plan_host_adam
+    from shardrl.plan.plan import Plan
+
+    trainer = TRAINERS[args.trainer]
+    offline = trainer.offline
+    cfg = _plan_config(args, trainer)
+    for line in cfg.ignored_settings():  # (as the run would warn)
+        print(f"warning: {line}", file=sys.stderr)
+    nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc_per_node
+    hub_error = _plan_hub_path(cfg)
+    plan = Plan.for_offline(cfg, args.trainer, nnodes, nproc) if offline else Plan.for_rl(cfg, nnodes, nproc)
+    layout = plan.layout
+    ledger, skipped, hf_config = _plan_ledger(cfg, layout, trainer, hub_error)
     lora_choice = None  # rollout.lora_sync left null with LoRA on a GPU of --gpu-mem-gib: as the run settles it
     if ledger and args.gpu_mem_gib and not offline and cfg.model.lora.rank > 0 and cfg.rollout.lora_sync is None:
         import torch

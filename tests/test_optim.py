@@ -100,7 +100,8 @@ def test_plan_says_what_the_host_adam_step_of_offloaded_parameters_costs(capsys)
 
     from shardrl.cli import main
     from shardrl.config.schema import EngineConfig
-    from shardrl.plan.memory import host_adam_estimate, model_numbers
+    from shardrl.plan.memory import model_numbers
+    from shardrl.plan.offload import host_adam_estimate
 
     tiny = TINY_MODELS["qwen2"]
     config = transformers.AutoConfig.for_model(**tiny)

@@ -109,7 +109,7 @@ def test_offload_traffic_is_the_engines_own():
     the update's first micro-batch) and accumulate_unsharded (once an optimizer step), with 0-2 forward-only passes
     and 1-2 optimizer steps: `offload_traffic`'s bytes are the shards FSDP2 moves, to within the shards' padding."""
     from shardrl.config.schema import EngineConfig
-    from shardrl.plan.memory import offload_traffic
+    from shardrl.plan.offload import offload_traffic
 
     numbers = _numbers()
     counted = run_distributed(_count_host_link, 2, SETTINGS)
@@ -128,7 +128,7 @@ def test_plan_counts_the_forward_only_passes_the_step_runs(capsys):
     """The old log-probs' pass only where the update cannot supply them (one mini-batch, one epoch: it does), and with
     LoRA and a KL loss the reference's pass, which is the offloaded actor with its adapters off."""
     from shardrl.config.schema import EngineConfig
-    from shardrl.plan.memory import offload_traffic
+    from shardrl.plan.offload import offload_traffic
 
     numbers = _numbers()
 
@@ -193,7 +193,7 @@ def test_host_state_is_counted_in_the_dtypes_torch_keeps():
     """AdamW keeps its moments in the parameter's dtype: a bf16 model's offloaded state is 2 + 2 + 2 x 2 = 8 B a
     parameter, an fp32 one's 16 B."""
     from shardrl.config.schema import EngineConfig
-    from shardrl.plan.memory import host_adam_estimate
+    from shardrl.plan.offload import host_adam_estimate
 
     w = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
     w.grad = torch.ones_like(w)
@@ -229,7 +229,7 @@ def test_advice_for_too_little_host_memory():
     """All ranks of a node share its host: a 7B sharded over one node's 8 GPUs holds the same 113.5 GiB there as on
     one GPU, so more GPUs on that node are not advised; HSDP's copies on a node are (a larger fsdp_size)."""
     from shardrl.config.schema import EngineConfig
-    from shardrl.plan.memory import host_adam_estimate
+    from shardrl.plan.offload import host_adam_estimate
 
     numbers = dict(total=7_615_616_512, trained=None, frozen=0)
     one = host_adam_estimate(numbers, EngineConfig(offload_params=True), 1, 1, "actor.engine", rate=1e9, host_gib=128)
