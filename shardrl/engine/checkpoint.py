@@ -57,10 +57,16 @@ def save_engine_state(path: str | os.PathLike, module: nn.Module, optimizer=None
                       global_step: int = 0, trained_only: bool = False, lora: Mapping | None = None) -> None:
     """Writes the engine's state as a DCP checkpoint at `path` (a folder); every rank must call it. `lora`: the
     settings that make the adapters' function (`lora_settings`), kept beside them for `load_engine_state` to check."""
+    # an optimizer that has not stepped (its steps so far skipped for a non-finite gradient norm) has no state:
+    # torch's get_optimizer_state_dict makes some with a step of lr 0, which would count in AdamW's bias correction
+    # from then on; it is dropped again after the save (and on load: `global_step` 0)
+    stateless = optimizer is not None and not optimizer.state
     state = engine_state_dict(module, optimizer, lr_scheduler, global_step, trained_only)
     if lora is not None:
         state["lora"] = json.dumps(dict(lora), sort_keys=True)
     dcp.save(state, checkpoint_id=str(path))
+    if stateless:
+        optimizer.state.clear()
 
 
 def lora_settings(lora) -> dict[str, Any]:
@@ -116,6 +122,8 @@ def load_engine_state(path: str | os.PathLike, module: nn.Module, optimizer=None
     if optimizer is not None:
         base_lrs = list(lr_scheduler.base_lrs)  # this run's optim.lr, not the saving run's
         set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_options(trained_only))
+        if int(state["global_step"]) == 0:  # saved before its first optimizer step: no state (`save_engine_state`)
+            optimizer.state.clear()
         keep_fused(optimizer)
         lr_scheduler.load_state_dict(state["lr_scheduler"])
         continue_lr_schedule(lr_scheduler, base_lrs)

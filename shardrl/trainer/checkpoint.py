@@ -95,7 +95,16 @@ class Checkpoint:
         """What some rank saved under `key` in `save(rank_extra={key: ...})`; None when no rank did (saved
         at another layout, or without per-rank state)."""
         file = self.path / "ranks" / f"{key}.pt"
-        return torch.load(file, weights_only=False) if file.is_file() else None
+        if not file.is_file():
+            return None
+        try:
+            return torch.load(file, weights_only=False)
+        except Exception as e:
+            if not _damaged(e):
+                raise
+            raise ValueError(f"checkpoint {self.path} is marked complete but {file} cannot be read "
+                             f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); its files may be damaged: "
+                             "resume from an earlier one with trainer.resume=<path>") from e
 
 
 def _rank() -> int:
@@ -147,6 +156,15 @@ def _describe(error: BaseException) -> tuple[int | None, str]:
         where = f": {cause.filename}" if cause.filename else ""
         return cause.errno, f"{cause.strerror or cause}{where}"
     return None, f"{type(error).__name__}: {error}"
+
+
+def _sync_file(path: Path) -> None:
+    """Puts a written file's data on disk, as the COMPLETE marker after it promises (DCP syncs its own files)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -214,19 +232,26 @@ class CheckpointManager:
         try:
             for name, engine in engines.items():
                 engine.save(tmp / name)
-            torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+            written = [tmp / "rng" / f"rank_{rank:05d}.pt"]
+            torch.save(rng_state(), written[0])
             for key, value in (rank_extra or {}).items():
-                torch.save(value, tmp / "ranks" / f"{key}.pt")
+                written.append(tmp / "ranks" / f"{key}.pt")
+                torch.save(value, written[-1])
             if rank == 0:
                 torch.save(dict(extra or {}), tmp / "extra.pt")
                 summary = {"step": step, "world_size": _world(), "engines": sorted(engines), "time": time.time(),
                            **dict(record or {})}
                 (tmp / "trainer_state.json").write_text(json.dumps(summary, indent=2) + "\n")
+                written += [tmp / "extra.pt", tmp / "trainer_state.json"]
+            for file in written:
+                _sync_file(file)
         except (Exception, CheckpointException) as e:  # DCP raises its CheckpointException on every rank
             error = e
         self._raise_if_any_failed(error, tmp, step)  # also the barrier: every rank's files are written
         if rank == 0:
             try:
+                for folder in (tmp / "rng", tmp / "ranks", tmp):
+                    _fsync_dir(folder)
                 _write_file(tmp / COMPLETE, f"{step}\n".encode())
                 _fsync_dir(tmp)
             except OSError as e:
@@ -243,6 +268,15 @@ class CheckpointManager:
             else:
                 os.rename(tmp, final)
                 _fsync_dir(self.root)
+            # steps after this one are of the line the run left when it resumed from an earlier checkpoint (as
+            # metrics.jsonl's later lines were): resume=auto must continue this one, and the rotation never takes
+            # the checkpoint just written for an old one
+            later = [p for s, p in self.complete_checkpoints() if s > step]
+            if later:
+                log.warning("deleting checkpoints after step %d, of the run before it resumed from an earlier one: %s",
+                            step, ", ".join(p.name for p in later))
+            for stale in later:
+                self._delete(stale)
             for _, stale in (self.complete_checkpoints()[:-self.keep_last] if self.keep_last else []):
                 self._delete(stale)
             log.info("saved checkpoint %s", final)
@@ -399,7 +433,11 @@ def check_resumable(path: Path | None, trainer: str, settings: Mapping[str, Any]
         settings = json.loads(json.dumps(dict(settings)))  # as the record holds them (a tuple is a list there)
         record = read_record(path)
         made_by = written_by(path, record)
-        if made_by != trainer:
+        if not record and (path / "trainer_state.json").exists():  # (none at all: written before there was one)
+            error = (f"checkpoint {path} is marked complete but its trainer_state.json cannot be read (cut short or "
+                     f"damaged), so what wrote it is unknown: resume from an earlier one with trainer.resume=<path>, "
+                     f"or {fresh}")
+        elif made_by != trainer:
             error = (f"checkpoint {path} was written by `shardrl {made_by}`, not `shardrl {trainer}`: resume it with "
                      f"`shardrl {made_by}`, or {fresh} (its trainer.export_hf folder as model.path starts from its "
                      "weights)")
