@@ -5,7 +5,9 @@
 - a checkpoint's files are on disk (fsync) before its COMPLETE marker is;
 - a damaged per-rank file or trainer_state.json is a clear error naming the checkpoint, never another trainer;
 - saving an engine whose optimizer has not stepped yet (its first steps skipped for a non-finite gradient norm)
-  does not change the run: its next step equals that of a run that saved nothing, and so does a resumed run's.
+  does not change the run: its next step equals that of a run that saved nothing, and so does a resumed run's;
+- PPO with a critic (GAE) and an adaptive KL controller resumes as the run that was not stopped (the critic's unread
+  lm_head had no AdamW state in the checkpoint, which the resumed optimizer expected: a resume was refused).
 """
 
 from __future__ import annotations
@@ -138,3 +140,35 @@ def test_saving_before_the_first_optimizer_step_does_not_change_the_next_step(tm
     for mode in ("saved", "resumed"):
         worst = max((out[mode][k] - w).abs().max().item() for k, w in out["plain"].items())
         assert worst <= 1e-7, f"{mode}: step 2 differs from the run that saved nothing by {worst:.3g}"
+
+
+# ---- the RL trainer: a critic and an adaptive KL controller resume too --------------------------------------
+def _rl_run(overrides: list[str]) -> list[dict]:
+    from shardrl.launch.rank import run
+
+    run_dir = run(None, overrides)
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.multiproc
+def test_ppo_with_a_critic_and_adaptive_kl_resumes_like_the_uninterrupted_run(tmp_path):
+    import shutil
+
+    from shardrl.testing import run_distributed, small_demo_run
+    from shardrl.trainer.demo import prepare_demo_assets
+
+    assets = prepare_demo_assets(tmp_path / "assets", warmup_steps=5)
+    args = ["trainer.logger=[jsonl]", "trainer.total_steps=3", "trainer.save_freq=1", "trainer.keep_last=0",
+            "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=2", "critic.optim.lr=1e-3",
+            "algorithm.use_kl_in_reward=true", "algorithm.kl_coef=0.05", "algorithm.kl_target=0.001",
+            "actor.optim.warmup_steps=3", "critic.optim.warmup_steps=3"]
+    full = run_distributed(_rl_run, 1, small_demo_run(assets, tmp_path / "full", *args))
+    other = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_000001", other / "checkpoints" / "step_000001")
+    resumed = run_distributed(_rl_run, 1, small_demo_run(assets, other, "trainer.resume=auto", *args))
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    keys = [k for k in full[1] if k.startswith(("critic/", "actor/", "reward/", "kl/")) and "timing" not in k]
+    assert any(k.startswith("critic/") for k in keys) and any("kl" in k for k in keys), keys
+    for got, want in zip(resumed[1:], full[1:]):
+        for key in keys:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)

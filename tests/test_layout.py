@@ -215,3 +215,32 @@ def test_heads_that_fit_pass():
     for heads, kv_heads, sp in ((12, 2, 4), (12, 4, 2), (8, 8, 8), (4, 1, 2)):
         check_model_heads(derive_layout(cfg(f"actor.engine.ulysses_sequence_parallel_size={sp}"), 1, 8),
                           _hf(heads, kv_heads))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # an untied lm_head, one tied to the embedding
+def test_the_plans_critic_optimizer_state_counts_what_the_critic_engine_trains(family):
+    """The critic never reads its lm_head: the engine does not train an untied one (no AdamW state a resumed
+    optimizer would expect), and the plan counts the same parameters."""
+    from shardrl.engine.model import load_hf_config
+    from shardrl.testing import TINY_MODELS, run_distributed
+
+    engine_trained = run_distributed(_critic_trained_count, 1, family)
+    tiny = ", ".join(f"{k}: {str(v).lower()}" for k, v in TINY_MODELS[family].items())
+    c = cfg(f"model.tiny={{{tiny}}}", "algorithm.adv_estimator=gae")
+    hf = load_hf_config(c.model.path, c.model.tiny)
+    ledger = phase_ledger(c, derive_layout(c, 1, 1), hf)
+    gen = {i["name"]: i["gib"] * GIB for i in ledger["phases"]["gen"]["items"]}
+    assert gen["critic optimizer state"] == pytest.approx(2 * engine_trained * 4)
+    head = TINY_MODELS[family]["vocab_size"] * TINY_MODELS[family]["hidden_size"]
+    untied = not TINY_MODELS[family]["tie_word_embeddings"]
+    assert engine_trained == ledger["num_params"] + 33 - (head if untied else 0)  # + the value head (32 + 1)
+
+
+def _critic_trained_count(family: str) -> int:
+    from shardrl.config.schema import EngineConfig, ModelConfig, OptimConfig
+    from shardrl.engine import build_engine
+    from shardrl.testing import TINY_MODELS
+
+    engine = build_engine(ModelConfig(tiny=TINY_MODELS[family]), EngineConfig(param_dtype="float32"),
+                          OptimConfig(lr=1e-3), head="value")
+    return sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])

@@ -367,6 +367,11 @@ class PolicyModel(nn.Module):
         self.head = head
         self.chunk_size = chunk_size
         self.value_head = nn.Linear(text_config(lm.config).hidden_size, 1, bias=True) if head == "value" else None
+        out, into = lm.get_output_embeddings(), lm.get_input_embeddings()
+        if head == "value" and out is not None and out.weight is not into.weight:
+            # a critic never reads its own lm_head: not trained, so no AdamW state a checkpoint would lack for it
+            # (a resumed optimizer makes state for every parameter it trains) and no gradient memory
+            out.requires_grad_(False)
         self.router_replay = RouterReplay(lm) if is_moe(lm.config) else None  # see `forward`'s routed_experts
         self.vision = is_vision_language(lm.config)
 

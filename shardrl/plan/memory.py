@@ -59,10 +59,23 @@ def model_numbers(hf_config, trust_remote_code: bool = False, lora=None, freeze_
         trained = sum(p.numel() for n, p in model.named_parameters() if LORA_MARK in n)
     params = list(model.parameters())
     total = sum(p.numel() for p in params) - (trained or 0)  # the model's own parameters
+    out, into = model.get_output_embeddings(), model.get_input_embeddings()
+    untied_head = out.weight.numel() if out is not None and out.weight is not into.weight else 0
     blocks = [sum(p.numel() for p in b.parameters()) for b in decoder_blocks(model)]
     return dict(total=total, largest_unit=max([*blocks, total - sum(blocks)]), largest_block=max(blocks, default=0),
                 root_unit=total - sum(blocks), largest_tensor=max(p.numel() for p in params), trained=trained,
-                frozen=vision["params"] if vision and (freeze_vision_tower or trained) else 0, vision=vision)
+                frozen=vision["params"] if vision and (freeze_vision_tower or trained) else 0, vision=vision,
+                untied_head=untied_head)
+
+
+def critic_numbers(numbers: dict, hf_config) -> dict:
+    """`model_numbers` for the critic: no adapters, a value head (hidden -> 1, with bias) more, and its lm_head (the
+    value head reads the decoder instead) not trained unless it is the embedding too (`PolicyModel`): no gradients
+    or AdamW state for it."""
+    frozen = numbers.get("frozen", 0)
+    what = ("the vision tower and lm_head" if frozen else "lm_head") if numbers.get("untied_head") else "the vision tower"
+    return {**numbers, "trained": None, "total": numbers["total"] + text_config(hf_config).hidden_size + 1,
+            "frozen": frozen + numbers.get("untied_head", 0), "frozen_what": what}
 
 
 def vision_numbers(model) -> dict:
@@ -150,7 +163,8 @@ def _engine_resident(name, numbers, master, shard, offload_params, offload_optim
                 "on CPU (offload_params)" if offload_params else
                 f"{format_count(p)} x {master} B / {shard} (shard)"))
     if optimizer:
-        trained = f"({format_count(p)} - {format_count(frozen)} frozen vision tower)" if frozen else format_count(p)
+        trained = (f"({format_count(p)} - {format_count(frozen)} frozen: "
+                   f"{numbers.get('frozen_what', 'the vision tower')})" if frozen else format_count(p))
         out.append((f"{name} optimizer state", 0 if offload_optimizer else 2 * (p - frozen) * master / shard,
                     "on CPU between updates (offload_optimizer)" if offload_optimizer else
                     f"AdamW 2 x {trained} x {master} B / {shard}"))
@@ -192,7 +206,8 @@ def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shar
     grads = (f"{name} grads", 0 if engine.offload_params else trained * size / shard,
              "on CPU (offload_params)" if engine.offload_params else
              f"{format_count(trained)}{' adapters' if lora else ''}"
-             f"{' (the vision tower frozen)' if frozen and not lora else ''} x {size} B / {shard}")
+             f"{' (' + numbers.get('frozen_what', 'the vision tower') + ' frozen)' if frozen and not lora else ''}"
+             f" x {size} B / {shard}")
     if kept and (engine.offload_params or shard > 1):  # (accumulated unsharded on the GPU, reduced once)
         reduce = DTYPE_BYTES[engine.reduce_dtype]
         whole = (f"{format_count(trained)} unsharded x {reduce} B (reduce_dtype), accumulated on the GPU over the "
@@ -410,7 +425,7 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
                                 compute)
     rollout, lora_sync, fp8 = _rollout_resident(cfg, hf_config, numbers, shard, compute, rollout_bytes, cuda)
     resident += rollout
-    plain = {**numbers, "trained": None}  # the critic (and a separate reference) train without the adapters
+    plain = {**numbers, "trained": None}  # a separate reference runs without the adapters
     if layout.ref is not None and not numbers["trained"]:  # with LoRA the reference is the actor, adapters off
         e = cfg.ref.engine
         resident += _engine_resident("ref", plain, master, layout.ref.shard_size, e.offload_params, False, False)
@@ -418,8 +433,8 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     resident += teacher_resident
     if layout.critic is not None:
         e = cfg.critic.engine
-        resident += _engine_resident("critic", plain, master, layout.critic.shard_size, e.offload_params,
-                                     e.offload_optimizer, True)
+        resident += _engine_resident("critic", critic_numbers(numbers, hf_config), master, layout.critic.shard_size,
+                                     e.offload_params, e.offload_optimizer, True)
     gen = _gen_terms(cfg, layout, c, numbers, master, rollout_bytes, lora_sync, fp8)
 
     # prep: an inference pass (old log-probs, reference, values) holds one micro-batch's layer and logits chunk

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from shardrl.plan.layout import DTYPE_BYTES, format_count, format_size
-from shardrl.plan.memory import model_numbers
+from shardrl.plan.memory import critic_numbers, model_numbers
 from shardrl.plan.step_plan import old_log_probs_from_update
 
 
@@ -36,14 +36,14 @@ def plan_host_adam(cfg, layout, hf_config, nproc_per_node: int, offline: bool) -
     None without offload."""
     numbers = model_numbers(hf_config, cfg.model.trust_remote_code, cfg.model.lora, cfg.model.freeze_vision_tower)
     master = DTYPE_BYTES[cfg.model.dtype]
-    plain = {**numbers, "trained": None}  # the critic (and a separate reference) train without the adapters
+    plain = {**numbers, "trained": None}  # a separate reference runs without the adapters
     lora = bool(numbers.get("trained"))
     if offline:
         roles = [("engine", cfg.engine, layout.engine, numbers, True)]
     else:
         roles = [("actor", cfg.actor.engine, layout.actor, numbers, True)]
         if layout.critic is not None:
-            roles.append(("critic", cfg.critic.engine, layout.critic, plain, True))
+            roles.append(("critic", cfg.critic.engine, layout.critic, critic_numbers(numbers, hf_config), True))
         if layout.ref is not None and not lora:  # (with LoRA the reference is the actor, adapters off)
             roles.append(("ref", cfg.ref.engine, layout.ref, plain, False))
     host_gib, rate = host_memory_gib(), None
