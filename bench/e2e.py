@@ -23,7 +23,8 @@ Each system runs in a process of its own (a clean GPU for the memory figures). O
 step time over the steps after the first (warm-up), per phase, peak GPU memory per phase (PyTorch's
 allocator, `max_memory_allocated`), tokens/s per GPU; and per case the floor (`floor`): the training FLOPs
 (forward + backward, model FLOPs of `shardrl.plan.perf`) at the measured 788 TFLOP/s per GPU, plus
-generation's floor (`bench/profile_decode.py`'s GEMMs in CUDA graphs + reading the live K/V once at 4.3 TB/s),
+generation's floor (`bench/profile_decode.py`'s GEMMs in CUDA graphs + reading the live K/V once at the GPU's read
+bandwidth, measured in the run: `read_bytes_per_s`; sessions 1-39 took the H200's 4.3 TB/s on every GPU),
 for the response lengths the run produced.
 """
 
@@ -42,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import append_jsonl  # noqa: E402
-from bench.rollout import HBM_BYTES_PER_S, QWEN2_1P5B as _ROLLOUT_SHAPE  # noqa: E402
+from bench.rollout import QWEN2_1P5B as _ROLLOUT_SHAPE  # noqa: E402
 from shardrl.plan.perf import H200_BF16_MEASURED_TFLOPS as MEASURED_TFLOPS  # noqa: E402
 
 QWEN2_1P5B = {k: v for k, v in _ROLLOUT_SHAPE.items() if k != "model_type"}  # the rollout benchmark's shape
@@ -361,7 +362,7 @@ def floor(root: Path, case: str, cases: dict, response_lengths: list[int], gpus:
     import torch.nn.functional as F
     import transformers
 
-    from bench.profile_decode import graph_ms
+    from bench.profile_decode import graph_ms, read_bytes_per_s
     from shardrl.plan.perf import forward_flops, model_shape
 
     prompts, n, prompt_len, new, kind = cases[case]
@@ -407,6 +408,7 @@ def floor(root: Path, case: str, cases: dict, response_lengths: list[int], gpus:
         return step_ms[sizes[-1]]
 
     kv_bytes = 2 * layers * kv * 2
+    bandwidth = read_bytes_per_s()  # this GPU's (an H100's is not an H200's)
     my = lens[::gpus]  # this GPU's share (the lengths interleaved)
     decode_s = kv_s = 0.0
     for t in range(1, int(my.max())):
@@ -414,12 +416,13 @@ def floor(root: Path, case: str, cases: dict, response_lengths: list[int], gpus:
         if len(live) == 0:
             break
         decode_s += step_at(len(live)) / 1e3
-        kv_s += float((prompt_len + t) * len(live)) * kv_bytes / HBM_BYTES_PER_S
+        kv_s += float((prompt_len + t) * len(live)) * kv_bytes / bandwidth
     gen_s = prefill_s + decode_s + kv_s
     return dict(case=case, gpus=gpus, floor_train_s=round(train_s, 4), floor_gen_s=round(gen_s, 4),
                 floor_train_head_on_prompts_too_s=round(train_all_s, 4),
                 floor_gen_prefill_s=round(prefill_s, 4), floor_gen_decode_gemm_s=round(decode_s, 4),
                 floor_gen_kv_read_s=round(kv_s, 4), floor_s=round(train_s + gen_s, 4),
+                read_bytes_per_s=round(bandwidth / 1e12, 3) * 1e12,
                 decode_step_gemm_ms={str(k): round(v, 4) for k, v in step_ms.items()})
 
 

@@ -36,6 +36,17 @@ def cuda_ms(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
+def read_bytes_per_s(gib: float = 2.0) -> float:
+    """This GPU's memory read bandwidth, measured: a sum over a `gib` GiB tensor reads each byte once (the bytes
+    over the fastest of 5 timings of 10 sums). The floors' K/V read runs at it (4.3e12 on the H200s of
+    sessions 1-30, `bench.rollout.HBM_BYTES_PER_S`)."""
+    x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda")
+    ms = min(cuda_ms(lambda: x.sum(dtype=torch.float32), iters=10) for _ in range(5))
+    nbytes = x.numel() * x.element_size()
+    del x
+    return nbytes / (ms / 1e3)
+
+
 def graph_ms(fn, reps: int = 28, iters: int = 20) -> float:
     """Time of one `fn` call inside a CUDA graph of `reps` calls (as a decode step runs them: no launch
     gaps, consecutive calls of the same kernel)."""
