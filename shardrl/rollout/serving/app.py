@@ -224,6 +224,8 @@ class Routes:
                     DONE]
 
         failure = failure or chat_failure
+        # (an episode past its budget is refused before the stream's 200, as a plain call is: not an error event)
+        sampling = self.episode_budget(request, prompts, sampling)
 
         async def body():
             for x in head:

@@ -17,7 +17,7 @@ import re
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError
 
 from shardrl.rollout.serving.logprobs import token_logprobs
 from shardrl.rollout.serving.schema import UNSUPPORTED, ChatRequest, Message, RequestError, usage, versions
@@ -55,11 +55,12 @@ REFUSED = {  # option -> (whether a value asks for it, why it is refused)
     "conversation": (bool, "this server keeps no conversations: send the whole conversation as input"),
     "background": (bool, "this server answers in the foreground only: leave background out"),
     "prompt": (bool, "this server has no stored prompt templates: send the prompt as instructions and input"),
-    "reasoning": (lambda v: bool(v) and any(x is not None for x in v.values()),
+    "reasoning": (lambda v: bool(v) and (not isinstance(v, dict) or any(x is not None for x in v.values())),
                   "this server's model takes no reasoning settings: leave reasoning out"),
     "truncation": (lambda v: v not in (None, "disabled"),
                    "this server does not drop input to fit the context: send truncation='disabled' or leave it out"),
-    "text": (lambda v: bool(v) and (v.get("format") or {"type": "text"}).get("type") != "text",
+    "text": (lambda v: bool(v) and (not isinstance(v, dict) or not isinstance(v.get("format") or {}, dict)
+                                    or (v.get("format") or {"type": "text"}).get("type") != "text"),
              "this server samples free text only (no structured output): leave text.format out"),
     "max_tool_calls": (lambda v: v is not None, "this server runs no built-in tools: leave max_tool_calls out"),
     "n": (lambda v: v not in (None, 1), "a response is one reply: send several requests, or use "
@@ -194,10 +195,16 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
     if req.tool_choice is not None:
         extra["tool_choice"] = chat_tool_choice(req.tool_choice)
     logprobs = LOGPROBS_INCLUDE in (req.include or ())
-    return ChatRequest(model=req.model, messages=[Message(**m) for m in chat_messages(req)],
-                       max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
-                       logprobs=logprobs or None, top_logprobs=req.top_logprobs, tools=chat_tools(req.tools),
-                       parallel_tool_calls=req.parallel_tool_calls, **extra)
+    messages, tools = chat_messages(req), chat_tools(req.tools)
+    try:  # (the extensions carried over are checked here: one of the wrong type was a 500)
+        return ChatRequest(model=req.model, messages=[Message(**m) for m in messages],
+                           max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+                           logprobs=logprobs or None, top_logprobs=req.top_logprobs, tools=tools,
+                           parallel_tool_calls=req.parallel_tool_calls, **extra)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = str(first["loc"][0]) if first.get("loc") else None
+        raise RequestError(f"invalid request: {param}: {first['msg']}", param) from None
 
 
 class ResponseWriter:

@@ -182,10 +182,12 @@ class ChunkWriter:
         (the text before the calls), then a chunk per call (`delta.tool_calls`: its index, id, type, function name
         and whole arguments; the first carries the tokens of the calls), then one of finish_reason "tool_calls"."""
         ids, content, sent, chunks = o["token_ids"], o.get("content") or "", 0, []
+        # where the content is in the text: not always at its start (llama3_json's strips the text's leading space)
+        start = max(0, o["text"].find(content))
         for k, delta in enumerate(deltas):
-            if sent >= len(content):
+            if sent >= start + len(content):
                 break
-            piece = delta[:len(content) - sent]
+            piece = delta[max(0, start - sent):start + len(content) - sent]
             sent += len(delta)
             chunks.append(self.chunk([{"index": index, "delta": {"content": piece}, "token_ids": ids[k:k + 1],
                                        "logprobs": None if logprobs is None else {"content": logprobs[k:k + 1]},

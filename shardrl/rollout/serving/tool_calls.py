@@ -35,6 +35,9 @@ PARSER_CHOICES = ("auto", *PARSERS)
 MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "llama3_json": ("<|python_tag|>",),
            "mistral": ("[TOOL_CALLS]", "[ARGS]")}
 """Each format's marker tokens: a tokenizer may hold them as special tokens, which a reply's text leaves out."""
+NOT_JSON = (ValueError, RecursionError)
+"""What decoding a call's text as JSON raises where it is none: json's ValueError, and RecursionError for a degenerate
+reply of thousands of nested brackets (json recurses a bracket; it was a 500). Either way the reply stays text."""
 
 
 @dataclasses.dataclass
@@ -80,7 +83,7 @@ def _arguments(call) -> tuple[str, str] | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except NOT_JSON:
             return None
     if not isinstance(args, dict):
         return None
@@ -100,7 +103,7 @@ def parse_hermes(text: str) -> ParsedReply:
         body = re.sub(r"^```(?:json)?\s*|\s*```$", "", (closed or unclosed).strip())
         try:
             call = _arguments(json.loads(body))
-        except ValueError:
+        except NOT_JSON:
             call = None
         if call is None:
             return ParsedReply(_content(text), [], True)
@@ -119,7 +122,7 @@ def _json_objects(text: str, separator: str) -> list | None:
             at += 1
         try:
             value, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except NOT_JSON:
             return None
         values.append(value)
         rest = text[at:].lstrip()
