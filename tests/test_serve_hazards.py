@@ -115,3 +115,52 @@ def test_a_malformed_responses_option_is_a_400_naming_it(hermes, option, value, 
         client.responses.create(model="tiny", input="text", max_output_tokens=4, stream=stream,
                                 extra_body={option: value})
     assert e.value.body["param"] == option and e.value.body["type"] == "invalid_request_error"
+
+
+# ---- a byte-fallback tokenizer's stream (Llama 2's, Mistral's, Gemma's kind) ------------------------------------
+def byte_fallback_tokenizer():
+    """A SentencePiece-like BPE with byte fallback: characters outside its vocabulary are `<0xNN>` tokens, and its
+    decoder (Llama 2's and Mistral's) turns a run of them that is not valid UTF-8 into one U+FFFD a byte, whole."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", *"abcdefghijklmnopqrstuvwxyz", "▁t", "▁th", "▁the"]:
+        vocab[piece] = len(vocab)
+    bpe = models.BPE(vocab=vocab, merges=[("▁", "t"), ("▁t", "h"), ("▁th", "e")], unk_token="<unk>",
+                     byte_fallback=True)
+    rust = Tokenizer(bpe)
+    rust.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    rust.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>", clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_live_reply_of_an_invalid_byte_run_joins_to_the_plain_text(chat):
+    """A reply whose bytes spell 🙂 then a stray continuation byte, handed over as the engine's syncs do: the stream
+    sent 🙂 as soon as it was whole, but the whole reply's text is five U+FFFD (the run is not UTF-8), and the rest
+    of the reply went out twice. Joined, the chunks are the plain reply's text, for any cut into hand-overs."""
+    from shardrl.rollout.serving.schema import ChatRequest, CompletionRequest
+    from shardrl.rollout.serving.streaming import ChunkWriter, LiveReply
+
+    tok = byte_fallback_tokenizer()
+    byte = {b: tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+    ids = (tok("the z", add_special_tokens=False)["input_ids"] + [byte[b] for b in "🙂".encode()] + [byte[0x98]]
+           + tok("vm é the", add_special_tokens=False)["input_ids"] + [byte[0xE4]])  # (its last character cut)
+    text = tok.decode(ids, skip_special_tokens=True)
+    assert "🙂" not in text and "\ufffd" * 5 in text
+    for cuts in ([3, 7, 8, 12], [2, 4, 5, 6, 7, 8, 9], list(range(1, len(ids) - 1))):
+        req = (ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], stream=True) if chat
+               else CompletionRequest(model="m", prompt="x", stream=True))
+        reply = LiveReply(ChunkWriter(req, "m", tok, chat), [1], lambda k: [1])
+        sent = []
+        for lo, hi in zip([0, *cuts], cuts):
+            sent += reply.add(0, ids[lo:hi])
+        o = {"token_ids": ids, "text": text, "finish_reason": "length", "stop_reason": None, "prompt_token_ids": [1]}
+        events = [json.loads(e[6:]) for e in "".join(sent + reply.end([o], [[1]])).split("\n\n")
+                  if e.startswith("data: {")]
+        pieces = [e["choices"][0]["delta"].get("content") or "" if chat else e["choices"][0]["text"] for e in events]
+        assert "".join(pieces) == text, cuts
+        assert [t for e in events for t in e["choices"][0]["token_ids"]] == ids

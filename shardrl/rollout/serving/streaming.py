@@ -17,6 +17,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 
 try:
     from tokenizers import Tokenizer
@@ -253,13 +254,17 @@ class LiveReply:
     strings the last (longest stop string - 1) characters of the text wait, so that text a stop string will cut
     is never sent (a stop string found ends the row at that sync, before its tokens would be handed over). `stop`: the
     stop strings the reply is sampled with (an RL run's endpoint samples with its policy's where the request names
-    none: `sampling_of`); the request's where not given."""
+    none: `sampling_of`); the request's where not given. With a byte-fallback tokenizer, the text of a run of byte
+    tokens waits until the run ends, and after a run that is not UTF-8 (which its decoder turns whole into one U+FFFD
+    a byte, where a token at a time gave the characters in it) all of the choice's text waits for the answer."""
 
     def __init__(self, writer: ChunkWriter, head_ids: list[int], prompt_of, stop: list[str] | None = None):
         self.writer, self.head_ids, self.prompt_of = writer, head_ids, prompt_of
         req = writer.req
         self.hold = max((len(x) for x in (stop_list(req.stop) if stop is None else stop)), default=1) - 1
         self.stop_ids = set(req.stop_token_ids or ())
+        self.bytes = fallback_bytes(writer.tok)
+        self.special = set(getattr(writer.tok, "all_special_ids", None) or ()) if self.bytes else set()
         self.choices: dict[int, _LiveChoice] = {}
 
     def _choice(self, k: int) -> tuple["_LiveChoice", list[str]]:
@@ -280,7 +285,12 @@ class LiveReply:
                 c.halted = True
                 break
             c.held += c.decoder.add(token)
-            cut = max(0, len(c.held) - self.hold)
+            if token in self.bytes:
+                c.run.append(self.bytes[token])
+            elif c.run and token not in self.special:  # (a special token is left out: the run goes on past it)
+                c.garbled = c.garbled or not is_utf8(c.run)
+                c.run = bytearray()
+            cut = 0 if c.run or c.garbled else max(0, len(c.held) - self.hold)
             deltas.append(c.held[:cut])
             c.held = c.held[cut:]
             ids.append(token)
@@ -317,3 +327,34 @@ class LiveReply:
 class _LiveChoice:
     def __init__(self, decoder: IncrementalText):
         self.decoder, self.ids, self.held, self.text, self.halted = decoder, [], "", "", False
+        self.run, self.garbled = bytearray(), False  # (`LiveReply`: a byte-fallback tokenizer's byte tokens)
+
+
+_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its `fallback_bytes`
+
+
+def fallback_bytes(tok) -> dict[int, int]:
+    """A byte-fallback tokenizer's byte tokens (`<0xE4>`: Llama 2's, Mistral's, Gemma's), id -> byte; none for
+    others. Kept a tokenizer."""
+    try:
+        if tok in _BYTES:
+            return _BYTES[tok]
+    except TypeError:  # (a tokenizer that takes no weak reference: read each time)
+        pass
+    vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
+    found = {i: int(name[3:5], 16) for name, i in vocab.items()
+             if len(name) == 6 and name.startswith("<0x") and name.endswith(">")
+             and all(c in "0123456789ABCDEFabcdef" for c in name[3:5])}
+    try:
+        _BYTES[tok] = found
+    except TypeError:
+        pass
+    return found
+
+
+def is_utf8(data: bytearray) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
