@@ -164,3 +164,15 @@ def test_a_live_reply_of_an_invalid_byte_run_joins_to_the_plain_text(chat):
         pieces = [e["choices"][0]["delta"].get("content") or "" if chat else e["choices"][0]["text"] for e in events]
         assert "".join(pieces) == text, cuts
         assert [t for e in events for t in e["choices"][0]["token_ids"]] == ids
+
+
+@pytest.mark.parametrize("kwargs", [{"truncation": True, "max_length": 3}, {"padding": "max_length", "max_length": 40},
+                                    {"return_tensors": "pt"}, {"tokenize": False}, {"return_dict": True}])
+def test_tokenizer_options_in_chat_template_kwargs_are_a_400(hermes, kwargs):
+    """chat_template_kwargs reach the template (vLLM's); the tokenizer's own options passed with them cut the prompt
+    to max_length or padded it with pad tokens, and the reply went on from that (a 200), or were a 500."""
+    srv, client = hermes
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, "text", max_tokens=2, extra_body={"chat_template_kwargs": kwargs})
+    assert e.value.body["param"] == "chat_template_kwargs" and next(iter(kwargs)) in e.value.body["message"]
+    assert ask(client, "text", max_tokens=2, extra_body={"chat_template_kwargs": {"flag": 1}}).choices[0]

@@ -358,6 +358,12 @@ def check_prompt_chars(req: Common, per_token: int | None, max_model_len: int) -
     return chars
 
 
+TOKENIZER_OPTIONS = {"tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                     "return_assistant_tokens_mask", "tokenizer_kwargs", "conversation"}
+"""`apply_chat_template`'s own arguments that a request's chat_template_kwargs must not set: they cut the prompt to
+max_length, padded it with pad tokens (a 200 for a reply to another prompt), or returned another type (a 500)."""
+
+
 def chat_prompt(req: ChatRequest, tok) -> list[int]:
     """The chat request's prompt ids: its messages through the tokenizer's chat template."""
     check_text([m.model_dump(exclude_none=True) for m in req.messages], "messages", "messages")
@@ -368,6 +374,10 @@ def chat_prompt(req: ChatRequest, tok) -> list[int]:
         raise RequestError("messages is empty: send at least one message", "messages")
     if not getattr(tok, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    tokenizing = sorted(TOKENIZER_OPTIONS.intersection(req.chat_template_kwargs or ()))
+    if tokenizing:
+        raise RequestError(f"chat_template_kwargs holds {', '.join(tokenizing)}: options of the tokenizer, not of the "
+                           "template (the server tokenizes the prompt whole): leave them out", "chat_template_kwargs")
     try:
         if req.continue_final_message and req.add_generation_prompt:
             raise RequestError("continue_final_message=true continues the last message: send it with "
