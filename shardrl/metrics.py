@@ -99,9 +99,17 @@ def metric_value(metric) -> float:
     return float(metric)
 
 
-def reduce_metrics(metrics: dict, group=None) -> dict[str, float]:
+def reduce_metrics(metrics: dict, group=None, same_keys: bool = False) -> dict[str, float]:
     """One float per metric over the ranks of `group` (see the module docstring; a plain (sum, count) tuple
-    counts as a SumCount). One all-reduce of float64 for the sums, one for the extremes if any."""
+    counts as a SumCount). One all-reduce of float64 for the sums, one for the extremes if any.
+
+    The ranks may name different keys (a reward function's own key where a rank holds none of its dataset's
+    samples, a statistic of tokens where a rank holds none): the names are gathered first and a key a rank lacks
+    counts as its empty piece there (a plain number is then the mean over the ranks that name it).
+    `same_keys=True` (every rank names the same keys, as the engine's micro-batches do) skips that gather."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world > 1 and not same_keys:
+        metrics = _with_every_rank_keys(metrics, group, world)
     places = {}  # key -> ("sum" | "max", position in that vector)
     summed, maxed = [], []
     for k in sorted(metrics):
@@ -118,7 +126,6 @@ def reduce_metrics(metrics: dict, group=None) -> dict[str, float]:
         else:
             places[k] = ("sum", len(summed))
             summed.append(_f64(v))
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
     summed = _all_reduce(summed, dist.ReduceOp.SUM, group, world)
     maxed = _all_reduce(maxed, dist.ReduceOp.MAX, group, world)
     out = {}
@@ -132,6 +139,36 @@ def reduce_metrics(metrics: dict, group=None) -> dict[str, float]:
             out[k] = summed[i] / summed[i + 1] if summed[i + 1] > 0 else 0.0
         else:
             out[k] = summed[i] / world
+    return out
+
+
+def _kind(metric) -> str:
+    return type(metric).__name__ if isinstance(metric, (Sum, Max, Min)) else \
+        "SumCount" if isinstance(metric, tuple) else "mean"
+
+
+def _with_every_rank_keys(metrics: dict, group, world: int) -> dict:
+    """`metrics` with every key some rank of `group` names (one gather of the names, and of each one's kind); a
+    key this rank lacks is its kind's empty piece. A ValueError where ranks disagree on a key's kind."""
+    named = [None] * world
+    dist.all_gather_object(named, sorted((k, _kind(v)) for k, v in metrics.items()), group=group)
+    kinds: dict[str, set] = {}
+    for pairs in named:
+        for k, kind in pairs:
+            kinds.setdefault(k, set()).add(kind)
+    if all(pairs == named[0] for pairs in named):
+        return metrics
+    out = {}
+    for k, found in kinds.items():
+        if len(found) > 1:
+            raise ValueError(f"metric {k!r} is reduced as {' and as '.join(sorted(found))} on different ranks")
+        kind, v = found.pop(), metrics.get(k)
+        if kind == "mean":  # the mean over the ranks that name it
+            out[k] = SumCount(0.0, 0.0) if v is None else SumCount(_f64(v), 1.0)
+        elif v is not None:
+            out[k] = v
+        else:
+            out[k] = {"Sum": Sum(0.0), "Max": Max(-math.inf), "Min": Min(math.inf)}.get(kind, SumCount(0.0, 0.0))
     return out
 
 

@@ -395,8 +395,9 @@ class Engine(abc.ABC):
         else:
             log.warning("step skipped: gradient norm is %s", float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
-        # the mini-batch loss is the sum of the shares; every other metric is sum / count over all pieces
-        metrics = reduce_metrics(totals, self.dp_group)
+        # the mini-batch loss is the sum of the shares; every other metric is sum / count over all pieces (every
+        # rank names the same keys: a placeholder micro-batch names its loss function's)
+        metrics = reduce_metrics(totals, self.dp_group, same_keys=True)
         metrics.update({
             "grad_norm": float(grad_norm),
             "lr": lr,
