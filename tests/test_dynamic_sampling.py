@@ -150,7 +150,7 @@ def test_scorer_gives_each_samples_function_values():
     scores, metrics, values = RewardManager(fn, on_error_score=-1.0).score_with_values(items)
     assert scores.tolist() == [1.0, 0.25, 1.0, -1.0]
     assert values["acc"].tolist()[0::2] == [1.0, 0.0] and values["acc"][[1, 3]].isnan().all()
-    assert metrics["reward/acc"] == 0.5  # the mean over the samples that have it, as before
+    assert metrics["reward/acc"] == (1.0, 2.0)  # (sum, count) over the samples that have it
 
 
 def test_config_of_dynamic_sampling():

@@ -327,3 +327,45 @@ def test_metrics_named_by_some_ranks_only_are_reduced_by_name():
             "reward/pass_rate": 0.25, "critic/returns/max": 2.0, "critic/returns/min": -1.0}
     for got in every:  # every rank logs the same numbers, each under its own name
         assert got == pytest.approx(want), got
+
+
+def _reward_step_metrics(items: list[dict], rows: list[int] | None) -> dict:
+    """The step's reward metrics as the trainer logs them (`batch_metrics`, then `reduce_metrics`) for this rank's
+    `rows` of `items` (None: all, one process)."""
+    import torch.distributed as dist
+
+    from shardrl.batch import Batch
+    from shardrl.metrics import reduce_metrics
+    from shardrl.rewards.manager import RewardManager
+    from shardrl.trainer.rl import batch_metrics
+
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        if data_source == "code":  # a dataset whose function has no "acc"
+            return {"score": 0.5, "tests_passed": 3.0}
+        return {"score": float(solution_str == ground_truth), "acc": float(solution_str == ground_truth)}
+
+    if rows is None:
+        rows = list(range(len(items)))
+    elif dist.get_rank() == 1:
+        rows = [i for i in range(len(items)) if i not in rows]
+    mine = [items[i] for i in rows]
+    scores, reward_metrics, _ = RewardManager(fn).score_with_values(mine)
+    n = len(mine)
+    batch = Batch({"response_mask": torch.ones(n, 3, dtype=torch.long), "attention_mask": torch.ones(n, 5),
+                   "prompt_index": torch.arange(n)})
+    group = dist.group.WORLD if dist.is_initialized() else None
+    return reduce_metrics(batch_metrics(batch, scores, reward_metrics, 3), group)
+
+
+def test_a_reward_functions_own_metric_is_its_mean_over_the_samples_that_have_it_whatever_the_ranks():
+    def item(source, answer):
+        return {"data_source": source, "response_text": answer, "extra": {"ground_truth": "7"}}
+
+    # rank 0: one math sample (right) and three code samples; rank 1: four math samples, all wrong
+    items = [item("math", "7"), item("code", ""), item("code", ""), item("code", ""),
+             item("math", "1"), item("math", "2"), item("math", "3"), item("math", "4")]
+    one = _reward_step_metrics(items, None)
+    assert one["reward/acc"] == pytest.approx(1 / 5) and one["reward/tests_passed"] == pytest.approx(3.0)
+    two = run_distributed(_reward_step_metrics, 2, items, [0, 1, 2, 3])
+    for key in ("reward/acc", "reward/tests_passed", "reward/mean"):
+        assert two[key] == pytest.approx(one[key]), (key, two[key], one[key])

@@ -90,7 +90,7 @@ def test_verls_data_sources_score_as_verl_and_the_lenient_reading_keeps_its_name
     assert builtin_scorer("aime2024")("aime2024", "Answer: 12", "12")["score"] == 1.0
     assert builtin_scorer("AIME2024") is None  # verl's prefix is lower case
     scores, metrics = RewardManager().score([item("Answer: 7", "7", "math_dapo"), item("Answer: 8", "7", "math_dapo")])
-    assert scores.tolist() == [1.0, -1.0] and metrics["reward/acc"] == 0.5  # DAPO's dict: score, acc (and pred)
+    assert scores.tolist() == [1.0, -1.0] and metrics["reward/acc"] == (1.0, 2.0)  # DAPO's dict: score, acc (and pred)
 
 
 # ---------------------------------------------------------------- user reward files
@@ -172,7 +172,7 @@ def test_manager_user_fn_dict_results():
 
     scores, metrics = RewardManager(fn).score([item("ab", "ab", "anything"), item("abcd", "ab", "anything")])
     assert scores.tolist() == [1.0, -1.0]
-    assert metrics["reward/correct"] == 0.5 and metrics["reward/length"] == 3.0
+    assert metrics["reward/correct"] == (1.0, 2.0) and metrics["reward/length"] == (6.0, 2.0)  # (sum, count)
     assert "reward/note" not in metrics and metrics["reward/num_errors"] == 0
 
 

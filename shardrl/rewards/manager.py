@@ -22,6 +22,7 @@ from decimal import Decimal, InvalidOperation
 import torch
 
 from shardrl.config.userfile import import_user_file
+from shardrl.metrics import SumCount
 from shardrl.rewards.reasoning_gym import PREFIX as REASONING_GYM_PREFIX, reasoning_gym_score
 from shardrl.rewards.scorers import VERL_SCORERS, verl_scorer_for
 
@@ -328,7 +329,9 @@ class RewardManager:
     def score_with_values(self, items: list[dict], fail_if_all_fail: bool = True
                           ) -> tuple[torch.Tensor, dict, dict[str, torch.Tensor]]:
         """`score`'s (scores, metrics) and each numeric key of the function's dict per sample (B,) float32,
-        NaN for a sample without it (a failed one): what dynamic sampling filters by (e.g. "acc")."""
+        NaN for a sample without it (a failed one): what dynamic sampling filters by (e.g. "acc"). In the metrics a
+        key of the function's dict is a `SumCount` over the samples that have it, so that over ranks (or batches)
+        it stays the mean over those samples, however many each piece holds."""
         fns = [self._function_for(item["data_source"]) for item in items]  # config errors raise here
         scores, extra_values, num_errors, num_timeouts = [], {}, 0, 0
         self.first_error = None
@@ -368,6 +371,6 @@ class RewardManager:
             out["reward/score"] = sum(scores) / len(scores)
         for key, values in extra_values.items():
             present = [v for v in values if not math.isnan(v)]
-            out[f"reward/{key}"] = sum(present) / len(present) if present else math.nan
+            out[f"reward/{key}"] = SumCount(float(sum(present)), float(len(present)))
         per_sample = {k: torch.tensor(v, dtype=torch.float32) for k, v in extra_values.items()}
         return torch.tensor(scores, dtype=torch.float32), out, per_sample

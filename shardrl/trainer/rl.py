@@ -476,7 +476,9 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, reward_metrics: dict, max_
         "reward/num_errors": Sum(float(reward_metrics.pop("reward/num_errors", 0.0))),
         **({"reward/num_timeouts": Sum(float(reward_metrics.pop("reward/num_timeouts")))}
            if "reward/num_timeouts" in reward_metrics else {}),
-        **{k: SumCount(float(v) * n, n) for k, v in reward_metrics.items() if k != "reward/score"},
+        # (a reward function's own keys: (sum, count) pairs over the samples that have them)
+        **{k: v if isinstance(v, SumCount) else SumCount(float(v) * n, n) for k, v in reward_metrics.items()
+           if k != "reward/score"},
         "response/length_mean": SumCount(float(lengths.sum()), n),
         "response/length_max": Max(float(lengths.max())),
         "response/length_min": Min(float(lengths.min())),

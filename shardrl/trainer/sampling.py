@@ -66,8 +66,9 @@ def draw_groups(draw: Callable[[int], tuple[Batch, torch.Tensor, dict, torch.Ten
     global batch, so one rank and several keep the same groups), `num_groups // dp` a rank, moved between
     ranks where needed. More than `max_gen_batches` (0: no limit) is a ValueError on every rank.
 
-    Returns this rank's batch and scores, the reward metrics of every sample drawn (errors summed, a function's
-    own keys averaged), and dynamic_sampling/ metrics."""
+    Returns this rank's batch and scores, the reward metrics of every sample drawn (errors summed, the others
+    averaged; a function's own keys as (sum, count) pairs over the samples that have them), and dynamic_sampling/
+    metrics."""
     kept, counts = [], []  # per batch drawn: this rank's kept (batch, scores); every rank's kept group count
     reward_metrics: dict = {}
     drawn_groups = kept_groups = 0
@@ -77,7 +78,10 @@ def draw_groups(draw: Callable[[int], tuple[Batch, torch.Tensor, dict, torch.Ten
         n = float(len(s))
         for k, v in rm.items():
             total, count = reward_metrics.get(k, (0.0, 0.0))
-            reward_metrics[k] = (total + float(v) * (1.0 if k == "reward/num_errors" else n), count + n)
+            if isinstance(v, SumCount):  # a reward function's own key: over the samples that have it
+                reward_metrics[k] = SumCount(total + float(v.total), count + float(v.count))
+            else:
+                reward_metrics[k] = (total + float(v) * (1.0 if k == "reward/num_errors" else n), count + n)
         drawn_scores.append(s)
         keep = groups_to_keep(values, batch["prompt_index"])
         rows = keep.nonzero().squeeze(-1)
@@ -106,8 +110,8 @@ def draw_groups(draw: Callable[[int], tuple[Batch, torch.Tensor, dict, torch.Ten
         "dynamic_sampling/informative_frac": SumCount(float(kept_groups), float(drawn_groups)),
         "dynamic_sampling/reward_mean_drawn": SumCount(float(scores_all.sum()), float(len(scores_all))),
     }
-    reward_metrics = {k: (total if k == "reward/num_errors" else total / max(count, 1.0))
-                      for k, (total, count) in reward_metrics.items()}
+    reward_metrics = {k: v if isinstance(v, SumCount) else v[0] if k == "reward/num_errors"
+                      else v[0] / max(v[1], 1.0) for k, v in reward_metrics.items()}
     return batch, scores, reward_metrics, metrics
 
 
