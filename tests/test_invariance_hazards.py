@@ -33,6 +33,14 @@ LAYOUTS = {
     "mb1_unsharded": dict(micro_batch_size_per_gpu=1, accumulate_unsharded=True),  # one reduction, after the last
     "dynamic": dict(use_dynamic_bsz=True, max_token_len_per_gpu=24),
 }
+# on 4 processes: Ulysses (sp=2: two data-parallel ranks of 5 and 3 rows) and HSDP (4 data-parallel ranks, the
+# rows cut 3/2/2/1: the rank of 1 row runs placeholders, a rank holds the row without loss tokens)
+LAYOUTS_4 = {
+    "sp2_mb1": dict(micro_batch_size_per_gpu=1, ulysses_sequence_parallel_size=2),
+    "sp2_dynamic": dict(use_dynamic_bsz=True, max_token_len_per_gpu=12, ulysses_sequence_parallel_size=2),
+    "hsdp_mb1": dict(micro_batch_size_per_gpu=1, fsdp_size=2),
+}
+CUTS = {2: [0, SPLIT, NUM_SEQS], 4: [0, 3, 5, 7, NUM_SEQS]}  # data-parallel size -> the rows of each dp rank
 ACTOR = dict(clip_ratio_low=0.1, clip_ratio_high=0.15, clip_ratio_c=1.5, entropy_coeff=0.01, use_kl_loss=True,
              kl_loss_coef=0.1, kl_loss_type="low_var_kl")
 CLIPRANGE_VALUE = 0.05
@@ -149,28 +157,42 @@ def _engine(engine_kwargs: dict, optim: dict, head: str = "lm"):
     return engine, record_grads(engine)
 
 
-def _runs(batch) -> dict:
-    import torch.distributed as dist
+def _dp_share(batch, engine):
+    cuts = CUTS[engine.mesh.dp_size]
+    return batch.index(list(range(cuts[engine.mesh.dp_rank], cuts[engine.mesh.dp_rank + 1])))
 
+
+def _layout_runs(batch, layouts: dict, modes=MODES, critic_modes=("token-mean", "seq-mean-token-sum")) -> dict:
+    """Each layout's actor and critic steps on this rank's unequal share (`CUTS`)."""
     from shardrl.config.schema import CriticConfig
-    from shardrl.trainer.updates import actor_loss_fn, critic_loss_fn, run_updates
+    from shardrl.trainer.updates import actor_loss_fn, critic_loss_fn
 
-    rank = dist.get_rank()
-    mine = batch.index(list(range(SPLIT)) if rank == 0 else list(range(SPLIT, NUM_SEQS)))
     out = {}
-    for lname, kwargs in LAYOUTS.items():
+    for lname, kwargs in layouts.items():
         actor, grads = _engine(kwargs, FROZEN)
-        for mode in MODES:
+        mine = _dp_share(batch, actor)
+        for mode in modes:
             metrics = actor.train_batch(mine, actor_loss_fn(actor_cfg(), mode, with_ref=True), with_entropy=True)
             out["actor", lname, mode] = {"grads": grads[-1], "metrics": metrics}
         metrics = actor.train_batch(mine, actor_loss_fn(actor_cfg(), "token-mean", old_from_forward=True,
                                                         with_ref=True), with_entropy=True)
         out["actor_fwd", lname, "token-mean"] = {"grads": grads[-1], "metrics": metrics}
         critic, grads = _engine(kwargs, FROZEN, head="value")
-        for mode in ("token-mean", "seq-mean-token-sum"):
+        for mode in critic_modes:
             cfg = CriticConfig(cliprange_value=CLIPRANGE_VALUE)
             metrics = critic.train_batch(mine, critic_loss_fn(cfg, mode))
             out["critic", lname, mode] = {"grads": grads[-1], "metrics": metrics}
+    return out
+
+
+def _runs(batch) -> dict:
+    import torch.distributed as dist
+
+    from shardrl.trainer.updates import actor_loss_fn, run_updates
+
+    rank = dist.get_rank()
+    mine = batch.index(list(range(SPLIT)) if rank == 0 else list(range(SPLIT, NUM_SEQS)))
+    out = _layout_runs(batch, LAYOUTS)
 
     # a non-finite gradient on rank 1 only: both ranks skip the step, and the next step is a clean one
     for lname in ("mb2", "mb1_unsharded"):
@@ -206,6 +228,11 @@ def batch():
 @pytest.fixture(scope="module")
 def runs(batch):
     return run_distributed(_runs, 2, batch)
+
+
+@pytest.fixture(scope="module")
+def runs_4(batch):
+    return run_distributed(_layout_runs, 4, batch, LAYOUTS_4, ("token-mean", "seq-mean-token-mean"), ("token-mean",))
 
 
 def assert_same_grads(got: dict, want: dict, what: str = "", rtol: float = GRAD_RTOL):
@@ -245,6 +272,26 @@ def test_actor_update_and_metrics_with_unequal_ranks(runs, batch, layout, mode):
     terms = want["metrics"]
     total = terms["actor/pg_loss"] - 0.01 * terms["actor/entropy_loss"] + 0.1 * terms["actor/kl_loss"]
     assert got["metrics"]["loss"] == pytest.approx(total, rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS_4))
+@pytest.mark.parametrize("mode", ("token-mean", "seq-mean-token-mean"))
+def test_actor_and_critic_under_ulysses_and_hsdp_with_unequal_ranks(runs_4, batch, layout, mode):
+    from shardrl.config.schema import CriticConfig
+    from shardrl.trainer.updates import actor_loss_fn, critic_loss_fn
+
+    got, want = runs_4["actor", layout, mode], reference(actor_loss_fn(actor_cfg(), mode, with_ref=True), batch)
+    assert_same_grads(got["grads"], want["grads"], f"{layout} {mode}")
+    assert_same_metrics(got["metrics"], want["metrics"], f"{layout} {mode}")
+    want = reference(actor_loss_fn(actor_cfg(), "token-mean", old_from_forward=True, with_ref=True), batch)
+    assert_same_metrics(runs_4["actor_fwd", layout, "token-mean"]["metrics"], want["metrics"], layout)
+    if mode == "token-mean":
+        model = plain_model()
+        want = reference(critic_loss_fn(CriticConfig(cliprange_value=CLIPRANGE_VALUE), mode), batch,
+                         head=value_head(model.config.hidden_size), model=model)
+        got = runs_4["critic", layout, mode]
+        assert_same_grads(got["grads"], want["grads"], f"critic {layout}")
+        assert_same_metrics(got["metrics"], want["metrics"], f"critic {layout}")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
