@@ -138,7 +138,8 @@ class OfflineTrainer(Trainer):
         with self.engine.training():
             metrics = self.engine.train_batch(batch, self.loss_fn(), group_size=self.group_size)
         seconds = time.perf_counter() - t0
-        tokens = reduce_metrics({"t": Sum(float(batch["attention_mask"].sum()))}, self.mesh.dp_group)["t"]
+        tokens = reduce_metrics({"t": Sum(float(batch["attention_mask"].sum()))}, self.mesh.dp_group,
+                                same_keys=True)["t"]
         return {f"{self.name}/{k}" if "/" not in k else k: v for k, v in metrics.items()} | {
             "timing/step_s": seconds, "perf/total_num_tokens": tokens,
             "perf/tokens_per_s_per_gpu": tokens / seconds / dist.get_world_size()}

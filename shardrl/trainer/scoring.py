@@ -73,7 +73,8 @@ class Scorer:
         rank (nothing to learn; decided on the global count). `errors`: per row, a failed episode's error and its
         place in the agent's file, else None."""
         failures = [e for e in errors if e is not None]
-        counts = reduce_metrics({"failed": Sum(len(failures)), "episodes": Sum(len(errors))}, self.dp_group)
+        counts = reduce_metrics({"failed": Sum(len(failures)), "episodes": Sum(len(errors))}, self.dp_group,
+                                same_keys=True)
         if counts["episodes"] > 0 and counts["failed"] == counts["episodes"]:
             raise ValueError(f"every agent episode of this step failed ({round(counts['episodes'])} of them), so "
                              f"there is nothing to learn from; the first at {failures[0] if failures else '?'}. "
@@ -96,7 +97,7 @@ class Scorer:
         scores, metrics, values = self.rewards.score_with_values(items, fail_if_all_fail=False)
         # all samples failing stops the run; decided on the global count so that every rank agrees
         counts = reduce_metrics({"errors": Sum(metrics["reward/num_errors"]), "samples": Sum(len(items))},
-                                self.dp_group)
+                                self.dp_group, same_keys=True)
         if counts["samples"] > 0 and counts["errors"] == counts["samples"]:
             raise self.rewards.all_failed_error(round(counts["samples"]))
         return scores, metrics, values
