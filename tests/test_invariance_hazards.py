@@ -32,6 +32,8 @@ LAYOUTS = {
     "mb2": dict(micro_batch_size_per_gpu=2),
     "mb1_unsharded": dict(micro_batch_size_per_gpu=1, accumulate_unsharded=True),  # one reduction, after the last
     "dynamic": dict(use_dynamic_bsz=True, max_token_len_per_gpu=24),
+    # two replicas of the whole model (HSDP, shards of 1): the gradients accumulate unreduced by default
+    "replicated_dynamic": dict(use_dynamic_bsz=True, max_token_len_per_gpu=24, fsdp_size=1),
 }
 # on 4 processes: Ulysses (sp=2: two data-parallel ranks of 5 and 3 rows) and HSDP (4 data-parallel ranks, the
 # rows cut 3/2/2/1: the rank of 1 row runs placeholders, a rank holds the row without loss tokens)
