@@ -362,20 +362,29 @@ def _reduce_with_rank_keys() -> list[dict]:
     rank = dist.get_rank()
     common = {"reward/mean": SumCount([3.0, 1.0][rank], 4.0), "reward/num_errors": Sum([1.0, 2.0][rank]),
               "kl/coef": 0.1}
-    own = ({"reward/acc": SumCount(3.0, 4.0), "critic/returns/max": Max(2.0), "critic/returns/min": Min(-1.0)}
-           if rank == 0 else {"reward/pass_rate": SumCount(1.0, 4.0)})
+    own = ({"reward/acc": SumCount(3.0, 4.0), "critic/returns/max": Max(2.0), "critic/returns/min": Min(-1.0),
+            "multi_turn/num_turns_mean": 2.0} if rank == 0 else {"reward/pass_rate": SumCount(1.0, 4.0)})
     got = reduce_metrics({**common, **own}, dist.group.WORLD)
     every = [None, None]
     dist.all_gather_object(every, got)
-    return every
+    try:  # one key reduced two ways is a clear error on every rank
+        reduce_metrics({"x": Sum(1.0) if rank == 0 else SumCount(1.0, 2.0)}, dist.group.WORLD)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    errors = [None, None]
+    dist.all_gather_object(errors, error)
+    return every, errors
 
 
 def test_metrics_named_by_some_ranks_only_are_reduced_by_name():
-    every = run_distributed(_reduce_with_rank_keys, 2)
+    every, errors = run_distributed(_reduce_with_rank_keys, 2)
     want = {"reward/mean": 0.5, "reward/num_errors": 3.0, "kl/coef": 0.1, "reward/acc": 0.75,
-            "reward/pass_rate": 0.25, "critic/returns/max": 2.0, "critic/returns/min": -1.0}
+            "reward/pass_rate": 0.25, "critic/returns/max": 2.0, "critic/returns/min": -1.0,
+            "multi_turn/num_turns_mean": 2.0}  # a plain number: the mean over the ranks that name it
     for got in every:  # every rank logs the same numbers, each under its own name
         assert got == pytest.approx(want), got
+    assert all(e is not None and "'x'" in e for e in errors), errors
 
 
 def _reward_step_metrics(items: list[dict], rows: list[int] | None) -> dict:
