@@ -2,11 +2,12 @@
 and tokens (5 and 3 rows, one row without loss tokens), so that a rank runs placeholder micro-batches and
 micro-batches with no loss token, under every loss aggregation mode, fixed and token-budget micro-batches; the
 actor's whole loss (clip with dual-clip, entropy bonus, KL loss) and its metrics; the critic's clipped value loss
-and its metrics; a non-finite gradient on one rank only; and PPO epochs over shuffled mini-batches.
+and its metrics; a non-finite gradient on one rank only; PPO epochs over shuffled mini-batches; the same under
+Ulysses and HSDP on 4 processes; and step metrics that only some ranks name (a reward function's own key).
 
 The reference is written here: one process, the plain HF model on the whole (mini-)batch, one backward (and torch's
 AdamW where steps follow steps). Gradients are compared, not parameters after AdamW (its first step is about
-lr * sign(g), which hides a wrong scale). fp32 on CPU, gloo; one spawn for all the 2-process runs.
+lr * sign(g), which hides a wrong scale). fp32 on CPU, gloo; one spawn for all the 2-process engine runs.
 """
 
 from __future__ import annotations
@@ -210,8 +211,8 @@ def _runs(batch) -> dict:
         clean = engine.train_batch(mine, loss_fn, with_entropy=True)
         flags = [None, None]
         dist.all_gather_object(flags, (skipped["skipped_step"], state))
-        out["skip", lname] = {"flags": flags, "moved": max(float((after[k] - v).abs().max()) for k, v in before.items()),
-                              "skipped": skipped, "clean": clean, "grads": grads}
+        moved = max(float((after[k] - v).abs().max()) for k, v in before.items())
+        out["skip", lname] = {"flags": flags, "moved": moved, "skipped": skipped, "clean": clean, "grads": grads}
 
     # PPO epochs over shuffled mini-batches (equal shares: every rank runs the same number of steps)
     engine, grads = _engine(dict(micro_batch_size_per_gpu=1), MOVING)
