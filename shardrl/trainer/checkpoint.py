@@ -135,7 +135,9 @@ def _damaged(error: BaseException) -> bool:
         "Ran out of input"))
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Puts a written file's data, or a folder's entries, on disk (a checkpoint's files before its COMPLETE marker,
+    which promises them; DCP syncs its own files)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -156,15 +158,6 @@ def _describe(error: BaseException) -> tuple[int | None, str]:
         where = f": {cause.filename}" if cause.filename else ""
         return cause.errno, f"{cause.strerror or cause}{where}"
     return None, f"{type(error).__name__}: {error}"
-
-
-def _sync_file(path: Path) -> None:
-    """Puts a written file's data on disk, as the COMPLETE marker after it promises (DCP syncs its own files)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -244,16 +237,16 @@ class CheckpointManager:
                 (tmp / "trainer_state.json").write_text(json.dumps(summary, indent=2) + "\n")
                 written += [tmp / "extra.pt", tmp / "trainer_state.json"]
             for file in written:
-                _sync_file(file)
+                _fsync(file)
         except (Exception, CheckpointException) as e:  # DCP raises its CheckpointException on every rank
             error = e
         self._raise_if_any_failed(error, tmp, step)  # also the barrier: every rank's files are written
         if rank == 0:
             try:
                 for folder in (tmp / "rng", tmp / "ranks", tmp):
-                    _fsync_dir(folder)
+                    _fsync(folder)
                 _write_file(tmp / COMPLETE, f"{step}\n".encode())
-                _fsync_dir(tmp)
+                _fsync(tmp)
             except OSError as e:
                 error = e
         self._raise_if_any_failed(error, tmp, step)
@@ -263,11 +256,11 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
                 os.rename(final, old)
                 os.rename(tmp, final)
-                _fsync_dir(self.root)
+                _fsync(self.root)
                 shutil.rmtree(old)
             else:
                 os.rename(tmp, final)
-                _fsync_dir(self.root)
+                _fsync(self.root)
             # steps after this one are of the line the run left when it resumed from an earlier checkpoint (as
             # metrics.jsonl's later lines were): resume=auto must continue this one, and the rotation never takes
             # the checkpoint just written for an old one
