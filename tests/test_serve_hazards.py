@@ -100,6 +100,9 @@ def test_a_streamed_call_past_its_episodes_budget_is_the_plain_calls_400(hermes,
                     r = episode.responses.create(model="tiny", input="text", max_output_tokens=4, stream=stream)
                     list(r) if stream else None
             assert e.value.code == "episode_budget_spent", stream
+            # (in the Responses request's own names)
+            want = "max_tokens" if route == "chat" else "max_output_tokens"
+            assert e.value.param == want, (stream, e.value.param)
     finally:
         app.state.policy, app.state.episode_budget = None, None
         app.state.records.clear()

@@ -200,6 +200,7 @@ class Routes:
             ids = await self.tokenized(chat_prompt, chat)
             max_tokens = chat_max_tokens(chat, len(ids), self.default_max_tokens, self.max_model_len)
             sampling = self.sampling(chat, [ids], max_tokens)
+            sampling = self.episode_budget(request, [ids], sampling)  # (its refusal names max_output_tokens)
         except RequestError as e:
             raise as_responses_error(e) from None
         writer = ResponseWriter(req, chat, req.model, self.tok)
