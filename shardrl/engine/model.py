@@ -343,6 +343,12 @@ def decoder_block_classes(model: nn.Module) -> set[type]:
     return classes
 
 
+def untied_head(lm: nn.Module) -> nn.Module | None:
+    """The model's output projection (lm_head) where it is a weight of its own, not the input embedding's; else None."""
+    out, into = lm.get_output_embeddings(), lm.get_input_embeddings()
+    return out if out is not None and out.weight is not into.weight else None
+
+
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     classes = decoder_block_classes(model)
     return [m for m in model.modules() if type(m) in classes]
@@ -367,11 +373,11 @@ class PolicyModel(nn.Module):
         self.head = head
         self.chunk_size = chunk_size
         self.value_head = nn.Linear(text_config(lm.config).hidden_size, 1, bias=True) if head == "value" else None
-        out, into = lm.get_output_embeddings(), lm.get_input_embeddings()
-        if head == "value" and out is not None and out.weight is not into.weight:
+        unread = untied_head(lm) if head == "value" else None
+        if unread is not None:
             # a critic never reads its own lm_head: not trained, so no AdamW state a checkpoint would lack for it
             # (a resumed optimizer makes state for every parameter it trains) and no gradient memory
-            out.requires_grad_(False)
+            unread.requires_grad_(False)
         self.router_replay = RouterReplay(lm) if is_moe(lm.config) else None  # see `forward`'s routed_experts
         self.vision = is_vision_language(lm.config)
 

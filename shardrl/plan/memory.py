@@ -43,7 +43,7 @@ def model_numbers(hf_config, trust_remote_code: bool = False, lora=None, freeze_
     import torch
     import transformers
 
-    from shardrl.engine.model import decoder_blocks
+    from shardrl.engine.model import decoder_blocks, untied_head
     from shardrl.models.vision import is_vision_language
 
     vl = is_vision_language(hf_config)
@@ -59,13 +59,12 @@ def model_numbers(hf_config, trust_remote_code: bool = False, lora=None, freeze_
         trained = sum(p.numel() for n, p in model.named_parameters() if LORA_MARK in n)
     params = list(model.parameters())
     total = sum(p.numel() for p in params) - (trained or 0)  # the model's own parameters
-    out, into = model.get_output_embeddings(), model.get_input_embeddings()
-    untied_head = out.weight.numel() if out is not None and out.weight is not into.weight else 0
+    head = untied_head(model)
     blocks = [sum(p.numel() for p in b.parameters()) for b in decoder_blocks(model)]
     return dict(total=total, largest_unit=max([*blocks, total - sum(blocks)]), largest_block=max(blocks, default=0),
                 root_unit=total - sum(blocks), largest_tensor=max(p.numel() for p in params), trained=trained,
                 frozen=vision["params"] if vision and (freeze_vision_tower or trained) else 0, vision=vision,
-                untied_head=untied_head)
+                untied_head=head.weight.numel() if head is not None else 0)
 
 
 def critic_numbers(numbers: dict, hf_config) -> dict:
