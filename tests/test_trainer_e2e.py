@@ -34,7 +34,11 @@ def small(assets: Path, run_dir: Path, *extra: str) -> list[str]:
 def run_training(overrides: list[str]) -> list[dict]:
     from shardrl.launch.rank import run
 
+    import torch.distributed as dist
+
     run_dir = run(None, overrides)
+    if dist.get_rank() != 0:  # (rank 0 may still be writing its last line: only its result is read)
+        return []
     with open(run_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
 
