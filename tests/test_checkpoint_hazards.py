@@ -149,7 +149,7 @@ def _rl_run(overrides: list[str]) -> list[dict]:
     import torch.distributed as dist
 
     run_dir = run(None, overrides)
-    if dist.get_rank() != 0:  # (rank 0 may still be writing its last line: only its result is read)
+    if dist.is_initialized() and dist.get_rank() != 0:  # (rank 0 may still be writing its last line: its result is read)
         return []
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
