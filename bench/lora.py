@@ -400,7 +400,11 @@ def run_steps(args) -> list[dict]:
                    old_log_prob_s=med("timing/old_log_prob_s"), update_weights_s=med("timing/update_weights_s"),
                    logprob_abs_diff=med("rollout/logprob_abs_diff"),
                    grad_norms=[round(r["actor/grad_norm"], 5) for r in records if "actor/grad_norm" in r],
-                   step_times=[round(r["timing/step_s"], 2) for r in records])
+                   step_times=[round(r["timing/step_s"], 2) for r in records],
+                   # (a step's gradient is 0 where no group's rewards differ: GRPO's advantages are then all 0)
+                   **{name: [None if r.get(key) is None else round(r[key], 4) for r in records]
+                      for name, key in (("rewards", "reward/mean"), ("group_spread", "reward/group_spread_frac"),
+                                        ("logprob_abs_diffs", "rollout/logprob_abs_diff"))})
         for phase in ("gen", "prep", "update"):
             vals = [r[f"memory/{phase}_peak_gib"] for r in records if r.get(f"memory/{phase}_peak_gib") is not None]
             rec[f"peak_{phase}_gib"] = round(max(vals), 2) if vals else None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import subprocess
@@ -379,6 +380,9 @@ def main():
                    help="also time the clients with `stream=true` (server-sent events, usage in the last chunk; "
                         "the raw client splits the events and reads the usage's), after a streamed warm-up, in the same server: streamed_tokens_per_s "
                         "and stream_ratio (streamed over plain)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the server's `Batcher(stream_interval=)`: a streamed reply's tokens go out once this many "
+                        "have come (1: at every host sync)")
     p.add_argument("--in-process", action="store_true",
                    help="also time the server's batcher without HTTP: the clients as coroutines calling "
                         "`Batcher.submit` with token ids in this process (what a front end in another process "
@@ -408,13 +412,15 @@ def main():
         tok = e2e.build_tokenizer(shape["vocab_size"])
         sim_settings = {k: float(v) for k, v in (kv.split("=") for kv in args.sim.split(",") if kv)}
         context = args.prompt_len + args.max_tokens + 8
-        engine = (Batcher(SimRollout(args.max_batch, **sim_settings), tok, args.max_batch, context), "m", context, 256)
+        engine = (Batcher(SimRollout(args.max_batch, **sim_settings), tok, args.max_batch, context,
+                          stream_interval=args.stream_interval), "m", context, 256)
     else:
         folder, shape, tok = model_folder(args.shape, args.root, args.prompt_len, args.max_tokens, cuda)
         # the rollout's slots = the server's max_batch, so that the direct calls decode in as many as the stream
         overrides = [f"model.path={folder}", f"rollout.fast.max_batch={args.max_batch}"] + (
             [f"rollout.backend={args.backend}"] if args.backend else [])
-        engine = build_engine(load_config(None, overrides), served_name="m", max_batch=args.max_batch)
+        engine = build_engine(load_config(None, overrides), served_name="m", max_batch=args.max_batch,
+                              stream_interval=args.stream_interval)
     n_requests = args.clients * args.requests
 
     def prompt_set(k: int) -> list[str]:
@@ -558,6 +564,10 @@ def main():
                served_profile=served_stats, direct_profile=direct_stats, client_procs=args.client_procs,
                client=args.client, warm_clients=args.warm_clients, **alone,
                switch_interval_ms=switch_ms, front_end=args.front_end, front_ends=args.front_ends,
+               stream_interval=args.stream_interval,
+               # (uvicorn's loop and parser where these are installed: a front end without is slower)
+               uvloop=importlib.util.find_spec("uvloop") is not None,
+               httptools=importlib.util.find_spec("httptools") is not None,
                warm_up_captures=warm_captures,
                overlap=args.overlap, arrivals=arrivals, served_cores=cores,
                **streamed, **({"sim": sim_settings} if args.backend == "sim" else {}),

@@ -15,7 +15,7 @@ import torch
 
 from shardrl.config.schema import load_config
 from shardrl.rollout.serving.command import ServerProcess, ServerThread, build_engine, build_server
-from shardrl.rollout.serving.streaming import IncrementalText, text_deltas
+from shardrl.rollout.serving.streaming import IncrementalText, event, text_deltas
 from shardrl.testing import save_char_model
 from test_serve import wait_for
 
@@ -198,10 +198,29 @@ def _events(text: str) -> list[dict]:
     return [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
 
 
+def _per_choice(events: list[dict]) -> dict:
+    """A stream's events per choice: its role chunks, its text and token ids joined, its last chunk less its own
+    text and ids (finish_reason, stop_reason, versions), its prompt ids; and the usage chunk."""
+    out = {"usage": [e["usage"] for e in events if not e["choices"]]}
+    for e in events:
+        if not e["choices"]:
+            continue
+        choice = dict(e["choices"][0])
+        c = out.setdefault(choice["index"], {"roles": 0, "text": "", "ids": [], "prompt": None})
+        delta = choice.pop("delta", {})
+        c["roles"] += "role" in delta
+        c["text"] += delta.get("content", "") + choice.pop("text", "")
+        c["ids"] += choice.pop("token_ids", [])
+        c["prompt"] = c["prompt"] or choice.pop("prompt_token_ids", None)
+        c["last"] = choice
+    return out
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_a_reply_sent_as_its_tokens_come_is_the_whole_replys_stream(byte_tokenizer, chat):
-    """Its tokens handed over in parts (as the engine's syncs do), then the answer: the events, byte for byte, are
-    those of the same reply sent whole (one choice), and per choice with two (their chunks interleaved)."""
+    """Its tokens handed over in parts (as the engine's syncs do), then the answer: each hand-over is one chunk a
+    choice (its tokens' ids, their text joined), and per choice the events say what those of the same reply sent whole
+    say (a token a chunk): the role, the text, the token ids, the last chunk's finish and stop reasons, the usage."""
     from shardrl.rollout.serving.streaming import LiveReply, chat_events, completion_events
 
     tok = byte_tokenizer
@@ -209,24 +228,26 @@ def test_a_reply_sent_as_its_tokens_come_is_the_whole_replys_stream(byte_tokeniz
     outs = [{"token_ids": tok(t)["input_ids"], "text": t, "finish_reason": "length", "stop_reason": None,
              "prompt_token_ids": [5 + k, 6]} for k, t in enumerate(texts)]
     prompts = [o["prompt_token_ids"] for o in outs]
+    parts = ((0, 3), (3, 4), (4, 11), (11, 12))  # (a part of one token, parts splitting a character)
     for count in (1, 2):
         writer = _writer(tok, chat, **({"n": count} if chat else {}))
         reply = LiveReply(writer, [9, 9], lambda k: prompts[k])
         sent = []
-        for lo, hi in ((0, 3), (3, 4), (4, 11), (11, 12)):  # (a part of one token, parts splitting a character)
+        for lo, hi in parts:
             for k in range(count):
-                sent += reply.add(k, outs[k]["token_ids"][lo:hi])
-        sent += reply.end(outs[:count], [[9, 9]] if chat else prompts[:count])
-        whole = (chat_events(writer, [9, 9], outs[:count]) if chat
-                 else completion_events(writer, prompts[:count], outs[:count]))
-        whole = "".join(whole)
-        if count == 1:
-            assert "".join(sent) == whole
-        else:
-            def by_choice(events):
-                return {k: [e for e in events if e["choices"] and e["choices"][0]["index"] == k] for k in range(2)}
-            assert by_choice(_events("".join(sent))) == by_choice(_events(whole))
-            assert _events("".join(sent))[-1] == _events(whole)[-1]  # (the usage)
+                got = _events("".join(reply.add(k, outs[k]["token_ids"][lo:hi])))
+                assert [e["choices"][0]["token_ids"] for e in got if "role" not in e["choices"][0].get("delta", {})] \
+                    == [outs[k]["token_ids"][lo:hi]]  # (one chunk, the hand-over's tokens)
+                sent += got
+        sent += _events("".join(reply.end(outs[:count], [[9, 9]] if chat else prompts[:count])))
+        whole = _events("".join(chat_events(writer, [9, 9], outs[:count]) if chat
+                                else completion_events(writer, prompts[:count], outs[:count])))
+        if chat:
+            whole = _events(event(writer.role(0, [9, 9]))) + whole  # (the first role chunk: sent before, by the app)
+            sent = _events(event(writer.role(0, [9, 9]))) + sent
+        assert _per_choice(sent) == _per_choice(whole)
+        assert _per_choice(sent)[count - 1]["text"] == texts[count - 1]
+        assert len({e["id"] for e in sent}) == 1
 
 
 def test_text_a_stop_string_cuts_is_never_sent(byte_tokenizer):
@@ -320,6 +341,31 @@ def test_a_streamed_reply_goes_out_while_its_rows_decode(server, monkeypatch, ch
         assert "".join(x["delta"].get("content", "") if chat else x["text"] for x in mine) == text
         assert [t for x in mine for t in x.get("token_ids", [])] == ids
         assert len(ids) == 64 and [x["finish_reason"] for x in mine][-1] == "length"
+
+
+@pytest.mark.parametrize("server", ["fast", "fast_process"], indirect=True)
+def test_a_stream_interval_hands_tokens_over_in_larger_chunks(server, monkeypatch):
+    """`Batcher.stream_interval` (`shardrl serve --stream-interval`): a streamed row's tokens go out once at least
+    that many have come since its last chunk, so a 64-token reply comes in fewer chunks than at every sync (16
+    tokens), each but the last of at least 32 tokens, and joined they are still the plain reply."""
+    c = client(server)
+    c.completions.create(model="tiny", prompt="a", max_tokens=1)  # (the fast cache sized, for its state)
+    monkeypatch.setattr(server.batcher.rollout._state, "eos", torch.tensor([-1]))  # every row runs to its limit
+    monkeypatch.setattr(server.batcher, "stop_ids", set())
+    body = dict(model="tiny", prompt=["1+2=", "hello "], max_tokens=64, temperature=0)
+    plain = c.completions.create(**body)
+    sizes = {}
+    for every in (1, 32):
+        monkeypatch.setattr(server.batcher, "stream_interval", every)
+        events = _events(b"".join(_http_chunks(server.url, "completions", dict(body, stream=True))).decode())
+        for x in plain.choices:
+            mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == x.index]
+            assert "".join(m["text"] for m in mine) == x.text
+            assert [t for m in mine for t in m["token_ids"]] == x.model_extra["token_ids"]
+            sizes[every, x.index] = [len(m["token_ids"]) for m in mine]
+    for k in (0, 1):
+        assert len(sizes[32, k]) < len(sizes[1, k]), sizes
+        assert all(n >= 32 for n in sizes[32, k][:-1]) and max(sizes[1, k]) <= 17, sizes
 
 
 @pytest.mark.parametrize("server", ["fast", "fast_process"], indirect=True)

@@ -124,6 +124,7 @@ class _Stream:
         self.items: list[Pending] = []
         self.streamed: set[int] = set()  # rows of requests that read their tokens as they come (`on_tokens`)
         self.halted: set[int] = set()  # ... that made an end token (EOS, end of turn): nothing more is handed over
+        self.unsent: dict[int, list[int]] = {}  # ... their tokens not handed over yet (`Batcher.stream_interval`)
         self.taken, self.open = 0, True
 
     def key(self) -> tuple:
@@ -193,7 +194,7 @@ class _Stream:
     def progress(self, parts: list[tuple[int, list[int]]]) -> None:
         """Each streamed row's tokens since the last sync, to its request's `on_tokens` (in one hand-over to the
         loop a sync; before the answer, which a later sync hands over)."""
-        calls, stops = [], self.batcher.stop_ids
+        calls, stops, every = [], self.batcher.stop_ids, self.batcher.stream_interval
         with self.cond:
             for row, tokens in parts:
                 if row not in self.rows or row in self.gone or row in self.halted:
@@ -203,6 +204,12 @@ class _Stream:
                     tokens = tokens[:end]
                     self.halted.add(row)
                     self.streamed.discard(row)  # (nothing more to read back for it)
+                if every > 1 and tokens:  # (held until `every` have come; a row that ended hands over what it has)
+                    held = self.unsent.setdefault(row, [])
+                    held += tokens
+                    if len(held) < every and end is None:
+                        continue
+                    tokens = self.unsent.pop(row)
                 if tokens:
                     calls.append((self.rows[row][0], self.rows[row][1], tokens))
         if calls:
@@ -215,6 +222,7 @@ class _Stream:
                  top: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         with self.cond:
             item, k, prompt = self.rows.pop(row)
+            self.unsent.pop(row, None)  # (they come with the answer)
             self.gone.discard(row)
             self.streamed.discard(row)
             self.halted.discard(row)
@@ -284,8 +292,16 @@ class Batcher:
     rollout switches to its adapter before it generates."""
 
     def __init__(self, rollout, tokenizer, max_batch: int = 64, max_model_len: int | None = None,
-                 stream: bool | None = None, idle_s: float = 0.2, overlap: bool = True, adapters=None):
+                 stream: bool | None = None, idle_s: float = 0.2, overlap: bool = True, adapters=None,
+                 stream_interval: int = 1):
         from shardrl.tokenizer import stop_token_ids
+
+        # `stream_interval` (vLLM's): a streamed row's tokens are handed over at a sync once at least this many have
+        # come since its last hand-over (1: at every sync, `sync_every` tokens; the rest always come with the answer).
+        # Fewer, larger chunks: less work a token for the front end, the clients' text in larger steps
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval={stream_interval}: hand tokens over at least one at a time")
+        self.stream_interval = stream_interval
 
         # `overlap`: the stream admits new rows after it launches the decode steps of those already decoding
         # (`FastRollout.generate_stream`), so the admission's Python launches run while the device decodes. One H100,

@@ -21,7 +21,7 @@ def build_server(cfg, served_name: str | None = None, max_batch: int | None = No
 
 
 def build_engine(cfg, served_name: str | None = None, max_batch: int | None = None, stream: bool | None = None,
-                 lora_modules: list | None = None):
+                 lora_modules: list | None = None, stream_interval: int = 1):
     """(batcher, served name, context length, default max_tokens): what serves a config's model (`model.path`, or
     `model.tiny` with `model.tokenizer_path`) on its rollout backend (`rollout.backend`; null: fast on CUDA where it
     supports the model, else hf) on this machine's GPU, or the CPU; the context length is the model's
@@ -61,5 +61,5 @@ def build_engine(cfg, served_name: str | None = None, max_batch: int | None = No
         adapters = load_served_adapters(rollout, list(lora_modules), linears, name)
     context = int(getattr(text_config(hf_config), "max_position_embeddings", 2048))
     batcher = Batcher(rollout, tokenizer, max_batch or cfg.rollout.fast.max_batch or 64, context, stream=stream,
-                      adapters=adapters)
+                      adapters=adapters, stream_interval=stream_interval)
     return batcher, name, context, cfg.rollout.max_new_tokens
