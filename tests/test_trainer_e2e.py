@@ -43,6 +43,32 @@ def run_training(overrides: list[str]) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def _read_on_every_rank(overrides: list[str]) -> list[int]:
+    """The run with rank 0 slow to write each line (as a loaded machine may be); every rank reads metrics.jsonl as
+    soon as `run` returns."""
+    import torch.distributed as dist
+
+    from shardrl.launch.rank import run
+    from shardrl.trainer.logger import MetricsLogger
+
+    log = MetricsLogger.log
+
+    def late(self, *args, **kwargs):
+        if dist.get_rank() == 0:
+            time.sleep(1.0)
+        return log(self, *args, **kwargs)
+
+    MetricsLogger.log = late
+    run_dir = run(None, overrides)
+    steps = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
+    assert steps == [1, 2], (dist.get_rank(), steps)  # (rank 1 too: `run` returned once the record was whole)
+    return steps
+
+
+def test_every_rank_finds_the_run_folder_whole_when_run_returns(assets, tmp_path):
+    assert run_distributed(_read_on_every_rank, 2, small(assets, tmp_path / "whole", "trainer.total_steps=2")) == [1, 2]
+
+
 def test_grpo_two_processes_trains_and_logs(assets, tmp_path):
     # the entropy bonus gives a gradient even in a step where every group's rewards are equal
     # validation at step 3: 55 prompts over 2 ranks, so one rank repeats a prompt to keep collectives matched

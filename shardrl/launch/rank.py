@@ -103,6 +103,8 @@ def _fit(cls, cfg, place) -> Path:
             raise RunInterrupted(f"{trainer.write_results()}; {resume_note(trainer)}" if rank0 else "") from None
         if rank0:
             logging.getLogger("shardrl").info("run folder %s; %s", run_dir, trainer.write_results())
+        if dist.get_world_size() > 1:  # every rank returns once the run folder is whole (rank 0's last lines in)
+            dist.barrier()
         failed = False
     finally:  # a run that failed before writing anything leaves no folder behind
         release_run_dir(run_dir, failed)
