@@ -442,6 +442,9 @@ def main():
         if not st.get("decode_steps"):
             return {}
         keep = {k: round(v, 3) for k, v in st.items() if k.endswith("_s")}
+        if "wall_start" in st and span:  # where the clients' span was not the stream's (before it, after it)
+            keep.update(started_after_s=round(st["wall_start"] - span["start"], 3),
+                        ended_before_s=round(span["end"] - st["wall_end"], 3))
         keep.update(decode_steps=st["decode_steps"], syncs=st["syncs"], num_slots=st["num_slots"],
                     admissions=st.get("admissions"), captures=st.get("captures"),
                     occupancy=round(st["row_steps"] / (st["decode_steps"] * st["num_slots"]), 3),

@@ -55,7 +55,8 @@ class SimRollout:
         queue, live, made = deque(range(len(limits))), {}, {}  # live: row -> (target, generated)
         reported: dict[int, int] = {}  # streamed row -> its tokens handed to the feed
         stats = dict(decode_steps=0, syncs=0, num_slots=num_slots, row_steps=0, slot_steps=0, admissions=0,
-                     captures=0, decode_s=0.0, launch_s=0.0, admit_s=0.0, feed_wait_s=0.0, host_s=0.0)
+                     captures=0, decode_s=0.0, launch_s=0.0, admit_s=0.0, feed_wait_s=0.0, host_s=0.0,
+                     wall_start=time.time())
 
         def admit() -> None:
             k = min(num_slots - len(live), len(queue))
@@ -72,6 +73,7 @@ class SimRollout:
 
         while True:
             stats["syncs"] += 1
+            clock = time.perf_counter()
             for row, (target, generated) in list(live.items()):
                 if generated >= target:
                     del live[row]
@@ -94,10 +96,12 @@ class SimRollout:
                         live[row] = (live[row][1], live[row][1])
                 t0 = time.perf_counter()
                 taken = feed.take(block=not queue and not live)
-                stats["feed_wait_s"] += time.perf_counter() - t0
+                stats["feed_wait_s"] += (waited := time.perf_counter() - t0)
+                clock += waited  # (host_s: the sync's bookkeeping alone)
                 for _, limit in taken:
                     limits.append(int(limit))
                     queue.append(len(limits) - 1)
+            stats["host_s"] += time.perf_counter() - clock
             later = overlap and bool(live)
             if not later:
                 admit()
@@ -114,6 +118,7 @@ class SimRollout:
                 live[row] = (target, min(target, generated + steps))
             if later:
                 admit()
+        stats["wall_end"] = time.time()
         self.last_stats = stats
         return made
 

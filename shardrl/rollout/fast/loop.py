@@ -34,6 +34,7 @@ class DecodeLoop:
         self._reported: dict[int, int] = {}  # row -> its tokens the feed was given so far (`_report_progress`)
         captures = self.captures
         clock = time.perf_counter()
+        stats["wall_start"] = time.time()  # (a server's bench: where its clients' span was not this call's)
         while True:
             sched.sync(*torch.stack([st.done.long(), st.lengths, st.num_generated]).tolist())
             now = time.perf_counter()
@@ -73,6 +74,7 @@ class DecodeLoop:
             if later:
                 clock += self._admit_waiting(sched, prompts, limits, n, mode, generator, track)  # (admit_s)
         stats["captures"] = self.captures - captures
+        stats["wall_end"] = time.time()
         self.last_stats = stats
         return sched.results
 

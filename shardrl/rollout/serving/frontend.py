@@ -330,8 +330,10 @@ class RemoteBatcher:
             log.error("the engine process closed its connection: this front end stops")
             os.kill(os.getpid(), signal.SIGTERM)
 
-    async def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None,
-                     session: str | None = None, adapter: str | None = None, on_tokens=None) -> list[dict]:
+    def submit(self, prompts: list[list[int]], sampling: SamplingParams, alive=None, session: str | None = None,
+               adapter: str | None = None, on_tokens=None):
+        """The request sent to the engine at the call; the coroutine returned waits for its outputs (awaited as
+        `Batcher.submit`'s is). A request refused here (the server stopping) raises at the call."""
         if self.stopped:
             raise Stopped("the server is stopping: it takes no more requests")
         rid = next(self.ids)
@@ -339,6 +341,9 @@ class RemoteBatcher:
         if on_tokens is not None:
             self.readers[rid] = on_tokens
         self.outbox.put(("submit", rid, prompts, sampling, session, time.time(), adapter, on_tokens is not None))
+        return self._outputs(rid, future, alive)
+
+    async def _outputs(self, rid: int, future: asyncio.Future, alive) -> list[dict]:
         gone = getattr(alive, "gone", None)  # (build_app's: the client's leaving, awaitable)
         try:
             while True:
