@@ -505,7 +505,13 @@ def main():
         all_clients(8, stream=True)
         stream_ended()
         cpu1 = [cpu_s(pid) for pid in front_pids], time.process_time()
-        streamed_tokens, streamed_s = all_clients(7, stream=True)
+        # (its arrivals too; installed now, the connections' `recv` hops miss the first list each reader waits on)
+        stream_tracer = ArrivalTracer(batcher, prompt_set(7), tok, args.requests)
+        try:
+            streamed_tokens, streamed_s = all_clients(7, stream=True)
+        finally:
+            stream_tracer.restore()
+        stream_span = dict(span)  # (the next run's replaces it)
         streamed_cores = dict(
             front_ends=[round((cpu_s(pid) - c) / streamed_s, 2) for pid, c in zip(front_pids, cpu1[0])],
             engine=round((time.process_time() - cpu1[1]) / streamed_s, 2))
@@ -516,7 +522,8 @@ def main():
                         plain_again_tokens_per_s=round(again),
                         stream_ratio=round(rate / (served_tokens / served_s), 3),
                         stream_ratio_after=round(rate / again, 3),  # (the steadier baseline: both warm)
-                        streamed_profile=streamed_stats, streamed_cores=streamed_cores)
+                        streamed_profile=streamed_stats, streamed_cores=streamed_cores,
+                        streamed_arrivals=stream_tracer.summary(stream_span))
     switch_ms = round(sys.getswitchinterval() * 1000, 3)  # (while the server ran)
     batcher.pause()  # (a stream's idle wait ends first: the rollout is the direct calls' next)
     if not args.stream:

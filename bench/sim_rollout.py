@@ -40,7 +40,7 @@ class SimRollout:
                  admit_ms_per_row: float = 1.38, hazard: float = 1 / 400, seed: int = 0, token_id: int = 5):
         self.max_batch, self.step_ms, self.sync_every = max_batch, step_ms, int(sync_every)
         self.admit_host_ms, self.admit_ms_per_row, self.hazard = admit_host_ms, admit_ms_per_row, hazard
-        self.rng, self.token_id = random.Random(seed), token_id
+        self.seed, self.rng, self.token_id = seed, random.Random(seed), token_id
         self.last_stats: dict = {}
         self.captures = 0
 
@@ -53,6 +53,8 @@ class SimRollout:
     def _decode(self, limits: list[int], num_slots: int, feed=None, overlap: bool = False) -> dict[int, int]:
         """Rows 0.. of `limits` (and those `feed` hands over) through the slots; returns row -> tokens made."""
         queue, live, made = deque(range(len(limits))), {}, {}  # live: row -> (target, generated)
+        if feed is not None:  # (each stream draws the same lengths in turn: runs compared differ in the server alone)
+            self.rng = random.Random(self.seed)
         reported: dict[int, int] = {}  # streamed row -> its tokens handed to the feed
         stats = dict(decode_steps=0, syncs=0, num_slots=num_slots, row_steps=0, slot_steps=0, admissions=0,
                      captures=0, decode_s=0.0, launch_s=0.0, admit_s=0.0, feed_wait_s=0.0, host_s=0.0,
