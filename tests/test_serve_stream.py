@@ -368,6 +368,30 @@ def test_a_stream_interval_hands_tokens_over_in_larger_chunks(server, monkeypatc
         assert all(n >= 32 for n in sizes[32, k][:-1]) and max(sizes[1, k]) <= 17, sizes
 
 
+def test_a_stream_interval_hands_a_rows_held_tokens_over_at_its_end_token():
+    """With `stream_interval`, a row that makes an end token (decoding past it: the device not told) hands over the
+    tokens it held before it at that sync, also where the end token is the sync's first: they waited for the answer,
+    which comes only when the row reaches its limit."""
+    from types import SimpleNamespace
+
+    from shardrl.rollout.base import SamplingParams
+    from shardrl.rollout.serving.batcher import _Stream
+
+    handed = []
+    loop = SimpleNamespace(call_soon_threadsafe=lambda _, calls: handed.append([(k, t) for _, k, t in calls]))
+    for first in (False, True):
+        handed.clear()
+        stream = _Stream(SimpleNamespace(stop_ids={2}, stream_interval=4), loop, SamplingParams(), 64, 0.1)
+        stream.rows[0] = (object(), 0, [1])
+        stream.streamed.add(0)
+        stream.progress([(0, [5, 6])])  # (fewer than 4: held)
+        assert handed == []
+        stream.progress([(0, [2, 7, 8] if first else [9, 2, 7])])
+        assert handed == [[(0, [5, 6] if first else [5, 6, 9])]], first
+        stream.progress([(0, [7, 7, 7, 7])])  # (nothing after the end token)
+        assert len(handed) == 1 and 0 not in stream.unsent
+
+
 @pytest.mark.parametrize("server", ["fast", "fast_process"], indirect=True)
 def test_no_token_after_an_end_token_goes_out(server, monkeypatch):
     """A row that decodes past its end of turn (the device not told of it) is cut there in the answer: the tokens

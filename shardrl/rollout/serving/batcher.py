@@ -204,7 +204,9 @@ class _Stream:
                     tokens = tokens[:end]
                     self.halted.add(row)
                     self.streamed.discard(row)  # (nothing more to read back for it)
-                if every > 1 and tokens:  # (held until `every` have come; a row that ended hands over what it has)
+                # (held until `every` have come; a row that ended hands over what it has, its end token the sync's
+                # first too)
+                if every > 1 and (tokens or end is not None):
                     held = self.unsent.setdefault(row, [])
                     held += tokens
                     if len(held) < every and end is None:
