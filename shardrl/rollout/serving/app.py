@@ -241,7 +241,8 @@ class Routes:
             came.append((k, tokens))
             wake_up()
 
-        # the request goes to the engine now, from this route (`submit`); a refusal there is the plain call's
+        # the request goes to the engine now, from this route (`submit`: the front end's `RemoteBatcher` sends it at the
+        # call, and a refusal there is the plain call's; an in-process `Batcher` takes it when the task first runs)
         task = asyncio.ensure_future(self.submit(request, req, prompts, sampling,
                                                  on_tokens if reply is not None else None))
         task.add_done_callback(wake_up)
