@@ -573,58 +573,85 @@ def _leave_mid_stream(server, max_tokens: int) -> None:
             got += sock.recv(65536)
 
 
+def _asgi_post(app, path: str, body: dict) -> list[dict]:
+    """The ASGI messages `app` sends for one POST of `body` to `path`, its client staying connected."""
+    import asyncio
+
+    data = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                          (b"content-length", str(len(data)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    sent, asked = [], []
+
+    async def receive():
+        asked.append(1)
+        if len(asked) == 1:
+            return {"type": "http.request", "body": data, "more_body": False}
+        await asyncio.sleep(3600)  # (the client stays)
+
+    async def send(message):
+        sent.append(message)
+
+    async def main():
+        await asyncio.wait_for(app(scope, receive, send), 30)
+
+    asyncio.run(main())
+    return sent
+
+
+class _StandIn:
+    """A batcher that answers "hi" at once, recording what the response had sent when each request came."""
+
+    def __init__(self, tok, sent: list):
+        self.tokenizer, self.sent, self.seen, self.stopped = tok, sent, [], False
+
+    async def start(self):
+        pass
+
+    async def stop(self):
+        pass
+
+    def submit(self, prompts, sampling, alive=None, session=None, on_tokens=None):
+        self.seen.append([m["type"] for m in self.sent])
+
+        async def outputs():  # (as an in-process `Batcher`'s: a stopping server refuses once this runs)
+            if self.stopped:
+                from shardrl.rollout.serving.batcher import Stopped
+
+                raise Stopped("the server is stopping: it takes no more requests")
+            return [dict(token_ids=[104, 105], text="hi", finish_reason="stop", stop_reason=None,
+                         prompt_token_ids=prompts[0], log_probs=[-0.5, -0.5]) for _ in range(sampling.n)]
+        return outputs()
+
+
 def test_a_streamed_request_reaches_the_batcher_before_its_response_begins(byte_tokenizer):
     """A streamed request is handed to the batcher from its own route, before its response begins: the response
     runs in a task of its own that starts after every request of a burst is parsed, so 256 streamed requests at once
     reached the engine 0.3 s after plain ones would have (bench/serve.py's stand-in: `started_after_s`)."""
-    import asyncio
-
     from shardrl.rollout.serving.app import build_app
 
-    sent, seen = [], []
-
-    class Recording:
-        tokenizer = byte_tokenizer
-
-        async def start(self):
-            pass
-
-        async def stop(self):
-            pass
-
-        def submit(self, prompts, sampling, alive=None, session=None, on_tokens=None):
-            seen.append([m["type"] for m in sent])  # (what the response had sent when the request came)
-
-            async def outputs():
-                return [dict(token_ids=[104, 105], text="hi", finish_reason="stop", stop_reason=None,
-                             prompt_token_ids=prompts[0], log_probs=[-0.5, -0.5]) for _ in range(sampling.n)]
-            return outputs()
-
-    body = json.dumps(dict(model="m", stream=True, max_tokens=4, prompt="hey")).encode()  # (chat: the same path)
-    path = "/v1/completions"
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json"),
-                                          (b"content-length", str(len(body)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
-
-    async def main():
-        app = build_app(Recording(), "m", 64, 8)
-        asked = []
-
-        async def receive():
-            asked.append(1)
-            if len(asked) == 1:
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.sleep(3600)  # (the client stays)
-
-        async def send(message):
-            sent.append(message)
-
-        await asyncio.wait_for(app(scope, receive, send), 30)
-
-    asyncio.run(main())
-    assert seen == [[]], (seen, sent)  # (before the response's start)
+    sent = []
+    stand_in = _StandIn(byte_tokenizer, sent)
+    body = dict(model="m", stream=True, max_tokens=4, prompt="hey")  # (chat: the same path)
+    sent += _asgi_post(build_app(stand_in, "m", 64, 8), "/v1/completions", body)
+    assert stand_in.seen == [[]], (stand_in.seen, sent)  # (before the response's start)
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
     text = b"".join(m.get("body", b"") for m in sent[1:]).decode()
     assert text.endswith("data: [DONE]\n\n") and "".join(e["choices"][0]["text"] for e in _events(text)) == "hi"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stopping_server_refuses_a_request_503_streamed_or_not(byte_tokenizer, stream):
+    """A request that comes while the server stops is refused 503 `server_stopping` before anything is sent, a
+    streamed one too (an in-process batcher raised only once the stream's 200 was out)."""
+    from shardrl.rollout.serving.app import build_app
+
+    stand_in = _StandIn(byte_tokenizer, [])
+    stand_in.stopped = True
+    sent = _asgi_post(build_app(stand_in, "m", 64, 8), "/v1/completions",
+                      dict(model="m", stream=stream, max_tokens=4, prompt="hey"))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 503, sent
+    assert json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]["code"] == "server_stopping"
+    assert stand_in.seen == []  # (refused before the batcher)

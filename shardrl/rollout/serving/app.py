@@ -315,6 +315,8 @@ class Routes:
         async def connected() -> bool:
             return not watcher.done()
 
+        if getattr(self.batcher, "stopped", False):  # (an in-process `Batcher` says so only once its task runs: a
+            raise Stopped("the server is stopping: it takes no more requests")  # streamed reply's 200 would be out)
         sampling = self.episode_budget(request, prompts, sampling)
         # the conversation a request continues: its `session_id`, or an RL run's episode
         session = req.session_id or episode_of(request)
