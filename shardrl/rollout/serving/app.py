@@ -225,9 +225,6 @@ class Routes:
                     DONE]
 
         failure = failure or chat_failure
-        # (an episode past its budget is refused before the stream's 200, as a plain call is: not an error event)
-        sampling = self.episode_budget(request, prompts, sampling)
-
         # woken by a hand-over of tokens or by the answer: one plain future a wait (an Event's waiter task and
         # asyncio.wait cost 3x as much, at each of a reply's hand-overs, for each of hundreds of streams)
         loop, came = asyncio.get_running_loop(), []
@@ -242,7 +239,8 @@ class Routes:
             wake_up()
 
         # the request goes to the engine now, from this route (`submit`: the front end's `RemoteBatcher` sends it at the
-        # call, and a refusal there is the plain call's; an in-process `Batcher` takes it when the task first runs)
+        # call; an in-process `Batcher` takes it when the task first runs), and a refusal there (an episode past its
+        # budget, a stopping server) is the plain call's, before the stream's 200
         task = asyncio.ensure_future(self.submit(request, req, prompts, sampling,
                                                  on_tokens if reply is not None else None))
         task.add_done_callback(wake_up)

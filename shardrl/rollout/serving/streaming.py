@@ -48,20 +48,6 @@ class IncrementalText:
         if DecodeStream is not None and isinstance(self.rust, Tokenizer):
             self.stream = DecodeStream(skip_special_tokens=True)
 
-    def add_all(self, tokens: list[int]) -> str:
-        """The text of `tokens`, each `add`ed in turn."""
-        if self.stream is None:
-            return "".join(map(self.add, tokens))
-        self.ids += tokens
-        step, rust, pieces = self.stream.step, self.rust, []
-        for i, token in enumerate(tokens):
-            try:
-                pieces.append(step(rust, token) or "")
-            except Exception:  # (an id the Rust decoder refuses: `add`'s fallback from it on)
-                del self.ids[len(self.ids) - len(tokens) + i:]
-                return "".join(pieces) + "".join(map(self.add, tokens[i:]))
-        return "".join(pieces)
-
     def add(self, token: int) -> str:
         self.ids.append(token)
         if self.stream is not None:
@@ -314,7 +300,7 @@ class LiveReply:
         if self.bytes:
             text = self._bytewise(c, tokens)
         else:  # (all the tokens' text at once: what a token at a time would send, joined)
-            c.held += c.decoder.add_all(tokens)
+            c.held += "".join(map(c.decoder.add, tokens))
             cut = max(0, len(c.held) - self.hold)
             text, c.held = c.held[:cut], c.held[cut:]
         first = not c.ids and not self.writer.chat
