@@ -92,9 +92,10 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         pytest_step("cuda_tests", "-m", "cuda", "--durations=15", "tests/", limit_s=560),
     ]),
     "whole-step": ("the whole GRPO step on one GPU, every case (bench/e2e.py), and where the demo's step goes "
-                   "(bench/profile_demo.py, GPU and CPU)", [
+                   "(bench/profile_e2e.py on the GPU; bench/profile_demo.py, GPU and CPU)", [
         bench("whole_step_prepare", "e2e.py", "--root", E2E_ROOT, "--systems", "none", limit_s=240),
         bench("whole_step_1gpu", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", limit_s=560),
+        bench("whole_step_profile", "profile_e2e.py", "--root", E2E_ROOT, limit_s=420),
         bench("demo_profile_cuda", "profile_demo.py", "--device", "cuda", "--steps", "30", limit_s=150),
         bench("demo_profile_cpu", "profile_demo.py", "--device", "cpu", "--steps", "30", limit_s=100),
     ]),
@@ -220,6 +221,7 @@ SETS: dict[str, tuple[str, list[Step]]] = {
     "smoke": ("every benchmark's CPU smoke run (tiny models; no GPU): that the scripts still run", [
         bench("whole_step_tiny", "e2e.py", "--quick", "--root", "/tmp/bench_e2e_quick", "--systems", "shardrl",
               "--no-floor", limit_s=300),
+        bench("whole_step_profile_tiny", "profile_e2e.py", "--quick", "--root", "/tmp/bench_e2e_quick", limit_s=200),
         bench("rollout_tiny", "rollout.py", "--quick", limit_s=200),
         bench("fp8_tiny", "fp8.py", "--quick", limit_s=200),
         bench("fp8_curve_tiny", "fp8_curve.py", "--steps", "4", "--seeds", "0", "--window", "2", "--val-freq", "2",
