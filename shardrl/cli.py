@@ -38,6 +38,12 @@ def _gib(text: str) -> float:
     return value
 
 
+SERVE_DEFAULT_MAX_TOKENS = 2048
+"""`shardrl serve`'s max_tokens for a request that gives none: a prompt of as many tokens and this reply fit a stream
+slot's positions (`serving.batcher.STREAM_SEQ`, 4096), so such requests keep every slot (vLLM's default, what is left
+of the context, would hold a 32k model's streams to an eighth of their slots)."""
+
+
 def _count(text: str) -> int:
     """An argparse type: a whole number >= 1 (0 is not "unset": it is refused)."""
     try:
@@ -132,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a streamed reply's tokens go out once at least N have come since its last chunk (default "
                             "1: at every host sync of the engine, 16 tokens; larger: fewer, longer chunks, less work "
                             "for the front end), as vLLM's --stream-interval")
+    serve.add_argument("--default-max-tokens", type=_count, default=SERVE_DEFAULT_MAX_TOKENS, metavar="N",
+                       help="what a request without max_tokens (max_completion_tokens, max_output_tokens) may "
+                            "sample, at most what is left of the context (default: %(default)s; agent frameworks "
+                            "mostly send none). A training config's rollout.max_new_tokens is not read here")
     serve.add_argument("--max-body-mb", type=_count, default=8, metavar="MIB",
                        help="a request body larger than this many MiB is refused with a 413 (default: %(default)s)")
     serve.add_argument("--max-prompts", type=_count, default=1024, metavar="N",
@@ -429,7 +439,7 @@ def serve_main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     hub_id = _serve_hub_paths(cfg)
     engine = build_engine(cfg, args.served_model_name or hub_id, args.max_batch, lora_modules=lora_modules,
-                          stream_interval=args.stream_interval)
+                          stream_interval=args.stream_interval, default_max_tokens=args.default_max_tokens)
     if args.front_end == "thread":
         import uvicorn
 

@@ -952,6 +952,32 @@ def test_shardrl_serve_says_what_is_wrong_in_one_line(tmp_path, capsys):
         assert says in capsys.readouterr().err
 
 
+def test_shardrl_serve_gives_a_request_without_max_tokens_its_own_default_not_the_training_configs(tmp_path,
+                                                                                                   monkeypatch):
+    """Agent frameworks mostly send no max_tokens: `shardrl serve` gives them --default-max-tokens (2048), not
+    rollout.max_new_tokens (a training default of 32, which cut their replies and tool calls)."""
+    from shardrl.cli import SERVE_DEFAULT_MAX_TOKENS, main as cli_main
+    from shardrl.rollout.serving import command
+    from shardrl.rollout.serving.batcher import STREAM_SEQ
+
+    save_char_model(tmp_path / "model")
+    cfg = load_config(None, [f"model.path={tmp_path / 'model'}", "rollout.backend=hf"])
+    assert build_engine(cfg, max_batch=2)[3] == cfg.rollout.max_new_tokens == 32  # (the library's default: as before)
+    assert build_engine(cfg, max_batch=2, default_max_tokens=77)[3] == 77
+    seen = []
+
+    def fake_engine(cfg, *args, **kwargs):
+        seen.append(kwargs["default_max_tokens"])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(command, "build_engine", fake_engine)
+    for option, expected in [([], SERVE_DEFAULT_MAX_TOKENS), (["--default-max-tokens", "300"], 300)]:
+        with pytest.raises(RuntimeError, match="stop here"):
+            cli_main(["serve", f"model.path={tmp_path / 'model'}", "--port", "0", *option])
+        assert seen.pop() == expected
+    assert SERVE_DEFAULT_MAX_TOKENS == 2048 and 2 * SERVE_DEFAULT_MAX_TOKENS <= STREAM_SEQ  # (no slot given up)
+
+
 @pytest.mark.parametrize("front_end", ["thread", "process"])
 def test_ctrl_c_stops_shardrl_serve_quietly(tmp_path, front_end):
     """Ctrl-C on `shardrl serve` (its process group, as a terminal sends it): exit status 0 and no traceback (uvicorn

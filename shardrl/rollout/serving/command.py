@@ -21,11 +21,12 @@ def build_server(cfg, served_name: str | None = None, max_batch: int | None = No
 
 
 def build_engine(cfg, served_name: str | None = None, max_batch: int | None = None, stream: bool | None = None,
-                 lora_modules: list | None = None, stream_interval: int = 1):
+                 lora_modules: list | None = None, stream_interval: int = 1, default_max_tokens: int | None = None):
     """(batcher, served name, context length, default max_tokens): what serves a config's model (`model.path`, or
     `model.tiny` with `model.tokenizer_path`) on its rollout backend (`rollout.backend`; null: fast on CUDA where it
     supports the model, else hf) on this machine's GPU, or the CPU; the context length is the model's
-    `max_position_embeddings`; a chat request without max_tokens gets `rollout.max_new_tokens`. `stream`:
+    `max_position_embeddings`; a request without max_tokens gets `default_max_tokens` (None: `rollout.max_new_tokens`;
+    `shardrl serve` passes its --default-max-tokens), at most what is left of the context. `stream`:
     continuous batching (`Batcher`; null: where the backend can). `lora_modules` (`lora_adapters.LoraModule`s):
     PEFT LoRA adapters over the model, each served under its own name (`shardrl serve --lora-modules`)."""
     from pathlib import Path
@@ -62,4 +63,4 @@ def build_engine(cfg, served_name: str | None = None, max_batch: int | None = No
     context = int(getattr(text_config(hf_config), "max_position_embeddings", 2048))
     batcher = Batcher(rollout, tokenizer, max_batch or cfg.rollout.fast.max_batch or 64, context, stream=stream,
                       adapters=adapters, stream_interval=stream_interval)
-    return batcher, name, context, cfg.rollout.max_new_tokens
+    return batcher, name, context, default_max_tokens or cfg.rollout.max_new_tokens

@@ -10,8 +10,8 @@ as one chunk (their ids, their text joined), as vLLM's stream merges the tokens 
 reply's last tokens come with the answer, in the chunk that ends it. (A chunk a token took the front end 30.7 us a
 hand-over of 16 tokens against 18.4 us for one chunk; at 256 streams one front end has 256 hand-overs a sync.)
 A reply whose client sees something other than its tokens' text as they come (tool calls parsed out of it,
-log-probs asked for) or one made in a batch (a seeded request, the HF backend) goes out once it is whole, a chunk a
-token, the role chunk first. Either way the text of the chunks is the reply's, token by token (`IncrementalText`),
+log-probs asked for) or one made in a batch (a seeded request, the HF backend) goes out once it is whole: the role
+chunk, then its tokens in one chunk (its tool calls after them). Either way the text of the chunks is the reply's, token by token (`IncrementalText`),
 and joined is exactly the non-streamed reply's text."""
 
 from __future__ import annotations
