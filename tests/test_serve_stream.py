@@ -135,6 +135,31 @@ def test_stream_options_without_stream_is_a_400(server):
     assert json.loads(e.value.read())["error"]["param"] == "stream_options"
 
 
+@pytest.mark.parametrize("route, body", [
+    ("completions", {"prompt": "a", "max_tokens": 2}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}),
+    ("responses", {"input": "a", "max_output_tokens": 2})])
+def test_a_stream_flag_that_is_not_a_json_boolean_is_a_400(server, route, body):
+    """"stream": "yes" (or 1) is a 400 naming stream, as OpenAI's API answers it (was read as true)."""
+    for value in ("yes", 1):
+        request = urllib.request.Request(f"{server.url}/{route}", headers={"content-type": "application/json"},
+                                         data=json.dumps({"model": "tiny", **body, "stream": value}).encode())
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, timeout=30)
+        assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "stream", (route, value)
+
+
+def test_a_zero_max_completion_tokens_is_a_400_naming_that_field(server):
+    request = urllib.request.Request(f"{server.url}/chat/completions", headers={"content-type": "application/json"},
+                                     data=json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "a"}],
+                                                      "max_completion_tokens": 0}).encode())
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    error = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and error["param"] == "max_completion_tokens", error
+    assert error["message"] == "max_completion_tokens=0 must be >= 1"
+
+
 @pytest.fixture(scope="module")
 def byte_tokenizer():
     """A byte-level BPE whose vocabulary holds no multi-byte character whole: each is split across tokens."""

@@ -43,7 +43,7 @@ class ResponsesRequest(BaseModel):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: StrictBool | None = None
-    stream: bool | None = None
+    stream: StrictBool | None = None
     store: bool | None = None  # (answered false: nothing is kept)
     previous_response_id: str | None = None
     metadata: dict | None = None

@@ -79,7 +79,7 @@ class Common(BaseModel):
     n: StrictInt | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stream: bool | None = None
+    stream: StrictBool | None = None
     stream_options: dict | None = None  # ({"include_usage": true}: a last chunk of usage alone)
     session_id: str | None = None  # (shardrl's: the fast backend keeps the conversation's K/V for its next request)
     stop_token_ids: list[StrictInt] | None = None  # (vLLM's: a reply ends at the first of them, kept in token_ids)
@@ -212,7 +212,8 @@ def check_request(req: Common, prompts: list[list[int]], max_tokens: int, model_
         raise RequestError(f"this model's context is {max_model_len} tokens and the prompt has {longest:,} "
                            f"tokens{share}: {fix}", param, code="context_length_exceeded")
     if max_tokens < 1:
-        raise RequestError(f"max_tokens={max_tokens} must be >= 1", "max_tokens")
+        name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        raise RequestError(f"{name}={max_tokens} must be >= 1", name)
     raise RequestError(f"this model's context is {max_model_len} tokens; the prompt has {longest:,} tokens{share} and "
                        f"max_tokens asks {max_tokens} more: shorten the prompt or lower max_tokens",
                        "max_tokens", code="context_length_exceeded")
