@@ -99,3 +99,24 @@ def test_the_reasoning_gym_example_learns(tmp_path, monkeypatch):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert first < 0.3, rewards
     assert last > first + 0.1, rewards
+
+
+def test_an_answer_the_tasks_scorer_cannot_read_scores_zero():
+    """Some of reasoning-gym's scorers raise on an answer they cannot parse (prime_factorization's `int(...)` on
+    "two times three"): each such reply was a reward function error, and a step whose every reply was unreadable (a
+    policy early in training) stopped the run with "Fix the reward function", a function the user did not write.
+    A reply in a format the scorer rejects is a wrong answer: 0. An entry the scorer cannot score even with its own
+    answer is still an error."""
+    train, _ = _datasets("data.reasoning_gym.tasks=[prime_factorization]", "data.reasoning_gym.config={}")
+    item = train[0]
+    truth = item["extra"]["ground_truth"]
+    replies = ["<answer>two times three</answer>", "<answer>x</answer>", f"<answer>{truth}</answer>"]
+    scores, metrics = RewardManager().score([{"data_source": item["data_source"], "response_text": r,
+                                              "extra": item["extra"]} for r in replies])
+    assert scores.tolist() == [0.0, 0.0, 1.0]
+    assert metrics["reward/num_errors"] == 0
+    broken = {**item["extra"], "extra_info": {**item["extra"]["extra_info"], "reasoning_gym_entry": {
+        **item["extra"]["extra_info"]["reasoning_gym_entry"], "answer": "not a number"}}}
+    with pytest.raises(ValueError, match="failed on all 3 samples.*'not a number'"):
+        RewardManager().score([{"data_source": item["data_source"], "response_text": r, "extra": broken}
+                               for r in replies])

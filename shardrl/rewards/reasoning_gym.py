@@ -6,7 +6,9 @@ own `score_answer(answer, entry)`, unchanged, on the answer read from the respon
 - `whole`: the whole response up to an end-of-sequence marker, stripped.
 
 The entry is the row's `extra_info.reasoning_gym_entry`; a composite entry is scored by the dataset that made it
-(its `metadata.source_dataset`).
+(its `metadata.source_dataset`). An answer the task's scorer cannot read (a few raise on one, prime_factorization's
+`int()` on "two times three", where the others return 0) scores 0: a reply in the wrong format is a wrong answer, not
+an error of the reward function; a scorer that raises on the entry's own answer too is one.
 """
 
 from __future__ import annotations
@@ -42,4 +44,9 @@ def reasoning_gym_score(data_source: str, solution_str: str, ground_truth=None, 
                          "(data.reasoning_gym writes it); this row has none")
     task = (entry.get("metadata") or {}).get("source_dataset") or data_source[len(PREFIX):]
     answer = extract_reasoning_gym_answer(cut_at_eos(solution_str), extra_info.get("answer_format", "answer_tag"))
-    return float(_score_fn(task)(answer, entry))
+    score = _score_fn(task)
+    try:
+        return float(score(answer, entry))
+    except Exception:
+        score(entry.get("answer"), entry)  # (raises again where the entry, not the answer, is what it cannot read)
+        return 0.0
