@@ -55,6 +55,14 @@ def load_environment(kind="plain", max_turns=6):
         return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[relative]))
     if kind == "nan":
         return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[nan_reward]))
+    if kind == "no_rubric":  # (verifiers' default: a Rubric without reward functions)
+        return vf.SingleTurnEnv(dataset=dataset)
+    if kind == "metrics_only":
+        return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[one], weights=[0.0]))
+    if kind == "group_without_funcs":
+        return vf.SingleTurnEnv(dataset=dataset, rubric=vf.RubricGroup([vf.Rubric(funcs=[one]), vf.Rubric()]))
+    if kind == "unscored":
+        return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[one]), score_rollouts=False)
     if kind == "turns":
         return ManyTurns(dataset=dataset, rubric=vf.Rubric(funcs=[last_turn_says]), max_turns=max_turns)
     return vf.SingleTurnEnv(dataset=dataset, eval_dataset=Dataset.from_list(ROWS[:2]), rubric=vf.Rubric(funcs=[one]))
@@ -86,6 +94,21 @@ def test_an_environment_with_group_reward_functions_is_refused_when_loaded(setup
     _, _, folder = setup
     with pytest.raises(ValueError, match="group reward functions .* use reward functions of one episode"):
         load_verifiers_env(f"{folder / 'review_env.py'}:load_environment", {"kind": "group"})
+
+
+@pytest.mark.parametrize("kind, said", [
+    ("no_rubric", "rubric has no reward functions"), ("metrics_only", "every reward function's weight is 0"),
+    ("group_without_funcs", "rubric has no reward functions"), ("unscored", "score_rollouts=False")])
+def test_an_environment_whose_rubric_cannot_reward_is_refused_when_loaded(setup, kind, said):
+    """A rubric with no reward functions (`vf.SingleTurnEnv(dataset=...)`: verifiers' default `vf.Rubric()`) failed
+    every episode with verifiers' own `AssertionError: Rubric.score_rollout requires at least one individual-level
+    reward function`, and the run stopped at its first step; one whose functions all weigh 0 (metrics only), or an
+    environment made with `score_rollouts=False`, scored every episode 0 without a word: GRPO learned nothing."""
+    from shardrl.data.verifiers import load_verifiers_env
+
+    _, _, folder = setup
+    with pytest.raises(ValueError, match=said):
+        load_verifiers_env(f"{folder / 'review_env.py'}:load_environment", {"kind": kind})
 
 
 def test_a_rubric_that_returns_nan_is_said_to_be_the_rubrics(setup):

@@ -45,13 +45,34 @@ def load_verifiers_env(spec: str, env_args: dict | None = None):
         env = loader(**(env_args or {}))
     if not isinstance(env, vf.Environment):
         raise ValueError(f"rollout.env={spec!r} gave a {type(env).__name__}, not a verifiers Environment")
-    if getattr(getattr(env, "rubric", None), "has_group_rewards", False):
-        raise ValueError(f"rollout.env={spec!r}: the environment's rubric has group reward functions (scoring a "
-                         "prompt's episodes together: def f(completions, ...) -> list[float]); shardrl runs each "
-                         "episode on its own through the run's endpoint and cannot score them as a group yet: use "
-                         "reward functions of one episode (def f(completion, ...) -> float)")
+    check_rubric(vf, env, f"rollout.env={spec!r}")
     _LOADED[key] = env
     return env
+
+
+def check_rubric(vf, env, what: str) -> None:
+    """Refuses an environment whose rubric cannot give an episode its reward: group reward functions, none (verifiers'
+    default `vf.Rubric()`, whose `score_rollout` asserts on every episode), all weighing 0 (metrics only), or
+    scoring turned off (`score_rollouts=False`: every reward 0)."""
+    rubric = env.rubric
+    if rubric.has_group_rewards:
+        raise ValueError(f"{what}: the environment's rubric has group reward functions (scoring a prompt's episodes "
+                         "together: def f(completions, ...) -> list[float]); shardrl runs each episode on its own "
+                         "through the run's endpoint and cannot score them as a group yet: use reward functions of "
+                         "one episode (def f(completion, ...) -> float)")
+    if not getattr(env, "score_rollouts", True):
+        raise ValueError(f"{what}: the environment was made with score_rollouts=False, so verifiers scores every "
+                         "episode 0 and nothing is learned; leave score_rollouts at True")
+    rubrics = rubric.rubrics if isinstance(rubric, vf.RubricGroup) else [rubric]
+    plain = [r for r in rubrics if type(r).score_rollout is vf.Rubric.score_rollout]  # (a subclass scores its way)
+    if any(not r.funcs for r in plain):
+        raise ValueError(f"{what}: the environment's rubric has no reward functions (verifiers' default rubric, where "
+                         "none is given), so no episode can be scored; give it one: rubric=vf.Rubric(funcs=[f]) with "
+                         "def f(completion, answer, **kwargs) -> float")
+    if len(plain) == len(rubrics) and not any(w for r in plain for w in r.weights):
+        raise ValueError(f"{what}: every reward function's weight is 0 in the environment's rubric (metrics only), "
+                         "so every episode's reward is 0 and nothing is learned; give one a weight (vf.Rubric(funcs="
+                         "[...], weights=[...]))")
 
 
 def check_arguments(loader, env_args: dict, what: str) -> None:
