@@ -161,6 +161,17 @@ def test_an_environment_with_val_files_is_refused(setup, tmp_path):
         load_config(None, overrides)
 
 
+def test_an_environment_run_is_not_warned_about_a_setting_it_never_gave():
+    """Every `rollout.env` run with validation off (trainer.val_freq=0, the default) was warned
+    "data.reasoning_gym.val_size=0 is never read", a setting the user never gave: `ignored_settings` counted the
+    environment's evaluation set (if it has one) as a validation set the user set. With validation on, it still
+    keeps trainer.val_freq from being called unused."""
+    from shardrl.config.schema import load_config
+
+    assert load_config(None, ["rollout.env=verifiers:gsm8k"]).ignored_settings() == []
+    assert load_config(None, ["rollout.env=verifiers:gsm8k", "trainer.val_freq=2"]).ignored_settings() == []
+
+
 def test_wrong_env_args_are_a_config_error_naming_the_key(setup):
     """`rollout.env_args` with a key the loader does not take (a typo) escapes as a bare TypeError from
     `load_verifiers_env`'s `loader(**env_args)` (verifiers' own load_environment turns it into a RuntimeError for

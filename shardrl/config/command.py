@@ -111,13 +111,13 @@ class CommandConfig:
         lines = []
         validates = self.trainer.val_freq or (self.trainer.val_before_train and self.validates_before_train)
         has_val = self.data.has_val() if hasattr(self.data, "has_val") else bool(self.data.val_files)
-        has_val = has_val or bool(getattr(getattr(self, "rollout", None), "env", None))  # (its eval set, if any)
+        env = getattr(getattr(self, "rollout", None), "env", None)  # (its eval set, if any: not a setting given)
         if has_val and not validates:
             given = (f"data.val_files={self.data.val_files}" if self.data.val_files
                      else f"data.reasoning_gym.val_size={self.data.reasoning_gym.val_size}")
             lines.append(f"{given} is never read: trainer.val_freq=0 turns validation "
                          "off (set trainer.val_freq to validate every that many steps)")
-        if validates and not has_val:
+        if validates and not has_val and not env:
             given = (f"trainer.val_freq={self.trainer.val_freq}" if self.trainer.val_freq
                      else "trainer.val_before_train=true")
             lines.append(f"{given} is never used: data.val_files is empty, so there is nothing to validate on (give "
