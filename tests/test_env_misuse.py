@@ -61,6 +61,8 @@ def load_environment(kind="plain", max_turns=6):
         return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[one], weights=[0.0]))
     if kind == "group_without_funcs":
         return vf.SingleTurnEnv(dataset=dataset, rubric=vf.RubricGroup([vf.Rubric(funcs=[one]), vf.Rubric()]))
+    if kind == "no_eval":
+        return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[one]))
     if kind == "unscored":
         return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[one]), score_rollouts=False)
     if kind == "turns":
@@ -170,6 +172,28 @@ def test_an_environment_run_is_not_warned_about_a_setting_it_never_gave():
 
     assert load_config(None, ["rollout.env=verifiers:gsm8k"]).ignored_settings() == []
     assert load_config(None, ["rollout.env=verifiers:gsm8k", "trainer.val_freq=2"]).ignored_settings() == []
+
+
+def test_validating_an_environment_without_an_evaluation_set_is_warned(setup, tmp_path, monkeypatch, caplog):
+    """`trainer.val_freq=1` with an environment that has no evaluation dataset: the README says "its evaluation set
+    validates", but there is none, and the run validated nothing without a word (no val/ metrics, no warning)."""
+    import json
+
+    from shardrl.launch.overrides import resolve_overrides
+    from shardrl.launch.rank import run
+
+    folder = setup[2]
+    monkeypatch.chdir(tmp_path)
+    overrides = resolve_overrides(None, [
+        f"model.path={folder}", f"rollout.env={folder / 'review_env.py'}:load_environment",
+        "rollout.env_args={kind: no_eval}", "rollout.n=2", "rollout.max_new_tokens=4", "data.train_batch_size=2",
+        "actor.ppo_mini_batch_size=2", "trainer.logger=[jsonl]", "trainer.total_steps=1", "trainer.val_freq=1",
+        "trainer.device=cpu"])
+    with caplog.at_level("WARNING", logger="shardrl.trainer.rl"):
+        run_dir = run(None, overrides)
+    assert not any(k.startswith("val/") for line in open(run_dir / "metrics.jsonl") for k in json.loads(line))
+    said = [r.getMessage() for r in caplog.records if "evaluation dataset" in r.getMessage()]
+    assert said and "trainer.val_freq=1" in said[0], [r.getMessage() for r in caplog.records]
 
 
 def test_wrong_env_args_are_a_config_error_naming_the_key(setup):
