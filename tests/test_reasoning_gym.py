@@ -73,7 +73,7 @@ def test_settings_that_cannot_work_are_refused():
         _config("data.train_files=[a.jsonl]")
     with pytest.raises(ConfigError, match=r"names \['count_bits'\]"):
         _config("data.reasoning_gym.config={count_bits: {}}")
-    with pytest.raises(ValueError, match="'leg_countin' is no reasoning-gym dataset"):
+    with pytest.raises(ValueError, match="'leg_countin' is no reasoning-gym dataset; did you mean 'leg_counting'"):
         _datasets("data.reasoning_gym.tasks=[leg_countin]", "data.reasoning_gym.config={}")
     with pytest.raises(ValueError, match="reasoning-gym refuses it"):
         _datasets("data.reasoning_gym.config={leg_counting: {min_animals: 3, max_animals: 1}}")

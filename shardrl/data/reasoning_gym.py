@@ -13,6 +13,7 @@ is scored the same way.
 
 from __future__ import annotations
 
+import difflib
 import os
 import pickle
 import subprocess
@@ -78,7 +79,9 @@ def generate_rows(cfg, split: str) -> list[dict]:
     rows = []
     for task in cfg.tasks:
         if task not in DATASETS:
-            raise ValueError(f"data.reasoning_gym.tasks: {task!r} is no reasoning-gym dataset; known: "
+            close = difflib.get_close_matches(task, DATASETS, n=3)
+            hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+            raise ValueError(f"data.reasoning_gym.tasks: {task!r} is no reasoning-gym dataset; {hint}known: "
                              f"{', '.join(sorted(DATASETS))}")
         settings = dict(cfg.config.get(task) or {})
         try:
