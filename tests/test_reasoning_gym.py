@@ -81,6 +81,18 @@ def test_settings_that_cannot_work_are_refused():
         _config("data.reasoning_gym.val_size=4", "trainer.val_freq=0").ignored_settings())
 
 
+def test_a_misspelled_system_prompt_name_is_refused_not_sent_as_the_message():
+    """`system_prompt=deepseekzero` (reasoning-gym's prompt is DeepSeekZero) was taken as the text of the system
+    message: every question went out after a system message reading "deepseekzero", asking for no <answer> tags, and
+    answer_tag scored 0 all run long. A one-word value close to a prompt's name is refused naming it; other text is
+    the message, as before."""
+    for typo, name in (("deepseekzero", "DeepSeekZero"), ("Default", "default"), ("chain-of-draft", "chain_of_draft")):
+        with pytest.raises(ValueError, match=f"system_prompt={typo!r}.*did you mean {name!r}"):
+            _datasets(f"data.reasoning_gym.system_prompt={typo}")
+    train, _ = _datasets("data.reasoning_gym.system_prompt='Answer in <answer> tags.'")
+    assert train[0]["prompt"][0] == {"role": "system", "content": "Answer in <answer> tags."}
+
+
 def test_the_reasoning_gym_example_learns(tmp_path, monkeypatch):
     """`shardrl train --example reasoning_gym`, shortened to 30 steps: the tiny model starts near a guess's reward
     (its warm-up saw each question's answer a few times) and GRPO on reasoning-gym's own score raises the mean

@@ -39,7 +39,8 @@ class ReasoningGymConfig:
     system_prompt: str | None = "default"
     """The system message put before each question: the name of one of reasoning-gym's own prompts
     (`reasoning_gym.utils.SYSTEM_PROMPTS`: default, DeepSeekZero, simple, direct, ...), which ask for the answer
-    inside <answer></answer>; any other text is the message itself; null: no system message."""
+    inside <answer></answer>; any other text is the message itself (but one word close to a name, `deepseekzero`, is
+    refused as a misspelled name); null: no system message."""
     answer_format: Literal["answer_tag", "whole"] = "answer_tag"
     """What of a response is the answer given to `score_answer`: answer_tag, the text inside its last
     <answer>...</answer> (reasoning-gym's `extract_answer`; a response without one scores 0); whole: the whole

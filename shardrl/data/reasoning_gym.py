@@ -32,11 +32,19 @@ def import_reasoning_gym():
 
 def system_message(system_prompt: str | None) -> str | None:
     """The system message of `data.reasoning_gym.system_prompt`: one of reasoning-gym's named prompts, else the
-    text itself; None or empty: no system message."""
+    text itself; None or empty: no system message. One word close to a prompt's name is a misspelled name, refused
+    (sent as the message, it would ask for no <answer> tags)."""
     if not system_prompt:
         return None
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
+    if system_prompt not in SYSTEM_PROMPTS and len(system_prompt.split()) == 1:
+        names = {name.lower().replace("_", ""): name for name in SYSTEM_PROMPTS}
+        close = difflib.get_close_matches(system_prompt.lower().replace("_", "").replace("-", ""), names, 1, 0.8)
+        if close:
+            raise ValueError(f"data.reasoning_gym.system_prompt={system_prompt!r} is no name of reasoning-gym's "
+                             f"prompts ({', '.join(SYSTEM_PROMPTS)}) and would be sent as the system message "
+                             f"itself; did you mean {names[close[0]]!r}?")
     return SYSTEM_PROMPTS.get(system_prompt, system_prompt)
 
 
