@@ -123,6 +123,19 @@ def test_a_rubric_that_returns_nan_is_said_to_be_the_rubrics(setup):
     assert "shardrl/rollout/episodes/verifiers_env.py" not in error, error
 
 
+def test_a_step_whose_every_environment_episode_failed_says_to_fix_the_environment(setup):
+    """When every episode of a step failed (here: a rubric that returns NaN), the run stopped with "Fix the agent
+    (rollout.agent.entrypoint; ...)": a run of `rollout.env` has no agent entrypoint; the environment is what to fix."""
+    from shardrl.rewards.manager import RewardManager
+    from shardrl.trainer.scoring import Scorer
+
+    batch = run_env(setup, {"kind": "nan"}, n=1).to_batch()
+    with pytest.raises(ValueError, match=r"every agent episode of this step failed .* Fix the environment "
+                                         r"\(rollout.env") as caught:
+        Scorer(RewardManager(), multi_turn=True).score(batch)
+    assert "rollout.agent.entrypoint" not in str(caught.value)
+
+
 def test_an_episode_keeps_to_its_response_budget(setup):
     """The endpoint gives an episode's calls at most what is left of rollout.agent.max_response_tokens (counted
     from its first prompt, as the trajectory is) and refuses a call past it: an environment that keeps calling ends

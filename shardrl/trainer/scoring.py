@@ -76,10 +76,13 @@ class Scorer:
         counts = reduce_metrics({"failed": Sum(len(failures)), "episodes": Sum(len(errors))}, self.dp_group,
                                 same_keys=True)
         if counts["episodes"] > 0 and counts["failed"] == counts["episodes"]:
+            first = failures[0] if failures else "?"
+            # (an environment's episodes are placed at it: `verifiers_env.environment_episode`)
+            fix = (f"the environment ({first.split(': ', 1)[0]}" if first.startswith("rollout.env")
+                   else "the agent (rollout.agent.entrypoint")
             raise ValueError(f"every agent episode of this step failed ({round(counts['episodes'])} of them), so "
-                             f"there is nothing to learn from; the first at {failures[0] if failures else '?'}. "
-                             "Fix the agent (rollout.agent.entrypoint; an episode that fails scores "
-                             "rollout.agent.failure_reward only while others succeed)")
+                             f"there is nothing to learn from; the first at {first}. Fix {fix}; an episode that "
+                             "fails scores rollout.agent.failure_reward only while others succeed)")
 
     def response_lengths(self, batch) -> torch.Tensor:
         """Tokens per response `(N,)` as the length limit counts them: a conversation's tool tokens too."""
