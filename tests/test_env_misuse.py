@@ -209,6 +209,17 @@ def test_validating_an_environment_without_an_evaluation_set_is_warned(setup, tm
     assert said and "trainer.val_freq=1" in said[0], [r.getMessage() for r in caplog.records]
 
 
+def test_settings_an_environment_run_never_reads_are_warned():
+    """`reward.function_path` beside `rollout.env` is never called (the rubric gives every episode its reward, a
+    number or a failure), and `rollout.env_args` without `rollout.env` loads nothing: both went without a word."""
+    from shardrl.config.schema import load_config
+
+    lines = load_config(None, ["rollout.env=verifiers:gsm8k", "reward.function_path=r.py"]).ignored_settings()
+    assert len(lines) == 1 and lines[0].startswith("reward.function_path is set but rollout.env"), lines
+    lines = load_config(None, ["rollout.env_args={num_train_examples: 3}"]).ignored_settings()
+    assert len(lines) == 1 and lines[0].startswith("rollout.env_args is set but rollout.env is null"), lines
+
+
 def test_wrong_env_args_are_a_config_error_naming_the_key(setup):
     """`rollout.env_args` with a key the loader does not take (a typo) escapes as a bare TypeError from
     `load_verifiers_env`'s `loader(**env_args)` (verifiers' own load_environment turns it into a RuntimeError for

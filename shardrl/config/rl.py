@@ -253,6 +253,11 @@ class Config(CommandConfig):
                      if mt.interaction_path else "rollout.multi_turn.tool_config_path")
             lines.append(f"{given} is set but rollout.multi_turn.enable=false: the rollout is single-turn and uses no "
                          "tools (set rollout.multi_turn.enable=true)")
+        if self.rollout.env and self.reward.function_path:
+            lines.append(f"reward.function_path is set but rollout.env={self.rollout.env}: the environment's rubric "
+                         "rewards every episode, so the function is never called (drop it, or score in the rubric)")
+        if self.rollout.env_args and not self.rollout.env:
+            lines.append("rollout.env_args is set but rollout.env is null: no environment is loaded (set rollout.env)")
         if self.teacher.paths() and self.algorithm.adv_estimator != "opd":
             given = "teacher.model_path" if self.teacher.model_path else "teacher.by_data_source"
             lines.append(f"{given} is set but algorithm.adv_estimator={self.algorithm.adv_estimator}: no "
