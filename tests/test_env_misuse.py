@@ -65,6 +65,8 @@ def load_environment(kind="plain", max_turns=6):
         return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[one]))
     if kind == "unscored":
         return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[one]), score_rollouts=False)
+    if kind == "no_question":  # (rows of another shape: verifiers makes each prompt from a 'question')
+        return vf.SingleTurnEnv(dataset=Dataset.from_list([{"q": "1+2=", "answer": "3"}]), rubric=vf.Rubric(funcs=[one]))
     if kind == "turns":
         return ManyTurns(dataset=dataset, rubric=vf.Rubric(funcs=[last_turn_says]), max_turns=max_turns)
     return vf.SingleTurnEnv(dataset=dataset, eval_dataset=Dataset.from_list(ROWS[:2]), rubric=vf.Rubric(funcs=[one]))
@@ -231,6 +233,18 @@ def test_wrong_env_args_are_a_config_error_naming_the_key(setup):
     spec = f"{folder / 'review_env.py'}:load_environment"
     with pytest.raises(ValueError, match="rollout.env_args"):
         load_verifiers_env(spec, {"kindd": "plain"})
+
+
+def test_an_environment_that_cannot_be_built_says_what_it_lacks_naming_rollout_env(setup):
+    """A dataset without a 'prompt' or 'question' column failed with verifiers' bare KeyError('question') from inside
+    its constructor; an environment id not installed said nothing of rollout.env."""
+    from shardrl.data.verifiers import load_verifiers_env
+
+    _, _, folder = setup
+    with pytest.raises(ValueError, match="missing key 'question'; a verifiers dataset needs a 'prompt' column"):
+        load_verifiers_env(f"{folder / 'review_env.py'}:load_environment", {"kind": "no_question"})
+    with pytest.raises(ValueError, match=r"rollout.env='verifiers:no_such_env_x': Could not import 'no_such_env_x'"):
+        load_verifiers_env("verifiers:no_such_env_x")
 
 
 # ---- reasoning-gym ----------------------------------------------------------------------------------

@@ -33,6 +33,10 @@ def load_verifiers_env(spec: str, env_args: dict | None = None):
         except (TypeError, RuntimeError) as e:  # (verifiers wraps its loader's errors: a bad argument among them)
             raise ValueError(f"rollout.env={spec!r} with rollout.env_args={env_args or {}}: the environment's loader "
                              f"refused them: {e}") from None
+        except ValueError as e:  # (an environment not installed: verifiers says which package)
+            raise ValueError(f"rollout.env={spec!r}: {e}") from None
+        except KeyError as e:
+            raise ValueError(missing_column(spec, e)) from e
     else:
         from shardrl.config.userfile import import_user_file
 
@@ -42,12 +46,23 @@ def load_verifiers_env(spec: str, env_args: dict | None = None):
         if not callable(loader):
             raise ValueError(f"rollout.env={spec!r}: {path} defines no function {name!r}")
         check_arguments(loader, env_args or {}, f"rollout.env={spec!r}")
-        env = loader(**(env_args or {}))
+        try:
+            env = loader(**(env_args or {}))
+        except KeyError as e:
+            raise ValueError(missing_column(spec, e)) from e
     if not isinstance(env, vf.Environment):
         raise ValueError(f"rollout.env={spec!r} gave a {type(env).__name__}, not a verifiers Environment")
     check_rubric(vf, env, f"rollout.env={spec!r}")
     _LOADED[key] = env
     return env
+
+
+def missing_column(spec: str, error: KeyError) -> str:
+    """What a KeyError while an environment was built most likely means: its dataset lacks a column verifiers reads
+    (a `question` to make each `prompt` from, where the rows have no `prompt` messages)."""
+    return (f"rollout.env={spec!r}: building the environment failed on a missing key {error}; a verifiers dataset "
+            "needs a 'prompt' column (chat messages) or a 'question' column (made into one), and an 'answer' where "
+            "its rubric reads one: rename the dataset's columns (dataset.rename_column)")
 
 
 def check_rubric(vf, env, what: str) -> None:
