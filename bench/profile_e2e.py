@@ -29,9 +29,9 @@ from bench import append_jsonl  # noqa: E402
 from bench.e2e import CASES, QUICK_CASES, prepare, shardrl_overrides  # noqa: E402
 
 PHASES = ("gen", "prep", "update")
-KINDS = (  # first match wins
-    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|s\d+gemm|matmul", re.I)),
+KINDS = (  # first match wins (FlashAttention's kernels name cutlass types: attention before gemm)
     ("attention", re.compile(r"flash|fmha|attn|attention|sdpa|cascade", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|s\d+gemm|matmul", re.I)),
     ("triton", re.compile(r"^triton_|triton", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy_kernel|CatArrayBatched|cat_", re.I)),
     ("optimizer", re.compile(r"adam|foreach|multi_tensor", re.I)),
@@ -44,13 +44,16 @@ def kind_of(name: str) -> str:
     return next((k for k, pat in KINDS if pat.search(name)), "other")
 
 
-def union_us(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:
-    """The covered length of `intervals` (start, end) and the gaps between covered stretches."""
+def union_us(intervals: list[tuple[float, float]], spans: list | None = None) -> tuple[float, list[float]]:
+    """The covered length of `intervals` (start, end) and the gaps between covered stretches (their (start, end)
+    appended to `spans` where given)."""
     covered, gaps, end = 0.0, [], None
     for a, b in sorted(intervals):
         if end is None or a > end:
             if end is not None:
                 gaps.append(a - end)
+                if spans is not None:
+                    spans.append((end, a))
             covered += b - a
             end = b
         elif b > end:
@@ -59,17 +62,43 @@ def union_us(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:
     return covered, gaps
 
 
+def host_in_gaps(events: list[dict], gaps: list[tuple[float, float]], top: int) -> dict[str, float]:
+    """What the host ran while the GPU idled: per name of a host event (`rollout.*` marks, ATen ops: nested ones each
+    count), its ms inside `gaps`."""
+    if not gaps:
+        return {}
+    gaps = sorted(gaps)
+    starts = [a for a, _ in gaps]
+    import bisect
+
+    spent = defaultdict(float)
+    for e in events:
+        a, b = e["ts"], e["ts"] + e["dur"]
+        i = max(bisect.bisect_right(starts, a) - 1, 0)
+        while i < len(gaps) and gaps[i][0] < b:
+            lo, hi = max(a, gaps[i][0]), min(b, gaps[i][1])
+            if hi > lo:
+                spent[e["name"]] += hi - lo
+            i += 1
+    return {n[:100]: round(v / 1e3, 2) for n, v in sorted(spent.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def phase_breakdown(trace: dict, top: int) -> dict:
     """Per phase of the trace's `phase:*` annotations: wall, GPU busy, idle gaps, kernels by kind and by name."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     marks = {e["name"].split(":", 1)[1]: (e["ts"], e["ts"] + e["dur"]) for e in events
              if e.get("ph") == "X" and str(e.get("name", "")).startswith("phase:") and e.get("cat") != "gpu_user_annotation"}
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
+            and not str(e.get("name", "")).startswith("phase:")]
     out = {}
     for phase, (t0, t1) in sorted(marks.items(), key=lambda kv: kv[1][0]):
         inside = [(max(e["ts"], t0), min(e["ts"] + e["dur"], t1), e) for e in gpu
                   if e["ts"] < t1 and e["ts"] + e["dur"] > t0]
-        busy, gaps = union_us([(a, b) for a, b, _ in inside])
+        spans = []
+        busy, gaps = union_us([(a, b) for a, b, _ in inside], spans)
+        long_gaps = [(a, b) for a, b in spans if b - a > 1000]  # (over 1 ms: the host's, not a launch's latency)
+        in_phase = [e for e in host if e["ts"] < t1 and e["ts"] + e["dur"] > t0]
         by_kind, by_name, count = defaultdict(float), defaultdict(lambda: [0.0, 0]), len(inside)
         for a, b, e in inside:
             name = e["name"] if e.get("cat") == "kernel" else e.get("cat")
@@ -83,6 +112,8 @@ def phase_breakdown(trace: dict, top: int) -> dict:
             gpu_busy_frac=round(busy / wall, 4) if wall else None, gpu_events=count,
             gaps_over_50us_ms=round(sum(g for g in gaps if g > 50) / 1e3, 2),
             gaps_over_50us=sum(1 for g in gaps if g > 50), largest_gaps_ms=[round(g / 1e3, 2) for g in gaps[:8]],
+            gaps_over_1ms_ms=round(sum(b - a for a, b in long_gaps) / 1e3, 2), gaps_over_1ms=len(long_gaps),
+            host_in_gaps_over_1ms_ms=host_in_gaps(in_phase, long_gaps, top),
             by_kind_ms={k: round(v / 1e3, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             top=[dict(name=n[:120], ms=round(v[0] / 1e3, 2), calls=v[1])
                  for n, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]])

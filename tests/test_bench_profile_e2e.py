@@ -44,3 +44,19 @@ def test_kernel_kinds():
     assert kind_of("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
     assert kind_of("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<adam>") == "optimizer"
     assert kind_of("something_else") == "other"
+    assert kind_of("void pytorch_flash::flash_bwd_dq_dk_dv_loop<Flash_bwd_kernel_traits<cutlass::bfloat16_t>>") == \
+        "attention"
+
+
+def test_the_host_work_inside_long_gaps_is_named():
+    """Gaps over 1 ms are the host's: the host events inside them are summed by name (only their part inside)."""
+    trace = [
+        _x("phase:gen", 0, 10_000, cat="user_annotation"),
+        _x("k", 0, 1000), _x("k", 4000, 1000), _x("k", 5200, 100), _x("k", 9000, 1000),  # gaps 3 ms, 0.2, 3.7 ms
+        _x("rollout.sync", 500, 1500, cat="user_annotation"),  # 1 ms of it inside the first gap
+        _x("rollout.end_rows", 6000, 2000, cat="user_annotation"),  # all inside the second long gap
+        _x("aten::item", 5100, 150, cat="cpu_op"),  # inside the 0.2 ms gap only: not counted
+    ]
+    gen = phase_breakdown(trace, top=5)["gen"]
+    assert gen["gaps_over_1ms"] == 2 and gen["gaps_over_1ms_ms"] == 6.7
+    assert gen["host_in_gaps_over_1ms_ms"] == {"rollout.end_rows": 2.0, "rollout.sync": 1.0}

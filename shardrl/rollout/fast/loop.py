@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.profiler import record_function
 
 from shardrl.rollout.base import (RolloutOutput, VersionTrack, assemble_output, contains_stop, cut_responses,
                                   stop_window)
@@ -36,11 +37,13 @@ class DecodeLoop:
         clock = time.perf_counter()
         stats["wall_start"] = time.time()  # (a server's bench: where its clients' span was not this call's)
         while True:
-            sched.sync(*torch.stack([st.done.long(), st.lengths, st.num_generated]).tolist())
+            with record_function("rollout.sync"):  # (the marks name the host's work for bench/profile_e2e.py)
+                sched.sync(*torch.stack([st.done.long(), st.lengths, st.num_generated]).tolist())
             now = time.perf_counter()
             stats["decode_s"] += now - clock  # the steps since the last sync, to their end (launches included)
             clock, inner = now, 0.0
-            self._end_rows(sched, prompts, n, stop, feed)
+            with record_function("rollout.end_rows"):
+                self._end_rows(sched, prompts, n, stop, feed)
             if feed is not None:
                 self._report_progress(sched, feed)
                 inner += self._take_rows(sched, prompts, limits, feed)
@@ -52,14 +55,17 @@ class DecodeLoop:
             # from the next sync on
             later = overlap and bool(sched.live())
             if not later:
-                inner += self._admit_waiting(sched, prompts, limits, n, mode, generator, track)
+                with record_function("rollout.admit"):
+                    inner += self._admit_waiting(sched, prompts, limits, n, mode, generator, track)
             if not sched.live():
                 break
             move = sched.compaction()  # rows left decoding in slots past the narrowest prefix that holds them
             if move is not None:
-                self._compact(*move, sched)
-            width, num_steps, seq_len = sched.plan(limits, n, self.sync_every, self.seq_bucket, st.max_seq,
-                                                   self._block.attention.bucketed)
+                with record_function("rollout.compact"):
+                    self._compact(*move, sched)
+            with record_function("rollout.plan"):
+                width, num_steps, seq_len = sched.plan(limits, n, self.sync_every, self.seq_bucket, st.max_seq,
+                                                       self._block.attention.bucketed)
             cascade = self._groups is not None and self._groups.active()
             if cascade:
                 self._groups.push()
@@ -67,8 +73,9 @@ class DecodeLoop:
             now = time.perf_counter()
             stats["host_s"] += now - clock - inner  # bookkeeping at the sync (not the feed's wait or the prefill)
             clock = now
-            for _ in range(num_steps):
-                self._run_step(mode, seq_len, generator, width, cascade)
+            with record_function("rollout.launch"):
+                for _ in range(num_steps):
+                    self._run_step(mode, seq_len, generator, width, cascade)
             stats["launch_s"] += time.perf_counter() - clock  # (of decode_s: the host's share, launching the steps)
             sched.count_steps(num_steps, width)
             if later:
