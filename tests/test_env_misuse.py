@@ -203,12 +203,13 @@ def test_validating_an_environment_without_an_evaluation_set_is_warned(setup, tm
         f"model.path={folder}", f"rollout.env={folder / 'review_env.py'}:load_environment",
         "rollout.env_args={kind: no_eval}", "rollout.n=2", "rollout.max_new_tokens=4", "data.train_batch_size=2",
         "actor.ppo_mini_batch_size=2", "trainer.logger=[jsonl]", "trainer.total_steps=1", "trainer.val_freq=1",
-        "trainer.device=cpu"])
+        "trainer.val_before_train=true", "trainer.device=cpu"])
     with caplog.at_level("WARNING", logger="shardrl.trainer.rl"):
         run_dir = run(None, overrides)
     assert not any(k.startswith("val/") for line in open(run_dir / "metrics.jsonl") for k in json.loads(line))
     said = [r.getMessage() for r in caplog.records if "evaluation dataset" in r.getMessage()]
-    assert said and "trainer.val_freq=1" in said[0], [r.getMessage() for r in caplog.records]
+    assert said and "trainer.val_freq=1 and trainer.val_before_train=true" in said[0], [r.getMessage() for r in
+                                                                                      caplog.records]
 
 
 def test_settings_an_environment_run_never_reads_are_warned():

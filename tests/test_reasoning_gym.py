@@ -71,6 +71,8 @@ def test_the_reward_is_the_tasks_own_score_on_the_answer_tag_or_the_whole_reply(
 def test_settings_that_cannot_work_are_refused():
     with pytest.raises(ConfigError, match="data.reasoning_gym.tasks both give the training prompts"):
         _config("data.train_files=[a.jsonl]")
+    with pytest.raises(ConfigError, match=r"tasks=.*: names \['leg_counting'\] more than once"):
+        _config("data.reasoning_gym.tasks=[leg_counting, basic_arithmetic, leg_counting]")
     with pytest.raises(ConfigError, match=r"names \['count_bits'\]"):
         _config("data.reasoning_gym.config={count_bits: {}}")
     with pytest.raises(ValueError, match="'leg_countin' is no reasoning-gym dataset; did you mean 'leg_counting'"):

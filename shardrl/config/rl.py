@@ -49,6 +49,9 @@ class ReasoningGymConfig:
     def validate(self, prefix: str) -> None:
         require(self, prefix, "size", self.size >= 1, "must be >= 1 (prompts a task)")
         require(self, prefix, "val_size", self.val_size >= 0, "must be >= 0 (0: no generated validation set)")
+        twice = sorted({t for t in self.tasks if self.tasks.count(t) > 1})
+        require(self, prefix, "tasks", not twice, f"names {twice} more than once, which generates the same prompts "
+                "again; list each task once (size sets the prompts a task gives)")
         unknown = sorted(set(self.config) - set(self.tasks))
         require(self, prefix, "config", not unknown, f"names {unknown}, which are not in {prefix}.tasks="
                 f"{self.tasks}; settings go under a task's name")

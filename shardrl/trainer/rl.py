@@ -162,9 +162,12 @@ class RLTrainer(Trainer):
         policy_config = load_hf_config(cfg.model.path, cfg.model.tiny, cfg.model.trust_remote_code, "causal_lm",
                                        override=cfg.model.override_config)
         self.train_set, self.val_set = load_datasets(cfg, self.tokenizer, policy_config)  # (a VL model's: images)
-        if cfg.rollout.env and self.val_set is None and cfg.trainer.val_freq and self.rank == 0:
-            log.warning(f"trainer.val_freq={cfg.trainer.val_freq} validates nothing: rollout.env={cfg.rollout.env}'s "
-                        "environment has no evaluation dataset (give it eval_dataset=..., or set trainer.val_freq=0)")
+        if cfg.rollout.env and self.val_set is None and self.rank == 0:
+            asked = [f"trainer.val_freq={cfg.trainer.val_freq}"] if cfg.trainer.val_freq else []
+            asked += ["trainer.val_before_train=true"] if cfg.trainer.val_before_train else []
+            if asked:
+                log.warning(f"{' and '.join(asked)} validate nothing: rollout.env={cfg.rollout.env}'s environment "
+                            "has no evaluation dataset (give it eval_dataset=..., or turn validation off)")
         if cfg.trainer.total_epochs is not None:  # before anything reads total_steps (the LR schedule, config.yaml)
             self._say(resolve_total_epochs(cfg.trainer, len(self.train_set), self.prompts_drawn))
         fn = (load_reward_function(cfg.reward.function_path, cfg.reward.function_name, cfg.reward.reward_kwargs)
