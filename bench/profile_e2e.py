@@ -13,6 +13,7 @@ One JSON line per case (also appended to --out); the Chrome trace of each profil
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import gzip
 import json
@@ -69,8 +70,6 @@ def host_in_gaps(events: list[dict], gaps: list[tuple[float, float]], top: int) 
         return {}
     gaps = sorted(gaps)
     starts = [a for a, _ in gaps]
-    import bisect
-
     spent = defaultdict(float)
     for e in events:
         a, b = e["ts"], e["ts"] + e["dur"]
@@ -87,7 +86,8 @@ def phase_breakdown(trace: dict, top: int) -> dict:
     """Per phase of the trace's `phase:*` annotations: wall, GPU busy, idle gaps, kernels by kind and by name."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     marks = {e["name"].split(":", 1)[1]: (e["ts"], e["ts"] + e["dur"]) for e in events
-             if e.get("ph") == "X" and str(e.get("name", "")).startswith("phase:") and e.get("cat") != "gpu_user_annotation"}
+             if e.get("ph") == "X" and str(e.get("name", "")).startswith("phase:")
+             and e.get("cat") != "gpu_user_annotation"}
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
             and not str(e.get("name", "")).startswith("phase:")]

@@ -66,7 +66,8 @@ def load_environment(kind="plain", max_turns=6):
     if kind == "unscored":
         return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[one]), score_rollouts=False)
     if kind == "no_question":  # (rows of another shape: verifiers makes each prompt from a 'question')
-        return vf.SingleTurnEnv(dataset=Dataset.from_list([{"q": "1+2=", "answer": "3"}]), rubric=vf.Rubric(funcs=[one]))
+        rows = Dataset.from_list([{"q": "1+2=", "answer": "3"}])
+        return vf.SingleTurnEnv(dataset=rows, rubric=vf.Rubric(funcs=[one]))
     if kind == "turns":
         return ManyTurns(dataset=dataset, rubric=vf.Rubric(funcs=[last_turn_says]), max_turns=max_turns)
     return vf.SingleTurnEnv(dataset=dataset, eval_dataset=Dataset.from_list(ROWS[:2]), rubric=vf.Rubric(funcs=[one]))

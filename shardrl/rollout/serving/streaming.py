@@ -11,8 +11,8 @@ reply's last tokens come with the answer, in the chunk that ends it. (A chunk a 
 hand-over of 16 tokens against 18.4 us for one chunk; at 256 streams one front end has 256 hand-overs a sync.)
 A reply whose client sees something other than its tokens' text as they come (tool calls parsed out of it,
 log-probs asked for) or one made in a batch (a seeded request, the HF backend) goes out once it is whole: the role
-chunk, then its tokens in one chunk (its tool calls after them). Either way the text of the chunks is the reply's, token by token (`IncrementalText`),
-and joined is exactly the non-streamed reply's text."""
+chunk, then its tokens in one chunk (its tool calls after them). Either way the text of the chunks is the reply's,
+token by token (`IncrementalText`), and joined is exactly the non-streamed reply's text."""
 
 from __future__ import annotations
 
