@@ -1,5 +1,5 @@
 """Variable-length (packed) causal attention, plugged into HF models through their own extension
-point, `AttentionInterface.register` (plus a mask function that builds no mask).
+point, `AttentionInterface.register` (and no mask function: HF then builds no mask for it).
 
 With padding removed, a micro-batch is one row of several sequences. HF's `sdpa` then needs a dense
 block-diagonal (N, N) mask and computes every block, masked or not; the varlen kernel (FlashAttention
@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardrl.engine.logprob import nonzero_known
 from shardrl.engine.ulysses import expand_kv_heads, head_to_seq, seq_to_head
 
 ATTN_NAME = "shardrl_varlen"
@@ -42,10 +44,17 @@ def cu_seq_lens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Ten
     return cu, max_len
 
 
-def attention_kwargs(position_ids: torch.Tensor, sp_group=None) -> dict:
+def attention_kwargs(position_ids: torch.Tensor, sp_group=None, lengths: Sequence[int] | None = None) -> dict:
     """What the varlen function reads: sequence boundaries, the longest length, whether all sequences
-    have that length (then it runs batched SDPA), and the Ulysses group."""
-    cu, max_len = cu_seq_lens_from_position_ids(position_ids)
+    have that length (then it runs batched SDPA), and the Ulysses group. `lengths`: the packed rows' real tokens
+    as the host knows them (`RowSizes.lengths`): the bounds are then found without a host sync."""
+    if lengths is None:
+        cu, max_len = cu_seq_lens_from_position_ids(position_ids)
+    else:
+        seqs = [n for n in lengths if n]
+        pos = position_ids.flatten()
+        starts = nonzero_known(pos == 0, len(seqs))
+        cu, max_len = F.pad(starts, (0, 1), value=pos.numel()).to(torch.int32), max(seqs, default=0)
     kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len,
                   uniform_lengths=max_len * (cu.numel() - 1) == position_ids.numel())
     if sp_group is not None:
@@ -113,7 +122,8 @@ def _padded_causal(q, k, v, cu, max_len: int, scale, window: int | None = None, 
     hq, hkv = q.shape[1], k.shape[1]
     lens = (cu[1:] - cu[:-1]).long()
     num_seqs, dev = lens.numel(), q.device
-    seq = torch.repeat_interleave(torch.arange(num_seqs, device=dev), lens)  # (N,) each token's sequence
+    seq = torch.repeat_interleave(torch.arange(num_seqs, device=dev), lens, output_size=q.shape[0])  # (N,) each
+    # token's sequence (its size given: no host sync)
     pos = torch.arange(q.shape[0], device=dev) - cu[:-1].long()[seq]  # (N,) its position there
 
     def padded(t):
@@ -223,16 +233,14 @@ def use_segments_attention(model) -> None:
             module.config = own
 
 
-def _no_mask(*args, **kwargs):
-    return None
-
-
 def register_varlen_attention() -> str:
+    """Registers the attention function under ATTN_NAME, and no mask function: HF then makes no mask for it (the
+    packed row's bounds are the kwargs), before its check of the position ids for packed sequences, which reads a
+    flag back from the device in every forward (a host sync). A registered mask function, even one that made
+    nothing, kept that check."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, varlen_attention_forward)
-    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
     return ATTN_NAME
 
 

@@ -38,7 +38,7 @@ from shardrl.engine.loading import (compute_non_persistent_buffers, copy_full_in
                                     sharded_load_problem)
 from shardrl.engine.lora import (LORA_MARK, adapters_off, hf_base_name, inject_lora, lora_init, lora_summary,
                                  save_peft_adapter)
-from shardrl.engine.microbatch import restore_order, split_micro_batches
+from shardrl.engine.microbatch import RowSizes, restore_order, row_sizes, split_micro_batches
 from shardrl.engine.moe import apply_experts_implementation
 from shardrl.models.families import expert_intermediate_size, num_experts
 from shardrl.engine.model import (DTYPES, PolicyModel, build_causal_lm, check_model_weights, disable_dropout,
@@ -313,12 +313,23 @@ class Engine(abc.ABC):
         """Called before each micro-batch of `train_batch` (`last`: the mini-batch's last); a backend that can
         defer the gradient reduction to the last one does so here."""
 
+    @staticmethod
+    def _score_from(batch: Batch) -> int | None:
+        """An RL batch ([prompt | response] columns) is scored on its responses only: the prompts' log-probs
+        are never read, and the vocabulary projection over them would be most of the head's work."""
+        return batch["input_ids"].shape[1] - batch["response_mask"].shape[1] if "response_mask" in batch else None
+
+    def _sized_micro_batches(self, batch: Batch, group_size: int = 1):
+        """`_micro_batches`, with each one's `RowSizes` (None for an empty one), read back in one copy: each
+        forward then queues without a host sync (`PolicyModel.forward`'s `sizes`)."""
+        micro_batches, perm = self._micro_batches(batch, group_size)
+        return micro_batches, perm, row_sizes(micro_batches, self._score_from(batch))
+
     def _forward(self, mb: Batch, temperature: float, with_entropy: bool, record_routing: bool = False,
                  replay: torch.Tensor | None = None, count_replay: bool = True,
-                 with_top1: bool = False, top_k: int = 0, top_k_vocab: int | None = None) -> dict[str, torch.Tensor]:
-        # an RL batch ([prompt | response] columns) is scored on its responses only: the prompts' log-probs
-        # are never read, and the vocabulary projection over them would be most of the head's work
-        score_from = mb["input_ids"].shape[1] - mb["response_mask"].shape[1] if "response_mask" in mb else None
+                 with_top1: bool = False, top_k: int = 0, top_k_vocab: int | None = None,
+                 sizes: RowSizes | None = None) -> dict[str, torch.Tensor]:
+        score_from = self._score_from(mb)
         return self.module(
             mb["input_ids"], mb["attention_mask"], remove_padding=self.model_cfg.use_remove_padding,
             temperature=temperature, with_entropy=with_entropy, score_from=score_from, routed_experts=replay,
@@ -326,6 +337,7 @@ class Engine(abc.ABC):
             images=mb[MULTI_MODAL_KEY] if MULTI_MODAL_KEY in mb else None, top_k=top_k, top_k_vocab=top_k_vocab,
             # a distillation student's update scores its teacher's top-k tokens too (the loss reads them)
             distill_ids=mb[DISTILL_IDS_KEY] if self.module.training and DISTILL_IDS_KEY in mb else None,
+            sizes=sizes,
         )
 
     def _placeholder(self, like: Batch, rows: int = 1) -> Batch:
@@ -349,9 +361,10 @@ class Engine(abc.ABC):
             raise RuntimeError("this engine was built without an optimizer (forward-only)")
         self.module.train()
         batch = batch.to(self.device)
-        num_tokens = all_reduce_sum(batch["loss_mask"].sum().double(), self.dp_group)
-        num_seqs = all_reduce_sum(torch.tensor(float(len(batch)), dtype=torch.float64), self.dp_group)
-        micro_batches, _ = self._micro_batches(batch, group_size)
+        # on the device once (a host tensor moved there in the loop would be a host sync a micro-batch)
+        num_tokens = all_reduce_sum(batch["loss_mask"].sum().double(), self.dp_group).to(self.device)
+        num_seqs = all_reduce_sum(torch.tensor(float(len(batch)), dtype=torch.float64), self.dp_group).to(self.device)
+        micro_batches, _, sizes = self._sized_micro_batches(batch, group_size)
         grad_scale = self.mesh.world_size  # FSDP averages gradients over every rank of the mesh
 
         self.optimizer.zero_grad(set_to_none=True)
@@ -367,8 +380,8 @@ class Engine(abc.ABC):
             mb = mb if real else self._placeholder(batch, group_size)
             self._before_micro_batch(last=i == len(micro_batches) - 1)
             outputs = self._forward(mb, temperature, with_entropy, replay=mb["routed_experts"] if replay else None,
-                                    count_replay=real)
-            loss, metrics = loss_fn(outputs, mb, num_tokens.to(self.device), num_seqs.to(self.device))
+                                    count_replay=real, sizes=sizes[i])
+            loss, metrics = loss_fn(outputs, mb, num_tokens, num_seqs)
             if not real:
                 loss = loss * 0.0
             # ties every output to the graph so each rank runs the same backward collectives
@@ -443,15 +456,15 @@ class Engine(abc.ABC):
         alternatives under this model and their log-probs (among the ids below `top_k_vocab`, when given)."""
         self.module.eval()
         batch = batch.to(self.device)
-        micro_batches, perm = self._micro_batches(batch)
+        micro_batches, perm, sizes = self._sized_micro_batches(batch)
         results, empty = [], None
         as_float = lambda v: v.float() if v.is_floating_point() else v  # noqa: E731 (expert ids stay integers)
-        for mb in micro_batches:
+        for mb, mb_sizes in zip(micro_batches, sizes):
             real = len(mb) > 0
             mb = mb if real else self._placeholder(batch)
             outputs = self._forward(mb, temperature, with_entropy, record_routing,
                                     replay=mb["routed_experts"] if replay_routing else None, count_replay=False,
-                                    with_top1=with_top1, top_k=top_k, top_k_vocab=top_k_vocab)
+                                    with_top1=with_top1, top_k=top_k, top_k_vocab=top_k_vocab, sizes=mb_sizes)
             if replay_routing:
                 self.module.router_replay.end()
             if real:

@@ -320,10 +320,20 @@ class Packed:
     shape: tuple[int, int]  # (B, T) of the padded batch
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
+def nonzero_known(flags: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of the True entries of the 1-D `flags`, of which the caller knows there are `count`:
+    `nonzero().squeeze(-1)` without its host sync (the result's size is not read back). A wrong count would
+    silently pad or cut the indices, so the device checks it (asynchronously: a CUDA error at the next sync)."""
+    torch._assert_async(flags.sum() == count, "nonzero_known: the host's count of True entries is wrong")
+    return torch.nonzero_static(flags, size=count).squeeze(-1)
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, num_tokens: int | None = None) -> Packed:
+    """`num_tokens`: the real tokens of the batch, as the host knows them (no host sync; see `nonzero_known`)."""
     mask = attention_mask.bool()
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
-    flat_index = mask.flatten().nonzero().squeeze(-1)  # (N,)
+    flags = mask.flatten()
+    flat_index = flags.nonzero().squeeze(-1) if num_tokens is None else nonzero_known(flags, num_tokens)  # (N,)
     return Packed(
         input_ids=input_ids.flatten()[flat_index].unsqueeze(0),
         position_ids=position_ids.flatten()[flat_index].unsqueeze(0),

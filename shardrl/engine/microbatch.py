@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,62 @@ from shardrl.distributed import collective_device
 
 def seq_lengths(batch: Batch) -> torch.Tensor:
     return batch["attention_mask"].sum(-1).long()  # (B,)
+
+
+@dataclass(frozen=True)
+class RowSizes:
+    """What the host knows of a micro-batch before its forward: each row's real tokens (`lengths`) and, for a batch
+    scored from a column on (an RL batch's responses), how many positions predict a scored token (`needed`). With
+    them the forward's data-dependent shapes (the packed row, its sequences' bounds, the positions the head runs
+    on) are made without reading anything back from the device (`torch.nonzero_static`), so a GPU's host queues a
+    micro-batch's forward while the one before still runs its backward. `row_sizes` reads them for all of a call's
+    micro-batches in one copy."""
+
+    lengths: tuple[int, ...]
+    needed: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def num_sequences(self) -> int:
+        """Rows holding a token (an empty row is no sequence of the packed layout)."""
+        return sum(1 for n in self.lengths if n)
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths, default=0)
+
+
+def row_sizes(micro_batches: list[Batch], score_from: int | None = None) -> list[RowSizes | None]:
+    """The `RowSizes` of each micro-batch (None for an empty one), in one device->host copy for all of them.
+    `score_from`: the first scored column (as `PolicyModel.forward`'s): a row's `needed` positions are its real
+    tokens from that column on, less its first real token if it is one of them (no position predicts a sequence's
+    first token)."""
+    per = []
+    for mb in micro_batches:
+        if len(mb) == 0:
+            continue
+        mask = mb["attention_mask"].bool()
+        counts = [mask.sum(1)]
+        if score_from is not None:
+            first_scored = mask.any(1) & (mask.long().argmax(1) >= score_from)
+            counts.append(mask[:, score_from:].sum(1) - first_scored.long())
+        per.append(torch.stack(counts))
+    if not per:
+        return [None] * len(micro_batches)
+    flat = torch.cat(per, 1).tolist()
+    sizes, at = [], 0
+    for mb in micro_batches:
+        rows = len(mb)
+        if rows == 0:
+            sizes.append(None)
+            continue
+        needed = sum(flat[1][at:at + rows]) if score_from is not None else None
+        sizes.append(RowSizes(tuple(flat[0][at:at + rows]), needed))
+        at += rows
+    return sizes
 
 
 def balanced_partition(lengths: list[int], num_parts: int) -> list[list[int]]:

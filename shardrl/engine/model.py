@@ -28,7 +28,8 @@ import transformers
 
 from shardrl.engine.attention import ATTN_NAME, attention_kwargs, use_segments_attention
 from shardrl.engine.logprob import (chunked_log_probs, chunked_log_probs_at, chunked_log_probs_top1, chunked_top_k,
-                                    pack, shift_to_scored_token, unpack)
+                                    nonzero_known, pack, shift_to_scored_token, unpack)
+from shardrl.engine.microbatch import RowSizes
 from shardrl.engine.moe import RouterReplay, load_balancing_loss
 from shardrl.engine.vision import (embedded_inputs, idle_vision_tower, micro_batch_images, vision_decoder_inputs,
                                    vision_sequence_piece)
@@ -389,7 +390,8 @@ class PolicyModel(nn.Module):
                 score_from: int | None = None, routed_experts: torch.Tensor | None = None,
                 record_routing: bool = False, count_replay: bool = True,
                 images: list | None = None, with_top1: bool = False, top_k: int = 0,
-                distill_ids: torch.Tensor | None = None, top_k_vocab: int | None = None) -> dict[str, torch.Tensor]:
+                distill_ids: torch.Tensor | None = None, top_k_vocab: int | None = None,
+                sizes: RowSizes | None = None) -> dict[str, torch.Tensor]:
         """`score_from`: the "lm" head scores only the tokens at columns >= score_from (the responses of an RL
         batch, whose prompts fill the columns before), the others reading 0; None scores every token. The
         output projection over the vocabulary then skips the prompts' positions: with 256-token prompts and
@@ -407,9 +409,13 @@ class PolicyModel(nn.Module):
         `top_k_vocab` when given: a student's vocabulary; normalized over the whole row); `distill_ids` (B, C, k)
         (a student) adds `distill_log_probs` (B, C, k), this model's log-probs of those ids at each token,
         differentiable. Both sit on the token they score, as `log_probs` do, over the last C columns: those from
-        `score_from` on (the responses) when given, else all T."""
+        `score_from` on (the responses) when given, else all T.
+
+        `sizes`: the micro-batch's `RowSizes` as the host read them (for `score_from`'s columns): the layout is then
+        made without a host sync (a vision-language model's is not: its positions are M-RoPE's)."""
         layout = packed_tokens if remove_padding else padded_tokens
-        tokens = layout(input_ids, attention_mask, score_from if self.head == "lm" else None)
+        tokens = layout(input_ids, attention_mask, score_from if self.head == "lm" else None,
+                        None if self.vision else sizes)
         if distill_ids is not None:  # each position's ids are those of the token it predicts: the next one's (the
             # next real token in the layout; the last position's are never read: the next sequence starts there)
             full = F.pad(distill_ids.long(), (0, 0, input_ids.shape[1] - distill_ids.shape[1], 0))  # (B, T, k)
@@ -471,7 +477,8 @@ class PolicyModel(nn.Module):
             if self.vision:  # the piece's inputs are embeddings, the images already spliced in
                 decoder = self.lm.get_submodule(vision_family(self.lm.config).language_model)
         elif varlen and remove_padding:  # (a VL model's 4-row positions: the first row is the text one)
-            tokens.decoder_inputs.update(attention_kwargs(tokens.decoder_inputs["position_ids"][0]))
+            tokens.decoder_inputs.update(attention_kwargs(tokens.decoder_inputs["position_ids"][0],
+                                                          lengths=tokens.seq_lengths))
         if self.vision and self.sp_group is None and "image_copies" in tokens.decoder_inputs:
             # rows repeating images (a GRPO group's): the tower ran once over the distinct ones, spliced in here
             tokens.decoder_inputs = embedded_inputs(self.lm, tokens.decoder_inputs)
@@ -519,7 +526,7 @@ class PolicyModel(nn.Module):
         head = self.lm.get_output_embeddings()
         softcap = getattr(text_config(self.lm.config), "final_logit_softcapping", None)  # Gemma 2
         # only the positions that predict a scored token run (the rest read 0); under sp each rank holds a piece: all
-        idx = None if tokens.needed is None or tokens.sp_group is not None else tokens.needed.nonzero().squeeze(-1)
+        idx = tokens.needed_index()
         pick = (lambda x: x) if idx is None else (lambda x: x[idx])  # noqa: E731
         at = None
         if tokens.distill_targets is not None:
@@ -558,7 +565,7 @@ class PolicyModel(nn.Module):
         Only the positions whose next token is scored run the head."""
         head = self.lm.get_output_embeddings()
         softcap = getattr(text_config(self.lm.config), "final_logit_softcapping", None)
-        idx = None if tokens.needed is None or tokens.sp_group is not None else tokens.needed.nonzero().squeeze(-1)
+        idx = tokens.needed_index()
         h = hidden if idx is None else hidden[idx]
         ids, logp = chunked_top_k(h, head.weight, head.bias, top_k, temperature, self.chunk_size, softcap, top_k_vocab)
         outputs = {}
@@ -597,6 +604,19 @@ class Tokens:
     """(N,) each position's index among the batch's B*T."""
     distill_targets: torch.Tensor | None = None
     """(n_local, k) a distillation student's ids to score at each position (`PolicyModel.forward`'s `distill_ids`)."""
+    num_needed: int | None = None
+    """How many of `needed` are True, as the host knows it (`RowSizes.needed`); None: not known."""
+    seq_lengths: tuple[int, ...] | None = None
+    """Each row's real tokens, as the host knows them (`RowSizes.lengths`; packed layout only); None: not known."""
+
+    def needed_index(self) -> torch.Tensor | None:
+        """The positions whose next token is scored, in order (None: all of them; or under sp, where each rank
+        holds a piece); from `num_needed` without a host sync where the host knows it."""
+        if self.needed is None or self.sp_group is not None:
+            return None
+        if self.num_needed is None:
+            return self.needed.nonzero().squeeze(-1)
+        return nonzero_known(self.needed, self.num_needed)
 
     def whole(self, per_position: torch.Tensor) -> torch.Tensor:
         """(n_local,) -> (N,)."""
@@ -605,24 +625,30 @@ class Tokens:
         return gather_seq(per_position, self.sp_group)[: self.seq_start.numel()]
 
 
-def packed_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, score_from: int | None = None) -> Tokens:
+def packed_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, score_from: int | None = None,
+                  sizes: RowSizes | None = None) -> Tokens:
     """Padding removed: the real tokens of all rows in one row of N, positions restarting per sequence.
-    `score_from`: see `PolicyModel.forward` (sets `Tokens.needed`)."""
-    packed = pack(input_ids, attention_mask)
+    `score_from`: see `PolicyModel.forward` (sets `Tokens.needed`); `sizes`: the rows' sizes as the host knows
+    them (then nothing is read back from the device)."""
+    packed = pack(input_ids, attention_mask, None if sizes is None else sizes.num_tokens)
     ids, pos = packed.input_ids[0], packed.position_ids[0]  # (N,)
     seq_start = pos == 0
-    # the last token of a sequence: the next one starts another, or the row ends
-    ends = torch.cat([seq_start[1:], seq_start.new_ones(1)]).nonzero().squeeze(-1)  # (B,)
+    # the last token of a sequence: the next one starts another, or the row ends (one "end" in an empty row)
+    last = torch.cat([seq_start[1:], seq_start.new_ones(1)])
+    ends = last.nonzero().squeeze(-1) if sizes is None else nonzero_known(last, max(sizes.num_sequences, 1))  # (B,)
     needed = None
     if score_from is not None:
         needed = _predicts_scored(_scored_columns(attention_mask, score_from).flatten()[packed.flat_index], seq_start)
     return Tokens(decoder_inputs=dict(input_ids=ids[None], position_ids=pos[None]), targets=F.pad(ids[1:], (0, 1)),
                   seq_start=seq_start, ends=ends, restore=lambda x: unpack(x, packed), needed=needed,
-                  flat_index=packed.flat_index)
+                  flat_index=packed.flat_index, num_needed=None if sizes is None else sizes.needed,
+                  seq_lengths=None if sizes is None else sizes.lengths)
 
 
-def padded_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, score_from: int | None = None) -> Tokens:
-    """The padded (B, T) batch as it is, with an attention mask; N = B*T. `score_from`: as for `packed_tokens`."""
+def padded_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, score_from: int | None = None,
+                  sizes: RowSizes | None = None) -> Tokens:
+    """The padded (B, T) batch as it is, with an attention mask; N = B*T. `score_from`, `sizes`: as for
+    `packed_tokens`."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
     shape, keep = input_ids.shape, attention_mask.float()
     seq_start = position_ids.flatten() == 0
@@ -633,7 +659,8 @@ def padded_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, score_f
         decoder_inputs=dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids),
         targets=F.pad(input_ids.flatten()[1:], (0, 1)), seq_start=seq_start,
         ends=_row_ends(attention_mask), restore=lambda x: x.view(shape) * keep.to(x.dtype), needed=needed,
-        flat_index=torch.arange(input_ids.numel(), device=input_ids.device))
+        flat_index=torch.arange(input_ids.numel(), device=input_ids.device),
+        num_needed=None if sizes is None else sizes.needed)
 
 
 def split_sequence(tokens: Tokens, group, vision_lm: nn.Module | None = None) -> Tokens:
