@@ -500,6 +500,36 @@ def test_release_and_resume_cycles_hold_no_more_memory(tok):
     assert max(held[1:]) - min(held[1:]) < 2**20, held
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_resume_recaptures_without_warm_up_and_samples_the_same_tokens(tok):
+    """resume() recaptures every graph the rollout used, over the new cache, without the eager warm-up steps a
+    first capture runs; the recaptured graphs give the tokens the first ones gave (same seed), compaction's
+    narrower widths included."""
+    from shardrl.rollout.fast.step import DecodeRunner
+
+    model = reference_model(tok, seed=1, hidden_size=64)
+    rollout = make_rollout("fast", tok, model, "cuda", max_batch=6, min_width=2, width_step=2, sync_every=2)
+    ids, mask = encode(tok)
+    sampled = SamplingParams(max_new_tokens=24, seed=0)
+    limits = [3, 24, 9, 14, 5, 20]  # rows end apart: the slots compact through several widths
+    before = rollout.generate(ids.cuda(), mask.cuda(), sampled, max_new_tokens=limits)
+    graphs = set(rollout._steps.keys)
+    assert len({key[2] for key in graphs}) >= 2, graphs  # several widths captured
+    warm_ups = []
+    plain = DecodeRunner.warm_up
+    DecodeRunner.warm_up = staticmethod(lambda *args, **kwargs: warm_ups.append(args[3:]) or plain(*args, **kwargs))
+    try:
+        rollout.release()
+        rollout.resume()
+        assert set(rollout._steps.graphs) == graphs and warm_ups == []
+        after = rollout.generate(ids.cuda(), mask.cuda(), sampled, max_new_tokens=limits)
+    finally:
+        DecodeRunner.warm_up = plain
+    assert warm_ups == []  # no graph was captured anew in the call either
+    assert_same_output(after, before)
+
+
 def test_compaction_widths_step_down_by_an_eighth_of_the_slots():
     """The prefixes a decode step may run on: the slot count, then its eighths (multiples of 8 above 8 slots),
     down to `min_width`; `width_step` overrides the step, and `min_width` at the slot count turns compaction off."""

@@ -315,7 +315,7 @@ class FastRollout(DecodeLoop, Admission, Rollout):
             self._state = self._allocate(*self._kept_shape)
             for mode, seq_len, width, cascade, top in sorted(self._steps.keys):
                 if self.cuda_graphs and seq_len <= self._state.max_seq and width <= self._state.num_slots:
-                    self._steps.capture(self._state, mode, seq_len, width, cascade, top)
+                    self._steps.capture(self._state, mode, seq_len, width, cascade, top, warm=False)
         self._released = False
 
     def _drop_state(self) -> None:

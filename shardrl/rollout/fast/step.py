@@ -7,6 +7,7 @@ the attention and sampler kernels. The host loop around it is `shardrl.rollout.f
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ import torch
 from shardrl.rollout.base import MAX_TOP_LOGPROBS, SamplingParams, likeliest_tokens
 from shardrl.rollout.fast.kernel_support import triton_head_dim
 from shardrl.rollout.fast.attention import SDPADecodeAttention, TritonDecodeAttention
+
+log = logging.getLogger(__name__)
 
 GREEDY, SAMPLE, TRUNCATED = "greedy", "sample", "truncated"  # sampling modes; one graph each
 RAW = "raw"  # sampled as TRUNCATED, its log-probs the raw logits' (temperature 1): a server's raw_logprobs
@@ -235,7 +238,21 @@ class DecodeRunner:
         return st.noise
 
     def capture(self, st: SlotState, mode: str, seq_len: int, width: int, cascade: bool = False,
-                top: int = 0) -> torch.cuda.CUDAGraph:
+                top: int = 0, warm: bool = True) -> torch.cuda.CUDAGraph:
+        """Captures the step of (mode, seq_len, width, cascade, top) over `st`. `warm`: run it eagerly first (lazy
+        initialization, compilation: a step's first capture needs it). `resume()` recaptures steps this process
+        captured before, over a new state of the same shapes, without: the two eager steps were most of a
+        capture's host time (about 37 ms a graph on an H200, the device idle meanwhile, every step of a run that
+        frees the cache for its update). A capture that fails without them is made again with them."""
+        if not warm:
+            try:
+                return self._capture(st, mode, seq_len, width, cascade, top, warm=False)
+            except RuntimeError as e:  # (a first use this process had not seen after all)
+                log.warning("a decode graph's recapture without warm-up failed (%s); warming it up", e)
+        return self._capture(st, mode, seq_len, width, cascade, top, warm=True)
+
+    def _capture(self, st: SlotState, mode: str, seq_len: int, width: int, cascade: bool, top: int,
+                 warm: bool) -> torch.cuda.CUDAGraph:
         if mode != GREEDY and not uses_fused_sampler(self.fused_sample, mode):
             self.torch_sampler_noise(st)  # before the graph takes its address (resume() recaptures here)
         if top:
@@ -247,10 +264,11 @@ class DecodeRunner:
             self.stream = torch.cuda.Stream(self.device)
         stream = self.stream
         self.set_cascade(st, cascade)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self.warm_up(step, st, mode, seq_len, width)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if warm:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.warm_up(step, st, mode, seq_len, width)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             step(st, mode, seq_len, width)
