@@ -54,10 +54,11 @@ class Step:
     out_flag: bool = True  # the script takes `--out FILE`; otherwise its printed JSON lines are read
     pytest: bool = False
     env: tuple[tuple[str, str], ...] = ()
+    cwd: str | None = None  # run in another tree (an older commit's, for a baseline in the same run); its own code
 
 
-def bench(name: str, script: str, *args: str, limit_s: int, out_flag: bool = True, env=()) -> Step:
-    return Step(name, (PY, f"bench/{script}", *args), limit_s, out_flag=out_flag, env=tuple(env))
+def bench(name: str, script: str, *args: str, limit_s: int, out_flag: bool = True, env=(), cwd=None) -> Step:
+    return Step(name, (PY, f"bench/{script}", *args), limit_s, out_flag=out_flag, env=tuple(env), cwd=cwd)
 
 
 def pytest_step(name: str, *args: str, limit_s: int) -> Step:
@@ -67,6 +68,10 @@ def pytest_step(name: str, *args: str, limit_s: int) -> Step:
 
 E2E_ROOT = "/tmp/bench_e2e"  # the e2e models, written once by `whole_step_prepare`; other sets reuse them
 E2E = ("--root", E2E_ROOT, "--systems", "shardrl")
+# a baseline tree for figures against an older commit in the same run: `git archive -o .whl/base.tar COMMIT`, carried
+# (BASE_TAR names another), unpacked here by the step `base_tree`
+BASE_TREE = "/tmp/bench_base_tree"
+BASE_TREE_STEP = Step("base_tree", ("bash", "bench/base_tree.sh", BASE_TREE), 60, out_flag=False)
 ASYNC = "async_rl.rollout_ranks=1 algorithm.rollout_is=true"
 SERVE = ("--shape", "1.5b", "--clients", "256", "--requests", "2", "--client-procs", "8")
 # the first learn step makes prepare.py's folder from the GGUF `learn_join_gguf` joined
@@ -198,24 +203,19 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("distill_reverse", "distill.py", "--task", "reverse", "--steps", "150", "--seeds", "0,1,2",
               "--window", "20", "--variants", "grpo,opd_group,opd_mix,opd_top_k", limit_s=1800),
     ]),
-    "owed": ("the one-GPU figures the open issues still owe, the likeliest to finish first (issues 59, 62): "
-             "streaming's cost with the raw client now that replies stream as their tokens are made "
-             "(stream_ratio_after: streamed over the plain run after it in the same server; the streamed run's own "
-             "profile and cores), with one front end and with two; offload on the 3B shape against none, with the "
-             "parameters kept gathered over the micro-batches or not, and the GPU tests of offload; the CUDA "
-             "tests of the fast rollout (text and VL); the VLM step (Qwen2.5-VL-3B's shape) against TRL's after "
-             "the tower runs once per distinct image with its segments batched (session 36: 31.54 s, TRL 44.62 s), "
-             "and the fast rollout against HF generate alone; every CUDA test (needs --wheels "
-             ".whl/oai,.whl/trl)", [
-        bench("serve_stream_raw", "serve.py", *SERVE, "--warm-clients", "--stream", "--client", "raw", limit_s=240),
-        bench("serve_stream_raw_fe2", "serve.py", *SERVE, "--warm-clients", "--stream", "--client", "raw",
-              "--front-ends", "2", limit_s=240),
-        bench("offload_3b", "lora.py", "steps", "--cases", "3b_full,3b_full_offload_acc,3b_full_offload", "--steps",
-              "3", "--case-timeout-s", "200", limit_s=660),
-        pytest_step("offload_cuda_tests", "-m", "cuda", "tests/test_engine_gpu.py", "-k", "offload", limit_s=300),
-        pytest_step("fast_rollout_cuda_tests", "-m", "cuda", "tests/test_vl_rollout.py", "tests/test_rollout_fast.py",
-                    limit_s=300),
-        *VL_STEPS,
+    "owed": ("the one-GPU figures issue 62 still owes, the likeliest to finish first: the fast rollout's CUDA tests "
+             "(resume() recaptures without warm-up); the whole step, every case, on a baseline tree (BASE_TAR, see "
+             "BASE_TREE) and on this one, one after the other on the same machine (session 43: no host sync "
+             "between micro-batches, recapture without warm-up); where the step's time goes now (fixed_64, "
+             "var_512: which host phases the generation's gaps are); every CUDA test", [
+        pytest_step("fast_rollout_cuda_tests", "-m", "cuda", "tests/test_rollout_fast.py", limit_s=300),
+        bench("whole_step_prepare", "e2e.py", "--root", E2E_ROOT, "--systems", "none", limit_s=240),
+        BASE_TREE_STEP,
+        bench("whole_step_base", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", "--tag", "base", limit_s=560,
+              cwd=BASE_TREE),
+        bench("whole_step_1gpu", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", limit_s=560),
+        bench("whole_step_profile", "profile_e2e.py", "--root", E2E_ROOT, "--cases", "fixed_64,var_512", "--top", "25",
+              limit_s=420),
         pytest_step("cuda_tests", "-m", "cuda", "--durations=15", "tests/", limit_s=560),
     ]),
     "smoke": ("every benchmark's CPU smoke run (tiny models; no GPU): that the scripts still run", [
@@ -239,16 +239,18 @@ def run_step(step: Step, set_name: str, out: str) -> dict:
     """Runs one step in a process group of its own; ends the group (spawned ranks and compile workers too) at its
     time limit or when the step returns. Appends the step's JSON lines, tagged, to out/results.jsonl."""
     os.makedirs(f"{out}/logs", exist_ok=True)
-    raw = f"{out}/logs/{step.name}.jsonl"
+    raw = os.path.abspath(f"{out}/logs/{step.name}.jsonl")  # (absolute: a step may run in another tree)
     if os.path.exists(raw):
         os.remove(raw)
     argv = list(step.argv) + (["--out", raw] if step.out_flag else [])
+    tree = os.path.abspath(step.cwd) if step.cwd else os.getcwd()  # the tree whose code the step runs
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
-        p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p), **dict(step.env))
+        p for p in (tree, os.environ.get("PYTHONPATH", "")) if p), **dict(step.env))
     log_path = f"{out}/logs/{step.name}.log"
     start = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                cwd=tree)
         timed_out = False
         try:
             rc = proc.wait(timeout=step.limit_s)

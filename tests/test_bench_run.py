@@ -82,3 +82,35 @@ def test_wheels_of_several_folders_are_installed_once_each_and_two_versions_refu
         run.collect_wheels(f"{tmp_path / 'a'},{tmp_path / 'c'}")
     with pytest.raises(SystemExit, match="no wheels under"):
         run.collect_wheels(str(tmp_path / "nothing"))
+
+
+def test_a_step_with_a_tree_runs_that_trees_code_and_its_lines_land_in_the_output(tmp_path):
+    """`Step.cwd` (a baseline tree unpacked by bench/base_tree.sh): the step runs there, that tree first on its
+    PYTHONPATH, and the JSON lines it writes to `--out` reach the runner's output folder, wherever that is."""
+    tree = tmp_path / "base"
+    (tree / "pkg").mkdir(parents=True)
+    (tree / "pkg" / "__init__.py").write_text("WHO = 'base'\n")
+    script = ("import argparse, json, os, pkg; p = argparse.ArgumentParser(); p.add_argument('--out'); "
+              "a = p.parse_args(); open(a.out, 'a').write(json.dumps({'who': pkg.WHO, 'cwd': os.getcwd()}) + '\\n')")
+    step = run.Step("in_tree", (sys.executable, "-c", script), limit_s=60, cwd=str(tree))
+    out = tmp_path / "out"
+    summary = run.run_step(step, "demo", str(out))
+    assert summary["rc"] == 0 and summary["results"] == 1, (out / "logs" / "in_tree.log").read_text()
+    line = json.loads((out / "results.jsonl").read_text())
+    assert line == {"set": "demo", "step": "in_tree", "who": "base", "cwd": str(tree)}
+
+
+def test_the_baseline_tree_script_unpacks_an_archive_and_refuses_a_missing_one(tmp_path):
+    import subprocess
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "marker.txt").write_text("old commit\n")
+    archive = tmp_path / "base.tar"
+    subprocess.run(["tar", "-cf", str(archive), "-C", str(tmp_path / "src"), "marker.txt"], check=True)
+    dest = tmp_path / "tree"
+    ok = subprocess.run(["bash", "bench/base_tree.sh", str(dest)], env=dict(os.environ, BASE_TAR=str(archive)),
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and (dest / "marker.txt").read_text() == "old commit\n"
+    missing = subprocess.run(["bash", "bench/base_tree.sh", str(dest)],
+                             env=dict(os.environ, BASE_TAR=str(tmp_path / "none.tar")), capture_output=True, text=True)
+    assert missing.returncode == 2 and "git archive" in missing.stderr
