@@ -68,6 +68,28 @@ def build_char_tokenizer(alphabet: str | None = None, add_bos: bool = False) -> 
     )
 
 
+FAST_DECODES = ("TokenizersBackend._decode", "PreTrainedTokenizerFast._decode")
+"""transformers' `_decode` of a tokenizers-backed tokenizer (5.x, 4.x): the backend's decode, then the clean-up of
+spaces where `clean_up_tokenization_spaces` is set."""
+
+
+def decode_rows(tokenizer, rows: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+    """`tokenizer.decode(row)` of each row of ids (plain lists of ints), faster. transformers' base `decode` (every
+    fast tokenizer's) is a type check of the ids, which walks every id in Python, then `_decode`; for 512 rows of ~550
+    ids the check took 200 ms of 330, and the backend's one-row decodes most of the rest. So: where `_decode` is
+    transformers' own for a tokenizers backend and cleans up no spaces, it is the backend's decode alone, and the
+    rows go to the backend's `decode_batch` (the same decode, run over the rows on every core); else, where `decode`
+    is the base one, to `_decode` directly; a tokenizer with a `decode` of its own is called as it is."""
+    decode = getattr(getattr(type(tokenizer), "decode", None), "__qualname__", "")
+    inner = getattr(getattr(type(tokenizer), "_decode", None), "__qualname__", "")
+    if decode != "PreTrainedTokenizerBase.decode" or not inner:
+        return [tokenizer.decode(row, skip_special_tokens=skip_special_tokens) for row in rows]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if inner in FAST_DECODES and backend is not None and not tokenizer.clean_up_tokenization_spaces:
+        return backend.decode_batch(rows, skip_special_tokens=skip_special_tokens)
+    return [tokenizer._decode(row, skip_special_tokens=skip_special_tokens) for row in rows]
+
+
 def end_of_turn_token_id(tokenizer) -> int | None:
     """The special token the tokenizer's chat template writes right after an assistant's message (e.g.
     `<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`), found by rendering a two-turn chat; None without a

@@ -32,6 +32,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from shardrl.batch import Batch
+from shardrl.tokenizer import decode_rows
 
 log = logging.getLogger(__name__)
 
@@ -309,22 +310,24 @@ def cut_at_stop(text: str, stop: list[str]) -> str:
 
 
 def cut_responses(tokenizer, stop_ids, generated: torch.Tensor, stop: list[str]) -> tuple[list[int], list[str]]:
-    """Each row of `generated` (rows, L): its response length (through EOS, or through the token completing a
-    stop string) and its text (special tokens skipped, cut before the stop string)."""
-    lengths, texts = [], []
-    stops = set(stop_ids)
-    for row in generated.tolist():
-        end = next((i for i, t in enumerate(row) if t in stops), len(row))
-        body = row[:end]  # before EOS (or the end-of-turn token)
-        length = len(body) + 1 if len(body) < len(row) else len(row)  # EOS counts as a response token
-        if stop:
-            stop_at = stop_length(tokenizer, body, stop)
+    """Each row of `generated` (rows, L): its response length (through its first EOS, or through the token
+    completing a stop string) and its text (special tokens skipped, cut before the stop string). The EOS search is
+    one tensor op and the texts `decode_rows`'s: for 512 rows of a few hundred tokens the row-by-row Python scan
+    and decode took a few hundred ms while the GPU waited at the end of each generation."""
+    rows, width = generated.shape
+    generated = generated.cpu()
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=generated.dtype)
+    hit = torch.isin(generated, stops) if stops.numel() else torch.zeros_like(generated, dtype=torch.bool)
+    ends = torch.where(hit.any(1), hit.int().argmax(1), width).tolist()  # the first EOS, or the row's end
+    ids = generated.tolist()
+    lengths = [end + 1 if end < width else width for end in ends]  # EOS counts as a response token
+    if stop:
+        for r, end in enumerate(ends):
+            stop_at = stop_length(tokenizer, ids[r][:end], stop)  # (in the text before EOS)
             if stop_at is not None:
-                length = stop_at
-        text = tokenizer.decode(row[:length], skip_special_tokens=True)
-        lengths.append(length)
-        texts.append(cut_at_stop(text, stop) if stop else text)
-    return lengths, texts
+                lengths[r] = stop_at
+    texts = decode_rows(tokenizer, [row[:length] for row, length in zip(ids, lengths)])
+    return lengths, [cut_at_stop(text, stop) for text in texts] if stop else texts
 
 
 @torch.no_grad()

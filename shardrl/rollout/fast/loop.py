@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import time
 
+from array import array
+
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from torch.profiler import record_function
 
 from shardrl.rollout.base import (RolloutOutput, VersionTrack, assemble_output, contains_stop, cut_responses,
@@ -240,8 +243,11 @@ class DecodeLoop:
 
     def _assemble(self, prompt_ids, attention_mask, rows, n, stop) -> RolloutOutput:
         """The `RolloutOutput` of the uncut rows, cut by the HF reference's own rule (`cut_responses`)."""
-        width = max(len(t) for t, _ in rows)
-        full = torch.tensor([tokens + [self.pad_id] * (width - len(tokens)) for tokens, _ in rows], dtype=torch.long)
+        # each row's list through an array of its own (one nested list of every row, padded, took 120 ms at 512 rows
+        # of ~550 tokens; torch.tensor of each list 75 ms, this 25)
+        full = pad_sequence([torch.frombuffer(array("q", tokens), dtype=torch.int64) if tokens else
+                             torch.zeros(0, dtype=torch.long) for tokens, _ in rows],
+                            batch_first=True, padding_value=self.pad_id)
         lengths, texts = cut_responses(self.tokenizer, self.stop_ids, full, stop)
         # a row shorter than `full` without EOS ended at its own limit (or a stop string): padding is no response
         lengths = [min(length, len(tokens)) for length, (tokens, _) in zip(lengths, rows)]
