@@ -44,6 +44,7 @@ import sys
 import time
 
 PY = sys.executable
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,10 +208,13 @@ SETS: dict[str, tuple[str, list[Step]]] = {
              "(resume() recaptures without warm-up); the whole step, every case, on a baseline tree (BASE_TAR, see "
              "BASE_TREE) and on this one, one after the other on the same machine (session 43: no host sync "
              "between micro-batches, recapture without warm-up); where the step's time goes now (fixed_64, "
-             "var_512: which host phases the generation's gaps are); every CUDA test", [
+             "var_512: which host phases the generation's gaps are); the end of a generation on the host "
+             "(bench/assemble.py), on both trees; every CUDA test", [
         pytest_step("fast_rollout_cuda_tests", "-m", "cuda", "tests/test_rollout_fast.py", limit_s=300),
         bench("whole_step_prepare", "e2e.py", "--root", E2E_ROOT, "--systems", "none", limit_s=240),
         BASE_TREE_STEP,
+        bench("assemble", "assemble.py", limit_s=120),
+        Step("assemble_base", (PY, os.path.join(HERE, "assemble.py")), 120, cwd=BASE_TREE),  # (this tree's script)
         bench("whole_step_base", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", "--tag", "base", limit_s=560,
               cwd=BASE_TREE),
         bench("whole_step_1gpu", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", limit_s=560),
@@ -223,6 +227,7 @@ SETS: dict[str, tuple[str, list[Step]]] = {
               "--no-floor", limit_s=300),
         bench("whole_step_profile_tiny", "profile_e2e.py", "--quick", "--root", "/tmp/bench_e2e_quick", limit_s=200),
         bench("rollout_tiny", "rollout.py", "--quick", limit_s=200),
+        bench("assemble_tiny", "assemble.py", "--rows", "64", "--max-len", "128", "--repeats", "1", limit_s=120),
         bench("fp8_tiny", "fp8.py", "--quick", limit_s=200),
         bench("fp8_curve_tiny", "fp8_curve.py", "--steps", "4", "--seeds", "0", "--window", "2", "--val-freq", "2",
               limit_s=200),
