@@ -1,7 +1,8 @@
 """No host sync between a step's micro-batches: the engine reads each micro-batch's sizes back once before its
 loop (`RowSizes`), so on a GPU the host queues a micro-batch's forward while the last one's backward runs. On the CPU
 a dispatch mode stands in for CUDA's sync check: it records every op that reads a value back from the device on a
-GPU (`.item()`, `nonzero`, boolean indexing, `repeat_interleave` without its size) or makes a tensor from host data
+GPU (`.item()`, `nonzero`, boolean indexing, `repeat_interleave` without its size; with a function mode, `.tolist()`
+and `.cpu()`, which dispatch nothing for a CPU tensor) or makes a tensor from host data
 (`torch.tensor(...)`: a host-to-device copy that waits for the stream). And the host-sized layout is the same layout:
 `packed_tokens`, `padded_tokens` and `attention_kwargs` give what they gave without sizes."""
 
@@ -12,6 +13,7 @@ import traceback
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardrl.batch import Batch
@@ -23,14 +25,46 @@ from shardrl.testing import TINY_MODELS, run_distributed
 
 SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_consecutive", "unique_dim", "equal",
            "is_nonzero", "lift_fresh", "lift_fresh_copy"}
+READ_BACKS = {"tolist", "cpu", "numpy"}
+"""Tensor methods that copy a CUDA tensor to the host but dispatch no op for a CPU one (seen as torch functions)."""
+
+
+def _record(seen: collections.Counter, kind: str) -> None:
+    where = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in traceback.extract_stack()
+             if "/shardrl/" in f.filename or "/transformers/" in f.filename]
+    seen[(kind, " <- ".join(where[-3:][::-1]))] += 1
+
+
+class _ReadBacks(TorchFunctionMode):
+    def __init__(self, seen: collections.Counter):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in READ_BACKS:
+            _record(self.seen, func.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 class HostSyncs(TorchDispatchMode):
-    """Counts the ops that would make the host wait for a GPU, by (op, the shardrl lines that ran it)."""
+    """Counts the ops that would make the host wait for a GPU, by (op, the shardrl lines that ran it): those
+    dispatched (`SYNCING`, ...) and the tensor methods that read a value back without dispatching on a CPU
+    (`READ_BACKS`)."""
 
     def __init__(self):
         super().__init__()
         self.seen = collections.Counter()
+        self._reads = _ReadBacks(self.seen)
+
+    def __enter__(self):
+        self._reads.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._reads.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -43,10 +77,30 @@ class HostSyncs(TorchDispatchMode):
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
             kind = f"{name}[bool]"
         if kind:
-            where = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in traceback.extract_stack()
-                     if "/shardrl/" in f.filename or "/transformers/" in f.filename]
-            self.seen[(kind, " <- ".join(where[-3:][::-1]))] += 1
+            _record(self.seen, kind)
         return func(*args, **kwargs)
+
+
+def test_the_spy_sees_each_kind_of_read_back():
+    """Every way a value comes back from the device counts, not only the ops that dispatch one: `.tolist()` and
+    `.cpu()` copy a CUDA tensor to the host (a sync) but dispatch nothing for a CPU tensor, so a dispatch mode alone
+    never sees them (a micro-batch's sizes read back with `.tolist()` in the loop went unseen)."""
+    t = torch.arange(6)
+    reads = {
+        "item": lambda: t[1].item(), "int": lambda: int(t[1]), "nonzero": lambda: t.nonzero(),
+        "bool index": lambda: t[t > 2], "tolist": lambda: t.tolist(), "cpu": lambda: t.cpu(),
+        "numpy": lambda: t.numpy(), "tensor": lambda: torch.tensor([1, 2]),
+    }
+    for what, read in reads.items():
+        spy = HostSyncs()
+        with spy:
+            read()
+        assert spy.seen, f"{what} not seen"
+    spy = HostSyncs()
+    with spy:  # sized: no read-back
+        torch.repeat_interleave(t, t, output_size=15)
+        torch.nonzero_static(t > 2, size=3)
+    assert not spy.seen, spy.seen
 
 
 def rl_batch(rows: int = 8, prompt: int = 5, response: int = 7, vocab: int = 100, seed: int = 0,
