@@ -147,3 +147,14 @@ def test_packed_attention_on_cuda_follows_the_reference(dtype, window, softcap):
     for g, w in zip(got, want):
         scale_w = w.abs().max()
         assert (g.double().cpu() - w).abs().max() < (5e-3 if dtype == torch.float32 else 5e-2) * scale_w
+
+
+def test_the_varlen_attention_with_padding_kept_is_refused_naming_both_settings():
+    """`model.attn_implementation=shardrl_varlen` reads the packed row's bounds: with `use_remove_padding=false` the
+    batch is padded and the forward crashed deep inside the model; now the setting is refused up front."""
+    from shardrl.engine.attention import ATTN_NAME, resolve_attn_implementation
+
+    with pytest.raises(ValueError, match="use_remove_padding=true.*auto or sdpa"):
+        resolve_attn_implementation(ATTN_NAME, remove_padding=False)
+    assert resolve_attn_implementation(ATTN_NAME, remove_padding=True) == ATTN_NAME
+    assert resolve_attn_implementation("auto", remove_padding=False) == "sdpa"

@@ -130,6 +130,9 @@ def test_validation_depends_on_other_fields():
         load_config(None, ["max_token_len_per_gpu=0", "use_dynamic_bsz=true"], cls=EngineConfig)
     with pytest.raises(ConfigError, match=r"actor\.engine\.max_token_len_per_gpu=0"):
         load_config(None, ["actor.engine.max_token_len_per_gpu=0", "actor.engine.use_dynamic_bsz=true"])
+    load_config(None, ["model.attn_implementation=shardrl_varlen"])  # packed rows: the default
+    with pytest.raises(ConfigError, match=r"shardrl_varlen.*needs model\.use_remove_padding=true"):
+        load_config(None, ["model.attn_implementation=shardrl_varlen", "model.use_remove_padding=false"])
     load_config(None, ["compile=true"], cls=EngineConfig)  # FSDP2 compiles its blocks
     with pytest.raises(ConfigError, match=r"actor\.engine\.compile=True: is implemented for strategy=fsdp2 only"):
         load_config(None, ["actor.engine.compile=true", "actor.engine.strategy=fsdp"])

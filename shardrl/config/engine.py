@@ -93,6 +93,9 @@ class ModelConfig:
     def validate(self, prefix: str) -> None:
         require(self, prefix, "tiny", self.tiny is None or "model_type" in self.tiny,
                 'needs a "model_type" entry, e.g. {"model_type": "qwen2", ...}')
+        require(self, prefix, "attn_implementation", self.attn_implementation != "shardrl_varlen"
+                or self.use_remove_padding, "shardrl_varlen attends over packed rows and needs "
+                f"{prefix}.use_remove_padding=true; with padding kept, set it to auto or sdpa")
         check_model(self, prefix)
 
 

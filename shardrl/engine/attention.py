@@ -254,6 +254,9 @@ def resolve_attn_implementation(name: str, remove_padding: bool, sp: int = 1) ->
             raise ValueError(f"ulysses_sequence_parallel_size > 1 runs attention through shardrl's varlen function; "
                              f"set model.attn_implementation=auto (got {name!r})")
         return register_varlen_attention()
+    if name == ATTN_NAME and not remove_padding:  # (it reads the packed row's bounds; a padded batch has none)
+        raise ValueError(f"model.attn_implementation={ATTN_NAME} attends over packed rows and needs "
+                         "model.use_remove_padding=true; with padding kept, set model.attn_implementation=auto or sdpa")
     if name == ATTN_NAME or (name == "auto" and remove_padding and varlen_available()):
         return register_varlen_attention()
     return "sdpa" if name == "auto" else name

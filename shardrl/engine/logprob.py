@@ -320,10 +320,17 @@ class Packed:
     shape: tuple[int, int]  # (B, T) of the padded batch
 
 
+# CUDA's nonzero_static came in torch 2.7 (pytorch#141838); before it, and on an empty input (which crashed on CUDA
+# before 2.9, pytorch#162578), nonzero_known falls back to nonzero and its sync
+NONZERO_STATIC_CUDA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 7)
+
+
 def nonzero_known(flags: torch.Tensor, count: int) -> torch.Tensor:
     """The indices of the True entries of the 1-D `flags`, of which the caller knows there are `count`:
     `nonzero().squeeze(-1)` without its host sync (the result's size is not read back). A wrong count would
     silently pad or cut the indices, so the device checks it (asynchronously: a CUDA error at the next sync)."""
+    if flags.numel() == 0 or (flags.is_cuda and not NONZERO_STATIC_CUDA):
+        return flags.nonzero().squeeze(-1)
     torch._assert_async(flags.sum() == count, "nonzero_known: the host's count of True entries is wrong")
     return torch.nonzero_static(flags, size=count).squeeze(-1)
 
