@@ -61,6 +61,13 @@ def test_the_cut_is_the_row_by_row_rule(tok, seed, stop):
         assert any(contains_stop(t, stop) for t in texts)
 
 
+def test_rows_of_no_tokens_are_cut_empty(tok):
+    """A call aborted before it made any token hands over rows of width 0."""
+    empty = torch.zeros(3, 0, dtype=torch.long)
+    assert cut_responses(tok, [tok.eos_token_id], empty, []) == ([0, 0, 0], ["", "", ""])
+    assert cut_responses(tok, [tok.eos_token_id], empty, ["x"]) == reference_cut(tok, [tok.eos_token_id], empty, ["x"])
+
+
 def test_decode_rows_is_decode(tok):
     rows = random_rows(tok, 5).tolist()
     rows[3] = []

@@ -319,7 +319,8 @@ def cut_responses(tokenizer, stop_ids, generated: torch.Tensor, stop: list[str])
     hit = torch.zeros_like(generated, dtype=torch.bool)
     for stop_id in set(stop_ids):  # (a few ids: an equality each is cheaper than isin)
         hit |= generated == stop_id
-    ends = torch.where(hit.any(1), hit.to(torch.uint8).argmax(1), width).tolist()  # the first EOS, or the row's end
+    # the first EOS, or the row's end (rows of no tokens: a call aborted before any was made)
+    ends = torch.where(hit.any(1), hit.to(torch.uint8).argmax(1), width).tolist() if width else [0] * rows
     ids = generated.tolist()
     lengths = [end + 1 if end < width else width for end in ends]  # EOS counts as a response token
     if stop:
