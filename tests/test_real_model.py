@@ -236,3 +236,16 @@ def test_a_preference_completion_ends_where_a_sampled_response_ends(tok, tmp_pat
         ids, mask = item[f"{name}_ids"], item[f"{name}_mask"]
         assert ids[-1] == tok.eos_token_id and mask[-1] == 1
         assert tok.decode([i for i, m in zip(ids, mask) if m]) == f"#### {answer}<|im_end|>"
+
+
+def test_decode_rows_is_the_real_tokenizers_decode(tok):
+    """`decode_rows` (the backend's batched decode where transformers' adds only a type check) gives what the
+    tokenizer's own `decode` gives on a byte-level BPE, multi-byte characters cut mid-way and special tokens
+    included."""
+    from shardrl.tokenizer import decode_rows
+
+    texts = ["Ünïcödé ✓ 数学 🙂 and plain words", "12 + 30 = 42.", "<|im_start|>assistant\nHi<|im_end|>"]
+    rows = [tok(t)["input_ids"] for t in texts]
+    rows += [row[: len(row) // 2] for row in rows] + [[]]  # (cut inside a character's bytes)
+    for skip in (True, False):
+        assert decode_rows(tok, rows, skip) == [tok.decode(r, skip_special_tokens=skip) for r in rows]
