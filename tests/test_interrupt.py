@@ -248,3 +248,35 @@ def test_a_stop_signal_landing_in_a_handled_exception_stops_the_run_half_a_secon
     finally:
         m.restore_signals(previous)
     assert 0.4 < time.monotonic() - started < 2 and m.interrupted_exit() == 143
+
+
+def test_an_earlier_runs_stop_signal_does_not_make_an_in_process_runs_error_an_interruption(assets, tmp_path,
+                                                                                            monkeypatch):
+    """A stop signal seen before (an earlier training of this process, here the state the test above leaves) made
+    the next in-process `run`'s own ValueError read as Ctrl-C: `RunInterrupted`, a KeyboardInterrupt, reached the
+    caller (a pytest worker took it for the user's Ctrl-C and stopped: the CI run of session 43). The run's own error
+    comes out, and a pending second signal of the earlier run is not sent."""
+    import signal
+    import time
+
+    from shardrl.launch import signals as m
+    from shardrl.launch.rank import run
+    from shardrl.trainer.rl import RLTrainer
+
+    def fit(self):
+        raise ValueError("this run's own mistake")
+
+    monkeypatch.setattr(RLTrainer, "fit", fit)  # (an error inside the fit, where a stop signal is told apart)
+    previous = m.catch_stop_signals()
+    try:  # what a stop signal landing in a handled exception leaves: seen, and a second one pending
+        try:
+            raise KeyError("a library's own")
+        except KeyError:
+            m._on_stop_signal(signal.SIGTERM, None)
+    finally:
+        m.restore_signals(previous)
+    assert m.was_interrupted(ValueError()) and m._again is not None
+    with pytest.raises(ValueError, match="this run's own mistake"):
+        run(None, small_demo_run(assets, tmp_path / "run", "trainer.device=cpu"))
+    assert not m.was_interrupted(ValueError()) and m._again is None
+    time.sleep(0.6)  # (the cancelled second signal would have landed here)

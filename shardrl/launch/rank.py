@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 
 from shardrl.launch.signals import (STORAGE_EXIT, RunInterrupted, catch_stop_signals, die_with_launcher,
-                                    end_of_run_signals, interrupted_exit, interrupted_line, is_storage_error,
-                                    peer_gone, reset_stop_signal, was_interrupted)
+                                    end_of_run_signals, forget_earlier_runs_signals, interrupted_exit,
+                                    interrupted_line, is_storage_error, peer_gone, reset_stop_signal,
+                                    was_interrupted)
 
 
 
@@ -60,6 +61,7 @@ def run(config: str | None, overrides: list[str], trainer: str = "train") -> Pat
     from shardrl.distributed import init_distributed
     from shardrl.trainer.logger import check_sinks_installed
 
+    forget_earlier_runs_signals()
     cls = trainer_class(trainer)
     cfg = load_config(config, overrides, cls=cls.config_cls)
     resolve_hub_paths(cfg)  # (ranks torchrun started directly; `shardrl train` hands them local folders already)

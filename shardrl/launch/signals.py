@@ -20,6 +20,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _sigint_seen = False
 _stop_signal: int | None = None  # the signal that stopped the run (SIGINT or SIGTERM)
 _run_over = True  # no run catching stop signals (`catch_stop_signals` to `restore_signals`/`end_of_run_signals`)
+_again: threading.Timer | None = None  # `_on_stop_signal`'s signal sent again, pending
 
 
 def is_storage_error(e: BaseException) -> bool:
@@ -35,12 +36,12 @@ def _on_stop_signal(signum, frame) -> None:
     so they cannot cut the summary short; one landing while an exception already unwinds (a collective a stopped
     peer left) lets that exception stop the run instead of replacing it mid-clean-up; if that exception was only a
     library's own, caught and gone, the signal comes again half a second later and stops the run then."""
-    global _sigint_seen, _stop_signal
+    global _sigint_seen, _stop_signal, _again
     _sigint_seen, _stop_signal = True, signum
     if sys.exc_info()[1] is not None:
-        again = threading.Timer(0.5, _signal_again, (signum,))
-        again.daemon = True
-        again.start()
+        _again = threading.Timer(0.5, _signal_again, (signum,))
+        _again.daemon = True
+        _again.start()
         return
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
@@ -61,9 +62,22 @@ def catch_stop_signals() -> dict:
 
 
 def reset_stop_signal() -> None:
-    """No stop signal seen yet (a caller's process may run more than one training, from any thread)."""
-    global _sigint_seen, _stop_signal
+    """No stop signal seen yet (a caller's process may run more than one training, from any thread); a signal an
+    earlier run was to get again is not sent."""
+    global _sigint_seen, _stop_signal, _again
     _sigint_seen, _stop_signal = False, None
+    if _again is not None:
+        _again.cancel()
+        _again = None
+
+
+def forget_earlier_runs_signals() -> None:
+    """A training started outside any run's catching of stop signals (`run` called in-process, not from
+    `rank_main` or the launcher, which reset and catch first): a stop signal an earlier training of this process saw
+    is not this one's. Left set, it made this run's own error (a ValueError) read as a Ctrl-C, raised as
+    `RunInterrupted`, a KeyboardInterrupt, to its caller."""
+    if _run_over:
+        reset_stop_signal()
 
 
 def end_of_run_signals() -> None:
