@@ -77,10 +77,10 @@ def decode_rows(tokenizer, rows: list[list[int]], skip_special_tokens: bool = Tr
     """`tokenizer.decode(row)` of each row of ids (plain lists of ints), faster. transformers' base `decode` (every
     fast tokenizer's) is a type check of the ids, which walks every id in Python, then `_decode`; for 512 rows of ~550
     ids the check took about three quarters of `batch_decode`'s time (on 2 cores), the backend's one-row decodes the
-    rest. So: where `_decode` is
-    transformers' own for a tokenizers backend and cleans up no spaces, it is the backend's decode alone, and the
-    rows go to the backend's `decode_batch` (the same decode, run over the rows on every core); else, where `decode`
-    is the base one, to `_decode` directly; a tokenizer with a `decode` of its own is called as it is."""
+    rest. So: where `_decode` is transformers' own for a tokenizers backend and cleans up no spaces, it is the
+    backend's decode alone, and the rows go to the backend's `decode_batch` (the same decode, run over the rows on
+    every core); else, where `decode` is the base one, to `_decode` directly; a tokenizer with a `decode` of its own
+    is called as it is."""
     decode = getattr(getattr(type(tokenizer), "decode", None), "__qualname__", "")
     inner = getattr(getattr(type(tokenizer), "_decode", None), "__qualname__", "")
     if decode != "PreTrainedTokenizerBase.decode" or not inner:

@@ -49,10 +49,6 @@ class RowSizes:
         """Rows holding a token (an empty row is no sequence of the packed layout)."""
         return sum(1 for n in self.lengths if n)
 
-    @property
-    def longest(self) -> int:
-        return max(self.lengths, default=0)
-
 
 def row_sizes(micro_batches: list[Batch], score_from: int | None = None) -> list[RowSizes | None]:
     """The `RowSizes` of each micro-batch (None for an empty one), in one device->host copy for all of them.
