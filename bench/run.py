@@ -209,8 +209,8 @@ SETS: dict[str, tuple[str, list[Step]]] = {
              "BASE_TREE) and on this one, one after the other on the same machine (session 43: no host sync "
              "between micro-batches, recapture without warm-up); where the step's time goes now (fixed_64, "
              "var_512: which host phases the generation's gaps are); the end of a generation on the host "
-             "(bench/assemble.py), on both trees; the whole step with the allocator's expandable segments; every CUDA "
-             "test", [
+             "(bench/assemble.py), on both trees; every CUDA test; the whole step with the allocator's expandable "
+             "segments", [
         pytest_step("fast_rollout_cuda_tests", "-m", "cuda", "tests/test_rollout_fast.py", limit_s=300),
         bench("whole_step_prepare", "e2e.py", "--root", E2E_ROOT, "--systems", "none", limit_s=240),
         BASE_TREE_STEP,
@@ -219,13 +219,13 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("whole_step_base", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", "--tag", "base", limit_s=560,
               cwd=BASE_TREE),
         bench("whole_step_1gpu", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", limit_s=560),
+        pytest_step("cuda_tests", "-m", "cuda", "--durations=15", "tests/", limit_s=560),
         bench("whole_step_profile", "profile_e2e.py", "--root", E2E_ROOT, "--cases", "fixed_64,var_512", "--top", "25",
               limit_s=420),
         # the allocator's expandable segments: a colocated run frees the rollout's cache and the allocator's cached
         # blocks (`release()`'s empty_cache) every step, and the update then allocates its segments anew
         bench("whole_step_expandable", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", "--tag", "expandable",
               "--no-floor", env=[("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")], limit_s=560),
-        pytest_step("cuda_tests", "-m", "cuda", "--durations=15", "tests/", limit_s=560),
     ]),
     "smoke": ("every benchmark's CPU smoke run (tiny models; no GPU): that the scripts still run", [
         bench("whole_step_tiny", "e2e.py", "--quick", "--root", "/tmp/bench_e2e_quick", "--systems", "shardrl",
