@@ -209,7 +209,7 @@ SETS: dict[str, tuple[str, list[Step]]] = {
              "BASE_TREE) and on this one, one after the other on the same machine (session 43: no host sync "
              "between micro-batches, recapture without warm-up); where the step's time goes now (fixed_64, "
              "var_512: which host phases the generation's gaps are); the end of a generation on the host "
-             "(bench/assemble.py), on both trees; every CUDA test; the whole step with the allocator's expandable "
+             "(bench/assemble.py), on both trees; every CUDA test; fixed_64 with the rollout's cache kept; the whole step with the allocator's expandable "
              "segments", [
         pytest_step("fast_rollout_cuda_tests", "-m", "cuda", "tests/test_rollout_fast.py", limit_s=300),
         bench("whole_step_prepare", "e2e.py", "--root", E2E_ROOT, "--systems", "none", limit_s=240),
@@ -220,6 +220,10 @@ SETS: dict[str, tuple[str, list[Step]]] = {
               cwd=BASE_TREE),
         bench("whole_step_1gpu", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", limit_s=560),
         pytest_step("cuda_tests", "-m", "cuda", "--durations=15", "tests/", limit_s=560),
+        # fixed_64 with the rollout's cache kept through the update (an 80 GB card's ledger frees it): what a ledger
+        # that counts the compiled update's activations would choose there
+        bench("whole_step_keep_64", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", "--cases", "fixed_64", "--tag", "keep",
+              "--extra", "rollout.free_cache_engine=false", limit_s=240),
         bench("whole_step_profile", "profile_e2e.py", "--root", E2E_ROOT, "--cases", "fixed_64,var_512", "--top", "25",
               limit_s=420),
         # the allocator's expandable segments: a colocated run frees the rollout's cache and the allocator's cached
