@@ -204,21 +204,21 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("distill_reverse", "distill.py", "--task", "reverse", "--steps", "150", "--seeds", "0,1,2",
               "--window", "20", "--variants", "grpo,opd_group,opd_mix,opd_top_k", limit_s=1800),
     ]),
-    "owed": ("the one-GPU figures issue 62 still owes, the likeliest to finish first: the fast rollout's CUDA tests "
-             "(resume() recaptures without warm-up); the whole step, every case, on a baseline tree (BASE_TAR, see "
-             "BASE_TREE) and on this one, one after the other on the same machine (session 43: no host sync "
-             "between micro-batches, recapture without warm-up); where the step's time goes now (fixed_64, "
-             "var_512: which host phases the generation's gaps are); the end of a generation on the host "
-             "(bench/assemble.py), on both trees; every CUDA test; fixed_64 with the rollout's cache kept; the whole step with the allocator's expandable "
-             "segments", [
-        pytest_step("fast_rollout_cuda_tests", "-m", "cuda", "tests/test_rollout_fast.py", limit_s=300),
+    "owed": ("the one-GPU figures issue 62 still owes, the likeliest to finish first: the whole step, every case, on "
+             "a baseline tree (BASE_TAR, see BASE_TREE) and on this one, one after the other on the same machine "
+             "(session 43: no host sync between micro-batches, recapture without warm-up); the fast rollout's CUDA "
+             "tests (resume() recaptures without warm-up); the end of a generation on the host (bench/assemble.py), "
+             "on both trees; every CUDA test; fixed_64 with the rollout's cache kept; where the step's time goes now "
+             "(fixed_64, var_512: which host phases the generation's gaps are); the whole step with the allocator's "
+             "expandable segments", [
         bench("whole_step_prepare", "e2e.py", "--root", E2E_ROOT, "--systems", "none", limit_s=240),
         BASE_TREE_STEP,
-        bench("assemble", "assemble.py", limit_s=120),
-        Step("assemble_base", (PY, os.path.join(HERE, "assemble.py")), 120, cwd=BASE_TREE),  # (this tree's script)
         bench("whole_step_base", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", "--tag", "base", limit_s=560,
               cwd=BASE_TREE),
         bench("whole_step_1gpu", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", limit_s=560),
+        pytest_step("fast_rollout_cuda_tests", "-m", "cuda", "tests/test_rollout_fast.py", limit_s=300),
+        bench("assemble", "assemble.py", limit_s=120),
+        Step("assemble_base", (PY, os.path.join(HERE, "assemble.py")), 120, cwd=BASE_TREE),  # (this tree's script)
         pytest_step("cuda_tests", "-m", "cuda", "--durations=15", "tests/", limit_s=560),
         # fixed_64 with the rollout's cache kept through the update (an 80 GB card's ledger frees it): what a ledger
         # that counts the compiled update's activations would choose there
