@@ -210,7 +210,7 @@ SETS: dict[str, tuple[str, list[Step]]] = {
              "tests (resume() recaptures without warm-up); the end of a generation on the host (bench/assemble.py), "
              "on both trees; every CUDA test; fixed_64 with the rollout's cache kept; where the step's time goes now "
              "(fixed_64, var_512: which host phases the generation's gaps are); the whole step with the allocator's "
-             "expandable segments", [
+             "expandable segments; the decode attention's splits at narrow widths", [
         bench("whole_step_prepare", "e2e.py", "--root", E2E_ROOT, "--systems", "none", limit_s=240),
         BASE_TREE_STEP,
         bench("whole_step_base", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", "--tag", "base", limit_s=560,
@@ -230,6 +230,12 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         # blocks (`release()`'s empty_cache) every step, and the update then allocates its segments anew
         bench("whole_step_expandable", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", "--tag", "expandable",
               "--no-floor", env=[("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")], limit_s=560),
+        # the decode attention at var_512's narrow tail (32 and 64 slots, long contexts): whether splitting a slot's
+        # entries over programs (`splits`) pays where slots x KV heads leave most of 132 SMs idle
+        bench("decode_narrow_32", "profile_decode.py", "--batch", "32", "--prompt-len", "256", "--new-tokens", "1024",
+              limit_s=240),
+        bench("decode_narrow_64", "profile_decode.py", "--batch", "64", "--prompt-len", "256", "--new-tokens", "1024",
+              limit_s=240),
     ]),
     "smoke": ("every benchmark's CPU smoke run (tiny models; no GPU): that the scripts still run", [
         bench("whole_step_tiny", "e2e.py", "--quick", "--root", "/tmp/bench_e2e_quick", "--systems", "shardrl",
