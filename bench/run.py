@@ -208,8 +208,8 @@ SETS: dict[str, tuple[str, list[Step]]] = {
              "a baseline tree (BASE_TAR, see BASE_TREE) and on this one, one after the other on the same machine "
              "(session 43: no host sync between micro-batches, recapture without warm-up); the fast rollout's CUDA "
              "tests (resume() recaptures without warm-up); the end of a generation on the host (bench/assemble.py), "
-             "on both trees; every CUDA test; fixed_64 with the rollout's cache kept; where the step's time goes now "
-             "(fixed_64, var_512: which host phases the generation's gaps are); the whole step with the allocator's "
+             "on both trees; every CUDA test; where the step's time goes now (fixed_64, var_512: which host phases the "
+             "generation's gaps are); fixed_64 with the rollout's cache kept; the whole step with the allocator's "
              "expandable segments; the decode attention's splits at narrow widths", [
         bench("whole_step_prepare", "e2e.py", "--root", E2E_ROOT, "--systems", "none", limit_s=240),
         BASE_TREE_STEP,
@@ -220,12 +220,131 @@ SETS: dict[str, tuple[str, list[Step]]] = {
         bench("assemble", "assemble.py", limit_s=120),
         Step("assemble_base", (PY, os.path.join(HERE, "assemble.py")), 120, cwd=BASE_TREE),  # (this tree's script)
         pytest_step("cuda_tests", "-m", "cuda", "--durations=15", "tests/", limit_s=560),
+        bench("whole_step_profile", "profile_e2e.py", "--root", E2E_ROOT, limit_s=420),
+        bench("demo_profile_cuda", "profile_demo.py", "--device", "cuda", "--steps", "30", limit_s=150),
+        bench("demo_profile_cpu", "profile_demo.py", "--device", "cpu", "--steps", "30", limit_s=100),
+    ]),
+    "whole-step-2gpu": ("the whole step on two GPUs: colocated, offload, and asynchronous 1 + 1 against it (var_512)", [
+        bench("whole_step_prepare", "e2e.py", "--root", E2E_ROOT, "--systems", "none", limit_s=240),
+        bench("whole_step_2gpu", "e2e.py", *E2E, "--gpus", "2", "--cases", "fixed_512,var_512", "--steps", "6",
+              limit_s=400),
+        bench("whole_step_2gpu_offload", "e2e.py", *E2E, "--gpus", "2", "--cases", "fixed_512", "--steps", "3",
+              "--tag", "offload", "--extra", "actor.engine.offload_params=true actor.engine.offload_optimizer=true",
+              limit_s=200),
+        bench("async_2gpu", "e2e.py", *E2E, "--gpus", "2", "--cases", "var_512", "--steps", "6", "--no-floor",
+              "--tag", "async2", "--extra", f"{ASYNC} async_rl.max_staleness=2", limit_s=220),
+        bench("async_2gpu_partial", "e2e.py", *E2E, "--gpus", "2", "--cases", "var_512", "--steps", "6",
+              "--no-floor", "--tag", "async2_partial",
+              "--extra", f"{ASYNC} async_rl.max_staleness=2 async_rl.partial_rollout=true", limit_s=220),
+    ]),
+    "engine": ("the training engine on one GPU: the update against a plain FSDP2 loop, the log-prob head, weight "
+               "export and offload, start-up, the sft step", [
+        bench("engine_1gpu", "engine.py", "--world", "1", "--steps", "3",
+              "--rows", "plain_4,fsdp2_4,fsdp2_4_compile,fsdp2_8_compile,fsdp2_rlvar_compile", limit_s=400),
+        bench("update_profile", "profile_step.py", "--rows", "fsdp2_8_compile,fsdp2_rlvar_compile", out_flag=False,
+              limit_s=300),
+        bench("logprob_head", "logprob.py", limit_s=120),
+        bench("state_1gpu", "state.py", "--world", "1", "--strategies", "fsdp2", limit_s=200),
+        bench("startup_1gpu", "startup.py", "--cases", "1.5b:1", limit_s=240),
+        bench("sft_step", "sft.py", limit_s=240),
+    ]),
+    "engine-2gpu": ("the engine on two GPUs: full sharding against HSDP, weight export, sharded start-up, Ulysses", [
+        bench("engine_2gpu", "engine.py", "--world", "2", "--steps", "3",
+              "--rows", "fsdp2_8,hsdp1_8,fsdp2_8_compile,hsdp1_8_compile", limit_s=300),
+        bench("state_2gpu", "state.py", "--world", "2", "--strategies", "fsdp2,fsdp", limit_s=200),
+        bench("startup_2gpu", "startup.py", "--cases", "1.5b:2,7b:2", limit_s=300),
+        bench("ulysses_2gpu", "ulysses.py", "--world", "2", "--sp", "1,2", limit_s=360),
+    ]),
+    "rollout": ("the fast rollout on one GPU against HF generate, its decode step's parts, FP8 against bf16, the model "
+                "families, the multi-turn loop and the long-prompt GRPO call", [
+        bench("rollout_fixed_mixed", "rollout.py", "--cases", "fixed_64,mixed", "--hf-warm-once",
+              "--rows", "hf_dynamic,fast", limit_s=420),
+        bench("rollout_fixed_256", "rollout.py", "--cases", "fixed_256", "--rows", "hf_dynamic,fast", limit_s=300),
+        bench("rollout_tail", "rollout.py", "--cases", "tail_512", "--rows", "fast_no_compact,fast", limit_s=240),
+        bench("fp8_rollout", "fp8.py", limit_s=400),
+        bench("decode_profile", "profile_decode.py", limit_s=400),
+        bench("families", "rollout_families.py", limit_s=330),
+        bench("multiturn", "multiturn.py", "--backend", "fast", "--shape", "0.5b", "--prompts", "128", "--n", "4",
+              "--tool-latency-s", "0.2", out_flag=False, limit_s=200),
+        bench("long_prompts", "prefix_reuse.py", "--trees", "new=.", "--shape", "1.5b", "--prompts", "32",
+              "--n", "8", "--prompt-len", "2048", "--new-tokens", "256", limit_s=300),
+    ]),
+    "server": ("`shardrl serve` under 256 openai clients against direct calls, and the HTTP front end alone "
+               "(needs the wheels of bench/pack_server_wheels.sh: --wheels .whl/oai)", [
+        bench("serve", "serve.py", *SERVE, "--in-process", limit_s=200),
+        bench("serve_warm_clients", "serve.py", *SERVE, "--warm-clients", limit_s=150),
+        bench("serve_stream", "serve.py", *SERVE, "--warm-clients", "--stream", limit_s=240),
+        bench("serve_stream_raw", "serve.py", *SERVE, "--warm-clients", "--stream", "--client", "raw",
+              limit_s=240),
+        bench("serve_sim", "serve.py", *SERVE, "--client", "raw", "--backend", "sim", "--in-process", limit_s=120),
+        bench("front_end", "front_end.py", "--front-ends", "1,2,4", "--load-procs", "4", limit_s=120),
+    ]),
+    "lora": ("LoRA on one GPU: the adapter-only sync, the 7B step against full fine-tuning in bf16", [
+        bench("lora_sync", "lora.py", "sync", "--shape", "7b", limit_s=200),
+        bench("lora_steps", "lora.py", "steps", "--cases", "7b_lora,7b_lora_unmerged_gc,7b_full_bf16",
+              "--steps", "3", limit_s=560),
+    ]),
+    "moe": ("mixtures of experts on one GPU: the update (grouped against HF's eager experts), the decode against HF "
+            "generate, router replay", [
+        bench("moe_update_olmoe", "moe.py", "update", "--shape", "olmoe", "--experts", "grouped_mm+compile,eager",
+              limit_s=300),
+        bench("moe_update_qwen3", "moe.py", "update", "--shape", "qwen3_30b_a3b", "--experts", "grouped_mm+compile",
+              limit_s=300),
+        bench("moe_rollout", "moe.py", "rollout", "--shape", "olmoe", limit_s=300),
+        bench("moe_replay", "moe.py", "replay", "--shape", "olmoe", "--steps", "3", "--modes", "R3,disabled",
+              *MOE_REPLAY, limit_s=300),
+    ]),
+    "learning": ("reward curves: the rollout-mismatch correction on one GPU, asynchronous against colocated on the "
+                 "CPU (bench/async_curve.py: long)", [
+        bench("rollout_mismatch", "rollout_mismatch.py", "--steps", "80", "--root", "/tmp/bench_mismatch",
+              out_flag=False, limit_s=300),
+        bench("async_curve", "async_curve.py", "--steps", "150", "--seeds", "0,1", limit_s=3600),
+    ]),
+    "learn": ("time to accuracy on SmolLM2-135M-Instruct (examples/smollm2), shardrl against TRL's GRPOTrainer, "
+              "full and LoRA (bench/learn.py; one GPU, about an hour; needs the GGUF parts and wheels, see above)", [
+        Step("learn_join_gguf", ("bash", "examples/smollm2/gpu_run.sh", "join"), limit_s=120, out_flag=False),
+        bench("learn_shardrl", "learn.py", *LEARN, "--systems", "shardrl", limit_s=900),
+        bench("learn_trl", "learn.py", *LEARN, "--systems", "trl", limit_s=3000),
+        bench("learn_shardrl_lora", "learn.py", *LEARN, "--systems", "shardrl", "--lora", limit_s=900),
+        bench("learn_trl_lora", "learn.py", *LEARN, "--systems", "trl", "--lora", limit_s=3000),
+    ]),
+    "vl": ("a vision-language model of Qwen2.5-VL-3B's shape (random init, 256 image tokens a prompt): the whole GRPO "
+           "step, shardrl against TRL's GRPOTrainer on the same folder and images, and the fast rollout against HF "
+           "generate with the images (bench/vl_e2e.py; one GPU, about 15 minutes; the TRL step needs TRL carried, "
+           "as the learn set: --wheels .whl/trl)", [
+        *VL_STEPS,
+    ]),
+    "distill": ("on-policy distillation against plain GRPO on the CPU, from the demo's start with the demo's model "
+                "trained further as the teacher, several seeds (bench/distill.py)", [
+        bench("distill", "distill.py", "--steps", "150", "--seeds", "0,1,2", "--window", "20",
+              limit_s=1800),
+        bench("distill_product", "distill.py", "--task", "product", "--steps", "150", "--seeds", "0,1,2",
+              "--window", "20", limit_s=1800),
+        bench("distill_reverse", "distill.py", "--task", "reverse", "--steps", "150", "--seeds", "0,1,2",
+              "--window", "20", "--variants", "grpo,opd_group,opd_mix,opd_top_k", limit_s=1800),
+    ]),
+    "owed": ("the one-GPU figures issue 62 still owes, the likeliest to finish first: the whole step, every case, on "
+             "a baseline tree (BASE_TAR, see BASE_TREE) and on this one, one after the other on the same machine "
+             "(session 43: no host sync between micro-batches, recapture without warm-up); the fast rollout's CUDA "
+             "tests (resume() recaptures without warm-up); the end of a generation on the host (bench/assemble.py), "
+             "on both trees; every CUDA test; where the step's time goes now (fixed_64, var_512: which host phases the "
+             "generation's gaps are); fixed_64 with the rollout's cache kept; the whole step with the allocator's "
+             "expandable segments; the decode attention's splits at narrow widths", [
+        bench("whole_step_prepare", "e2e.py", "--root", E2E_ROOT, "--systems", "none", limit_s=240),
+        BASE_TREE_STEP,
+        bench("whole_step_base", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", "--tag", "base", limit_s=560,
+              cwd=BASE_TREE),
+        bench("whole_step_1gpu", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", limit_s=560),
+        pytest_step("fast_rollout_cuda_tests", "-m", "cuda", "tests/test_rollout_fast.py", limit_s=300),
+        bench("assemble", "assemble.py", limit_s=120),
+        Step("assemble_base", (PY, os.path.join(HERE, "assemble.py")), 120, cwd=BASE_TREE),  # (this tree's script)
+        pytest_step("cuda_tests", "-m", "cuda", "--durations=15", "tests/", limit_s=560),
+        bench("whole_step_profile", "profile_e2e.py", "--root", E2E_ROOT, "--cases", "fixed_64,var_512", "--top", "25",
+              limit_s=420),
         # fixed_64 with the rollout's cache kept through the update (an 80 GB card's ledger frees it): what a ledger
         # that counts the compiled update's activations would choose there
         bench("whole_step_keep_64", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", "--cases", "fixed_64", "--tag", "keep",
               "--extra", "rollout.free_cache_engine=false", limit_s=240),
-        bench("whole_step_profile", "profile_e2e.py", "--root", E2E_ROOT, "--cases", "fixed_64,var_512", "--top", "25",
-              limit_s=420),
         # the allocator's expandable segments: a colocated run frees the rollout's cache and the allocator's cached
         # blocks (`release()`'s empty_cache) every step, and the update then allocates its segments anew
         bench("whole_step_expandable", "e2e.py", *E2E, "--gpus", "1", "--steps", "5", "--tag", "expandable",
