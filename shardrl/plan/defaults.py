@@ -10,12 +10,10 @@ import copy
 import torch
 
 from shardrl.config.schema import Config, ConfigError
+from shardrl.plan.compiling import compile_choice
 from shardrl.plan.layout import format_size
 
 ENGINE_SECTIONS = ("actor", "ref", "teacher", "critic", "reward")
-COMPILE_MIN_PARAMS = 500_000_000
-"""`engine.compile` left null is on, on CUDA, for a policy of this many matmul parameters and more: compiling
-costs tens of seconds once and pays back on models whose steps take seconds (see `resolve_device_defaults`)."""
 
 
 KEEP_CACHE_FRACTION = 0.85
@@ -58,33 +56,10 @@ def resolve_device_defaults(cfg: Config, hf_config=None,
         lines.append(f"rollout.backend={ro.backend} (null: by device, {reason})")
     if ro.backend == "fast" and ro.quantization == "fp8":
         check_fp8_rollout(ro, hf_config, cuda)
-    size = None
-    if hf_config is not None:
-        from shardrl.plan.perf import model_shape
-
-        try:
-            size = model_shape(hf_config).num_params
-        except ValueError:  # a config without the usual names: no size, no compile
-            size = None
     for section in ENGINE_SECTIONS:
         engine = getattr(cfg, section).engine
         if engine.compile is None:
-            # on CUDA for models of COMPILE_MIN_PARAMS and more, with FSDP2 (bench/RESULTS.md, "Current figures:
-            # Whole step settings"); off for small ones (compiled, the built-in demo with its dynamic
-            # micro-batch shapes did not finish a first step in minutes) and on CPU
-            engine.compile = bool(cuda and engine.strategy == "fsdp2" and size is not None
-                                  and size >= COMPILE_MIN_PARAMS and engine.expert_parallel_size == 1)
-            if not cuda:
-                why = "off on CPU"
-            elif engine.strategy != "fsdp2":
-                why = "FSDP1 does not compile"
-            elif engine.expert_parallel_size > 1:
-                why = "expert parallelism does not compile yet"
-            elif size is None:
-                why = "on CUDA, but the model's size is unknown"
-            else:
-                why = f"on CUDA, the model's {size / 1e9:.2f}B matmul parameters {'>=' if engine.compile else '<'} " \
-                      f"{COMPILE_MIN_PARAMS / 1e9:g}B"
+            engine.compile, why = compile_choice(engine, hf_config, cuda)
             lines.append(f"{section}.engine.compile={str(engine.compile).lower()} (null: {why}; "
                          "see EngineConfig.compile)")
     if ro.free_cache_engine is None:

@@ -12,6 +12,8 @@ decoder layer with FlashAttention-style attention (bf16 compute): each RMSNorm k
 normalized output; attention keeps q and k after rotary, v, its output and o_proj's input; a gated MLP keeps
 gate, up, the activation and the product (an ungated one: its two). Checkpointing keeps only each layer's
 input, plus one layer's full set during its recomputation.
+A compiled layer (`engine.compile`, resolved as the run would on CUDA) keeps fewer: its norms' fp32 inputs and
+one of its MLP's four hidden-width tensors are recomputed in the backward (`activation_bytes_per_token_layer`).
 
 A vision-language model (issue 61) adds its vision tower: its parameters are the model's (state, grads and
 optimizer state as the rest's; no grads or optimizer state when `model.freeze_vision_tower`), and a micro-batch's
@@ -26,6 +28,7 @@ from __future__ import annotations
 import math
 
 from shardrl.config.schema import Config
+from shardrl.plan.compiling import compile_choice
 from shardrl.plan.layout import DTYPE_BYTES, GIB, Layout, format_count, format_size
 from shardrl.models.config import text_config
 from shardrl.models.families import expert_intermediate_size, gated_mlp, is_moe, moe_layer_count, num_experts
@@ -124,8 +127,13 @@ def vision_terms(numbers: dict, image_tokens: int, bound: str, compute: int, tra
              f"{' (frozen: no activations kept)' if train else ''}")]
 
 
-def activation_bytes_per_token_layer(hf_config, compute: int) -> tuple[int, str]:
-    """Bytes autograd keeps per token per decoder layer (see the module docstring), and the formula."""
+def activation_bytes_per_token_layer(hf_config, compute: int, compiled: bool = False) -> tuple[int, str]:
+    """Bytes autograd keeps per token per decoder layer (see the module docstring), and the formula. `compiled`: the
+    layer runs `torch.compile`d (`engine.compile`), whose partitioner recomputes the cheap elementwise work in the
+    backward instead of keeping it: each RMSNorm keeps its normalized output and its fp32 scale (not its fp32
+    input), attention its inputs, output and o_proj's input and the rotary tables, a dense gated MLP three of its
+    four hidden-width tensors (counted from the tensors a compiled Qwen2 layer saves: tests/test_plan_compiled.py).
+    Compiled MoE and ungated MLPs are counted as eager (not measured)."""
     c = text_config(hf_config)
     h = c.hidden_size
     heads = c.num_attention_heads
@@ -133,14 +141,22 @@ def activation_bytes_per_token_layer(hf_config, compute: int) -> tuple[int, str]
     kv = getattr(c, "num_key_value_heads", None) or heads
     inter = getattr(c, "intermediate_size", None) or 4 * h
     mlp_tensors = 4 if gated_mlp(c) else 2
-    norms = 2 * (4 * h + compute * h)
-    attn = compute * (3 * heads * d + 2 * kv * d) + compute * heads * d  # q, out, o_proj input; k, v; + spare
-    attn_how = f"2 norms x (4+{compute}) B x {h} + attention {compute} B x (4 x {heads * d} + 2 x {kv * d})"
+    if compiled:
+        norms = 2 * (compute * h + 4)
+        attn = compute * (3 * heads * d + 2 * kv * d) + 2 * compute * d  # q, out, o_proj input; k, v; cos, sin
+        attn_how = (f"compiled: 2 norms x ({compute} B x {h} + 4 B) + attention {compute} B x (3 x {heads * d} + "
+                    f"2 x {kv * d} + 2 x {d})")
+    else:
+        norms = 2 * (4 * h + compute * h)
+        attn = compute * (3 * heads * d + 2 * kv * d) + compute * heads * d  # q, out, o_proj input; k, v; + spare
+        attn_how = f"2 norms x (4+{compute}) B x {h} + attention {compute} B x (4 x {heads * d} + 2 x {kv * d})"
     if is_moe(c):  # each of a token's k experts keeps its hidden units, its copy of the token's input and output
         k, expert, experts = c.num_experts_per_tok, expert_intermediate_size(c), num_experts(c)
         mlp = k * (mlp_tensors * compute * expert + 2 * compute * h) + 4 * experts
         return norms + attn + mlp, (f"{attn_how} + MLP {k} experts x ({mlp_tensors} x {compute} B x {expert} + "
                                     f"2 x {compute} B x {h}) + router 4 B x {experts}")
+    if compiled and mlp_tensors == 4:
+        mlp_tensors = 3
     mlp = mlp_tensors * compute * inter
     return norms + attn + mlp, f"{attn_how} + MLP {mlp_tensors} x {compute} B x {inter}"
 
@@ -171,14 +187,15 @@ def _engine_resident(name, numbers, master, shard, offload_params, offload_optim
 
 
 def _update_terms(name: str, engine, hf_config, numbers: dict, master: int, shard: int, tokens: int,
-                  gradient_checkpointing: bool, images: tuple[int, str] = (0, "")) -> list[tuple[str, float, str]]:
+                  gradient_checkpointing: bool, images: tuple[int, str] = (0, ""),
+                  compiled: bool = False) -> list[tuple[str, float, str]]:
     """An update's own terms: grads, activations of a micro-batch of `tokens` (and of a VL model's vision tower
     over its `images`: (image tokens at most, why)), unsharded units, the logits chunk, and the optimizer state
-    brought back from the CPU."""
+    brought back from the CPU. `compiled`: the engine compiles its decoder blocks (fewer activations kept)."""
     c = text_config(hf_config)
     p, layers, h, vocab = numbers["total"], c.num_hidden_layers, c.hidden_size, c.vocab_size
     compute = DTYPE_BYTES[engine.param_dtype]
-    per_tok, formula = activation_bytes_per_token_layer(hf_config, compute)
+    per_tok, formula = activation_bytes_per_token_layer(hf_config, compute, compiled)
     if gradient_checkpointing:
         act = tokens * (layers * compute * h + per_tok)
         act_how = f"checkpointing: {tokens} tokens x ({layers} layer inputs x {compute} B x {h} + one layer: {formula})"
@@ -447,8 +464,11 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     if teacher_prep is not None:  # the passes run one after another: the larger model's counts
         prep = [max([*prep, teacher_prep], key=lambda t: t[1]), *_top_k_terms(cfg, layout)]
 
+    compiled = actor.compile
+    if compiled is None:  # null: as the run on this device would choose (CPU: eager)
+        compiled = compile_choice(actor, hf_config, cuda)[0]
     update = _update_terms("actor", actor, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing,
-                           images)
+                           images, compiled)
     if cfg.actor.router_replay.mode == "R2" and is_moe(hf_config):  # the routing recorded, then replayed
         routed = tokens * moe_layer_count(hf_config) * c.num_experts_per_tok
         prep.append(("recorded routing", routed * (8 + 2), f"{tokens} tokens x {moe_layer_count(hf_config)} MoE "
