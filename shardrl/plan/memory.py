@@ -464,11 +464,13 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     if teacher_prep is not None:  # the passes run one after another: the larger model's counts
         prep = [max([*prep, teacher_prep], key=lambda t: t[1]), *_top_k_terms(cfg, layout)]
 
-    compiled = actor.compile
-    if compiled is None:  # null: as the run on this device would choose (CPU: eager)
-        compiled = compile_choice(actor, hf_config, cuda)[0]
+    compiled, why = (actor.compile, "actor.engine.compile") if actor.compile is not None else \
+        compile_choice(actor, hf_config, cuda)  # null: as the run on this device would choose (CPU: eager)
     update = _update_terms("actor", actor, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing,
                            images, compiled)
+    if compiled and actor.compile is None:  # say why a config that names no compile is counted compiled
+        update = [(name, size, f"{how}; compiled: actor.engine.compile=null is on here ({why})")
+                  if name == "activations" else (name, size, how) for name, size, how in update]
     if cfg.actor.router_replay.mode == "R2" and is_moe(hf_config):  # the routing recorded, then replayed
         routed = tokens * moe_layer_count(hf_config) * c.num_experts_per_tok
         prep.append(("recorded routing", routed * (8 + 2), f"{tokens} tokens x {moe_layer_count(hf_config)} MoE "
