@@ -12,8 +12,9 @@ decoder layer with FlashAttention-style attention (bf16 compute): each RMSNorm k
 normalized output; attention keeps q and k after rotary, v, its output and o_proj's input; a gated MLP keeps
 gate, up, the activation and the product (an ungated one: its two). Checkpointing keeps only each layer's
 input, plus one layer's full set during its recomputation.
-A compiled layer (`engine.compile`, resolved as the run would on CUDA) keeps fewer: its norms' fp32 inputs and
-one of its MLP's four hidden-width tensors are recomputed in the backward (`activation_bytes_per_token_layer`).
+A compiled layer (`engine.compile`, resolved as the run would on CUDA) keeps fewer: its norms' fp32 inputs,
+o_proj's input and one of its MLP's four hidden-width tensors are recomputed in the backward; it keeps the residual
+stream after attention, and q and k before q/k norms (`activation_bytes_per_token_layer`).
 
 A vision-language model (issue 61) adds its vision tower: its parameters are the model's (state, grads and
 optimizer state as the rest's; no grads or optimizer state when `model.freeze_vision_tower`), and a micro-batch's
@@ -31,7 +32,8 @@ from shardrl.config.schema import Config
 from shardrl.plan.compiling import compile_choice
 from shardrl.plan.layout import DTYPE_BYTES, GIB, Layout, format_count, format_size
 from shardrl.models.config import text_config
-from shardrl.models.families import expert_intermediate_size, gated_mlp, is_moe, moe_layer_count, num_experts
+from shardrl.models.families import (FAMILIES, Family, expert_intermediate_size, gated_mlp, is_moe, moe_layer_count,
+                                     num_experts)
 from shardrl.plan.step_plan import old_log_probs_from_update
 
 SEQ_BUCKET = 128  # the fast rollout's cache length granularity (FastRollout.seq_bucket)
@@ -130,10 +132,13 @@ def vision_terms(numbers: dict, image_tokens: int, bound: str, compute: int, tra
 def activation_bytes_per_token_layer(hf_config, compute: int, compiled: bool = False) -> tuple[int, str]:
     """Bytes autograd keeps per token per decoder layer (see the module docstring), and the formula. `compiled`: the
     layer runs `torch.compile`d (`engine.compile`), whose partitioner recomputes the cheap elementwise work in the
-    backward instead of keeping it: each RMSNorm keeps its normalized output and its fp32 scale (not its fp32
-    input), attention its inputs, output and o_proj's input and the rotary tables, a dense gated MLP three of its
-    four hidden-width tensors (counted from the tensors a compiled Qwen2 layer saves: tests/test_plan_compiled.py).
-    Compiled MoE and ungated MLPs are counted as eager (not measured)."""
+    backward instead of keeping it: each RMSNorm keeps its fp32 scale (not its fp32 input), the hidden-width tensors
+    kept are q/k/v's input, the residual stream after attention and the MLP's input (Gemma's four norms: q/k/v's
+    and the MLP's inputs and the inputs of the norms after attention and after the MLP), attention keeps q, k, v, its
+    output, its log-sum-exp and the rotary tables (not o_proj's input), q/k norms (Qwen3, Gemma 3, OLMoE) q and k
+    before them and their fp32 scales, a dense gated MLP three of its four hidden-width tensors (counted from the
+    tensors compiled Qwen2, Llama, Qwen3 and Gemma layers save: tests/test_plan_compiled.py). A compiled MoE's or
+    ungated MLP is counted as eager (not measured)."""
     c = text_config(hf_config)
     h = c.hidden_size
     heads = c.num_attention_heads
@@ -142,10 +147,16 @@ def activation_bytes_per_token_layer(hf_config, compute: int, compiled: bool = F
     inter = getattr(c, "intermediate_size", None) or 4 * h
     mlp_tensors = 4 if gated_mlp(c) else 2
     if compiled:
-        norms = 2 * (compute * h + 4)
-        attn = compute * (3 * heads * d + 2 * kv * d) + 2 * compute * d  # q, out, o_proj input; k, v; cos, sin
-        attn_how = (f"compiled: 2 norms x ({compute} B x {h} + 4 B) + attention {compute} B x (3 x {heads * d} + "
-                    f"2 x {kv * d} + 2 x {d})")
+        family = FAMILIES.get(getattr(c, "model_type", None), Family())
+        n_norms, wide = (4, 4) if family.gemma else (2, 3)
+        norms = wide * compute * h + 4 * n_norms
+        attn = compute * (2 * heads * d + 2 * kv * d + 2 * d) + 4 * heads  # q, out; k, v; cos, sin; log-sum-exp
+        attn_how = (f"compiled: {n_norms} norms x 4 B + {wide} x {compute} B x {h} + attention {compute} B x "
+                    f"(2 x {heads * d} + 2 x {kv * d} + 2 x {d}) + 4 B x {heads}")
+        if family.qk_norm:  # q and k before their norms, and the norms' scales (per head; OLMoE's: over all heads)
+            scales = 2 if family.qk_norm_whole else heads + kv
+            attn += compute * (heads + kv) * d + 4 * scales
+            attn_how += f" + q/k norms {compute} B x ({heads * d} + {kv * d}) + 4 B x {scales}"
     else:
         norms = 2 * (4 * h + compute * h)
         attn = compute * (3 * heads * d + 2 * kv * d) + compute * heads * d  # q, out, o_proj input; k, v; + spare
