@@ -27,10 +27,11 @@ def resolve_device_defaults(cfg: Config, hf_config=None,
     """A copy of `cfg` with the device-dependent nulls filled in, and one line per choice.
 
     On CUDA: `rollout.backend` = fast when the fast rollout supports the policy's `hf_config` (hf otherwise,
-    or when `hf_config` is None). On CPU: hf, or fast under actor.router_replay.mode=R3. `<section>.engine.compile` = true on CUDA with FSDP2 for a policy of
-    `COMPILE_MIN_PARAMS` or more, false otherwise. `rollout.free_cache_engine`: false when `memory_gib` =
-    (the memory ledger's update peak plus the rollout's cache, the GPU's size; `memory.update_and_cache_gib`)
-    says the first is at most `KEEP_CACHE_FRACTION` of the second; true on CPU or without `memory_gib`."""
+    or when `hf_config` is None). On CPU: hf, or fast under actor.router_replay.mode=R3.
+    `<section>.engine.compile` = true on CUDA with FSDP2 for a policy of `compiling.COMPILE_MIN_PARAMS` or more
+    (`compile_choice`), false otherwise. `rollout.free_cache_engine`: false when `memory_gib` = (the memory
+    ledger's update peak plus the rollout's cache, the GPU's size; `memory.update_and_cache_gib`) says the first
+    is at most `KEEP_CACHE_FRACTION` of the second; true on CPU or without `memory_gib`."""
     cfg = copy.deepcopy(cfg)
     cuda = torch.cuda.is_available()
     where = "CUDA" if cuda else "CPU"

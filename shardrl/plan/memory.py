@@ -480,7 +480,7 @@ def phase_ledger(cfg: Config, layout: Layout, hf_config, cuda: bool = True) -> d
     update = _update_terms("actor", actor, hf_config, numbers, master, shard, tokens, cfg.model.gradient_checkpointing,
                            images, compiled)
     if compiled and actor.compile is None:  # say why a config that names no compile is counted compiled
-        update = [(name, size, f"{how}; compiled: actor.engine.compile=null is on here ({why})")
+        update = [(name, size, f"{how}; counted compiled: actor.engine.compile=null compiles on a GPU ({why})")
                   if name == "activations" else (name, size, how) for name, size, how in update]
     if cfg.actor.router_replay.mode == "R2" and is_moe(hf_config):  # the routing recorded, then replayed
         routed = tokens * moe_layer_count(hf_config) * c.num_experts_per_tok
