@@ -10,7 +10,7 @@ import transformers
 from shardrl.config.schema import ConfigError, load_config
 from shardrl.testing import TINY_MODELS
 from shardrl.plan.step_plan import old_log_probs_from_update
-from shardrl.plan.defaults import resolve_device_defaults
+from shardrl.plan.defaults import KEEP_CACHE_FRACTION, resolve_device_defaults
 
 QWEN2 = transformers.AutoConfig.for_model(**TINY_MODELS["qwen2"])
 GPT2 = transformers.AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2)
@@ -127,10 +127,10 @@ def test_the_rollout_keeps_its_cache_through_the_update_when_the_ledger_says_it_
     h200 = resolve_device_defaults(cfg, big, (need, 139.8))
     assert h200[0].rollout.free_cache_engine is False
     assert f"rollout.free_cache_engine=false (null: the ledger's update peak plus the rollout's cache, {need:.1f} " \
-           "GiB, fits in 85% of the GPU's 140 GiB)" in h200[1]
-    # just below and above need / 0.85: freed on the smaller GPU
-    assert resolve_device_defaults(cfg, big, (need, need / 0.85 * 0.99))[0].rollout.free_cache_engine
-    assert not resolve_device_defaults(cfg, big, (need, need / 0.85 * 1.01))[0].rollout.free_cache_engine
+           "GiB, fits in 80% of the GPU's 140 GiB)" in h200[1]
+    # just below and above need / KEEP_CACHE_FRACTION: freed on the smaller GPU
+    assert resolve_device_defaults(cfg, big, (need, need / KEEP_CACHE_FRACTION * 0.99))[0].rollout.free_cache_engine
+    assert not resolve_device_defaults(cfg, big, (need, need / KEEP_CACHE_FRACTION * 1.01))[0].rollout.free_cache_engine
     # explicit wins; without the numbers, or on CPU, the cache is freed
     explicit = load_config(None, ["rollout.free_cache_engine=true"])
     assert resolve_device_defaults(explicit, big, (need, 139.8))[0].rollout.free_cache_engine is True

@@ -249,7 +249,8 @@ class RolloutConfig:
     """CUDA, rollout and training on the same GPUs: free the rollout's KV cache and CUDA graphs while the
     actor trains, and rebuild them before the next generation (a cost per step: bench/RESULTS.md, "Current
     figures: Whole step settings"; the allocator's cached blocks go back to the driver with them). null: free
-    them only when the memory ledger (`shardrl plan`) says that the update's peak plus the cache would not fit in 85% of the GPU."""
+    them only when the memory ledger (`shardrl plan`) says that the update's peak plus the cache would not fit in 80%
+    of the GPU (`plan.defaults.KEEP_CACHE_FRACTION`)."""
     lora_sync: Literal["unmerged", "merged", "full"] | None = None
     """With model.lora, a colocated fast rollout: after an update only the adapters move (tensor by tensor, no
     gather of the base). unmerged: the rollout adds scale * B (A x) at run time and reads the trainer's frozen
