@@ -206,6 +206,7 @@ def summarize_shardrl(records: list[dict], case: str, gpus: int, tag: str, wall:
 
     out = dict(system="shardrl", case=case, gpus=gpus, tag=tag, steps=len(records), wall_s=round(wall, 1),
                step_s=med("timing/step_s"), gen_s=med("timing/gen_s"), prep_s=med("timing/prep_s"),
+               reward_s=med("timing/reward_s"),  # (of prep_s: the scoring; the rest is advantages and the like)
                update_s=med("timing/update_s"), tokens_per_s_per_gpu=med("perf/tokens_per_s_per_gpu"),
                mfu_measured=med("perf/mfu_measured"), response_length_mean=med("response/length_mean"),
                response_length_max=med("response/length_max"), response_length_min=med("response/length_min"),
