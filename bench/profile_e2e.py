@@ -114,6 +114,8 @@ def phase_breakdown(trace: dict, top: int) -> dict:
             gaps_over_50us=sum(1 for g in gaps if g > 50), largest_gaps_ms=[round(g / 1e3, 2) for g in gaps[:8]],
             gaps_over_1ms_ms=round(sum(b - a for a, b in long_gaps) / 1e3, 2), gaps_over_1ms=len(long_gaps),
             host_in_gaps_over_1ms_ms=host_in_gaps(in_phase, long_gaps, top),
+            # the host's own time in the phase (nested events each count): where a phase runs no kernel (prep)
+            host_ms=host_in_gaps(in_phase, [(t0, t1)], top),
             by_kind_ms={k: round(v / 1e3, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             top=[dict(name=n[:120], ms=round(v[0] / 1e3, 2), calls=v[1])
                  for n, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]])
