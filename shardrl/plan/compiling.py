@@ -14,23 +14,20 @@ def compile_choice(engine, hf_config, cuda: bool) -> tuple[bool, str]:
     matmul parameters or more (bench/RESULTS.md, "Current figures: Whole step settings"); off for smaller ones
     (compiled, the built-in demo with its dynamic micro-batch shapes did not finish a first step in minutes), for
     expert parallelism, and on CPU."""
-    size = None
-    if hf_config is not None:
-        from shardrl.plan.perf import model_shape
-
-        try:
-            size = model_shape(hf_config).num_params
-        except ValueError:  # a config without the usual names: no size, no compile
-            size = None
-    on = bool(cuda and engine.strategy == "fsdp2" and size is not None and size >= COMPILE_MIN_PARAMS
-              and engine.expert_parallel_size == 1)
     if not cuda:
-        return on, "off on CPU"
+        return False, "off on CPU"
     if engine.strategy != "fsdp2":
-        return on, "FSDP1 does not compile"
+        return False, "FSDP1 does not compile"
     if engine.expert_parallel_size > 1:
-        return on, "expert parallelism does not compile yet"
+        return False, "expert parallelism does not compile yet"
+    from shardrl.plan.perf import model_shape
+
+    try:
+        size = model_shape(hf_config).num_params if hf_config is not None else None
+    except ValueError:  # a config without the usual names: no size, no compile
+        size = None
     if size is None:
-        return on, "on CUDA, but the model's size is unknown"
+        return False, "on CUDA, but the model's size is unknown"
+    on = size >= COMPILE_MIN_PARAMS
     return on, (f"on CUDA, the model's {size / 1e9:.2f}B matmul parameters {'>=' if on else '<'} "
                 f"{COMPILE_MIN_PARAMS / 1e9:g}B")

@@ -166,7 +166,7 @@ def activation_bytes_per_token_layer(hf_config, compute: int, compiled: bool = F
         mlp = k * (mlp_tensors * compute * expert + 2 * compute * h) + 4 * experts
         return norms + attn + mlp, (f"{attn_how} + MLP {k} experts x ({mlp_tensors} x {compute} B x {expert} + "
                                     f"2 x {compute} B x {h}) + router 4 B x {experts}")
-    if compiled and mlp_tensors == 4:
+    if compiled and gated_mlp(c):  # (the activation or the product is recomputed)
         mlp_tensors = 3
     mlp = mlp_tensors * compute * inter
     return norms + attn + mlp, f"{attn_how} + MLP {mlp_tensors} x {compute} B x {inter}"
